@@ -1,0 +1,173 @@
+"""Process-group mesh: every process group of a job, built once, with one documented rank order.
+
+Rank order (outermost to innermost)::
+
+    rank = ((pp_idx * dp + dp_idx) * ep + ep_idx) * cp + cp_idx
+
+- ``cp`` is innermost: the ranks that split one sequence (KCP, MLA context parallelism) are
+  neighbours, which on a real cluster puts the chattiest group inside a node.
+- ``ep`` next: the MoonEP group; each EP rank routes different tokens.
+- ``dp`` next: plain data-parallel replicas.
+- ``pp`` outermost: pipeline stages (virtual stages, ``vpp``, live inside one pipeline rank).
+
+Named groups, each a set of ranks that differ only in the listed dimensions:
+
+=============  ==========================================================================
+``pp``         the pipeline of this rank (send/recv between stages)
+``dp``         plain data-parallel replicas
+``ep``         MoonEP dispatch/combine
+``cp``         context parallel (KCP summaries, MLA latent all-gather)
+``dp_ep``      ranks that see different data at the same (pp, cp) coordinate
+``dp_cp``      expert-parameter replicas: gradient sync of routed experts
+``ep_cp``      one data-parallel replica of one pipeline stage
+``dp_ep_cp``   dense-parameter replicas: gradient sync of non-expert weights, loss averaging
+=============  ==========================================================================
+
+:class:`MeshLayout` is pure rank arithmetic (no processes); :class:`ProcessMesh` creates the
+torch.distributed groups from it. Neither keeps module globals: pass the mesh where it is needed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+from moonrt.config import ConfigError, ParallelConfig
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+DIMS: tuple[str, ...] = ("pp", "dp", "ep", "cp")
+"""Mesh dimensions, outermost first."""
+
+GROUP_NAMES: tuple[str, ...] = ("pp", "dp", "ep", "cp", "dp_ep", "dp_cp", "ep_cp", "dp_ep_cp")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MeshLayout:
+    """Rank arithmetic of a ``pp x dp x ep x cp`` mesh (no processes needed)."""
+
+    world_size: int
+    parallel: ParallelConfig
+
+    def __post_init__(self) -> None:
+        p = self.parallel
+        if self.world_size < 1:
+            raise ConfigError(f"world_size = {self.world_size!r}: expected an integer >= 1")
+        if p.world_size != self.world_size:
+            raise ConfigError(
+                f"parallel = dp {p.dp} x pp {p.pp} x ep {p.ep} x cp {p.cp} = {p.world_size}: "
+                f"expected the degrees to multiply to the world size {self.world_size}"
+            )
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Sizes of :data:`DIMS`, outermost first."""
+        p = self.parallel
+        return (p.pp, p.dp, p.ep, p.cp)
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """``{"pp": i, "dp": j, "ep": k, "cp": l}`` of a global rank."""
+        if not 0 <= rank < self.world_size:
+            raise ConfigError(f"rank = {rank!r}: expected 0 <= rank < {self.world_size}")
+        out = {}
+        for name, size in zip(reversed(DIMS), reversed(self.shape)):
+            out[name] = rank % size
+            rank //= size
+        return {name: out[name] for name in DIMS}
+
+    def rank_of(self, **coords: int) -> int:
+        """Global rank at the given coordinates (all four dimensions required)."""
+        missing = [d for d in DIMS if d not in coords]
+        if missing or set(coords) - set(DIMS):
+            raise ConfigError(f"coords = {coords!r}: expected exactly the keys {', '.join(DIMS)}")
+        rank = 0
+        for name, size in zip(DIMS, self.shape):
+            idx = coords[name]
+            if not 0 <= idx < size:
+                raise ConfigError(f"{name} = {idx!r}: expected 0 <= {name} < {size}")
+            rank = rank * size + idx
+        return rank
+
+    def group_ranks(self, name: str, rank: int) -> list[int]:
+        """Sorted members of group ``name`` that contains ``rank``."""
+        dims = self._dims(name)
+        c = self.coords(rank)
+        sizes = dict(zip(DIMS, self.shape))
+        members = []
+        for idx in itertools.product(*(range(sizes[d]) for d in dims)):
+            members.append(self.rank_of(**{**c, **dict(zip(dims, idx))}))
+        return sorted(members)
+
+    def all_groups(self, name: str) -> list[list[int]]:
+        """Every group of kind ``name`` (a partition of all ranks), ordered by their smallest rank."""
+        seen: dict[int, list[int]] = {}
+        for r in range(self.world_size):
+            members = self.group_ranks(name, r)
+            seen.setdefault(members[0], members)
+        return [seen[k] for k in sorted(seen)]
+
+    def group_size(self, name: str) -> int:
+        sizes = dict(zip(DIMS, self.shape))
+        size = 1
+        for d in self._dims(name):
+            size *= sizes[d]
+        return size
+
+    @staticmethod
+    def _dims(name: str) -> tuple[str, ...]:
+        if name not in GROUP_NAMES:
+            raise ConfigError(f"group = {name!r}: expected one of {', '.join(GROUP_NAMES)}")
+        return tuple(name.split("_"))
+
+
+class ProcessMesh:
+    """The torch.distributed groups of a job, built once from a :class:`MeshLayout`.
+
+    Construction is collective: every rank of the default group must build the same mesh, in the
+    same order, because ``new_group`` is. Query with :meth:`group`, :meth:`rank`, :meth:`size`.
+    """
+
+    def __init__(self, parallel: ParallelConfig, *, timeout_s: float | None = None) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise RuntimeError("ProcessMesh needs torch.distributed initialized (moonrt.cluster.init_distributed)")
+        self.layout = MeshLayout(dist.get_world_size(), parallel)
+        self.global_rank = dist.get_rank()
+        self.coords = self.layout.coords(self.global_rank)
+        kwargs = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
+        self._groups: dict[str, dist.ProcessGroup | None] = {}
+        self._ranks: dict[str, list[int]] = {}
+        for name in GROUP_NAMES:
+            mine = self.layout.group_ranks(name, self.global_rank)
+            self._ranks[name] = mine
+            for members in self.layout.all_groups(name):
+                if len(members) == self.layout.world_size:
+                    group = dist.group.WORLD  # reuse the default group instead of a duplicate
+                else:
+                    group = dist.new_group(members, **kwargs)
+                if members == mine:
+                    self._groups[name] = group
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        return self.layout.parallel
+
+    def group(self, name: str) -> dist.ProcessGroup:
+        MeshLayout._dims(name)
+        return self._groups[name]
+
+    def ranks(self, name: str) -> list[int]:
+        """Global ranks of this rank's group ``name``, sorted."""
+        MeshLayout._dims(name)
+        return list(self._ranks[name])
+
+    def rank(self, name: str) -> int:
+        """This rank's index inside its group ``name``."""
+        return self.ranks(name).index(self.global_rank)
+
+    def size(self, name: str) -> int:
+        return self.layout.group_size(name)
