@@ -1,0 +1,119 @@
+"""SiTU-GLU and the gated FFN used for the dense first layer and the shared experts (K3_SYSTEMS §5.2).
+
+SiTU-GLU soft-caps both GLU factors::
+
+    cap_b(x) = b * tanh(x / b)
+    SiTU-GLU(gate, up) = [cap_{b1}(gate) * sigmoid(gate)] * cap_{b2}(up),   b1 = 4, b2 = 25
+
+so every output coordinate is bounded by ``b1 * b2 = 100`` however large the pre-activations
+grow, while near zero ``cap_b(x) ~ x`` and it matches SwiGLU ``silu(gate) * up``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moonrt.model.config import K3Config
+
+Activation = Literal["situ", "silu"]
+
+
+def soft_cap(x: torch.Tensor, b: float) -> torch.Tensor:
+    """``cap_b(x) = b * tanh(x / b)``: identity near zero, bounded by ``b`` in magnitude."""
+    return b * torch.tanh(x / b)
+
+
+def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0) -> torch.Tensor:
+    """SiTU-GLU (K3_SYSTEMS §5.2), computed in fp32.
+
+    Args:
+        gate: ``[..., F]`` any float dtype, the gate pre-activation ``x W_g^T``.
+        up: ``[..., F]`` same shape, the linear pre-activation ``x W_u^T``.
+        beta: ``b1``, the cap of the gate factor ``cap_{b1}(gate)`` (K3: 4).
+        linear_beta: ``b2``, the cap of the linear factor ``cap_{b2}(up)`` (K3: 25).
+
+    Returns:
+        ``[..., F]`` fp32, ``cap_{b1}(gate) * sigmoid(gate) * cap_{b2}(up)``; ``|out| <= b1 * b2``.
+    """
+    if gate.shape != up.shape:
+        raise ValueError(f"situ_glu: gate shape {tuple(gate.shape)} != up shape {tuple(up.shape)}")
+    if not (beta > 0 and linear_beta > 0):
+        raise ValueError(f"situ_glu: beta={beta!r}, linear_beta={linear_beta!r}, expected positive numbers")
+    g = gate.float()
+    return soft_cap(g, beta) * torch.sigmoid(g) * soft_cap(up.float(), linear_beta)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU ``silu(gate) * up`` in fp32 (``[..., F]`` -> ``[..., F]`` fp32), the uncapped baseline."""
+    if gate.shape != up.shape:
+        raise ValueError(f"swiglu: gate shape {tuple(gate.shape)} != up shape {tuple(up.shape)}")
+    return F.silu(gate.float()) * up.float()
+
+
+def glu_activation(gate: torch.Tensor, up: torch.Tensor, act: Activation, beta: float = 4.0,
+                   linear_beta: float = 25.0) -> torch.Tensor:
+    """Dispatch on ``act``: ``"situ"`` -> :func:`situ_glu`, ``"silu"`` -> :func:`swiglu`; fp32 out."""
+    if act == "situ":
+        return situ_glu(gate, up, beta, linear_beta)
+    if act == "silu":
+        return swiglu(gate, up)
+    raise ValueError(f"hidden_act = {act!r}: expected 'situ' or 'silu'")
+
+
+class GLUFFN(nn.Module):
+    """Gated FFN ``down(act(gate(x), up(x)))`` (K3_SYSTEMS §1, §5.1).
+
+    Used for the dense first-layer FFN (width ``intermediate_size``) and for each full-width shared
+    expert of a LatentMoE layer (width ``moe_intermediate_size``). Projections have no bias.
+
+    Parameters (``nn.Linear`` layout ``[out, in]``): ``gate_proj.weight [hidden, dim]``,
+    ``up_proj.weight [hidden, dim]``, ``down_proj.weight [dim, hidden]``.
+    The activation is computed in fp32 and cast back to the input dtype before ``down_proj``.
+    """
+
+    def __init__(self, dim: int, hidden: int, act: Activation = "situ", beta: float = 4.0,
+                 linear_beta: float = 25.0, init_std: float | None = None) -> None:
+        super().__init__()
+        for name, value in (("dim", dim), ("hidden", hidden)):
+            if not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"GLUFFN: {name}={value!r}, expected an integer >= 1")
+        if act not in ("situ", "silu"):
+            raise ValueError(f"GLUFFN: act={act!r}, expected 'situ' or 'silu'")
+        if not (beta > 0 and linear_beta > 0):
+            raise ValueError(f"GLUFFN: beta={beta!r}, linear_beta={linear_beta!r}, expected positive numbers")
+        self.dim, self.hidden, self.act = dim, hidden, act
+        self.beta, self.linear_beta = float(beta), float(linear_beta)
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+        if init_std is not None:
+            for lin in (self.gate_proj, self.up_proj, self.down_proj):
+                nn.init.normal_(lin.weight, std=init_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., dim]`` -> ``[..., dim]`` in ``x``'s dtype."""
+        if x.shape[-1] != self.dim:
+            raise ValueError(f"GLUFFN: input last dimension {x.shape[-1]}, expected dim={self.dim}")
+        h = glu_activation(self.gate_proj(x), self.up_proj(x), self.act, self.beta, self.linear_beta)
+        return self.down_proj(h.to(x.dtype))
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, hidden={self.hidden}, act={self.act!r}, betas=({self.beta}, {self.linear_beta})"
+
+
+def dense_ffn(config: K3Config) -> GLUFFN:
+    """The dense FFN of the first ``first_k_dense_replace`` layers: ``GLUFFN(D, intermediate_size)``."""
+    return GLUFFN(config.hidden_size, config.intermediate_size, act=config.hidden_act,
+                  beta=config.activation_situ_beta, linear_beta=config.activation_situ_linear_beta,
+                  init_std=config.initializer_range)
+
+
+def shared_expert(config: K3Config) -> GLUFFN:
+    """One full-width shared expert of a LatentMoE layer: ``GLUFFN(D, moe_intermediate_size)`` (§5.1)."""
+    return GLUFFN(config.hidden_size, config.moe_intermediate_size, act=config.hidden_act,
+                  beta=config.activation_situ_beta, linear_beta=config.activation_situ_linear_beta,
+                  init_std=config.initializer_range)
