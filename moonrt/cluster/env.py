@@ -1,0 +1,344 @@
+"""Detect how this process was launched and initialize ``torch.distributed`` from it.
+
+One entry point for every launcher: :func:`init_distributed` reads the environment through
+:func:`detect_rendezvous` and joins the job's default process group. Detection order (the first
+launcher whose variables are present wins):
+
+1. **torchrun** (and ``moonrt launch``): ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``
+   (``LOCAL_RANK`` optional, default: ``RANK``).
+2. **SLURM**, inside an ``srun`` step: ``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS``,
+   ``SLURM_LOCALID``, ``SLURM_JOB_ID`` (``SLURM_STEP_ID`` optional, default 0), master = first
+   host of ``SLURM_STEP_NODELIST`` (else ``SLURM_JOB_NODELIST``), port derived from the job and
+   step ids (:func:`slurm_port`). ``SLURM_NTASKS`` is deliberately *not* used: inside a batch
+   script (outside ``srun``) it is the job size while only one process runs (CLUSTER_NOTES).
+   When MPI variables are present too and give a different world size (``mpiexec`` inside an
+   allocation starts one proxy per node through ``srun``), the MPI path is taken instead.
+3. **MPI**: ``OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK`` (Open MPI) or ``PMI_RANK``, ``PMI_SIZE``,
+   ``MPI_LOCALRANKID`` (MPICH/Hydra, Intel MPI). Unless ``MASTER_ADDR``/``MASTER_PORT`` are set,
+   rank 0 opens the rendezvous store on an OS-chosen free port and broadcasts ``(host, port)``
+   with mpi4py (no fixed ports).
+4. Otherwise a **single** process (world size 1, in-memory store).
+
+A partially set environment (``RANK`` without ``WORLD_SIZE``, ``SLURM_PROCID`` outside an
+``srun`` step, ...) is a :class:`ValueError` naming the missing variables. Every collective and
+the rendezvous itself are bounded by ``DistConfig.timeout_s`` (default: env
+``MOONRT_DIST_TIMEOUT``, which ``moonrt launch --timeout`` and ``moonrt sbatch`` set), so a dead
+rank never hangs a job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import socket
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Literal
+
+from moonrt.config import ConfigError, DistConfig
+
+TIMEOUT_ENV = "MOONRT_DIST_TIMEOUT"
+"""Default collective timeout in seconds when ``init_distributed`` gets no :class:`DistConfig`."""
+
+SLURM_PORT_BASE = 10000
+"""Ports derived for SLURM steps lie in [10000, 30000): below Linux's ephemeral range."""
+
+Source = Literal["torchrun", "slurm", "mpi", "single"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Rendezvous:
+    """Where this process sits in the job and how to reach rank 0's store.
+
+    ``master_addr``/``master_port`` are ``None`` for ``source="single"`` (no store needed) and for
+    ``source="mpi"`` when they are exchanged through mpi4py at :func:`init_distributed` time.
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str | None
+    master_port: int | None
+    source: Source
+
+
+# ---------------------------------------------------------------------------------------------
+# SLURM host lists
+
+
+def parse_hostlist(spec: str) -> list[str]:
+    """Expand a SLURM compressed host list: ``"node[01-03,7],gpu5"`` -> node01 node02 node03 node7 gpu5.
+
+    Several bracket groups in one name expand as a product (``"r[1-2]n[1-2]"`` -> r1n1 r1n2 r2n1
+    r2n2); zero padding follows the width of each range's first bound. Raises ``ValueError`` on
+    unbalanced brackets or malformed ranges.
+    """
+    hosts: list[str] = []
+    for item in _split_top_level(spec.strip(), spec):
+        hosts.extend(_expand_host(item, spec))
+    return hosts
+
+
+def _split_top_level(s: str, spec: str) -> list[str]:
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(s):
+        if ch == "[":
+            depth += 1
+            if depth > 1:
+                raise ValueError(f"host list {spec!r}: nested '[' at position {i}")
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise ValueError(f"host list {spec!r}: unmatched ']' at position {i}")
+        elif ch == "," and depth == 0:
+            items.append(s[start:i])
+            start = i + 1
+    if depth != 0:
+        raise ValueError(f"host list {spec!r}: unmatched '['")
+    items.append(s[start:])
+    for item in items:
+        if not item:
+            raise ValueError(f"host list {spec!r}: empty host name")
+    return items
+
+
+def _expand_host(item: str, spec: str) -> list[str]:
+    m = re.search(r"\[([^\]]*)\]", item)
+    if m is None:
+        return [item]
+    prefix, rest = item[: m.start()], item[m.end() :]
+    suffixes = _expand_host(rest, spec) if rest else [""]
+    out = []
+    for part in m.group(1).split(","):
+        rng = re.fullmatch(r"(\d+)(?:-(\d+))?", part.strip())
+        if rng is None:
+            raise ValueError(f"host list {spec!r}: bad range {part!r}: expected N or N-M with digits")
+        lo_s, hi_s = rng.group(1), rng.group(2) or rng.group(1)
+        lo, hi = int(lo_s), int(hi_s)
+        if hi < lo:
+            raise ValueError(f"host list {spec!r}: range {part!r} runs backwards")
+        width = len(lo_s)
+        for n in range(lo, hi + 1):
+            out.extend(f"{prefix}{n:0{width}d}{s}" for s in suffixes)
+    return out
+
+
+def slurm_port(job_id: int, step_id: int) -> int:
+    """Rendezvous port of a SLURM step: unique for 16 concurrent steps of 1250 consecutive jobs."""
+    return SLURM_PORT_BASE + (job_id % 1250) * 16 + step_id % 16
+
+
+# ---------------------------------------------------------------------------------------------
+# Detection
+
+
+def detect_rendezvous(environ: Mapping[str, str] = os.environ) -> Rendezvous:
+    """Read this process's place in the job from launcher environment variables (see module doc).
+
+    Pure: reads ``environ`` only, starts nothing. Raises ``ValueError`` naming missing or
+    malformed variables.
+    """
+    env = environ
+    if "RANK" in env or "WORLD_SIZE" in env:
+        _require(env, "torchrun", ["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"])
+        world = _int(env, "WORLD_SIZE", minimum=1)
+        rank = _rank(env, "RANK", world)
+        local = _int(env, "LOCAL_RANK", minimum=0) if "LOCAL_RANK" in env else rank
+        return Rendezvous(rank, world, local, env["MASTER_ADDR"], _port(env, "MASTER_PORT"), "torchrun")
+
+    mpi = _detect_mpi(env)
+    if "SLURM_PROCID" in env:
+        if "SLURM_STEP_NUM_TASKS" not in env and mpi is None:
+            raise ValueError(
+                "SLURM environment without an srun step: SLURM_PROCID is set but SLURM_STEP_NUM_TASKS is "
+                "missing (a batch script outside srun?); start each rank with srun "
+                "(SLURM_NTASKS is the job size, not the number of running processes)"
+            )
+        if "SLURM_STEP_NUM_TASKS" in env:
+            world = _int(env, "SLURM_STEP_NUM_TASKS", minimum=1)
+            if mpi is None or mpi.world_size == world:
+                return _detect_slurm(env, world)
+    if mpi is not None:
+        return mpi
+    return Rendezvous(0, 1, 0, None, None, "single")
+
+
+def _detect_slurm(env: Mapping[str, str], world: int) -> Rendezvous:
+    _require(env, "SLURM", ["SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID", "SLURM_JOB_ID"])
+    nodelist_var = next((v for v in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST") if env.get(v)), None)
+    if nodelist_var is None:
+        raise ValueError("incomplete SLURM environment: missing SLURM_STEP_NODELIST and SLURM_JOB_NODELIST")
+    rank = _rank(env, "SLURM_PROCID", world)
+    local = _int(env, "SLURM_LOCALID", minimum=0)
+    if env.get("MASTER_ADDR"):
+        addr = env["MASTER_ADDR"]
+    else:
+        try:
+            addr = parse_hostlist(env[nodelist_var])[0]
+        except ValueError as exc:
+            raise ValueError(f"{nodelist_var} = {env[nodelist_var]!r}: {exc}") from None
+    if env.get("MASTER_PORT"):
+        port = _port(env, "MASTER_PORT")
+    else:
+        job = _int(env, "SLURM_JOB_ID", minimum=0)
+        step = _int(env, "SLURM_STEP_ID", minimum=0) if env.get("SLURM_STEP_ID") else 0
+        port = slurm_port(job, step)
+    return Rendezvous(rank, world, local, addr, port, "slurm")
+
+
+_MPI_FLAVOURS = (
+    ("Open MPI", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+    ("MPICH/PMI", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
+)
+
+
+def _detect_mpi(env: Mapping[str, str]) -> Rendezvous | None:
+    for flavour, rank_var, size_var, local_var in _MPI_FLAVOURS:
+        if rank_var in env or size_var in env:
+            _require(env, flavour, [rank_var, size_var, local_var])
+            world = _int(env, size_var, minimum=1)
+            rank = _rank(env, rank_var, world)
+            local = _int(env, local_var, minimum=0)
+            addr = port = None
+            if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+                addr, port = env["MASTER_ADDR"], _port(env, "MASTER_PORT")
+            return Rendezvous(rank, world, local, addr, port, "mpi")
+    return None
+
+
+def _require(env: Mapping[str, str], launcher: str, names: list[str]) -> None:
+    missing = [n for n in names if not env.get(n)]
+    if missing:
+        present = [n for n in names if env.get(n)]
+        raise ValueError(
+            f"incomplete {launcher} environment: {', '.join(present)} set but missing {', '.join(missing)}"
+        )
+
+
+def _int(env: Mapping[str, str], name: str, *, minimum: int) -> int:
+    value = env[name]
+    try:
+        n = int(value)
+    except ValueError:
+        raise ValueError(f"{name} = {value!r}: expected an integer >= {minimum}") from None
+    if n < minimum:
+        raise ValueError(f"{name} = {value!r}: expected an integer >= {minimum}")
+    return n
+
+
+def _rank(env: Mapping[str, str], name: str, world: int) -> int:
+    rank = _int(env, name, minimum=0)
+    if rank >= world:
+        raise ValueError(f"{name} = {rank}: expected a rank below the world size {world}")
+    return rank
+
+
+def _port(env: Mapping[str, str], name: str) -> int:
+    port = _int(env, name, minimum=1)
+    if port > 65535:
+        raise ValueError(f"{name} = {port}: expected a TCP port in 1..65535")
+    return port
+
+
+# ---------------------------------------------------------------------------------------------
+# Initialization
+
+
+def default_dist_config(environ: Mapping[str, str] = os.environ) -> DistConfig:
+    """``DistConfig()`` with ``timeout_s`` from env ``MOONRT_DIST_TIMEOUT`` when set."""
+    raw = environ.get(TIMEOUT_ENV)
+    if not raw:
+        return DistConfig()
+    try:
+        timeout = float(raw)
+    except ValueError:
+        raise ConfigError(f"{TIMEOUT_ENV} = {raw!r}: expected a positive number of seconds") from None
+    if not timeout > 0:
+        raise ConfigError(f"{TIMEOUT_ENV} = {raw!r}: expected a positive number of seconds")
+    return DistConfig(timeout_s=timeout)
+
+
+def init_distributed(cfg: DistConfig | None = None) -> Rendezvous:
+    """Join this job's default process group; return where this process sits in it.
+
+    Backend: ``cfg.backend``; ``"auto"`` is nccl when CUDA is available (device = local rank),
+    else gloo. ``cfg.timeout_s`` bounds the rendezvous and every collective. Without ``cfg``,
+    :func:`default_dist_config` applies. Idempotent: if torch.distributed is already initialized
+    with the detected world size, nothing is done.
+    """
+    import torch
+    import torch.distributed as dist
+
+    cfg = cfg or default_dist_config()
+    rdzv = detect_rendezvous()
+    if dist.is_initialized():
+        if dist.get_world_size() != rdzv.world_size or dist.get_rank() != rdzv.rank:
+            raise RuntimeError(
+                f"torch.distributed already initialized as rank {dist.get_rank()} of {dist.get_world_size()}, "
+                f"but the {rdzv.source} environment says rank {rdzv.rank} of {rdzv.world_size}"
+            )
+        return rdzv
+    backend = cfg.backend
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(rdzv.local_rank % torch.cuda.device_count())
+    timeout = timedelta(seconds=cfg.timeout_s)
+
+    if rdzv.world_size == 1 and rdzv.master_port is None:
+        store = dist.HashStore()
+    elif rdzv.source == "mpi" and rdzv.master_port is None:
+        store, rdzv = _mpi_store(rdzv, timeout)
+    else:
+        assert rdzv.master_addr is not None and rdzv.master_port is not None
+        store = dist.TCPStore(rdzv.master_addr, rdzv.master_port, rdzv.world_size,
+                              is_master=rdzv.rank == 0, timeout=timeout, wait_for_workers=False)
+    dist.init_process_group(backend, store=store, rank=rdzv.rank, world_size=rdzv.world_size, timeout=timeout)
+    return rdzv
+
+
+def _mpi_store(rdzv: Rendezvous, timeout: timedelta):
+    """Rank 0 opens a TCPStore on a free port; (host, port) reaches the others via ``MPI_Bcast``."""
+    import torch.distributed as dist
+
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise ValueError(
+            "MPI environment detected but mpi4py is not installed: install moonrt[mpi] or set MASTER_ADDR and "
+            "MASTER_PORT for every rank"
+        ) from None
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() != rdzv.world_size or comm.Get_rank() != rdzv.rank:
+        raise ValueError(
+            f"MPI_COMM_WORLD is rank {comm.Get_rank()} of {comm.Get_size()} but the environment says rank "
+            f"{rdzv.rank} of {rdzv.world_size} (mpi4py built against a different MPI than mpiexec?)"
+        )
+    store = None
+    addr_port = None
+    if rdzv.rank == 0:
+        store = dist.TCPStore("0.0.0.0", 0, rdzv.world_size, is_master=True, timeout=timeout,
+                              wait_for_workers=False)
+        addr_port = (_routable_host(), store.port)
+    addr, port = comm.bcast(addr_port, root=0)
+    if store is None:
+        store = dist.TCPStore(addr, port, rdzv.world_size, is_master=False, timeout=timeout)
+    return store, dataclasses.replace(rdzv, master_addr=addr, master_port=port)
+
+
+def _routable_host() -> str:
+    """This host's name if it resolves, else its loopback address (single-node runs)."""
+    name = socket.gethostname()
+    try:
+        socket.getaddrinfo(name, None)
+        return name
+    except OSError:
+        return "127.0.0.1"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port the OS reports free right now (for launchers that must pass a port to children)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -1,0 +1,227 @@
+"""``moonrt launch -n N [--timeout S] [--max-time S] (--selftest | -- command ...)``: N local ranks.
+
+Like ``torchrun --standalone``: each rank is a fresh process with ``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1`` and ``MASTER_PORT`` (a port the OS
+reports free), plus ``MOONRT_DIST_TIMEOUT`` = ``--timeout``, which
+:func:`moonrt.cluster.env.init_distributed` uses as the timeout of the rendezvous and every
+collective. Each line a rank prints is echoed with a ``[rank r]`` prefix (stdout to stdout,
+stderr to stderr).
+
+Failure: as soon as one rank exits non-zero or is killed, the others are stopped (SIGTERM, then
+SIGKILL after a grace period; each rank runs in its own process group so its children go too) and
+the launcher exits non-zero with a message that names the first failing rank and shows the tail
+of its stderr (its traceback). A rank that hangs without dying makes its peers' collectives time
+out after ``--timeout`` seconds, which ends the job the same way; ``--max-time`` bounds the whole
+run regardless.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import IO
+
+from moonrt.cluster.env import TIMEOUT_ENV, free_port
+
+STDERR_TAIL = 40
+"""Lines of the failing rank's stderr repeated in the failure message."""
+GRACE_S = 5.0
+"""Seconds between SIGTERM and SIGKILL when stopping the surviving ranks."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-n", "--nprocs", type=int, required=True, help="number of local ranks")
+    parser.add_argument("--timeout", type=float, default=300.0,
+                        help="rendezvous/collective timeout in seconds passed to every rank (default 300)")
+    parser.add_argument("--max-time", type=float, default=None,
+                        help="wall-clock limit of the whole run in seconds (default: none)")
+    parser.add_argument("--selftest", action="store_true",
+                        help="run the communication self-test (moonrt.cluster.selftest) on the ranks")
+    parser.add_argument("command", nargs=argparse.REMAINDER,
+                        help="-- command and arguments to run on every rank (with --selftest: self-test options)")
+
+
+def run(args: argparse.Namespace) -> int:
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if args.selftest:
+        command = [sys.executable, "-u", "-m", "moonrt.cluster.selftest", *command]
+    if not command:
+        print("moonrt launch: nothing to run: give --selftest or -- command ...", file=sys.stderr)
+        return 2
+    try:
+        return launch(command, args.nprocs, timeout_s=args.timeout, max_time_s=args.max_time)
+    except ValueError as exc:
+        print(f"moonrt launch: {exc}", file=sys.stderr)
+        return 2
+
+
+def launch(
+    command: list[str],
+    nprocs: int,
+    *,
+    timeout_s: float = 300.0,
+    max_time_s: float | None = None,
+    stdout: IO[str] | None = None,
+    stderr: IO[str] | None = None,
+) -> int:
+    """Run ``command`` on ``nprocs`` local ranks; return 0, or non-zero after reporting the failing rank.
+
+    ``stdout``/``stderr`` (default: this process's) receive the prefixed rank output and the
+    launcher's own messages.
+    """
+    if not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"nprocs = {nprocs!r}: expected an integer >= 1")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout = {timeout_s!r}: expected a positive number of seconds")
+    if max_time_s is not None and not max_time_s > 0:
+        raise ValueError(f"max_time = {max_time_s!r}: expected a positive number of seconds")
+    out = stdout or sys.stdout
+    err = stderr or sys.stderr
+    port = free_port()
+    lock = threading.Lock()
+    tails = [collections.deque(maxlen=STDERR_TAIL) for _ in range(nprocs)]
+    exits: queue.Queue[tuple[int, int]] = queue.Queue()
+    procs: list[subprocess.Popen] = []
+    readers: list[threading.Thread] = []
+    start = time.monotonic()
+    try:
+        for r in range(nprocs):
+            env = {
+                **os.environ,
+                "RANK": str(r), "WORLD_SIZE": str(nprocs), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(nprocs),
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), TIMEOUT_ENV: repr(float(timeout_s)),
+                "PYTHONUNBUFFERED": "1",
+            }
+            try:
+                p = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     stdin=subprocess.DEVNULL, text=True, errors="replace", start_new_session=True)
+            except OSError as exc:
+                raise ValueError(f"cannot start {command[0]!r}: {exc.strerror}") from None
+            procs.append(p)
+            for stream, sink, tail in ((p.stdout, out, None), (p.stderr, err, tails[r])):
+                t = threading.Thread(target=_pump, args=(stream, sink, f"[rank {r}] ", lock, tail), daemon=True)
+                t.start()
+                readers.append(t)
+            threading.Thread(target=lambda r=r, p=p: exits.put((r, p.wait())), daemon=True).start()
+
+        done: dict[int, int] = {}
+        failed: int | None = None
+        while len(done) < nprocs:
+            wait = None if max_time_s is None else max(0.0, start + max_time_s - time.monotonic())
+            try:
+                r, code = exits.get(timeout=wait)
+            except queue.Empty:
+                running = [r for r in range(nprocs) if r not in done]
+                _stop(procs)
+                _join(readers)
+                with lock:
+                    err.write(f"moonrt launch: ranks {running} of {nprocs} still running after --max-time "
+                              f"{max_time_s:g} s; stopped them\n")
+                    err.flush()
+                return 124
+            done[r] = code
+            if code != 0:
+                failed = _first_failure(r, code, exits, done)
+                break
+        if failed is None:
+            _join(readers)
+            return 0
+        stopped = [r for r in range(nprocs) if procs[r].poll() is None]
+        _stop(procs)
+        _join(readers)
+        code = done[failed]
+        with lock:
+            err.write(
+                f"moonrt launch: rank {failed} of {nprocs} failed: {describe_exit(code)} (pid {procs[failed].pid})"
+                + (f"; stopped ranks {stopped}" if stopped else "")
+                + f"\n--- rank {failed} stderr (last {STDERR_TAIL} lines) ---\n"
+                + "".join(tails[failed])
+                + "--- end ---\n"
+            )
+            err.flush()
+        return code if code > 0 else 128 - code
+    except BaseException:
+        _stop(procs)
+        raise
+
+
+def describe_exit(code: int) -> str:
+    """``"exit code 3"`` or ``"killed by signal SIGKILL"`` for a ``Popen.returncode``."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = str(-code)
+        return f"killed by signal {name}"
+    return f"exit code {code}"
+
+
+def _first_failure(rank: int, code: int, exits: queue.Queue, done: dict[int, int]) -> int:
+    """The rank to blame: among failures seen within a short window, one killed by a signal wins.
+
+    When a rank dies its peers' collectives fail a moment later; the dead rank is the cause.
+    """
+    failures = {rank: code}
+    deadline = time.monotonic() + 0.2
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            r, c = exits.get(timeout=left)
+        except queue.Empty:
+            break
+        done[r] = c
+        if c != 0:
+            failures[r] = c
+    if code < 0:
+        return rank
+    killed = [r for r, c in failures.items() if c < 0]
+    return killed[0] if killed else rank
+
+
+def _pump(stream: IO[str], sink: IO[str], prefix: str, lock: threading.Lock,
+          tail: collections.deque | None) -> None:
+    for line in stream:
+        if not line.endswith("\n"):
+            line += "\n"
+        if tail is not None:
+            tail.append(line)
+        with lock:
+            sink.write(prefix + line)
+            sink.flush()
+    stream.close()
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM (and SIGCONT, for stopped ranks) to each live rank's process group, SIGKILL after the grace."""
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        for sig in (signal.SIGTERM, signal.SIGCONT):
+            try:
+                os.killpg(p.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+    deadline = time.monotonic() + GRACE_S
+    for p in live:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for p in procs:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)  # also reaps children left in a finished rank's group
+        except (ProcessLookupError, PermissionError):
+            pass
+        p.wait()
+
+
+def _join(threads: list[threading.Thread]) -> None:
+    for t in threads:
+        t.join(5)

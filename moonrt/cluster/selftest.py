@@ -1,0 +1,214 @@
+"""``moonrt selftest``: verify the job's collectives on real ranks, then measure their bandwidth.
+
+Runs under any launcher (``moonrt launch -n 4 --selftest``, ``torchrun``, ``srun``, ``mpiexec``;
+alone it is a 1-rank job): joins the job with :func:`moonrt.cluster.env.init_distributed`, then
+
+1. **checks** all_reduce, all_to_all, all_gather and a send/recv ring against values every rank
+   computes locally (exact equality: inputs are small integers in fp32);
+2. **measures** each collective at several message sizes and prints, on rank 0, a table of time,
+   algorithm bandwidth and bus bandwidth (nccl-tests conventions: ``algbw = bytes / time`` with
+   ``bytes`` the per-rank message; ``busbw = algbw x 2(n-1)/n`` for all_reduce, ``x (n-1)/n`` for
+   all_gather and all_to_all, ``x 1`` for the ring), ending with a summary line.
+
+``--report PATH`` makes rank 0 write JSON with every rank's launcher source, the check results and
+the raw collective outputs (so a caller can verify them independently), and the table rows.
+Exit code 0 only when every check passed on every rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20)
+"""Message sizes in bytes per rank."""
+OPS = ("all_reduce", "all_to_all", "all_gather", "ring")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sizes", type=_sizes, default=DEFAULT_SIZES,
+                        help="comma-separated message sizes in bytes per rank (suffix K/M allowed; default 4K,64K,1M,4M)")
+    parser.add_argument("--iters", type=int, default=5, help="timed iterations per size (default 5, after 1 warm-up)")
+    parser.add_argument("--report", type=Path, default=None, help="rank 0 writes a JSON report here")
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    out = []
+    for part in text.split(","):
+        part = part.strip().upper()
+        mult = {"K": 1 << 10, "M": 1 << 20}.get(part[-1:], 1)
+        digits = part[:-1] if mult > 1 else part
+        if not digits.isdigit() or int(digits) * mult < 4:
+            raise argparse.ArgumentTypeError(f"size {part!r}: expected bytes >= 4, e.g. 65536 or 64K")
+        out.append(int(digits) * mult)
+    return tuple(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Correctness checks
+
+
+def check_collectives(rank: int, world: int) -> tuple[dict[str, bool], dict[str, list]]:
+    """Run each collective on rank-dependent integer data; compare with the locally computed answer.
+
+    Returns ``(ok, outputs)``: ``ok[op]`` is this rank's verdict, ``outputs[op]`` the raw result
+    (lists of floats) for independent verification by a caller.
+    """
+    import torch
+    import torch.distributed as dist
+
+    ok: dict[str, bool] = {}
+    outputs: dict[str, list] = {}
+    n = 8  # elements per rank per peer
+
+    # all_reduce: rank r contributes (r + 1) * (i + 1); sum over r = world (world + 1) / 2 * (i + 1)
+    x = (rank + 1) * torch.arange(1, n + 1, dtype=torch.float32)
+    dist.all_reduce(x)
+    outputs["all_reduce"] = x.tolist()
+    ok["all_reduce"] = torch.equal(x, world * (world + 1) / 2 * torch.arange(1, n + 1, dtype=torch.float32))
+
+    # all_to_all: rank r sends block d = 1000 r + 10 d + i to rank d; rank r receives 1000 s + 10 r + i from s
+    i = torch.arange(n, dtype=torch.float32)
+    send = torch.cat([1000 * rank + 10 * d + i for d in range(world)])
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send)
+    outputs["all_to_all"] = recv.tolist()
+    ok["all_to_all"] = torch.equal(recv, torch.cat([1000 * s + 10 * rank + i for s in range(world)]))
+
+    # all_gather: rank r contributes 100 r + i
+    mine = 100 * rank + i
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine)
+    outputs["all_gather"] = torch.cat(gathered).tolist()
+    ok["all_gather"] = torch.equal(torch.cat(gathered), torch.cat([100 * s + i for s in range(world)]))
+
+    # ring: send 7 r + i to rank r+1, receive from rank r-1
+    got = _ring(7 * rank + i, rank, world)
+    outputs["ring"] = got.tolist()
+    ok["ring"] = torch.equal(got, 7 * ((rank - 1) % world) + i)
+    return ok, outputs
+
+
+def _ring(x, rank: int, world: int):
+    import torch
+    import torch.distributed as dist
+
+    if world == 1:
+        return x.clone()
+    out = torch.empty_like(x)
+    reqs = dist.batch_isend_irecv([
+        dist.P2POp(dist.isend, x, (rank + 1) % world),
+        dist.P2POp(dist.irecv, out, (rank - 1) % world),
+    ])
+    for req in reqs:
+        req.wait()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Bandwidth
+
+
+BUS_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "ring": lambda n: 1.0,
+}
+
+
+def measure(op: str, nbytes: int, iters: int, rank: int, world: int) -> float:
+    """Mean seconds of one ``op`` on ``nbytes`` per rank (fp32), max over ranks, after one warm-up."""
+    import torch
+    import torch.distributed as dist
+
+    numel = max(world, nbytes // 4 // world * world)
+    x = torch.ones(numel, dtype=torch.float32)
+    if op == "all_reduce":
+        step = lambda: dist.all_reduce(x)
+    elif op == "all_to_all":
+        y = torch.empty_like(x)
+        step = lambda: dist.all_to_all_single(y, x)
+    elif op == "all_gather":
+        y = torch.empty(numel * world, dtype=torch.float32)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+        step = lambda: gather(y, x)
+    else:
+        step = lambda: _ring(x, rank, world)
+    step()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        step()
+    dist.barrier()
+    dt = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64)
+    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+    return float(dt)
+
+
+def format_table(rows: list[dict], world: int) -> str:
+    head = f"{'op':<11} {'bytes/rank':>11} {'time (ms)':>10} {'algbw (GB/s)':>13} {'busbw (GB/s)':>13}"
+    lines = [f"moonrt selftest: collective bandwidth on {world} ranks", head, "-" * len(head)]
+    for row in rows:
+        lines.append(f"{row['op']:<11} {row['bytes']:>11d} {row['time_s'] * 1e3:>10.3f} "
+                     f"{row['algbw_GBps']:>13.3f} {row['busbw_GBps']:>13.3f}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry points
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from moonrt.cluster.env import init_distributed
+
+    torch.set_num_threads(1)
+    rdzv = init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        t0 = time.perf_counter()
+        ok, outputs = check_collectives(rank, world)
+        everyone = [None] * world
+        dist.all_gather_object(everyone, {"source": rdzv.source, "local_rank": rdzv.local_rank, "ok": ok,
+                                          "outputs": outputs})
+        failures = [(r, op) for r, rep in enumerate(everyone) for op, good in rep["ok"].items() if not good]
+        if rank == 0:
+            verdict = "all passed" if not failures else "FAILED " + ", ".join(f"{op}@rank{r}" for r, op in failures)
+            print(f"moonrt selftest: {world} ranks via {rdzv.source}, backend {dist.get_backend()}; "
+                  f"checks {', '.join(OPS)}: {verdict}", flush=True)
+        rows = []
+        for nbytes in args.sizes:
+            for op in OPS:
+                dt = measure(op, nbytes, args.iters, rank, world)
+                algbw = nbytes / dt / 1e9
+                rows.append({"op": op, "bytes": nbytes, "time_s": dt, "algbw_GBps": algbw,
+                             "busbw_GBps": algbw * BUS_FACTOR[op](world)})
+        if rank == 0:
+            print(format_table(rows, world), flush=True)
+            peak = max(rows, key=lambda row: row["busbw_GBps"]) if rows else None
+            best = f"; peak busbw {peak['busbw_GBps']:.3f} GB/s ({peak['op']}, {peak['bytes']} B)" if peak else ""
+            print(f"moonrt selftest: {'PASS' if not failures else 'FAIL'}: {world} ranks, {len(OPS)} checks, "
+                  f"{len(rows)} measurements in {time.perf_counter() - t0:.1f} s{best}", flush=True)
+            if args.report is not None:
+                report = {"world_size": world, "backend": dist.get_backend(), "passed": not failures,
+                          "ranks": everyone, "bandwidth": rows}
+                args.report.write_text(json.dumps(report, indent=1))
+        return 0 if not failures else 1
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m moonrt.cluster.selftest", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
