@@ -1,0 +1,224 @@
+"""MoonEP planner guarantees (K3_SYSTEMS §6.1-§6.3), property-tested over random and adversarial counts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from moonrt.scheduler.moonep import MoonEPPlan, plan, send_split, transfer_matrix
+from moonrt.scheduler.moonep_torch import plan_torch
+
+MODES = ["lognormal", "zipf", "uniform", "one_expert", "empty_home", "one_rank_group", "zeros"]
+
+
+def make_counts(rng: np.random.Generator, R: int, G: int, mode: str, equal: bool = True) -> np.ndarray:
+    """``[R, E]`` int64 counts; rows sum to the same s*k unless ``equal`` is False."""
+    E = R * G
+    k = int(rng.integers(1, E + 1))
+    s = int(rng.integers(0, 40))
+    rows = []
+    for _ in range(R):
+        n = s * k if equal else int(rng.integers(0, 40)) * k
+        if mode == "lognormal":
+            p = rng.lognormal(0.0, 2.0, E)
+        elif mode == "zipf":
+            p = 1.0 / np.arange(1, E + 1) ** 1.5
+            rng.shuffle(p)
+        elif mode == "uniform":
+            p = np.ones(E)
+        elif mode == "one_expert":  # every assignment on one expert (not a valid top-k; a stress test)
+            p = np.zeros(E)
+            p[E // 2] = 1.0
+        elif mode == "empty_home":  # rank 0's experts are never chosen
+            p = rng.random(E) + 0.01
+            p[:G] = 0.0 if R > 1 else p[:G]
+        elif mode == "one_rank_group":  # all load on the last rank's home group
+            p = np.zeros(E)
+            p[E - G:] = rng.random(G) + 0.01
+        else:  # zeros
+            n = 0
+            p = np.ones(E)
+        rows.append(rng.multinomial(n, p / p.sum()))
+    return np.stack(rows).astype(np.int64)
+
+
+def check_plan(counts: np.ndarray, p: MoonEPPlan, B: int) -> None:
+    """Every guarantee of the planner contract, for numpy plans."""
+    R, E = counts.shape
+    G = E // R
+    total = int(counts.sum())
+    cap = np.full(R, total // R)
+    cap[: total % R] += 1
+    assert p.alloc.shape == (E, R) and p.alloc.dtype == np.int64
+    assert p.copies.shape == (R, B) and p.copies.dtype == np.int64
+    assert (p.alloc >= 0).all()
+    np.testing.assert_array_equal(p.alloc.sum(1), counts.sum(0))  # every assignment computed once
+    np.testing.assert_array_equal(p.capacity, cap)
+    np.testing.assert_array_equal(p.alloc.sum(0), p.capacity)  # exact balance
+    home = np.arange(E) // G
+    for r in range(R):
+        held = [int(x) for x in p.copies[r] if x >= 0]
+        n = len(held)
+        assert (p.copies[r, n:] == -1).all(), "slots are packed: ids first, then -1"
+        assert held == sorted(set(held)), "copies are distinct and ascending"
+        assert all(home[e] != r for e in held), "a rank never copies its own home expert"
+        needed = {int(e) for e in np.nonzero(p.alloc[:, r])[0] if home[e] != r}
+        assert needed <= set(held), f"rank {r} computes foreign experts {needed - set(held)} it does not hold"
+        groups = {int(home[e]) for e in held}
+        assert len(groups) <= 1, f"rank {r} holds copies from groups {groups}"
+        assert groups == ({int(p.donor[r])} if p.donor[r] >= 0 else set()) or not held
+        assert n <= min(B, G)
+    np.testing.assert_array_equal(p.cuts[:, 0], 0)
+    np.testing.assert_array_equal(np.diff(p.cuts, axis=1), p.alloc)
+    # Send layout: every source's assignments leave exactly once and arrive as planned.
+    splits = np.stack([send_split(counts, p.cuts, r) for r in range(R)])  # [R_src, E, R_dst]
+    np.testing.assert_array_equal(splits.sum(2), counts)
+    np.testing.assert_array_equal(splits.sum(0), p.alloc)
+    np.testing.assert_array_equal(transfer_matrix(counts, p.cuts), splits.sum(1))
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**31 - 1), R=st.sampled_from([1, 2, 3, 4, 5, 8, 16]), G=st.integers(1, 7),
+       mode=st.sampled_from(MODES))
+def test_plan_guarantees(seed: int, R: int, G: int, mode: str) -> None:
+    counts = make_counts(np.random.default_rng(seed), R, G, mode)
+    p = plan(counts)
+    check_plan(counts, p, G)
+    # Deterministic: the same counts (another array, another dtype) give the identical plan.
+    q = plan(counts.astype(np.int32).copy())
+    for f in ("alloc", "copies", "capacity", "cuts", "donor"):
+        np.testing.assert_array_equal(getattr(p, f), getattr(q, f))
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), R=st.sampled_from([1, 2, 3, 4, 8]), G=st.integers(1, 6),
+       mode=st.sampled_from(MODES))
+def test_plan_unequal_rank_totals(seed: int, R: int, G: int, mode: str) -> None:
+    """With total_tokens, ranks may route different numbers of tokens; targets are floor/ceil (§6.1)."""
+    rng = np.random.default_rng(seed)
+    counts = make_counts(rng, R, G, mode, equal=False)
+    k = int(rng.integers(1, 5))
+    counts = counts * k  # every rank's total is a multiple of k
+    tokens = int(counts.sum()) // k
+    p = plan(counts, total_tokens=tokens)
+    check_plan(counts, p, G)
+    assert p.capacity.max() - p.capacity.min() <= 1
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), R=st.sampled_from([2, 4, 8]), G=st.integers(2, 6), extra=st.integers(1, 5))
+def test_more_slots_than_needed(seed: int, R: int, G: int, extra: int) -> None:
+    counts = make_counts(np.random.default_rng(seed), R, G, "lognormal")
+    p = plan(counts, num_slots=G + extra)
+    check_plan(counts, p, G + extra)
+    np.testing.assert_array_equal(p.copies[:, G:], -1)
+
+
+def test_one_empty_source_rank() -> None:
+    """A rank with no tokens at all still computes its full share (it receives copies)."""
+    rng = np.random.default_rng(3)
+    counts = make_counts(rng, 4, 3, "lognormal", equal=False)
+    counts[1] = 0
+    tokens = int(counts.sum())  # k = 1
+    p = plan(counts, total_tokens=tokens)
+    check_plan(counts, p, 3)
+    assert p.alloc[:, 1].sum() == p.capacity[1]
+
+
+def test_hot_expert_is_split_over_all_ranks() -> None:
+    """All tokens on one expert: every other rank gets one copy of it, each computes exactly CAP."""
+    R, G, s = 8, 4, 16
+    counts = np.zeros((R, R * G), np.int64)
+    counts[:, 5] = s
+    p = plan(counts)
+    check_plan(counts, p, G)
+    assert (p.alloc[5] == s).all()
+    assert sorted(p.copies[:, 0].tolist()) == [-1] + [5] * (R - 1)
+    assert p.num_copies() == R - 1
+
+
+def test_balanced_counts_need_no_copies() -> None:
+    counts = np.full((4, 8), 3, np.int64)
+    p = plan(counts, num_slots=0)
+    assert p.copies.shape == (4, 0) and p.num_copies() == 0
+    np.testing.assert_array_equal(p.alloc, counts.sum(0)[:, None] * (np.arange(8)[:, None] // 2 == np.arange(4)))
+
+
+def test_torch_counts_input() -> None:
+    counts = make_counts(np.random.default_rng(1), 4, 3, "zipf")
+    a = plan(counts)
+    b = plan(torch.from_numpy(counts))
+    np.testing.assert_array_equal(a.alloc, b.alloc)
+
+
+def test_torch_planner_identical() -> None:
+    """plan_torch == plan, field by field, on many random and adversarial cases."""
+    rng = np.random.default_rng(0)
+    for i in range(150):
+        R = int(rng.choice([1, 2, 3, 4, 8]))
+        G = int(rng.integers(1, 6))
+        mode = MODES[i % len(MODES)]
+        equal = bool(i % 3)
+        counts = make_counts(rng, R, G, mode, equal=equal)
+        kw = {} if equal else {"total_tokens": int(counts.sum())}
+        B = G + int(rng.integers(0, 3))
+        a = plan(counts, num_slots=B, **kw)
+        b = plan_torch(torch.from_numpy(counts), num_slots=B, **kw)
+        assert b.alloc.dtype == torch.int64 and b.alloc.device == torch.device("cpu")
+        b = b.to_numpy()
+        for f in ("alloc", "copies", "capacity", "cuts", "donor"):
+            np.testing.assert_array_equal(getattr(a, f), getattr(b, f), err_msg=f"case {i} field {f}")
+        assert a.num_slots == b.num_slots
+
+
+def test_torch_planner_without_validation_matches() -> None:
+    counts = make_counts(np.random.default_rng(5), 8, 4, "zipf")
+    a = plan(counts)
+    b = plan_torch(torch.from_numpy(counts).to(torch.int32), validate=False).to_numpy()
+    np.testing.assert_array_equal(a.alloc, b.alloc)
+    np.testing.assert_array_equal(a.copies, b.copies)
+
+
+# ----------------------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("planner", [plan, lambda c, **kw: plan_torch(torch.as_tensor(c), **kw)])
+def test_bad_input(planner) -> None:
+    ok = np.full((2, 4), 3, np.int64)
+    with pytest.raises(ValueError, match=r"counts\[1, 2\] = -1"):
+        bad = ok.copy()
+        bad[1, 2] = -1
+        planner(bad)
+    with pytest.raises(ValueError, match=r"counts: shape \(8,\), expected 2 dimensions"):
+        planner(ok.reshape(-1))
+    with pytest.raises(ValueError, match=r"E=6 experts is not divisible by R=4"):
+        planner(np.ones((4, 6), np.int64))
+    with pytest.raises(ValueError, match=r"per-rank totals differ \(rank 0: 12, rank 1: 13\)"):
+        bad = ok.copy()
+        bad[1, 0] += 1
+        planner(bad)
+    with pytest.raises(ValueError, match=r"counts: dtype (torch\.)?float"):
+        planner(ok.astype(np.float32))
+    with pytest.raises(ValueError, match=r"num_slots: -1"):
+        planner(ok, num_slots=-1)
+    with pytest.raises(ValueError, match=r"total_tokens: 5, but counts sum to 24"):
+        planner(ok, total_tokens=5)
+
+
+@pytest.mark.parametrize("planner", [plan, lambda c, **kw: plan_torch(torch.as_tensor(c), **kw)])
+def test_too_few_slots(planner) -> None:
+    """Exact balance needs a copy on every other rank here; zero slots cannot give that guarantee."""
+    counts = np.zeros((4, 8), np.int64)
+    counts[:, 0] = 5
+    with pytest.raises(ValueError, match=r"num_slots: 0 slots per rank are too few .* rank 1 needs 1 copies"):
+        planner(counts, num_slots=0)
+
+
+def test_bad_input_leaves_counts_untouched() -> None:
+    counts = np.full((2, 4), 3, np.int64)
+    counts[0, 0] = -2
+    before = counts.copy()
+    with pytest.raises(ValueError):
+        plan(counts)
+    np.testing.assert_array_equal(counts, before)
