@@ -30,7 +30,7 @@ OPS = ("all_reduce", "all_to_all", "all_gather", "ring")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", type=_sizes, default=DEFAULT_SIZES,
-                        help="comma-separated message sizes in bytes per rank (suffix K/M allowed; default 4K,64K,1M,4M)")
+                        help="message sizes in bytes per rank, comma-separated, K/M suffixes (default 4K,64K,1M,4M)")
     parser.add_argument("--iters", type=int, default=5, help="timed iterations per size (default 5, after 1 warm-up)")
     parser.add_argument("--report", type=Path, default=None, help="rank 0 writes a JSON report here")
 

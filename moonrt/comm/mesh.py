@@ -139,18 +139,34 @@ class ProcessMesh:
         self.global_rank = dist.get_rank()
         self.coords = self.layout.coords(self.global_rank)
         kwargs = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
-        self._groups: dict[str, dist.ProcessGroup | None] = {}
+        self._groups: dict[str, dist.ProcessGroup] = {}
         self._ranks: dict[str, list[int]] = {}
+        # One communicator per distinct member set: names whose extra dimensions have degree 1
+        # (e.g. ``dp`` and ``dp_ep`` when ep = 1) share it. Every rank walks the same sets in the
+        # same order, as ``new_group`` requires.
+        self._owned: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        created: set[tuple[int, ...]] = set()
         for name in GROUP_NAMES:
-            mine = self.layout.group_ranks(name, self.global_rank)
-            self._ranks[name] = mine
-            for members in self.layout.all_groups(name):
+            mine = tuple(self.layout.group_ranks(name, self.global_rank))
+            self._ranks[name] = list(mine)
+            for members in map(tuple, self.layout.all_groups(name)):
                 if len(members) == self.layout.world_size:
-                    group = dist.group.WORLD  # reuse the default group instead of a duplicate
-                else:
-                    group = dist.new_group(members, **kwargs)
-                if members == mine:
-                    self._groups[name] = group
+                    continue  # the default group, never a duplicate
+                if members not in created:
+                    created.add(members)
+                    group = dist.new_group(list(members), **kwargs)
+                    if members == mine:
+                        self._owned[members] = group
+            self._groups[name] = dist.group.WORLD if len(mine) == self.layout.world_size else self._owned[mine]
+
+    def destroy(self) -> None:
+        """Destroy the groups this mesh created (not the default group); the mesh is unusable after."""
+        import torch.distributed as dist
+
+        for group in self._owned.values():
+            dist.destroy_process_group(group)
+        self._owned.clear()
+        self._groups.clear()
 
     @property
     def parallel(self) -> ParallelConfig:
@@ -158,6 +174,8 @@ class ProcessMesh:
 
     def group(self, name: str) -> dist.ProcessGroup:
         MeshLayout._dims(name)
+        if name not in self._groups:
+            raise RuntimeError(f"group {name!r}: this ProcessMesh was destroyed")
         return self._groups[name]
 
     def ranks(self, name: str) -> list[int]:

@@ -1,0 +1,181 @@
+"""``moonrt sbatch --nodes N --ntasks-per-node M [--config FILE] [--submit] [--output PATH] -- command ...``
+
+Writes a SLURM batch script that runs ``command`` once per task under ``srun``; each task joins
+the job through the SLURM path of :func:`moonrt.cluster.env.init_distributed` (rank =
+``SLURM_PROCID``, world = ``SLURM_STEP_NUM_TASKS``, master = first node of the step, port from
+the job and step ids). ``--submit`` hands the script to ``sbatch`` and prints the job id.
+
+``--config FILE`` names the job's YAML config. It is read now so mistakes surface before the job
+queues: if it has a ``parallel`` section, its degrees must multiply to ``nodes x ntasks_per_node``;
+if it has a ``dist`` section, its ``timeout_s`` becomes the job's collective timeout. The command
+receives ``--config <absolute path>``.
+
+The script is rendered by the pure function :func:`render_sbatch` from a :class:`SbatchJob`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from moonrt.cluster.env import TIMEOUT_ENV
+from moonrt.config import ConfigError, DistConfig, ParallelConfig, check, from_dict
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class SbatchJob:
+    """Everything that goes into one batch script."""
+
+    command: list[str]
+    """Program and arguments run on every task (the first word is resolved to an absolute path)."""
+    nodes: int = 1
+    ntasks_per_node: int = 1
+    job_name: str = "moonrt"
+    partition: str | None = None
+    time: str | None = None
+    """SLURM time limit, e.g. ``"01:00:00"``; ``None``: the partition's default."""
+    cpus_per_task: int | None = None
+    log: str = "moonrt-%j.out"
+    """Job output file (``%j`` = job id), relative to ``workdir``."""
+    workdir: str = "."
+    timeout_s: float = 300.0
+    """Collective/rendezvous timeout of every task (``MOONRT_DIST_TIMEOUT``)."""
+
+    def validate(self) -> None:
+        check(bool(self.command), "command", self.command, "a program to run on every task")
+        check(self.nodes >= 1, "nodes", self.nodes, "an integer >= 1")
+        check(self.ntasks_per_node >= 1, "ntasks_per_node", self.ntasks_per_node, "an integer >= 1")
+        check(self.cpus_per_task is None or self.cpus_per_task >= 1, "cpus_per_task", self.cpus_per_task,
+              "an integer >= 1")
+        check(bool(re.fullmatch(r"[\w.-]+", self.job_name)), "job_name", self.job_name,
+              "letters, digits, '_', '.', '-'")
+        check(self.timeout_s > 0, "timeout_s", self.timeout_s, "a positive number of seconds")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ntasks_per_node
+
+
+def render_sbatch(job: SbatchJob) -> str:
+    """The batch script text for ``job`` (validated first)."""
+    job.validate()
+    lines = [
+        "#!/bin/bash",
+        f"#SBATCH --job-name={job.job_name}",
+        f"#SBATCH --nodes={job.nodes}",
+        f"#SBATCH --ntasks-per-node={job.ntasks_per_node}",
+        f"#SBATCH --output={job.log}",
+    ]
+    if job.partition:
+        lines.append(f"#SBATCH --partition={job.partition}")
+    if job.time:
+        lines.append(f"#SBATCH --time={job.time}")
+    if job.cpus_per_task:
+        lines.append(f"#SBATCH --cpus-per-task={job.cpus_per_task}")
+    lines += [
+        "# written by `moonrt sbatch`: one task per rank; each joins through the SLURM path of",
+        "# moonrt.cluster.env.init_distributed (SLURM_PROCID / SLURM_STEP_NUM_TASKS / SLURM_STEP_NODELIST).",
+        "set -euo pipefail",
+        f"cd {shlex.quote(job.workdir)}",
+        f"export {TIMEOUT_ENV}={job.timeout_s:g}",
+        "export PYTHONUNBUFFERED=1",
+        f"srun --kill-on-bad-exit=1 --ntasks={job.world_size} --ntasks-per-node={job.ntasks_per_node} \\",
+        "    " + shlex.join(job.command),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def job_from_config(job: SbatchJob, config: Path) -> SbatchJob:
+    """Check the job's YAML config against the allocation; pass it to the command (see module doc)."""
+    try:
+        data = yaml.safe_load(config.read_text())
+    except OSError as exc:
+        raise ConfigError(f"config file {str(config)!r}: cannot read ({exc.strerror})") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {str(config)!r}: malformed YAML ({exc})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(config)!r}: expected a mapping at the top level")
+    timeout_s = job.timeout_s
+    if "parallel" in data:
+        parallel = from_dict(ParallelConfig, data["parallel"])
+        if parallel.world_size != job.world_size:
+            raise ConfigError(
+                f"{config}: parallel = dp {parallel.dp} x pp {parallel.pp} x ep {parallel.ep} x cp {parallel.cp} = "
+                f"{parallel.world_size}: expected nodes {job.nodes} x ntasks_per_node {job.ntasks_per_node} = "
+                f"{job.world_size}"
+            )
+    if "dist" in data:
+        timeout_s = from_dict(DistConfig, data["dist"]).timeout_s
+    return dataclasses.replace(job, command=[*job.command, "--config", str(config.resolve())], timeout_s=timeout_s)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nodes", type=int, required=True, help="number of nodes")
+    parser.add_argument("--ntasks-per-node", type=int, required=True, help="ranks per node")
+    parser.add_argument("--config", type=Path, default=None, help="job config YAML (checked, passed as --config)")
+    parser.add_argument("--submit", action="store_true", help="submit with sbatch and print the job id")
+    parser.add_argument("--output", type=Path, default=None,
+                        help="where to write the script (default: stdout; with --submit: ./<job-name>.sbatch)")
+    parser.add_argument("--job-name", default="moonrt")
+    parser.add_argument("--partition", default=None)
+    parser.add_argument("--time", default=None, help="time limit, e.g. 01:00:00")
+    parser.add_argument("--cpus-per-task", type=int, default=None)
+    parser.add_argument("--log", default=None, help="job output file (default: <job-name>-%%j.out)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds (default 300)")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- command and arguments run on every task")
+
+
+def run(args: argparse.Namespace) -> int:
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if command:
+        exe = shutil.which(command[0])
+        command[0] = os.path.abspath(exe) if exe else command[0]
+    try:
+        job = SbatchJob(command=command, nodes=args.nodes, ntasks_per_node=args.ntasks_per_node,
+                        job_name=args.job_name, partition=args.partition, time=args.time,
+                        cpus_per_task=args.cpus_per_task, log=args.log or f"{args.job_name}-%j.out",
+                        workdir=os.getcwd(), timeout_s=args.timeout)
+        if args.config is not None:
+            job = job_from_config(job, args.config)
+        text = render_sbatch(job)
+    except ConfigError as exc:
+        print(f"moonrt sbatch: {exc}", file=sys.stderr)
+        return 2
+    path = args.output or (Path(f"{job.job_name}.sbatch") if args.submit else None)
+    if path is None:
+        sys.stdout.write(text)
+        return 0
+    path.write_text(text)
+    path.chmod(0o755)
+    print(f"moonrt sbatch: wrote {path} ({job.nodes} node(s) x {job.ntasks_per_node} task(s))", file=sys.stderr)
+    if not args.submit:
+        return 0
+    return submit(path)
+
+
+def submit(path: Path) -> int:
+    """``sbatch --parsable path``; print the job id. Non-zero (with sbatch's message) on failure."""
+    sbatch = shutil.which("sbatch")
+    if sbatch is None:
+        print("moonrt sbatch: --submit needs the `sbatch` command, which is not on PATH", file=sys.stderr)
+        return 2
+    res = subprocess.run([sbatch, "--parsable", str(path)], capture_output=True, text=True, timeout=120)
+    if res.returncode != 0:
+        print(f"moonrt sbatch: sbatch {path} failed (exit code {res.returncode}): {res.stderr.strip()}",
+              file=sys.stderr)
+        return res.returncode
+    job_id = res.stdout.strip().split(";")[0]
+    print(job_id)
+    return 0

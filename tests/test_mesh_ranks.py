@@ -1,0 +1,92 @@
+"""ProcessMesh on real gloo ranks: every group's members and reductions match the documented layout.
+
+One ``dist_run`` per world size loops over every factorization (rank start-up dominates the cost);
+each mesh is destroyed before the next is built.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist import dist_run
+
+from moonrt.comm.mesh import GROUP_NAMES, MeshLayout, ProcessMesh
+from moonrt.config import ConfigError, ParallelConfig
+
+
+def factorizations(n: int) -> list[tuple[int, int, int, int]]:
+    return [f for f in itertools.product(range(1, n + 1), repeat=4) if f[0] * f[1] * f[2] * f[3] == n]
+
+
+def _check_all_meshes(rank: int, world: int) -> list[tuple]:
+    """For every (dp, pp, ep, cp): members, index and an all_reduce per group; returns what was checked."""
+    checked = []
+    for dp, pp, ep, cp in factorizations(world):
+        par = ParallelConfig(dp=dp, pp=pp, ep=ep, cp=cp)
+        mesh = ProcessMesh(par, timeout_s=60)
+        c = mesh.coords
+        # documented order: rank = ((pp_i * dp + dp_i) * ep + ep_i) * cp + cp_i
+        assert rank == ((c["pp"] * dp + c["dp"]) * ep + c["ep"]) * cp + c["cp"], (par, c)
+        sizes = {"pp": pp, "dp": dp, "ep": ep, "cp": cp}
+        for name in GROUP_NAMES:
+            dims = name.split("_")
+            # documented members, enumerated independently of MeshLayout: vary the named dims only
+            expected = sorted(
+                ((c2["pp"] * dp + c2["dp"]) * ep + c2["ep"]) * cp + c2["cp"]
+                for idx in itertools.product(*(range(sizes[d]) for d in dims))
+                for c2 in [{**c, **dict(zip(dims, idx))}]
+            )
+            group = mesh.group(name)
+            assert mesh.ranks(name) == expected, (par, name)
+            assert dist.get_world_size(group) == len(expected) == mesh.size(name), (par, name)
+            assert dist.get_rank(group) == expected.index(rank) == mesh.rank(name), (par, name)
+            # the reduction sums over exactly these members: distinct powers of two identify them
+            x = torch.tensor([float(1 << rank)], dtype=torch.float64)
+            dist.all_reduce(x, group=group)
+            assert int(x.item()) == sum(1 << m for m in expected), (par, name, x.item(), expected)
+            checked.append((dp, pp, ep, cp, name, tuple(expected)))
+        mesh.destroy()
+    return checked
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_every_factorization_on_real_ranks(world):
+    results = dist_run(_check_all_meshes, world, timeout=240)
+    # every rank checked every (factorization, group); members agree with the pure layout
+    n_fact = len(factorizations(world))
+    for rank, checked in enumerate(results):
+        assert len(checked) == n_fact * len(GROUP_NAMES)
+        for dp, pp, ep, cp, name, members in checked:
+            layout = MeshLayout(world, ParallelConfig(dp=dp, pp=pp, ep=ep, cp=cp))
+            assert list(members) == layout.group_ranks(name, rank)
+
+
+def _wrong_degrees(rank: int, world: int) -> str:
+    try:
+        ProcessMesh(ParallelConfig(dp=2, ep=2))
+    except ConfigError as exc:
+        return str(exc)
+    return "no error"
+
+
+def _destroyed(rank: int, world: int) -> str:
+    mesh = ProcessMesh(ParallelConfig(dp=world))
+    mesh.destroy()
+    try:
+        mesh.group("dp")
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_wrong_degrees_on_real_ranks():
+    msgs = dist_run(_wrong_degrees, 2, timeout=60)
+    assert all("= 4: expected the degrees to multiply to the world size 2" in m for m in msgs), msgs
+
+
+def test_destroyed_mesh_is_unusable():
+    msgs = dist_run(_destroyed, 2, timeout=60)
+    assert all("destroyed" in m for m in msgs), msgs
