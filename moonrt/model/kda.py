@@ -1,0 +1,343 @@
+"""Kimi Delta Attention ops: the token recurrence and the chunkwise-parallel form (K3_SYSTEMS §2.1-2.4).
+
+Both functions share fla's ``chunk_kda`` / ``fused_recurrent_kda`` contract, so implementations can be
+swapped:
+
+- ``q, k [B, T, H, K]``, ``v [B, T, H, V]``: used as given (L2 normalization is the layer's job);
+- ``g [B, T, H, K]``: per-token, per-channel log-decay (<= 0), ``alpha_t = exp(g_t)``;
+- ``beta [B, T, H]``: write strength; ``scale`` defaults to ``K ** -0.5``;
+- ``initial_state [B, H, K, V]`` (fp32); returns ``(o [B, T, H, V] in v's dtype, final_state [B, H, K, V]
+  fp32 or None)``.
+
+The recurrence (§2.1) per head, state ``S`` of shape K x V, is "decay, then delta correction, then read"::
+
+    S <- Diag(alpha_t) S;  S <- S + beta_t k_t (v_t - S^T k_t)^T;  o_t = S^T (scale * q_t)
+
+The chunk form (§2.3) splits the sequence into chunks of C tokens. Everything that does not depend on the
+state entering a chunk is computed for all chunks at once as batched matmuls ``[B, H, N, C, *]`` by
+:func:`chunk_terms`; the only sequential part is one K x K by K x V state matmul per chunk
+(``S_{n+1} = M_n S_n + S_ext_n``, the affine form of §2.4). :func:`kda_transition` exposes that affine map
+for any contiguous segment; KCP (§7) builds on it.
+
+Numerics: all state arithmetic is in fp32 (fp64 if the inputs are fp64). In-chunk decays are applied
+through 16-token sub-tiles with a midpoint reference (§2.2), so every exponent in a matmul operand stays
+within ``8 * max|g|`` nats: finite in fp32 for per-token log-decays >= -10 (K3's gate keeps them > -5).
+Cumulative log-decays are summed in fp64 so that differences of long sums keep full fp32 precision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+SUB_TILE = 16
+"""Rows per sub-tile for the in-chunk decay factorization (K3_SYSTEMS §2.2)."""
+
+MIN_LOG_DECAY = -10.0
+"""Smallest per-token log-decay the chunk form accepts: 8 tokens * 10 = 80 nats < log(fp32 max) = 88.7."""
+
+
+def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    dtype = torch.float32
+    for t in tensors:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+def _check_inputs(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  initial_state: torch.Tensor | None) -> None:
+    """Raise ValueError naming the argument, its shape and the expected shape."""
+    if k.dim() != 4:
+        raise ValueError(f"k.shape = {tuple(k.shape)}: expected [B, T, H, K] (4 dims)")
+    B, T, H, K = k.shape
+    if q is not None and q.shape != k.shape:
+        raise ValueError(f"q.shape = {tuple(q.shape)}: expected k's shape {tuple(k.shape)} [B, T, H, K]")
+    if v.dim() != 4 or v.shape[:3] != (B, T, H):
+        raise ValueError(f"v.shape = {tuple(v.shape)}: expected [B, T, H, V] = [{B}, {T}, {H}, V]")
+    if g.shape != k.shape:
+        raise ValueError(f"g.shape = {tuple(g.shape)}: expected k's shape {tuple(k.shape)} [B, T, H, K]")
+    if beta.shape != (B, T, H):
+        raise ValueError(f"beta.shape = {tuple(beta.shape)}: expected [B, T, H] = [{B}, {T}, {H}]")
+    V = v.shape[-1]
+    if initial_state is not None and initial_state.shape != (B, H, K, V):
+        raise ValueError(f"initial_state.shape = {tuple(initial_state.shape)}: expected [B, H, K, V] = "
+                         f"[{B}, {H}, {K}, {V}]")
+
+
+def kda_recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token-by-token KDA (K3_SYSTEMS §2.1), the reference. Differentiable through autograd.
+
+    Args:
+        q, k: ``[B, T, H, K]`` queries and keys (used as given).
+        v: ``[B, T, H, V]`` values.
+        g: ``[B, T, H, K]`` log-decay, <= 0 (any magnitude).
+        beta: ``[B, T, H]`` write strength.
+        scale: query scale, default ``K ** -0.5``.
+        initial_state: ``[B, H, K, V]`` fp32 state before token 0 (zeros if None).
+        output_final_state: also return the state after the last token.
+
+    Returns:
+        ``o [B, T, H, V]`` in v's dtype, and ``S_T [B, H, K, V]`` fp32 (fp64 for fp64 inputs) or None.
+    """
+    _check_inputs(q, k, v, g, beta, initial_state)
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    scale = K ** -0.5 if scale is None else scale
+    dtype = _compute_dtype(q, k, v, g, beta)
+    q, k, v, g, beta = (t.to(dtype) for t in (q, k, v, g, beta))
+    S = k.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(dtype)
+    outs = []
+    for t in range(T):
+        k_t, b_t = k[:, t], beta[:, t, :, None]  # [B, H, K], [B, H, 1]
+        S = S * g[:, t, :, :, None].exp()  # decay rows
+        err = v[:, t] - torch.einsum("bhkv,bhk->bhv", S, k_t)  # v - S^T k with the decayed state
+        S = S + (b_t * k_t)[..., None] * err[:, :, None, :]  # delta correction
+        outs.append(torch.einsum("bhkv,bhk->bhv", S, q[:, t] * scale))  # read
+    o = torch.stack(outs, dim=1) if outs else v.new_zeros(B, 0, H, V)
+    return o.to(v.dtype), (S if output_final_state else None)
+
+
+# ---- chunk form ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChunkTerms:
+    """Per-chunk quantities that do not depend on the entering state (K3_SYSTEMS §2.3 steps 1-3, 5-6).
+
+    Shapes are ``[B, H, N, C, *]`` (N chunks of C tokens), in the compute dtype (fp32 for fp32/bf16
+    inputs). ``T = (I + L)^-1 Diag(beta)`` is applied by a unit-lower-triangular solve, never formed.
+    """
+
+    G: torch.Tensor
+    """``[B, H, N, C, K]`` in-chunk inclusive cumulative log-decay (fp64: differences stay precise)."""
+    W: torch.Tensor
+    """``[B, H, N, C, K]`` ``T (exp(G) * K)``."""
+    U: torch.Tensor
+    """``[B, H, N, C, V]`` ``T V``."""
+    Kg: torch.Tensor
+    """``[B, H, N, C, K]`` ``exp(G_C - G) * K``: each key decayed to the chunk end."""
+    decay: torch.Tensor
+    """``[B, H, N, K]`` ``exp(G_C)``: total decay over the chunk."""
+    Qg: torch.Tensor | None
+    """``[B, H, N, C, K]`` ``scale * Q * exp(G)`` (None without q)."""
+    A_qk: torch.Tensor | None
+    """``[B, H, N, C, C]`` ``scale * q_r . (exp(G_r - G_c) * k_c)`` for c <= r, else 0 (None without q)."""
+
+
+def _to_chunks(x: torch.Tensor, C: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, T, H, *]`` -> ``[B, H, N, C, *]`` (zero padded to N * C tokens), in ``dtype``."""
+    B, T, H = x.shape[:3]
+    N = -(-T // C)
+    x = x.to(dtype).transpose(1, 2)  # [B, H, T, *]
+    if N * C != T:
+        pad = x.new_zeros(B, H, N * C - T, *x.shape[3:])
+        x = torch.cat([x, pad], dim=2)
+    return x.reshape(B, H, N, C, *x.shape[3:])
+
+
+def _sub_tile(chunk_size: int) -> int:
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size = {chunk_size}: expected an integer >= 1")
+    if chunk_size <= SUB_TILE:
+        return chunk_size
+    if chunk_size % SUB_TILE:
+        raise ValueError(f"chunk_size = {chunk_size}: expected <= {SUB_TILE} or a multiple of {SUB_TILE}")
+    return SUB_TILE
+
+
+def _check_decay(g: torch.Tensor) -> None:
+    if g.numel():
+        lo = float(g.detach().min())
+        if not lo >= MIN_LOG_DECAY:  # also catches NaN
+            raise ValueError(f"g.min() = {lo}: the chunk form expects per-token log-decays >= {MIN_LOG_DECAY} "
+                             "(K3's gate gives > -5); use kda_recurrent for stronger decays")
+
+
+def chunk_terms(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    q: torch.Tensor | None = None,
+    scale: float = 1.0,
+) -> ChunkTerms:
+    """Per-chunk KDA quantities for all chunks at once (K3_SYSTEMS §2.3), as batched matmuls.
+
+    Args:
+        k: ``[B, H, N, C, K]`` keys, chunked (see :func:`_to_chunks`), compute dtype.
+        v: ``[B, H, N, C, V]`` values.
+        g: ``[B, H, N, C, K]`` per-token log-decay (>= :data:`MIN_LOG_DECAY`).
+        beta: ``[B, H, N, C]`` write strength.
+        q: ``[B, H, N, C, K]`` queries, or None when only the state transition is needed.
+        scale: query scale.
+
+    In-chunk decays ``exp(G_r - G_c)`` enter the matmuls factored through sub-tiles of 16 rows: row r of
+    sub-tile i is multiplied by ``exp(G_r - m_i)`` and column c by ``exp(m_i - G_c)``, where ``m_i`` is G at
+    the middle of sub-tile i (§2.2). Columns after sub-tile i are masked before the exponential, so no
+    intermediate is ever inf (also not in backward).
+    """
+    dtype = k.dtype
+    B, H, N, C, K = k.shape
+    sub = _sub_tile(C)
+    n_sub = C // sub
+    G = g.to(torch.float64).cumsum(dim=-2)  # [B, H, N, C, K]
+    G_last = G[..., -1:, :]  # [B, H, N, 1, K]
+    # sub-tile midpoints [B, H, N, n_sub, K]; detached: the products exp(G_r - m) exp(m - G_c) do not depend on
+    # m, and its gradient would be the difference of two large sums (cancellation)
+    m = (G[..., sub // 2 - 1 :: sub, :] if sub > 1 else G).detach()
+    row = torch.exp((G - m.repeat_interleave(sub, dim=-2)).to(dtype))  # [B, H, N, C, K]
+    # column factors per row sub-tile i: exp(m_i - G_c) for c < end of sub-tile i, else 0
+    col_exp = m[..., :, None, :] - G[..., None, :, :]  # [B, H, N, n_sub, C, K]
+    tile_end = torch.arange(1, n_sub + 1, device=k.device) * sub  # [n_sub]
+    keep = torch.arange(C, device=k.device)[None, :] < tile_end[:, None]  # [n_sub, C]
+    col_exp = torch.where(keep[:, :, None], col_exp, float("-inf"))
+    k_col = k[..., None, :, :] * torch.exp(col_exp.to(dtype))  # [B, H, N, n_sub, C, K]
+    rows = k * row if q is None else torch.cat([k * row, q * row], dim=-2)  # [B, H, N, C or 2C, K]
+    rows = rows.reshape(B, H, N, -1, n_sub, sub, K).transpose(3, 4).reshape(B, H, N, n_sub, -1, K)
+    A = rows @ k_col.transpose(-1, -2)  # [B, H, N, n_sub, sub or 2*sub, C]
+    A = A.reshape(B, H, N, n_sub, -1, sub, C).transpose(3, 4).reshape(B, H, N, -1, C)
+    idx = torch.arange(C, device=k.device)
+    strict = idx[:, None] > idx[None, :]  # [C, C] c < r
+    L = torch.where(strict, A[..., :C, :], 0.0) * beta[..., None]  # [B, H, N, C, C]
+    eG = torch.exp(G.to(dtype))  # [B, H, N, C, K]
+    rhs = beta[..., None] * torch.cat([eG * k, v], dim=-1)  # [B, H, N, C, K + V]
+    X = torch.linalg.solve_triangular(L, rhs, upper=False, unitriangular=True)  # (I + L) X = rhs
+    W, U = X[..., :K], X[..., K:]
+    Kg = torch.exp((G_last - G).to(dtype)) * k
+    decay = torch.exp(G_last[..., 0, :].to(dtype))
+    Qg = A_qk = None
+    if q is not None:
+        # the diagonal carries no decay: take it exactly, so no gradient reaches G through exp(0) = row * col
+        qk = (q * k).sum(-1)  # [B, H, N, C]
+        A_qk = (torch.where(strict, A[..., C:, :], 0.0) + torch.diag_embed(qk)) * scale
+        Qg = (scale * q) * eG
+    return ChunkTerms(G=G, W=W, U=U, Kg=Kg, decay=decay, Qg=Qg, A_qk=A_qk)
+
+
+def chunk_transitions(terms: ChunkTerms) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-chunk affine state maps ``S_{n+1} = M_n S_n + S_ext_n`` (K3_SYSTEMS §2.4).
+
+    Returns ``M [B, H, N, K, K] = Diag(exp(G_C)) - Kg^T W`` and ``S_ext [B, H, N, K, V] = Kg^T U``.
+    """
+    M = torch.diag_embed(terms.decay) - terms.Kg.transpose(-1, -2) @ terms.W
+    S_ext = terms.Kg.transpose(-1, -2) @ terms.U
+    return M, S_ext
+
+
+def _scan_states(M: torch.Tensor, S_ext: torch.Tensor, S0: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """States entering each chunk ``[B, H, N, K, V]`` and the final state ``[B, H, K, V]``.
+
+    The only sequential part of the chunk form: one ``[K, K] @ [K, V]`` matmul per chunk (batched over B, H).
+    """
+    B, H, N, K, V = S_ext.shape
+    M_n = M.permute(2, 0, 1, 3, 4).reshape(N, B * H, K, K)
+    E_n = S_ext.permute(2, 0, 1, 3, 4).reshape(N, B * H, K, V)
+    S = S_ext.new_zeros(B * H, K, V) if S0 is None else S0.reshape(B * H, K, V)
+    states = []
+    for n in range(N):
+        states.append(S)
+        S = torch.baddbmm(E_n[n], M_n[n], S)
+    entering = torch.stack(states, dim=1).reshape(B, H, N, K, V)
+    return entering, S.reshape(B, H, K, V)
+
+
+def kda_chunk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunkwise-parallel KDA (K3_SYSTEMS §2.3): same contract and results as :func:`kda_recurrent`.
+
+    Args:
+        q, k: ``[B, T, H, K]`` queries and keys (used as given).
+        v: ``[B, T, H, V]`` values.
+        g: ``[B, T, H, K]`` log-decay in ``[-10, 0]`` per token (K3's gate gives ``(-5, 0)``).
+        beta: ``[B, T, H]`` write strength.
+        scale: query scale, default ``K ** -0.5``.
+        initial_state: ``[B, H, K, V]`` fp32 state before token 0 (zeros if None).
+        output_final_state: also return the state after the last token.
+        chunk_size: tokens per chunk C (<= 16 or a multiple of 16). T need not be a multiple of C: the
+            tail is padded with tokens that neither decay nor write (g = 0, k = 0, beta = 0).
+
+    Returns:
+        ``o [B, T, H, V]`` in v's dtype, and ``S_T [B, H, K, V]`` fp32 (fp64 for fp64 inputs) or None.
+    """
+    _check_inputs(q, k, v, g, beta, initial_state)
+    _check_decay(g)
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    scale = K ** -0.5 if scale is None else scale
+    dtype = _compute_dtype(q, k, v, g, beta)
+    C = chunk_size
+    _sub_tile(C)
+    if T == 0:
+        S = None if not output_final_state else (
+            k.new_zeros(B, H, K, V, dtype=dtype) if initial_state is None else initial_state.to(dtype))
+        return v.new_zeros(B, 0, H, V), S
+    qc, kc, vc, gc = (_to_chunks(t, C, dtype) for t in (q, k, v, g))
+    bc = _to_chunks(beta, C, dtype)
+    terms = chunk_terms(kc, vc, gc, bc, q=qc, scale=scale)
+    M, S_ext = chunk_transitions(terms)
+    S0 = None if initial_state is None else initial_state.to(dtype)
+    S_in, S_T = _scan_states(M, S_ext, S0)  # [B, H, N, K, V]
+    V_tilde = terms.U - terms.W @ S_in  # [B, H, N, C, V] pseudo-values (§2.3 step 4)
+    O = terms.Qg @ S_in + terms.A_qk @ V_tilde  # [B, H, N, C, V] (step 5)
+    o = O.reshape(B, H, -1, V)[:, :, :T].transpose(1, 2).to(v.dtype)
+    return o, (S_T if output_final_state else None)
+
+
+def kda_transition(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Affine state map of a contiguous segment: ``S_end = M S_start + S_ext`` (K3_SYSTEMS §2.4, used by KCP §7).
+
+    Args:
+        k: ``[B, T, H, K]``, v: ``[B, T, H, V]``, g: ``[B, T, H, K]``, beta: ``[B, T, H]`` for the segment.
+        chunk_size: as in :func:`kda_chunk`.
+
+    Returns:
+        ``M [B, H, K, K]`` (product over the segment of ``(I - beta_t k_t k_t^T) Diag(alpha_t)``, later tokens on
+        the left) and ``S_ext [B, H, K, V]`` (the segment's final state from a zero start), both fp32 (fp64 for
+        fp64 inputs). Differentiable.
+    """
+    _check_inputs(None, k, v, g, beta, None)
+    _check_decay(g)
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    dtype = _compute_dtype(k, v, g, beta)
+    if T == 0:
+        eye = torch.eye(K, dtype=dtype, device=k.device).expand(B, H, K, K).clone()
+        return eye, k.new_zeros(B, H, K, V, dtype=dtype)
+    kc, vc, gc = (_to_chunks(t, chunk_size, dtype) for t in (k, v, g))
+    terms = chunk_terms(kc, vc, gc, _to_chunks(beta, chunk_size, dtype))
+    M_c, E_c = chunk_transitions(terms)  # [B, H, N, K, K], [B, H, N, K, V]
+    M, S = M_c[:, :, 0], E_c[:, :, 0]
+    for n in range(1, M_c.shape[2]):
+        M = M_c[:, :, n] @ M
+        S = torch.baddbmm(E_c[:, :, n].reshape(B * H, K, V), M_c[:, :, n].reshape(B * H, K, K),
+                          S.reshape(B * H, K, V)).reshape(B, H, K, V)
+    return M, S
+
+
+__all__ = ["ChunkTerms", "chunk_terms", "chunk_transitions", "kda_chunk", "kda_recurrent", "kda_transition",
+           "MIN_LOG_DECAY", "SUB_TILE"]

@@ -1,0 +1,174 @@
+"""KDA ops (K3_SYSTEMS §2.1-2.4): chunk form == recurrence == the textbook update, outputs and every gradient."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moonrt.model.kda import chunk_terms, chunk_transitions, kda_chunk, kda_recurrent, kda_transition
+
+
+def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).pow(2).mean().sqrt() / b.double().pow(2).mean().sqrt())
+
+
+def make_inputs(B: int, T: int, H: int, K: int, V: int, seed: int, dtype: torch.dtype = torch.float32,
+                g_min: float = -5.0) -> dict[str, torch.Tensor]:
+    """Random inputs shaped like the layer's: unit-norm q, k; g in (g_min, 0) as K3's gate; beta in (0, 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    v = torch.randn(B, T, H, V, generator=gen)
+    g = g_min * torch.sigmoid(torch.randn(B, T, H, K, generator=gen) - 1.0)
+    beta = torch.sigmoid(torch.randn(B, T, H, generator=gen))
+    S0 = torch.randn(B, H, K, V, generator=gen)
+    return {n: t.to(dtype) for n, t in dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=S0).items()}
+
+
+def run_with_grads(fn, inputs: dict[str, torch.Tensor], use_state: bool, seed: int):
+    """Outputs, final state and the gradients of all inputs for a fixed random loss."""
+    leaves = {n: t.clone().requires_grad_() for n, t in inputs.items()}
+    kwargs = {n: leaves[n] for n in ("q", "k", "v", "g", "beta")}
+    if use_state:
+        kwargs["initial_state"] = leaves["initial_state"]
+    o, S = fn(**kwargs, output_final_state=True)
+    gen = torch.Generator().manual_seed(seed + 1)
+    loss = (o * torch.randn(o.shape, generator=gen)).sum() + (S * torch.randn(S.shape, generator=gen)).sum()
+    loss.backward()
+    grads = {n: t.grad for n, t in leaves.items() if t.grad is not None}
+    return o.detach(), S.detach(), grads
+
+
+@pytest.mark.parametrize("use_state", [False, True])
+@pytest.mark.parametrize("T", [63, 64, 200, 1024])
+def test_chunk_matches_recurrent(T: int, use_state: bool) -> None:
+    inputs = make_inputs(B=2, T=T, H=2, K=16, V=8, seed=T + use_state)
+    o_r, S_r, g_r = run_with_grads(kda_recurrent, inputs, use_state, seed=T)
+    o_c, S_c, g_c = run_with_grads(kda_chunk, inputs, use_state, seed=T)
+    assert o_c.dtype == torch.float32 and S_c.dtype == torch.float32
+    assert rel_rms(o_c, o_r) <= 1e-5
+    assert rel_rms(S_c, S_r) <= 1e-5
+    expected = {"q", "k", "v", "g", "beta"} | ({"initial_state"} if use_state else set())
+    assert set(g_c) == set(g_r) == expected
+    for name in expected:
+        assert rel_rms(g_c[name], g_r[name]) <= 1e-5, name
+
+
+@pytest.mark.parametrize("chunk_size", [16, 32, 8, 5])
+def test_chunk_sizes_and_padding(chunk_size: int) -> None:
+    inputs = make_inputs(B=1, T=77, H=2, K=16, V=16, seed=chunk_size, dtype=torch.float64)
+    o_r, S_r = kda_recurrent(**inputs, output_final_state=True)
+    o_c, S_c = kda_chunk(**inputs, output_final_state=True, chunk_size=chunk_size)
+    assert rel_rms(o_c, o_r) < 1e-12 and rel_rms(S_c, S_r) < 1e-12
+
+
+def test_recurrent_matches_textbook_update() -> None:
+    """S_t = (I - beta k k^T) Diag(alpha) S_{t-1} + beta k v^T, o_t = S_t^T (scale q), written out per head."""
+    B, T, H, K, V = 1, 5, 2, 3, 4
+    x = make_inputs(B, T, H, K, V, seed=7, dtype=torch.float64)
+    x["k"] = x["k"] * 1.3  # not unit norm: the op must use k as given
+    scale = 0.7
+    o, S = kda_recurrent(**x, scale=scale, output_final_state=True)
+    for h in range(H):
+        S_ref = x["initial_state"][0, h]
+        for t in range(T):
+            k, v, b = x["k"][0, t, h], x["v"][0, t, h], x["beta"][0, t, h]
+            S_ref = (torch.eye(K, dtype=k.dtype) - b * torch.outer(k, k)) @ torch.diag(x["g"][0, t, h].exp()) @ S_ref
+            S_ref = S_ref + b * torch.outer(k, v)
+            torch.testing.assert_close(o[0, t, h], S_ref.T @ (scale * x["q"][0, t, h]))
+        torch.testing.assert_close(S[0, h], S_ref)
+
+
+def test_default_scale_and_dtypes() -> None:
+    x = make_inputs(1, 20, 1, 16, 8, seed=3)
+    o1, _ = kda_chunk(**x)
+    o2, _ = kda_chunk(**x, scale=16 ** -0.5)
+    torch.testing.assert_close(o1, o2)
+    bf = {n: (t.bfloat16() if n != "initial_state" else t) for n, t in x.items()}
+    o, S = kda_chunk(**bf, output_final_state=True)
+    assert o.dtype == torch.bfloat16 and S.dtype == torch.float32
+    o_r, S_r = kda_recurrent(**bf, output_final_state=True)
+    assert rel_rms(S, S_r) < 1e-5
+
+
+def test_strong_decay_stays_finite() -> None:
+    """Per-token log-decay at the accepted limit (-10) in every channel: no inf/NaN, gradients included."""
+    x = make_inputs(1, 100, 2, 16, 8, seed=5)
+    x["g"] = torch.full_like(x["g"], -10.0)
+    x["k"] = x["k"] * 3.0
+    o_r, S_r, g_r = run_with_grads(kda_recurrent, x, True, seed=1)
+    o_c, S_c, g_c = run_with_grads(kda_chunk, x, True, seed=1)
+    assert rel_rms(o_c, o_r) < 1e-5 and rel_rms(S_c, S_r) < 1e-5
+    for name in g_r:
+        assert torch.isfinite(g_c[name]).all() and rel_rms(g_c[name], g_r[name]) < 1e-5, name
+
+
+def test_segment_transition_is_the_affine_state_map() -> None:
+    """kda_transition's (M, S_ext) predicts kda_chunk's final state from two different entering states."""
+    T = 45
+    x = make_inputs(2, T, 2, 16, 8, seed=11, g_min=-0.05)  # weak decay: the entering state still matters
+    M, S_ext = kda_transition(x["k"], x["v"], x["g"], x["beta"], chunk_size=16)
+    assert M.shape == (2, 2, 16, 16) and S_ext.shape == (2, 2, 16, 8) and M.dtype == torch.float32
+    assert M.abs().max() > 0.1
+    S_a = x["initial_state"]
+    S_b = torch.randn(S_a.shape, generator=torch.Generator().manual_seed(0))
+    for S0 in (S_a, S_b, torch.zeros_like(S_a)):
+        _, S_end = kda_chunk(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=S0, output_final_state=True)
+        assert rel_rms(M @ S0 + S_ext, S_end) < 1e-5
+    # the per-chunk maps compose to the segment's: M = prod over tokens of (I - beta k k^T) Diag(alpha)
+    M_ref = torch.eye(16, dtype=torch.float64).expand(2, 2, 16, 16)
+    for t in range(T):
+        k, b = x["k"][:, t].double(), x["beta"][:, t, :, None, None].double()
+        step = torch.eye(16, dtype=torch.float64) - b * k[..., :, None] * k[..., None, :]
+        M_ref = step @ torch.diag_embed(x["g"][:, t].double().exp()) @ M_ref
+    assert rel_rms(M, M_ref) < 1e-5
+
+
+def test_chunk_terms_match_definitions() -> None:
+    """W, U, Kg, A_qk of one chunk against the §2.3 definitions written densely (with the explicit UT T)."""
+    x = make_inputs(1, 32, 1, 8, 4, seed=2, dtype=torch.float64)
+    ch = {n: x[n][0, :, 0] for n in ("q", "k", "v", "g")}  # [C, K]
+    beta = x["beta"][0, :, 0]
+    terms = chunk_terms(*(x[n].transpose(1, 2)[:, :, None] for n in ("k", "v", "g", "beta")),
+                        q=x["q"].transpose(1, 2)[:, :, None], scale=0.5)
+    G = ch["g"].cumsum(0)
+    D = torch.exp(G[:, None, :] - G[None, :, :])  # [r, c, K]
+    L = torch.tril(beta[:, None] * torch.einsum("rd,cd,rcd->rc", ch["k"], ch["k"], D), -1)
+    T = torch.linalg.inv(torch.eye(32, dtype=torch.float64) + L) @ torch.diag(beta)
+    torch.testing.assert_close(terms.W[0, 0, 0], T @ (G.exp() * ch["k"]))
+    torch.testing.assert_close(terms.U[0, 0, 0], T @ ch["v"])
+    torch.testing.assert_close(terms.Kg[0, 0, 0], (G[-1] - G).exp() * ch["k"])
+    A_qk = 0.5 * torch.tril(torch.einsum("rd,cd,rcd->rc", ch["q"], ch["k"], D))
+    torch.testing.assert_close(terms.A_qk[0, 0, 0], A_qk)
+    M, _ = chunk_transitions(terms)
+    torch.testing.assert_close(M[0, 0, 0], torch.diag(G[-1].exp()) - terms.Kg[0, 0, 0].T @ terms.W[0, 0, 0])
+
+
+def test_empty_sequence() -> None:
+    x = make_inputs(1, 0, 2, 4, 4, seed=0)
+    o, S = kda_chunk(**x, output_final_state=True)
+    assert o.shape == (1, 0, 2, 4)
+    torch.testing.assert_close(S, x["initial_state"])
+
+
+@pytest.mark.parametrize(
+    ("override", "match"),
+    [
+        ({"v": torch.zeros(1, 9, 2, 4)}, "v.shape"),
+        ({"g": torch.zeros(1, 8, 2, 3)}, "g.shape"),
+        ({"beta": torch.zeros(1, 8, 2, 1)}, "beta.shape"),
+        ({"initial_state": torch.zeros(1, 2, 4, 5)}, "initial_state.shape"),
+        ({"g": torch.full((1, 8, 2, 4), -11.0)}, "g.min"),
+    ],
+)
+def test_bad_input_is_rejected(override: dict[str, torch.Tensor], match: str) -> None:
+    x = make_inputs(1, 8, 2, 4, 4, seed=0)
+    x.update(override)
+    with pytest.raises(ValueError, match=match):
+        kda_chunk(**x)
+
+
+def test_bad_chunk_size_is_rejected() -> None:
+    x = make_inputs(1, 8, 2, 4, 4, seed=0)
+    with pytest.raises(ValueError, match="chunk_size = 40"):
+        kda_chunk(**x, chunk_size=40)
