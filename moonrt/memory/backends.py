@@ -1,0 +1,314 @@
+"""Storage backends for tensors saved for backward (K3_SYSTEMS §8, "one abstraction").
+
+Two layers:
+
+- A **store** keeps a flat byte tensor somewhere and gives it back: :class:`KeepStore` (the compute
+  device), :class:`HostStore` (host memory; pinned and copied on a side CUDA stream when CUDA is
+  present, a plain copy otherwise), :class:`DiskStore` (one memory-mapped file per job, the NVMe
+  tier) and :class:`RemoteStore` (another rank's memory through :mod:`moonrt.memory.remote`).
+- A **codec** turns a tensor into the byte tensors handed to the store: :class:`RawCodec` (bytes
+  as they are) or :class:`FP8Codec` (block-wise E4M3 payload + fp32 scales, :mod:`.fp8`).
+
+A :class:`Backend` is ``codec + store``; compositions are spelled ``"fp8+host"``, ``"fp8+remote"``...
+(:func:`parse_policy`). Recompute is not a backend: the manager runs it as non-reentrant
+checkpointing. Every record knows its bytes per tier so the accounting can report them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import mmap
+import os
+import threading
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from moonrt.memory import fp8
+
+TIERS = ("device", "host", "disk", "remote")
+STORE_NAMES = ("keep", "host", "disk", "remote")
+POLICIES = ("keep", "recompute", "fp8", "host", "disk", "remote", "fp8+host", "fp8+disk", "fp8+remote")
+"""Every policy name the manager and the planner accept."""
+
+
+def parse_policy(name: str, field: str = "policy") -> tuple[bool, str]:
+    """``"fp8+host"`` -> ``(True, "host")``; ``"recompute"`` -> ``(False, "recompute")``.
+
+    Raises ValueError naming ``field``, the value and the known policies.
+    """
+    if name not in POLICIES:
+        raise ValueError(f"{field} = {name!r}: unknown policy; expected one of {', '.join(POLICIES)}")
+    if name == "fp8":
+        return True, "keep"
+    if name.startswith("fp8+"):
+        return True, name[4:]
+    return False, name
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``[n]`` uint8 view of a contiguous tensor's bytes (no copy when already contiguous)."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def storage_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``[storage nbytes]`` uint8 tensor aliasing the whole storage behind ``t`` (views included)."""
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+
+
+# ---------------------------------------------------------------------------------------------
+# Stores: flat uint8 tensors in, the same bytes out
+
+
+class Store(Protocol):
+    tier: str
+
+    def put(self, data: torch.Tensor) -> Any:
+        """Store ``[n]`` uint8 ``data``; returns a record. The caller may reuse ``data`` afterwards."""
+
+    def get(self, record: Any, device: torch.device) -> torch.Tensor:
+        """The stored bytes as ``[n]`` uint8 on ``device``. Thread-safe (called by the prefetcher)."""
+
+    def free(self, record: Any) -> None:
+        """Release the record's space."""
+
+
+class KeepStore:
+    """Keeps the tensor itself on the compute device (no copy)."""
+
+    tier = "device"
+
+    def put(self, data: torch.Tensor) -> Any:
+        return data
+
+    def get(self, record: Any, device: torch.device) -> torch.Tensor:
+        return record
+
+    def free(self, record: Any) -> None:
+        pass
+
+
+class HostStore:
+    """Host memory. With CUDA: pinned buffers and a dedicated copy stream (events order the copies
+    against the compute stream). Without CUDA: a plain copy into a separate host buffer."""
+
+    tier = "host"
+
+    def __init__(self) -> None:
+        self._cuda = torch.cuda.is_available()
+        self._stream = torch.cuda.Stream() if self._cuda else None
+
+    def put(self, data: torch.Tensor) -> Any:
+        if data.device.type == "cuda":
+            assert self._stream is not None
+            buf = torch.empty(data.numel(), dtype=torch.uint8, pin_memory=True)
+            self._stream.wait_stream(torch.cuda.current_stream(data.device))
+            with torch.cuda.stream(self._stream):
+                buf.copy_(data, non_blocking=True)
+                data.record_stream(self._stream)
+                event = torch.cuda.Event()
+                event.record(self._stream)
+            return buf, event
+        return data.clone(), None
+
+    def get(self, record: Any, device: torch.device) -> torch.Tensor:
+        buf, event = record
+        if device.type == "cuda":
+            assert self._stream is not None
+            with torch.cuda.stream(self._stream):
+                self._stream.wait_event(event)
+                out = buf.to(device, non_blocking=True)
+            torch.cuda.current_stream(device).wait_stream(self._stream)
+            out.record_stream(torch.cuda.current_stream(device))
+            return out
+        return buf
+
+    def free(self, record: Any) -> None:
+        pass
+
+
+class DiskStore:
+    """One memory-mapped file per job (the NVMe tier), sized once (a sparse file of ``capacity`` bytes).
+
+    First-fit allocation over 64-byte aligned extents; freed extents are merged. The file is removed
+    by :meth:`close`. ``get`` returns a copy, so the extent can be reused right after ``free``.
+    """
+
+    tier = "disk"
+    ALIGN = 64
+
+    def __init__(self, path: str | Path, capacity: int) -> None:
+        if capacity <= 0:
+            raise ValueError(f"disk capacity = {capacity}: expected a positive number of bytes")
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.capacity = int(capacity)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.ftruncate(self._fd, self.capacity)
+        self._mm = mmap.mmap(self._fd, self.capacity)
+        self._view = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self._free: list[tuple[int, int]] = [(0, self.capacity)]  # sorted (offset, size)
+        self._lock = threading.Lock()
+        self.used = 0
+
+    def _alloc(self, n: int) -> int:
+        size = max(self.ALIGN, -(-n // self.ALIGN) * self.ALIGN)
+        for i, (off, avail) in enumerate(self._free):
+            if avail >= size:
+                self._free[i] = (off + size, avail - size)
+                if avail == size:
+                    del self._free[i]
+                self.used += size
+                return off
+        raise ValueError(f"disk store {str(self.path)!r}: capacity = {self.capacity} bytes exhausted "
+                         f"({self.used} used, {n} requested); raise the disk capacity in the memory policy")
+
+    def put(self, data: torch.Tensor) -> Any:
+        n = data.numel()
+        with self._lock:
+            off = self._alloc(n)
+        self._view[off:off + n].copy_(data.cpu())
+        return off, n
+
+    def get(self, record: Any, device: torch.device) -> torch.Tensor:
+        off, n = record
+        return self._view[off:off + n].to(device, copy=True)
+
+    def free(self, record: Any) -> None:
+        off, n = record
+        size = max(self.ALIGN, -(-n // self.ALIGN) * self.ALIGN)
+        with self._lock:
+            self.used -= size
+            self._free.append((off, size))
+            self._free.sort()
+            merged: list[tuple[int, int]] = []
+            for o, s in self._free:
+                if merged and merged[-1][0] + merged[-1][1] == o:
+                    merged[-1] = (merged[-1][0], merged[-1][1] + s)
+                else:
+                    merged.append((o, s))
+            self._free = merged
+
+    def close(self) -> None:
+        del self._view
+        self._mm.close()
+        os.close(self._fd)
+        self.path.unlink(missing_ok=True)
+
+
+class RemoteStore:
+    """Another rank's memory, through a :class:`moonrt.memory.remote.RemoteClient`."""
+
+    tier = "remote"
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+
+    def put(self, data: torch.Tensor) -> Any:
+        return self.client.put(data), data.numel()
+
+    def get(self, record: Any, device: torch.device) -> torch.Tensor:
+        key, n = record
+        return self.client.get(key, n).to(device)
+
+    def free(self, record: Any) -> None:
+        self.client.free(record[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# Backends: codec + store
+
+
+@dataclasses.dataclass(slots=True)
+class Packed:
+    """One stored tensor (or storage). ``parts``: store records; ``meta``: what the codec needs back."""
+
+    parts: list[Any]
+    meta: Any
+    device: torch.device
+    tier_bytes: dict[str, int]
+
+
+class Backend:
+    """``codec + store``: ``pack(t) -> Packed``, ``unpack(Packed) -> t`` (bitwise equal unless FP8)."""
+
+    def __init__(self, store: Store, use_fp8: bool = False, block: int = 128) -> None:
+        self.store = store
+        self.use_fp8 = use_fp8
+        self.block = block
+        self.name = ("fp8+" if use_fp8 else "") + ("keep" if store.tier == "device" else store.tier)
+        if self.name == "fp8+keep":
+            self.name = "fp8"
+
+    def quantizes(self, t: torch.Tensor) -> bool:
+        """FP8 applies to floating tensors wider than one byte whose tiles are smaller than the raw
+        bytes (a ``[N, 1]`` statistic padded to 128-wide tiles would grow, so it stays raw)."""
+        if not (self.use_fp8 and t.is_floating_point() and t.element_size() > 1 and t.dim() >= 1 and t.numel() > 0):
+            return False
+        return fp8.stored_bytes(t.shape, self.block) < t.numel() * t.element_size()
+
+    def pack(self, t: torch.Tensor) -> Packed:
+        """Store ``t`` (any shape/dtype, contiguous or not). Raw codec: the bytes of ``t``."""
+        with torch.no_grad():
+            if self.quantizes(t):
+                payload, scales = fp8.quantize(t, self.block)
+                datas = [as_bytes(payload), as_bytes(scales)]
+                meta = ("fp8", tuple(t.shape), t.dtype, tuple(scales.shape))
+            else:
+                datas = [as_bytes(t) if self.store.tier != "device" else t]
+                meta = ("raw", tuple(t.shape), t.dtype)
+            parts = [self.store.put(d) for d in datas]
+        nbytes = sum(d.numel() * d.element_size() for d in datas)
+        return Packed(parts, meta, t.device, {self.store.tier: nbytes})
+
+    def fetch(self, packed: Packed) -> list[torch.Tensor]:
+        """Bring the stored parts back to the compute device (the prefetcher calls this early)."""
+        return [self.store.get(p, packed.device) for p in packed.parts]
+
+    def decode(self, packed: Packed, parts: list[torch.Tensor]) -> torch.Tensor:
+        """Rebuild the tensor from fetched parts."""
+        if packed.meta[0] == "fp8":
+            _, shape, dtype, sshape = packed.meta
+            payload = parts[0].view(fp8.E4M3).view(sshape[0], -1)
+            scales = parts[1].view(torch.float32).view(sshape)
+            return fp8.dequantize(payload, scales, shape, dtype)
+        _, shape, dtype = packed.meta
+        if self.store.tier == "device":
+            return parts[0]
+        return parts[0].view(dtype).view(shape)
+
+    def unpack(self, packed: Packed) -> torch.Tensor:
+        return self.decode(packed, self.fetch(packed))
+
+    def free(self, packed: Packed) -> None:
+        for p in packed.parts:
+            self.store.free(p)
+
+
+def make_backend(policy: str, stores: dict[str, Store], block: int = 128) -> Backend:
+    """The backend of a storage policy (not ``recompute``) over the given stores (by store name)."""
+    use_fp8, store = parse_policy(policy)
+    if store == "recompute":
+        raise ValueError("policy = 'recompute' has no storage backend; the manager checkpoints it")
+    if store not in stores:
+        raise ValueError(f"policy = {policy!r}: no {store!r} store configured (have {', '.join(sorted(stores))})")
+    return Backend(stores[store], use_fp8=use_fp8, block=block)
+
+
+__all__ = [
+    "Backend",
+    "DiskStore",
+    "HostStore",
+    "KeepStore",
+    "POLICIES",
+    "Packed",
+    "RemoteStore",
+    "STORE_NAMES",
+    "Store",
+    "TIERS",
+    "as_bytes",
+    "make_backend",
+    "parse_policy",
+    "storage_bytes",
+]

@@ -1,0 +1,396 @@
+"""The unified activation manager (K3_SYSTEMS §8).
+
+Every tensor autograd saves for backward goes through ``torch.autograd.graph.saved_tensors_hooks``
+and is bound to a storage backend chosen by a :class:`~moonrt.memory.policy.MemoryPolicy` from
+the module path (or region name) it was saved in. The model code never calls this module.
+
+- **Keep / FP8 / host / disk / remote and compositions** (:mod:`.backends`).
+- **Recompute**: modules matched by ``recompute`` rules (and ``moe_dispatch_only`` /
+  ``attnres_checkpoint``) run under non-reentrant ``torch.utils.checkpoint``; their inputs are saved
+  through the manager (policy ``keep``, so they are accounted and deduplicated) by an identity
+  anchor node. A rule on a parent module makes the recompute span several layers;
+  :meth:`ActivationManager.checkpoint` does the same for any function.
+- **Dedupe by storage**: parameters and buffers are never stored (autograd keeps the parameter);
+  raw policies store a whole storage once, every view saved from it is rebuilt with ``set_``;
+  FP8 entries are shared by identical views.
+- **Prefetch**: in backward, the first unpack from layer ``l`` starts fetching every offloaded
+  entry of layer ``l - 1`` (forward order) on a background thread; the accounting reports how much
+  reload time was hidden.
+
+Use::
+
+    mgr = ActivationManager(model, policy, remote=client)      # wraps recompute modules
+    with mgr:                                                  # saved-tensor hooks active
+        loss = model(x).sum()
+    loss.backward()
+    print(mgr.accounting.summary())
+    mgr.close()                                                # unwraps, removes the disk file
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import re
+import tempfile
+import threading
+import time
+import warnings
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils.checkpoint import checkpoint
+
+from moonrt.memory.accounting import Accounting
+from moonrt.memory.backends import (
+    Backend,
+    DiskStore,
+    HostStore,
+    KeepStore,
+    Packed,
+    RemoteStore,
+    make_backend,
+    storage_bytes,
+)
+from moonrt.memory.policy import MemoryPolicy
+
+
+def _generalize(path: str) -> str:
+    """``layers.3.attn`` -> ``layers.*.attn`` (for listing known regions)."""
+    return re.sub(r"(^|\.)\d+(?=\.|$)", r"\1*", path)
+
+
+def layer_key(path: str) -> str:
+    """The layer a module path belongs to: the path up to its first numeric component
+    (``layers.3.attn.q`` -> ``layers.3``), else its first component."""
+    parts = path.split(".")
+    for i, p in enumerate(parts):
+        if p.isdigit():
+            return ".".join(parts[: i + 1])
+    return parts[0]
+
+
+class _Anchor(torch.autograd.Function):
+    """Identity whose backward is identity; it saves its inputs so the manager sees (and accounts)
+    the inputs a checkpointed region keeps."""
+
+    @staticmethod
+    def forward(ctx: Any, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.save_for_backward(*xs)
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return grads
+
+
+class _Entry:
+    """One stored unit (a storage for raw policies, a view for FP8), shared by deduplicated saves."""
+
+    __slots__ = ("backend", "packed", "refs", "layer", "future", "parts", "key", "weak", "__weakref__")
+
+    def __init__(self, backend: Backend, packed: Packed, layer: int, key: Any, weak: Any) -> None:
+        self.backend = backend
+        self.packed = packed
+        self.refs = 0
+        self.layer = layer
+        self.future: Future | None = None
+        self.parts: list[torch.Tensor] | None = None
+        self.key = key
+        self.weak = weak
+
+
+class _Handle:
+    """What autograd holds instead of a saved tensor."""
+
+    __slots__ = ("entry", "view", "tensor", "__weakref__")
+
+    def __init__(self, entry: _Entry | None, view: Any, tensor: torch.Tensor | None = None) -> None:
+        self.entry = entry
+        self.view = view
+        self.tensor = tensor
+
+
+class ActivationManager:
+    """Saved-tensor storage policies for one model (K3_SYSTEMS §8). See the module docstring.
+
+    Args:
+        model: the module whose forward runs inside ``with manager:``; module paths are
+            ``model.named_modules()`` names.
+        policy: the :class:`MemoryPolicy` (rules by module path / region name).
+        remote: a :class:`moonrt.memory.remote.RemoteClient` when any rule uses a remote policy.
+    """
+
+    def __init__(self, model: torch.nn.Module, policy: MemoryPolicy | None = None, remote: Any = None) -> None:
+        self.model = model
+        self.policy = policy or MemoryPolicy()
+        self.policy.validate()
+        self.accounting = Accounting()
+        self.remote = remote
+        self._stores: dict[str, Any] = {"keep": KeepStore()}
+        used = {p.split("+")[-1] for p in self.policy.policies_used()}
+        if "host" in used:
+            self._stores["host"] = HostStore()
+        if "disk" in used:
+            path = self.policy.disk_path or tempfile.mktemp(prefix="moonrt-offload-", suffix=".bin")
+            self._stores["disk"] = DiskStore(path, self.policy.disk_capacity_mib * 2**20)
+        if "remote" in used:
+            if remote is None:
+                raise ValueError("memory policy uses a remote policy but no remote client was given "
+                                 "(ActivationManager(..., remote=RemoteClient(peer, group)))")
+            self._stores["remote"] = RemoteStore(remote)
+        self._backends: dict[str, Backend] = {}
+        self._stack: list[str] = []
+        self._layers: dict[str, int] = {}
+        self._entries: dict[Any, _Entry] = {}
+        self._param_ptrs = {(t.device, t.untyped_storage().data_ptr())
+                            for t in list(model.parameters()) + list(model.buffers())}
+        self._lock = threading.RLock()
+        self._prefetched_layers: set[int] = set()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="moonrt-prefetch") if self.policy.prefetch else None
+        self._hooks_ctx: Any = None
+        self._anchoring = False
+        self._handles: list[Any] = []
+        self._wrapped: list[torch.nn.Module] = []
+        self.known_regions = self._attach()
+
+    # ---- setup ---------------------------------------------------------------------------------
+    def _attach(self) -> list[str]:
+        names = {}
+        for name, mod in self.model.named_modules():
+            if not name:
+                continue
+            names[name] = getattr(mod, "memory_region", None)
+            self._handles.append(mod.register_forward_pre_hook(functools.partial(self._enter, name)))
+            self._handles.append(mod.register_forward_hook(functools.partial(self._exit, name), always_call=True))
+        self._module_regions = {n: r for n, r in names.items() if r}
+        known = sorted({_generalize(n) for n in names} | {r for r in names.values() if r})
+        ckpt = {r.match for r in self.policy.rules if r.policy == "recompute"}
+        ckpt |= set(self.policy.moe_dispatch_only) | set(self.policy.attnres_checkpoint)
+        patterns = [r.match for r in self.policy.rules] + list(self.policy.moe_dispatch_only) + list(
+            self.policy.attnres_checkpoint)
+        for pat in patterns:
+            if not any(fnmatch.fnmatchcase(n, pat) or (r and fnmatch.fnmatchcase(r, pat)) for n, r in names.items()):
+                warnings.warn(f"memory policy pattern {pat!r} matches no module or region of the model; "
+                              f"known regions: {', '.join(known)}", stacklevel=3)
+        for name, mod in self.model.named_modules():
+            region = names.get(name)
+            if name and any(fnmatch.fnmatchcase(name, p) or (region and fnmatch.fnmatchcase(region, p)) for p in ckpt):
+                self._wrap_checkpoint(mod)
+        return known
+
+    def _wrap_checkpoint(self, mod: torch.nn.Module) -> None:
+        inner = mod.forward
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled():
+                return inner(*args, **kwargs)
+            return checkpoint(inner, *self._anchor(args), use_reentrant=False, **kwargs)
+
+        mod.forward = forward
+        self._wrapped.append(mod)
+
+    def close(self) -> None:
+        """Remove hooks and wrappers, stop the prefetcher, delete the disk file."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for mod in self._wrapped:
+            del mod.forward
+        self._wrapped.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        disk = self._stores.get("disk")
+        if disk is not None:
+            disk.close()
+
+    # ---- regions -------------------------------------------------------------------------------
+    def _enter(self, name: str, mod: torch.nn.Module, args: Any) -> None:
+        self._stack.append(name)
+
+    def _exit(self, name: str, mod: torch.nn.Module, args: Any, out: Any) -> None:
+        if self._stack and self._stack[-1] == name:
+            self._stack.pop()
+
+    @contextmanager
+    def region(self, name: str):
+        """Mark a named region (for code outside modules, e.g. a pipeline stage executor)."""
+        self._stack.append(name)
+        try:
+            yield
+        finally:
+            self._stack.pop()
+
+    def checkpoint(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Function-level recompute (non-reentrant); may span several layers."""
+        if torch.is_grad_enabled():
+            args = self._anchor(args)
+        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+
+    def _anchor(self, args: Any) -> list[Any]:
+        """Pass the floating tensor arguments of a recompute region through :class:`_Anchor`, so the
+        inputs the checkpoint keeps are saved (policy label ``recompute``, stored as ``keep``)."""
+        args = list(args)
+        idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_floating_point()]
+        if idx:
+            self._anchoring = True
+            try:
+                anchored = _Anchor.apply(*[args[i] for i in idx])
+            finally:
+                self._anchoring = False
+            for i, t in zip(idx, anchored):
+                args[i] = t
+        return args
+
+    def resolve(self, stack: list[str] | None = None) -> tuple[str, str]:
+        """``(region, policy)`` for a save under module stack ``stack`` (innermost last)."""
+        stack = self._stack if stack is None else stack
+        for name in reversed(stack):
+            mod_region = self._module_regions.get(name)
+            for rule in self.policy.rules:
+                if rule.policy == "recompute":
+                    continue
+                hit = fnmatch.fnmatchcase(name, rule.match)
+                if hit or (mod_region and fnmatch.fnmatchcase(mod_region, rule.match)):
+                    return name, rule.policy
+        return (stack[-1] if stack else "<root>"), self.policy.default
+
+    def _backend(self, policy: str) -> Backend:
+        b = self._backends.get(policy)
+        if b is None:
+            b = self._backends[policy] = make_backend(policy, self._stores, self.policy.fp8_block)
+        return b
+
+    # ---- hooks ---------------------------------------------------------------------------------
+    def __enter__(self) -> ActivationManager:
+        self._prefetched_layers.clear()
+        self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks_ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks_ctx.__exit__(*exc)
+        self._hooks_ctx = None
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        t0 = time.perf_counter()
+        storage = t.untyped_storage()
+        sptr = (t.device, storage.data_ptr())
+        if sptr in self._param_ptrs or t.numel() == 0:
+            with self._lock:
+                self.accounting.parameter_saves += sptr in self._param_ptrs
+            return _Handle(None, None, t)
+        stack = list(self._stack)
+        region, policy = self.resolve(stack)
+        label = policy
+        if self._anchoring:
+            policy, label = "keep", "recompute"
+        if policy != "keep" and t.numel() * t.element_size() < self.policy.min_bytes:
+            policy = "keep"
+        layer_name = layer_key(stack[-1]) if stack else "<root>"
+        with self._lock:
+            layer = self._layers.setdefault(layer_name, len(self._layers))
+        backend = self._backend(policy)
+        fp8 = backend.quantizes(t)
+        view = (t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+        key = (policy, sptr, view) if fp8 else (policy, sptr)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and entry.weak.expired():
+                entry = None
+            if entry is not None:
+                entry.refs += 1
+                self.accounting.on_dedupe(region, label)
+                handle = _Handle(entry, view)
+                weakref.finalize(handle, self._release, entry)
+                return handle
+        if fp8:
+            packed = backend.pack(t)
+            logical = t.numel() * t.element_size()
+        elif backend.store.tier == "device":
+            packed = backend.pack(t)  # keeps the tensor itself; bytes counted by storage
+            packed.tier_bytes = {"device": storage.nbytes()}
+            logical = storage.nbytes()
+        else:
+            packed = backend.pack(storage_bytes(t))
+            logical = storage.nbytes()
+        entry = _Entry(backend, packed, layer, key, StorageWeakRef(storage))
+        entry.refs = 1
+        with self._lock:
+            self._entries[key] = entry
+        self.accounting.on_pack(region, label, logical, packed.tier_bytes, time.perf_counter() - t0)
+        handle = _Handle(entry, view, t if backend.store.tier == "device" and not fp8 else None)
+        weakref.finalize(handle, self._release, entry)
+        return handle
+
+    def _release(self, entry: _Entry) -> None:
+        with self._lock:
+            entry.refs -= 1
+            if entry.refs > 0:
+                return
+            if self._entries.get(entry.key) is entry:
+                del self._entries[entry.key]
+            entry.parts = None
+            entry.future = None
+        entry.backend.free(entry.packed)
+        self.accounting.on_release(entry.packed.tier_bytes)
+
+    def _fetch(self, entry: _Entry) -> tuple[list[torch.Tensor], float]:
+        t0 = time.perf_counter()
+        parts = entry.backend.fetch(entry.packed)
+        return parts, time.perf_counter() - t0
+
+    def _start_prefetch(self, layer: int) -> None:
+        if self._pool is None or layer < 0 or layer in self._prefetched_layers:
+            return
+        self._prefetched_layers.add(layer)
+        with self._lock:
+            todo = [e for e in self._entries.values()
+                    if e.layer == layer and e.backend.store.tier != "device" and e.future is None and e.parts is None]
+            for e in todo:
+                e.future = self._pool.submit(self._fetch, e)
+
+    def _unpack(self, handle: _Handle) -> torch.Tensor:
+        if handle.tensor is not None:
+            return handle.tensor
+        t0 = time.perf_counter()
+        entry = handle.entry
+        assert entry is not None
+        self._start_prefetch(entry.layer - 1)
+        if entry.backend.store.tier == "device":
+            parts = entry.backend.fetch(entry.packed)
+        else:
+            with self._lock:
+                parts, fut = entry.parts, entry.future
+            if parts is None:
+                if fut is not None:
+                    w0 = time.perf_counter()
+                    parts, dt = fut.result()
+                    self.accounting.on_fetch(dt, time.perf_counter() - w0, prefetched=True)
+                else:
+                    parts, dt = self._fetch(entry)
+                    self.accounting.on_fetch(dt, dt, prefetched=False)
+                with self._lock:
+                    entry.parts, entry.future = parts, None
+        packed = entry.packed
+        if packed.meta[0] == "fp8":
+            out = entry.backend.decode(packed, parts)
+        else:
+            dtype, shape, stride, offset = handle.view
+            flat = parts[0]
+            out = torch.empty(0, dtype=dtype, device=flat.device).set_(flat.untyped_storage(), offset, shape, stride)
+        self.accounting.on_unpack(time.perf_counter() - t0)
+        return out
+
+    def flush(self) -> None:
+        """Send queued remote frees (call after backward; a new forward does it too)."""
+        if self.remote is not None:
+            self.remote.flush()
+
+
+__all__ = ["ActivationManager", "layer_key"]
