@@ -1,0 +1,242 @@
+"""KCP: context parallelism for Kimi Delta Attention, forward and backward (K3_SYSTEMS §2.4, §7).
+
+The delta rule makes a segment's effect depend on the state entering it, but affinely: for a
+contiguous segment ``S_end = M S_start + S_ext`` (``M [K, K]``, ``S_ext [K, V]`` per head, fp32).
+A CP group of ``c`` ranks, rank ``r`` holding the contiguous slice ``r`` of the sequence
+(:func:`moonrt.comm.cp_ops.split_sizes`), runs:
+
+Forward
+  1. ``(M_r, S_ext_r)`` of the local slice (one chunked pass, fp32). Rank 0 folds the user's
+     initial state ``h0`` in: it publishes ``S_ext_0 + M_0 h0``.
+  2. One all-gather of ``[S_ext | M]`` (``B x H x K x (V + K)`` fp32 per rank).
+  3. Prefix merge ``S_in_r = M_{r-1} S_in_{r-1} + S_ext_{r-1}`` (``S_in_0 = h0`` or zero).
+  4. The ordinary local chunked KDA from ``S_in_r``.
+
+Backward (the transposed chain)
+  1. Local backward of the outputs alone (zero gradient on the leaving state; on the last rank the
+     user's final-state gradient is included) -> input gradients and ``a_r = dS_in_r`` from them.
+  2. One all-gather of ``[a_r | M_r]``.
+  3. Suffix merge: ``dS_out_r = dS_in_{r+1}`` with ``dS_in_j = M_j^T dS_out_j + a_j`` (the chain ends
+     at the last rank with its ``a`` that already holds the final-state gradient).
+  4. Backward of the local leaving state with ``dS_out_r`` (linear in the output gradient, so the
+     two parts add up to the single-process gradient). Rank 0 returns ``dh0``.
+
+Per KDA layer and rank this moves ``B * H * K * (K + V) * 4`` bytes in each pass, independent of
+the sequence length. The local math is :mod:`moonrt.model.kda` (``kda_chunk``, ``kda_transition``):
+this runtime module reaches it through keyword seams ``chunk_fn`` / ``transition_fn`` whose default
+is imported lazily, so a device kernel with the same contract can be swapped in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from moonrt.comm.cp_ops import (
+    CommRecord,
+    dtype_code,
+    exchange_metadata,
+    require_same,
+    require_split,
+)
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+ChunkFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+TransitionFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+_META = ("B", "T", "H", "K", "V", "dtype", "init", "final")
+
+
+def _default_fns() -> tuple[ChunkFn, TransitionFn]:
+    from moonrt.model.kda import kda_chunk, kda_transition
+
+    return kda_chunk, kda_transition
+
+
+def _all_gather(x: torch.Tensor, group: ProcessGroup | None, size: int) -> list[torch.Tensor]:
+    bufs = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(bufs, x.contiguous(), group=group)
+    return bufs
+
+
+class _KCP(torch.autograd.Function):
+    """Autograd function of :func:`kcp_kda`; ``forward`` keeps the local graph for ``backward``."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                beta: torch.Tensor, h0: torch.Tensor | None, group: ProcessGroup | None, rank: int, size: int,
+                scale: float, final: bool, chunk_size: int, chunk_fn: ChunkFn, transition_fn: TransitionFn,
+                record: CommRecord | None) -> tuple[torch.Tensor, torch.Tensor]:
+        last = rank == size - 1
+        with torch.no_grad():
+            M, S_ext = transition_fn(k, v, g, beta, chunk_size=chunk_size)  # [B,H,K,K], [B,H,K,V] fp32
+            if h0 is not None:
+                S_ext = S_ext + M @ h0.to(M.dtype)
+            payload = torch.cat([S_ext, M], dim=-1)  # [B, H, K, V + K]
+            parts = _all_gather(payload, group, size)
+            V = S_ext.shape[-1]
+            if h0 is not None:
+                S_in = h0.to(M.dtype)
+            else:
+                S_in = torch.zeros_like(S_ext)
+                for j in range(rank):  # prefix merge (§7 step 3)
+                    S_in = parts[j][..., V:] @ S_in + parts[j][..., :V]
+        if record is not None:
+            record.fwd_sent += payload.numel() * payload.element_size()
+            record.fwd_recv += (size - 1) * payload.numel() * payload.element_size()
+
+        needs = ctx.needs_input_grad[:6]
+        ctx.meta = (group, rank, size, record, V)
+        if not any(needs):
+            with torch.no_grad():
+                o, S_out = chunk_fn(q, k, v, g, beta, scale=scale, initial_state=S_in,
+                                    output_final_state=final and last, chunk_size=chunk_size)
+            ctx.graph = None
+            return o, (S_out if S_out is not None else o.new_zeros(0))
+        # Keep the local graph (built on detached leaves) instead of recomputing it in backward.
+        leaves = [t.detach().requires_grad_(n) for t, n in zip((q, k, v, g, beta), needs[:5])]
+        s_leaf = S_in.detach().requires_grad_(True)
+        with torch.enable_grad():
+            o, S_out = chunk_fn(*leaves, scale=scale, initial_state=s_leaf, output_final_state=True,
+                                chunk_size=chunk_size)
+        ctx.graph = (leaves, s_leaf, o, S_out)
+        ctx.save_for_backward(M)
+        ctx.has_h0 = h0 is not None
+        return o.detach(), (S_out.detach() if final and last else o.new_zeros(0))
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, d_o: torch.Tensor, d_final: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        group, rank, size, record, V = ctx.meta
+        if ctx.graph is None:
+            raise RuntimeError("kcp_kda: backward called but no input required grad in forward")
+        leaves, s_leaf, o, S_out = ctx.graph
+        ctx.graph = None
+        (M,) = ctx.saved_tensors
+        last = rank == size - 1
+        wrt = [t for t in leaves if t.requires_grad] + [s_leaf]
+        # Step 1: outputs (and, on the last rank, the user's final-state gradient).
+        outs, grads = [o], [d_o]
+        if last and d_final.numel():
+            outs.append(S_out)
+            grads.append(d_final.to(S_out.dtype))
+        part1 = torch.autograd.grad(outs, wrt, grads, retain_graph=not last, allow_unused=True)
+        a = part1[-1] if part1[-1] is not None else torch.zeros_like(s_leaf)
+        # Step 2: one all-gather of [a | M].
+        payload = torch.cat([a, M], dim=-1)
+        parts = _all_gather(payload, group, size)
+        if record is not None:
+            record.bwd_sent += payload.numel() * payload.element_size()
+            record.bwd_recv += (size - 1) * payload.numel() * payload.element_size()
+        total = list(part1)
+        if not last:
+            # Step 3: suffix merge for the gradient of the state leaving this slice.
+            d_out = parts[size - 1][..., :V]
+            for j in range(size - 2, rank, -1):
+                d_out = parts[j][..., V:].transpose(-1, -2) @ d_out + parts[j][..., :V]
+            # Step 4: backward of the leaving state.
+            part2 = torch.autograd.grad([S_out], wrt, [d_out], allow_unused=True)
+            total = [x if y is None else (y if x is None else x + y) for x, y in zip(part1, part2)]
+        it = iter(total)
+        result: list[torch.Tensor | None] = [next(it) if t.requires_grad else None for t in leaves]
+        d_s = next(it)
+        result.append(d_s if ctx.has_h0 and ctx.needs_input_grad[5] else None)
+        return (*result, None, None, None, None, None, None, None, None, None)
+
+
+def kcp_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    group: ProcessGroup | None,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    *,
+    chunk_size: int = 64,
+    record: CommRecord | None = None,
+    chunk_fn: ChunkFn | None = None,
+    transition_fn: TransitionFn | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Context-parallel KDA over ``group`` (KCP, K3_SYSTEMS §7); the contract of ``kda_chunk`` per slice.
+
+    Each rank of ``group`` passes its contiguous slice of one sequence (rank ``r`` owns tokens
+    ``[r*T//c, (r+1)*T//c)``, :func:`moonrt.comm.cp_ops.split_sizes`):
+
+    Args:
+        q, k: ``[B, T_r, H, K]`` queries and keys of this slice (used as given).
+        v: ``[B, T_r, H, V]`` values.
+        g: ``[B, T_r, H, K]`` log-decay (<= 0, >= -10 for the chunk form).
+        beta: ``[B, T_r, H]`` write strength.
+        group: the CP process group (``None``: the default group).
+        scale: query scale, default ``K ** -0.5``.
+        initial_state: ``[B, H, K, V]`` fp32 state before the sequence's first token, on CP rank 0
+            only (other ranks pass None).
+        output_final_state: return the state after the sequence's last token on the last CP rank.
+        chunk_size: chunk length C of the local chunked form.
+        record: optional byte counter (:class:`moonrt.comm.cp_ops.CommRecord`).
+        chunk_fn, transition_fn: local kernels with the contracts of ``moonrt.model.kda.kda_chunk``
+            and ``kda_transition`` (default: those).
+
+    Returns:
+        ``o [B, T_r, H, V]`` in v's dtype (this slice's outputs), and ``S_T [B, H, K, V]`` fp32 on the
+        last CP rank when ``output_final_state`` (None elsewhere). Differentiable in q, k, v, g, beta
+        and ``initial_state``; gradients equal those of single-process ``kda_chunk`` on the whole
+        sequence. Collective: every rank of ``group`` must call it; shapes, dtypes and slice lengths
+        are checked first by one small metadata all-gather and a mismatch raises ``ValueError`` on
+        every rank (no hang).
+    """
+    what = "kcp_kda"
+    rank = dist.get_rank(group)
+    size = dist.get_world_size(group)
+    error = _local_error(q, k, v, g, beta, initial_state, rank)
+    values = None
+    if error is None:
+        B, T, H, K = k.shape
+        values = [B, T, H, K, v.shape[-1], dtype_code(v.dtype), int(initial_state is not None),
+                  int(output_final_state)]
+    table = exchange_metadata(what, group, _META, values, error)
+    for field, label in (("B", "batch size B"), ("H", "head count H"), ("K", "key dim K"), ("V", "value dim V"),
+                         ("dtype", "dtype"), ("final", "output_final_state")):
+        require_same(what, table, field, label)
+    require_split(what, [row["T"] for row in table])
+    default_chunk, default_transition = _default_fns() if chunk_fn is None or transition_fn is None else (None, None)
+    chunk_fn = chunk_fn or default_chunk
+    transition_fn = transition_fn or default_transition
+    scale = k.shape[-1] ** -0.5 if scale is None else scale
+    o, final = _KCP.apply(q, k, v, g, beta, initial_state, group, rank, size, scale, output_final_state,
+                          chunk_size, chunk_fn, transition_fn, record)
+    return o, (final if output_final_state and rank == size - 1 else None)
+
+
+def _local_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 initial_state: torch.Tensor | None, rank: int) -> str | None:
+    """This rank's input problems as a message (None when fine); raised on every rank by the metadata exchange."""
+    if k.dim() != 4:
+        return f"k.shape = {tuple(k.shape)}: expected [B, T, H, K]"
+    B, T, H, K = k.shape
+    if q.shape != k.shape:
+        return f"q.shape = {tuple(q.shape)}: expected k's shape {tuple(k.shape)} [B, T, H, K]"
+    if g.shape != k.shape:
+        return f"g.shape = {tuple(g.shape)}: expected k's shape {tuple(k.shape)} [B, T, H, K]"
+    if v.dim() != 4 or v.shape[:3] != (B, T, H):
+        return f"v.shape = {tuple(v.shape)}: expected [B, T, H, V] = [{B}, {T}, {H}, V]"
+    if beta.shape != (B, T, H):
+        return f"beta.shape = {tuple(beta.shape)}: expected [B, T, H] = [{B}, {T}, {H}]"
+    dtypes = {t.dtype for t in (q, k, v, g, beta)}
+    if len(dtypes) != 1 or dtype_code(v.dtype) < 0:
+        return f"dtypes {sorted(str(d) for d in dtypes)}: expected one floating dtype for q, k, v, g, beta"
+    if initial_state is not None:
+        if rank != 0:
+            return "initial_state given on a CP rank other than 0: expected it on CP rank 0 only (the sequence start)"
+        if initial_state.shape != (B, H, K, v.shape[-1]):
+            return (f"initial_state.shape = {tuple(initial_state.shape)}: expected [B, H, K, V] = "
+                    f"[{B}, {H}, {K}, {v.shape[-1]}]")
+    return None
