@@ -284,8 +284,9 @@ def kda_chunk(
     V = v.shape[-1]
     scale = K ** -0.5 if scale is None else scale
     dtype = _compute_dtype(q, k, v, g, beta)
-    C = chunk_size
-    _sub_tile(C)
+    _sub_tile(chunk_size)
+    # a sequence shorter than one chunk (e.g. decoding) uses the smallest valid chunk that holds it
+    C = min(chunk_size, T if T <= SUB_TILE else -(-T // SUB_TILE) * SUB_TILE)
     if T == 0:
         S = None if not output_final_state else (
             k.new_zeros(B, H, K, V, dtype=dtype) if initial_state is None else initial_state.to(dtype))
