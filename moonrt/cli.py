@@ -13,9 +13,11 @@ import sys
 
 # name -> (module, one-line help). Keep sorted by the order a user meets them.
 COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("moonrt.train", "train the K3 model (default: k3_tiny on the stdlib sources) -- the main job"),
     "launch": ("moonrt.cluster.launch", "run N local ranks of a command (or --selftest), like torchrun"),
     "selftest": ("moonrt.cluster.selftest", "multi-rank communication self-test with a bandwidth table"),
     "sbatch": ("moonrt.cluster.sbatch", "write (and optionally submit) a SLURM batch script for a job"),
+    "ep-sim": ("moonrt.scheduler.sim", "simulate expert placement (MoonEP, EPLB, none) on a routing workload"),
 }
 
 
