@@ -1,0 +1,342 @@
+"""``moonrt train``: train the K3 model (default: ``k3_tiny`` on the stdlib sources, bytes) -- the main job.
+
+With no arguments it runs the embedded default :class:`JobConfig`: k3_tiny, byte tokenizer, the
+Python standard library's ``*.py`` files as corpus (:mod:`moonrt.data`), AdamW, linear warmup +
+cosine decay, gradient clipping, Quantile Balancing bias updates after every step, a tqdm bar with
+loss and tokens/s, periodic held-out eval, and a summary comparing the final eval loss with the
+held-out unigram entropy (nats/token).
+
+Exactness contract (what later parallel runs are compared against):
+
+- the global batch of step ``s`` is ``data.global_batch(train, seed, s, batch_size, seq_len)``, a
+  function of ``(seed, s)`` only; a rank trains on :func:`moonrt.data.shard` of it;
+- the loss is the mean over all tokens of the global batch: each rank computes the *sum* of its
+  token losses and divides by the global token count, gradients are summed across ranks;
+- the learning rate is a function of the step; checkpoints hold model, optimizer and step, so
+  ``--resume`` continues bit-identically (checkpoints are written to a temp file, then renamed);
+- only rank 0 writes metrics, checkpoints and the progress bar.
+
+The single-process path calls the hooks of :class:`Runtime` with their local defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from moonrt import data
+from moonrt.config import ConfigError, ParallelConfig, check, from_dict, load_yaml, save_yaml, to_dict
+from moonrt.model.config import PRESETS, K3Config
+from moonrt.model.context import LOCAL, AttentionContext
+
+CHECKPOINT = "checkpoint.pt"
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class DataConfig:
+    """Where tokens come from (:mod:`moonrt.data`)."""
+
+    corpus: str | None = None
+    """None: the stdlib sources (bytes); a path: a text file, or a token file when ``token_dtype`` is set."""
+    token_dtype: data.TokenDtype | None = None
+    heldout_fraction: float = 0.05
+    """Fraction of a user corpus held out for eval (the stdlib corpus holds out every 16th file)."""
+
+    def validate(self) -> None:
+        check(0.0 < self.heldout_fraction < 1.0, "heldout_fraction", self.heldout_fraction, "a number in (0, 1)")
+        check(self.token_dtype is None or self.corpus is not None, "token_dtype", self.token_dtype,
+              "null unless corpus names a token file")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class OptimConfig:
+    """Optimizer, schedule and step knobs."""
+
+    steps: int = 300
+    batch_size: int = 16
+    """Sequences per global batch (per optimizer step), whatever the parallel layout."""
+    seq_len: int = 128
+    lr: float = 4e-3
+    min_lr_ratio: float = 0.1
+    """Cosine decays to ``lr * min_lr_ratio`` at the last step."""
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    seed: int = 0
+    eval_every: int = 50
+    eval_windows: int = 32
+    """Held-out windows of ``seq_len`` tokens per eval (the same windows every time)."""
+    checkpoint_every: int = 100
+    routing_bias_update: bool = True
+    """Quantile Balancing update of every MoE layer's router bias after each step (K3_SYSTEMS §5.3)."""
+
+    def validate(self) -> None:
+        for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_windows", "checkpoint_every"):
+            value = getattr(self, name)
+            check(value >= 1, name, value, "an integer >= 1")
+        check(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "an integer >= 0")
+        check(self.lr > 0, "lr", self.lr, "a positive number")
+        check(0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]")
+        check(self.weight_decay >= 0, "weight_decay", self.weight_decay, "a number >= 0")
+        check(0 <= self.beta1 < 1, "beta1", self.beta1, "a number in [0, 1)")
+        check(0 <= self.beta2 < 1, "beta2", self.beta2, "a number in [0, 1)")
+        check(self.grad_clip > 0, "grad_clip", self.grad_clip, "a positive number (max global grad norm)")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class JobConfig:
+    """A whole training job (``moonrt train --config FILE``; every key optional)."""
+
+    model: str = "k3_tiny"
+    """A preset name of :data:`moonrt.model.config.PRESETS` (ignored when ``model_config`` is given)."""
+    model_config: K3Config | None = None
+    """A full model config; overrides ``model``."""
+    moe: dict[str, Any] | None = None
+    """LatentMoE options (Quantile Balancing estimator, ...), the fields of the MoE config class."""
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    memory_policy: str | None = None
+    """Path of an activation-memory policy YAML (applied by the activation manager when present)."""
+    out_dir: str = "runs/train"
+    """Checkpoints (``checkpoint.pt``) and the resolved ``config.yaml`` go here."""
+
+    def validate(self) -> None:
+        check(self.model in PRESETS, "model", self.model, "one of " + ", ".join(sorted(PRESETS)))
+
+    def model_cfg(self) -> K3Config:
+        return self.model_config if self.model_config is not None else PRESETS[self.model]()
+
+
+# ---------------------------------------------------------------------------------------------
+# Runtime hooks: the single-process defaults. Parallel runs (EP/CP/DP) pass their own.
+
+
+@dataclasses.dataclass
+class Runtime:
+    """Where this process sits and how it talks to the others (all local by default).
+
+    ``grad_all_reduce`` sums a tensor in place over the ranks that hold replicas of the same
+    parameters; ``stat_all_reduce`` sums router statistics over every rank that routed tokens
+    (handed to :meth:`K3Model.update_routing_bias`); ``scalar_all_reduce`` sums a float over all ranks.
+    """
+
+    dp_rank: int = 0
+    dp_size: int = 1
+    cp_rank: int = 0
+    cp_size: int = 1
+    is_main: bool = True
+    ctx: AttentionContext = LOCAL
+    grad_all_reduce: Callable[[torch.Tensor], Any] | None = None
+    stat_all_reduce: Callable[[torch.Tensor], Any] | None = None
+    scalar_all_reduce: Callable[[float], float] | None = None
+
+    def sum_scalar(self, x: float) -> float:
+        return x if self.scalar_all_reduce is None else self.scalar_all_reduce(x)
+
+
+def lr_at(step: int, cfg: OptimConfig) -> float:
+    """Learning rate of optimizer step ``step`` (0-based): linear warmup, then cosine to ``min_lr_ratio``."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.steps - cfg.warmup_steps - 1)
+    t = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def build_model(job: JobConfig) -> torch.nn.Module:
+    from moonrt.model.model import K3Model
+    from moonrt.model.moe import moe_config_from_dict
+
+    torch.manual_seed(job.optim.seed)
+    return K3Model(job.model_cfg(), moe_config_from_dict(job.moe))
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW; matrices (dim >= 2, except the embedding) get weight decay, vectors and embedding do not."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (decay if p.dim() >= 2 and not name.startswith("embed") else no_decay).append(p)
+    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
+
+
+def evaluate(model: torch.nn.Module, windows: np.ndarray, batch_size: int, rt: Runtime) -> float:
+    """Mean next-token loss (nats/token) over the held-out ``windows [N, T + 1]``."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0.0
+    with torch.no_grad():
+        for i in range(0, len(windows), batch_size):
+            x, y = data.shard(windows[i:i + batch_size], 0, 1, rt.cp_rank, rt.cp_size)
+            total += float(model.loss_sum(torch.from_numpy(x), torch.from_numpy(y), ctx=rt.ctx))
+            count += y.size
+    model.train(was_training)
+    return rt.sum_scalar(total) / rt.sum_scalar(count)
+
+
+def save_checkpoint(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, step: int,
+                    job: JobConfig) -> None:
+    """Atomically write ``{model, optimizer, step, config}`` (temp file in the same dir, then rename)."""
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
+                "config": to_dict(job)}, tmp)
+    os.replace(tmp, path)
+
+
+def train(job: JobConfig, rt: Runtime | None = None, metrics_path: str | None = None, resume: bool = False,
+          until: int | None = None, progress: bool = True) -> dict[str, float]:
+    """Run the job; returns the summary (``final_eval_loss``, ``unigram_entropy``, ...)."""
+    rt = rt or Runtime()
+    cfg = job.optim
+    mcfg = job.model_cfg()
+    corpus = data.load_corpus(job.data.corpus, job.data.token_dtype, mcfg.vocab_size, job.data.heldout_fraction)
+    if cfg.batch_size % rt.dp_size:
+        raise ConfigError(f"optim.batch_size = {cfg.batch_size}: expected a multiple of the data-parallel size "
+                          f"{rt.dp_size}")
+    out = Path(job.out_dir)
+    ckpt = out / CHECKPOINT
+    model = build_model(job)
+    opt = build_optimizer(model, cfg)
+    start = 0
+    if resume:
+        if not ckpt.is_file():
+            raise ValueError(f"--resume: no checkpoint at {str(ckpt)!r}")
+        state = torch.load(ckpt, map_location="cpu", weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        start = int(state["step"])
+    if rt.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        save_yaml(job, out / "config.yaml")
+    stop = cfg.steps if until is None else min(until, cfg.steps)
+    heldout = data.eval_windows(corpus.heldout, cfg.eval_windows, cfg.seq_len)
+    baseline = data.unigram_entropy(corpus.heldout, corpus.vocab_size)
+    global_tokens = cfg.batch_size * cfg.seq_len
+    metrics = open(metrics_path, "a" if resume else "w") if (metrics_path and rt.is_main) else None  # noqa: SIM115
+    n_params = sum(p.numel() for p in model.parameters())
+    if rt.is_main and progress:
+        print(f"moonrt train: {job.model if job.model_config is None else 'custom'} ({n_params / 1e6:.2f}M params, "
+              f"pattern {mcfg.pattern}), corpus {corpus.description}: {len(corpus.train):,} train / "
+              f"{len(corpus.heldout):,} held-out tokens; {cfg.steps} steps x {global_tokens} tokens", flush=True)
+    bar = tqdm(range(start, stop), initial=start, total=cfg.steps, disable=not (rt.is_main and progress),
+               dynamic_ncols=True, desc="train")
+    model.train()
+    losses: list[float] = []
+    eval_loss = math.nan
+    t_start = time.perf_counter()
+    tokens_done = 0
+    try:
+        for step in bar:
+            t0 = time.perf_counter()
+            lr = lr_at(step, cfg)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            batch = data.global_batch(corpus.train, cfg.seed, step, cfg.batch_size, cfg.seq_len)
+            x, y = data.shard(batch, rt.dp_rank, rt.dp_size, rt.cp_rank, rt.cp_size)
+            loss = model.loss_sum(torch.from_numpy(x), torch.from_numpy(y), ctx=rt.ctx) / global_tokens
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if rt.grad_all_reduce is not None:
+                for p in model.parameters():
+                    if p.grad is not None:
+                        rt.grad_all_reduce(p.grad)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
+            opt.step()
+            if cfg.routing_bias_update:
+                model.update_routing_bias(rt.stat_all_reduce)
+            loss_value = rt.sum_scalar(float(loss.detach()))
+            dt = time.perf_counter() - t0
+            tokens_done += global_tokens
+            losses.append(loss_value)
+            record = {"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
+                      "tokens_per_s": global_tokens / dt, "tokens": (step + 1) * global_tokens}
+            if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+                eval_loss = evaluate(model, heldout, cfg.batch_size, rt)
+                record["eval_loss"] = eval_loss
+            if metrics is not None:
+                metrics.write(json.dumps(record) + "\n")
+                metrics.flush()
+            bar.set_postfix(loss=f"{loss_value:.3f}", eval=f"{eval_loss:.3f}", tok_s=f"{global_tokens / dt:,.0f}")
+            if rt.is_main and ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == stop):
+                save_checkpoint(ckpt, model, opt, step + 1, job)
+    finally:
+        bar.close()
+        if metrics is not None:
+            metrics.close()
+    wall = time.perf_counter() - t_start
+    summary = {"steps": stop, "train_loss": float(np.mean(losses[-10:])) if losses else math.nan,
+               "final_eval_loss": eval_loss, "unigram_entropy": baseline,
+               "tokens_per_s": tokens_done / wall if wall > 0 else math.nan, "wall_s": wall, "params": n_params}
+    if rt.is_main and progress:
+        print(f"summary: {stop} steps in {wall:.0f} s ({summary['tokens_per_s']:,.0f} tokens/s); "
+              f"train loss {summary['train_loss']:.3f}; eval loss {eval_loss:.3f} nats/token vs held-out "
+              f"unigram entropy {baseline:.3f} ({eval_loss - baseline:+.3f}); checkpoint {ckpt}", flush=True)
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="job config YAML (a JobConfig; all keys optional)")
+    parser.add_argument("--steps", type=int, help="optimizer steps (optim.steps)")
+    parser.add_argument("--seed", type=int, help="data order and init seed (optim.seed)")
+    parser.add_argument("--batch-size", type=int, help="sequences per global batch (optim.batch_size)")
+    parser.add_argument("--seq-len", type=int, help="tokens per sequence (optim.seq_len)")
+    parser.add_argument("--lr", type=float, help="peak learning rate (optim.lr)")
+    parser.add_argument("--eval-every", type=int, help="eval interval in steps (optim.eval_every)")
+    parser.add_argument("--model", help="model preset: " + ", ".join(sorted(PRESETS)))
+    parser.add_argument("--corpus", help="text file, or token file with --token-dtype (default: stdlib sources)")
+    parser.add_argument("--token-dtype", choices=["uint16", "uint32"], help="--corpus is a binary token file")
+    parser.add_argument("--out", help="output dir for checkpoints and config.yaml (out_dir)")
+    parser.add_argument("--metrics", help="write JSON lines {step, loss, lr, tokens_per_s, ...} to this file")
+    parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    parser.add_argument("--until", type=int, help="stop after this step (checkpointed); the schedule still uses --steps")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar or summary line")
+
+
+def job_from_args(args: argparse.Namespace) -> JobConfig:
+    """The job config: ``--config`` (or the default), then command-line overrides."""
+    raw = to_dict(load_yaml(JobConfig, args.config)) if args.config else to_dict(JobConfig())
+    optim = {"steps": args.steps, "seed": args.seed, "batch_size": args.batch_size, "seq_len": args.seq_len,
+             "lr": args.lr, "eval_every": args.eval_every}
+    raw["optim"].update({k: v for k, v in optim.items() if v is not None})
+    if args.model is not None:
+        raw["model"] = args.model
+    if args.corpus is not None:
+        raw["data"]["corpus"] = args.corpus
+    if args.token_dtype is not None:
+        raw["data"]["token_dtype"] = args.token_dtype
+    if args.out is not None:
+        raw["out_dir"] = args.out
+    return from_dict(JobConfig, raw)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        job = job_from_args(args)
+        if job.parallel.world_size != 1:
+            raise ConfigError(f"parallel = {to_dict(job.parallel)}: multi-rank training is not available yet "
+                              "(expected all degrees 1)")
+        summary = train(job, metrics_path=args.metrics, resume=args.resume, until=args.until,
+                        progress=not args.no_progress)
+    except (ConfigError, ValueError) as exc:
+        print(f"moonrt train: error: {exc}")
+        return 2
+    return 0 if math.isfinite(summary["train_loss"]) else 1
