@@ -307,7 +307,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", help="output dir for checkpoints and config.yaml (out_dir)")
     parser.add_argument("--metrics", help="write JSON lines {step, loss, lr, tokens_per_s, ...} to this file")
     parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
-    parser.add_argument("--until", type=int, help="stop after this step (checkpointed); the schedule still uses --steps")
+    parser.add_argument("--until", type=int, help="stop after this step (checkpointed); schedule still uses --steps")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar or summary line")
 
 
