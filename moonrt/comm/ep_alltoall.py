@@ -1,0 +1,45 @@
+"""Plain all-to-all expert parallelism: the baseline without balancing (K3_SYSTEMS §6.3, §6.4).
+
+Every token-expert assignment goes to the expert's home rank (rank h homes experts
+``[h*E/R, (h+1)*E/R)``); there are no slots and no weight copies. A rank receives as many rows as
+its home experts were chosen, so under skewed routing the hottest rank computes far more than
+``s * k`` rows and the whole group waits for it. Same verbs and validation as
+:class:`moonrt.comm.moonep.MoonEPDispatcher` (it is that class with the identity placement), so
+benchmarks swap one for the other.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from moonrt.comm.moonep import MoonEPDispatcher, Placement, SlotPool
+
+
+def home_placement(counts: torch.Tensor) -> Placement:
+    """Identity placement for ``counts [R, E]``: ``alloc[e, home(e)] = load[e]``, no slots.
+
+    ``capacity[r]`` is the load of rank r's home experts (it depends on the routing).
+    """
+    world, num_experts = counts.shape
+    per_rank = num_experts // world
+    experts = torch.arange(num_experts)
+    alloc = torch.zeros(num_experts, world, dtype=torch.int64)
+    alloc[experts, experts // per_rank] = counts.to(torch.int64).sum(0)
+    return Placement(alloc=alloc, copies=torch.empty(world, 0, dtype=torch.int64), capacity=alloc.sum(0))
+
+
+class AllToAllDispatcher(MoonEPDispatcher):
+    """Unbalanced EP dispatch / combine: tokens to their experts' home ranks.
+
+    ``dispatch`` returns ``cu_seqlens [E+1]`` and a routing-dependent number of rows;
+    ``prefetch_weights`` returns empty ``[0, *shape]`` slot tensors (there are no slots).
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, capacity: int, hidden: int, top_k: int,
+                 num_experts: int, num_slots: int | None = None, *, pool: SlotPool | None = None) -> None:
+        super().__init__(group, capacity, hidden, top_k, num_experts, num_slots=0, pool=None)
+
+    def place(self, counts: torch.Tensor, total_tokens: int | None) -> tuple[object, Placement]:
+        placement = home_placement(counts)
+        return placement, placement

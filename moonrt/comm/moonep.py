@@ -1,0 +1,329 @@
+"""MoonEP dispatcher: balanced expert-parallel dispatch / combine with static shapes (K3_SYSTEMS §6).
+
+One :class:`MoonEPDispatcher` per EP group, DeepEP style: sized once from ``(capacity, hidden,
+top_k, num_experts, num_slots)``, verbs in pairs (``dispatch`` returns a :class:`EPHandle` that
+``prefetch_weights`` and ``combine`` consume). Per MoE layer call (§6.3):
+
+1. every rank validates its input and all-gathers one int64 row ``[status, s, counts[E]]``: the
+   ``[R, E]`` routing counts plus an error flag, so bad input on one rank raises a ValueError on
+   *every* rank instead of leaving the others blocked in the next collective;
+2. every rank runs the same deterministic planner (:func:`moonrt.scheduler.moonep.plan`) and
+   computes its own send/receive layout locally (:mod:`moonrt.comm.ep_transport`);
+3. one all-to-all moves tokens (and their top-k weights) into expert-grouped rows. Rank d receives
+   exactly ``plan.capacity[d]`` rows (``s * k`` when every rank passes the same s), whatever the
+   routing: the output shape depends only on s;
+4. ``prefetch_weights`` copies the planned experts' weights from their home ranks into the slot
+   rows (from one :class:`SlotPool` that all layers may share); their gradients flow back to the
+   home rank's parameter;
+5. ``combine`` returns each token's k weighted expert outputs summed in token order.
+
+The plain all-to-all baseline (:class:`moonrt.comm.ep_alltoall.AllToAllDispatcher`) is this class
+with the identity placement (every assignment to its home rank).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from moonrt.comm.ep_transport import (
+    EPLayout,
+    WeightLayout,
+    build_layout,
+    build_weight_layout,
+    combine_tokens,
+    dispatch_tokens,
+    fetch_slot_weights,
+)
+
+_ERRORS = {
+    1: "x / topk_ids / topk_weights shapes or dtypes",
+    2: "s larger than the configured capacity",
+    3: "topk ids out of range",
+    4: "duplicate experts in one token's top-k",
+}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Placement:
+    """Where every assignment is computed: the fields of a ``MoonEPPlan`` that the data path needs.
+
+    ``alloc [E, R]``, ``copies [R, B]`` (-1 = empty slot), ``capacity [R]``: int64 tensors (CPU).
+    """
+
+    alloc: torch.Tensor
+    copies: torch.Tensor
+    capacity: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EPHandle:
+    """What ``dispatch`` hands to ``prefetch_weights`` and ``combine`` (one MoE layer call).
+
+    ``plan``: the planner's ``MoonEPPlan`` (or the baseline's :class:`Placement`).
+    ``counts [R, E]`` int64: the all-gathered routing counts. ``topk_weights [s, k]``: this rank's
+    router weights (combine applies them). ``layout`` / ``weight_layout``: this rank's transport.
+    """
+
+    plan: object
+    counts: torch.Tensor
+    topk_weights: torch.Tensor
+    layout: EPLayout
+    weight_layout: WeightLayout
+    rank: int
+    deps: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    """The dispatched rows and prefetched slots, passed to combine to fix the backward order."""
+
+    @property
+    def rows(self) -> int:
+        """Rows this rank computes (= ``plan.capacity[rank]``)."""
+        return self.layout.rows
+
+    def home_cu_seqlens(self) -> torch.Tensor:
+        """``[E/R + 1]`` int64: segment bounds of this rank's home experts (rows ``[0, home_rows)``)."""
+        E = self.counts.shape[1]
+        per_rank = E // self.counts.shape[0]
+        return self.layout.cu_seqlens[self.rank * per_rank:(self.rank + 1) * per_rank + 1]
+
+    def slot_cu_seqlens(self) -> torch.Tensor:
+        """``[B + 1]`` int64: segment bounds of the slots, relative to ``home_rows``."""
+        E = self.counts.shape[1]
+        return self.layout.cu_seqlens[E:] - self.layout.cu_seqlens[E]
+
+    @property
+    def home_rows(self) -> int:
+        """Rows ``[0, home_rows)`` belong to home experts; ``[home_rows, rows)`` to the slots."""
+        return int(self.layout.cu_seqlens[self.counts.shape[1]])
+
+
+@dataclasses.dataclass(slots=True)
+class EPCounters:
+    """Cumulative counters of one dispatcher (forward calls only; backward mirrors them).
+
+    ``token_bytes_sent [R]``: bytes of activations this rank sent to each peer (dispatch + combine;
+    the entry for itself is a local copy). ``weight_bytes_sent [R]``: expert-weight bytes sent to
+    each peer by ``prefetch_weights``. ``rows_computed``: rows received by the last dispatch.
+    ``experts_prefetched``: slots filled, summed over calls. ``calls``: dispatches.
+    """
+
+    token_bytes_sent: list[int]
+    weight_bytes_sent: list[int]
+    rows_computed: int = 0
+    experts_prefetched: int = 0
+    calls: int = 0
+
+    @classmethod
+    def zeros(cls, world: int) -> EPCounters:
+        return cls(token_bytes_sent=[0] * world, weight_bytes_sent=[0] * world)
+
+
+class SlotPool:
+    """One ``[B, P]`` buffer of prefetched expert weights, shared by every layer's dispatcher (§6.3).
+
+    ``P`` is the number of elements of one expert's weights (all tensors flattened). A later layer's
+    prefetch overwrites the buffer, so anything that saved an earlier layer's slot views for
+    backward must recompute them (``moonrt.comm.ep_parallel`` re-prefetches in backward); autograd's
+    version counter turns a forgotten recompute into an error, never into wrong gradients.
+    """
+
+    def __init__(self, num_slots: int, numel_per_expert: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
+        self.buffer = torch.zeros(num_slots, numel_per_expert, dtype=dtype, device=device)
+
+
+class MoonEPDispatcher:
+    """MoonEP dispatch / combine over one EP group (K3_SYSTEMS §6.3).
+
+    Args:
+        group: the EP process group (``None``: the default group). Rank h homes experts
+            ``[h*E/R, (h+1)*E/R)``.
+        capacity: S, the most tokens a rank passes per call.
+        hidden: H, width of the dispatched activations (K3: the latent width).
+        top_k: k, experts per token.
+        num_experts: E, divisible by the group size R.
+        num_slots: B, prefetch slots per rank (default E/R, which always suffices, §6.2).
+        pool: optional :class:`SlotPool` shared with other layers' dispatchers.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, capacity: int, hidden: int, top_k: int,
+                 num_experts: int, num_slots: int | None = None, *, pool: SlotPool | None = None) -> None:
+        self.group = group
+        self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        for name, value in (("capacity", capacity), ("hidden", hidden), ("top_k", top_k),
+                            ("num_experts", num_experts)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} = {value!r}: expected an integer >= 1")
+        if num_experts % self.world_size:
+            raise ValueError(f"num_experts = {num_experts}: expected a multiple of the EP group size "
+                             f"{self.world_size}")
+        if top_k > num_experts:
+            raise ValueError(f"top_k = {top_k}: expected <= num_experts ({num_experts})")
+        self.capacity, self.hidden, self.top_k, self.num_experts = capacity, hidden, top_k, num_experts
+        self.experts_per_rank = num_experts // self.world_size
+        self.num_slots = self.experts_per_rank if num_slots is None else num_slots
+        if isinstance(self.num_slots, bool) or not isinstance(self.num_slots, int) or self.num_slots < 0:
+            raise ValueError(f"num_slots = {num_slots!r}: expected an integer >= 0")
+        self.pool = pool
+        self.counters = EPCounters.zeros(self.world_size)
+
+    @property
+    def num_segments(self) -> int:
+        """E + B: length of ``cu_seqlens`` minus one."""
+        return self.num_experts + self.num_slots
+
+    # ---- planning ---------------------------------------------------------------------------------
+    def place(self, counts: torch.Tensor, total_tokens: int | None) -> tuple[object, Placement]:
+        """Run the MoonEP planner on the all-gathered ``counts [R, E]``; returns ``(plan, placement)``."""
+        from moonrt.scheduler.moonep import plan
+
+        p = plan(counts.numpy(), num_slots=self.num_slots, total_tokens=total_tokens)
+        as_t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(torch.int64)
+        return p, Placement(alloc=as_t(p.alloc), copies=as_t(p.copies), capacity=as_t(p.capacity))
+
+    # ---- verbs ------------------------------------------------------------------------------------
+    def _check(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> tuple[int, str]:
+        k, E = self.top_k, self.num_experts
+        if x.dim() != 2 or x.shape[1] != self.hidden or not x.dtype.is_floating_point:
+            return 1, f"x: shape {tuple(x.shape)} dtype {x.dtype}, expected a float tensor [s, {self.hidden}]"
+        s = x.shape[0]
+        if topk_ids.shape != (s, k) or topk_ids.dtype != torch.int64:
+            return 1, f"topk_ids: shape {tuple(topk_ids.shape)} dtype {topk_ids.dtype}, expected int64 [{s}, {k}]"
+        if topk_weights.shape != (s, k) or not topk_weights.dtype.is_floating_point:
+            return 1, (f"topk_weights: shape {tuple(topk_weights.shape)} dtype {topk_weights.dtype}, "
+                       f"expected a float tensor [{s}, {k}]")
+        if s > self.capacity:
+            return 2, f"x: s = {s} tokens, expected s <= capacity = {self.capacity}"
+        if s and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= E):
+            bad = topk_ids[(topk_ids < 0) | (topk_ids >= E)][0]
+            return 3, f"topk_ids: value {int(bad)} out of range, expected expert ids in [0, {E})"
+        if s and k > 1:
+            srt = topk_ids.sort(dim=1).values
+            dup = (srt[:, 1:] == srt[:, :-1]).any(1)
+            if bool(dup.any()):
+                t = int(dup.nonzero()[0])
+                return 4, (f"topk_ids: token {t} lists expert {topk_ids[t].tolist()} with a duplicate, "
+                           "expected k distinct experts per token")
+        return 0, ""
+
+    def dispatch(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, EPHandle]:
+        """Send every token-expert assignment to the rank the plan computes it on.
+
+        Args:
+            x: ``[s, H]`` float, this rank's tokens (``s <= capacity``).
+            topk_ids: ``[s, k]`` int64, distinct expert ids in ``[0, E)`` per token.
+            topk_weights: ``[s, k]`` float, router weights (applied by :meth:`combine`).
+
+        Returns:
+            ``recv_x [rows, H]``: the assignments this rank computes, grouped by segment.
+            ``recv_weights [rows]``: their router weights (for kernels that fold the weight into the
+            expert; then call ``combine(..., weighted=False)``).
+            ``cu_seqlens [E+B+1]`` int64 (CPU): segment i spans ``cu_seqlens[i]:cu_seqlens[i+1]``;
+            i < E is expert i (only home experts non-empty), E + j is ``handle.plan.copies[rank, j]``.
+            ``handle``: for :meth:`prefetch_weights` and :meth:`combine`. ``rows == plan.capacity[rank]``.
+
+        Raises ValueError on every rank of the group if any rank's input is invalid.
+        """
+        try:
+            code, message = self._check(x, topk_ids, topk_weights)
+        except Exception as exc:  # never skip the all-gather below: the other ranks would hang in it
+            code, message = 1, f"{type(exc).__name__}: {exc}"
+        E, R = self.num_experts, self.world_size
+        row = torch.zeros(2 + E, dtype=torch.int64)
+        row[0] = code
+        if code == 0:
+            row[1] = x.shape[0]
+            row[2:] = torch.bincount(topk_ids.reshape(-1).cpu(), minlength=E)
+        if R > 1:
+            table = torch.empty(R * (2 + E), dtype=torch.int64)
+            dist.all_gather_single(table, row, group=self.group)
+            table = table.view(R, 2 + E)
+        else:
+            table = row.view(1, 2 + E)
+        if code:
+            raise ValueError(f"MoonEP dispatch (EP rank {self.rank}): {message}")
+        if bool((table[:, 0] != 0).any()):
+            bad = int((table[:, 0] != 0).nonzero()[0])
+            reason = _ERRORS.get(int(table[bad, 0]), "invalid input")
+            raise ValueError(f"MoonEP dispatch: EP rank {bad} passed invalid input ({reason}); "
+                             "see that rank's error for details")
+        counts = table[:, 2:].contiguous()
+        sizes = table[:, 1]
+        total = int(sizes.sum()) if bool((sizes != sizes[0]).any()) else None
+        plan, placement = self.place(counts, total)
+        layout = build_layout(topk_ids, counts, placement.alloc, placement.copies, self.rank)
+        if layout.rows != int(placement.capacity[self.rank]):
+            raise RuntimeError(f"MoonEP layout has {layout.rows} rows, plan capacity is "
+                               f"{int(placement.capacity[self.rank])}: planner and layout disagree")
+        wlayout = build_weight_layout(placement.copies, E, self.rank)
+        recv_x, recv_w = dispatch_tokens(x, topk_weights, layout, self.group)
+        handle = EPHandle(plan=plan, counts=counts, topk_weights=topk_weights, layout=layout,
+                          weight_layout=wlayout, rank=self.rank)
+        handle.deps.append(recv_x)
+        row_bytes = self.hidden * x.element_size()
+        for d, n in enumerate(layout.send_splits):
+            self.counters.token_bytes_sent[d] += n * (row_bytes + topk_weights.element_size())
+        self.counters.rows_computed = layout.rows
+        self.counters.calls += 1
+        return recv_x, recv_w, layout.cu_seqlens, handle
+
+    def prefetch_weights(self, handle: EPHandle, expert_weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Fill the slot rows with copies of the planned experts' weights, point-to-point from home ranks.
+
+        Args:
+            handle: from :meth:`dispatch`.
+            expert_weights: this rank's home expert weights, each ``[E/R, *shape]`` (local expert
+                ``i`` is global expert ``rank * E/R + i``).
+
+        Returns:
+            One ``[B, *shape]`` tensor per weight; slot j holds expert ``plan.copies[rank, j]``
+            (zeros if empty). Differentiable: slot gradients are summed into the home rank's
+            ``expert_weights`` gradients. Views of the :class:`SlotPool` buffer if one is set.
+        """
+        epr = self.experts_per_rank
+        for i, w in enumerate(expert_weights):
+            if w.dim() < 1 or w.shape[0] != epr:
+                raise ValueError(f"expert_weights[{i}]: shape {tuple(w.shape)}, expected [E/R = {epr}, ...]")
+        numel = sum(w[0].numel() for w in expert_weights)
+        out = None
+        if self.pool is not None:
+            buf = self.pool.buffer
+            if buf.shape != (self.num_slots, numel) or buf.dtype != expert_weights[0].dtype:
+                raise ValueError(f"pool: buffer {tuple(buf.shape)} {buf.dtype}, expected "
+                                 f"[{self.num_slots}, {numel}] {expert_weights[0].dtype}")
+            out = buf
+        wl = handle.weight_layout
+        slots = fetch_slot_weights(tuple(expert_weights), wl, self.group, out=out, dep=handle.deps[0])
+        handle.deps.extend(slots)
+        nbytes = numel * expert_weights[0].element_size()
+        for d, n in enumerate(wl.send_splits):
+            self.counters.weight_bytes_sent[d] += n * nbytes
+        self.counters.experts_prefetched += int(wl.filled.sum())
+        return slots
+
+    def combine(self, y: torch.Tensor, handle: EPHandle, weighted: bool = True) -> torch.Tensor:
+        """Sum each token's k expert outputs back in token order.
+
+        Args:
+            y: ``[rows, H]`` expert outputs in the row order of :meth:`dispatch`.
+            handle: from the matching :meth:`dispatch`.
+            weighted: multiply by the router weights (``False`` if the expert already did, with
+                ``recv_weights``).
+
+        Returns:
+            ``[s, H]``: ``out[t] = sum_j w[t, j] * y[row(t, j)]``, summed in fp32 with j ascending.
+        """
+        if y.dim() != 2 or y.shape[0] != handle.layout.rows:
+            raise ValueError(f"y: shape {tuple(y.shape)}, expected [rows = {handle.layout.rows}, H]")
+        w = handle.topk_weights if weighted else torch.ones_like(handle.topk_weights)
+        out = combine_tokens(y, w, handle.layout, self.group, deps=tuple(handle.deps))
+        row_bytes = y.shape[1] * y.element_size()
+        for d, n in enumerate(handle.layout.recv_splits):
+            self.counters.token_bytes_sent[d] += n * row_bytes
+        return out
