@@ -1,0 +1,178 @@
+"""Routing workloads for the expert-placement simulation: synthetic generators and recorded traces.
+
+A workload is the per-step, per-layer router counts ``counts [steps, layers, R, E]``:
+``counts[t, l, r, e]`` = token-expert assignments that EP rank ``r`` routes to expert ``e`` in MoE
+layer ``l`` at step ``t`` (the input of the MoonEP planner, K3_SYSTEMS §6.3).
+
+Trace file format (``.npz``, written by :func:`save_trace`, read by :func:`load_trace` and
+``moonrt ep-sim --trace``; ``moonrt train`` records the same format):
+
+* ``counts``: integer array ``[steps, layers, R, E]`` (required; ``[steps, R, E]`` is read as one
+  layer). Non-negative. Within one (step, layer), every rank's row sums to ``s_r * k``.
+* ``top_k``: integer scalar k (optional; default: inferred as 1 if rows do not share a total).
+* ``tokens_per_rank``: integer array ``[steps, layers, R]`` of ``s_r`` (optional). If absent, ranks
+  are assumed to route ``counts[t, l, r].sum() / top_k`` tokens each.
+* ``layer_ids``: integer array ``[layers]`` of the model's layer indices (optional, informational).
+
+Synthetic generators (:func:`synthetic`): expert popularity ``p`` per layer, ``uniform``,
+``lognormal`` (``p_e = exp(sigma * N(0, 1))``) or ``zipf`` (``p ∝ 1 / rank^s``), with the hot
+experts at random ids; per step each share is multiplied by ``1 + drift * U(-1, 1)`` (``drift``
+0.3 = the ±30% per-step fluctuation of K3_SYSTEMS §6.4) and renormalized. Each rank then draws its
+``s * k`` assignments from the shares, with no expert receiving more than ``s`` assignments from
+one rank (each token picks k distinct experts): shares are water-filled to at most ``1/k`` and any
+multinomial overflow is redrawn onto experts with room.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["Workload", "synthetic", "save_trace", "load_trace", "maxvio", "popularity", "sample_counts"]
+
+KINDS = ("uniform", "lognormal", "zipf")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Router counts ``[steps, layers, R, E]`` int64 plus metadata (see the module docstring)."""
+
+    counts: np.ndarray
+    top_k: int
+    tokens_per_rank: np.ndarray | None
+    name: str
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        t, l, r, e = self.counts.shape
+        return t, l, r, e
+
+    def equal_rank_totals(self) -> bool:
+        tot = self.counts.sum(-1)
+        return bool((tot == tot[..., :1]).all())
+
+    def steps(self) -> Iterator[tuple[int, int, np.ndarray]]:
+        """Yields ``(step, layer, counts [R, E])``."""
+        for t in range(self.counts.shape[0]):
+            for l in range(self.counts.shape[1]):
+                yield t, l, self.counts[t, l]
+
+
+def maxvio(load: np.ndarray) -> float:
+    """``max_e(T_e / mean_T) - 1`` over experts for ``load [E]`` (K3_SYSTEMS §6.3); 0 for no load."""
+    load = np.asarray(load, np.float64)
+    mean = load.mean()
+    return float(load.max() / mean - 1.0) if mean > 0 else 0.0
+
+
+def popularity(kind: str, num_experts: int, rng: np.random.Generator, sigma: float = 1.0,
+               zipf_s: float = 1.0) -> np.ndarray:
+    """``[E]`` float64 expert shares summing to 1, hot experts at random ids."""
+    if kind == "uniform":
+        p = np.ones(num_experts)
+    elif kind == "lognormal":
+        p = np.exp(sigma * rng.standard_normal(num_experts))
+    elif kind == "zipf":
+        p = 1.0 / np.arange(1, num_experts + 1, dtype=np.float64) ** zipf_s
+        p = p[rng.permutation(num_experts)]
+    else:
+        raise ValueError(f"kind: {kind!r}, expected one of {KINDS}")
+    return p / p.sum()
+
+
+def _water_fill(p: np.ndarray, cap: float) -> np.ndarray:
+    """Shares with every entry <= cap (excess spread proportionally over the others), sum 1."""
+    q = p.copy()
+    for _ in range(q.shape[0]):
+        over = q > cap + 1e-15
+        if not over.any():
+            break
+        excess = (q[over] - cap).sum()
+        q[over] = cap
+        room = ~over & (q < cap)
+        q[room] += excess * q[room] / q[room].sum()
+    return q / q.sum()
+
+
+def sample_counts(shares: np.ndarray, num_ranks: int, tokens_per_rank: int, top_k: int,
+                  rng: np.random.Generator) -> np.ndarray:
+    """``[R, E]`` int64 counts: each rank's ``s*k`` assignments drawn from ``shares [E]``, <= s per expert."""
+    E = shares.shape[0]
+    if top_k > E:
+        raise ValueError(f"top_k: {top_k}, expected <= num_experts ({E})")
+    s, k = tokens_per_rank, top_k
+    q = _water_fill(shares, 1.0 / k)
+    c = rng.multinomial(s * k, q, size=num_ranks).astype(np.int64)
+    for r in np.nonzero((c > s).any(1))[0]:  # redraw overflow onto experts with room
+        while True:
+            over = np.maximum(c[r] - s, 0)
+            n = int(over.sum())
+            if n == 0:
+                break
+            c[r] -= over
+            w = q * (c[r] < s)
+            w = w if w.sum() > 0 else (c[r] < s).astype(np.float64)
+            c[r] += rng.multinomial(n, w / w.sum())
+    return c
+
+
+def synthetic(kind: str = "lognormal", *, num_experts: int = 896, num_ranks: int = 64, top_k: int = 16,
+              tokens_per_rank: int = 4096, steps: int = 16, layers: int = 2, sigma: float = 1.0,
+              zipf_s: float = 1.0, drift: float = 0.3, seed: int = 0) -> Workload:
+    """Generate a synthetic workload (defaults: K3, E=896, k=16, R=64, s=4096; K3_SYSTEMS §1, §6.4)."""
+    for name, v in (("num_experts", num_experts), ("num_ranks", num_ranks), ("top_k", top_k),
+                    ("steps", steps), ("layers", layers)):
+        if v < 1:
+            raise ValueError(f"{name}: {v}, expected an integer >= 1")
+    if tokens_per_rank < 0:
+        raise ValueError(f"tokens_per_rank: {tokens_per_rank}, expected >= 0")
+    if not 0.0 <= drift < 1.0:
+        raise ValueError(f"drift: {drift}, expected 0 <= drift < 1 (relative per-step fluctuation of shares)")
+    rng = np.random.default_rng(seed)
+    base = [popularity(kind, num_experts, rng, sigma, zipf_s) for _ in range(layers)]
+    counts = np.empty((steps, layers, num_ranks, num_experts), np.int64)
+    for t in range(steps):
+        for l in range(layers):
+            p = base[l] * (1.0 + drift * rng.uniform(-1.0, 1.0, num_experts))
+            counts[t, l] = sample_counts(p / p.sum(), num_ranks, tokens_per_rank, top_k, rng)
+    extra = {"lognormal": f"sigma={sigma}", "zipf": f"s={zipf_s}", "uniform": ""}.get(kind, "")
+    name = f"{kind}({extra}) drift={drift:.0%}" if extra else f"{kind} drift={drift:.0%}"
+    return Workload(counts, top_k, None, name)
+
+
+def save_trace(path: str | Path, counts: np.ndarray, top_k: int, tokens_per_rank: np.ndarray | None = None,
+               layer_ids: np.ndarray | None = None) -> None:
+    """Write a trace ``.npz`` (format in the module docstring)."""
+    c = np.asarray(counts)
+    if c.ndim != 4:
+        raise ValueError(f"counts: shape {c.shape}, expected [steps, layers, R, E]")
+    arrays: dict[str, np.ndarray] = {"counts": c, "top_k": np.asarray(int(top_k))}
+    if tokens_per_rank is not None:
+        arrays["tokens_per_rank"] = np.asarray(tokens_per_rank)
+    if layer_ids is not None:
+        arrays["layer_ids"] = np.asarray(layer_ids)
+    np.savez_compressed(path, **arrays)
+
+
+def load_trace(path: str | Path) -> Workload:
+    """Read a trace ``.npz``; validates shape, dtype and signs (ValueError naming the field)."""
+    with np.load(path) as z:
+        if "counts" not in z.files:
+            raise ValueError(f"{path}: no 'counts' array (found {z.files}); expected counts [steps, layers, R, E]")
+        c = z["counts"]
+        top_k = int(z["top_k"]) if "top_k" in z.files else 1
+        tpr = z["tokens_per_rank"] if "tokens_per_rank" in z.files else None
+    if c.ndim == 3:
+        c = c[:, None]
+    if c.ndim != 4 or c.dtype.kind not in "iu":
+        raise ValueError(f"{path}: counts has shape {c.shape} dtype {c.dtype}; expected integer [steps, layers, R, E]")
+    if c.size and c.min() < 0:
+        raise ValueError(f"{path}: counts has negative entries (min {c.min()}); expected assignment counts >= 0")
+    if top_k < 1:
+        raise ValueError(f"{path}: top_k = {top_k}, expected >= 1")
+    if tpr is not None and tpr.shape != c.shape[:3]:
+        raise ValueError(f"{path}: tokens_per_rank has shape {tpr.shape}, expected {c.shape[:3]}")
+    return Workload(c.astype(np.int64), top_k, None if tpr is None else tpr.astype(np.int64), Path(path).name)
