@@ -230,9 +230,11 @@ def _local_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
         return f"v.shape = {tuple(v.shape)}: expected [B, T, H, V] = [{B}, {T}, {H}, V]"
     if beta.shape != (B, T, H):
         return f"beta.shape = {tuple(beta.shape)}: expected [B, T, H] = [{B}, {T}, {H}]"
-    dtypes = {t.dtype for t in (q, k, v, g, beta)}
-    if len(dtypes) != 1 or dtype_code(v.dtype) < 0:
-        return f"dtypes {sorted(str(d) for d in dtypes)}: expected one floating dtype for q, k, v, g, beta"
+    if len({q.dtype, k.dtype, v.dtype}) != 1:
+        return f"q, k, v dtypes = {q.dtype}, {k.dtype}, {v.dtype}: expected one dtype"
+    bad = [(n, t.dtype) for n, t in zip("q k v g beta".split(), (q, k, v, g, beta)) if dtype_code(t.dtype) < 0]
+    if bad:
+        return f"{bad[0][0]}.dtype = {bad[0][1]}: expected a floating dtype (float32, bfloat16, float16, float64)"
     if initial_state is not None:
         if rank != 0:
             return "initial_state given on a CP rank other than 0: expected it on CP rank 0 only (the sequence start)"
