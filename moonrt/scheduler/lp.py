@@ -23,6 +23,7 @@ best proven lower bound where the solver reports one).
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,6 +47,8 @@ class LPResult:
         copies: per rank, the sorted list of copied expert ids, or None.
         solver: the solver used ("HiGHS" or "PULP_CBC_CMD").
         seconds: wall time of the solve.
+        raw_status: the solver's own status (HiGHS model status, e.g. "kTimeLimit"; for CBC the
+            PuLP status and solution status).
     """
 
     status: str
@@ -55,6 +58,7 @@ class LPResult:
     copies: list[list[int]] | None
     solver: str
     seconds: float
+    raw_status: str = ""
 
 
 def _solver(name: str | None, time_limit: float | None) -> pulp.LpSolver:
@@ -62,7 +66,9 @@ def _solver(name: str | None, time_limit: float | None) -> pulp.LpSolver:
     order = [name] if name else ["HiGHS", "PULP_CBC_CMD"]
     for n in order:
         if n in available:
-            return pulp.getSolver(n, msg=False, timeLimit=time_limit)
+            with warnings.catch_warnings():  # PULP_CBC_CMD (bundled CBC) warns about PuLP 4.0
+                warnings.simplefilter("ignore", DeprecationWarning)
+                return pulp.getSolver(n, msg=False, timeLimit=time_limit)
     raise ValueError(f"solver: {name!r} is not available; available MILP solvers: {available}")
 
 
@@ -97,9 +103,9 @@ def solve_placement(counts: np.ndarray, num_slots: int | None = None, *, total_t
     experts = [e for e in range(E) if load[e] > 0]
 
     prob = pulp.LpProblem("moonep_placement", pulp.LpMinimize)
-    x = {(e, r): pulp.LpVariable(f"x_{e}_{r}", lowBound=0, upBound=int(load[e]), cat="Integer")
-         for e in experts for r in range(R)}
-    y = {(e, r): pulp.LpVariable(f"y_{e}_{r}", cat="Binary") for e in experts for r in range(R) if home[e] != r}
+    var = prob.add_variable if hasattr(prob, "add_variable") else pulp.LpVariable  # PuLP >= 3.3 / older
+    x = {(e, r): var(f"x_{e}_{r}", 0, int(load[e]), cat="Integer") for e in experts for r in range(R)}
+    y = {(e, r): var(f"y_{e}_{r}", 0, 1, cat="Binary") for e in experts for r in range(R) if home[e] != r}
     prob += pulp.lpSum(y.values()) if y else pulp.LpAffineExpression(0)
     for e in experts:
         prob += pulp.lpSum(x[e, r] for r in range(R)) == int(load[e]), f"load_{e}"
@@ -115,7 +121,7 @@ def solve_placement(counts: np.ndarray, num_slots: int | None = None, *, total_t
         room = max(upper, int(cap[r])) if upper is not None else int(cap[r])
         prob += x[e, r] <= int(min(load[e], room)) * yv, f"link_{e}_{r}"
     if one_group:
-        z = {(h, r): pulp.LpVariable(f"z_{h}_{r}", cat="Binary") for h in range(R) for r in range(R) if h != r}
+        z = {(h, r): var(f"z_{h}_{r}", 0, 1, cat="Binary") for h in range(R) for r in range(R) if h != r}
         for (e, r), yv in y.items():
             prob += yv <= z[int(home[e]), r], f"group_{e}_{r}"
         for r in range(R):
@@ -129,6 +135,11 @@ def solve_placement(counts: np.ndarray, num_slots: int | None = None, *, total_t
     status = {pulp.LpSolutionOptimal: "optimal", pulp.LpSolutionIntegerFeasible: "feasible",
               pulp.LpSolutionInfeasible: "infeasible"}.get(sol, "not_solved")
     bound: float | None = None
+    raw = f"{pulp.LpStatus[prob.status]}/{pulp.LpSolution[sol]}"
+    if slv.name == "HiGHS" and hasattr(prob, "solverModel"):
+        raw = str(prob.solverModel.getModelStatus()).split(".")[-1]
+        if status == "optimal" and raw != "kOptimal":  # PuLP maps limits with an incumbent to "optimal"
+            status = "feasible"
     if status in ("optimal", "feasible"):
         alloc = np.zeros((E, R), np.int64)
         for (e, r), v in x.items():
@@ -142,5 +153,5 @@ def solve_placement(counts: np.ndarray, num_slots: int | None = None, *, total_t
                 bound = float(prob.solverModel.getInfo().mip_dual_bound)
             except Exception:  # noqa: BLE001 - the bound is informational only
                 bound = None
-        return LPResult(status, n, bound, alloc, copies, slv.name, seconds)
-    return LPResult(status, None, None, None, None, slv.name, seconds)
+        return LPResult(status, n, bound, alloc, copies, slv.name, seconds, raw)
+    return LPResult(status, None, None, None, None, slv.name, seconds, raw)
