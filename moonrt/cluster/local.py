@@ -135,6 +135,33 @@ def run_ranks(
         return results
 
 
+def _root_cause(procs: list, workdir: str, first: int) -> int:
+    """The rank whose failure came first: when one rank dies or raises, its peers' collectives fail
+    a moment later, so wait briefly for them, then blame a rank that died without a traceback
+    (killed), else the one whose traceback was written first."""
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline and any(p.exitcode is None for p in procs):
+        time.sleep(0.01)
+    failed = [
+        r for r, p in enumerate(procs)
+        if p.exitcode not in (None, 0) or (p.exitcode == 0 and not (Path(workdir) / f"result{r}.pkl").exists())
+    ] or [first]
+    errors = {r: Path(workdir) / f"error{r}.txt" for r in failed}
+    silent = [r for r in failed if not errors[r].exists()]
+    if silent:
+        return min(silent)
+    return min(failed, key=lambda r: (errors[r].stat().st_mtime_ns, r))
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
 def _wait(procs: list, workdir: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     pending = set(range(len(procs)))
@@ -144,9 +171,14 @@ def _wait(procs: list, workdir: str, timeout: float) -> None:
             if code is None:
                 continue
             pending.discard(r)
-            if code != 0:
+            if code != 0 or not (Path(workdir) / f"result{r}.pkl").exists():
+                r = _root_cause(procs, workdir, r)
                 err = Path(workdir) / f"error{r}.txt"
-                detail = err.read_text() if err.exists() else f"exited with code {code} (no traceback: killed?)"
+                code = procs[r].exitcode
+                if code == 0:
+                    raise RankError(r, f"rank {r} of {len(procs)} failed: exited early (exit code 0) before fn "
+                                       "returned")
+                detail = err.read_text() if err.exists() else f"{_describe_exit(code)} without a Python traceback"
                 raise RankError(r, f"rank {r} of {len(procs)} failed:\n{detail}")
         if not pending:
             return

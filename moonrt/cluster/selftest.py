@@ -169,7 +169,11 @@ def run(args: argparse.Namespace) -> int:
     from moonrt.cluster.env import init_distributed
 
     torch.set_num_threads(1)
-    rdzv = init_distributed()
+    try:
+        rdzv = init_distributed()
+    except ValueError as exc:  # launcher environment incomplete or malformed (ConfigError included)
+        print(f"moonrt selftest: {exc}", file=sys.stderr)
+        return 2
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         t0 = time.perf_counter()

@@ -1,0 +1,171 @@
+"""Launcher detection from fake environments (no processes): torchrun, SLURM, MPI, single, and bad input."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from test_cluster_report import clean_env
+
+from moonrt.cluster.env import (
+    SLURM_PORT_BASE,
+    Rendezvous,
+    default_dist_config,
+    detect_rendezvous,
+    parse_hostlist,
+    slurm_port,
+)
+from moonrt.config import ConfigError
+
+TORCHRUN = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "node7", "MASTER_PORT": "29400"}
+SLURM = {"SLURM_PROCID": "5", "SLURM_STEP_NUM_TASKS": "8", "SLURM_LOCALID": "1", "SLURM_JOB_ID": "4321",
+         "SLURM_STEP_ID": "2", "SLURM_STEP_NODELIST": "gpu[03-06]", "SLURM_JOB_NODELIST": "gpu[01-06]",
+         "SLURM_NTASKS": "16"}
+
+
+def test_torchrun():
+    assert detect_rendezvous(TORCHRUN) == Rendezvous(3, 4, 1, "node7", 29400, "torchrun")
+
+
+def test_torchrun_wins_over_slurm_and_local_rank_defaults_to_rank():
+    env = {**SLURM, **TORCHRUN}
+    del env["LOCAL_RANK"]
+    assert detect_rendezvous(env) == Rendezvous(3, 4, 3, "node7", 29400, "torchrun")
+
+
+@pytest.mark.parametrize(
+    ("drop", "missing"),
+    [(["WORLD_SIZE"], "WORLD_SIZE"), (["MASTER_ADDR", "MASTER_PORT"], "MASTER_ADDR, MASTER_PORT"),
+     (["RANK"], "RANK")],
+)
+def test_torchrun_partial(drop, missing):
+    env = {k: v for k, v in TORCHRUN.items() if k not in drop}
+    with pytest.raises(ValueError, match=rf"incomplete torchrun environment: .* missing {missing}$"):
+        detect_rendezvous(env)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [("RANK", "x", r"RANK = 'x': expected an integer >= 0"),
+     ("RANK", "4", r"RANK = 4: expected a rank below the world size 4"),
+     ("WORLD_SIZE", "0", r"WORLD_SIZE = '0': expected an integer >= 1"),
+     ("MASTER_PORT", "70000", r"MASTER_PORT = 70000: expected a TCP port in 1..65535")],
+)
+def test_torchrun_bad_values(key, value, message):
+    with pytest.raises(ValueError, match=message):
+        detect_rendezvous({**TORCHRUN, key: value})
+
+
+def test_slurm_step():
+    r = detect_rendezvous(SLURM)
+    # world from SLURM_STEP_NUM_TASKS (8), never SLURM_NTASKS (16); master = first host of the step
+    assert r == Rendezvous(5, 8, 1, "gpu03", slurm_port(4321, 2), "slurm")
+    assert slurm_port(4321, 2) == SLURM_PORT_BASE + (4321 % 1250) * 16 + 2
+
+
+def test_slurm_job_nodelist_fallback_and_master_override():
+    env = {k: v for k, v in SLURM.items() if k != "SLURM_STEP_NODELIST"}
+    assert detect_rendezvous(env).master_addr == "gpu01"
+    env.update(MASTER_ADDR="10.0.0.1", MASTER_PORT="1234")
+    r = detect_rendezvous(env)
+    assert (r.master_addr, r.master_port, r.source) == ("10.0.0.1", 1234, "slurm")
+
+
+def test_slurm_ports_differ_between_steps_and_jobs():
+    ports = {slurm_port(job, step) for job in range(1000, 1100) for step in range(16)}
+    assert len(ports) == 100 * 16
+    assert all(SLURM_PORT_BASE <= p < 30000 for p in ports)
+
+
+def test_slurm_batch_script_outside_srun_is_an_error():
+    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0", "SLURM_JOB_ID": "7",
+           "SLURM_JOB_NODELIST": "vm"}
+    with pytest.raises(ValueError, match=r"SLURM_PROCID is set but SLURM_STEP_NUM_TASKS is missing"):
+        detect_rendezvous(env)
+
+
+@pytest.mark.parametrize("drop", ["SLURM_LOCALID", "SLURM_JOB_ID"])
+def test_slurm_partial(drop):
+    env = {k: v for k, v in SLURM.items() if k != drop}
+    with pytest.raises(ValueError, match=rf"incomplete SLURM environment: .* missing {drop}$"):
+        detect_rendezvous(env)
+
+
+def test_slurm_without_nodelist():
+    env = {k: v for k, v in SLURM.items() if "NODELIST" not in k}
+    with pytest.raises(ValueError, match=r"missing SLURM_STEP_NODELIST and SLURM_JOB_NODELIST"):
+        detect_rendezvous(env)
+
+
+def test_slurm_bad_nodelist():
+    with pytest.raises(ValueError, match=r"SLURM_STEP_NODELIST = 'gpu\[03-': .*unmatched '\['"):
+        detect_rendezvous({**SLURM, "SLURM_STEP_NODELIST": "gpu[03-"})
+
+
+def test_openmpi_and_mpich():
+    ompi = {"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "0"}
+    assert detect_rendezvous(ompi) == Rendezvous(2, 4, 0, None, None, "mpi")
+    pmi = {"PMI_RANK": "1", "PMI_SIZE": "3", "MPI_LOCALRANKID": "1", "MASTER_ADDR": "h", "MASTER_PORT": "99"}
+    assert detect_rendezvous(pmi) == Rendezvous(1, 3, 1, "h", 99, "mpi")
+
+
+def test_mpi_partial():
+    with pytest.raises(ValueError, match=r"incomplete MPICH/PMI environment: PMI_RANK set but missing PMI_SIZE, "
+                                         r"MPI_LOCALRANKID"):
+        detect_rendezvous({"PMI_RANK": "0"})
+
+
+def test_mpiexec_inside_slurm_allocation_prefers_mpi():
+    # Hydra starts one proxy per node with srun: SLURM sees 1 task, MPI sees 4 ranks
+    env = {**SLURM, "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1",
+           "PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "3"}
+    assert detect_rendezvous(env) == Rendezvous(3, 4, 3, None, None, "mpi")
+    env = {k: v for k, v in env.items() if k != "SLURM_STEP_NUM_TASKS"}  # mpiexec in a batch script
+    assert detect_rendezvous(env).source == "mpi"
+
+
+def test_single_process():
+    assert detect_rendezvous({"HOME": "/root", "MASTER_ADDR": "x"}) == Rendezvous(0, 1, 0, None, None, "single")
+
+
+@pytest.mark.parametrize(
+    ("spec", "hosts"),
+    [("vm", ["vm"]),
+     ("node[01-03,7],gpu5", ["node01", "node02", "node03", "node7", "gpu5"]),
+     ("a[8-11]", ["a8", "a9", "a10", "a11"]),
+     ("a[098-100]", ["a098", "a099", "a100"]),
+     ("r[1-2]n[1-2]", ["r1n1", "r1n2", "r2n1", "r2n2"]),
+     ("x-[1,3]-y,z", ["x-1-y", "x-3-y", "z"])],
+)
+def test_parse_hostlist(spec, hosts):
+    assert parse_hostlist(spec) == hosts
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [("a[1-2", r"unmatched '\['"), ("a]1", r"unmatched '\]'"), ("a[3-1]", r"runs backwards"),
+     ("a[x]", r"bad range 'x'"), ("a,,b", r"empty host name"), ("a[[1]]", r"nested '\['")],
+)
+def test_parse_hostlist_errors(spec, message):
+    with pytest.raises(ValueError, match=message):
+        parse_hostlist(spec)
+
+
+def test_timeout_from_environment():
+    assert default_dist_config({}).timeout_s == 300.0
+    assert default_dist_config({"MOONRT_DIST_TIMEOUT": "7.5"}).timeout_s == 7.5
+    for bad in ("soon", "0", "-3"):
+        with pytest.raises(ConfigError, match=rf"MOONRT_DIST_TIMEOUT = '{bad}': expected a positive number"):
+            default_dist_config({"MOONRT_DIST_TIMEOUT": bad})
+
+
+def test_single_process_selftest_and_partial_environment_in_a_real_process():
+    """init_distributed for real: a plain process is a 1-rank job; a partial environment fails clearly."""
+    cmd = [sys.executable, "-m", "moonrt.cli", "selftest", "--sizes", "4K", "--iters", "1"]
+    res = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "1 ranks via single" in res.stdout and "PASS" in res.stdout
+    res = subprocess.run(cmd, env={**clean_env(), "RANK": "0"}, capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0
+    assert "incomplete torchrun environment: RANK set but missing WORLD_SIZE, MASTER_ADDR, MASTER_PORT" in res.stderr

@@ -1,0 +1,54 @@
+"""The local multi-rank runner reports a rank that raises, dies, or exits early, by rank number."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from moonrt.cluster.local import RankError, run_ranks
+
+
+def _sum_of_ranks(rank: int, world: int) -> float:
+    x = torch.tensor([float(rank)])
+    dist.all_reduce(x)
+    return x.item()
+
+
+def _misbehave(rank: int, world: int, how: str) -> int:
+    if rank == 1:
+        if how == "raise":
+            raise KeyError("rank one lost its key")
+        if how == "exit0":
+            os._exit(0)
+        if how == "exit3":
+            os._exit(3)
+        if how == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()  # the others wait in a collective for the rank that is gone
+    return rank
+
+
+def test_results_in_rank_order():
+    assert run_ranks(_sum_of_ranks, 3, timeout=60) == [3.0, 3.0, 3.0]
+
+
+@pytest.mark.parametrize(
+    ("how", "message"),
+    [("raise", r"(?s)rank 1 of 3 failed:\n.*KeyError: 'rank one lost its key'"),
+     ("exit0", r"rank 1 of 3 failed: exited early \(exit code 0\) before fn returned"),
+     ("exit3", r"rank 1 of 3 failed:\nexited with code 3 without a Python traceback"),
+     ("sigkill", r"rank 1 of 3 failed:\nkilled by signal SIGKILL without a Python traceback")],
+)
+def test_failing_rank_is_named(how, message):
+    with pytest.raises(RankError, match=message) as info:
+        run_ranks(_misbehave, 3, how, timeout=60, collective_timeout_s=30)
+    assert info.value.rank == 1
+
+
+def test_bad_nprocs():
+    with pytest.raises(ValueError, match=r"nprocs = 0: expected an integer >= 1"):
+        run_ranks(_sum_of_ranks, 0)

@@ -1,0 +1,59 @@
+"""Real SLURM: ``srun -n 4`` and an ``sbatch --wait`` of the script ``moonrt sbatch`` wrote.
+
+Each task joins through the SLURM path of init_distributed and runs the verified self-test.
+Skips where SLURM is not running; fails instead under MOONRT_REQUIRE_CLUSTER=1 (CI, where
+``.ci/run`` starts a single-node SLURM with 8 declared CPUs).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+from test_cluster_report import clean_env, cluster_unavailable, verify_selftest_report
+
+pytestmark = pytest.mark.slurm
+
+SELFTEST = [sys.executable, "-m", "moonrt.cluster.selftest", "--sizes", "64K", "--iters", "2"]
+
+
+@pytest.fixture(scope="module")
+def slurm() -> None:
+    for tool in ("srun", "sbatch", "sinfo"):
+        if shutil.which(tool) is None:
+            cluster_unavailable(f"SLURM command {tool!r} not found (start one with .ci/slurm-ci.sh)")
+    try:
+        res = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        cluster_unavailable("sinfo did not answer in 30 s (slurmctld down?)")
+    states = res.stdout.split()
+    if res.returncode != 0 or not any(s.rstrip("*~#") in ("idle", "mix", "alloc") for s in states):
+        cluster_unavailable(f"no usable SLURM node (sinfo: {res.stdout.strip() or res.stderr.strip()!r})")
+
+
+def test_srun_four_tasks(slurm, tmp_path):
+    report = tmp_path / "report.json"
+    cmd = ["timeout", "180", "srun", "-n", "4", "-I60", "--kill-on-bad-exit=1", *SELFTEST, "--report", str(report)]
+    env = {**clean_env(), "MOONRT_DIST_TIMEOUT": "60"}
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert res.returncode == 0, f"exit {res.returncode}\nstdout:\n{res.stdout}\nstderr:\n{res.stderr[-4000:]}"
+    assert "4 ranks via slurm" in res.stdout
+    verify_selftest_report(report, 4, "slurm")
+
+
+def test_sbatch_script_from_moonrt_sbatch(slurm, tmp_path):
+    report, script, log = tmp_path / "report.json", tmp_path / "job.sbatch", tmp_path / "job.log"
+    write = [sys.executable, "-m", "moonrt.cli", "sbatch", "--nodes", "1", "--ntasks-per-node", "4",
+             "--job-name", "moonrt-ci", "--timeout", "60", "--output", str(script), "--log", str(log),
+             "--", *SELFTEST, "--report", str(report)]
+    res = subprocess.run(write, env=clean_env(), capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "srun --kill-on-bad-exit=1 --ntasks=4" in script.read_text()
+    res = subprocess.run(["timeout", "240", "sbatch", "--wait", str(script)], env=clean_env(),
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    out = log.read_text() if log.exists() else "(no job log)"
+    assert res.returncode == 0, f"sbatch exit {res.returncode}: {res.stderr}\njob log:\n{out[-4000:]}"
+    assert "4 ranks via slurm" in out
+    verify_selftest_report(report, 4, "slurm")
