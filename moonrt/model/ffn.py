@@ -28,7 +28,7 @@ def soft_cap(x: torch.Tensor, b: float) -> torch.Tensor:
 
 
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0) -> torch.Tensor:
-    """SiTU-GLU (K3_SYSTEMS §5.2), computed in fp32.
+    """SiTU-GLU (K3_SYSTEMS §5.2), computed in fp32 (fp64 inputs stay fp64).
 
     Args:
         gate: ``[..., F]`` any float dtype, the gate pre-activation ``x W_g^T``.
@@ -37,21 +37,24 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_bet
         linear_beta: ``b2``, the cap of the linear factor ``cap_{b2}(up)`` (K3: 25).
 
     Returns:
-        ``[..., F]`` fp32, ``cap_{b1}(gate) * sigmoid(gate) * cap_{b2}(up)``; ``|out| <= b1 * b2``.
+        ``[..., F]`` fp32 (fp64 for fp64 input), ``cap_{b1}(gate) * sigmoid(gate) * cap_{b2}(up)``;
+        ``|out| <= b1 * b2``.
     """
     if gate.shape != up.shape:
         raise ValueError(f"situ_glu: gate shape {tuple(gate.shape)} != up shape {tuple(up.shape)}")
     if not (beta > 0 and linear_beta > 0):
         raise ValueError(f"situ_glu: beta={beta!r}, linear_beta={linear_beta!r}, expected positive numbers")
-    g = gate.float()
-    return soft_cap(g, beta) * torch.sigmoid(g) * soft_cap(up.float(), linear_beta)
+    dt = torch.promote_types(gate.dtype, torch.float32)
+    g = gate.to(dt)
+    return soft_cap(g, beta) * torch.sigmoid(g) * soft_cap(up.to(dt), linear_beta)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU ``silu(gate) * up`` in fp32 (``[..., F]`` -> ``[..., F]`` fp32), the uncapped baseline."""
+    """SwiGLU ``silu(gate) * up`` in fp32 (``[..., F]`` -> ``[..., F]`` fp32, fp64 stays), the uncapped baseline."""
     if gate.shape != up.shape:
         raise ValueError(f"swiglu: gate shape {tuple(gate.shape)} != up shape {tuple(up.shape)}")
-    return F.silu(gate.float()) * up.float()
+    dt = torch.promote_types(gate.dtype, torch.float32)
+    return F.silu(gate.to(dt)) * up.to(dt)
 
 
 def glu_activation(gate: torch.Tensor, up: torch.Tensor, act: Activation, beta: float = 4.0,

@@ -30,12 +30,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [..., dim]`` any float dtype -> ``[..., dim]`` same dtype (fp32 internally)."""
+        """``x [..., dim]`` any float dtype -> ``[..., dim]`` same dtype (fp32 internally; fp64 stays fp64)."""
         if x.shape[-1] != self.dim:
             raise ValueError(f"RMSNorm: input last dimension {x.shape[-1]}, expected dim={self.dim}")
-        x32 = x.float()
+        dt = torch.promote_types(x.dtype, torch.float32)
+        x32 = x.to(dt)
         y = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
+        return (y * self.weight.to(dt)).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}"
