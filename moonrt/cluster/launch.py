@@ -32,6 +32,8 @@ from moonrt.cluster.env import TIMEOUT_ENV, free_port
 
 STDERR_TAIL = 40
 """Lines of the failing rank's stderr repeated in the failure message."""
+PEER_FAILURE_MARKS = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing")
+"""gloo's words for "a peer went away": a rank showing them failed because of another rank."""
 GRACE_S = 5.0
 """Seconds between SIGTERM and SIGKILL when stopping the surviving ranks."""
 
@@ -45,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--selftest", action="store_true",
                         help="run the communication self-test (moonrt.cluster.selftest) on the ranks")
     parser.add_argument("command", nargs=argparse.REMAINDER,
-                        help="-- command and arguments to run on every rank (with --selftest: self-test options)")
+                        help="-- command and arguments to run on every rank (with --selftest: -- self-test options)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -130,7 +132,7 @@ def launch(
                 return 124
             done[r] = code
             if code != 0:
-                failed = _first_failure(r, code, exits, done)
+                failed = _first_failure(r, code, exits, done, tails, readers)
                 break
         if failed is None:
             _join(readers)
@@ -165,13 +167,16 @@ def describe_exit(code: int) -> str:
     return f"exit code {code}"
 
 
-def _first_failure(rank: int, code: int, exits: queue.Queue, done: dict[int, int]) -> int:
-    """The rank to blame: among failures seen within a short window, one killed by a signal wins.
+def _first_failure(rank: int, code: int, exits: queue.Queue, done: dict[int, int],
+                   tails: list[collections.deque], readers: list[threading.Thread]) -> int:
+    """The rank to blame among the failures seen within a short window.
 
-    When a rank dies its peers' collectives fail a moment later; the dead rank is the cause.
+    When a rank dies or gives up, its peers' collectives fail a moment later, sometimes exiting
+    first. Blame, in order: a rank killed by a signal; a rank whose stderr does not show a peer's
+    dropped connection (:data:`PEER_FAILURE_MARKS`); else the first to exit.
     """
     failures = {rank: code}
-    deadline = time.monotonic() + 0.2
+    deadline = time.monotonic() + 1.0
     while (left := deadline - time.monotonic()) > 0:
         try:
             r, c = exits.get(timeout=left)
@@ -183,7 +188,12 @@ def _first_failure(rank: int, code: int, exits: queue.Queue, done: dict[int, int
     if code < 0:
         return rank
     killed = [r for r, c in failures.items() if c < 0]
-    return killed[0] if killed else rank
+    if killed:
+        return killed[0]
+    for r in failures:  # a finished rank's pipes are at EOF: let its stderr be read in full
+        readers[2 * r + 1].join(2)
+    primary = [r for r in failures if not any(m in "".join(tails[r]) for m in PEER_FAILURE_MARKS)]
+    return primary[0] if primary else rank
 
 
 def _pump(stream: IO[str], sink: IO[str], prefix: str, lock: threading.Lock,

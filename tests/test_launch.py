@@ -1,0 +1,136 @@
+"""``moonrt launch``: N local ranks with prefixed output; one failing rank stops the job and is named."""
+
+from __future__ import annotations
+
+import io
+import re
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from test_cluster_report import clean_env, verify_selftest_report
+
+from moonrt.cli import main as cli_main
+from moonrt.cluster.launch import describe_exit, launch
+
+LAUNCH = [sys.executable, "-m", "moonrt.cli", "launch"]
+
+# Every rank joins through init_distributed (torchrun path), then rank 1 misbehaves while the
+# others sit in a collective waiting for it.
+VICTIM = textwrap.dedent("""
+    import os, signal, sys, time
+    import torch, torch.distributed as dist
+    from moonrt.cluster.env import init_distributed
+    r = init_distributed()
+    torch.set_num_threads(1)
+    dist.barrier()
+    if r.rank == 1:
+        print(f"LAST_WORDS {time.time():.3f}", flush=True)
+        time.sleep(0.5)
+        if sys.argv[1] == "raise":
+            dist.destroy_process_group()  # peers see the connection drop before this rank exits
+            raise RuntimeError("rank one gave up")
+        os.kill(os.getpid(), getattr(signal, sys.argv[1]))
+    x = torch.ones(4)
+    dist.all_reduce(x)
+    print("survived", x.tolist(), flush=True)
+""")
+
+
+def _run(args: list[str], timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([*LAUNCH, *args], env=clean_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def test_selftest_four_ranks(tmp_path):
+    report = tmp_path / "report.json"
+    res = _run(["-n", "4", "--timeout", "60", "--selftest", "--", "--sizes", "4K,64K", "--iters", "2",
+                "--report", str(report)])
+    assert res.returncode == 0, res.stderr[-4000:]
+    out = res.stdout
+    assert "[rank 0] moonrt selftest: 4 ranks via torchrun" in out
+    for op in ("all_reduce", "all_to_all", "all_gather", "ring"):
+        assert re.search(rf"^\[rank 0\] {op}\s+65536\s+[\d.]+\s+[\d.]+\s+[\d.]+$", out, re.M), op
+    assert re.search(r"^\[rank 0\] moonrt selftest: PASS: 4 ranks", out, re.M)
+    verify_selftest_report(report, 4, "torchrun")
+
+
+def test_rank_killed_mid_collective_is_named_within_the_timeout(tmp_path):
+    prog = tmp_path / "victim.py"
+    prog.write_text(VICTIM)
+    timeout = 30
+    res = _run(["-n", "3", "--timeout", str(timeout), "--", sys.executable, str(prog), "SIGKILL"])
+    ended = time.time()
+    assert res.returncode != 0
+    assert "rank 1 of 3 failed: killed by signal SIGKILL" in res.stderr, res.stderr[-4000:]
+    assert "survived" not in res.stdout
+    killed_at = float(re.search(r"\[rank 1\] LAST_WORDS ([\d.]+)", res.stdout).group(1))
+    assert ended - killed_at < timeout  # the launcher noticed before any collective timeout had to fire
+
+
+def test_raising_rank_is_blamed_not_the_peers_it_broke(tmp_path):
+    prog = tmp_path / "victim.py"
+    prog.write_text(VICTIM)
+    res = _run(["-n", "3", "--timeout", "30", "--", sys.executable, str(prog), "raise"])
+    assert res.returncode == 1
+    assert "rank 1 of 3 failed: exit code 1" in res.stderr, res.stderr[-4000:]
+    assert "RuntimeError: rank one gave up" in res.stderr.split("--- rank 1 stderr")[1]
+
+
+def test_hung_rank_ends_the_job_through_the_collective_timeout(tmp_path):
+    prog = tmp_path / "victim.py"
+    prog.write_text(VICTIM)
+    res = _run(["-n", "2", "--timeout", "4", "--", sys.executable, str(prog), "SIGSTOP"])
+    assert res.returncode != 0
+    # rank 1 is frozen (alive, silent): rank 0's all_reduce times out, which ends the job; rank 1 is stopped
+    assert re.search(r"rank 0 of 2 failed: exit code 1 \(pid \d+\); stopped ranks \[1\]", res.stderr), res.stderr
+    assert re.search(r"(?i)timed? ?out", res.stderr.split("--- rank 0 stderr")[1])
+
+
+def test_failing_rank_traceback_is_shown_and_others_are_stopped():
+    code = ("import os, time\n"
+            "if os.environ['RANK'] == '1':\n"
+            "    raise ValueError('rank one is broken')\n"
+            "time.sleep(120)\n")
+    t0 = time.monotonic()
+    res = _run(["-n", "3", "--", sys.executable, "-c", code])
+    assert time.monotonic() - t0 < 100  # ranks 0 and 2 (sleeping 120 s) were stopped, not waited for
+    assert res.returncode == 1
+    assert re.search(r"rank 1 of 3 failed: exit code 1 \(pid \d+\); stopped ranks \[0, 2\]", res.stderr)
+    tail = res.stderr.split("--- rank 1 stderr")[1]
+    assert "Traceback (most recent call last)" in tail and "ValueError: rank one is broken" in tail
+
+
+def test_environment_and_prefixes():
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MOONRT_DIST_TIMEOUT")
+    code = f"import os; print('env', *(os.environ[k] for k in {keys!r}))"
+    out, err = io.StringIO(), io.StringIO()
+    assert launch([sys.executable, "-c", code], 3, timeout_s=7, stdout=out, stderr=err) == 0
+    lines = sorted(out.getvalue().splitlines())
+    assert lines == [f"[rank {r}] env {r} 3 {r} 7.0" for r in range(3)]
+
+
+def test_max_time_bounds_the_run():
+    err = io.StringIO()
+    code = launch([sys.executable, "-c", "import time; time.sleep(60)"], 2, max_time_s=1, stdout=io.StringIO(),
+                  stderr=err)
+    assert code == 124
+    assert "ranks [0, 1] of 2 still running after --max-time 1 s; stopped them" in err.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [(["-n", "2"], "nothing to run: give --selftest or -- command"),
+     (["-n", "0", "--", "true"], "nprocs = 0: expected an integer >= 1"),
+     (["-n", "2", "--timeout", "0", "--", "true"], "timeout = 0.0: expected a positive number of seconds"),
+     (["-n", "1", "--", "/nonexistent/prog"], "cannot start '/nonexistent/prog'")],
+)
+def test_bad_input(argv, message, capsys):
+    assert cli_main(["launch", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_describe_exit():
+    assert describe_exit(3) == "exit code 3"
+    assert describe_exit(-9) == "killed by signal SIGKILL"
