@@ -57,3 +57,15 @@ def test_sbatch_script_from_moonrt_sbatch(slurm, tmp_path):
     assert res.returncode == 0, f"sbatch exit {res.returncode}: {res.stderr}\njob log:\n{out[-4000:]}"
     assert "4 ranks via slurm" in out
     verify_selftest_report(report, 4, "slurm")
+
+
+def test_moonrt_sbatch_submit_prints_the_job_id(slurm, tmp_path):
+    cmd = [sys.executable, "-m", "moonrt.cli", "sbatch", "--nodes", "1", "--ntasks-per-node", "1",
+           "--job-name", "moonrt-submit", "--log", str(tmp_path / "submit.log"), "--submit", "--", "hostname"]
+    res = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    job_id = res.stdout.strip()
+    assert job_id.isdigit(), res.stdout
+    assert (tmp_path / "moonrt-submit.sbatch").exists()
+    show = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, timeout=30)
+    assert show.returncode == 0 and "JobName=moonrt-submit" in show.stdout, show.stdout + show.stderr

@@ -1,0 +1,88 @@
+"""``moonrt sbatch``: the script it writes, the config checks it makes, and its errors (no SLURM needed)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from moonrt.cli import main as cli_main
+from moonrt.cluster.sbatch import SbatchJob, job_from_config, render_sbatch
+from moonrt.config import ConfigError
+
+
+def test_render_script():
+    job = SbatchJob(command=["/venv/bin/python", "-m", "train", "--lr", "1e-3 x"], nodes=2, ntasks_per_node=4,
+                    job_name="k3", partition="gpu", time="01:00:00", cpus_per_task=8, workdir="/work dir",
+                    timeout_s=90)
+    text = render_sbatch(job)
+    lines = text.splitlines()
+    assert lines[0] == "#!/bin/bash"
+    for directive in ("--job-name=k3", "--nodes=2", "--ntasks-per-node=4", "--output=moonrt-%j.out",
+                      "--partition=gpu", "--time=01:00:00", "--cpus-per-task=8"):
+        assert f"#SBATCH {directive}" in lines
+    assert "cd '/work dir'" in lines
+    assert "export MOONRT_DIST_TIMEOUT=90" in lines
+    assert "srun --kill-on-bad-exit=1 --ntasks=8 --ntasks-per-node=4 \\" in lines
+    assert lines[-1] == "    /venv/bin/python -m train --lr '1e-3 x'"
+    res = subprocess.run(["bash", "-n"], input=text, text=True, capture_output=True)
+    assert res.returncode == 0, res.stderr
+
+
+def test_config_is_checked_and_passed(tmp_path):
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("parallel:\n  dp: 2\n  ep: 4\ndist:\n  timeout_s: 45\nmodel: anything\n")
+    job = job_from_config(SbatchJob(command=["prog"], nodes=2, ntasks_per_node=4), cfg)
+    assert job.command == ["prog", "--config", str(cfg.resolve())]
+    assert job.timeout_s == 45
+    with pytest.raises(ConfigError, match=r"parallel = dp 2 x pp 1 x ep 4 x cp 1 = 8: expected nodes 1 x "
+                                          r"ntasks_per_node 4 = 4"):
+        job_from_config(SbatchJob(command=["prog"], nodes=1, ntasks_per_node=4), cfg)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [("parallel:\n  dp: 0\n", r"dp = 0: expected an integer >= 1"),
+     ("parallel:\n  tp: 2\n", r"tp: unknown key in ParallelConfig"),
+     ("dist:\n  timeout_s: -1\n", r"timeout_s = -1.0: expected a positive number of seconds"),
+     ("parallel: [1, 2\n", r"malformed YAML"),
+     ("- 1\n", r"expected a mapping at the top level")],
+)
+def test_bad_config(tmp_path, text, message):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        job_from_config(SbatchJob(command=["prog"], nodes=1, ntasks_per_node=2), cfg)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [({"command": []}, r"command = \[\]: expected a program"),
+     ({"nodes": 0}, r"nodes = 0: expected an integer >= 1"),
+     ({"ntasks_per_node": -1}, r"ntasks_per_node = -1: expected an integer >= 1"),
+     ({"job_name": "a b"}, r"job_name = 'a b': expected letters"),
+     ({"timeout_s": 0}, r"timeout_s = 0: expected a positive number")],
+)
+def test_bad_job(changes, message):
+    job = SbatchJob(**{"command": ["prog"], **changes})
+    with pytest.raises(ConfigError, match=message):
+        render_sbatch(job)
+
+
+def test_cli_writes_script_and_reports_errors(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "job.sbatch"
+    assert cli_main(["sbatch", "--nodes", "1", "--ntasks-per-node", "2", "--output", str(out), "--",
+                     "true", "--flag"]) == 0
+    text = out.read_text()
+    assert text.rstrip().endswith("true --flag") and "srun --kill-on-bad-exit=1 --ntasks=2" in text
+    assert os.access(out, os.X_OK)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("parallel:\n  dp: 4\n")
+    assert cli_main(["sbatch", "--nodes", "1", "--ntasks-per-node", "2", "--config", str(cfg), "--", "true"]) == 2
+    assert "expected nodes 1 x ntasks_per_node 2 = 2" in capsys.readouterr().err
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch here
+    assert cli_main(["sbatch", "--nodes", "1", "--ntasks-per-node", "2", "--submit", "--", "/bin/true"]) == 2
+    assert "--submit needs the `sbatch` command, which is not on PATH" in capsys.readouterr().err
+    assert (tmp_path / "moonrt.sbatch").exists()
