@@ -170,6 +170,10 @@ class MoonEPDispatcher:
             raise ValueError(f"num_slots = {num_slots!r}: expected an integer >= 0")
         self.pool = pool
         self.counters = EPCounters.zeros(self.world_size)
+        self.last_counts: torch.Tensor | None = None
+        """``[R, E]`` int64 routing counts of the last dispatch (routing traces, metrics)."""
+        self.last_rows: torch.Tensor | None = None
+        """``[R]`` int64 rows every rank computed in the last dispatch (``plan.capacity``)."""
 
     @property
     def num_segments(self) -> int:
@@ -270,6 +274,7 @@ class MoonEPDispatcher:
         for d, n in enumerate(layout.send_splits):
             self.counters.token_bytes_sent[d] += n * (row_bytes + topk_weights.element_size())
         self.counters.rows_computed = layout.rows
+        self.last_counts, self.last_rows = counts, placement.capacity
         self.counters.calls += 1
         return recv_x, recv_w, layout.cu_seqlens, handle
 
@@ -326,4 +331,23 @@ class MoonEPDispatcher:
         row_bytes = y.shape[1] * y.element_size()
         for d, n in enumerate(handle.layout.recv_splits):
             self.counters.token_bytes_sent[d] += n * row_bytes
+        return out
+
+    def segment_weights(self, handle: EPHandle, experts: object) -> list[tuple[int, tuple[torch.Tensor, ...]]]:
+        """The model's dispatcher seam (``moonrt.model.moe.Dispatcher``): weights for every segment.
+
+        ``experts`` is duck-typed (a ``RoutedExperts`` sharded to this rank's home slice):
+        ``first_expert``, ``num_local``, ``expert(global_id)`` and ``weights()`` (stacked
+        ``[E/R, ...]`` tensors). Home segment e gets ``experts.expert(e)``; slot segment ``E + j``
+        gets the prefetched copy of ``plan.copies[rank, j]`` (prefetched here, on every call and
+        every rank, so the collective always runs).
+        """
+        first, per = self.rank * self.experts_per_rank, self.experts_per_rank
+        if experts.first_expert != first or experts.num_local != per:
+            raise ValueError(f"experts: hold [{experts.first_expert}, {experts.first_expert + experts.num_local}), "
+                             f"expected this EP rank's home slice [{first}, {first + per})")
+        out = [(e, tuple(experts.expert(e))) for e in range(first, first + per)]
+        slots = self.prefetch_weights(handle, experts.weights())
+        filled = handle.weight_layout.filled.tolist()
+        out += [(self.num_experts + j, tuple(w[j] for w in slots)) for j in range(self.num_slots) if filled[j]]
         return out

@@ -1,0 +1,200 @@
+"""Expert parallelism applied to a K3 model from outside (torchtitan's ``parallelize`` habit, K3_SYSTEMS §6, §10).
+
+:class:`ExpertParallel` owns what a training job needs for EP over a :class:`ProcessMesh`:
+
+- :meth:`ExpertParallel.parallelize` cuts every LatentMoE's routed experts to the EP rank's home
+  slice (E/R experts) and installs a :class:`MoonEPDispatcher` (or the plain all-to-all baseline)
+  on the latent width, through the model's dispatcher seam. Found by duck typing
+  (``model.moe_layers()``, ``moe.experts.shard``, ``moe.dispatcher``): this module never imports
+  ``moonrt.model``.
+- :meth:`sync_grads`: routed-expert gradients are summed over the expert replicas (mesh group
+  ``dp_cp``; slot copies already returned theirs to the home rank inside backward), every other
+  gradient over the dense replicas (``dp_ep_cp``): one flat all-reduce per group.
+- :meth:`clip_grad_norm`: the global gradient norm counts replicated gradients once and adds the
+  expert shards of every EP rank, so clipping matches the single-process run.
+- :meth:`stat_all_reduce` / :meth:`scalar_all_reduce`: sums over the ranks that saw different
+  tokens (Quantile Balancing histograms, losses).
+- :meth:`on_step`: per-step metrics (``maxvio`` of the group-wide routing, rows each EP rank
+  computed, rows the hottest rank would compute without balancing) and the routing trace: per step
+  and MoE layer the ``[R, E]`` counts, written in the ``.npz`` format of
+  :mod:`moonrt.scheduler.workload` (what ``moonrt ep-sim --trace`` reads).
+
+With a world size of 1 nothing is sharded and only the trace recorder is active.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moonrt.comm.ep_alltoall import AllToAllDispatcher
+from moonrt.comm.mesh import ProcessMesh
+from moonrt.comm.moonep import MoonEPDispatcher
+from moonrt.config import ConfigError, ParallelConfig
+
+DispatcherKind = Literal["moonep", "alltoall"]
+
+
+class ExpertParallel:
+    """EP (and plain DP) runtime hooks for ``moonrt train`` (see the module docstring).
+
+    Args:
+        parallel: the job's degrees; ``pp`` and ``cp`` must be 1 here (other runtimes own those).
+        capacity: S, the most tokens one rank passes to one MoE layer per call (training and eval).
+        num_slots: B per rank (default E/R).
+        dispatcher: ``"moonep"`` or ``"alltoall"`` (the unbalanced baseline).
+        trace_path: write the routing trace ``.npz`` here (on the main rank) at :meth:`finish`.
+    """
+
+    def __init__(self, parallel: ParallelConfig, *, capacity: int, num_slots: int | None = None,
+                 dispatcher: DispatcherKind = "moonep", trace_path: str | None = None) -> None:
+        if parallel.pp != 1 or parallel.cp != 1:
+            raise ConfigError(f"parallel = pp {parallel.pp}, cp {parallel.cp}: expected pp = cp = 1 for the "
+                              "expert-parallel runtime")
+        if dispatcher not in ("moonep", "alltoall"):
+            raise ConfigError(f"dispatcher = {dispatcher!r}: expected 'moonep' or 'alltoall'")
+        self.parallel, self.capacity, self.num_slots, self.kind = parallel, capacity, num_slots, dispatcher
+        self.trace_path = trace_path
+        if parallel.world_size > 1:
+            if not dist.is_initialized():
+                from moonrt.cluster.env import init_distributed
+
+                init_distributed()
+            self.mesh: ProcessMesh | None = ProcessMesh(parallel)
+            self.ep_group = self.mesh.group("ep")
+            self.ep_rank, self.ep_size = self.mesh.rank("ep"), self.mesh.size("ep")
+            self.data_rank, self.data_size = self.mesh.rank("dp_ep"), self.mesh.size("dp_ep")
+            self.is_main = self.mesh.global_rank == 0
+        else:
+            self.mesh, self.ep_group = None, None
+            self.ep_rank, self.ep_size, self.data_rank, self.data_size = 0, 1, 0, 1
+            self.is_main = True
+        self.dispatchers: dict[int, MoonEPDispatcher] = {}
+        self._expert_params: set[int] = set()
+        self._trace: list[np.ndarray] = []
+        self._trace_layers: list[int] = []
+        self._top_k = 1
+
+    # ---- model -------------------------------------------------------------------------------------
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        """Shard every MoE layer's experts to this EP rank's home slice and install the dispatcher."""
+        self._trace_layers = [i for i, _ in model.moe_layers()]
+        self._top_k = max([moe.top_k for _, moe in model.moe_layers()], default=1)
+        if self.ep_size == 1:
+            return model
+        cls = MoonEPDispatcher if self.kind == "moonep" else AllToAllDispatcher
+        for index, moe in model.moe_layers():
+            E = moe.num_experts
+            if E % self.ep_size:
+                raise ConfigError(f"num_experts = {E}: expected a multiple of ep = {self.ep_size}")
+            per = E // self.ep_size
+            moe.experts.shard(self.ep_rank * per, per)
+            moe.dispatcher = cls(self.ep_group, self.capacity, moe.experts.latent, moe.top_k, E,
+                                 num_slots=self.num_slots)
+            self.dispatchers[index] = moe.dispatcher
+            self._expert_params.update(id(p) for p in moe.experts.parameters())
+        return model
+
+    # ---- gradients ---------------------------------------------------------------------------------
+    def is_expert(self, p: torch.Tensor) -> bool:
+        return id(p) in self._expert_params
+
+    def sync_grads(self, model: nn.Module) -> None:
+        """Sum gradients over replicas: experts over ``dp_cp``, everything else over ``dp_ep_cp``."""
+        if self.mesh is None:
+            return
+        params = [p for p in model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:  # every rank must join the same all-reduce
+                p.grad = torch.zeros_like(p)
+        experts = [p for p in params if self.is_expert(p)]
+        dense = [p for p in params if not self.is_expert(p)]
+        for group, members in (("dp_ep_cp", dense), ("dp_cp", experts)):
+            if members and self.mesh.size(group) > 1:
+                flat = torch.cat([p.grad.reshape(-1) for p in members])
+                dist.all_reduce(flat, group=self.mesh.group(group))
+                for p, g in zip(members, flat.split([p.numel() for p in members])):
+                    p.grad.copy_(g.view_as(p.grad))
+
+    def clip_grad_norm(self, params: Iterable[torch.Tensor], max_norm: float) -> float:
+        """Clip to the global norm (replicated gradients once, expert shards of every EP rank); returns it."""
+        grads = [(p, p.grad) for p in params if p.grad is not None]
+        zero = torch.zeros((), dtype=torch.float64)
+        dense = sum((g.double().pow(2).sum() for p, g in grads if not self.is_expert(p)), zero)
+        expert = sum((g.double().pow(2).sum() for p, g in grads if self.is_expert(p)), zero.clone())
+        if self.ep_size > 1:
+            dist.all_reduce(expert, group=self.ep_group)
+        total = float((dense + expert).sqrt())
+        coef = max_norm / (total + 1e-6)
+        if coef < 1.0:
+            for _, g in grads:
+                g.mul_(coef)
+        return total
+
+    # ---- statistics --------------------------------------------------------------------------------
+    def stat_all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum routing statistics in place over every rank that routed different tokens."""
+        if self.mesh is not None and self.mesh.size("dp_ep_cp") > 1:
+            dist.all_reduce(t, group=self.mesh.group("dp_ep_cp"))
+        return t
+
+    def scalar_all_reduce(self, x: float) -> float:
+        """Sum a float over every rank that saw different tokens (fp64)."""
+        if self.mesh is None or self.mesh.size("dp_ep_cp") == 1:
+            return x
+        t = torch.tensor([x], dtype=torch.float64)
+        dist.all_reduce(t, group=self.mesh.group("dp_ep_cp"))
+        return float(t)
+
+    # ---- per-step metrics and routing traces --------------------------------------------------------
+    def layer_counts(self, model: nn.Module) -> list[torch.Tensor]:
+        """``[R, E]`` int64 routing counts of the last forward of every MoE layer (R = EP ranks)."""
+        out = []
+        for index, moe in model.moe_layers():
+            disp = self.dispatchers.get(index)
+            if disp is not None and disp.last_counts is not None:
+                out.append(disp.last_counts.clone())
+            else:
+                out.append(moe.last_counts.reshape(1, -1).clone())
+        return out
+
+    def on_step(self, step: int, model: nn.Module, record: dict[str, Any]) -> None:
+        """After a training step (before eval): add EP metrics to ``record`` and remember the counts."""
+        counts = self.layer_counts(model)
+        if not counts:
+            return
+        self._trace.append(torch.stack(counts).numpy())
+        if self.dispatchers:
+            first = min(self.dispatchers)
+            record["ep_rows"] = [int(r) for r in self.dispatchers[first].last_rows]
+            home = [int(c.sum(0).view(self.ep_size, -1).sum(1).max()) for c in counts]
+            rows = [int(d.last_rows.max()) for d in self.dispatchers.values()]
+            record["ep_rows_max"] = max(rows)
+            record["ep_rows_unbalanced_max"] = max(home)
+
+    def finish(self) -> Path | None:
+        """Write the routing trace (main rank, if a path was given); returns its path."""
+        if not (self.trace_path and self.is_main and self._trace):
+            return None
+        from moonrt.scheduler.workload import save_trace
+
+        counts = np.stack(self._trace).astype(np.int64)  # [steps, layers, R, E]
+        path = Path(self.trace_path)
+        save_trace(path, counts, self._top_k, layer_ids=np.asarray(self._trace_layers))
+        return path
+
+    def runtime_fields(self) -> dict[str, Any]:
+        """Keyword arguments of ``moonrt.train.Runtime`` for this runtime."""
+        return {
+            "dp_rank": self.data_rank, "dp_size": self.data_size, "is_main": self.is_main,
+            "stat_all_reduce": self.stat_all_reduce if self.mesh is not None else None,
+            "scalar_all_reduce": self.scalar_all_reduce if self.mesh is not None else None,
+            "parallelize": self.parallelize, "sync_grads": self.sync_grads,
+            "clip_grad_norm": self.clip_grad_norm, "on_step": self.on_step, "finish": self.finish,
+        }
