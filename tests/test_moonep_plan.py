@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from moonrt.scheduler.moonep import MoonEPPlan, plan, send_split, transfer_matrix
-from moonrt.scheduler.moonep_torch import plan_torch
+from moonrt.scheduler.moonep_torch import plan_torch, send_split_torch
 
 MODES = ["lognormal", "zipf", "uniform", "one_expert", "empty_home", "one_rank_group", "zeros"]
 
@@ -177,9 +177,13 @@ def test_torch_planner_identical() -> None:
 def test_torch_planner_without_validation_matches() -> None:
     counts = make_counts(np.random.default_rng(5), 8, 4, "zipf")
     a = plan(counts)
-    b = plan_torch(torch.from_numpy(counts).to(torch.int32), validate=False).to_numpy()
+    bt = plan_torch(torch.from_numpy(counts).to(torch.int32), validate=False)
+    b = bt.to_numpy()
     np.testing.assert_array_equal(a.alloc, b.alloc)
     np.testing.assert_array_equal(a.copies, b.copies)
+    for src in range(8):
+        np.testing.assert_array_equal(send_split_torch(torch.from_numpy(counts), bt.cuts, src).numpy(),
+                                      send_split(counts, a.cuts, src))
 
 
 # ----------------------------------------------------------------------------------------- bad input

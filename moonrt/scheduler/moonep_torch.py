@@ -17,7 +17,7 @@ import torch
 
 from moonrt.scheduler.moonep import MoonEPPlan, validate_counts
 
-__all__ = ["plan_torch"]
+__all__ = ["plan_torch", "send_split_torch"]
 
 
 def _check(counts: torch.Tensor, num_slots: int | None, total_tokens: int | None) -> int:
@@ -103,3 +103,18 @@ def plan_torch(counts: torch.Tensor, num_slots: int | None = None, total_tokens:
     cuts = torch.zeros(E, R + 1, dtype=torch.int64, device=dev)
     cuts[:, 1:] = torch.cumsum(alloc, dim=1)
     return MoonEPPlan(alloc=alloc, copies=copies, capacity=cap, cuts=cuts, donor=donor, num_slots=B)
+
+
+def send_split_torch(counts: torch.Tensor, cuts: torch.Tensor, src: int) -> torch.Tensor:
+    """``[E, R]`` int64 on ``counts.device``: source ``src``'s assignments to expert ``e`` sent to rank ``d``.
+
+    Torch form of :func:`moonrt.scheduler.moonep.send_split` (same overlap of the source's positions
+    ``[S[src, e], S[src + 1, e])`` in expert e's (source rank, position) order with the destination's
+    ``[cuts[e, d], cuts[e, d + 1])``, K3_SYSTEMS §6.3).
+    """
+    c = counts.to(torch.int64)
+    lo_src = c[:src].sum(0)  # [E]
+    hi_src = lo_src + c[src]
+    lo = torch.maximum(cuts[:, :-1], lo_src[:, None])
+    hi = torch.minimum(cuts[:, 1:], hi_src[:, None])
+    return (hi - lo).clamp_min(0)
