@@ -69,6 +69,19 @@ class Dispatcher(Protocol):
     ``G = E + B`` for MoonEP: segment ``i < E`` is expert ``i`` (only home experts non-empty),
     segment ``E + j`` is prefetch slot ``j``). Rows outside every segment (padding) must be
     ignored by :meth:`combine`.
+
+    LatentMoE calls, per forward: ``dispatch`` on the latent ``z``, ``segment_weights``, the grouped
+    expert compute (:meth:`RoutedExperts.forward`), multiplies rows by ``recv_weights``, then
+    ``combine(y, handle, weighted=False)``. An EP dispatcher with a DeepEP-style
+    ``prefetch_weights(handle, expert_weights) -> slot tensors [B, ...]`` implements
+    ``segment_weights`` in a few lines (experts sharded with ``experts.shard(rank * E // R, E // R)``)::
+
+        def segment_weights(self, handle, experts):
+            home = [(experts.first_expert + i, experts.expert(experts.first_expert + i))
+                    for i in range(experts.num_local)]
+            slots = self.prefetch_weights(handle, experts.weights())
+            copies = handle.plan.copies[self.rank].tolist()
+            return home + [(E + j, tuple(w[j] for w in slots)) for j, e in enumerate(copies) if e >= 0]
     """
 
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor,
@@ -366,7 +379,7 @@ class LatentMoE(nn.Module):
             all_reduce: sums a tensor in place across data-parallel ranks (supplied by the runtime;
                 ``None`` on one process). Called exactly once per call on every rank: on an int64
                 ``[E, bins + 1]`` tensor (histogram + routing counts) with the histogram estimator,
-                on an int64 ``[E + 1]`` tensor (counts + rank count) with the exact one.
+                on an int64 ``[E + 1]`` tensor (counts + rank count) with the exact one or QB off.
 
         Sets ``router.bias`` (unless QB is off or no training forward was recorded), clears the
         statistics, and returns :class:`RoutingStats`. The exact estimator keeps every margin and
@@ -376,7 +389,7 @@ class LatentMoE(nn.Module):
         mc = self.moe_config
         local = self.step_counts.clone()
         new_bias = None
-        if mc.qb_estimator == "histogram":
+        if mc.qb_enabled and mc.qb_estimator == "histogram":
             hist = self._histogram
             if hist is None:  # no training forward yet: still join the collective with zeros
                 hist = MarginHistogram(self.num_experts, mc.qb_bins, mc.qb_min, mc.qb_max,
@@ -385,7 +398,7 @@ class LatentMoE(nn.Module):
             packed = _reduce(packed, all_reduce)
             counts = packed[:, -1].cpu()
             hist.counts.copy_(packed[:, :-1])
-            if mc.qb_enabled and hist.num_tokens > 0:
+            if hist.num_tokens > 0:
                 new_bias = hist.bias(self.top_k)
         else:
             packed = _reduce(torch.cat([local, torch.ones(1, dtype=torch.int64)]), all_reduce)
