@@ -13,13 +13,13 @@ Forward
   4. The ordinary local chunked KDA from ``S_in_r``.
 
 Backward (the transposed chain)
-  1. Local backward of the outputs alone (zero gradient on the leaving state; on the last rank the
-     user's final-state gradient is included) -> input gradients and ``a_r = dS_in_r`` from them.
+  1. ``a_r``: the gradient of the entering state from this slice's outputs alone (on the last rank
+     with the user's final-state gradient): a pruned backward along the state path only.
   2. One all-gather of ``[a_r | M_r]``.
   3. Suffix merge: ``dS_out_r = dS_in_{r+1}`` with ``dS_in_j = M_j^T dS_out_j + a_j`` (the chain ends
-     at the last rank with its ``a`` that already holds the final-state gradient).
-  4. Backward of the local leaving state with ``dS_out_r`` (linear in the output gradient, so the
-     two parts add up to the single-process gradient). Rank 0 returns ``dh0``.
+     at the last rank, whose ``a`` already holds the final-state gradient).
+  4. The ordinary local backward with output gradients and ``dS_out_r`` on the leaving state; it
+     gives every input gradient, and on rank 0 ``dh0``.
 
 Per KDA layer and rank this moves ``B * H * K * (K + V) * 4`` bytes in each pass, independent of
 the sequence length. The local math is :mod:`moonrt.model.kda` (``kda_chunk``, ``kda_transition``):
@@ -120,28 +120,27 @@ class _KCP(torch.autograd.Function):
         (M,) = ctx.saved_tensors
         last = rank == size - 1
         wrt = [t for t in leaves if t.requires_grad] + [s_leaf]
-        # Step 1: outputs (and, on the last rank, the user's final-state gradient).
         outs, grads = [o], [d_o]
         if last and d_final.numel():
             outs.append(S_out)
             grads.append(d_final.to(S_out.dtype))
-        part1 = torch.autograd.grad(outs, wrt, grads, retain_graph=not last, allow_unused=True)
-        a = part1[-1] if part1[-1] is not None else torch.zeros_like(s_leaf)
+        # Step 1: a_r = dS_in from this slice's outputs (and, on the last rank, the user's final-state
+        # gradient): a pruned backward that only walks the state path (no input gradients yet).
+        (a,) = torch.autograd.grad(outs, [s_leaf], grads, retain_graph=True)
         # Step 2: one all-gather of [a | M].
         payload = torch.cat([a, M], dim=-1)
         parts = _all_gather(payload, group, size)
         if record is not None:
             record.bwd_sent += payload.numel() * payload.element_size()
             record.bwd_recv += (size - 1) * payload.numel() * payload.element_size()
-        total = list(part1)
         if not last:
             # Step 3: suffix merge for the gradient of the state leaving this slice.
             d_out = parts[size - 1][..., :V]
             for j in range(size - 2, rank, -1):
                 d_out = parts[j][..., V:].transpose(-1, -2) @ d_out + parts[j][..., :V]
-            # Step 4: backward of the leaving state.
-            part2 = torch.autograd.grad([S_out], wrt, [d_out], allow_unused=True)
-            total = [x if y is None else (y if x is None else x + y) for x, y in zip(part1, part2)]
+            outs, grads = [o, S_out], [d_o, d_out.to(S_out.dtype)]
+        # Step 4: the ordinary local backward with the correct leaving-state gradient.
+        total = torch.autograd.grad(outs, wrt, grads, allow_unused=True)
         it = iter(total)
         result: list[torch.Tensor | None] = [next(it) if t.requires_grad else None for t in leaves]
         d_s = next(it)
