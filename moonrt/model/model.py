@@ -1,0 +1,173 @@
+"""The K3 decoder (K3_SYSTEMS §1-5): embedding, KDA/MLA + FFN/LatentMoE layers, Block AttnRes, LM head.
+
+Layer ``l`` (0-indexed) is a :class:`DecoderLayer` with two sub-layers, each fed by Block AttnRes
+(:mod:`moonrt.model.attnres`) instead of a plain residual sum:
+
+    h = AttnRes_{2l}(blocks, partial);     partial += attn(attn_norm(h))     KDA or gated MLA
+    h = AttnRes_{2l+1}(blocks, partial);   partial += ffn(ffn_norm(h))       dense GLU FFN or LatentMoE
+
+then ``final = AttnRes_final(all blocks)``, ``logits = lm_head(norm(final))`` in fp32.
+
+Module names are stable (memory policies and checkpoints match them): ``embed``, ``layers.{l}.attn``
+(a ``KDALayer`` or :class:`GatedMLA`), ``layers.{l}.attn_norm``, ``layers.{l}.ffn`` (dense, layers
+``< first_k_dense_replace``) or ``layers.{l}.moe`` (LatentMoE), ``layers.{l}.ffn_norm``, ``attn_res``,
+``norm``, ``lm_head``.
+
+Seams (the model holds no process groups): ``ctx`` (an :class:`AttentionContext`, context
+parallelism), each LatentMoE's ``dispatcher`` (expert parallelism), and the stage API
+:meth:`K3Model.embed` / :meth:`K3Model.run_layers` / :meth:`K3Model.head` with :meth:`K3Model.stages`
+for pipeline parallelism (stages cut between decoder layers; the :class:`AttnResState` crosses them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moonrt.model.attnres import AttnResState, BlockAttnRes
+from moonrt.model.config import K3Config
+from moonrt.model.context import LOCAL, AttentionContext
+from moonrt.model.ffn import dense_ffn
+from moonrt.model.kda_layer import KDALayer
+from moonrt.model.mla import GatedMLA
+from moonrt.model.moe import LatentMoE, MoEConfig
+from moonrt.model.norm import RMSNorm
+
+
+class DecoderLayer(nn.Module):
+    """One decoder layer: ``attn_norm``, ``attn`` (KDA or MLA), ``ffn_norm``, ``ffn`` or ``moe``."""
+
+    def __init__(self, config: K3Config, index: int, moe_config: MoEConfig | None = None) -> None:
+        super().__init__()
+        self.index = index
+        self.kind = config.layer_types()[index]
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = KDALayer(config) if self.kind == "kda" else GatedMLA(config)
+        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.is_moe_layer(index):
+            self.moe = LatentMoE(config, moe_config)
+        else:
+            self.ffn = dense_ffn(config)
+
+    @property
+    def is_moe(self) -> bool:
+        return hasattr(self, "moe")
+
+    def attention(self, h: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """Attention sub-layer output ``[B, T, D]`` from its AttnRes input ``h [B, T, D]``."""
+        return self.attn(self.attn_norm(h), ctx=ctx)
+
+    def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
+        """FFN / MoE sub-layer output ``[B, T, D]`` from its AttnRes input ``h [B, T, D]``."""
+        x = self.ffn_norm(h)
+        return self.moe(x) if self.is_moe else self.ffn(x)
+
+
+class K3Model(nn.Module):
+    """The K3 decoder-only language model.
+
+    Args:
+        config: the model (:func:`moonrt.model.config.k3_tiny` for training; never instantiate ``k3``).
+        moe_config: :class:`moonrt.model.moe.MoEConfig` (Quantile Balancing estimator etc.) for every
+            LatentMoE layer; None uses its defaults.
+    """
+
+    def __init__(self, config: K3Config, moe_config: MoEConfig | None = None) -> None:
+        super().__init__()
+        self.config = config
+        d = config.hidden_size
+        self.embed = nn.Embedding(config.vocab_size, d)
+        nn.init.normal_(self.embed.weight, std=config.initializer_range)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, moe_config) for i in range(config.num_hidden_layers))
+        self.attn_res = BlockAttnRes(d, config.num_hidden_layers, config.attn_res_block_size, config.rms_norm_eps)
+        self.norm = RMSNorm(d, config.rms_norm_eps)
+        self.lm_head = nn.Linear(d, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        else:
+            nn.init.normal_(self.lm_head.weight, std=config.initializer_range)
+
+    # ---- pipeline-stage API ----------------------------------------------------------------------
+    def stages(self, num_stages: int, align_to_blocks: bool = False) -> list[range]:
+        """Split the decoder layers into ``num_stages`` contiguous, near-equal layer ranges.
+
+        With ``align_to_blocks`` the cuts fall on AttnRes block boundaries (then only finished block
+        representations cross a stage boundary; needs ``num_stages <= number of blocks``).
+        """
+        n = self.config.num_hidden_layers
+        if align_to_blocks:
+            blocks = self.attn_res.block_ranges()
+            if not 1 <= num_stages <= len(blocks):
+                raise ValueError(f"num_stages = {num_stages}: expected 1..{len(blocks)} (AttnRes blocks)")
+            cuts = [blocks[i * len(blocks) // num_stages].start for i in range(num_stages)] + [n]
+        else:
+            if not 1 <= num_stages <= n:
+                raise ValueError(f"num_stages = {num_stages}: expected 1..{n} (decoder layers)")
+            cuts = [i * n // num_stages for i in range(num_stages + 1)]
+        return [range(cuts[i], cuts[i + 1]) for i in range(num_stages)]
+
+    def embed_tokens(self, tokens: torch.Tensor) -> AttnResState:
+        """``tokens [B, T]`` int64 -> the initial stream (block 0 = token embedding ``[B, T, D]``)."""
+        if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"tokens: shape {tuple(tokens.shape)} dtype {tokens.dtype}: expected [B, T] int64")
+        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size):
+            raise ValueError(f"tokens: ids in [{int(tokens.min())}, {int(tokens.max())}]: expected "
+                             f"[0, vocab_size = {self.config.vocab_size})")
+        return AttnResState(blocks=[self.embed(tokens)])
+
+    def run_layers(self, state: AttnResState, layers: range, ctx: AttentionContext = LOCAL,
+                   two_phase: bool = False) -> AttnResState:
+        """Run decoder ``layers`` on the stream ``state`` (mutated and returned)."""
+        for i in layers:
+            layer = self.layers[i]
+            self.attn_res.begin_layer(i, state, two_phase)
+            state.add(layer.attention(self.attn_res.sublayer_input(i, 0, state, two_phase), ctx))
+            state.add(layer.feed_forward(self.attn_res.sublayer_input(i, 1, state, two_phase)))
+            self.attn_res.end_layer(i, state)
+        return state
+
+    def head(self, state: AttnResState) -> torch.Tensor:
+        """Final AttnRes aggregation, norm and LM head: ``logits [B, T, vocab]`` fp32."""
+        return self.lm_head(self.norm(self.attn_res.final(state))).float()
+
+    # ---- whole model -----------------------------------------------------------------------------
+    def forward(self, tokens: torch.Tensor, ctx: AttentionContext = LOCAL, two_phase: bool = False) -> torch.Tensor:
+        """``tokens [B, T]`` int64 (this rank's sequence slice under CP) -> ``logits [B, T, vocab]`` fp32.
+
+        ``two_phase`` computes AttnRes in its two-phase inference form (same result to fp32 rounding).
+        """
+        state = self.run_layers(self.embed_tokens(tokens), range(self.config.num_hidden_layers), ctx, two_phase)
+        return self.head(state)
+
+    def loss_sum(self, tokens: torch.Tensor, targets: torch.Tensor, ctx: AttentionContext = LOCAL) -> torch.Tensor:
+        """Summed next-token cross-entropy (fp32 scalar) over all ``targets [B, T]``.
+
+        Sum, not mean: a runtime divides by the *global* token count so the loss is the mean over
+        every token of the global batch whatever the data/context split.
+        """
+        logits = self(tokens, ctx=ctx)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
+
+    # ---- MoE routing -----------------------------------------------------------------------------
+    def moe_layers(self) -> list[tuple[int, nn.Module]]:
+        """``(layer index, LatentMoE)`` for every MoE layer."""
+        return [(i, layer.moe) for i, layer in enumerate(self.layers) if layer.is_moe]
+
+    def update_routing_bias(self, all_reduce: Callable[[torch.Tensor], Any] | None = None) -> dict[int, Any]:
+        """Quantile Balancing bias update (K3_SYSTEMS §5.3) on every MoE layer from the statistics of the
+        training forwards since the last update. ``all_reduce`` (given by the runtime) sums statistics in
+        place across ranks; None = single process. Returns ``{layer: RoutingStats}``."""
+        return {i: moe.update_bias(all_reduce=all_reduce) for i, moe in self.moe_layers()}
+
+    def routing_counts(self) -> dict[int, torch.Tensor]:
+        """Per MoE layer, tokens routed to each expert ``[E]`` int64 in the last forward (k per token)."""
+        return {i: moe.last_counts for i, moe in self.moe_layers()}
+
+    def set_record_routing(self, enabled: bool) -> None:
+        """Whether MoE forwards count toward routing statistics (off for eval and recomputation)."""
+        for _, moe in self.moe_layers():
+            moe.record_routing = enabled

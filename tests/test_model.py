@@ -1,0 +1,112 @@
+"""K3Model assembly (K3_SYSTEMS §1-5): structure and names, fp32 logits/loss, causality, AttnRes modes,
+the pipeline-stage API, routing statistics and Quantile Balancing hooks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moonrt.model.config import k3_tiny
+from moonrt.model.kda_layer import KDALayer
+from moonrt.model.mla import GatedMLA
+from moonrt.model.model import K3Model
+
+
+def _model(seed: int = 0, **changes) -> K3Model:
+    torch.manual_seed(seed)
+    model = K3Model(dataclasses.replace(k3_tiny(), **changes) if changes else k3_tiny())
+    with torch.no_grad():  # non-zero pseudo-queries so AttnRes is not a uniform average
+        model.attn_res.queries.normal_(std=0.5)
+        model.attn_res.final_query.normal_(std=0.5)
+    return model
+
+
+def test_structure_and_stable_names() -> None:
+    cfg = k3_tiny()
+    model = _model()
+    assert cfg.pattern == "KKKMKKKMM"
+    names = dict(model.named_modules())
+    for i, kind in enumerate(cfg.layer_types()):
+        assert isinstance(names[f"layers.{i}.attn"], KDALayer if kind == "kda" else GatedMLA)
+        assert (f"layers.{i}.moe" in names) == (i >= cfg.first_k_dense_replace)
+        assert (f"layers.{i}.ffn" in names) == (i < cfg.first_k_dense_replace)
+    assert {"embed", "attn_res", "norm", "lm_head"} <= set(names)
+
+
+def test_logits_loss_and_causality() -> None:
+    model = _model()
+    tokens = torch.randint(0, 256, (2, 40))
+    logits = model(tokens)
+    assert logits.shape == (2, 40, 256) and logits.dtype == torch.float32
+    targets = torch.randint(0, 256, (2, 40))
+    expected = F.cross_entropy(logits.reshape(-1, 256), targets.reshape(-1), reduction="sum")
+    torch.testing.assert_close(model.loss_sum(tokens, targets), expected)
+    changed = tokens.clone()
+    changed[:, 25:] = torch.randint(0, 256, (2, 15))
+    # equal up to fp32 rounding of the chunked KDA kernel (whose tiles also hold the later tokens)
+    torch.testing.assert_close(model(changed)[:, :25], logits[:, :25], rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(model(changed)[:, 25:], logits[:, 25:])
+
+
+def test_two_phase_attnres_equals_direct_in_the_model() -> None:
+    model = _model(1)
+    tokens = torch.randint(0, 256, (2, 24))
+    torch.testing.assert_close(model(tokens, two_phase=True), model(tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_stages_compose_to_the_full_forward() -> None:
+    model = _model(2)
+    tokens = torch.randint(0, 256, (1, 8))
+    full = model(tokens)
+    for n, align in ((3, False), (2, True)):
+        stages = model.stages(n, align_to_blocks=align)
+        assert [i for r in stages for i in r] == list(range(9))
+        if align:
+            assert all(model.attn_res.is_block_start(r.start) for r in stages)
+        state = model.embed_tokens(tokens)
+        for r in stages:
+            state = model.run_layers(state, r)
+        torch.testing.assert_close(model.head(state), full)
+    assert [list(r) for r in model.stages(2, align_to_blocks=True)] == [[0, 1, 2, 3], [4, 5, 6, 7, 8]]
+    with pytest.raises(ValueError, match="num_stages = 4"):
+        model.stages(4, align_to_blocks=True)
+    with pytest.raises(ValueError, match="num_stages = 10"):
+        model.stages(10)
+
+
+def test_routing_counts_and_bias_update() -> None:
+    cfg = k3_tiny()
+    model = _model(3)
+    tokens = torch.randint(0, 256, (2, 16))
+    model.train()
+    model.loss_sum(tokens, tokens).backward()
+    counts = model.routing_counts()
+    assert sorted(counts) == list(range(cfg.first_k_dense_replace, cfg.num_hidden_layers))
+    assert all(int(c.sum()) == 2 * 16 * cfg.num_experts_per_token for c in counts.values())
+    before = [moe.router.bias.clone() for _, moe in model.moe_layers()]
+    calls = []
+    stats = model.update_routing_bias(all_reduce=lambda t: calls.append(t.shape))
+    assert len(calls) == len(before) and sorted(stats) == sorted(counts)
+    after = [moe.router.bias for _, moe in model.moe_layers()]
+    assert any(not torch.equal(a, b) for a, b in zip(after, before))
+    for b in after:
+        assert abs(float(b.mean())) < 1e-5  # QB centers the bias
+    # bias changes selection only: logits depend on it only through routing, and gradients never reach it
+    assert all(b.grad is None for b in after)
+    model.set_record_routing(False)
+    model.eval()
+    with torch.no_grad():
+        model(tokens)
+    assert all(int(s.sum()) == 0 for _, m in model.moe_layers() for s in [m.step_counts])
+
+
+def test_tied_embeddings_and_bad_tokens() -> None:
+    model = _model(tie_word_embeddings=True)
+    assert model.lm_head.weight is model.embed.weight
+    with pytest.raises(ValueError, match="vocab_size = 256"):
+        model(torch.tensor([[0, 256]]))
+    with pytest.raises(ValueError, match="expected \\[B, T\\] int64"):
+        model(torch.zeros(2, 3))
