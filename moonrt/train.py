@@ -63,8 +63,8 @@ class DataConfig:
 class OptimConfig:
     """Optimizer, schedule and step knobs."""
 
-    steps: int = 300
-    batch_size: int = 16
+    steps: int = 200
+    batch_size: int = 8
     """Sequences per global batch (per optimizer step), whatever the parallel layout."""
     seq_len: int = 128
     lr: float = 4e-3
@@ -113,9 +113,13 @@ class JobConfig:
     """Path of an activation-memory policy YAML (applied by the activation manager when present)."""
     out_dir: str = "runs/train"
     """Checkpoints (``checkpoint.pt``) and the resolved ``config.yaml`` go here."""
+    threads: int = 1
+    """torch intra-op threads per process (0: torch's default). One is the robust choice on a shared
+    2-core machine (spinning OpenMP threads of several processes slow everyone down many-fold)."""
 
     def validate(self) -> None:
         check(self.model in PRESETS, "model", self.model, "one of " + ", ".join(sorted(PRESETS)))
+        check(self.threads >= 0, "threads", self.threads, "an integer >= 0 (0 = torch default)")
 
     def model_cfg(self) -> K3Config:
         return self.model_config if self.model_config is not None else PRESETS[self.model]()
@@ -179,12 +183,14 @@ def evaluate(model: torch.nn.Module, windows: np.ndarray, batch_size: int, rt: R
     """Mean next-token loss (nats/token) over the held-out ``windows [N, T + 1]``."""
     was_training = model.training
     model.eval()
+    model.set_record_routing(False)
     total, count = 0.0, 0.0
     with torch.no_grad():
         for i in range(0, len(windows), batch_size):
             x, y = data.shard(windows[i:i + batch_size], 0, 1, rt.cp_rank, rt.cp_size)
             total += float(model.loss_sum(torch.from_numpy(x), torch.from_numpy(y), ctx=rt.ctx))
             count += y.size
+    model.set_record_routing(True)
     model.train(was_training)
     return rt.sum_scalar(total) / rt.sum_scalar(count)
 
@@ -202,6 +208,8 @@ def train(job: JobConfig, rt: Runtime | None = None, metrics_path: str | None = 
           until: int | None = None, progress: bool = True) -> dict[str, float]:
     """Run the job; returns the summary (``final_eval_loss``, ``unigram_entropy``, ...)."""
     rt = rt or Runtime()
+    if job.threads:
+        torch.set_num_threads(job.threads)
     cfg = job.optim
     mcfg = job.model_cfg()
     corpus = data.load_corpus(job.data.corpus, job.data.token_dtype, mcfg.vocab_size, job.data.heldout_fraction)
@@ -257,14 +265,15 @@ def train(job: JobConfig, rt: Runtime | None = None, metrics_path: str | None = 
                         rt.grad_all_reduce(p.grad)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
             opt.step()
-            if cfg.routing_bias_update:
-                model.update_routing_bias(rt.stat_all_reduce)
+            stats = model.update_routing_bias(rt.stat_all_reduce) if cfg.routing_bias_update else {}
             loss_value = rt.sum_scalar(float(loss.detach()))
             dt = time.perf_counter() - t0
             tokens_done += global_tokens
             losses.append(loss_value)
             record = {"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
                       "tokens_per_s": global_tokens / dt, "tokens": (step + 1) * global_tokens}
+            if stats:
+                record["maxvio"] = max(s.maxvio for s in stats.values())
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
                 eval_loss = evaluate(model, heldout, cfg.batch_size, rt)
                 record["eval_loss"] = eval_loss
@@ -308,6 +317,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics", help="write JSON lines {step, loss, lr, tokens_per_s, ...} to this file")
     parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     parser.add_argument("--until", type=int, help="stop after this step (checkpointed); schedule still uses --steps")
+    parser.add_argument("--threads", type=int, help="torch threads per process, 0 = torch default (threads)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar or summary line")
 
 
@@ -325,6 +335,8 @@ def job_from_args(args: argparse.Namespace) -> JobConfig:
         raw["data"]["token_dtype"] = args.token_dtype
     if args.out is not None:
         raw["out_dir"] = args.out
+    if args.threads is not None:
+        raw["threads"] = args.threads
     return from_dict(JobConfig, raw)
 
 
