@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
+from dist import dist_run
 
 from moonrt.config import ConfigError
 from moonrt.model.balance import maxvio
@@ -21,7 +22,6 @@ from moonrt.model.moe import (
     moe_config_from_dict,
     reference_forward,
 )
-from tests.dist import dist_run
 
 
 def small_config(**changes):
