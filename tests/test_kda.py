@@ -92,9 +92,9 @@ def test_default_scale_and_dtypes() -> None:
 
 
 def test_strong_decay_stays_finite() -> None:
-    """Per-token log-decay at the accepted limit (-10) in every channel: no inf/NaN, gradients included."""
+    """Per-token log-decay at the accepted limit (-5, K3's bound) in every channel: no inf/NaN, gradients agree."""
     x = make_inputs(1, 100, 2, 16, 8, seed=5)
-    x["g"] = torch.full_like(x["g"], -10.0)
+    x["g"] = torch.full_like(x["g"], -5.0)
     x["k"] = x["k"] * 3.0
     o_r, S_r, g_r = run_with_grads(kda_recurrent, x, True, seed=1)
     o_c, S_c, g_c = run_with_grads(kda_chunk, x, True, seed=1)
@@ -158,7 +158,7 @@ def test_empty_sequence() -> None:
         ({"g": torch.zeros(1, 8, 2, 3)}, "g.shape"),
         ({"beta": torch.zeros(1, 8, 2, 1)}, "beta.shape"),
         ({"initial_state": torch.zeros(1, 2, 4, 5)}, "initial_state.shape"),
-        ({"g": torch.full((1, 8, 2, 4), -11.0)}, "g.min"),
+        ({"g": torch.full((1, 8, 2, 4), -5.5)}, "g.min"),
     ],
 )
 def test_bad_input_is_rejected(override: dict[str, torch.Tensor], match: str) -> None:

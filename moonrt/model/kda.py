@@ -20,9 +20,10 @@ state entering a chunk is computed for all chunks at once as batched matmuls ``[
 for any contiguous segment; KCP (§7) builds on it.
 
 Numerics: all state arithmetic is in fp32 (fp64 if the inputs are fp64). In-chunk decays are applied
-through 16-token sub-tiles with a midpoint reference (§2.2), so every exponent in a matmul operand stays
-within ``8 * max|g|`` nats: finite in fp32 for per-token log-decays >= -10 (K3's gate keeps them > -5).
-Cumulative log-decays are summed in fp64 so that differences of long sums keep full fp32 precision.
+through 16-token sub-tiles with a midpoint reference (§2.2), so every factor in a matmul operand lies within
+``e^(+-8 max|g|)`` and the factor between neighbouring sub-tiles is a normal fp32 number for per-token
+log-decays >= -5 (K3's gate range). Cumulative log-decays are summed in fp64 and exponentials taken in fp64, so
+differences of long sums keep full fp32 precision.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ import torch
 SUB_TILE = 16
 """Rows per sub-tile for the in-chunk decay factorization (K3_SYSTEMS §2.2)."""
 
-MIN_LOG_DECAY = -10.0
-"""Smallest per-token log-decay the chunk form accepts: 8 tokens * 10 = 80 nats < log(fp32 max) = 88.7."""
+MIN_LOG_DECAY = -5.0
+"""Smallest per-token log-decay the chunk form accepts (K3's gate bound, §2.2): the decay between neighbouring
+16-token sub-tile midpoints, 16 * 5 = 80 nats, stays a normal fp32 number (> e^-87.3)."""
 
 
 def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -114,16 +116,15 @@ def kda_recurrent(
 class ChunkTerms:
     """Per-chunk quantities that do not depend on the entering state (K3_SYSTEMS §2.3 steps 1-3, 5-6).
 
-    Shapes are ``[B, H, N, C, *]`` (N chunks of C tokens), in the compute dtype (fp32 for fp32/bf16
-    inputs). ``T = (I + L)^-1 Diag(beta)`` is applied by a unit-lower-triangular solve, never formed.
+    Shapes are ``[B, H, N, C, *]`` (N chunks of C tokens), in the compute dtype (fp32 for fp32/bf16 inputs).
     """
 
     G: torch.Tensor
     """``[B, H, N, C, K]`` in-chunk inclusive cumulative log-decay (fp64: differences stay precise)."""
-    W: torch.Tensor
-    """``[B, H, N, C, K]`` ``T (exp(G) * K)``."""
-    U: torch.Tensor
-    """``[B, H, N, C, V]`` ``T V``."""
+    T: torch.Tensor
+    """``[B, H, N, C, C]`` UT transform ``(I + L)^-1 Diag(beta)`` (lower triangular)."""
+    WU: torch.Tensor
+    """``[B, H, N, C, K + V]`` ``[W | U] = T [exp(G) * K | V]``."""
     Kg: torch.Tensor
     """``[B, H, N, C, K]`` ``exp(G_C - G) * K``: each key decayed to the chunk end."""
     decay: torch.Tensor
@@ -133,16 +134,26 @@ class ChunkTerms:
     A_qk: torch.Tensor | None
     """``[B, H, N, C, C]`` ``scale * q_r . (exp(G_r - G_c) * k_c)`` for c <= r, else 0 (None without q)."""
 
+    @property
+    def W(self) -> torch.Tensor:
+        """``[B, H, N, C, K]`` ``T (exp(G) * K)``."""
+        return self.WU[..., : self.Kg.shape[-1]]
+
+    @property
+    def U(self) -> torch.Tensor:
+        """``[B, H, N, C, V]`` ``T V``."""
+        return self.WU[..., self.Kg.shape[-1] :]
+
 
 def _to_chunks(x: torch.Tensor, C: int, dtype: torch.dtype) -> torch.Tensor:
-    """``[B, T, H, *]`` -> ``[B, H, N, C, *]`` (zero padded to N * C tokens), in ``dtype``."""
+    """``[B, T, H, *]`` -> ``[B, H, N, C, *]`` (zero padded to N * C tokens), in ``dtype``, one copy."""
     B, T, H = x.shape[:3]
     N = -(-T // C)
-    x = x.to(dtype).transpose(1, 2)  # [B, H, T, *]
+    out = x.new_empty(B, H, N * C, *x.shape[3:], dtype=dtype)
+    out[:, :, :T] = x.transpose(1, 2)
     if N * C != T:
-        pad = x.new_zeros(B, H, N * C - T, *x.shape[3:])
-        x = torch.cat([x, pad], dim=2)
-    return x.reshape(B, H, N, C, *x.shape[3:])
+        out[:, :, T:] = 0
+    return out.view(B, H, N, C, *x.shape[3:])
 
 
 def _sub_tile(chunk_size: int) -> int:
@@ -163,6 +174,39 @@ def _check_decay(g: torch.Tensor) -> None:
                              "(K3's gate gives > -5); use kda_recurrent for stronger decays")
 
 
+def _small_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` for batches of tiny matrices (broadcast multiply-add below 8 x 8, where bmm is overhead)."""
+    if a.shape[-1] >= 8:
+        return a @ b
+    return (a[..., :, :, None] * b[..., None, :, :]).sum(-2)
+
+
+def unit_lower_inverse(L: torch.Tensor) -> torch.Tensor:
+    """``(I + L)^-1`` for strictly lower-triangular ``L [..., C, C]`` (its diagonal and upper part are ignored).
+
+    Recursive block inversion (the UT transform of K3_SYSTEMS §2.3 step 2): the inverses of diagonal blocks of
+    size s are known; pairs combine as ``[[A, 0], [B, C]]^-1 = [[A^-1, 0], [-C^-1 B A^-1, C^-1]]``, so all
+    chunks and all blocks of a level are one batched matmul (log2 C levels).
+    """
+    *batch, C, _ = L.shape
+    P = 1 << max(C - 1, 0).bit_length()  # power of two >= C
+    if P != C:
+        L = torch.nn.functional.pad(L, (0, P - C, 0, P - C))
+    D = L.new_ones(*batch, P, 1, 1)  # inverses of the diagonal blocks of size s, [..., P / s, s, s]
+    s = 1
+    while s < P:
+        nb = P // (2 * s)
+        Lv = L.reshape(*batch, nb, 2, s, nb, 2, s)[..., :, 1, :, :, 0, :]  # [..., nb, s, nb, s]
+        B_blk = torch.diagonal(Lv, dim1=-4, dim2=-2).movedim(-1, -3)  # [..., nb, s, s] lower-left blocks
+        Dv = D.view(*batch, nb, 2, s, s)
+        A_inv, C_inv = Dv[..., 0, :, :], Dv[..., 1, :, :]
+        X = -_small_mm(C_inv, _small_mm(B_blk, A_inv))
+        top = torch.cat([A_inv, torch.zeros_like(A_inv)], dim=-1)
+        D = torch.cat([top, torch.cat([X, C_inv], dim=-1)], dim=-2)  # [..., nb, 2s, 2s]
+        s *= 2
+    return D[..., 0, :C, :C]
+
+
 def chunk_terms(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -181,10 +225,14 @@ def chunk_terms(
         q: ``[B, H, N, C, K]`` queries, or None when only the state transition is needed.
         scale: query scale.
 
-    In-chunk decays ``exp(G_r - G_c)`` enter the matmuls factored through sub-tiles of 16 rows: row r of
-    sub-tile i is multiplied by ``exp(G_r - m_i)`` and column c by ``exp(m_i - G_c)``, where ``m_i`` is G at
-    the middle of sub-tile i (§2.2). Columns after sub-tile i are masked before the exponential, so no
-    intermediate is ever inf (also not in backward).
+    In-chunk decays ``exp(G_r - G_c)`` enter the matmuls factored through sub-tiles of 16 tokens with
+    midpoint references m (§2.2): for r in sub-tile i and c in sub-tile j <= i,
+    ``exp(G_r - G_c) = exp(G_r - m_i) * exp(m_i - m_j) * exp(m_j - G_c)``. The outer factors stay within
+    ``e^(+-8 max|g|)``; the middle one is <= 1, at least ``e^-80`` for neighbouring sub-tiles (a normal fp32
+    number; farther ones only matter when their true product is below 1e-12), and 0 for j > i, so no operand
+    is ever inf. The diagonal
+    ``r = c`` of ``A_qk`` is taken exactly (``q_r . k_r``) so no gradient passes through ``exp(0)`` written as a
+    product of large and small factors.
     """
     dtype = k.dtype
     B, H, N, C, K = k.shape
@@ -192,36 +240,37 @@ def chunk_terms(
     n_sub = C // sub
     G = g.to(torch.float64).cumsum(dim=-2)  # [B, H, N, C, K]
     G_last = G[..., -1:, :]  # [B, H, N, 1, K]
-    # sub-tile midpoints [B, H, N, n_sub, K]; detached: the products exp(G_r - m) exp(m - G_c) do not depend on
-    # m, and its gradient would be the difference of two large sums (cancellation)
+    # sub-tile midpoints [B, H, N, n_sub, K], detached: the products above do not depend on them, and their
+    # gradient would be a difference of two large sums (cancellation)
     m = (G[..., sub // 2 - 1 :: sub, :] if sub > 1 else G).detach()
-    row = torch.exp((G - m.repeat_interleave(sub, dim=-2)).to(dtype))  # [B, H, N, C, K]
-    # column factors per row sub-tile i: exp(m_i - G_c) for c < end of sub-tile i, else 0
-    col_exp = m[..., :, None, :] - G[..., None, :, :]  # [B, H, N, n_sub, C, K]
-    tile_end = torch.arange(1, n_sub + 1, device=k.device) * sub  # [n_sub]
-    keep = torch.arange(C, device=k.device)[None, :] < tile_end[:, None]  # [n_sub, C]
-    col_exp = torch.where(keep[:, :, None], col_exp, float("-inf"))
-    k_col = k[..., None, :, :] * torch.exp(col_exp.to(dtype))  # [B, H, N, n_sub, C, K]
-    rows = k * row if q is None else torch.cat([k * row, q * row], dim=-2)  # [B, H, N, C or 2C, K]
-    rows = rows.reshape(B, H, N, -1, n_sub, sub, K).transpose(3, 4).reshape(B, H, N, n_sub, -1, K)
-    A = rows @ k_col.transpose(-1, -2)  # [B, H, N, n_sub, sub or 2*sub, C]
-    A = A.reshape(B, H, N, n_sub, -1, sub, C).transpose(3, 4).reshape(B, H, N, -1, C)
+    # exponentials are taken in fp64 and rounded once: rounding an exponent of magnitude 40 to fp32 first would
+    # cost 40 * 6e-8 relative error. Two [C, K]-sized exps; the rest are products with per-sub-tile vectors.
+    m_rows = m.repeat_interleave(sub, dim=-2)  # [B, H, N, C, K]
+    x = G - m_rows  # [B, H, N, C, K] G_r - m_tile(r), within +-8 max|g|
+    e_pos, e_neg = torch.exp(x).to(dtype), torch.exp(-x).to(dtype)
+    eG = e_pos * torch.exp(m_rows).to(dtype)  # exp(G)
+    e_kg = e_neg * torch.exp(G_last - m_rows).to(dtype)  # exp(G_C - G)
+    dm = m[..., :, None, :] - m[..., None, :, :]  # [B, H, N, n_sub(i), n_sub(j), K] m_i - m_j
+    lower = torch.ones(n_sub, n_sub, dtype=torch.bool, device=k.device).tril()
+    F = torch.exp(torch.where(lower[:, :, None], dm, float("-inf")).to(dtype))  # 0 for j > i
+    k_col = ((k * e_neg).view(B, H, N, 1, n_sub, sub, K) * F[..., None, :]).view(B, H, N, n_sub, C, K)
+    kr = (k * e_pos).view(B, H, N, n_sub, 1, sub, K)
+    rows = kr if q is None else torch.cat([kr, (q * e_pos).view(B, H, N, n_sub, 1, sub, K)], dim=-3)
+    A = rows.view(B, H, N, n_sub, -1, K) @ k_col.transpose(-1, -2)  # [B, H, N, n_sub, (1 or 2) * sub, C]
+    A = A.view(B, H, N, n_sub, -1, sub, C)
     idx = torch.arange(C, device=k.device)
-    strict = idx[:, None] > idx[None, :]  # [C, C] c < r
-    L = torch.where(strict, A[..., :C, :], 0.0) * beta[..., None]  # [B, H, N, C, C]
-    eG = torch.exp(G.to(dtype))  # [B, H, N, C, K]
-    rhs = beta[..., None] * torch.cat([eG * k, v], dim=-1)  # [B, H, N, C, K + V]
-    X = torch.linalg.solve_triangular(L, rhs, upper=False, unitriangular=True)  # (I + L) X = rhs
-    W, U = X[..., :K], X[..., K:]
-    Kg = torch.exp((G_last - G).to(dtype)) * k
-    decay = torch.exp(G_last[..., 0, :].to(dtype))
+    strict = (idx[:, None] > idx[None, :]).view(n_sub, sub, C)  # c < r
+    L = torch.where(strict, A[..., 0, :, :], 0.0).view(B, H, N, C, C)
+    T = unit_lower_inverse(L * beta[..., None]) * beta[..., None, :]  # (I + L)^-1 Diag(beta)
+    WU = T @ torch.cat([eG * k, v], dim=-1)  # [B, H, N, C, K + V]
+    Kg = e_kg * k
+    decay = torch.exp(G_last[..., 0, :]).to(dtype)
     Qg = A_qk = None
     if q is not None:
-        # the diagonal carries no decay: take it exactly, so no gradient reaches G through exp(0) = row * col
-        qk = (q * k).sum(-1)  # [B, H, N, C]
-        A_qk = (torch.where(strict, A[..., C:, :], 0.0) + torch.diag_embed(qk)) * scale
+        qk = (q * k).sum(-1)  # [B, H, N, C] exact diagonal: no decay
+        A_qk = (torch.where(strict, A[..., 1, :, :], 0.0).view(B, H, N, C, C) + torch.diag_embed(qk)) * scale
         Qg = (scale * q) * eG
-    return ChunkTerms(G=G, W=W, U=U, Kg=Kg, decay=decay, Qg=Qg, A_qk=A_qk)
+    return ChunkTerms(G=G, T=T, WU=WU, Kg=Kg, decay=decay, Qg=Qg, A_qk=A_qk)
 
 
 def chunk_transitions(terms: ChunkTerms) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,9 +278,10 @@ def chunk_transitions(terms: ChunkTerms) -> tuple[torch.Tensor, torch.Tensor]:
 
     Returns ``M [B, H, N, K, K] = Diag(exp(G_C)) - Kg^T W`` and ``S_ext [B, H, N, K, V] = Kg^T U``.
     """
-    M = torch.diag_embed(terms.decay) - terms.Kg.transpose(-1, -2) @ terms.W
-    S_ext = terms.Kg.transpose(-1, -2) @ terms.U
-    return M, S_ext
+    K = terms.Kg.shape[-1]
+    MS = terms.Kg.transpose(-1, -2) @ terms.WU  # [B, H, N, K, K + V] = Kg^T [W | U]
+    M = torch.diag_embed(terms.decay) - MS[..., :K]
+    return M, MS[..., K:]
 
 
 def _scan_states(M: torch.Tensor, S_ext: torch.Tensor, S0: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -267,7 +317,7 @@ def kda_chunk(
     Args:
         q, k: ``[B, T, H, K]`` queries and keys (used as given).
         v: ``[B, T, H, V]`` values.
-        g: ``[B, T, H, K]`` log-decay in ``[-10, 0]`` per token (K3's gate gives ``(-5, 0)``).
+        g: ``[B, T, H, K]`` log-decay in ``[-5, 0]`` per token (K3's gate range; see :data:`MIN_LOG_DECAY`).
         beta: ``[B, T, H]`` write strength.
         scale: query scale, default ``K ** -0.5``.
         initial_state: ``[B, H, K, V]`` fp32 state before token 0 (zeros if None).
@@ -297,8 +347,9 @@ def kda_chunk(
     M, S_ext = chunk_transitions(terms)
     S0 = None if initial_state is None else initial_state.to(dtype)
     S_in, S_T = _scan_states(M, S_ext, S0)  # [B, H, N, K, V]
-    V_tilde = terms.U - terms.W @ S_in  # [B, H, N, C, V] pseudo-values (§2.3 step 4)
-    O = terms.Qg @ S_in + terms.A_qk @ V_tilde  # [B, H, N, C, V] (step 5)
+    WS, QS = (torch.cat([terms.W, terms.Qg], dim=-2) @ S_in).split(C, dim=-2)  # one [2C, K] @ [K, V] per chunk
+    V_tilde = terms.U - WS  # [B, H, N, C, V] pseudo-values (§2.3 step 4)
+    O = QS + terms.A_qk @ V_tilde  # [B, H, N, C, V] (step 5)
     o = O.reshape(B, H, -1, V)[:, :, :T].transpose(1, 2).to(v.dtype)
     return o, (S_T if output_final_state else None)
 
@@ -341,4 +392,4 @@ def kda_transition(
 
 
 __all__ = ["ChunkTerms", "chunk_terms", "chunk_transitions", "kda_chunk", "kda_recurrent", "kda_transition",
-           "MIN_LOG_DECAY", "SUB_TILE"]
+           "unit_lower_inverse", "MIN_LOG_DECAY", "SUB_TILE"]

@@ -24,6 +24,7 @@ from torch import nn
 
 from moonrt.model.config import K3Config
 from moonrt.model.context import LOCAL, AttentionContext
+from moonrt.model.kda import MIN_LOG_DECAY
 
 
 @dataclasses.dataclass(slots=True)
@@ -86,6 +87,9 @@ class KDALayer(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(self.key_dim))
         self.A_log._no_weight_decay = True  # type: ignore[attr-defined]
         self.dt_bias._no_weight_decay = True  # type: ignore[attr-defined]
+        if not MIN_LOG_DECAY <= self.gate_lower_bound < 0:
+            raise ValueError(f"linear_attn_config.gate_lower_bound = {self.gate_lower_bound}: expected a value in "
+                             f"[{MIN_LOG_DECAY}, 0) (the chunked KDA kernel's decay range, K3_SYSTEMS §2.2)")
         if not lac.use_full_rank_gate:
             raise ValueError("linear_attn_config.use_full_rank_gate = False: expected True (K3's KDA output gate "
                              "is one full-rank D -> H*V projection)")
