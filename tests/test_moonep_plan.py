@@ -71,6 +71,12 @@ def check_plan(counts: np.ndarray, p: MoonEPPlan, B: int) -> None:
         assert len(groups) <= 1, f"rank {r} holds copies from groups {groups}"
         assert groups == ({int(p.donor[r])} if p.donor[r] >= 0 else set()) or not held
         assert n <= min(B, G)
+    for r in range(R):  # dispatch segments: home experts then slots, rows sum to the capacity
+        seg = p.segment_sizes(r)
+        assert seg.shape == (E + B,) and seg.sum() == p.capacity[r]
+        np.testing.assert_array_equal(seg[r * G:(r + 1) * G], p.alloc[r * G:(r + 1) * G, r])
+        for j in range(B):
+            assert seg[E + j] == (p.alloc[p.copies[r, j], r] if p.copies[r, j] >= 0 else 0)
     np.testing.assert_array_equal(p.cuts[:, 0], 0)
     np.testing.assert_array_equal(np.diff(p.cuts, axis=1), p.alloc)
     # Send layout: every source's assignments leave exactly once and arrive as planned.
@@ -168,6 +174,8 @@ def test_torch_planner_identical() -> None:
         a = plan(counts, num_slots=B, **kw)
         b = plan_torch(torch.from_numpy(counts), num_slots=B, **kw)
         assert b.alloc.dtype == torch.int64 and b.alloc.device == torch.device("cpu")
+        for r in range(R):
+            np.testing.assert_array_equal(b.segment_sizes(r).numpy(), a.segment_sizes(r))
         b = b.to_numpy()
         for f in ("alloc", "copies", "capacity", "cuts", "donor"):
             np.testing.assert_array_equal(getattr(a, f), getattr(b, f), err_msg=f"case {i} field {f}")
