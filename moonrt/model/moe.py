@@ -401,7 +401,8 @@ class LatentMoE(nn.Module):
             if hist.num_tokens > 0:
                 new_bias = hist.bias(self.top_k)
         else:
-            packed = _reduce(torch.cat([local, torch.ones(1, dtype=torch.int64)]), all_reduce)
+            packed = torch.cat([local, torch.ones(1, dtype=torch.int64)]).to(self.router.bias.device)
+            packed = _reduce(packed, all_reduce)
             counts, ranks = packed[:-1].cpu(), int(packed[-1])
             if mc.qb_enabled and self._margins:
                 if ranks > 1:
