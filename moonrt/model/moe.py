@@ -81,7 +81,8 @@ class Dispatcher(Protocol):
                     for i in range(experts.num_local)]
             slots = self.prefetch_weights(handle, experts.weights())
             copies = handle.plan.copies[self.rank].tolist()
-            return home + [(E + j, tuple(w[j] for w in slots)) for j, e in enumerate(copies) if e >= 0]
+            return home + [(self.num_experts + j, tuple(w[j] for w in slots))
+                           for j, e in enumerate(copies) if e >= 0]
     """
 
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor,
