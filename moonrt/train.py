@@ -136,6 +136,12 @@ class Runtime:
     ``grad_all_reduce`` sums a tensor in place over the ranks that hold replicas of the same
     parameters; ``stat_all_reduce`` sums router statistics over every rank that routed tokens
     (handed to :meth:`K3Model.update_routing_bias`); ``scalar_all_reduce`` sums a float over all ranks.
+
+    Whole-model hooks (a runtime that shards parameters, e.g. expert parallelism, sets them):
+    ``parallelize(model) -> model`` runs once after the model is built (before the optimizer);
+    ``sync_grads(model)`` replaces the per-tensor ``grad_all_reduce`` loop; ``clip_grad_norm(params,
+    max_norm) -> norm`` replaces the local global-norm clip; ``on_step(step, model, record)`` adds to
+    the step's metrics record (before eval); ``finish()`` runs once after the last step.
     """
 
     dp_rank: int = 0
@@ -147,6 +153,11 @@ class Runtime:
     grad_all_reduce: Callable[[torch.Tensor], Any] | None = None
     stat_all_reduce: Callable[[torch.Tensor], Any] | None = None
     scalar_all_reduce: Callable[[float], float] | None = None
+    parallelize: Callable[[torch.nn.Module], torch.nn.Module] | None = None
+    sync_grads: Callable[[torch.nn.Module], None] | None = None
+    clip_grad_norm: Callable[[Any, float], float] | None = None
+    on_step: Callable[[int, torch.nn.Module, dict[str, Any]], None] | None = None
+    finish: Callable[[], Any] | None = None
 
     def sum_scalar(self, x: float) -> float:
         return x if self.scalar_all_reduce is None else self.scalar_all_reduce(x)
@@ -219,6 +230,8 @@ def train(job: JobConfig, rt: Runtime | None = None, metrics_path: str | None = 
     out = Path(job.out_dir)
     ckpt = out / CHECKPOINT
     model = build_model(job)
+    if rt.parallelize is not None:
+        model = rt.parallelize(model)
     opt = build_optimizer(model, cfg)
     start = 0
     if resume:
@@ -259,11 +272,16 @@ def train(job: JobConfig, rt: Runtime | None = None, metrics_path: str | None = 
             loss = model.loss_sum(torch.from_numpy(x), torch.from_numpy(y), ctx=rt.ctx) / global_tokens
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            if rt.grad_all_reduce is not None:
+            if rt.sync_grads is not None:
+                rt.sync_grads(model)
+            elif rt.grad_all_reduce is not None:
                 for p in model.parameters():
                     if p.grad is not None:
                         rt.grad_all_reduce(p.grad)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
+            if rt.clip_grad_norm is not None:
+                grad_norm = float(rt.clip_grad_norm(model.parameters(), cfg.grad_clip))
+            else:
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
             opt.step()
             stats = model.update_routing_bias(rt.stat_all_reduce) if cfg.routing_bias_update else {}
             loss_value = rt.sum_scalar(float(loss.detach()))
@@ -274,6 +292,8 @@ def train(job: JobConfig, rt: Runtime | None = None, metrics_path: str | None = 
                       "tokens_per_s": global_tokens / dt, "tokens": (step + 1) * global_tokens}
             if stats:
                 record["maxvio"] = max(s.maxvio for s in stats.values())
+            if rt.on_step is not None:
+                rt.on_step(step, model, record)
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
                 eval_loss = evaluate(model, heldout, cfg.batch_size, rt)
                 record["eval_loss"] = eval_loss
@@ -283,6 +303,8 @@ def train(job: JobConfig, rt: Runtime | None = None, metrics_path: str | None = 
             bar.set_postfix(loss=f"{loss_value:.3f}", eval=f"{eval_loss:.3f}", tok_s=f"{global_tokens / dt:,.0f}")
             if rt.is_main and ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == stop):
                 save_checkpoint(ckpt, model, opt, step + 1, job)
+        if rt.finish is not None:
+            rt.finish()
     finally:
         bar.close()
         if metrics is not None:
