@@ -232,6 +232,10 @@ def train(job: JobConfig, rt: Runtime | None = None, metrics_path: str | None = 
     model = build_model(job)
     if rt.parallelize is not None:
         model = rt.parallelize(model)
+    cp_log = getattr(rt.ctx, "log", None)  # ContextParallel's CP byte records per layer (K3_SYSTEMS §7)
+    cp_bytes: dict[str, dict[str, int]] = {}
+    if cp_log is not None:
+        rt.ctx.tag_layers((n, m) for n, m in model.named_modules() if n.endswith(".attn"))
     opt = build_optimizer(model, cfg)
     start = 0
     if resume:
@@ -269,6 +273,8 @@ def train(job: JobConfig, rt: Runtime | None = None, metrics_path: str | None = 
                 group["lr"] = lr
             batch = data.global_batch(corpus.train, cfg.seed, step, cfg.batch_size, cfg.seq_len)
             x, y = data.shard(batch, rt.dp_rank, rt.dp_size, rt.cp_rank, rt.cp_size)
+            if cp_log is not None:
+                rt.ctx.new_step()
             loss = model.loss_sum(torch.from_numpy(x), torch.from_numpy(y), ctx=rt.ctx) / global_tokens
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -290,6 +296,9 @@ def train(job: JobConfig, rt: Runtime | None = None, metrics_path: str | None = 
             losses.append(loss_value)
             record = {"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
                       "tokens_per_s": global_tokens / dt, "tokens": (step + 1) * global_tokens}
+            if cp_log is not None:
+                cp_bytes = cp_log.by_layer()
+                record["cp_bytes_sent"] = sum(r["fwd_sent"] + r["bwd_sent"] for r in cp_bytes.values())
             if stats:
                 record["maxvio"] = max(s.maxvio for s in stats.values())
             if rt.on_step is not None:
@@ -317,6 +326,10 @@ def train(job: JobConfig, rt: Runtime | None = None, metrics_path: str | None = 
         print(f"summary: {stop} steps in {wall:.0f} s ({summary['tokens_per_s']:,.0f} tokens/s); "
               f"train loss {summary['train_loss']:.3f}; eval loss {eval_loss:.3f} nats/token vs held-out "
               f"unigram entropy {baseline:.3f} ({eval_loss - baseline:+.3f}); checkpoint {ckpt}", flush=True)
+        if cp_bytes:
+            from moonrt.comm.cp_context import comm_table
+
+            print(comm_table(cp_bytes, "CP bytes per layer, rank 0, last step"), flush=True)
     return summary
 
 
@@ -341,6 +354,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--until", type=int, help="stop after this step (checkpointed); schedule still uses --steps")
     parser.add_argument("--threads", type=int, help="torch threads per process, 0 = torch default (threads)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar or summary line")
+    parser.add_argument("--cp", type=int, help="context-parallel degree: each sequence split over CP ranks, KCP for "
+                        "KDA, latent all-gather for MLA (parallel.cp)")
 
 
 def job_from_args(args: argparse.Namespace) -> JobConfig:
@@ -359,16 +374,60 @@ def job_from_args(args: argparse.Namespace) -> JobConfig:
         raw["out_dir"] = args.out
     if args.threads is not None:
         raw["threads"] = args.threads
+    if args.cp is not None:
+        raw["parallel"]["cp"] = args.cp
     return from_dict(JobConfig, raw)
+
+
+def _launched() -> bool:
+    """True when a launcher (moonrt launch, torchrun, SLURM, MPI) started this process as one rank of several."""
+    from moonrt.cluster.env import detect_rendezvous
+
+    return detect_rendezvous().world_size > 1
+
+
+def parallel_runtime(job: JobConfig) -> Runtime:
+    """This rank's :class:`Runtime` in a multi-rank job (``moonrt launch``, torchrun, SLURM or MPI).
+
+    Joins the default group (:func:`moonrt.cluster.env.init_distributed`); ``parallel.dp`` is raised to fill the
+    world when the other degrees divide it. Batch rows are split over ``dp_ep`` (ranks that see different data),
+    each sequence over ``cp`` (:class:`moonrt.comm.cp_context.ContextParallel`: KCP, conv halo, MLA latent
+    gather); gradients, router statistics and scalars are summed over the replicas ``dp_ep_cp``.
+    """
+    import torch.distributed as dist
+
+    from moonrt.cluster.env import init_distributed
+    from moonrt.comm.cp_context import ContextParallel
+    from moonrt.comm.mesh import ProcessMesh
+
+    init_distributed()
+    p = job.parallel
+    world = dist.get_world_size()
+    if p.world_size != world and p.dp == 1 and world % p.world_size == 0:
+        p.dp = world // p.world_size
+    mesh = ProcessMesh(p)
+    if p.pp != 1:
+        raise ConfigError(f"parallel.pp = {p.pp}: pipeline parallelism is not available in moonrt train yet")
+    replicas = mesh.group("dp_ep_cp")
+
+    def tensor_sum(t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t, group=replicas)
+        return t
+
+    def scalar_sum(x: float) -> float:
+        return float(tensor_sum(torch.tensor([x], dtype=torch.float64)))
+
+    ctx = ContextParallel(mesh.group("cp")) if p.cp > 1 else LOCAL
+    return Runtime(dp_rank=mesh.rank("dp_ep"), dp_size=mesh.size("dp_ep"), cp_rank=mesh.rank("cp"),
+                   cp_size=mesh.size("cp"), is_main=dist.get_rank() == 0, ctx=ctx, grad_all_reduce=tensor_sum,
+                   stat_all_reduce=tensor_sum, scalar_all_reduce=scalar_sum)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         job = job_from_args(args)
-        if job.parallel.world_size != 1:
-            raise ConfigError(f"parallel = {to_dict(job.parallel)}: multi-rank training is not available yet "
-                              "(expected all degrees 1)")
-        summary = train(job, metrics_path=args.metrics, resume=args.resume, until=args.until,
+        rt = parallel_runtime(job) if job.parallel.world_size != 1 or _launched() else None
+        summary = train(job, rt=rt, metrics_path=args.metrics, resume=args.resume, until=args.until,
                         progress=not args.no_progress)
     except (ConfigError, ValueError) as exc:
         print(f"moonrt train: error: {exc}")
