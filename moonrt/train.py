@@ -120,6 +120,12 @@ class JobConfig:
     def validate(self) -> None:
         check(self.model in PRESETS, "model", self.model, "one of " + ", ".join(sorted(PRESETS)))
         check(self.threads >= 0, "threads", self.threads, "an integer >= 0 (0 = torch default)")
+        from moonrt.model.moe import moe_config_from_dict
+
+        try:
+            moe_config_from_dict(self.moe)
+        except ConfigError as exc:
+            raise ConfigError(f"moe.{exc}") from None
 
     def model_cfg(self) -> K3Config:
         return self.model_config if self.model_config is not None else PRESETS[self.model]()
