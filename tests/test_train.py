@@ -80,6 +80,8 @@ def test_bad_config_and_flags(tmp_path: Path, capsys) -> None:
         from_dict(JobConfig, {"optim": {"lr": -1.0}})
     with pytest.raises(ConfigError, match="model = 'k4'"):
         from_dict(JobConfig, {"model": "k4"})
+    with pytest.raises(ConfigError, match="moe.qb_bins = 0"):
+        from_dict(JobConfig, {"moe": {"qb_bins": 0}})
     bad = tmp_path / "bad.yaml"
     bad.write_text("optim:\n  stepz: 3\n")
     assert main(["train", "--config", str(bad)]) == 2
