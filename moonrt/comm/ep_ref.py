@@ -44,9 +44,10 @@ def grouped_expert_forward(x: torch.Tensor, cu_seqlens: torch.Tensor, weights: S
     """
     outs = []
     cu = cu_seqlens.tolist()
+    per_expert = [w.unbind(0) for w in weights]  # one gradient stack per tensor, not one per segment
     for i in range(len(cu) - 1):
         if cu[i + 1] > cu[i]:
-            outs.append(expert_fn(x[cu[i]:cu[i + 1]], *(w[i] for w in weights)))
+            outs.append(expert_fn(x[cu[i]:cu[i + 1]], *(w[i] for w in per_expert)))
     return torch.cat(outs) if outs else x[:0].clone()
 
 
