@@ -82,6 +82,24 @@ def _destroyed(rank: int, world: int) -> str:
     return "no error"
 
 
+def _timeouts(rank: int, world: int) -> list[float]:
+    def seconds(group) -> float:
+        return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+
+    inherited = ProcessMesh(ParallelConfig(pp=world))
+    explicit = ProcessMesh(ParallelConfig(pp=world), timeout_s=17)
+    out = [seconds(dist.group.WORLD), seconds(inherited.group("dp")), seconds(explicit.group("dp"))]
+    inherited.destroy()
+    explicit.destroy()
+    return out
+
+
+def test_mesh_groups_inherit_the_job_timeout():
+    # dist_run initializes the job with collective timeout 45 s; torch's own default would be 1800 s
+    for world_s, inherited_s, explicit_s in dist_run(_timeouts, 2, timeout=60, collective_timeout_s=45):
+        assert (world_s, inherited_s, explicit_s) == (45, 45, 17)
+
+
 def test_wrong_degrees_on_real_ranks():
     msgs = dist_run(_wrong_degrees, 2, timeout=60)
     assert all("= 4: expected the degrees to multiply to the world size 2" in m for m in msgs), msgs

@@ -128,6 +128,8 @@ class ProcessMesh:
 
     Construction is collective: every rank of the default group must build the same mesh, in the
     same order, because ``new_group`` is. Query with :meth:`group`, :meth:`rank`, :meth:`size`.
+    ``timeout_s`` bounds every collective on the mesh's groups; by default they inherit the default
+    group's timeout (``DistConfig.timeout_s`` via ``init_distributed``), not torch's 30 minutes.
     """
 
     def __init__(self, parallel: ParallelConfig, *, timeout_s: float | None = None) -> None:
@@ -138,7 +140,8 @@ class ProcessMesh:
         self.layout = MeshLayout(dist.get_world_size(), parallel)
         self.global_rank = dist.get_rank()
         self.coords = self.layout.coords(self.global_rank)
-        kwargs = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
+        timeout = timedelta(seconds=timeout_s) if timeout_s else _default_group_timeout()
+        kwargs = {"timeout": timeout} if timeout is not None else {}
         self._groups: dict[str, dist.ProcessGroup] = {}
         self._ranks: dict[str, list[int]] = {}
         # One communicator per distinct member set: names whose extra dimensions have degree 1
@@ -189,3 +192,14 @@ class ProcessMesh:
 
     def size(self, name: str) -> int:
         return self.layout.group_size(name)
+
+
+def _default_group_timeout() -> timedelta | None:
+    """Collective timeout of the default group (torch has no public getter; None if unreadable)."""
+    import torch
+    import torch.distributed as dist
+
+    try:
+        return dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError, ValueError):
+        return None
