@@ -65,13 +65,14 @@ def plan_torch(counts: torch.Tensor, num_slots: int | None = None, total_tokens:
     quota = torch.zeros(R, R, dtype=torch.int64, device=dev)
     donor = torch.full((R,), -1, dtype=torch.int64, device=dev)
     for _ in range(R - 1):
-        h = torch.argmax(bal)  # first maximum: smaller rank on ties
-        u = torch.argmin(bal)
-        m = torch.where(bal[h] > 0, -bal[u], torch.zeros_like(bal[u]))
-        quota[h, u] += m
-        donor[u] = torch.where(m > 0, h, donor[u])
-        bal[h] -= m
-        bal[u] += m
+        # One-element index tensors keep indexing on the device (a 0-d index may be read on the host).
+        h = torch.argmax(bal).reshape(1)  # first maximum: smaller rank on ties
+        u = torch.argmin(bal).reshape(1)
+        m = torch.where(bal.index_select(0, h) > 0, -bal.index_select(0, u), 0)
+        quota.index_put_((h, u), m, accumulate=True)
+        donor.index_put_((u,), torch.where(m > 0, h, donor.index_select(0, u)))
+        bal.index_put_((h,), -m, accumulate=True)
+        bal.index_put_((u,), m, accumulate=True)
 
     alloc3 = torch.zeros(R, G, R, dtype=torch.int64, device=dev)  # [group h, expert i, dest u]
     rem = load.view(R, G).clone()
@@ -79,12 +80,11 @@ def plan_torch(counts: torch.Tensor, num_slots: int | None = None, total_tokens:
     for _ in range(R - 1 + G):
         u = torch.argmax(quota, dim=1)  # [R] receiver with the largest quota, smaller rank on ties
         e = G - 1 - torch.argmax(rem.flip(1), dim=1)  # [R] hottest expert, larger id on ties
-        qu = quota[groups, u]
-        m = torch.minimum(qu, rem[groups, e])
-        quota[groups, u] = qu - m
-        rem[groups, e] -= m
-        alloc3[groups, e, u] += m
-    alloc3[groups, :, groups] += rem  # the rest stays home
+        m = torch.minimum(quota[groups, u], rem[groups, e])
+        quota.index_put_((groups, u), -m, accumulate=True)
+        rem.index_put_((groups, e), -m, accumulate=True)
+        alloc3.index_put_((groups, e, u), m, accumulate=True)
+    alloc3[groups, :, groups] += rem  # the rest stays home (advanced index [R] x : x [R] -> [R, G])
     alloc = alloc3.reshape(E, R)
 
     home = torch.arange(E, device=dev) // G
