@@ -1,0 +1,8 @@
+"""Launchers and job bootstrap: ``init_distributed`` (torchrun / SLURM / MPI / single process),
+``moonrt launch``, ``moonrt selftest``, ``moonrt sbatch`` and the local multi-rank runner."""
+
+from __future__ import annotations
+
+from moonrt.cluster.env import Rendezvous, detect_rendezvous, init_distributed, parse_hostlist
+
+__all__ = ["Rendezvous", "detect_rendezvous", "init_distributed", "parse_hostlist"]
