@@ -234,3 +234,13 @@ def test_bad_input_leaves_counts_untouched() -> None:
     with pytest.raises(ValueError):
         plan(counts)
     np.testing.assert_array_equal(counts, before)
+
+
+def test_torch_planner_never_reads_device_data_on_the_host() -> None:
+    """On the meta device any host read of tensor data fails, so a full plan there proves that the
+    torch planner (validate=False, B >= E/R) needs no host synchronization (K3_SYSTEMS §6.1)."""
+    counts = torch.ones(8, 32, dtype=torch.int64, device="meta")
+    p = plan_torch(counts, validate=False)
+    assert p.alloc.device.type == "meta" and p.alloc.shape == (32, 8)
+    assert p.copies.shape == (8, 4) and p.cuts.shape == (32, 9) and p.capacity.shape == (8,)
+    assert send_split_torch(counts, p.cuts, 3).shape == (32, 8)
