@@ -29,6 +29,8 @@ VICTIM = textwrap.dedent("""
     if r.rank == 1:
         print(f"LAST_WORDS {time.time():.3f}", flush=True)
         time.sleep(0.5)
+        if sys.argv[1] == "exit0":
+            os._exit(0)
         if sys.argv[1] == "raise":
             dist.destroy_process_group()  # peers see the connection drop before this rank exits
             raise RuntimeError("rank one gave up")
@@ -76,6 +78,16 @@ def test_raising_rank_is_blamed_not_the_peers_it_broke(tmp_path):
     assert res.returncode == 1
     assert "rank 1 of 3 failed: exit code 1" in res.stderr, res.stderr[-4000:]
     assert "RuntimeError: rank one gave up" in res.stderr.split("--- rank 1 stderr")[1]
+
+
+def test_rank_that_exits_early_is_reported(tmp_path):
+    prog = tmp_path / "victim.py"
+    prog.write_text(VICTIM)
+    res = _run(["-n", "2", "--timeout", "30", "--", sys.executable, str(prog), "exit0"])
+    assert res.returncode == 1
+    # rank 0's all_reduce loses its peer; the message points at rank 1, which left with code 0
+    assert re.search(r"rank 0 of 2 failed: exit code 1 \(pid \d+\); ranks \[1\] had already exited with code 0 "
+                     r"\(early exit\?\)", res.stderr), res.stderr[-4000:]
 
 
 def test_hung_rank_ends_the_job_through_the_collective_timeout(tmp_path):

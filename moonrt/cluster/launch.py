@@ -138,6 +138,8 @@ def launch(
             _join(readers)
             return 0
         stopped = [r for r in range(nprocs) if procs[r].poll() is None]
+        # a rank that returned 0 while its peers still needed it is the likely cause of their failure
+        early = [r for r, c in done.items() if c == 0]
         _stop(procs)
         _join(readers)
         code = done[failed]
@@ -145,6 +147,7 @@ def launch(
             err.write(
                 f"moonrt launch: rank {failed} of {nprocs} failed: {describe_exit(code)} (pid {procs[failed].pid})"
                 + (f"; stopped ranks {stopped}" if stopped else "")
+                + (f"; ranks {early} had already exited with code 0 (early exit?)" if early else "")
                 + f"\n--- rank {failed} stderr (last {STDERR_TAIL} lines) ---\n"
                 + "".join(tails[failed])
                 + "--- end ---\n"
