@@ -22,6 +22,7 @@ The single-process path calls the hooks of :class:`Runtime` with their local def
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -243,6 +244,12 @@ def train(job: JobConfig, rt: Runtime | None = None, metrics_path: str | None = 
     if cp_log is not None:
         rt.ctx.tag_layers((n, m) for n, m in model.named_modules() if n.endswith(".attn"))
     opt = build_optimizer(model, cfg)
+    mgr = None
+    if job.memory_policy is not None:  # saved-tensor storage policies (K3_SYSTEMS §8), matched by module name
+        from moonrt.memory.manager import ActivationManager
+        from moonrt.memory.policy import MemoryPolicy
+
+        mgr = ActivationManager(model, load_yaml(MemoryPolicy, job.memory_policy))
     start = 0
     if resume:
         if not ckpt.is_file():
@@ -281,7 +288,8 @@ def train(job: JobConfig, rt: Runtime | None = None, metrics_path: str | None = 
             x, y = data.shard(batch, rt.dp_rank, rt.dp_size, rt.cp_rank, rt.cp_size)
             if cp_log is not None:
                 rt.ctx.new_step()
-            loss = model.loss_sum(torch.from_numpy(x), torch.from_numpy(y), ctx=rt.ctx) / global_tokens
+            with mgr if mgr is not None else contextlib.nullcontext():
+                loss = model.loss_sum(torch.from_numpy(x), torch.from_numpy(y), ctx=rt.ctx) / global_tokens
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if rt.sync_grads is not None:
@@ -324,6 +332,10 @@ def train(job: JobConfig, rt: Runtime | None = None, metrics_path: str | None = 
         bar.close()
         if metrics is not None:
             metrics.close()
+        if mgr is not None:
+            if rt.is_main and progress:
+                print(mgr.accounting.summary(), flush=True)
+            mgr.close()
     wall = time.perf_counter() - t_start
     summary = {"steps": stop, "train_loss": float(np.mean(losses[-10:])) if losses else math.nan,
                "final_eval_loss": eval_loss, "unigram_entropy": baseline,
@@ -359,6 +371,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     parser.add_argument("--until", type=int, help="stop after this step (checkpointed); schedule still uses --steps")
     parser.add_argument("--threads", type=int, help="torch threads per process, 0 = torch default (threads)")
+    parser.add_argument("--memory-policy", help="activation memory policy YAML (memory_policy; moonrt.memory)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar or summary line")
     parser.add_argument("--cp", type=int, help="context-parallel degree: each sequence split over CP ranks, KCP for "
                         "KDA, latent all-gather for MLA (parallel.cp)")
@@ -380,6 +393,8 @@ def job_from_args(args: argparse.Namespace) -> JobConfig:
         raw["out_dir"] = args.out
     if args.threads is not None:
         raw["threads"] = args.threads
+    if args.memory_policy is not None:
+        raw["memory_policy"] = args.memory_policy
     if args.cp is not None:
         raw["parallel"]["cp"] = args.cp
     return from_dict(JobConfig, raw)
