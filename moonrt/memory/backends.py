@@ -256,7 +256,7 @@ class Backend:
                 datas = [as_bytes(payload), as_bytes(scales)]
                 meta = ("fp8", tuple(t.shape), t.dtype, tuple(scales.shape))
             else:
-                datas = [as_bytes(t) if self.store.tier != "device" else t]
+                datas = [as_bytes(t) if self.store.tier != "device" else t.detach()]  # detach: no grad_fn cycle
                 meta = ("raw", tuple(t.shape), t.dtype)
             parts = [self.store.put(d) for d in datas]
         nbytes = sum(d.numel() * d.element_size() for d in datas)

@@ -29,6 +29,8 @@ Use::
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import fnmatch
 import functools
 import re
@@ -147,7 +149,7 @@ class ActivationManager:
         self._stack: list[str] = []
         self._layers: dict[str, int] = {}
         self._entries: dict[Any, _Entry] = {}
-        self._param_ptrs = {(t.device, t.untyped_storage().data_ptr())
+        self._param_ptrs = {t.untyped_storage()._cdata
                             for t in list(model.parameters()) + list(model.buffers())}
         self._lock = threading.RLock()
         self._prefetched_layers: set[int] = set()
@@ -156,6 +158,7 @@ class ActivationManager:
         self._anchoring = False
         self._handles: list[Any] = []
         self._wrapped: list[torch.nn.Module] = []
+        self._wrapped_methods: list[tuple[torch.nn.Module, str]] = []
         self.known_regions = self._attach()
 
     # ---- setup ---------------------------------------------------------------------------------
@@ -173,23 +176,85 @@ class ActivationManager:
         ckpt |= set(self.policy.moe_dispatch_only) | set(self.policy.attnres_checkpoint)
         patterns = [r.match for r in self.policy.rules] + list(self.policy.moe_dispatch_only) + list(
             self.policy.attnres_checkpoint)
+        def method_exists(pat: str) -> bool:
+            owner, _, meth = pat.rpartition(".")
+            mod = dict(self.model.named_modules()).get(owner)
+            return mod is not None and callable(getattr(mod, meth, None)) and meth not in mod._modules
+
         for pat in patterns:
+            if method_exists(pat):
+                continue
             if not any(fnmatch.fnmatchcase(n, pat) or (r and fnmatch.fnmatchcase(r, pat)) for n, r in names.items()):
                 warnings.warn(f"memory policy pattern {pat!r} matches no module or region of the model; "
                               f"known regions: {', '.join(known)}", stacklevel=3)
-        for name, mod in self.model.named_modules():
+        modules = dict(self.model.named_modules())
+        for name, mod in modules.items():
             region = names.get(name)
             if name and any(fnmatch.fnmatchcase(name, p) or (region and fnmatch.fnmatchcase(region, p)) for p in ckpt):
                 self._wrap_checkpoint(mod)
+        # "module.method" patterns: a region around a method call (e.g. ``attn_res.sublayer_input``)
+        for pat in dict.fromkeys(patterns):
+            owner, _, meth = pat.rpartition(".")
+            mod = modules.get(owner)
+            fn = getattr(mod, meth, None) if mod is not None and meth not in mod._modules else None
+            if callable(fn) and not isinstance(fn, torch.nn.Module):
+                self._wrap_method(mod, meth, pat, pat in ckpt)
+                known.append(pat)
         return known
+
+    def _wrap_method(self, mod: torch.nn.Module, meth: str, region: str, recompute: bool) -> None:
+        """Mark calls of ``mod.meth`` as region ``region``; with ``recompute`` run them checkpointed.
+
+        Checkpointed calls get shallow copies of dataclass arguments (list fields copied), so a state
+        object the caller mutates later (e.g. the AttnRes stream) is replayed as it was.
+        """
+        inner = getattr(mod, meth)
+
+        def tagged(*args: Any, **kwargs: Any) -> Any:
+            with self.region(region):
+                return inner(*args, **kwargs)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if not (recompute and torch.is_grad_enabled()):
+                return tagged(*args, **kwargs)
+            frozen = []
+            for a in args:
+                if dataclasses.is_dataclass(a) and not isinstance(a, type):
+                    a = copy.copy(a)
+                    for f in dataclasses.fields(a):
+                        v = getattr(a, f.name)
+                        if isinstance(v, list):
+                            setattr(a, f.name, list(v))
+                frozen.append(a)
+            return checkpoint(tagged, *self._anchor(frozen), use_reentrant=False, **kwargs)
+
+        setattr(mod, meth, call)
+        self._wrapped_methods.append((mod, meth))
 
     def _wrap_checkpoint(self, mod: torch.nn.Module) -> None:
         inner = mod.forward
+        recorders = [m for m in mod.modules() if isinstance(getattr(m, "record_routing", None), bool)]
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             if not torch.is_grad_enabled():
                 return inner(*args, **kwargs)
-            return checkpoint(inner, *self._anchor(args), use_reentrant=False, **kwargs)
+            calls = [0]
+
+            def run(*a: Any, **kw: Any) -> Any:
+                calls[0] += 1
+                if calls[0] == 1:
+                    return inner(*a, **kw)
+                # the replay in backward: MoE layers must not count their routing twice
+                saved = [m.record_routing for m in recorders]
+                for m in recorders:
+                    m.record_routing = False
+                try:
+                    return inner(*a, **kw)
+                finally:
+                    for m, v in zip(recorders, saved):
+                        m.record_routing = v
+
+            return checkpoint(run, *self._anchor(args), use_reentrant=False, **kwargs)
 
         mod.forward = forward
         self._wrapped.append(mod)
@@ -202,6 +267,9 @@ class ActivationManager:
         for mod in self._wrapped:
             del mod.forward
         self._wrapped.clear()
+        for mod, meth in self._wrapped_methods:
+            delattr(mod, meth)
+        self._wrapped_methods.clear()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
@@ -280,11 +348,11 @@ class ActivationManager:
     def _pack(self, t: torch.Tensor) -> Any:
         t0 = time.perf_counter()
         storage = t.untyped_storage()
-        sptr = (t.device, storage.data_ptr())
+        sptr = storage._cdata  # the StorageImpl: unique while alive, also on the meta device
         if sptr in self._param_ptrs or t.numel() == 0:
             with self._lock:
                 self.accounting.parameter_saves += sptr in self._param_ptrs
-            return _Handle(None, None, t)
+            return _Handle(None, None, t.detach())
         stack = list(self._stack)
         region, policy = self.resolve(stack)
         label = policy
@@ -324,7 +392,7 @@ class ActivationManager:
         with self._lock:
             self._entries[key] = entry
         self.accounting.on_pack(region, label, logical, packed.tier_bytes, time.perf_counter() - t0)
-        handle = _Handle(entry, view, t if backend.store.tier == "device" and not fp8 else None)
+        handle = _Handle(entry, view, packed.parts[0] if backend.store.tier == "device" and not fp8 else None)
         weakref.finalize(handle, self._release, entry)
         return handle
 
