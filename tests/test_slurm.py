@@ -10,6 +10,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 from test_cluster_report import clean_env, cluster_unavailable, verify_selftest_report
@@ -60,12 +61,17 @@ def test_sbatch_script_from_moonrt_sbatch(slurm, tmp_path):
 
 
 def test_moonrt_sbatch_submit_prints_the_job_id(slurm, tmp_path):
-    cmd = [sys.executable, "-m", "moonrt.cli", "sbatch", "--nodes", "1", "--ntasks-per-node", "1",
-           "--job-name", "moonrt-submit", "--log", str(tmp_path / "submit.log"), "--submit", "--", "hostname"]
+    cmd = [sys.executable, "-m", "moonrt.cli", "sbatch", "--nodes", "1", "--ntasks-per-node", "2",
+           "--job-name", "moonrt-submit", "--log", str(tmp_path / "submit-%j.log"), "--submit", "--",
+           "printenv", "SLURM_PROCID"]
     res = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     job_id = res.stdout.strip()
     assert job_id.isdigit(), res.stdout
     assert (tmp_path / "moonrt-submit.sbatch").exists()
-    show = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, timeout=30)
-    assert show.returncode == 0 and "JobName=moonrt-submit" in show.stdout, show.stdout + show.stderr
+    log = tmp_path / f"submit-{job_id}.log"  # the job with that id ran its 2 tasks under srun
+    for _ in range(240):
+        if log.exists() and sorted(log.read_text().split()) == ["0", "1"]:
+            break
+        time.sleep(0.5)
+    assert log.exists() and sorted(log.read_text().split()) == ["0", "1"], log.read_text() if log.exists() else "no log"
