@@ -60,18 +60,19 @@ def check_collectives(rank: int, world: int) -> tuple[dict[str, bool], dict[str,
     import torch
     import torch.distributed as dist
 
+    dev = _device()
     ok: dict[str, bool] = {}
     outputs: dict[str, list] = {}
     n = 8  # elements per rank per peer
 
     # all_reduce: rank r contributes (r + 1) * (i + 1); sum over r = world (world + 1) / 2 * (i + 1)
-    x = (rank + 1) * torch.arange(1, n + 1, dtype=torch.float32)
+    x = (rank + 1) * torch.arange(1, n + 1, dtype=torch.float32, device=dev)
     dist.all_reduce(x)
     outputs["all_reduce"] = x.tolist()
-    ok["all_reduce"] = torch.equal(x, world * (world + 1) / 2 * torch.arange(1, n + 1, dtype=torch.float32))
+    ok["all_reduce"] = torch.equal(x, world * (world + 1) / 2 * torch.arange(1, n + 1, dtype=torch.float32, device=dev))
 
     # all_to_all: rank r sends block d = 1000 r + 10 d + i to rank d; rank r receives 1000 s + 10 r + i from s
-    i = torch.arange(n, dtype=torch.float32)
+    i = torch.arange(n, dtype=torch.float32, device=dev)
     send = torch.cat([1000 * rank + 10 * d + i for d in range(world)])
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send)
@@ -90,6 +91,23 @@ def check_collectives(rank: int, world: int) -> tuple[dict[str, bool], dict[str,
     outputs["ring"] = got.tolist()
     ok["ring"] = torch.equal(got, 7 * ((rank - 1) % world) + i)
     return ok, outputs
+
+
+def _device():
+    """CUDA (the current device) under nccl, else CPU: the tensors every collective here uses."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _sync(dev) -> None:
+    import torch
+
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
 
 
 def _ring(x, rank: int, world: int):
@@ -126,25 +144,27 @@ def measure(op: str, nbytes: int, iters: int, rank: int, world: int) -> float:
     import torch.distributed as dist
 
     numel = max(world, nbytes // 4 // world * world)
-    x = torch.ones(numel, dtype=torch.float32)
+    dev = _device()
+    x = torch.ones(numel, dtype=torch.float32, device=dev)
     if op == "all_reduce":
         step = lambda: dist.all_reduce(x)
     elif op == "all_to_all":
         y = torch.empty_like(x)
         step = lambda: dist.all_to_all_single(y, x)
     elif op == "all_gather":
-        y = torch.empty(numel * world, dtype=torch.float32)
+        y = torch.empty(numel * world, dtype=torch.float32, device=dev)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
         step = lambda: gather(y, x)
     else:
         step = lambda: _ring(x, rank, world)
     step()
+    _sync(dev)
     dist.barrier()
     t0 = time.perf_counter()
     for _ in range(iters):
         step()
-    dist.barrier()
-    dt = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64)
+    _sync(dev)
+    dt = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64, device=dev)
     dist.all_reduce(dt, op=dist.ReduceOp.MAX)
     return float(dt)
 
