@@ -64,3 +64,12 @@ def test_expected_outputs_catch_a_wrong_result(tmp_path):
     path.write_text(json.dumps(report))
     with pytest.raises(AssertionError, match="rank 1"):
         verify_selftest_report(path, world, "mpi")
+
+
+def test_cluster_unavailable_skips_or_fails(monkeypatch):
+    monkeypatch.delenv("MOONRT_REQUIRE_CLUSTER", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="no srun here"):
+        cluster_unavailable("no srun here")
+    monkeypatch.setenv("MOONRT_REQUIRE_CLUSTER", "1")
+    with pytest.raises(pytest.fail.Exception, match="MOONRT_REQUIRE_CLUSTER=1 but no srun here"):
+        cluster_unavailable("no srun here")

@@ -20,9 +20,14 @@ LAUNCH = [sys.executable, "-m", "moonrt.cli", "launch"]
 # Every rank joins through init_distributed (torchrun path), then rank 1 misbehaves while the
 # others sit in a collective waiting for it.
 VICTIM = textwrap.dedent("""
-    import os, signal, sys, time
+    import glob, os, signal, sys, time
     import torch, torch.distributed as dist
     from moonrt.cluster.env import init_distributed
+    # start together (file barrier), so that a short --timeout measures the collective, not import skew
+    here = os.path.dirname(os.path.abspath(__file__))
+    open(os.path.join(here, "ready" + os.environ["RANK"]), "w").close()
+    while len(glob.glob(os.path.join(here, "ready*"))) < int(os.environ["WORLD_SIZE"]):
+        time.sleep(0.05)
     r = init_distributed()
     torch.set_num_threads(1)
     dist.barrier()
@@ -93,7 +98,7 @@ def test_rank_that_exits_early_is_reported(tmp_path):
 def test_hung_rank_ends_the_job_through_the_collective_timeout(tmp_path):
     prog = tmp_path / "victim.py"
     prog.write_text(VICTIM)
-    res = _run(["-n", "2", "--timeout", "4", "--", sys.executable, str(prog), "SIGSTOP"])
+    res = _run(["-n", "2", "--timeout", "5", "--", sys.executable, str(prog), "SIGSTOP"])
     assert res.returncode != 0
     # rank 1 is frozen (alive, silent): rank 0's all_reduce times out, which ends the job; rank 1 is stopped
     assert re.search(r"rank 0 of 2 failed: exit code 1 \(pid \d+\); stopped ranks \[1\]", res.stderr), res.stderr
