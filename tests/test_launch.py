@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import io
+import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -134,6 +136,18 @@ def test_max_time_bounds_the_run():
                   stderr=err)
     assert code == 124
     assert "ranks [0, 1] of 2 still running after --max-time 1 s; stopped them" in err.getvalue()
+
+
+def test_terminated_launcher_stops_its_ranks():
+    code = "import os, time; print('pid', os.getpid(), flush=True); time.sleep(120)"
+    proc = subprocess.Popen([*LAUNCH, "-n", "2", "--", sys.executable, "-c", code], env=clean_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pids = [int(proc.stdout.readline().split()[-1]) for _ in range(2)]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    for pid in pids:  # the ranks were stopped (and reaped) before the launcher exited
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
 
 
 @pytest.mark.parametrize(

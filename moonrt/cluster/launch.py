@@ -59,11 +59,20 @@ def run(args: argparse.Namespace) -> int:
     if not command:
         print("moonrt launch: nothing to run: give --selftest or -- command ...", file=sys.stderr)
         return 2
+    # SIGTERM/SIGHUP (scancel, a closed terminal) unwind through launch(), which stops the ranks
+    # (they run in their own sessions and would otherwise outlive the launcher).
+    def _terminate(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         return launch(command, args.nprocs, timeout_s=args.timeout, max_time_s=args.max_time)
     except ValueError as exc:
         print(f"moonrt launch: {exc}", file=sys.stderr)
         return 2
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def launch(
