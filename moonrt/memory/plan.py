@@ -1,0 +1,521 @@
+"""Memory-budget planner and ``moonrt mem-plan`` (K3_SYSTEMS §8 "Memory-budget planning", §10).
+
+``plan(...)`` is a pure function: from a model config, a :class:`JobLayout`, parameter sizes, an
+activation profile and a :class:`Hardware` budget it chooses, per pipeline rank and saved-tensor
+class, one storage policy among keep / recompute / FP8 / host / disk / remote (and FP8 compositions)
+minimizing the added step time, subject to:
+
+- device: ``static_r + activations_r(point) + remote_in_r <= budget - reserve`` at every point of the
+  rank's schedule walk (:func:`moonrt.memory.model_memory.rank_models`);
+- host / disk capacity per rank at every point; remote offload goes to the mirror rank
+  ``pp - 1 - r`` (interleaved 1F1B loads the first ranks most, K3_SYSTEMS §8) and counts against its
+  budget;
+- copy bandwidth: each offloaded byte crosses the link twice per micro-batch; the part of that
+  copy time that exceeds the rank's compute time is exposed (added) time.
+
+Objective: the largest added time over ranks (the pipeline waits for the slowest), plus a small
+weight on their sum. A small ILP solved by PuLP with HiGHS; :func:`greedy` is the fallback (local
+tiers only). An infeasible budget is answered with the minimum budget (the same ILP minimizing the
+budget) and the term that dominates on the worst rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from moonrt.memory.model_memory import (
+    GIB,
+    JobLayout,
+    ParamSizes,
+    Profile,
+    RankModel,
+    activation_bytes,
+    kernel_profile,
+    layer_class_patterns,
+    rank_models,
+)
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class Hardware:
+    """Per-rank device and host resources (defaults: an H100/H200-class node, 8 GPUs, 2 TB host)."""
+
+    budget_gib: float = 80.0
+    reserve_gib: float = 4.0
+    """Kept free for allocator fragmentation, kernels' workspaces and transient reloads."""
+    host_gib: float = 200.0
+    host_gbs: float = 50.0
+    remote_gbs: float = 150.0
+    disk_gib: float = 0.0
+    """NVMe per rank; 0 disables the disk tier."""
+    disk_gbs: float = 5.0
+    tflops: float = 400.0
+    """Effective dense bf16 throughput (sets compute time: the overlap window and recompute cost)."""
+    hbm_gbs: float = 3000.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RankPlan:
+    rank: int
+    layers: tuple[int, ...]
+    static: dict[str, float]
+    activations_keep: float
+    activations: float
+    host: float
+    disk: float
+    remote_out: float
+    remote_in: float
+    choice: dict[str, str]
+    added_s: float
+    compute_s: float
+    in_flight_chunks: int
+    in_flight_microbatches: float
+    class_layers: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    """Decoder layers of this rank holding each class (for the policy's per-layer rules)."""
+
+    @property
+    def total(self) -> float:
+        return sum(self.static.values()) + self.activations + self.remote_in
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Plan:
+    feasible: bool
+    solver: str
+    solve_s: float
+    budget_gib: float
+    ranks: tuple[RankPlan, ...]
+    min_budget_gib: float | None = None
+    dominating: str | None = None
+    message: str = ""
+
+
+def _policies(layout: JobLayout, hw: Hardware) -> list[str]:
+    pols = ["keep", "recompute", "fp8", "host", "fp8+host"]
+    if hw.disk_gib > 0:
+        pols += ["disk", "fp8+disk"]
+    if layout.pp > 1:
+        pols += ["remote", "fp8+remote"]
+    return pols
+
+
+def _tier(policy: str) -> str | None:
+    t = policy.split("+")[-1]
+    return t if t in ("host", "disk", "remote") else None
+
+
+def _costs(profile: Profile, name: str, policy: str, T: int, m: int, count: int, hw: Hardware) -> float:
+    """Added seconds per step (not counting copy time) of ``count`` instances of class ``name``."""
+    cls = profile.classes[name]
+    if policy == "recompute":
+        return count * m * cls.flops(T) / (hw.tflops * 1e12)
+    if policy.startswith("fp8"):
+        return count * m * 2 * cls.bytes("keep", T)[0] / (hw.hbm_gbs * 1e9)
+    return 0.0
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Silence the solver's banner (it writes to fd 1 directly)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
+
+
+def _solve_ilp(rms: list[RankModel], profile: Profile, layout: JobLayout, hw: Hardware,
+               minimize_budget: bool) -> tuple[dict[int, dict[str, str]], float] | None:
+    import pulp
+
+    T, m = layout.tokens(), layout.microbatches
+    pols = _policies(layout, hw)
+    prob = pulp.LpProblem("memplan", pulp.LpMinimize)
+    x: dict[tuple[int, str, str], Any] = {}
+    budget = (hw.budget_gib - hw.reserve_gib) if not minimize_budget else pulp.LpVariable("budget", 0)
+    Z = pulp.LpVariable("Z", 0)
+    added = {}
+    rout = {r.rank: pulp.LpVariable(f"rout_{r.rank}", 0) for r in rms}
+    pdev = {r.rank: pulp.LpVariable(f"pdev_{r.rank}", 0) for r in rms}
+    peer = {r.rank: layout.pp - 1 - r.rank for r in rms}
+    for rm in rms:
+        r = rm.rank
+        names = sorted({n for cc in rm.chunk_classes for n in cc})
+        totals = {n: sum(cc.get(n, 0) for cc in rm.chunk_classes) for n in names}
+        for n in names:
+            allowed = [p for p in pols if not (_tier(p) == "remote" and peer[r] == r)]
+            for p in allowed:
+                x[r, n, p] = pulp.LpVariable(f"x_{r}_{n.replace('.', '_')}_{p.replace('+', '_')}", cat="Binary")
+            prob += pulp.lpSum(x[r, n, p] for p in allowed) == 1
+
+        def chunk_expr(counts: dict[str, int], tier: str | None, rank: int = r) -> Any:
+            terms = []
+            for n, cnt in counts.items():
+                for p in pols:
+                    if (rank, n, p) not in x:
+                        continue
+                    d, o = profile.classes[n].bytes(p, T)
+                    v = d if tier is None else (o if _tier(p) == tier else 0.0)
+                    if v:
+                        terms.append(cnt * v / GIB * x[rank, n, p])
+            return pulp.lpSum(terms)
+
+        dev_c = [chunk_expr(cc, None) for cc in rm.chunk_classes]
+        tiers = {t: [chunk_expr(cc, t) for cc in rm.chunk_classes] for t in ("host", "disk", "remote")}
+        for pt in rm.live_points:
+            prob += pulp.lpSum(k * dev_c[c] for c, k in enumerate(pt) if k) <= pdev[r]
+            prob += pulp.lpSum(k * tiers["host"][c] for c, k in enumerate(pt) if k) <= hw.host_gib
+            prob += pulp.lpSum(k * tiers["disk"][c] for c, k in enumerate(pt) if k) <= hw.disk_gib
+            prob += pulp.lpSum(k * tiers["remote"][c] for c, k in enumerate(pt) if k) <= rout[r]
+        # time: recompute + fp8 passes, plus copy time beyond the compute window per tier
+        base = pulp.lpSum(_costs(profile, n, p, T, m, totals[n], hw) * x[r, n, p]
+                          for n in names for p in pols if (r, n, p) in x)
+        exposed = []
+        for tier, bw in (("host", hw.host_gbs), ("disk", hw.disk_gbs), ("remote", hw.remote_gbs)):
+            e = pulp.LpVariable(f"exp_{tier}_{r}", 0)
+            traffic = pulp.lpSum(2 * m * totals[n] * profile.classes[n].bytes(p, T)[1] / (bw * 1e9) * x[r, n, p]
+                                 for n in names for p in pols if (r, n, p) in x and _tier(p) == tier)
+            prob += e >= traffic - rm.compute_s
+            exposed.append(e)
+        added[r] = base + pulp.lpSum(exposed)
+        prob += Z >= added[r]
+    for rm in rms:
+        r = rm.rank
+        src = [q for q in peer if peer[q] == r and q != r]
+        prob += sum(rm.static.values()) / GIB + pdev[r] + pulp.lpSum(rout[q] for q in src) <= budget
+    if minimize_budget:
+        prob += budget + 1e-6 * Z
+    else:
+        prob += Z + 1e-3 * pulp.lpSum(added.values())
+    highs = pulp.HiGHS(msg=False, timeLimit=20)
+    if not highs.available():
+        raise RuntimeError("HiGHS is not available to PuLP (pip install highspy)")
+    with _quiet():
+        status = prob.solve(highs)
+    if pulp.LpStatus[status] == "Infeasible":
+        return None
+    if pulp.LpStatus[status] != "Optimal":
+        raise RuntimeError(f"ILP ended with status {pulp.LpStatus[status]}")
+    choice: dict[int, dict[str, str]] = {}
+    for (r, n, p), var in x.items():
+        if (var.value() or 0) > 0.5:
+            choice.setdefault(r, {})[n] = p
+    value = budget.value() if minimize_budget else Z.value()
+    return choice, float(value or 0.0)
+
+
+def greedy(rms: list[RankModel], profile: Profile, layout: JobLayout, hw: Hardware) -> dict[int, dict[str, str]]:
+    """Fallback: per rank, repeatedly take the move with the most device bytes saved per added
+    second (local tiers only, host/disk capacity respected) until the rank fits."""
+    T, m = layout.tokens(), layout.microbatches
+    pols = [p for p in _policies(layout, hw) if _tier(p) != "remote"]
+    out = {}
+    for rm in rms:
+        names = sorted({n for cc in rm.chunk_classes for n in cc})
+        totals = {n: sum(cc.get(n, 0) for cc in rm.chunk_classes) for n in names}
+        choice = dict.fromkeys(names, "keep")
+        cap = (hw.budget_gib - hw.reserve_gib) * GIB - sum(rm.static.values())
+
+        def state(ch: dict[str, str], rm: RankModel = rm) -> tuple[float, dict[str, float]]:
+            dev, _ = activation_bytes(rm, profile, ch, T)
+            used = {}
+            for tier in ("host", "disk"):
+                sub = {n: (p if _tier(p) == tier else "keep") for n, p in ch.items()}
+                only = {n: p for n, p in sub.items() if p != "keep"}
+                used[tier] = activation_bytes(rm, profile, only, T)[1] if only else 0.0
+            return dev, used
+
+        def cost(ch: dict[str, str], rm: RankModel = rm, totals: dict[str, int] = totals) -> float:
+            t = sum(_costs(profile, n, p, T, m, totals[n], hw) for n, p in ch.items())
+            for tier, bw in (("host", hw.host_gbs), ("disk", hw.disk_gbs)):
+                traffic = sum(2 * m * totals[n] * profile.classes[n].bytes(p, T)[1] / (bw * 1e9)
+                              for n, p in ch.items() if _tier(p) == tier)
+                t += max(0.0, traffic - rm.compute_s)
+            return t
+
+        dev, _ = state(choice)
+        while dev > cap:
+            best = None
+            for n in names:
+                for p in pols:
+                    if p == choice[n]:
+                        continue
+                    trial = dict(choice, **{n: p})
+                    d2, used = state(trial)
+                    if d2 >= dev or used["host"] > hw.host_gib * GIB or used["disk"] > hw.disk_gib * GIB:
+                        continue
+                    score = (dev - d2) / (cost(trial) - cost(choice) + 1e-9)
+                    if best is None or score > best[0]:
+                        best = (score, trial, d2)
+            if best is None:
+                break
+            _, choice, dev = best
+        out[rm.rank] = choice
+    return out
+
+
+def _rank_plans(rms: list[RankModel], profile: Profile, layout: JobLayout, hw: Hardware,
+                choice: dict[int, dict[str, str]]) -> list[RankPlan]:
+    T, m = layout.tokens(), layout.microbatches
+    plans = []
+    remote_out = {}
+    for rm in rms:
+        ch = choice.get(rm.rank, {})
+        remote_out[rm.rank] = activation_bytes(rm, profile, {n: p for n, p in ch.items() if _tier(p) == "remote"},
+                                               T)[1]
+    for rm in rms:
+        ch = choice.get(rm.rank, {})
+        keep, _ = activation_bytes(rm, profile, {}, T)
+        dev, _ = activation_bytes(rm, profile, ch, T)
+        tier_b = {t: activation_bytes(rm, profile, {n: p for n, p in ch.items() if _tier(p) == t}, T)[1]
+                  for t in ("host", "disk")}
+        totals = {n: sum(cc.get(n, 0) for cc in rm.chunk_classes) for n in ch}
+        added = sum(_costs(profile, n, p, T, m, totals[n], hw) for n, p in ch.items())
+        for tier, bw in (("host", hw.host_gbs), ("disk", hw.disk_gbs), ("remote", hw.remote_gbs)):
+            traffic = sum(2 * m * totals[n] * profile.classes[n].bytes(p, T)[1] / (bw * 1e9)
+                          for n, p in ch.items() if _tier(p) == tier)
+            added += max(0.0, traffic - rm.compute_s)
+        src = layout.pp - 1 - rm.rank
+        rin = remote_out[src] if src != rm.rank else 0.0
+        cl = {n: tuple(i for i in rm.layers if n in profile.layers[i].classes) for n in ch}
+        plans.append(RankPlan(rm.rank, rm.layers, dict(rm.static), keep, dev, tier_b["host"], tier_b["disk"],
+                              remote_out[rm.rank], rin, dict(ch), added, rm.compute_s, rm.in_flight_chunks,
+                              rm.in_flight_microbatches, cl))
+    return plans
+
+
+def plan(cfg: Any, layout: JobLayout, sizes: ParamSizes, hw: Hardware, profile: Profile | None = None,
+         solver: str = "highs") -> Plan:
+    """Choose storage policies per rank and class under ``hw.budget_gib`` (see module docstring)."""
+    if solver not in ("highs", "greedy"):
+        raise ValueError(f"solver = {solver!r}: expected 'highs' or 'greedy'")
+    if hw.budget_gib <= 0:
+        raise ValueError(f"budget_gib = {hw.budget_gib}: expected a positive number of GiB")
+    profile = profile or kernel_profile(cfg, layout.act_bytes)
+    t0 = time.perf_counter()
+    rms = rank_models(cfg, layout, sizes, profile, hw.tflops)
+    cap = hw.budget_gib - hw.reserve_gib
+    worst = max(rms, key=lambda r: r.static["params"])
+    if worst.static["params"] / GIB > cap:
+        need = sum(worst.static.values()) / GIB + hw.reserve_gib
+        msg = (f"budget {hw.budget_gib:.1f} GiB is below the parameter memory of rank {worst.rank} "
+               f"({worst.static['params'] / GIB:.1f} GiB of bf16 weights; {need:.1f} GiB with gradients, optimizer "
+               f"states and buffers before any activation): raise pp/ep or the budget")
+        return Plan(False, solver, time.perf_counter() - t0, hw.budget_gib,
+                    tuple(_rank_plans(rms, profile, layout, hw, {})), need, "params", msg)
+    used = solver
+    if solver == "highs":
+        try:
+            result = _solve_ilp(rms, profile, layout, hw, minimize_budget=False)
+        except (ImportError, RuntimeError) as exc:  # solver missing or failed: fall back
+            result, used = None, f"greedy (ILP: {exc})"
+            choice = greedy(rms, profile, layout, hw)
+        else:
+            choice = result[0] if result is not None else {}
+    else:
+        choice = greedy(rms, profile, layout, hw)
+    ranks = _rank_plans(rms, profile, layout, hw, choice)
+    feasible = bool(choice) and all(r.total <= cap * GIB * (1 + 1e-6) and r.host <= hw.host_gib * GIB * (1 + 1e-6)
+                                    for r in ranks)
+    if feasible:
+        return Plan(True, used, time.perf_counter() - t0, hw.budget_gib, tuple(ranks),
+                    message=f"fits {hw.budget_gib:g} GiB")
+    try:
+        mb = _solve_ilp(rms, profile, layout, hw, minimize_budget=True)
+    except (ImportError, RuntimeError):
+        mb = None
+    min_budget = (mb[1] + hw.reserve_gib) if mb else None
+    if mb:
+        ranks = _rank_plans(rms, profile, layout, hw, mb[0])
+    w = max(ranks, key=lambda r: r.total)
+    terms = dict(w.static, activations=w.activations, remote_in=w.remote_in)
+    dom = max(terms, key=terms.get)
+    if min_budget:
+        msg = (f"does not fit {hw.budget_gib:g} GiB: minimum budget {min_budget:.1f} GiB (table: the plan at that "
+               f"budget)")
+    else:
+        msg = f"does not fit {hw.budget_gib:g} GiB even with every class offloaded or recomputed"
+    msg += f"; on rank {w.rank} the largest term is {dom} ({terms[dom] / GIB:.1f} GiB)"
+    return Plan(False, used, time.perf_counter() - t0, hw.budget_gib, tuple(ranks), min_budget, dom, msg)
+
+
+# ---------------------------------------------------------------------------------------------
+# Outputs
+
+
+def table(p: Plan) -> str:
+    """Per-rank breakdown in GiB."""
+    cols = ["rank", "layers", "inflight", "params", "grads", "optim", "slots", "comm", "act(keep)", "act", "remote_in",
+            "total", "host", "remote_out", "added_ms"]
+    lines = [" ".join(f"{c:>10}" for c in cols)]
+    for r in p.ranks:
+        s = r.static
+        vals = [str(r.rank), f"{len(r.layers)}", f"{r.in_flight_microbatches:.2f}",
+                *(f"{s[k] / GIB:.2f}" for k in ("params", "grads", "optimizer", "slot_pool", "comm_buffers")),
+                f"{r.activations_keep / GIB:.2f}", f"{r.activations / GIB:.2f}", f"{r.remote_in / GIB:.2f}",
+                f"{r.total / GIB:.2f}", f"{r.host / GIB:.2f}", f"{r.remote_out / GIB:.2f}", f"{r.added_s * 1e3:.1f}"]
+        lines.append(" ".join(f"{v:>10}" for v in vals))
+    lines.append(f"{p.message}; solver {p.solver}, {p.solve_s:.2f} s")
+    return "\n".join(lines)
+
+
+def policy_dict(r: RankPlan) -> dict:
+    """The :class:`~moonrt.memory.policy.MemoryPolicy` YAML data of one rank's choice."""
+    rules: list[dict] = []
+    moe_only: list[str] = []
+    attnres: list[str] = []
+    for name, pol in sorted(r.choice.items()):
+        if pol == "keep":
+            continue
+        layers = r.class_layers.get(name, r.layers)
+        pats: list[str] = []
+        if name in ("head", "attn_res", "embed"):
+            pats = {"head": ["norm", "lm_head"], "attn_res": ["attn_res.sublayer_input"], "embed": ["embed"]}[name]
+        else:
+            for i in layers:
+                pats += layer_class_patterns(name, i)
+        if pol == "recompute" and name == "moe":
+            moe_only += pats
+        elif pol == "recompute" and name == "attn_res":
+            attnres += ["attn_res.sublayer_input", "attn_res.final"]
+        else:
+            rules += [{"match": pt, "policy": pol} for pt in pats]
+    out: dict[str, Any] = {"default": "keep", "rules": rules}
+    if moe_only:
+        out["moe_dispatch_only"] = moe_only
+    if attnres:
+        out["attnres_checkpoint"] = attnres
+    return out
+
+
+def plan_json(p: Plan) -> dict:
+    d = dataclasses.asdict(p)
+    for r, rp in zip(d["ranks"], p.ranks):
+        r["total"] = rp.total
+    return d
+
+
+def plot(p: Plan, path: str | Path) -> None:
+    """Stacked bars per rank (device memory by term) with the budget line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    terms = ["params", "grads", "optimizer", "slot_pool", "comm_buffers"]
+    fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(p.ranks) + 3), 4))
+    xs = [r.rank for r in p.ranks]
+    bottom = [0.0] * len(xs)
+    for t in terms + ["activations", "remote_in"]:
+        vals = [(r.static[t] if t in r.static else getattr(r, t)) / GIB for r in p.ranks]
+        ax.bar(xs, vals, bottom=bottom, label=t)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.axhline(p.budget_gib, color="k", linestyle="--", label=f"budget {p.budget_gib:.0f} GiB")
+    ax.set_xlabel("pipeline rank")
+    ax.set_ylabel("GiB")
+    ax.set_title(p.message[:90])
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+
+
+def param_sizes(cfg: Any) -> ParamSizes:
+    """Per-part parameter counts from ``moonrt.model.params`` (the tool layer may read the model)."""
+    from moonrt.model import params as mp
+
+    return ParamSizes(kda=mp.kda_params(cfg), mla=mp.mla_params(cfg), dense_ffn=mp.glu_params(
+        cfg.hidden_size, cfg.intermediate_size), moe_dense=mp.moe_dense_params(cfg),
+        routed_expert=mp.routed_expert_params(cfg), embed=cfg.vocab_size * cfg.hidden_size,
+        lm_head=0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size + 2 * cfg.hidden_size,
+        norm=4 * cfg.hidden_size)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="k3", help="model preset (k3, k3_tiny)")
+    parser.add_argument("--dp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=16)
+    parser.add_argument("--vpp", type=int, default=2)
+    parser.add_argument("--ep", type=int, default=64)
+    parser.add_argument("--cp", type=int, default=16)
+    parser.add_argument("--micro-batch-size", type=int, default=1)
+    parser.add_argument("--seq-len", type=int, default=1048576)
+    parser.add_argument("--microbatches", type=int, default=32)
+    parser.add_argument("--schedule", default="interleaved", choices=["1f1b", "interleaved", "gpipe"])
+    parser.add_argument("--optim-bytes", type=int, default=8, help="optimizer bytes per parameter (Muon: 8)")
+    parser.add_argument("--shard-grads", action="store_true",
+                        help="fp32 gradients sharded like the optimizer states (K3_SYSTEMS §10), else full per rank")
+    parser.add_argument("--budget-gib", type=float, nargs="+", default=[80.0, 141.0])
+    parser.add_argument("--reserve-gib", type=float, default=4.0)
+    parser.add_argument("--host-gib", type=float, default=200.0)
+    parser.add_argument("--host-gbs", type=float, default=50.0)
+    parser.add_argument("--remote-gbs", type=float, default=150.0)
+    parser.add_argument("--disk-gib", type=float, default=0.0)
+    parser.add_argument("--tflops", type=float, default=400.0)
+    parser.add_argument("--solver", default="highs", choices=["highs", "greedy"])
+    parser.add_argument("--out", default="", help="directory for policy YAMLs, plan JSON and PNG")
+
+
+def run(args: argparse.Namespace) -> int:
+    import yaml
+
+    from moonrt.model.config import PRESETS
+
+    if args.model not in PRESETS:
+        raise SystemExit(f"--model = {args.model!r}: expected one of {', '.join(PRESETS)}")
+    cfg = PRESETS[args.model]()
+    layout = JobLayout(dp=args.dp, pp=args.pp, vpp=args.vpp, ep=args.ep, cp=args.cp,
+                       micro_batch_size=args.micro_batch_size, seq_len=args.seq_len, microbatches=args.microbatches,
+                       schedule=args.schedule, optim_bytes=args.optim_bytes,
+                       shard_grads=args.shard_grads)
+    sizes = param_sizes(cfg)
+    rc = 0
+    out = Path(args.out) if args.out else None
+    for b in args.budget_gib:
+        hw = Hardware(budget_gib=b, reserve_gib=args.reserve_gib, host_gib=args.host_gib, host_gbs=args.host_gbs,
+                      remote_gbs=args.remote_gbs, disk_gib=args.disk_gib, tflops=args.tflops)
+        try:
+            p = plan(cfg, layout, sizes, hw, solver=args.solver)
+        except ValueError as exc:
+            print(f"mem-plan: {exc}")
+            return 2
+        print(f"== {args.model}: dp={layout.dp} pp={layout.pp} vpp={layout.vpp} ep={layout.ep} cp={layout.cp} "
+              f"seq={layout.seq_len} mbs={layout.micro_batch_size} m={layout.microbatches} {layout.schedule}; "
+              f"{layout.tokens()} tokens/rank/micro-batch; budget {b:g} GiB")
+        print(table(p))
+        if p.feasible:
+            print("policy (rank 0):")
+            print(yaml.safe_dump(policy_dict(p.ranks[0]), sort_keys=False).rstrip())
+        else:
+            rc = 1
+        if out is not None:
+            d = out / f"budget{b:g}"
+            d.mkdir(parents=True, exist_ok=True)
+            (d / "plan.json").write_text(json.dumps(plan_json(p), indent=1, default=str))
+            plot(p, d / "plan.png")
+            if p.feasible:
+                for r in p.ranks:
+                    (d / f"policy_rank{r.rank}.yaml").write_text(yaml.safe_dump(policy_dict(r), sort_keys=False))
+            print(f"wrote {d}/ (plan.json, plan.png{', policy_rank*.yaml' if p.feasible else ''})")
+    return rc
+
+
+__all__ = ["Hardware", "Plan", "RankPlan", "add_arguments", "greedy", "param_sizes", "plan", "plan_json",
+           "plot", "policy_dict", "run", "table"]
