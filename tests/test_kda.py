@@ -42,7 +42,7 @@ def run_with_grads(fn, inputs: dict[str, torch.Tensor], use_state: bool, seed: i
 @pytest.mark.parametrize("use_state", [False, True])
 @pytest.mark.parametrize("T", [63, 64, 200, 1024])
 def test_chunk_matches_recurrent(T: int, use_state: bool) -> None:
-    inputs = make_inputs(B=2, T=T, H=2, K=16, V=8, seed=T + use_state)
+    inputs = make_inputs(B=1, T=T, H=2, K=16, V=8, seed=T + use_state)
     o_r, S_r, g_r = run_with_grads(kda_recurrent, inputs, use_state, seed=T)
     o_c, S_c, g_c = run_with_grads(kda_chunk, inputs, use_state, seed=T)
     assert o_c.dtype == torch.float32 and S_c.dtype == torch.float32

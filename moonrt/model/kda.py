@@ -20,10 +20,10 @@ state entering a chunk is computed for all chunks at once as batched matmuls ``[
 for any contiguous segment; KCP (§7) builds on it.
 
 Numerics: all state arithmetic is in fp32 (fp64 if the inputs are fp64). In-chunk decays are applied
-through 16-token sub-tiles with a midpoint reference (§2.2), so every factor in a matmul operand lies within
-``e^(+-8 max|g|)`` and the factor between neighbouring sub-tiles is a normal fp32 number for per-token
-log-decays >= -5 (K3's gate range). Cumulative log-decays are summed in fp64 and exponentials taken in fp64, so
-differences of long sums keep full fp32 precision.
+through 32-token sub-tiles with a midpoint reference (§2.2), so every factor in a matmul operand lies within
+``e^(16 * 5) = e^80`` for per-token log-decays >= -5 (K3's gate range). Cumulative log-decays are summed in
+fp64 (and their gradient reverse-summed in fp64) and exponentials of large exponents are taken in fp64 and
+rounded once, so results keep fp32 precision (~1e-7 relative against an fp64 reference).
 """
 
 from __future__ import annotations
@@ -32,12 +32,13 @@ import dataclasses
 
 import torch
 
-SUB_TILE = 16
-"""Rows per sub-tile for the in-chunk decay factorization (K3_SYSTEMS §2.2)."""
+SUB_TILE = 32
+"""Rows per sub-tile for the in-chunk decay factorization (K3_SYSTEMS §2.2). 32 rather than 16: the batched
+intra-chunk matmuls then have 64 rows (q and k rows of a sub-tile), which CPU BLAS runs several times faster."""
 
 MIN_LOG_DECAY = -5.0
-"""Smallest per-token log-decay the chunk form accepts (K3's gate bound, §2.2): the decay between neighbouring
-16-token sub-tile midpoints, 16 * 5 = 80 nats, stays a normal fp32 number (> e^-87.3)."""
+"""Smallest per-token log-decay the chunk form accepts (K3's gate bound, §2.2): the factors taken relative to
+a sub-tile midpoint then stay within e^(16 * 5) = e^80 < 3.4e38 (fp32 max)."""
 
 
 def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -123,8 +124,10 @@ class ChunkTerms:
     """``[B, H, N, C, K]`` in-chunk inclusive cumulative log-decay (fp64: differences stay precise)."""
     T: torch.Tensor
     """``[B, H, N, C, C]`` UT transform ``(I + L)^-1 Diag(beta)`` (lower triangular)."""
-    WU: torch.Tensor
-    """``[B, H, N, C, K + V]`` ``[W | U] = T [exp(G) * K | V]``."""
+    W: torch.Tensor
+    """``[B, H, N, C, K]`` ``T (exp(G) * K)``."""
+    U: torch.Tensor
+    """``[B, H, N, C, V]`` ``T V``."""
     Kg: torch.Tensor
     """``[B, H, N, C, K]`` ``exp(G_C - G) * K``: each key decayed to the chunk end."""
     decay: torch.Tensor
@@ -133,16 +136,6 @@ class ChunkTerms:
     """``[B, H, N, C, K]`` ``scale * Q * exp(G)`` (None without q)."""
     A_qk: torch.Tensor | None
     """``[B, H, N, C, C]`` ``scale * q_r . (exp(G_r - G_c) * k_c)`` for c <= r, else 0 (None without q)."""
-
-    @property
-    def W(self) -> torch.Tensor:
-        """``[B, H, N, C, K]`` ``T (exp(G) * K)``."""
-        return self.WU[..., : self.Kg.shape[-1]]
-
-    @property
-    def U(self) -> torch.Tensor:
-        """``[B, H, N, C, V]`` ``T V``."""
-        return self.WU[..., self.Kg.shape[-1] :]
 
 
 def _to_chunks(x: torch.Tensor, C: int, dtype: torch.dtype) -> torch.Tensor:
@@ -174,39 +167,6 @@ def _check_decay(g: torch.Tensor) -> None:
                              "(K3's gate gives > -5); use kda_recurrent for stronger decays")
 
 
-def _small_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` for batches of tiny matrices (broadcast multiply-add below 8 x 8, where bmm is overhead)."""
-    if a.shape[-1] >= 8:
-        return a @ b
-    return (a[..., :, :, None] * b[..., None, :, :]).sum(-2)
-
-
-def unit_lower_inverse(L: torch.Tensor) -> torch.Tensor:
-    """``(I + L)^-1`` for strictly lower-triangular ``L [..., C, C]`` (its diagonal and upper part are ignored).
-
-    Recursive block inversion (the UT transform of K3_SYSTEMS §2.3 step 2): the inverses of diagonal blocks of
-    size s are known; pairs combine as ``[[A, 0], [B, C]]^-1 = [[A^-1, 0], [-C^-1 B A^-1, C^-1]]``, so all
-    chunks and all blocks of a level are one batched matmul (log2 C levels).
-    """
-    *batch, C, _ = L.shape
-    P = 1 << max(C - 1, 0).bit_length()  # power of two >= C
-    if P != C:
-        L = torch.nn.functional.pad(L, (0, P - C, 0, P - C))
-    D = L.new_ones(*batch, P, 1, 1)  # inverses of the diagonal blocks of size s, [..., P / s, s, s]
-    s = 1
-    while s < P:
-        nb = P // (2 * s)
-        Lv = L.reshape(*batch, nb, 2, s, nb, 2, s)[..., :, 1, :, :, 0, :]  # [..., nb, s, nb, s]
-        B_blk = torch.diagonal(Lv, dim1=-4, dim2=-2).movedim(-1, -3)  # [..., nb, s, s] lower-left blocks
-        Dv = D.view(*batch, nb, 2, s, s)
-        A_inv, C_inv = Dv[..., 0, :, :], Dv[..., 1, :, :]
-        X = -_small_mm(C_inv, _small_mm(B_blk, A_inv))
-        top = torch.cat([A_inv, torch.zeros_like(A_inv)], dim=-1)
-        D = torch.cat([top, torch.cat([X, C_inv], dim=-1)], dim=-2)  # [..., nb, 2s, 2s]
-        s *= 2
-    return D[..., 0, :C, :C]
-
-
 def chunk_terms(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -225,52 +185,52 @@ def chunk_terms(
         q: ``[B, H, N, C, K]`` queries, or None when only the state transition is needed.
         scale: query scale.
 
-    In-chunk decays ``exp(G_r - G_c)`` enter the matmuls factored through sub-tiles of 16 tokens with
-    midpoint references m (§2.2): for r in sub-tile i and c in sub-tile j <= i,
-    ``exp(G_r - G_c) = exp(G_r - m_i) * exp(m_i - m_j) * exp(m_j - G_c)``. The outer factors stay within
-    ``e^(+-8 max|g|)``; the middle one is <= 1, at least ``e^-80`` for neighbouring sub-tiles (a normal fp32
-    number; farther ones only matter when their true product is below 1e-12), and 0 for j > i, so no operand
-    is ever inf. The diagonal
-    ``r = c`` of ``A_qk`` is taken exactly (``q_r . k_r``) so no gradient passes through ``exp(0)`` written as a
-    product of large and small factors.
+    In-chunk decays ``exp(G_r - G_c)`` (c <= r) enter the matmuls factored through sub-tiles of
+    :data:`SUB_TILE` tokens with midpoint references m (§2.2): row r of sub-tile i is scaled by
+    ``exp(G_r - m_i)`` and column c by ``exp(m_i - G_c)`` (0 for c after sub-tile i). Both factors are at most
+    ``e^(16 * 5) = e^80`` (finite in fp32); a column factor below fp32 range means a true product below
+    ``e^-28``. Exponents are differences of fp64 cumulative sums, rounded once. The diagonal ``r = c`` of
+    ``A_qk`` is taken exactly (``q_r . k_r``), so no gradient passes through ``exp(0)`` written as a product of
+    a large and a small factor. The UT transform is one batched triangular solve against ``Diag(beta)``.
     """
     dtype = k.dtype
     B, H, N, C, K = k.shape
     sub = _sub_tile(C)
     n_sub = C // sub
-    G = g.to(torch.float64).cumsum(dim=-2)  # [B, H, N, C, K]
-    G_last = G[..., -1:, :]  # [B, H, N, 1, K]
-    # sub-tile midpoints [B, H, N, n_sub, K], detached: the products above do not depend on them, and their
+    tiles = (B, H, N, n_sub, sub)
+    G = g.to(torch.float64).cumsum(dim=-2)  # [B, H, N, C, K]; (cumsum(dtype=) would run its backward in fp32)
+    Gt = G.view(*tiles, K)
+    # sub-tile midpoints [B, H, N, n_sub, K], detached: the factored products do not depend on them, and their
     # gradient would be a difference of two large sums (cancellation)
-    m = (G[..., sub // 2 - 1 :: sub, :] if sub > 1 else G).detach()
-    # exponentials are taken in fp64 and rounded once: rounding an exponent of magnitude 40 to fp32 first would
-    # cost 40 * 6e-8 relative error. Two [C, K]-sized exps; the rest are products with per-sub-tile vectors.
-    m_rows = m.repeat_interleave(sub, dim=-2)  # [B, H, N, C, K]
-    x = G - m_rows  # [B, H, N, C, K] G_r - m_tile(r), within +-8 max|g|
-    e_pos, e_neg = torch.exp(x).to(dtype), torch.exp(-x).to(dtype)
-    eG = e_pos * torch.exp(m_rows).to(dtype)  # exp(G)
-    e_kg = e_neg * torch.exp(G_last - m_rows).to(dtype)  # exp(G_C - G)
-    dm = m[..., :, None, :] - m[..., None, :, :]  # [B, H, N, n_sub(i), n_sub(j), K] m_i - m_j
-    lower = torch.ones(n_sub, n_sub, dtype=torch.bool, device=k.device).tril()
-    F = torch.exp(torch.where(lower[:, :, None], dm, float("-inf")).to(dtype))  # 0 for j > i
-    k_col = ((k * e_neg).view(B, H, N, 1, n_sub, sub, K) * F[..., None, :]).view(B, H, N, n_sub, C, K)
-    kr = (k * e_pos).view(B, H, N, n_sub, 1, sub, K)
-    rows = kr if q is None else torch.cat([kr, (q * e_pos).view(B, H, N, n_sub, 1, sub, K)], dim=-3)
-    A = rows.view(B, H, N, n_sub, -1, K) @ k_col.transpose(-1, -2)  # [B, H, N, n_sub, (1 or 2) * sub, C]
-    A = A.view(B, H, N, n_sub, -1, sub, C)
-    idx = torch.arange(C, device=k.device)
-    strict = (idx[:, None] > idx[None, :]).view(n_sub, sub, C)  # c < r
-    L = torch.where(strict, A[..., 0, :, :], 0.0).view(B, H, N, C, C)
-    T = unit_lower_inverse(L * beta[..., None]) * beta[..., None, :]  # (I + L)^-1 Diag(beta)
-    WU = T @ torch.cat([eG * k, v], dim=-1)  # [B, H, N, C, K + V]
-    Kg = e_kg * k
-    decay = torch.exp(G_last[..., 0, :]).to(dtype)
+    m = Gt[..., max(sub // 2 - 1, 0), :].detach()
+    e_pos = torch.exp(Gt - m[..., None, :]).to(dtype)  # [B, H, N, n_sub, sub, K] exp(G_r - m_tile(r))
+    cols = torch.arange(C, device=k.device)
+    keep = cols[None, :] < (torch.arange(1, n_sub + 1, device=k.device) * sub)[:, None]  # [n_sub, C]
+    col_exp = torch.where(keep[:, :, None], m[..., :, None, :] - G[..., None, :, :], float("-inf"))
+    k_col = torch.exp(col_exp).to(dtype) * k[..., None, :, :]  # [B, H, N, n_sub(i), C, K] k_c exp(m_i - G_c)
+    kv = k.view(*tiles, K)
+    k_rows = kv * e_pos  # [B, H, N, n_sub, sub, K]
+    rows = k_rows if q is None else torch.cat([k_rows, (q.view(*tiles, K) * scale) * e_pos], dim=-2)
+    A = rows @ k_col.transpose(-1, -2)  # [B, H, N, n_sub, sub or 2 sub, C]
+    strict = (cols[:, None] > cols[None, :]).view(n_sub, sub, C)  # c < r
+    # masked entries of A may overflow (products of two large factors): select before any arithmetic
+    L = (torch.where(strict, A[..., :sub, :], 0.0) * beta.view(*tiles, 1)).view(B, H, N, C, C)
+    T = torch.linalg.solve_triangular(L, torch.diag_embed(beta), upper=False, unitriangular=True)
+    # exp(G) = exp(G - m) exp(m), both rounded once from fp64 (exp of an fp32-rounded G would carry |G| eps)
+    eG = (e_pos * torch.exp(m).to(dtype)[..., None, :]).view(B, H, N, C, K)  # [B, H, N, C, K]
+    W = T @ (eG * k)
+    U = T @ v
+    G_last = G[..., -1:, :]  # [B, H, N, 1, K]
+    Kg = torch.exp(G_last - G).to(dtype) * k  # exp(G_C - G) * K
+    decay = torch.exp(G_last[..., 0, :].to(dtype))
     Qg = A_qk = None
     if q is not None:
-        qk = (q * k).sum(-1)  # [B, H, N, C] exact diagonal: no decay
-        A_qk = (torch.where(strict, A[..., 1, :, :], 0.0).view(B, H, N, C, C) + torch.diag_embed(qk)) * scale
-        Qg = (scale * q) * eG
-    return ChunkTerms(G=G, T=T, WU=WU, Kg=Kg, decay=decay, Qg=Qg, A_qk=A_qk)
+        Qg = (q * scale) * eG
+        lower = strict | (cols[:, None] == cols[None, :]).view(n_sub, sub, C)
+        A_qk = torch.where(lower, A[..., sub:, :], 0.0).view(B, H, N, C, C)
+        # the diagonal carries no decay: take it exactly
+        A_qk.diagonal(dim1=-2, dim2=-1).copy_((q * k).sum(-1) * scale)
+    return ChunkTerms(G=G, T=T, W=W, U=U, Kg=Kg, decay=decay, Qg=Qg, A_qk=A_qk)
 
 
 def chunk_transitions(terms: ChunkTerms) -> tuple[torch.Tensor, torch.Tensor]:
@@ -278,10 +238,8 @@ def chunk_transitions(terms: ChunkTerms) -> tuple[torch.Tensor, torch.Tensor]:
 
     Returns ``M [B, H, N, K, K] = Diag(exp(G_C)) - Kg^T W`` and ``S_ext [B, H, N, K, V] = Kg^T U``.
     """
-    K = terms.Kg.shape[-1]
-    MS = terms.Kg.transpose(-1, -2) @ terms.WU  # [B, H, N, K, K + V] = Kg^T [W | U]
-    M = torch.diag_embed(terms.decay) - MS[..., :K]
-    return M, MS[..., K:]
+    KgT = terms.Kg.transpose(-1, -2)
+    return torch.diag_embed(terms.decay) - KgT @ terms.W, KgT @ terms.U
 
 
 def _scan_states(M: torch.Tensor, S_ext: torch.Tensor, S0: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -347,9 +305,8 @@ def kda_chunk(
     M, S_ext = chunk_transitions(terms)
     S0 = None if initial_state is None else initial_state.to(dtype)
     S_in, S_T = _scan_states(M, S_ext, S0)  # [B, H, N, K, V]
-    WS, QS = (torch.cat([terms.W, terms.Qg], dim=-2) @ S_in).split(C, dim=-2)  # one [2C, K] @ [K, V] per chunk
-    V_tilde = terms.U - WS  # [B, H, N, C, V] pseudo-values (§2.3 step 4)
-    O = QS + terms.A_qk @ V_tilde  # [B, H, N, C, V] (step 5)
+    V_tilde = terms.U - terms.W @ S_in  # [B, H, N, C, V] pseudo-values (§2.3 step 4)
+    O = terms.Qg @ S_in + terms.A_qk @ V_tilde  # [B, H, N, C, V] (step 5)
     o = O.reshape(B, H, -1, V)[:, :, :T].transpose(1, 2).to(v.dtype)
     return o, (S_T if output_final_state else None)
 
@@ -392,4 +349,4 @@ def kda_transition(
 
 
 __all__ = ["ChunkTerms", "chunk_terms", "chunk_transitions", "kda_chunk", "kda_recurrent", "kda_transition",
-           "unit_lower_inverse", "MIN_LOG_DECAY", "SUB_TILE"]
+           "MIN_LOG_DECAY", "SUB_TILE"]
