@@ -320,6 +320,9 @@ def train(job: JobConfig, rt: Runtime | None = None, metrics_path: str | None = 
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
                 eval_loss = evaluate(model, heldout, cfg.batch_size, rt)
                 record["eval_loss"] = eval_loss
+                if rt.is_main and progress:
+                    bar.write(f"step {step + 1}: train loss {loss_value:.3f}, eval loss {eval_loss:.3f} nats/token "
+                              f"(unigram entropy {baseline:.3f})")
             if metrics is not None:
                 metrics.write(json.dumps(record) + "\n")
                 metrics.flush()
