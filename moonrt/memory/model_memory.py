@@ -223,71 +223,76 @@ def layer_class_patterns(name: str, layer: int) -> list[str]:
     }[name]
 
 
-def traced_profile(build: Callable[[], Any], run: Callable[[Any, int], Any], cfg: Any,
-                   lengths: tuple[int, int, int] = (32, 64, 96)) -> Profile:
-    """Profile by counting: ``build()`` returns a model (on the meta device is enough) and
-    ``run(model, T)`` runs its forward on ``T`` tokens (returns anything); the activation manager
-    counts saved bytes per class for keep, FP8 and recompute at three lengths and fits
-    ``c0 + c1 T + c2 T^2`` per class (constants are folded into the per-token terms at the middle
-    length). Classes are those of :func:`kernel_profile` (same manager patterns), so a plan made
-    from this profile writes the same policy YAML.
-    """
-    from moonrt.memory.manager import ActivationManager
+ATTNRES_REGIONS = ("attn_res.sublayer_input", "attn_res.final")
+
+
+def class_of(region: str, cfg: Any) -> str:
+    """Saved-tensor class of a manager region (module path or region name) of a K3 model."""
+    parts = region.split(".")
+    if region.startswith("attn_res"):
+        return "attn_res"
+    if parts[0] in ("norm", "lm_head", "<root>"):
+        return "head"  # the root saves are the loss's (log-softmax of the logits)
+    if parts[0] == "embed":
+        return "embed"
+    if parts[0] != "layers" or len(parts) < 3:
+        return "other"
+    i, sub = int(parts[1]), parts[2]
+    if sub in ("attn_norm", "ffn_norm"):
+        return "norm"
+    if sub == "attn":
+        return f"{cfg.layer_types()[i]}.attn"
+    return sub  # "moe" or "ffn"
+
+
+def policy_for_all(policy: str) -> Any:
+    """A :class:`MemoryPolicy` applying ``policy`` to every class (recompute: every region checkpointed)."""
     from moonrt.memory.policy import MemoryPolicy, PolicyRule
 
-    regions = ["attn_res.sublayer_input", "attn_res.final"]
+    if policy != "recompute":
+        return MemoryPolicy(default=policy, rules=[PolicyRule(match=r, policy=policy) for r in ATTNRES_REGIONS])
+    rules = [PolicyRule(match=p, policy="recompute") for p in ("layers.*.attn", "layers.*.attn_norm",
+                                                                "layers.*.ffn_norm", "layers.*.ffn", "norm", "lm_head")]
+    return MemoryPolicy(rules=rules, moe_dispatch_only=["layers.*.moe"], attnres_checkpoint=list(ATTNRES_REGIONS))
+
+
+def measure_classes(model: Any, cfg: Any, policy: Any, run: Callable[[Any, int], Any], T: int) -> dict[str, float]:
+    """Bytes saved per class (all tiers; recompute-region inputs counted in their class) by one
+    ``run(model, T)`` forward under the activation manager with ``policy``."""
+    from moonrt.memory.manager import ActivationManager
+
+    mgr = ActivationManager(model, policy)
+    try:
+        with mgr:
+            out = run(model, T)
+        del out
+        res: dict[str, float] = {}
+        for (reg, _pol), st in mgr.accounting.regions.items():
+            c = class_of(reg, cfg)
+            res[c] = res.get(c, 0.0) + sum(st.stored_bytes.values())
+        return res
+    finally:
+        mgr.close()
+
+
+def traced_profile(build: Callable[[], Any], run: Callable[[Any, int], Any], cfg: Any,
+                   lengths: tuple[int, int, int] = (64, 128, 192)) -> Profile:
+    """Profile by counting: ``build()`` returns a model and ``run(model, T)`` runs its forward on ``T``
+    tokens; the activation manager counts the bytes saved per class for keep, FP8 and recompute at
+    three lengths and the profile fits ``c0 + c1 T + c2 T^2`` per class (``c0`` folded into the
+    per-token term at the middle length). Use lengths that are multiples of the KDA chunk. Classes
+    are those of :func:`kernel_profile` (same manager patterns), so a plan from this profile writes
+    the same policy YAML.
+    """
     types = cfg.layer_types()
-
-    def class_of(region: str) -> str:
-        parts = region.split(".")
-        if region.startswith("attn_res"):
-            return "attn_res"
-        if parts[0] in ("norm", "lm_head", "<root>"):
-            return "head"  # the root saves are the loss's (log-softmax of the logits)
-        if parts[0] == "embed":
-            return "embed"
-        if parts[0] != "layers" or len(parts) < 3:
-            return "other"
-        i, sub = int(parts[1]), parts[2]
-        if sub in ("attn_norm", "ffn_norm"):
-            return "norm"
-        if sub == "attn":
-            return f"{types[i]}.attn"
-        return sub  # "moe" or "ffn"
-
-    def measure(policy: MemoryPolicy, T: int) -> dict[str, float]:
-        model = build()
-        mgr = ActivationManager(model, policy)
-        try:
-            with mgr:
-                run(model, T)
-            out: dict[str, float] = {}
-            for (reg, pol), st in mgr.accounting.regions.items():
-                c = class_of(reg)
-                out[c] = out.get(c, 0.0) + (st.stored_bytes["device"] if pol != "recompute" else 0.0)
-                if pol == "recompute":
-                    out[c + "#rec"] = out.get(c + "#rec", 0.0) + st.stored_bytes["device"]
-            return out
-        finally:
-            mgr.close()
-
-    tag = [PolicyRule(match=r, policy="keep") for r in regions]
-    keep = [measure(MemoryPolicy(rules=list(tag)), T) for T in lengths]
-    q = [measure(MemoryPolicy(default="fp8", rules=[PolicyRule(match=r, policy="fp8") for r in regions]), T)
-         for T in lengths]
-    rec_rules = [PolicyRule(match=p, policy="recompute") for p in ("layers.*.attn", "layers.*.attn_norm",
-                                                                    "layers.*.ffn_norm", "layers.*.ffn", "norm",
-                                                                    "lm_head")]
-    rec = [measure(MemoryPolicy(rules=rec_rules + list(tag), moe_dispatch_only=["layers.*.moe"],
-                                attnres_checkpoint=regions), T) for T in lengths]
-    counts = {"norm": 2 * len(types), "attn_res": 2 * len(types) + 1, "head": 1, "embed": 1,
-              "moe": sum(cfg.is_moe_layer(i) for i in range(len(types))),
-              "ffn": sum(not cfg.is_moe_layer(i) for i in range(len(types))),
-              "kda.attn": types.count("kda"), "mla.attn": types.count("mla")}
+    model = build()
+    keep = [measure_classes(model, cfg, policy_for_all("keep"), run, T) for T in lengths]
+    q = [measure_classes(model, cfg, policy_for_all("fp8"), run, T) for T in lengths]
+    rec = [measure_classes(model, cfg, policy_for_all("recompute"), run, T) for T in lengths]
+    counts = class_counts(cfg)
 
     def fit(samples: list[float]) -> tuple[float, float]:
         (t0, t1, t2), (y0, y1, y2) = lengths, samples
-        # y = c0 + c1 t + c2 t^2 through three points; fold c0 into the linear term at t1
         d1, d2 = (y1 - y0) / (t1 - t0), (y2 - y1) / (t2 - t1)
         c2 = (d2 - d1) / (t2 - t0)
         c1 = d1 - c2 * (t0 + t1)
@@ -300,11 +305,19 @@ def traced_profile(build: Callable[[], Any], run: Callable[[Any, int], Any], cfg
             continue
         lin, quad = fit([s.get(name, 0.0) / n for s in keep])
         lin8, quad8 = fit([s.get(name, 0.0) / n for s in q])
-        rlin, _ = fit([(s.get(name + "#rec", 0.0) + s.get(name, 0.0)) / n for s in rec])
+        rlin, _ = fit([s.get(name, 0.0) / n for s in rec])
         classes[name] = SavedClass(name, lin, quad, lin8, quad8, rlin)
     layers = tuple(LayerSpec(i, ("norm", f"{t}.attn", "norm", "moe" if cfg.is_moe_layer(i) else "ffn",
                                  "attn_res", "attn_res")) for i, t in enumerate(types))
-    return Profile(classes, layers, ("head", "attn_res"), ("embed",) if "embed" in classes else ())
+    return Profile(classes, layers, ("head", "attn_res"), ("embed",))
+
+
+def class_counts(cfg: Any) -> dict[str, int]:
+    """Instances of each class in the whole model (norm: 2 per layer; attn_res: 2 per layer + final)."""
+    types = cfg.layer_types()
+    n_moe = sum(cfg.is_moe_layer(i) for i in range(len(types)))
+    return {"norm": 2 * len(types), "attn_res": 2 * len(types) + 1, "head": 1, "embed": 1, "moe": n_moe,
+            "ffn": len(types) - n_moe, "kda.attn": types.count("kda"), "mla.attn": types.count("mla")}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -442,4 +455,8 @@ __all__ = [
     "rank_models",
     "stage_layers",
     "traced_profile",
+    "class_counts",
+    "class_of",
+    "measure_classes",
+    "policy_for_all",
 ]

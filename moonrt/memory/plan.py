@@ -139,8 +139,17 @@ def _quiet():
 
 def _solve_ilp(rms: list[RankModel], profile: Profile, layout: JobLayout, hw: Hardware,
                minimize_budget: bool) -> tuple[dict[int, dict[str, str]], float] | None:
+    import warnings
+
     import pulp
 
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # PuLP 3 warns on the classic LpVariable API
+        return _build_and_solve(pulp, rms, profile, layout, hw, minimize_budget)
+
+
+def _build_and_solve(pulp: Any, rms: list[RankModel], profile: Profile, layout: JobLayout, hw: Hardware,
+                     minimize_budget: bool) -> tuple[dict[int, dict[str, str]], float] | None:
     T, m = layout.tokens(), layout.microbatches
     pols = _policies(layout, hw)
     prob = pulp.LpProblem("memplan", pulp.LpMinimize)

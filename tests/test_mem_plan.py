@@ -1,0 +1,109 @@
+"""Memory model and planner (K3_SYSTEMS §8, §10): in-flight counts from the schedule walk, ILP vs
+greedy under the budget, infeasible budgets answered with the minimum, bad input, policy YAML."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import yaml
+
+from moonrt.config import from_dict
+from moonrt.memory.model_memory import GIB, JobLayout, kernel_profile, rank_models
+from moonrt.memory.plan import Hardware, param_sizes, plan, policy_dict, table
+from moonrt.memory.policy import MemoryPolicy
+from moonrt.model.config import k3, k3_tiny
+
+K3_LONG = JobLayout(pp=16, vpp=2, ep=64, cp=64, seq_len=1 << 20, microbatches=32, schedule="interleaved",
+                    optim_bytes=8)
+
+
+def test_in_flight_counts_per_rank():
+    cfg = k3()
+    sizes, prof = param_sizes(cfg), kernel_profile(cfg)
+    rms = rank_models(cfg, JobLayout(pp=8, ep=64, seq_len=4096, microbatches=16, schedule="1f1b"), sizes, prof)
+    assert [r.in_flight_microbatches for r in rms] == [8 - r for r in range(8)]
+    rms = rank_models(cfg, JobLayout(pp=8, vpp=2, ep=64, seq_len=4096, microbatches=16, schedule="interleaved"),
+                      sizes, prof)
+    assert rms[0].in_flight_microbatches == pytest.approx(8 * (1 + 7 / 16)) == 11.5
+    assert rms[7].in_flight_microbatches == 4.5
+    rms = rank_models(cfg, JobLayout(pp=4, ep=64, seq_len=4096, microbatches=6, schedule="gpipe"), sizes, prof)
+    assert all(r.in_flight_microbatches == 6 for r in rms)
+    # activations at keep scale with the in-flight count: rank 0 holds the most
+    keep0 = rank_models(cfg, K3_LONG, sizes, prof)
+    assert keep0[0].in_flight_chunks == 2 * 15 + 16 + 1
+
+
+def test_static_terms_k3():
+    cfg = k3()
+    rms = rank_models(cfg, K3_LONG, param_sizes(cfg), kernel_profile(cfg))
+    sizes = param_sizes(cfg)
+    total_dense_layers = sum(len(r.layers) for r in rms)
+    assert total_dense_layers == 93
+    # every rank holds E/ep = 14 experts per MoE layer; the slot pool is one layer's E/ep copies + fp32 grads
+    assert rms[3].static["slot_pool"] == 14 * sizes.routed_expert * (2 + 4)
+    # ZeRO-1: the optimizer states are a small fraction of the fp32 gradients at dp*ep*cp sharding
+    assert all(r.static["optimizer"] < 0.05 * r.static["grads"] for r in rms)
+    assert rms[0].static["params"] > 0 and rms[0].static["comm_buffers"] > 0
+
+
+@pytest.mark.parametrize("budget", [141.0])
+def test_k3_long_context_fits_141_with_ilp_not_keep(budget):
+    cfg = k3()
+    p = plan(cfg, K3_LONG, param_sizes(cfg), Hardware(budget_gib=budget))
+    assert p.feasible and p.solver == "highs"
+    for r in p.ranks:
+        assert r.total <= (budget - 4.0) * GIB * (1 + 1e-6)
+        assert r.host <= 200 * GIB * (1 + 1e-6)
+        assert r.activations_keep > budget * GIB  # keeping everything would not fit: the plan did work
+    assert "rank" in table(p)
+    g = plan(cfg, K3_LONG, param_sizes(cfg), Hardware(budget_gib=budget), solver="greedy")
+    if g.feasible:  # the ILP is optimal: never slower than greedy
+        assert max(r.added_s for r in p.ranks) <= max(r.added_s for r in g.ranks) * (1 + 1e-6)
+
+
+def test_infeasible_budget_gives_minimum_and_dominating_term():
+    cfg = k3()
+    sizes = param_sizes(cfg)
+    p = plan(cfg, K3_LONG, sizes, Hardware(budget_gib=80.0))
+    assert not p.feasible and p.min_budget_gib is not None and p.min_budget_gib > 80
+    assert p.dominating in ("params", "grads", "optimizer", "slot_pool", "comm_buffers", "activations", "remote_in")
+    assert f"minimum budget {p.min_budget_gib:.1f} GiB" in p.message
+    again = plan(cfg, K3_LONG, sizes, Hardware(budget_gib=p.min_budget_gib + 0.5))
+    assert again.feasible
+    # sharding fp32 gradients (K3_SYSTEMS §10) makes 80 GiB fit
+    sharded = JobLayout(**{**{f: getattr(K3_LONG, f) for f in K3_LONG.__slots__}, "shard_grads": True})
+    assert plan(cfg, sharded, sizes, Hardware(budget_gib=80.0)).feasible
+
+
+def test_budget_below_parameter_memory_is_clear():
+    cfg = k3()
+    p = plan(cfg, JobLayout(pp=2, ep=8, seq_len=4096, microbatches=4), param_sizes(cfg), Hardware(budget_gib=80))
+    assert not p.feasible and p.dominating == "params"
+    assert "below the parameter memory of rank" in p.message
+    with pytest.raises(ValueError, match="budget_gib = -1"):
+        plan(cfg, K3_LONG, param_sizes(cfg), Hardware(budget_gib=-1))
+    with pytest.raises(ValueError, match="ep = 5: expected a divisor of num_experts"):
+        plan(cfg, JobLayout(pp=16, ep=5, seq_len=4096, microbatches=16), param_sizes(cfg), Hardware())
+    with pytest.raises(ValueError, match="solver = 'cplex'"):
+        plan(cfg, K3_LONG, param_sizes(cfg), Hardware(), solver="cplex")
+
+
+def test_policy_yaml_loads_and_matches_k3_tiny_modules(tmp_path):
+    from moonrt.memory.manager import ActivationManager
+    from moonrt.model.model import K3Model
+
+    cfg = k3_tiny()
+    layout = JobLayout(seq_len=4096, microbatches=4, ep=1)
+    keep = plan(cfg, layout, param_sizes(cfg), Hardware(budget_gib=1000, reserve_gib=0))
+    need = keep.ranks[0].total / GIB
+    p = plan(cfg, layout, param_sizes(cfg), Hardware(budget_gib=need * 0.6, reserve_gib=0, host_gib=0.01))
+    assert p.feasible
+    assert any(v != "keep" for v in p.ranks[0].choice.values())
+    data = policy_dict(p.ranks[0])
+    path = tmp_path / "policy.yaml"
+    path.write_text(yaml.safe_dump(data))
+    pol = from_dict(MemoryPolicy, yaml.safe_load(path.read_text()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every pattern names a real module or region
+        ActivationManager(K3Model(cfg), pol).close()
