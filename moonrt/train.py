@@ -42,6 +42,8 @@ from moonrt.model.config import PRESETS, K3Config
 from moonrt.model.context import LOCAL, AttentionContext
 
 CHECKPOINT = "checkpoint.pt"
+MAX_PARAMS = 5_000_000_000
+"""Largest model (parameters, from the config) that ``moonrt train`` will instantiate."""
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -182,9 +184,15 @@ def lr_at(step: int, cfg: OptimConfig) -> float:
 def build_model(job: JobConfig) -> torch.nn.Module:
     from moonrt.model.model import K3Model
     from moonrt.model.moe import moe_config_from_dict
+    from moonrt.model.params import count_params
 
+    cfg = job.model_cfg()
+    total = count_params(cfg).total
+    if total > MAX_PARAMS:  # e.g. the real k3 (2.78T): a planning config, never instantiated
+        raise ConfigError(f"model = {job.model if job.model_config is None else 'model_config'}: {total:,} parameters; "
+                          f"expected at most {MAX_PARAMS:,} (moonrt train builds the whole model in one process)")
     torch.manual_seed(job.optim.seed)
-    return K3Model(job.model_cfg(), moe_config_from_dict(job.moe))
+    return K3Model(cfg, moe_config_from_dict(job.moe))
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:

@@ -89,6 +89,8 @@ def test_bad_config_and_flags(tmp_path: Path, capsys) -> None:
     assert "stepz: unknown key" in capsys.readouterr().out
     assert main(["train", "--corpus", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "o")]) == 2
     assert "expected an existing file" in capsys.readouterr().out
+    assert main(["train", "--model", "k3", "--out", str(tmp_path / "k3")]) == 2  # never instantiated
+    assert "2,779,483,053,152 parameters" in capsys.readouterr().out
     job = _job(tmp_path, "d")
     with pytest.raises(ValueError, match="no checkpoint"):
         train(job, resume=True, progress=False)
