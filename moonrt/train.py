@@ -116,6 +116,9 @@ class JobConfig:
     """Path of an activation-memory policy YAML (applied by the activation manager when present)."""
     out_dir: str = "runs/train"
     """Checkpoints (``checkpoint.pt``) and the resolved ``config.yaml`` go here."""
+    routing_trace: str | None = None
+    """Record every step's per-MoE-layer ``[R, E]`` routing counts into this ``.npz`` (the trace format
+    ``moonrt ep-sim --trace`` reads, :mod:`moonrt.scheduler.workload`)."""
     threads: int = 1
     """torch intra-op threads per process (0: torch's default). One is the robust choice on a shared
     2-core machine (spinning OpenMP threads of several processes slow everyone down many-fold)."""
@@ -384,6 +387,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, help="torch threads per process, 0 = torch default (threads)")
     parser.add_argument("--memory-policy", help="activation memory policy YAML (memory_policy; moonrt.memory)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar or summary line")
+    parser.add_argument("--ep", type=int, help="expert-parallel degree: MoonEP over EP ranks, E/EP home experts "
+                        "per rank (parallel.ep)")
+    parser.add_argument("--routing-trace", help="write per-step, per-layer [R, E] routing counts to this .npz "
+                        "(routing_trace; read by moonrt ep-sim --trace)")
     parser.add_argument("--cp", type=int, help="context-parallel degree: each sequence split over CP ranks, KCP for "
                         "KDA, latent all-gather for MLA (parallel.cp)")
 
@@ -408,6 +415,10 @@ def job_from_args(args: argparse.Namespace) -> JobConfig:
         raw["memory_policy"] = args.memory_policy
     if args.cp is not None:
         raw["parallel"]["cp"] = args.cp
+    if args.ep is not None:
+        raw["parallel"]["ep"] = args.ep
+    if args.routing_trace is not None:
+        raw["routing_trace"] = args.routing_trace
     return from_dict(JobConfig, raw)
 
 
@@ -450,15 +461,26 @@ def parallel_runtime(job: JobConfig) -> Runtime:
         return float(tensor_sum(torch.tensor([x], dtype=torch.float64)))
 
     ctx = ContextParallel(mesh.group("cp")) if p.cp > 1 else LOCAL
-    return Runtime(dp_rank=mesh.rank("dp_ep"), dp_size=mesh.size("dp_ep"), cp_rank=mesh.rank("cp"),
-                   cp_size=mesh.size("cp"), is_main=dist.get_rank() == 0, ctx=ctx, grad_all_reduce=tensor_sum,
-                   stat_all_reduce=tensor_sum, scalar_all_reduce=scalar_sum)
+    rt = Runtime(dp_rank=mesh.rank("dp_ep"), dp_size=mesh.size("dp_ep"), cp_rank=mesh.rank("cp"),
+                 cp_size=mesh.size("cp"), is_main=dist.get_rank() == 0, ctx=ctx, grad_all_reduce=tensor_sum,
+                 stat_all_reduce=tensor_sum, scalar_all_reduce=scalar_sum)
+    if p.ep > 1 or job.routing_trace:  # MoonEP: shard experts, per-group grad sync, global-norm clip, traces
+        from moonrt.comm.ep_parallel import ExpertParallel
+
+        ep = ExpertParallel(p, mesh=mesh, capacity=job.optim.batch_size * job.optim.seq_len,
+                            trace_path=job.routing_trace)
+        rt = dataclasses.replace(rt, **ep.runtime_fields())
+    return rt
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         job = job_from_args(args)
         rt = parallel_runtime(job) if job.parallel.world_size != 1 or _launched() else None
+        if rt is None and job.routing_trace:
+            from moonrt.comm.ep_parallel import ExpertParallel
+
+            rt = Runtime(**ExpertParallel(job.parallel, capacity=1, trace_path=job.routing_trace).runtime_fields())
         summary = train(job, rt=rt, metrics_path=args.metrics, resume=args.resume, until=args.until,
                         progress=not args.no_progress)
     except (ConfigError, ValueError) as exc:
