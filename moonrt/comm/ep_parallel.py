@@ -45,36 +45,37 @@ class ExpertParallel:
     """EP (and plain DP) runtime hooks for ``moonrt train`` (see the module docstring).
 
     Args:
-        parallel: the job's degrees; ``pp`` and ``cp`` must be 1 here (other runtimes own those).
+        parallel: the job's degrees; ``pp`` must be 1 (``cp`` > 1 composes: pass the CP runtime's mesh).
         capacity: S, the most tokens one rank passes to one MoE layer per call (training and eval).
+        mesh: the job's :class:`ProcessMesh` (built here, joining the default group, if None and the
+            world has more than one rank).
         num_slots: B per rank (default E/R).
         dispatcher: ``"moonep"`` or ``"alltoall"`` (the unbalanced baseline).
         trace_path: write the routing trace ``.npz`` here (on the main rank) at :meth:`finish`.
     """
 
-    def __init__(self, parallel: ParallelConfig, *, capacity: int, num_slots: int | None = None,
-                 dispatcher: DispatcherKind = "moonep", trace_path: str | None = None) -> None:
-        if parallel.pp != 1 or parallel.cp != 1:
-            raise ConfigError(f"parallel = pp {parallel.pp}, cp {parallel.cp}: expected pp = cp = 1 for the "
-                              "expert-parallel runtime")
+    def __init__(self, parallel: ParallelConfig, *, capacity: int, mesh: ProcessMesh | None = None,
+                 num_slots: int | None = None, dispatcher: DispatcherKind = "moonep",
+                 trace_path: str | None = None) -> None:
+        if parallel.pp != 1:
+            raise ConfigError(f"parallel.pp = {parallel.pp}: expected 1 for the expert-parallel runtime")
         if dispatcher not in ("moonep", "alltoall"):
             raise ConfigError(f"dispatcher = {dispatcher!r}: expected 'moonep' or 'alltoall'")
         self.parallel, self.capacity, self.num_slots, self.kind = parallel, capacity, num_slots, dispatcher
         self.trace_path = trace_path
-        if parallel.world_size > 1:
+        if mesh is None and parallel.world_size > 1:
             if not dist.is_initialized():
                 from moonrt.cluster.env import init_distributed
 
                 init_distributed()
-            self.mesh: ProcessMesh | None = ProcessMesh(parallel)
-            self.ep_group = self.mesh.group("ep")
-            self.ep_rank, self.ep_size = self.mesh.rank("ep"), self.mesh.size("ep")
-            self.data_rank, self.data_size = self.mesh.rank("dp_ep"), self.mesh.size("dp_ep")
-            self.is_main = self.mesh.global_rank == 0
+            mesh = ProcessMesh(parallel)
+        self.mesh = mesh
+        if mesh is not None:
+            self.ep_group = mesh.group("ep")
+            self.ep_rank, self.ep_size = mesh.rank("ep"), mesh.size("ep")
+            self.is_main = mesh.global_rank == 0
         else:
-            self.mesh, self.ep_group = None, None
-            self.ep_rank, self.ep_size, self.data_rank, self.data_size = 0, 1, 0, 1
-            self.is_main = True
+            self.ep_group, self.ep_rank, self.ep_size, self.is_main = None, 0, 1, True
         self.dispatchers: dict[int, MoonEPDispatcher] = {}
         self._expert_params: set[int] = set()
         self._trace: list[np.ndarray] = []
@@ -98,6 +99,7 @@ class ExpertParallel:
             moe.dispatcher = cls(self.ep_group, self.capacity, moe.experts.latent, moe.top_k, E,
                                  num_slots=self.num_slots)
             self.dispatchers[index] = moe.dispatcher
+            moe.experts._register_load_state_dict_pre_hook(_refuse_sharded_load)
             self._expert_params.update(id(p) for p in moe.experts.parameters())
         return model
 
@@ -190,11 +192,11 @@ class ExpertParallel:
         return path
 
     def runtime_fields(self) -> dict[str, Any]:
-        """Keyword arguments of ``moonrt.train.Runtime`` for this runtime."""
-        return {
-            "dp_rank": self.data_rank, "dp_size": self.data_size, "is_main": self.is_main,
-            "stat_all_reduce": self.stat_all_reduce if self.mesh is not None else None,
-            "scalar_all_reduce": self.scalar_all_reduce if self.mesh is not None else None,
-            "parallelize": self.parallelize, "sync_grads": self.sync_grads,
-            "clip_grad_norm": self.clip_grad_norm, "on_step": self.on_step, "finish": self.finish,
-        }
+        """The whole-model hooks of ``moonrt.train.Runtime`` this runtime fills (ranks, sums: the caller's)."""
+        return {"parallelize": self.parallelize, "sync_grads": self.sync_grads,
+                "clip_grad_norm": self.clip_grad_norm, "on_step": self.on_step, "finish": self.finish}
+
+
+def _refuse_sharded_load(*args: Any, **kwargs: Any) -> None:
+    raise ValueError("loading a state dict into expert-parallel experts: a checkpoint of an EP run holds only the "
+                     "main rank's home experts, so resuming with --ep > 1 is not supported yet")
