@@ -206,30 +206,30 @@ def chunk_terms(
     e_pos = torch.exp(Gt - m[..., None, :]).to(dtype)  # [B, H, N, n_sub, sub, K] exp(G_r - m_tile(r))
     cols = torch.arange(C, device=k.device)
     keep = cols[None, :] < (torch.arange(1, n_sub + 1, device=k.device) * sub)[:, None]  # [n_sub, C]
-    col_exp = torch.where(keep[:, :, None], m[..., :, None, :] - G[..., None, :, :], float("-inf"))
-    k_col = torch.exp(col_exp).to(dtype) * k[..., None, :, :]  # [B, H, N, n_sub(i), C, K] k_c exp(m_i - G_c)
-    kv = k.view(*tiles, K)
-    k_rows = kv * e_pos  # [B, H, N, n_sub, sub, K]
-    rows = k_rows if q is None else torch.cat([k_rows, (q.view(*tiles, K) * scale) * e_pos], dim=-2)
+    col_exp = torch.where(keep[:, :, None], (m[..., :, None, :] - G[..., None, :, :]).to(dtype), float("-inf"))
+    k_col = torch.exp(col_exp) * k[..., None, :, :]  # [B, H, N, n_sub(i), C, K] k_c exp(m_i - G_c)
+    qs = None if q is None else q * scale
+    k_rows = k.view(*tiles, K) * e_pos  # [B, H, N, n_sub, sub, K]
+    rows = k_rows if qs is None else torch.cat([k_rows, qs.view(*tiles, K) * e_pos], dim=-2)
     A = rows @ k_col.transpose(-1, -2)  # [B, H, N, n_sub, sub or 2 sub, C]
     strict = (cols[:, None] > cols[None, :]).view(n_sub, sub, C)  # c < r
     # masked entries of A may overflow (products of two large factors): select before any arithmetic
     L = (torch.where(strict, A[..., :sub, :], 0.0) * beta.view(*tiles, 1)).view(B, H, N, C, C)
     T = torch.linalg.solve_triangular(L, torch.diag_embed(beta), upper=False, unitriangular=True)
-    # exp(G) = exp(G - m) exp(m), both rounded once from fp64 (exp of an fp32-rounded G would carry |G| eps)
-    eG = (e_pos * torch.exp(m).to(dtype)[..., None, :]).view(B, H, N, C, K)  # [B, H, N, C, K]
+    # decaying factors (exponent <= 0) from fp32-rounded exponents: the error |x| eps is scaled by e^-|x| <= 1/e
+    eG = torch.exp(G.to(dtype))  # [B, H, N, C, K] exp(G)
     W = T @ (eG * k)
     U = T @ v
     G_last = G[..., -1:, :]  # [B, H, N, 1, K]
-    Kg = torch.exp(G_last - G).to(dtype) * k  # exp(G_C - G) * K
+    Kg = torch.exp((G_last - G).to(dtype)) * k  # exp(G_C - G) * K
     decay = torch.exp(G_last[..., 0, :].to(dtype))
     Qg = A_qk = None
-    if q is not None:
-        Qg = (q * scale) * eG
+    if qs is not None:
+        Qg = qs * eG
         lower = strict | (cols[:, None] == cols[None, :]).view(n_sub, sub, C)
         A_qk = torch.where(lower, A[..., sub:, :], 0.0).view(B, H, N, C, C)
         # the diagonal carries no decay: take it exactly
-        A_qk.diagonal(dim1=-2, dim2=-1).copy_((q * k).sum(-1) * scale)
+        A_qk.diagonal(dim1=-2, dim2=-1).copy_((qs * k).sum(-1))
     return ChunkTerms(G=G, T=T, W=W, U=U, Kg=Kg, decay=decay, Qg=Qg, A_qk=A_qk)
 
 
@@ -239,7 +239,7 @@ def chunk_transitions(terms: ChunkTerms) -> tuple[torch.Tensor, torch.Tensor]:
     Returns ``M [B, H, N, K, K] = Diag(exp(G_C)) - Kg^T W`` and ``S_ext [B, H, N, K, V] = Kg^T U``.
     """
     KgT = terms.Kg.transpose(-1, -2)
-    return torch.diag_embed(terms.decay) - KgT @ terms.W, KgT @ terms.U
+    return torch.diag_embed(terms.decay).sub_(KgT @ terms.W), KgT @ terms.U
 
 
 def _scan_states(M: torch.Tensor, S_ext: torch.Tensor, S0: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -305,9 +305,10 @@ def kda_chunk(
     M, S_ext = chunk_transitions(terms)
     S0 = None if initial_state is None else initial_state.to(dtype)
     S_in, S_T = _scan_states(M, S_ext, S0)  # [B, H, N, K, V]
-    V_tilde = terms.U - terms.W @ S_in  # [B, H, N, C, V] pseudo-values (§2.3 step 4)
-    O = terms.Qg @ S_in + terms.A_qk @ V_tilde  # [B, H, N, C, V] (step 5)
-    o = O.reshape(B, H, -1, V)[:, :, :T].transpose(1, 2).to(v.dtype)
+    bmm = (-1, C, V)  # as 3-d batches, so the additions fuse into the matmuls
+    V_tilde = torch.baddbmm(terms.U.view(bmm), terms.W.view(-1, C, K), S_in.view(-1, K, V), alpha=-1.0)  # step 4
+    O = torch.baddbmm(terms.Qg.view(-1, C, K) @ S_in.view(-1, K, V), terms.A_qk.view(-1, C, C), V_tilde)  # step 5
+    o = O.view(B, H, -1, V)[:, :, :T].transpose(1, 2).to(v.dtype)
     return o, (S_T if output_final_state else None)
 
 
