@@ -13,7 +13,7 @@ from dist import dist_run
 
 from moonrt.comm.ep_alltoall import AllToAllDispatcher
 from moonrt.comm.ep_ref import grouped_expert_forward, moe_reference, rows_reference
-from moonrt.comm.moonep import MoonEPDispatcher
+from moonrt.comm.moonep import MoonEPDispatcher, SlotPool
 
 H, F, E = 12, 10, 8
 
@@ -136,3 +136,62 @@ def test_alltoall_baseline_matches_reference() -> None:
     res = _check(2, s=6, k=2, routing="one_expert", baseline=True)
     # unbalanced: rank 0 homes the hot experts and computes every assignment
     assert res[0]["rows"] == 2 * 6 * 2 and res[1]["rows"] == 0
+
+
+def _two_layers_fn(rank: int, world: int, misuse: bool) -> dict:
+    """Two MoE layers in sequence sharing one SlotPool (layer 1: all tokens on expert 0, layer 2: random)."""
+    s, k = 6, 2
+    p1, p2 = make_problem(world, s, k, "one_expert", seed=0), make_problem(world, s, k, "random", seed=1)
+    per = E // world
+    pool = SlotPool(per, 2 * F * H + H * F)
+    disps = [MoonEPDispatcher(None, s, H, k, E, pool=pool) for _ in range(2)]
+    x = p1["xs"][rank].clone().requires_grad_()
+    homes = [[t[rank * per:(rank + 1) * per].clone().requires_grad_() for t in p["experts"]] for p in (p1, p2)]
+    h_in, handles, ys = x, [], []
+    for layer, (disp, p, home) in enumerate(zip(disps, (p1, p2), homes)):
+        recv_x, _, _, h = disp.dispatch(h_in, p["ids"][rank], p["ws"][rank])
+        slots = disp.prefetch_weights(h, home)
+        y = torch.cat([grouped_expert_forward(recv_x[:h.home_rows], h.home_cu_seqlens(), home),
+                       grouped_expert_forward(recv_x[h.home_rows:], h.slot_cu_seqlens(), slots)])
+        if misuse and layer == 0:
+            h.refill.clear()  # layer 1's copies will not be re-prefetched before its backward
+        handles.append(h)
+        ys.append(y)
+        if layer == 0:
+            h_in = disp.combine(y, h)
+    out = disps[1].combine(ys[1], handles[1])
+    try:
+        (out * p1["gouts"][rank]).sum().backward()
+    except RuntimeError as exc:
+        return {"error": str(exc)}
+    return {"out": out.detach(), "gx": x.grad, "g1": [t.grad for t in homes[0]], "g2": [t.grad for t in homes[1]],
+            "copies": [torch.as_tensor(h.plan.copies) for h in handles]}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_shared_slot_pool_two_layers(world: int) -> None:
+    """Both layers' copies live in one pool; combine's backward re-prefetches them: exact gradients."""
+    res = dist_run(_two_layers_fn, world, False, timeout=120)
+    s, k = 6, 2
+    p1, p2 = make_problem(world, s, k, "one_expert", seed=0), make_problem(world, s, k, "random", seed=1)
+    xs = [x.clone().requires_grad_() for x in p1["xs"]]
+    e1 = [t.clone().requires_grad_() for t in p1["experts"]]
+    e2 = [t.clone().requires_grad_() for t in p2["experts"]]
+    mid = moe_reference(xs, p1["ids"], p1["ws"], e1)
+    outs = moe_reference(mid, p2["ids"], p2["ws"], e2)
+    sum((o * g).sum() for o, g in zip(outs, p1["gouts"])).backward()
+    for r in range(world):
+        for a, b in ((res[r]["out"], outs[r].detach()), (res[r]["gx"], xs[r].grad)):
+            assert float((a - b).norm() / b.norm()) <= 1e-5
+    assert bool((res[0]["copies"][0] >= 0).any()), "layer 1 must use slots"
+    for key, ref in (("g1", e1), ("g2", e2)):
+        for i, t in enumerate(ref):
+            got = torch.cat([res[r][key][i] for r in range(world)])
+            assert float((got - t.grad).norm() / t.grad.norm()) <= 1e-5, (key, i)
+
+
+def test_shared_slot_pool_overwrite_is_an_error() -> None:
+    """Without the re-prefetch, layer 2's copies sit in the pool during layer 1's backward: RuntimeError."""
+    res = dist_run(_two_layers_fn, 2, True, timeout=120)
+    for r in res:
+        assert "slot pool was overwritten" in r.get("error", ""), r

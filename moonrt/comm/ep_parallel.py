@@ -4,7 +4,8 @@
 
 - :meth:`ExpertParallel.parallelize` cuts every LatentMoE's routed experts to the EP rank's home
   slice (E/R experts) and installs a :class:`MoonEPDispatcher` (or the plain all-to-all baseline)
-  on the latent width, through the model's dispatcher seam. Found by duck typing
+  on the latent width, through the model's dispatcher seam; all layers share one
+  :class:`SlotPool` (copies are re-prefetched in backward). Found by duck typing
   (``model.moe_layers()``, ``moe.experts.shard``, ``moe.dispatcher``): this module never imports
   ``moonrt.model``.
 - :meth:`sync_grads`: routed-expert gradients are summed over the expert replicas (mesh group
@@ -35,7 +36,7 @@ from torch import nn
 
 from moonrt.comm.ep_alltoall import AllToAllDispatcher
 from moonrt.comm.mesh import ProcessMesh
-from moonrt.comm.moonep import MoonEPDispatcher
+from moonrt.comm.moonep import MoonEPDispatcher, SlotPool
 from moonrt.config import ConfigError, ParallelConfig
 
 DispatcherKind = Literal["moonep", "alltoall"]
@@ -90,14 +91,20 @@ class ExpertParallel:
         if self.ep_size == 1:
             return model
         cls = MoonEPDispatcher if self.kind == "moonep" else AllToAllDispatcher
+        pools: dict[tuple, SlotPool] = {}  # one slot pool shared by every layer of the same expert shape
         for index, moe in model.moe_layers():
             E = moe.num_experts
             if E % self.ep_size:
                 raise ConfigError(f"num_experts = {E}: expected a multiple of ep = {self.ep_size}")
             per = E // self.ep_size
             moe.experts.shard(self.ep_rank * per, per)
+            ws = moe.experts.weights()
+            slots = per if self.num_slots is None else self.num_slots
+            key = (slots, sum(w[0].numel() for w in ws), ws[0].dtype, ws[0].device)
+            if key not in pools:
+                pools[key] = SlotPool(*key)
             moe.dispatcher = cls(self.ep_group, self.capacity, moe.experts.latent, moe.top_k, E,
-                                 num_slots=self.num_slots)
+                                 num_slots=self.num_slots, pool=pools[key] if self.kind == "moonep" else None)
             self.dispatchers[index] = moe.dispatcher
             moe.experts._register_load_state_dict_pre_hook(_refuse_sharded_load)
             self._expert_params.update(id(p) for p in moe.experts.parameters())

@@ -250,9 +250,9 @@ class _Dispatch(torch.autograd.Function):
 
 class _Combine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y, weights, layout, group, *deps):  # type: ignore[override]
+    def forward(ctx, y, weights, layout, group, refill, *deps):  # type: ignore[override]
         s, k = layout.tokens, layout.top_k
-        ctx.num_deps = len(deps)
+        ctx.num_deps, ctx.refill = len(deps), refill
         y_a = from_rows(y, layout, group).view(s, k, y.shape[1])
         out = torch.einsum("skh,sk->sh", y_a.float(), weights.float()).to(y.dtype)
         ctx.save_for_backward(y_a, weights)
@@ -262,12 +262,14 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
         y_a, weights = ctx.saved_tensors
+        if ctx.refill is not None:  # the expert backward of this layer reads the shared slot pool next
+            ctx.refill()
         s, k = ctx.layout.tokens, ctx.layout.top_k
         g32 = grad_out.float()
         g_ya = (g32.unsqueeze(1) * weights.float().unsqueeze(2)).to(y_a.dtype).reshape(s * k, -1)
         grad_y = to_rows(g_ya, ctx.layout, ctx.group)
         grad_w = torch.einsum("sh,skh->sk", g32, y_a.float()).to(weights.dtype)
-        return (grad_y, grad_w, None, None) + (None,) * ctx.num_deps
+        return (grad_y, grad_w, None, None, None) + (None,) * ctx.num_deps
 
 
 def dispatch_tokens(
@@ -283,7 +285,7 @@ def dispatch_tokens(
 
 def combine_tokens(
     y: torch.Tensor, weights: torch.Tensor, layout: EPLayout, group: dist.ProcessGroup | None,
-    deps: tuple[torch.Tensor, ...] = (),
+    deps: tuple[torch.Tensor, ...] = (), refill: SlotRefill | None = None,
 ) -> torch.Tensor:
     """Differentiable combine: expert outputs ``y [rows, H]`` -> ``[s, H]``.
 
@@ -294,16 +296,55 @@ def combine_tokens(
     ``deps``: the dispatch's rows and the prefetched slot weights. They get no gradient from here,
     but being inputs makes the dispatch and prefetch backward (each a collective) run on every rank,
     in the same order, even on a rank whose expert compute did not touch them (no slot rows).
+    ``refill``: re-prefetches this layer's slots into a shared :class:`SlotPool` first thing in
+    backward (K3_SYSTEMS §6.3), before the expert backward reads them.
     """
-    return _Combine.apply(y, weights, layout, group, *deps)
+    return _Combine.apply(y, weights, layout, group, refill, *deps)
+
+
+class SlotPool:
+    """One ``[B, P]`` buffer of prefetched expert weights, shared by every layer's dispatcher (§6.3).
+
+    ``P`` is the number of elements of one expert's weights (all tensors flattened). Slot tensors
+    handed out by a prefetch are views of the buffer and stay valid until the next prefetch. The
+    buffer is written outside autograd's version tracking; instead each layer's combine backward
+    re-prefetches its copies (:class:`SlotRefill`) right before that layer's expert backward reads
+    them, and the prefetch backward checks that the pool still holds its layer's copies (``owner``),
+    so an overwrite in between is a RuntimeError, never wrong gradients.
+    """
+
+    def __init__(self, num_slots: int, numel_per_expert: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
+        self.buffer = torch.zeros(num_slots, numel_per_expert, dtype=dtype, device=device)
+        self.owner: object | None = None
+        """Token of the prefetch whose copies the buffer holds now."""
+
+
+class SlotRefill:
+    """Re-prefetch one layer's slot copies into the shared pool (called by that layer's combine backward)."""
+
+    def __init__(self, pool: SlotPool, home: tuple[torch.Tensor, ...], layout: WeightLayout,
+                 group: dist.ProcessGroup | None, token: object) -> None:
+        self.pool, self.home, self.layout, self.group, self.token = pool, home, layout, group, token
+
+    def __call__(self) -> None:
+        n = self.home[0].shape[0]
+        flat = torch.cat([w.detach().reshape(n, w[0].numel()) for w in self.home], dim=1)
+        send_weights(flat, self.layout, self.group, out=self.pool.buffer.data)
+        self.pool.owner = self.token
 
 
 class _FetchSlots(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, layout, group, out, shapes, dep, *home):  # type: ignore[override]
+    def forward(ctx, layout, group, pool, shapes, dep, *home):  # type: ignore[override]
         num_home = home[0].shape[0]
         flat = torch.cat([w.detach().reshape(num_home, w[0].numel()) for w in home], dim=1)
-        slots = send_weights(flat, layout, group, out=out)
+        ctx.pool = pool
+        if pool is not None:  # write around version tracking: see SlotPool
+            slots = send_weights(flat, layout, group, out=pool.buffer.data)
+            ctx.token = pool.owner = object()
+        else:
+            slots = send_weights(flat, layout, group)
         ctx.layout, ctx.group, ctx.num_home = layout, group, num_home
         ctx.sizes = [w[0].numel() for w in home]
         return tuple(t.view(layout.num_slots, *shape) for t, shape in
@@ -311,6 +352,9 @@ class _FetchSlots(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
+        if ctx.pool is not None and ctx.pool.owner is not ctx.token:
+            raise RuntimeError("MoonEP slot pool was overwritten by another layer's prefetch before this layer's "
+                               "expert backward ran: combine must re-prefetch (pass the handle's refill)")
         g = torch.cat([gr.reshape(ctx.layout.num_slots, n) for gr, n in zip(grads, ctx.sizes)], dim=1)
         home = return_weight_grads(g, ctx.num_home, ctx.layout, ctx.group)
         out = [t.reshape(ctx.num_home, *gr.shape[1:]) for t, gr in zip(home.split(ctx.sizes, dim=1), grads)]
@@ -319,14 +363,17 @@ class _FetchSlots(torch.autograd.Function):
 
 def fetch_slot_weights(
     home: tuple[torch.Tensor, ...], layout: WeightLayout, group: dist.ProcessGroup | None,
-    out: torch.Tensor | None = None, dep: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, ...]:
+    pool: SlotPool | None = None, dep: torch.Tensor | None = None,
+) -> tuple[tuple[torch.Tensor, ...], SlotRefill | None]:
     """Differentiable prefetch: home expert weights (each ``[E/R, *shape]``) -> slot weights ``[B, *shape]``.
 
     Backward sends each slot's gradient back to its home rank and sums it into the home weight's
-    gradient (so slot gradients never appear as parameters). ``out [B, P]`` is an optional pool
-    buffer (``P`` = sum of the per-expert sizes) that the slots are views of. ``dep`` (the
-    dispatched rows) orders the backward: the prefetch's collective runs before the dispatch's.
+    gradient (so slot gradients never appear as parameters). With a shared ``pool`` the slots are
+    views of its buffer and the returned :class:`SlotRefill` must run before their backward (pass it
+    to :func:`combine_tokens`); without one they are fresh tensors and the refill is None. ``dep``
+    (the dispatched rows) orders the backward: the prefetch's collective runs before the dispatch's.
     """
     shapes = tuple(tuple(w.shape[1:]) for w in home)
-    return _FetchSlots.apply(layout, group, out, shapes, dep, *home)
+    slots = _FetchSlots.apply(layout, group, pool, shapes, dep, *home)
+    refill = None if pool is None else SlotRefill(pool, tuple(home), layout, group, pool.owner)
+    return slots, refill

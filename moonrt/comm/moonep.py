@@ -32,6 +32,8 @@ import torch.distributed as dist
 
 from moonrt.comm.ep_transport import (
     EPLayout,
+    SlotPool,
+    SlotRefill,
     WeightLayout,
     build_layout,
     build_weight_layout,
@@ -77,6 +79,8 @@ class EPHandle:
     rank: int
     deps: list[torch.Tensor] = dataclasses.field(default_factory=list)
     """The dispatched rows and prefetched slots, passed to combine to fix the backward order."""
+    refill: list[SlotRefill] = dataclasses.field(default_factory=list)
+    """Re-prefetch of the slots into the shared pool, run by combine's backward (pool only)."""
 
     @property
     def rows(self) -> int:
@@ -119,20 +123,6 @@ class EPCounters:
     @classmethod
     def zeros(cls, world: int) -> EPCounters:
         return cls(token_bytes_sent=[0] * world, weight_bytes_sent=[0] * world)
-
-
-class SlotPool:
-    """One ``[B, P]`` buffer of prefetched expert weights, shared by every layer's dispatcher (§6.3).
-
-    ``P`` is the number of elements of one expert's weights (all tensors flattened). A later layer's
-    prefetch overwrites the buffer, so anything that saved an earlier layer's slot views for
-    backward must recompute them (``moonrt.comm.ep_parallel`` re-prefetches in backward); autograd's
-    version counter turns a forgotten recompute into an error, never into wrong gradients.
-    """
-
-    def __init__(self, num_slots: int, numel_per_expert: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> None:
-        self.buffer = torch.zeros(num_slots, numel_per_expert, dtype=dtype, device=device)
 
 
 class MoonEPDispatcher:
@@ -289,23 +279,27 @@ class MoonEPDispatcher:
         Returns:
             One ``[B, *shape]`` tensor per weight; slot j holds expert ``plan.copies[rank, j]``
             (zeros if empty). Differentiable: slot gradients are summed into the home rank's
-            ``expert_weights`` gradients. Views of the :class:`SlotPool` buffer if one is set.
+            ``expert_weights`` gradients. Views of the :class:`SlotPool` buffer if one is set: valid
+            until the next prefetch into that pool; :meth:`combine` re-prefetches them in backward.
         """
         epr = self.experts_per_rank
         for i, w in enumerate(expert_weights):
             if w.dim() < 1 or w.shape[0] != epr:
                 raise ValueError(f"expert_weights[{i}]: shape {tuple(w.shape)}, expected [E/R = {epr}, ...]")
         numel = sum(w[0].numel() for w in expert_weights)
-        out = None
         if self.pool is not None:
             buf = self.pool.buffer
             if buf.shape != (self.num_slots, numel) or buf.dtype != expert_weights[0].dtype:
                 raise ValueError(f"pool: buffer {tuple(buf.shape)} {buf.dtype}, expected "
                                  f"[{self.num_slots}, {numel}] {expert_weights[0].dtype}")
-            out = buf
+        if handle.refill or len(handle.deps) > 1:
+            raise ValueError("prefetch_weights: already called for this handle (one prefetch per dispatch)")
         wl = handle.weight_layout
-        slots = fetch_slot_weights(tuple(expert_weights), wl, self.group, out=out, dep=handle.deps[0])
+        slots, refill = fetch_slot_weights(tuple(expert_weights), wl, self.group, pool=self.pool,
+                                           dep=handle.deps[0])
         handle.deps.extend(slots)
+        if refill is not None:
+            handle.refill.append(refill)
         nbytes = numel * expert_weights[0].element_size()
         for d, n in enumerate(wl.send_splits):
             self.counters.weight_bytes_sent[d] += n * nbytes
@@ -327,7 +321,8 @@ class MoonEPDispatcher:
         if y.dim() != 2 or y.shape[0] != handle.layout.rows:
             raise ValueError(f"y: shape {tuple(y.shape)}, expected [rows = {handle.layout.rows}, H]")
         w = handle.topk_weights if weighted else torch.ones_like(handle.topk_weights)
-        out = combine_tokens(y, w, handle.layout, self.group, deps=tuple(handle.deps))
+        refill = handle.refill[0] if handle.refill else None
+        out = combine_tokens(y, w, handle.layout, self.group, deps=tuple(handle.deps), refill=refill)
         row_bytes = y.shape[1] * y.element_size()
         for d, n in enumerate(handle.layout.recv_splits):
             self.counters.token_bytes_sent[d] += n * row_bytes
