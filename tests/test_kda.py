@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import moonrt.model.kda as kda_module
 from moonrt.model.kda import chunk_terms, chunk_transitions, kda_chunk, kda_recurrent, kda_transition
 
 
@@ -51,6 +52,18 @@ def test_chunk_matches_recurrent(T: int, use_state: bool) -> None:
     expected = {"q", "k", "v", "g", "beta"} | ({"initial_state"} if use_state else set())
     assert set(g_c) == set(g_r) == expected
     for name in expected:
+        assert rel_rms(g_c[name], g_r[name]) <= 1e-5, name
+
+
+@pytest.mark.parametrize("chunks_per_group", [1, 3])
+def test_chunk_groups(chunks_per_group: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks processed in several cache-sized groups (the state carried across groups): same results."""
+    inputs = make_inputs(B=2, T=300, H=2, K=16, V=8, seed=9)
+    o_r, S_r, g_r = run_with_grads(kda_recurrent, inputs, True, seed=3)
+    monkeypatch.setattr(kda_module, "CHUNK_GROUP_ELEMS", chunks_per_group * 2 * 2 * 64 * 16)
+    o_c, S_c, g_c = run_with_grads(kda_chunk, inputs, True, seed=3)
+    assert rel_rms(o_c, o_r) <= 1e-5 and rel_rms(S_c, S_r) <= 1e-5
+    for name in g_r:
         assert rel_rms(g_c[name], g_r[name]) <= 1e-5, name
 
 

@@ -14,7 +14,7 @@ The recurrence (§2.1) per head, state ``S`` of shape K x V, is "decay, then del
     S <- Diag(alpha_t) S;  S <- S + beta_t k_t (v_t - S^T k_t)^T;  o_t = S^T (scale * q_t)
 
 The chunk form (§2.3) splits the sequence into chunks of C tokens. Everything that does not depend on the
-state entering a chunk is computed for all chunks at once as batched matmuls ``[B, H, N, C, *]`` by
+state entering a chunk is computed for all chunks at once as batched matmuls ``[N, B, H, C, *]`` by
 :func:`chunk_terms`; the only sequential part is one K x K by K x V state matmul per chunk
 (``S_{n+1} = M_n S_n + S_ext_n``, the affine form of §2.4). :func:`kda_transition` exposes that affine map
 for any contiguous segment; KCP (§7) builds on it.
@@ -117,36 +117,44 @@ def kda_recurrent(
 class ChunkTerms:
     """Per-chunk quantities that do not depend on the entering state (K3_SYSTEMS §2.3 steps 1-3, 5-6).
 
-    Shapes are ``[B, H, N, C, *]`` (N chunks of C tokens), in the compute dtype (fp32 for fp32/bf16 inputs).
+    Shapes are ``[N, B, H, C, *]`` (N chunks of C tokens), in the compute dtype (fp32 for fp32/bf16 inputs).
     """
 
     G: torch.Tensor
-    """``[B, H, N, C, K]`` in-chunk inclusive cumulative log-decay (fp64: differences stay precise)."""
+    """``[N, B, H, C, K]`` in-chunk inclusive cumulative log-decay (fp64: differences stay precise)."""
     T: torch.Tensor
-    """``[B, H, N, C, C]`` UT transform ``(I + L)^-1 Diag(beta)`` (lower triangular)."""
+    """``[N, B, H, C, C]`` UT transform ``(I + L)^-1 Diag(beta)`` (lower triangular)."""
     W: torch.Tensor
-    """``[B, H, N, C, K]`` ``T (exp(G) * K)``."""
+    """``[N, B, H, C, K]`` ``T (exp(G) * K)``."""
     U: torch.Tensor
-    """``[B, H, N, C, V]`` ``T V``."""
+    """``[N, B, H, C, V]`` ``T V``."""
     Kg: torch.Tensor
-    """``[B, H, N, C, K]`` ``exp(G_C - G) * K``: each key decayed to the chunk end."""
+    """``[N, B, H, C, K]`` ``exp(G_C - G) * K``: each key decayed to the chunk end."""
     decay: torch.Tensor
-    """``[B, H, N, K]`` ``exp(G_C)``: total decay over the chunk."""
+    """``[N, B, H, K]`` ``exp(G_C)``: total decay over the chunk."""
     Qg: torch.Tensor | None
-    """``[B, H, N, C, K]`` ``scale * Q * exp(G)`` (None without q)."""
+    """``[N, B, H, C, K]`` ``scale * Q * exp(G)`` (None without q)."""
     A_qk: torch.Tensor | None
-    """``[B, H, N, C, C]`` ``scale * q_r . (exp(G_r - G_c) * k_c)`` for c <= r, else 0 (None without q)."""
+    """``[N, B, H, C, C]`` ``scale * q_r . (exp(G_r - G_c) * k_c)`` for c <= r, else 0 (None without q)."""
 
 
 def _to_chunks(x: torch.Tensor, C: int, dtype: torch.dtype) -> torch.Tensor:
-    """``[B, T, H, *]`` -> ``[B, H, N, C, *]`` (zero padded to N * C tokens), in ``dtype``, one copy."""
+    """``[B, T, H, *]`` -> ``[N, B, H, C, *]`` (zero padded to N * C tokens), in ``dtype``, one copy.
+
+    Chunks lead so that a run of chunks is one contiguous block (processed while it sits in cache).
+    """
     B, T, H = x.shape[:3]
-    N = -(-T // C)
-    out = x.new_empty(B, H, N * C, *x.shape[3:], dtype=dtype)
-    out[:, :, :T] = x.transpose(1, 2)
-    if N * C != T:
-        out[:, :, T:] = 0
-    return out.view(B, H, N, C, *x.shape[3:])
+    rest = x.shape[3:]
+    N, full = -(-T // C), T // C
+    out = x.new_empty(N, B, H, C, *rest, dtype=dtype)
+    dims = (1, 0, 3, 2, *range(4, 4 + len(rest)))
+    view = out.permute(*dims)  # [B, N, C, H, *] view of out
+    if full:
+        view[:, :full] = x[:, : full * C].reshape(B, full, C, H, *rest)
+    if full != N:
+        view[:, full, : T - full * C] = x[:, full * C :]
+        view[:, full, T - full * C :] = 0
+    return out
 
 
 def _sub_tile(chunk_size: int) -> int:
@@ -178,11 +186,11 @@ def chunk_terms(
     """Per-chunk KDA quantities for all chunks at once (K3_SYSTEMS §2.3), as batched matmuls.
 
     Args:
-        k: ``[B, H, N, C, K]`` keys, chunked (see :func:`_to_chunks`), compute dtype.
-        v: ``[B, H, N, C, V]`` values.
-        g: ``[B, H, N, C, K]`` per-token log-decay (>= :data:`MIN_LOG_DECAY`).
-        beta: ``[B, H, N, C]`` write strength.
-        q: ``[B, H, N, C, K]`` queries, or None when only the state transition is needed.
+        k: ``[N, B, H, C, K]`` keys, chunked (see :func:`_to_chunks`), compute dtype.
+        v: ``[N, B, H, C, V]`` values.
+        g: ``[N, B, H, C, K]`` per-token log-decay (>= :data:`MIN_LOG_DECAY`).
+        beta: ``[N, B, H, C]`` write strength.
+        q: ``[N, B, H, C, K]`` queries, or None when only the state transition is needed.
         scale: query scale.
 
     In-chunk decays ``exp(G_r - G_c)`` (c <= r) enter the matmuls factored through sub-tiles of
@@ -194,40 +202,40 @@ def chunk_terms(
     a large and a small factor. The UT transform is one batched triangular solve against ``Diag(beta)``.
     """
     dtype = k.dtype
-    B, H, N, C, K = k.shape
+    N, B, H, C, K = k.shape
     sub = _sub_tile(C)
     n_sub = C // sub
-    tiles = (B, H, N, n_sub, sub)
-    G = g.to(torch.float64).cumsum(dim=-2)  # [B, H, N, C, K]; (cumsum(dtype=) would run its backward in fp32)
+    tiles = (N, B, H, n_sub, sub)
+    G = g.to(torch.float64).cumsum(dim=-2)  # [N, B, H, C, K]; (cumsum(dtype=) would run its backward in fp32)
     Gt = G.view(*tiles, K)
-    # sub-tile midpoints [B, H, N, n_sub, K], detached: the factored products do not depend on them, and their
+    # sub-tile midpoints [N, B, H, n_sub, K], detached: the factored products do not depend on them, and their
     # gradient would be a difference of two large sums (cancellation)
     m = Gt[..., max(sub // 2 - 1, 0), :].detach()
-    e_pos = torch.exp(Gt - m[..., None, :]).to(dtype)  # [B, H, N, n_sub, sub, K] exp(G_r - m_tile(r))
+    e_pos = torch.exp(Gt - m[..., None, :]).to(dtype)  # [N, B, H, n_sub, sub, K] exp(G_r - m_tile(r))
     cols = torch.arange(C, device=k.device)
     keep = cols[None, :] < (torch.arange(1, n_sub + 1, device=k.device) * sub)[:, None]  # [n_sub, C]
     col_exp = torch.where(keep[:, :, None], (m[..., :, None, :] - G[..., None, :, :]).to(dtype), float("-inf"))
-    k_col = torch.exp(col_exp) * k[..., None, :, :]  # [B, H, N, n_sub(i), C, K] k_c exp(m_i - G_c)
+    k_col = torch.exp(col_exp) * k[..., None, :, :]  # [N, B, H, n_sub(i), C, K] k_c exp(m_i - G_c)
     qs = None if q is None else q * scale
-    k_rows = k.view(*tiles, K) * e_pos  # [B, H, N, n_sub, sub, K]
+    k_rows = k.view(*tiles, K) * e_pos  # [N, B, H, n_sub, sub, K]
     rows = k_rows if qs is None else torch.cat([k_rows, qs.view(*tiles, K) * e_pos], dim=-2)
-    A = rows @ k_col.transpose(-1, -2)  # [B, H, N, n_sub, sub or 2 sub, C]
+    A = rows @ k_col.transpose(-1, -2)  # [N, B, H, n_sub, sub or 2 sub, C]
     strict = (cols[:, None] > cols[None, :]).view(n_sub, sub, C)  # c < r
     # masked entries of A may overflow (products of two large factors): select before any arithmetic
-    L = (torch.where(strict, A[..., :sub, :], 0.0) * beta.view(*tiles, 1)).view(B, H, N, C, C)
+    L = (torch.where(strict, A[..., :sub, :], 0.0) * beta.view(*tiles, 1)).view(N, B, H, C, C)
     T = torch.linalg.solve_triangular(L, torch.diag_embed(beta), upper=False, unitriangular=True)
     # decaying factors (exponent <= 0) from fp32-rounded exponents: the error |x| eps is scaled by e^-|x| <= 1/e
-    eG = torch.exp(G.to(dtype))  # [B, H, N, C, K] exp(G)
+    eG = torch.exp(G.to(dtype))  # [N, B, H, C, K] exp(G)
     W = T @ (eG * k)
     U = T @ v
-    G_last = G[..., -1:, :]  # [B, H, N, 1, K]
+    G_last = G[..., -1:, :]  # [N, B, H, 1, K]
     Kg = torch.exp((G_last - G).to(dtype)) * k  # exp(G_C - G) * K
     decay = torch.exp(G_last[..., 0, :].to(dtype))
     Qg = A_qk = None
     if qs is not None:
         Qg = qs * eG
         lower = strict | (cols[:, None] == cols[None, :]).view(n_sub, sub, C)
-        A_qk = torch.where(lower, A[..., sub:, :], 0.0).view(B, H, N, C, C)
+        A_qk = torch.where(lower, A[..., sub:, :], 0.0).view(N, B, H, C, C)
         # the diagonal carries no decay: take it exactly
         A_qk.diagonal(dim1=-2, dim2=-1).copy_((qs * k).sum(-1))
     return ChunkTerms(G=G, T=T, W=W, U=U, Kg=Kg, decay=decay, Qg=Qg, A_qk=A_qk)
@@ -236,27 +244,30 @@ def chunk_terms(
 def chunk_transitions(terms: ChunkTerms) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-chunk affine state maps ``S_{n+1} = M_n S_n + S_ext_n`` (K3_SYSTEMS §2.4).
 
-    Returns ``M [B, H, N, K, K] = Diag(exp(G_C)) - Kg^T W`` and ``S_ext [B, H, N, K, V] = Kg^T U``.
+    Returns ``M [N, B, H, K, K] = Diag(exp(G_C)) - Kg^T W`` and ``S_ext [N, B, H, K, V] = Kg^T U``.
     """
     KgT = terms.Kg.transpose(-1, -2)
     return torch.diag_embed(terms.decay).sub_(KgT @ terms.W), KgT @ terms.U
 
 
-def _scan_states(M: torch.Tensor, S_ext: torch.Tensor, S0: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """States entering each chunk ``[B, H, N, K, V]`` and the final state ``[B, H, K, V]``.
+def _scan_states(M: torch.Tensor, S_ext: torch.Tensor, S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """States entering each chunk ``[N, B, H, K, V]`` and the state after the last one ``[B, H, K, V]``.
 
-    The only sequential part of the chunk form: one ``[K, K] @ [K, V]`` matmul per chunk (batched over B, H).
+    ``M [N, B, H, K, K]``, ``S_ext [N, B, H, K, V]``, ``S [B, H, K, V]`` the entering state. The only sequential
+    part of the chunk form: one ``[K, K] @ [K, V]`` matmul per chunk (batched over B, H).
     """
-    B, H, N, K, V = S_ext.shape
-    M_n = M.permute(2, 0, 1, 3, 4).reshape(N, B * H, K, K)
-    E_n = S_ext.permute(2, 0, 1, 3, 4).reshape(N, B * H, K, V)
-    S = S_ext.new_zeros(B * H, K, V) if S0 is None else S0.reshape(B * H, K, V)
+    N, B, H, K, V = S_ext.shape
     states = []
+    S = S.reshape(B * H, K, V)
     for n in range(N):
         states.append(S)
-        S = torch.baddbmm(E_n[n], M_n[n], S)
-    entering = torch.stack(states, dim=1).reshape(B, H, N, K, V)
-    return entering, S.reshape(B, H, K, V)
+        S = torch.baddbmm(S_ext[n].view(B * H, K, V), M[n].view(B * H, K, K), S)
+    return torch.stack(states).view(N, B, H, K, V), S.view(B, H, K, V)
+
+
+CHUNK_GROUP_ELEMS = 1 << 18
+"""Chunks are processed in groups of about this many ``[C, K]`` elements (1 MiB in fp32), so each group's
+intermediates stay in cache; the state pass carries the state from group to group."""
 
 
 def kda_chunk(
@@ -299,16 +310,24 @@ def kda_chunk(
         S = None if not output_final_state else (
             k.new_zeros(B, H, K, V, dtype=dtype) if initial_state is None else initial_state.to(dtype))
         return v.new_zeros(B, 0, H, V), S
-    qc, kc, vc, gc = (_to_chunks(t, C, dtype) for t in (q, k, v, g))
+    qc, kc, vc, gc = (_to_chunks(t, C, dtype) for t in (q, k, v, g))  # [N, B, H, C, *]
     bc = _to_chunks(beta, C, dtype)
-    terms = chunk_terms(kc, vc, gc, bc, q=qc, scale=scale)
-    M, S_ext = chunk_transitions(terms)
-    S0 = None if initial_state is None else initial_state.to(dtype)
-    S_in, S_T = _scan_states(M, S_ext, S0)  # [B, H, N, K, V]
-    bmm = (-1, C, V)  # as 3-d batches, so the additions fuse into the matmuls
-    V_tilde = torch.baddbmm(terms.U.view(bmm), terms.W.view(-1, C, K), S_in.view(-1, K, V), alpha=-1.0)  # step 4
-    O = torch.baddbmm(terms.Qg.view(-1, C, K) @ S_in.view(-1, K, V), terms.A_qk.view(-1, C, C), V_tilde)  # step 5
-    o = O.view(B, H, -1, V)[:, :, :T].transpose(1, 2).to(v.dtype)
+    N = qc.shape[0]
+    S = k.new_zeros(B, H, K, V, dtype=dtype) if initial_state is None else initial_state.to(dtype)
+    group = max(1, CHUNK_GROUP_ELEMS // (B * H * C * max(K, V)))
+    outs = []
+    for n0 in range(0, N, group):
+        sl = slice(n0, n0 + group)
+        terms = chunk_terms(kc[sl], vc[sl], gc[sl], bc[sl], q=qc[sl], scale=scale)
+        M, S_ext = chunk_transitions(terms)
+        S_in, S = _scan_states(M, S_ext, S)  # [n, B, H, K, V]
+        bmm = (-1, C, V)  # as 3-d batches, so the additions fuse into the matmuls
+        V_tilde = torch.baddbmm(terms.U.view(bmm), terms.W.view(-1, C, K), S_in.view(-1, K, V), alpha=-1.0)  # (4)
+        O = torch.baddbmm(terms.Qg.view(-1, C, K) @ S_in.view(-1, K, V), terms.A_qk.view(-1, C, C), V_tilde)  # (5)
+        outs.append(O.view(-1, B, H, C, V))
+    O = outs[0] if len(outs) == 1 else torch.cat(outs)  # [N, B, H, C, V]
+    o = O.permute(1, 0, 3, 2, 4).reshape(B, N * C, H, V)[:, :T].to(v.dtype)
+    S_T = S
     return o, (S_T if output_final_state else None)
 
 
@@ -338,14 +357,13 @@ def kda_transition(
     if T == 0:
         eye = torch.eye(K, dtype=dtype, device=k.device).expand(B, H, K, K).clone()
         return eye, k.new_zeros(B, H, K, V, dtype=dtype)
-    kc, vc, gc = (_to_chunks(t, chunk_size, dtype) for t in (k, v, g))
+    kc, vc, gc = (_to_chunks(t, chunk_size, dtype) for t in (k, v, g))  # [N, B, H, C, *]
     terms = chunk_terms(kc, vc, gc, _to_chunks(beta, chunk_size, dtype))
-    M_c, E_c = chunk_transitions(terms)  # [B, H, N, K, K], [B, H, N, K, V]
-    M, S = M_c[:, :, 0], E_c[:, :, 0]
-    for n in range(1, M_c.shape[2]):
-        M = M_c[:, :, n] @ M
-        S = torch.baddbmm(E_c[:, :, n].reshape(B * H, K, V), M_c[:, :, n].reshape(B * H, K, K),
-                          S.reshape(B * H, K, V)).reshape(B, H, K, V)
+    M_c, E_c = chunk_transitions(terms)  # [N, B, H, K, K], [N, B, H, K, V]
+    M, S = M_c[0], E_c[0]
+    for n in range(1, M_c.shape[0]):
+        M = M_c[n] @ M
+        S = torch.baddbmm(E_c[n].view(B * H, K, V), M_c[n].view(B * H, K, K), S.reshape(B * H, K, V)).view(B, H, K, V)
     return M, S
 
 
