@@ -19,8 +19,8 @@ Per rank ``r`` of ``pp`` (chunks ``c`` of ``vpp`` hold stages ``c * pp + r``; la
 
 Two activation profiles: :func:`kernel_profile` ([derived] formulas for fused kernels: flash-style
 MLA saving ``q, k, v, o, lse``; chunked KDA kernel saving its inputs and output; the real ``k3``)
-and :func:`traced_profile` (counted by running a model's forward on the meta device through the
-activation manager at three lengths and fitting the polynomial; the CPU reference layers).
+and :func:`traced_profile` (counted by running a model's forward through the activation manager
+at two batch sizes and fitting the per-token bytes; the CPU reference layers).
 """
 
 from __future__ import annotations
@@ -256,15 +256,15 @@ def policy_for_all(policy: str) -> Any:
     return MemoryPolicy(rules=rules, moe_dispatch_only=["layers.*.moe"], attnres_checkpoint=list(ATTNRES_REGIONS))
 
 
-def measure_classes(model: Any, cfg: Any, policy: Any, run: Callable[[Any, int], Any], T: int) -> dict[str, float]:
+def measure_classes(model: Any, cfg: Any, policy: Any, run: Callable[[Any, int], Any], n: int) -> dict[str, float]:
     """Bytes saved per class (all tiers; recompute-region inputs counted in their class) by one
-    ``run(model, T)`` forward under the activation manager with ``policy``."""
+    ``run(model, n)`` forward under the activation manager with ``policy``."""
     from moonrt.memory.manager import ActivationManager
 
     mgr = ActivationManager(model, policy)
     try:
         with mgr:
-            out = run(model, T)
+            out = run(model, n)
         del out
         res: dict[str, float] = {}
         for (reg, _pol), st in mgr.accounting.regions.items():
@@ -275,38 +275,39 @@ def measure_classes(model: Any, cfg: Any, policy: Any, run: Callable[[Any, int],
         mgr.close()
 
 
-def traced_profile(build: Callable[[], Any], run: Callable[[Any, int], Any], cfg: Any,
-                   lengths: tuple[int, int, int] = (64, 128, 192)) -> Profile:
-    """Profile by counting: ``build()`` returns a model and ``run(model, T)`` runs its forward on ``T``
-    tokens; the activation manager counts the bytes saved per class for keep, FP8 and recompute at
-    three lengths and the profile fits ``c0 + c1 T + c2 T^2`` per class (``c0`` folded into the
-    per-token term at the middle length). Use lengths that are multiples of the KDA chunk. Classes
-    are those of :func:`kernel_profile` (same manager patterns), so a plan from this profile writes
-    the same policy YAML.
+def traced_profile(build: Callable[[], Any], run: Callable[[Any, int], Any], cfg: Any, seq_len: int,
+                   batches: tuple[int, int] = (1, 2)) -> Profile:
+    """Profile by counting, at one sequence length: ``build()`` returns a model and ``run(model, B)``
+    runs its forward on ``B`` sequences of ``seq_len`` tokens; the activation manager counts the bytes
+    saved per class for keep, FP8 and recompute at two batch sizes and the profile fits
+    ``bytes = c0 + c1 * tokens`` per class (``c0`` folded into the per-token term at the larger size).
+    Saved bytes are linear in the number of sequences (FP8 tiles run along the feature dimension),
+    so the fit is exact at that sequence length; sequence-length effects (the reference MLA's
+    ``T x T`` scores, KDA chunking) are folded into the per-token terms, so plan with the same
+    ``seq_len / cp``. Classes are those of :func:`kernel_profile` (same manager patterns), so a plan
+    from this profile writes the same policy YAML.
     """
     types = cfg.layer_types()
     model = build()
-    keep = [measure_classes(model, cfg, policy_for_all("keep"), run, T) for T in lengths]
-    q = [measure_classes(model, cfg, policy_for_all("fp8"), run, T) for T in lengths]
-    rec = [measure_classes(model, cfg, policy_for_all("recompute"), run, T) for T in lengths]
+    b0, b1 = batches
+    keep = [measure_classes(model, cfg, policy_for_all("keep"), run, b) for b in batches]
+    q = [measure_classes(model, cfg, policy_for_all("fp8"), run, b) for b in batches]
+    rec = [measure_classes(model, cfg, policy_for_all("recompute"), run, b) for b in batches]
     counts = class_counts(cfg)
 
-    def fit(samples: list[float]) -> tuple[float, float]:
-        (t0, t1, t2), (y0, y1, y2) = lengths, samples
-        d1, d2 = (y1 - y0) / (t1 - t0), (y2 - y1) / (t2 - t1)
-        c2 = (d2 - d1) / (t2 - t0)
-        c1 = d1 - c2 * (t0 + t1)
-        c0 = y0 - c1 * t0 - c2 * t0 * t0
-        return c1 + c0 / t1, c2
+    def fit(samples: list[float]) -> float:
+        y0, y1 = samples
+        c1 = (y1 - y0) / ((b1 - b0) * seq_len)
+        c0 = y0 - c1 * b0 * seq_len
+        return c1 + c0 / (b1 * seq_len)
 
     classes = {}
     for name, n in counts.items():
         if n == 0:
             continue
-        lin, quad = fit([s.get(name, 0.0) / n for s in keep])
-        lin8, quad8 = fit([s.get(name, 0.0) / n for s in q])
-        rlin, _ = fit([s.get(name, 0.0) / n for s in rec])
-        classes[name] = SavedClass(name, lin, quad, lin8, quad8, rlin)
+        classes[name] = SavedClass(name, fit([s.get(name, 0.0) / n for s in keep]), 0.0,
+                                   fit([s.get(name, 0.0) / n for s in q]), 0.0,
+                                   fit([s.get(name, 0.0) / n for s in rec]))
     layers = tuple(LayerSpec(i, ("norm", f"{t}.attn", "norm", "moe" if cfg.is_moe_layer(i) else "ffn",
                                  "attn_res", "attn_res")) for i, t in enumerate(types))
     return Profile(classes, layers, ("head", "attn_res"), ("embed",))
