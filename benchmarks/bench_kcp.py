@@ -9,10 +9,13 @@ Part 1, bytes (measured with the CP byte counters on real gloo ranks, k3_tiny la
   numbers computed for the real K3 shapes (H=96, K=V=128, latent 512+64).
 
 Part 2, speed and memory: one k3_tiny KDA layer forward+backward at T (default 64K) as
-  CP=2 (two gloo ranks, one thread each) vs one process with two threads, side by side in one run.
+  CP=2 (two gloo ranks, one thread each) vs one process with two threads (and, for reference, one
+  process with one thread), side by side in one run, with ``OMP_WAIT_POLICY=PASSIVE`` by default.
   Peak memory is each process's peak resident set above its resident set just before the step
   (``/proc/self/clear_refs`` reset of VmHWM); time is one step after a warm-up, in fresh processes,
-  the layouts alternating for ``--rounds`` rounds (best time of each layout, largest peak).
+  the layouts alternating for ``--rounds`` rounds (best time of each layout, largest peak). CPU
+  seconds (summed over a layout's ranks and threads) are printed too: on a shared machine the wall
+  time of N processes also reflects their N-fold share of the CPUs, CPU seconds show the work.
 
     .venv/bin/python benchmarks/bench_kcp.py [--seq 65536] [--rounds 2] [--out /tmp/bench_kcp.json]
 """
@@ -23,6 +26,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import time
 
 import torch
@@ -71,6 +75,12 @@ def _peak_rss_mb() -> tuple[float, float]:
     return rss, hwm
 
 
+def _cpu_s() -> float:
+    """CPU seconds used by this process so far (all its threads)."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
 def _step_rank(rank: int, world: int, seq: int, reps: int, threads: int) -> dict:
     """One KDA layer fwd+bwd on this rank's slice (world 1: the whole sequence), timed and memory-measured."""
     torch.set_num_threads(threads)
@@ -84,19 +94,20 @@ def _step_rank(rank: int, world: int, seq: int, reps: int, threads: int) -> dict
     x = ctx.slice(x_full) if world > 1 else x_full
     del x_full
 
-    def step(inp: torch.Tensor) -> float:
+    def step(inp: torch.Tensor) -> tuple[float, float]:
         inp = inp.clone().requires_grad_(True)
         if world > 1:
             torch.distributed.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), _cpu_s()
         layer(inp, ctx=ctx).sum().backward()
+        c1 = _cpu_s()
         if world > 1:
             torch.distributed.barrier()
         layer.zero_grad(set_to_none=True)
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, c1 - c0
 
     step(x[:, :1024])  # warm-up
-    times, peaks = [], []
+    times, cpus, peaks = [], [], []
     for _ in range(reps):
         try:
             with open("/proc/self/clear_refs", "w") as f:
@@ -105,10 +116,12 @@ def _step_rank(rank: int, world: int, seq: int, reps: int, threads: int) -> dict
         except OSError:
             can_reset = False
         base, _ = _peak_rss_mb()
-        times.append(step(x))
+        wall, cpu = step(x)
+        times.append(wall)
+        cpus.append(cpu)
         _, hwm = _peak_rss_mb()
         peaks.append(hwm - base if can_reset else float("nan"))
-    return {"rank": rank, "time_s": min(times), "peak_mb": max(peaks), "tokens": x.shape[1]}
+    return {"rank": rank, "time_s": min(times), "cpu_s": min(cpus), "peak_mb": max(peaks), "tokens": x.shape[1]}
 
 
 def bytes_part(seqs: tuple[int, ...], cps: tuple[int, ...]) -> dict:
@@ -157,27 +170,33 @@ def bytes_part(seqs: tuple[int, ...], cps: tuple[int, ...]) -> dict:
             "crossover_k3": k3}
 
 
+LAYOUTS = (("1 process x 1 thread", 1, 1), ("1 process x 2 threads", 1, 2), ("CP=2 (2 ranks x 1 thread)", 2, 1))
+"""(name, ranks, threads per rank) of the time/memory comparison."""
+
+
 def speed_part(seq: int, rounds: int) -> dict:
     print(f"\nPart 2: one k3_tiny KDA layer forward+backward at T = {seq:,} (load average now "
-          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs); {rounds} alternating rounds, fresh processes")
-    singles, cps = [], []
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}); "
+          f"{rounds} alternating rounds, fresh processes")
+    runs: dict[str, list[list[dict]]] = {name: [] for name, _, _ in LAYOUTS}
     for i in range(rounds):
-        singles.append(run_ranks(_step_rank, 1, seq, 1, 2, timeout=3600, threads=2)[0])
-        cps.append(run_ranks(_step_rank, 2, seq, 1, 1, timeout=3600, threads=1))
-        print(f"  round {i + 1}: single {singles[-1]['time_s']:.2f} s, CP=2 {max(r['time_s'] for r in cps[-1]):.2f} s",
-              flush=True)
-    single_time = min(r["time_s"] for r in singles)
-    single_peak = max(r["peak_mb"] for r in singles)
-    cp_time = min(max(r["time_s"] for r in run) for run in cps)
-    cp_peak = max(r["peak_mb"] for run in cps for r in run)
-    print(f"{'layout':<34}{'time (s)':>10}{'peak MB/process':>18}")
-    print(f"{'1 process x 2 threads':<34}{single_time:>10.2f}{single_peak:>18.0f}")
-    print(f"{'CP=2 (2 ranks x 1 thread), max':<34}{cp_time:>10.2f}{cp_peak:>18.0f}")
-    print(f"CP=2 / single: time x{cp_time / single_time:.2f} (speed-up {single_time / cp_time:.2f}x), "
-          f"peak memory per process x{cp_peak / single_peak:.2f}")
-    return {"seq": seq, "single_2threads": singles, "cp2": cps, "time_ratio": cp_time / single_time,
-            "memory_ratio": cp_peak / single_peak, "single_time_s": single_time, "cp2_time_s": cp_time,
-            "single_peak_mb": single_peak, "cp2_peak_mb": cp_peak}
+        for name, ranks, threads in LAYOUTS:
+            runs[name].append(run_ranks(_step_rank, ranks, seq, 1, threads, timeout=3600, threads=threads))
+        print(f"  round {i + 1}: " + ", ".join(f"{name} {max(r['time_s'] for r in runs[name][-1]):.2f} s"
+                                                for name, _, _ in LAYOUTS), flush=True)
+    table = {}
+    for name, _, _ in LAYOUTS:
+        table[name] = {"time_s": min(max(r["time_s"] for r in run) for run in runs[name]),
+                       "cpu_s": min(sum(r["cpu_s"] for r in run) for run in runs[name]),
+                       "peak_mb": max(r["peak_mb"] for run in runs[name] for r in run)}
+    print(f"{'layout':<34}{'wall (s)':>10}{'CPU s, all ranks':>18}{'peak MB/process':>18}")
+    for name, row in table.items():
+        print(f"{name:<34}{row['time_s']:>10.2f}{row['cpu_s']:>18.2f}{row['peak_mb']:>18.0f}")
+    single, cp = table[LAYOUTS[1][0]], table[LAYOUTS[2][0]]
+    print(f"CP=2 vs 1 process x 2 threads: time x{cp['time_s'] / single['time_s']:.2f} (speed-up "
+          f"{single['time_s'] / cp['time_s']:.2f}x), peak memory per process x{cp['peak_mb'] / single['peak_mb']:.2f}")
+    return {"seq": seq, "runs": runs, "table": table, "time_ratio": cp["time_s"] / single["time_s"],
+            "memory_ratio": cp["peak_mb"] / single["peak_mb"]}
 
 
 def main() -> None:
@@ -189,7 +208,12 @@ def main() -> None:
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--skip-bytes", action="store_true")
     parser.add_argument("--out", default="/tmp/bench_kcp.json", help="JSON results")
+    parser.add_argument("--omp-wait-policy", default="PASSIVE",
+                        help="OMP_WAIT_POLICY for the ranks (PASSIVE: idle OpenMP threads sleep instead of spinning, "
+                             "the fair setting on a shared machine; '' keeps the environment's)")
     args = parser.parse_args()
+    if args.omp_wait_policy:  # before the first run_ranks starts the fork server, which the ranks inherit
+        os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy
     result = {}
     if not args.skip_bytes:
         result["bytes"] = bytes_part(tuple(args.bytes_seqs), BYTES_CPS)
