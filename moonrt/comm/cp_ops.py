@@ -140,6 +140,7 @@ def exchange_metadata(
     fields: Sequence[str],
     values: Sequence[int] | None,
     error: str | None = None,
+    device: torch.device | str | None = None,
 ) -> list[dict[str, int]]:
     """All-gather one small int64 record per rank; raise on every rank if any rank reported an error.
 
@@ -147,16 +148,17 @@ def exchange_metadata(
     this rank's input is already invalid locally (then ``values`` may be ``None``). Returns the
     records of all ranks of ``group`` in group-rank order. The rank with the error raises
     ``ValueError(error)``; the others raise a ``ValueError`` naming that rank, so no rank is left
-    waiting in a later collective.
+    waiting in a later collective. ``device``: where the record lives (the inputs' device, so an NCCL
+    group gets a CUDA tensor).
     """
     size = dist.get_world_size(group)
     rank = dist.get_rank(group)
-    mine = torch.zeros(len(fields) + 1, dtype=torch.int64)
+    mine = torch.zeros(len(fields) + 1, dtype=torch.int64, device=device)
     if error is None:
         if values is None or len(values) != len(fields):
             raise ValueError(f"{what}: metadata {values!r} does not match fields {list(fields)}")
         mine[0] = 1
-        mine[1:] = torch.tensor([int(v) for v in values], dtype=torch.int64)
+        mine[1:] = torch.tensor([int(v) for v in values], dtype=torch.int64, device=device)
     bufs = [torch.empty_like(mine) for _ in range(size)]
     dist.all_gather(bufs, mine, group=group)
     bad = [r for r in range(size) if int(bufs[r][0]) != 1]
@@ -259,7 +261,7 @@ def halo_exchange(x: torch.Tensor, width: int, group: ProcessGroup | None,
     elif width < 1:
         error = f"width = {width!r}: expected an integer >= 1"
     values = None if error else [x.shape[0], x.shape[1], x.shape[2], width, dtype_code(x.dtype)]
-    table = exchange_metadata(what, group, ("B", "T", "C", "width", "dtype"), values, error)
+    table = exchange_metadata(what, group, ("B", "T", "C", "width", "dtype"), values, error, device=x.device)
     for field, label in (("B", "batch size B"), ("C", "channel count C"), ("width", "halo width"),
                          ("dtype", "dtype")):
         require_same(what, table, field, label)
@@ -326,7 +328,7 @@ def gather_prefix(x: torch.Tensor, group: ProcessGroup | None,
     what = "sequence all-gather"
     error = None if x.dim() == 3 else f"x shape {tuple(x.shape)}: expected [B, T, C]"
     values = None if error else [x.shape[0], x.shape[1], x.shape[2], dtype_code(x.dtype)]
-    table = exchange_metadata(what, group, ("B", "T", "C", "dtype"), values, error)
+    table = exchange_metadata(what, group, ("B", "T", "C", "dtype"), values, error, device=x.device)
     for field, label in (("B", "batch size B"), ("C", "channel count C"), ("dtype", "dtype")):
         require_same(what, table, field, label)
     lengths = [row["T"] for row in table]

@@ -201,7 +201,7 @@ def kcp_kda(
         B, T, H, K = k.shape
         values = [B, T, H, K, v.shape[-1], dtype_code(v.dtype), int(initial_state is not None),
                   int(output_final_state)]
-    table = exchange_metadata(what, group, _META, values, error)
+    table = exchange_metadata(what, group, _META, values, error, device=v.device)
     for field, label in (("B", "batch size B"), ("H", "head count H"), ("K", "key dim K"), ("V", "value dim V"),
                          ("dtype", "dtype"), ("final", "output_final_state")):
         require_same(what, table, field, label)
