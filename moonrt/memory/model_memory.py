@@ -301,13 +301,16 @@ def traced_profile(build: Callable[[], Any], run: Callable[[Any, int], Any], cfg
         c0 = y0 - c1 * b0 * seq_len
         return c1 + c0 / (b1 * seq_len)
 
+    flops = kernel_profile(cfg).classes  # recompute cost: the analytic FLOPs (bytes are what is traced)
     classes = {}
     for name, n in counts.items():
         if n == 0:
             continue
+        f = flops.get(name)
         classes[name] = SavedClass(name, fit([s.get(name, 0.0) / n for s in keep]), 0.0,
                                    fit([s.get(name, 0.0) / n for s in q]), 0.0,
-                                   fit([s.get(name, 0.0) / n for s in rec]))
+                                   fit([s.get(name, 0.0) / n for s in rec]),
+                                   f.flops_lin if f else 0.0, f.flops_quad if f else 0.0)
     layers = tuple(LayerSpec(i, ("norm", f"{t}.attn", "norm", "moe" if cfg.is_moe_layer(i) else "ffn",
                                  "attn_res", "attn_res")) for i, t in enumerate(types))
     return Profile(classes, layers, ("head", "attn_res"), ("embed",))
