@@ -109,6 +109,14 @@ def _check(world: int, s: int, k: int, routing: str, baseline: bool = False) -> 
                 if src == r:
                     res_r[t, j] = i
         assert torch.equal(got["gw2"], res_r)
+    # counters: dispatch sends H fp32 + the weight per row to the row's rank, combine sends H fp32 back
+    # (two forward dispatches ran: the main one and the recv_weights one)
+    rows_of = [rows_reference(p["ids"], res[0]["alloc"], res[0]["copies"], d)[0] for d in range(world)]
+    for r in range(world):
+        for d in range(world):
+            to_d = sum(src == r for src, _, _ in rows_of[d])
+            from_d = sum(src == d for src, _, _ in rows_of[r])
+            assert res[r]["counters"].token_bytes_sent[d] == 2 * to_d * (H * 4 + 4) + from_d * H * 4
     for i, t in enumerate(experts):
         got = torch.cat([res[r]["gexperts"][i] for r in range(world)])
         assert got.shape == t.shape
