@@ -463,7 +463,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pp", type=int, default=16)
     parser.add_argument("--vpp", type=int, default=2)
     parser.add_argument("--ep", type=int, default=64)
-    parser.add_argument("--cp", type=int, default=16)
+    parser.add_argument("--cp", type=int, default=64)
     parser.add_argument("--micro-batch-size", type=int, default=1)
     parser.add_argument("--seq-len", type=int, default=1048576)
     parser.add_argument("--microbatches", type=int, default=32)
