@@ -18,13 +18,17 @@ from moonrt.comm.moonep import MoonEPDispatcher, SlotPool
 H, F, E = 12, 10, 8
 
 
-def make_problem(world: int, s: int, k: int, routing: str, seed: int = 0) -> dict:
-    """Seeded global problem: per-rank tokens, routing, weights, full expert weights, output grads."""
+def make_problem(world: int, s: int | tuple[int, ...], k: int, routing: str, seed: int = 0) -> dict:
+    """Seeded global problem: per-rank tokens, routing, weights, full expert weights, output grads.
+
+    ``s``: tokens per rank, or one count per rank (ranks may route different numbers of tokens).
+    """
+    sizes = [s] * world if isinstance(s, int) else list(s)
     g = torch.Generator().manual_seed(seed)
-    xs = [torch.randn(s, H, generator=g) for _ in range(world)]
-    gouts = [torch.randn(s, H, generator=g) for _ in range(world)]
+    xs = [torch.randn(n, H, generator=g) for n in sizes]
+    gouts = [torch.randn(n, H, generator=g) for n in sizes]
     ids = []
-    for _ in range(world):
+    for s in sizes:
         if routing == "random":
             ids.append(torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(s)]))
         elif routing == "one_expert":  # every token picks expert 0 (and, for k > 1, others of rank 0's group)
@@ -35,7 +39,7 @@ def make_problem(world: int, s: int, k: int, routing: str, seed: int = 0) -> dic
             ids.append(torch.stack([torch.randperm(allowed, generator=g)[:k] for _ in range(s)]))
         else:
             raise AssertionError(routing)
-    ws = [torch.rand(s, k, generator=g) + 0.1 for _ in range(world)]
+    ws = [torch.rand(n, k, generator=g) + 0.1 for n in sizes]
     ws = [w / w.sum(1, keepdim=True) for w in ws]
     experts = [torch.randn(E, F, H, generator=g) * 0.3, torch.randn(E, F, H, generator=g) * 0.3,
                torch.randn(E, H, F, generator=g) * 0.3]
@@ -47,7 +51,7 @@ def _rank_fn(rank: int, world: int, s: int, k: int, routing: str, baseline: bool
     p = make_problem(world, s, k, routing)
     per = E // world
     cls = AllToAllDispatcher if baseline else MoonEPDispatcher
-    disp = cls(None, capacity=s, hidden=H, top_k=k, num_experts=E)
+    disp = cls(None, capacity=s if isinstance(s, int) else max(s), hidden=H, top_k=k, num_experts=E)
     x = p["xs"][rank].clone().requires_grad_()
     w = p["ws"][rank].clone().requires_grad_()
     home = [t[rank * per:(rank + 1) * per].clone().requires_grad_() for t in p["experts"]]
@@ -70,7 +74,7 @@ def _rank_fn(rank: int, world: int, s: int, k: int, routing: str, baseline: bool
     }
 
 
-def _check(world: int, s: int, k: int, routing: str, baseline: bool = False) -> list[dict]:
+def _check(world: int, s: int | tuple[int, ...], k: int, routing: str, baseline: bool = False) -> list[dict]:
     res = dist_run(_rank_fn, world, s, k, routing, baseline, timeout=120)
     p = make_problem(world, s, k, routing)
     xs = [x.clone().requires_grad_() for x in p["xs"]]
@@ -95,7 +99,7 @@ def _check(world: int, s: int, k: int, routing: str, baseline: bool = False) -> 
         assert torch.equal(got["recv_w"], want_w)
         assert got["rows"] == got["capacity"][r] == got["counters"].rows_computed
         # gradient of recv_weights (row index) lands on the right (token, j)
-        want_gw2 = torch.zeros(s, k)
+        want_gw2 = torch.zeros(p["xs"][r].shape[0], k)
         for i, (src, t, j) in enumerate(rows):
             if src == r:
                 want_gw2[t, j] = i
@@ -122,8 +126,9 @@ def _check(world: int, s: int, k: int, routing: str, baseline: bool = False) -> 
         assert got.shape == t.shape
         close(got, t.grad, f"expert weight {i} grad")
     if not baseline:
-        for r in range(world):
-            assert res[r]["rows"] == s * k, "MoonEP: every rank computes exactly s*k rows"
+        total = sum(x.shape[0] for x in p["xs"]) * k
+        for r in range(world):  # s*k each; floor/ceil of the total when ranks route different s (§6.1)
+            assert res[r]["rows"] == total // world + (r < total % world), "MoonEP: exact per-rank capacity"
     return res
 
 
@@ -203,3 +208,8 @@ def test_shared_slot_pool_overwrite_is_an_error() -> None:
     res = dist_run(_two_layers_fn, 2, True, timeout=120)
     for r in res:
         assert "slot pool was overwritten" in r.get("error", ""), r
+
+
+def test_moonep_unequal_tokens_per_rank() -> None:
+    """Ranks route 5, 8, 3 and 7 tokens (46 assignments): capacities 12, 12, 11, 11 (floor/ceil, §6.1)."""
+    _check(4, (5, 8, 3, 7), k=2, routing="random")
