@@ -439,7 +439,8 @@ class ActivationManager:
                 if fut is not None:
                     w0 = time.perf_counter()
                     parts, dt = fut.result()
-                    self.accounting.on_fetch(dt, time.perf_counter() - w0, prefetched=True)
+                    # waited time counts as exposed, at most the fetch's own duration
+                    self.accounting.on_fetch(dt, min(dt, time.perf_counter() - w0), prefetched=True)
                 else:
                     parts, dt = self._fetch(entry)
                     self.accounting.on_fetch(dt, dt, prefetched=False)
