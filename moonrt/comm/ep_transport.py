@@ -64,12 +64,8 @@ def segment_table(alloc: torch.Tensor, copies: torch.Tensor) -> torch.Tensor:
     seg = torch.full((world, num_experts), -1, dtype=torch.int64)
     experts = torch.arange(num_experts)
     seg[experts // per_rank, experts] = experts
-    num_slots = copies.shape[1]
-    for d in range(world):
-        for j in range(num_slots):
-            e = int(copies[d, j])
-            if e >= 0:
-                seg[d, e] = num_experts + j
+    d, j = (copies >= 0).nonzero(as_tuple=True)
+    seg[d, copies[d, j]] = num_experts + j
     return seg
 
 
@@ -103,15 +99,12 @@ def build_layout(
         d, e = (int(v) for v in bad.nonzero()[0])
         raise ValueError(f"placement sends expert {e} to rank {d}, which neither homes it nor holds it in a slot")
 
-    # Send side: global position of each local assignment, then its destination.
+    # Send side: in (expert, position) order this rank's assignments of expert e go to destinations
+    # 0..R-1 in turn, n_send[d, e] each (its block of e's global order meets d's range in that order).
     flat = topk_ids.reshape(-1).cpu()
     order = torch.argsort(flat, stable=True)
-    local_counts = counts[rank]
-    first = local_counts.cumsum(0) - local_counts
-    pos = torch.empty_like(flat)
-    pos[order] = torch.arange(flat.numel()) - first[flat[order]]
-    g = off[rank, flat] + pos
-    dst = torch.searchsorted(cut[flat], g.unsqueeze(1), right=True).squeeze(1)
+    dst = torch.empty_like(flat)
+    dst[order] = torch.repeat_interleave(torch.arange(world).repeat(num_experts), n_send.t().reshape(-1))
     key = dst * num_segments + seg[dst, flat]
     send_perm = torch.argsort(key, stable=True)
     send_splits = torch.bincount(dst, minlength=world)
