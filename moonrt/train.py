@@ -358,10 +358,10 @@ def train(job: JobConfig, rt: Runtime | None = None, metrics_path: str | None = 
         print(f"summary: {stop} steps in {wall:.0f} s ({summary['tokens_per_s']:,.0f} tokens/s); "
               f"train loss {summary['train_loss']:.3f}; eval loss {eval_loss:.3f} nats/token vs held-out "
               f"unigram entropy {baseline:.3f} ({eval_loss - baseline:+.3f}); checkpoint {ckpt}", flush=True)
-        if cp_bytes:
-            from moonrt.comm.cp_context import comm_table
+    if cp_bytes and progress:  # every rank reports its own CP traffic (moonrt launch prefixes [rank r])
+        from moonrt.comm.cp_context import comm_table
 
-            print(comm_table(cp_bytes, "CP bytes per layer, rank 0, last step"), flush=True)
+        print(comm_table(cp_bytes, f"CP bytes per layer, cp rank {rt.cp_rank}, last step"), flush=True)
     return summary
 
 
