@@ -122,3 +122,27 @@ def test_cp_halo_and_gather_bad_input_raise_on_every_rank() -> None:
         assert "at least 3 token(s)" in msgs["short"], msgs["short"]
         assert "channel count C differs across CP ranks: [8, 9]" in msgs["channels"], msgs["channels"]
         assert "slice lengths T_r = [8, 13]" in msgs["gather"], msgs["gather"]
+
+
+def _checkpoint_rank(rank: int, world: int) -> list[float]:
+    """Activation checkpointing (non-reentrant: the recompute reruns KCP and the halo inside backward)."""
+    from torch.utils.checkpoint import checkpoint
+
+    layer = _layers()["kda"]
+    ctx = ContextParallel(None)
+    x = ctx.slice(torch.randn(1, 256, D, generator=torch.Generator().manual_seed(3)))
+    plain = _run_layer(layer, x, torch.ones(1, x.shape[1], D), ctx)
+
+    class Wrapped(torch.nn.Module):
+        def forward(self, t: torch.Tensor, ctx: ContextParallel) -> torch.Tensor:
+            return checkpoint(layer, t, ctx, use_reentrant=False)
+
+    ckpt = _run_layer(Wrapped(), x, torch.ones(1, x.shape[1], D), ctx)
+    grads = {n: p.grad for n, p in layer.named_parameters()}
+    return [_rel(ckpt["y"], plain["y"]), _rel(ckpt["dx"], plain["dx"])] + [
+        _rel(grads[n], plain[n]) for n in grads]
+
+
+def test_cp_kda_layer_under_activation_checkpointing() -> None:
+    for errors in dist_run(_checkpoint_rank, 2, timeout=120):
+        assert max(errors) <= 1e-6, errors
