@@ -163,3 +163,20 @@ def test_bad_input_messages():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ActivationManager(Stack(), _policy(rules=[{"match": "layers.*.ffn", "policy": "fp8"}])).close()
+
+
+def test_disk_store_capacity_and_reuse(tmp_path):
+    from moonrt.memory.backends import DiskStore
+
+    store = DiskStore(tmp_path / "offload.bin", capacity=1024)
+    a = store.put(torch.arange(100, dtype=torch.uint8))
+    b = store.put(torch.arange(200, dtype=torch.uint8))
+    assert torch.equal(store.get(a, torch.device("cpu")), torch.arange(100, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="capacity = 1024 bytes exhausted"):
+        store.put(torch.zeros(900, dtype=torch.uint8))
+    store.free(a)
+    store.free(b)
+    c = store.put(torch.full((900,), 7, dtype=torch.uint8))  # freed extents merged and reused
+    assert torch.equal(store.get(c, torch.device("cpu")), torch.full((900,), 7, dtype=torch.uint8))
+    store.close()
+    assert not (tmp_path / "offload.bin").exists()
