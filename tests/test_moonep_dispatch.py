@@ -213,3 +213,29 @@ def test_shared_slot_pool_overwrite_is_an_error() -> None:
 def test_moonep_unequal_tokens_per_rank() -> None:
     """Ranks route 5, 8, 3 and 7 tokens (46 assignments): capacities 12, 12, 11, 11 (floor/ceil, §6.1)."""
     _check(4, (5, 8, 3, 7), k=2, routing="random")
+
+
+def _bf16_fn(rank: int, world: int) -> dict:
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(6, H, generator=g).bfloat16().requires_grad_()
+    ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(6)])
+    w = (torch.rand(6, 2, generator=g) + 0.1).requires_grad_()
+    disp = MoonEPDispatcher(None, 6, H, 2, E)
+    recv_x, recv_w, _, h = disp.dispatch(x, ids, w)
+    out = disp.combine(recv_x, h)
+    (out.float().sum() + recv_w.sum()).backward()
+    return {"x": x.detach(), "w": w.detach(), "out": out.detach(), "gx": x.grad, "gw": w.grad,
+            "dtypes": (recv_x.dtype, recv_w.dtype, out.dtype)}
+
+
+def test_bf16_tokens_keep_fp32_router_weights() -> None:
+    """bf16 activations travel as bf16 while the fp32 router weights and their gradients stay fp32."""
+    for r in dist_run(_bf16_fn, 2, timeout=60):
+        assert r["dtypes"] == (torch.bfloat16, torch.float32, torch.bfloat16)
+        x32 = r["x"].float()
+        ref = (x32.unsqueeze(1) * r["w"].unsqueeze(2)).sum(1)
+        assert torch.equal(r["out"], ref.bfloat16())  # fp32 weighted sum, one rounding to bf16
+        assert torch.equal(r["gw"], x32.sum(1, keepdim=True).expand(-1, 2) + 1)  # exact in fp32
+        # each row's gradient w * 1 is a bf16 row; the k rows are summed in fp32, then rounded once
+        want_gx = r["w"].bfloat16().float().sum(1, keepdim=True).expand(-1, H).bfloat16()
+        assert torch.equal(r["gx"], want_gx)

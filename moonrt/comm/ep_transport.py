@@ -227,18 +227,24 @@ class _Dispatch(torch.autograd.Function):
     def forward(ctx, x, weights, layout, group):  # type: ignore[override]
         s, k = layout.tokens, layout.top_k
         x_a = x.unsqueeze(1).expand(s, k, x.shape[1]).reshape(s * k, x.shape[1])
-        w_a = weights.reshape(s * k, 1).to(x.dtype)
-        rows = to_rows(torch.cat([x_a, w_a], dim=1), layout, group)
-        ctx.layout, ctx.group, ctx.w_dtype = layout, group, weights.dtype
-        return rows[:, :-1].contiguous(), rows[:, -1].to(weights.dtype)
+        w_a = weights.reshape(s * k, 1)
+        ctx.layout, ctx.group = layout, group
+        if x.dtype == weights.dtype:  # one all-to-all carries both
+            rows = to_rows(torch.cat([x_a, w_a], dim=1), layout, group)
+            return rows[:, :-1].contiguous(), rows[:, -1].contiguous()
+        return to_rows(x_a, layout, group), to_rows(w_a, layout, group).squeeze(1)  # weights keep their dtype
 
     @staticmethod
     def backward(ctx, grad_x, grad_w):  # type: ignore[override]
-        layout = ctx.layout
+        layout, group = ctx.layout, ctx.group
         s, k = layout.tokens, layout.top_k
-        g = torch.cat([grad_x, grad_w.to(grad_x.dtype).unsqueeze(1)], dim=1)
-        g_a = from_rows(g, layout, ctx.group).view(s, k, -1)
-        return g_a[:, :, :-1].sum(1), g_a[:, :, -1].to(ctx.w_dtype), None, None
+        if grad_x.dtype == grad_w.dtype:
+            g_a = from_rows(torch.cat([grad_x, grad_w.unsqueeze(1)], dim=1), layout, group).view(s, k, -1)
+            gx_a, gw = g_a[:, :, :-1], g_a[:, :, -1]
+        else:
+            gx_a = from_rows(grad_x, layout, group).view(s, k, -1)
+            gw = from_rows(grad_w.unsqueeze(1), layout, group).view(s, k)
+        return gx_a.float().sum(1).to(grad_x.dtype), gw, None, None
 
 
 class _Combine(torch.autograd.Function):
