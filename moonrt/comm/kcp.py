@@ -52,10 +52,11 @@ TransitionFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 _META = ("B", "T", "H", "K", "V", "dtype", "init", "final")
 
 
-def _default_fns() -> tuple[ChunkFn, TransitionFn]:
-    from moonrt.model.kda import kda_chunk, kda_transition
+def _default_fns() -> tuple[ChunkFn, TransitionFn, float]:
+    """The model's chunked KDA, its segment transition, and the smallest log-decay they accept."""
+    from moonrt.model.kda import MIN_LOG_DECAY, kda_chunk, kda_transition
 
-    return kda_chunk, kda_transition
+    return kda_chunk, kda_transition, MIN_LOG_DECAY
 
 
 def _all_gather(x: torch.Tensor, group: ProcessGroup | None, size: int) -> list[torch.Tensor]:
@@ -195,7 +196,10 @@ def kcp_kda(
     what = "kcp_kda"
     rank = dist.get_rank(group)
     size = dist.get_world_size(group)
-    error = _local_error(q, k, v, g, beta, initial_state, rank)
+    default_chunk, default_transition, min_log_decay = _default_fns()
+    chunk_fn = chunk_fn or default_chunk
+    transition_fn = transition_fn or default_transition
+    error = _local_error(q, k, v, g, beta, initial_state, rank, min_log_decay)
     values = None
     if error is None:
         B, T, H, K = k.shape
@@ -206,9 +210,6 @@ def kcp_kda(
                          ("dtype", "dtype"), ("final", "output_final_state")):
         require_same(what, table, field, label)
     require_split(what, [row["T"] for row in table])
-    default_chunk, default_transition = _default_fns() if chunk_fn is None or transition_fn is None else (None, None)
-    chunk_fn = chunk_fn or default_chunk
-    transition_fn = transition_fn or default_transition
     scale = k.shape[-1] ** -0.5 if scale is None else scale
     o, final = _KCP.apply(q, k, v, g, beta, initial_state, group, rank, size, scale, output_final_state,
                           chunk_size, chunk_fn, transition_fn, record)
@@ -216,7 +217,7 @@ def kcp_kda(
 
 
 def _local_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                 initial_state: torch.Tensor | None, rank: int) -> str | None:
+                 initial_state: torch.Tensor | None, rank: int, min_log_decay: float) -> str | None:
     """This rank's input problems as a message (None when fine); raised on every rank by the metadata exchange."""
     if k.dim() != 4:
         return f"k.shape = {tuple(k.shape)}: expected [B, T, H, K]"
@@ -234,6 +235,10 @@ def _local_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
     bad = [(n, t.dtype) for n, t in zip("q k v g beta".split(), (q, k, v, g, beta)) if dtype_code(t.dtype) < 0]
     if bad:
         return f"{bad[0][0]}.dtype = {bad[0][1]}: expected a floating dtype (float32, bfloat16, float16, float64)"
+    if g.numel():
+        lo = float(g.detach().min())
+        if not lo >= min_log_decay:  # also NaN: checked here so the other ranks do not wait in the all-gather
+            return f"g.min() = {lo}: expected per-token log-decays >= {min_log_decay} (the chunked form's bound)"
     if initial_state is not None:
         if rank != 0:
             return "initial_state given on a CP rank other than 0: expected it on CP rank 0 only (the sequence start)"
