@@ -24,6 +24,8 @@ class RegionStats:
     """Bytes actually stored, per tier (FP8 payload + scales, or the raw bytes)."""
     deduped: int = 0
     """Saves that reused an already stored storage (views, repeated saves)."""
+    live_bytes: int = 0
+    """Stored bytes (all tiers) still held now; after a forward: what backward will need."""
 
 
 class Accounting:
@@ -57,6 +59,7 @@ class Accounting:
             st = self.regions[(region, policy)]
             st.count += 1
             st.logical_bytes += logical
+            st.live_bytes += sum(tier_bytes.values())
             for tier, n in tier_bytes.items():
                 st.stored_bytes[tier] += n
                 self.live[tier] += n
@@ -69,8 +72,10 @@ class Accounting:
             st.count += 1
             st.deduped += 1
 
-    def on_release(self, tier_bytes: dict[str, int]) -> None:
+    def on_release(self, tier_bytes: dict[str, int], region: str | None = None, policy: str | None = None) -> None:
         with self._lock:
+            if region is not None and (region, policy) in self.regions:
+                self.regions[(region, policy)].live_bytes -= sum(tier_bytes.values())
             for tier, n in tier_bytes.items():
                 self.live[tier] -= n
 
@@ -107,7 +112,8 @@ class Accounting:
         return {
             "regions": [
                 {"region": reg, "policy": pol, "count": st.count, "deduped": st.deduped,
-                 "logical_bytes": st.logical_bytes, "stored_bytes": dict(st.stored_bytes)}
+                 "logical_bytes": st.logical_bytes, "stored_bytes": dict(st.stored_bytes),
+                 "live_bytes": st.live_bytes}
                 for (reg, pol), st in sorted(self.regions.items())
             ],
             "peak_bytes": dict(self.peak),

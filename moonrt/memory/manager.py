@@ -93,7 +93,7 @@ class _Anchor(torch.autograd.Function):
 class _Entry:
     """One stored unit (a storage for raw policies, a view for FP8), shared by deduplicated saves."""
 
-    __slots__ = ("backend", "packed", "refs", "layer", "future", "parts", "key", "weak", "__weakref__")
+    __slots__ = ("backend", "packed", "refs", "layer", "future", "parts", "key", "weak", "region", "__weakref__")
 
     def __init__(self, backend: Backend, packed: Packed, layer: int, key: Any, weak: Any) -> None:
         self.backend = backend
@@ -104,6 +104,7 @@ class _Entry:
         self.parts: list[torch.Tensor] | None = None
         self.key = key
         self.weak = weak
+        self.region: tuple[str, str] | None = None
 
 
 class _Handle:
@@ -389,6 +390,7 @@ class ActivationManager:
             logical = storage.nbytes()
         entry = _Entry(backend, packed, layer, key, StorageWeakRef(storage))
         entry.refs = 1
+        entry.region = (region, label)
         with self._lock:
             self._entries[key] = entry
         self.accounting.on_pack(region, label, logical, packed.tier_bytes, time.perf_counter() - t0)
@@ -406,7 +408,7 @@ class ActivationManager:
             entry.parts = None
             entry.future = None
         entry.backend.free(entry.packed)
-        self.accounting.on_release(entry.packed.tier_bytes)
+        self.accounting.on_release(entry.packed.tier_bytes, *(entry.region or (None, None)))
 
     def _fetch(self, entry: _Entry) -> tuple[list[torch.Tensor], float]:
         t0 = time.perf_counter()

@@ -257,19 +257,20 @@ def policy_for_all(policy: str) -> Any:
 
 
 def measure_classes(model: Any, cfg: Any, policy: Any, run: Callable[[Any, int], Any], n: int) -> dict[str, float]:
-    """Bytes saved per class (all tiers; recompute-region inputs counted in their class) by one
-    ``run(model, n)`` forward under the activation manager with ``policy``."""
+    """Bytes saved per class and still held at the end of one ``run(model, n)`` forward (all tiers;
+    recompute-region inputs counted in their class) under the activation manager with ``policy``:
+    what backward needs, i.e. what an in-flight micro-batch keeps."""
     from moonrt.memory.manager import ActivationManager
 
     mgr = ActivationManager(model, policy)
     try:
         with mgr:
             out = run(model, n)
-        del out
         res: dict[str, float] = {}
         for (reg, _pol), st in mgr.accounting.regions.items():
             c = class_of(reg, cfg)
-            res[c] = res.get(c, 0.0) + sum(st.stored_bytes.values())
+            res[c] = res.get(c, 0.0) + st.live_bytes
+        del out
         return res
     finally:
         mgr.close()
