@@ -136,8 +136,10 @@ def main() -> None:
               f"{peak['disk'] / 2**20:>10.2f}{err:>10.2e}")
     with open(args.out, "w") as f:
         json.dump({"batch": B, "seq_len": T, "steps": args.steps, "planner_budget_bytes": budget * GIB,
-                   "planner_choice": p.ranks[0].choice, "rows": rows}, f, indent=1)
-    print(f"summary: planner chose {p.ranks[0].choice}; wrote {args.out}")
+                   "planner_choice": p.ranks[0].choice,
+                   "planner_predicted_device_bytes": p.ranks[0].activations, "rows": rows}, f, indent=1)
+    print(f"summary: planner chose {p.ranks[0].choice}; it predicted {p.ranks[0].activations / 2**20:.2f} MiB on "
+          f"the device and {(p.ranks[0].disk + p.ranks[0].host) / 2**20:.2f} MiB offloaded; wrote {args.out}")
 
 
 if __name__ == "__main__":
