@@ -1,10 +1,10 @@
 """CPU benchmark of the chunked KDA kernel (K3_SYSTEMS §2.3) against this machine's fp32 matmul rate.
 
 Measures, for fp32, B=1, H=4, K=V=64 and T in {2048, 8192}: the forward and forward+backward time of
-``kda_chunk``, its achieved GFLOP/s, and that rate as a fraction of a large square fp32 matmul measured in the
-same run with the same thread count; plus the speedup of ``kda_chunk`` over ``kda_recurrent`` (forward,
-T=2048). Timings are the minimum over repetitions, with matmul and kernel repetitions interleaved so both see
-the same machine load.
+``kda_chunk``, its achieved GFLOP/s, and that rate as a fraction of the best large square fp32 matmul rate
+measured in the same run with the same thread count; plus the speedup of ``kda_chunk`` over ``kda_recurrent``
+(forward, T=2048). Timings are the minimum over repetitions (at least ``--reps``, and until each function ran
+``--min-time`` seconds), with matmul and kernel repetitions interleaved so both see the same machine load.
 
 FLOP count (per head and chunk of C tokens; only the matmuls the algorithm executes, dense shapes, 2 FLOPs per
 multiply-add; elementwise work such as exponentials is not counted)::
@@ -63,21 +63,29 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
-def interleaved_min(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
-    """Minimum wall time of each function over ``reps`` rounds; each round runs every function once."""
+def interleaved_min(fns: dict[str, Callable[[], object]], reps: int, min_time: float = 0.0) -> dict[str, float]:
+    """Minimum wall time of each function over at least ``reps`` rounds, continuing until every function has
+    run for ``min_time`` seconds in total; each round runs every function once (so all see the same load)."""
     for fn in fns.values():
         fn()  # warm-up
     best = {name: float("inf") for name in fns}
-    for _ in range(reps):
+    total = dict.fromkeys(fns, 0.0)
+    rounds = 0
+    while rounds < reps or min(total.values()) < min_time:
         for name, fn in fns.items():
-            best[name] = min(best[name], timed(fn))
+            t = timed(fn)
+            best[name] = min(best[name], t)
+            total[name] += t
+        rounds += 1
     return best
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--T", type=int, nargs="+", default=[2048, 8192], help="sequence lengths")
-    parser.add_argument("--reps", type=int, default=5, help="timed repetitions (minimum is reported)")
+    parser.add_argument("--reps", type=int, default=5, help="least timed repetitions (minimum is reported)")
+    parser.add_argument("--min-time", type=float, default=3.0,
+                        help="repeat until each measured function ran this many seconds (noisy shared machines)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
     parser.add_argument("--matmul-n", type=int, nargs="+", default=[1024, 2048],
                         help="sizes of the square reference matmuls (the best rate is the peak)")
@@ -101,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             o, _ = kda_chunk(**xg, chunk_size=C)
             o.sum().backward()
 
-        t = interleaved_min({**matmuls, "fwd": fwd, "fwd_bwd": fwd_bwd}, args.reps)
+        t = interleaved_min({**matmuls, "fwd": fwd, "fwd_bwd": fwd_bwd}, args.reps, args.min_time)
         peak = max(2 * n**3 / t[f"matmul{n}"] / 1e9 for n in mats)
         flops = chunk_flops(B, T, H, K, V, C)
         row = dict(T=T, fwd_ms=t["fwd"] * 1e3, fwd_bwd_ms=t["fwd_bwd"] * 1e3, fwd_gflops=flops / t["fwd"] / 1e9,
@@ -113,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     x = make_inputs(B, 2048, H, K, V)
     with torch.no_grad():
         t = interleaved_min({"chunk": lambda: kda_chunk(**x), "recurrent": lambda: kda_recurrent(**x)},
-                            max(1, args.reps // 2))
+                            max(1, args.reps // 2), args.min_time)
     speedup = dict(T=2048, chunk_ms=t["chunk"] * 1e3, recurrent_ms=t["recurrent"] * 1e3,
                    speedup=t["recurrent"] / t["chunk"])
 
