@@ -395,30 +395,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "KDA, latent all-gather for MLA (parallel.cp)")
 
 
+# Command-line flag (argparse dest) -> path of the JobConfig field it overrides.
+_OVERRIDES: dict[str, tuple[str, ...]] = {
+    "steps": ("optim", "steps"), "seed": ("optim", "seed"), "batch_size": ("optim", "batch_size"),
+    "seq_len": ("optim", "seq_len"), "lr": ("optim", "lr"), "eval_every": ("optim", "eval_every"),
+    "model": ("model",), "corpus": ("data", "corpus"), "token_dtype": ("data", "token_dtype"),
+    "out": ("out_dir",), "threads": ("threads",), "memory_policy": ("memory_policy",),
+    "cp": ("parallel", "cp"), "ep": ("parallel", "ep"), "routing_trace": ("routing_trace",),
+}
+
+
 def job_from_args(args: argparse.Namespace) -> JobConfig:
-    """The job config: ``--config`` (or the default), then command-line overrides."""
+    """The job config: ``--config`` (or the default), then command-line overrides (:data:`_OVERRIDES`)."""
     raw = to_dict(load_yaml(JobConfig, args.config)) if args.config else to_dict(JobConfig())
-    optim = {"steps": args.steps, "seed": args.seed, "batch_size": args.batch_size, "seq_len": args.seq_len,
-             "lr": args.lr, "eval_every": args.eval_every}
-    raw["optim"].update({k: v for k, v in optim.items() if v is not None})
-    if args.model is not None:
-        raw["model"] = args.model
-    if args.corpus is not None:
-        raw["data"]["corpus"] = args.corpus
-    if args.token_dtype is not None:
-        raw["data"]["token_dtype"] = args.token_dtype
-    if args.out is not None:
-        raw["out_dir"] = args.out
-    if args.threads is not None:
-        raw["threads"] = args.threads
-    if args.memory_policy is not None:
-        raw["memory_policy"] = args.memory_policy
-    if args.cp is not None:
-        raw["parallel"]["cp"] = args.cp
-    if args.ep is not None:
-        raw["parallel"]["ep"] = args.ep
-    if args.routing_trace is not None:
-        raw["routing_trace"] = args.routing_trace
+    for dest, path in _OVERRIDES.items():
+        value = getattr(args, dest)
+        if value is None:
+            continue
+        node = raw
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value
     return from_dict(JobConfig, raw)
 
 
