@@ -9,7 +9,10 @@ the module path (or region name) it was saved in. The model code never calls thi
   ``attnres_checkpoint``) run under non-reentrant ``torch.utils.checkpoint``; their inputs are saved
   through the manager (policy ``keep``, so they are accounted and deduplicated) by an identity
   anchor node. A rule on a parent module makes the recompute span several layers;
-  :meth:`ActivationManager.checkpoint` does the same for any function.
+  :meth:`ActivationManager.checkpoint` does the same for any function. ``moe_dispatch_only`` on a
+  module with a ``routed(z, topk_ids, topk_weights)`` method (LatentMoE) checkpoints only that
+  method: the dispatch input is saved (region ``<module>.routed``) and dispatch, experts and combine
+  are replayed in backward; modules without ``routed`` are checkpointed whole.
 - **Dedupe by storage**: parameters and buffers are never stored (autograd keeps the parameter);
   raw policies store a whole storage once, every view saved from it is rebuilt with ``set_``;
   FP8 entries are shared by identical views.
@@ -189,9 +192,22 @@ class ActivationManager:
                 warnings.warn(f"memory policy pattern {pat!r} matches no module or region of the model; "
                               f"known regions: {', '.join(known)}", stacklevel=3)
         modules = dict(self.model.named_modules())
+        whole = ckpt - set(self.policy.moe_dispatch_only)
         for name, mod in modules.items():
             region = names.get(name)
-            if name and any(fnmatch.fnmatchcase(name, p) or (region and fnmatch.fnmatchcase(region, p)) for p in ckpt):
+
+            def hit(pats: set[str] | list[str], name: str = name, region: str | None = region) -> bool:
+                return any(fnmatch.fnmatchcase(name, p) or bool(region and fnmatch.fnmatchcase(region, p))
+                           for p in pats)
+
+            if not name:
+                continue
+            routed = getattr(mod, "routed", None)
+            if hit(self.policy.moe_dispatch_only) and callable(routed) and not isinstance(routed, torch.nn.Module) \
+                    and not hit(whole):
+                self._wrap_routed(mod, f"{name}.routed")  # only the dispatch input is saved
+                known.append(f"{_generalize(name)}.routed")
+            elif hit(ckpt):
                 self._wrap_checkpoint(mod)
         # "module.method" patterns: a region around a method call (e.g. ``attn_res.sublayer_input``)
         for pat in dict.fromkeys(patterns):
@@ -231,6 +247,29 @@ class ActivationManager:
 
         setattr(mod, meth, call)
         self._wrapped_methods.append((mod, meth))
+
+    def _wrap_routed(self, mod: torch.nn.Module, region: str) -> None:
+        """``moe_dispatch_only`` on a module with a ``routed(z, topk_ids, topk_weights)`` method (the
+        LatentMoE routed path): checkpoint that method, so its saved inputs are exactly the dispatch
+        input ``z [N, L]``, ``topk_ids [N, k]``, ``topk_weights [N, k]`` (accounted in region
+        ``region``, label ``recompute``) and backward replays dispatch, experts and combine (K3_SYSTEMS
+        §8). Router, down-projection, shared experts and norm/up-projection run outside it and save
+        under their own policies; the router is not replayed, so routing is counted once."""
+        inner = mod.routed
+
+        def tagged(*args: Any, **kwargs: Any) -> Any:
+            with self.region(region):
+                return inner(*args, **kwargs)
+
+        def routed(*args: Any, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled():
+                return tagged(*args, **kwargs)
+            with self.region(region):
+                anchored = self._anchor(args, floating_only=False)
+            return checkpoint(tagged, *anchored, use_reentrant=False, **kwargs)
+
+        mod.routed = routed
+        self._wrapped_methods.append((mod, "routed"))
 
     def _wrap_checkpoint(self, mod: torch.nn.Module) -> None:
         inner = mod.forward
@@ -301,11 +340,13 @@ class ActivationManager:
             args = self._anchor(args)
         return checkpoint(fn, *args, use_reentrant=False, **kwargs)
 
-    def _anchor(self, args: Any) -> list[Any]:
-        """Pass the floating tensor arguments of a recompute region through :class:`_Anchor`, so the
-        inputs the checkpoint keeps are saved (policy label ``recompute``, stored as ``keep``)."""
+    def _anchor(self, args: Any, floating_only: bool = True) -> list[Any]:
+        """Pass the floating (or, with ``floating_only=False``, all) tensor arguments of a recompute
+        region through :class:`_Anchor`, so the inputs the checkpoint keeps are saved (policy label
+        ``recompute``, stored as ``keep``)."""
         args = list(args)
-        idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_floating_point()]
+        idx = [i for i, a in enumerate(args)
+               if isinstance(a, torch.Tensor) and (a.is_floating_point() or not floating_only)]
         if idx:
             self._anchoring = True
             try:

@@ -167,7 +167,10 @@ def kernel_profile(cfg: Any, act_bytes: int = 2, chunk: int = 64) -> Profile:
     LatentMoE saves the input, fp32 router scores, latent ``z``, per routed copy the expert input,
     gate/up/activation outputs and output, the combined latent and its norm, the shared experts'
     intermediates; AttnRes saves the normed sources it mixes; the head saves its input and the
-    fp32 logits. Recompute keeps the region input (``D * a``); FLOPs are 2 per multiply-add.
+    fp32 logits. Recompute keeps the region input (``D * a``); FLOPs are 2 per multiply-add. For
+    LatentMoE, ``recompute`` is the whole-layer checkpoint (a ``recompute`` rule on ``layers.i.moe``);
+    the ``moe_dispatch_only`` option (routed path only, saving ``z, ids, weights``) is not a class
+    policy of the planner.
     """
     a = act_bytes
     la = cfg.linear_attn_config
@@ -251,9 +254,9 @@ def policy_for_all(policy: str) -> Any:
 
     if policy != "recompute":
         return MemoryPolicy(default=policy, rules=[PolicyRule(match=r, policy=policy) for r in ATTNRES_REGIONS])
-    rules = [PolicyRule(match=p, policy="recompute") for p in ("layers.*.attn", "layers.*.attn_norm",
-                                                                "layers.*.ffn_norm", "layers.*.ffn", "norm", "lm_head")]
-    return MemoryPolicy(rules=rules, moe_dispatch_only=["layers.*.moe"], attnres_checkpoint=list(ATTNRES_REGIONS))
+    rules = [PolicyRule(match=p, policy="recompute") for p in (
+        "layers.*.attn", "layers.*.attn_norm", "layers.*.ffn_norm", "layers.*.ffn", "layers.*.moe", "norm", "lm_head")]
+    return MemoryPolicy(rules=rules, attnres_checkpoint=list(ATTNRES_REGIONS))
 
 
 def measure_classes(model: Any, cfg: Any, policy: Any, run: Callable[[Any, int], Any], n: int) -> dict[str, float]:

@@ -384,7 +384,6 @@ def table(p: Plan) -> str:
 def policy_dict(r: RankPlan) -> dict:
     """The :class:`~moonrt.memory.policy.MemoryPolicy` YAML data of one rank's choice."""
     rules: list[dict] = []
-    moe_only: list[str] = []
     attnres: list[str] = []
     for name, pol in sorted(r.choice.items()):
         if pol == "keep":
@@ -396,15 +395,11 @@ def policy_dict(r: RankPlan) -> dict:
         else:
             for i in layers:
                 pats += layer_class_patterns(name, i)
-        if pol == "recompute" and name == "moe":
-            moe_only += pats
-        elif pol == "recompute" and name == "attn_res":
+        if pol == "recompute" and name == "attn_res":
             attnres += ["attn_res.sublayer_input", "attn_res.final"]
         else:
             rules += [{"match": pt, "policy": pol} for pt in pats]
     out: dict[str, Any] = {"default": "keep", "rules": rules}
-    if moe_only:
-        out["moe_dispatch_only"] = moe_only
     if attnres:
         out["attnres_checkpoint"] = attnres
     return out

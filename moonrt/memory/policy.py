@@ -11,12 +11,15 @@ rules, the first listed wins; otherwise ``default`` applies::
       - {match: "layers.*.attn_res", policy: recompute}
       - {match: "layers.*.ffn.experts", policy: fp8}
       - {match: "embed", policy: keep}
-    moe_dispatch_only: ["layers.*.ffn"]      # checkpoint: save the dispatch input only
+    moe_dispatch_only: ["layers.*.moe"]      # checkpoint LatentMoE.routed: save the dispatch input only
     attnres_checkpoint: ["layers.*.attn_res"]
 
 ``recompute`` rules and the two options wrap the matching modules in non-reentrant checkpointing
 (only their inputs are saved; the forward is replayed in backward). A rule on a parent module
-spans all layers inside it.
+spans all layers inside it. ``moe_dispatch_only`` on a module with a ``routed(z, topk_ids,
+topk_weights)`` method (LatentMoE) checkpoints only that method: the dispatch input is saved and
+dispatch, experts and combine are replayed; router, projections and shared experts follow the
+rules (a ``recompute`` rule on the same module checkpoints it whole instead).
 """
 
 from __future__ import annotations
@@ -47,7 +50,8 @@ class MemoryPolicy:
     """Policy of tensors no rule matches."""
     rules: list[PolicyRule] = dataclasses.field(default_factory=list)
     moe_dispatch_only: list[str] = dataclasses.field(default_factory=list)
-    """Module patterns (the MoE dispatch) checkpointed so that only the dispatch input is saved."""
+    """MoE module patterns whose routed path (``routed`` method) is checkpointed so that only the
+    dispatch input is saved (modules without ``routed`` are checkpointed whole)."""
     attnres_checkpoint: list[str] = dataclasses.field(default_factory=list)
     """Module patterns of the AttnRes math, checkpointed; block representations stay resident."""
     fp8_block: int = 128

@@ -340,17 +340,29 @@ class LatentMoE(nn.Module):
         topk_ids, topk_weights, scores = self.router(x2)
         self._record(topk_ids, scores)
         z = self.down_proj(x2)
-        recv_z, recv_w, cu_seqlens, handle = self.dispatcher.dispatch(z, topk_ids, topk_weights)
-        segments = self.dispatcher.segment_weights(handle, self.experts)
-        y = self.experts(recv_z, cu_seqlens, segments)
-        y = (y * recv_w.to(y.dtype).unsqueeze(1)).to(z.dtype)
-        u = self.dispatcher.combine(y, handle, weighted=False)
+        u = self.routed(z, topk_ids, topk_weights)
         if self.norm is not None:
             u = self.norm(u)
         out = self.up_proj(u)
         for expert in self.shared_experts:
             out = out + expert(x2)
         return out.view(B, T, D)
+
+    def routed(self, z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """The routed path of Eq. 11: dispatch -> segment weights -> expert compute -> weighting -> combine.
+
+        ``z [N, L]`` latent tokens (``down_proj`` output), ``topk_ids [N, k]`` int64,
+        ``topk_weights [N, k]`` fp32 gate values -> ``u [N, L]`` (dtype of ``z``),
+        ``u_t = sum_j p_tj * Expert_{ids_tj}(z_t)``. Its three arguments are the dispatch input: the
+        activation manager's ``moe_dispatch_only`` checkpoints this method, so backward replays the
+        dispatch (a collective under EP) from them (K3_SYSTEMS §8). Router statistics are recorded
+        outside it, so a replay never counts routing twice.
+        """
+        recv_z, recv_w, cu_seqlens, handle = self.dispatcher.dispatch(z, topk_ids, topk_weights)
+        segments = self.dispatcher.segment_weights(handle, self.experts)
+        y = self.experts(recv_z, cu_seqlens, segments)
+        y = (y * recv_w.to(y.dtype).unsqueeze(1)).to(z.dtype)
+        return self.dispatcher.combine(y, handle, weighted=False)
 
     # ---- Quantile Balancing ---------------------------------------------------------------------
     def _record(self, topk_ids: torch.Tensor, scores: torch.Tensor) -> None:
