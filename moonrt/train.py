@@ -14,6 +14,9 @@ Exactness contract (what later parallel runs are compared against):
   token losses and divides by the global token count, gradients are summed across ranks;
 - the learning rate is a function of the step; checkpoints hold model, optimizer and step, so
   ``--resume`` continues bit-identically (checkpoints are written to a temp file, then renamed);
+- checkpoints are layout-independent: they always hold the single-process (unsharded) model and
+  optimizer state, gathered by the runtime's ``full_state_dict`` and sharded again on load by
+  ``load_full_state_dict``, so a checkpoint of ``--ep 2`` resumes in one process, ``--ep 2`` or ``--ep 4``;
 - only rank 0 writes metrics, checkpoints and the progress bar.
 
 The single-process path calls the hooks of :class:`Runtime` with their local defaults.
@@ -154,6 +157,9 @@ class Runtime:
     ``sync_grads(model)`` replaces the per-tensor ``grad_all_reduce`` loop; ``clip_grad_norm(params,
     max_norm) -> norm`` replaces the local global-norm clip; ``on_step(step, model, record)`` adds to
     the step's metrics record (before eval); ``finish()`` runs once after the last step.
+    Checkpoints: ``full_state_dict(model, optim) -> {"model", "optimizer"}`` (collective, every rank
+    calls it) returns the state in the single-process layout; ``load_full_state_dict(model, optim,
+    state)`` loads such a state into this rank's (possibly sharded) model and optimizer.
     """
 
     dp_rank: int = 0
@@ -170,6 +176,8 @@ class Runtime:
     clip_grad_norm: Callable[[Any, float], float] | None = None
     on_step: Callable[[int, torch.nn.Module, dict[str, Any]], None] | None = None
     finish: Callable[[], Any] | None = None
+    full_state_dict: Callable[[torch.nn.Module, torch.optim.Optimizer], dict[str, Any]] | None = None
+    load_full_state_dict: Callable[[torch.nn.Module, torch.optim.Optimizer, dict[str, Any]], None] | None = None
 
     def sum_scalar(self, x: float) -> float:
         return x if self.scalar_all_reduce is None else self.scalar_all_reduce(x)
@@ -225,12 +233,35 @@ def evaluate(model: torch.nn.Module, windows: np.ndarray, batch_size: int, rt: R
 
 
 def save_checkpoint(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, step: int,
-                    job: JobConfig) -> None:
-    """Atomically write ``{model, optimizer, step, config}`` (temp file in the same dir, then rename)."""
+                    job: JobConfig, rt: Runtime | None = None) -> None:
+    """Atomically write ``{model, optimizer, step, config}`` (temp file in the same dir, then rename).
+
+    Model and optimizer state are in the single-process layout (``rt.full_state_dict``, collective:
+    every rank calls this function); only the main rank writes.
+    """
+    rt = rt or Runtime()
+    state = rt.full_state_dict(model, opt) if rt.full_state_dict is not None else None
+    if not rt.is_main:
+        return
+    if state is None:
+        state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
-                "config": to_dict(job)}, tmp)
+    torch.save({"model": state["model"], "optimizer": state["optimizer"], "step": step, "config": to_dict(job)}, tmp)
     os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer,
+                    rt: Runtime | None = None) -> int:
+    """Load a :func:`save_checkpoint` file into this rank's model and optimizer (``rt.load_full_state_dict``
+    shards it for this layout); returns its step."""
+    rt = rt or Runtime()
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    if rt.load_full_state_dict is not None:
+        rt.load_full_state_dict(model, opt, state)
+    else:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+    return int(state["step"])
 
 
 def train(job: JobConfig, rt: Runtime | None = None, metrics_path: str | None = None, resume: bool = False,
@@ -265,10 +296,7 @@ def train(job: JobConfig, rt: Runtime | None = None, metrics_path: str | None = 
     if resume:
         if not ckpt.is_file():
             raise ValueError(f"--resume: no checkpoint at {str(ckpt)!r}")
-        state = torch.load(ckpt, map_location="cpu", weights_only=False)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        start = int(state["step"])
+        start = load_checkpoint(ckpt, model, opt, rt)
     if rt.is_main:
         out.mkdir(parents=True, exist_ok=True)
         save_yaml(job, out / "config.yaml")
@@ -338,8 +366,8 @@ def train(job: JobConfig, rt: Runtime | None = None, metrics_path: str | None = 
                 metrics.write(json.dumps(record) + "\n")
                 metrics.flush()
             bar.set_postfix(loss=f"{loss_value:.3f}", eval=f"{eval_loss:.3f}", tok_s=f"{global_tokens / dt:,.0f}")
-            if rt.is_main and ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == stop):
-                save_checkpoint(ckpt, model, opt, step + 1, job)
+            if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == stop:
+                save_checkpoint(ckpt, model, opt, step + 1, job, rt)
         if rt.finish is not None:
             rt.finish()
     finally:

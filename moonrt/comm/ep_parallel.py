@@ -15,6 +15,10 @@
   expert shards of every EP rank, so clipping matches the single-process run.
 - :meth:`stat_all_reduce` / :meth:`scalar_all_reduce`: sums over the ranks that saw different
   tokens (Quantile Balancing histograms, losses).
+- :meth:`full_state_dict` / :meth:`load_full_state_dict`: layout-independent checkpoints. The
+  saved state always has the single-process layout (every ``[E, ...]`` expert tensor whole, AdamW
+  ``exp_avg`` / ``exp_avg_sq`` of the experts likewise), gathered over the EP group; loading slices
+  it back to the home experts, so a checkpoint of ``--ep 2`` resumes in one process or ``--ep 4``.
 - :meth:`on_step`: per-step metrics (``maxvio`` of the group-wide routing, rows each EP rank
   computed, rows the hottest rank would compute without balancing) and the routing trace: per step
   and MoE layer the ``[R, E]`` counts, written in the ``.npz`` format of
@@ -79,6 +83,7 @@ class ExpertParallel:
             self.ep_group, self.ep_rank, self.ep_size, self.is_main = None, 0, 1, True
         self.dispatchers: dict[int, MoonEPDispatcher] = {}
         self._expert_params: set[int] = set()
+        self._expert_slices: dict[int, tuple[int, int, int]] = {}  # id(param) -> (first, num_local, E)
         self._trace: list[np.ndarray] = []
         self._trace_layers: list[int] = []
         self._top_k = 1
@@ -106,8 +111,9 @@ class ExpertParallel:
             moe.dispatcher = cls(self.ep_group, self.capacity, moe.experts.latent, moe.top_k, E,
                                  num_slots=self.num_slots, pool=pools[key] if self.kind == "moonep" else None)
             self.dispatchers[index] = moe.dispatcher
-            moe.experts._register_load_state_dict_pre_hook(_refuse_sharded_load)
-            self._expert_params.update(id(p) for p in moe.experts.parameters())
+            for p in moe.experts.parameters():
+                self._expert_params.add(id(p))
+                self._expert_slices[id(p)] = (moe.experts.first_expert, moe.experts.num_local, E)
         return model
 
     # ---- gradients ---------------------------------------------------------------------------------
@@ -145,6 +151,72 @@ class ExpertParallel:
             for _, g in grads:
                 g.mul_(coef)
         return total
+
+    # ---- checkpoints -------------------------------------------------------------------------------
+    def _sharded(self, model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+        """``(name, param)`` of every sharded expert parameter, in ``named_parameters`` order."""
+        return [(n, p) for n, p in model.named_parameters() if id(p) in self._expert_slices]
+
+    def _gather(self, t: torch.Tensor) -> torch.Tensor:
+        """The home slices ``[E/R, ...]`` of every EP rank concatenated in rank order: ``[E, ...]``."""
+        t = t.detach().contiguous()
+        parts = [torch.empty_like(t) for _ in range(self.ep_size)]
+        dist.all_gather(parts, t, group=self.ep_group)
+        return torch.cat(parts)
+
+    def full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+        """``{"model", "optimizer"}`` in the single-process layout (collective: every rank calls it).
+
+        Expert parameters ``w_* [E/R, ...]`` and their AdamW ``exp_avg`` / ``exp_avg_sq`` are
+        all-gathered over the EP group into ``[E, ...]`` (home slices are contiguous and in EP rank
+        order, so the concatenation is the unsharded tensor); everything else is this rank's (the
+        replicas are identical). Optimizer param indices follow the param groups, whose order sharding
+        keeps (it replaces each parameter in place), so the result has the layout of a single-process
+        ``optimizer.state_dict()``.
+        """
+        model_sd = model.state_dict()
+        optim_sd = optim.state_dict()
+        sharded = self._sharded(model) if self.ep_size > 1 else []
+        if not sharded:
+            return {"model": model_sd, "optimizer": optim_sd}
+        index = _optim_index(optim)
+        for name, p in sharded:
+            model_sd[name] = self._gather(p)
+            st = optim_sd["state"].get(index[id(p)])
+            if st is not None:
+                optim_sd["state"][index[id(p)]] = {k: self._gather(v) if _is_slice_of(v, p) else v
+                                                   for k, v in st.items()}
+        return {"model": model_sd, "optimizer": optim_sd}
+
+    def load_full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer | None,
+                             state: dict[str, Any]) -> None:
+        """Load a single-process-layout ``{"model", "optimizer"}`` (from :meth:`full_state_dict` or a
+        single-process run), keeping only this rank's home experts of every ``[E, ...]`` tensor.
+
+        ValueError (and nothing loaded) when an expert tensor does not hold all ``E`` experts.
+        """
+        model_sd = dict(state["model"])
+        optim_sd = state.get("optimizer") if optim is not None else None
+        sharded = self._sharded(model) if self.ep_size > 1 else []
+        if optim_sd is not None and sharded:
+            optim_sd = {**optim_sd, "state": dict(optim_sd["state"])}
+            index = _optim_index(optim)
+        for name, p in sharded:
+            first, num, E = self._expert_slices[id(p)]
+            full = model_sd.get(name)
+            if full is None or full.shape != (E, *p.shape[1:]):
+                got = None if full is None else tuple(full.shape)
+                raise ValueError(f"checkpoint {name}: shape {got}, expected the full expert tensor "
+                                 f"{(E, *p.shape[1:])} (all {E} experts, single-process layout)")
+            model_sd[name] = full[first:first + num]
+            if optim_sd is not None and index[id(p)] in optim_sd["state"]:
+                st = optim_sd["state"][index[id(p)]]
+                optim_sd["state"][index[id(p)]] = {
+                    k: v[first:first + num] if isinstance(v, torch.Tensor) and v.shape == full.shape else v
+                    for k, v in st.items()}
+        model.load_state_dict(model_sd)
+        if optim_sd is not None:
+            optim.load_state_dict(optim_sd)
 
     # ---- statistics --------------------------------------------------------------------------------
     def stat_all_reduce(self, t: torch.Tensor) -> torch.Tensor:
@@ -201,9 +273,16 @@ class ExpertParallel:
     def runtime_fields(self) -> dict[str, Any]:
         """The whole-model hooks of ``moonrt.train.Runtime`` this runtime fills (ranks, sums: the caller's)."""
         return {"parallelize": self.parallelize, "sync_grads": self.sync_grads,
-                "clip_grad_norm": self.clip_grad_norm, "on_step": self.on_step, "finish": self.finish}
+                "clip_grad_norm": self.clip_grad_norm, "on_step": self.on_step, "finish": self.finish,
+                "full_state_dict": self.full_state_dict, "load_full_state_dict": self.load_full_state_dict}
 
 
-def _refuse_sharded_load(*args: Any, **kwargs: Any) -> None:
-    raise ValueError("loading a state dict into expert-parallel experts: a checkpoint of an EP run holds only the "
-                     "main rank's home experts, so resuming with --ep > 1 is not supported yet")
+def _optim_index(optim: torch.optim.Optimizer) -> dict[int, int]:
+    """``id(param) -> index`` as ``optimizer.state_dict()`` numbers them (param groups in order)."""
+    params = [p for group in optim.param_groups for p in group["params"]]
+    return {id(p): i for i, p in enumerate(params)}
+
+
+def _is_slice_of(v: Any, p: torch.Tensor) -> bool:
+    """True for per-element optimizer state of ``p`` (``exp_avg``, ``exp_avg_sq``), not ``step``."""
+    return isinstance(v, torch.Tensor) and v.shape == p.shape
