@@ -13,26 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 from dist import dist_run
-from torch import nn
+from moe_layer import OneLayer
 
 from moonrt.comm.ep_parallel import ExpertParallel
 from moonrt.config import ParallelConfig
 from moonrt.model.config import k3_tiny
-from moonrt.model.moe import LatentMoE
 
 B, T = 2, 5
-
-
-class OneLayer(nn.Module):
-    """A model with one MoE layer (what ``ExpertParallel.parallelize`` looks for)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.moe = LatentMoE(k3_tiny())
-
-    def moe_layers(self) -> list[tuple[int, nn.Module]]:
-        return [(1, self.moe)]
 
 
 def _setup(routing: str, world: int) -> tuple[OneLayer, torch.Tensor, torch.Tensor]:
