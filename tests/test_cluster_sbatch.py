@@ -62,7 +62,14 @@ def test_bad_config(tmp_path, text, message):
      ({"nodes": 0}, r"nodes = 0: expected an integer >= 1"),
      ({"ntasks_per_node": -1}, r"ntasks_per_node = -1: expected an integer >= 1"),
      ({"job_name": "a b"}, r"job_name = 'a b': expected letters"),
-     ({"timeout_s": 0}, r"timeout_s = 0: expected a positive number")],
+     ({"timeout_s": 0}, r"timeout_s = 0: expected a positive number"),
+     ({"timeout_s": float("inf")}, r"timeout_s = inf: expected a positive number"),
+     ({"partition": "gpu\ntouch x"}, r"partition = 'gpu\\ntouch x': expected a partition name"),
+     ({"time": "1:00; id"}, r"time = '1:00; id': expected a SLURM time limit"),
+     ({"log": "out.log\nid"}, r"log = 'out.log\\nid': expected a file path"),
+     ({"log": "my log.txt"}, r"log = 'my log.txt': expected a file path"),
+     ({"job_name": "k3\nid"}, r"job_name = 'k3\\nid': expected letters"),
+     ({"cpus_per_task": True}, r"cpus_per_task = True: expected an integer >= 1")],
 )
 def test_bad_job(changes, message):
     job = SbatchJob(**{"command": ["prog"], **changes})
@@ -86,3 +93,53 @@ def test_cli_writes_script_and_reports_errors(tmp_path, capsys, monkeypatch):
     assert cli_main(["sbatch", "--nodes", "1", "--ntasks-per-node", "2", "--submit", "--", "/bin/true"]) == 2
     assert "--submit needs the `sbatch` command, which is not on PATH" in capsys.readouterr().err
     assert (tmp_path / "moonrt.sbatch").exists()
+
+
+INJECTIONS = [("--partition", "gpu\ntouch {pwned}"), ("--time", "01:00:00\ntouch {pwned}"),
+              ("--log", "x.log\ntouch {pwned}"), ("--job-name", "k3\ntouch {pwned}"),
+              ("--partition", "gpu $(touch {pwned})"), ("--time", "1`touch {pwned}`"),
+              ("--log", "x.log'; touch {pwned}; '"), ("--timeout", "nan")]
+
+
+@pytest.mark.parametrize(("flag", "value"), INJECTIONS)
+def test_cli_refuses_values_that_would_inject_shell_commands(tmp_path, capsys, monkeypatch, flag, value):
+    monkeypatch.chdir(tmp_path)
+    pwned = tmp_path / "PWNED"
+    out = tmp_path / "job.sbatch"
+    value = value.format(pwned=pwned)
+    code = cli_main(["sbatch", "--nodes", "1", "--ntasks-per-node", "2", "--output", str(out), flag, value, "--",
+                     "true"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"moonrt sbatch: {flag} = "), err
+    assert not out.exists()  # nothing was written that a later `sbatch` or `bash` could run
+
+
+def test_script_with_ordinary_values_runs(tmp_path, capsys, monkeypatch):
+    """Normal values of every flag give a script that bash runs as intended: ``srun`` (a stand-in that
+    records its arguments) gets the exact command, and the #SBATCH lines carry the values verbatim."""
+    work = tmp_path / "work dir"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    fake_srun = bindir / "srun"
+    fake_srun.write_text('#!/bin/bash\nprintf "%s\\n" "$PWD" "$MOONRT_DIST_TIMEOUT" "$@" > srun.args\n')
+    fake_srun.chmod(0o755)
+    out = tmp_path / "job.sbatch"
+    argv = ["sbatch", "--nodes", "2", "--ntasks-per-node", "3", "--job-name", "k3.run-1", "--partition", "gpu,debug",
+            "--time", "1-02:30:00", "--cpus-per-task", "4", "--log", "logs/%x-%j.out", "--timeout", "45",
+            "--output", str(out), "--", "echo", "a b", "$(not run)", "--lr=1e-3"]
+    assert cli_main(argv) == 0, capsys.readouterr().err
+    text = out.read_text()
+    for directive in ("--job-name=k3.run-1", "--nodes=2", "--ntasks-per-node=3", "--output=logs/%x-%j.out",
+                      "--partition=gpu,debug", "--time=1-02:30:00", "--cpus-per-task=4"):
+        assert f"#SBATCH {directive}" in text.splitlines()
+    env = {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}"}
+    res = subprocess.run(["bash", str(out)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    recorded = (work / "srun.args").read_text().splitlines()
+    assert recorded[:2] == [str(work), "45"]
+    assert recorded[2:5] == ["--kill-on-bad-exit=1", "--ntasks=6", "--ntasks-per-node=3"]
+    assert recorded[5].endswith("/echo") and recorded[6:] == ["a b", "$(not run)", "--lr=1e-3"]

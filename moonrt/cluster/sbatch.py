@@ -11,12 +11,18 @@ if it has a ``dist`` section, its ``timeout_s`` becomes the job's collective tim
 receives ``--config <absolute path>``.
 
 The script is rendered by the pure function :func:`render_sbatch` from a :class:`SbatchJob`.
+Every value is validated before it is written: the ``#SBATCH`` values (job name, partition, time
+limit, log path) must consist of characters that need no shell quoting (letters, digits and
+``_ @ % + = : , . / -``; no whitespace, quotes or newlines, so no value can start a new script
+line), numbers must be finite, and everything bash executes (``cd`` target, command) is
+shell-quoted. A bad value is one line naming the flag (CLI: exit 2).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import re
 import shlex
@@ -29,6 +35,20 @@ import yaml
 
 from moonrt.cluster.env import TIMEOUT_ENV
 from moonrt.config import ConfigError, DistConfig, ParallelConfig, check, from_dict
+
+FLAGS = {"command": "command", "nodes": "--nodes", "ntasks_per_node": "--ntasks-per-node",
+         "cpus_per_task": "--cpus-per-task", "job_name": "--job-name", "partition": "--partition", "time": "--time",
+         "log": "--log", "workdir": "working directory", "timeout_s": "--timeout"}
+"""Each :class:`SbatchJob` field's name on the ``moonrt sbatch`` command line (for error messages)."""
+
+_SAFE = re.compile(r"[\w@%+=:,./-]+", re.ASCII)
+"""Exactly the characters :func:`shlex.quote` leaves bare: such a value is one shell word as written."""
+_PARTITION = re.compile(r"[\w.-]+(,[\w.-]+)*", re.ASCII)
+_TIME = re.compile(r"\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}|UNLIMITED|INFINITE", re.ASCII)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -50,15 +70,33 @@ class SbatchJob:
     timeout_s: float = 300.0
     """Collective/rendezvous timeout of every task (``MOONRT_DIST_TIMEOUT``)."""
 
-    def validate(self) -> None:
-        check(bool(self.command), "command", self.command, "a program to run on every task")
-        check(self.nodes >= 1, "nodes", self.nodes, "an integer >= 1")
-        check(self.ntasks_per_node >= 1, "ntasks_per_node", self.ntasks_per_node, "an integer >= 1")
-        check(self.cpus_per_task is None or self.cpus_per_task >= 1, "cpus_per_task", self.cpus_per_task,
-              "an integer >= 1")
-        check(bool(re.fullmatch(r"[\w.-]+", self.job_name)), "job_name", self.job_name,
-              "letters, digits, '_', '.', '-'")
-        check(self.timeout_s > 0, "timeout_s", self.timeout_s, "a positive number of seconds")
+    def validate(self, *, flags: bool = False) -> None:
+        """Raise :class:`ConfigError` naming the first bad field (its CLI flag when ``flags``)."""
+
+        def name(field: str) -> str:
+            return FLAGS[field] if flags else field
+
+        check(bool(self.command) and all(isinstance(a, str) for a in self.command), name("command"), self.command,
+              "a program (and its arguments) to run on every task")
+        for field in ("nodes", "ntasks_per_node"):
+            value = getattr(self, field)
+            check(_is_int(value) and value >= 1, name(field), value, "an integer >= 1")
+        check(self.cpus_per_task is None or (_is_int(self.cpus_per_task) and self.cpus_per_task >= 1),
+              name("cpus_per_task"), self.cpus_per_task, "an integer >= 1")
+        check(isinstance(self.job_name, str) and bool(re.fullmatch(r"[\w.-]+", self.job_name, re.ASCII)),
+              name("job_name"), self.job_name, "letters, digits, '_', '.', '-'")
+        if self.partition is not None:
+            check(isinstance(self.partition, str) and bool(_PARTITION.fullmatch(self.partition)), name("partition"),
+                  self.partition, "a partition name (or comma-separated names) of letters, digits, '_', '.', '-'")
+        if self.time is not None:
+            check(isinstance(self.time, str) and bool(_TIME.fullmatch(self.time)), name("time"), self.time,
+                  "a SLURM time limit: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS or UNLIMITED")
+        check(isinstance(self.log, str) and bool(_SAFE.fullmatch(self.log)), name("log"), self.log,
+              "a file path of letters, digits and '_ @ % + = : , . / -' (no spaces, quotes or control characters)")
+        check(isinstance(self.workdir, str) and bool(self.workdir) and "\0" not in self.workdir, name("workdir"),
+              self.workdir, "a directory path")
+        check(isinstance(self.timeout_s, (int, float)) and math.isfinite(self.timeout_s) and self.timeout_s > 0,
+              name("timeout_s"), self.timeout_s, "a positive number of seconds")
 
     @property
     def world_size(self) -> int:
@@ -70,15 +108,16 @@ def render_sbatch(job: SbatchJob) -> str:
     job.validate()
     lines = [
         "#!/bin/bash",
-        f"#SBATCH --job-name={job.job_name}",
+        f"#SBATCH --job-name={shlex.quote(job.job_name)}",
         f"#SBATCH --nodes={job.nodes}",
         f"#SBATCH --ntasks-per-node={job.ntasks_per_node}",
-        f"#SBATCH --output={job.log}",
+        f"#SBATCH --output={shlex.quote(job.log)}",
     ]
+    # validate() admitted only values that shlex.quote leaves bare: quoting here is a second guard
     if job.partition:
-        lines.append(f"#SBATCH --partition={job.partition}")
+        lines.append(f"#SBATCH --partition={shlex.quote(job.partition)}")
     if job.time:
-        lines.append(f"#SBATCH --time={job.time}")
+        lines.append(f"#SBATCH --time={shlex.quote(job.time)}")
     if job.cpus_per_task:
         lines.append(f"#SBATCH --cpus-per-task={job.cpus_per_task}")
     lines += [
@@ -147,6 +186,7 @@ def run(args: argparse.Namespace) -> int:
                         job_name=args.job_name, partition=args.partition, time=args.time,
                         cpus_per_task=args.cpus_per_task, log=args.log or f"{args.job_name}-%j.out",
                         workdir=os.getcwd(), timeout_s=args.timeout)
+        job.validate(flags=True)
         if args.config is not None:
             job = job_from_config(job, args.config)
         text = render_sbatch(job)
