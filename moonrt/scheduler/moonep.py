@@ -298,15 +298,57 @@ def send_split(counts: Any, cuts: Any, src: int) -> np.ndarray:
     return np.maximum(hi - lo, 0)
 
 
+@njit(cache=True)
+def _sweep_core(counts: np.ndarray, cuts: np.ndarray) -> np.ndarray:  # pragma: no cover
+    """Numba kernel of :func:`transfer_matrix`: counts [R, E] int64, cuts [E, R + 1] int64 -> [R, R] int64."""
+    R, E = counts.shape
+    tm = np.zeros((R, R), np.int64)
+    for e in range(E):
+        # Two sorted partitions of [0, load_e): sources (in rank order) and destinations (cuts[e]).
+        s = 0  # source rank
+        s_lo = 0
+        s_hi = counts[0, e]
+        d = 0  # destination rank
+        while s < R and d < R:
+            if s_hi == s_lo:  # empty source range
+                s += 1
+                if s < R:
+                    s_lo = s_hi
+                    s_hi = s_lo + counts[s, e]
+                continue
+            d_hi = cuts[e, d + 1]
+            if d_hi <= s_lo:  # destination range ends before this source range starts
+                d += 1
+                continue
+            lo = max(s_lo, cuts[e, d])
+            hi = min(s_hi, d_hi)
+            if hi > lo:
+                tm[s, d] += hi - lo
+            if d_hi < s_hi:
+                d += 1
+            else:
+                s += 1
+                if s < R:
+                    s_lo = s_hi
+                    s_hi = s_lo + counts[s, e]
+    return tm
+
+
 def transfer_matrix(counts: Any, cuts: Any) -> np.ndarray:
     """``[R_src, R_dst]`` int64: assignments source rank ``r`` sends to destination ``d`` under a plan.
 
-    The diagonal is computed locally (no bytes move). Vectorized form of :func:`send_split`.
+    The diagonal is computed locally (no bytes move). Equals ``sum_e send_split(counts, cuts, r)[e]``
+    for every ``r``, computed by one sweep over each expert's two sorted partitions of its
+    assignment order (sources' ranges ``[S[r, e], S[r + 1, e])`` and destinations' cut ranges):
+    O(R·E) time and O(R²) memory, no ``[R, E, R]`` temporary.
+
+    Args:
+        counts: ``[R, E]`` integer counts the plan was made from.
+        cuts: ``[E, R + 1]`` int64, ``plan.cuts``.
     """
-    c = np.asarray(counts, dtype=np.int64)
-    cuts = np.asarray(cuts)
-    start = np.zeros_like(c)
-    np.cumsum(c[:-1], axis=0, out=start[1:])  # [R, E] exclusive prefix over sources
-    lo = np.maximum(cuts[None, :, :-1], start[:, :, None])  # [R_src, E, R_dst]
-    hi = np.minimum(cuts[None, :, 1:], (start + c)[:, :, None])
-    return np.maximum(hi - lo, 0).sum(1)
+    c = np.ascontiguousarray(counts, dtype=np.int64)
+    k = np.ascontiguousarray(cuts, dtype=np.int64)
+    R, E = c.shape
+    if k.shape != (E, R + 1):
+        raise ValueError(f"cuts: shape {k.shape}, expected [E, R + 1] = {(E, R + 1)} for counts {c.shape}")
+    return _sweep_core(c, k)
