@@ -114,11 +114,14 @@ class SavedClass:
     recompute_lin: float = 0.0
     flops_lin: float = 0.0
     flops_quad: float = 0.0
+    const: float = 0.0
+    """Bytes per instance independent of ``T`` (masks, fp32 weight copies in bf16 runs)."""
+    const_fp8: float = 0.0
 
     def bytes(self, policy: str, T: int) -> tuple[float, float]:
         """``(device bytes, offloaded bytes)`` of one instance under ``policy`` for ``T`` tokens."""
-        keep = self.lin * T + self.quad * T * T
-        q = self.lin_fp8 * T + self.quad_fp8 * T * T
+        keep = self.lin * T + self.quad * T * T + self.const
+        q = self.lin_fp8 * T + self.quad_fp8 * T * T + self.const_fp8
         if policy == "keep":
             return keep, 0.0
         if policy == "fp8":

@@ -1,0 +1,366 @@
+"""K3 adapter of the memory planner: saved-activation profiles of moonrt's K3 layers (K3_SYSTEMS §8, §10).
+
+Everything K3-specific the planner needs lives here (issue 11 will move it behind a model-description
+interface): :func:`analytic_profile` (per-term formulas of what moonrt's K3 layers save for backward,
+docs/MEMORY_MODEL.md), :func:`traced_profile_by_kind` (build each layer kind at the configured widths,
+run it on a few tokens under the :class:`~moonrt.memory.manager.ActivationManager` and scale), and
+:func:`layer_specs` (which classes each decoder layer holds; AttnRes is counted per mixed source).
+
+Bytes per class are ``lin * T + const`` for ``T`` tokens of one micro-batch on one rank (``quad`` is
+folded into ``lin`` at the planned sequence length: the profile is built for one layout). ``a`` is the
+activation element size (2 for bf16, 4 for fp32); tensors the layers compute in fp32 (decays, KDA chunk
+intermediates, attention, SiTU-GLU, softmaxes, norms) are 4 bytes whatever ``a`` is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from moonrt.memory import fp8 as fp8mod
+from moonrt.memory.model_memory import LayerSpec, Profile, SavedClass, kernel_profile
+
+CHUNK = 64
+"""KDA chunk size of :func:`moonrt.model.kda.kda_chunk` (its default)."""
+SUB_TILE = 32
+CHUNK_GROUP_ELEMS = 1 << 18
+"""Mirrors :data:`moonrt.model.kda.CHUNK_GROUP_ELEMS` (chunks per group: per-group masks)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Term:
+    """One saved tensor (or family) of a class: ``per_token`` bytes, ``const`` bytes per layer instance,
+    ``width`` the last dimension of the saved view (sets its FP8 size; 0 = never quantized)."""
+
+    name: str
+    per_token: float
+    width: int = 0
+    const: float = 0.0
+    fp32: bool = False
+    """Stored in fp32 (4 bytes per element) whatever the activation dtype."""
+
+
+def _chunk_geometry(t: int, chunk: int = CHUNK) -> tuple[int, int, int]:
+    """``(C, N, n_sub)`` of :func:`kda_chunk` for a sequence of ``t`` tokens."""
+    C = min(chunk, t if t <= SUB_TILE else -(-t // SUB_TILE) * SUB_TILE)
+    return C, -(-t // C), max(1, C // SUB_TILE) if C > SUB_TILE else 1
+
+
+def _state_bytes(N: int, group: int, H: int, K: int, V: int) -> float:
+    """Bytes per sequence of the KDA state scan that stay saved (``_scan_states``, groups of ``group``
+    chunks): the state entering every chunk but the last (``baddbmm`` inputs), the stacked entering
+    states of every group, and a group's ``M [n, H, K, K]`` if one of its scan steps both needs it (its
+    entering state has a gradient: not the very first step) and is used (not the very last step)."""
+    states = (max(N - 1, 0) + N) * 4 * H * K * V
+    m = 0.0
+    for g0 in range(0, N, group):
+        n = min(group, N - g0)
+        steps = [i for i in range(g0, g0 + n) if 0 < i < N - 1]
+        m += 4 * H * K * K * n if steps else 0.0
+    return states + m
+
+
+def class_terms(cfg: Any, a: int, seq_tokens: int, batch: int = 1, gathered: int | None = None,
+                sdpa: str = "math", active_experts: int | None = None) -> dict[str, list[Term]]:
+    """Saved-tensor terms of each class of moonrt's K3 layers (formulas: docs/MEMORY_MODEL.md).
+
+    Args:
+        cfg: a K3 config (HF field names).
+        a: activation element bytes (2 bf16, 4 fp32).
+        seq_tokens: tokens of one sequence on this rank (``seq_len / cp``).
+        batch: sequences per micro-batch.
+        gathered: key/value length an MLA layer attends over (``seq_len`` on the last CP rank,
+            the worst case); default ``seq_tokens``.
+        sdpa: ``"math"`` (CPU: the ``[H, T, S]`` fp32 probabilities are saved) or ``"fused"``
+            (flash / memory-efficient kernels: output and log-sum-exp; [derived], not traced).
+        active_experts: experts of one MoE layer computing rows on this rank (bf16 only: their
+            fp32 weight copies are saved); default all ``E``.
+    """
+    f32 = a == 4
+    t = seq_tokens
+    S = gathered or t
+    la = cfg.linear_attn_config
+    D, H, K = cfg.hidden_size, la.num_heads, la.head_dim
+    V, HK, HV = K, H * K, H * K
+    W, ks = 2 * HK + HV, la.short_conv_kernel_size
+    C, N, n_sub = _chunk_geometry(t)
+    pad = N * C / t
+    group = max(1, CHUNK_GROUP_ELEMS // (batch * H * C * max(K, V)))
+    groups = -(-N // group)
+    per_seq = 1.0 / t  # a per-sequence quantity spread over its tokens
+
+    kda = [
+        Term("input (qkv_proj, b/f_a/g_proj)", D * a, D),
+        Term("conv input [3HK, T + kernel - 1]", W * a * (1 + (ks - 1) * per_seq), 0),
+        Term("conv output (SiLU input)", W * a, W), Term("q|k|v (SiLU output)", W * a, W),
+        Term("q, k L2 rsqrt", 2 * H * a), Term("beta = sigmoid", 4 * H, fp32=True),
+        Term("f_a output", K * a, K), Term("gate pre-sigmoid + sigmoid", 8 * HK, HK, fp32=True),
+        # chunk form (compute dtype fp32; G in fp64), per padded token
+        Term("exp(G - m) fp64", 8 * HK * pad, K), Term("exp(m - G) columns", 4 * n_sub * HK * pad, K, fp32=True),
+        Term("k, q chunks + e_pos", 12 * HK * pad, K, fp32=True),
+        Term("[k|q] row tiles + k column tiles", (8 + 4 * n_sub) * HK * pad, K, fp32=True),
+        Term("beta chunks", 4 * H * pad, fp32=True),
+        Term("L (masked, scaled), UT transform T, A_qk (C x C)", 16 * H * C * pad, C, fp32=True),
+        Term("exp(G), exp(G) k, Kg, exp(G_C - G), W, Qg", 24 * HK * pad, K, fp32=True),
+        Term("v chunks, U, V~", 12 * HV * pad, V, fp32=True),
+        Term("chunk decay exp(G_C)", 4 * HK / C * pad, K, fp32=True),
+        Term("per-chunk M (K x K), entering states, stacked states", _state_bytes(N, group, H, K, V) * per_seq, V,
+             fp32=True),
+        Term("KDA output (fp32 copy)", 4 * HV * (pad if f32 else 1), V, fp32=True),
+        Term("output RMSNorm rsqrt", 4 * H, fp32=True),
+        Term("normed output, x weight, gate sigmoid", 12 * HV, V, fp32=True),
+        Term("o_proj input", HV * a, HV),
+        Term("decay constants, masks", 0, 0, 4 * H + 4 * HK + groups * (n_sub * C + 2 * C * C)
+             + (0 if f32 else 4 * K)),
+    ]
+    ql, kvl, rope, nope, Hm, Vm = (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim,
+                                   cfg.num_attention_heads, cfg.v_head_dim)
+    qk = nope + rope
+    g = S / t
+    mla = [
+        Term("input (q_a, kv_a, g_proj)", D * a, D),
+        Term("q_a RMSNorm (fp32 input, rsqrt, normed)", 8 * ql + 4, ql, fp32=True),
+        Term("q_b input", ql * a, ql),
+        Term("kv_a RMSNorm", 4 * (kvl + rope if f32 else kvl) + 4 + 4 * kvl, kvl, fp32=True),
+        Term("kv_b input (gathered latent)", (kvl + rope) * a * g, kvl + rope),
+        Term("q (fp32)", 4 * Hm * qk, qk, fp32=True), Term("k (fp32, gathered)", 4 * Hm * qk * g, qk, fp32=True),
+        Term("v (fp32, gathered)", 4 * Hm * ((nope + Vm) if f32 and batch == 1 else Vm) * g, Vm, fp32=True),
+        Term("attention probabilities [H, T, S]" if sdpa == "math" else "attention output + lse",
+             4 * Hm * S if sdpa == "math" else 4 * Hm * Vm + 4 * Hm, S if sdpa == "math" else Vm, fp32=True),
+        Term("gate sigmoid, gated output", 8 * Hm * Vm, Vm, fp32=True),
+        Term("o_proj input", Hm * Vm * a, Hm * Vm),
+        Term("norm weights (fp32 copies)", 0, 0, 0 if f32 else 4 * (ql + kvl)),
+    ]
+    E, k, L, F, ns, I_ = (cfg.num_experts, cfg.num_experts_per_token, cfg.routed_expert_hidden_size,
+                          cfg.moe_intermediate_size, cfg.num_shared_experts, cfg.intermediate_size)
+    act = E if active_experts is None else active_experts
+    moe = [
+        Term("router input (fp32)", D * a if f32 else 4 * D, D, fp32=not f32),
+        Term("router scores sigmoid [E]", 4 * E, E, fp32=True),
+        Term("top-k ids, selected scores, their sum", 8 * k + 4 * k + 4),
+        Term("down_proj input", 0 if f32 else D * a, D),
+        Term("dispatch indices (token_index, order)", 16 * k),
+        Term("expert inputs (fp32 rows) per assignment", 4 * k * L, L, fp32=True),
+        Term("expert SiTU-GLU (6 x [F]) + down input per assignment", 28 * k * F, F, fp32=True),
+        Term("combine: row weights, expert outputs, weighted rows", 4 * k + 8 * k * L, L, fp32=True),
+        Term("latent RMSNorm", 8 * L + 4, L, fp32=True), Term("up_proj input", L * a, L),
+        Term("shared experts: SiTU-GLU + down input", ns * (24 * F + F * a), F),
+        Term("router weight / norm weight / active expert weights (fp32 copies)", 0, 0,
+             0 if f32 else 4 * E * D + 4 * L + act * 12 * F * L),
+    ]
+    ffn = [Term("input", D * a, D), Term("SiTU-GLU (6 x [I])", 24 * I_, I_, fp32=True),
+           Term("down_proj input", I_ * a, I_)]
+    norm = [Term("fp32 input, rsqrt, normed", 8 * D + 4, D, fp32=True),
+            Term("weight (fp32 copy)", 0, 0, 0 if f32 else 4 * D)]
+    attn_res = [Term("source (stacked) + RMS keys", (8 if f32 else 12) * D, D, fp32=True),
+                Term("rsqrt + softmax weight", 8, fp32=True),
+                Term("pseudo-query (fp32 copy, ~2 sources per mix)", 0, 0, 0 if f32 else 2 * D)]
+    head = [*norm, Term("lm_head input", D * a, D), Term("targets (int64)", 8),
+            Term("log-softmax of the fp32 logits", 4 * cfg.vocab_size, cfg.vocab_size, 4.0, fp32=True)]
+    embed = [Term("token ids (int64)", 8)]
+    return {"norm": norm, "kda.attn": kda, "mla.attn": mla, "moe": moe, "ffn": ffn, "attn_res": attn_res,
+            "head": head, "embed": embed}
+
+
+def attn_res_sources(cfg: Any, layer: int, which: int) -> int:
+    """Sources the AttnRes mix before sub-layer ``which`` of decoder ``layer`` saves for (0 if it only
+    passes its single source through): finished blocks incl. the embedding, plus the partial block."""
+    S = cfg.attn_res_block_size
+    n = layer // S + 1 + (1 if which == 1 or layer % S else 0)
+    return 0 if n == 1 else n
+
+
+def layer_specs(cfg: Any) -> tuple[tuple[LayerSpec, ...], tuple[str, ...], tuple[str, ...]]:
+    """Classes of each decoder layer, of the head and of the embedding; ``attn_res`` once per source."""
+    layers = []
+    for i, t in enumerate(cfg.layer_types()):
+        ffn = "moe" if cfg.is_moe_layer(i) else "ffn"
+        res = ("attn_res",) * (attn_res_sources(cfg, i, 0) + attn_res_sources(cfg, i, 1))
+        layers.append(LayerSpec(i, ("norm", f"{t}.attn", "norm", ffn, *res)))
+    final = 1 + cfg.num_attn_res_blocks
+    return tuple(layers), ("head",) + ("attn_res",) * (final if final > 1 else 0), ("embed",)
+
+
+def _recompute_input(name: str, cfg: Any, a: int) -> float:
+    """Bytes per token a checkpointed region keeps: its input (``D * a``; AttnRes sources stay resident)."""
+    return {"attn_res": 0.0, "embed": 8.0}.get(name, cfg.hidden_size * a)
+
+
+def analytic_profile(cfg: Any, act_bytes: int, seq_tokens: int, batch: int = 1, cp: int = 1, sdpa: str = "math",
+                     active_experts: int | None = None) -> Profile:
+    """Profile of moonrt's K3 layers from the formulas of :func:`class_terms` (per token at this layout)."""
+    if sdpa not in ("math", "fused"):
+        raise ValueError(f"sdpa = {sdpa!r}: expected 'math' or 'fused'")
+    terms = class_terms(cfg, act_bytes, seq_tokens, batch, seq_tokens * cp, sdpa, active_experts)
+    flops = kernel_profile(cfg, act_bytes).classes
+    classes = {}
+    for name, ts in terms.items():
+        lin = sum(t.per_token for t in ts)
+        q = sum(min(t.per_token, t.per_token / (4 if t.fp32 else act_bytes) / t.width
+                    * fp8mod.stored_bytes((1, t.width))) if t.width > 0 else t.per_token for t in ts)
+        const = sum(t.const for t in ts)
+        f = flops.get(name)
+        fl = 8.0 * cfg.hidden_size if name == "attn_res" else (f.flops_lin if f else 0.0)  # per source
+        classes[name] = SavedClass(name, lin, 0.0, q, 0.0, _recompute_input(name, cfg, act_bytes), fl,
+                                   f.flops_quad if f else 0.0, const, const)
+    layers, head, embed = layer_specs(cfg)
+    return Profile(classes, layers, head, embed)
+
+
+# ---------------------------------------------------------------------------------------------
+# Traced mode: each layer kind built at the configured widths and measured
+
+
+def kind_modules(cfg: Any, max_experts: int = 32) -> dict[str, Callable[[], Any]]:
+    """Builders of one instance of each layer kind: ``name -> () -> (module, run(module, x, tokens))``.
+
+    MoE layers get ``min(E, max(k + 1, max_experts))`` experts (the saved bytes per token and per
+    assignment do not depend on E except the ``[T, E]`` router scores, which :func:`traced_profile_by_kind`
+    scales to the real E)."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    from moonrt.model.attnres import mix
+    from moonrt.model.ffn import dense_ffn
+    from moonrt.model.kda_layer import KDALayer
+    from moonrt.model.mla import GatedMLA
+    from moonrt.model.moe import LatentMoE
+    from moonrt.model.norm import RMSNorm
+
+    class Head(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+        def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+            logits = self.lm_head(self.norm(x)).float()
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1), reduction="sum")
+
+    class Mix(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.query = nn.Parameter(torch.randn(cfg.hidden_size) * 0.02)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return mix(self.query, [x, x * 0.5], cfg.rms_norm_eps)  # 2 sources
+
+    def reduced() -> Any:
+        k = cfg.num_experts_per_token
+        return dataclasses.replace(cfg, num_experts=min(cfg.num_experts, max(k + 1, max_experts)))
+
+    return {
+        "norm": lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
+        "kda.attn": lambda: KDALayer(cfg),
+        "mla.attn": lambda: GatedMLA(cfg),
+        "moe": lambda: LatentMoE(reduced()),
+        "ffn": lambda: dense_ffn(cfg),
+        "attn_res": Mix,
+        "head": Head,
+        "embed": lambda: nn.Embedding(cfg.vocab_size, cfg.hidden_size),
+    }
+
+
+KIND_SOURCES = {"attn_res": 2}
+"""Instances of the class one traced run of a kind holds (the AttnRes probe mixes 2 sources)."""
+
+
+def measure_kind(name: str, module: Any, cfg: Any, batch: int, tokens: int, dtype: Any,
+                 policy: str = "keep") -> float:
+    """Bytes one forward of layer kind ``name`` on ``batch x tokens`` leaves saved for backward under
+    the activation manager with ``policy`` for every tensor (``recompute``: the module checkpointed)."""
+    import torch
+    from torch import nn
+
+    from moonrt.memory.manager import ActivationManager
+    from moonrt.memory.policy import MemoryPolicy, PolicyRule
+
+    box = nn.Module()
+    box.m = module
+    if policy == "recompute":
+        pol = MemoryPolicy(rules=[PolicyRule(match="m", policy="recompute")])
+    else:
+        pol = MemoryPolicy(default=policy)
+    gen = torch.Generator().manual_seed(batch * 1000 + tokens)
+    ids = torch.randint(0, cfg.vocab_size, (batch, tokens), generator=gen)
+    x = (torch.randn(batch, tokens, cfg.hidden_size, generator=gen)).to(dtype).requires_grad_(True)
+    mgr = ActivationManager(box, pol)
+    try:
+        with mgr:
+            if name == "embed":
+                out = box.m(ids)
+            elif name == "head":
+                out = box.m(x, ids)
+            else:
+                out = box.m(x)
+        total = float(sum(st.live_bytes for st in mgr.accounting.regions.values()))
+        del out
+        return total
+    finally:
+        mgr.close()
+
+
+def traced_profile_by_kind(cfg: Any, dtype: Any, seq_tokens: int, batch: int = 1, cp: int = 1,
+                           probe_tokens: int = 128, max_experts: int = 32,
+                           kinds: tuple[str, ...] | None = None) -> Profile:
+    """Profile by measuring each layer kind (built at ``cfg``'s widths, parameters in ``dtype``).
+
+    Per kind and policy (keep, fp8, recompute) three forwards: ``(1, P)``, ``(2, P)`` and ``(1, 2P)``
+    tokens (``P = probe_tokens``) give ``bytes = c + B (a t + q t^2)``; the planned class is
+    ``a + q * S`` per token (``S`` the attended length, ``seq_tokens * cp`` for MLA, else ``seq_tokens``)
+    plus ``c`` per instance. The MoE router's ``[T, E]`` fp32 scores are rescaled from the probe's
+    expert count to the real ``E``. KDA's per-sequence conv prefix and chunk padding are taken at
+    ``P`` tokens (``P`` a multiple of the chunk size keeps padding out).
+    """
+    import torch
+
+    builders = kind_modules(cfg, max_experts)
+    flops = kernel_profile(cfg).classes
+    E_probe = min(cfg.num_experts, max(cfg.num_experts_per_token + 1, max_experts))
+    classes = {}
+    for name in kinds or tuple(builders):
+        torch.manual_seed(0)
+        module = builders[name]().to(dtype)
+        per_policy = {}
+        for pol in ("keep", "fp8", "recompute"):
+            y11 = measure_kind(name, module, cfg, 1, probe_tokens, dtype, pol)
+            y21 = measure_kind(name, module, cfg, 2, probe_tokens, dtype, pol)
+            y12 = measure_kind(name, module, cfg, 1, 2 * probe_tokens, dtype, pol) if name == "mla.attn" else None
+            P = probe_tokens
+            q = (y12 - y21) / (2 * P * P) if y12 is not None else 0.0
+            a_ = (y21 - y11) / P - q * P
+            c = max(0.0, y11 - a_ * P - q * P * P)
+            S = seq_tokens * cp if name == "mla.attn" else seq_tokens
+            n = KIND_SOURCES.get(name, 1)
+            lin = (a_ + q * S) / n
+            if name == "moe" and pol != "recompute":
+                lin += 4 * (cfg.num_experts - E_probe)
+            per_policy[pol] = (lin, c / n)
+        del module
+        f = flops.get(name)
+        classes[name] = SavedClass(name, per_policy["keep"][0], 0.0, per_policy["fp8"][0], 0.0,
+                                   per_policy["recompute"][0], f.flops_lin if f else 0.0,
+                                   f.flops_quad if f else 0.0, per_policy["keep"][1], per_policy["fp8"][1])
+    layers, head, embed = layer_specs(cfg)
+    return Profile(classes, layers, head, embed)
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Element bytes of ``"bf16"`` / ``"fp32"``."""
+    try:
+        return {"bf16": 2, "fp32": 4}[dtype]
+    except KeyError:
+        raise ValueError(f"dtype = {dtype!r}: expected 'bf16' or 'fp32'") from None
+
+
+def default_dtype() -> str:
+    """The runtime's training dtype on this machine: bf16 with a CUDA device, else fp32."""
+    import torch
+
+    return "bf16" if torch.cuda.is_available() else "fp32"
+
+
+__all__ = ["Term", "analytic_profile", "attn_res_sources", "class_terms", "default_dtype", "dtype_bytes",
+           "kind_modules", "layer_specs", "measure_kind", "traced_profile_by_kind"]
