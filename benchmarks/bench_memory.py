@@ -93,10 +93,10 @@ def main() -> None:
 
     keep_act, _ = activation_bytes(rm, profile, {}, B * T)
     budget = (static + args.budget_fraction * keep_act) / GIB
-    disk = tempfile.mktemp(prefix="moonrt-bench-", suffix=".bin")
+    disk = tempfile.mkdtemp(prefix="moonrt-bench-")  # each DiskStore creates its own unnamed file in it
     p = plan(cfg, layout, param_sizes(cfg), Hardware(budget_gib=budget, reserve_gib=0.0, host_gib=0.0,
                                                      disk_gib=1.0, disk_gbs=2.0, tflops=0.05), profile=profile)
-    planned = dict(policy_dict(p.ranks[0]), disk_path=disk + ".plan", disk_capacity_mib=1024)
+    planned = dict(policy_dict(p.ranks[0]), disk_path=disk, disk_capacity_mib=1024)
     policies = {
         "keep (no manager)": None,
         "keep": MemoryPolicy(),

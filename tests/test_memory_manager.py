@@ -168,7 +168,7 @@ def test_bad_input_messages():
 def test_disk_store_capacity_and_reuse(tmp_path):
     from moonrt.memory.backends import DiskStore
 
-    store = DiskStore(tmp_path / "offload.bin", capacity=1024)
+    store = DiskStore(tmp_path / "offload", capacity=1024)
     a = store.put(torch.arange(100, dtype=torch.uint8))
     b = store.put(torch.arange(200, dtype=torch.uint8))
     assert torch.equal(store.get(a, torch.device("cpu")), torch.arange(100, dtype=torch.uint8))
@@ -179,4 +179,4 @@ def test_disk_store_capacity_and_reuse(tmp_path):
     c = store.put(torch.full((900,), 7, dtype=torch.uint8))  # freed extents merged and reused
     assert torch.equal(store.get(c, torch.device("cpu")), torch.full((900,), 7, dtype=torch.uint8))
     store.close()
-    assert not (tmp_path / "offload.bin").exists()
+    assert list((tmp_path / "offload").iterdir()) == []  # the directory is kept, no file left in it

@@ -4,8 +4,9 @@ Two layers:
 
 - A **store** keeps a flat byte tensor somewhere and gives it back: :class:`KeepStore` (the compute
   device), :class:`HostStore` (host memory; pinned and copied on a side CUDA stream when CUDA is
-  present, a plain copy otherwise), :class:`DiskStore` (one memory-mapped file per job, the NVMe
-  tier) and :class:`RemoteStore` (another rank's memory through :mod:`moonrt.memory.remote`).
+  present, a plain copy otherwise), :class:`DiskStore` (one unnamed memory-mapped file per process in
+  the policy's ``disk_path`` directory, the NVMe tier) and :class:`RemoteStore` (another rank's
+  memory through :mod:`moonrt.memory.remote`).
 - A **codec** turns a tensor into the byte tensors handed to the store: :class:`RawCodec` (bytes
   as they are) or :class:`FP8Codec` (block-wise E4M3 payload + fp32 scales, :mod:`.fp8`).
 
@@ -19,12 +20,14 @@ from __future__ import annotations
 import dataclasses
 import mmap
 import os
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
+from moonrt.config import ConfigError
 from moonrt.memory import fp8
 
 TIERS = ("device", "host", "disk", "remote")
@@ -129,28 +132,47 @@ class HostStore:
 
 
 class DiskStore:
-    """One memory-mapped file per job (the NVMe tier), sized once (a sparse file of ``capacity`` bytes).
+    """One memory-mapped file per store (the NVMe tier), sized once (a sparse file of ``capacity`` bytes).
 
-    First-fit allocation over 64-byte aligned extents; freed extents are merged. The file is removed
-    by :meth:`close`. ``get`` returns a copy, so the extent can be reused right after ``free``.
+    ``directory`` is a directory (created if missing; never a file): every store, i.e. every rank
+    and process, creates its **own new** file in it with :func:`tempfile.TemporaryFile`
+    (``O_TMPFILE`` on Linux, else ``mkstemp``'s ``O_CREAT | O_EXCL`` followed by ``unlink``), so an
+    existing file is never opened, truncated or removed, two ranks given the same directory never
+    share a file, and the file has no name while it is used: the kernel frees it when the last
+    descriptor closes -- on :meth:`close`, on normal exit and on any death of the process
+    (SIGTERM, SIGINT, SIGKILL, OOM kill) -- so no signal handler is needed and nothing is left behind.
+
+    First-fit allocation over 64-byte aligned extents; freed extents are merged. ``get`` returns a
+    copy, so the extent can be reused right after ``free``.
     """
 
     tier = "disk"
     ALIGN = 64
 
-    def __init__(self, path: str | Path, capacity: int) -> None:
+    def __init__(self, directory: str | Path | None, capacity: int, field: str = "disk_path") -> None:
         if capacity <= 0:
             raise ValueError(f"disk capacity = {capacity}: expected a positive number of bytes")
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.directory = Path(directory) if directory else Path(tempfile.gettempdir())
+        if self.directory.exists() and not self.directory.is_dir():
+            raise ConfigError(f"{field} = {str(directory)!r}: an existing file, not a directory; expected a "
+                              "directory in which each process creates its own offload file (existing files "
+                              "are never overwritten)")
+        try:
+            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self._file = tempfile.TemporaryFile(dir=self.directory, prefix=f"moonrt-offload-{os.getpid()}-",
+                                                suffix=".bin")
+        except OSError as exc:
+            raise ConfigError(f"{field} = {str(directory)!r}: cannot create an offload file there "
+                              f"({exc.strerror or exc}); expected a writable directory") from None
         self.capacity = int(capacity)
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        self._fd = self._file.fileno()
         os.ftruncate(self._fd, self.capacity)
         self._mm = mmap.mmap(self._fd, self.capacity)
         self._view = torch.frombuffer(self._mm, dtype=torch.uint8)
         self._free: list[tuple[int, int]] = [(0, self.capacity)]  # sorted (offset, size)
         self._lock = threading.Lock()
         self.used = 0
+        self.closed = False
 
     def _alloc(self, n: int) -> int:
         size = max(self.ALIGN, -(-n // self.ALIGN) * self.ALIGN)
@@ -161,8 +183,8 @@ class DiskStore:
                     del self._free[i]
                 self.used += size
                 return off
-        raise ValueError(f"disk store {str(self.path)!r}: capacity = {self.capacity} bytes exhausted "
-                         f"({self.used} used, {n} requested); raise the disk capacity in the memory policy")
+        raise ValueError(f"disk store in {str(self.directory)!r}: capacity = {self.capacity} bytes exhausted "
+                         f"({self.used} used, {n} requested); raise disk_capacity_mib in the memory policy")
 
     def put(self, data: torch.Tensor) -> Any:
         n = data.numel()
@@ -191,10 +213,13 @@ class DiskStore:
             self._free = merged
 
     def close(self) -> None:
+        """Unmap and close the file (the kernel frees its blocks; it never had a lasting name)."""
+        if self.closed:
+            return
+        self.closed = True
         del self._view
         self._mm.close()
-        os.close(self._fd)
-        self.path.unlink(missing_ok=True)
+        self._file.close()
 
 
 class RemoteStore:

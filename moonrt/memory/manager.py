@@ -27,7 +27,7 @@ Use::
         loss = model(x).sum()
     loss.backward()
     print(mgr.accounting.summary())
-    mgr.close()                                                # unwraps, removes the disk file
+    mgr.close()                                                # unwraps, frees the disk file
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ import dataclasses
 import fnmatch
 import functools
 import re
-import tempfile
 import threading
 import time
 import warnings
@@ -142,8 +141,8 @@ class ActivationManager:
         if "host" in used:
             self._stores["host"] = HostStore()
         if "disk" in used:
-            path = self.policy.disk_path or tempfile.mktemp(prefix="moonrt-offload-", suffix=".bin")
-            self._stores["disk"] = DiskStore(path, self.policy.disk_capacity_mib * 2**20)
+            # a new unnamed file of this process in the disk_path directory (never an existing file)
+            self._stores["disk"] = DiskStore(self.policy.disk_path or None, self.policy.disk_capacity_mib * 2**20)
         if "remote" in used:
             if remote is None:
                 raise ValueError("memory policy uses a remote policy but no remote client was given "
@@ -300,7 +299,7 @@ class ActivationManager:
         self._wrapped.append(mod)
 
     def close(self) -> None:
-        """Remove hooks and wrappers, stop the prefetcher, delete the disk file."""
+        """Remove hooks and wrappers, stop the prefetcher, close (and so free) the disk file."""
         for h in self._handles:
             h.remove()
         self._handles.clear()

@@ -25,6 +25,7 @@ rules (a ``recompute`` rule on the same module checkpoints it whole instead).
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from moonrt.config import ConfigError, check
 from moonrt.memory.backends import POLICIES
@@ -60,7 +61,9 @@ class MemoryPolicy:
     min_bytes: int = 0
     """Saved tensors smaller than this are kept as they are (not worth a copy)."""
     disk_path: str = ""
-    """File of the disk tier (one per job); empty: a temporary file."""
+    """Directory of the disk tier (created if missing; empty: the system temp directory). Each process
+    creates its own new unnamed file there (``O_TMPFILE`` / ``O_EXCL``), freed when it closes or exits
+    in any way; an existing file given here is refused, never overwritten."""
     disk_capacity_mib: int = 4096
     remote_timeout_s: float = 60.0
 
@@ -70,6 +73,9 @@ class MemoryPolicy:
         check(self.fp8_block >= 1, "fp8_block", self.fp8_block, "an integer >= 1")
         check(self.min_bytes >= 0, "min_bytes", self.min_bytes, "an integer >= 0")
         check(self.disk_capacity_mib >= 1, "disk_capacity_mib", self.disk_capacity_mib, "an integer >= 1")
+        check(not (self.disk_path and os.path.exists(self.disk_path) and not os.path.isdir(self.disk_path)),
+              "disk_path", self.disk_path, "a directory (each process creates its own offload file in it); "
+              "this is an existing file and is never overwritten")
         check(self.remote_timeout_s > 0, "remote_timeout_s", self.remote_timeout_s, "a positive number")
         for i, r in enumerate(self.rules):
             try:
