@@ -24,6 +24,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -31,8 +35,12 @@ import numpy as np
 from tqdm import tqdm
 
 from moonrt.scheduler import baselines as bl
+from moonrt.scheduler.hardware import HardwareProfile, resolve_profile
 from moonrt.scheduler.moonep import plan, transfer_matrix
-from moonrt.scheduler.workload import Workload, load_trace, maxvio, synthetic
+from moonrt.scheduler.steptime import PASSES, PHASES, layer_time, moonep_traffic, placement_traffic
+from moonrt.scheduler.workload import SyntheticStream, TraceStream, Workload, maxvio, open_trace
+
+WorkloadLike = Workload | SyntheticStream | TraceStream
 
 POLICIES = ("none", "eplb", "eplb-oracle", "moonep")
 # K3 sizes (K3_SYSTEMS §1): latent width 3584 crosses ranks; an expert is 3 matrices 3584 x 3072.
@@ -42,17 +50,15 @@ K3_EXPERT_PARAMS = 3 * 3584 * 3072
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload (synthetic unless --trace)")
-    g.add_argument("--trace", type=Path, default=None, help="routing trace .npz (counts [steps, layers, R, E])")
+    g.add_argument("--trace", type=Path, default=None,
+                   help="routing trace .npz (counts [steps, layers, R, E]), read one step at a time; its shape "
+                        "sets E, R, k, steps and layers (flags given as well must agree)")
     g.add_argument("--workload", choices=("uniform", "lognormal", "zipf"), default="lognormal")
     g.add_argument("--sigma", type=float, default=1.0, help="lognormal popularity sigma")
     g.add_argument("--zipf-s", type=float, default=1.0, help="zipf popularity exponent")
     g.add_argument("--drift", type=float, default=0.3, help="per-step relative fluctuation of expert shares")
-    g.add_argument("--experts", type=int, default=896, help="E, routed experts (K3: 896)")
-    g.add_argument("--ranks", type=int, default=64, help="R, EP ranks")
-    g.add_argument("--top-k", type=int, default=16, help="k (K3: 16)")
-    g.add_argument("--tokens", type=int, default=4096, help="s, tokens per rank per layer")
-    g.add_argument("--steps", type=int, default=24)
-    g.add_argument("--layers", type=int, default=3, help="MoE layers simulated (K3 has 92; a sample suffices)")
+    for flag, default, text in _SHAPE_FLAGS:
+        g.add_argument(flag, type=int, default=None, help=f"{text} (default {default})")
     g.add_argument("--seed", type=int, default=0)
     q = p.add_argument_group("policies and sizes")
     q.add_argument("--policies", default=",".join(POLICIES), help=f"comma list from {','.join(POLICIES)}")
@@ -65,9 +71,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     q.add_argument("--hidden", type=int, default=K3_LATENT, help="activation width crossing ranks (K3 latent)")
     q.add_argument("--expert-params", type=int, default=K3_EXPERT_PARAMS, help="parameters per routed expert")
     q.add_argument("--bytes-per-elem", type=int, default=2, help="bytes per activation/weight element (bf16: 2)")
-    q.add_argument("--out", type=Path, default=Path("runs/ep-sim"), help="output directory")
-    q.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    q.add_argument("--quiet", action="store_true", help="no progress bar")
+    h = p.add_argument_group("step-time model")
+    h.add_argument("--hardware", default=None,
+                   help="hardware profile: a YAML file, a built-in name (h800-ib400, h200-ib400) or 'cpu-local' "
+                        "(measured now: gloo all_to_all bandwidth + GEMM micro-benchmark); prints the estimated "
+                        "MoE layer time per policy and MoonEP's speed-up")
+    h.add_argument("--passes", choices=PASSES, default="fwd+bwd", help="time forward only or forward + backward")
+    m = p.add_argument_group("run")
+    m.add_argument("--max-memory-gib", type=float, default=None,
+                   help="refuse to start when the estimated peak memory exceeds this (default: the machine's "
+                        "available memory)")
+    m.add_argument("--out", type=Path, default=Path("runs/ep-sim"), help="output directory")
+    m.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    m.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+_SHAPE_FLAGS = (("--experts", 896, "E, routed experts (K3: 896)"), ("--ranks", 64, "R, EP ranks"),
+                ("--top-k", 16, "k (K3: 16)"), ("--tokens", 4096, "s, tokens per rank per layer"),
+                ("--steps", 24, "steps"), ("--layers", 3, "MoE layers simulated (K3 has 92; a sample suffices)"))
+
+
+def available_memory_bytes() -> int:
+    """Memory this process can use without swapping: ``MemAvailable`` (Linux), else physical memory."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
 def _policies(text: str) -> list[str]:
@@ -78,21 +110,30 @@ def _policies(text: str) -> list[str]:
     return names
 
 
-def simulate(wl: Workload, policies: list[str], *, num_slots: int | None = None, eplb_every: int = 4,
+def simulate(wl: WorkloadLike, policies: list[str], *, num_slots: int | None = None, eplb_every: int = 4,
              eplb_alpha: float = 0.2, eplb_redundant: int | None = None, token_bytes: int = 2 * K3_LATENT,
-             expert_bytes: int = 2 * K3_EXPERT_PARAMS, progress: bool = True) -> dict:
+             expert_bytes: int = 2 * K3_EXPERT_PARAMS, progress: bool = True, hardware: HardwareProfile | None = None,
+             expert_params: int = K3_EXPERT_PARAMS, passes: str = "fwd+bwd") -> dict:
     """Run every policy on every (step, layer) of ``wl``; returns per-step records and per-rank loads.
+
+    ``wl`` is a :class:`Workload`, :class:`SyntheticStream` or :class:`TraceStream`: its counts
+    ``[R, E]`` are consumed one (step, layer) at a time, so memory is O(R·E + R²), independent of
+    steps x layers (apart from the ``[steps, layers]`` records); time per layer-step is O(R·E) plus
+    O(R²) for the rank-to-rank matrices of the step-time model.
 
     Returns a dict: ``maxvio [steps, layers]``, and per policy ``balance``, ``copies_mean``,
     ``copies_max``, ``prefetch_bytes``, ``token_bytes``, ``plan_s`` (each ``[steps, layers]``
-    float64) and ``loads`` (``[R]`` rank loads of the last step, layer 0).
+    float64) and ``loads`` (``[R]`` rank loads of the last step, layer 0). With ``hardware``, per
+    policy also ``time_<phase>`` ``[steps, layers]`` seconds for the phases of
+    :func:`moonrt.scheduler.steptime.layer_time` and ``time_total``.
     """
     T, L, R, E = wl.shape
     if eplb_every < 1:
         raise ValueError(f"eplb_every: {eplb_every}, expected >= 1")
     red = E if eplb_redundant is None else eplb_redundant
-    equal = wl.equal_rank_totals()
     keys = ("balance", "copies_mean", "copies_max", "prefetch_bytes", "token_bytes", "plan_s")
+    if hardware is not None:
+        keys += tuple(f"time_{k}" for k in (*PHASES, "total"))
     out: dict = {"maxvio": np.zeros((T, L))}
     for p in policies:
         out[p] = {k: np.zeros((T, L)) for k in keys}
@@ -101,17 +142,22 @@ def simulate(wl: Workload, policies: list[str], *, num_slots: int | None = None,
     # EPLB placements per layer; before any history, EPLB plans from a uniform prediction.
     first = bl.eplb(np.ones(E), R, red) if any(p.startswith("eplb") for p in policies) else home
     placed = {p: [first] * L for p in policies if p.startswith("eplb")}
-    for t in tqdm(range(T), desc="ep-sim", unit="step", disable=not progress):
-        for l in range(L):
-            counts = wl.counts[t, l]
+    timing = dict(num_experts=E, token_bytes=token_bytes, expert_bytes=expert_bytes, expert_params=expert_params,
+                  passes=passes)
+    with tqdm(total=T, desc="ep-sim", unit="step", disable=not progress) as bar:
+        for t, l, counts in wl.layer_steps():
             load = counts.sum(0)
-            mean = counts.sum() / R if counts.sum() else 1.0
+            total = counts.sum()
+            mean = total / R if total else 1.0
+            rows = counts.sum(1)
+            equal = bool((rows == rows[0]).all())
             out["maxvio"][t, l] = maxvio(load)
             for p in policies:
                 rec = out[p]
+                traffic = None
                 if p == "moonep":
                     t0 = time.perf_counter()
-                    pl = plan(counts, num_slots, None if equal else int(counts.sum()) // wl.top_k)
+                    pl = plan(counts, num_slots, None if equal else int(total) // wl.top_k)
                     rec["plan_s"][t, l] = time.perf_counter() - t0
                     loads = pl.alloc.sum(0)
                     ncp = pl.copies_per_rank()
@@ -119,11 +165,15 @@ def simulate(wl: Workload, policies: list[str], *, num_slots: int | None = None,
                     rec["prefetch_bytes"][t, l] = ncp.sum() * expert_bytes
                     tm = transfer_matrix(counts, pl.cuts)
                     rec["token_bytes"][t, l] = (tm.sum() - np.trace(tm)) * token_bytes
+                    if hardware is not None:
+                        traffic = moonep_traffic(counts, pl, rec["plan_s"][t, l])
                 else:
+                    before = None
                     if p == "none":
                         place, moves, dt = home, 0, 0.0
                     else:
                         prev = placed[p]
+                        before = prev[l]
                         predicted = None
                         if p == "eplb-oracle":  # perfect prediction: planned from this step's loads
                             predicted = load
@@ -142,11 +192,39 @@ def simulate(wl: Workload, policies: list[str], *, num_slots: int | None = None,
                     rec["prefetch_bytes"][t, l] = moves * expert_bytes
                     rec["token_bytes"][t, l] = bl.moved_assignments(counts, place) * token_bytes
                     rec["plan_s"][t, l] = dt
+                    if hardware is not None:
+                        traffic = placement_traffic(counts, place, before)
                 rec["balance"][t, l] = loads.max() / mean
+                if traffic is not None:
+                    for k, v in layer_time(traffic, hardware, **timing).items():
+                        if f"time_{k}" in rec:
+                            rec[f"time_{k}"][t, l] = v
                 if t == T - 1 and l == 0:
                     rec["loads"] = loads.astype(np.int64)
             ema[l].update(load)
+            if l == L - 1:
+                bar.update(1)
     return out
+
+
+def estimate_memory_bytes(num_ranks: int, num_experts: int, steps: int, layers: int, policies: list[str],
+                          eplb_redundant: int | None = None, hardware: bool = False) -> int:
+    """Peak resident bytes of :func:`simulate` plus ``summary.json`` (an upper estimate, checked
+    against measured peak RSS in ``benchmarks/bench_ep_sim_scale.py``): the interpreter with numpy,
+    numba and matplotlib; per layer-step temporaries of the workload generator, the planners and
+    the byte counters (about 24 ``[R, E]`` 8-byte arrays at once); the MoonEP plan ``[E, 2R + 1]``;
+    EPLB's per-layer placements and moving averages; ``[R, R]`` matrices; the ``[steps, layers]``
+    records and their JSON text."""
+    R, E, T, L = num_ranks, num_experts, steps, layers
+    P = E + (E if eplb_redundant is None else eplb_redundant)
+    base = 400 << 20
+    re = 24 * R * E * 8 + (4 * R * P * 8 if hardware else 0)
+    plan_buf = E * (2 * R + 1) * 8 + 2 * R * R * 8
+    eplb = L * (4 * P * 8 + 2 * E * 8) if any(p.startswith("eplb") for p in policies) else 0
+    rr = (12 if hardware else 2) * R * R * 8
+    n_keys = 1 + len(policies) * (6 + (7 if hardware else 0))
+    records = T * L * n_keys * (8 + 3 * 28)  # float64 array + list + JSON text (~25 chars a number)
+    return int(base + re + plan_buf + eplb + rr + records)
 
 
 def summarize(res: dict, policies: list[str], warmup: int = 0) -> dict:
@@ -165,7 +243,30 @@ def summarize(res: dict, policies: list[str], warmup: int = 0) -> dict:
             "token_MB_per_layer_step": float(r["token_bytes"].mean() / 1e6),
             "plan_ms_median": float(np.median(planned) * 1e3) if planned.size else 0.0,
         }
+        if "time_total" in r:
+            s[p]["layer_ms"] = {k: float(r[f"time_{k}"].mean() * 1e3) for k in (*PHASES, "total")}
+            s[p]["layer_ms_worst"] = float(r["time_total"].max() * 1e3)
+    if "moonep" in s and "layer_ms" in s["moonep"]:
+        base = s["moonep"]["layer_ms"]["total"]
+        for p in policies:
+            s[p]["moonep_speedup"] = s[p]["layer_ms"]["total"] / base if base > 0 else float("nan")
     return s
+
+
+def format_time_table(summary: dict, hw: HardwareProfile, passes: str) -> str:
+    """Estimated MoE layer time per policy (mean over summarized layer-steps), per phase, ms."""
+    head = (f"{'policy':<12} {'plan':>7} {'dispatch':>9} {'prefetch':>9} {'gemm':>8} {'combine':>8} "
+            f"{'total':>8} {'worst':>8} {'MoonEP speed-up':>16}")
+    lines = [f"estimated MoE layer time on {hw.name} ({passes}; {hw.ranks_per_node} ranks/node; "
+             f"prefetch {'overlapped with' if hw.overlap_prefetch else 'after'} dispatch), ms per layer:", head,
+             "-" * len(head)]
+    for p, v in summary.items():
+        t = v["layer_ms"]
+        sp = f"{v['moonep_speedup']:.2f}x" if "moonep_speedup" in v else "-"
+        lines.append(f"{p:<12} {t['plan']:>7.3f} {t['dispatch']:>9.3f} {t['prefetch']:>9.3f} {t['gemm']:>8.3f} "
+                     f"{t['combine']:>8.3f} {t['total']:>8.3f} {v['layer_ms_worst']:>8.3f} {sp:>16}")
+    lines.append("phases end with their slowest rank; speed-up = policy total / MoonEP total (mean over layer-steps)")
+    return "\n".join(lines)
 
 
 def format_table(summary: dict, maxvio_mean: float, warmup: int = 0) -> str:
@@ -216,32 +317,116 @@ def plot(res: dict, policies: list[str], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def run(args: argparse.Namespace) -> int:
-    policies = _policies(args.policies)
+def _int_arg(flag: str, v: object, lo: int) -> None:
+    if not isinstance(v, int) or v < lo:
+        raise ValueError(f"{flag}: {v!r}, expected an integer >= {lo}")
+
+
+def _workload(args: argparse.Namespace) -> WorkloadLike:
+    """The workload the flags describe (synthetic stream or trace stream), flags checked."""
+    given = {f: getattr(args, f[2:].replace("-", "_")) for f, _, _ in _SHAPE_FLAGS}
+    for flag, v in given.items():
+        if v is not None:
+            _int_arg(flag, v, 0 if flag == "--tokens" else 1)
     if args.trace is not None:
-        wl = load_trace(args.trace)
-    else:
-        wl = synthetic(args.workload, num_experts=args.experts, num_ranks=args.ranks, top_k=args.top_k,
-                       tokens_per_rank=args.tokens, steps=args.steps, layers=args.layers, sigma=args.sigma,
-                       zipf_s=args.zipf_s, drift=args.drift, seed=args.seed)
+        wl = open_trace(args.trace)
+        T, L, R, E = wl.shape
+        have = {"--steps": T, "--layers": L, "--ranks": R, "--experts": E, "--top-k": wl.top_k}
+        for flag, v in have.items():
+            if given[flag] is not None and given[flag] != v:
+                raise ValueError(f"{flag}: {given[flag]}, but trace {args.trace} has {flag[2:]} = {v} (counts "
+                                 f"[steps, layers, R, E] = {list(wl.shape)}, top_k = {wl.top_k}); expected the "
+                                 "trace's value or no flag")
+        if given["--tokens"] is not None:
+            raise ValueError(f"--tokens: {given['--tokens']}, but a trace sets tokens per rank itself (row sums / k); "
+                             "expected no --tokens with --trace")
+        if E % R:
+            raise ValueError(f"{args.trace}: E={E} experts is not divisible by R={R} ranks; expected E % R == 0")
+        return wl
+    v = {f: (given[f] if given[f] is not None else d) for f, d, _ in _SHAPE_FLAGS}
+    if v["--experts"] % v["--ranks"]:
+        raise ValueError(f"--experts: {v['--experts']} is not divisible by --ranks {v['--ranks']}; expected "
+                         "E % R == 0 (each rank is home to E/R experts)")
+    if v["--top-k"] > v["--experts"]:
+        raise ValueError(f"--top-k: {v['--top-k']}, expected <= --experts ({v['--experts']})")
+    for flag, x in (("--sigma", args.sigma), ("--zipf-s", args.zipf_s)):
+        if not (math.isfinite(x) and x >= 0):
+            raise ValueError(f"{flag}: {x}, expected a finite number >= 0")
+    if not 0.0 <= args.drift < 1.0:
+        raise ValueError(f"--drift: {args.drift}, expected 0 <= drift < 1 (relative per-step fluctuation of shares)")
+    return SyntheticStream(args.workload, v["--experts"], v["--ranks"], v["--top-k"], v["--tokens"], v["--steps"],
+                           v["--layers"], args.sigma, args.zipf_s, args.drift, args.seed)
+
+
+def _check_options(args: argparse.Namespace, R: int, E: int, T: int) -> None:
+    if args.num_slots is not None:
+        _int_arg("--num-slots", args.num_slots, 0)
+    _int_arg("--eplb-every", args.eplb_every, 1)
+    if not 0 <= args.warmup < T:
+        raise ValueError(f"--warmup: {args.warmup}, expected 0 <= warmup < steps ({T})")
+    if not 0.0 < args.eplb_alpha <= 1.0:
+        raise ValueError(f"--eplb-alpha: {args.eplb_alpha}, expected 0 < alpha <= 1")
+    if args.eplb_redundant is not None and (args.eplb_redundant < 0 or (E + args.eplb_redundant) % R):
+        raise ValueError(f"--eplb-redundant: {args.eplb_redundant}, expected >= 0 with (E + redundant) % R == 0 "
+                         f"(E={E}, R={R})")
+    for flag in ("--hidden", "--expert-params", "--bytes-per-elem"):
+        _int_arg(flag, getattr(args, flag[2:].replace("-", "_")), 1)
+    if args.max_memory_gib is not None and not (math.isfinite(args.max_memory_gib) and args.max_memory_gib > 0):
+        raise ValueError(f"--max-memory-gib: {args.max_memory_gib}, expected a finite number of GiB > 0")
+
+
+def _writable_dir(path: Path) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise ValueError(f"--out: {str(path)!r} is not a writable directory ({exc.strerror or exc})") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    """``moonrt ep-sim``: every input error is one line on stderr naming the input, exit 2."""
+    try:
+        return _run(args)
+    except ValueError as exc:
+        print(f"moonrt ep-sim: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    policies = _policies(args.policies)
+    wl = _workload(args)
     T, L, R, E = wl.shape
+    _check_options(args, R, E, T)
+    need = estimate_memory_bytes(R, E, T, L, policies, args.eplb_redundant, args.hardware is not None)
+    limit = available_memory_bytes() if args.max_memory_gib is None else int(args.max_memory_gib * 2**30)
+    if need > limit:
+        src = "--max-memory-gib" if args.max_memory_gib is not None else "available memory (--max-memory-gib)"
+        raise ValueError(f"estimated peak memory {need / 2**30:.1f} GiB for R={R}, E={E}, {T} steps x {L} layers, "
+                         f"policies {','.join(policies)} exceeds the {src} limit of {limit / 2**30:.1f} GiB; expected "
+                         "fewer ranks/experts/steps, fewer policies or a larger --max-memory-gib")
+    _writable_dir(args.out)
+    hw = resolve_profile(args.hardware) if args.hardware is not None else None
     t0 = time.perf_counter()
     res = simulate(wl, policies, num_slots=args.num_slots, eplb_every=args.eplb_every, eplb_alpha=args.eplb_alpha,
                    eplb_redundant=args.eplb_redundant, token_bytes=args.hidden * args.bytes_per_elem,
-                   expert_bytes=args.expert_params * args.bytes_per_elem, progress=not args.quiet)
-    if not 0 <= args.warmup < T:
-        raise ValueError(f"--warmup: {args.warmup}, expected 0 <= warmup < steps ({T})")
+                   expert_bytes=args.expert_params * args.bytes_per_elem, progress=not args.quiet, hardware=hw,
+                   expert_params=args.expert_params, passes=args.passes)
     summary = summarize(res, policies, args.warmup)
     title = f"{wl.name}: E={E} R={R} k={wl.top_k} steps={T} layers={L}"
     print(title)
     print(format_table(summary, float(res["maxvio"][args.warmup:].mean()), args.warmup))
-    args.out.mkdir(parents=True, exist_ok=True)
+    if hw is not None:
+        print(format_time_table(summary, hw, args.passes))
     doc = {
         "workload": wl.name, "experts": E, "ranks": R, "top_k": wl.top_k, "steps": T, "layers": L,
         "policies": policies, "warmup": args.warmup, "summary": summary, "maxvio": res["maxvio"].tolist(),
         "per_step": {p: {k: v.tolist() for k, v in res[p].items()} for p in policies},
-        "seconds": time.perf_counter() - t0,
+        "seconds": time.perf_counter() - t0, "estimated_memory_bytes": need,
     }
+    if hw is not None:
+        doc["hardware"] = hw.to_dict()
+        doc["passes"] = args.passes
     (args.out / "summary.json").write_text(json.dumps(doc, indent=1))
     written = [str(args.out / "summary.json")]
     if not args.no_plot:

@@ -25,13 +25,16 @@ multinomial overflow is redrawn onto experts with room.
 
 from __future__ import annotations
 
+import math
+import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-__all__ = ["Workload", "synthetic", "save_trace", "load_trace", "maxvio", "popularity", "sample_counts"]
+__all__ = ["Workload", "SyntheticStream", "TraceStream", "synthetic", "save_trace", "load_trace", "open_trace",
+           "maxvio", "popularity", "sample_counts"]
 
 KINDS = ("uniform", "lognormal", "zipf")
 
@@ -59,6 +62,8 @@ class Workload:
         for t in range(self.counts.shape[0]):
             for l in range(self.counts.shape[1]):
                 yield t, l, self.counts[t, l]
+
+    layer_steps = steps  # the streaming interface shared with SyntheticStream and TraceStream
 
 
 def maxvio(load: np.ndarray) -> float:
@@ -119,28 +124,82 @@ def sample_counts(shares: np.ndarray, num_ranks: int, tokens_per_rank: int, top_
     return c
 
 
+@dataclass(frozen=True)
+class SyntheticStream:
+    """A synthetic workload generated one (step, layer) at a time (memory O(R·E), not O(steps·layers·R·E)).
+
+    Same parameters and the same random stream as :func:`synthetic`: ``layer_steps()`` yields exactly
+    the counts of ``synthetic(...).counts[t, l]`` in (step, layer) order. Raises ValueError naming the
+    field on construction.
+    """
+
+    kind: str = "lognormal"
+    num_experts: int = 896
+    num_ranks: int = 64
+    top_k: int = 16
+    tokens_per_rank: int = 4096
+    num_steps: int = 16
+    num_layers: int = 2
+    sigma: float = 1.0
+    zipf_s: float = 1.0
+    drift: float = 0.3
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind: {self.kind!r}, expected one of {KINDS}")
+        for name, v in (("num_experts", self.num_experts), ("num_ranks", self.num_ranks), ("top_k", self.top_k),
+                        ("steps", self.num_steps), ("layers", self.num_layers)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"{name}: {v!r}, expected an integer >= 1")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k: {self.top_k}, expected <= num_experts ({self.num_experts}): "
+                             "a token picks k distinct experts")
+        if self.tokens_per_rank < 0:
+            raise ValueError(f"tokens_per_rank: {self.tokens_per_rank}, expected >= 0")
+        if not 0.0 <= self.drift < 1.0:
+            raise ValueError(f"drift: {self.drift}, expected 0 <= drift < 1 (relative per-step fluctuation of shares)")
+        if not (math.isfinite(self.sigma) and self.sigma >= 0):
+            raise ValueError(f"sigma: {self.sigma}, expected a finite lognormal sigma >= 0")
+        if not (math.isfinite(self.zipf_s) and self.zipf_s >= 0):
+            raise ValueError(f"zipf_s: {self.zipf_s}, expected a finite zipf exponent >= 0")
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """``(steps, layers, R, E)``."""
+        return self.num_steps, self.num_layers, self.num_ranks, self.num_experts
+
+    @property
+    def name(self) -> str:
+        extra = {"lognormal": f"sigma={self.sigma}", "zipf": f"s={self.zipf_s}", "uniform": ""}[self.kind]
+        return f"{self.kind}({extra}) drift={self.drift:.0%}" if extra else f"{self.kind} drift={self.drift:.0%}"
+
+    def layer_steps(self) -> Iterator[tuple[int, int, np.ndarray]]:
+        """Yields ``(step, layer, counts [R, E] int64)``, generated on demand."""
+        rng = np.random.default_rng(self.seed)
+        base = [popularity(self.kind, self.num_experts, rng, self.sigma, self.zipf_s) for _ in range(self.num_layers)]
+        for t in range(self.num_steps):
+            for l in range(self.num_layers):
+                p = base[l] * (1.0 + self.drift * rng.uniform(-1.0, 1.0, self.num_experts))
+                yield t, l, sample_counts(p / p.sum(), self.num_ranks, self.tokens_per_rank, self.top_k, rng)
+
+    def materialize(self) -> Workload:
+        """All counts ``[steps, layers, R, E]`` at once (small workloads, tests)."""
+        counts = np.empty(self.shape, np.int64)
+        for t, l, c in self.layer_steps():
+            counts[t, l] = c
+        return Workload(counts, self.top_k, None, self.name)
+
+
 def synthetic(kind: str = "lognormal", *, num_experts: int = 896, num_ranks: int = 64, top_k: int = 16,
               tokens_per_rank: int = 4096, steps: int = 16, layers: int = 2, sigma: float = 1.0,
               zipf_s: float = 1.0, drift: float = 0.3, seed: int = 0) -> Workload:
-    """Generate a synthetic workload (defaults: K3, E=896, k=16, R=64, s=4096; K3_SYSTEMS §1, §6.4)."""
-    for name, v in (("num_experts", num_experts), ("num_ranks", num_ranks), ("top_k", top_k),
-                    ("steps", steps), ("layers", layers)):
-        if v < 1:
-            raise ValueError(f"{name}: {v}, expected an integer >= 1")
-    if tokens_per_rank < 0:
-        raise ValueError(f"tokens_per_rank: {tokens_per_rank}, expected >= 0")
-    if not 0.0 <= drift < 1.0:
-        raise ValueError(f"drift: {drift}, expected 0 <= drift < 1 (relative per-step fluctuation of shares)")
-    rng = np.random.default_rng(seed)
-    base = [popularity(kind, num_experts, rng, sigma, zipf_s) for _ in range(layers)]
-    counts = np.empty((steps, layers, num_ranks, num_experts), np.int64)
-    for t in range(steps):
-        for l in range(layers):
-            p = base[l] * (1.0 + drift * rng.uniform(-1.0, 1.0, num_experts))
-            counts[t, l] = sample_counts(p / p.sum(), num_ranks, tokens_per_rank, top_k, rng)
-    extra = {"lognormal": f"sigma={sigma}", "zipf": f"s={zipf_s}", "uniform": ""}.get(kind, "")
-    name = f"{kind}({extra}) drift={drift:.0%}" if extra else f"{kind} drift={drift:.0%}"
-    return Workload(counts, top_k, None, name)
+    """Generate a synthetic workload (defaults: K3, E=896, k=16, R=64, s=4096; K3_SYSTEMS §1, §6.4).
+
+    Materializes ``[steps, layers, R, E]``; :class:`SyntheticStream` yields the same counts one
+    (step, layer) at a time."""
+    return SyntheticStream(kind, num_experts, num_ranks, top_k, tokens_per_rank, steps, layers, sigma, zipf_s,
+                           drift, seed).materialize()
 
 
 def save_trace(path: str | Path, counts: np.ndarray, top_k: int, tokens_per_rank: np.ndarray | None = None,
@@ -176,3 +235,86 @@ def load_trace(path: str | Path) -> Workload:
     if tpr is not None and tpr.shape != c.shape[:3]:
         raise ValueError(f"{path}: tokens_per_rank has shape {tpr.shape}, expected {c.shape[:3]}")
     return Workload(c.astype(np.int64), top_k, None if tpr is None else tpr.astype(np.int64), Path(path).name)
+
+
+@dataclass(frozen=True)
+class TraceStream:
+    """A trace ``.npz`` read one (step, layer) at a time from its ``counts`` member (format in the
+    module docstring); only the header is read by :func:`open_trace`. Negative entries are reported
+    when their (step, layer) is read."""
+
+    path: Path
+    shape: tuple[int, int, int, int]
+    dtype: np.dtype
+    top_k: int
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def layer_steps(self) -> Iterator[tuple[int, int, np.ndarray]]:
+        """Yields ``(step, layer, counts [R, E] int64)``."""
+        T, L, R, E = self.shape
+        nbytes = R * E * self.dtype.itemsize
+        with zipfile.ZipFile(self.path) as z, z.open("counts.npy") as f:
+            _npy_header(f, self.path)
+            for t in range(T):
+                for l in range(L):
+                    buf = f.read(nbytes)
+                    if len(buf) != nbytes:
+                        raise ValueError(f"{self.path}: counts ends inside step {t}, layer {l}; expected "
+                                         f"{T * L * nbytes} bytes of data for shape {self.shape}")
+                    c = np.frombuffer(buf, self.dtype).reshape(R, E).astype(np.int64)
+                    if c.size and c.min() < 0:
+                        raise ValueError(f"{self.path}: counts[{t}, {l}] has negative entries (min {c.min()}); "
+                                         "expected assignment counts >= 0")
+                    yield t, l, c
+
+
+def _npy_header(f, path: Path) -> tuple[tuple[int, ...], bool, np.dtype]:
+    """Read the ``.npy`` header of an open member; returns (shape, fortran_order, dtype)."""
+    try:
+        major, _ = np.lib.format.read_magic(f)
+        read = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+        return read(f)
+    except ValueError as exc:
+        raise ValueError(f"{path}: counts is not a readable .npy array ({exc})") from None
+
+
+def open_trace(path: str | Path) -> TraceStream:
+    """Open a trace ``.npz`` for streaming: checks the file, shape, dtype and ``top_k`` from headers only.
+
+    Raises ValueError naming the path and what was expected (missing file, not an ``.npz``, no
+    ``counts`` member, wrong rank or dtype, Fortran order, ``top_k < 1``).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: no such trace file; expected a .npz with counts [steps, layers, R, E]")
+    if not zipfile.is_zipfile(path):
+        raise ValueError(f"{path}: not an .npz archive; expected a trace written by numpy.savez / save_trace")
+    try:
+        with zipfile.ZipFile(path) as z:
+            names = z.namelist()
+            if "counts.npy" not in names:
+                found = [n.removesuffix(".npy") for n in names]
+                raise ValueError(f"{path}: no 'counts' array (found {found}); expected counts [steps, layers, R, E]")
+            with z.open("counts.npy") as f:
+                shape, fortran, dtype = _npy_header(f, path)
+            top_k = 1
+            if "top_k.npy" in names:
+                with z.open("top_k.npy") as f:
+                    top_k = int(np.lib.format.read_array(f, allow_pickle=False))
+    except (zipfile.BadZipFile, OSError, EOFError) as exc:
+        raise ValueError(f"{path}: unreadable .npz ({exc})") from None
+    if len(shape) == 3:
+        shape = (shape[0], 1, *shape[1:])
+    if len(shape) != 4 or dtype.kind not in "iu":
+        raise ValueError(f"{path}: counts has shape {tuple(shape)} dtype {dtype}; "
+                         "expected integer [steps, layers, R, E]")
+    if fortran:
+        raise ValueError(f"{path}: counts is stored in Fortran order; expected C order (numpy.savez of a normal array)")
+    if min(shape) < 1:
+        raise ValueError(f"{path}: counts has shape {tuple(shape)}; expected every dimension >= 1")
+    if top_k < 1:
+        raise ValueError(f"{path}: top_k = {top_k}, expected >= 1")
+    return TraceStream(path, tuple(int(v) for v in shape), np.dtype(dtype), top_k)
