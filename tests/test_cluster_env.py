@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from datetime import timedelta
 
 import pytest
-from test_cluster_report import clean_env
+from test_cluster_report import clean_env, listening_sockets
 
 from moonrt.cluster.env import (
     SLURM_PORT_BASE,
     Rendezvous,
+    _multi_node,
     default_dist_config,
     detect_rendezvous,
+    master_store,
     parse_hostlist,
+    rendezvous_bind_host,
     slurm_port,
 )
 from moonrt.config import ConfigError
@@ -169,3 +174,49 @@ def test_single_process_selftest_and_partial_environment_in_a_real_process():
     res = subprocess.run(cmd, env={**clean_env(), "RANK": "0"}, capture_output=True, text=True, timeout=120)
     assert res.returncode != 0
     assert "incomplete torchrun environment: RANK set but missing WORLD_SIZE, MASTER_ADDR, MASTER_PORT" in res.stderr
+
+
+def test_rendezvous_bind_host():
+    assert rendezvous_bind_host("127.0.0.1", multi_node=False, environ={}) == "127.0.0.1"
+    assert rendezvous_bind_host("localhost", multi_node=None, environ={}) in ("127.0.0.1", "::1")
+    assert rendezvous_bind_host("10.1.2.3", multi_node=True, environ={}) == "10.1.2.3"  # the named interface
+    # an explicit choice wins, wildcard included (only when asked for)
+    assert rendezvous_bind_host("127.0.0.1", multi_node=True, environ={"MOONRT_RDZV_HOST": "0.0.0.0"}) == "0.0.0.0"
+    with pytest.raises(ValueError, match=r"MASTER_ADDR = '127.0.0.1' resolves to the loopback address 127.0.0.1 .* "
+                                         r"set MOONRT_RDZV_HOST \(moonrt sbatch --rdzv-host\)"):
+        rendezvous_bind_host("127.0.0.1", multi_node=True, environ={})
+    with pytest.raises(ValueError, match=r"MASTER_ADDR = 'no-such-host.invalid': cannot resolve"):
+        rendezvous_bind_host("no-such-host.invalid", multi_node=None, environ={})
+    with pytest.raises(ValueError, match=r"MOONRT_RDZV_HOST = 'no-such-host.invalid': cannot resolve"):
+        rendezvous_bind_host("127.0.0.1", multi_node=None, environ={"MOONRT_RDZV_HOST": "no-such-host.invalid"})
+
+
+def test_multi_node_from_launcher_variables():
+    torchrun = Rendezvous(0, 8, 0, "h", 1, "torchrun")
+    assert _multi_node({"LOCAL_WORLD_SIZE": "4"}, torchrun) is True
+    assert _multi_node({"LOCAL_WORLD_SIZE": "8"}, torchrun) is False
+    assert _multi_node({}, torchrun) is None
+    slurm = Rendezvous(0, 8, 0, "h", 1, "slurm")
+    assert _multi_node({"SLURM_STEP_NUM_NODES": "2"}, slurm) is True
+    assert _multi_node({"SLURM_STEP_NODELIST": "vm"}, slurm) is False
+    assert _multi_node({"SLURM_JOB_NODELIST": "gpu[1-2]"}, slurm) is True
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/net/tcp"), reason="needs Linux /proc")
+def test_master_store_listens_on_the_given_address_only():
+    import torch.distributed as dist
+
+    def mine(port: int) -> list[tuple[str, int]]:
+        return [s for s in listening_sockets(os.getpid()) if s[1] == port]
+
+    timeout = timedelta(seconds=30)
+    store = master_store("127.0.0.1", 0, 2, timeout)
+    assert mine(store.port) == [("127.0.0.1", store.port)]
+    client = dist.TCPStore("127.0.0.1", store.port, 2, is_master=False, timeout=timeout)
+    client.set("k", "v")
+    assert store.get("k") == b"v"
+    wildcard = master_store("0.0.0.0", 0, 1, timeout)  # every interface only when asked for
+    assert mine(wildcard.port) == [("0.0.0.0", wildcard.port)]
+    with pytest.raises(ValueError, match=r"cannot open the rendezvous store on 203.0.113.254:0: Cannot assign "
+                                         r"requested address \(rank 0 must run on the host"):
+        master_store("203.0.113.254", 0, 1, timeout)  # TEST-NET-3: not an address of this host

@@ -7,8 +7,10 @@ moonrt code), so a wrong all_reduce or all_to_all on any rank fails the calling 
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -73,3 +75,57 @@ def test_cluster_unavailable_skips_or_fails(monkeypatch):
     monkeypatch.setenv("MOONRT_REQUIRE_CLUSTER", "1")
     with pytest.raises(pytest.fail.Exception, match="MOONRT_REQUIRE_CLUSTER=1 but no srun here"):
         cluster_unavailable("no srun here")
+
+
+# Every rank joins, talks once, reports its pid, and holds its sockets open until the test is done looking.
+HOLD = textwrap.dedent("""
+    import os, sys, time
+    import torch, torch.distributed as dist
+    from moonrt.cluster.env import init_distributed
+    r = init_distributed()
+    x = torch.ones(2)
+    dist.all_reduce(x)
+    print("READY", os.getpid(), r.master_addr, r.master_port, flush=True)
+    deadline = time.monotonic() + 120
+    while not os.path.exists(sys.argv[1]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    dist.barrier()
+    dist.destroy_process_group()
+""")
+
+
+def listening_sockets(pid: int) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket in LISTEN state that process ``pid`` holds (from /proc)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        for line in open(f"/proc/{pid}/net/{table}").read().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A" or fields[9] not in inodes:  # 0A: TCP_LISTEN
+                continue
+            hex_addr, hex_port = fields[1].split(":")
+            raw = bytes.fromhex(hex_addr)  # /proc prints each 32-bit word in host (little-endian) order
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            found.append((str(ipaddress.ip_address(raw)), int(hex_port, 16)))
+    return found
+
+
+def only_loopback(sockets: dict[int, list[tuple[str, int]]], store_port: int) -> None:
+    """Assert that the rendezvous store (``store_port``) is among ``sockets`` (pid -> listening (address,
+    port)) and that none of them is bound to a non-loopback address (a wildcard counts as non-loopback)."""
+    listening = [s for socks in sockets.values() for s in socks]
+    assert any(p == store_port for _, p in listening), sockets
+
+    def loopback(addr: str) -> bool:
+        ip = ipaddress.ip_address(addr)
+        return (getattr(ip, "ipv4_mapped", None) or ip).is_loopback
+
+    exposed = [s for s in listening if not loopback(s[0])]
+    assert not exposed, f"listening beyond loopback: {exposed} (all: {sockets})"

@@ -98,7 +98,7 @@ def test_cli_writes_script_and_reports_errors(tmp_path, capsys, monkeypatch):
 INJECTIONS = [("--partition", "gpu\ntouch {pwned}"), ("--time", "01:00:00\ntouch {pwned}"),
               ("--log", "x.log\ntouch {pwned}"), ("--job-name", "k3\ntouch {pwned}"),
               ("--partition", "gpu $(touch {pwned})"), ("--time", "1`touch {pwned}`"),
-              ("--log", "x.log'; touch {pwned}; '"), ("--timeout", "nan")]
+              ("--log", "x.log'; touch {pwned}; '"), ("--timeout", "nan"), ("--rdzv-host", "10.0.0.1\ntouch {pwned}")]
 
 
 @pytest.mark.parametrize(("flag", "value"), INJECTIONS)
@@ -125,11 +125,13 @@ def test_script_with_ordinary_values_runs(tmp_path, capsys, monkeypatch):
     bindir = tmp_path / "bin"
     bindir.mkdir()
     fake_srun = bindir / "srun"
-    fake_srun.write_text('#!/bin/bash\nprintf "%s\\n" "$PWD" "$MOONRT_DIST_TIMEOUT" "$@" > srun.args\n')
+    fake_srun.write_text('#!/bin/bash\n'
+                         'printf "%s\\n" "$PWD" "$MOONRT_DIST_TIMEOUT" "$MOONRT_RDZV_HOST" "$@" > srun.args\n')
     fake_srun.chmod(0o755)
     out = tmp_path / "job.sbatch"
     argv = ["sbatch", "--nodes", "2", "--ntasks-per-node", "3", "--job-name", "k3.run-1", "--partition", "gpu,debug",
             "--time", "1-02:30:00", "--cpus-per-task", "4", "--log", "logs/%x-%j.out", "--timeout", "45",
+            "--rdzv-host", "10.0.0.1",
             "--output", str(out), "--", "echo", "a b", "$(not run)", "--lr=1e-3"]
     assert cli_main(argv) == 0, capsys.readouterr().err
     text = out.read_text()
@@ -140,6 +142,6 @@ def test_script_with_ordinary_values_runs(tmp_path, capsys, monkeypatch):
     res = subprocess.run(["bash", str(out)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     recorded = (work / "srun.args").read_text().splitlines()
-    assert recorded[:2] == [str(work), "45"]
-    assert recorded[2:5] == ["--kill-on-bad-exit=1", "--ntasks=6", "--ntasks-per-node=3"]
-    assert recorded[5].endswith("/echo") and recorded[6:] == ["a b", "$(not run)", "--lr=1e-3"]
+    assert recorded[:3] == [str(work), "45", "10.0.0.1"]
+    assert recorded[3:6] == ["--kill-on-bad-exit=1", "--ntasks=6", "--ntasks-per-node=3"]
+    assert recorded[6].endswith("/echo") and recorded[7:] == ["a b", "$(not run)", "--lr=1e-3"]

@@ -12,7 +12,7 @@ import textwrap
 import time
 
 import pytest
-from test_cluster_report import clean_env, verify_selftest_report
+from test_cluster_report import HOLD, clean_env, listening_sockets, only_loopback, verify_selftest_report
 
 from moonrt.cli import main as cli_main
 from moonrt.cluster.launch import describe_exit, launch
@@ -165,3 +165,26 @@ def test_bad_input(argv, message, capsys):
 def test_describe_exit():
     assert describe_exit(3) == "exit code 3"
     assert describe_exit(-9) == "killed by signal SIGKILL"
+
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/net/tcp"), reason="needs Linux /proc")
+def test_local_job_listens_on_loopback_only(tmp_path):
+    prog, done = tmp_path / "hold.py", tmp_path / "done"
+    prog.write_text(HOLD)
+    proc = subprocess.Popen([*LAUNCH, "-n", "2", "--timeout", "60", "--", sys.executable, str(prog), str(done)],
+                            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ready = []
+        for line in proc.stdout:
+            if " READY " in line:
+                ready.append(line.split())
+            if len(ready) == 2:
+                break
+        assert len(ready) == 2, proc.stderr.read()[-4000:]
+        pids, port = [int(r[3]) for r in ready], int(ready[0][5])
+        sockets = {pid: listening_sockets(pid) for pid in [proc.pid, *pids]}
+    finally:
+        done.touch()
+    assert proc.wait(timeout=120) == 0, proc.stderr.read()[-4000:]
+    only_loopback(sockets, port)

@@ -5,13 +5,23 @@ Skips where mpiexec or mpi4py is missing; fails instead under MOONRT_REQUIRE_CLU
 
 from __future__ import annotations
 
+import ast
+import inspect
+import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from test_cluster_report import clean_env, cluster_unavailable, verify_selftest_report
+from test_cluster_report import (
+    HOLD,
+    clean_env,
+    cluster_unavailable,
+    listening_sockets,
+    only_loopback,
+    verify_selftest_report,
+)
 
 pytestmark = pytest.mark.mpi
 
@@ -38,3 +48,36 @@ def test_mpiexec_four_ranks_all_reduce_and_all_to_all(tmp_path):
     assert res.returncode == 0, f"exit {res.returncode}\nstdout:\n{res.stdout}\nstderr:\n{res.stderr[-4000:]}"
     assert "4 ranks via mpi" in res.stdout
     verify_selftest_report(report, 4, "mpi")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/net/tcp"), reason="needs Linux /proc")
+def test_mpi_rendezvous_on_one_host_listens_on_loopback_only(tmp_path):
+    """Rank 0 used to open the store on 0.0.0.0; all ranks on one host now meet on 127.0.0.1 (gloo too).
+    MPI's own listeners (MPICH's netmod on the host address, Hydra's inherited PMI socket) exist before
+    moonrt runs and are MPI's to configure: each rank records them after MPI_Init, and only the sockets
+    opened after that (the store, gloo) are checked."""
+    mpiexec = _mpiexec()
+    prog, done = tmp_path / "hold.py", tmp_path / "done"
+    prog.write_text("import os, ipaddress\nfrom mpi4py import MPI\n" + inspect.getsource(listening_sockets)
+                    + "print('BASE', os.getpid(), sorted(listening_sockets(os.getpid())), flush=True)\n" + HOLD)
+    env = {**clean_env(), "MOONRT_DIST_TIMEOUT": "60"}
+    env.pop("GLOO_SOCKET_IFNAME", None)
+    proc = subprocess.Popen(["timeout", "150", mpiexec, "-n", "2", sys.executable, str(prog), str(done)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ready, base = [], {}
+        for line in proc.stdout:
+            if line.startswith("BASE "):
+                _, pid, known = line.split(" ", 2)
+                base[int(pid)] = ast.literal_eval(known)
+            if line.startswith("READY "):
+                ready.append(line.split())
+            if len(ready) == 2:
+                break
+        assert len(ready) == 2, proc.stderr.read()[-4000:]
+        assert {r[2] for r in ready} == {"127.0.0.1"}  # the address rank 0 broadcast
+        sockets = {int(r[1]): [s for s in listening_sockets(int(r[1])) if s not in base[int(r[1])]] for r in ready}
+    finally:
+        done.touch()
+    assert proc.wait(timeout=150) == 0, proc.stderr.read()[-4000:]
+    only_loopback(sockets, int(ready[0][3]))

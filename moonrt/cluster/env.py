@@ -24,22 +24,46 @@ A partially set environment (``RANK`` without ``WORLD_SIZE``, ``SLURM_PROCID`` o
 the rendezvous itself are bounded by ``DistConfig.timeout_s`` (default: env
 ``MOONRT_DIST_TIMEOUT``, which ``moonrt launch --timeout`` and ``moonrt sbatch`` set), so a dead
 rank never hangs a job.
+
+**What the rendezvous listens on.** torch's ``TCPStore`` (unauthenticated: anyone who reaches it
+can read and write the job's keys) binds every interface when it creates its own socket, so rank
+0 binds the socket itself (:func:`master_store`) on one address (:func:`rendezvous_bind_host`):
+
+- ``MOONRT_RDZV_HOST`` when set (``moonrt sbatch --rdzv-host``): an address or name of one of
+  rank 0's interfaces; ``0.0.0.0`` or ``::`` (every interface) only when asked for like this;
+- else the address ``MASTER_ADDR`` (SLURM: the step's first node) resolves to on rank 0's host:
+  loopback for ``moonrt launch`` (``MASTER_ADDR=127.0.0.1``), the named interface otherwise. A
+  name that resolves only to loopback there (Debian's ``127.0.1.1`` hostname entry) while the job
+  spans several nodes is an error asking for ``MOONRT_RDZV_HOST``, not a silent hang;
+- MPI: loopback when every rank runs on one host, else the address rank 0's host name resolves to.
+
+When the rendezvous is on loopback (a single-host job), gloo's own listening sockets are put on
+the loopback interface too (``GLOO_SOCKET_IFNAME``, unless set): by default gloo binds whatever
+the host name resolves to, which may be a LAN address.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import re
 import socket
 from collections.abc import Mapping
 from datetime import timedelta
+from pathlib import Path
 from typing import Literal
 
 from moonrt.config import ConfigError, DistConfig
 
 TIMEOUT_ENV = "MOONRT_DIST_TIMEOUT"
 """Default collective timeout in seconds when ``init_distributed`` gets no :class:`DistConfig`."""
+
+RDZV_HOST_ENV = "MOONRT_RDZV_HOST"
+"""Address (or name) of the interface rank 0's rendezvous store listens on (see module doc)."""
+
+GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
+"""gloo's choice of network interface; set to loopback for single-host jobs unless already set."""
 
 SLURM_PORT_BASE = 10000
 """Ports derived for SLURM steps lie in [10000, 30000): below Linux's ephemeral range."""
@@ -292,10 +316,132 @@ def init_distributed(cfg: DistConfig | None = None) -> Rendezvous:
         store, rdzv = _mpi_store(rdzv, timeout)
     else:
         assert rdzv.master_addr is not None and rdzv.master_port is not None
-        store = dist.TCPStore(rdzv.master_addr, rdzv.master_port, rdzv.world_size,
-                              is_master=rdzv.rank == 0, timeout=timeout, wait_for_workers=False)
+        if rdzv.rank == 0:
+            bind = rendezvous_bind_host(rdzv.master_addr, multi_node=_multi_node(os.environ, rdzv))
+            store = master_store(bind, rdzv.master_port, rdzv.world_size, timeout, connect=rdzv.master_addr)
+        else:
+            store = dist.TCPStore(rdzv.master_addr, rdzv.master_port, rdzv.world_size, is_master=False,
+                                  timeout=timeout)
+    if backend == "gloo" and rdzv.master_addr is not None and _is_loopback(rdzv.master_addr):
+        os.environ.setdefault(GLOO_IFNAME_ENV, loopback_interface())
     dist.init_process_group(backend, store=store, rank=rdzv.rank, world_size=rdzv.world_size, timeout=timeout)
     return rdzv
+
+
+# ---------------------------------------------------------------------------------------------
+# Where the rendezvous store listens
+
+
+def rendezvous_bind_host(master_addr: str, *, multi_node: bool | None,
+                         environ: Mapping[str, str] = os.environ) -> str:
+    """The one address rank 0's store binds (see module doc): ``MOONRT_RDZV_HOST`` if set, else the
+    address ``master_addr`` resolves to here (a non-loopback one if it has any).
+
+    ``multi_node``: whether the job spans several hosts (``None``: unknown). Raises ``ValueError``
+    when a name cannot be resolved, or resolves only to loopback while ``multi_node`` is true.
+    """
+    explicit = environ.get(RDZV_HOST_ENV)
+    if explicit:
+        _resolve(explicit, RDZV_HOST_ENV)
+        return explicit
+    ips = _resolve(master_addr, "MASTER_ADDR")
+    outside = [ip for ip in ips if not ipaddress.ip_address(ip).is_loopback]
+    if outside:
+        return outside[0]
+    if multi_node:
+        raise ValueError(
+            f"MASTER_ADDR = {master_addr!r} resolves to the loopback address {ips[0]} on rank 0's host, which the "
+            f"other nodes of this multi-node job cannot reach: set {RDZV_HOST_ENV} (moonrt sbatch --rdzv-host) to "
+            "the address of the interface they reach this host through"
+        )
+    return ips[0]
+
+
+def master_store(bind: str, port: int, world_size: int, timeout: timedelta, *, connect: str | None = None):
+    """Rank 0's ``TCPStore`` listening on ``bind``:``port`` only (``port`` 0: OS-chosen; ``.port`` tells).
+
+    torch's own server socket would bind every interface; here the socket is bound first and handed
+    over (``master_listen_fd``, libuv backend). ``connect`` is the address the store's own client uses
+    (default: ``bind``, or loopback when ``bind`` is a wildcard). Raises ``ValueError`` when the address
+    cannot be bound (not an address of this host, port in use).
+    """
+    import torch.distributed as dist
+
+    try:
+        infos = socket.getaddrinfo(bind, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise ValueError(f"rendezvous address {bind!r}: cannot resolve ({exc.strerror})") from None
+    family, _, _, _, sockaddr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+    except OSError as exc:
+        sock.close()
+        raise ValueError(
+            f"cannot open the rendezvous store on {bind}:{port}: {exc.strerror} (rank 0 must run on the host that "
+            f"address belongs to; {RDZV_HOST_ENV} chooses the interface)"
+        ) from None
+    ip = sockaddr[0]
+    if connect is None:
+        connect = ("::1" if family == socket.AF_INET6 else "127.0.0.1") if ipaddress.ip_address(ip).is_unspecified \
+            else ip
+    try:
+        store = dist.TCPStore(connect, sock.getsockname()[1], world_size, is_master=True, timeout=timeout,
+                              wait_for_workers=False, master_listen_fd=sock.fileno(), use_libuv=True)
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store's server owns the descriptor now
+    return store
+
+
+def loopback_interface() -> str:
+    """Name of the loopback network interface (``lo`` on Linux, ``lo0`` on macOS/BSD)."""
+    names = [name for _, name in socket.if_nameindex()]
+    for name in names:
+        try:
+            flags = int(Path(f"/sys/class/net/{name}/flags").read_text(), 16)
+        except (OSError, ValueError):
+            continue
+        if flags & 0x8:  # IFF_LOOPBACK
+            return name
+    return "lo0" if "lo0" in names else "lo"
+
+
+def _resolve(host: str, what: str) -> list[str]:
+    """Distinct IP addresses of ``host`` in resolver order; ``ValueError`` naming ``what`` if none."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise ValueError(f"{what} = {host!r}: cannot resolve ({exc.strerror}): expected an address or host name "
+                         "of this host") from None
+    return list(dict.fromkeys(info[4][0].split("%")[0] for info in infos))
+
+
+def _is_loopback(host: str) -> bool:
+    """True when ``host`` resolves to loopback addresses only (False when it does not resolve)."""
+    try:
+        ips = _resolve(host, "host")
+    except ValueError:
+        return False
+    return all(ipaddress.ip_address(ip).is_loopback for ip in ips)
+
+
+def _multi_node(env: Mapping[str, str], rdzv: Rendezvous) -> bool | None:
+    """Whether the job spans several hosts, from the launcher's variables (``None``: cannot tell)."""
+    if rdzv.source == "torchrun" and env.get("LOCAL_WORLD_SIZE", "").isdigit():
+        return int(env["LOCAL_WORLD_SIZE"]) < rdzv.world_size
+    if rdzv.source == "slurm":
+        if env.get("SLURM_STEP_NUM_NODES", "").isdigit():
+            return int(env["SLURM_STEP_NUM_NODES"]) > 1
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+        if nodelist:
+            try:
+                return len(parse_hostlist(nodelist)) > 1
+            except ValueError:
+                return None
+    return None
 
 
 def _mpi_store(rdzv: Rendezvous, timeout: timedelta):
@@ -315,13 +461,29 @@ def _mpi_store(rdzv: Rendezvous, timeout: timedelta):
             f"MPI_COMM_WORLD is rank {comm.Get_rank()} of {comm.Get_size()} but the environment says rank "
             f"{rdzv.rank} of {rdzv.world_size} (mpi4py built against a different MPI than mpiexec?)"
         )
+    hosts = comm.allgather(socket.gethostname())
+    one_host = len(set(hosts)) == 1
     store = None
-    addr_port = None
+    answer: tuple[str, int] | str | None = None
     if rdzv.rank == 0:
-        store = dist.TCPStore("0.0.0.0", 0, rdzv.world_size, is_master=True, timeout=timeout,
-                              wait_for_workers=False)
-        addr_port = (_routable_host(), store.port)
-    addr, port = comm.bcast(addr_port, root=0)
+        try:  # any error must reach every rank (through the broadcast), or they would wait forever
+            if os.environ.get(RDZV_HOST_ENV):
+                bind = rendezvous_bind_host("", multi_node=not one_host)
+            elif one_host:
+                bind = "127.0.0.1"
+            else:
+                bind = rendezvous_bind_host(hosts[0], multi_node=True)
+            store = master_store(bind, 0, rdzv.world_size, timeout)
+            ip = ipaddress.ip_address(_resolve(bind, RDZV_HOST_ENV)[0])
+            answer = (_routable_host() if ip.is_unspecified else str(ip), store.port)
+        except ValueError as exc:
+            answer = str(exc)
+    answer = comm.bcast(answer, root=0)
+    if isinstance(answer, str):
+        raise ValueError(answer if rdzv.rank == 0 else f"rank 0 could not open the rendezvous store: {answer}")
+    addr, port = answer
+    if _is_loopback(addr):
+        os.environ.setdefault(GLOO_IFNAME_ENV, loopback_interface())
     if store is None:
         store = dist.TCPStore(addr, port, rdzv.world_size, is_master=False, timeout=timeout)
     return store, dataclasses.replace(rdzv, master_addr=addr, master_port=port)

@@ -2,10 +2,12 @@
 
 Like ``torchrun --standalone``: each rank is a fresh process with ``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1`` and ``MASTER_PORT`` (a port the OS
-reports free), plus ``MOONRT_DIST_TIMEOUT`` = ``--timeout``, which
+reports free), ``GLOO_SOCKET_IFNAME`` = the loopback interface (unless set), plus
+``MOONRT_DIST_TIMEOUT`` = ``--timeout``, which
 :func:`moonrt.cluster.env.init_distributed` uses as the timeout of the rendezvous and every
-collective. Each line a rank prints is echoed with a ``[rank r]`` prefix (stdout to stdout,
-stderr to stderr).
+collective. Everything the job listens on is on loopback: rank 0's rendezvous store binds
+127.0.0.1 only (see :mod:`moonrt.cluster.env`), gloo's sockets the loopback interface. Each line a
+rank prints is echoed with a ``[rank r]`` prefix (stdout to stdout, stderr to stderr).
 
 Failure: as soon as one rank exits non-zero or is killed, the others are stopped (SIGTERM, then
 SIGKILL after a grace period; each rank runs in its own process group so its children go too) and
@@ -28,7 +30,7 @@ import threading
 import time
 from typing import IO
 
-from moonrt.cluster.env import TIMEOUT_ENV, free_port
+from moonrt.cluster.env import GLOO_IFNAME_ENV, TIMEOUT_ENV, free_port, loopback_interface
 
 STDERR_TAIL = 40
 """Lines of the failing rank's stderr repeated in the failure message."""
@@ -98,6 +100,7 @@ def launch(
     out = stdout or sys.stdout
     err = stderr or sys.stderr
     port = free_port()
+    gloo_ifname = os.environ.get(GLOO_IFNAME_ENV) or loopback_interface()
     lock = threading.Lock()
     tails = [collections.deque(maxlen=STDERR_TAIL) for _ in range(nprocs)]
     exits: queue.Queue[tuple[int, int]] = queue.Queue()
@@ -110,7 +113,7 @@ def launch(
                 **os.environ,
                 "RANK": str(r), "WORLD_SIZE": str(nprocs), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(nprocs),
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), TIMEOUT_ENV: repr(float(timeout_s)),
-                "PYTHONUNBUFFERED": "1",
+                "PYTHONUNBUFFERED": "1", GLOO_IFNAME_ENV: gloo_ifname,
             }
             try:
                 p = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

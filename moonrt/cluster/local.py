@@ -7,8 +7,8 @@ ranks' return values in rank order.
 Design (see ``CLUSTER_NOTES.md``): each rank costs one ``import torch`` if started fresh, which
 dominates start-up on 2 cores. Ranks are therefore forked from a *fork server* that imported torch
 once and never ran a kernel (forking a parent that already used OpenMP can hang the child). The
-rendezvous store is a ``TCPStore`` that the caller opens on an OS-chosen free port, never a
-hard-coded one.
+rendezvous store is a ``TCPStore`` that the caller opens on an OS-chosen free port of 127.0.0.1
+(loopback only, never every interface), never a hard-coded one; gloo uses the loopback interface.
 
 Failure handling: the first rank that raises ends the run; the others are terminated and
 :class:`RankError` carries that rank's traceback. If the run exceeds ``timeout`` seconds, every
@@ -29,6 +29,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+from moonrt.cluster.env import GLOO_IFNAME_ENV, loopback_interface, master_store
 
 _PRELOAD = ["torch", "torch.distributed", "numpy"]
 
@@ -61,6 +63,7 @@ def _worker(
     workdir: str,
     collective_timeout_s: float,
     threads: int,
+    gloo_ifname: str,
 ) -> None:
     import torch
     import torch.distributed as dist
@@ -68,6 +71,7 @@ def _worker(
     stack_file = open(Path(workdir) / f"stack{rank}.txt", "w")  # noqa: SIM115 (lives as long as the rank)
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     torch.set_num_threads(threads)
+    os.environ[GLOO_IFNAME_ENV] = gloo_ifname
     try:
         store = dist.TCPStore(store_addr[0], store_addr[1], world_size, is_master=False,
                               timeout=timedelta(seconds=collective_timeout_s))
@@ -100,19 +104,18 @@ def run_ranks(
     run; ``collective_timeout_s`` (default: ``timeout``) bounds each collective inside it.
     Raises :class:`RankError` (with the failing rank's traceback) or :class:`RankTimeout`.
     """
-    import torch.distributed as dist
-
     if nprocs < 1:
         raise ValueError(f"nprocs = {nprocs!r}: expected an integer >= 1")
     collective_timeout_s = collective_timeout_s or timeout
     ctx = _context()
-    store = dist.TCPStore("127.0.0.1", 0, nprocs, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=collective_timeout_s))
+    store = master_store("127.0.0.1", 0, nprocs, timedelta(seconds=collective_timeout_s))
+    gloo_ifname = os.environ.get(GLOO_IFNAME_ENV) or loopback_interface()
     with tempfile.TemporaryDirectory(prefix="moonrt-ranks-") as workdir:
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, nprocs, fn, args, ("127.0.0.1", store.port), workdir, collective_timeout_s, threads),
+                args=(r, nprocs, fn, args, ("127.0.0.1", store.port), workdir, collective_timeout_s, threads,
+                      gloo_ifname),
                 name=f"moonrt-rank{r}",
                 daemon=True,
             )

@@ -33,12 +33,13 @@ from pathlib import Path
 
 import yaml
 
-from moonrt.cluster.env import TIMEOUT_ENV
+from moonrt.cluster.env import RDZV_HOST_ENV, TIMEOUT_ENV
 from moonrt.config import ConfigError, DistConfig, ParallelConfig, check, from_dict
 
 FLAGS = {"command": "command", "nodes": "--nodes", "ntasks_per_node": "--ntasks-per-node",
          "cpus_per_task": "--cpus-per-task", "job_name": "--job-name", "partition": "--partition", "time": "--time",
-         "log": "--log", "workdir": "working directory", "timeout_s": "--timeout"}
+         "log": "--log", "workdir": "working directory", "timeout_s": "--timeout",
+         "rdzv_host": "--rdzv-host"}
 """Each :class:`SbatchJob` field's name on the ``moonrt sbatch`` command line (for error messages)."""
 
 _SAFE = re.compile(r"[\w@%+=:,./-]+", re.ASCII)
@@ -69,6 +70,8 @@ class SbatchJob:
     workdir: str = "."
     timeout_s: float = 300.0
     """Collective/rendezvous timeout of every task (``MOONRT_DIST_TIMEOUT``)."""
+    rdzv_host: str | None = None
+    """Address rank 0's rendezvous store binds (``MOONRT_RDZV_HOST``); ``None``: the first node's address."""
 
     def validate(self, *, flags: bool = False) -> None:
         """Raise :class:`ConfigError` naming the first bad field (its CLI flag when ``flags``)."""
@@ -93,6 +96,9 @@ class SbatchJob:
                   "a SLURM time limit: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS or UNLIMITED")
         check(isinstance(self.log, str) and bool(_SAFE.fullmatch(self.log)), name("log"), self.log,
               "a file path of letters, digits and '_ @ % + = : , . / -' (no spaces, quotes or control characters)")
+        if self.rdzv_host is not None:
+            check(isinstance(self.rdzv_host, str) and bool(re.fullmatch(r"[\w.:%-]+", self.rdzv_host, re.ASCII)),
+                  name("rdzv_host"), self.rdzv_host, "an IP address or host name of rank 0's interface (0.0.0.0: all)")
         check(isinstance(self.workdir, str) and bool(self.workdir) and "\0" not in self.workdir, name("workdir"),
               self.workdir, "a directory path")
         check(isinstance(self.timeout_s, (int, float)) and math.isfinite(self.timeout_s) and self.timeout_s > 0,
@@ -126,6 +132,7 @@ def render_sbatch(job: SbatchJob) -> str:
         "set -euo pipefail",
         f"cd {shlex.quote(job.workdir)}",
         f"export {TIMEOUT_ENV}={job.timeout_s:g}",
+        *([f"export {RDZV_HOST_ENV}={shlex.quote(job.rdzv_host)}"] if job.rdzv_host else []),
         "export PYTHONUNBUFFERED=1",
         f"srun --kill-on-bad-exit=1 --ntasks={job.world_size} --ntasks-per-node={job.ntasks_per_node} \\",
         "    " + shlex.join(job.command),
@@ -171,6 +178,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpus-per-task", type=int, default=None)
     parser.add_argument("--log", default=None, help="job output file (default: <job-name>-%%j.out)")
     parser.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds (default 300)")
+    parser.add_argument("--rdzv-host", default=None,
+                        help="address of the interface rank 0's rendezvous store listens on (MOONRT_RDZV_HOST; "
+                             "default: the address the first node's name resolves to; 0.0.0.0: every interface)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- command and arguments run on every task")
 
 
@@ -185,7 +195,8 @@ def run(args: argparse.Namespace) -> int:
         job = SbatchJob(command=command, nodes=args.nodes, ntasks_per_node=args.ntasks_per_node,
                         job_name=args.job_name, partition=args.partition, time=args.time,
                         cpus_per_task=args.cpus_per_task, log=args.log or f"{args.job_name}-%j.out",
-                        workdir=os.getcwd(), timeout_s=args.timeout)
+                        workdir=os.getcwd(), timeout_s=args.timeout,
+                        rdzv_host=args.rdzv_host)
         job.validate(flags=True)
         if args.config is not None:
             job = job_from_config(job, args.config)
