@@ -38,9 +38,18 @@ import torch
 from torch import nn
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype AttnRes scores and mixes in: fp32 for bf16/fp16/fp32 sources, fp64 for fp64 sources.
+
+    Never narrower than fp32 (the fp32 softmax of Eq. 9) and never narrower than the input, so a
+    float64 run is a float64 reference of the same code (the tests compare both forms in fp64).
+    """
+    return torch.promote_types(dtype, torch.float32)
+
+
 def rms_keys(v: torch.Tensor, eps: float) -> torch.Tensor:
-    """Weightless RMSNorm of sources ``v [..., D]`` in fp32 -> keys ``[..., D]`` fp32."""
-    v = v.float()
+    """Weightless RMSNorm of sources ``v [..., D]`` -> keys ``[..., D]`` in :func:`compute_dtype`."""
+    v = v.to(compute_dtype(v.dtype))
     return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
 
 
@@ -48,24 +57,25 @@ def mix(query: torch.Tensor, sources: list[torch.Tensor], eps: float) -> torch.T
     """Direct AttnRes mix (Eq. 8-9).
 
     ``query [D]`` (a pseudo-query), ``sources``: N tensors ``[B, T, D]`` -> ``[B, T, D]`` in the
-    sources' dtype; logits and softmax in fp32.
+    sources' dtype; logits and softmax in :func:`compute_dtype` (fp32, fp64 for fp64 sources).
     """
     if not sources:
         raise ValueError("AttnRes mix needs at least one source")
     if len(sources) == 1:
         return sources[0]
     v = torch.stack(sources, dim=0)  # [N, B, T, D]
-    logits = rms_keys(v, eps) @ query.float()  # [N, B, T]
+    keys = rms_keys(v, eps)
+    logits = keys @ query.to(keys.dtype)  # [N, B, T]
     a = torch.softmax(logits, dim=0)
-    return (a.unsqueeze(-1) * v.float()).sum(0).to(sources[0].dtype)
+    return (a.unsqueeze(-1) * v.to(keys.dtype)).sum(0).to(sources[0].dtype)
 
 
 @dataclasses.dataclass
 class OnlineSoftmax:
     """Partial softmax-weighted sums for Q queries (the running state of the two-phase form).
 
-    ``m [Q, B, T]`` fp32 running max of logits, ``l [Q, B, T]`` fp32 running sum of ``exp(logit - m)``,
-    ``acc [Q, B, T, D]`` fp32 running sum of ``exp(logit - m) * v``.
+    ``m [Q, B, T]`` running max of logits, ``l [Q, B, T]`` running sum of ``exp(logit - m)``,
+    ``acc [Q, B, T, D]`` running sum of ``exp(logit - m) * v``; all in :func:`compute_dtype` (fp32 or fp64).
     """
 
     m: torch.Tensor
@@ -78,9 +88,10 @@ def inter_block_pass(queries: torch.Tensor, finished: list[torch.Tensor], eps: f
 
     ``queries [Q, D]``, ``finished``: N >= 1 tensors ``[B, T, D]`` -> :class:`OnlineSoftmax` over them.
     """
-    v = torch.stack(finished, dim=0).float()  # [N, B, T, D]
+    v = torch.stack(finished, dim=0)  # [N, B, T, D]
+    v = v.to(compute_dtype(v.dtype))
     keys = rms_keys(v, eps)
-    logits = torch.einsum("nbtd,qd->qnbt", keys, queries.float())  # [Q, N, B, T]
+    logits = torch.einsum("nbtd,qd->qnbt", keys, queries.to(keys.dtype))  # [Q, N, B, T]
     m = logits.amax(dim=1)
     p = torch.exp(logits - m.unsqueeze(1))
     return OnlineSoftmax(m=m, l=p.sum(1), acc=torch.einsum("qnbt,nbtd->qbtd", p, v))
@@ -91,15 +102,16 @@ def merge_partial(state: OnlineSoftmax, index: int, partial: torch.Tensor | None
     """Phase 2: merge the intra-block partial sum into query ``index``'s phase-1 state (online softmax).
 
     ``partial [B, T, D]`` or None (first sub-layer of the block), ``query [D]`` (must be
-    ``queries[index]`` of phase 1) -> the sub-layer input ``[B, T, D]`` in the partial's (or fp32) dtype.
+    ``queries[index]`` of phase 1) -> the sub-layer input ``[B, T, D]`` in the partial's (or the compute) dtype.
     """
     m, l, acc = state.m[index], state.l[index], state.acc[index]
     if partial is None:
         return acc / l.unsqueeze(-1)
-    s = rms_keys(partial, eps) @ query.float()  # [B, T]
+    keys = rms_keys(partial, eps)
+    s = keys @ query.to(keys.dtype)  # [B, T]
     m_new = torch.maximum(m, s)
     c_old, c_new = torch.exp(m - m_new), torch.exp(s - m_new)
-    out = (acc * c_old.unsqueeze(-1) + c_new.unsqueeze(-1) * partial.float()) / (l * c_old + c_new).unsqueeze(-1)
+    out = (acc * c_old.unsqueeze(-1) + c_new.unsqueeze(-1) * partial.to(keys.dtype)) / (l * c_old + c_new).unsqueeze(-1)
     return out.to(partial.dtype)
 
 
