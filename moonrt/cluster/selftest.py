@@ -33,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="message sizes in bytes per rank, comma-separated, K/M suffixes (default 4K,64K,1M,4M)")
     parser.add_argument("--iters", type=int, default=5, help="timed iterations per size (default 5, after 1 warm-up)")
     parser.add_argument("--report", type=Path, default=None, help="rank 0 writes a JSON report here")
+    parser.add_argument("--profile-out", type=Path, default=None,
+                        help="rank 0 also runs a GEMM micro-benchmark and writes a hardware profile YAML for "
+                             "`moonrt ep-sim --hardware` (all_to_all rows fitted to latency + bytes / bandwidth)")
 
 
 def _sizes(text: str) -> tuple[int, ...]:
@@ -169,6 +172,67 @@ def measure(op: str, nbytes: int, iters: int, rank: int, world: int) -> float:
     return float(dt)
 
 
+def gemm_tflops(shape: tuple[int, int, int] = (2048, 256, 256), repeats: int = 20) -> float:
+    """Sustained fp32 GEMM rate of this process (1e12 FLOP/s): best of ``repeats`` ``[m, k] @ [k, n]``
+    products at the current torch thread count (1 under selftest and ``run_ranks``)."""
+    import torch
+
+    m, k, n = shape
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)
+    out = torch.empty(m, n)
+    torch.matmul(a, b, out=out)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.matmul(a, b, out=out)
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * m * k * n / best / 1e12
+
+
+def fit_link(rows: list[dict], world: int) -> dict:
+    """``{bandwidth_GBps, latency_us}`` from the all_to_all rows: least squares of time against the
+    off-rank bytes each rank sends (``bytes x (n-1)/n``); a non-positive slope falls back to the
+    largest message's bus bandwidth, a negative intercept to 0."""
+    import numpy as np
+
+    pts = [(r["bytes"] * (world - 1) / world, r["time_s"]) for r in rows if r["op"] == "all_to_all"]
+    if not pts:
+        raise ValueError("bandwidth table: no all_to_all rows to fit a link from")
+    x, y = np.array(pts).T
+    slope, icpt = np.polyfit(x, y, 1) if len(pts) > 1 else (y[0] / max(x[0], 1.0), 0.0)
+    if slope <= 0:
+        i = int(np.argmax(x))
+        slope, icpt = y[i] / max(x[i], 1.0), 0.0
+    return {"bandwidth_GBps": float(1.0 / slope / 1e9), "latency_us": float(max(icpt, 0.0) * 1e6)}
+
+
+def local_profile(rows: list[dict], world: int, tflops: float, backend: str) -> dict:
+    """The ``cpu-local`` hardware profile (a dict in the YAML layout of :mod:`moonrt.scheduler.hardware`):
+    one node of ``world`` ranks; the inter-node link is set equal to the measured one (unused)."""
+    link = fit_link(rows, world)
+    return {"name": "cpu-local", "description": f"measured on this machine: {world} {backend} ranks, "
+            "all_to_all fitted to latency + bytes / bandwidth; single-thread fp32 GEMM micro-benchmark",
+            "ranks_per_node": world, "intra_node": link, "inter_node": dict(link), "gemm_tflops": tflops,
+            "overlap_prefetch": False,
+            "measured": {"world_size": world, "backend": backend, "all_to_all": [
+                {"bytes": r["bytes"], "time_s": r["time_s"]} for r in rows if r["op"] == "all_to_all"]}}
+
+
+def _profile_rank(rank: int, world: int, sizes: tuple[int, ...], iters: int) -> dict | None:
+    rows = [{"op": "all_to_all", "bytes": b, "time_s": measure("all_to_all", b, iters, rank, world)} for b in sizes]
+    return local_profile(rows, world, gemm_tflops(), "gloo") if rank == 0 else None
+
+
+def measure_local_profile(ranks: int = 4, sizes: tuple[int, ...] = (64 << 10, 1 << 20, 4 << 20, 16 << 20),
+                          iters: int = 5) -> dict:
+    """Measure the ``cpu-local`` profile on the spot: ``ranks`` local gloo ranks time all_to_all at
+    ``sizes`` bytes per rank, then rank 0 runs :func:`gemm_tflops`. Returns the profile dict."""
+    from moonrt.cluster.local import run_ranks
+
+    return run_ranks(_profile_rank, ranks, sizes, iters, timeout=300.0)[0]
+
+
 def format_table(rows: list[dict], world: int) -> str:
     head = f"{'op':<11} {'bytes/rank':>11} {'time (ms)':>10} {'algbw (GB/s)':>13} {'busbw (GB/s)':>13}"
     lines = [f"moonrt selftest: collective bandwidth on {world} ranks", head, "-" * len(head)]
@@ -223,6 +287,14 @@ def run(args: argparse.Namespace) -> int:
                 report = {"world_size": world, "backend": dist.get_backend(), "passed": not failures,
                           "ranks": everyone, "bandwidth": rows}
                 args.report.write_text(json.dumps(report, indent=1))
+            if args.profile_out is not None:
+                import yaml
+
+                prof = local_profile(rows, world, gemm_tflops(), dist.get_backend())
+                args.profile_out.write_text(yaml.safe_dump(prof, sort_keys=False))
+                print(f"moonrt selftest: wrote hardware profile {args.profile_out} (all_to_all "
+                      f"{prof['intra_node']['bandwidth_GBps']:.3f} GB/s + {prof['intra_node']['latency_us']:.0f} us, "
+                      f"GEMM {prof['gemm_tflops'] * 1e3:.1f} GFLOP/s)", flush=True)
         return 0 if not failures else 1
     finally:
         dist.destroy_process_group()
