@@ -34,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from numba import njit
 
 from moonrt.scheduler import baselines as bl
 from moonrt.scheduler.hardware import HardwareProfile
@@ -88,13 +89,7 @@ def placement_traffic(counts: np.ndarray, place: bl.Placement, prev: bl.Placemen
     share = bl._replica_shares(load, place).astype(np.float64)  # [P]
     e_p = place.replica_expert
     frac = np.divide(share, load[e_p], out=np.zeros_like(share), where=load[e_p] > 0)  # [P]
-    order = np.argsort(place.replica_rank, kind="stable")
-    ranks_sorted = place.replica_rank[order]
-    starts = np.searchsorted(ranks_sorted, np.arange(R))
-    present = np.bincount(ranks_sorted, minlength=R) > 0
-    per = c[:, e_p[order]] * frac[order]  # [R, P] float64
-    tm = np.zeros((R, R))
-    tm[:, present] = np.add.reduceat(per, starts[present], axis=1)
+    tm = _spread(np.ascontiguousarray(c.T), e_p, place.replica_rank, frac)
     rows = bl.rank_loads(load, place).astype(np.float64)
     w = np.zeros((R, R))
     if prev is not None and prev is not place:
@@ -106,17 +101,48 @@ def placement_traffic(counts: np.ndarray, place: bl.Placement, prev: bl.Placemen
     return LayerTraffic(tm, rows, w, False, 0.0, False)
 
 
+@njit(cache=True)
+def _spread(cT: np.ndarray, e_p: np.ndarray, rank_p: np.ndarray, frac: np.ndarray) -> np.ndarray:  # pragma: no cover
+    """tm[r, rank_p[p]] += counts[r, e_p[p]] * frac[p] over replicas p. cT [E, R] -> [R, R] float64, O(R·P)."""
+    R = cT.shape[1]
+    tm = np.zeros((R, R))
+    for p in range(e_p.shape[0]):
+        f = frac[p]
+        if f == 0.0:
+            continue
+        d = rank_p[p]
+        row = cT[e_p[p]]
+        for r in range(R):
+            tm[r, d] += row[r] * f
+    return tm
+
+
+@njit(cache=True)
+def _port_bytes(m: np.ndarray, per_node: int) -> tuple[np.ndarray, np.ndarray]:  # pragma: no cover
+    """Per rank ``max(sent, received)`` bytes intra- and inter-node for ``m [R, R]`` (diagonal ignored)."""
+    R = m.shape[0]
+    s_in, r_in, s_out, r_out = np.zeros(R), np.zeros(R), np.zeros(R), np.zeros(R)
+    for i in range(R):
+        for j in range(R):
+            if i == j:
+                continue
+            v = m[i, j]
+            if i // per_node == j // per_node:
+                s_in[i] += v
+                r_in[j] += v
+            else:
+                s_out[i] += v
+                r_out[j] += v
+    return np.maximum(s_in, r_in), np.maximum(s_out, r_out)
+
+
 def phase_time(nbytes: np.ndarray, hw: HardwareProfile) -> float:
     """Seconds of one transfer phase with byte matrix ``nbytes [R, R]`` (sender, receiver); diagonal ignored."""
     R = nbytes.shape[0]
-    node = np.arange(R) // hw.ranks_per_node
-    same = node[:, None] == node[None, :]
-    m = nbytes * ~np.eye(R, dtype=bool)
-    intra = np.where(same, m, 0.0)
-    inter = m - intra
-    t_intra = hw.intra_node.seconds(np.maximum(intra.sum(1), intra.sum(0)))
-    t_inter = hw.inter_node.seconds(np.maximum(inter.sum(1), inter.sum(0)))
-    return float(np.maximum(t_intra, t_inter).max()) if R else 0.0
+    if R == 0:
+        return 0.0
+    intra, inter = _port_bytes(np.ascontiguousarray(nbytes, dtype=np.float64), hw.ranks_per_node)
+    return float(np.maximum(hw.intra_node.seconds(intra), hw.inter_node.seconds(inter)).max())
 
 
 def layer_time(tr: LayerTraffic, hw: HardwareProfile, *, num_experts: int, token_bytes: float, expert_bytes: float,
