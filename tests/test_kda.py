@@ -185,3 +185,92 @@ def test_bad_chunk_size_is_rejected() -> None:
     x = make_inputs(1, 8, 2, 4, 4, seed=0)
     with pytest.raises(ValueError, match="chunk_size = 40"):
         kda_chunk(**x, chunk_size=40)
+
+
+@pytest.mark.parametrize("lens", [[37, 64, 1, 100], [0, 5, 0, 130], [200]])
+@pytest.mark.parametrize("use_state", [False, True])
+def test_cu_seqlens_equals_per_sequence_calls(lens: list[int], use_state: bool) -> None:
+    """Packed sequences (fla's cu_seqlens): outputs, per-sequence final states and every gradient equal separate
+    calls per sequence (states reset at each boundary; nothing leaks across)."""
+    T, H, K, V = sum(lens), 2, 16, 8
+    x = make_inputs(1, T, H, K, V, seed=len(lens) + sum(lens))
+    S0 = torch.randn(len(lens), H, K, V, generator=torch.Generator().manual_seed(4))
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    names = ("q", "k", "v", "g", "beta")
+    leaves = {n: x[n].clone().requires_grad_() for n in names}
+    s_leaf = S0.clone().requires_grad_()
+    o, S = kda_chunk(**leaves, initial_state=s_leaf if use_state else None, output_final_state=True,
+                     cu_seqlens=cu)
+    assert o.shape == (1, T, H, V) and S.shape == (len(lens), H, K, V)
+    gen = torch.Generator().manual_seed(5)
+    w_o, w_s = torch.randn(o.shape, generator=gen), torch.randn(S.shape, generator=gen)
+    ((o * w_o).sum() + (S * w_s).sum()).backward()
+    ref_leaves = {n: x[n].clone().requires_grad_() for n in names}
+    ref_s = S0.clone().requires_grad_()
+    loss = 0.0
+    for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        o_i, S_i = kda_recurrent(**{n: t[:, a:b] for n, t in ref_leaves.items()},
+                                 initial_state=ref_s[i : i + 1] if use_state else None, output_final_state=True)
+        if b > a:
+            assert rel_rms(o[:, a:b].detach(), o_i.detach()) <= 1e-5
+        if use_state or b > a:
+            assert rel_rms(S[i].detach(), S_i[0].detach()) <= 1e-5
+        else:  # an empty sequence from a zero state ends in the zero state
+            assert not S[i].any()
+        loss = loss + (o_i * w_o[:, a:b]).sum() + (S_i[0] * w_s[i]).sum()
+    loss.backward()
+    for n in names:
+        assert rel_rms(leaves[n].grad, ref_leaves[n].grad) <= 1e-5, n
+    if use_state:
+        assert rel_rms(s_leaf.grad, ref_s.grad) <= 1e-5
+
+
+def test_cu_seqlens_matches_per_sequence_kda_chunk_exactly_in_fp64() -> None:
+    """Same math as separate kda_chunk calls (fp64: agreement to rounding), incl. one sequence of 0 tokens."""
+    lens = [70, 0, 33]
+    x = make_inputs(1, sum(lens), 2, 8, 8, seed=1, dtype=torch.float64)
+    S0 = torch.randn(3, 2, 8, 8, dtype=torch.float64)
+    o, S = kda_chunk(*(x[n] for n in ("q", "k", "v", "g", "beta")), initial_state=S0, output_final_state=True,
+                     cu_seqlens=torch.tensor([0, 70, 70, 103], dtype=torch.int32), chunk_size=32)
+    a = 0
+    for i, n in enumerate(lens):
+        o_i, S_i = kda_chunk(*(x[m][:, a : a + n] for m in ("q", "k", "v", "g", "beta")),
+                             initial_state=S0[i : i + 1], output_final_state=True, chunk_size=32)
+        torch.testing.assert_close(o[:, a : a + n], o_i, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(S[i : i + 1], S_i, rtol=1e-12, atol=1e-12)
+        a += n
+
+
+@pytest.mark.parametrize(
+    ("cu", "kwargs", "match"),
+    [
+        (torch.tensor([0, 3, 7]), {}, "cu_seqlens = \\[0, 3, 7\\]"),
+        (torch.tensor([0, 5, 3, 8]), {}, "non-decreasing"),
+        (torch.tensor([0.0, 8.0]), {}, "integer"),
+        (torch.tensor([0, 8]), {"initial_state": torch.zeros(2, 2, 4, 4)}, "initial_state.shape"),
+    ],
+)
+def test_bad_cu_seqlens_is_rejected(cu: torch.Tensor, kwargs: dict[str, torch.Tensor], match: str) -> None:
+    x = make_inputs(1, 8, 2, 4, 4, seed=0)
+    x.pop("initial_state")
+    with pytest.raises(ValueError, match=match):
+        kda_chunk(**x, **kwargs, cu_seqlens=cu)
+    x2 = make_inputs(2, 8, 2, 4, 4, seed=0)
+    x2.pop("initial_state")
+    with pytest.raises(ValueError, match="batch size 1"):
+        kda_chunk(**x2, cu_seqlens=torch.tensor([0, 8]))
+
+
+def test_strong_decay_underflow_factors_match_float64() -> None:
+    """Strong decay over long chunks (K3's full gate range, cumulative log-decays far below fp32's exp range):
+    clamping decaying exponents at LOG_FLOOR leaves outputs, state and gradients within fp32 rounding of a
+    float64 run of the same chunk form, and of the fp32 recurrence."""
+    x = make_inputs(1, 256, 2, 16, 16, seed=12)
+    x["g"] = -5.0 * torch.sigmoid(torch.randn(x["g"].shape, generator=torch.Generator().manual_seed(2)))
+    o_c, S_c, g_c = run_with_grads(kda_chunk, x, True, seed=6)
+    o_d, S_d, g_d = run_with_grads(kda_chunk, {n: t.double() for n, t in x.items()}, True, seed=6)
+    o_r, S_r, g_r = run_with_grads(kda_recurrent, x, True, seed=6)
+    assert rel_rms(o_c, o_d) < 1e-6 and rel_rms(S_c, S_d) < 1e-6
+    assert rel_rms(o_c, o_r) < 1e-5 and rel_rms(S_c, S_r) < 1e-5
+    for name in g_d:
+        assert rel_rms(g_c[name], g_d[name]) < 1e-5 and rel_rms(g_c[name], g_r[name]) < 1e-5, name
