@@ -36,6 +36,8 @@ VICTIM = textwrap.dedent("""
     if r.rank == 1:
         print(f"LAST_WORDS {time.time():.3f}", flush=True)
         time.sleep(0.5)
+        if sys.argv[1] == "hang":
+            time.sleep(3600)
         if sys.argv[1] == "exit0":
             os._exit(0)
         if sys.argv[1] == "raise":
@@ -97,13 +99,17 @@ def test_rank_that_exits_early_is_reported(tmp_path):
                      r"\(early exit\?\)", res.stderr), res.stderr[-4000:]
 
 
-def test_hung_rank_ends_the_job_through_the_collective_timeout(tmp_path):
+@pytest.mark.parametrize(("how", "state"), [("SIGSTOP", "stopped by a signal"), ("hang", "still running")])
+def test_hung_rank_is_named_when_its_peer_times_out(tmp_path, how, state):
     prog = tmp_path / "victim.py"
     prog.write_text(VICTIM)
-    res = _run(["-n", "2", "--timeout", "5", "--", sys.executable, str(prog), "SIGSTOP"])
-    assert res.returncode != 0
-    # rank 1 is frozen (alive, silent): rank 0's all_reduce times out, which ends the job; rank 1 is stopped
-    assert re.search(r"rank 0 of 2 failed: exit code 1 \(pid \d+\); stopped ranks \[1\]", res.stderr), res.stderr
+    res = _run(["-n", "2", "--timeout", "5", "--", sys.executable, str(prog), how])
+    assert res.returncode == 1
+    # rank 1 is frozen or silent: rank 0's all_reduce times out, which ends the job; the cause named is
+    # rank 1, which stopped making progress, not rank 0, which noticed
+    assert re.search(rf"rank 1 of 2 stopped making progress \({state}[^)]*\): rank 0 timed out waiting after "
+                     r"--timeout 5 s \(exit code 1, pid \d+\); stopped ranks \[1\]", res.stderr), res.stderr[-4000:]
+    assert "rank 0 of 2 failed" not in res.stderr
     assert re.search(r"(?i)timed? ?out", res.stderr.split("--- rank 0 stderr")[1])
 
 

@@ -59,24 +59,23 @@ def test_mpi_rendezvous_on_one_host_listens_on_loopback_only(tmp_path):
     mpiexec = _mpiexec()
     prog, done = tmp_path / "hold.py", tmp_path / "done"
     prog.write_text("import os, ipaddress\nfrom mpi4py import MPI\n" + inspect.getsource(listening_sockets)
-                    + "print('BASE', os.getpid(), sorted(listening_sockets(os.getpid())), flush=True)\n" + HOLD)
+                    + f"open(os.path.join({str(tmp_path)!r}, f'base{{os.getpid()}}'), 'w').write(repr("
+                    + "listening_sockets(os.getpid())))\n" + HOLD)
     env = {**clean_env(), "MOONRT_DIST_TIMEOUT": "60"}
     env.pop("GLOO_SOCKET_IFNAME", None)
     proc = subprocess.Popen(["timeout", "150", mpiexec, "-n", "2", sys.executable, str(prog), str(done)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        ready, base = [], {}
+        ready = []
         for line in proc.stdout:
-            if line.startswith("BASE "):
-                _, pid, known = line.split(" ", 2)
-                base[int(pid)] = ast.literal_eval(known)
             if line.startswith("READY "):
                 ready.append(line.split())
             if len(ready) == 2:
                 break
         assert len(ready) == 2, proc.stderr.read()[-4000:]
         assert {r[2] for r in ready} == {"127.0.0.1"}  # the address rank 0 broadcast
-        sockets = {int(r[1]): [s for s in listening_sockets(int(r[1])) if s not in base[int(r[1])]] for r in ready}
+        base = {int(r[1]): ast.literal_eval((tmp_path / f"base{r[1]}").read_text()) for r in ready}
+        sockets = {pid: [s for s in listening_sockets(pid) if s not in base[pid]] for pid in base}
     finally:
         done.touch()
     assert proc.wait(timeout=150) == 0, proc.stderr.read()[-4000:]

@@ -12,9 +12,11 @@ rank prints is echoed with a ``[rank r]`` prefix (stdout to stdout, stderr to st
 Failure: as soon as one rank exits non-zero or is killed, the others are stopped (SIGTERM, then
 SIGKILL after a grace period; each rank runs in its own process group so its children go too) and
 the launcher exits non-zero with a message that names the first failing rank and shows the tail
-of its stderr (its traceback). A rank that hangs without dying makes its peers' collectives time
-out after ``--timeout`` seconds, which ends the job the same way; ``--max-time`` bounds the whole
-run regardless.
+of its stderr (its traceback). A rank that hangs without dying (stopped with SIGSTOP, deadlocked,
+looping) makes its peers' collectives time out after ``--timeout`` seconds, which ends the job the
+same way; the message then names the rank(s) still running when the peers timed out as the ones
+that stopped making progress (a rank frozen by a signal first), not the peer that noticed.
+``--max-time`` bounds the whole run regardless.
 """
 
 from __future__ import annotations
@@ -23,17 +25,21 @@ import argparse
 import collections
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import IO
 
 from moonrt.cluster.env import GLOO_IFNAME_ENV, TIMEOUT_ENV, free_port, loopback_interface
 
 STDERR_TAIL = 40
 """Lines of the failing rank's stderr repeated in the failure message."""
+TIMEOUT_MARK = re.compile(r"(?i)\btimed? ?out\b")
+"""How gloo/torch say that a collective or the rendezvous ran past its timeout."""
 PEER_FAILURE_MARKS = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing")
 """gloo's words for "a peer went away": a rank showing them failed because of another rank."""
 GRACE_S = 5.0
@@ -150,12 +156,26 @@ def launch(
             _join(readers)
             return 0
         stopped = [r for r in range(nprocs) if procs[r].poll() is None]
+        frozen = [r for r in stopped if _process_state(procs[r].pid) in ("T", "t")]
         # a rank that returned 0 while its peers still needed it is the likely cause of their failure
         early = [r for r, c in done.items() if c == 0]
         _stop(procs)
         _join(readers)
         code = done[failed]
+        hung = (frozen or stopped) if code > 0 and TIMEOUT_MARK.search("".join(tails[failed])) else []
         with lock:
+            if hung:
+                how = "stopped by a signal, e.g. SIGSTOP" if frozen else "still running, silent"
+                err.write(
+                    f"moonrt launch: {_ranks(hung)} of {nprocs} stopped making progress ({how}): rank {failed} "
+                    f"timed out waiting after --timeout {timeout_s:g} s ({describe_exit(code)}, pid "
+                    f"{procs[failed].pid}); stopped ranks {stopped}\n"
+                    + "".join(f"--- rank {r} stderr (last {STDERR_TAIL} lines) ---\n" + "".join(tails[r])
+                              for r in (*hung, failed) if tails[r] or r == failed)
+                    + "--- end ---\n"
+                )
+                err.flush()
+                return code
             err.write(
                 f"moonrt launch: rank {failed} of {nprocs} failed: {describe_exit(code)} (pid {procs[failed].pid})"
                 + (f"; stopped ranks {stopped}" if stopped else "")
@@ -180,6 +200,19 @@ def describe_exit(code: int) -> str:
             name = str(-code)
         return f"killed by signal {name}"
     return f"exit code {code}"
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+
+
+def _process_state(pid: int) -> str:
+    """One-letter state of ``pid`` from /proc (``"T"``: stopped by a signal); ``"?"`` where unknown."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return "?"
+    return stat[stat.rindex(")") + 2]
 
 
 def _first_failure(rank: int, code: int, exits: queue.Queue, done: dict[int, int],
