@@ -12,12 +12,16 @@ hit depends on the CPU's summation order: AVX-512 vs AVX2 vs scalar kernels, 1 v
 
       max|got - ref| <= c * eps(got.dtype) * max|ref|
 
-  where ``c`` is an a-priori error-growth constant derived from the computation (e.g. reduction length
-  times sequential depth; each test states its derivation). ``max|ref|`` is the scale that rounding
-  errors are relative to, so entries near zero are not held to a relative bound they cannot meet.
+  where ``c`` is an a-priori error-growth constant derived from the computation (:func:`growth`: the
+  reduction lengths along the longest chain of dependent ops; each test states its chain). ``max|ref|``
+  is the scale that rounding errors are relative to, so entries near zero are not held to a relative
+  bound they cannot meet. Where no float64 run exists, two reduced-precision results of the same
+  function are each within ``c`` of it, so :func:`assert_same_function` allows ``2 c``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 
@@ -27,6 +31,17 @@ F64_RTOL = 1e-12
 def eps(dtype: torch.dtype) -> float:
     """Unit roundoff scale of ``dtype`` (``torch.finfo(dtype).eps``: 1.19e-7 fp32, 2.2e-16 fp64)."""
     return float(torch.finfo(dtype).eps)
+
+
+def growth(reductions: Iterable[int], backward: bool = False) -> int:
+    """Error-growth constant ``c`` of a chain of well-conditioned ops with these reduction lengths.
+
+    A length-``n`` sum or dot product has relative forward error <= ~``n`` eps (Higham's gamma_n);
+    along a chain of O(1)-Lipschitz steps (matmuls of unit-scale weights, RMSNorm, softmax, sigmoid,
+    tanh) the errors add. A gradient carries the forward error plus a backward chain of the same
+    lengths: twice the constant.
+    """
+    return (2 if backward else 1) * sum(reductions)
 
 
 def normwise_err(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -57,4 +72,12 @@ def assert_near_reference(got: torch.Tensor, ref: torch.Tensor, c: float, what: 
         raise TypeError(f"{what}: the reference must be float64, got {ref.dtype}")
     units = normwise_err(got, ref) / eps(got.dtype)
     assert units <= c, f"{what}: normwise error {units:.1f} eps({got.dtype}) > bound {c:.0f} eps"
+    return units
+
+
+def assert_same_function(a: torch.Tensor, b: torch.Tensor, c: float, what: str) -> float:
+    """Two reduced-precision results of one exact function (e.g. split vs whole sequence): each is within
+    ``c`` eps of it, so ``max|a - b| <= 2 c * eps(b.dtype) * max|b|``. Returns the error in eps units."""
+    units = normwise_err(a, b) / eps(b.dtype)
+    assert units <= 2 * c, f"{what}: normwise difference {units:.1f} eps({b.dtype}) > bound 2 x {c:.0f} eps"
     return units

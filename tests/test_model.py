@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from numerics import assert_same_function, growth
 
 from moonrt.model.config import k3_tiny
 from moonrt.model.context import AttentionContext
@@ -24,6 +25,17 @@ def _model(seed: int = 0, **changes) -> K3Model:
         model.attn_res.queries.normal_(std=0.5)
         model.attn_res.final_query.normal_(std=0.5)
     return model
+
+
+def _growth(model: K3Model, t: int, backward: bool = False) -> int:
+    """Error-growth constant (tests/numerics.py) of the whole forward on ``t`` tokens: per decoder layer
+    two AttnRes mixes (D each), the attention chain (D in-projection, head-dim scores, a t-term causal
+    sum, the heads' out-projection) and the FFN chain (D, the dense intermediate size, the largest);
+    then the final mix and the LM head (D)."""
+    cfg = model.config
+    d, la = cfg.hidden_size, cfg.linear_attn_config
+    per_layer = [d, d, la.head_dim, t, la.num_heads * la.head_dim, d, cfg.intermediate_size]
+    return growth(per_layer * cfg.num_hidden_layers + [d, d], backward)
 
 
 def test_structure_and_stable_names() -> None:
@@ -50,14 +62,15 @@ def test_logits_loss_and_causality() -> None:
     changed[:, 12:] = torch.randint(0, 256, (2, 8))
     # equal up to fp32 rounding of the chunked KDA kernel (whose tiles also hold the later tokens)
     out = model(changed)
-    torch.testing.assert_close(out[:, :12], logits[:, :12], rtol=1e-4, atol=1e-4)
+    assert_same_function(out[:, :12], logits[:, :12], _growth(model, 20), "logits before the change")
     assert not torch.allclose(out[:, 12:], logits[:, 12:])
 
 
 def test_two_phase_attnres_equals_direct_in_the_model() -> None:
     model = _model(1)
     tokens = torch.randint(0, 256, (2, 12))
-    torch.testing.assert_close(model(tokens, two_phase=True), model(tokens), rtol=1e-5, atol=1e-5)
+    # exact equality of the two AttnRes forms is tested in float64 in test_attnres.py; here the wiring
+    assert_same_function(model(tokens, two_phase=True), model(tokens), _growth(model, 12), "logits")
 
 
 def test_stages_compose_to_the_full_forward() -> None:
@@ -162,12 +175,11 @@ def test_model_touches_other_slices_only_through_the_context() -> None:
     ctx.replay = True
     y1 = model(tokens[:, 10:], ctx=ctx)
     assert not (ctx.states or ctx.halos or ctx.latents)  # every recorded item replayed once
-    torch.testing.assert_close(torch.cat([y0, y1], 1), full, rtol=1e-4, atol=1e-4)
+    assert_same_function(torch.cat([y0, y1], 1), full, _growth(model, 22), "logits")
     loss = (y0 * w[:, :10]).sum() + (y1 * w[:, 10:]).sum()
     g_split = torch.autograd.grad(loss, params, allow_unused=True)
     for p_name, a, b in zip([n for n, p in model.named_parameters() if p.requires_grad], g_split, g_full):
         if b is None:
             assert a is None or not a.any(), p_name
             continue
-        err = float((a - b).norm() / b.norm().clamp_min(1e-12))  # relative RMS (fp32 rounding of chunked KDA)
-        assert err < 1e-4, (p_name, err)
+        assert_same_function(a, b, _growth(model, 22, backward=True), f"d {p_name}")
