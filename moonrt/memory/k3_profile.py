@@ -47,6 +47,32 @@ def _chunk_geometry(t: int, chunk: int = CHUNK) -> tuple[int, int, int]:
     return C, -(-t // C), max(1, C // SUB_TILE) if C > SUB_TILE else 1
 
 
+def _clamped() -> bool:
+    """Whether the KDA kernel clamps decaying exponents (``moonrt.model.kda._decay_exp``, saves each clamp input)."""
+    from moonrt.model import kda
+
+    return hasattr(kda, "_decay_exp")
+
+
+def _sub_tile_terms(HK: int, K: int, C: int, n_sub: int, pad: float) -> list[Term]:
+    """In-chunk decay factorization of ``chunk_terms`` (bytes per token, fp32), for both kernel versions:
+    midpoint-referenced column factors over the whole chunk per sub-tile (unclamped), or diagonal blocks with
+    midpoint references plus off-diagonal blocks referenced at each sub-tile start (clamped exps)."""
+    sub = C // n_sub
+    if not _clamped():
+        return [Term("exp(m - G) columns", 4 * n_sub * HK * pad, K, fp32=True),
+                Term("k, q chunks + e_pos", 12 * HK * pad, K, fp32=True),
+                Term("[k|q] row tiles + k column tiles", (8 + 4 * n_sub) * HK * pad, K, fp32=True)]
+    H = HK // K
+    off = sum(16 * sub * K + 12 * i * sub * K for i in range(1, n_sub))  # per chunk and head
+    return [Term("exp(m - G) diagonal columns", 4 * HK * pad, K, fp32=True),
+            Term("k, q chunks + e_pos", 12 * HK * pad, K, fp32=True),
+            Term("[k|q] row tiles + k column tiles", 12 * HK * pad, K, fp32=True),
+            Term("off-diagonal blocks: clamp inputs, exps, [k|q] rows, decayed columns", H * off / C * pad, K,
+                 fp32=True),
+            Term("clamp inputs of exp(G), exp(G_C - G)", 8 * HK * pad, K, fp32=True)]
+
+
 def _state_bytes(N: int, group: int, H: int, K: int, V: int) -> float:
     """Bytes per sequence of the KDA state scan that stay saved (``_scan_states``, groups of ``group``
     chunks): the state entering every chunk but the last (``baddbmm`` inputs), the stacked entering
@@ -97,21 +123,21 @@ def class_terms(cfg: Any, a: int, seq_tokens: int, batch: int = 1, gathered: int
         Term("q, k L2 rsqrt", 2 * H * a), Term("beta = sigmoid", 4 * H, fp32=True),
         Term("f_a output", K * a, K), Term("gate pre-sigmoid + sigmoid", 8 * HK, HK, fp32=True),
         # chunk form (compute dtype fp32; G in fp64), per padded token
-        Term("exp(G - m) fp64", 8 * HK * pad, K), Term("exp(m - G) columns", 4 * n_sub * HK * pad, K, fp32=True),
-        Term("k, q chunks + e_pos", 12 * HK * pad, K, fp32=True),
-        Term("[k|q] row tiles + k column tiles", (8 + 4 * n_sub) * HK * pad, K, fp32=True),
+        Term("exp(G - m) fp64", 8 * HK * pad, K),
+        *_sub_tile_terms(HK, K, C, n_sub, pad),
         Term("beta chunks", 4 * H * pad, fp32=True),
         Term("L (masked, scaled), UT transform T, A_qk (C x C)", 16 * H * C * pad, C, fp32=True),
         Term("exp(G), exp(G) k, Kg, exp(G_C - G), W, Qg", 24 * HK * pad, K, fp32=True),
         Term("v chunks, U, V~", 12 * HV * pad, V, fp32=True),
-        Term("chunk decay exp(G_C)", 4 * HK / C * pad, K, fp32=True),
+        Term("chunk decay exp(G_C)", (8 if _clamped() else 4) * HK / C * pad, K, fp32=True),
         Term("per-chunk M (K x K), entering states, stacked states", _state_bytes(N, group, H, K, V) * per_seq, V,
              fp32=True),
         Term("KDA output (fp32 copy)", 4 * HV * (pad if f32 else 1), V, fp32=True),
         Term("output RMSNorm rsqrt", 4 * H, fp32=True),
         Term("normed output, x weight, gate sigmoid", 12 * HV, V, fp32=True),
         Term("o_proj input", HV * a, HV),
-        Term("decay constants, masks", 0, 0, 4 * H + 4 * HK + groups * (n_sub * C + 2 * C * C)
+        Term("decay constants, masks", 0, 0, 4 * H + 4 * HK
+             + groups * ((0 if _clamped() else n_sub * C) + 2 * C * C)
              + (0 if f32 else 4 * K)),
     ]
     ql, kvl, rope, nope, Hm, Vm = (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim,
@@ -303,7 +329,7 @@ def measure_kind(name: str, module: Any, cfg: Any, batch: int, tokens: int, dtyp
 
 
 def traced_profile_by_kind(cfg: Any, dtype: Any, seq_tokens: int, batch: int = 1, cp: int = 1,
-                           probe_tokens: int = 128, max_experts: int = 32,
+                           probe_tokens: int = 256, max_experts: int = 32,
                            kinds: tuple[str, ...] | None = None) -> Profile:
     """Profile by measuring each layer kind (built at ``cfg``'s widths, parameters in ``dtype``).
 
@@ -362,5 +388,18 @@ def default_dtype() -> str:
     return "bf16" if torch.cuda.is_available() else "fp32"
 
 
-__all__ = ["Term", "analytic_profile", "attn_res_sources", "class_terms", "default_dtype", "dtype_bytes",
-           "kind_modules", "layer_specs", "measure_kind", "traced_profile_by_kind"]
+__all__ = ["Term", "analytic_profile", "attn_res_sources", "class_terms", "default_dtype", "default_profile",
+           "dtype_bytes", "kind_modules", "layer_specs", "measure_kind", "traced_profile_by_kind"]
+
+
+def default_profile(cfg: Any, layout: Any, sdpa: str | None = None) -> Profile:
+    """:func:`analytic_profile` for a :class:`~moonrt.memory.model_memory.JobLayout`: activation bytes
+    ``layout.act_bytes``, one sequence slice of ``seq_len / cp`` tokens, ``micro_batch_size`` sequences;
+    attention ``sdpa`` defaults to ``"math"`` in fp32 (the CPU path) and ``"fused"`` in bf16 (GPU kernels).
+    In bf16 the active experts of a MoE layer on a rank are its ``E / ep`` home experts plus as many
+    MoonEP slot copies (all ``E`` without EP), at most one per routed assignment."""
+    sdpa = sdpa or ("math" if layout.act_bytes == 4 else "fused")
+    E, ep = cfg.num_experts, layout.ep
+    active = min(E if ep == 1 else 2 * (E // ep), layout.tokens() * cfg.num_experts_per_token)
+    return analytic_profile(cfg, layout.act_bytes, layout.seq_len // layout.cp, layout.micro_batch_size,
+                            layout.cp, sdpa, active)

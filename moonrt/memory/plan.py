@@ -24,13 +24,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
+import math
 import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from moonrt.memory.k3_profile import default_profile
 from moonrt.memory.model_memory import (
     GIB,
     JobLayout,
@@ -38,7 +39,6 @@ from moonrt.memory.model_memory import (
     Profile,
     RankModel,
     activation_bytes,
-    kernel_profile,
     layer_class_patterns,
     rank_models,
 )
@@ -49,8 +49,9 @@ class Hardware:
     """Per-rank device and host resources (defaults: an H100/H200-class node, 8 GPUs, 2 TB host)."""
 
     budget_gib: float = 80.0
-    reserve_gib: float = 4.0
-    """Kept free for allocator fragmentation, kernels' workspaces and transient reloads."""
+    reserve_gib: float | None = None
+    """Kept free for allocator fragmentation, kernels' workspaces and transient reloads; None: 5% of the
+    budget, at most 4 GiB (:func:`default_reserve`)."""
     host_gib: float = 200.0
     host_gbs: float = 50.0
     remote_gbs: float = 150.0
@@ -60,6 +61,15 @@ class Hardware:
     tflops: float = 400.0
     """Effective dense bf16 throughput (sets compute time: the overlap window and recompute cost)."""
     hbm_gbs: float = 3000.0
+
+    def __post_init__(self) -> None:
+        if self.reserve_gib is None:
+            self.reserve_gib = default_reserve(self.budget_gib)
+
+
+def default_reserve(budget_gib: float) -> float:
+    """Default device memory kept free: 5% of the budget, at most 4 GiB."""
+    return min(4.0, 0.05 * budget_gib)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -311,18 +321,31 @@ def plan(cfg: Any, layout: JobLayout, sizes: ParamSizes, hw: Hardware, profile: 
     """Choose storage policies per rank and class under ``hw.budget_gib`` (see module docstring)."""
     if solver not in ("highs", "greedy"):
         raise ValueError(f"solver = {solver!r}: expected 'highs' or 'greedy'")
-    if hw.budget_gib <= 0:
+    if not (math.isfinite(hw.budget_gib) and hw.budget_gib > 0):
         raise ValueError(f"budget_gib = {hw.budget_gib}: expected a positive number of GiB")
-    profile = profile or kernel_profile(cfg, layout.act_bytes)
+    for name in ("reserve_gib", "host_gib", "disk_gib"):
+        v = getattr(hw, name)
+        if not (math.isfinite(v) and v >= 0):
+            raise ValueError(f"{name} = {v}: expected a finite number >= 0")
+    for name in ("host_gbs", "remote_gbs", "disk_gbs", "tflops", "hbm_gbs"):
+        v = getattr(hw, name)
+        if not (math.isfinite(v) and v > 0):
+            raise ValueError(f"{name} = {v}: expected a finite number > 0")
+    if hw.reserve_gib >= hw.budget_gib:
+        raise ValueError(f"reserve_gib = {hw.reserve_gib:g}: expected less than the budget ({hw.budget_gib:g} GiB); "
+                         "the reserve is device memory kept free for allocator fragmentation and workspaces")
+    profile = profile or default_profile(cfg, layout)
     t0 = time.perf_counter()
     rms = rank_models(cfg, layout, sizes, profile, hw.tflops)
     cap = hw.budget_gib - hw.reserve_gib
     worst = max(rms, key=lambda r: r.static["params"])
     if worst.static["params"] / GIB > cap:
         need = sum(worst.static.values()) / GIB + hw.reserve_gib
-        msg = (f"budget {hw.budget_gib:.1f} GiB is below the parameter memory of rank {worst.rank} "
-               f"({worst.static['params'] / GIB:.1f} GiB of bf16 weights; {need:.1f} GiB with gradients, optimizer "
-               f"states and buffers before any activation): raise pp/ep or the budget")
+        msg = (f"budget {hw.budget_gib:g} GiB minus the reserve {hw.reserve_gib:g} GiB (kept free for allocator "
+               f"fragmentation and workspaces, --reserve-gib) leaves {cap:.2f} GiB, below the parameter memory of "
+               f"rank {worst.rank} ({worst.static['params'] / GIB:.2f} GiB of {layout.param_bytes}-byte weights; "
+               f"{need:.2f} GiB with gradients, optimizer states, buffers and the reserve before any activation): "
+               f"raise pp/ep or the budget")
         return Plan(False, solver, time.perf_counter() - t0, hw.budget_gib,
                     tuple(_rank_plans(rms, profile, layout, hw, {})), need, "params", msg)
     used = solver
@@ -437,10 +460,6 @@ def plot(p: Plan, path: str | Path) -> None:
     plt.close(fig)
 
 
-# ---------------------------------------------------------------------------------------------
-# CLI
-
-
 def param_sizes(cfg: Any) -> ParamSizes:
     """Per-part parameter counts from ``moonrt.model.params`` (the tool layer may read the model)."""
     from moonrt.model import params as mp
@@ -453,73 +472,19 @@ def param_sizes(cfg: Any) -> ParamSizes:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="k3", help="model preset (k3, k3_tiny)")
-    parser.add_argument("--dp", type=int, default=1)
-    parser.add_argument("--pp", type=int, default=16)
-    parser.add_argument("--vpp", type=int, default=2)
-    parser.add_argument("--ep", type=int, default=64)
-    parser.add_argument("--cp", type=int, default=64)
-    parser.add_argument("--micro-batch-size", type=int, default=1)
-    parser.add_argument("--seq-len", type=int, default=1048576)
-    parser.add_argument("--microbatches", type=int, default=32)
-    parser.add_argument("--schedule", default="interleaved", choices=["1f1b", "interleaved", "gpipe"])
-    parser.add_argument("--optim-bytes", type=int, default=8, help="optimizer bytes per parameter (Muon: 8)")
-    parser.add_argument("--shard-grads", action="store_true",
-                        help="fp32 gradients sharded like the optimizer states (K3_SYSTEMS §10), else full per rank")
-    parser.add_argument("--budget-gib", type=float, nargs="+", default=[80.0, 141.0])
-    parser.add_argument("--reserve-gib", type=float, default=4.0)
-    parser.add_argument("--host-gib", type=float, default=200.0)
-    parser.add_argument("--host-gbs", type=float, default=50.0)
-    parser.add_argument("--remote-gbs", type=float, default=150.0)
-    parser.add_argument("--disk-gib", type=float, default=0.0)
-    parser.add_argument("--tflops", type=float, default=400.0)
-    parser.add_argument("--solver", default="highs", choices=["highs", "greedy"])
-    parser.add_argument("--out", default="", help="directory for policy YAMLs, plan JSON and PNG")
+    """Flags of ``moonrt mem-plan`` (:mod:`moonrt.memory.plan_cli`)."""
+    from moonrt.memory.plan_cli import add_arguments as add
+
+    add(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    import yaml
+    """``moonrt mem-plan`` (:mod:`moonrt.memory.plan_cli`)."""
+    from moonrt.memory.plan_cli import run as main
 
-    from moonrt.model.config import PRESETS
-
-    if args.model not in PRESETS:
-        raise SystemExit(f"--model = {args.model!r}: expected one of {', '.join(PRESETS)}")
-    cfg = PRESETS[args.model]()
-    layout = JobLayout(dp=args.dp, pp=args.pp, vpp=args.vpp, ep=args.ep, cp=args.cp,
-                       micro_batch_size=args.micro_batch_size, seq_len=args.seq_len, microbatches=args.microbatches,
-                       schedule=args.schedule, optim_bytes=args.optim_bytes,
-                       shard_grads=args.shard_grads)
-    sizes = param_sizes(cfg)
-    rc = 0
-    out = Path(args.out) if args.out else None
-    for b in args.budget_gib:
-        hw = Hardware(budget_gib=b, reserve_gib=args.reserve_gib, host_gib=args.host_gib, host_gbs=args.host_gbs,
-                      remote_gbs=args.remote_gbs, disk_gib=args.disk_gib, tflops=args.tflops)
-        try:
-            p = plan(cfg, layout, sizes, hw, solver=args.solver)
-        except ValueError as exc:
-            print(f"mem-plan: {exc}")
-            return 2
-        print(f"== {args.model}: dp={layout.dp} pp={layout.pp} vpp={layout.vpp} ep={layout.ep} cp={layout.cp} "
-              f"seq={layout.seq_len} mbs={layout.micro_batch_size} m={layout.microbatches} {layout.schedule}; "
-              f"{layout.tokens()} tokens/rank/micro-batch; budget {b:g} GiB")
-        print(table(p))
-        if p.feasible:
-            print("policy (rank 0):")
-            print(yaml.safe_dump(policy_dict(p.ranks[0]), sort_keys=False).rstrip())
-        else:
-            rc = 1
-        if out is not None:
-            d = out / f"budget{b:g}"
-            d.mkdir(parents=True, exist_ok=True)
-            (d / "plan.json").write_text(json.dumps(plan_json(p), indent=1, default=str))
-            plot(p, d / "plan.png")
-            if p.feasible:
-                for r in p.ranks:
-                    (d / f"policy_rank{r.rank}.yaml").write_text(yaml.safe_dump(policy_dict(r), sort_keys=False))
-            print(f"wrote {d}/ (plan.json, plan.png{', policy_rank*.yaml' if p.feasible else ''})")
-    return rc
+    return main(args)
 
 
-__all__ = ["Hardware", "Plan", "RankPlan", "add_arguments", "greedy", "param_sizes", "plan", "plan_json",
-           "plot", "policy_dict", "run", "table"]
+
+__all__ = ["Hardware", "Plan", "RankPlan", "add_arguments", "default_reserve", "greedy", "param_sizes", "plan",
+           "plan_json", "plot", "policy_dict", "run", "table"]

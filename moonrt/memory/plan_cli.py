@@ -1,0 +1,180 @@
+"""``moonrt mem-plan``: the memory-budget planner's command line (K3_SYSTEMS §8, §10; docs/MEMORY_MODEL.md).
+
+Every flag is checked before any work: a bad value is one line on stderr naming the flag, the value
+and what was expected, exit 2 (an unwritable ``--out`` included). Exit 1 when a budget does not fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+from pathlib import Path
+
+from moonrt.memory.k3_profile import default_dtype, default_profile, dtype_bytes, traced_profile_by_kind
+from moonrt.memory.model_memory import JobLayout
+from moonrt.memory.plan import Hardware, param_sizes, plan, plan_json, plot, policy_dict, table
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument
+    g("--model", default="k3", help="model preset: k3 (the released 2.8T config) or k3_tiny (default: k3)")
+    g("--dp", type=int, default=1, help="data-parallel replicas (ZeRO-1 shards optimizer states over dp*ep*cp; "
+      "default 1)")
+    g("--pp", type=int, default=16, help="pipeline-parallel ranks (default 16)")
+    g("--vpp", type=int, default=2, help="virtual stages (model chunks) per pipeline rank; >= 2 for "
+      "--schedule interleaved, 1 otherwise (default 2)")
+    g("--ep", type=int, default=64, help="expert-parallel ranks, a divisor of num_experts (default 64)")
+    g("--cp", type=int, default=64, help="context-parallel ranks splitting each sequence; divides --seq-len "
+      "(default 64)")
+    g("--micro-batch-size", type=int, default=1, help="sequences per micro-batch (default 1)")
+    g("--seq-len", type=int, default=1048576, help="tokens per sequence before the CP split (default 1048576)")
+    g("--microbatches", type=int, default=32, help="micro-batches per step (interleaved: a multiple of --pp; "
+      "default 32)")
+    g("--schedule", default="interleaved", choices=["1f1b", "interleaved", "gpipe"],
+      help="pipeline schedule whose in-flight micro-batches set the activation peak (default interleaved)")
+    g("--optim-bytes", type=int, default=8, help="optimizer-state bytes per parameter, sharded ZeRO-1 (Muon 8, AdamW "
+      "12; default 8)")
+    g("--shard-grads", action="store_true",
+      help="fp32 gradients sharded like the optimizer states (K3_SYSTEMS §10), else full per rank")
+    g("--dtype", choices=["bf16", "fp32"], default=None,
+      help="training dtype of activations and parameters (default: the runtime's on this machine, bf16 with a GPU, "
+      "fp32 on CPU)")
+    g("--profile", choices=["analytic", "traced"], default="analytic",
+      help="activation profile: analytic (per-term formulas of moonrt's K3 layers, docs/MEMORY_MODEL.md) or "
+      "traced (build each layer kind at the model's widths, measure a few tokens under the activation manager, "
+      "scale; needs the memory for one layer of each kind)")
+    g("--attention", choices=["math", "fused"], default=None,
+      help="what MLA attention saves: math (CPU SDPA path: the [H, T, S] probabilities) or fused (GPU flash / "
+      "memory-efficient kernels: output and log-sum-exp); default math in fp32, fused in bf16 (analytic only)")
+    g("--probe-tokens", type=int, default=256, help="tokens per sequence of the traced probe forwards (default 256)")
+    g("--probe-experts", type=int, default=32,
+      help="experts of the traced MoE probe (at least top-k + 1; router scores rescaled to the real E; default 32)")
+    g("--budget-gib", type=float, nargs="+", default=[80.0, 141.0],
+      help="device memory per rank in GiB; several values plan each (default 80 141)")
+    g("--reserve-gib", type=float, default=None,
+      help="device GiB kept free for allocator fragmentation, workspaces and transient reloads, subtracted from "
+      "each budget (default 5%% of the budget, at most 4)")
+    g("--host-gib", type=float, default=200.0, help="host memory per rank for offloaded activations, GiB (default 200)")
+    g("--host-gbs", type=float, default=50.0, help="device-host copy bandwidth per rank, GB/s (default 50)")
+    g("--remote-gbs", type=float, default=150.0,
+      help="bandwidth to the peer rank for remote offload, GB/s (default 150)")
+    g("--disk-gib", type=float, default=0.0, help="NVMe per rank for offload, GiB; 0 disables the disk tier "
+      "(default 0)")
+    g("--tflops", type=float, default=400.0,
+      help="effective dense throughput per rank, TFLOP/s: sets compute time, the copy overlap window and the "
+      "recompute cost (default 400)")
+    g("--solver", default="highs", choices=["highs", "greedy"], help="ILP with PuLP + HiGHS, or the greedy "
+      "fallback (local tiers only; default highs)")
+    g("--out", default="", help="directory for per-budget policy YAMLs, plan JSON and PNG (created if missing)")
+
+
+def _fail(msg: str) -> int:
+    print(f"mem-plan: {msg}", file=sys.stderr)
+    return 2
+
+
+def _check_args(args: argparse.Namespace) -> str | None:
+    """First bad flag as a one-line message, or None."""
+    for name in ("dp", "pp", "vpp", "ep", "cp", "micro_batch_size", "seq_len", "microbatches", "optim_bytes",
+                 "probe_tokens", "probe_experts"):
+        v = getattr(args, name)
+        if v < (0 if name == "optim_bytes" else 1):
+            return f"--{name.replace('_', '-')} = {v}: expected an integer >= {0 if name == 'optim_bytes' else 1}"
+    for b in args.budget_gib:
+        if not (math.isfinite(b) and b > 0):
+            return f"--budget-gib = {b}: expected a positive, finite number of GiB"
+    for name, positive in (("reserve_gib", False), ("host_gib", False), ("disk_gib", False), ("host_gbs", True),
+                           ("remote_gbs", True), ("tflops", True)):
+        v = getattr(args, name)
+        if v is None:
+            continue
+        if not (math.isfinite(v) and (v > 0 if positive else v >= 0)):
+            return f"--{name.replace('_', '-')} = {v}: expected a finite number {'> 0' if positive else '>= 0'}"
+    if args.reserve_gib is not None:
+        for b in args.budget_gib:
+            if args.reserve_gib >= b:
+                return (f"--reserve-gib = {args.reserve_gib:g}: expected less than --budget-gib {b:g} (the reserve is "
+                        "device memory kept free for allocator fragmentation and workspaces)")
+    if args.out:
+        out = Path(args.out)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=out):
+                pass
+        except OSError as exc:
+            return f"--out = {args.out!r}: expected a writable directory ({exc.strerror or exc})"
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    import yaml
+
+    from moonrt.model.config import PRESETS
+
+    if args.model not in PRESETS:
+        return _fail(f"--model = {args.model!r}: expected one of {', '.join(PRESETS)}")
+    bad = _check_args(args)
+    if bad:
+        return _fail(bad)
+    cfg = PRESETS[args.model]()
+    dtype = args.dtype or default_dtype()
+    ab = dtype_bytes(dtype)
+    layout = JobLayout(dp=args.dp, pp=args.pp, vpp=args.vpp, ep=args.ep, cp=args.cp,
+                       micro_batch_size=args.micro_batch_size, seq_len=args.seq_len, microbatches=args.microbatches,
+                       schedule=args.schedule, optim_bytes=args.optim_bytes, shard_grads=args.shard_grads,
+                       act_bytes=ab, param_bytes=ab)
+    try:
+        layout.check(cfg.num_hidden_layers, cfg.num_experts)
+        if args.profile == "traced":
+            import torch
+
+            if args.probe_experts < cfg.num_experts_per_token + 1:
+                return _fail(f"--probe-experts = {args.probe_experts}: expected >= top-k + 1 "
+                             f"({cfg.num_experts_per_token + 1})")
+            profile = traced_profile_by_kind(cfg, torch.float32 if dtype == "fp32" else torch.bfloat16,
+                                             layout.seq_len // layout.cp, layout.micro_batch_size, layout.cp,
+                                             args.probe_tokens, args.probe_experts)
+        else:
+            profile = default_profile(cfg, layout, args.attention)
+    except ValueError as exc:
+        return _fail(str(exc))
+    sizes = param_sizes(cfg)
+    rc = 0
+    out = Path(args.out) if args.out else None
+    attention = "" if args.profile == "traced" else f", attention {args.attention or ('math' if ab == 4 else 'fused')}"
+    for b in args.budget_gib:
+        hw = Hardware(budget_gib=b, reserve_gib=args.reserve_gib, host_gib=args.host_gib, host_gbs=args.host_gbs,
+                      remote_gbs=args.remote_gbs, disk_gib=args.disk_gib, tflops=args.tflops)
+        try:
+            p = plan(cfg, layout, sizes, hw, profile=profile, solver=args.solver)
+        except ValueError as exc:
+            return _fail(str(exc))
+        print(f"== {args.model} {dtype}: dp={layout.dp} pp={layout.pp} vpp={layout.vpp} ep={layout.ep} cp={layout.cp} "
+              f"seq={layout.seq_len} mbs={layout.micro_batch_size} m={layout.microbatches} {layout.schedule}; "
+              f"{layout.tokens()} tokens/rank/micro-batch; {args.profile} profile{attention}; budget {b:g} GiB "
+              f"(reserve {hw.reserve_gib:g} GiB)")
+        print(table(p))
+        if p.feasible:
+            print("policy (rank 0):")
+            print(yaml.safe_dump(policy_dict(p.ranks[0]), sort_keys=False).rstrip())
+        else:
+            rc = 1
+        if out is not None:
+            d = out / f"budget{b:g}"
+            try:
+                d.mkdir(parents=True, exist_ok=True)
+                (d / "plan.json").write_text(json.dumps(plan_json(p), indent=1, default=str))
+                plot(p, d / "plan.png")
+                if p.feasible:
+                    for r in p.ranks:
+                        (d / f"policy_rank{r.rank}.yaml").write_text(yaml.safe_dump(policy_dict(r), sort_keys=False))
+            except OSError as exc:
+                return _fail(f"--out = {args.out!r}: cannot write {d}: {exc.strerror or exc}")
+            print(f"wrote {d}/ (plan.json, plan.png{', policy_rank*.yaml' if p.feasible else ''})")
+    return rc
+
+
+__all__ = ["add_arguments", "param_sizes", "run"]

@@ -1,0 +1,75 @@
+"""``moonrt mem-plan`` input handling (issue 10 items 10 and 14): every bad flag is one line on stderr
+naming it, exit 2; the README's k3_tiny example fits as written; the reserve is named; every flag has help."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+import pytest
+
+from moonrt.memory.plan_cli import add_arguments
+
+README_TINY = ["--model", "k3_tiny", "--pp", "2", "--ep", "1", "--cp", "1", "--vpp", "1", "--schedule", "1f1b",
+               "--seq-len", "4096", "--microbatches", "8", "--budget-gib", "1"]
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "moonrt.cli", "mem-plan", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.parametrize("flag,value,expect", [
+    ("--budget-gib", "nan", "--budget-gib = nan: expected a positive, finite number"),
+    ("--budget-gib", "-1", "--budget-gib = -1.0: expected a positive"),
+    ("--reserve-gib", "inf", "--reserve-gib = inf: expected a finite number >= 0"),
+    ("--host-gbs", "0", "--host-gbs = 0.0: expected a finite number > 0"),
+    ("--tflops", "nan", "--tflops = nan"),
+    ("--pp", "0", "--pp = 0: expected an integer >= 1"),
+    ("--probe-tokens", "0", "--probe-tokens = 0"),
+])
+def test_bad_flag_is_one_line_exit_2(flag, value, expect):
+    r = _run("--model", "k3_tiny", "--pp", "1", "--vpp", "1", "--ep", "1", "--cp", "1", "--schedule", "1f1b",
+             "--seq-len", "256", "--microbatches", "1", flag, value)
+    assert r.returncode == 2, r.stderr
+    assert expect in r.stderr and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")
+def test_unwritable_out_exit_2(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        r = _run(*README_TINY, "--out", str(ro / "plan"))
+    finally:
+        ro.chmod(0o700)
+    assert r.returncode == 2 and "--out = " in r.stderr and "expected a writable directory" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_out_is_a_file_exit_2(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    r = _run(*README_TINY, "--out", str(f))
+    assert r.returncode == 2 and "expected a writable directory" in r.stderr, r.stderr
+
+
+def test_readme_k3_tiny_example_fits_and_names_the_reserve():
+    r = _run(*README_TINY)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "fits 1 GiB" in r.stdout and "(reserve 0.05 GiB)" in r.stdout
+
+
+def test_reserve_larger_than_budget_is_named():
+    r = _run(*README_TINY[:-1], "1", "--reserve-gib", "4")
+    assert r.returncode == 2 and "--reserve-gib = 4: expected less than --budget-gib 1" in r.stderr, r.stderr
+
+
+def test_every_flag_has_help():
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    missing = [a.option_strings for a in p._actions if a.option_strings != ["-h", "--help"] and not a.help]
+    assert not missing
