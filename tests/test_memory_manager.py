@@ -82,8 +82,10 @@ def test_offload_moves_bytes_off_device():
     assert keep.peak["device"] > 0 and keep.peak["host"] == 0
     assert host.peak["device"] == 0 and host.peak["host"] == keep.peak["device"]
     assert disk.peak["device"] == 0 and disk.peak["disk"] == keep.peak["device"]
-    assert host.prefetched > 0  # reloads were started one layer ahead
-    assert 0.0 <= host.hidden_fraction <= 1.0
+    assert disk.prefetched > 0  # reloads were started one layer ahead
+    assert 0.0 <= disk.hidden_fraction <= 1.0
+    if not torch.cuda.is_available():
+        assert host.prefetched == 0  # host memory is the compute memory: nothing to bring back early
 
 
 def test_recompute_saves_only_region_inputs():

@@ -66,6 +66,7 @@ def storage_bytes(t: torch.Tensor) -> torch.Tensor:
 
 class Store(Protocol):
     tier: str
+    prefetch: bool
 
     def put(self, data: torch.Tensor) -> Any:
         """Store ``[n]`` uint8 ``data``; returns a record. The caller may reuse ``data`` afterwards."""
@@ -81,6 +82,8 @@ class KeepStore:
     """Keeps the tensor itself on the compute device (no copy)."""
 
     tier = "device"
+    prefetch = False
+    """Whether ``get`` moves bytes (worth starting early in backward)."""
 
     def put(self, data: torch.Tensor) -> Any:
         return data
@@ -101,6 +104,7 @@ class HostStore:
     def __init__(self) -> None:
         self._cuda = torch.cuda.is_available()
         self._stream = torch.cuda.Stream() if self._cuda else None
+        self.prefetch = self._cuda  # without CUDA, host memory is the compute memory: get is free
 
     def put(self, data: torch.Tensor) -> Any:
         if data.device.type == "cuda":
@@ -147,6 +151,7 @@ class DiskStore:
     """
 
     tier = "disk"
+    prefetch = True
     ALIGN = 64
 
     def __init__(self, directory: str | Path | None, capacity: int, field: str = "disk_path") -> None:
@@ -226,6 +231,7 @@ class RemoteStore:
     """Another rank's memory, through a :class:`moonrt.memory.remote.RemoteClient`."""
 
     tier = "remote"
+    prefetch = True
 
     def __init__(self, client: Any) -> None:
         self.client = client

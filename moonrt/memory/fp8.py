@@ -46,7 +46,9 @@ def quantize(x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Ten
     amax = tiles.abs().amax(dim=-1)  # [M, nb]
     scales = amax / E4M3_MAX
     inv = torch.where(amax > 0, E4M3_MAX / amax.clamp_min(torch.finfo(torch.float32).tiny), torch.zeros_like(amax))
-    payload = (tiles * inv.unsqueeze(-1)).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    # |tile * inv| <= 448 * (1 + 2 ulp) and E4M3 rounds anything below 464 to at most 448, so no clamp
+    # is needed (one pass fewer; the payload is bitwise the same as with a clamp)
+    payload = (tiles * inv.unsqueeze(-1)).to(E4M3)
     return payload.view(x2.shape[0], nb * block), scales.float()
 
 

@@ -40,7 +40,6 @@ import re
 import threading
 import time
 import warnings
-import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
@@ -110,14 +109,24 @@ class _Entry:
 
 
 class _Handle:
-    """What autograd holds instead of a saved tensor."""
+    """What autograd holds instead of a saved tensor; releases its entry when autograd drops it
+    (``__del__``: much cheaper per saved tensor than a ``weakref.finalize``)."""
 
-    __slots__ = ("entry", "view", "tensor", "__weakref__")
+    __slots__ = ("entry", "view", "tensor", "release", "__weakref__")
 
-    def __init__(self, entry: _Entry | None, view: Any, tensor: torch.Tensor | None = None) -> None:
+    def __init__(self, entry: _Entry | None, view: Any, tensor: torch.Tensor | None = None,
+                 release: Any = None) -> None:
         self.entry = entry
         self.view = view
         self.tensor = tensor
+        self.release = release
+
+    def __del__(self) -> None:
+        if self.release is not None:
+            try:
+                self.release(self.entry)
+            except Exception:  # noqa: BLE001 - interpreter shutdown: nothing left to account
+                pass
 
 
 class ActivationManager:
@@ -149,7 +158,14 @@ class ActivationManager:
                                  "(ActivationManager(..., remote=RemoteClient(peer, group)))")
             self._stores["remote"] = RemoteStore(remote)
         self._backends: dict[str, Backend] = {}
+        self._keep_backend: Backend | None = None
         self._stack: list[str] = []
+        # per active module/region: (region, policy, layer name, a rule decided), so a save reads the
+        # innermost frame instead of matching rules (the resolution changes only on enter/exit)
+        self._frames: list[tuple[str, str, str, bool]] = []
+        self._root = ("<root>", self.policy.default, "<root>", False)
+        self._own_rule: dict[str, str | None] = {}
+        self._layer_names: dict[str, str] = {}
         self._layers: dict[str, int] = {}
         self._entries: dict[Any, _Entry] = {}
         self._param_ptrs = {t.untyped_storage()._cdata
@@ -317,21 +333,56 @@ class ActivationManager:
             disk.close()
 
     # ---- regions -------------------------------------------------------------------------------
-    def _enter(self, name: str, mod: torch.nn.Module, args: Any) -> None:
+    def _rule_of(self, name: str) -> str | None:
+        """Policy of the first non-recompute rule matching module/region ``name`` (or its
+        ``memory_region``), else None. Cached: names repeat every step."""
+        try:
+            return self._own_rule[name]
+        except KeyError:
+            pass
+        mod_region = self._module_regions.get(name)
+        own = None
+        for rule in self.policy.rules:
+            if rule.policy != "recompute" and (fnmatch.fnmatchcase(name, rule.match) or (
+                    mod_region and fnmatch.fnmatchcase(mod_region, rule.match))):
+                own = rule.policy
+                break
+        self._own_rule[name] = own
+        return own
+
+    def _push(self, name: str) -> None:
         self._stack.append(name)
+        own = self._rule_of(name)
+        lk = self._layer_names.get(name)
+        if lk is None:
+            lk = self._layer_names[name] = layer_key(name)
+        parent = self._frames[-1] if self._frames else self._root
+        if own is not None:
+            self._frames.append((name, own, lk, True))
+        elif parent[3]:
+            self._frames.append((parent[0], parent[1], lk, True))
+        else:
+            self._frames.append((name, self.policy.default, lk, False))
+
+    def _pop(self) -> None:
+        self._stack.pop()
+        self._frames.pop()
+
+    def _enter(self, name: str, mod: torch.nn.Module, args: Any) -> None:
+        self._push(name)
 
     def _exit(self, name: str, mod: torch.nn.Module, args: Any, out: Any) -> None:
         if self._stack and self._stack[-1] == name:
-            self._stack.pop()
+            self._pop()
 
     @contextmanager
     def region(self, name: str):
         """Mark a named region (for code outside modules, e.g. a pipeline stage executor)."""
-        self._stack.append(name)
+        self._push(name)
         try:
             yield
         finally:
-            self._stack.pop()
+            self._pop()
 
     def checkpoint(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Function-level recompute (non-reentrant); may span several layers."""
@@ -394,30 +445,30 @@ class ActivationManager:
             with self._lock:
                 self.accounting.parameter_saves += sptr in self._param_ptrs
             return _Handle(None, None, t.detach())
-        stack = list(self._stack)
-        region, policy = self.resolve(stack)
+        region, policy, layer_name, _ = self._frames[-1] if self._frames else self._root
         label = policy
         if self._anchoring:
             policy, label = "keep", "recompute"
         if policy != "keep" and t.numel() * t.element_size() < self.policy.min_bytes:
             policy = "keep"
-        layer_name = layer_key(stack[-1]) if stack else "<root>"
-        with self._lock:
-            layer = self._layers.setdefault(layer_name, len(self._layers))
+        layer = self._layers.get(layer_name)
+        if layer is None:
+            with self._lock:
+                layer = self._layers.setdefault(layer_name, len(self._layers))
+        if policy == "keep":
+            return self._pack_keep(t, storage, sptr, region, label, layer, t0)
         backend = self._backend(policy)
         fp8 = backend.quantizes(t)
         view = (t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
         key = (policy, sptr, view) if fp8 else (policy, sptr)
         with self._lock:
             entry = self._entries.get(key)
-            if entry is not None and entry.weak.expired():
+            if entry is not None and entry.weak is not None and entry.weak.expired():
                 entry = None
             if entry is not None:
                 entry.refs += 1
                 self.accounting.on_dedupe(region, label)
-                handle = _Handle(entry, view)
-                weakref.finalize(handle, self._release, entry)
-                return handle
+                return _Handle(entry, view, None, self._release)
         if fp8:
             packed = backend.pack(t)
             logical = t.numel() * t.element_size()
@@ -425,18 +476,45 @@ class ActivationManager:
             packed = backend.pack(t)  # keeps the tensor itself; bytes counted by storage
             packed.tier_bytes = {"device": storage.nbytes()}
             logical = storage.nbytes()
-        else:
-            packed = backend.pack(storage_bytes(t))
+        else:  # the whole storage as flat bytes, straight to the store (already contiguous uint8)
             logical = storage.nbytes()
+            store = backend.store
+            packed = Packed([store.put(storage_bytes(t))], ("raw", (logical,), torch.uint8), t.device,
+                            {store.tier: logical})
         entry = _Entry(backend, packed, layer, key, StorageWeakRef(storage))
         entry.refs = 1
         entry.region = (region, label)
         with self._lock:
             self._entries[key] = entry
         self.accounting.on_pack(region, label, logical, packed.tier_bytes, time.perf_counter() - t0)
-        handle = _Handle(entry, view, packed.parts[0] if backend.store.tier == "device" and not fp8 else None)
-        weakref.finalize(handle, self._release, entry)
-        return handle
+        return _Handle(entry, view, packed.parts[0] if backend.store.tier == "device" and not fp8 else None,
+                       self._release)
+
+    def _pack_keep(self, t: torch.Tensor, storage: Any, sptr: int, region: str, label: str, layer: int,
+                   t0: float) -> _Handle:
+        """The keep path: no copy, no view bookkeeping; the handle holds ``t`` itself (detached), the
+        entry only counts the storage once for the accounting. No weak reference is needed: while the
+        entry lives, a handle keeps the storage alive, so its address cannot be reused."""
+        key = ("keep", sptr)
+        with self._lock:
+            entry = self._entries.get(key)
+            fresh = entry is None
+            if entry is not None:
+                entry.refs += 1
+            else:
+                backend = self._keep_backend
+                if backend is None:
+                    backend = self._keep_backend = self._backend("keep")
+                nbytes = storage.nbytes()
+                entry = _Entry(backend, Packed([], ("raw",), t.device, {"device": nbytes}), layer, key, None)
+                entry.refs = 1
+                entry.region = (region, label)
+                self._entries[key] = entry
+        if fresh:
+            self.accounting.on_pack(region, label, nbytes, entry.packed.tier_bytes, time.perf_counter() - t0)
+        else:
+            self.accounting.on_dedupe(region, label)
+        return _Handle(entry, None, t.detach(), self._release)
 
     def _release(self, entry: _Entry) -> None:
         with self._lock:
@@ -461,7 +539,7 @@ class ActivationManager:
         self._prefetched_layers.add(layer)
         with self._lock:
             todo = [e for e in self._entries.values()
-                    if e.layer == layer and e.backend.store.tier != "device" and e.future is None and e.parts is None]
+                    if e.layer == layer and e.backend.store.prefetch and e.future is None and e.parts is None]
             for e in todo:
                 e.future = self._pool.submit(self._fetch, e)
 
