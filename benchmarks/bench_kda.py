@@ -1,10 +1,13 @@
 """CPU benchmark of the chunked KDA kernel (K3_SYSTEMS §2.3) against this machine's fp32 matmul rate.
 
-Measures, for fp32, B=1, H=4, K=V=64 and T in {2048, 8192}: the forward and forward+backward time of
-``kda_chunk``, its achieved GFLOP/s, and that rate as a fraction of the best large square fp32 matmul rate
-measured in the same run with the same thread count; plus the speedup of ``kda_chunk`` over ``kda_recurrent``
-(forward, T=2048). Timings are the minimum over repetitions (at least ``--reps``, and until each function ran
-``--min-time`` seconds), with matmul and kernel repetitions interleaved so both see the same machine load.
+Measures, for fp32, B=1, H=4, K=V=64, T in {2048, 8192} and two decay regimes on K3's gate range
+``g = -5 sigmoid(x)`` (mild: ``x ~ N(-2, 1)``; strong: ``x ~ N(0, 1)``): the forward and forward+backward time of
+``kda_chunk``, its achieved GFLOP/s, that rate as a fraction of the 512 x 512 fp32 matmul rate measured in the same
+run with the same thread count (torch's default unless ``--threads``), and the strong/mild time ratio; plus the
+speedup of ``kda_chunk`` over ``kda_recurrent`` (forward, T=2048). Timings are the minimum over repetitions (at
+least ``--reps``, and until each function ran ``--min-time`` seconds), with the matmul and both regimes' kernel
+repetitions interleaved so all see the same machine load. Every printed figure carries the thread count, the CPU
+model and torch's CPU capability.
 
 FLOP count (per head and chunk of C tokens; only the matmuls the algorithm executes, dense shapes, 2 FLOPs per
 multiply-add; elementwise work such as exponentials is not counted)::
@@ -45,14 +48,31 @@ def chunk_flops(B: int, T: int, H: int, K: int, V: int, C: int = 64) -> float:
     return B * H * N * per_chunk
 
 
-def make_inputs(B: int, T: int, H: int, K: int, V: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Layer-like inputs: unit-norm q, k; g in (-5, 0) as K3's gate; beta in (0, 1)."""
+DECAY_SHIFT = {"mild": -2.0, "strong": 0.0}
+"""Mean of x in ``g = -5 sigmoid(x)``, x ~ N(shift, 1), per decay regime."""
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; ``platform.processor()`` elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def make_inputs(B: int, T: int, H: int, K: int, V: int, seed: int = 0,
+                shift: float = -2.0) -> dict[str, torch.Tensor]:
+    """Layer-like inputs: unit-norm q, k; ``g = -5 sigmoid(x)``, x ~ N(shift, 1) as K3's gate; beta in (0, 1)."""
     gen = torch.Generator().manual_seed(seed)
     return dict(
         q=torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1),
         k=torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1),
         v=torch.randn(B, T, H, V, generator=gen),
-        g=-5.0 * torch.sigmoid(torch.randn(B, T, H, K, generator=gen) - 2.0),
+        g=-5.0 * torch.sigmoid(torch.randn(B, T, H, K, generator=gen) + shift),
         beta=torch.sigmoid(torch.randn(B, T, H, generator=gen)),
     )
 
@@ -87,55 +107,65 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-time", type=float, default=3.0,
                         help="repeat until each measured function ran this many seconds (noisy shared machines)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
-    parser.add_argument("--matmul-n", type=int, nargs="+", default=[1024, 2048],
-                        help="sizes of the square reference matmuls (the best rate is the peak)")
+    parser.add_argument("--matmul-n", type=int, default=512, help="size of the square reference matmul")
     parser.add_argument("--out", default="/tmp/bench_kda.json", help="JSON output path")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     B, H, K, V, C = 1, 4, 64, 64, 64
-    mats = {n: (torch.randn(n, n), torch.randn(n, n)) for n in args.matmul_n}
-    matmuls = {f"matmul{n}": (lambda a=a, b=b: a @ b) for n, (a, b) in mats.items()}
+    env = dict(threads=torch.get_num_threads(), cpu=cpu_model(), capability=torch.backends.cpu.get_cpu_capability())
+    tag = f"[threads={env['threads']}, {env['cpu']}, {env['capability']}]"
+    n = args.matmul_n
+    a, b = torch.randn(n, n), torch.randn(n, n)
     rows = []
     for T in tqdm(args.T, desc="kda_chunk", unit="T"):
-        x = make_inputs(B, T, H, K, V)
-        xg = {name: t.clone().requires_grad_() for name, t in x.items()}
+        fns: dict[str, Callable[[], object]] = {"matmul": lambda: a @ b}
+        for regime, shift in DECAY_SHIFT.items():
+            x = make_inputs(B, T, H, K, V, shift=shift)
+            xg = {name: t.clone().requires_grad_() for name, t in x.items()}
 
-        def fwd(x: dict[str, torch.Tensor] = x) -> None:
-            with torch.no_grad():
-                kda_chunk(**x, chunk_size=C)
+            def fwd(x: dict[str, torch.Tensor] = x) -> None:
+                with torch.no_grad():
+                    kda_chunk(**x, chunk_size=C)
 
-        def fwd_bwd(xg: dict[str, torch.Tensor] = xg) -> None:
-            o, _ = kda_chunk(**xg, chunk_size=C)
-            o.sum().backward()
+            def fwd_bwd(xg: dict[str, torch.Tensor] = xg) -> None:
+                o, _ = kda_chunk(**xg, chunk_size=C)
+                o.sum().backward()
 
-        t = interleaved_min({**matmuls, "fwd": fwd, "fwd_bwd": fwd_bwd}, args.reps, args.min_time)
-        peak = max(2 * n**3 / t[f"matmul{n}"] / 1e9 for n in mats)
+            fns[f"fwd_{regime}"], fns[f"fwd_bwd_{regime}"] = fwd, fwd_bwd
+        t = interleaved_min(fns, args.reps, args.min_time)
+        peak = 2 * n**3 / t["matmul"] / 1e9
         flops = chunk_flops(B, T, H, K, V, C)
-        row = dict(T=T, fwd_ms=t["fwd"] * 1e3, fwd_bwd_ms=t["fwd_bwd"] * 1e3, fwd_gflops=flops / t["fwd"] / 1e9,
-                   fwd_bwd_gflops=3 * flops / t["fwd_bwd"] / 1e9, matmul_gflops=peak)
-        row["fwd_frac"] = row["fwd_gflops"] / peak
-        row["fwd_bwd_frac"] = row["fwd_bwd_gflops"] / peak
-        rows.append(row)
-    # speedup over the token recurrence, forward, T = 2048 (fewer repetitions: it is slow)
+        for regime in DECAY_SHIFT:
+            tf, tb = t[f"fwd_{regime}"], t[f"fwd_bwd_{regime}"]
+            row = dict(T=T, decay=regime, fwd_ms=tf * 1e3, fwd_bwd_ms=tb * 1e3, fwd_gflops=flops / tf / 1e9,
+                       fwd_bwd_gflops=3 * flops / tb / 1e9, matmul_gflops=peak, **env)
+            row["fwd_frac"] = row["fwd_gflops"] / peak
+            row["fwd_bwd_frac"] = row["fwd_bwd_gflops"] / peak
+            rows.append(row)
+        ratio = dict(T=T, fwd=t["fwd_strong"] / t["fwd_mild"], fwd_bwd=t["fwd_bwd_strong"] / t["fwd_bwd_mild"])
+        rows[-1]["strong_over_mild"] = ratio
+    # speedup over the token recurrence, forward, T = 2048, mild decay (fewer repetitions: it is slow)
     x = make_inputs(B, 2048, H, K, V)
     with torch.no_grad():
         t = interleaved_min({"chunk": lambda: kda_chunk(**x), "recurrent": lambda: kda_recurrent(**x)},
                             max(1, args.reps // 2), args.min_time)
     speedup = dict(T=2048, chunk_ms=t["chunk"] * 1e3, recurrent_ms=t["recurrent"] * 1e3,
-                   speedup=t["recurrent"] / t["chunk"])
+                   speedup=t["recurrent"] / t["chunk"], **env)
 
-    print(f"\nKDA chunked kernel, CPU fp32, B={B} H={H} K={K} V={V} C={C}, threads={torch.get_num_threads()}")
-    print(f"{'T':>6} {'fwd ms':>9} {'GFLOP/s':>8} {'of peak':>8} {'fwd+bwd ms':>11} {'GFLOP/s':>8} {'of peak':>8}"
-          f" {'matmul GFLOP/s':>15}")
+    print(f"\nKDA chunked kernel, CPU fp32, B={B} H={H} K={K} V={V} C={C}; reference: {n}x{n} fp32 matmul")
+    print(f"{'T':>6} {'decay':>6} {'fwd ms':>8} {'of mm':>6} {'fwd+bwd ms':>11} {'of mm':>6} {'mm GFLOP/s':>11}"
+          f" {'strong/mild fwd, fwd+bwd':>25}  machine")
     for r in rows:
-        print(f"{r['T']:>6} {r['fwd_ms']:>9.1f} {r['fwd_gflops']:>8.2f} {r['fwd_frac']:>8.1%} {r['fwd_bwd_ms']:>11.1f}"
-              f" {r['fwd_bwd_gflops']:>8.2f} {r['fwd_bwd_frac']:>8.1%} {r['matmul_gflops']:>15.2f}")
-    print(f"speedup over kda_recurrent (forward, T=2048): {speedup['speedup']:.1f}x "
-          f"({speedup['recurrent_ms']:.1f} ms -> {speedup['chunk_ms']:.1f} ms)")
-    result = dict(config=dict(B=B, H=H, K=K, V=V, C=C, dtype="float32", threads=torch.get_num_threads(),
-                              matmul_n=args.matmul_n, reps=args.reps, torch=torch.__version__,
-                              machine=platform.machine()),
+        ratio_s = ""
+        if "strong_over_mild" in r:
+            ratio_s = f"{r['strong_over_mild']['fwd']:.2f}, {r['strong_over_mild']['fwd_bwd']:.2f}"
+        print(f"{r['T']:>6} {r['decay']:>6} {r['fwd_ms']:>8.1f} {r['fwd_frac']:>6.1%} {r['fwd_bwd_ms']:>11.1f}"
+              f" {r['fwd_bwd_frac']:>6.1%} {r['matmul_gflops']:>11.1f} {ratio_s:>25}  {tag}")
+    print(f"speedup over kda_recurrent (forward, T=2048, mild): {speedup['speedup']:.1f}x "
+          f"({speedup['recurrent_ms']:.1f} ms -> {speedup['chunk_ms']:.1f} ms)  {tag}")
+    result = dict(config=dict(B=B, H=H, K=K, V=V, C=C, dtype="float32", matmul_n=n, reps=args.reps,
+                              min_time=args.min_time, torch=torch.__version__, machine=platform.machine(), **env),
                   rows=rows, recurrent_speedup=speedup)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
