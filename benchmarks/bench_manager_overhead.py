@@ -77,7 +77,7 @@ class Runner:
         dt = time.perf_counter() - t0
         if record:
             self.times.append(dt)
-            self.losses.append(float(loss))
+            self.losses.append(float(loss.detach()))
         return dt
 
 
