@@ -192,15 +192,17 @@ def gemm_tflops(shape: tuple[int, int, int] = (2048, 256, 256), repeats: int = 2
 
 def fit_link(rows: list[dict], world: int) -> dict:
     """``{bandwidth_GBps, latency_us}`` from the all_to_all rows: least squares of time against the
-    off-rank bytes each rank sends (``bytes x (n-1)/n``); a non-positive slope falls back to the
+    off-rank bytes each rank sends (``bytes x (n-1)/n``; the whole message on a 1-rank job); a
+    single size or a non-positive slope falls back to the
     largest message's bus bandwidth, a negative intercept to 0."""
     import numpy as np
 
-    pts = [(r["bytes"] * (world - 1) / world, r["time_s"]) for r in rows if r["op"] == "all_to_all"]
+    share = (world - 1) / world if world > 1 else 1.0  # one rank: a local copy of the whole message
+    pts = [(r["bytes"] * share, r["time_s"]) for r in rows if r["op"] == "all_to_all"]
     if not pts:
         raise ValueError("bandwidth table: no all_to_all rows to fit a link from")
     x, y = np.array(pts).T
-    slope, icpt = np.polyfit(x, y, 1) if len(pts) > 1 else (y[0] / max(x[0], 1.0), 0.0)
+    slope, icpt = np.polyfit(x, y, 1) if len(set(x.tolist())) > 1 else (y[0] / max(x[0], 1.0), 0.0)
     if slope <= 0:
         i = int(np.argmax(x))
         slope, icpt = y[i] / max(x[i], 1.0), 0.0
