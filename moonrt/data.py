@@ -118,11 +118,13 @@ def load_corpus(path: str | None, token_dtype: TokenDtype | None, vocab_size: in
     otherwise :func:`text_corpus`. Raises ValueError if a byte corpus does not fit ``vocab_size``."""
     if path is None:
         corpus = stdlib_corpus()
+    elif not Path(path).is_file():
+        what = "a directory" if Path(path).is_dir() else "missing"
+        kind = f"a {token_dtype} token file" if token_dtype is not None else "a UTF-8 text file"
+        raise ValueError(f"corpus (--corpus) = {path!r}: {what}; expected an existing file ({kind})")
     elif token_dtype is not None:
         corpus = token_corpus(path, token_dtype, vocab_size, heldout_fraction)
     else:
-        if not Path(path).is_file():
-            raise ValueError(f"corpus = {path!r}: expected an existing file")
         corpus = text_corpus(path, heldout_fraction)
     if corpus.vocab_size > vocab_size:
         raise ValueError(f"corpus {corpus.description}: needs vocab_size >= {corpus.vocab_size}, "

@@ -29,7 +29,7 @@ import contextlib
 import dataclasses
 import json
 import math
-import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from moonrt import data
+from moonrt import checkpoint, data, outputs
 from moonrt.config import ConfigError, ParallelConfig, check, from_dict, load_yaml, save_yaml, to_dict
 from moonrt.model.config import PRESETS, K3Config
 from moonrt.model.context import LOCAL, AttentionContext
@@ -234,7 +234,7 @@ def evaluate(model: torch.nn.Module, windows: np.ndarray, batch_size: int, rt: R
 
 def save_checkpoint(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, step: int,
                     job: JobConfig, rt: Runtime | None = None) -> None:
-    """Atomically write ``{model, optimizer, step, config}`` (temp file in the same dir, then rename).
+    """Atomically write ``{model, optimizer, step, config}`` (:func:`moonrt.checkpoint.save`).
 
     Model and optimizer state are in the single-process layout (``rt.full_state_dict``, collective:
     every rank calls this function); only the main rank writes.
@@ -245,39 +245,97 @@ def save_checkpoint(path: Path, model: torch.nn.Module, opt: torch.optim.Optimiz
         return
     if state is None:
         state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    torch.save({"model": state["model"], "optimizer": state["optimizer"], "step": step, "config": to_dict(job)}, tmp)
-    os.replace(tmp, path)
+    checkpoint.save(path, {"model": state["model"], "optimizer": state["optimizer"], "step": step,
+                           "config": to_dict(job)})
 
 
 def load_checkpoint(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer,
-                    rt: Runtime | None = None) -> int:
-    """Load a :func:`save_checkpoint` file into this rank's model and optimizer (``rt.load_full_state_dict``
-    shards it for this layout); returns its step."""
+                    rt: Runtime | None = None, state: dict[str, Any] | None = None) -> int:
+    """Load a :func:`save_checkpoint` file (or its already-read ``state``) into this rank's model and optimizer
+    (``rt.load_full_state_dict`` shards it for this layout); returns its step."""
     rt = rt or Runtime()
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    if rt.load_full_state_dict is not None:
-        rt.load_full_state_dict(model, opt, state)
-    else:
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
+    state = checkpoint.load(path) if state is None else state
+    try:
+        if rt.load_full_state_dict is not None:
+            rt.load_full_state_dict(model, opt, state)
+        else:
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["optimizer"])
+    except (RuntimeError, KeyError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise checkpoint.CheckpointError(f"checkpoint {str(path)!r}: does not fit this model and optimizer: "
+                                         f"{first}") from None
     return int(state["step"])
 
 
+class NothingToDo(Exception):
+    """The job has no step left to run (a finished run resumed, ``--until`` already reached): not an error."""
+
+
+def _check_outputs(job: JobConfig, metrics_path: str | None, resume: bool, rt: Runtime) -> None:
+    """Fail before step 1 on outputs that cannot be written or would overwrite another run's files."""
+    out = Path(job.out_dir)
+    if not rt.is_main:
+        return
+    outputs.probe_dir(out, "out_dir (--out)")
+    if not resume and (out / CHECKPOINT).exists():
+        raise ConfigError(f"out_dir (--out) = {str(out)!r}: already holds {CHECKPOINT} of another run; expected "
+                          "--resume to continue it, or a new --out")
+    if metrics_path is not None:
+        m = Path(metrics_path)
+        if m.is_dir():
+            raise ConfigError(f"--metrics = {metrics_path!r}: is a directory; expected a file path")
+        if not resume and m.exists():
+            raise ConfigError(f"--metrics = {metrics_path!r}: file exists; expected a new path (or --resume to "
+                              "continue the run that wrote it)")
+        outputs.probe_dir(m.parent, "--metrics directory")
+    if job.routing_trace is not None:
+        t = Path(job.routing_trace)
+        if t.is_dir():
+            raise ConfigError(f"routing_trace (--routing-trace) = {job.routing_trace!r}: is a directory; "
+                              "expected a .npz file path")
+        outputs.probe_dir(t.parent, "routing_trace (--routing-trace) directory")
+
+
 def train(job: JobConfig, rt: Runtime | None = None, metrics_path: str | None = None, resume: bool = False,
-          until: int | None = None, progress: bool = True) -> dict[str, float]:
-    """Run the job; returns the summary (``final_eval_loss``, ``unigram_entropy``, ...)."""
+          until: int | None = None, progress: bool = True, resume_allow: tuple[str, ...] = ()) -> dict[str, float]:
+    """Run the job; returns the summary (``final_eval_loss``, ``unigram_entropy``, ...).
+
+    Raises :class:`NothingToDo` when no step is left (a finished run resumed, ``until`` already reached),
+    :class:`moonrt.config.ConfigError` / :class:`moonrt.checkpoint.CheckpointError` (both ``ValueError``) on
+    bad input, before step 1 wherever the input can be checked then.
+    """
     rt = rt or Runtime()
     if job.threads:
         torch.set_num_threads(job.threads)
     cfg = job.optim
+    if until is not None and until < 1:
+        raise ConfigError(f"--until = {until}: expected an integer >= 1 (the step to stop after)")
+    out = Path(job.out_dir)
+    ckpt = out / CHECKPOINT
+    state = None
+    start = 0
+    if resume:
+        if not ckpt.is_file():
+            raise checkpoint.CheckpointError(f"--resume: no checkpoint at {str(ckpt)!r}")
+        state = checkpoint.load(ckpt)
+        start = state["step"]
+        checkpoint.check_resume(state["config"], to_dict(job), start, resume_allow)
+        if start > cfg.steps:
+            raise ConfigError(f"optim.steps (--steps) = {cfg.steps}: expected at least the checkpoint's step {start} "
+                              f"({str(ckpt)!r})")
+        if start == cfg.steps:
+            raise NothingToDo(f"the run in {str(out)!r} already finished: checkpoint at step {start} of {cfg.steps}; "
+                              "nothing to do (raise --steps to train further)")
+        if until is not None and until <= start:
+            raise NothingToDo(f"checkpoint {str(ckpt)!r} is at step {start}, already at or past --until {until}; "
+                              "nothing to do")
+    _check_outputs(job, metrics_path, resume, rt)
     mcfg = job.model_cfg()
     corpus = data.load_corpus(job.data.corpus, job.data.token_dtype, mcfg.vocab_size, job.data.heldout_fraction)
     if cfg.batch_size % rt.dp_size:
         raise ConfigError(f"optim.batch_size = {cfg.batch_size}: expected a multiple of the data-parallel size "
                           f"{rt.dp_size}")
-    out = Path(job.out_dir)
-    ckpt = out / CHECKPOINT
     model = build_model(job)
     if rt.parallelize is not None:
         model = rt.parallelize(model)
@@ -286,25 +344,22 @@ def train(job: JobConfig, rt: Runtime | None = None, metrics_path: str | None = 
     if cp_log is not None:
         rt.ctx.tag_layers((n, m) for n, m in model.named_modules() if n.endswith(".attn"))
     opt = build_optimizer(model, cfg)
+    if state is not None:
+        load_checkpoint(ckpt, model, opt, rt, state=state)
+        del state
     mgr = None
     if job.memory_policy is not None:  # saved-tensor storage policies (K3_SYSTEMS §8), matched by module name
         from moonrt.memory.manager import ActivationManager
         from moonrt.memory.policy import MemoryPolicy
 
         mgr = ActivationManager(model, load_yaml(MemoryPolicy, job.memory_policy))
-    start = 0
-    if resume:
-        if not ckpt.is_file():
-            raise ValueError(f"--resume: no checkpoint at {str(ckpt)!r}")
-        start = load_checkpoint(ckpt, model, opt, rt)
     if rt.is_main:
-        out.mkdir(parents=True, exist_ok=True)
         save_yaml(job, out / "config.yaml")
     stop = cfg.steps if until is None else min(until, cfg.steps)
     heldout = data.eval_windows(corpus.heldout, cfg.eval_windows, cfg.seq_len)
     baseline = data.unigram_entropy(corpus.heldout, corpus.vocab_size)
     global_tokens = cfg.batch_size * cfg.seq_len
-    metrics = open(metrics_path, "a" if resume else "w") if (metrics_path and rt.is_main) else None  # noqa: SIM115
+    metrics = outputs.open_metrics(metrics_path, start if resume else None) if (metrics_path and rt.is_main) else None
     n_params = sum(p.numel() for p in model.parameters())
     if rt.is_main and progress:
         print(f"moonrt train: {job.model if job.model_config is None else 'custom'} ({n_params / 1e6:.2f}M params, "
@@ -410,7 +465,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--token-dtype", choices=["uint16", "uint32"], help="--corpus is a binary token file")
     parser.add_argument("--out", help="output dir for checkpoints and config.yaml (out_dir)")
     parser.add_argument("--metrics", help="write JSON lines {step, loss, lr, tokens_per_s, ...} to this file")
-    parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt (the job config must "
+                        "match the checkpoint's in every field that changes the trajectory; --steps may grow)")
+    parser.add_argument("--resume-allow-changes", metavar="FIELDS", default="",
+                        help="comma-separated job config fields that may differ from the checkpoint's on --resume "
+                        "(e.g. lr,steps or optim.lr,data.corpus)")
     parser.add_argument("--until", type=int, help="stop after this step (checkpointed); schedule still uses --steps")
     parser.add_argument("--threads", type=int, help="torch threads per process, 0 = torch default (threads)")
     parser.add_argument("--memory-policy", help="activation memory policy YAML (memory_policy; moonrt.memory)")
@@ -499,7 +558,10 @@ def parallel_runtime(job: JobConfig) -> Runtime:
 
 
 def run(args: argparse.Namespace) -> int:
+    allow = tuple(f.strip() for f in args.resume_allow_changes.split(",") if f.strip())
     try:
+        if allow and not args.resume:
+            raise ConfigError("--resume-allow-changes: expected together with --resume")
         job = job_from_args(args)
         rt = parallel_runtime(job) if job.parallel.world_size != 1 or _launched() else None
         if rt is None and job.routing_trace:
@@ -507,8 +569,15 @@ def run(args: argparse.Namespace) -> int:
 
             rt = Runtime(**ExpertParallel(job.parallel, capacity=1, trace_path=job.routing_trace).runtime_fields())
         summary = train(job, rt=rt, metrics_path=args.metrics, resume=args.resume, until=args.until,
-                        progress=not args.no_progress)
+                        progress=not args.no_progress, resume_allow=allow)
+    except NothingToDo as exc:
+        print(f"moonrt train: {exc}", flush=True)
+        return 0
     except (ConfigError, ValueError) as exc:
-        print(f"moonrt train: error: {exc}")
+        print(f"moonrt train: error: {exc}", file=sys.stderr, flush=True)
         return 2
-    return 0 if math.isfinite(summary["train_loss"]) else 1
+    if not math.isfinite(summary["train_loss"]):
+        print(f"moonrt train: error: train loss is {summary['train_loss']} after step {summary['steps']} (diverged; "
+              "try a lower --lr)", file=sys.stderr, flush=True)
+        return 1
+    return 0

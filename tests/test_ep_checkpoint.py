@@ -46,7 +46,7 @@ def _losses(path: Path) -> dict[int, float]:
 
 
 def _ckpt(path: Path) -> dict[str, Any]:
-    return torch.load(path / "checkpoint.pt", map_location="cpu", weights_only=False)
+    return torch.load(path / "checkpoint.pt", map_location="cpu", weights_only=True)
 
 
 @pytest.mark.timeout(600)

@@ -35,14 +35,14 @@ def test_resume_is_bit_identical(tmp_path: Path) -> None:
     train(straight, metrics_path=str(tmp_path / "a.jsonl"), progress=False)
     split = _job(tmp_path, "b")
     train(split, metrics_path=str(tmp_path / "b.jsonl"), until=3, progress=False)
-    assert torch.load(tmp_path / "b" / CHECKPOINT, weights_only=False)["step"] == 3
+    assert torch.load(tmp_path / "b" / CHECKPOINT, weights_only=True)["step"] == 3
     train(split, metrics_path=str(tmp_path / "b.jsonl"), resume=True, progress=False)
     a, b = _records(tmp_path / "a.jsonl"), _records(tmp_path / "b.jsonl")
     assert [r["step"] for r in b] == list(range(1, 7))
     key = lambda r: (r["loss"], r["lr"], r["grad_norm"], r.get("eval_loss"))
     assert [key(r) for r in a] == [key(r) for r in b]
-    sa = torch.load(tmp_path / "a" / CHECKPOINT, weights_only=False)
-    sb = torch.load(tmp_path / "b" / CHECKPOINT, weights_only=False)
+    sa = torch.load(tmp_path / "a" / CHECKPOINT, weights_only=True)
+    sb = torch.load(tmp_path / "b" / CHECKPOINT, weights_only=True)
     assert sa["model"].keys() == sb["model"].keys()
     for k in sa["model"]:
         assert torch.equal(sa["model"][k], sb["model"][k]), k
@@ -86,11 +86,11 @@ def test_bad_config_and_flags(tmp_path: Path, capsys) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("optim:\n  stepz: 3\n")
     assert main(["train", "--config", str(bad)]) == 2
-    assert "stepz: unknown key" in capsys.readouterr().out
+    assert "stepz: unknown key" in capsys.readouterr().err
     assert main(["train", "--corpus", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "o")]) == 2
-    assert "expected an existing file" in capsys.readouterr().out
+    assert "expected an existing file" in capsys.readouterr().err
     assert main(["train", "--model", "k3", "--out", str(tmp_path / "k3")]) == 2  # never instantiated
-    assert "2,779,483,053,152 parameters" in capsys.readouterr().out
+    assert "2,779,483,053,152 parameters" in capsys.readouterr().err
     job = _job(tmp_path, "d")
     with pytest.raises(ValueError, match="no checkpoint"):
         train(job, resume=True, progress=False)
