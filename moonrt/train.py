@@ -352,7 +352,13 @@ def train(job: JobConfig, rt: Runtime | None = None, metrics_path: str | None = 
         from moonrt.memory.manager import ActivationManager
         from moonrt.memory.policy import MemoryPolicy
 
-        mgr = ActivationManager(model, load_yaml(MemoryPolicy, job.memory_policy))
+        policy = load_yaml(MemoryPolicy, job.memory_policy)
+        remote = sorted(p for p in policy.policies_used() if p.split("+")[-1] == "remote")
+        if remote:  # needs a serving peer per owner rank: the ActivationManager API, not moonrt train (README)
+            raise ConfigError(f"memory_policy (--memory-policy) = {job.memory_policy!r}: uses {', '.join(remote)}, "
+                              "which moonrt train does not support (remote offload needs a peer rank serving each "
+                              "owner: moonrt.memory.remote); expected keep, recompute, fp8, host or disk tiers")
+        mgr = ActivationManager(model, policy)
     if rt.is_main:
         save_yaml(job, out / "config.yaml")
     stop = cfg.steps if until is None else min(until, cfg.steps)

@@ -192,3 +192,12 @@ def test_missing_or_directory_token_corpus(tmp_path: Path, capsys) -> None:
         assert main(["train", "--corpus", str(corpus), "--token-dtype", "uint16", "--out", str(tmp_path / "o")]) == 2
         line = _one_error_line(capsys.readouterr().err)
         assert f"corpus (--corpus) = {str(corpus)!r}: {what}; expected an existing file (a uint16 token file)" in line
+
+
+def test_remote_memory_policy_is_refused_in_one_line(tmp_path: Path, capsys) -> None:
+    policy = tmp_path / "remote.yaml"
+    policy.write_text("default: remote\n")
+    assert main(_cli(tmp_path, "o", "--steps", "2", "--memory-policy", str(policy))) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "uses remote, which moonrt train does not support" in line and str(policy) in line
+    assert not (tmp_path / "o" / CHECKPOINT).exists()
