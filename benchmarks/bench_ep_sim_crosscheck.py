@@ -1,4 +1,4 @@
-"""Check the ep-sim step-time model against measured MoE layers (issue 16).
+"""Check the ep-sim step-time model against measured MoE layers.
 
 1. Measure the ``cpu-local`` hardware profile (4 gloo ranks' all_to_all fitted to latency +
    bytes / bandwidth; single-thread fp32 GEMM micro-benchmark).

@@ -1,10 +1,11 @@
-"""``moonrt ep-sim`` at cluster scale: wall time per layer-step and peak RSS against R (issue 16).
+"""``moonrt ep-sim`` at cluster scale: wall time per layer-step and peak RSS against R.
 
 Each configuration runs as its own ``moonrt ep-sim`` process (all four policies, the step-time model
 on ``--hardware``, no plot); peak RSS is that process's ``ru_maxrss`` (``os.wait4``). Default
 grid: E=896, k=16, s=4096, 8 steps x 8 layers, R in {64, 112, 224, 448, 896}, and E=4096, R=1024.
-The R=64 run is compared with ``benchmarks/ep_sim_r64_reference.json`` (the pre-issue-16 code):
-balance, copies and bytes must be identical.
+The R=64 run is compared with ``benchmarks/ep_sim_r64_reference.json`` (written by ep-sim
+before workloads were streamed and the transfer matrix became an O(R·E) sweep): balance, copies and
+bytes must be identical.
 
     .venv/bin/python benchmarks/bench_ep_sim_scale.py   # JSON: /tmp/moonrt-bench/bench_ep_sim_scale.json
 """
@@ -58,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hardware", default="h800-ib400", help="profile for the step-time model ('' for none)")
-    ap.add_argument("--grid", default=None, help="E:R pairs, comma separated (default the issue-16 grid)")
+    ap.add_argument("--grid", default=None, help="E:R pairs, comma separated (default: E=896 with R in "
+                    "64..896, and 4096:1024)")
     ap.add_argument("--out", default="/tmp/moonrt-bench/bench_ep_sim_scale.json")
     args = ap.parse_args(argv)
     grid = GRID if not args.grid else [tuple(int(x) for x in p.split(":")) for p in args.grid.split(",")]
@@ -72,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             s = row["summary"]
             sp = (f"{s['none']['moonep_speedup']:.2f}x / {s['eplb']['moonep_speedup']:.2f}x"
                   if "moonep_speedup" in s.get("none", {}) else "-")
-            ident = {True: " (identical to the pre-issue-16 run)", False: " (DIFFERS from reference)"}.get(
+            ident = {True: " (identical to the reference run)", False: " (DIFFERS from reference)"}.get(
                 row.get("identical_to_reference"), "")
             print(f"{E:>5} {R:>5} {row['sim_s']:>8.1f} {row['ms_per_layer_step']:>14.1f} {row['peak_rss_MB']:>12.0f} "
                   f"{row['estimated_MB']:>8.0f} {1e6 * row['ms_per_layer_step'] / 1e3 / (R * E):>24.4f} "

@@ -1,4 +1,4 @@
-"""Activation-manager overhead on k3_tiny training steps, every policy side by side in one run (issue 14).
+"""Activation-manager overhead on k3_tiny training steps, every policy side by side in one run.
 
 One model + AdamW per policy (same init, same batches); the steps are interleaved round-robin
 (step s of every policy, then step s + 1, with the order rotated each round), so machine load

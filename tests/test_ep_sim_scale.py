@@ -1,4 +1,4 @@
-"""ep-sim at scale (issue 16) and its input errors (issue 10 item 10): streamed workloads, memory
+"""ep-sim at cluster scale and its input errors: streamed workloads, memory
 refusal, hardware profiles, the step-time model; every bad input is one stderr line, exit 2."""
 
 from __future__ import annotations

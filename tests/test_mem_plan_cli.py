@@ -1,4 +1,4 @@
-"""``moonrt mem-plan`` input handling (issue 10 items 10 and 14): every bad flag is one line on stderr
+"""``moonrt mem-plan`` input handling: every bad flag is one line on stderr
 naming it, exit 2; the README's k3_tiny example fits as written; the reserve is named; every flag has help."""
 
 from __future__ import annotations

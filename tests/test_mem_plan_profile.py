@@ -1,4 +1,4 @@
-"""Analytic activation profile vs traced measurements (issue 18, docs/MEMORY_MODEL.md).
+"""Analytic activation profile vs traced measurements (docs/MEMORY_MODEL.md).
 
 Each layer kind of moonrt's K3 (KDA, MLA, LatentMoE, dense FFN, RMSNorm, AttnRes mix, head, embedding)
 is built standalone, run on 256 tokens under the activation manager (keep), and the bytes it leaves

@@ -1,4 +1,4 @@
-"""Disk tier of the activation manager (issue 10 item 5): ``disk_path`` is a directory in which each
+"""Disk tier of the activation manager: ``disk_path`` is a directory in which each
 process creates its own new file; existing files are refused and never touched; two ranks sharing
 one ``disk_path`` stay exact; no file is left after SIGTERM / SIGINT / SIGKILL."""
 

@@ -134,7 +134,7 @@ def test_routing_counts_exposed():
 
 
 class SlotDispatcher:
-    """An EP-style layout on one process, shaped like MoonEP's (issue 5): G = E + B segments, the
+    """An EP-style layout on one process, shaped like MoonEP's: G = E + B segments, the
     first half of expert 0's and expert 3's rows moved into slot segments E + 0 and E + 1 whose
     weights are copies of those experts (gradients returned to the home parameter by autograd), plus
     padding rows after the last segment. Proves the seam needs no change for such a dispatcher."""

@@ -1,4 +1,4 @@
-"""The O(R·E) sweep transfer matrix equals the old [R_src, E, R_dst] broadcast on random plans (issue 16)."""
+"""The O(R·E) sweep transfer matrix equals the old [R_src, E, R_dst] broadcast on random plans."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from moonrt.scheduler.moonep import plan, transfer_matrix
 
 
 def broadcast_transfer_matrix(counts: np.ndarray, cuts: np.ndarray) -> np.ndarray:
-    """The pre-issue-16 implementation, kept as the reference: ``[R_src, R_dst]`` int64 through an
+    """The previous implementation, kept as the reference: ``[R_src, R_dst]`` int64 through an
     ``[R_src, E, R_dst]`` temporary (O(R²·E) time and memory)."""
     c = np.asarray(counts, dtype=np.int64)
     cuts = np.asarray(cuts)

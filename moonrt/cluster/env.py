@@ -10,7 +10,7 @@ launcher whose variables are present wins):
    ``SLURM_LOCALID``, ``SLURM_JOB_ID`` (``SLURM_STEP_ID`` optional, default 0), master = first
    host of ``SLURM_STEP_NODELIST`` (else ``SLURM_JOB_NODELIST``), port derived from the job and
    step ids (:func:`slurm_port`). ``SLURM_NTASKS`` is deliberately *not* used: inside a batch
-   script (outside ``srun``) it is the job size while only one process runs (CLUSTER_NOTES).
+   script (outside ``srun``) it is the job size while only one process runs (checked on slurm-wlm 22.05).
    When MPI variables are present too and give a different world size (``mpiexec`` inside an
    allocation starts one proxy per node through ``srun``), the MPI path is taken instead.
 3. **MPI**: ``OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK`` (Open MPI) or ``PMI_RANK``, ``PMI_SIZE``,

@@ -4,7 +4,7 @@
 ``torch.distributed`` is initialized in each (gloo, one intra-op thread per rank), and returns the
 ranks' return values in rank order.
 
-Design (see ``CLUSTER_NOTES.md``): each rank costs one ``import torch`` if started fresh, which
+Design (measured on 2-core machines): each rank costs one ``import torch`` if started fresh, which
 dominates start-up on 2 cores. Ranks are therefore forked from a *fork server* that imported torch
 once and never ran a kernel (forking a parent that already used OpenMP can hang the child). The
 rendezvous store is a ``TCPStore`` that the caller opens on an OS-chosen free port of 127.0.0.1

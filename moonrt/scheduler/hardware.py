@@ -1,4 +1,4 @@
-"""Hardware profiles for the MoE layer step-time model of ``moonrt ep-sim --hardware`` (issue 16).
+"""Hardware profiles for the MoE layer step-time model of ``moonrt ep-sim --hardware``.
 
 A profile is a YAML file (examples with their sources in ``moonrt/configs/hardware/``)::
 

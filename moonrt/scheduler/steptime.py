@@ -1,4 +1,4 @@
-"""Step-time model of one MoE layer per placement policy, on a hardware profile (issue 16).
+"""Step-time model of one MoE layer per placement policy, on a hardware profile.
 
 Inputs per policy and layer-step (:class:`LayerTraffic`, built by the simulation in O(R·E + R²)):
 token-expert assignments each source rank sends to each destination ``tokens [R, R]`` (diagonal:
