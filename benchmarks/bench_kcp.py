@@ -85,7 +85,7 @@ def _step_rank(rank: int, world: int, seq: int, reps: int, threads: int) -> dict
     """One KDA layer fwd+bwd on this rank's slice (world 1: the whole sequence), timed and memory-measured."""
     torch.set_num_threads(threads)
     from moonrt.comm.cp_context import ContextParallel
-    from moonrt.model.context import LOCAL
+    from moonrt.parallel.context import LOCAL
 
     layer = _layer()
     ctx = ContextParallel(None) if world > 1 else LOCAL

@@ -37,7 +37,7 @@ from collections.abc import Callable
 import torch
 from tqdm import tqdm
 
-from moonrt.model.kda import kda_chunk, kda_recurrent
+from moonrt.ops.kda import kda_chunk, kda_recurrent
 
 
 def chunk_flops(B: int, T: int, H: int, K: int, V: int, C: int = 64) -> float:

@@ -42,7 +42,7 @@ from tqdm import tqdm
 from moonrt import checkpoint, data, outputs
 from moonrt.config import ConfigError, ParallelConfig, check, from_dict, load_yaml, save_yaml, to_dict
 from moonrt.model.config import PRESETS, K3Config
-from moonrt.model.context import LOCAL, AttentionContext
+from moonrt.parallel.context import LOCAL, AttentionContext
 
 CHECKPOINT = "checkpoint.pt"
 MAX_PARAMS = 5_000_000_000

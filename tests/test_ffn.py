@@ -8,8 +8,9 @@ import torch.nn.functional as F
 from numerics import assert_equal_f64
 
 from moonrt.model.config import k3_tiny
-from moonrt.model.ffn import GLUFFN, dense_ffn, shared_expert, situ_glu, soft_cap, swiglu
+from moonrt.model.ffn import GLUFFN, dense_ffn, shared_expert
 from moonrt.model.norm import RMSNorm
+from moonrt.ops.glu import situ_glu, soft_cap, swiglu
 
 
 def test_situ_glu_bounded_by_100_everywhere():

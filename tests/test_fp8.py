@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moonrt.memory import fp8
+from moonrt.ops import fp8
 
 
 def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:

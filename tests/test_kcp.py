@@ -8,7 +8,7 @@ from dist import dist_run
 
 from moonrt.comm.cp_ops import CommRecord, slice_bounds, split_sizes
 from moonrt.comm.kcp import kcp_kda
-from moonrt.model.kda import kda_chunk
+from moonrt.ops.kda import kda_chunk
 
 B, H, K, V = 1, 2, 16, 24  # K != V catches transposed state maps
 TS = (256, 1000, 4096)

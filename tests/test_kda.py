@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import moonrt.model.kda as kda_module
-from moonrt.model.kda import chunk_terms, chunk_transitions, kda_chunk, kda_recurrent, kda_transition
+import moonrt.ops.kda as kda_module
+from moonrt.ops.kda import chunk_terms, chunk_transitions, kda_chunk, kda_recurrent, kda_transition
 
 
 def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:

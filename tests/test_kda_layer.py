@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from moonrt.model.config import k3_tiny
-from moonrt.model.context import AttentionContext
-from moonrt.model.kda import kda_recurrent
 from moonrt.model.kda_layer import KDACache, KDALayer
+from moonrt.ops.kda import kda_recurrent
+from moonrt.parallel.context import AttentionContext
 
 
 def make_layer(seed: int = 0) -> KDALayer:

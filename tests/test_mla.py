@@ -10,8 +10,8 @@ import torch
 from numerics import assert_near_reference, assert_same_function, growth
 
 from moonrt.model.config import k3_tiny
-from moonrt.model.context import AttentionContext
 from moonrt.model.mla import GatedMLA
+from moonrt.parallel.context import AttentionContext
 
 
 def _layer(seed: int = 0) -> GatedMLA:

@@ -11,11 +11,11 @@ import torch.nn.functional as F
 from numerics import assert_same_function, growth
 
 from moonrt.model.config import k3_tiny
-from moonrt.model.context import AttentionContext
-from moonrt.model.kda import kda_chunk
 from moonrt.model.kda_layer import KDALayer
 from moonrt.model.mla import GatedMLA
 from moonrt.model.model import K3Model
+from moonrt.ops.kda import kda_chunk
+from moonrt.parallel.context import AttentionContext
 
 
 def _model(seed: int = 0, **changes) -> K3Model:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from moonrt.memory.schedule import build_schedule, in_flight, simulate
+from moonrt.scheduler.pipeline import build_schedule, in_flight, simulate
 
 
 @pytest.mark.parametrize("pp,m", [(1, 3), (2, 4), (4, 8), (8, 16), (4, 2)])
@@ -48,7 +48,7 @@ def test_every_action_once_and_bubbles_ordered():
 
 
 def test_deadlock_detected_and_bad_input():
-    from moonrt.memory.schedule import Action, Schedule
+    from moonrt.scheduler.pipeline import Action, Schedule
 
     bad = Schedule("custom", 2, 1, 1, ((Action("B", 0), Action("F", 0)), (Action("F", 0), Action("B", 0))))
     with pytest.raises(ValueError, match="deadlocks"):

@@ -1,7 +1,7 @@
 """The context-parallel attention context: KCP for KDA, the conv halo, and MLA latent all-gather (K3_SYSTEMS §7).
 
 The model is single-device code that reaches other ranks' tokens only through the three methods of
-its :class:`~moonrt.model.context.AttentionContext` (``kda``, ``conv_prefix``, ``gather_sequence``).
+its :class:`~moonrt.parallel.context.AttentionContext` (``kda``, ``conv_prefix``, ``gather_sequence``).
 :class:`ContextParallel` overrides them with the differentiable collectives of
 :mod:`moonrt.comm.kcp` and :mod:`moonrt.comm.cp_ops` over one CP process group (the mesh's ``cp``
 group, innermost), so ``model(tokens_slice, ctx=ContextParallel(mesh.group("cp")))`` runs the
@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from moonrt.comm.cp_ops import CommLog, CommRecord, gather_prefix, halo_exchange, slice_bounds
 from moonrt.comm.kcp import kcp_kda
-from moonrt.model.context import AttentionContext
+from moonrt.parallel.context import AttentionContext
 
 if TYPE_CHECKING:
     from torch import nn

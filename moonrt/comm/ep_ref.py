@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from moonrt.ops.glu import situ_glu
+
 ExpertFn = Callable[..., torch.Tensor]
 """``expert_fn(x [n, H], *weights_of_one_expert) -> [n, H]``."""
 
@@ -29,9 +31,7 @@ def situ_glu_expert(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w
 
     ``x [n, H]``, ``w_gate [F, H]``, ``w_up [F, H]``, ``w_down [H, F]`` -> ``[n, H]`` in x's dtype.
     """
-    g = (x @ w_gate.t()).float()
-    u = (x @ w_up.t()).float()
-    h = beta * torch.tanh(g / beta) * torch.sigmoid(g) * (linear_beta * torch.tanh(u / linear_beta))
+    h = situ_glu((x @ w_gate.t()).float(), (x @ w_up.t()).float(), beta, linear_beta)
     return h.to(x.dtype) @ w_down.t()
 
 

@@ -22,7 +22,7 @@ Backward (the transposed chain)
      gives every input gradient, and on rank 0 ``dh0``.
 
 Per KDA layer and rank this moves ``B * H * K * (K + V) * 4`` bytes in each pass, independent of
-the sequence length. The local math is :mod:`moonrt.model.kda` (``kda_chunk``, ``kda_transition``):
+the sequence length. The local math is :mod:`moonrt.ops.kda` (``kda_chunk``, ``kda_transition``):
 this runtime module reaches it through keyword seams ``chunk_fn`` / ``transition_fn`` whose default
 is imported lazily, so a device kernel with the same contract can be swapped in.
 """
@@ -53,8 +53,8 @@ _META = ("B", "T", "H", "K", "V", "dtype", "init", "final")
 
 
 def _default_fns() -> tuple[ChunkFn, TransitionFn, float]:
-    """The model's chunked KDA, its segment transition, and the smallest log-decay they accept."""
-    from moonrt.model.kda import MIN_LOG_DECAY, kda_chunk, kda_transition
+    """The ops layer's chunked KDA, its segment transition, and the smallest log-decay they accept."""
+    from moonrt.ops.kda import MIN_LOG_DECAY, kda_chunk, kda_transition
 
     return kda_chunk, kda_transition, MIN_LOG_DECAY
 
@@ -182,7 +182,7 @@ def kcp_kda(
         output_final_state: return the state after the sequence's last token on the last CP rank.
         chunk_size: chunk length C of the local chunked form.
         record: optional byte counter (:class:`moonrt.comm.cp_ops.CommRecord`).
-        chunk_fn, transition_fn: local kernels with the contracts of ``moonrt.model.kda.kda_chunk``
+        chunk_fn, transition_fn: local kernels with the contracts of ``moonrt.ops.kda.kda_chunk``
             and ``kda_transition`` (default: those).
 
     Returns:

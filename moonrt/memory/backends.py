@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import torch
 
 from moonrt.config import ConfigError
-from moonrt.memory import fp8
+from moonrt.ops import fp8
 
 TIERS = ("device", "host", "disk", "remote")
 STORE_NAMES = ("keep", "host", "disk", "remote")

@@ -18,14 +18,14 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from moonrt.memory import fp8 as fp8mod
 from moonrt.memory.model_memory import LayerSpec, Profile, SavedClass, kernel_profile
+from moonrt.ops import fp8 as fp8mod
 
 CHUNK = 64
-"""KDA chunk size of :func:`moonrt.model.kda.kda_chunk` (its default)."""
+"""KDA chunk size of :func:`moonrt.ops.kda.kda_chunk` (its default)."""
 SUB_TILE = 32
 CHUNK_GROUP_ELEMS = 1 << 18
-"""Mirrors :data:`moonrt.model.kda.CHUNK_GROUP_ELEMS` (chunks per group: per-group masks)."""
+"""Mirrors :data:`moonrt.ops.kda.CHUNK_GROUP_ELEMS` (chunks per group: per-group masks)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -48,8 +48,8 @@ def _chunk_geometry(t: int, chunk: int = CHUNK) -> tuple[int, int, int]:
 
 
 def _clamped() -> bool:
-    """Whether the KDA kernel clamps decaying exponents (``moonrt.model.kda._decay_exp``, saves each clamp input)."""
-    from moonrt.model import kda
+    """Whether the KDA kernel clamps decaying exponents (``moonrt.ops.kda._decay_exp``, saves each clamp input)."""
+    from moonrt.ops import kda
 
     return hasattr(kda, "_decay_exp")
 

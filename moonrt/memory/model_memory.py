@@ -29,8 +29,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from moonrt.memory import fp8 as fp8mod
-from moonrt.memory.schedule import Schedule, build_schedule, in_flight
+from moonrt.ops import fp8 as fp8mod
+from moonrt.scheduler.pipeline import Schedule, build_schedule, in_flight
 
 GIB = 2**30
 OFFLOAD = ("host", "disk", "remote", "fp8+host", "fp8+disk", "fp8+remote")

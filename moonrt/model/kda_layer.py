@@ -10,7 +10,7 @@ Per token x (width D), with H heads of K = V = ``linear_attn_config.head_dim``::
     y         = W_o [RMSNorm(o_h) * sigmoid(W_g x)_h for each head h]
 
 The layer never talks to process groups: the short conv's left context comes from ``ctx.conv_prefix`` and
-the KDA op from ``ctx.kda`` (moonrt/model/context.py), which context parallelism overrides (K3_SYSTEMS §7).
+the KDA op from ``ctx.kda`` (moonrt/parallel/context.py), which context parallelism overrides (K3_SYSTEMS §7).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from moonrt.model.config import K3Config
-from moonrt.model.context import LOCAL, AttentionContext
-from moonrt.model.kda import MIN_LOG_DECAY
+from moonrt.ops.kda import MIN_LOG_DECAY
+from moonrt.parallel.context import LOCAL, AttentionContext
 
 
 @dataclasses.dataclass(slots=True)

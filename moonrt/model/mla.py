@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from moonrt.model.config import K3Config
-from moonrt.model.context import LOCAL, AttentionContext
 from moonrt.model.norm import RMSNorm
+from moonrt.parallel.context import LOCAL, AttentionContext
 
 
 class GatedMLA(nn.Module):

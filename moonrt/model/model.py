@@ -30,12 +30,12 @@ from torch import nn
 
 from moonrt.model.attnres import AttnResState, BlockAttnRes
 from moonrt.model.config import K3Config
-from moonrt.model.context import LOCAL, AttentionContext
 from moonrt.model.ffn import dense_ffn
 from moonrt.model.kda_layer import KDALayer
 from moonrt.model.mla import GatedMLA
 from moonrt.model.moe import LatentMoE, MoEConfig
 from moonrt.model.norm import RMSNorm
+from moonrt.parallel.context import LOCAL, AttentionContext
 
 
 class DecoderLayer(nn.Module):

@@ -29,8 +29,9 @@ from torch import nn
 from moonrt.config import check, from_dict
 from moonrt.model.balance import AllReduce, MarginHistogram, maxvio, qb_bias_from_margins, qb_margins
 from moonrt.model.config import K3Config
-from moonrt.model.ffn import glu_activation, shared_expert
+from moonrt.model.ffn import shared_expert
 from moonrt.model.norm import RMSNorm
+from moonrt.ops.glu import glu_activation
 
 ExpertWeights = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 """One expert's ``(w_gate [F, L], w_up [F, L], w_down [L, F])`` (``nn.Linear`` layout ``[out, in]``)."""

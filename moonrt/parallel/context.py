@@ -26,12 +26,12 @@ class AttentionContext:
         initial_state: torch.Tensor | None = None,
         output_final_state: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """KDA over this rank's tokens; same contract as :func:`moonrt.model.kda.kda_chunk`.
+        """KDA over this rank's tokens; same contract as :func:`moonrt.ops.kda.kda_chunk`.
 
         A context-parallel override runs KCP (K3_SYSTEMS §7): the state entering this rank's slice
         is the merged state of all earlier ranks.
         """
-        from moonrt.model.kda import kda_chunk
+        from moonrt.ops.kda import kda_chunk
 
         return kda_chunk(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                          output_final_state=output_final_state)
