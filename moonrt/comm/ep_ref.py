@@ -1,6 +1,6 @@
 """Pure-PyTorch single-process reference of expert-parallel dispatch + expert compute + combine.
 
-The oracle every EP test and benchmark checks first (DeepEP's ``utils/refs.py`` habit, STYLE §3).
+The oracle every EP test and benchmark checks first (DeepEP's ``utils/refs.py`` habit, STYLE habit 3).
 Written from the definitions of K3_SYSTEMS §5.1 and §6.3 with plain loops, sharing no code with
 :mod:`moonrt.comm.ep_transport`:
 

@@ -1,7 +1,8 @@
 """K3 adapter of the memory planner: saved-activation profiles of moonrt's K3 layers (K3_SYSTEMS §8, §10).
 
-Everything K3-specific the planner needs lives here (issue 11 will move it behind a model-description
-interface): :func:`analytic_profile` (per-term formulas of what moonrt's K3 layers save for backward,
+Everything K3-specific the planner needs lives here (meant to move behind a model-description interface
+provided by the model client): :func:`analytic_profile` (per-term formulas of what moonrt's K3 layers
+save for backward,
 docs/MEMORY_MODEL.md), :func:`traced_profile_by_kind` (build each layer kind at the configured widths,
 run it on a few tokens under the :class:`~moonrt.memory.manager.ActivationManager` and scale), and
 :func:`layer_specs` (which classes each decoder layer holds; AttnRes is counted per mixed source).

@@ -11,8 +11,8 @@ buffer set by Quantile Balancing, :mod:`moonrt.model.balance`; it gets no gradie
 the gate values); gate values ``p = s_sel / sum(s_sel) * routed_scaling_factor``.
 
 Expert parallelism plugs in through :class:`Dispatcher` (DeepEP style): ``LatentMoE.dispatcher``
-defaults to :class:`LocalDispatcher` (one device, all experts) and a runtime may replace it (MoonEP,
-issue 5), after :meth:`RoutedExperts.shard` has cut the experts down to the rank's home slice. The
+defaults to :class:`LocalDispatcher` (one device, all experts) and a runtime may replace it (the MoonEP
+dispatcher), after :meth:`RoutedExperts.shard` has cut the experts down to the rank's home slice. The
 model itself never touches a process group: cross-rank sums of routing statistics go through an
 ``all_reduce`` callable passed to :meth:`LatentMoE.update_bias`.
 """

@@ -1,4 +1,4 @@
-"""Pipeline schedules as per-rank action lists, and their simulation (K3_SYSTEMS §8, §10; ROADMAP "Next").
+"""Pipeline schedules as per-rank action lists, and their simulation (K3_SYSTEMS §8, §10).
 
 Pure data shared by the pipeline executor and the memory planner: :func:`build_schedule` returns,
 for every pipeline rank, the ordered list of :class:`Action` (forward or backward of one
