@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from machine import cpu_model
 from tqdm import tqdm
 
 from moonrt.ops.kda import kda_chunk, kda_recurrent
@@ -50,18 +51,6 @@ def chunk_flops(B: int, T: int, H: int, K: int, V: int, C: int = 64) -> float:
 
 DECAY_SHIFT = {"mild": -2.0, "strong": 0.0}
 """Mean of x in ``g = -5 sigmoid(x)``, x ~ N(shift, 1), per decay regime."""
-
-
-def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``; ``platform.processor()`` elsewhere)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def make_inputs(B: int, T: int, H: int, K: int, V: int, seed: int = 0,

@@ -15,12 +15,12 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import statistics
 import tempfile
 import time
 
 import torch
+from machine import cpu_model
 
 from moonrt.config import from_dict
 from moonrt.memory.manager import ActivationManager
@@ -30,18 +30,6 @@ from moonrt.model.model import K3Model
 
 FP8_CLASSES = ["layers.*.moe", "layers.*.ffn", "layers.*.attn.*proj", "layers.*.attn_norm", "layers.*.ffn_norm",
                "attn_res.sublayer_input"]
-
-
-def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``; ``platform.processor()`` elsewhere)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def policies(disk_dir: str) -> dict[str, MemoryPolicy | None]:
