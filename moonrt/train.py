@@ -19,7 +19,8 @@ Exactness contract (what later parallel runs are compared against):
   ``load_full_state_dict``, so a checkpoint of ``--ep 2`` resumes in one process, ``--ep 2`` or ``--ep 4``;
 - only rank 0 writes metrics, checkpoints and the progress bar.
 
-The single-process path calls the hooks of :class:`Runtime` with their local defaults.
+Parallel behaviour comes from one :class:`moonrt.comm.parallelism.Parallelism` object (its parts: expert
+parallelism, the routing-trace recorder); a single-process run is that object with no parts.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +40,10 @@ import torch
 from tqdm import tqdm
 
 from moonrt import checkpoint, data, outputs
+from moonrt.comm.parallelism import Parallelism, RoutingTrace
 from moonrt.config import ConfigError, ParallelConfig, check, from_dict, load_yaml, save_yaml, to_dict
 from moonrt.model.config import PRESETS, K3Config
-from moonrt.parallel.context import LOCAL, AttentionContext
+from moonrt.parallel.context import LOCAL
 
 CHECKPOINT = "checkpoint.pt"
 MAX_PARAMS = 5_000_000_000
@@ -140,49 +141,6 @@ class JobConfig:
         return self.model_config if self.model_config is not None else PRESETS[self.model]()
 
 
-# ---------------------------------------------------------------------------------------------
-# Runtime hooks: the single-process defaults. Parallel runs (EP/CP/DP) pass their own.
-
-
-@dataclasses.dataclass
-class Runtime:
-    """Where this process sits and how it talks to the others (all local by default).
-
-    ``grad_all_reduce`` sums a tensor in place over the ranks that hold replicas of the same
-    parameters; ``stat_all_reduce`` sums router statistics over every rank that routed tokens
-    (handed to :meth:`K3Model.update_routing_bias`); ``scalar_all_reduce`` sums a float over all ranks.
-
-    Whole-model hooks (a runtime that shards parameters, e.g. expert parallelism, sets them):
-    ``parallelize(model) -> model`` runs once after the model is built (before the optimizer);
-    ``sync_grads(model)`` replaces the per-tensor ``grad_all_reduce`` loop; ``clip_grad_norm(params,
-    max_norm) -> norm`` replaces the local global-norm clip; ``on_step(step, model, record)`` adds to
-    the step's metrics record (before eval); ``finish()`` runs once after the last step.
-    Checkpoints: ``full_state_dict(model, optim) -> {"model", "optimizer"}`` (collective, every rank
-    calls it) returns the state in the single-process layout; ``load_full_state_dict(model, optim,
-    state)`` loads such a state into this rank's (possibly sharded) model and optimizer.
-    """
-
-    dp_rank: int = 0
-    dp_size: int = 1
-    cp_rank: int = 0
-    cp_size: int = 1
-    is_main: bool = True
-    ctx: AttentionContext = LOCAL
-    grad_all_reduce: Callable[[torch.Tensor], Any] | None = None
-    stat_all_reduce: Callable[[torch.Tensor], Any] | None = None
-    scalar_all_reduce: Callable[[float], float] | None = None
-    parallelize: Callable[[torch.nn.Module], torch.nn.Module] | None = None
-    sync_grads: Callable[[torch.nn.Module], None] | None = None
-    clip_grad_norm: Callable[[Any, float], float] | None = None
-    on_step: Callable[[int, torch.nn.Module, dict[str, Any]], None] | None = None
-    finish: Callable[[], Any] | None = None
-    full_state_dict: Callable[[torch.nn.Module, torch.optim.Optimizer], dict[str, Any]] | None = None
-    load_full_state_dict: Callable[[torch.nn.Module, torch.optim.Optimizer, dict[str, Any]], None] | None = None
-
-    def sum_scalar(self, x: float) -> float:
-        return x if self.scalar_all_reduce is None else self.scalar_all_reduce(x)
-
-
 def lr_at(step: int, cfg: OptimConfig) -> float:
     """Learning rate of optimizer step ``step`` (0-based): linear warmup, then cosine to ``min_lr_ratio``."""
     if step < cfg.warmup_steps:
@@ -216,7 +174,7 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Opt
                              lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
 
 
-def evaluate(model: torch.nn.Module, windows: np.ndarray, batch_size: int, rt: Runtime) -> float:
+def evaluate(model: torch.nn.Module, windows: np.ndarray, batch_size: int, rt: Parallelism) -> float:
     """Mean next-token loss (nats/token) over the held-out ``windows [N, T + 1]``."""
     was_training = model.training
     model.eval()
@@ -233,34 +191,28 @@ def evaluate(model: torch.nn.Module, windows: np.ndarray, batch_size: int, rt: R
 
 
 def save_checkpoint(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, step: int,
-                    job: JobConfig, rt: Runtime | None = None) -> None:
+                    job: JobConfig, rt: Parallelism | None = None) -> None:
     """Atomically write ``{model, optimizer, step, config}`` (:func:`moonrt.checkpoint.save`).
 
     Model and optimizer state are in the single-process layout (``rt.full_state_dict``, collective:
     every rank calls this function); only the main rank writes.
     """
-    rt = rt or Runtime()
-    state = rt.full_state_dict(model, opt) if rt.full_state_dict is not None else None
+    rt = rt or Parallelism()
+    state = rt.full_state_dict(model, opt)
     if not rt.is_main:
         return
-    if state is None:
-        state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
     checkpoint.save(path, {"model": state["model"], "optimizer": state["optimizer"], "step": step,
                            "config": to_dict(job)})
 
 
 def load_checkpoint(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer,
-                    rt: Runtime | None = None, state: dict[str, Any] | None = None) -> int:
+                    rt: Parallelism | None = None, state: dict[str, Any] | None = None) -> int:
     """Load a :func:`save_checkpoint` file (or its already-read ``state``) into this rank's model and optimizer
     (``rt.load_full_state_dict`` shards it for this layout); returns its step."""
-    rt = rt or Runtime()
+    rt = rt or Parallelism()
     state = checkpoint.load(path) if state is None else state
     try:
-        if rt.load_full_state_dict is not None:
-            rt.load_full_state_dict(model, opt, state)
-        else:
-            model.load_state_dict(state["model"])
-            opt.load_state_dict(state["optimizer"])
+        rt.load_full_state_dict(model, opt, state)
     except (RuntimeError, KeyError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise checkpoint.CheckpointError(f"checkpoint {str(path)!r}: does not fit this model and optimizer: "
@@ -272,7 +224,7 @@ class NothingToDo(Exception):
     """The job has no step left to run (a finished run resumed, ``--until`` already reached): not an error."""
 
 
-def _check_outputs(job: JobConfig, metrics_path: str | None, resume: bool, rt: Runtime) -> None:
+def _check_outputs(job: JobConfig, metrics_path: str | None, resume: bool, rt: Parallelism) -> None:
     """Fail before step 1 on outputs that cannot be written or would overwrite another run's files."""
     out = Path(job.out_dir)
     if not rt.is_main:
@@ -297,7 +249,7 @@ def _check_outputs(job: JobConfig, metrics_path: str | None, resume: bool, rt: R
         outputs.probe_dir(t.parent, "routing_trace (--routing-trace) directory")
 
 
-def train(job: JobConfig, rt: Runtime | None = None, metrics_path: str | None = None, resume: bool = False,
+def train(job: JobConfig, rt: Parallelism | None = None, metrics_path: str | None = None, resume: bool = False,
           until: int | None = None, progress: bool = True, resume_allow: tuple[str, ...] = ()) -> dict[str, float]:
     """Run the job; returns the summary (``final_eval_loss``, ``unigram_entropy``, ...).
 
@@ -305,7 +257,7 @@ def train(job: JobConfig, rt: Runtime | None = None, metrics_path: str | None = 
     :class:`moonrt.config.ConfigError` / :class:`moonrt.checkpoint.CheckpointError` (both ``ValueError``) on
     bad input, before step 1 wherever the input can be checked then.
     """
-    rt = rt or Runtime()
+    rt = rt or Parallelism()
     if job.threads:
         torch.set_num_threads(job.threads)
     cfg = job.optim
@@ -337,8 +289,7 @@ def train(job: JobConfig, rt: Runtime | None = None, metrics_path: str | None = 
         raise ConfigError(f"optim.batch_size = {cfg.batch_size}: expected a multiple of the data-parallel size "
                           f"{rt.dp_size}")
     model = build_model(job)
-    if rt.parallelize is not None:
-        model = rt.parallelize(model)
+    model = rt.parallelize(model)
     cp_log = getattr(rt.ctx, "log", None)  # ContextParallel's CP byte records per layer (K3_SYSTEMS §7)
     cp_bytes: dict[str, dict[str, int]] = {}
     if cp_log is not None:
@@ -392,18 +343,11 @@ def train(job: JobConfig, rt: Runtime | None = None, metrics_path: str | None = 
                 loss = model.loss_sum(torch.from_numpy(x), torch.from_numpy(y), ctx=rt.ctx) / global_tokens
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            if rt.sync_grads is not None:
-                rt.sync_grads(model)
-            elif rt.grad_all_reduce is not None:
-                for p in model.parameters():
-                    if p.grad is not None:
-                        rt.grad_all_reduce(p.grad)
-            if rt.clip_grad_norm is not None:
-                grad_norm = float(rt.clip_grad_norm(model.parameters(), cfg.grad_clip))
-            else:
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
+            rt.sync_grads(model)
+            grad_norm = rt.clip_grad_norm(model.parameters(), cfg.grad_clip)
             opt.step()
-            stats = model.update_routing_bias(rt.stat_all_reduce) if cfg.routing_bias_update else {}
+            stat_sum = rt.sum_stats if rt.replicas is not None else None
+            stats = model.update_routing_bias(stat_sum) if cfg.routing_bias_update else {}
             loss_value = rt.sum_scalar(float(loss.detach()))
             dt = time.perf_counter() - t0
             tokens_done += global_tokens
@@ -415,8 +359,7 @@ def train(job: JobConfig, rt: Runtime | None = None, metrics_path: str | None = 
                 record["cp_bytes_sent"] = sum(r["fwd_sent"] + r["bwd_sent"] for r in cp_bytes.values())
             if stats:
                 record["maxvio"] = max(s.maxvio for s in stats.values())
-            if rt.on_step is not None:
-                rt.on_step(step, model, record)
+            rt.step_metrics(step, model, record)
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
                 eval_loss = evaluate(model, heldout, cfg.batch_size, rt)
                 record["eval_loss"] = eval_loss
@@ -429,8 +372,7 @@ def train(job: JobConfig, rt: Runtime | None = None, metrics_path: str | None = 
             bar.set_postfix(loss=f"{loss_value:.3f}", eval=f"{eval_loss:.3f}", tok_s=f"{global_tokens / dt:,.0f}")
             if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == stop:
                 save_checkpoint(ckpt, model, opt, step + 1, job, rt)
-        if rt.finish is not None:
-            rt.finish()
+        rt.close()
     finally:
         bar.close()
         if metrics is not None:
@@ -519,13 +461,14 @@ def _launched() -> bool:
     return detect_rendezvous().world_size > 1
 
 
-def parallel_runtime(job: JobConfig) -> Runtime:
-    """This rank's :class:`Runtime` in a multi-rank job (``moonrt launch``, torchrun, SLURM or MPI).
+def parallel_runtime(job: JobConfig) -> Parallelism:
+    """This rank's :class:`Parallelism` in a multi-rank job (``moonrt launch``, torchrun, SLURM or MPI).
 
     Joins the default group (:func:`moonrt.cluster.env.init_distributed`); ``parallel.dp`` is raised to fill the
     world when the other degrees divide it. Batch rows are split over ``dp_ep`` (ranks that see different data),
     each sequence over ``cp`` (:class:`moonrt.comm.cp_context.ContextParallel`: KCP, conv halo, MLA latent
-    gather); gradients, router statistics and scalars are summed over the replicas ``dp_ep_cp``.
+    gather); gradients, router statistics and scalars are summed over the replicas ``dp_ep_cp``. Parts:
+    :class:`moonrt.comm.ep_parallel.ExpertParallel` when ``ep > 1``, a routing-trace recorder when asked for.
     """
     import torch.distributed as dist
 
@@ -541,25 +484,18 @@ def parallel_runtime(job: JobConfig) -> Runtime:
     mesh = ProcessMesh(p)
     if p.pp != 1:
         raise ConfigError(f"parallel.pp = {p.pp}: pipeline parallelism is not available in moonrt train yet")
-    replicas = mesh.group("dp_ep_cp")
-
-    def tensor_sum(t: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(t, group=replicas)
-        return t
-
-    def scalar_sum(x: float) -> float:
-        return float(tensor_sum(torch.tensor([x], dtype=torch.float64)))
-
     ctx = ContextParallel(mesh.group("cp")) if p.cp > 1 else LOCAL
-    rt = Runtime(dp_rank=mesh.rank("dp_ep"), dp_size=mesh.size("dp_ep"), cp_rank=mesh.rank("cp"),
-                 cp_size=mesh.size("cp"), is_main=dist.get_rank() == 0, ctx=ctx, grad_all_reduce=tensor_sum,
-                 stat_all_reduce=tensor_sum, scalar_all_reduce=scalar_sum)
-    if p.ep > 1 or job.routing_trace:  # MoonEP: shard experts, per-group grad sync, global-norm clip, traces
+    rt = Parallelism(dp_rank=mesh.rank("dp_ep"), dp_size=mesh.size("dp_ep"), cp_rank=mesh.rank("cp"),
+                     cp_size=mesh.size("cp"), is_main=dist.get_rank() == 0, ctx=ctx, replicas=mesh.group("dp_ep_cp"))
+    counts = None
+    if p.ep > 1:  # MoonEP: shard experts, per-group grad sync, global-norm clip over the shards
         from moonrt.comm.ep_parallel import ExpertParallel
 
-        ep = ExpertParallel(p, mesh=mesh, capacity=job.optim.batch_size * job.optim.seq_len,
-                            trace_path=job.routing_trace)
-        rt = dataclasses.replace(rt, **ep.runtime_fields())
+        ep = ExpertParallel(p, mesh=mesh, capacity=job.optim.batch_size * job.optim.seq_len)
+        rt.parts.append(ep)
+        counts = ep.layer_counts
+    if job.routing_trace:
+        rt.parts.append(RoutingTrace(job.routing_trace, is_main=rt.is_main, counts=counts))
     return rt
 
 
@@ -569,11 +505,10 @@ def run(args: argparse.Namespace) -> int:
         if allow and not args.resume:
             raise ConfigError("--resume-allow-changes: expected together with --resume")
         job = job_from_args(args)
-        rt = parallel_runtime(job) if job.parallel.world_size != 1 or _launched() else None
-        if rt is None and job.routing_trace:
-            from moonrt.comm.ep_parallel import ExpertParallel
-
-            rt = Runtime(**ExpertParallel(job.parallel, capacity=1, trace_path=job.routing_trace).runtime_fields())
+        if job.parallel.world_size != 1 or _launched():
+            rt = parallel_runtime(job)
+        else:
+            rt = Parallelism(parts=[RoutingTrace(job.routing_trace)] if job.routing_trace else [])
         summary = train(job, rt=rt, metrics_path=args.metrics, resume=args.resume, until=args.until,
                         progress=not args.no_progress, resume_allow=allow)
     except NothingToDo as exc:

@@ -17,8 +17,9 @@ import torch
 
 from moonrt import checkpoint
 from moonrt.cli import main
+from moonrt.comm.parallelism import Parallelism, Part
 from moonrt.config import from_dict
-from moonrt.train import CHECKPOINT, JobConfig, Runtime, build_model, build_optimizer, save_checkpoint, train
+from moonrt.train import CHECKPOINT, JobConfig, build_model, build_optimizer, save_checkpoint, train
 
 MARKER_ENV = "MOONRT_TEST_MARKER"
 
@@ -152,12 +153,13 @@ def test_metrics_after_kill_and_resume_hold_each_step_once(tmp_path: Path) -> No
                                           "eval_windows": 2, "checkpoint_every": 2}})
     metrics = tmp_path / "m.jsonl"
 
-    def kill_at_step_4(step: int, model: torch.nn.Module, record: dict) -> None:
-        if step == 3:  # 0-based: steps 1-3 logged, checkpoint at step 2
-            raise KeyboardInterrupt
+    class KillAtStep4(Part):
+        def step_metrics(self, step: int, model: torch.nn.Module, record: dict) -> None:
+            if step == 3:  # 0-based: steps 1-3 logged, checkpoint at step 2
+                raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        train(job, rt=Runtime(on_step=kill_at_step_4), metrics_path=str(metrics), progress=False)
+        train(job, rt=Parallelism(parts=[KillAtStep4()]), metrics_path=str(metrics), progress=False)
     assert [r["step"] for r in _records(metrics)] == [1, 2, 3]
     with metrics.open("a") as f:
         f.write('{"step": 4, "loss": 1.')  # a line cut by the kill

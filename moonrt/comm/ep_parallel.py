@@ -13,27 +13,23 @@
   gradient over the dense replicas (``dp_ep_cp``): one flat all-reduce per group.
 - :meth:`clip_grad_norm`: the global gradient norm counts replicated gradients once and adds the
   expert shards of every EP rank, so clipping matches the single-process run.
-- :meth:`stat_all_reduce` / :meth:`scalar_all_reduce`: sums over the ranks that saw different
-  tokens (Quantile Balancing histograms, losses).
 - :meth:`full_state_dict` / :meth:`load_full_state_dict`: layout-independent checkpoints. The
   saved state always has the single-process layout (every ``[E, ...]`` expert tensor whole, AdamW
   ``exp_avg`` / ``exp_avg_sq`` of the experts likewise), gathered over the EP group; loading slices
   it back to the home experts, so a checkpoint of ``--ep 2`` resumes in one process or ``--ep 4``.
-- :meth:`on_step`: per-step metrics (``maxvio`` of the group-wide routing, rows each EP rank
-  computed, rows the hottest rank would compute without balancing) and the routing trace: per step
-  and MoE layer the ``[R, E]`` counts, written in the ``.npz`` format of
-  :mod:`moonrt.scheduler.workload` (what ``moonrt ep-sim --trace`` reads).
+- :meth:`step_metrics`: per-step metrics (rows each EP rank computed, rows the hottest rank would
+  compute without balancing); :meth:`layer_counts` gives the group-wide ``[R, E]`` routing counts a
+  :class:`moonrt.comm.parallelism.RoutingTrace` records.
 
-With a world size of 1 nothing is sharded and only the trace recorder is active.
+It is a :class:`moonrt.comm.parallelism.Part` of the job's :class:`~moonrt.comm.parallelism.Parallelism`.
+With a world size of 1 nothing is sharded.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -41,13 +37,14 @@ from torch import nn
 from moonrt.comm.ep_alltoall import AllToAllDispatcher
 from moonrt.comm.mesh import ProcessMesh
 from moonrt.comm.moonep import MoonEPDispatcher, SlotPool
+from moonrt.comm.parallelism import Part
 from moonrt.config import ConfigError, ParallelConfig
 
 DispatcherKind = Literal["moonep", "alltoall"]
 
 
-class ExpertParallel:
-    """EP (and plain DP) runtime hooks for ``moonrt train`` (see the module docstring).
+class ExpertParallel(Part):
+    """Expert parallelism as a part of the job's parallelism object (see the module docstring).
 
     Args:
         parallel: the job's degrees; ``pp`` must be 1 (``cp`` > 1 composes: pass the CP runtime's mesh).
@@ -56,18 +53,15 @@ class ExpertParallel:
             world has more than one rank).
         num_slots: B per rank (default E/R).
         dispatcher: ``"moonep"`` or ``"alltoall"`` (the unbalanced baseline).
-        trace_path: write the routing trace ``.npz`` here (on the main rank) at :meth:`finish`.
     """
 
     def __init__(self, parallel: ParallelConfig, *, capacity: int, mesh: ProcessMesh | None = None,
-                 num_slots: int | None = None, dispatcher: DispatcherKind = "moonep",
-                 trace_path: str | None = None) -> None:
+                 num_slots: int | None = None, dispatcher: DispatcherKind = "moonep") -> None:
         if parallel.pp != 1:
             raise ConfigError(f"parallel.pp = {parallel.pp}: expected 1 for the expert-parallel runtime")
         if dispatcher not in ("moonep", "alltoall"):
             raise ConfigError(f"dispatcher = {dispatcher!r}: expected 'moonep' or 'alltoall'")
         self.parallel, self.capacity, self.num_slots, self.kind = parallel, capacity, num_slots, dispatcher
-        self.trace_path = trace_path
         if mesh is None and parallel.world_size > 1:
             if not dist.is_initialized():
                 from moonrt.cluster.env import init_distributed
@@ -84,15 +78,10 @@ class ExpertParallel:
         self.dispatchers: dict[int, MoonEPDispatcher] = {}
         self._expert_params: set[int] = set()
         self._expert_slices: dict[int, tuple[int, int, int]] = {}  # id(param) -> (first, num_local, E)
-        self._trace: list[np.ndarray] = []
-        self._trace_layers: list[int] = []
-        self._top_k = 1
 
     # ---- model -------------------------------------------------------------------------------------
     def parallelize(self, model: nn.Module) -> nn.Module:
         """Shard every MoE layer's experts to this EP rank's home slice and install the dispatcher."""
-        self._trace_layers = [i for i, _ in model.moe_layers()]
-        self._top_k = max([moe.top_k for _, moe in model.moe_layers()], default=1)
         if self.ep_size == 1:
             return model
         cls = MoonEPDispatcher if self.kind == "moonep" else AllToAllDispatcher
@@ -120,10 +109,10 @@ class ExpertParallel:
     def is_expert(self, p: torch.Tensor) -> bool:
         return id(p) in self._expert_params
 
-    def sync_grads(self, model: nn.Module) -> None:
+    def sync_grads(self, model: nn.Module) -> bool:
         """Sum gradients over replicas: experts over ``dp_cp``, everything else over ``dp_ep_cp``."""
         if self.mesh is None:
-            return
+            return True
         params = [p for p in model.parameters() if p.requires_grad]
         for p in params:
             if p.grad is None:  # every rank must join the same all-reduce
@@ -136,6 +125,7 @@ class ExpertParallel:
                 dist.all_reduce(flat, group=self.mesh.group(group))
                 for p, g in zip(members, flat.split([p.numel() for p in members])):
                     p.grad.copy_(g.view_as(p.grad))
+        return True
 
     def clip_grad_norm(self, params: Iterable[torch.Tensor], max_norm: float) -> float:
         """Clip to the global norm (replicated gradients once, expert shards of every EP rank); returns it."""
@@ -189,7 +179,7 @@ class ExpertParallel:
         return {"model": model_sd, "optimizer": optim_sd}
 
     def load_full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer | None,
-                             state: dict[str, Any]) -> None:
+                             state: dict[str, Any]) -> bool:
         """Load a single-process-layout ``{"model", "optimizer"}`` (from :meth:`full_state_dict` or a
         single-process run), keeping only this rank's home experts of every ``[E, ...]`` tensor.
 
@@ -217,23 +207,9 @@ class ExpertParallel:
         model.load_state_dict(model_sd)
         if optim_sd is not None:
             optim.load_state_dict(optim_sd)
+        return True
 
-    # ---- statistics --------------------------------------------------------------------------------
-    def stat_all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum routing statistics in place over every rank that routed different tokens."""
-        if self.mesh is not None and self.mesh.size("dp_ep_cp") > 1:
-            dist.all_reduce(t, group=self.mesh.group("dp_ep_cp"))
-        return t
-
-    def scalar_all_reduce(self, x: float) -> float:
-        """Sum a float over every rank that saw different tokens (fp64)."""
-        if self.mesh is None or self.mesh.size("dp_ep_cp") == 1:
-            return x
-        t = torch.tensor([x], dtype=torch.float64)
-        dist.all_reduce(t, group=self.mesh.group("dp_ep_cp"))
-        return float(t)
-
-    # ---- per-step metrics and routing traces --------------------------------------------------------
+    # ---- per-step metrics and routing counts --------------------------------------------------------
     def layer_counts(self, model: nn.Module) -> list[torch.Tensor]:
         """``[R, E]`` int64 routing counts of the last forward of every MoE layer (R = EP ranks)."""
         out = []
@@ -245,36 +221,17 @@ class ExpertParallel:
                 out.append(moe.last_counts.reshape(1, -1).clone())
         return out
 
-    def on_step(self, step: int, model: nn.Module, record: dict[str, Any]) -> None:
-        """After a training step (before eval): add EP metrics to ``record`` and remember the counts."""
-        counts = self.layer_counts(model)
-        if not counts:
+    def step_metrics(self, step: int, model: nn.Module, record: dict[str, Any]) -> None:
+        """After a training step (before eval): rows each EP rank computed and the unbalanced maximum."""
+        if not self.dispatchers:
             return
-        self._trace.append(torch.stack(counts).numpy())
-        if self.dispatchers:
-            first = min(self.dispatchers)
-            record["ep_rows"] = [int(r) for r in self.dispatchers[first].last_rows]
-            home = [int(c.sum(0).view(self.ep_size, -1).sum(1).max()) for c in counts]
-            rows = [int(d.last_rows.max()) for d in self.dispatchers.values()]
-            record["ep_rows_max"] = max(rows)
-            record["ep_rows_unbalanced_max"] = max(home)
-
-    def finish(self) -> Path | None:
-        """Write the routing trace (main rank, if a path was given); returns its path."""
-        if not (self.trace_path and self.is_main and self._trace):
-            return None
-        from moonrt.scheduler.workload import save_trace
-
-        counts = np.stack(self._trace).astype(np.int64)  # [steps, layers, R, E]
-        path = Path(self.trace_path)
-        save_trace(path, counts, self._top_k, layer_ids=np.asarray(self._trace_layers))
-        return path
-
-    def runtime_fields(self) -> dict[str, Any]:
-        """The whole-model hooks of ``moonrt.train.Runtime`` this runtime fills (ranks, sums: the caller's)."""
-        return {"parallelize": self.parallelize, "sync_grads": self.sync_grads,
-                "clip_grad_norm": self.clip_grad_norm, "on_step": self.on_step, "finish": self.finish,
-                "full_state_dict": self.full_state_dict, "load_full_state_dict": self.load_full_state_dict}
+        counts = self.layer_counts(model)
+        first = min(self.dispatchers)
+        record["ep_rows"] = [int(r) for r in self.dispatchers[first].last_rows]
+        home = [int(c.sum(0).view(self.ep_size, -1).sum(1).max()) for c in counts]
+        rows = [int(d.last_rows.max()) for d in self.dispatchers.values()]
+        record["ep_rows_max"] = max(rows)
+        record["ep_rows_unbalanced_max"] = max(home)
 
 
 def _optim_index(optim: torch.optim.Optimizer) -> dict[int, int]:

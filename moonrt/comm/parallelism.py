@@ -1,0 +1,172 @@
+"""One composable parallelism object for a training job: where this rank sits, and the parts that act on it.
+
+The training loop (``moonrt train``) is the same code whatever is parallel: it calls
+:meth:`Parallelism.parallelize` once, then per step :meth:`sync_grads`, :meth:`clip_grad_norm`,
+:meth:`sum_stats` / :meth:`sum_scalar` and :meth:`step_metrics`, and :meth:`full_state_dict` /
+:meth:`load_full_state_dict` for checkpoints in the single-process layout, :meth:`close` at the end.
+A single-process job is this object with no parts and no replica group.
+
+A :class:`Part` is one parallel dimension's contribution (expert parallelism today; the pipeline
+and ZeRO-1 are added as parts). Every method has a do-nothing default; for the verbs that one
+part must own (summing gradients, clipping, checkpoint state) the first part that handles the call
+wins (it returns True / a value instead of the default), otherwise the object's own replicated-data
+default runs: per-tensor all-reduce over the replica group, torch's global-norm clip, the module's
+own ``state_dict``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moonrt.parallel.context import LOCAL, AttentionContext
+
+
+class Part:
+    """One parallel dimension's hooks into the training loop (all defaults do nothing)."""
+
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        """Shard or wrap ``model`` for this dimension (once, before the optimizer is built)."""
+        return model
+
+    def sync_grads(self, model: nn.Module) -> bool:
+        """Sum every gradient over its replicas; True if this part did it (then no other sum runs)."""
+        return False
+
+    def clip_grad_norm(self, params: list[torch.Tensor], max_norm: float) -> float | None:
+        """Clip to the global gradient norm and return it, or None to leave it to the default."""
+        return None
+
+    def full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any] | None:
+        """``{"model", "optimizer"}`` in the single-process layout (collective), or None for the default."""
+        return None
+
+    def load_full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, state: dict[str, Any]) -> bool:
+        """Load a single-process-layout state into this rank's shards; True if this part did it."""
+        return False
+
+    def step_metrics(self, step: int, model: nn.Module, record: dict[str, Any]) -> None:
+        """Add this part's per-step metrics to ``record`` (after the optimizer step, before eval)."""
+
+    def close(self) -> None:
+        """Release buffers and write final outputs (once, after the last step)."""
+
+
+@dataclasses.dataclass
+class Parallelism:
+    """This rank's place in the job and the parts acting on it (see the module docstring).
+
+    ``dp_rank``/``dp_size`` index the ranks that see different batch rows, ``cp_rank``/``cp_size`` the
+    slices of one sequence; ``ctx`` is the attention context the model's attention layers use;
+    ``replicas`` is the group over which gradients, router statistics and scalars are summed (None: one
+    process).
+    """
+
+    dp_rank: int = 0
+    dp_size: int = 1
+    cp_rank: int = 0
+    cp_size: int = 1
+    is_main: bool = True
+    ctx: AttentionContext = LOCAL
+    replicas: Any = None
+    parts: list[Part] = dataclasses.field(default_factory=list)
+
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        for part in self.parts:
+            model = part.parallelize(model)
+        return model
+
+    def sync_grads(self, model: nn.Module) -> None:
+        if any(part.sync_grads(model) for part in self.parts) or self.replicas is None:
+            return
+        for p in model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=self.replicas)
+
+    def clip_grad_norm(self, params: Iterable[torch.Tensor], max_norm: float) -> float:
+        params = list(params)
+        for part in self.parts:
+            norm = part.clip_grad_norm(params, max_norm)
+            if norm is not None:
+                return float(norm)
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+    def sum_stats(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum a tensor in place over the ranks that routed different tokens (Quantile Balancing histograms)."""
+        if self.replicas is not None:
+            dist.all_reduce(t, group=self.replicas)
+        return t
+
+    def sum_scalar(self, x: float) -> float:
+        """Sum a float over the ranks that saw different tokens (fp64)."""
+        if self.replicas is None:
+            return x
+        return float(self.sum_stats(torch.tensor([x], dtype=torch.float64)))
+
+    def full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+        for part in self.parts:
+            state = part.full_state_dict(model, optim)
+            if state is not None:
+                return state
+        return {"model": model.state_dict(), "optimizer": optim.state_dict()}
+
+    def load_full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        if any(part.load_full_state_dict(model, optim, state) for part in self.parts):
+            return
+        model.load_state_dict(state["model"])
+        optim.load_state_dict(state["optimizer"])
+
+    def step_metrics(self, step: int, model: nn.Module, record: dict[str, Any]) -> None:
+        for part in self.parts:
+            part.step_metrics(step, model, record)
+
+    def close(self) -> None:
+        for part in self.parts:
+            part.close()
+
+
+class RoutingTrace(Part):
+    """Records every step's per-MoE-layer ``[R, E]`` routing counts and writes them as a trace ``.npz``.
+
+    The format is :mod:`moonrt.scheduler.workload`'s (what ``moonrt ep-sim --trace`` reads). ``counts(model)``
+    returns the last forward's counts per MoE layer: ``[R, E]`` from the EP dispatchers under expert
+    parallelism, ``[1, E]`` from the layers themselves in one process (:func:`local_counts`). The
+    model is found by duck typing (``model.moe_layers()`` yields ``(index, layer)`` with ``top_k``).
+    """
+
+    def __init__(self, path: str | Path, *, is_main: bool = True, counts: Any = None) -> None:
+        self.path, self.is_main = Path(path), is_main
+        self.counts = counts if counts is not None else local_counts
+        self.steps: list[np.ndarray] = []
+        self.layer_ids: list[int] = []
+        self.top_k = 1
+
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        self.layer_ids = [i for i, _ in model.moe_layers()]
+        self.top_k = max([moe.top_k for _, moe in model.moe_layers()], default=1)
+        return model
+
+    def step_metrics(self, step: int, model: nn.Module, record: dict[str, Any]) -> None:
+        counts = self.counts(model)
+        if counts:
+            self.steps.append(torch.stack(counts).numpy())
+
+    def close(self) -> None:
+        if not (self.is_main and self.steps):
+            return
+        from moonrt.scheduler.workload import save_trace
+
+        save_trace(self.path, np.stack(self.steps).astype(np.int64), self.top_k,
+                   layer_ids=np.asarray(self.layer_ids))
+
+
+def local_counts(model: nn.Module) -> list[torch.Tensor]:
+    """``[1, E]`` int64 routing counts of the last forward of every MoE layer of a one-process model."""
+    return [moe.last_counts.reshape(1, -1).clone() for _, moe in model.moe_layers()]

@@ -1,0 +1,70 @@
+"""The composable parallelism object: defaults of a one-process job and how parts take over verbs."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moonrt.comm.parallelism import Parallelism, Part
+
+
+def _model_with_grads(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    model(torch.randn(3, 4)).square().sum().mul(100).backward()
+    return model
+
+
+def test_no_parts_is_the_single_process_loop() -> None:
+    rt, ref = Parallelism(), _model_with_grads()
+    model = _model_with_grads()
+    assert rt.parallelize(model) is model
+    rt.sync_grads(model)  # no replicas: gradients untouched
+    norm = rt.clip_grad_norm(model.parameters(), 1.0)
+    ref_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0))
+    assert norm == ref_norm and norm > 1.0
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    assert rt.sum_scalar(2.5) == 2.5
+    opt = torch.optim.AdamW(model.parameters())
+    state = rt.full_state_dict(model, opt)
+    assert state["model"].keys() == model.state_dict().keys()
+
+
+def test_first_part_that_handles_a_verb_wins_and_hooks_run_in_order() -> None:
+    calls: list[str] = []
+
+    class Owner(Part):
+        def sync_grads(self, model: nn.Module) -> bool:
+            calls.append("owner.sync")
+            return True
+
+        def clip_grad_norm(self, params, max_norm):
+            calls.append("owner.clip")
+            return 7.0
+
+        def step_metrics(self, step, model, record):
+            record["owner"] = step
+
+    class Later(Part):
+        def sync_grads(self, model: nn.Module) -> bool:
+            calls.append("later.sync")
+            return True
+
+        def clip_grad_norm(self, params, max_norm):
+            calls.append("later.clip")
+            return 9.0
+
+        def step_metrics(self, step, model, record):
+            record["later"] = record["owner"] + 1
+
+    rt = Parallelism(parts=[Owner(), Later()])
+    model = _model_with_grads()
+    before = [p.grad.clone() for p in model.parameters()]
+    rt.sync_grads(model)
+    assert rt.clip_grad_norm(model.parameters(), 1.0) == 7.0
+    assert calls == ["owner.sync", "owner.clip"]
+    assert all(torch.equal(a, p.grad) for a, p in zip(before, model.parameters()))  # the default clip did not run
+    record: dict = {}
+    rt.step_metrics(4, model, record)
+    assert record == {"owner": 4, "later": 5}
