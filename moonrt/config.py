@@ -208,13 +208,6 @@ def save_yaml(obj: Any, path: str | Path) -> None:
     tmp.replace(path)
 
 
-def replace(obj: T, **changes: Any) -> T:
-    """``dataclasses.replace`` followed by validation."""
-    new = dataclasses.replace(obj, **changes)
-    validate(new)
-    return new
-
-
 # ---------------------------------------------------------------------------------------------
 # Shared runtime configs
 
@@ -257,11 +250,6 @@ class DistConfig:
         check(self.timeout_s > 0, "timeout_s", self.timeout_s, "a positive number of seconds")
 
 
-def is_optional(tp: Any) -> bool:
-    """True when type hint ``tp`` admits None (used by CLI flag generation)."""
-    return get_origin(tp) in (Union, types.UnionType) and type(None) in get_args(tp)
-
-
 __all__ = [
     "ConfigError",
     "DistConfig",
@@ -269,9 +257,7 @@ __all__ = [
     "check",
     "from_dict",
     "load_yaml",
-    "replace",
     "save_yaml",
     "to_dict",
     "validate",
-    "is_optional",
 ]

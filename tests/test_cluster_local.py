@@ -40,7 +40,7 @@ def test_results_in_rank_order():
     ("how", "message"),
     [("raise", r"(?s)rank 1 of 3 failed:\n.*KeyError: 'rank one lost its key'"),
      ("exit0", r"rank 1 of 3 failed: exited early \(exit code 0\) before fn returned"),
-     ("exit3", r"rank 1 of 3 failed:\nexited with code 3 without a Python traceback"),
+     ("exit3", r"rank 1 of 3 failed:\nexit code 3 without a Python traceback"),
      ("sigkill", r"rank 1 of 3 failed:\nkilled by signal SIGKILL without a Python traceback")],
 )
 def test_failing_rank_is_named(how, message):

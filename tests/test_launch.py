@@ -15,7 +15,8 @@ import pytest
 from test_cluster_report import HOLD, clean_env, listening_sockets, only_loopback, verify_selftest_report
 
 from moonrt.cli import main as cli_main
-from moonrt.cluster.launch import describe_exit, launch
+from moonrt.cluster.launch import launch
+from moonrt.cluster.local import describe_exit
 
 LAUNCH = [sys.executable, "-m", "moonrt.cli", "launch"]
 

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import IO
 
 from moonrt.cluster.env import GLOO_IFNAME_ENV, TIMEOUT_ENV, free_port, loopback_interface
+from moonrt.cluster.local import describe_exit
 
 STDERR_TAIL = 40
 """Lines of the failing rank's stderr repeated in the failure message."""
@@ -191,15 +192,6 @@ def launch(
         raise
 
 
-def describe_exit(code: int) -> str:
-    """``"exit code 3"`` or ``"killed by signal SIGKILL"`` for a ``Popen.returncode``."""
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = str(-code)
-        return f"killed by signal {name}"
-    return f"exit code {code}"
 
 
 def _ranks(ranks: list[int]) -> str:

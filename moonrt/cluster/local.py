@@ -156,13 +156,15 @@ def _root_cause(procs: list, workdir: str, first: int) -> int:
     return min(failed, key=lambda r: (errors[r].stat().st_mtime_ns, r))
 
 
-def _describe_exit(code: int) -> str:
+def describe_exit(code: int) -> str:
+    """``"exit code 3"`` or ``"killed by signal SIGKILL"`` for a ``Popen.returncode`` / ``exitcode``."""
     if code < 0:
         try:
-            return f"killed by signal {signal.Signals(-code).name}"
+            name = signal.Signals(-code).name
         except ValueError:
-            return f"killed by signal {-code}"
-    return f"exited with code {code}"
+            name = str(-code)
+        return f"killed by signal {name}"
+    return f"exit code {code}"
 
 
 def _wait(procs: list, workdir: str, timeout: float) -> None:
@@ -181,7 +183,7 @@ def _wait(procs: list, workdir: str, timeout: float) -> None:
                 if code == 0:
                     raise RankError(r, f"rank {r} of {len(procs)} failed: exited early (exit code 0) before fn "
                                        "returned")
-                detail = err.read_text() if err.exists() else f"{_describe_exit(code)} without a Python traceback"
+                detail = err.read_text() if err.exists() else f"{describe_exit(code)} without a Python traceback"
                 raise RankError(r, f"rank {r} of {len(procs)} failed:\n{detail}")
         if not pending:
             return

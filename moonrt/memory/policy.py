@@ -87,11 +87,4 @@ class MemoryPolicy:
         return {self.default} | {r.policy for r in self.rules}
 
 
-def load_policy(path: str) -> MemoryPolicy:
-    """Load a :class:`MemoryPolicy` YAML (ConfigError names file, field, value, expectation)."""
-    from moonrt.config import load_yaml
-
-    return load_yaml(MemoryPolicy, path)
-
-
-__all__ = ["MemoryPolicy", "PolicyRule", "load_policy"]
+__all__ = ["MemoryPolicy", "PolicyRule"]
