@@ -25,7 +25,7 @@ import moonrt
 
 PKG_ROOT = Path(moonrt.__file__).parent
 RUNTIME = ("moonrt.comm", "moonrt.scheduler", "moonrt.memory", "moonrt.cluster", "moonrt.parallel")
-JOBS = ("moonrt.train", "moonrt.cli", "moonrt.checkpoint", "moonrt.outputs", "moonrt.data")
+JOBS = ("moonrt.train", "moonrt.job", "moonrt.cli", "moonrt.checkpoint", "moonrt.outputs", "moonrt.data")
 MODEL_MAY_IMPORT = ("moonrt.ops", "moonrt.parallel", "moonrt.config", "moonrt.model")
 
 ALLOWED: frozenset[tuple[str, str]] = frozenset({

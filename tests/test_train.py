@@ -11,7 +11,8 @@ import torch
 
 from moonrt.cli import main
 from moonrt.config import ConfigError, from_dict, load_yaml
-from moonrt.train import CHECKPOINT, JobConfig, OptimConfig, lr_at, train
+from moonrt.job import JobConfig, OptimConfig, lr_at
+from moonrt.train import CHECKPOINT, train
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -19,7 +19,8 @@ from moonrt import checkpoint
 from moonrt.cli import main
 from moonrt.comm.parallelism import Parallelism, Part
 from moonrt.config import from_dict
-from moonrt.train import CHECKPOINT, JobConfig, build_model, build_optimizer, save_checkpoint, train
+from moonrt.job import JobConfig
+from moonrt.train import CHECKPOINT, build_model, build_optimizer, save_checkpoint, train
 
 MARKER_ENV = "MOONRT_TEST_MARKER"
 

@@ -1,0 +1,119 @@
+"""The configuration of a ``moonrt train`` job: data, optimizer and schedule, parallel layout, outputs.
+
+Nested ``@dataclass(kw_only=True, slots=True)`` trees, loaded from YAML by :mod:`moonrt.config` (unknown
+keys and bad values name the field, the value and the expectation). ``configs/k3_tiny.yaml`` writes
+out the embedded default. :func:`lr_at` is the learning-rate schedule, a pure function of the step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from moonrt import data
+from moonrt.config import ConfigError, ParallelConfig, check
+from moonrt.model.config import PRESETS, K3Config
+
+MAX_PARAMS = 5_000_000_000
+"""Largest model (parameters, from the config) that ``moonrt train`` will instantiate."""
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class DataConfig:
+    """Where tokens come from (:mod:`moonrt.data`)."""
+
+    corpus: str | None = None
+    """None: the stdlib sources (bytes); a path: a text file, or a token file when ``token_dtype`` is set."""
+    token_dtype: data.TokenDtype | None = None
+    heldout_fraction: float = 0.05
+    """Fraction of a user corpus held out for eval (the stdlib corpus holds out every 16th file)."""
+
+    def validate(self) -> None:
+        check(0.0 < self.heldout_fraction < 1.0, "heldout_fraction", self.heldout_fraction, "a number in (0, 1)")
+        check(self.token_dtype is None or self.corpus is not None, "token_dtype", self.token_dtype,
+              "null unless corpus names a token file")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class OptimConfig:
+    """Optimizer, schedule and step knobs."""
+
+    steps: int = 200
+    batch_size: int = 8
+    """Sequences per global batch (per optimizer step), whatever the parallel layout."""
+    seq_len: int = 128
+    lr: float = 4e-3
+    min_lr_ratio: float = 0.1
+    """Cosine decays to ``lr * min_lr_ratio`` at the last step."""
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    seed: int = 0
+    eval_every: int = 50
+    eval_windows: int = 32
+    """Held-out windows of ``seq_len`` tokens per eval (the same windows every time)."""
+    checkpoint_every: int = 100
+    routing_bias_update: bool = True
+    """Quantile Balancing update of every MoE layer's router bias after each step (K3_SYSTEMS §5.3)."""
+
+    def validate(self) -> None:
+        for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_windows", "checkpoint_every"):
+            value = getattr(self, name)
+            check(value >= 1, name, value, "an integer >= 1")
+        check(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "an integer >= 0")
+        check(self.lr > 0, "lr", self.lr, "a positive number")
+        check(0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]")
+        check(self.weight_decay >= 0, "weight_decay", self.weight_decay, "a number >= 0")
+        check(0 <= self.beta1 < 1, "beta1", self.beta1, "a number in [0, 1)")
+        check(0 <= self.beta2 < 1, "beta2", self.beta2, "a number in [0, 1)")
+        check(self.grad_clip > 0, "grad_clip", self.grad_clip, "a positive number (max global grad norm)")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class JobConfig:
+    """A whole training job (``moonrt train --config FILE``; every key optional)."""
+
+    model: str = "k3_tiny"
+    """A preset name of :data:`moonrt.model.config.PRESETS` (ignored when ``model_config`` is given)."""
+    model_config: K3Config | None = None
+    """A full model config; overrides ``model``."""
+    moe: dict[str, Any] | None = None
+    """LatentMoE options (Quantile Balancing estimator, ...), the fields of the MoE config class."""
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    memory_policy: str | None = None
+    """Path of an activation-memory policy YAML (applied by the activation manager when present)."""
+    out_dir: str = "runs/train"
+    """Checkpoints (``checkpoint.pt``) and the resolved ``config.yaml`` go here."""
+    routing_trace: str | None = None
+    """Record every step's per-MoE-layer ``[R, E]`` routing counts into this ``.npz`` (the trace format
+    ``moonrt ep-sim --trace`` reads, :mod:`moonrt.scheduler.workload`)."""
+    threads: int = 1
+    """torch intra-op threads per process (0: torch's default). One is the robust choice on a shared
+    2-core machine (spinning OpenMP threads of several processes slow everyone down many-fold)."""
+
+    def validate(self) -> None:
+        check(self.model in PRESETS, "model", self.model, "one of " + ", ".join(sorted(PRESETS)))
+        check(self.threads >= 0, "threads", self.threads, "an integer >= 0 (0 = torch default)")
+        from moonrt.model.moe import moe_config_from_dict
+
+        try:
+            moe_config_from_dict(self.moe)
+        except ConfigError as exc:
+            raise ConfigError(f"moe.{exc}") from None
+
+    def model_cfg(self) -> K3Config:
+        return self.model_config if self.model_config is not None else PRESETS[self.model]()
+
+
+def lr_at(step: int, cfg: OptimConfig) -> float:
+    """Learning rate of optimizer step ``step`` (0-based): linear warmup, then cosine to ``min_lr_ratio``."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.steps - cfg.warmup_steps - 1)
+    t = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
