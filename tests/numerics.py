@@ -55,6 +55,13 @@ def normwise_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return diff / scale if scale > 0 else float("inf")
 
 
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``||a - b|| / ||b||`` in float64 (also the ratio of RMS values): one number for a whole tensor, so an
+    entry that is a sum of cancelling terms cannot dominate it."""
+    a64, b64 = a.detach().double(), b.detach().double()
+    return float((a64 - b64).norm() / b64.norm().clamp_min(1e-300))
+
+
 def assert_equal_f64(a: torch.Tensor, b: torch.Tensor, what: str, rtol: float = F64_RTOL) -> None:
     """Two float64 results of mathematically equal computations agree: normwise error <= ``rtol``."""
     if a.dtype != torch.float64 or b.dtype != torch.float64:

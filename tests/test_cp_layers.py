@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dist import dist_run
+from numerics import rel_l2
 
 from moonrt.comm.cp_context import ContextParallel
 from moonrt.model.config import k3_tiny
@@ -56,9 +57,6 @@ def _cp_rank(rank: int, world: int, states: dict, cases: list[tuple[int, torch.T
     return results
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30))
-
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_cp_kda_and_mla_layers_match_single_process(world: int) -> None:
@@ -73,10 +71,10 @@ def test_cp_kda_and_mla_layers_match_single_process(world: int) -> None:
         for name, layer in layers.items():
             ref = _run_layer(layer, x, dy, None)
             ranks = [got[r][i][name] for r in range(world)]
-            errors = {"y": _rel(torch.cat([r["y"] for r in ranks], 1), ref["y"]),
-                      "dx": _rel(torch.cat([r["dx"] for r in ranks], 1), ref["dx"])}
+            errors = {"y": rel_l2(torch.cat([r["y"] for r in ranks], 1), ref["y"]),
+                      "dx": rel_l2(torch.cat([r["dx"] for r in ranks], 1), ref["dx"])}
             for pname, _ in layer.named_parameters():
-                errors[pname] = _rel(sum(r[pname] for r in ranks), ref[pname])
+                errors[pname] = rel_l2(sum(r[pname] for r in ranks), ref[pname])
             bad = {n: e for n, e in errors.items() if not e <= 1e-5}
             assert not bad, f"{name} T={T} world={world}: relative RMS errors above 1e-5: {bad}"
             assert all(r["layers"] == [name] for r in ranks)  # records carry the tagged layer name
@@ -139,8 +137,8 @@ def _checkpoint_rank(rank: int, world: int) -> list[float]:
 
     ckpt = _run_layer(Wrapped(), x, torch.ones(1, x.shape[1], D), ctx)
     grads = {n: p.grad for n, p in layer.named_parameters()}
-    return [_rel(ckpt["y"], plain["y"]), _rel(ckpt["dx"], plain["dx"])] + [
-        _rel(grads[n], plain[n]) for n in grads]
+    return [rel_l2(ckpt["y"], plain["y"]), rel_l2(ckpt["dx"], plain["dx"])] + [
+        rel_l2(grads[n], plain[n]) for n in grads]
 
 
 def test_cp_kda_layer_under_activation_checkpointing() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dist import dist_run
+from numerics import rel_l2
 
 from moonrt.comm.cp_ops import CommRecord, slice_bounds, split_sizes
 from moonrt.comm.kcp import kcp_kda
@@ -68,9 +69,6 @@ def _kcp_rank(rank: int, world: int, cases: list[tuple[int, bool, dict]]) -> lis
     return results
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30))
-
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_kcp_matches_single_process_outputs_state_and_all_gradients(world: int) -> None:
@@ -81,16 +79,16 @@ def test_kcp_matches_single_process_outputs_state_and_all_gradients(world: int) 
         lm = i % 3 != 2
         ref = _reference(x)
         ranks = [got[r][i] for r in range(world)]
-        errors = {"o": _rel(torch.cat([r["o"] for r in ranks], 1), ref["o"]), "s": _rel(ranks[-1]["s"], ref["s"])}
+        errors = {"o": rel_l2(torch.cat([r["o"] for r in ranks], 1), ref["o"]), "s": rel_l2(ranks[-1]["s"], ref["s"])}
         for n in ("q", "k", "v", "g", "beta"):
-            errors[f"d{n}"] = _rel(torch.cat([r[f"d{n}"] for r in ranks], 1), ref[f"d{n}"])
+            errors[f"d{n}"] = rel_l2(torch.cat([r[f"d{n}"] for r in ranks], 1), ref[f"d{n}"])
         if init:
-            errors["dh0"] = _rel(ranks[0]["dh0"], ref["dh0"])
+            errors["dh0"] = rel_l2(ranks[0]["dh0"], ref["dh0"])
         bad = {n: e for n, e in errors.items() if not e <= 1e-5}
         if lm:  # the state entering the last slice matters: KCP is not "each rank from zero"
             a = slice_bounds(T, world, world - 1)[0]
             o_zero, _ = kda_chunk(*(x[n][:, a:] for n in ("q", "k", "v", "g", "beta")))
-            assert _rel(o_zero, ref["o"][:, a:]) > 1e-2
+            assert rel_l2(o_zero, ref["o"][:, a:]) > 1e-2
         assert not bad, f"T={T} world={world} init={init}: relative RMS errors above 1e-5: {bad}"
         # KCP moves one fixed-size summary per rank per direction: B*H*K*(K+V)*4 bytes (§7).
         summary = B * H * K * (K + V) * 4
@@ -137,7 +135,7 @@ def _bad_rank(rank: int, world: int) -> dict[str, str]:
     args = {n: x[n][:, a:b] for n in ("q", "k", "v", "g", "beta")}
     o, _ = kcp_kda(**args, group=None)  # the group is still usable
     ref, _ = kda_chunk(*(x[n] for n in ("q", "k", "v", "g", "beta")))
-    msgs["after"] = f"{_rel(o, ref[:, a:b]):.1e}"
+    msgs["after"] = f"{rel_l2(o, ref[:, a:b]):.1e}"
     return msgs
 
 

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from numerics import rel_l2
 
 import moonrt.ops.kda as kda_module
 from moonrt.ops.kda import chunk_terms, chunk_transitions, kda_chunk, kda_recurrent, kda_transition
-
-
-def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).pow(2).mean().sqrt() / b.double().pow(2).mean().sqrt())
 
 
 def make_inputs(B: int, T: int, H: int, K: int, V: int, seed: int, dtype: torch.dtype = torch.float32,
@@ -47,12 +44,12 @@ def test_chunk_matches_recurrent(T: int, use_state: bool) -> None:
     o_r, S_r, g_r = run_with_grads(kda_recurrent, inputs, use_state, seed=T)
     o_c, S_c, g_c = run_with_grads(kda_chunk, inputs, use_state, seed=T)
     assert o_c.dtype == torch.float32 and S_c.dtype == torch.float32
-    assert rel_rms(o_c, o_r) <= 1e-5
-    assert rel_rms(S_c, S_r) <= 1e-5
+    assert rel_l2(o_c, o_r) <= 1e-5
+    assert rel_l2(S_c, S_r) <= 1e-5
     expected = {"q", "k", "v", "g", "beta"} | ({"initial_state"} if use_state else set())
     assert set(g_c) == set(g_r) == expected
     for name in expected:
-        assert rel_rms(g_c[name], g_r[name]) <= 1e-5, name
+        assert rel_l2(g_c[name], g_r[name]) <= 1e-5, name
 
 
 @pytest.mark.parametrize("chunks_per_group", [1, 3])
@@ -62,9 +59,9 @@ def test_chunk_groups(chunks_per_group: int, monkeypatch: pytest.MonkeyPatch) ->
     o_r, S_r, g_r = run_with_grads(kda_recurrent, inputs, True, seed=3)
     monkeypatch.setattr(kda_module, "CHUNK_GROUP_ELEMS", chunks_per_group * 2 * 2 * 64 * 16)
     o_c, S_c, g_c = run_with_grads(kda_chunk, inputs, True, seed=3)
-    assert rel_rms(o_c, o_r) <= 1e-5 and rel_rms(S_c, S_r) <= 1e-5
+    assert rel_l2(o_c, o_r) <= 1e-5 and rel_l2(S_c, S_r) <= 1e-5
     for name in g_r:
-        assert rel_rms(g_c[name], g_r[name]) <= 1e-5, name
+        assert rel_l2(g_c[name], g_r[name]) <= 1e-5, name
 
 
 @pytest.mark.parametrize("chunk_size", [16, 32, 8, 5])
@@ -72,7 +69,7 @@ def test_chunk_sizes_and_padding(chunk_size: int) -> None:
     inputs = make_inputs(B=1, T=77, H=2, K=16, V=16, seed=chunk_size, dtype=torch.float64)
     o_r, S_r = kda_recurrent(**inputs, output_final_state=True)
     o_c, S_c = kda_chunk(**inputs, output_final_state=True, chunk_size=chunk_size)
-    assert rel_rms(o_c, o_r) < 1e-12 and rel_rms(S_c, S_r) < 1e-12
+    assert rel_l2(o_c, o_r) < 1e-12 and rel_l2(S_c, S_r) < 1e-12
 
 
 def test_recurrent_matches_textbook_update() -> None:
@@ -101,7 +98,7 @@ def test_default_scale_and_dtypes() -> None:
     o, S = kda_chunk(**bf, output_final_state=True)
     assert o.dtype == torch.bfloat16 and S.dtype == torch.float32
     o_r, S_r = kda_recurrent(**bf, output_final_state=True)
-    assert rel_rms(S, S_r) < 1e-5
+    assert rel_l2(S, S_r) < 1e-5
 
 
 def test_strong_decay_stays_finite() -> None:
@@ -111,9 +108,9 @@ def test_strong_decay_stays_finite() -> None:
     x["k"] = x["k"] * 3.0
     o_r, S_r, g_r = run_with_grads(kda_recurrent, x, True, seed=1)
     o_c, S_c, g_c = run_with_grads(kda_chunk, x, True, seed=1)
-    assert rel_rms(o_c, o_r) < 1e-5 and rel_rms(S_c, S_r) < 1e-5
+    assert rel_l2(o_c, o_r) < 1e-5 and rel_l2(S_c, S_r) < 1e-5
     for name in g_r:
-        assert torch.isfinite(g_c[name]).all() and rel_rms(g_c[name], g_r[name]) < 1e-5, name
+        assert torch.isfinite(g_c[name]).all() and rel_l2(g_c[name], g_r[name]) < 1e-5, name
 
 
 def test_segment_transition_is_the_affine_state_map() -> None:
@@ -127,14 +124,14 @@ def test_segment_transition_is_the_affine_state_map() -> None:
     S_b = torch.randn(S_a.shape, generator=torch.Generator().manual_seed(0))
     for S0 in (S_a, S_b, torch.zeros_like(S_a)):
         _, S_end = kda_chunk(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=S0, output_final_state=True)
-        assert rel_rms(M @ S0 + S_ext, S_end) < 1e-5
+        assert rel_l2(M @ S0 + S_ext, S_end) < 1e-5
     # the per-chunk maps compose to the segment's: M = prod over tokens of (I - beta k k^T) Diag(alpha)
     M_ref = torch.eye(16, dtype=torch.float64).expand(2, 2, 16, 16)
     for t in range(T):
         k, b = x["k"][:, t].double(), x["beta"][:, t, :, None, None].double()
         step = torch.eye(16, dtype=torch.float64) - b * k[..., :, None] * k[..., None, :]
         M_ref = step @ torch.diag_embed(x["g"][:, t].double().exp()) @ M_ref
-    assert rel_rms(M, M_ref) < 1e-5
+    assert rel_l2(M, M_ref) < 1e-5
 
 
 def test_chunk_terms_match_definitions() -> None:
@@ -212,17 +209,17 @@ def test_cu_seqlens_equals_per_sequence_calls(lens: list[int], use_state: bool) 
         o_i, S_i = kda_recurrent(**{n: t[:, a:b] for n, t in ref_leaves.items()},
                                  initial_state=ref_s[i : i + 1] if use_state else None, output_final_state=True)
         if b > a:
-            assert rel_rms(o[:, a:b].detach(), o_i.detach()) <= 1e-5
+            assert rel_l2(o[:, a:b].detach(), o_i.detach()) <= 1e-5
         if use_state or b > a:
-            assert rel_rms(S[i].detach(), S_i[0].detach()) <= 1e-5
+            assert rel_l2(S[i].detach(), S_i[0].detach()) <= 1e-5
         else:  # an empty sequence from a zero state ends in the zero state
             assert not S[i].any()
         loss = loss + (o_i * w_o[:, a:b]).sum() + (S_i[0] * w_s[i]).sum()
     loss.backward()
     for n in names:
-        assert rel_rms(leaves[n].grad, ref_leaves[n].grad) <= 1e-5, n
+        assert rel_l2(leaves[n].grad, ref_leaves[n].grad) <= 1e-5, n
     if use_state:
-        assert rel_rms(s_leaf.grad, ref_s.grad) <= 1e-5
+        assert rel_l2(s_leaf.grad, ref_s.grad) <= 1e-5
 
 
 def test_cu_seqlens_matches_per_sequence_kda_chunk_exactly_in_fp64() -> None:
@@ -270,7 +267,7 @@ def test_strong_decay_underflow_factors_match_float64() -> None:
     o_c, S_c, g_c = run_with_grads(kda_chunk, x, True, seed=6)
     o_d, S_d, g_d = run_with_grads(kda_chunk, {n: t.double() for n, t in x.items()}, True, seed=6)
     o_r, S_r, g_r = run_with_grads(kda_recurrent, x, True, seed=6)
-    assert rel_rms(o_c, o_d) < 1e-6 and rel_rms(S_c, S_d) < 1e-6
-    assert rel_rms(o_c, o_r) < 1e-5 and rel_rms(S_c, S_r) < 1e-5
+    assert rel_l2(o_c, o_d) < 1e-6 and rel_l2(S_c, S_d) < 1e-6
+    assert rel_l2(o_c, o_r) < 1e-5 and rel_l2(S_c, S_r) < 1e-5
     for name in g_d:
-        assert rel_rms(g_c[name], g_d[name]) < 1e-5 and rel_rms(g_c[name], g_r[name]) < 1e-5, name
+        assert rel_l2(g_c[name], g_d[name]) < 1e-5 and rel_l2(g_c[name], g_r[name]) < 1e-5, name

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist import dist_run
+from numerics import rel_l2
 
 from moonrt.config import ConfigError
 from moonrt.model.balance import maxvio
@@ -55,18 +56,15 @@ def run_and_grad(moe: LatentMoE, x: torch.Tensor, fn) -> tuple[torch.Tensor, tor
     return out.detach(), xi.grad.clone(), grads(moe)
 
 
-def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).double().norm() / b.double().norm().clamp_min(1e-30))
-
 
 def assert_same(a, b, tol=1e-5):
     """Outputs, input gradient and every parameter gradient agree to ``tol`` relative RMS."""
     out_a, gx_a, g_a = a
     out_b, gx_b, g_b = b
-    assert rel_rms(out_a, out_b) <= tol and rel_rms(gx_a, gx_b) <= tol
+    assert rel_l2(out_a, out_b) <= tol and rel_l2(gx_a, gx_b) <= tol
     assert g_a.keys() == g_b.keys()
     for name in g_a:
-        assert rel_rms(g_a[name], g_b[name]) <= tol, (name, rel_rms(g_a[name], g_b[name]))
+        assert rel_l2(g_a[name], g_b[name]) <= tol, (name, rel_l2(g_a[name], g_b[name]))
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float64, 1e-12)])
