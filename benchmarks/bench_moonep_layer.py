@@ -38,7 +38,7 @@ from tqdm import tqdm
 from moonrt.cluster.local import run_ranks
 from moonrt.comm.ep_alltoall import AllToAllDispatcher
 from moonrt.comm.ep_ref import grouped_expert_forward, moe_reference
-from moonrt.comm.moonep import MoonEPDispatcher
+from moonrt.comm.moonep_dispatch import MoonEPDispatcher
 
 
 def skewed_routing(world: int, s: int, k: int, E: int, maxvio: float, seed: int) -> list[torch.Tensor]:

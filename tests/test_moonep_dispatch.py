@@ -13,7 +13,7 @@ from dist import dist_run
 
 from moonrt.comm.ep_alltoall import AllToAllDispatcher
 from moonrt.comm.ep_ref import grouped_expert_forward, moe_reference, rows_reference
-from moonrt.comm.moonep import MoonEPDispatcher, SlotPool
+from moonrt.comm.moonep_dispatch import MoonEPDispatcher, SlotPool
 
 H, F, E = 12, 10, 8
 

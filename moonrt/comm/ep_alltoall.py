@@ -4,7 +4,7 @@ Every token-expert assignment goes to the expert's home rank (rank h homes exper
 ``[h*E/R, (h+1)*E/R)``); there are no slots and no weight copies. A rank receives as many rows as
 its home experts were chosen, so under skewed routing the hottest rank computes far more than
 ``s * k`` rows and the whole group waits for it. Same verbs and validation as
-:class:`moonrt.comm.moonep.MoonEPDispatcher` (it is that class with the identity placement), so
+:class:`moonrt.comm.moonep_dispatch.MoonEPDispatcher` (it is that class with the identity placement), so
 benchmarks swap one for the other.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from moonrt.comm.moonep import MoonEPDispatcher, Placement, SlotPool
+from moonrt.comm.moonep_dispatch import MoonEPDispatcher, Placement, SlotPool
 
 
 def home_placement(counts: torch.Tensor) -> Placement:

@@ -36,7 +36,7 @@ from torch import nn
 
 from moonrt.comm.ep_alltoall import AllToAllDispatcher
 from moonrt.comm.mesh import ProcessMesh
-from moonrt.comm.moonep import MoonEPDispatcher, SlotPool
+from moonrt.comm.moonep_dispatch import MoonEPDispatcher, SlotPool
 from moonrt.comm.parallelism import Part
 from moonrt.config import ConfigError, ParallelConfig
 

@@ -17,7 +17,7 @@ layout locally, with no further communication:
 per-assignment values to the expert rows and back (each is the other's adjoint), and
 :class:`WeightLayout` with :func:`send_weights` / :func:`return_weight_grads` moves expert weights
 from home ranks into slots and their gradients back. Nothing here knows about autograd; the
-dispatchers (``moonep.py``, ``ep_alltoall.py``) wrap these in ``torch.autograd.Function``.
+dispatchers (``moonep_dispatch.py``, ``ep_alltoall.py``) wrap these in ``torch.autograd.Function``.
 """
 
 from __future__ import annotations
