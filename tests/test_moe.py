@@ -17,12 +17,12 @@ from moonrt.model.balance import maxvio
 from moonrt.model.config import k3_tiny
 from moonrt.model.moe import (
     LatentMoE,
-    LocalDispatcher,
     MoEConfig,
     RoutedExperts,
     moe_config_from_dict,
     reference_forward,
 )
+from moonrt.parallel.dispatch import LocalDispatcher
 
 
 def small_config(**changes):

@@ -329,7 +329,7 @@ class MoonEPDispatcher:
         return out
 
     def segment_weights(self, handle: EPHandle, experts: object) -> list[tuple[int, tuple[torch.Tensor, ...]]]:
-        """The model's dispatcher seam (``moonrt.model.moe.Dispatcher``): weights for every segment.
+        """The model's dispatcher seam (``moonrt.parallel.dispatch.Dispatcher``): weights for every segment.
 
         ``experts`` is duck-typed (a ``RoutedExperts`` sharded to this rank's home slice):
         ``first_expert``, ``num_local``, ``expert(global_id)`` and ``weights()`` (stacked
