@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -58,21 +59,27 @@ def test_mpi_rendezvous_on_one_host_listens_on_loopback_only(tmp_path):
     opened after that (the store, gloo) are checked."""
     mpiexec = _mpiexec()
     prog, done = tmp_path / "hold.py", tmp_path / "done"
+    # each rank reports READY in a file of its own: mpiexec's forwarding of two ranks' stdout through a pipe
+    # did not always deliver both lines while the ranks were still holding their sockets open
+    ready_line = 'print("READY", os.getpid(), r.master_addr, r.master_port, flush=True)'
+    assert ready_line in HOLD
+    hold = HOLD.replace(ready_line, f"open(os.path.join({str(tmp_path)!r}, f'ready{{os.getpid()}}.tmp'), 'w').write("
+                        "f'READY {os.getpid()} {r.master_addr} {r.master_port}'); "
+                        f"os.rename(os.path.join({str(tmp_path)!r}, f'ready{{os.getpid()}}.tmp'), "
+                        f"os.path.join({str(tmp_path)!r}, f'ready{{os.getpid()}}'))")
     prog.write_text("import os, ipaddress\nfrom mpi4py import MPI\n" + inspect.getsource(listening_sockets)
                     + f"open(os.path.join({str(tmp_path)!r}, f'base{{os.getpid()}}'), 'w').write(repr("
-                    + "listening_sockets(os.getpid())))\n" + HOLD)
+                    + "listening_sockets(os.getpid())))\n" + hold)
     env = {**clean_env(), "MOONRT_DIST_TIMEOUT": "60"}
     env.pop("GLOO_SOCKET_IFNAME", None)
     proc = subprocess.Popen(["timeout", "150", mpiexec, "-n", "2", sys.executable, str(prog), str(done)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        ready = []
-        for line in proc.stdout:
-            if line.startswith("READY "):
-                ready.append(line.split())
-            if len(ready) == 2:
-                break
-        assert len(ready) == 2, proc.stderr.read()[-4000:]
+        deadline = time.monotonic() + 90
+        while len(list(tmp_path.glob("ready[0-9]*"))) < 2 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        ready = [f.read_text().split() for f in sorted(tmp_path.glob("ready[0-9]*")) if not f.name.endswith(".tmp")]
+        assert len(ready) == 2, f"{len(ready)} of 2 ranks ready; exit {proc.poll()}"
         assert {r[2] for r in ready} == {"127.0.0.1"}  # the address rank 0 broadcast
         base = {int(r[1]): ast.literal_eval((tmp_path / f"base{r[1]}").read_text()) for r in ready}
         sockets = {pid: [s for s in listening_sockets(pid) if s not in base[pid]] for pid in base}
