@@ -200,8 +200,8 @@ def train(job: JobConfig, rt: Parallelism | None = None, metrics_path: str | Non
         from moonrt.memory.policy import MemoryPolicy
 
         policy = load_yaml(MemoryPolicy, job.memory_policy)
-        remote = sorted(p for p in policy.policies_used() if p.split("+")[-1] == "remote")
-        if remote:  # needs a serving peer per owner rank: the ActivationManager API, not moonrt train (README)
+        if "remote" in policy.tiers_used():  # needs a serving peer per owner rank: the ActivationManager API (README)
+            remote = sorted(p for p in policy.policies_used() if p.endswith("remote"))
             raise ConfigError(f"memory_policy (--memory-policy) = {job.memory_policy!r}: uses {', '.join(remote)}, "
                               "which moonrt train does not support (remote offload needs a peer rank serving each "
                               "owner: moonrt.memory.remote); expected keep, recompute, fp8, host or disk tiers")

@@ -146,7 +146,7 @@ class ActivationManager:
         self.accounting = Accounting()
         self.remote = remote
         self._stores: dict[str, Any] = {"keep": KeepStore()}
-        used = {p.split("+")[-1] for p in self.policy.policies_used()}
+        used = self.policy.tiers_used()
         if "host" in used:
             self._stores["host"] = HostStore()
         if "disk" in used:

@@ -86,5 +86,9 @@ class MemoryPolicy:
     def policies_used(self) -> set[str]:
         return {self.default} | {r.policy for r in self.rules}
 
+    def tiers_used(self) -> set[str]:
+        """The storage tiers the policies end in (``fp8+host`` -> ``host``): which stores a manager needs."""
+        return {p.split("+")[-1] for p in self.policies_used()}
+
 
 __all__ = ["MemoryPolicy", "PolicyRule"]
