@@ -17,7 +17,7 @@ dispatch -> prefetch (MoonEP) -> grouped expert compute -> combine -> backward. 
   slowest rank's ms and as max/mean. This is the critical path a real EP group waits for;
 - bytes moved per step off-rank: tokens (dispatch + combine, forward) and expert weights (MoonEP).
 
-Outputs are checked against :func:`moonrt.comm.ep_ref.moe_reference` once per skew (both
+Outputs are checked against :func:`moonrt.ops.grouped.moe_reference` once per skew (both
 dispatchers). Timings on a shared 2-core machine are noisy: compare the two columns of one run.
 
     .venv/bin/python benchmarks/bench_moonep_layer.py    # JSON: /tmp/moonrt-bench/bench_moonep_layer.json
@@ -37,8 +37,8 @@ from tqdm import tqdm
 
 from moonrt.cluster.local import run_ranks
 from moonrt.comm.ep_alltoall import AllToAllDispatcher
-from moonrt.comm.ep_ref import grouped_expert_forward, moe_reference
 from moonrt.comm.moonep_dispatch import MoonEPDispatcher
+from moonrt.ops.grouped import grouped_glu_experts, moe_reference
 
 
 def skewed_routing(world: int, s: int, k: int, E: int, maxvio: float, seed: int) -> list[torch.Tensor]:
@@ -90,8 +90,8 @@ def _rank(rank: int, world: int, cfg: dict) -> dict:
                 t0 = time.perf_counter()
                 recv_x, _, _, h = disp.dispatch(x, ids_all[rank], ws)
                 slots = disp.prefetch_weights(h, home)
-                y = torch.cat([grouped_expert_forward(recv_x[:h.home_rows], h.home_cu_seqlens(), home),
-                               grouped_expert_forward(recv_x[h.home_rows:], h.slot_cu_seqlens(), slots)])
+                y = torch.cat([grouped_glu_experts(recv_x[:h.home_rows], h.home_cu_seqlens(), *home),
+                               grouped_glu_experts(recv_x[h.home_rows:], h.slot_cu_seqlens(), *slots)])
                 out = disp.combine(y, h)
                 out.sum().backward()
                 dist.barrier()
@@ -106,7 +106,7 @@ def _rank(rank: int, world: int, cfg: dict) -> dict:
             t.grad = None
         ref = None
         if rank == 0:
-            ref = moe_reference([xs[0]], [ids_all[0]], [ws], experts)[0]
+            ref = moe_reference(xs[0], ids_all[0], ws, *experts)
         results.append({
             "maxvio": level, "times": times, "segments": segments, "rows": rows,
             "token_bytes": {m: list(d.counters.token_bytes_sent) for m, d in disps.items()},
@@ -138,7 +138,7 @@ def replay_compute(segments: dict, cfg: dict, rounds: int) -> dict[tuple[str, in
             cu = torch.zeros(len(sizes) + 1, dtype=torch.int64)
             cu[1:] = torch.tensor(sizes, dtype=torch.int64).cumsum(0)
             t0 = time.thread_time()  # CPU time of this (single-threaded) process: blind to other jobs' load
-            grouped_expert_forward(x, cu, ws).sum().backward()
+            grouped_glu_experts(x, cu, *ws).sum().backward()
             dt = time.thread_time() - t0
             best[key] = min(best.get(key, dt), dt)
     return best

@@ -2,7 +2,7 @@
 
 Every rank builds the same seeded global problem, runs its slice through the dispatcher (home
 experts sharded E/R per rank), and returns its output, all gradients and its expert rows; the test
-compares them with :func:`moonrt.comm.ep_ref.moe_reference` / :func:`rows_reference`.
+compares them with :func:`moonrt.ops.grouped.moe_reference` / :func:`moonrt.comm.ep_ref.rows_reference`.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import torch
 from dist import dist_run
 
 from moonrt.comm.ep_alltoall import AllToAllDispatcher
-from moonrt.comm.ep_ref import grouped_expert_forward, moe_reference, rows_reference
+from moonrt.comm.ep_ref import rows_reference
 from moonrt.comm.moonep_dispatch import MoonEPDispatcher, SlotPool
+from moonrt.ops.grouped import grouped_glu_experts, moe_reference
 
 H, F, E = 12, 10, 8
 
@@ -57,8 +58,8 @@ def _rank_fn(rank: int, world: int, s: int, k: int, routing: str, baseline: bool
     home = [t[rank * per:(rank + 1) * per].clone().requires_grad_() for t in p["experts"]]
     recv_x, recv_w, cu, handle = disp.dispatch(x, p["ids"][rank], w)
     slots = disp.prefetch_weights(handle, home)
-    y_home = grouped_expert_forward(recv_x[: handle.home_rows], handle.home_cu_seqlens(), home)
-    y_slot = grouped_expert_forward(recv_x[handle.home_rows:], handle.slot_cu_seqlens(), slots)
+    y_home = grouped_glu_experts(recv_x[: handle.home_rows], handle.home_cu_seqlens(), *home)
+    y_slot = grouped_glu_experts(recv_x[handle.home_rows:], handle.slot_cu_seqlens(), *slots)
     out = disp.combine(torch.cat([y_home, y_slot]), handle)
     (out * p["gouts"][rank]).sum().backward()
     # recv_weights is differentiable too: its gradient must reach topk_weights.
@@ -80,7 +81,7 @@ def _check(world: int, s: int | tuple[int, ...], k: int, routing: str, baseline:
     xs = [x.clone().requires_grad_() for x in p["xs"]]
     ws = [w.clone().requires_grad_() for w in p["ws"]]
     experts = [t.clone().requires_grad_() for t in p["experts"]]
-    outs = moe_reference(xs, p["ids"], ws, experts)
+    outs = [moe_reference(x, i, w, *experts) for x, i, w in zip(xs, p["ids"], ws)]
     sum((o * g).sum() for o, g in zip(outs, p["gouts"])).backward()
 
     def close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
@@ -164,8 +165,8 @@ def _two_layers_fn(rank: int, world: int, misuse: bool) -> dict:
     for layer, (disp, p, home) in enumerate(zip(disps, (p1, p2), homes)):
         recv_x, _, _, h = disp.dispatch(h_in, p["ids"][rank], p["ws"][rank])
         slots = disp.prefetch_weights(h, home)
-        y = torch.cat([grouped_expert_forward(recv_x[:h.home_rows], h.home_cu_seqlens(), home),
-                       grouped_expert_forward(recv_x[h.home_rows:], h.slot_cu_seqlens(), slots)])
+        y = torch.cat([grouped_glu_experts(recv_x[:h.home_rows], h.home_cu_seqlens(), *home),
+                       grouped_glu_experts(recv_x[h.home_rows:], h.slot_cu_seqlens(), *slots)])
         if misuse and layer == 0:
             h.refill.clear()  # layer 1's copies will not be re-prefetched before its backward
         handles.append(h)
@@ -190,8 +191,8 @@ def test_shared_slot_pool_two_layers(world: int) -> None:
     xs = [x.clone().requires_grad_() for x in p1["xs"]]
     e1 = [t.clone().requires_grad_() for t in p1["experts"]]
     e2 = [t.clone().requires_grad_() for t in p2["experts"]]
-    mid = moe_reference(xs, p1["ids"], p1["ws"], e1)
-    outs = moe_reference(mid, p2["ids"], p2["ws"], e2)
+    mid = [moe_reference(x, i, w, *e1) for x, i, w in zip(xs, p1["ids"], p1["ws"])]
+    outs = [moe_reference(x, i, w, *e2) for x, i, w in zip(mid, p2["ids"], p2["ws"])]
     sum((o * g).sum() for o, g in zip(outs, p1["gouts"])).backward()
     for r in range(world):
         for a, b in ((res[r]["out"], outs[r].detach()), (res[r]["gx"], xs[r].grad)):

@@ -31,7 +31,7 @@ from moonrt.model.balance import AllReduce, MarginHistogram, maxvio, qb_bias_fro
 from moonrt.model.config import K3Config
 from moonrt.model.ffn import shared_expert
 from moonrt.model.norm import RMSNorm
-from moonrt.ops.glu import glu_activation
+from moonrt.ops.grouped import grouped_glu_experts, moe_reference
 from moonrt.parallel.dispatch import Dispatcher, ExpertWeights, LocalDispatcher
 
 
@@ -139,39 +139,20 @@ class RoutedExperts(nn.Module):
             self.w_down = nn.Parameter(self.w_down[sl].clone())
         self.first_expert = first_expert
 
-    def expert_forward(self, x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-                       w_down: torch.Tensor) -> torch.Tensor:
-        """One expert on rows ``x [r, L]`` -> ``[r, L]`` in fp32 (fp64 stays fp64)."""
-        dt = torch.promote_types(x.dtype, torch.float32)
-        x = x.to(dt)
-        h = glu_activation(x @ w_gate.to(dt).t(), x @ w_up.to(dt).t(), self.act, self.beta, self.linear_beta)
-        return h.to(dt) @ w_down.to(dt).t()
-
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor,
                 segments: Sequence[tuple[int, ExpertWeights]]) -> torch.Tensor:
         """Grouped expert compute: rows ``x [rows, L]`` grouped by ``cu_seqlens [G + 1]``; segment ``i``
-        runs through the weights ``segments`` gives for ``i``. Returns ``[rows, L]`` fp32; rows outside
-        every segment are 0. A loop over non-empty segments (the readable grouped GEMM)."""
-        bounds = cu_seqlens.tolist()
-        by_segment = dict(segments)
-        rows = x.shape[0]
-        if bounds[0] < 0 or bounds[-1] > rows or any(b < a for a, b in zip(bounds, bounds[1:])):
-            raise ValueError(f"cu_seqlens: {bounds[:8]}..., expected non-decreasing bounds within [0, {rows}]")
-        dt = torch.promote_types(x.dtype, torch.float32)
-        pieces, pos = [], 0
-        for i in range(len(bounds) - 1):
-            a, b = bounds[i], bounds[i + 1]
-            if b == a:
-                continue
-            if i not in by_segment:
-                raise ValueError(f"segment {i} has {b - a} rows but the dispatcher gave no weights for it")
-            if a > pos:
-                pieces.append(x.new_zeros(a - pos, self.latent, dtype=dt))
-            pieces.append(self.expert_forward(x[a:b], *by_segment[i]))
-            pos = b
-        if pos < rows:
-            pieces.append(x.new_zeros(rows - pos, self.latent, dtype=dt))
-        return torch.cat(pieces) if pieces else x.new_zeros(0, self.latent, dtype=dt)
+        runs through the weights ``segments`` gives for ``i``. Returns ``[rows, L]`` in
+        ``promote(x.dtype, float32)``; rows outside every segment are 0
+        (:func:`moonrt.ops.grouped.grouped_glu_experts`, which states the dtype rule)."""
+        groups = cu_seqlens.shape[0] - 1
+        per_segment: list[list[torch.Tensor | None]] = [[None] * groups for _ in range(3)]
+        for i, weights in segments:
+            if 0 <= i < groups:
+                for slot, w in zip(per_segment, weights):
+                    slot[i] = w
+        return grouped_glu_experts(x, cu_seqlens, *per_segment, act=self.act, beta=self.beta,
+                                   linear_beta=self.linear_beta)
 
 
 # ---- the layer -------------------------------------------------------------------------------------
@@ -334,7 +315,8 @@ def _reduce(t: torch.Tensor, all_reduce: AllReduce | None) -> torch.Tensor:
 
 
 def reference_forward(moe: LatentMoE, x: torch.Tensor) -> torch.Tensor:
-    """Naive per-token LatentMoE (Eq. 11) for tests: loop over tokens and their top-k experts.
+    """Naive LatentMoE (Eq. 11) for tests: routing written out in fp32, the routed experts through
+    :func:`moonrt.ops.grouped.moe_reference` (no dispatcher), then norm, ``up_proj`` and shared experts.
 
     ``x [B, T, D]`` -> ``[B, T, D]``; needs all experts (unsharded); differentiable in every parameter.
     """
@@ -344,17 +326,13 @@ def reference_forward(moe: LatentMoE, x: torch.Tensor) -> torch.Tensor:
     dt = torch.promote_types(x.dtype, torch.float32)
     scores = torch.sigmoid(x2.to(dt) @ moe.router.weight.to(dt).t())
     ids = torch.topk(scores.detach() + moe.router.bias.to(dt), moe.top_k, dim=-1).indices
-    rows = []
-    for t in range(B * T):
-        z = moe.down_proj(x2[t:t + 1])
-        sel = scores[t, ids[t]]
-        p = sel / sel.sum() * moe.router.scaling
-        u = sum(p[j] * ex.expert_forward(z, *ex.expert(int(ids[t, j]))) for j in range(moe.top_k))
-        u = u.to(z.dtype)
-        if moe.norm is not None:
-            u = moe.norm(u)
-        y = moe.up_proj(u)
-        for expert in moe.shared_experts:
-            y = y + expert(x2[t:t + 1])
-        rows.append(y)
-    return torch.cat(rows).view(B, T, D)
+    sel = scores.gather(1, ids)
+    p = sel / sel.sum(-1, keepdim=True) * moe.router.scaling
+    z = moe.down_proj(x2)
+    u = moe_reference(z, ids, p, *ex.weights(), act=ex.act, beta=ex.beta, linear_beta=ex.linear_beta)
+    if moe.norm is not None:
+        u = moe.norm(u)
+    y = moe.up_proj(u)
+    for expert in moe.shared_experts:
+        y = y + expert(x2)
+    return y.view(B, T, D)

@@ -7,8 +7,8 @@ SiTU-GLU soft-caps both GLU factors::
 
 so every output coordinate is bounded by ``b1 * b2 = 100`` however large the pre-activations
 grow, while near zero ``cap_b(x) ~ x`` and it matches SwiGLU ``silu(gate) * up``. Used by the
-model's FFNs and experts (``moonrt.model.ffn``, ``moonrt.model.moe``) and the EP reference
-(``moonrt.comm.ep_ref``): written once, here.
+model's FFNs (``moonrt.model.ffn``) and by the routed experts (:mod:`moonrt.ops.grouped`, which the
+model and the EP runtime share): written once, here.
 """
 
 from __future__ import annotations
