@@ -1,61 +1,157 @@
-"""Pipeline schedules as per-rank action lists: deadlock-free simulation and in-flight counts
-(K3_SYSTEMS §8: 1F1B holds pp - r; interleaved 1 + (pp-1)/(pp*v) times pp on rank 0; GPipe all)."""
+"""Pipeline schedule IR (issue 12): generators x lowering x validator x simulator on a grid, the known
+bubble and in-flight formulas (K3_SYSTEMS §8, §9), and a validator that names the rank of a broken order."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from moonrt.scheduler.pipeline import build_schedule, in_flight, simulate
+from moonrt.scheduler.pipeline import (
+    SCHEDULES,
+    Action,
+    Schedule,
+    build_schedule,
+    in_flight,
+    lower,
+    simulate,
+    validate,
+)
+
+GRID = [(p, v, m) for p in range(1, 9) for v in range(1, 5) for m in range(p, 4 * p + 1)]
 
 
-@pytest.mark.parametrize("pp,m", [(1, 3), (2, 4), (4, 8), (8, 16), (4, 2)])
-def test_1f1b_in_flight_is_pp_minus_rank(pp, m):
-    sch = build_schedule("1f1b", pp, m)
-    simulate(sch)
-    for r in range(pp):
-        assert in_flight(sch, r) == (min(pp - r, m), min(pp - r, m))
+def _kinds(v: int) -> list[str]:
+    return {1: ["gpipe", "1f1b", "zb"], 2: ["interleaved", "zb", "zbv"]}.get(v, ["interleaved", "zb"])
 
 
-@pytest.mark.parametrize("pp,v,m", [(8, 2, 16), (4, 2, 8), (4, 3, 12), (16, 4, 32), (2, 2, 4)])
-def test_interleaved_factor_reproduced(pp, v, m):
-    sch = build_schedule("interleaved", pp, m, vpp=v)
-    simulate(sch)  # deadlock-free
-    _, rank0 = in_flight(sch, 0)
-    assert rank0 == pytest.approx(pp * (1 + (pp - 1) / (pp * v)))
-    for r in range(pp):
-        chunks, _ = in_flight(sch, r)
-        assert chunks == 2 * (pp - r - 1) + (v - 1) * pp + 1
-    if (pp, v) == (8, 2):
-        assert (rank0, in_flight(sch, 7)[1]) == (11.5, 4.5)  # the report's example
+def _buildable(kind: str, p: int, v: int, m: int) -> bool:
+    return not ((kind == "interleaved" or (kind == "zb" and v > 1)) and m % p)
 
 
-@pytest.mark.parametrize("pp,m", [(2, 3), (4, 6)])
-def test_gpipe_holds_all(pp, m):
-    sch = build_schedule("gpipe", pp, m)
-    simulate(sch)
-    assert all(in_flight(sch, r) == (m, m) for r in range(pp))
+@pytest.mark.parametrize("p", range(1, 9))
+def test_grid_generators_validate_simulate(p):
+    """Every generator on P 1-8, V 1-4, M P..4P: each compute action exactly once, lowered order valid,
+    1F1B bubble == (P-1)/(M+P-1), interleaved and zero-bubble strictly below it (P > 1), peak live per
+    rank == 1F1B's P - r and Megatron's interleaved warm-up + 1."""
+    for _, v, m in (g for g in GRID if g[0] == p):
+        one_f1b = (p - 1) / (m + p - 1)
+        for kind in _kinds(v):
+            if not _buildable(kind, p, v, m):
+                continue
+            sch = build_schedule(kind, p, m, v)
+            split = kind in ("zb", "zbv")
+            for r, acts in enumerate(sch.actions):
+                want = sorted((op, i, c) for op in ("FIW" if split else "FB") for i in range(m) for c in range(v))
+                assert sorted((a.op, a.microbatch, a.chunk) for a in acts) == want, (kind, p, v, m, r)
+            low = validate(sch)
+            assert low == lower(sch) and (low.lowered or p == 1)
+            sim = simulate(sch)
+            if kind == "1f1b":
+                assert sim.bubble_fraction == pytest.approx(one_f1b, abs=1e-12)
+                assert sim.peak_live == tuple(min(p - r, m) for r in range(p))
+            elif kind == "gpipe":
+                assert sim.peak_live == (m,) * p
+            elif p > 1 and kind != "gpipe":
+                assert sim.bubble_fraction < one_f1b - 1e-9, (kind, p, v, m, sim.bubble_fraction)
+            if kind == "interleaved":
+                assert sim.peak_live == tuple(min(2 * (p - r - 1) + (v - 1) * p + 1, m * v) for r in range(p))
+            if kind == "zb" and v == 1:  # ZB1P keeps 1F1B's peak of the first rank: P on every rank
+                assert sim.peak_live == tuple(min(p, m) for _ in range(p))
 
 
-def test_every_action_once_and_bubbles_ordered():
-    for kind, v in (("1f1b", 1), ("interleaved", 2), ("gpipe", 1)):
-        sch = build_schedule(kind, 4, 8, vpp=v)
-        for acts in sch.actions:
-            assert sorted((a.op, a.microbatch, a.chunk) for a in acts) == sorted(
-                (op, i, c) for op in "FB" for i in range(8) for c in range(v))
-    b1 = simulate(build_schedule("1f1b", 4, 8)).bubble(build_schedule("1f1b", 4, 8))
-    bi = simulate(build_schedule("interleaved", 4, 8, vpp=2)).bubble(build_schedule("interleaved", 4, 8, vpp=2))
-    assert bi < b1  # interleaving shrinks the bubble
+def test_megatron_numbers_and_in_flight_from_simulator():
+    """pp = 8, vpp = 2: 23 chunks (11.5 micro-batches) live on rank 0 vs 9 (4.5) on the last (§9)."""
+    sch = build_schedule("interleaved", 8, 16, vpp=2)
+    sim = simulate(sch)
+    assert (sim.peak_live[0], sim.peak_live[7]) == (23, 9)
+    assert in_flight(sch, 0) == (23, 11.5) and in_flight(sch, 7) == (9, 4.5)
+    assert in_flight(sch, 0)[1] == pytest.approx(8 * (1 + 7 / 16))
+    sch = build_schedule("1f1b", 4, 2)
+    assert [in_flight(sch, r) for r in range(4)] == [(2, 2), (2, 2), (2, 2), (1, 1)]
 
 
-def test_deadlock_detected_and_bad_input():
-    from moonrt.scheduler.pipeline import Action, Schedule
+def test_bubble_ordering_and_costs():
+    """Interleaving and zero bubble shrink the 1F1B bubble; ZBV is zero-bubble in steady state with
+    F = I = W; with B = I + W the 1F1B formula holds for any F/B costs ratio 1:2 and 1:1."""
+    b = {k: simulate(build_schedule(k, 4, 16, v)).bubble_fraction
+         for k, v in (("1f1b", 1), ("interleaved", 2), ("zb", 1), ("zb", 2), ("zbv", 2))}
+    assert b["zbv"] <= b["zb"] < b["1f1b"] and b["interleaved"] < b["1f1b"]
+    unit = simulate(build_schedule("1f1b", 4, 8), costs={"B": 1.0})
+    assert unit.bubble_fraction == pytest.approx(3 / 11) and unit.makespan == 2 * (8 + 3)
 
-    bad = Schedule("custom", 2, 1, 1, ((Action("B", 0), Action("F", 0)), (Action("F", 0), Action("B", 0))))
-    with pytest.raises(ValueError, match="deadlocks"):
-        simulate(bad)
-    with pytest.raises(ValueError, match="schedule = 'zb'"):
-        build_schedule("zb", 2, 4)
-    with pytest.raises(ValueError, match="microbatches = 6: expected a multiple of pp"):
-        build_schedule("interleaved", 4, 6, vpp=2)
-    with pytest.raises(ValueError, match="pp = 0"):
-        build_schedule("1f1b", 0, 4)
+
+def test_placement_and_lowering():
+    zbv = build_schedule("zbv", 4, 8, vpp=2)
+    assert [zbv.stage(0, 0), zbv.stage(0, 1), zbv.stage(3, 0), zbv.stage(3, 1)] == [0, 7, 3, 4]
+    assert all(zbv.rank_of(zbv.stage(r, c)) == r and zbv.chunk_of(zbv.stage(r, c)) == c
+               for r in range(4) for c in range(2))
+    il = build_schedule("interleaved", 4, 8, vpp=2)
+    assert il.num_stages == 8 and il.stage(1, 1) == 5 and il.rank_of(5) == 1
+    low = lower(zbv)
+    # stages 3 and 4 share rank 3 (the V's tip): no comm there; rank 0 sends F only from stage 0
+    assert not any(a.op in ("SEND_F", "RECV_B") and a.chunk == 0 for a in low.actions[3])
+    assert not any(a.op == "SEND_F" and a.chunk == 1 for a in low.actions[0])
+    assert lower(low) == low  # idempotent
+    one = lower(build_schedule("1f1b", 2, 2)).actions
+    assert [str(a) for a in one[0]] == ["F0.0", "SEND_F0.0", "F1.0", "SEND_F1.0", "RECV_B0.0", "B0.0",
+                                        "RECV_B1.0", "B1.0"]
+    assert [str(a) for a in one[1]] == ["RECV_F0.0", "F0.0", "B0.0", "SEND_B0.0", "RECV_F1.0", "F1.0",
+                                        "B1.0", "SEND_B1.0"]
+
+
+def _edit(sch: Schedule, rank: int, acts: list[Action]) -> Schedule:
+    new = list(sch.actions)
+    new[rank] = tuple(acts)
+    return dataclasses.replace(sch, actions=tuple(new))
+
+
+def test_validator_rejects_broken_orders_naming_the_rank():
+    low = lower(build_schedule("1f1b", 2, 2))
+    r1 = list(low.actions[1])
+    # B before its F on rank 1
+    with pytest.raises(ValueError, match=r"rank 1: B0\.0 \(stage 1, micro-batch 0\) runs before its F"):
+        validate(_edit(low, 1, [r1[0], r1[2], r1[1]] + r1[3:]))
+    # swapped receive: rank 1 runs F0 before receiving its input
+    with pytest.raises(ValueError, match=r"rank 1: F0\.0 .* runs before its RECV_F"):
+        validate(_edit(low, 1, [r1[1], r1[0]] + r1[2:]))
+    # missing send on rank 0: rank 1's RECV_F1 has no partner, the error names the sender
+    r0 = [a for a in low.actions[0] if str(a) != "SEND_F1.0"]
+    with pytest.raises(ValueError, match=r"rank 0: missing SEND_F1\.0 matching rank 1's RECV_F"):
+        validate(_edit(low, 0, r0))
+    # a cycle: rank 0 waits for the gradient of micro-batch 0 before sending its activations
+    r0 = list(low.actions[0])
+    cyc = [r0[0], r0[4], r0[1], r0[2], r0[3]] + r0[5:]  # F0, RECV_B0, SEND_F0, ...
+    with pytest.raises(ValueError, match=r"deadlocks: rank 0 waits at RECV_B0\.0 .* for rank 1's SEND_B0\.0"):
+        validate(_edit(low, 0, cyc))
+    # a missing compute action
+    with pytest.raises(ValueError, match=r"rank 1: missing the backward"):
+        validate(_edit(low, 1, [a for a in r1 if str(a) not in ("B1.0", "SEND_B1.0")]))
+    # W before its I (zero bubble)
+    zb = build_schedule("zb", 2, 2)
+    z0 = list(zb.actions[0])
+    wi = next(i for i, a in enumerate(z0) if a.op == "W")
+    ii = next(i for i, a in enumerate(z0) if a.op == "I" and a.microbatch == z0[wi].microbatch)
+    z0[wi], z0[ii] = z0[ii], z0[wi]
+    with pytest.raises(ValueError, match=r"rank 0: W\d\.0 .* runs before its I"):
+        validate(_edit(zb, 0, z0))
+
+
+@pytest.mark.parametrize("kind,p,m,v,msg", [
+    ("nope", 2, 4, 1, r"schedule = 'nope': expected one of gpipe, 1f1b, interleaved, zb, zbv"),
+    ("interleaved", 4, 2, 2, r"microbatches = 2: expected >= pp \(4\)"),
+    ("interleaved", 4, 6, 2, r"microbatches = 6: expected a multiple of pp \(4\)"),
+    ("interleaved", 4, 8, 1, r"vpp = 1: expected >= 2 for schedule 'interleaved'"),
+    ("gpipe", 2, 4, 2, r"vpp = 2: expected 1 for schedule 'gpipe'"),
+    ("1f1b", 2, 4, 2, r"vpp = 2: expected 1 for schedule '1f1b'"),
+    ("zbv", 2, 4, 3, r"vpp = 3: expected 2 for schedule 'zbv'"),
+    ("1f1b", 0, 4, 1, r"pp = 0: expected an integer >= 1"),
+])
+def test_bad_input(kind, p, m, v, msg):
+    with pytest.raises(ValueError, match=msg):
+        build_schedule(kind, p, m, v)
+
+
+def test_names():
+    assert SCHEDULES == ("gpipe", "1f1b", "interleaved", "zb", "zbv")
+    assert build_schedule("zb1p", 2, 2).kind == "zb"

@@ -1,177 +1,195 @@
-"""Pipeline schedules as per-rank action lists, and their simulation (K3_SYSTEMS §8, §10).
+"""Pipeline schedules as per-rank action lists: generators, and the one entry point for executor and planner.
 
-Pure data shared by the pipeline executor and the memory planner: :func:`build_schedule` returns,
-for every pipeline rank, the ordered list of :class:`Action` (forward or backward of one
-micro-batch through one of the rank's model chunks). :func:`simulate` executes all ranks in
-lockstep with the data dependencies of a pipeline (forward of stage ``s`` needs stage ``s - 1``'s
-forward, backward of ``s`` needs stage ``s + 1``'s backward), which proves the order is
-deadlock-free and gives each rank's timeline; :func:`in_flight` walks a rank's actions and
-reports the peak number of micro-batch chunks whose activations are alive.
+Pure data shared by the pipeline executor and the memory planner (K3_SYSTEMS §8-§10, issue 12).
+:func:`build_schedule` returns a compute-only :class:`Schedule` (IR: :mod:`.pipeline_ir`); :func:`lower`
+inserts the sends and receives, :func:`validate` proves the result deadlock-free under the executor's
+semantics and :func:`simulate` times it (:mod:`.pipeline_sim`). :func:`in_flight`, which the memory
+planner uses, reads the simulator's peak live counts.
 
-Stages: with ``pp`` ranks and ``vpp`` chunks per rank the model is cut into ``pp * vpp`` stages;
-chunk ``c`` of rank ``r`` is stage ``c * pp + r`` (Megatron's interleaved placement).
+Schedules (``pp`` ranks, ``vpp`` chunks per rank, ``m`` micro-batches; rank r):
 
-Known results the simulation reproduces (tests): 1F1B holds ``pp - r`` micro-batches on rank ``r``;
-interleaved 1F1B holds ``pp * (1 + (pp - 1) / (pp * vpp))`` micro-batches' worth on rank 0
-(11.5 vs 4.5 on the last rank at pp = 8, vpp = 2); GPipe holds all ``m``.
+- ``gpipe``: all forwards, then all backwards (``vpp = 1``); every rank holds all ``m``.
+- ``1f1b``: ``pp - r - 1`` warm-up forwards, then one forward / one backward; holds ``pp - r``.
+- ``interleaved`` (Megatron, loop placement, ``vpp >= 2``, ``m`` a multiple of ``pp``): forwards
+  walk the chunks in rounds of ``pp`` micro-batches; warm-up ``2 (pp - r - 1) + (vpp - 1) pp``
+  forwards, so ``warm-up + 1`` chunk activations are live at the peak (23 on rank 0 vs 9 on the
+  last at pp = 8, vpp = 2: 11.5 vs 4.5 micro-batches' worth).
+- ``zb`` (alias ``zb1p``): zero-bubble ZB1P (Qi et al. 2024, the order of torch's
+  ``ScheduleInterleavedZeroBubble``): the backward is split into ``I`` (input grad, on the critical
+  path) and ``W`` (weight grad); warm-up ``(pp - r - 1) + (vpp - 1) pp`` forwards, then F / I with
+  rank r holding back its first ``r`` W passes to fill the cool-down bubble. Same peak memory as
+  1F1B at ``vpp = 1``, about a third of its bubble under unit costs.
+- ``zbv``: zero-bubble ZB-V (exactly two chunks per rank, V placement: rank 0 holds the first and
+  the last stage), the order of torch's ``ScheduleZBVZeroBubble``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Literal
+import functools
+from collections.abc import Callable
 
-ScheduleKind = Literal["1f1b", "interleaved", "gpipe"]
-SCHEDULES: tuple[str, ...] = ("1f1b", "interleaved", "gpipe")
+from moonrt.scheduler.pipeline_ir import COMM_OPS, COMPUTE_OPS, OPS, Action, Schedule
+from moonrt.scheduler.pipeline_sim import UNIT_COSTS, SimResult, Slot, lower, simulate, validate
 
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Action:
-    """One unit of pipeline work: ``op`` ("F" or "B") of ``microbatch`` through local ``chunk``."""
-
-    op: Literal["F", "B"]
-    microbatch: int
-    chunk: int = 0
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb", "zbv")
+ALIASES: dict[str, str] = {"zb1p": "zb"}
+ScheduleKind = str
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Schedule:
-    """Per-rank action lists of one pipeline schedule (``actions[r]`` is rank r's order)."""
+def _rounds(pp: int, vpp: int, rank: int, warm: int, m: int, zero_bubble: bool, defer_w: int) -> list[Action]:
+    """Warm-up / steady / cool-down order over chunks in rounds of ``pp`` micro-batches (loop placement).
 
-    kind: str
-    pp: int
-    vpp: int
-    microbatches: int
-    actions: tuple[tuple[Action, ...], ...]
+    Forward number k runs micro-batch ``(k // (pp vpp)) pp + k % pp`` through chunk ``(k // pp) % vpp``;
+    backward number k the same micro-batch through the mirrored chunk. With ``zero_bubble`` the
+    backward is I, and the W of backward number j follows backward number ``j + defer_w``.
+    """
+    total = m * vpp
 
-    def stage(self, rank: int, chunk: int) -> int:
-        """Global stage index of ``chunk`` on ``rank``."""
-        return chunk * self.pp + rank
+    def fwd_(k: int) -> tuple[int, int]:
+        group, pos = divmod(k, pp * vpp)
+        return group * pp + pos % pp, (pos // pp) % vpp
+
+    def bwd_(k: int) -> tuple[int, int]:
+        mb, c = fwd_(k)
+        return mb, vpp - 1 - c
+
+    if vpp == 1:
+        def fwd_(k: int) -> tuple[int, int]:  # noqa: F811 -- any m when there is one chunk
+            return k, 0
+
+        bwd_ = fwd_
+    warm = min(warm, total)
+    seq = [Action("F", *fwd_(k)) for k in range(warm)]
+    f = b = w = 0
+    f = warm
+    bop = "I" if zero_bubble else "B"
+    while b < total:
+        if f < total:
+            seq.append(Action("F", *fwd_(f)))
+            f += 1
+        seq.append(Action(bop, *bwd_(b)))
+        b += 1
+        if zero_bubble and b > defer_w:
+            seq.append(Action("W", *bwd_(w)))
+            w += 1
+    while zero_bubble and w < total:
+        seq.append(Action("W", *bwd_(w)))
+        w += 1
+    return seq
+
+
+def _zbv(pp: int, m: int, rank: int) -> list[Action]:
+    """ZB-V order of ``rank`` (chunk 0 = stage rank, chunk 1 = stage 2 pp - 1 - rank).
+
+    Built for ``max(m, 2 pp - 1)`` micro-batches (the steady state needs that many) and cut back to
+    ``m``, as torch does.
+    """
+    n = max(2 * pp - 1, m)
+    seq: list[Action] = []
+    f0 = f1 = b0 = b1 = 0
+    for _ in range(2 * (pp - rank) - 1):
+        seq.append(Action("F", f0, 0))
+        f0 += 1
+    for _ in range(rank):
+        seq += [Action("F", f1, 1), Action("F", f0, 0)]
+        f1 += 1
+        f0 += 1
+    for _ in range(pp - rank):
+        seq += [Action("F", f1, 1), Action("I", b1, 1), Action("W", b1, 1)]
+        f1 += 1
+        b1 += 1
+    while f1 < f0 or f0 < n:
+        if f0 < n:
+            seq.append(Action("F", f0, 0))
+            f0 += 1
+        seq += [Action("I", b0, 0), Action("W", b0, 0), Action("F", f1, 1), Action("I", b1, 1), Action("W", b1, 1)]
+        b0 += 1
+        f1 += 1
+        b1 += 1
+    w0, w1 = b0, b1
+    for _ in range(rank):
+        seq += [Action("I", b0, 0), Action("I", b1, 1)]
+        b0 += 1
+        b1 += 1
+    for _ in range(pp - rank):
+        seq += [Action("I", b0, 0), Action("W", w0, 0)]
+        b0 += 1
+        w0 += 1
+    seq += [Action("W", i, 1) for i in range(w1, b1)] + [Action("W", i, 0) for i in range(w0, b0)]
+    return [a for a in seq if a.microbatch < m]
+
+
+def _check(kind: str, pp: int, m: int, vpp: int) -> str:
+    kind = ALIASES.get(kind, kind)
+    if kind not in SCHEDULES:
+        raise ValueError(f"schedule = {kind!r}: expected one of {', '.join(SCHEDULES)} (zb1p = zb)")
+    for name, v in (("pp", pp), ("microbatches", m), ("vpp", vpp)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} = {v!r}: expected an integer >= 1")
+    if kind in ("gpipe", "1f1b") and vpp != 1:
+        raise ValueError(f"vpp = {vpp}: expected 1 for schedule {kind!r} (use 'interleaved' or 'zb' for vpp > 1)")
+    if kind == "interleaved" and vpp < 2:
+        raise ValueError(f"vpp = {vpp}: expected >= 2 for schedule 'interleaved' (use '1f1b' for vpp = 1)")
+    if kind == "zbv" and vpp != 2:
+        raise ValueError(f"vpp = {vpp}: expected 2 for schedule 'zbv' (two chunks per rank, V placement)")
+    if kind == "interleaved" or (kind == "zb" and vpp > 1):
+        if m < pp:
+            raise ValueError(f"microbatches = {m}: expected >= pp ({pp}) for schedule {kind!r} with vpp > 1")
+        if m % pp:
+            raise ValueError(f"microbatches = {m}: expected a multiple of pp ({pp}) for schedule {kind!r}")
+    return kind
 
 
 def build_schedule(kind: str, pp: int, microbatches: int, vpp: int = 1) -> Schedule:
-    """Action lists for ``kind`` in ("1f1b", "interleaved", "gpipe").
+    """Compute-only action lists of schedule ``kind`` (see the module docstring for the orders).
 
-    Raises ValueError naming the field for invalid degrees (interleaved needs ``vpp >= 2`` and
-    ``microbatches % pp == 0``, as in Megatron; the others need ``vpp == 1``).
+    Raises ValueError naming the field for an unknown schedule or invalid degrees: ``vpp`` must be 1
+    for gpipe / 1f1b, >= 2 for interleaved, 2 for zbv; interleaved (and zb with ``vpp > 1``) need
+    ``microbatches`` a multiple of ``pp`` (so at least ``pp``), as in Megatron.
     """
-    if kind not in SCHEDULES:
-        raise ValueError(f"schedule = {kind!r}: expected one of {', '.join(SCHEDULES)}")
-    for name, v in (("pp", pp), ("microbatches", microbatches), ("vpp", vpp)):
-        if not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} = {v!r}: expected an integer >= 1")
+    kind = _check(kind, pp, microbatches, vpp)
     m = microbatches
-    acts: list[tuple[Action, ...]] = []
-    if kind == "gpipe":
-        if vpp != 1:
-            raise ValueError(f"vpp = {vpp}: expected 1 for schedule 'gpipe'")
-        for _ in range(pp):
-            acts.append(tuple([Action("F", i) for i in range(m)] + [Action("B", i) for i in range(m)]))
-    elif kind == "1f1b":
-        if vpp != 1:
-            raise ValueError(f"vpp = {vpp}: expected 1 for schedule '1f1b' (use 'interleaved' for vpp > 1)")
-        for r in range(pp):
-            warm = min(pp - r - 1, m)
-            seq = [Action("F", i) for i in range(warm)]
-            f, b = warm, 0
-            while f < m:
-                seq.append(Action("F", f))
-                f += 1
-                seq.append(Action("B", b))
-                b += 1
-            seq += [Action("B", i) for i in range(b, m)]
-            acts.append(tuple(seq))
-    else:
-        if vpp < 2:
-            raise ValueError(f"vpp = {vpp}: expected >= 2 for schedule 'interleaved'")
-        if m % pp:
-            raise ValueError(f"microbatches = {m}: expected a multiple of pp ({pp}) for schedule 'interleaved'")
-        total = m * vpp
+    gens: dict[str, Callable[[int], list[Action]]] = {
+        "gpipe": lambda r: [Action("F", i) for i in range(m)] + [Action("B", i) for i in range(m)],
+        "1f1b": lambda r: _rounds(pp, 1, r, pp - r - 1, m, False, 0),
+        "interleaved": lambda r: _rounds(pp, vpp, r, 2 * (pp - r - 1) + (vpp - 1) * pp, m, False, 0),
+        "zb": lambda r: _rounds(pp, vpp, r, (pp - r - 1) + (vpp - 1) * pp, m, True, r),
+        "zbv": lambda r: _zbv(pp, m, r),
+    }
+    acts = tuple(tuple(gens[kind](r)) for r in range(pp))
+    return Schedule(kind, pp, vpp, m, acts, "v" if kind == "zbv" else "loop")
 
-        def fwd(k: int) -> Action:
-            group, pos = divmod(k, pp * vpp)
-            return Action("F", group * pp + pos % pp, (pos // pp) % vpp)
 
-        def bwd(k: int) -> Action:
-            group, pos = divmod(k, pp * vpp)
-            return Action("B", group * pp + pos % pp, vpp - 1 - (pos // pp) % vpp)
-
-        for r in range(pp):
-            warm = min((pp - r - 1) * 2 + (vpp - 1) * pp, total)
-            seq = [fwd(k) for k in range(warm)]
-            f, b = warm, 0
-            while f < total:
-                seq.append(fwd(f))
-                f += 1
-                seq.append(bwd(b))
-                b += 1
-            seq += [bwd(k) for k in range(b, total)]
-            acts.append(tuple(seq))
-    return Schedule(kind, pp, vpp, m, tuple(acts))
+@functools.lru_cache(maxsize=64)
+def _simulated(schedule: Schedule) -> SimResult:
+    return simulate(schedule)
 
 
 def in_flight(schedule: Schedule, rank: int) -> tuple[int, float]:
-    """Peak number of (micro-batch, chunk) activations alive on ``rank`` while it runs its actions.
+    """Peak number of (micro-batch, chunk) activations alive on ``rank``, from :func:`simulate`.
 
     Returns ``(peak_chunks, peak_microbatch_equivalents)``; one micro-batch's worth is ``vpp``
     chunks (all of the rank's layers), so the second value is ``peak_chunks / vpp``.
     """
-    live = peak = 0
-    for a in schedule.actions[rank]:
-        live += 1 if a.op == "F" else -1
-        peak = max(peak, live)
-    return peak, peak / schedule.vpp
+    sim = _simulated(schedule)
+    return sim.peak_live[rank], sim.peak_live_microbatches[rank]
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Timeline:
-    """Result of :func:`simulate`: ``start[r][i]`` is the time step action ``i`` of rank ``r`` ran at."""
-
-    steps: int
-    start: tuple[tuple[int, ...], ...]
-
-    def bubble(self, schedule: Schedule) -> float:
-        """Idle fraction of the pipeline (1 - busy slots / all slots)."""
-        busy = sum(len(a) for a in schedule.actions)
-        return 1.0 - busy / (self.steps * schedule.pp)
-
-
-def simulate(schedule: Schedule) -> Timeline:
-    """Execute every rank's action list in order with unit-time actions and pipeline dependencies.
-
-    Each step, every rank runs its next action if its inputs are ready (results of the previous
-    step or earlier). Raises ValueError if some rank can never proceed (a deadlocked order).
-    """
-    pp, vpp = schedule.pp, schedule.vpp
-    last = pp * vpp - 1
-    done: dict[tuple[str, int, int], int] = {}  # (op, microbatch, stage) -> step finished
-    pos = [0] * pp
-    start: list[list[int]] = [[] for _ in range(pp)]
-    step = 0
-    remaining = sum(len(a) for a in schedule.actions)
-    while remaining:
-        progressed = []
-        for r in range(pp):
-            if pos[r] == len(schedule.actions[r]):
-                continue
-            a = schedule.actions[r][pos[r]]
-            s = schedule.stage(r, a.chunk)
-            if a.op == "F":
-                dep = [("F", a.microbatch, s - 1)] if s > 0 else []
-            else:
-                dep = [("F", a.microbatch, s)] + ([("B", a.microbatch, s + 1)] if s < last else [])
-            if all(d in done and done[d] < step for d in dep):
-                progressed.append((r, a, s))
-        if not progressed:
-            stuck = {r: schedule.actions[r][pos[r]] for r in range(pp) if pos[r] < len(schedule.actions[r])}
-            raise ValueError(f"schedule {schedule.kind!r} deadlocks at step {step}: waiting actions {stuck}")
-        for r, a, s in progressed:
-            done[(a.op, a.microbatch, s)] = step
-            start[r].append(step)
-            pos[r] += 1
-            remaining -= 1
-        step += 1
-    return Timeline(step, tuple(tuple(s) for s in start))
-
-
-__all__ = ["Action", "SCHEDULES", "Schedule", "Timeline", "build_schedule", "in_flight", "simulate"]
+__all__ = [
+    "ALIASES",
+    "Action",
+    "COMM_OPS",
+    "COMPUTE_OPS",
+    "OPS",
+    "SCHEDULES",
+    "Schedule",
+    "ScheduleKind",
+    "SimResult",
+    "Slot",
+    "UNIT_COSTS",
+    "build_schedule",
+    "in_flight",
+    "lower",
+    "simulate",
+    "validate",
+]
