@@ -13,7 +13,8 @@ from dist import dist_run
 
 from moonrt.comm.ep_alltoall import AllToAllDispatcher
 from moonrt.comm.ep_ref import rows_reference
-from moonrt.comm.moonep_dispatch import MoonEPDispatcher, SlotPool
+from moonrt.comm.ep_slots import SlotPool
+from moonrt.comm.moonep_dispatch import MoonEPDispatcher
 from moonrt.ops.grouped import grouped_glu_experts, moe_reference
 
 H, F, E = 12, 10, 8

@@ -4,8 +4,9 @@ Every token-expert assignment goes to the expert's home rank (rank h homes exper
 ``[h*E/R, (h+1)*E/R)``); there are no slots and no weight copies. A rank receives as many rows as
 its home experts were chosen, so under skewed routing the hottest rank computes far more than
 ``s * k`` rows and the whole group waits for it. Same verbs and validation as
-:class:`moonrt.comm.moonep_dispatch.MoonEPDispatcher` (it is that class with the identity placement), so
-benchmarks swap one for the other.
+:class:`moonrt.comm.moonep_dispatch.MoonEPDispatcher`: it is that class with the placement of the
+no-redundancy policy (:func:`moonrt.scheduler.baselines.no_redundancy`), so benchmarks swap one for
+the other.
 """
 
 from __future__ import annotations
@@ -13,20 +14,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from moonrt.comm.moonep_dispatch import MoonEPDispatcher, Placement, SlotPool
-
-
-def home_placement(counts: torch.Tensor) -> Placement:
-    """Identity placement for ``counts [R, E]``: ``alloc[e, home(e)] = load[e]``, no slots.
-
-    ``capacity[r]`` is the load of rank r's home experts (it depends on the routing).
-    """
-    world, num_experts = counts.shape
-    per_rank = num_experts // world
-    experts = torch.arange(num_experts)
-    alloc = torch.zeros(num_experts, world, dtype=torch.int64)
-    alloc[experts, experts // per_rank] = counts.to(torch.int64).sum(0)
-    return Placement(alloc=alloc, copies=torch.empty(world, 0, dtype=torch.int64), capacity=alloc.sum(0))
+from moonrt.comm.ep_slots import SlotPool
+from moonrt.comm.moonep_dispatch import MoonEPDispatcher
+from moonrt.scheduler.baselines import no_redundancy
+from moonrt.scheduler.placement import Placement
 
 
 class AllToAllDispatcher(MoonEPDispatcher):
@@ -41,5 +32,8 @@ class AllToAllDispatcher(MoonEPDispatcher):
         super().__init__(group, capacity, hidden, top_k, num_experts, num_slots=0, pool=None)
 
     def place(self, counts: torch.Tensor, total_tokens: int | None) -> tuple[object, Placement]:
-        placement = home_placement(counts)
+        """The no-redundancy policy's placement for ``counts [R, E]`` (every assignment on its
+        expert's home rank, no slots; ``capacity[r]`` = load of rank r's home experts)."""
+        world, num_experts = counts.shape
+        placement = no_redundancy(num_experts, world).placement(counts.sum(0).numpy()).to_torch()
         return placement, placement

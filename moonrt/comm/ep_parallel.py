@@ -35,8 +35,9 @@ import torch.distributed as dist
 from torch import nn
 
 from moonrt.comm.ep_alltoall import AllToAllDispatcher
+from moonrt.comm.ep_slots import SlotPool
 from moonrt.comm.mesh import ProcessMesh
-from moonrt.comm.moonep_dispatch import MoonEPDispatcher, SlotPool
+from moonrt.comm.moonep_dispatch import MoonEPDispatcher
 from moonrt.comm.parallelism import Part
 from moonrt.config import ConfigError, ParallelConfig
 

@@ -8,7 +8,7 @@ top_k, num_experts, num_slots)``, verbs in pairs (``dispatch`` returns a :class:
    ``[R, E]`` routing counts plus an error flag, so bad input on one rank raises a ValueError on
    *every* rank instead of leaving the others blocked in the next collective;
 2. every rank runs the same deterministic planner (:func:`moonrt.scheduler.moonep.plan`) and
-   computes its own send/receive layout locally (:mod:`moonrt.comm.ep_transport`);
+   computes its own send/receive layout locally (:mod:`moonrt.comm.ep_layout`);
 3. one all-to-all moves tokens (and their top-k weights) into expert-grouped rows. Rank d receives
    exactly ``plan.capacity[d]`` rows (``s * k`` when every rank passes the same s), whatever the
    routing: the output shape depends only on s;
@@ -26,21 +26,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from moonrt.comm.ep_transport import (
-    EPLayout,
-    SlotPool,
-    SlotRefill,
-    WeightLayout,
-    build_layout,
-    build_weight_layout,
-    combine_tokens,
-    dispatch_tokens,
-    fetch_slot_weights,
-)
+from moonrt.comm.ep_collectives import combine_tokens, dispatch_tokens
+from moonrt.comm.ep_layout import EPLayout, WeightLayout, build_layout, build_weight_layout
+from moonrt.comm.ep_slots import SlotPool, SlotRefill, fetch_slot_weights
+from moonrt.scheduler.placement import Placement
 
 _ERRORS = {
     1: "x / topk_ids / topk_weights shapes or dtypes",
@@ -51,22 +43,10 @@ _ERRORS = {
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Placement:
-    """Where every assignment is computed: the fields of a ``MoonEPPlan`` that the data path needs.
-
-    ``alloc [E, R]``, ``copies [R, B]`` (-1 = empty slot), ``capacity [R]``: int64 tensors (CPU).
-    """
-
-    alloc: torch.Tensor
-    copies: torch.Tensor
-    capacity: torch.Tensor
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
 class EPHandle:
     """What ``dispatch`` hands to ``prefetch_weights`` and ``combine`` (one MoE layer call).
 
-    ``plan``: the planner's ``MoonEPPlan`` (or the baseline's :class:`Placement`).
+    ``plan``: the :class:`~moonrt.scheduler.placement.Placement` of this call (MoonEP: the planner's ``MoonEPPlan``).
     ``counts [R, E]`` int64: the all-gathered routing counts. ``topk_weights [s, k]``: this rank's
     router weights (combine applies them). ``layout`` / ``weight_layout``: this rank's transport.
     """
@@ -172,12 +152,12 @@ class MoonEPDispatcher:
 
     # ---- planning ---------------------------------------------------------------------------------
     def place(self, counts: torch.Tensor, total_tokens: int | None) -> tuple[object, Placement]:
-        """Run the MoonEP planner on the all-gathered ``counts [R, E]``; returns ``(plan, placement)``."""
+        """Run the MoonEP planner on the all-gathered ``counts [R, E]``; returns ``(plan, placement)``
+        (the planner's ``MoonEPPlan`` and the same placement as dense int64 CPU tensors)."""
         from moonrt.scheduler.moonep import plan
 
         p = plan(counts.numpy(), num_slots=self.num_slots, total_tokens=total_tokens)
-        as_t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(torch.int64)
-        return p, Placement(alloc=as_t(p.alloc), copies=as_t(p.copies), capacity=as_t(p.capacity))
+        return p, p.to_torch()
 
     # ---- verbs ------------------------------------------------------------------------------------
     def _check(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> tuple[int, str]:

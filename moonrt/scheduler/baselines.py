@@ -12,7 +12,10 @@
   moving average, :class:`MovingAverage`), so per-step fluctuation of expert shares shows up as
   imbalance.
 
-A placement is a table of physical replicas: ``replica_expert [P]`` and ``replica_rank [P]``.
+A static policy is a table of physical replicas (:class:`ReplicaTable`: ``replica_expert [P]`` and
+``replica_rank [P]``), fixed between re-plans; :meth:`ReplicaTable.placement` turns it and one call's
+loads into the :class:`moonrt.scheduler.placement.Placement` every policy produces (the plain
+all-to-all dispatcher runs :func:`no_redundancy` that way).
 """
 
 from __future__ import annotations
@@ -21,13 +24,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Placement", "no_redundancy", "eplb", "rank_loads", "moved_assignments", "MovingAverage",
+from moonrt.scheduler.placement import Placement
+
+__all__ = ["ReplicaTable", "no_redundancy", "eplb", "rank_loads", "moved_assignments", "MovingAverage",
            "replica_moves"]
 
 
 @dataclass(frozen=True)
-class Placement:
-    """Static expert placement.
+class ReplicaTable:
+    """A static placement policy's physical replicas (each expert's assignments of a call are split
+    evenly over its replicas, remainder to the lower replica ids).
 
     Attributes:
         replica_expert: ``[P]`` int64, the expert of physical replica p (P = E + redundant).
@@ -53,16 +59,36 @@ class Placement:
         np.add.at(out, (self.replica_rank, self.replica_expert), 1)
         return out
 
+    def placement(self, load: np.ndarray) -> Placement:
+        """The :class:`Placement` of one call with per-expert ``load [E]`` (numpy int64 arrays).
 
-def no_redundancy(num_experts: int, num_ranks: int) -> Placement:
+        ``alloc[e, r]``: the shares of e's replicas on rank r; ``copies[r]``: the experts rank r
+        holds replicas of that it does not home (rank h homes ``[h*E/R, (h+1)*E/R)``), ascending,
+        padded with -1 to the largest count over ranks. Needs ``E % R == 0`` (home experts).
+        """
+        E, R = self.num_experts, self.num_ranks
+        if E % R:
+            raise ValueError(f"num_experts: {E} is not divisible by num_ranks={R}; expected home groups of E/R")
+        share = _replica_shares(np.asarray(load, np.int64), self)
+        alloc = np.zeros((E, R), np.int64)
+        np.add.at(alloc, (self.replica_expert, self.replica_rank), share)
+        foreign = (self.holds() > 0) & (np.arange(E)[None, :] // (E // R) != np.arange(R)[:, None])
+        copies = np.full((R, int(foreign.sum(1).max())), -1, np.int64)
+        for r in range(R):
+            held = np.nonzero(foreign[r])[0]
+            copies[r, :held.shape[0]] = held
+        return Placement(alloc=alloc, copies=copies, capacity=alloc.sum(0))
+
+
+def no_redundancy(num_experts: int, num_ranks: int) -> ReplicaTable:
     """Contiguous home placement: expert e on rank ``e // (E / R)``, no copies."""
     if num_ranks < 1 or num_experts % num_ranks != 0:
         raise ValueError(f"num_experts: {num_experts} is not divisible by num_ranks={num_ranks}")
     e = np.arange(num_experts, dtype=np.int64)
-    return Placement(e, e // (num_experts // num_ranks), num_ranks)
+    return ReplicaTable(e, e // (num_experts // num_ranks), num_ranks)
 
 
-def eplb(weights: np.ndarray, num_ranks: int, num_redundant: int) -> Placement:
+def eplb(weights: np.ndarray, num_ranks: int, num_redundant: int) -> ReplicaTable:
     """DeepSeek EPLB global policy: replicate the hottest-per-replica expert, then balanced packing.
 
     Args:
@@ -99,13 +125,13 @@ def eplb(weights: np.ndarray, num_ranks: int, num_redundant: int) -> Placement:
         replica_rank[p] = r
         pack_load[r] += rw[p]
         pack_n[r] += 1
-    return Placement(replica_expert, replica_rank, num_ranks)
+    return ReplicaTable(replica_expert, replica_rank, num_ranks)
 
 
-def _replica_shares(load: np.ndarray, placement: Placement) -> np.ndarray:
+def _replica_shares(load: np.ndarray, table: ReplicaTable) -> np.ndarray:
     """``[P]`` int64: actual assignments each replica computes (even split, remainder to lower replica ids)."""
-    n = placement.replicas_per_expert()
-    e = placement.replica_expert
+    n = table.replicas_per_expert()
+    e = table.replica_expert
     order = np.argsort(e, kind="stable")  # replica index among its expert's replicas, by replica id
     se = e[order]
     rank_in_expert = np.empty_like(e)
@@ -113,13 +139,13 @@ def _replica_shares(load: np.ndarray, placement: Placement) -> np.ndarray:
     return load[e] // n[e] + (rank_in_expert < load[e] % n[e])
 
 
-def rank_loads(load: np.ndarray, placement: Placement) -> np.ndarray:
+def rank_loads(load: np.ndarray, table: ReplicaTable) -> np.ndarray:
     """``[R]`` int64 assignments each rank computes under a static placement, for actual ``load [E]``."""
-    share = _replica_shares(np.asarray(load, np.int64), placement)
-    return np.bincount(placement.replica_rank, weights=share, minlength=placement.num_ranks).astype(np.int64)
+    share = _replica_shares(np.asarray(load, np.int64), table)
+    return np.bincount(table.replica_rank, weights=share, minlength=table.num_ranks).astype(np.int64)
 
 
-def moved_assignments(counts: np.ndarray, placement: Placement) -> float:
+def moved_assignments(counts: np.ndarray, table: ReplicaTable) -> float:
     """Assignments sent to another rank (source rank != computing rank), in expectation.
 
     Each source's assignments to expert e are spread over e's replicas in proportion to what each
@@ -127,14 +153,14 @@ def moved_assignments(counts: np.ndarray, placement: Placement) -> float:
     """
     c = np.asarray(counts, np.float64)
     load = c.sum(0)
-    share = _replica_shares(load.astype(np.int64), placement).astype(np.float64)
+    share = _replica_shares(load.astype(np.int64), table).astype(np.float64)
     on_rank = np.zeros_like(c)  # [R, E] assignments of e computed on rank r
-    np.add.at(on_rank, (placement.replica_rank, placement.replica_expert), share)
+    np.add.at(on_rank, (table.replica_rank, table.replica_expert), share)
     frac = np.divide(on_rank, load[None, :], out=np.zeros_like(on_rank), where=load[None, :] > 0)
     return float(c.sum() - (c * frac).sum())
 
 
-def replica_moves(old: Placement, new: Placement) -> int:
+def replica_moves(old: ReplicaTable, new: ReplicaTable) -> int:
     """Expert replicas the new placement puts on a rank that did not hold them (weights to fetch)."""
     return int(np.maximum(new.holds() - old.holds(), 0).sum())
 

@@ -34,20 +34,18 @@ from typing import Any
 import numpy as np
 from numba import njit
 
+from moonrt.scheduler.placement import Placement
+
 __all__ = ["MoonEPPlan", "plan", "send_split", "transfer_matrix", "validate_counts", "capacities"]
 
 
 @dataclass(frozen=True)
-class MoonEPPlan:
-    """A MoonEP placement for one MoE layer (K3_SYSTEMS §6.3). Arrays are numpy (from :func:`plan`)
+class MoonEPPlan(Placement):
+    """A MoonEP placement for one MoE layer (K3_SYSTEMS §6.3): a :class:`Placement` (``alloc``,
+    ``copies``, ``capacity``) plus the planner's bookkeeping. Arrays are numpy (from :func:`plan`)
     or torch tensors on the counts' device (from :func:`moonrt.scheduler.moonep_torch.plan_torch`).
 
-    Attributes:
-        alloc: ``[E, R]`` int64. ``alloc[e, r]`` = assignments of expert ``e`` computed on rank
-            ``r``. ``alloc.sum(1)`` = per-expert load, ``alloc.sum(0) == capacity``.
-        copies: ``[R, B]`` int64. Expert ids held in rank ``r``'s prefetch slots, ascending, then
-            ``-1`` for empty slots. Slot ``j`` of rank ``r`` holds expert ``copies[r, j]``.
-        capacity: ``[R]`` int64. Assignments each rank computes (its target; §6.1).
+    Attributes (besides those of :class:`Placement`; here ``capacity`` is the balanced target of §6.1):
         cuts: ``[E, R + 1]`` int64. Per-expert cut points over destination ranks: the exclusive
             cumulative sum of ``alloc[e]``; ``cuts[e, 0] = 0``, ``cuts[e, R] = load[e]``.
         donor: ``[R]`` int64. The home rank whose experts fill rank ``r``'s slots (-1: none).
@@ -57,59 +55,15 @@ class MoonEPPlan:
     ``2R + 1``, not C-contiguous); use ``np.ascontiguousarray`` where a dense copy is needed.
     """
 
-    alloc: Any
-    copies: Any
-    capacity: Any
     cuts: Any
     donor: Any
     num_slots: int
-
-    @property
-    def num_ranks(self) -> int:
-        return int(self.alloc.shape[1])
-
-    @property
-    def num_experts(self) -> int:
-        return int(self.alloc.shape[0])
-
-    @property
-    def experts_per_rank(self) -> int:
-        """G = E / R, home experts per rank."""
-        return self.num_experts // self.num_ranks
-
-    def copies_per_rank(self) -> Any:
-        """``[R]`` int64: number of occupied slots (copied foreign experts) per rank."""
-        return (self.copies >= 0).sum(1)
-
-    def num_copies(self) -> int:
-        """Total number of copied experts (occupied slots) over all ranks."""
-        return int((self.copies >= 0).sum())
-
-    def segment_sizes(self, rank: int) -> Any:
-        """``[E + B]`` int64 rows rank ``rank`` computes per dispatch segment (§6.3): segment ``i < E``
-        is home expert ``i`` (non-zero only for the rank's own experts), segment ``E + j`` is slot
-        ``j`` (expert ``copies[rank, j]``; 0 for an empty slot). Sums to ``capacity[rank]``."""
-        E, G = self.num_experts, self.experts_per_rank
-        col = self.alloc[:, rank]
-        home = col * 0
-        home[rank * G:(rank + 1) * G] = col[rank * G:(rank + 1) * G]
-        slot_ids = self.copies[rank]
-        occupied = slot_ids >= 0
-        slots = col[slot_ids.clip(0, E - 1)] * occupied
-        cat = np.concatenate if isinstance(col, np.ndarray) else _torch_cat
-        return cat([home, slots])
 
     def to_numpy(self) -> MoonEPPlan:
         """The same plan with numpy arrays (a no-op for numpy plans)."""
         conv = lambda a: a.detach().cpu().numpy() if hasattr(a, "detach") else np.asarray(a)
         return MoonEPPlan(conv(self.alloc), conv(self.copies), conv(self.capacity), conv(self.cuts),
                           conv(self.donor), self.num_slots)
-
-
-def _torch_cat(parts: list[Any]) -> Any:
-    import torch
-
-    return torch.cat(parts)
 
 
 def capacities(total: int, num_ranks: int) -> np.ndarray:

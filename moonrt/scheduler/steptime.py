@@ -79,7 +79,7 @@ def moonep_traffic(counts: np.ndarray, pl: MoonEPPlan, plan_s: float) -> LayerTr
     return LayerTraffic(tm, pl.alloc.sum(0).astype(np.float64), w, True, plan_s, True)
 
 
-def placement_traffic(counts: np.ndarray, place: bl.Placement, prev: bl.Placement | None = None) -> LayerTraffic:
+def placement_traffic(counts: np.ndarray, place: bl.ReplicaTable, prev: bl.ReplicaTable | None = None) -> LayerTraffic:
     """Traffic under a static placement (none / EPLB): each source's assignments to expert e spread
     over e's replicas in proportion to what each replica computes (as :func:`baselines.moved_assignments`);
     ``prev``: the placement before a re-plan (weights of replicas new on a rank move). O(R·(E + P))."""

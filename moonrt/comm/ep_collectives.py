@@ -1,0 +1,160 @@
+"""Expert-parallel collectives and their autograd (K3_SYSTEMS §6.3): tokens to expert rows and back,
+home expert weights into slots and their gradients back.
+
+:func:`to_rows` / :func:`from_rows` move per-assignment values to this rank's expert rows and back
+with one all-to-all each (each is the other's adjoint) under an :class:`~moonrt.comm.ep_layout.EPLayout`;
+:func:`send_weights` / :func:`return_weight_grads` move flattened expert weights into slots and sum
+slot gradients back into the home experts under a :class:`~moonrt.comm.ep_layout.WeightLayout`.
+:func:`dispatch_tokens` and :func:`combine_tokens` are the differentiable dispatch and combine the
+dispatchers (``moonep_dispatch.py``, ``ep_alltoall.py``) call: the backward of one is the other.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from moonrt.comm.ep_layout import EPLayout, WeightLayout
+
+if TYPE_CHECKING:
+    from moonrt.comm.ep_slots import SlotRefill
+
+
+def _all_to_all(
+    out_rows: int, send: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    send = send.contiguous()
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return send.clone()
+    out = send.new_empty((out_rows, *send.shape[1:]))
+    dist.all_to_all_single(out, send, out_splits, in_splits, group=group)
+    return out
+
+
+def to_rows(values: torch.Tensor, layout: EPLayout, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Move per-assignment values ``[s*k, C]`` (order ``t * k + j``) to this rank's expert rows ``[rows, C]``."""
+    send = values.index_select(0, layout.send_perm.to(values.device))
+    recv = _all_to_all(layout.rows, send, layout.recv_splits, layout.send_splits, group)
+    return recv.index_select(0, layout.recv_perm.to(values.device))
+
+
+def from_rows(rows: torch.Tensor, layout: EPLayout, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Adjoint of :func:`to_rows`: expert rows ``[rows, C]`` back to per-assignment values ``[s*k, C]``."""
+    recv = rows.index_select(0, layout.recv_inv.to(rows.device))
+    send = _all_to_all(layout.tokens * layout.top_k, recv, layout.send_splits, layout.recv_splits, group)
+    return send.index_select(0, layout.send_inv.to(rows.device))
+
+
+# ---- expert weights into slots --------------------------------------------------------------------
+
+
+def send_weights(
+    flat_home: torch.Tensor, layout: WeightLayout, group: dist.ProcessGroup | None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``flat_home [E/R, P]`` (this rank's home experts, flattened) -> ``[B, P]`` slot weights.
+
+    Empty slots are zero. ``out`` (a ``[B, P]`` slot-pool buffer) is written in place if given.
+    """
+    send = flat_home.index_select(0, layout.send_local.to(flat_home.device))
+    recv = _all_to_all(len(layout.recv_slot), send, layout.recv_splits, layout.send_splits, group)
+    if out is None:
+        out = flat_home.new_zeros(layout.num_slots, flat_home.shape[1])
+    else:
+        out.zero_()
+    out.index_copy_(0, layout.recv_slot.to(out.device), recv)
+    return out
+
+
+def return_weight_grads(
+    grad_slots: torch.Tensor, num_home: int, layout: WeightLayout, group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """Adjoint of :func:`send_weights`: ``grad_slots [B, P]`` -> summed home gradients ``[E/R, P]``."""
+    send = grad_slots.index_select(0, layout.recv_slot.to(grad_slots.device))
+    recv = _all_to_all(len(layout.send_local), send, layout.send_splits, layout.recv_splits, group)
+    out = grad_slots.new_zeros(num_home, grad_slots.shape[1])
+    out.index_add_(0, layout.send_local.to(out.device), recv)
+    return out
+
+
+# ---- differentiable versions ----------------------------------------------------------------------
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weights, layout, group):  # type: ignore[override]
+        s, k = layout.tokens, layout.top_k
+        x_a = x.unsqueeze(1).expand(s, k, x.shape[1]).reshape(s * k, x.shape[1])
+        w_a = weights.reshape(s * k, 1)
+        ctx.layout, ctx.group = layout, group
+        if x.dtype == weights.dtype:  # one all-to-all carries both
+            rows = to_rows(torch.cat([x_a, w_a], dim=1), layout, group)
+            return rows[:, :-1].contiguous(), rows[:, -1].contiguous()
+        return to_rows(x_a, layout, group), to_rows(w_a, layout, group).squeeze(1)  # weights keep their dtype
+
+    @staticmethod
+    def backward(ctx, grad_x, grad_w):  # type: ignore[override]
+        layout, group = ctx.layout, ctx.group
+        s, k = layout.tokens, layout.top_k
+        if grad_x.dtype == grad_w.dtype:
+            g_a = from_rows(torch.cat([grad_x, grad_w.unsqueeze(1)], dim=1), layout, group).view(s, k, -1)
+            gx_a, gw = g_a[:, :, :-1], g_a[:, :, -1]
+        else:
+            gx_a = from_rows(grad_x, layout, group).view(s, k, -1)
+            gw = from_rows(grad_w.unsqueeze(1), layout, group).view(s, k)
+        return gx_a.float().sum(1).to(grad_x.dtype), gw, None, None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, weights, layout, group, refill, *deps):  # type: ignore[override]
+        s, k = layout.tokens, layout.top_k
+        ctx.num_deps, ctx.refill = len(deps), refill
+        y_a = from_rows(y, layout, group).view(s, k, y.shape[1])
+        out = torch.einsum("skh,sk->sh", y_a.float(), weights.float()).to(y.dtype)
+        ctx.save_for_backward(y_a, weights)
+        ctx.layout, ctx.group = layout, group
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        y_a, weights = ctx.saved_tensors
+        if ctx.refill is not None:  # the expert backward of this layer reads the shared slot pool next
+            ctx.refill()
+        s, k = ctx.layout.tokens, ctx.layout.top_k
+        g32 = grad_out.float()
+        g_ya = (g32.unsqueeze(1) * weights.float().unsqueeze(2)).to(y_a.dtype).reshape(s * k, -1)
+        grad_y = to_rows(g_ya, ctx.layout, ctx.group)
+        grad_w = torch.einsum("sh,skh->sk", g32, y_a.float()).to(weights.dtype)
+        return (grad_y, grad_w, None, None, None) + (None,) * ctx.num_deps
+
+
+def dispatch_tokens(
+    x: torch.Tensor, weights: torch.Tensor, layout: EPLayout, group: dist.ProcessGroup | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Differentiable dispatch: ``x [s, H]``, ``weights [s, k]`` -> ``(rows [rows, H], row_weights [rows])``.
+
+    Row r carries the token and top-k weight of the assignment placed there by ``layout``. Backward
+    is a combine: each token's gradient is the sum of its k rows' gradients, in token order.
+    """
+    return _Dispatch.apply(x, weights, layout, group)
+
+
+def combine_tokens(
+    y: torch.Tensor, weights: torch.Tensor, layout: EPLayout, group: dist.ProcessGroup | None,
+    deps: tuple[torch.Tensor, ...] = (), refill: SlotRefill | None = None,
+) -> torch.Tensor:
+    """Differentiable combine: expert outputs ``y [rows, H]`` -> ``[s, H]``.
+
+    ``out[t] = sum_j weights[t, j] * y[row(t, j)]``, summed on the source rank in fp32 (j
+    ascending). Backward is a dispatch of ``weights * grad_out``; the gradient of
+    ``weights [s, k]`` is ``<grad_out[t], y[row(t, j)]>``.
+
+    ``deps``: the dispatch's rows and the prefetched slot weights. They get no gradient from here,
+    but being inputs makes the dispatch and prefetch backward (each a collective) run on every rank,
+    in the same order, even on a rank whose expert compute did not touch them (no slot rows).
+    ``refill``: re-prefetches this layer's slots into a shared :class:`SlotPool` first thing in
+    backward (K3_SYSTEMS §6.3), before the expert backward reads them.
+    """
+    return _Combine.apply(y, weights, layout, group, refill, *deps)

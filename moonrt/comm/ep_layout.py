@@ -1,0 +1,162 @@
+"""Expert-parallel layout math: where each token-expert assignment and each copied expert goes (K3_SYSTEMS §6.3).
+
+Pure index arithmetic shared by both EP dispatchers (no collectives, no autograd). Given the
+``[R, E]`` routing counts of the whole EP group and a placement (``alloc [E, R]``: assignments of
+expert e computed on rank r; ``copies [R, B]``: expert held in each slot; see
+:class:`moonrt.scheduler.placement.Placement`), every rank computes its own send and receive layout
+locally, with no further communication:
+
+- Per expert e the assignments are ordered by (source rank, position), where position is the
+  assignment's index among this source rank's assignments of e in token order (``t * k + j``).
+- The destination ranks split that order in rank order: rank d takes global positions
+  ``[cut[e, d] - alloc[e, d], cut[e, d])`` with ``cut = alloc.cumsum(1)``.
+- On a destination, rows are grouped by segment: segment e < E is home expert e, segment E + j is
+  slot j; inside a segment rows are ordered by (source rank, position). ``cu_seqlens [E+B+1]``
+  bounds the segments.
+
+:class:`EPLayout` holds the token permutations and split sizes, :class:`WeightLayout` the
+point-to-point movement of copied experts' weights from home ranks into slots. The collectives that
+use them are in :mod:`moonrt.comm.ep_collectives`, the slot buffer in :mod:`moonrt.comm.ep_slots`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EPLayout:
+    """One rank's token layout for one dispatch (K3_SYSTEMS §6.3). All index tensors are int64.
+
+    ``send_perm [s*k]``: send-buffer position -> assignment index ``t * k + j``.
+    ``send_inv [s*k]``: the inverse permutation.
+    ``recv_perm [rows]``: expert row -> receive-buffer position; ``recv_inv`` its inverse.
+    ``send_splits`` / ``recv_splits``: rows exchanged with each peer (lists of R ints).
+    ``cu_seqlens [num_segments + 1]``: segment boundaries over the rows.
+    """
+
+    rank: int
+    world_size: int
+    tokens: int
+    top_k: int
+    rows: int
+    send_perm: torch.Tensor
+    send_inv: torch.Tensor
+    recv_perm: torch.Tensor
+    recv_inv: torch.Tensor
+    send_splits: list[int]
+    recv_splits: list[int]
+    cu_seqlens: torch.Tensor
+
+
+def segment_table(alloc: torch.Tensor, copies: torch.Tensor) -> torch.Tensor:
+    """``seg [R, E]`` int64: the row segment of expert e on rank d, or -1 if d cannot compute e.
+
+    Home experts of d (``e // (E/R) == d``) are segment e; ``copies[d, j] = e`` makes it segment
+    ``E + j``. ``alloc [E, R]`` is only used for its shape.
+    """
+    num_experts, world = alloc.shape
+    per_rank = num_experts // world
+    seg = torch.full((world, num_experts), -1, dtype=torch.int64)
+    experts = torch.arange(num_experts)
+    seg[experts // per_rank, experts] = experts
+    d, j = (copies >= 0).nonzero(as_tuple=True)
+    seg[d, copies[d, j]] = num_experts + j
+    return seg
+
+
+def build_layout(
+    topk_ids: torch.Tensor, counts: torch.Tensor, alloc: torch.Tensor, copies: torch.Tensor, rank: int
+) -> EPLayout:
+    """Compute this rank's :class:`EPLayout` from its routing and the group-wide placement.
+
+    ``topk_ids [s, k]`` int64 (this rank's routing), ``counts [R, E]`` int64 (every rank's
+    assignments per expert), ``alloc [E, R]`` int64 with ``alloc.sum(1) == counts.sum(0)``,
+    ``copies [R, B]`` int64 (-1 = empty slot). Raises ValueError if the placement asks a rank to
+    compute an expert it neither homes nor holds in a slot.
+    """
+    world, num_experts = counts.shape
+    s, k = topk_ids.shape
+    num_segments = num_experts + copies.shape[1]
+    counts = counts.to(torch.int64).cpu()
+    alloc = alloc.to(torch.int64).cpu()
+    copies = copies.to(torch.int64).cpu()
+    seg = segment_table(alloc, copies)
+    off = counts.cumsum(0) - counts  # [R, E]: first global position of each source rank's block
+    cut = alloc.cumsum(1)  # [E, R]: end of each destination's range
+    start = cut - alloc
+    # Assignments of source src to expert e that land on destination dst: interval intersection.
+    src_lo, src_hi = off.unsqueeze(1), (off + counts).unsqueeze(1)  # [R_src, 1, E]
+    dst_lo, dst_hi = start.t().unsqueeze(0), cut.t().unsqueeze(0)  # [1, R_dst, E]
+    n_send = (torch.minimum(src_hi[rank], dst_hi[0]) - torch.maximum(src_lo[rank], dst_lo[0])).clamp_min(0)
+    n_recv = (torch.minimum(src_hi[:, 0], dst_hi[0, rank]) - torch.maximum(src_lo[:, 0], dst_lo[0, rank])).clamp_min(0)
+    bad = (n_send > 0) & (seg < 0)
+    if bool(bad.any()):
+        d, e = (int(v) for v in bad.nonzero()[0])
+        raise ValueError(f"placement sends expert {e} to rank {d}, which neither homes it nor holds it in a slot")
+
+    # Send side: in (expert, position) order this rank's assignments of expert e go to destinations
+    # 0..R-1 in turn, n_send[d, e] each (its block of e's global order meets d's range in that order).
+    flat = topk_ids.reshape(-1).cpu()
+    order = torch.argsort(flat, stable=True)
+    dst = torch.empty_like(flat)
+    dst[order] = torch.repeat_interleave(torch.arange(world).repeat(num_experts), n_send.t().reshape(-1))
+    key = dst * num_segments + seg[dst, flat]
+    send_perm = torch.argsort(key, stable=True)
+    send_splits = torch.bincount(dst, minlength=world)
+
+    # Receive side: each source's chunk is sorted by segment; regroup segment-major.
+    mine = seg[rank] >= 0
+    per_seg = torch.zeros(world, num_segments, dtype=torch.int64)
+    per_seg[:, seg[rank, mine]] = n_recv[:, mine]
+    seg_ids = torch.arange(num_segments).repeat(world)
+    seg_of_recv = torch.repeat_interleave(seg_ids, per_seg.reshape(-1))
+    recv_perm = torch.argsort(seg_of_recv, stable=True)
+    rows = int(per_seg.sum())
+    cu = torch.zeros(num_segments + 1, dtype=torch.int64)
+    cu[1:] = per_seg.sum(0).cumsum(0)
+    return EPLayout(
+        rank=rank, world_size=world, tokens=s, top_k=k, rows=rows,
+        send_perm=send_perm, send_inv=torch.argsort(send_perm), recv_perm=recv_perm,
+        recv_inv=torch.argsort(recv_perm), send_splits=send_splits.tolist(),
+        recv_splits=per_seg.sum(1).tolist(), cu_seqlens=cu,
+    )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WeightLayout:
+    """Point-to-point movement of copied experts' weights from home ranks into slots (§6.3).
+
+    ``send_local [n_send]``: local (home) expert index of each sent row, ordered by (destination,
+    slot). ``recv_slot [n_recv]``: slot of each received row, ordered by (source, slot).
+    """
+
+    send_local: torch.Tensor
+    recv_slot: torch.Tensor
+    send_splits: list[int]
+    recv_splits: list[int]
+    num_slots: int
+    filled: torch.Tensor
+    """``[B]`` bool: slots that hold an expert."""
+
+
+def build_weight_layout(copies: torch.Tensor, num_experts: int, rank: int) -> WeightLayout:
+    """From ``copies [R, B]`` (expert per slot, -1 empty), this rank's weight send/receive layout."""
+    copies = copies.to(torch.int64).cpu()
+    world, num_slots = copies.shape
+    per_rank = num_experts // world
+    home = torch.where(copies >= 0, copies // per_rank, -1)  # [R, B]
+    send_d, send_j = (home == rank).nonzero(as_tuple=True)  # row-major: ordered by (d, j)
+    send_local = copies[send_d, send_j] - rank * per_rank
+    mine = home[rank]
+    slots = torch.arange(num_slots)
+    recv_slot = torch.cat([slots[mine == h] for h in range(world)])
+    return WeightLayout(
+        send_local=send_local, recv_slot=recv_slot,
+        send_splits=torch.bincount(send_d, minlength=world).tolist(),
+        recv_splits=[int((mine == h).sum()) for h in range(world)],
+        num_slots=num_slots, filled=mine >= 0,
+    )
+
