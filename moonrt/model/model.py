@@ -110,6 +110,17 @@ class K3Model(nn.Module):
             cuts = [i * n // num_stages for i in range(num_stages + 1)]
         return [range(cuts[i], cuts[i + 1]) for i in range(num_stages)]
 
+    def stage_modules(self, layers: range, first: bool, last: bool) -> list[str]:
+        """Names of the modules a pipeline stage running decoder ``layers`` uses (``first``: it embeds the
+        tokens; ``last``: it runs the head). The AttnRes pseudo-queries are used by every stage."""
+        names = ["attn_res"] + [f"layers.{i}" for i in layers]
+        return names + (["embed"] if first else []) + (["norm", "lm_head"] if last else [])
+
+    @staticmethod
+    def stream(blocks: list[torch.Tensor], partial: torch.Tensor | None = None) -> AttnResState:
+        """The stream a pipeline stage starts from: finished ``blocks`` and the open ``partial`` block ``[B, T, D]``."""
+        return AttnResState(blocks=list(blocks), partial=partial)
+
     def embed_tokens(self, tokens: torch.Tensor) -> AttnResState:
         """``tokens [B, T]`` int64 -> the initial stream (block 0 = token embedding ``[B, T, D]``)."""
         if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
@@ -154,8 +165,8 @@ class K3Model(nn.Module):
 
     # ---- MoE routing -----------------------------------------------------------------------------
     def moe_layers(self) -> list[tuple[int, nn.Module]]:
-        """``(layer index, LatentMoE)`` for every MoE layer."""
-        return [(i, layer.moe) for i, layer in enumerate(self.layers) if layer.is_moe]
+        """``(layer index, LatentMoE)`` for every MoE layer this process holds (a pipeline rank drops the others)."""
+        return [(i, layer.moe) for i, layer in enumerate(self.layers) if layer is not None and layer.is_moe]
 
     def update_routing_bias(self, all_reduce: Callable[[torch.Tensor], Any] | None = None) -> dict[int, Any]:
         """Quantile Balancing bias update (K3_SYSTEMS §5.3) on every MoE layer from the statistics of the

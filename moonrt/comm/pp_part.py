@@ -1,0 +1,250 @@
+"""Pipeline parallelism as a :class:`moonrt.comm.parallelism.Part` (K3_SYSTEMS §9, §10).
+
+:class:`PipelineParallel` cuts the model into ``pp * vpp`` stages (``model.stages``), keeps on this rank
+only the modules its stages use (``model.stage_modules``; the others are replaced by None), and runs
+every step's micro-batches through :class:`moonrt.comm.pipeline.PipelineExecutor` with the rank's
+lowered action list. Gradients of parameters held by several pipeline ranks (the AttnRes
+pseudo-queries) are summed over the pp group; the gradient norm is the global one; checkpoints stay in
+the single-process layout (:meth:`full_state_dict` gathers every stage's parameters and optimizer
+state onto pipeline rank 0 by name; :meth:`load_full_state_dict` gives each rank its stages).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moonrt.comm.parallelism import Part
+from moonrt.comm.pipeline import PipelineExecutor
+from moonrt.comm.pp_cache import block_plan
+from moonrt.parallel.context import LOCAL, AttentionContext
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Act:
+    op: str
+    microbatch: int
+    chunk: int = 0
+
+
+def lower_actions(actions: Sequence[Any], stage_of: Any, rank_of: Any, rank: int, last: int) -> list[Any]:
+    """Insert the comm actions of the schedule IR's lowering rules around ``actions`` (compute only) of ``rank``.
+
+    RECV_F before F of a stage whose previous stage is on another rank, SEND_F right after F of a stage
+    whose next stage is; RECV_B before B/I, SEND_B right after B/I, mirrored.
+    """
+    out: list[Any] = []
+    for a in actions:
+        s = stage_of(a.chunk)
+        prev_remote = s > 0 and rank_of(s - 1) != rank
+        next_remote = s < last and rank_of(s + 1) != rank
+        if a.op == "F":
+            out += [_Act("RECV_F", a.microbatch, a.chunk)] if prev_remote else []
+            out.append(a)
+            out += [_Act("SEND_F", a.microbatch, a.chunk)] if next_remote else []
+        elif a.op in ("B", "I"):
+            out += [_Act("RECV_B", a.microbatch, a.chunk)] if next_remote else []
+            out.append(a)
+            out += [_Act("SEND_B", a.microbatch, a.chunk)] if prev_remote else []
+        elif a.op == "W":
+            out.append(a)
+    return out
+
+
+class PipelineParallel(Part):
+    """This rank's pipeline: ``group`` (the pp group), ``rank``/``size`` in it, the schedule and AttnRes mode.
+
+    ``schedule`` is a :class:`moonrt.scheduler.pipeline.Schedule` of ``size`` ranks (its ``actions`` may be
+    compute-only or lowered), ``mode`` "cached" or "naive" (K3_SYSTEMS §9).
+    """
+
+    def __init__(self, schedule: Any, *, group: Any, rank: int, mode: str = "cached") -> None:
+        self.schedule, self.group, self.rank, self.mode = schedule, group, rank, mode
+        self.size = schedule.pp
+        self.num_stages = schedule.pp * schedule.vpp
+        self.rank_of_stage = {schedule.stage(r, c): r for r in range(schedule.pp) for c in range(schedule.vpp)}
+        self.my_stages = sorted(s for s, r in self.rank_of_stage.items() if r == rank)
+
+    def stage_of(self, chunk: int) -> int:
+        return self.schedule.stage(self.rank, chunk)
+
+    def rank_of(self, stage: int) -> int:
+        return self.rank_of_stage[stage]
+
+    # ---- assembly ------------------------------------------------------------------------------
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        cfg = model.config
+        if getattr(cfg, "tie_word_embeddings", False) and self.size > 1:
+            raise ValueError("tie_word_embeddings = True: expected untied embeddings with pipeline parallelism "
+                             "(the embedding and the LM head live on different ranks)")
+        self.full_names = [n for n, _ in model.named_parameters()]
+        self.full_keys = list(model.state_dict().keys())
+        ranges = model.stages(self.num_stages)
+        last = self.num_stages - 1
+        sends = _hop_sends(ranges, cfg.attn_res_block_size, self.rank_of, self.mode)
+        self.plan = block_plan(ranges, cfg.attn_res_block_size, self.rank_of, self.mode, sends)
+        stage_mods = {s: model.stage_modules(ranges[s], s == 0, s == last) for s in range(self.num_stages)}
+        keep = {n for s in self.my_stages for n in stage_mods[s]}
+        for name in model.stage_modules(range(cfg.num_hidden_layers), True, True):
+            if name not in keep:
+                parent, _, child = name.rpartition(".")
+                (model.get_submodule(parent) if parent else model)._modules[child] = None
+        self.stage_params = {s: [p for n in stage_mods[s] for p in model.get_submodule(n).parameters()]
+                             for s in self.my_stages}
+        mine = [n for n, _ in model.named_parameters()]
+        every = [None] * self.size
+        dist.all_gather_object(every, mine, group=self.group)
+        self.shared = [n for n in mine if sum(n in names for names in every) > 1]
+        self.owned = {n for n in mine if n not in self.shared or self.rank == min(
+            r for r, names in enumerate(every) if n in names)}
+        actions = self.schedule.actions[self.rank]
+        if not any(a.op.startswith(("SEND", "RECV")) for a in actions):
+            actions = lower_actions(actions, self.stage_of, self.rank_of, self.rank, last)
+        self.executor = PipelineExecutor(model, self.plan, actions, rank=self.rank, rank_of=self.rank_of,
+                                         stage_of=self.stage_of, group=self.group,
+                                         params_of=lambda s: self.stage_params[s])
+        self.eval_actions = lower_actions([_Act("F", 0, c) for c in range(self.schedule.vpp)], self.stage_of,
+                                          self.rank_of, self.rank, last)
+        self.width = cfg.hidden_size
+        self._named = dict(model.named_parameters())
+        return model
+
+    # ---- the step ------------------------------------------------------------------------------
+    def forward_backward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, scale: float,
+                         ctx: AttentionContext = LOCAL, saved: Any = None) -> torch.Tensor:
+        """Run the schedule on ``x``/``y`` ``[B, T]`` split into the schedule's micro-batches; returns the
+        pipeline's loss (summed over micro-batches, times ``scale``) on every pp rank."""
+        m = self.schedule.microbatches
+        if x.shape[0] % m:
+            raise ValueError(f"microbatches = {m}: expected a divisor of the per-replica batch {x.shape[0]}")
+        loss = self.executor.run(list(x.chunk(m)), list(y.chunk(m)), scale, self.width, self._dtype(model), ctx,
+                                 saved)
+        dist.all_reduce(loss, group=self.group)
+        return loss
+
+    def loss_sum(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                 ctx: AttentionContext = LOCAL) -> torch.Tensor:
+        """Forward only (no grad): the summed token loss of ``x``/``y`` on every pp rank."""
+        ex = PipelineExecutor(model, self.plan, self.eval_actions, rank=self.rank, rank_of=self.rank_of,
+                              stage_of=self.stage_of, group=self.group, params_of=lambda s: [])
+        with torch.no_grad():
+            loss = ex.run([x], [y], 1.0, self.width, self._dtype(model), ctx, forward_only=True)
+        dist.all_reduce(loss, group=self.group)
+        return loss
+
+    @staticmethod
+    def _dtype(model: nn.Module) -> torch.dtype:
+        return next(p for p in model.parameters() if p.is_floating_point()).dtype
+
+    # ---- gradients -----------------------------------------------------------------------------
+    def sync_grads(self, model: nn.Module) -> bool:
+        params = dict(model.named_parameters())
+        for n in self.shared:
+            p = params[n]
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, group=self.group)
+        return False  # the data-parallel sum over the replicas still runs
+
+    def clip_grad_norm(self, params: list[torch.Tensor], max_norm: float) -> float | None:
+        named = self._named
+        sq = torch.zeros((), dtype=torch.float64)
+        for n in self.owned:
+            g = named[n].grad
+            if g is not None:
+                sq += torch.linalg.vector_norm(g.detach().float()).double() ** 2
+        dist.all_reduce(sq, group=self.group)
+        norm = float(sq.sqrt())
+        coef = min(1.0, max_norm / (norm + 1e-6))
+        if coef < 1.0:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.detach().mul_(coef)
+        return norm
+
+    # ---- metrics -------------------------------------------------------------------------------
+    def step_metrics(self, step: int, model: nn.Module, record: dict[str, Any]) -> None:
+        st = self.executor.stats
+        mine = torch.tensor([st.blocks_sent, st.bytes_sent, st.bytes_sent_bwd], dtype=torch.int64)
+        rows = [torch.zeros_like(mine) for _ in range(self.size)]
+        dist.all_gather(rows, mine, group=self.group)
+        record["pp_blocks_sent"] = [int(r[0]) for r in rows]
+        record["pp_bytes_sent"] = [int(r[1]) for r in rows]
+        record["pp_bytes_sent_bwd"] = [int(r[2]) for r in rows]
+
+    # ---- checkpoints in the single-process layout ----------------------------------------------
+    def _groups(self, model: nn.Module, optim: torch.optim.Optimizer) -> list[list[str]]:
+        """The full layout's parameter names of every optimizer group (every pp rank's, in model order)."""
+        name_of = {id(p): n for n, p in model.named_parameters()}
+        mine = [[name_of[id(p)] for p in g["params"]] for g in optim.param_groups]
+        every: list[Any] = [None] * self.size
+        dist.all_gather_object(every, mine, group=self.group)
+        order = {n: i for i, n in enumerate(self.full_names)}
+        return [sorted({n for names in every for n in names[g]}, key=order.__getitem__) for g in range(len(mine))]
+
+    def full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any] | None:
+        groups = self._groups(model, optim)
+        local = optim.state_dict()
+        name_of = {id(p): n for n, p in model.named_parameters()}
+        names = [name_of[id(p)] for g in optim.param_groups for p in g["params"]]
+        mine = {"model": {k: v.detach().clone() for k, v in model.state_dict().items()},
+                "optim": {names[i]: st for i, st in local["state"].items()}}
+        every: list[Any] = [None] * self.size if self.rank == 0 else None
+        dist.gather_object(mine, every, dst=dist.get_global_rank(self.group, 0), group=self.group)
+        if self.rank != 0:
+            return {"model": {}, "optimizer": {}}
+        merged: dict[str, Any] = {}
+        states: dict[str, Any] = {}
+        for part in every:
+            for k, v in part["model"].items():
+                merged.setdefault(k, v)
+            for k, v in part["optim"].items():
+                states.setdefault(k, v)
+        index = {n: i for i, n in enumerate(n for g in groups for n in g)}
+        param_groups, start = [], 0
+        for g, hyper in zip(groups, local["param_groups"]):
+            param_groups.append({**hyper, "params": list(range(start, start + len(g)))})
+            start += len(g)
+        return {"model": {k: merged[k] for k in self.full_keys},
+                "optimizer": {"state": {index[n]: st for n, st in states.items()}, "param_groups": param_groups}}
+
+    def load_full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, state: dict[str, Any]) -> bool:
+        groups = self._groups(model, optim)
+        own = model.state_dict().keys()
+        missing = [k for k in own if k not in state["model"]]
+        if missing:
+            raise KeyError(f"model state lacks {missing[0]!r}")
+        model.load_state_dict({k: state["model"][k] for k in own})
+        full = state["optimizer"]
+        index = {n: i for i, n in enumerate(n for g in groups for n in g)}
+        name_of = {id(p): n for n, p in model.named_parameters()}
+        local_state, local_groups, i = {}, [], 0
+        for g, hyper in zip(optim.param_groups, full["param_groups"]):
+            ids = []
+            for p in g["params"]:
+                st = full["state"].get(index[name_of[id(p)]])
+                if st is not None:
+                    local_state[i] = st
+                ids.append(i)
+                i += 1
+            local_groups.append({**hyper, "params": ids})
+        optim.load_state_dict({"state": local_state, "param_groups": local_groups})
+        return True
+
+
+def _hop_sends(ranges: Sequence[range], block_size: int, rank_of: Any, mode: str) -> list[tuple[int, ...]] | None:
+    """The hop plan's ``sends`` per stage (None before :mod:`moonrt.scheduler.attnres_comm` exists)."""
+    try:
+        from moonrt.scheduler.attnres_comm import hop_plan
+    except ImportError:
+        return None
+    plan = hop_plan(ranges, block_size, rank_of, mode)
+    return [tuple(plan.sends[s]) if s < len(ranges) - 1 else () for s in range(len(ranges))]
+
+
+__all__ = ["PipelineParallel", "lower_actions"]
