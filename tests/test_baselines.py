@@ -21,6 +21,28 @@ def test_no_redundancy_is_home_placement() -> None:
     np.testing.assert_array_equal(place.holds().sum(1), 3)
 
 
+@pytest.mark.parametrize("policy", ["none", "eplb"])
+def test_replica_table_placement_of_one_call(policy: str) -> None:
+    """A static policy's per-call Placement: every assignment computed once, on a rank holding a
+    replica of its expert (home, or a copy listed in ``copies``), rank totals equal to rank_loads."""
+    rng = np.random.default_rng(3)
+    E, R = 16, 4
+    load = rng.integers(0, 40, size=E)
+    table = bl.no_redundancy(E, R) if policy == "none" else bl.eplb(rng.random(E) + 0.1, R, 8)
+    pl = table.placement(load)
+    np.testing.assert_array_equal(pl.alloc.sum(1), load)
+    np.testing.assert_array_equal(pl.capacity, bl.rank_loads(load, table))
+    home = np.arange(E) // (E // R)
+    for r in range(R):
+        held = set(pl.copies[r][pl.copies[r] >= 0].tolist()) | set(np.nonzero(home == r)[0].tolist())
+        assert set(np.nonzero(pl.alloc[:, r])[0].tolist()) <= held
+        assert all(home[e] != r for e in pl.copies[r] if e >= 0)
+    foreign = (table.holds() > 0) & (home[None, :] != np.arange(R)[:, None])
+    assert pl.num_copies() == int(foreign.sum()) and (policy == "eplb" or pl.num_copies() == 0)
+    with pytest.raises(ValueError, match="num_experts: 10"):
+        bl.eplb(np.ones(10), 4, 2).placement(np.ones(10, np.int64))
+
+
 def _best_minmax(w: np.ndarray, extra: int) -> float:
     """Brute force: smallest possible max per-replica load with ``extra`` replicas to hand out."""
     best = np.inf
