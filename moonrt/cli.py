@@ -18,7 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "selftest": ("moonrt.cluster.selftest", "multi-rank communication self-test with a bandwidth table"),
     "sbatch": ("moonrt.cluster.sbatch", "write (and optionally submit) a SLURM batch script for a job"),
     "ep-sim": ("moonrt.scheduler.sim", "simulate expert placement (MoonEP, EPLB, none) on a routing workload"),
-    "mem-plan": ("moonrt.memory.plan", "per-rank memory model and activation-policy plan for a budget (ILP)"),
+    "mem-plan": ("moonrt.mem_plan", "per-rank memory model and activation-policy plan for a budget (ILP)"),
 }
 
 

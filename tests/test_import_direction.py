@@ -3,14 +3,17 @@
 The layers, bottom up, and what each may import from moonrt:
 
 - ``moonrt.ops``: pure tensor math; no other moonrt package.
-- runtime (``moonrt.comm``, ``scheduler``, ``memory``, ``cluster``, ``parallel``): never the model
-  client (``moonrt.model``) nor the job modules (``moonrt.train``, ``cli``, ``checkpoint``,
-  ``outputs``, ``data``).
+- runtime (``moonrt.comm``, ``scheduler``, ``memory``, ``cluster``, ``parallel``): only ``moonrt.ops``,
+  ``moonrt.config`` and each other; never the model client (``moonrt.model``) nor the job layer
+  (every other top-level module: ``moonrt.train``, ``job``, ``cli``, ``checkpoint``, ``outputs``,
+  ``data``, the model registry ``models`` and its adapters such as ``k3_memory``, the CLI modules such
+  as ``mem_plan``).
 - ``moonrt.model``: only ``moonrt.ops``, the seam protocols in ``moonrt.parallel``,
   ``moonrt.config`` and itself (no ranks, process groups or runtime internals).
 
 Every ``import`` / ``from ... import`` counts, including those inside functions and under
-``TYPE_CHECKING`` (relative imports resolved), so a lazy import cannot hide an upward arrow.
+``TYPE_CHECKING`` (relative imports resolved), so a lazy import cannot hide an upward arrow. There is
+no list of tolerated exceptions: the last ones (the memory planner's K3 adapter) moved to the job layer.
 """
 
 from __future__ import annotations
@@ -25,27 +28,8 @@ import moonrt
 
 PKG_ROOT = Path(moonrt.__file__).parent
 RUNTIME = ("moonrt.comm", "moonrt.scheduler", "moonrt.memory", "moonrt.cluster", "moonrt.parallel")
-JOBS = ("moonrt.train", "moonrt.job", "moonrt.cli", "moonrt.checkpoint", "moonrt.outputs", "moonrt.data")
+RUNTIME_MAY_IMPORT = RUNTIME + ("moonrt.ops", "moonrt.config")
 MODEL_MAY_IMPORT = ("moonrt.ops", "moonrt.parallel", "moonrt.config", "moonrt.model")
-
-ALLOWED: frozenset[tuple[str, str]] = frozenset({
-    # Known debt: the memory planner's K3 adapter. k3_profile builds one K3 layer of each kind to
-    # trace its saved activations, plan reads the K3 parameter table, plan_cli lists the K3 presets.
-    # They should take a per-layer profile object the model client provides (a model-registry
-    # record) instead of importing moonrt.model.
-    ("moonrt.memory.k3_profile", "moonrt.model.attnres"),
-    ("moonrt.memory.k3_profile", "moonrt.model.ffn"),
-    ("moonrt.memory.k3_profile", "moonrt.model.kda_layer"),
-    ("moonrt.memory.k3_profile", "moonrt.model.mla"),
-    ("moonrt.memory.k3_profile", "moonrt.model.moe"),
-    ("moonrt.memory.k3_profile", "moonrt.model.norm"),
-    ("moonrt.memory.plan", "moonrt.model.params"),
-    ("moonrt.memory.plan_cli", "moonrt.model.config"),
-})
-"""(importer, imported) pairs that break the rules today and are tolerated until the planner takes
-a model description through an interface. Remove a pair when its import goes away (a test checks
-that every pair listed is still present, so the list cannot go stale)."""
-
 
 def _under(name: str, prefixes: tuple[str, ...]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
@@ -91,8 +75,8 @@ def rule_broken(importer: str, imported: str) -> str | None:
         return None
     if _under(importer, ("moonrt.ops",)) and not _under(imported, ("moonrt.ops",)):
         return "moonrt.ops imports no other moonrt package"
-    if _under(importer, RUNTIME) and _under(imported, ("moonrt.model",) + JOBS):
-        return "runtime packages import neither the model nor the job modules"
+    if _under(importer, RUNTIME) and not _under(imported, RUNTIME_MAY_IMPORT):
+        return "runtime packages import only moonrt.ops, moonrt.config and each other (not the model or jobs)"
     if _under(importer, ("moonrt.model",)) and not _under(imported, MODEL_MAY_IMPORT):
         return "moonrt.model imports only moonrt.ops, moonrt.parallel, moonrt.config and itself"
     return None
@@ -110,14 +94,8 @@ def violations(root: Path) -> list[tuple[str, str, str]]:
     return sorted(found)
 
 
-def test_moonrt_respects_the_layers_except_listed_debt() -> None:
-    found = violations(PKG_ROOT.parent)
-    assert [v for v in found if (v[0], v[1]) not in ALLOWED] == []
-
-
-def test_every_allowed_pair_is_still_a_violation() -> None:
-    found = {(a, b) for a, b, _ in violations(PKG_ROOT.parent)}
-    assert sorted(ALLOWED - found) == []
+def test_moonrt_respects_the_layers() -> None:
+    assert violations(PKG_ROOT.parent) == []
 
 
 def test_checker_catches_forbidden_imports_in_a_synthetic_tree(tmp_path: Path) -> None:
@@ -127,6 +105,9 @@ def test_checker_catches_forbidden_imports_in_a_synthetic_tree(tmp_path: Path) -
     (tmp_path / "moonrt" / "memory").mkdir()
     (tmp_path / "moonrt" / "model" / "moe.py").write_text("")
     (tmp_path / "moonrt" / "memory" / "manager.py").write_text("")
+    (tmp_path / "moonrt" / "memory" / "bad.py").write_text(
+        "from moonrt.config import ParallelConfig\nfrom .manager import ActivationManager\n\n"
+        "def profile():\n    from moonrt.models import MODELS\n    from moonrt import k3_memory\n")
     (tmp_path / "moonrt" / "ops" / "bad.py").write_text(
         "import torch\nfrom . import fp8\n\ndef f():\n    from ..model import moe\n    return moe\n")
     (tmp_path / "moonrt" / "comm" / "__init__.py").write_text("from moonrt.parallel.context import LOCAL\n")
@@ -140,20 +121,21 @@ def test_checker_catches_forbidden_imports_in_a_synthetic_tree(tmp_path: Path) -
     assert got == [
         ("moonrt.comm.bad", "moonrt.model.context"),
         ("moonrt.comm.bad", "moonrt.train"),
+        ("moonrt.memory.bad", "moonrt.k3_memory"),
+        ("moonrt.memory.bad", "moonrt.models"),
         ("moonrt.model.bad", "moonrt.cluster"),
         ("moonrt.model.bad", "moonrt.comm.mesh"),
         ("moonrt.model.bad", "moonrt.memory.manager"),
         ("moonrt.ops.bad", "moonrt.model.moe"),
     ]
-    # the real tree with one forbidden import added back is caught, and ALLOWED does not hide it
+    # the real tree with one forbidden import added back is caught
     real = tmp_path / "real"
     (real / "moonrt" / "comm").mkdir(parents=True)
     src = (PKG_ROOT / "comm" / "kcp.py").read_text()
     (real / "moonrt" / "comm" / "kcp.py").write_text(src.replace(
         "from moonrt.ops.kda import MIN_LOG_DECAY", "from moonrt.model.kda_layer import KDALayer\n"
         "    from moonrt.ops.kda import MIN_LOG_DECAY"))
-    assert [(a, b) for a, b, _ in violations(real) if (a, b) not in ALLOWED] == [
-        ("moonrt.comm.kcp", "moonrt.model.kda_layer")]
+    assert [(a, b) for a, b, _ in violations(real)] == [("moonrt.comm.kcp", "moonrt.model.kda_layer")]
 
 
 def _loaded_after_importing(prefix: str, folder: str) -> tuple[list[str], list[str]]:
@@ -172,6 +154,12 @@ def test_importing_every_model_module_loads_only_ops_seams_and_config() -> None:
     mods, loaded = _loaded_after_importing("moonrt.model", "model")
     assert set(mods) <= set(loaded)
     assert [m for m in loaded if not _under(m, MODEL_MAY_IMPORT)] == []
+
+
+def test_importing_every_memory_module_loads_neither_the_model_nor_a_job_module() -> None:
+    mods, loaded = _loaded_after_importing("moonrt.memory", "memory")
+    assert set(mods) <= set(loaded)
+    assert [m for m in loaded if not _under(m, RUNTIME_MAY_IMPORT)] == []
 
 
 def test_importing_every_ops_module_loads_no_other_moonrt_package() -> None:

@@ -3,31 +3,41 @@ greedy under the budget, infeasible budgets answered with the minimum, bad input
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
 import yaml
 
-from moonrt.config import from_dict
-from moonrt.memory.model_memory import GIB, JobLayout, kernel_profile, rank_models
-from moonrt.memory.plan import Hardware, param_sizes, plan, policy_dict, table
+from moonrt.config import ParallelConfig, from_dict
+from moonrt.memory.model_memory import GIB, JobLayout, Profile, kernel_profile, rank_models
+from moonrt.memory.plan import Hardware, Plan, plan, policy_dict, table
 from moonrt.memory.policy import MemoryPolicy
 from moonrt.model.config import k3, k3_tiny
+from moonrt.models import K3
 
-K3_LONG = JobLayout(pp=16, vpp=2, ep=64, cp=64, seq_len=1 << 20, microbatches=32, schedule="interleaved",
-                    optim_bytes=8)
+param_sizes = K3.param_sizes
+K3_LONG = JobLayout(parallel=ParallelConfig(pp=16, vpp=2, ep=64, cp=64), seq_len=1 << 20, microbatches=32,
+                    schedule="interleaved", optim_bytes=8)
+
+
+def _plan(cfg: object, layout: JobLayout, hw: Hardware, profile: Profile | None = None, **kw: object) -> Plan:
+    """:func:`plan` with K3's parameter sizes and (default) analytic profile from the model registry."""
+    return plan(cfg, layout, param_sizes(cfg), hw, profile=profile or K3.memory_profile(cfg, layout), **kw)
 
 
 def test_in_flight_counts_per_rank():
     cfg = k3()
     sizes, prof = param_sizes(cfg), kernel_profile(cfg)
-    rms = rank_models(cfg, JobLayout(pp=8, ep=64, seq_len=4096, microbatches=16, schedule="1f1b"), sizes, prof)
+    rms = rank_models(cfg, JobLayout(parallel=ParallelConfig(pp=8, ep=64), seq_len=4096, microbatches=16,
+                                     schedule="1f1b"), sizes, prof)
     assert [r.in_flight_microbatches for r in rms] == [8 - r for r in range(8)]
-    rms = rank_models(cfg, JobLayout(pp=8, vpp=2, ep=64, seq_len=4096, microbatches=16, schedule="interleaved"),
-                      sizes, prof)
+    rms = rank_models(cfg, JobLayout(parallel=ParallelConfig(pp=8, vpp=2, ep=64), seq_len=4096, microbatches=16,
+                                     schedule="interleaved"), sizes, prof)
     assert rms[0].in_flight_microbatches == pytest.approx(8 * (1 + 7 / 16)) == 11.5
     assert rms[7].in_flight_microbatches == 4.5
-    rms = rank_models(cfg, JobLayout(pp=4, ep=64, seq_len=4096, microbatches=6, schedule="gpipe"), sizes, prof)
+    rms = rank_models(cfg, JobLayout(parallel=ParallelConfig(pp=4, ep=64), seq_len=4096, microbatches=6,
+                                     schedule="gpipe"), sizes, prof)
     assert all(r.in_flight_microbatches == 6 for r in rms)
     # activations at keep scale with the in-flight count: rank 0 holds the most
     keep0 = rank_models(cfg, K3_LONG, sizes, prof)
@@ -50,14 +60,14 @@ def test_static_terms_k3():
 @pytest.mark.parametrize("budget", [141.0])
 def test_k3_long_context_fits_141_with_ilp_not_keep(budget):
     cfg = k3()
-    p = plan(cfg, K3_LONG, param_sizes(cfg), Hardware(budget_gib=budget))
+    p = _plan(cfg, K3_LONG, Hardware(budget_gib=budget))
     assert p.feasible and p.solver == "highs"
     for r in p.ranks:
         assert r.total <= (budget - 4.0) * GIB * (1 + 1e-6)
         assert r.host <= 200 * GIB * (1 + 1e-6)
         assert r.activations_keep > budget * GIB  # keeping everything would not fit: the plan did work
     assert "rank" in table(p)
-    g = plan(cfg, K3_LONG, param_sizes(cfg), Hardware(budget_gib=budget), solver="greedy")
+    g = _plan(cfg, K3_LONG, Hardware(budget_gib=budget), solver="greedy")
     assert g.feasible and g.solver == "greedy"  # the fallback also fits (local tiers only)
     for r in g.ranks:
         assert r.total <= (budget - 4.0) * GIB * (1 + 1e-6) and r.remote_out == 0
@@ -67,31 +77,31 @@ def test_k3_long_context_fits_141_with_ilp_not_keep(budget):
 
 def test_infeasible_budget_gives_minimum_and_dominating_term():
     cfg = k3()
-    sizes = param_sizes(cfg)
-    p = plan(cfg, K3_LONG, sizes, Hardware(budget_gib=80.0))
+    p = _plan(cfg, K3_LONG, Hardware(budget_gib=80.0))
     assert not p.feasible and p.min_budget_gib is not None and p.min_budget_gib > 80
     assert p.dominating in ("params", "grads", "optimizer", "slot_pool", "comm_buffers", "activations", "remote_in")
     assert f"minimum budget {p.min_budget_gib:.1f} GiB" in p.message
-    again = plan(cfg, K3_LONG, sizes, Hardware(budget_gib=p.min_budget_gib + 0.5))
+    again = _plan(cfg, K3_LONG, Hardware(budget_gib=p.min_budget_gib + 0.5))
     assert again.feasible
     # sharding fp32 gradients (K3_SYSTEMS §10) lowers the minimum budget (86.5 GiB with the analytic profile of
     # moonrt's layers; the old fused-kernel estimate had it below 80)
-    sharded = JobLayout(**{**{f: getattr(K3_LONG, f) for f in K3_LONG.__slots__}, "shard_grads": True})
-    sp = plan(cfg, sharded, sizes, Hardware(budget_gib=80.0))
+    sharded = dataclasses.replace(K3_LONG, shard_grads=True)
+    sp = _plan(cfg, sharded, Hardware(budget_gib=80.0))
     assert sp.feasible or sp.min_budget_gib < p.min_budget_gib - 10
 
 
 def test_budget_below_parameter_memory_is_clear():
     cfg = k3()
-    p = plan(cfg, JobLayout(pp=2, ep=8, seq_len=4096, microbatches=4), param_sizes(cfg), Hardware(budget_gib=80))
+    p = _plan(cfg, JobLayout(parallel=ParallelConfig(pp=2, ep=8), seq_len=4096, microbatches=4),
+              Hardware(budget_gib=80))
     assert not p.feasible and p.dominating == "params"
     assert "below the parameter memory of rank" in p.message
     with pytest.raises(ValueError, match="budget_gib = -1"):
-        plan(cfg, K3_LONG, param_sizes(cfg), Hardware(budget_gib=-1))
+        _plan(cfg, K3_LONG, Hardware(budget_gib=-1))
     with pytest.raises(ValueError, match="ep = 5: expected a divisor of num_experts"):
-        plan(cfg, JobLayout(pp=16, ep=5, seq_len=4096, microbatches=16), param_sizes(cfg), Hardware())
+        _plan(cfg, JobLayout(parallel=ParallelConfig(pp=16, ep=5), seq_len=4096, microbatches=16), Hardware())
     with pytest.raises(ValueError, match="solver = 'cplex'"):
-        plan(cfg, K3_LONG, param_sizes(cfg), Hardware(), solver="cplex")
+        _plan(cfg, K3_LONG, Hardware(), solver="cplex")
 
 
 def test_policy_yaml_loads_and_matches_k3_tiny_modules(tmp_path):
@@ -99,10 +109,10 @@ def test_policy_yaml_loads_and_matches_k3_tiny_modules(tmp_path):
     from moonrt.model.model import K3Model
 
     cfg = k3_tiny()
-    layout = JobLayout(seq_len=4096, microbatches=4, ep=1)
-    keep = plan(cfg, layout, param_sizes(cfg), Hardware(budget_gib=1000, reserve_gib=0))
+    layout = JobLayout(seq_len=4096, microbatches=4)
+    keep = _plan(cfg, layout, Hardware(budget_gib=1000, reserve_gib=0))
     need = keep.ranks[0].total / GIB
-    p = plan(cfg, layout, param_sizes(cfg), Hardware(budget_gib=need * 0.6, reserve_gib=0, host_gib=0.01))
+    p = _plan(cfg, layout, Hardware(budget_gib=need * 0.6, reserve_gib=0, host_gib=0.01))
     assert p.feasible
     assert any(v != "keep" for v in p.ranks[0].choice.values())
     data = policy_dict(p.ranks[0])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moonrt.k3_memory import param_sizes
 from moonrt.memory.manager import ActivationManager
 from moonrt.memory.model_memory import (
     JobLayout,
@@ -21,7 +22,6 @@ from moonrt.memory.model_memory import (
     rank_models,
     traced_profile,
 )
-from moonrt.memory.plan import param_sizes
 from moonrt.model.config import k3_tiny
 from moonrt.model.model import K3Model
 

@@ -2,7 +2,7 @@
 
 Each layer kind of moonrt's K3 (KDA, MLA, LatentMoE, dense FFN, RMSNorm, AttnRes mix, head, embedding)
 is built standalone, run on 256 tokens under the activation manager (keep), and the bytes it leaves
-saved for backward are compared with :func:`moonrt.memory.k3_profile.class_terms`: within 10% per
+saved for backward are compared with :func:`moonrt.k3_memory.class_terms`: within 10% per
 class and 5% in total, for k3_tiny and for K3's real widths (experts reduced so it fits). Then the
 planner's whole-model prediction for a k3_tiny forward of 8 x 128 tokens against the measurement.
 """
@@ -14,10 +14,11 @@ import dataclasses
 import pytest
 import torch
 
-from moonrt.memory.k3_profile import KIND_SOURCES, class_terms, kind_modules, measure_kind
+from moonrt.config import ParallelConfig
+from moonrt.k3_memory import KIND_SOURCES, class_terms, default_profile, kind_modules, measure_kind, param_sizes
 from moonrt.memory.manager import ActivationManager
 from moonrt.memory.model_memory import JobLayout
-from moonrt.memory.plan import Hardware, param_sizes, plan
+from moonrt.memory.plan import Hardware, plan
 from moonrt.memory.policy import MemoryPolicy
 from moonrt.model.config import k3, k3_tiny
 from moonrt.model.model import K3Model
@@ -79,9 +80,10 @@ def test_mem_plan_predicts_k3_tiny_forward_fp32():
     """The planner's activation term (pp = 1, one micro-batch of 8 x 128 tokens, fp32) vs what a real
     k3_tiny forward leaves saved for backward (the old fused-kernel profile said ~2.5x less)."""
     cfg = k3_tiny()
-    layout = JobLayout(micro_batch_size=8, seq_len=128, microbatches=1, pp=1, vpp=1, ep=1, cp=1, schedule="1f1b",
+    layout = JobLayout(micro_batch_size=8, seq_len=128, microbatches=1, parallel=ParallelConfig(), schedule="1f1b",
                        act_bytes=4, param_bytes=4)
-    p = plan(cfg, layout, param_sizes(cfg), Hardware(budget_gib=100, reserve_gib=0))
+    p = plan(cfg, layout, param_sizes(cfg), Hardware(budget_gib=100, reserve_gib=0),
+             profile=default_profile(cfg, layout))
     got = _measured_forward(cfg, 8, 128)
     assert abs(p.ranks[0].activations_keep - got) <= 0.10 * got, (p.ranks[0].activations_keep, got)
 
@@ -89,10 +91,10 @@ def test_mem_plan_predicts_k3_tiny_forward_fp32():
 @pytest.mark.parametrize("dtype", ["fp32"])
 def test_traced_profile_plans_like_analytic(dtype):
     """``--profile traced`` (probe forwards per layer kind, scaled) and the analytic profile agree on k3_tiny."""
-    from moonrt.memory.k3_profile import default_profile, traced_profile_by_kind
+    from moonrt.k3_memory import traced_profile_by_kind
 
     cfg = k3_tiny()
-    layout = JobLayout(micro_batch_size=2, seq_len=512, microbatches=1, pp=1, vpp=1, ep=1, cp=1, schedule="1f1b",
+    layout = JobLayout(micro_batch_size=2, seq_len=512, microbatches=1, parallel=ParallelConfig(), schedule="1f1b",
                        act_bytes=4, param_bytes=4)
     traced = traced_profile_by_kind(cfg, torch.float32, 512, 2, 1, probe_tokens=256, max_experts=16)
     hw = Hardware(budget_gib=100, reserve_gib=0)

@@ -1,8 +1,9 @@
 """Memory model of a K3 training job per pipeline rank (K3_SYSTEMS §1, §6, §8, §10).
 
 Pure functions of a model config (duck-typed: the HF field names of ``K3Config``), a
-:class:`JobLayout` and per-layer parameter counts (:class:`ParamSizes`, built from
-``moonrt.model.params`` by the caller: the runtime never imports the model package).
+:class:`JobLayout` and per-part parameter counts (:class:`ParamSizes`) and a per-layer activation
+:class:`Profile`, both supplied by the caller (for K3: :mod:`moonrt.k3_memory`, reached through the
+model registry :mod:`moonrt.models`); the runtime never imports the model package.
 
 Per rank ``r`` of ``pp`` (chunks ``c`` of ``vpp`` hold stages ``c * pp + r``; layers are cut into
 ``pp * vpp`` near-equal contiguous stages as :meth:`K3Model.stages` does):
@@ -29,6 +30,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from moonrt.config import ParallelConfig
 from moonrt.ops import fp8 as fp8mod
 from moonrt.scheduler.pipeline import Schedule, build_schedule, in_flight
 
@@ -40,11 +42,9 @@ OFFLOAD = ("host", "disk", "remote", "fp8+host", "fp8+disk", "fp8+remote")
 class JobLayout:
     """Parallel layout and batch of the job being planned (K3_SYSTEMS §10)."""
 
-    dp: int = 1
-    pp: int = 1
-    vpp: int = 1
-    ep: int = 1
-    cp: int = 1
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    """Degrees of the parallel dimensions (``dp``, ``pp``, ``vpp``, ``ep``, ``cp``): the same config a
+    training job holds."""
     micro_batch_size: int = 1
     seq_len: int = 4096
     microbatches: int = 8
@@ -62,23 +62,26 @@ class JobLayout:
 
     def tokens(self) -> int:
         """Tokens per micro-batch on one rank: ``micro_batch_size * seq_len / cp``."""
-        return self.micro_batch_size * self.seq_len // self.cp
+        return self.micro_batch_size * self.seq_len // self.parallel.cp
 
     def check(self, num_layers: int, num_experts: int) -> None:
-        for name in ("dp", "pp", "vpp", "ep", "cp", "micro_batch_size", "seq_len", "microbatches"):
+        """Raise ValueError (a :class:`~moonrt.config.ConfigError` for the degrees) naming the first bad field."""
+        par = self.parallel
+        par.validate()
+        for name in ("micro_batch_size", "seq_len", "microbatches"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} = {v!r}: expected an integer >= 1")
-        if self.seq_len % self.cp:
-            raise ValueError(f"seq_len = {self.seq_len}: expected a multiple of cp ({self.cp})")
-        if num_experts % self.ep:
-            raise ValueError(f"ep = {self.ep}: expected a divisor of num_experts ({num_experts})")
-        if self.pp * self.vpp > num_layers:
-            raise ValueError(f"pp * vpp = {self.pp * self.vpp}: expected <= num_hidden_layers ({num_layers})")
-        if self.schedule == "interleaved" and self.vpp < 2:
-            raise ValueError(f"vpp = {self.vpp}: expected >= 2 for schedule 'interleaved'")
-        if self.schedule != "interleaved" and self.vpp != 1:
-            raise ValueError(f"vpp = {self.vpp}: expected 1 for schedule {self.schedule!r}")
+        if self.seq_len % par.cp:
+            raise ValueError(f"seq_len = {self.seq_len}: expected a multiple of cp ({par.cp})")
+        if num_experts % par.ep:
+            raise ValueError(f"ep = {par.ep}: expected a divisor of num_experts ({num_experts})")
+        if par.pp * par.vpp > num_layers:
+            raise ValueError(f"pp * vpp = {par.pp * par.vpp}: expected <= num_hidden_layers ({num_layers})")
+        if self.schedule == "interleaved" and par.vpp < 2:
+            raise ValueError(f"vpp = {par.vpp}: expected >= 2 for schedule 'interleaved'")
+        if self.schedule != "interleaved" and par.vpp != 1:
+            raise ValueError(f"vpp = {par.vpp}: expected 1 for schedule {self.schedule!r}")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -377,15 +380,15 @@ def _live_points(schedule: Schedule, rank: int) -> tuple[tuple[int, ...], ...]:
 def rank_models(cfg: Any, layout: JobLayout, sizes: ParamSizes, profile: Profile,
                 tflops: float = 400.0) -> list[RankModel]:
     """Static bytes, saved-class counts per chunk and schedule live points for every pipeline rank."""
-    n = cfg.num_hidden_layers
+    n, par = cfg.num_hidden_layers, layout.parallel
     layout.check(n, cfg.num_experts)
-    sched = build_schedule(layout.schedule, layout.pp, layout.microbatches, layout.vpp)
+    sched = build_schedule(layout.schedule, par.pp, layout.microbatches, par.vpp)
     T = layout.tokens()
-    E, ep, k = cfg.num_experts, layout.ep, cfg.num_experts_per_token
+    E, ep, k = cfg.num_experts, par.ep, cfg.num_experts_per_token
     types = cfg.layer_types()
     out = []
-    for r in range(layout.pp):
-        chunks = stage_layers(n, layout.pp, layout.vpp, r)
+    for r in range(par.pp):
+        chunks = stage_layers(n, par.pp, par.vpp, r)
         dense = local_experts = 0
         chunk_classes = []
         active = 0.0
@@ -401,12 +404,12 @@ def rank_models(cfg: Any, layout: JobLayout, sizes: ParamSizes, profile: Profile
                     dense += sizes.dense_ffn
                 for name in profile.layers[i].classes:
                     counts[name] = counts.get(name, 0) + 1
-            stage = c * layout.pp + r
+            stage = c * par.pp + r
             if stage == 0:
                 dense += sizes.embed
                 for name in profile.embed:
                     counts[name] = counts.get(name, 0) + 1
-            if stage == layout.pp * layout.vpp - 1:
+            if stage == par.pp * par.vpp - 1:
                 dense += sizes.lm_head
                 for name in profile.head:
                     counts[name] = counts.get(name, 0) + 1
@@ -414,14 +417,14 @@ def rank_models(cfg: Any, layout: JobLayout, sizes: ParamSizes, profile: Profile
         active += dense - (sizes.embed if r == 0 else 0)
         has_moe = any(cfg.is_moe_layer(i) for rng in chunks for i in rng)
         params = dense + local_experts
-        sharded = dense / (layout.dp * ep * layout.cp) + local_experts / (layout.dp * layout.cp)
+        sharded = dense / (par.dp * ep * par.cp) + local_experts / (par.dp * par.cp)
         slot_pool = (E // ep) * sizes.routed_expert * (layout.param_bytes + 4) if has_moe and ep > 1 else 0
         comm = 0.0
         if ep > 1 and has_moe:
             comm += 2 * 2 * T * k * cfg.routed_expert_hidden_size * layout.act_bytes
-        if layout.pp > 1:
+        if par.pp > 1:
             comm += 2 * 2 * T * cfg.hidden_size * layout.act_bytes
-        if layout.dp * layout.cp * ep > 1:
+        if par.dp * par.cp * ep > 1:
             comm += 2 * layout.dp_bucket_mib * 2**20
         static = {
             "params": params * layout.param_bytes,

@@ -1,7 +1,9 @@
-"""Memory-budget planner and ``moonrt mem-plan`` (K3_SYSTEMS §8 "Memory-budget planning", §10).
+"""Memory-budget planner (K3_SYSTEMS §8 "Memory-budget planning", §10); its command line is the job
+``moonrt mem-plan`` (:mod:`moonrt.mem_plan`).
 
-``plan(...)`` is a pure function: from a model config, a :class:`JobLayout`, parameter sizes, an
-activation profile and a :class:`Hardware` budget it chooses, per pipeline rank and saved-tensor
+``plan(...)`` is a pure function: from a model config, a :class:`JobLayout`, parameter sizes and an
+activation profile supplied by the model's client (:mod:`moonrt.models`; the planner never imports the
+model) and a :class:`Hardware` budget it chooses, per pipeline rank and saved-tensor
 class, one storage policy among keep / recompute / FP8 / host / disk / remote (and FP8 compositions)
 minimizing the added step time, subject to:
 
@@ -21,7 +23,6 @@ budget) and the term that dominates on the worst rank.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import math
@@ -31,7 +32,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from moonrt.memory.k3_profile import default_profile
 from moonrt.memory.model_memory import (
     GIB,
     JobLayout,
@@ -112,7 +112,7 @@ def _policies(layout: JobLayout, hw: Hardware) -> list[str]:
     pols = ["keep", "recompute", "fp8", "host", "fp8+host"]
     if hw.disk_gib > 0:
         pols += ["disk", "fp8+disk"]
-    if layout.pp > 1:
+    if layout.parallel.pp > 1:
         pols += ["remote", "fp8+remote"]
     return pols
 
@@ -169,7 +169,7 @@ def _build_and_solve(pulp: Any, rms: list[RankModel], profile: Profile, layout: 
     added = {}
     rout = {r.rank: pulp.LpVariable(f"rout_{r.rank}", 0) for r in rms}
     pdev = {r.rank: pulp.LpVariable(f"pdev_{r.rank}", 0) for r in rms}
-    peer = {r.rank: layout.pp - 1 - r.rank for r in rms}
+    peer = {r.rank: layout.parallel.pp - 1 - r.rank for r in rms}
     for rm in rms:
         r = rm.rank
         names = sorted({n for cc in rm.chunk_classes for n in cc})
@@ -307,7 +307,7 @@ def _rank_plans(rms: list[RankModel], profile: Profile, layout: JobLayout, hw: H
             traffic = sum(2 * m * totals[n] * profile.classes[n].bytes(p, T)[1] / (bw * 1e9)
                           for n, p in ch.items() if _tier(p) == tier)
             added += max(0.0, traffic - rm.compute_s)
-        src = layout.pp - 1 - rm.rank
+        src = layout.parallel.pp - 1 - rm.rank
         rin = remote_out[src] if src != rm.rank else 0.0
         cl = {n: tuple(i for i in rm.layers if n in profile.layers[i].classes) for n in ch}
         plans.append(RankPlan(rm.rank, rm.layers, dict(rm.static), keep, dev, tier_b["host"], tier_b["disk"],
@@ -316,9 +316,13 @@ def _rank_plans(rms: list[RankModel], profile: Profile, layout: JobLayout, hw: H
     return plans
 
 
-def plan(cfg: Any, layout: JobLayout, sizes: ParamSizes, hw: Hardware, profile: Profile | None = None,
+def plan(cfg: Any, layout: JobLayout, sizes: ParamSizes, hw: Hardware, profile: Profile,
          solver: str = "highs") -> Plan:
-    """Choose storage policies per rank and class under ``hw.budget_gib`` (see module docstring)."""
+    """Choose storage policies per rank and class under ``hw.budget_gib`` (see module docstring).
+
+    ``cfg`` is read only through its structural fields (:func:`~moonrt.memory.model_memory.rank_models`);
+    ``sizes`` and ``profile`` describe the model (for K3: ``moonrt.models.K3.param_sizes`` /
+    ``memory_profile``)."""
     if solver not in ("highs", "greedy"):
         raise ValueError(f"solver = {solver!r}: expected 'highs' or 'greedy'")
     if not (math.isfinite(hw.budget_gib) and hw.budget_gib > 0):
@@ -334,7 +338,6 @@ def plan(cfg: Any, layout: JobLayout, sizes: ParamSizes, hw: Hardware, profile: 
     if hw.reserve_gib >= hw.budget_gib:
         raise ValueError(f"reserve_gib = {hw.reserve_gib:g}: expected less than the budget ({hw.budget_gib:g} GiB); "
                          "the reserve is device memory kept free for allocator fragmentation and workspaces")
-    profile = profile or default_profile(cfg, layout)
     t0 = time.perf_counter()
     rms = rank_models(cfg, layout, sizes, profile, hw.tflops)
     cap = hw.budget_gib - hw.reserve_gib
@@ -460,31 +463,5 @@ def plot(p: Plan, path: str | Path) -> None:
     plt.close(fig)
 
 
-def param_sizes(cfg: Any) -> ParamSizes:
-    """Per-part parameter counts from ``moonrt.model.params`` (the tool layer may read the model)."""
-    from moonrt.model import params as mp
-
-    return ParamSizes(kda=mp.kda_params(cfg), mla=mp.mla_params(cfg), dense_ffn=mp.glu_params(
-        cfg.hidden_size, cfg.intermediate_size), moe_dense=mp.moe_dense_params(cfg),
-        routed_expert=mp.routed_expert_params(cfg), embed=cfg.vocab_size * cfg.hidden_size,
-        lm_head=0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size + 2 * cfg.hidden_size,
-        norm=4 * cfg.hidden_size)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of ``moonrt mem-plan`` (:mod:`moonrt.memory.plan_cli`)."""
-    from moonrt.memory.plan_cli import add_arguments as add
-
-    add(parser)
-
-
-def run(args: argparse.Namespace) -> int:
-    """``moonrt mem-plan`` (:mod:`moonrt.memory.plan_cli`)."""
-    from moonrt.memory.plan_cli import run as main
-
-    return main(args)
-
-
-
-__all__ = ["Hardware", "Plan", "RankPlan", "add_arguments", "default_reserve", "greedy", "param_sizes", "plan",
-           "plan_json", "plot", "policy_dict", "run", "table"]
+__all__ = ["Hardware", "Plan", "RankPlan", "default_reserve", "greedy", "plan", "plan_json", "plot", "policy_dict",
+           "table"]

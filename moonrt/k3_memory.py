@@ -1,11 +1,15 @@
-"""K3 adapter of the memory planner: saved-activation profiles of moonrt's K3 layers (K3_SYSTEMS §8, §10).
+"""K3's memory description for the memory planner: parameter sizes and saved-activation profiles of
+moonrt's K3 layers (K3_SYSTEMS §8, §10; formulas in docs/MEMORY_MODEL.md).
 
-Everything K3-specific the planner needs lives here (meant to move behind a model-description interface
-provided by the model client): :func:`analytic_profile` (per-term formulas of what moonrt's K3 layers
-save for backward,
-docs/MEMORY_MODEL.md), :func:`traced_profile_by_kind` (build each layer kind at the configured widths,
-run it on a few tokens under the :class:`~moonrt.memory.manager.ActivationManager` and scale), and
-:func:`layer_specs` (which classes each decoder layer holds; AttnRes is counted per mixed source).
+The planner (:mod:`moonrt.memory.plan`, :mod:`moonrt.memory.model_memory`) is model-agnostic: it takes
+per-part parameter counts (:class:`~moonrt.memory.model_memory.ParamSizes`) and a per-layer activation
+profile (:class:`~moonrt.memory.model_memory.Profile`) from its caller. This job-layer module builds both
+for K3 and is what the K3 record of :mod:`moonrt.models` points at: :func:`param_sizes` (from the K3
+parameter table :mod:`moonrt.model.params`), :func:`analytic_profile` / :func:`default_profile`
+(per-term formulas of what moonrt's K3 layers save for backward), :func:`traced_profile_by_kind` (build
+each layer kind at the configured widths, run it on a few tokens under the
+:class:`~moonrt.memory.manager.ActivationManager` and scale), and :func:`layer_specs` (which classes each
+decoder layer holds; AttnRes is counted per mixed source).
 
 Bytes per class are ``lin * T + const`` for ``T`` tokens of one micro-batch on one rank (``quad`` is
 folded into ``lin`` at the planned sequence length: the profile is built for one layout). ``a`` is the
@@ -19,7 +23,9 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from moonrt.memory.model_memory import LayerSpec, Profile, SavedClass, kernel_profile
+from moonrt.memory.model_memory import JobLayout, LayerSpec, ParamSizes, Profile, SavedClass, kernel_profile
+from moonrt.model import params as mp
+from moonrt.model.config import K3Config
 from moonrt.ops import fp8 as fp8mod
 
 CHUNK = 64
@@ -374,33 +380,28 @@ def traced_profile_by_kind(cfg: Any, dtype: Any, seq_tokens: int, batch: int = 1
     return Profile(classes, layers, head, embed)
 
 
-def dtype_bytes(dtype: str) -> int:
-    """Element bytes of ``"bf16"`` / ``"fp32"``."""
-    try:
-        return {"bf16": 2, "fp32": 4}[dtype]
-    except KeyError:
-        raise ValueError(f"dtype = {dtype!r}: expected 'bf16' or 'fp32'") from None
-
-
-def default_dtype() -> str:
-    """The runtime's training dtype on this machine: bf16 with a CUDA device, else fp32."""
-    import torch
-
-    return "bf16" if torch.cuda.is_available() else "fp32"
-
-
-__all__ = ["Term", "analytic_profile", "attn_res_sources", "class_terms", "default_dtype", "default_profile",
-           "dtype_bytes", "kind_modules", "layer_specs", "measure_kind", "traced_profile_by_kind"]
-
-
-def default_profile(cfg: Any, layout: Any, sdpa: str | None = None) -> Profile:
+def default_profile(cfg: Any, layout: JobLayout, sdpa: str | None = None) -> Profile:
     """:func:`analytic_profile` for a :class:`~moonrt.memory.model_memory.JobLayout`: activation bytes
     ``layout.act_bytes``, one sequence slice of ``seq_len / cp`` tokens, ``micro_batch_size`` sequences;
     attention ``sdpa`` defaults to ``"math"`` in fp32 (the CPU path) and ``"fused"`` in bf16 (GPU kernels).
     In bf16 the active experts of a MoE layer on a rank are its ``E / ep`` home experts plus as many
     MoonEP slot copies (all ``E`` without EP), at most one per routed assignment."""
     sdpa = sdpa or ("math" if layout.act_bytes == 4 else "fused")
-    E, ep = cfg.num_experts, layout.ep
+    E, ep, cp = cfg.num_experts, layout.parallel.ep, layout.parallel.cp
     active = min(E if ep == 1 else 2 * (E // ep), layout.tokens() * cfg.num_experts_per_token)
-    return analytic_profile(cfg, layout.act_bytes, layout.seq_len // layout.cp, layout.micro_batch_size,
-                            layout.cp, sdpa, active)
+    return analytic_profile(cfg, layout.act_bytes, layout.seq_len // cp, layout.micro_batch_size, cp, sdpa, active)
+
+
+def param_sizes(cfg: K3Config) -> ParamSizes:
+    """Parameter counts of one instance of each part of a K3 model (the K3 parameter table,
+    :mod:`moonrt.model.params`): attention sub-layers, dense FFN, the always-active part of a MoE layer,
+    one routed expert, embedding, LM head (+ final norm and AttnRes query) and per-layer norms + queries."""
+    return ParamSizes(kda=mp.kda_params(cfg), mla=mp.mla_params(cfg), dense_ffn=mp.glu_params(
+        cfg.hidden_size, cfg.intermediate_size), moe_dense=mp.moe_dense_params(cfg),
+        routed_expert=mp.routed_expert_params(cfg), embed=cfg.vocab_size * cfg.hidden_size,
+        lm_head=0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size + 2 * cfg.hidden_size,
+        norm=4 * cfg.hidden_size)
+
+
+__all__ = ["KIND_SOURCES", "Term", "analytic_profile", "attn_res_sources", "class_terms", "default_profile",
+           "kind_modules", "layer_specs", "measure_kind", "param_sizes", "traced_profile_by_kind"]

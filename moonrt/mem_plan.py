@@ -1,5 +1,8 @@
 """``moonrt mem-plan``: the memory-budget planner's command line (K3_SYSTEMS §8, §10; docs/MEMORY_MODEL.md).
 
+A job: it looks the model up in the registry (:mod:`moonrt.models`: preset config, parameter sizes,
+activation profile) and hands that description to the model-agnostic planner (:mod:`moonrt.memory.plan`).
+
 Every flag is checked before any work: a bad value is one line on stderr naming the flag, the value
 and what was expected, exit 2 (an unwritable ``--out`` included). Exit 1 when a budget does not fit.
 """
@@ -13,9 +16,25 @@ import sys
 import tempfile
 from pathlib import Path
 
-from moonrt.memory.k3_profile import default_dtype, default_profile, dtype_bytes, traced_profile_by_kind
+from moonrt.config import ParallelConfig
 from moonrt.memory.model_memory import JobLayout
-from moonrt.memory.plan import Hardware, param_sizes, plan, plan_json, plot, policy_dict, table
+from moonrt.memory.plan import Hardware, plan, plan_json, plot, policy_dict, table
+from moonrt.models import presets
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Element bytes of ``"bf16"`` / ``"fp32"``."""
+    try:
+        return {"bf16": 2, "fp32": 4}[dtype]
+    except KeyError:
+        raise ValueError(f"dtype = {dtype!r}: expected 'bf16' or 'fp32'") from None
+
+
+def default_dtype() -> str:
+    """The runtime's training dtype on this machine: bf16 with a CUDA device, else fp32."""
+    import torch
+
+    return "bf16" if torch.cuda.is_available() else "fp32"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -112,20 +131,20 @@ def _check_args(args: argparse.Namespace) -> str | None:
 def run(args: argparse.Namespace) -> int:
     import yaml
 
-    from moonrt.model.config import PRESETS
-
-    if args.model not in PRESETS:
-        return _fail(f"--model = {args.model!r}: expected one of {', '.join(PRESETS)}")
+    models = presets()
+    if args.model not in models:
+        return _fail(f"--model = {args.model!r}: expected one of {', '.join(models)}")
     bad = _check_args(args)
     if bad:
         return _fail(bad)
-    cfg = PRESETS[args.model]()
+    spec = models[args.model]
+    cfg = spec.presets[args.model]()
     dtype = args.dtype or default_dtype()
     ab = dtype_bytes(dtype)
-    layout = JobLayout(dp=args.dp, pp=args.pp, vpp=args.vpp, ep=args.ep, cp=args.cp,
-                       micro_batch_size=args.micro_batch_size, seq_len=args.seq_len, microbatches=args.microbatches,
-                       schedule=args.schedule, optim_bytes=args.optim_bytes, shard_grads=args.shard_grads,
-                       act_bytes=ab, param_bytes=ab)
+    par = ParallelConfig(dp=args.dp, pp=args.pp, vpp=args.vpp, ep=args.ep, cp=args.cp)
+    layout = JobLayout(parallel=par, micro_batch_size=args.micro_batch_size, seq_len=args.seq_len,
+                       microbatches=args.microbatches, schedule=args.schedule, optim_bytes=args.optim_bytes,
+                       shard_grads=args.shard_grads, act_bytes=ab, param_bytes=ab)
     try:
         layout.check(cfg.num_hidden_layers, cfg.num_experts)
         if args.profile == "traced":
@@ -134,14 +153,14 @@ def run(args: argparse.Namespace) -> int:
             if args.probe_experts < cfg.num_experts_per_token + 1:
                 return _fail(f"--probe-experts = {args.probe_experts}: expected >= top-k + 1 "
                              f"({cfg.num_experts_per_token + 1})")
-            profile = traced_profile_by_kind(cfg, torch.float32 if dtype == "fp32" else torch.bfloat16,
-                                             layout.seq_len // layout.cp, layout.micro_batch_size, layout.cp,
-                                             args.probe_tokens, args.probe_experts)
+            profile = spec.traced_memory_profile(cfg, torch.float32 if dtype == "fp32" else torch.bfloat16,
+                                                 layout.seq_len // par.cp, layout.micro_batch_size, par.cp,
+                                                 args.probe_tokens, args.probe_experts)
         else:
-            profile = default_profile(cfg, layout, args.attention)
+            profile = spec.memory_profile(cfg, layout, args.attention)
     except ValueError as exc:
         return _fail(str(exc))
-    sizes = param_sizes(cfg)
+    sizes = spec.param_sizes(cfg)
     rc = 0
     out = Path(args.out) if args.out else None
     attention = "" if args.profile == "traced" else f", attention {args.attention or ('math' if ab == 4 else 'fused')}"
@@ -152,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
             p = plan(cfg, layout, sizes, hw, profile=profile, solver=args.solver)
         except ValueError as exc:
             return _fail(str(exc))
-        print(f"== {args.model} {dtype}: dp={layout.dp} pp={layout.pp} vpp={layout.vpp} ep={layout.ep} cp={layout.cp} "
+        print(f"== {args.model} {dtype}: dp={par.dp} pp={par.pp} vpp={par.vpp} ep={par.ep} cp={par.cp} "
               f"seq={layout.seq_len} mbs={layout.micro_batch_size} m={layout.microbatches} {layout.schedule}; "
               f"{layout.tokens()} tokens/rank/micro-batch; {args.profile} profile{attention}; budget {b:g} GiB "
               f"(reserve {hw.reserve_gib:g} GiB)")
@@ -177,4 +196,4 @@ def run(args: argparse.Namespace) -> int:
     return rc
 
 
-__all__ = ["add_arguments", "param_sizes", "run"]
+__all__ = ["add_arguments", "default_dtype", "dtype_bytes", "run"]

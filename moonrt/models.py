@@ -1,0 +1,111 @@
+"""Model registry of the job layer: how a job gets a model client and what the runtime needs to know about it.
+
+A :class:`ModelSpec` (like torchtitan's ``ModelSpec``) is one record per model family: its config presets,
+its build function, its parameter counts, and the memory description the planner takes instead of
+importing the model (:class:`~moonrt.memory.model_memory.ParamSizes` per part and a per-layer
+:class:`~moonrt.memory.model_memory.Profile` of saved activations). Jobs (``moonrt mem-plan``, ``moonrt
+train``) look the model up here; the runtime never imports ``moonrt.model`` (docs/ARCHITECTURE.md §1).
+Parallelizing needs no entry: the parallel parts reach the model through the seams and the small duck-typed
+surface described there (``moe_layers()``, the stage API).
+
+The K3 record's functions import torch and the layer modules lazily, so ``moonrt mem-plan`` with the
+analytic profile stays light.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from moonrt.model.config import PRESETS as K3_PRESETS
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """What a job needs to build a model family and to plan its memory.
+
+    Callables take the family's config object (``cfg``); the memory planner reads that config only
+    through the structural fields it documents (``num_hidden_layers``, ``layer_types()``,
+    ``is_moe_layer(i)``, ``num_experts``, ``num_experts_per_token``, ``hidden_size``,
+    ``routed_expert_hidden_size``).
+    """
+
+    name: str
+    presets: Mapping[str, Callable[[], Any]]
+    """Preset name -> config factory (``moonrt mem-plan --model``, ``moonrt train --model``)."""
+    build: Callable[[Any, Mapping[str, Any] | None], Any]
+    """``build(cfg, options)`` -> a single-device ``nn.Module`` (``options``: the job's model options, e.g.
+    K3's ``moe`` mapping; None for the defaults)."""
+    param_count: Callable[[Any], int]
+    """Total parameters of ``build(cfg)`` computed from the config alone (no instantiation)."""
+    param_sizes: Callable[[Any], Any]
+    """``cfg`` -> :class:`~moonrt.memory.model_memory.ParamSizes` (parameters of one instance of each part)."""
+    memory_profile: Callable[..., Any]
+    """``(cfg, layout, sdpa=None)`` -> analytic :class:`~moonrt.memory.model_memory.Profile` at a
+    :class:`~moonrt.memory.model_memory.JobLayout` (``sdpa``: ``"math"`` / ``"fused"``, None: by dtype)."""
+    traced_memory_profile: Callable[..., Any]
+    """``(cfg, dtype, seq_tokens, batch, cp, probe_tokens, max_experts)`` -> a Profile measured by running each
+    layer kind under the activation manager."""
+
+
+def _k3_build(cfg: Any, options: Mapping[str, Any] | None = None) -> Any:
+    from moonrt.model.model import K3Model
+    from moonrt.model.moe import moe_config_from_dict
+
+    return K3Model(cfg, moe_config_from_dict(dict(options) if options is not None else None))
+
+
+def _k3_param_count(cfg: Any) -> int:
+    from moonrt.model.params import count_params
+
+    return count_params(cfg).total
+
+
+def _k3_param_sizes(cfg: Any) -> Any:
+    from moonrt.k3_memory import param_sizes
+
+    return param_sizes(cfg)
+
+
+def _k3_memory_profile(cfg: Any, layout: Any, sdpa: str | None = None) -> Any:
+    from moonrt.k3_memory import default_profile
+
+    return default_profile(cfg, layout, sdpa)
+
+
+def _k3_traced_memory_profile(*args: Any, **kwargs: Any) -> Any:
+    from moonrt.k3_memory import traced_profile_by_kind
+
+    return traced_profile_by_kind(*args, **kwargs)
+
+
+K3 = ModelSpec(name="k3", presets=K3_PRESETS, build=_k3_build, param_count=_k3_param_count,
+               param_sizes=_k3_param_sizes, memory_profile=_k3_memory_profile,
+               traced_memory_profile=_k3_traced_memory_profile)
+
+MODELS: dict[str, ModelSpec] = {"k3": K3}
+"""Every registered model family by name."""
+
+
+def presets() -> dict[str, ModelSpec]:
+    """Every preset name of every registered family -> its :class:`ModelSpec` (registry order)."""
+    out: dict[str, ModelSpec] = {}
+    for spec in MODELS.values():
+        for name in spec.presets:
+            if name in out:
+                raise ValueError(f"preset {name!r}: defined by both {out[name].name!r} and {spec.name!r}")
+            out[name] = spec
+    return out
+
+
+def from_preset(name: str) -> tuple[ModelSpec, Any]:
+    """The :class:`ModelSpec` defining preset ``name`` and the preset's config; ValueError naming the presets."""
+    table = presets()
+    if name not in table:
+        raise ValueError(f"model = {name!r}: expected one of {', '.join(table)}")
+    spec = table[name]
+    return spec, spec.presets[name]()
+
+
+__all__ = ["K3", "MODELS", "ModelSpec", "from_preset", "presets"]
