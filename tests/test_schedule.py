@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 from moonrt.scheduler.pipeline import (
+    OPS,
     SCHEDULES,
     Action,
     Schedule,
@@ -155,3 +156,87 @@ def test_bad_input(kind, p, m, v, msg):
 def test_names():
     assert SCHEDULES == ("gpipe", "1f1b", "interleaved", "zb", "zbv")
     assert build_schedule("zb1p", 2, 2).kind == "zb"
+
+
+# ---- cross-check against torch.distributed.pipelining's orders (no process group) ---------------------
+# The schedule classes only read num_stages / group_size / group_rank / stage_index of their stages to build
+# `pipeline_order` (compute only, None = idle slot) and `pipeline_order_with_comms` (lowered), so stand-in
+# stage objects suffice.
+
+
+def _torch_order(cls_name: str, p: int, v: int, m: int, comms: bool = False) -> Schedule:
+    import logging
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining import schedules as ts
+
+    cls = getattr(ts, cls_name)
+    stages = [SimpleNamespace(num_stages=p * v, group_size=p, group_rank=0, stage_index=c * p, submod=None,
+                              is_first=c == 0, is_last=c == v - 1) for c in range(v)]
+    logging.getLogger(ts.__name__).setLevel(logging.ERROR)
+    t = cls(stages, m)
+    order = t.pipeline_order_with_comms if comms else t.pipeline_order
+    placement = "v" if cls_name == "ScheduleZBVZeroBubble" else "loop"
+    shell = Schedule("torch", p, v, m, tuple(() for _ in range(p)), placement)
+    acts = []
+    for r in range(p):
+        seq = []
+        for a in order[r]:
+            if a is None or a.computation_type.value not in OPS:
+                continue  # idle slots, UNSHARD / RESHARD / REDUCE_GRAD
+            assert shell.rank_of(a.stage_index) == r
+            seq.append(Action(a.computation_type.value, a.microbatch_index, shell.chunk_of(a.stage_index)))
+        acts.append(tuple(seq))
+    return dataclasses.replace(shell, actions=tuple(acts))
+
+
+TORCH_GRID = [(p, v, m) for p in (1, 2, 3, 4, 8) for v in (1, 2, 3, 4) for m in sorted({p, 2 * p, 3 * p, 4 * p})]
+
+
+@pytest.mark.parametrize("kind,cls_name", [("interleaved", "ScheduleInterleaved1F1B"),
+                                           ("zb", "ScheduleInterleavedZeroBubble"),
+                                           ("zbv", "ScheduleZBVZeroBubble")])
+def test_orders_equal_torch_pipelining(kind, cls_name):
+    """Our compute orders equal torch's `pipeline_order` (idle slots dropped) wherever both are defined:
+    interleaved 1F1B (Megatron's warm-up 2 (P-r-1) + (V-1) P), interleaved zero bubble (ZB1P: warm-up
+    (P-r-1) + (V-1) P, rank r defers r W passes) and ZB-V (V placement, built for max(M, 2P-1) micro-
+    batches and cut back). torch's lowered orders (`pipeline_order_with_comms`, receives posted early) also
+    pass our validator under blocking-receive semantics. We found no torch order on this grid that our
+    validator rejects."""
+    n = 0
+    for p, v, m in TORCH_GRID:
+        if (kind == "interleaved" and v < 2) or (kind == "zbv" and v != 2):
+            continue
+        mine = build_schedule(kind, p, m, v)
+        theirs = _torch_order(cls_name, p, v, m)
+        assert theirs.actions == mine.actions, (p, v, m)
+        if p in (2, 3) and m <= 2 * p:
+            validate(_torch_order(cls_name, p, v, m, comms=True))
+        n += 1
+    assert n >= 20
+
+
+def test_where_torch_differs():
+    """Two differences, both deliberate on our side:
+
+    1. torch's ScheduleInterleaved1F1B with ONE stage per rank is not 1F1B: its warm-up is still
+       2 (P-r-1) forwards (the interleaved formula with V = 1), so rank r holds min(2 (P-r) - 1, M)
+       micro-batches instead of 1F1B's P - r for no bubble gain. We refuse 'interleaved' with vpp = 1
+       and point to '1f1b'.
+    2. torch accepts interleaved M that are not multiples of P (its "flex" rounds, e.g. P = 4, M = 6 runs
+       one round of 6); its order is valid, but Megatron (and the K3 layout) require M % P == 0, and so do
+       we: we raise a clear error instead.
+    """
+    p, m = 4, 8
+    t = _torch_order("ScheduleInterleaved1F1B", p, 1, m)
+    ours = simulate(build_schedule("1f1b", p, m))
+    theirs = simulate(t)
+    assert theirs.peak_live == tuple(min(2 * (p - r) - 1, m) for r in range(p))
+    assert ours.peak_live == tuple(p - r for r in range(p))
+    assert theirs.bubble_fraction >= ours.bubble_fraction - 1e-12
+    with pytest.raises(ValueError, match="vpp = 1: expected >= 2 for schedule 'interleaved'"):
+        build_schedule("interleaved", p, m, 1)
+    flex = _torch_order("ScheduleInterleaved1F1B", 4, 2, 6)
+    validate(flex)
+    with pytest.raises(ValueError, match="microbatches = 6: expected a multiple of pp"):
+        build_schedule("interleaved", 4, 6, 2)
