@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sbatch": ("moonrt.cluster.sbatch", "write (and optionally submit) a SLURM batch script for a job"),
     "ep-sim": ("moonrt.scheduler.sim", "simulate expert placement (MoonEP, EPLB, none) on a routing workload"),
     "mem-plan": ("moonrt.mem_plan", "per-rank memory model and activation-policy plan for a budget (ILP)"),
+    "pp-plan": ("moonrt.pp_plan", "pipeline schedule (bubble, peak live) and AttnRes blocks per hop, naive vs cached"),
 }
 
 

@@ -1,0 +1,85 @@
+"""``moonrt pp-plan`` (issue 12 item 4): the JSON equals the closed forms in an aligned layout, the PNG is
+written, and bad input is one line on stderr with exit 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moonrt.cli import main
+from moonrt.pp_plan import compress
+
+
+@pytest.mark.parametrize("p,v,n_p,b,kind", [(4, 2, 2, 3, "interleaved"), (2, 3, 1, 4, "interleaved"),
+                                            (4, 1, 3, 2, "1f1b"), (3, 2, 2, 2, "zbv")])
+def test_json_equals_formulas_aligned(tmp_path, capsys, p, v, n_p, b, kind):
+    c = p * v
+    m = 2 * p
+    f = tmp_path / "plan.json"
+    rc = main(["pp-plan", "--model", "k3_tiny", "--pp", str(p), "--vpp", str(v), "--microbatches", str(m),
+               "--schedule", kind, "--num-layers", str(c * n_p * b), "--attn-res-block", str(b), "--json", str(f)])
+    assert rc == 0
+    assert "per micro-batch: blocks naive" in capsys.readouterr().out
+    d = json.loads(f.read_text())
+    blocks = d["blocks"]
+    tip = p * n_p + 1 if kind == "zbv" else 0  # V placement: hop P-1 -> P stays on rank P-1
+    assert blocks["naive_total"] == n_p * c * (c - 1) // 2 + (c - 1) - tip
+    assert blocks["naive_max_hop"] == (c - 1) * n_p + 1
+    if kind != "zbv":  # the closed form is for loop placement
+        assert blocks["cached_total"] == n_p * p * (p - 1) // 2 + (p - 1) + (v - 1) * p * (p - 1) * n_p
+        assert blocks["cached_max_hop"] == (p - 1) * n_p + 1
+    else:  # V placement: the tip hop is local, every block still reaches every later rank once
+        assert blocks["cached_total"] < blocks["naive_total"]
+    if kind == "1f1b":
+        assert d["bubble_fraction"] == pytest.approx((p - 1) / (m + p - 1))
+        assert d["peak_live"] == {str(r): p - r for r in range(p)}
+    if kind == "interleaved":
+        assert d["peak_live"] == {str(r): min(2 * (p - r - 1) + (v - 1) * p + 1, m * v) for r in range(p)}
+    assert set(d["actions"]) == {str(r) for r in range(p)}
+    ops = "FIW" if kind == "zbv" else "FB"
+    assert all(len(a) == len(ops) * m * v for a in d["actions"].values())
+    # bytes: (blocks + partial) * mbs * seq * hidden * 2 (bf16); aligned cuts carry no partial block
+    assert d["bytes"]["block"] == 4096 * 128 * 2
+    assert d["bytes"]["cached_total"] == blocks["cached_total"] * d["bytes"]["block"]
+    per_rank = sum(x["cached_blocks"] for x in d["sent_per_step"].values())
+    assert per_rank == blocks["cached_total"] * m
+
+
+def test_unaligned_k3_tiny_and_png(tmp_path, capsys):
+    out = tmp_path / "o"
+    rc = main(["pp-plan", "--model", "k3_tiny", "--pp", "2", "--vpp", "2", "--microbatches", "4",
+               "--schedule", "interleaved", "--out", str(out)])
+    assert rc == 0
+    d = json.loads((out / "plan.json").read_text())
+    # 9 layers in 4 stages (2, 2, 2, 3), blocks of 4: stage 0 -> 1 carries the embedding and an open block
+    assert [s["layers"] for s in d["stages"]] == [[0, 2], [2, 4], [4, 6], [6, 9]]
+    assert d["hops"][0]["cached"] == [0] and d["hops"][0]["partial"]
+    assert d["blocks"] == {"naive_total": 5, "cached_total": 2, "naive_max_hop": 2, "cached_max_hop": 1}
+    png = (out / "timeline.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 2000
+
+
+def test_compress():
+    assert compress(["F0", "F1", "F2", "B0", "F3", "B1", "B2", "B3"]) == "F0-2 B0 F3 B1-3"
+    assert compress(["F0.0", "F1.0", "F0.1", "F1.1", "W3.1"]) == "F0-1.0 F0-1.1 W3.1"
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--pp", "4", "--vpp", "2", "--schedule", "interleaved", "--microbatches", "2"],
+     "--microbatches = 2: expected >= pp (4) for schedule 'interleaved'"),
+    (["--pp", "4", "--vpp", "2", "--schedule", "interleaved", "--microbatches", "6"],
+     "--microbatches = 6: expected a multiple of pp (4)"),
+    (["--vpp", "2", "--schedule", "gpipe"], "--vpp = 2: expected 1 for schedule 'gpipe'"),
+    (["--vpp", "2", "--schedule", "1f1b"], "--vpp = 2: expected 1 for schedule '1f1b'"),
+    (["--schedule", "dualpipe"], "--schedule = 'dualpipe': expected one of gpipe, 1f1b, interleaved, zb, zbv"),
+    (["--model", "k3_tiny", "--pp", "10"], "--pp = 10: pp * vpp = 10 stages, expected <= --num-layers (9)"),
+    (["--model", "k2"], "--model = 'k2': expected one of k3, k3_tiny"),
+    (["--pp", "0"], "--pp = 0: expected an integer >= 1"),
+    (["--attn-res-block", "0"], "--attn-res-block = 0: expected an integer >= 1"),
+    (["--dtype", "fp8"], "--dtype = 'fp8': expected bf16 or fp32"),
+])
+def test_bad_input_exit_2_one_line(capsys, argv, msg):
+    assert main(["pp-plan", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and msg in err, err
