@@ -20,8 +20,8 @@ from moonrt.model.moe import (
     MoEConfig,
     RoutedExperts,
     moe_config_from_dict,
-    reference_forward,
 )
+from moonrt.ops.grouped import moe_reference
 from moonrt.parallel.dispatch import LocalDispatcher
 
 
@@ -41,6 +41,31 @@ def make_moe(seed: int = 0, moe_config: MoEConfig | None = None, **changes) -> L
         if moe.norm is not None:
             moe.norm.weight.uniform_(0.5, 1.5)
     return moe
+
+
+def reference_forward(moe: LatentMoE, x: torch.Tensor) -> torch.Tensor:
+    """Naive LatentMoE (Eq. 11), written out independently of ``LatentMoE.forward``: routing in fp32,
+    the routed experts through :func:`moonrt.ops.grouped.moe_reference` (no dispatcher), then norm,
+    ``up_proj`` and shared experts.
+
+    ``x [B, T, D]`` -> ``[B, T, D]``; needs all experts (unsharded); differentiable in every parameter.
+    """
+    B, T, D = x.shape
+    x2 = x.reshape(B * T, D)
+    ex = moe.experts
+    dt = torch.promote_types(x.dtype, torch.float32)
+    scores = torch.sigmoid(x2.to(dt) @ moe.router.weight.to(dt).t())
+    ids = torch.topk(scores.detach() + moe.router.bias.to(dt), moe.top_k, dim=-1).indices
+    sel = scores.gather(1, ids)
+    p = sel / sel.sum(-1, keepdim=True) * moe.router.scaling
+    z = moe.down_proj(x2)
+    u = moe_reference(z, ids, p, *ex.weights(), act=ex.act, beta=ex.beta, linear_beta=ex.linear_beta)
+    if moe.norm is not None:
+        u = moe.norm(u)
+    y = moe.up_proj(u)
+    for expert in moe.shared_experts:
+        y = y + expert(x2)
+    return y.view(B, T, D)
 
 
 def grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:

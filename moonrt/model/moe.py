@@ -31,7 +31,7 @@ from moonrt.model.balance import AllReduce, MarginHistogram, maxvio, qb_bias_fro
 from moonrt.model.config import K3Config
 from moonrt.model.ffn import shared_expert
 from moonrt.model.norm import RMSNorm
-from moonrt.ops.grouped import grouped_glu_experts, moe_reference
+from moonrt.ops.grouped import grouped_glu_experts
 from moonrt.parallel.dispatch import Dispatcher, ExpertWeights, LocalDispatcher
 
 
@@ -313,26 +313,3 @@ def _reduce(t: torch.Tensor, all_reduce: AllReduce | None) -> torch.Tensor:
     out = all_reduce(t)
     return t if out is None else out
 
-
-def reference_forward(moe: LatentMoE, x: torch.Tensor) -> torch.Tensor:
-    """Naive LatentMoE (Eq. 11) for tests: routing written out in fp32, the routed experts through
-    :func:`moonrt.ops.grouped.moe_reference` (no dispatcher), then norm, ``up_proj`` and shared experts.
-
-    ``x [B, T, D]`` -> ``[B, T, D]``; needs all experts (unsharded); differentiable in every parameter.
-    """
-    B, T, D = x.shape
-    x2 = x.reshape(B * T, D)
-    ex = moe.experts
-    dt = torch.promote_types(x.dtype, torch.float32)
-    scores = torch.sigmoid(x2.to(dt) @ moe.router.weight.to(dt).t())
-    ids = torch.topk(scores.detach() + moe.router.bias.to(dt), moe.top_k, dim=-1).indices
-    sel = scores.gather(1, ids)
-    p = sel / sel.sum(-1, keepdim=True) * moe.router.scaling
-    z = moe.down_proj(x2)
-    u = moe_reference(z, ids, p, *ex.weights(), act=ex.act, beta=ex.beta, linear_beta=ex.linear_beta)
-    if moe.norm is not None:
-        u = moe.norm(u)
-    y = moe.up_proj(u)
-    for expert in moe.shared_experts:
-        y = y + expert(x2)
-    return y.view(B, T, D)
