@@ -53,15 +53,17 @@ class GLUFFN(nn.Module):
         return f"dim={self.dim}, hidden={self.hidden}, act={self.act!r}, betas=({self.beta}, {self.linear_beta})"
 
 
+def config_ffn(config: K3Config, hidden: int) -> GLUFFN:
+    """``GLUFFN(D, hidden)`` with the config's activation, caps and init (the dense and shared-expert FFNs)."""
+    return GLUFFN(config.hidden_size, hidden, act=config.hidden_act, beta=config.activation_situ_beta,
+                  linear_beta=config.activation_situ_linear_beta, init_std=config.initializer_range)
+
+
 def dense_ffn(config: K3Config) -> GLUFFN:
     """The dense FFN of the first ``first_k_dense_replace`` layers: ``GLUFFN(D, intermediate_size)``."""
-    return GLUFFN(config.hidden_size, config.intermediate_size, act=config.hidden_act,
-                  beta=config.activation_situ_beta, linear_beta=config.activation_situ_linear_beta,
-                  init_std=config.initializer_range)
+    return config_ffn(config, config.intermediate_size)
 
 
 def shared_expert(config: K3Config) -> GLUFFN:
     """One full-width shared expert of a LatentMoE layer: ``GLUFFN(D, moe_intermediate_size)`` (§5.1)."""
-    return GLUFFN(config.hidden_size, config.moe_intermediate_size, act=config.hidden_act,
-                  beta=config.activation_situ_beta, linear_beta=config.activation_situ_linear_beta,
-                  init_std=config.initializer_range)
+    return config_ffn(config, config.moe_intermediate_size)
