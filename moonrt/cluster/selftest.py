@@ -1,247 +1,136 @@
-"""``moonrt selftest``: verify the job's collectives on real ranks, then measure their bandwidth.
+"""``moonrt selftest``: verify moonrt's communication on real ranks, then measure it on this interconnect.
 
 Runs under any launcher (``moonrt launch -n 4 --selftest``, ``torchrun``, ``srun``, ``mpiexec``;
-alone it is a 1-rank job): joins the job with :func:`moonrt.cluster.env.init_distributed`, then
+alone it is a 1-rank job): joins the job with :func:`moonrt.cluster.env.init_distributed`, then runs
+each suite of ``--suite`` (default: every suite the world size allows) on every rank at once. Each
+suite first **checks** its results against a reference on every rank, then **measures** and rank 0
+prints a table (DeepEP's ``tests/test_intranode.py`` habit):
 
-1. **checks** all_reduce, all_to_all, all_gather and a send/recv ring against values every rank
-   computes locally (exact equality: inputs are small integers in fp32);
-2. **measures** each collective at several message sizes and prints, on rank 0, a table of time,
-   algorithm bandwidth and bus bandwidth (nccl-tests conventions: ``algbw = bytes / time`` with
-   ``bytes`` the per-rank message; ``busbw = algbw x 2(n-1)/n`` for all_reduce, ``x (n-1)/n`` for
-   all_gather and all_to_all, ``x 1`` for the ring), ending with a summary line.
+- ``collectives`` (:mod:`.selftest_collectives`): all_reduce, all_to_all, all_gather, a send/recv
+  ring; exact checks; time, algbw and busbw per message size (nccl-tests conventions);
+- ``ep`` (:mod:`.selftest_ep`): MoonEP dispatch -> expert -> combine beside the plain all-to-all at
+  several shapes and routing skews, outputs and gradients vs the pure-PyTorch MoE reference;
+- ``kcp`` (:mod:`.selftest_kcp`): context-parallel KDA forward + backward vs the single-rank
+  chunked form on the gathered input; bytes and time per layer;
+- ``remote`` (:mod:`.selftest_remote`, >= 2 ranks): the activation manager's remote store round trip;
+- ``pp``: skipped, it needs the pipeline executor (not in moonrt yet).
 
-``--report PATH`` makes rank 0 write JSON with every rank's launcher source, the check results and
-the raw collective outputs (so a caller can verify them independently), and the table rows.
-Exit code 0 only when every check passed on every rank.
+``--report PATH``: rank 0 writes JSON with the environment (backend, device, world size, ranks per
+node, torch version), every rank's checks (and the raw collective outputs, so a caller can verify
+them independently), every measurement and the suites skipped with their reason. Exit code 0 only
+when every check passed on every rank (1 otherwise; 2 for bad arguments). A failure is printed
+as ``<suite>/<case>/<check> on rank <r>``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import platform
+import socket
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 
-DEFAULT_SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20)
-"""Message sizes in bytes per rank."""
-OPS = ("all_reduce", "all_to_all", "all_gather", "ring")
+from moonrt.cluster.selftest_collectives import (  # noqa: F401 (the module's public names, kept here)
+    BUS_FACTOR,
+    DEFAULT_SIZES,
+    OPS,
+    _sizes,
+    check_collectives,
+    fit_link,
+    format_table,
+    gemm_tflops,
+    local_profile,
+    measure,
+    measure_local_profile,
+)
+
+SUITES = ("collectives", "ep", "kcp", "pp", "remote")
+UNAVAILABLE = {"pp": "needs the pipeline executor (not in moonrt yet)"}
+"""Suites that never run today, with the reason printed and reported."""
+MIN_WORLD = {"remote": 2}
+
+
+def suite_list(text: str) -> tuple[str, ...]:
+    """``"ep,kcp"`` -> suite names in the order given (argparse type); ``all`` = every suite."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if names == ["all"]:
+        return SUITES
+    bad = [n for n in names if n not in SUITES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"suite {bad[0] if bad else text!r}: expected a comma-separated "
+                                         f"subset of {', '.join(SUITES)} (or all)")
+    return tuple(dict.fromkeys(names))
+
+
+def _modules() -> dict[str, ModuleType]:
+    from moonrt.cluster import selftest_collectives, selftest_ep, selftest_kcp, selftest_remote
+
+    return {"collectives": selftest_collectives, "ep": selftest_ep, "kcp": selftest_kcp, "remote": selftest_remote}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--suite", type=suite_list, default=None,
+                        help=f"comma-separated suites of {', '.join(SUITES)} (default: all the world size allows)")
     parser.add_argument("--sizes", type=_sizes, default=DEFAULT_SIZES,
-                        help="message sizes in bytes per rank, comma-separated, K/M suffixes (default 4K,64K,1M,4M)")
-    parser.add_argument("--iters", type=int, default=5, help="timed iterations per size (default 5, after 1 warm-up)")
+                        help="collectives: message sizes in bytes per rank, comma-separated, K/M suffixes "
+                             "(default 4K,64K,1M,4M)")
+    parser.add_argument("--iters", type=int, default=5,
+                        help="timed iterations per measurement (default 5, after 1 warm-up)")
     parser.add_argument("--report", type=Path, default=None, help="rank 0 writes a JSON report here")
     parser.add_argument("--profile-out", type=Path, default=None,
                         help="rank 0 also runs a GEMM micro-benchmark and writes a hardware profile YAML for "
-                             "`moonrt ep-sim --hardware` (all_to_all rows fitted to latency + bytes / bandwidth)")
+                             "`moonrt ep-sim --hardware` (all_to_all rows fitted to latency + bytes / bandwidth; "
+                             "needs the collectives suite)")
+    from moonrt.cluster import selftest_ep, selftest_kcp, selftest_remote
+
+    for module in (selftest_ep, selftest_kcp, selftest_remote):
+        module.add_arguments(parser)
 
 
-def _sizes(text: str) -> tuple[int, ...]:
-    out = []
-    for part in text.split(","):
-        part = part.strip().upper()
-        mult = {"K": 1 << 10, "M": 1 << 20}.get(part[-1:], 1)
-        digits = part[:-1] if mult > 1 else part
-        if not digits.isdigit() or int(digits) * mult < 4:
-            raise argparse.ArgumentTypeError(f"size {part!r}: expected bytes >= 4, e.g. 65536 or 64K")
-        out.append(int(digits) * mult)
-    return tuple(out)
+def plan_suites(requested: tuple[str, ...] | None, world: int) -> tuple[list[str], dict[str, str]]:
+    """``(to run, skipped -> reason)`` for ``requested`` (None: every suite) on ``world`` ranks."""
+    run, skipped = [], {}
+    for name in requested or SUITES:
+        if name in UNAVAILABLE:
+            skipped[name] = UNAVAILABLE[name]
+        elif world < MIN_WORLD.get(name, 1):
+            skipped[name] = f"needs >= {MIN_WORLD[name]} ranks, the job has {world}"
+        else:
+            run.append(name)
+    return run, skipped
 
 
-# ---------------------------------------------------------------------------------------------
-# Correctness checks
-
-
-def check_collectives(rank: int, world: int) -> tuple[dict[str, bool], dict[str, list]]:
-    """Run each collective on rank-dependent integer data; compare with the locally computed answer.
-
-    Returns ``(ok, outputs)``: ``ok[op]`` is this rank's verdict, ``outputs[op]`` the raw result
-    (lists of floats) for independent verification by a caller.
-    """
+def environment(rdzv: object, rank: int, world: int) -> dict:
+    """What the report records about where it ran (gathered from every rank: hosts, ranks per node)."""
     import torch
     import torch.distributed as dist
 
-    dev = _device()
-    ok: dict[str, bool] = {}
-    outputs: dict[str, list] = {}
-    n = 8  # elements per rank per peer
+    from moonrt import __version__
+    from moonrt.cluster.selftest_common import device
 
-    # all_reduce: rank r contributes (r + 1) * (i + 1); sum over r = world (world + 1) / 2 * (i + 1)
-    x = (rank + 1) * torch.arange(1, n + 1, dtype=torch.float32, device=dev)
-    dist.all_reduce(x)
-    outputs["all_reduce"] = x.tolist()
-    ok["all_reduce"] = torch.equal(x, world * (world + 1) / 2 * torch.arange(1, n + 1, dtype=torch.float32, device=dev))
-
-    # all_to_all: rank r sends block d = 1000 r + 10 d + i to rank d; rank r receives 1000 s + 10 r + i from s
-    i = torch.arange(n, dtype=torch.float32, device=dev)
-    send = torch.cat([1000 * rank + 10 * d + i for d in range(world)])
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send)
-    outputs["all_to_all"] = recv.tolist()
-    ok["all_to_all"] = torch.equal(recv, torch.cat([1000 * s + 10 * rank + i for s in range(world)]))
-
-    # all_gather: rank r contributes 100 r + i
-    mine = 100 * rank + i
-    gathered = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(gathered, mine)
-    outputs["all_gather"] = torch.cat(gathered).tolist()
-    ok["all_gather"] = torch.equal(torch.cat(gathered), torch.cat([100 * s + i for s in range(world)]))
-
-    # ring: send 7 r + i to rank r+1, receive from rank r-1
-    got = _ring(7 * rank + i, rank, world)
-    outputs["ring"] = got.tolist()
-    ok["ring"] = torch.equal(got, 7 * ((rank - 1) % world) + i)
-    return ok, outputs
+    dev = device()
+    hosts: list = [None] * world
+    dist.all_gather_object(hosts, socket.gethostname())
+    per_node: dict[str, int] = {}
+    for h in hosts:
+        per_node[h] = per_node.get(h, 0) + 1
+    counts = sorted(set(per_node.values()))
+    return {"backend": dist.get_backend(), "device": str(dev),
+            "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
+            "world_size": world, "nodes": len(per_node),
+            "ranks_per_node": counts[0] if len(counts) == 1 else per_node, "hosts": hosts,
+            "launcher": getattr(rdzv, "source", "?"), "torch_version": torch.__version__,
+            "moonrt_version": __version__, "python_version": platform.python_version(),
+            "torch_threads": torch.get_num_threads()}
 
 
-def _device():
-    """CUDA (the current device) under nccl, else CPU: the tensors every collective here uses."""
-    import torch
-    import torch.distributed as dist
-
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _sync(dev) -> None:
-    import torch
-
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-def _ring(x, rank: int, world: int):
-    import torch
-    import torch.distributed as dist
-
-    if world == 1:
-        return x.clone()
-    out = torch.empty_like(x)
-    reqs = dist.batch_isend_irecv([
-        dist.P2POp(dist.isend, x, (rank + 1) % world),
-        dist.P2POp(dist.irecv, out, (rank - 1) % world),
-    ])
-    for req in reqs:
-        req.wait()
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Bandwidth
-
-
-BUS_FACTOR = {
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "all_to_all": lambda n: (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n,
-    "ring": lambda n: 1.0,
-}
-
-
-def measure(op: str, nbytes: int, iters: int, rank: int, world: int) -> float:
-    """Mean seconds of one ``op`` on ``nbytes`` per rank (fp32), max over ranks, after one warm-up."""
-    import torch
-    import torch.distributed as dist
-
-    numel = max(world, nbytes // 4 // world * world)
-    dev = _device()
-    x = torch.ones(numel, dtype=torch.float32, device=dev)
-    if op == "all_reduce":
-        step = lambda: dist.all_reduce(x)
-    elif op == "all_to_all":
-        y = torch.empty_like(x)
-        step = lambda: dist.all_to_all_single(y, x)
-    elif op == "all_gather":
-        y = torch.empty(numel * world, dtype=torch.float32, device=dev)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
-        step = lambda: gather(y, x)
-    else:
-        step = lambda: _ring(x, rank, world)
-    step()
-    _sync(dev)
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        step()
-    _sync(dev)
-    dt = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64, device=dev)
-    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-    return float(dt)
-
-
-def gemm_tflops(shape: tuple[int, int, int] = (2048, 256, 256), repeats: int = 20) -> float:
-    """Sustained fp32 GEMM rate of this process (1e12 FLOP/s): best of ``repeats`` ``[m, k] @ [k, n]``
-    products at the current torch thread count (1 under selftest and ``run_ranks``)."""
-    import torch
-
-    m, k, n = shape
-    g = torch.Generator().manual_seed(0)
-    a, b = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)
-    out = torch.empty(m, n)
-    torch.matmul(a, b, out=out)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        torch.matmul(a, b, out=out)
-        best = min(best, time.perf_counter() - t0)
-    return 2.0 * m * k * n / best / 1e12
-
-
-def fit_link(rows: list[dict], world: int) -> dict:
-    """``{bandwidth_GBps, latency_us}`` from the all_to_all rows: least squares of time against the
-    off-rank bytes each rank sends (``bytes x (n-1)/n``; the whole message on a 1-rank job); a
-    single size or a non-positive slope falls back to the
-    largest message's bus bandwidth, a negative intercept to 0."""
-    import numpy as np
-
-    share = (world - 1) / world if world > 1 else 1.0  # one rank: a local copy of the whole message
-    pts = [(r["bytes"] * share, r["time_s"]) for r in rows if r["op"] == "all_to_all"]
-    if not pts:
-        raise ValueError("bandwidth table: no all_to_all rows to fit a link from")
-    x, y = np.array(pts).T
-    slope, icpt = np.polyfit(x, y, 1) if len(set(x.tolist())) > 1 else (y[0] / max(x[0], 1.0), 0.0)
-    if slope <= 0:
-        i = int(np.argmax(x))
-        slope, icpt = y[i] / max(x[i], 1.0), 0.0
-    return {"bandwidth_GBps": float(1.0 / slope / 1e9), "latency_us": float(max(icpt, 0.0) * 1e6)}
-
-
-def local_profile(rows: list[dict], world: int, tflops: float, backend: str) -> dict:
-    """The ``cpu-local`` hardware profile (a dict in the YAML layout of :mod:`moonrt.scheduler.hardware`):
-    one node of ``world`` ranks; the inter-node link is set equal to the measured one (unused)."""
-    link = fit_link(rows, world)
-    return {"name": "cpu-local", "description": f"measured on this machine: {world} {backend} ranks, "
-            "all_to_all fitted to latency + bytes / bandwidth; single-thread fp32 GEMM micro-benchmark",
-            "ranks_per_node": world, "intra_node": link, "inter_node": dict(link), "gemm_tflops": tflops,
-            "overlap_prefetch": False,
-            "measured": {"world_size": world, "backend": backend, "all_to_all": [
-                {"bytes": r["bytes"], "time_s": r["time_s"]} for r in rows if r["op"] == "all_to_all"]}}
-
-
-def _profile_rank(rank: int, world: int, sizes: tuple[int, ...], iters: int) -> dict | None:
-    rows = [{"op": "all_to_all", "bytes": b, "time_s": measure("all_to_all", b, iters, rank, world)} for b in sizes]
-    return local_profile(rows, world, gemm_tflops(), "gloo") if rank == 0 else None
-
-
-def measure_local_profile(ranks: int = 4, sizes: tuple[int, ...] = (64 << 10, 1 << 20, 4 << 20, 16 << 20),
-                          iters: int = 5) -> dict:
-    """Measure the ``cpu-local`` profile on the spot: ``ranks`` local gloo ranks time all_to_all at
-    ``sizes`` bytes per rank, then rank 0 runs :func:`gemm_tflops`. Returns the profile dict."""
-    from moonrt.cluster.local import run_ranks
-
-    return run_ranks(_profile_rank, ranks, sizes, iters, timeout=300.0)[0]
-
-
-def format_table(rows: list[dict], world: int) -> str:
-    head = f"{'op':<11} {'bytes/rank':>11} {'time (ms)':>10} {'algbw (GB/s)':>13} {'busbw (GB/s)':>13}"
-    lines = [f"moonrt selftest: collective bandwidth on {world} ranks", head, "-" * len(head)]
-    for row in rows:
-        lines.append(f"{row['op']:<11} {row['bytes']:>11d} {row['time_s'] * 1e3:>10.3f} "
-                     f"{row['algbw_GBps']:>13.3f} {row['busbw_GBps']:>13.3f}")
-    return "\n".join(lines)
+def _failure_text(name: str, rank: int, detail: dict) -> str:
+    extra = {k: v for k, v in detail.items() if k != "ok"}
+    shown = ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in extra.items())
+    return f"{name} on rank {rank}" + (f" ({shown})" if shown else "")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -253,7 +142,19 @@ def run(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from moonrt.cluster.env import init_distributed
+    from moonrt.cluster.selftest_ep import corruption, validate
 
+    try:  # argument combinations and the test hook, before joining (every rank exits 2 alike)
+        validate(args)
+        corruption()
+        if args.iters < 1:
+            raise ValueError(f"--iters {args.iters}: expected an integer >= 1")
+        if args.profile_out is not None and args.suite is not None and "collectives" not in args.suite:
+            raise ValueError(f"--profile-out {args.profile_out}: expected the collectives suite in --suite "
+                             f"(got {','.join(args.suite)})")
+    except ValueError as exc:
+        print(f"moonrt selftest: {exc}", file=sys.stderr)
+        return 2
     torch.set_num_threads(1)
     try:
         rdzv = init_distributed()
@@ -262,42 +163,68 @@ def run(args: argparse.Namespace) -> int:
         return 2
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
-        t0 = time.perf_counter()
-        ok, outputs = check_collectives(rank, world)
-        everyone = [None] * world
-        dist.all_gather_object(everyone, {"source": rdzv.source, "local_rank": rdzv.local_rank, "ok": ok,
-                                          "outputs": outputs})
-        failures = [(r, op) for r, rep in enumerate(everyone) for op, good in rep["ok"].items() if not good]
+        t_start = time.perf_counter()
+        to_run, skipped = plan_suites(args.suite, world)
+        env = environment(rdzv, rank, world)
         if rank == 0:
-            verdict = "all passed" if not failures else "FAILED " + ", ".join(f"{op}@rank{r}" for r, op in failures)
-            print(f"moonrt selftest: {world} ranks via {rdzv.source}, backend {dist.get_backend()}; "
-                  f"checks {', '.join(OPS)}: {verdict}", flush=True)
-        rows = []
-        for nbytes in args.sizes:
-            for op in OPS:
-                dt = measure(op, nbytes, args.iters, rank, world)
-                algbw = nbytes / dt / 1e9
-                rows.append({"op": op, "bytes": nbytes, "time_s": dt, "algbw_GBps": algbw,
-                             "busbw_GBps": algbw * BUS_FACTOR[op](world)})
+            skip = "".join(f"; skipped {n}: {why}" for n, why in skipped.items())
+            print(f"moonrt selftest: {world} ranks via {rdzv.source}, backend {dist.get_backend()}, "
+                  f"{env['nodes']} node(s), device {env['device']}; suites {', '.join(to_run) or 'none'}{skip}",
+                  flush=True)
+        modules = _modules()
+        ranks: list[dict] = [{"source": None, "local_rank": None, "checks": {}} for _ in range(world)]
+        suites: dict[str, dict] = {n: {"status": "skipped", "reason": why} for n, why in skipped.items()}
+        failures: list[str] = []
+        n_checks = n_rows = 0
+        for name in to_run:
+            t0 = time.perf_counter()
+            res = modules[name].run_suite(args, rank, world)
+            mine = {"source": rdzv.source, "local_rank": rdzv.local_rank, "checks": res.checks}
+            if name == "collectives":
+                mine.update(ok=res.extra["ok"], outputs=res.extra["outputs"])
+            gathered: list = [None] * world
+            dist.all_gather_object(gathered, mine)
+            bad = [(r, c, d) for r, g in enumerate(gathered) for c, d in g["checks"].items() if not d["ok"]]
+            total = sum(len(g["checks"]) for g in gathered)
+            for r, g in enumerate(gathered):
+                ranks[r]["source"], ranks[r]["local_rank"] = g["source"], g["local_rank"]
+                ranks[r]["checks"].update(g["checks"])
+                if name == "collectives":
+                    ranks[r].update(ok=g["ok"], outputs=g["outputs"])
+            lines = [_failure_text(c, r, d) for r, c, d in bad]
+            failures += lines
+            n_checks, n_rows = n_checks + total, n_rows + len(res.rows)
+            suites[name] = {"status": "ran", "passed": not bad, "checks": total, "failed": lines,
+                            "rows": res.rows, "seconds": time.perf_counter() - t0, "table": res.table,
+                            **{k: v for k, v in res.extra.items() if k not in ("ok", "outputs")}}
+            if rank == 0:
+                print(res.table, flush=True)
+                verdict = "all passed" if not bad else f"FAILED {len(bad)}: " + "; ".join(lines[:8]) + (
+                    f"; ... and {len(bad) - 8} more" if len(bad) > 8 else "")
+                print(f"moonrt selftest {name}: {total} checks on {world} ranks: {verdict} "
+                      f"({time.perf_counter() - t0:.1f} s)", flush=True)
+                if bad:
+                    print(f"moonrt selftest {name}: FAILED {lines[0]}", file=sys.stderr, flush=True)
+        passed = not failures
         if rank == 0:
-            print(format_table(rows, world), flush=True)
-            peak = max(rows, key=lambda row: row["busbw_GBps"]) if rows else None
-            best = f"; peak busbw {peak['busbw_GBps']:.3f} GB/s ({peak['op']}, {peak['bytes']} B)" if peak else ""
-            print(f"moonrt selftest: {'PASS' if not failures else 'FAIL'}: {world} ranks, {len(OPS)} checks, "
-                  f"{len(rows)} measurements in {time.perf_counter() - t0:.1f} s{best}", flush=True)
+            print(f"moonrt selftest: {'PASS' if passed else 'FAIL'}: {world} ranks, {n_checks} checks"
+                  f"{'' if passed else f' ({len(failures)} failed)'}, {n_rows} measurements in "
+                  f"{time.perf_counter() - t_start:.1f} s", flush=True)
             if args.report is not None:
-                report = {"world_size": world, "backend": dist.get_backend(), "passed": not failures,
-                          "ranks": everyone, "bandwidth": rows}
-                args.report.write_text(json.dumps(report, indent=1))
-            if args.profile_out is not None:
+                coll = suites.get("collectives", {})
+                report = {"world_size": world, "backend": dist.get_backend(), "passed": passed, "env": env,
+                          "suites": suites, "failures": failures, "ranks": ranks,
+                          "bandwidth": coll.get("rows", [])}
+                args.report.write_text(json.dumps(report, indent=1, default=str))
+            if args.profile_out is not None and "collectives" in suites and suites["collectives"]["status"] == "ran":
                 import yaml
 
-                prof = local_profile(rows, world, gemm_tflops(), dist.get_backend())
+                prof = local_profile(suites["collectives"]["rows"], world, gemm_tflops(), dist.get_backend())
                 args.profile_out.write_text(yaml.safe_dump(prof, sort_keys=False))
                 print(f"moonrt selftest: wrote hardware profile {args.profile_out} (all_to_all "
                       f"{prof['intra_node']['bandwidth_GBps']:.3f} GB/s + {prof['intra_node']['latency_us']:.0f} us, "
                       f"GEMM {prof['gemm_tflops'] * 1e3:.1f} GFLOP/s)", flush=True)
-        return 0 if not failures else 1
+        return 0 if passed else 1
     finally:
         dist.destroy_process_group()
 
