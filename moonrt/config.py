@@ -226,11 +226,37 @@ class ParallelConfig:
     vpp: int = 1
     ep: int = 1
     cp: int = 1
+    schedule: Literal["auto", "gpipe", "1f1b", "interleaved", "zb"] = "auto"
+    """Pipeline schedule (``moonrt.scheduler.pipeline``); ``auto``: 1f1b, or interleaved when ``vpp > 1``."""
+    microbatches: int = 1
+    """Micro-batches per step of each pipeline (they split the data-parallel replica's batch rows)."""
+    attn_res_comm: Literal["cached", "naive"] = "cached"
+    """Block AttnRes traffic between pipeline ranks (K3_SYSTEMS §9): ``cached`` sends each rank only the
+    blocks it does not hold yet, ``naive`` every completed block on every hop."""
 
     def validate(self) -> None:
-        for name in ("dp", "pp", "vpp", "ep", "cp"):
+        for name in ("dp", "pp", "vpp", "ep", "cp", "microbatches"):
             value = getattr(self, name)
             check(isinstance(value, int) and value >= 1, name, value, "an integer >= 1")
+        check(self.attn_res_comm in ("cached", "naive"), "attn_res_comm", self.attn_res_comm, "cached or naive")
+        kinds = ("auto", "gpipe", "1f1b", "interleaved", "zb")
+        check(self.schedule in kinds, "schedule", self.schedule, "one of " + ", ".join(kinds))
+        check(self.pp > 1 or self.microbatches == 1, "microbatches", self.microbatches,
+              "1 without pipeline parallelism (pp = 1)")
+        kind = self.pipeline_schedule
+        if kind in ("gpipe", "1f1b"):
+            check(self.vpp == 1, "vpp", self.vpp, f"1 for schedule {kind!r} (virtual stages need 'interleaved')")
+        if kind == "interleaved" and self.pp > 1:
+            check(self.vpp >= 2, "vpp", self.vpp, "an integer >= 2 for schedule 'interleaved'")
+            check(self.microbatches % self.pp == 0, "microbatches", self.microbatches,
+                  f"a multiple of pp ({self.pp}) for schedule 'interleaved' (at least pp micro-batches)")
+
+    @property
+    def pipeline_schedule(self) -> str:
+        """The schedule that runs: ``schedule``, with ``auto`` resolved (interleaved when ``vpp > 1``)."""
+        if self.schedule != "auto":
+            return self.schedule
+        return "interleaved" if self.vpp > 1 else "1f1b"
 
     @property
     def world_size(self) -> int:

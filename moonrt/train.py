@@ -19,14 +19,14 @@ Exactness contract (what later parallel runs are compared against):
   ``load_full_state_dict``, so a checkpoint of ``--ep 2`` resumes in one process, ``--ep 2`` or ``--ep 4``;
 - only rank 0 writes metrics, checkpoints and the progress bar.
 
-Parallel behaviour comes from one :class:`moonrt.comm.parallelism.Parallelism` object (its parts: expert
-parallelism, the routing-trace recorder); a single-process run is that object with no parts.
+Parallel behaviour comes from one :class:`moonrt.comm.parallelism.Parallelism` object (its parts: the
+pipeline, which runs each step's micro-batches through its schedule, expert parallelism, the routing-trace
+recorder); a single-process run is that object with no parts.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import sys
@@ -79,7 +79,7 @@ def evaluate(model: torch.nn.Module, windows: np.ndarray, batch_size: int, rt: P
     with torch.no_grad():
         for i in range(0, len(windows), batch_size):
             x, y = data.shard(windows[i:i + batch_size], 0, 1, rt.cp_rank, rt.cp_size)
-            total += float(model.loss_sum(torch.from_numpy(x), torch.from_numpy(y), ctx=rt.ctx))
+            total += float(rt.loss_sum(model, torch.from_numpy(x), torch.from_numpy(y)))
             count += y.size
     model.set_record_routing(True)
     model.train(was_training)
@@ -184,6 +184,11 @@ def train(job: JobConfig, rt: Parallelism | None = None, metrics_path: str | Non
     if cfg.batch_size % rt.dp_size:
         raise ConfigError(f"optim.batch_size = {cfg.batch_size}: expected a multiple of the data-parallel size "
                           f"{rt.dp_size}")
+    m = job.parallel.microbatches
+    if (cfg.batch_size // rt.dp_size) % m:
+        raise ConfigError(f"parallel.microbatches (--microbatches) = {m}: expected a divisor of the per-replica "
+                          f"batch {cfg.batch_size // rt.dp_size} (optim.batch_size {cfg.batch_size} / data-parallel "
+                          f"size {rt.dp_size})")
     model = build_model(job)
     model = rt.parallelize(model)
     cp_log = getattr(rt.ctx, "log", None)  # ContextParallel's CP byte records per layer (K3_SYSTEMS §7)
@@ -235,10 +240,8 @@ def train(job: JobConfig, rt: Parallelism | None = None, metrics_path: str | Non
             x, y = data.shard(batch, rt.dp_rank, rt.dp_size, rt.cp_rank, rt.cp_size)
             if cp_log is not None:
                 rt.ctx.new_step()
-            with mgr if mgr is not None else contextlib.nullcontext():
-                loss = model.loss_sum(torch.from_numpy(x), torch.from_numpy(y), ctx=rt.ctx) / global_tokens
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            loss = rt.forward_backward(model, torch.from_numpy(x), torch.from_numpy(y), 1.0 / global_tokens, mgr)
             rt.sync_grads(model)
             grad_norm = rt.clip_grad_norm(model.parameters(), cfg.grad_clip)
             opt.step()
@@ -324,6 +327,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(routing_trace; read by moonrt ep-sim --trace)")
     parser.add_argument("--cp", type=int, help="context-parallel degree: each sequence split over CP ranks, KCP for "
                         "KDA, latent all-gather for MLA (parallel.cp)")
+    parser.add_argument("--pp", type=int, help="pipeline-parallel degree: the decoder layers cut into contiguous "
+                        "stages over PP ranks (parallel.pp)")
+    parser.add_argument("--vpp", type=int, help="virtual pipeline stages per PP rank (parallel.vpp; interleaved)")
+    parser.add_argument("--microbatches", type=int, help="micro-batches per step of each pipeline "
+                        "(parallel.microbatches)")
+    parser.add_argument("--schedule", help="pipeline schedule: auto, gpipe, 1f1b, interleaved, zb (parallel.schedule)")
+    parser.add_argument("--attn-res-comm", help="AttnRes blocks between PP ranks: cached (only blocks the receiver "
+                        "lacks) or naive (every completed block) (parallel.attn_res_comm)")
 
 
 # Command-line flag (argparse dest) -> path of the JobConfig field it overrides.
@@ -333,6 +344,8 @@ _OVERRIDES: dict[str, tuple[str, ...]] = {
     "model": ("model",), "corpus": ("data", "corpus"), "token_dtype": ("data", "token_dtype"),
     "out": ("out_dir",), "threads": ("threads",), "memory_policy": ("memory_policy",),
     "cp": ("parallel", "cp"), "ep": ("parallel", "ep"), "routing_trace": ("routing_trace",),
+    "pp": ("parallel", "pp"), "vpp": ("parallel", "vpp"), "microbatches": ("parallel", "microbatches"),
+    "schedule": ("parallel", "schedule"), "attn_res_comm": ("parallel", "attn_res_comm"),
 }
 
 
@@ -364,6 +377,7 @@ def parallel_runtime(job: JobConfig) -> Parallelism:
     world when the other degrees divide it. Batch rows are split over ``dp_ep`` (ranks that see different data),
     each sequence over ``cp`` (:class:`moonrt.comm.cp_context.ContextParallel`: KCP, conv halo, MLA latent
     gather); gradients, router statistics and scalars are summed over the replicas ``dp_ep_cp``. Parts:
+    :class:`moonrt.comm.pp_part.PipelineParallel` when ``pp > 1`` (stages over the ``pp`` group),
     :class:`moonrt.comm.ep_parallel.ExpertParallel` when ``ep > 1``, a routing-trace recorder when asked for.
     """
     import torch.distributed as dist
@@ -378,12 +392,17 @@ def parallel_runtime(job: JobConfig) -> Parallelism:
     if p.world_size != world and p.dp == 1 and world % p.world_size == 0:
         p.dp = world // p.world_size
     mesh = ProcessMesh(p)
-    if p.pp != 1:
-        raise ConfigError(f"parallel.pp = {p.pp}: pipeline parallelism is not available in moonrt train yet")
     ctx = ContextParallel(mesh.group("cp")) if p.cp > 1 else LOCAL
     rt = Parallelism(dp_rank=mesh.rank("dp_ep"), dp_size=mesh.size("dp_ep"), cp_rank=mesh.rank("cp"),
                      cp_size=mesh.size("cp"), is_main=dist.get_rank() == 0, ctx=ctx, replicas=mesh.group("dp_ep_cp"))
     counts = None
+    if p.pp > 1:  # the pipeline runs the step: it comes first
+        from moonrt.comm.pp_part import PipelineParallel
+        from moonrt.scheduler.pipeline import build_schedule
+
+        schedule = build_schedule(p.pipeline_schedule, p.pp, p.microbatches, p.vpp)
+        rt.parts.append(PipelineParallel(schedule, group=mesh.group("pp"), rank=mesh.rank("pp"),
+                                         mode=p.attn_res_comm))
     if p.ep > 1:  # MoonEP: shard experts, per-group grad sync, global-norm clip over the shards
         from moonrt.comm.ep_parallel import ExpertParallel
 

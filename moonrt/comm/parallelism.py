@@ -1,21 +1,24 @@
 """One composable parallelism object for a training job: where this rank sits, and the parts that act on it.
 
 The training loop (``moonrt train``) is the same code whatever is parallel: it calls
-:meth:`Parallelism.parallelize` once, then per step :meth:`sync_grads`, :meth:`clip_grad_norm`,
+:meth:`Parallelism.parallelize` once, then per step :meth:`forward_backward` (the pipeline part runs its
+schedule there), :meth:`sync_grads`, :meth:`clip_grad_norm`,
 :meth:`sum_stats` / :meth:`sum_scalar` and :meth:`step_metrics`, and :meth:`full_state_dict` /
 :meth:`load_full_state_dict` for checkpoints in the single-process layout, :meth:`close` at the end.
 A single-process job is this object with no parts and no replica group.
 
-A :class:`Part` is one parallel dimension's contribution (expert parallelism today; the pipeline
-and ZeRO-1 are added as parts). Every method has a do-nothing default; for the verbs that one
+A :class:`Part` is one parallel dimension's contribution (expert parallelism, the pipeline:
+:class:`moonrt.comm.pp_part.PipelineParallel`). Every method has a do-nothing default; for the verbs that one
 part must own (summing gradients, clipping, checkpoint state) the first part that handles the call
-wins (it returns True / a value instead of the default), otherwise the object's own replicated-data
+wins (it returns True / a value instead of the default; likewise for running the step,
+:meth:`forward_backward` / :meth:`loss_sum`), otherwise the object's own replicated-data
 default runs: per-tensor all-reduce over the replica group, torch's global-norm clip, the module's
 own ``state_dict``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Iterable
 from pathlib import Path
@@ -35,6 +38,18 @@ class Part:
     def parallelize(self, model: nn.Module) -> nn.Module:
         """Shard or wrap ``model`` for this dimension (once, before the optimizer is built)."""
         return model
+
+    def forward_backward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, scale: float,
+                         ctx: AttentionContext = LOCAL, saved: Any = None) -> torch.Tensor | None:
+        """Forward and backward of this rank's ``x``/``y`` ``[B, T]`` (the loss is the summed token loss
+        times ``scale``); returns the detached loss, or None to leave it to the default (one forward, one
+        backward of the whole model)."""
+        return None
+
+    def loss_sum(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                 ctx: AttentionContext = LOCAL) -> torch.Tensor | None:
+        """Summed token loss of ``x``/``y`` without gradients (eval), or None for the default."""
+        return None
 
     def sync_grads(self, model: nn.Module) -> bool:
         """Sum every gradient over its replicas; True if this part did it (then no other sum runs)."""
@@ -82,6 +97,31 @@ class Parallelism:
         for part in self.parts:
             model = part.parallelize(model)
         return model
+
+    def forward_backward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, scale: float,
+                         saved: Any = None) -> torch.Tensor:
+        """Forward and backward of this rank's batch ``x``/``y`` ``[B, T]``: the summed token loss times
+        ``scale`` (1 / global token count) back-propagated into the gradients; returns it detached.
+
+        ``saved``: a reusable context manager entered around the forward (the activation manager) or None.
+        The first part that runs the step wins (the pipeline); the default is one forward, one backward.
+        """
+        for part in self.parts:
+            loss = part.forward_backward(model, x, y, scale, self.ctx, saved)
+            if loss is not None:
+                return loss
+        with saved if saved is not None else contextlib.nullcontext():
+            loss = model.loss_sum(x, y, ctx=self.ctx) * scale
+        loss.backward()
+        return loss.detach()
+
+    def loss_sum(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Summed token loss of ``x``/``y`` ``[B, T]`` without gradients (call under ``torch.no_grad``)."""
+        for part in self.parts:
+            loss = part.loss_sum(model, x, y, self.ctx)
+            if loss is not None:
+                return loss
+        return model.loss_sum(x, y, ctx=self.ctx)
 
     def sync_grads(self, model: nn.Module) -> None:
         if any(part.sync_grads(model) for part in self.parts) or self.replicas is None:

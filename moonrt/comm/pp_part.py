@@ -22,6 +22,7 @@ from torch import nn
 from moonrt.comm.parallelism import Part
 from moonrt.comm.pipeline import PipelineExecutor
 from moonrt.comm.pp_cache import block_plan
+from moonrt.config import ConfigError
 from moonrt.parallel.context import LOCAL, AttentionContext
 
 
@@ -82,6 +83,10 @@ class PipelineParallel(Part):
         if getattr(cfg, "tie_word_embeddings", False) and self.size > 1:
             raise ValueError("tie_word_embeddings = True: expected untied embeddings with pipeline parallelism "
                              "(the embedding and the LM head live on different ranks)")
+        if self.num_stages > cfg.num_hidden_layers:
+            raise ConfigError(f"parallel.pp x vpp = {self.size} x {self.schedule.vpp} = {self.num_stages} stages: "
+                              f"expected at most num_hidden_layers = {cfg.num_hidden_layers} (a stage runs at least "
+                              "one decoder layer)")
         self.full_names = [n for n, _ in model.named_parameters()]
         self.full_keys = list(model.state_dict().keys())
         ranges = model.stages(self.num_stages)
@@ -169,6 +174,7 @@ class PipelineParallel(Part):
 
     # ---- metrics -------------------------------------------------------------------------------
     def step_metrics(self, step: int, model: nn.Module, record: dict[str, Any]) -> None:
+        """Per pp rank: forward blocks sent, forward bytes (blocks + partial), backward bytes, this step."""
         st = self.executor.stats
         mine = torch.tensor([st.blocks_sent, st.bytes_sent, st.bytes_sent_bwd], dtype=torch.int64)
         rows = [torch.zeros_like(mine) for _ in range(self.size)]
@@ -176,6 +182,10 @@ class PipelineParallel(Part):
         record["pp_blocks_sent"] = [int(r[0]) for r in rows]
         record["pp_bytes_sent"] = [int(r[1]) for r in rows]
         record["pp_bytes_sent_bwd"] = [int(r[2]) for r in rows]
+        vio = torch.tensor([float(record.get("maxvio", float("-inf")))], dtype=torch.float64)
+        dist.all_reduce(vio, op=dist.ReduceOp.MAX, group=self.group)  # every stage's MoE layers, not only ours
+        if float(vio) > float("-inf"):
+            record["maxvio"] = float(vio)
 
     # ---- checkpoints in the single-process layout ----------------------------------------------
     def _groups(self, model: nn.Module, optim: torch.optim.Optimizer) -> list[list[str]]:

@@ -1,0 +1,143 @@
+"""``moonrt train --pp`` (K3_SYSTEMS §9, §10): resumed from a single-process checkpoint, one pipelined step
+equals the single process's; its checkpoint is in the single-process layout; bad pipeline input is a
+clear error before step 1.
+
+Runs: a single-process job trains step 1 and checkpoints; copies of that directory are resumed for
+step 2 by the single process, by ``--pp 2`` (1F1B, 2 micro-batches) and by ``--pp 2 --vpp 2
+--microbatches 4`` (interleaved, 4 stages: k3_tiny's 9 layers cut 2/2/2/3, a partial AttnRes block
+crosses a cut). The pipelined step sums the loss and the gradients over micro-batches, a different
+fp32 summation order than one forward of the whole batch (measured: ~1e-7 relative); Adam's update
+after one resumed step keeps that order of difference, so loss, every parameter and every optimizer
+moment agree within 1e-5 relative (normwise per tensor). Then the ``--pp 2`` checkpoint resumes in one
+process for step 3.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from moonrt.config import ConfigError, ParallelConfig
+from moonrt.job import JobConfig
+
+FLAGS = ["--steps", "4", "--seed", "0", "--batch-size", "4", "--seq-len", "32", "--eval-every", "100", "--lr", "1e-3",
+         "--threads", "1", "--no-progress"]
+RTOL = 1e-5
+
+
+def _moonrt(*args: str) -> list[str]:
+    return [sys.executable, "-m", "moonrt.cli", *args]
+
+
+def _launch(n: int, *args: str) -> list[str]:
+    return _moonrt("launch", "-n", str(n), "--", *_moonrt(*args))
+
+
+def _run(cwd: Path, cmds: dict[str, list[str]], timeout: float = 840) -> None:
+    procs = {k: subprocess.Popen(c, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for k, c in cmds.items()}
+    outs = {k: p.communicate(timeout=timeout)[0] for k, p in procs.items()}
+    for k, p in procs.items():
+        assert p.returncode == 0, f"{k}:\n{outs[k][-4000:]}"
+
+
+def _metrics(path: Path) -> dict[int, dict[str, Any]]:
+    return {r["step"]: r for r in map(json.loads, path.read_text().splitlines())}
+
+
+def _ckpt(path: Path) -> dict[str, Any]:
+    return torch.load(path / "checkpoint.pt", weights_only=True)
+
+
+def _close(a: Any, b: Any, where: str) -> None:
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            _close(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _close(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert a.shape == b.shape and a.dtype == b.dtype, where
+        if a.is_floating_point():
+            err = float((a.double() - b.double()).norm())
+            assert err <= RTOL * max(float(b.double().norm()), 1e-12), (where, err, float(b.double().norm()))
+        else:
+            assert torch.equal(a, b), where
+    else:
+        assert a == b, (where, a, b)
+
+
+@pytest.mark.timeout(1500)
+def test_pp_resumes_a_single_process_checkpoint_and_matches_it(tmp_path: Path) -> None:
+    _run(tmp_path, {"base": _moonrt("train", *FLAGS, "--until", "1", "--out", "base")})
+    runs = {"single": _moonrt("train", *FLAGS, "--resume", "--until", "2", "--out", "single", "--metrics",
+                              "single.jsonl"),
+            "pp2": _launch(2, "train", *FLAGS, "--resume", "--until", "2", "--out", "pp2", "--metrics", "pp2.jsonl",
+                           "--pp", "2", "--microbatches", "2"),
+            "pp2v2": _launch(2, "train", *FLAGS, "--resume", "--until", "2", "--out", "pp2v2", "--metrics",
+                             "pp2v2.jsonl", "--pp", "2", "--vpp", "2", "--microbatches", "4")}
+    for name in runs:
+        shutil.copytree(tmp_path / "base", tmp_path / name)
+    _run(tmp_path, runs)
+    ref = _metrics(tmp_path / "single.jsonl")[2]
+    ref_ckpt = _ckpt(tmp_path / "single")
+    for name in ("pp2", "pp2v2"):
+        got = _metrics(tmp_path / f"{name}.jsonl")[2]
+        assert abs(got["loss"] - ref["loss"]) <= RTOL * abs(ref["loss"]), (name, got["loss"], ref["loss"])
+        assert len(got["pp_blocks_sent"]) == 2 and sum(got["pp_blocks_sent"]) > 0, got
+        ck = _ckpt(tmp_path / name)
+        assert ck["step"] == 2 and list(ck["model"]) == list(ref_ckpt["model"]), name
+        _close(ck["model"], ref_ckpt["model"], f"{name}.model")
+        _close(ck["optimizer"], ref_ckpt["optimizer"], f"{name}.optimizer")
+    # the --pp 2 checkpoint resumes in one process: step 3 equals the single process's own step 3
+    shutil.copytree(tmp_path / "pp2", tmp_path / "from_pp2")
+    shutil.copytree(tmp_path / "single", tmp_path / "single3")
+    _run(tmp_path, {"a": _moonrt("train", *FLAGS, "--resume", "--until", "3", "--out", "from_pp2", "--metrics",
+                                 "a.jsonl"),
+                    "b": _moonrt("train", *FLAGS, "--resume", "--until", "3", "--out", "single3", "--metrics",
+                                 "b.jsonl")})
+    a, b = _metrics(tmp_path / "a.jsonl")[3], _metrics(tmp_path / "b.jsonl")[3]
+    assert abs(a["loss"] - b["loss"]) <= RTOL * abs(b["loss"]), (a["loss"], b["loss"])
+    _close(_ckpt(tmp_path / "from_pp2")["model"], _ckpt(tmp_path / "single3")["model"], "step3.model")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--pp", "2", "--vpp", "2"], "microbatches = 1: expected a multiple of pp (2)"),
+    (["--pp", "2", "--vpp", "2", "--schedule", "gpipe"], "vpp = 2: expected 1 for schedule 'gpipe'"),
+    (["--pp", "2", "--schedule", "zigzag"], "parallel.schedule = 'zigzag'"),
+    (["--pp", "2", "--attn-res-comm", "sometimes"], "parallel.attn_res_comm = 'sometimes'"),
+    (["--microbatches", "2"], "microbatches = 2: expected 1 without pipeline parallelism"),
+])
+def test_bad_pipeline_flags_are_one_clear_line(tmp_path: Path, flags: list[str], message: str) -> None:
+    out = subprocess.run(_moonrt("train", *FLAGS, "--out", str(tmp_path / "o"), *flags), cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert message in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_microbatches_must_divide_the_replica_batch(tmp_path: Path) -> None:
+    from moonrt.comm.parallelism import Parallelism
+    from moonrt.train import train
+
+    job = JobConfig(out_dir=str(tmp_path), parallel=ParallelConfig(pp=2, microbatches=3))
+    job.optim.batch_size = 4
+    with pytest.raises(ConfigError, match=r"microbatches \(--microbatches\) = 3: expected a divisor of the "
+                                          r"per-replica batch 4"):
+        train(job, rt=Parallelism(), progress=False)
+
+
+@pytest.mark.timeout(300)
+def test_more_stages_than_layers_is_a_clear_error(tmp_path: Path) -> None:
+    out = subprocess.run(_launch(2, "train", *FLAGS, "--out", str(tmp_path / "o"), "--pp", "2", "--vpp", "5",
+                                 "--microbatches", "2"), cwd=tmp_path, capture_output=True, text=True, timeout=280)
+    assert out.returncode != 0
+    assert "parallel.pp x vpp = 2 x 5 = 10 stages: expected at most num_hidden_layers = 9" in out.stdout + out.stderr
