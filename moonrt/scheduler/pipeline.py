@@ -17,8 +17,9 @@ Schedules (``pp`` ranks, ``vpp`` chunks per rank, ``m`` micro-batches; rank r):
 - ``zb`` (alias ``zb1p``): zero-bubble ZB1P (Qi et al. 2024, the order of torch's
   ``ScheduleInterleavedZeroBubble``): the backward is split into ``I`` (input grad, on the critical
   path) and ``W`` (weight grad); warm-up ``(pp - r - 1) + (vpp - 1) pp`` forwards, then F / I with
-  rank r holding back its first ``r`` W passes to fill the cool-down bubble. Same peak memory as
-  1F1B at ``vpp = 1``, about a third of its bubble under unit costs.
+  rank r holding back its first ``r`` W passes to fill the cool-down bubble. At ``vpp = 1`` every
+  rank holds at most ``pp`` micro-batches (1F1B's rank-0 peak; activations live until their W) for
+  about a third of 1F1B's bubble under unit costs.
 - ``zbv``: zero-bubble ZB-V (exactly two chunks per rank, V placement: rank 0 holds the first and
   the last stage), the order of torch's ``ScheduleZBVZeroBubble``.
 """
