@@ -167,7 +167,7 @@ def test_timeout_from_environment():
 
 def test_single_process_selftest_and_partial_environment_in_a_real_process():
     """init_distributed for real: a plain process is a 1-rank job; a partial environment fails clearly."""
-    cmd = [sys.executable, "-m", "moonrt.cli", "selftest", "--sizes", "4K", "--iters", "1"]
+    cmd = [sys.executable, "-m", "moonrt.cli", "selftest", "--suite", "collectives", "--sizes", "4K", "--iters", "1"]
     res = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert "1 ranks via single" in res.stdout and "PASS" in res.stdout

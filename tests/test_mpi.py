@@ -43,7 +43,7 @@ def test_mpiexec_four_ranks_all_reduce_and_all_to_all(tmp_path):
     mpiexec = _mpiexec()
     report = tmp_path / "report.json"
     cmd = ["timeout", "120", mpiexec, "-n", "4", sys.executable, "-m", "moonrt.cluster.selftest",
-           "--sizes", "64K", "--iters", "2", "--report", str(report)]
+           "--suite", "collectives", "--sizes", "64K", "--iters", "2", "--report", str(report)]
     env = {**clean_env(), "MOONRT_DIST_TIMEOUT": "60"}
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert res.returncode == 0, f"exit {res.returncode}\nstdout:\n{res.stdout}\nstderr:\n{res.stderr[-4000:]}"

@@ -7,6 +7,7 @@ Skips where SLURM is not running; fails instead under MOONRT_REQUIRE_CLUSTER=1 (
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -17,7 +18,8 @@ from test_cluster_report import clean_env, cluster_unavailable, verify_selftest_
 
 pytestmark = pytest.mark.slurm
 
-SELFTEST = [sys.executable, "-m", "moonrt.cluster.selftest", "--sizes", "64K", "--iters", "2"]
+SELFTEST = [sys.executable, "-m", "moonrt.cluster.selftest", "--suite", "collectives", "--sizes", "64K",
+            "--iters", "2"]
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +44,26 @@ def test_srun_four_tasks(slurm, tmp_path):
     assert res.returncode == 0, f"exit {res.returncode}\nstdout:\n{res.stdout}\nstderr:\n{res.stderr[-4000:]}"
     assert "4 ranks via slurm" in res.stdout
     verify_selftest_report(report, 4, "slurm")
+
+
+def test_srun_selftest_ep_and_kcp(slurm, tmp_path):
+    """``srun -n 4 moonrt selftest --suite ep,kcp``: MoonEP / all-to-all and KCP checked on every task."""
+    report = tmp_path / "report.json"
+    cmd = ["timeout", "400", "srun", "-n", "4", "-I60", "--kill-on-bad-exit=1", sys.executable, "-m", "moonrt.cli",
+           "selftest", "--suite", "ep,kcp", "--iters", "1", "--ep-shapes", "32x16x2x64", "--ep-maxvio", "0,16",
+           "--ep-ffn", "8", "--kcp-tokens", "64", "--kcp-shape", "1x2x8x12", "--report", str(report)]
+    env = {**clean_env(), "MOONRT_DIST_TIMEOUT": "120"}
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=460, cwd=tmp_path)
+    assert res.returncode == 0, f"exit {res.returncode}\nstdout:\n{res.stdout}\nstderr:\n{res.stderr[-4000:]}"
+    assert "4 ranks via slurm" in res.stdout
+    rep = json.loads(report.read_text())
+    assert rep["passed"] is True and rep["env"]["launcher"] == "slurm" and rep["env"]["world_size"] == 4
+    assert [rep["suites"][s]["status"] for s in ("ep", "kcp")] == ["ran", "ran"]
+    for rank in rep["ranks"]:
+        assert rank["source"] == "slurm"
+        assert "ep/moonep/32x16x2x64/F8/maxvio=16/grad_experts" in rank["checks"]
+        assert "kcp/T=64/grad_g" in rank["checks"]
+        assert all(c["ok"] for c in rank["checks"].values())
 
 
 def test_sbatch_script_from_moonrt_sbatch(slurm, tmp_path):

@@ -51,6 +51,8 @@ SUITES = ("collectives", "ep", "kcp", "pp", "remote")
 UNAVAILABLE = {"pp": "needs the pipeline executor (not in moonrt yet)"}
 """Suites that never run today, with the reason printed and reported."""
 MIN_WORLD = {"remote": 2}
+FIRST = ("rows", "balance")
+"""Checks of the data movement itself, listed before the checks their failure propagates to."""
 
 
 def suite_list(text: str) -> tuple[str, ...]:
@@ -185,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
             gathered: list = [None] * world
             dist.all_gather_object(gathered, mine)
             bad = [(r, c, d) for r, g in enumerate(gathered) for c, d in g["checks"].items() if not d["ok"]]
+            bad.sort(key=lambda b: (b[1].rsplit("/", 1)[-1] not in FIRST, b[1], b[0]))  # data movement first
             total = sum(len(g["checks"]) for g in gathered)
             for r, g in enumerate(gathered):
                 ranks[r]["source"], ranks[r]["local_rank"] = g["source"], g["local_rank"]
