@@ -20,10 +20,11 @@ import torch
 from tqdm import tqdm
 
 from moonrt.config import from_dict
-from moonrt.k3_memory import param_sizes
+from moonrt.k3_memory import param_sizes, policy_dict
+from moonrt.k3_memory_trace import policy_for_all, traced_profile
 from moonrt.memory.manager import ActivationManager
-from moonrt.memory.model_memory import GIB, JobLayout, policy_for_all, rank_models, traced_profile
-from moonrt.memory.plan import Hardware, plan, policy_dict
+from moonrt.memory.model_memory import GIB, JobLayout, rank_models
+from moonrt.memory.plan import Hardware, plan
 from moonrt.memory.policy import MemoryPolicy
 from moonrt.model.config import k3_tiny
 from moonrt.model.model import K3Model

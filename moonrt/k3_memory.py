@@ -1,15 +1,16 @@
-"""K3's memory description for the memory planner: parameter sizes and saved-activation profiles of
-moonrt's K3 layers (K3_SYSTEMS §8, §10; formulas in docs/MEMORY_MODEL.md).
+"""K3's memory description for the memory planner: parameter sizes, saved-activation profiles of
+moonrt's K3 layers and the policy YAML of a plan (K3_SYSTEMS §8, §10; formulas in docs/MEMORY_MODEL.md).
 
 The planner (:mod:`moonrt.memory.plan`, :mod:`moonrt.memory.model_memory`) is model-agnostic: it takes
 per-part parameter counts (:class:`~moonrt.memory.model_memory.ParamSizes`) and a per-layer activation
-profile (:class:`~moonrt.memory.model_memory.Profile`) from its caller. This job-layer module builds both
-for K3 and is what the K3 record of :mod:`moonrt.models` points at: :func:`param_sizes` (from the K3
-parameter table :mod:`moonrt.model.params`), :func:`analytic_profile` / :func:`default_profile`
-(per-term formulas of what moonrt's K3 layers save for backward), :func:`traced_profile_by_kind` (build
-each layer kind at the configured widths, run it on a few tokens under the
-:class:`~moonrt.memory.manager.ActivationManager` and scale), and :func:`layer_specs` (which classes each
-decoder layer holds; AttnRes is counted per mixed source).
+profile (:class:`~moonrt.memory.model_memory.Profile`) from its caller and answers with a storage policy per
+saved-tensor class. This job-layer module is what the K3 record of :mod:`moonrt.models` points at:
+:func:`param_sizes` (from the K3 parameter table :mod:`moonrt.model.params`), :func:`analytic_profile` /
+:func:`default_profile` (per-term formulas of what moonrt's K3 layers save for backward),
+:func:`kernel_profile` ([derived] estimate for fused GPU kernels), :func:`layer_specs` (which classes each
+decoder layer holds; AttnRes is counted per mixed source) and :func:`policy_dict` (a rank's class choice
+as :class:`~moonrt.memory.policy.MemoryPolicy` rules on K3's module paths, :func:`layer_class_patterns`).
+The traced profiles (layers run under the activation manager) are in :mod:`moonrt.k3_memory_trace`.
 
 Bytes per class are ``lin * T + const`` for ``T`` tokens of one micro-batch on one rank (``quad`` is
 folded into ``lin`` at the planned sequence length: the profile is built for one layout). ``a`` is the
@@ -20,10 +21,10 @@ intermediates, attention, SiTU-GLU, softmaxes, norms) are 4 bytes whatever ``a``
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
-from moonrt.memory.model_memory import JobLayout, LayerSpec, ParamSizes, Profile, SavedClass, kernel_profile
+from moonrt.memory.model_memory import JobLayout, LayerSpec, ParamSizes, Profile, SavedClass
+from moonrt.memory.plan import RankPlan
 from moonrt.model import params as mp
 from moonrt.model.config import K3Config
 from moonrt.ops import fp8 as fp8mod
@@ -241,145 +242,6 @@ def analytic_profile(cfg: Any, act_bytes: int, seq_tokens: int, batch: int = 1, 
     return Profile(classes, layers, head, embed)
 
 
-# ---------------------------------------------------------------------------------------------
-# Traced mode: each layer kind built at the configured widths and measured
-
-
-def kind_modules(cfg: Any, max_experts: int = 32) -> dict[str, Callable[[], Any]]:
-    """Builders of one instance of each layer kind: ``name -> () -> (module, run(module, x, tokens))``.
-
-    MoE layers get ``min(E, max(k + 1, max_experts))`` experts (the saved bytes per token and per
-    assignment do not depend on E except the ``[T, E]`` router scores, which :func:`traced_profile_by_kind`
-    scales to the real E)."""
-    import torch
-    import torch.nn.functional as F
-    from torch import nn
-
-    from moonrt.model.attnres import mix
-    from moonrt.model.ffn import dense_ffn
-    from moonrt.model.kda_layer import KDALayer
-    from moonrt.model.mla import GatedMLA
-    from moonrt.model.moe import LatentMoE
-    from moonrt.model.norm import RMSNorm
-
-    class Head(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-
-        def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-            logits = self.lm_head(self.norm(x)).float()
-            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1), reduction="sum")
-
-    class Mix(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.query = nn.Parameter(torch.randn(cfg.hidden_size) * 0.02)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return mix(self.query, [x, x * 0.5], cfg.rms_norm_eps)  # 2 sources
-
-    def reduced() -> Any:
-        k = cfg.num_experts_per_token
-        return dataclasses.replace(cfg, num_experts=min(cfg.num_experts, max(k + 1, max_experts)))
-
-    return {
-        "norm": lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
-        "kda.attn": lambda: KDALayer(cfg),
-        "mla.attn": lambda: GatedMLA(cfg),
-        "moe": lambda: LatentMoE(reduced()),
-        "ffn": lambda: dense_ffn(cfg),
-        "attn_res": Mix,
-        "head": Head,
-        "embed": lambda: nn.Embedding(cfg.vocab_size, cfg.hidden_size),
-    }
-
-
-KIND_SOURCES = {"attn_res": 2}
-"""Instances of the class one traced run of a kind holds (the AttnRes probe mixes 2 sources)."""
-
-
-def measure_kind(name: str, module: Any, cfg: Any, batch: int, tokens: int, dtype: Any,
-                 policy: str = "keep") -> float:
-    """Bytes one forward of layer kind ``name`` on ``batch x tokens`` leaves saved for backward under
-    the activation manager with ``policy`` for every tensor (``recompute``: the module checkpointed)."""
-    import torch
-    from torch import nn
-
-    from moonrt.memory.manager import ActivationManager
-    from moonrt.memory.policy import MemoryPolicy, PolicyRule
-
-    box = nn.Module()
-    box.m = module
-    if policy == "recompute":
-        pol = MemoryPolicy(rules=[PolicyRule(match="m", policy="recompute")])
-    else:
-        pol = MemoryPolicy(default=policy)
-    gen = torch.Generator().manual_seed(batch * 1000 + tokens)
-    ids = torch.randint(0, cfg.vocab_size, (batch, tokens), generator=gen)
-    x = (torch.randn(batch, tokens, cfg.hidden_size, generator=gen)).to(dtype).requires_grad_(True)
-    mgr = ActivationManager(box, pol)
-    try:
-        with mgr:
-            if name == "embed":
-                out = box.m(ids)
-            elif name == "head":
-                out = box.m(x, ids)
-            else:
-                out = box.m(x)
-        total = float(sum(st.live_bytes for st in mgr.accounting.regions.values()))
-        del out
-        return total
-    finally:
-        mgr.close()
-
-
-def traced_profile_by_kind(cfg: Any, dtype: Any, seq_tokens: int, batch: int = 1, cp: int = 1,
-                           probe_tokens: int = 256, max_experts: int = 32,
-                           kinds: tuple[str, ...] | None = None) -> Profile:
-    """Profile by measuring each layer kind (built at ``cfg``'s widths, parameters in ``dtype``).
-
-    Per kind and policy (keep, fp8, recompute) three forwards: ``(1, P)``, ``(2, P)`` and ``(1, 2P)``
-    tokens (``P = probe_tokens``) give ``bytes = c + B (a t + q t^2)``; the planned class is
-    ``a + q * S`` per token (``S`` the attended length, ``seq_tokens * cp`` for MLA, else ``seq_tokens``)
-    plus ``c`` per instance. The MoE router's ``[T, E]`` fp32 scores are rescaled from the probe's
-    expert count to the real ``E``. KDA's per-sequence conv prefix and chunk padding are taken at
-    ``P`` tokens (``P`` a multiple of the chunk size keeps padding out).
-    """
-    import torch
-
-    builders = kind_modules(cfg, max_experts)
-    flops = kernel_profile(cfg).classes
-    E_probe = min(cfg.num_experts, max(cfg.num_experts_per_token + 1, max_experts))
-    classes = {}
-    for name in kinds or tuple(builders):
-        torch.manual_seed(0)
-        module = builders[name]().to(dtype)
-        per_policy = {}
-        for pol in ("keep", "fp8", "recompute"):
-            y11 = measure_kind(name, module, cfg, 1, probe_tokens, dtype, pol)
-            y21 = measure_kind(name, module, cfg, 2, probe_tokens, dtype, pol)
-            y12 = measure_kind(name, module, cfg, 1, 2 * probe_tokens, dtype, pol) if name == "mla.attn" else None
-            P = probe_tokens
-            q = (y12 - y21) / (2 * P * P) if y12 is not None else 0.0
-            a_ = (y21 - y11) / P - q * P
-            c = max(0.0, y11 - a_ * P - q * P * P)
-            S = seq_tokens * cp if name == "mla.attn" else seq_tokens
-            n = KIND_SOURCES.get(name, 1)
-            lin = (a_ + q * S) / n
-            if name == "moe" and pol != "recompute":
-                lin += 4 * (cfg.num_experts - E_probe)
-            per_policy[pol] = (lin, c / n)
-        del module
-        f = flops.get(name)
-        classes[name] = SavedClass(name, per_policy["keep"][0], 0.0, per_policy["fp8"][0], 0.0,
-                                   per_policy["recompute"][0], f.flops_lin if f else 0.0,
-                                   f.flops_quad if f else 0.0, per_policy["keep"][1], per_policy["fp8"][1])
-    layers, head, embed = layer_specs(cfg)
-    return Profile(classes, layers, head, embed)
-
-
 def default_profile(cfg: Any, layout: JobLayout, sdpa: str | None = None) -> Profile:
     """:func:`analytic_profile` for a :class:`~moonrt.memory.model_memory.JobLayout`: activation bytes
     ``layout.act_bytes``, one sequence slice of ``seq_len / cp`` tokens, ``micro_batch_size`` sequences;
@@ -403,5 +265,105 @@ def param_sizes(cfg: K3Config) -> ParamSizes:
         norm=4 * cfg.hidden_size)
 
 
-__all__ = ["KIND_SOURCES", "Term", "analytic_profile", "attn_res_sources", "class_terms", "default_profile",
-           "kind_modules", "layer_specs", "measure_kind", "param_sizes", "traced_profile_by_kind"]
+def _fp8_lin(elems: float, width: int, act_bytes: int) -> float:
+    """FP8 bytes per token of ``elems`` elements per token stored in rows of ``width``."""
+    rows = elems / width
+    return rows * fp8mod.stored_bytes((1, width)) if act_bytes > 1 else elems * act_bytes
+
+
+def kernel_profile(cfg: Any, act_bytes: int = 2, chunk: int = 64) -> Profile:
+    """[derived] saved bytes of K3 layers with fused kernels (what a GPU K3 run saves).
+
+    Per token (a = ``act_bytes``): norms save input + fp32 rstd; KDA saves the normed input, pre- and
+    post-conv q|k|v, fp32 decay ``g`` and ``beta``, the gate-rank input, kernel output, output-gate and
+    o_proj inputs (the kernel recomputes chunk states); MLA saves the normed input, LoRA
+    intermediates, per-head q, k, v, the fp32 output + lse (flash style), gate and o_proj inputs;
+    LatentMoE saves the input, fp32 router scores, latent ``z``, per routed copy the expert input,
+    gate/up/activation outputs and output, the combined latent and its norm, the shared experts'
+    intermediates; AttnRes saves the normed sources it mixes; the head saves its input and the
+    fp32 logits. Recompute keeps the region input (``D * a``); FLOPs are 2 per multiply-add. For
+    LatentMoE, ``recompute`` is the whole-layer checkpoint (a ``recompute`` rule on ``layers.i.moe``);
+    the ``moe_dispatch_only`` option (routed path only, saving ``z, ids, weights``) is not a class
+    policy of the planner.
+    """
+    a = act_bytes
+    la = cfg.linear_attn_config
+    D, H, K = cfg.hidden_size, la.num_heads, la.head_dim
+    HK = H * K
+    Hm = cfg.num_attention_heads
+    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    V = cfg.v_head_dim
+    L, F, k, E = cfg.routed_expert_hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_token, cfg.num_experts
+    ns, I = cfg.num_shared_experts, cfg.intermediate_size
+
+    def cls(name: str, wide: list[tuple[float, int]], fp32: float, rec: float, flops: float, fq: float = 0.0):
+        lin = sum(n for n, _ in wide) * a + fp32
+        lin8 = sum(_fp8_lin(n, w, a) for n, w in wide) + fp32
+        return SavedClass(name, lin, 0.0, lin8, 0.0, rec, flops, fq)
+
+    norm = cls("norm", [(D, D)], 4, D * a, 4 * D)
+    kda_params = 3 * D * HK + D * H + D * K + K * HK + 2 * D * HK
+    kda = cls("kda.attn", [(D, D), (3 * HK, HK), (3 * HK, HK), (K, K), (HK, HK), (HK, HK), (HK, HK)],
+              HK * 4 + H * 4 + H * 4, D * a, 2 * kda_params + 2 * (2 * HK * K + 2 * chunk * HK))
+    mla_params = D * cfg.q_lora_rank + cfg.q_lora_rank * Hm * qk + D * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) \
+        + cfg.kv_lora_rank * Hm * (cfg.qk_nope_head_dim + V) + 2 * D * Hm * V
+    mla = cls("mla.attn", [(D, D), (2 * cfg.q_lora_rank, cfg.q_lora_rank),
+                           (cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.kv_lora_rank + cfg.qk_rope_head_dim),
+                           (cfg.kv_lora_rank, cfg.kv_lora_rank), (2 * Hm * qk, qk), (Hm * V, V), (2 * Hm * V, V)],
+              Hm * V * 4 + Hm * 4 + 8, D * a, 2 * mla_params, 2 * Hm * (qk + V))  # causal: T^2/2 pairs
+    moe = cls("moe", [(D, D), (L, L), (k * L, L), (k * 2 * F, F), (k * F, F), (k * L, L), (2 * L, L),
+                      (ns * 3 * F, F)], E * 4 + k * 12 + 4, D * a,
+              2 * (D * E + 2 * D * L + k * 3 * L * F + ns * 3 * D * F))
+    ffn = cls("ffn", [(D, D), (3 * I, I)], 0, D * a, 2 * 3 * D * I)
+    nsrc = max(2, cfg.num_attn_res_blocks // 2 + 1)  # average sources a sub-layer mixes [derived]
+    attn_res = SavedClass("attn_res", nsrc * D * a + nsrc * 4, 0.0, nsrc * _fp8_lin(D, D, a) + nsrc * 4, 0.0,
+                          0.0, 2 * 4 * nsrc * D)
+    head = cls("head", [(2 * D, D)], cfg.vocab_size * 4 + 4, D * a, 2 * D * cfg.vocab_size)
+    classes = {c.name: c for c in (norm, kda, mla, moe, ffn, attn_res, head)}
+    layers = []
+    for i, t in enumerate(cfg.layer_types()):
+        ffn_cls = "moe" if cfg.is_moe_layer(i) else "ffn"
+        layers.append(LayerSpec(i, ("norm", f"{t}.attn", "norm", ffn_cls, "attn_res", "attn_res")))
+    return Profile(classes, tuple(layers), ("head", "attn_res"))
+
+
+def layer_class_patterns(name: str, layer: int) -> list[str]:
+    """Manager patterns (module paths / regions) of class ``name`` in decoder ``layer``."""
+    return {
+        "norm": [f"layers.{layer}.attn_norm", f"layers.{layer}.ffn_norm"],
+        "kda.attn": [f"layers.{layer}.attn"],
+        "mla.attn": [f"layers.{layer}.attn"],
+        "moe": [f"layers.{layer}.moe"],
+        "ffn": [f"layers.{layer}.ffn"],
+        "attn_res": ["attn_res.sublayer_input"],
+        "head": ["norm", "lm_head"],
+    }[name]
+
+
+def policy_dict(r: RankPlan) -> dict:
+    """The :class:`~moonrt.memory.policy.MemoryPolicy` YAML data of one rank's choice (K3 module paths;
+    an AttnRes ``recompute`` becomes the policy's ``attnres_checkpoint`` regions)."""
+    rules: list[dict] = []
+    attnres: list[str] = []
+    for name, pol in sorted(r.choice.items()):
+        if pol == "keep":
+            continue
+        layers = r.class_layers.get(name, r.layers)
+        pats: list[str] = []
+        if name in ("head", "attn_res", "embed"):
+            pats = {"head": ["norm", "lm_head"], "attn_res": ["attn_res.sublayer_input"], "embed": ["embed"]}[name]
+        else:
+            for i in layers:
+                pats += layer_class_patterns(name, i)
+        if pol == "recompute" and name == "attn_res":
+            attnres += ["attn_res.sublayer_input", "attn_res.final"]
+        else:
+            rules += [{"match": pt, "policy": pol} for pt in pats]
+    out: dict[str, Any] = {"default": "keep", "rules": rules}
+    if attnres:
+        out["attnres_checkpoint"] = attnres
+    return out
+
+
+__all__ = ["Term", "analytic_profile", "attn_res_sources", "class_terms", "default_profile", "kernel_profile",
+           "layer_class_patterns", "layer_specs", "param_sizes", "policy_dict"]

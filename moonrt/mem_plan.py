@@ -18,7 +18,7 @@ from pathlib import Path
 
 from moonrt.config import ParallelConfig
 from moonrt.memory.model_memory import JobLayout
-from moonrt.memory.plan import Hardware, plan, plan_json, plot, policy_dict, table
+from moonrt.memory.plan import Hardware, plan, plan_json, plot, table
 from moonrt.models import presets
 
 
@@ -178,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
         print(table(p))
         if p.feasible:
             print("policy (rank 0):")
-            print(yaml.safe_dump(policy_dict(p.ranks[0]), sort_keys=False).rstrip())
+            print(yaml.safe_dump(spec.memory_policy(p.ranks[0]), sort_keys=False).rstrip())
         else:
             rc = 1
         if out is not None:
@@ -189,7 +189,8 @@ def run(args: argparse.Namespace) -> int:
                 plot(p, d / "plan.png")
                 if p.feasible:
                     for r in p.ranks:
-                        (d / f"policy_rank{r.rank}.yaml").write_text(yaml.safe_dump(policy_dict(r), sort_keys=False))
+                        (d / f"policy_rank{r.rank}.yaml").write_text(yaml.safe_dump(spec.memory_policy(r),
+                                                                                    sort_keys=False))
             except OSError as exc:
                 return _fail(f"--out = {args.out!r}: cannot write {d}: {exc.strerror or exc}")
             print(f"wrote {d}/ (plan.json, plan.png{', policy_rank*.yaml' if p.feasible else ''})")

@@ -2,11 +2,12 @@
 
 A :class:`ModelSpec` (like torchtitan's ``ModelSpec``) is one record per model family: its config presets,
 its build function, its parameter counts, and the memory description the planner takes instead of
-importing the model (:class:`~moonrt.memory.model_memory.ParamSizes` per part and a per-layer
-:class:`~moonrt.memory.model_memory.Profile` of saved activations). Jobs (``moonrt mem-plan``, ``moonrt
-train``) look the model up here; the runtime never imports ``moonrt.model`` (docs/ARCHITECTURE.md §1).
-Parallelizing needs no entry: the parallel parts reach the model through the seams and the small duck-typed
-surface described there (``moe_layers()``, the stage API).
+importing the model (:class:`~moonrt.memory.model_memory.ParamSizes` per part, a per-layer
+:class:`~moonrt.memory.model_memory.Profile` of saved activations, and how a planned class choice maps
+to the model's module paths in a memory policy). Jobs look the model up here (``moonrt mem-plan``
+does; ``moonrt train`` still builds K3 directly); the runtime never imports ``moonrt.model``
+(docs/ARCHITECTURE.md §1). Parallelizing needs no entry: the parallel parts reach the model through
+the seams and the small duck-typed surface described there (``moe_layers()``, the stage API).
 
 The K3 record's functions import torch and the layer modules lazily, so ``moonrt mem-plan`` with the
 analytic profile stays light.
@@ -47,6 +48,9 @@ class ModelSpec:
     traced_memory_profile: Callable[..., Any]
     """``(cfg, dtype, seq_tokens, batch, cp, probe_tokens, max_experts)`` -> a Profile measured by running each
     layer kind under the activation manager."""
+    memory_policy: Callable[[Any], dict]
+    """A :class:`~moonrt.memory.plan.RankPlan` -> the :class:`~moonrt.memory.policy.MemoryPolicy` YAML data
+    of its class choice, as rules on the model's module paths."""
 
 
 def _k3_build(cfg: Any, options: Mapping[str, Any] | None = None) -> Any:
@@ -75,14 +79,20 @@ def _k3_memory_profile(cfg: Any, layout: Any, sdpa: str | None = None) -> Any:
 
 
 def _k3_traced_memory_profile(*args: Any, **kwargs: Any) -> Any:
-    from moonrt.k3_memory import traced_profile_by_kind
+    from moonrt.k3_memory_trace import traced_profile_by_kind
 
     return traced_profile_by_kind(*args, **kwargs)
 
 
+def _k3_memory_policy(rank_plan: Any) -> dict:
+    from moonrt.k3_memory import policy_dict
+
+    return policy_dict(rank_plan)
+
+
 K3 = ModelSpec(name="k3", presets=K3_PRESETS, build=_k3_build, param_count=_k3_param_count,
                param_sizes=_k3_param_sizes, memory_profile=_k3_memory_profile,
-               traced_memory_profile=_k3_traced_memory_profile)
+               traced_memory_profile=_k3_traced_memory_profile, memory_policy=_k3_memory_policy)
 
 MODELS: dict[str, ModelSpec] = {"k3": K3}
 """Every registered model family by name."""

@@ -45,7 +45,9 @@ def imports(path: Path, root: Path) -> list[str]:
     """Absolute module names imported anywhere in ``path`` (a file under ``root``), relative imports resolved.
 
     ``from X import a`` yields ``X.a`` when that is a module or package under ``root`` (or ``X`` is
-    the root package ``moonrt``), else ``X``.
+    the root package ``moonrt`` and ``a`` is not one of its dunder attributes such as ``__version__``),
+    else ``X``. The root package ``moonrt`` itself (``moonrt/__init__.py``, the version string) is
+    below every layer and never judged.
     """
     mod = module_name(path, root)
     pkg = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
@@ -65,7 +67,8 @@ def imports(path: Path, root: Path) -> list[str]:
             for a in node.names:
                 sub = root.joinpath(*f"{src}.{a.name}".split("."))
                 is_module = sub.with_suffix(".py").is_file() or (sub / "__init__.py").is_file()
-                names.append(f"{src}.{a.name}" if is_module or src == "moonrt" else src)
+                root_name = src == "moonrt" and not a.name.startswith("__")
+                names.append(f"{src}.{a.name}" if is_module or root_name else src)
     return names
 
 
@@ -116,7 +119,8 @@ def test_checker_catches_forbidden_imports_in_a_synthetic_tree(tmp_path: Path) -
         "class A:\n    def g(self):\n        from ..model.context import LOCAL\n")
     (tmp_path / "moonrt" / "model" / "bad.py").write_text(
         "from moonrt.config import check\nfrom ..parallel import context\nfrom .ffn import GLUFFN\n"
-        "import moonrt.comm.mesh\n\ndef h():\n    from ..memory import manager\n    from moonrt import cluster\n")
+        "import moonrt.comm.mesh\nfrom moonrt import __version__\n\n"
+        "def h():\n    from ..memory import manager\n    from moonrt import cluster\n")
     got = [(a, b) for a, b, _ in violations(tmp_path)]
     assert got == [
         ("moonrt.comm.bad", "moonrt.model.context"),

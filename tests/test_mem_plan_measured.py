@@ -12,16 +12,9 @@ import pytest
 import torch
 
 from moonrt.k3_memory import param_sizes
+from moonrt.k3_memory_trace import class_counts, class_of, policy_for_all, traced_profile
 from moonrt.memory.manager import ActivationManager
-from moonrt.memory.model_memory import (
-    JobLayout,
-    activation_bytes,
-    class_counts,
-    class_of,
-    policy_for_all,
-    rank_models,
-    traced_profile,
-)
+from moonrt.memory.model_memory import JobLayout, activation_bytes, rank_models
 from moonrt.model.config import k3_tiny
 from moonrt.model.model import K3Model
 

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from moonrt.config import ParallelConfig
-from moonrt.k3_memory import KIND_SOURCES, class_terms, default_profile, kind_modules, measure_kind, param_sizes
+from moonrt.k3_memory import class_terms, default_profile, param_sizes
+from moonrt.k3_memory_trace import KIND_SOURCES, kind_modules, measure_kind
 from moonrt.memory.manager import ActivationManager
 from moonrt.memory.model_memory import JobLayout
 from moonrt.memory.plan import Hardware, plan
@@ -91,7 +92,7 @@ def test_mem_plan_predicts_k3_tiny_forward_fp32():
 @pytest.mark.parametrize("dtype", ["fp32"])
 def test_traced_profile_plans_like_analytic(dtype):
     """``--profile traced`` (probe forwards per layer kind, scaled) and the analytic profile agree on k3_tiny."""
-    from moonrt.k3_memory import traced_profile_by_kind
+    from moonrt.k3_memory_trace import traced_profile_by_kind
 
     cfg = k3_tiny()
     layout = JobLayout(micro_batch_size=2, seq_len=512, microbatches=1, parallel=ParallelConfig(), schedule="1f1b",

@@ -1,4 +1,4 @@
-"""Memory model of a K3 training job per pipeline rank (K3_SYSTEMS §1, §6, §8, §10).
+"""Memory model of a training job per pipeline rank (K3_SYSTEMS §1, §6, §8, §10).
 
 Pure functions of a model config (duck-typed: the HF field names of ``K3Config``), a
 :class:`JobLayout` and per-part parameter counts (:class:`ParamSizes`) and a per-layer activation
@@ -18,20 +18,16 @@ Per rank ``r`` of ``pp`` (chunks ``c`` of ``vpp`` hold stages ``c * pp + r``; la
   over the rank's schedule walk (:mod:`.schedule`): the exact set of chunk activations alive at
   every point of the action order, which reproduces 1F1B's ``pp - r`` and the interleaved factor.
 
-Two activation profiles: :func:`kernel_profile` ([derived] formulas for fused kernels: flash-style
-MLA saving ``q, k, v, o, lse``; chunked KDA kernel saving its inputs and output; the real ``k3``)
-and :func:`traced_profile` (counted by running a model's forward through the activation manager
-at two batch sizes and fitting the per-token bytes; the CPU reference layers).
+The profiles themselves are the model client's: for K3, :mod:`moonrt.k3_memory` (analytic formulas,
+the fused-kernel estimate) and :mod:`moonrt.k3_memory_trace` (measured under the activation manager).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 from moonrt.config import ParallelConfig
-from moonrt.ops import fp8 as fp8mod
 from moonrt.scheduler.pipeline import Schedule, build_schedule, in_flight
 
 GIB = 2**30
@@ -65,11 +61,13 @@ class JobLayout:
         return self.micro_batch_size * self.seq_len // self.parallel.cp
 
     def check(self, num_layers: int, num_experts: int) -> None:
-        """Raise ValueError (a :class:`~moonrt.config.ConfigError` for the degrees) naming the first bad field."""
+        """Raise ValueError naming the first bad field. Only the degrees of ``parallel`` are read (not the
+        training job's rules in ``ParallelConfig.validate``: a plan may have ``pp = 1`` with several
+        micro-batches, i.e. gradient accumulation)."""
         par = self.parallel
-        par.validate()
-        for name in ("micro_batch_size", "seq_len", "microbatches"):
-            v = getattr(self, name)
+        fields = {n: getattr(par, n) for n in ("dp", "pp", "vpp", "ep", "cp")}
+        fields.update((n, getattr(self, n)) for n in ("micro_batch_size", "seq_len", "microbatches"))
+        for name, v in fields.items():
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} = {v!r}: expected an integer >= 1")
         if self.seq_len % par.cp:
@@ -155,183 +153,6 @@ class Profile:
     layers: tuple[LayerSpec, ...]
     head: tuple[str, ...]
     embed: tuple[str, ...] = ()
-
-
-def _fp8_lin(elems: float, width: int, act_bytes: int) -> float:
-    """FP8 bytes per token of ``elems`` elements per token stored in rows of ``width``."""
-    rows = elems / width
-    return rows * fp8mod.stored_bytes((1, width)) if act_bytes > 1 else elems * act_bytes
-
-
-def kernel_profile(cfg: Any, act_bytes: int = 2, chunk: int = 64) -> Profile:
-    """[derived] saved bytes of K3 layers with fused kernels (what a GPU K3 run saves).
-
-    Per token (a = ``act_bytes``): norms save input + fp32 rstd; KDA saves the normed input, pre- and
-    post-conv q|k|v, fp32 decay ``g`` and ``beta``, the gate-rank input, kernel output, output-gate and
-    o_proj inputs (the kernel recomputes chunk states); MLA saves the normed input, LoRA
-    intermediates, per-head q, k, v, the fp32 output + lse (flash style), gate and o_proj inputs;
-    LatentMoE saves the input, fp32 router scores, latent ``z``, per routed copy the expert input,
-    gate/up/activation outputs and output, the combined latent and its norm, the shared experts'
-    intermediates; AttnRes saves the normed sources it mixes; the head saves its input and the
-    fp32 logits. Recompute keeps the region input (``D * a``); FLOPs are 2 per multiply-add. For
-    LatentMoE, ``recompute`` is the whole-layer checkpoint (a ``recompute`` rule on ``layers.i.moe``);
-    the ``moe_dispatch_only`` option (routed path only, saving ``z, ids, weights``) is not a class
-    policy of the planner.
-    """
-    a = act_bytes
-    la = cfg.linear_attn_config
-    D, H, K = cfg.hidden_size, la.num_heads, la.head_dim
-    HK = H * K
-    Hm = cfg.num_attention_heads
-    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-    V = cfg.v_head_dim
-    L, F, k, E = cfg.routed_expert_hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_token, cfg.num_experts
-    ns, I = cfg.num_shared_experts, cfg.intermediate_size
-
-    def cls(name: str, wide: list[tuple[float, int]], fp32: float, rec: float, flops: float, fq: float = 0.0):
-        lin = sum(n for n, _ in wide) * a + fp32
-        lin8 = sum(_fp8_lin(n, w, a) for n, w in wide) + fp32
-        return SavedClass(name, lin, 0.0, lin8, 0.0, rec, flops, fq)
-
-    norm = cls("norm", [(D, D)], 4, D * a, 4 * D)
-    kda_params = 3 * D * HK + D * H + D * K + K * HK + 2 * D * HK
-    kda = cls("kda.attn", [(D, D), (3 * HK, HK), (3 * HK, HK), (K, K), (HK, HK), (HK, HK), (HK, HK)],
-              HK * 4 + H * 4 + H * 4, D * a, 2 * kda_params + 2 * (2 * HK * K + 2 * chunk * HK))
-    mla_params = D * cfg.q_lora_rank + cfg.q_lora_rank * Hm * qk + D * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) \
-        + cfg.kv_lora_rank * Hm * (cfg.qk_nope_head_dim + V) + 2 * D * Hm * V
-    mla = cls("mla.attn", [(D, D), (2 * cfg.q_lora_rank, cfg.q_lora_rank),
-                           (cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.kv_lora_rank + cfg.qk_rope_head_dim),
-                           (cfg.kv_lora_rank, cfg.kv_lora_rank), (2 * Hm * qk, qk), (Hm * V, V), (2 * Hm * V, V)],
-              Hm * V * 4 + Hm * 4 + 8, D * a, 2 * mla_params, 2 * Hm * (qk + V))  # causal: T^2/2 pairs
-    moe = cls("moe", [(D, D), (L, L), (k * L, L), (k * 2 * F, F), (k * F, F), (k * L, L), (2 * L, L),
-                      (ns * 3 * F, F)], E * 4 + k * 12 + 4, D * a,
-              2 * (D * E + 2 * D * L + k * 3 * L * F + ns * 3 * D * F))
-    ffn = cls("ffn", [(D, D), (3 * I, I)], 0, D * a, 2 * 3 * D * I)
-    nsrc = max(2, cfg.num_attn_res_blocks // 2 + 1)  # average sources a sub-layer mixes [derived]
-    attn_res = SavedClass("attn_res", nsrc * D * a + nsrc * 4, 0.0, nsrc * _fp8_lin(D, D, a) + nsrc * 4, 0.0,
-                          0.0, 2 * 4 * nsrc * D)
-    head = cls("head", [(2 * D, D)], cfg.vocab_size * 4 + 4, D * a, 2 * D * cfg.vocab_size)
-    classes = {c.name: c for c in (norm, kda, mla, moe, ffn, attn_res, head)}
-    layers = []
-    for i, t in enumerate(cfg.layer_types()):
-        ffn_cls = "moe" if cfg.is_moe_layer(i) else "ffn"
-        layers.append(LayerSpec(i, ("norm", f"{t}.attn", "norm", ffn_cls, "attn_res", "attn_res")))
-    return Profile(classes, tuple(layers), ("head", "attn_res"))
-
-
-def layer_class_patterns(name: str, layer: int) -> list[str]:
-    """Manager patterns (module paths / regions) of class ``name`` in decoder ``layer``."""
-    return {
-        "norm": [f"layers.{layer}.attn_norm", f"layers.{layer}.ffn_norm"],
-        "kda.attn": [f"layers.{layer}.attn"],
-        "mla.attn": [f"layers.{layer}.attn"],
-        "moe": [f"layers.{layer}.moe"],
-        "ffn": [f"layers.{layer}.ffn"],
-        "attn_res": ["attn_res.sublayer_input"],
-        "head": ["norm", "lm_head"],
-    }[name]
-
-
-ATTNRES_REGIONS = ("attn_res.sublayer_input", "attn_res.final")
-
-
-def class_of(region: str, cfg: Any) -> str:
-    """Saved-tensor class of a manager region (module path or region name) of a K3 model."""
-    parts = region.split(".")
-    if region.startswith("attn_res"):
-        return "attn_res"
-    if parts[0] in ("norm", "lm_head", "<root>"):
-        return "head"  # the root saves are the loss's (log-softmax of the logits)
-    if parts[0] == "embed":
-        return "embed"
-    if parts[0] != "layers" or len(parts) < 3:
-        return "other"
-    i, sub = int(parts[1]), parts[2]
-    if sub in ("attn_norm", "ffn_norm"):
-        return "norm"
-    if sub == "attn":
-        return f"{cfg.layer_types()[i]}.attn"
-    return sub  # "moe" or "ffn"
-
-
-def policy_for_all(policy: str) -> Any:
-    """A :class:`MemoryPolicy` applying ``policy`` to every class (recompute: every region checkpointed)."""
-    from moonrt.memory.policy import MemoryPolicy, PolicyRule
-
-    if policy != "recompute":
-        return MemoryPolicy(default=policy, rules=[PolicyRule(match=r, policy=policy) for r in ATTNRES_REGIONS])
-    rules = [PolicyRule(match=p, policy="recompute") for p in (
-        "layers.*.attn", "layers.*.attn_norm", "layers.*.ffn_norm", "layers.*.ffn", "layers.*.moe", "norm", "lm_head")]
-    return MemoryPolicy(rules=rules, attnres_checkpoint=list(ATTNRES_REGIONS))
-
-
-def measure_classes(model: Any, cfg: Any, policy: Any, run: Callable[[Any, int], Any], n: int) -> dict[str, float]:
-    """Bytes saved per class and still held at the end of one ``run(model, n)`` forward (all tiers;
-    recompute-region inputs counted in their class) under the activation manager with ``policy``:
-    what backward needs, i.e. what an in-flight micro-batch keeps."""
-    from moonrt.memory.manager import ActivationManager
-
-    mgr = ActivationManager(model, policy)
-    try:
-        with mgr:
-            out = run(model, n)
-        res: dict[str, float] = {}
-        for (reg, _pol), st in mgr.accounting.regions.items():
-            c = class_of(reg, cfg)
-            res[c] = res.get(c, 0.0) + st.live_bytes
-        del out
-        return res
-    finally:
-        mgr.close()
-
-
-def traced_profile(build: Callable[[], Any], run: Callable[[Any, int], Any], cfg: Any, seq_len: int,
-                   batches: tuple[int, int] = (1, 2)) -> Profile:
-    """Profile by counting, at one sequence length: ``build()`` returns a model and ``run(model, B)``
-    runs its forward on ``B`` sequences of ``seq_len`` tokens; the activation manager counts the bytes
-    saved per class for keep, FP8 and recompute at two batch sizes and the profile fits
-    ``bytes = c0 + c1 * tokens`` per class (``c0`` folded into the per-token term at the larger size).
-    Saved bytes are linear in the number of sequences (FP8 tiles run along the feature dimension),
-    so the fit is exact at that sequence length; sequence-length effects (the reference MLA's
-    ``T x T`` scores, KDA chunking) are folded into the per-token terms, so plan with the same
-    ``seq_len / cp``. Classes are those of :func:`kernel_profile` (same manager patterns), so a plan
-    from this profile writes the same policy YAML.
-    """
-    types = cfg.layer_types()
-    model = build()
-    b0, b1 = batches
-    keep = [measure_classes(model, cfg, policy_for_all("keep"), run, b) for b in batches]
-    q = [measure_classes(model, cfg, policy_for_all("fp8"), run, b) for b in batches]
-    rec = [measure_classes(model, cfg, policy_for_all("recompute"), run, b) for b in batches]
-    counts = class_counts(cfg)
-
-    def fit(samples: list[float]) -> float:
-        y0, y1 = samples
-        c1 = (y1 - y0) / ((b1 - b0) * seq_len)
-        c0 = y0 - c1 * b0 * seq_len
-        return c1 + c0 / (b1 * seq_len)
-
-    flops = kernel_profile(cfg).classes  # recompute cost: the analytic FLOPs (bytes are what is traced)
-    classes = {}
-    for name, n in counts.items():
-        if n == 0:
-            continue
-        f = flops.get(name)
-        classes[name] = SavedClass(name, fit([s.get(name, 0.0) / n for s in keep]), 0.0,
-                                   fit([s.get(name, 0.0) / n for s in q]), 0.0,
-                                   fit([s.get(name, 0.0) / n for s in rec]),
-                                   f.flops_lin if f else 0.0, f.flops_quad if f else 0.0)
-    layers = tuple(LayerSpec(i, ("norm", f"{t}.attn", "norm", "moe" if cfg.is_moe_layer(i) else "ffn",
-                                 "attn_res", "attn_res")) for i, t in enumerate(types))
-    return Profile(classes, layers, ("head", "attn_res"), ("embed",))
-
-
-def class_counts(cfg: Any) -> dict[str, int]:
-    """Instances of each class in the whole model (norm: 2 per layer; attn_res: 2 per layer + final)."""
-    types = cfg.layer_types()
-    n_moe = sum(cfg.is_moe_layer(i) for i in range(len(types)))
-    return {"norm": 2 * len(types), "attn_res": 2 * len(types) + 1, "head": 1, "embed": 1, "moe": n_moe,
-            "ffn": len(types) - n_moe, "kda.attn": types.count("kda"), "mla.attn": types.count("mla")}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -464,13 +285,6 @@ __all__ = [
     "RankModel",
     "SavedClass",
     "activation_bytes",
-    "kernel_profile",
-    "layer_class_patterns",
     "rank_models",
     "stage_layers",
-    "traced_profile",
-    "class_counts",
-    "class_of",
-    "measure_classes",
-    "policy_for_all",
 ]

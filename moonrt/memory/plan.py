@@ -39,7 +39,6 @@ from moonrt.memory.model_memory import (
     Profile,
     RankModel,
     activation_bytes,
-    layer_class_patterns,
     rank_models,
 )
 
@@ -407,30 +406,6 @@ def table(p: Plan) -> str:
     return "\n".join(lines)
 
 
-def policy_dict(r: RankPlan) -> dict:
-    """The :class:`~moonrt.memory.policy.MemoryPolicy` YAML data of one rank's choice."""
-    rules: list[dict] = []
-    attnres: list[str] = []
-    for name, pol in sorted(r.choice.items()):
-        if pol == "keep":
-            continue
-        layers = r.class_layers.get(name, r.layers)
-        pats: list[str] = []
-        if name in ("head", "attn_res", "embed"):
-            pats = {"head": ["norm", "lm_head"], "attn_res": ["attn_res.sublayer_input"], "embed": ["embed"]}[name]
-        else:
-            for i in layers:
-                pats += layer_class_patterns(name, i)
-        if pol == "recompute" and name == "attn_res":
-            attnres += ["attn_res.sublayer_input", "attn_res.final"]
-        else:
-            rules += [{"match": pt, "policy": pol} for pt in pats]
-    out: dict[str, Any] = {"default": "keep", "rules": rules}
-    if attnres:
-        out["attnres_checkpoint"] = attnres
-    return out
-
-
 def plan_json(p: Plan) -> dict:
     d = dataclasses.asdict(p)
     for r, rp in zip(d["ranks"], p.ranks):
@@ -463,5 +438,4 @@ def plot(p: Plan, path: str | Path) -> None:
     plt.close(fig)
 
 
-__all__ = ["Hardware", "Plan", "RankPlan", "default_reserve", "greedy", "plan", "plan_json", "plot", "policy_dict",
-           "table"]
+__all__ = ["Hardware", "Plan", "RankPlan", "default_reserve", "greedy", "plan", "plan_json", "plot", "table"]
