@@ -226,8 +226,9 @@ class ParallelConfig:
     vpp: int = 1
     ep: int = 1
     cp: int = 1
-    schedule: Literal["auto", "gpipe", "1f1b", "interleaved", "zb"] = "auto"
-    """Pipeline schedule (``moonrt.scheduler.pipeline``); ``auto``: 1f1b, or interleaved when ``vpp > 1``."""
+    schedule: Literal["auto", "gpipe", "1f1b", "interleaved", "zb", "zbv"] = "auto"
+    """Pipeline schedule (``moonrt.scheduler.pipeline``: zb = zero-bubble ZB1P, zbv = ZB-V with two chunks per
+    rank in V placement); ``auto``: 1f1b, or interleaved when ``vpp > 1``."""
     microbatches: int = 1
     """Micro-batches per step of each pipeline (they split the data-parallel replica's batch rows)."""
     attn_res_comm: Literal["cached", "naive"] = "cached"
@@ -239,17 +240,20 @@ class ParallelConfig:
             value = getattr(self, name)
             check(isinstance(value, int) and value >= 1, name, value, "an integer >= 1")
         check(self.attn_res_comm in ("cached", "naive"), "attn_res_comm", self.attn_res_comm, "cached or naive")
-        kinds = ("auto", "gpipe", "1f1b", "interleaved", "zb")
+        kinds = ("auto", "gpipe", "1f1b", "interleaved", "zb", "zbv")
         check(self.schedule in kinds, "schedule", self.schedule, "one of " + ", ".join(kinds))
         check(self.pp > 1 or self.microbatches == 1, "microbatches", self.microbatches,
               "1 without pipeline parallelism (pp = 1)")
         kind = self.pipeline_schedule
         if kind in ("gpipe", "1f1b"):
             check(self.vpp == 1, "vpp", self.vpp, f"1 for schedule {kind!r} (virtual stages need 'interleaved')")
-        if kind == "interleaved" and self.pp > 1:
+        if kind == "zbv":
+            check(self.vpp == 2, "vpp", self.vpp, "2 for schedule 'zbv' (two chunks per rank)")
+        if kind == "interleaved":
             check(self.vpp >= 2, "vpp", self.vpp, "an integer >= 2 for schedule 'interleaved'")
+        if kind == "interleaved" or (kind == "zb" and self.vpp > 1):
             check(self.microbatches % self.pp == 0, "microbatches", self.microbatches,
-                  f"a multiple of pp ({self.pp}) for schedule 'interleaved' (at least pp micro-batches)")
+                  f"a multiple of pp ({self.pp}) for schedule {kind!r} with vpp > 1 (at least pp micro-batches)")
 
     @property
     def pipeline_schedule(self) -> str:

@@ -1,6 +1,7 @@
 """Pipeline executor parity (K3_SYSTEMS §9): on 2 and 4 gloo ranks, every schedule and both AttnRes
 communication modes give the single-process model's loss, logits and parameter gradients of one
-global batch; the blocks each rank sends equal the closed-form counts; each block is held once per rank.
+global batch; the blocks each rank sends equal the hop plan (``moonrt pp-plan``'s counts) and, in an
+aligned loop-placed layout, K3_SYSTEMS §9's closed forms; each block is held once per rank.
 
 Tolerance: the pipeline computes the same function in fp32 with a different summation order only
 where micro-batches are summed (loss, parameter gradients: M partial sums instead of one) and where
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from moonrt.comm.pp_part import PipelineParallel
 from moonrt.model.config import full_attn_layers, k3_tiny
 from moonrt.model.model import K3Model
+from moonrt.scheduler.attnres_comm import hop_plan
 from moonrt.scheduler.pipeline import build_schedule
 from tests.dist import dist_run
 
@@ -107,9 +109,13 @@ def _check_parity(results: list[list[dict[str, Any]]], runs: list[tuple[str, str
 
 RUNS_2 = [("aligned", "gpipe", 1, 2, "cached"), ("aligned", "1f1b", 1, 4, "naive"),
           ("aligned", "1f1b", 1, 2, "cached"), ("aligned", "interleaved", 2, 2, "cached"),
-          ("aligned", "interleaved", 2, 4, "naive"), ("k3_tiny", "1f1b", 1, 2, "cached")]
+          ("aligned", "interleaved", 2, 4, "naive"), ("k3_tiny", "1f1b", 1, 2, "cached"),
+          ("aligned", "zb", 1, 2, "cached"), ("aligned", "zb", 2, 2, "naive"), ("k3_tiny", "zb", 2, 4, "cached"),
+          ("aligned", "zbv", 2, 2, "cached"), ("k3_tiny", "zbv", 2, 4, "naive")]
 RUNS_4 = [("aligned", "1f1b", 1, 4, "cached"), ("aligned", "gpipe", 1, 4, "naive"),
-          ("k3_tiny", "1f1b", 1, 4, "cached"), ("k3_tiny", "1f1b", 1, 4, "naive")]
+          ("k3_tiny", "1f1b", 1, 4, "cached"), ("k3_tiny", "1f1b", 1, 4, "naive"),
+          ("aligned", "zb", 1, 4, "cached"), ("k3_tiny", "interleaved", 2, 4, "cached"),
+          ("aligned", "zbv", 2, 4, "cached")]
 
 
 def _expected_blocks(p: int, v: int, n_p: int, mode: str) -> tuple[int, int]:
@@ -121,14 +127,19 @@ def _expected_blocks(p: int, v: int, n_p: int, mode: str) -> tuple[int, int]:
 
 
 def _check_blocks(results: list[list[dict[str, Any]]], runs: list[tuple[str, str, int, int, str]], p: int) -> None:
-    for i, (cfg_name, _kind, v, m, mode) in enumerate(runs):
-        if cfg_name != "aligned":
-            continue
+    for i, (cfg_name, kind, v, m, mode) in enumerate(runs):
         per_rank = [res[i] for res in results]
-        n_p = 8 // (p * v) // 2  # 8 layers, blocks of 2
-        total, largest = _expected_blocks(p, v, n_p, mode)
-        assert sum(r["blocks"] for r in per_rank) == total * m, (runs[i], [r["blocks"] for r in per_rank])
-        assert max(h for r in per_rank for h in r["hops"].values()) == largest * m, runs[i]
+        cfg = CONFIGS[cfg_name]()
+        sched = build_schedule(kind, p, m, v)
+        hops = hop_plan(_model(cfg_name).stages(p * v), cfg.attn_res_block_size, sched.rank_of, mode)
+        assert sum(r["blocks"] for r in per_rank) == hops.total * m, (runs[i], [r["blocks"] for r in per_rank])
+        assert all(r["hops"].get(s, 0) == len(hops.sends[s]) * m for r in per_rank for s in r["stages"]
+                   if s < p * v - 1), runs[i]
+        if cfg_name == "aligned" and sched.placement == "loop" and (8 // (p * v)) % 2 == 0:
+            n_p = 8 // (p * v) // 2  # 8 layers, blocks of 2: each stage completes n_p blocks
+            total, largest = _expected_blocks(p, v, n_p, mode)
+            assert sum(r["blocks"] for r in per_rank) == total * m, (runs[i], [r["blocks"] for r in per_rank])
+            assert max(h for r in per_rank for h in r["hops"].values()) == largest * m, runs[i]
         if mode == "cached":  # each rank holds every block it produced or received exactly once
             plan = per_rank[0]["plan"]
             for rank, r in enumerate(per_rank):

@@ -1,11 +1,11 @@
 """Block AttnRes state of a pipeline rank: which blocks cross each hop, and the per-micro-batch block cache
 (K3_SYSTEMS §4, §9).
 
-Block ids follow the schedule IR contract: block 0 is the token embedding (produced by stage 0); block
-``n >= 1`` is completed at the end of decoder layer ``n * block_size - 1`` (or at the last layer, for a
-partial last block) by the stage that runs that layer. A stage ``s`` running ``layers[s]`` starts with
-:func:`blocks_before` completed blocks and, when its first layer is not a block start, the open partial
-block (the only tensor a hop carries that is not a block).
+Block ids and the blocks each hop carries are :func:`moonrt.scheduler.attnres_comm.hop_plan`'s: block 0
+is the token embedding (produced by stage 0); block ``n >= 1`` is completed at the end of decoder layer
+``n * block_size - 1`` (or at the last layer, for a partial last block) by the stage that runs it. A
+stage ``s`` running ``layers[s]`` starts with :func:`blocks_before` completed blocks and, when its first
+layer is not a block start, the open partial block (the only tensor a hop carries that is not a block).
 
 :class:`BlockCache` is one scope of block representations and their gradient buffers: in ``cached`` mode
 one per (rank, micro-batch), shared by the rank's virtual stages; in ``naive`` mode one per (stage,
@@ -21,26 +21,19 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from moonrt.scheduler.attnres_comm import hop_plan
+
 
 def blocks_before(start_layer: int, block_size: int) -> int:
     """Completed blocks (the embedding included) before decoder layer ``start_layer``."""
     return 1 + start_layer // block_size
 
 
-def produced_blocks(stage: int, layers: range, block_size: int, num_layers: int) -> tuple[int, ...]:
-    """Block ids completed by ``stage`` running ``layers`` (block 0 for stage 0)."""
-    out = [0] if stage == 0 else []
-    for layer in layers:
-        if (layer + 1) % block_size == 0 or layer == num_layers - 1:
-            out.append(layer // block_size + 1)
-    return tuple(out)
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class BlockPlan:
-    """Per stage: ``layers``, ``n_in`` (completed blocks at its start), ``produced`` ids, ``partial_in``
-    (a block is open at its first layer); per forward hop ``s -> s+1`` between ranks: ``sends[s]``, the
-    block ids it carries (empty tuple for a same-rank hop and for the last stage)."""
+    """Per stage: ``layers``, ``n_in`` (completed blocks at its start), ``produced`` ids, ``partial_in`` (a
+    block is open at its first layer); per forward hop ``s -> s+1``: ``sends[s]``, the block ids it carries
+    (the hop plan's; empty for a same-rank hop and for the last stage)."""
 
     layers: tuple[range, ...]
     n_in: tuple[int, ...]
@@ -54,45 +47,17 @@ class BlockPlan:
         return len(self.layers)
 
 
-def block_plan(layers: Sequence[range], block_size: int, rank_of: Callable[[int], int], mode: str,
-               sends: Sequence[Sequence[int]] | None = None) -> BlockPlan:
-    """The :class:`BlockPlan` of ``layers`` (contiguous ranges covering every layer).
-
-    ``sends`` is the hop plan (``moonrt.scheduler.attnres_comm.hop_plan(...).sends``); when None it is
-    derived here with the same rule (naive: every completed block; cached: the completed blocks the
-    receiving rank does not hold yet, a rank holding what it produced or received in the micro-batch).
-    """
+def block_plan(layers: Sequence[range], block_size: int, rank_of: Callable[[int], int], mode: str) -> BlockPlan:
+    """The :class:`BlockPlan` of ``layers`` (contiguous ranges covering every layer) placed by ``rank_of``,
+    from :func:`moonrt.scheduler.attnres_comm.hop_plan` (``mode``: cached or naive)."""
     if mode not in ("cached", "naive"):
         raise ValueError(f"attn_res_comm = {mode!r}: expected cached or naive")
-    if block_size < 1:
-        raise ValueError(f"block_size = {block_size}: expected an integer >= 1")
+    hops = hop_plan(layers, block_size, rank_of, mode)
     ranges = tuple(layers)
-    num_layers = ranges[-1].stop if ranges else 0
-    expected = 0
-    for s, r in enumerate(ranges):
-        if r.start != expected or r.stop <= r.start:
-            raise ValueError(f"layer ranges: stage {s} = {r}: expected a non-empty range starting at layer {expected}")
-        expected = r.stop
-    produced = tuple(produced_blocks(s, r, block_size, num_layers) for s, r in enumerate(ranges))
     n_in = tuple(blocks_before(r.start, block_size) if s else 0 for s, r in enumerate(ranges))
     partial_in = tuple(s > 0 and r.start % block_size != 0 for s, r in enumerate(ranges))
-    if sends is None:
-        held: dict[int, set[int]] = {}
-        done: set[int] = set()
-        derived: list[tuple[int, ...]] = []
-        for s in range(len(ranges)):
-            r = rank_of(s)
-            done |= set(produced[s])
-            held.setdefault(r, set()).update(produced[s])
-            if s + 1 < len(ranges) and rank_of(s + 1) != r:
-                r2 = rank_of(s + 1)
-                ids = tuple(sorted(done if mode == "naive" else done - held.setdefault(r2, set())))
-                held.setdefault(r2, set()).update(ids)
-                derived.append(ids)
-            else:
-                derived.append(())
-        sends = derived
-    return BlockPlan(ranges, n_in, produced, partial_in, tuple(tuple(x) for x in sends), mode)
+    sends = tuple(tuple(x) for x in hops.sends) + ((),)
+    return BlockPlan(ranges, n_in, tuple(hops.produced), partial_in, sends, mode)
 
 
 class BlockCache:
@@ -140,4 +105,4 @@ class BlockCache:
         return {t.untyped_storage().data_ptr() for t in self.data.values()}
 
 
-__all__ = ["BlockCache", "BlockPlan", "block_plan", "blocks_before", "produced_blocks"]
+__all__ = ["BlockCache", "BlockPlan", "block_plan", "blocks_before"]

@@ -12,7 +12,6 @@ state onto pipeline rank 0 by name; :meth:`load_full_state_dict` gives each rank
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -24,58 +23,28 @@ from moonrt.comm.pipeline import PipelineExecutor
 from moonrt.comm.pp_cache import block_plan
 from moonrt.config import ConfigError
 from moonrt.parallel.context import LOCAL, AttentionContext
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Act:
-    op: str
-    microbatch: int
-    chunk: int = 0
-
-
-def lower_actions(actions: Sequence[Any], stage_of: Any, rank_of: Any, rank: int, last: int) -> list[Any]:
-    """Insert the comm actions of the schedule IR's lowering rules around ``actions`` (compute only) of ``rank``.
-
-    RECV_F before F of a stage whose previous stage is on another rank, SEND_F right after F of a stage
-    whose next stage is; RECV_B before B/I, SEND_B right after B/I, mirrored.
-    """
-    out: list[Any] = []
-    for a in actions:
-        s = stage_of(a.chunk)
-        prev_remote = s > 0 and rank_of(s - 1) != rank
-        next_remote = s < last and rank_of(s + 1) != rank
-        if a.op == "F":
-            out += [_Act("RECV_F", a.microbatch, a.chunk)] if prev_remote else []
-            out.append(a)
-            out += [_Act("SEND_F", a.microbatch, a.chunk)] if next_remote else []
-        elif a.op in ("B", "I"):
-            out += [_Act("RECV_B", a.microbatch, a.chunk)] if next_remote else []
-            out.append(a)
-            out += [_Act("SEND_B", a.microbatch, a.chunk)] if prev_remote else []
-        elif a.op == "W":
-            out.append(a)
-    return out
+from moonrt.scheduler.pipeline import Action, Schedule, lower, validate
 
 
 class PipelineParallel(Part):
     """This rank's pipeline: ``group`` (the pp group), ``rank``/``size`` in it, the schedule and AttnRes mode.
 
-    ``schedule`` is a :class:`moonrt.scheduler.pipeline.Schedule` of ``size`` ranks (its ``actions`` may be
-    compute-only or lowered), ``mode`` "cached" or "naive" (K3_SYSTEMS §9).
+    ``schedule`` is a :class:`moonrt.scheduler.pipeline.Schedule` of ``size`` ranks (compute-only or
+    lowered; it is lowered and validated here), ``mode`` "cached" or "naive" (K3_SYSTEMS §9).
     """
 
-    def __init__(self, schedule: Any, *, group: Any, rank: int, mode: str = "cached") -> None:
-        self.schedule, self.group, self.rank, self.mode = schedule, group, rank, mode
+    def __init__(self, schedule: Schedule, *, group: Any, rank: int, mode: str = "cached") -> None:
+        self.schedule = validate(lower(schedule))
+        self.group, self.rank, self.mode = group, rank, mode
         self.size = schedule.pp
-        self.num_stages = schedule.pp * schedule.vpp
-        self.rank_of_stage = {schedule.stage(r, c): r for r in range(schedule.pp) for c in range(schedule.vpp)}
-        self.my_stages = sorted(s for s, r in self.rank_of_stage.items() if r == rank)
+        self.num_stages = schedule.num_stages
+        self.my_stages = sorted(schedule.stage(rank, c) for c in range(schedule.vpp))
 
     def stage_of(self, chunk: int) -> int:
         return self.schedule.stage(self.rank, chunk)
 
     def rank_of(self, stage: int) -> int:
-        return self.rank_of_stage[stage]
+        return self.schedule.rank_of(stage)
 
     # ---- assembly ------------------------------------------------------------------------------
     def parallelize(self, model: nn.Module) -> nn.Module:
@@ -91,8 +60,7 @@ class PipelineParallel(Part):
         self.full_keys = list(model.state_dict().keys())
         ranges = model.stages(self.num_stages)
         last = self.num_stages - 1
-        sends = _hop_sends(ranges, cfg.attn_res_block_size, self.rank_of, self.mode)
-        self.plan = block_plan(ranges, cfg.attn_res_block_size, self.rank_of, self.mode, sends)
+        self.plan = block_plan(ranges, cfg.attn_res_block_size, self.rank_of, self.mode)
         stage_mods = {s: model.stage_modules(ranges[s], s == 0, s == last) for s in range(self.num_stages)}
         keep = {n for s in self.my_stages for n in stage_mods[s]}
         for name in model.stage_modules(range(cfg.num_hidden_layers), True, True):
@@ -107,14 +75,13 @@ class PipelineParallel(Part):
         self.shared = [n for n in mine if sum(n in names for names in every) > 1]
         self.owned = {n for n in mine if n not in self.shared or self.rank == min(
             r for r, names in enumerate(every) if n in names)}
-        actions = self.schedule.actions[self.rank]
-        if not any(a.op.startswith(("SEND", "RECV")) for a in actions):
-            actions = lower_actions(actions, self.stage_of, self.rank_of, self.rank, last)
-        self.executor = PipelineExecutor(model, self.plan, actions, rank=self.rank, rank_of=self.rank_of,
-                                         stage_of=self.stage_of, group=self.group,
+        self.executor = PipelineExecutor(model, self.plan, self.schedule.actions[self.rank], rank=self.rank,
+                                         rank_of=self.rank_of, stage_of=self.stage_of, group=self.group,
                                          params_of=lambda s: self.stage_params[s])
-        self.eval_actions = lower_actions([_Act("F", 0, c) for c in range(self.schedule.vpp)], self.stage_of,
-                                          self.rank_of, self.rank, last)
+        # eval: one forward of the whole batch through every stage in order
+        forward = tuple(tuple(Action("F", 0, self.schedule.chunk_of(st)) for st in range(self.num_stages)
+                              if self.rank_of(st) == r) for r in range(self.size))
+        self.eval_actions = lower(dataclasses.replace(self.schedule, actions=forward)).actions[self.rank]
         self.width = cfg.hidden_size
         self._named = dict(model.named_parameters())
         return model
@@ -247,14 +214,4 @@ class PipelineParallel(Part):
         return True
 
 
-def _hop_sends(ranges: Sequence[range], block_size: int, rank_of: Any, mode: str) -> list[tuple[int, ...]] | None:
-    """The hop plan's ``sends`` per stage (None before :mod:`moonrt.scheduler.attnres_comm` exists)."""
-    try:
-        from moonrt.scheduler.attnres_comm import hop_plan
-    except ImportError:
-        return None
-    plan = hop_plan(ranges, block_size, rank_of, mode)
-    return [tuple(plan.sends[s]) if s < len(ranges) - 1 else () for s in range(len(ranges))]
-
-
-__all__ = ["PipelineParallel", "lower_actions"]
+__all__ = ["PipelineParallel"]
