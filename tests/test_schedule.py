@@ -59,6 +59,7 @@ def test_grid_generators_validate_simulate(p):
                 assert sim.peak_live == tuple(min(2 * (p - r - 1) + (v - 1) * p + 1, m * v) for r in range(p))
             if kind == "zb" and v == 1:  # ZB1P keeps 1F1B's peak of the first rank: P on every rank
                 assert sim.peak_live == tuple(min(p, m) for _ in range(p))
+                assert sim.makespan == 3 * m + (p - 1)  # idle P - 1 per rank, 1F1B: 3 (P - 1)
 
 
 def test_megatron_numbers_and_in_flight_from_simulator():

@@ -19,7 +19,7 @@ Schedules (``pp`` ranks, ``vpp`` chunks per rank, ``m`` micro-batches; rank r):
   path) and ``W`` (weight grad); warm-up ``(pp - r - 1) + (vpp - 1) pp`` forwards, then F / I with
   rank r holding back its first ``r`` W passes to fill the cool-down bubble. At ``vpp = 1`` every
   rank holds at most ``pp`` micro-batches (1F1B's rank-0 peak; activations live until their W) for
-  about a third of 1F1B's bubble under unit costs.
+  a third of 1F1B's idle time under unit costs (``pp - 1`` vs ``3 (pp - 1)`` units per rank).
 - ``zbv``: zero-bubble ZB-V (exactly two chunks per rank, V placement: rank 0 holds the first and
   the last stage), the order of torch's ``ScheduleZBVZeroBubble``.
 """

@@ -247,8 +247,9 @@ def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None) -> Si
     """
     c = dict(UNIT_COSTS)
     c.update(costs or {})
-    sch = validate(schedule)
-    tl = _dry_run(sch, c)
+    sch = schedule if schedule.lowered or schedule.pp == 1 else lower(schedule)
+    _static_checks(sch)
+    tl = _dry_run(sch, c)  # raises on a cycle, like validate
     makespan = max((s[-1].end for s in tl if s), default=0.0)
     busy = tuple(sum(x.end - x.start for x in s if x.action.op in COMPUTE_OPS) for s in tl)
     bubble = 1.0 - sum(busy) / (sch.pp * makespan) if makespan else 0.0
