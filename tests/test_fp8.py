@@ -63,3 +63,73 @@ def test_bad_input():
         fp8.quantize(torch.arange(10))
     with pytest.raises(ValueError, match="block"):
         fp8.quantize(torch.randn(4), block=0)
+
+
+def _reference_quantize(x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """The codec as first written (pad to whole tiles, scale, round): the formula the fast paths must
+    reproduce bit for bit."""
+    x = x.reshape(1) if x.dim() == 0 else x
+    n = x.shape[-1]
+    nb = -(-n // block)
+    x2 = torch.nn.functional.pad(x.detach().reshape(-1, n).float(), (0, nb * block - n))
+    tiles = x2.view(x2.shape[0], nb, block)
+    amax = tiles.abs().amax(dim=-1)
+    inv = torch.where(amax > 0, fp8.E4M3_MAX / amax.clamp_min(torch.finfo(torch.float32).tiny), torch.zeros_like(amax))
+    payload = (tiles * inv.unsqueeze(-1)).clamp(-fp8.E4M3_MAX, fp8.E4M3_MAX).to(fp8.E4M3)
+    return payload.view(x2.shape[0], nb * block), amax / fp8.E4M3_MAX
+
+
+def _reference_dequantize(payload, scales, shape, dtype):
+    m, width = payload.shape
+    nb = scales.shape[-1]
+    x = (payload.view(m, nb, width // nb).float() * scales.unsqueeze(-1)).view(m, width)
+    return x[:, :shape[-1] if shape else 1].to(dtype).reshape(shape)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).contiguous().view(torch.uint8)
+
+
+CASES = [((64, 256), torch.float32), ((3, 5, 128), torch.float32), ((17, 300), torch.float32), ((1000,), torch.float32),
+         ((4, 1), torch.float32), ((7, 56), torch.bfloat16), ((2, 3, 200), torch.float16), ((), torch.float32),
+         ((9, 56), torch.float32), ((5, 384), torch.bfloat16), ((6, 56), torch.float64)]
+
+
+def _inputs() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    xs = []
+    for i, (shape, dtype) in enumerate(CASES):
+        x = torch.randn(shape, generator=g) * 10.0 ** (i % 5 - 2)
+        if x.dim() >= 2:
+            x[0] = 0  # all-zero tiles
+            x[-1] = 1e-30  # a tiny tile (scale near the fp32 minimum)
+        xs.append(x.to(dtype))
+    xs.append(torch.randn(8, 300, generator=g)[:, ::2])  # non-contiguous input, 150 wide
+    return xs
+
+
+def test_fast_codec_bitwise_equals_reference():
+    for x in _inputs():
+        p, s = fp8.quantize(x)
+        rp, rs = _reference_quantize(x)
+        assert p.shape == rp.shape and torch.equal(_bits(p), _bits(rp)), tuple(x.shape)
+        assert torch.equal(_bits(s), _bits(rs)), tuple(x.shape)
+        y = fp8.dequantize(p, s, x.shape, x.dtype)
+        ry = _reference_dequantize(rp, rs, tuple(x.shape), x.dtype)
+        assert y.shape == x.shape and y.dtype == x.dtype and torch.equal(_bits(y), _bits(ry)), tuple(x.shape)
+
+
+def test_batched_codec_bitwise_equals_per_tensor():
+    """quantize_many / dequantize_many (one call per row width, tensors concatenated) give every tensor
+    exactly the payload, scales and decoded values of its own quantize / dequantize call."""
+    xs = _inputs()
+    xs += [x * 3 for x in xs]  # groups with several members of every width
+    batched = fp8.quantize_many(xs)
+    for x, (p, s) in zip(xs, batched):
+        rp, rs = fp8.quantize(x)
+        assert torch.equal(_bits(p), _bits(rp)) and torch.equal(_bits(s), _bits(rs)), tuple(x.shape)
+    ys = fp8.dequantize_many([(p, s, tuple(x.shape), x.dtype) for x, (p, s) in zip(xs, batched)])
+    for x, (p, s), y in zip(xs, batched, ys):
+        assert torch.equal(_bits(y), _bits(fp8.dequantize(p, s, x.shape, x.dtype))), tuple(x.shape)
+    with pytest.raises(ValueError, match=r"quantize_many: x.dtype = torch.int64"):
+        fp8.quantize_many([torch.randn(3), torch.arange(3)])
