@@ -6,6 +6,8 @@ shards) and :meth:`Zero1.step` (AdamW on this rank's shard, then all-gather of t
 *instead of* ``optimizer.step()``; :meth:`Zero1.full_state_dict` / :meth:`Zero1.load_full_state_dict`
 speak the single-process ``{"model", "optimizer"}`` layout, so a ZeRO checkpoint resumes in one
 process and a single-process checkpoint resumes under ZeRO.
+With one replica per group (dp 1: ``--zero 1`` is allowed there) nothing is sharded and no
+collective runs; the update is torch's AdamW on whole parameters.
 
 Layout: one **flat buffer per bucket**, a bucket being the parameters with the same replica group
 and dtype (dense parameters: group ``dp_ep_cp``, every replica of the weight; routed experts: group
