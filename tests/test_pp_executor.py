@@ -163,3 +163,50 @@ def test_four_rank_pipeline_equals_single_process() -> None:
     results = dist_run(_pp_rank, 4, RUNS_4, timeout=540)
     _check_parity(results, RUNS_4)
     _check_blocks(results, RUNS_4, 4)
+
+
+def _dying_rank(rank: int, world: int, port: int, dead: int, out: str) -> None:
+    """One rank of a 3-stage 1F1B pipeline; rank ``dead`` exits abruptly at its first backward."""
+    import datetime
+    import os
+    from pathlib import Path
+
+    torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=60)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    part = PipelineParallel(build_schedule("1f1b", world, 2), group=dist.group.WORLD, rank=rank)
+    model = part.parallelize(_model("aligned"))
+    if rank == dead:
+        part.executor._b = lambda s, mb: os._exit(3)
+    x, y = _batch()
+    try:
+        part.forward_backward(model, x, y, 1.0 / y.numel())
+        msg = "finished"
+    except Exception as exc:  # noqa: BLE001 (the message is the result)
+        msg = f"{type(exc).__name__}: {exc}"
+    Path(out, f"rank{rank}.txt").write_text(msg)
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_that_dies_mid_schedule_is_named_by_every_rank(tmp_path: Any) -> None:
+    """The last of 3 ranks exits during its first backward: rank 1 loses it directly, rank 0 loses rank 1
+    (which stopped on the error); both exit with an error naming pipeline rank 2, none hangs."""
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_dying_rank, args=(r, 3, port, 2, str(tmp_path))) for r in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(240)
+    assert all(p.exitcode is not None for p in procs), "a rank hung"
+    assert procs[2].exitcode == 3
+    for r in (0, 1):
+        msg = (tmp_path / f"rank{r}.txt").read_text()
+        assert msg.startswith(f"PipelineError: pipeline rank {r}: RECV_B of stage {r}"), msg
+        assert "pipeline rank 2 died or left the job" in msg, msg

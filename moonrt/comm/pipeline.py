@@ -111,7 +111,7 @@ class PipelineExecutor:
         self.out_grad: dict[tuple[int, int], torch.Tensor | None] = {}
         self.in_grad: dict[tuple[int, int], torch.Tensor | None] = {}
         self.saved: dict[tuple[int, int], _Saved] = {}
-        self.pending: list[tuple[Any, Any]] = []
+        self.pending: list[tuple[Any, Any, int]] = []  # (isend work, its buffer, peer)
         self.loss = torch.zeros((), dtype=torch.float32)
         for a in self.actions:
             s = self.stage_of(a.chunk)
@@ -123,9 +123,9 @@ class PipelineExecutor:
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
                 raise PipelineError(f"pipeline rank {self.rank}: {a.op} of stage {s}, micro-batch {a.microbatch} "
                                     f"failed: {first}") from exc
-            self.pending = [(w, buf) for w, buf in self.pending if not w.is_completed()]
-        for w, _ in self.pending:
-            self._wait(w, "a send", -1)
+            self.pending = [p for p in self.pending if not p[0].is_completed()]
+        for w, _, peer in self.pending:
+            self._wait(w, "a send", peer)
         self.pending = []
         if forward_only:
             self.saved, self.caches = {}, {}
@@ -160,9 +160,25 @@ class PipelineExecutor:
         try:
             work.wait()
         except RuntimeError as exc:
-            who = f"pipeline rank {peer}" if peer >= 0 else "a peer pipeline rank"
-            raise PipelineError(f"pipeline rank {self.rank}: {what} with {who} failed ({who} died or left the job?): "
-                                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}") from exc
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+            dead = self._first_dead(peer)
+            lost = f" (this rank lost pipeline rank {peer}, which stopped after it)" if dead != peer else ""
+            who = f"pipeline rank {dead}" if dead >= 0 else "a peer pipeline rank"
+            raise PipelineError(f"pipeline rank {self.rank}: {what} failed: {who} died or left the job{lost}: "
+                                f"{first}") from exc
+
+    def _first_dead(self, peer: int) -> int:
+        """The first pipeline rank of this pipeline reported lost (by any of its ranks), else ``peer``.
+
+        The first rank that loses a peer records it in the job's rendezvous store; ranks that fail later
+        (because that rank stopped in turn) name the original one. Without a reachable store: ``peer``.
+        """
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            key = f"moonrt/pp/dead/{self._global(0)}"
+            return int(store.compare_set(key, "", str(peer)).decode())
+        except (AttributeError, RuntimeError, ValueError):
+            return peer
 
     def _global(self, pp_rank: int) -> int:
         return dist.get_global_rank(self.group, pp_rank) if self.group is not None else pp_rank
@@ -172,7 +188,7 @@ class PipelineExecutor:
         for i, t in enumerate(tensors):
             t = t.detach().contiguous()
             w = dist.isend(t, self._global(dst), group=self.group, tag=self._tag(stage, mb, backward, i))
-            works.append((w, t))
+            works.append((w, t, dst))
             nbytes = t.numel() * t.element_size()
             if backward:
                 self.stats.bytes_sent_bwd += nbytes
@@ -301,7 +317,7 @@ class PipelineExecutor:
     def _release(self, s: int, mb: int) -> None:
         """Backward of (s, mb) complete: wait on its forward sends, free its saved state."""
         sv = self.saved.pop((s, mb))
-        for w, _ in sv.sends:
+        for w, _, _ in sv.sends:
             self._wait(w, f"SEND_F of stage {s}, micro-batch {mb}", self.rank_of(s + 1))
 
     def _drop_introduced(self, s: int, mb: int) -> None:
