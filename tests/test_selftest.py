@@ -43,7 +43,7 @@ def test_every_suite_passes_and_reports(world: int, tmp_path) -> None:
     assert (env["backend"], env["device"], env["world_size"], env["ranks_per_node"], env["nodes"]) == (
         "gloo", "cpu", world, world, 1)
     assert env["torch_version"] == torch.__version__ and env["launcher"] == "torchrun"
-    assert rep["suites"]["pp"] == {"status": "skipped", "reason": "needs the pipeline executor (not in moonrt yet)"}
+    assert rep["suites"]["pp"] == {"status": "skipped", "reason": "needs the pipeline executor (suite not written yet)"}
     for suite in ("collectives", "ep", "kcp", "remote"):
         assert rep["suites"][suite]["status"] == "ran" and rep["suites"][suite]["passed"], suite
     for rank, rr in enumerate(rep["ranks"]):
@@ -126,7 +126,7 @@ def test_corrupted_combine_fails_on_that_rank_output() -> None:
 
 def test_suite_choice_and_skip_reasons() -> None:
     assert selftest.plan_suites(None, 1) == (["collectives", "ep", "kcp"], {
-        "pp": "needs the pipeline executor (not in moonrt yet)", "remote": "needs >= 2 ranks, the job has 1"})
+        "pp": "needs the pipeline executor (suite not written yet)", "remote": "needs >= 2 ranks, the job has 1"})
     assert selftest.plan_suites(("ep", "remote"), 4) == (["ep", "remote"], {})
     assert selftest.suite_list("kcp,ep,kcp") == ("kcp", "ep")
     assert selftest.suite_list("all") == selftest.SUITES

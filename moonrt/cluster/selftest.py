@@ -13,7 +13,7 @@ prints a table (DeepEP's ``tests/test_intranode.py`` habit):
 - ``kcp`` (:mod:`.selftest_kcp`): context-parallel KDA forward + backward vs the single-rank
   chunked form on the gathered input; bytes and time per layer;
 - ``remote`` (:mod:`.selftest_remote`, >= 2 ranks): the activation manager's remote store round trip;
-- ``pp``: skipped, it needs the pipeline executor (not in moonrt yet).
+- ``pp``: skipped, it needs the pipeline executor (suite not written yet).
 
 ``--report PATH``: rank 0 writes JSON with the environment (backend, device, world size, ranks per
 node, torch version), every rank's checks (and the raw collective outputs, so a caller can verify
@@ -48,7 +48,7 @@ from moonrt.cluster.selftest_collectives import (  # noqa: F401 (the module's pu
 )
 
 SUITES = ("collectives", "ep", "kcp", "pp", "remote")
-UNAVAILABLE = {"pp": "needs the pipeline executor (not in moonrt yet)"}
+UNAVAILABLE = {"pp": "needs the pipeline executor (suite not written yet)"}
 """Suites that never run today, with the reason printed and reported."""
 MIN_WORLD = {"remote": 2}
 FIRST = ("rows", "balance")

@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import time
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -263,8 +264,6 @@ def time_case(impl: str, p: dict, shape: EPShape, rank: int, world: int, iters: 
 
     def off_rank(counter: list[int]) -> int:
         return sum(n for d, n in enumerate(counter) if d != rank)
-
-    import time
 
     with torch.no_grad():
         for it in range(1 + iters):
