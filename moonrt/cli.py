@@ -15,7 +15,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("moonrt.train", "train the K3 model (default: k3_tiny on the stdlib sources) -- the main job"),
     "launch": ("moonrt.cluster.launch", "run N local ranks of a command (or --selftest), like torchrun"),
-    "selftest": ("moonrt.cluster.selftest", "multi-rank communication self-test with a bandwidth table"),
+    "selftest": ("moonrt.cluster.selftest", "check and time the job's communication: collectives, MoonEP, KCP, remote"),
     "sbatch": ("moonrt.cluster.sbatch", "write (and optionally submit) a SLURM batch script for a job"),
     "ep-sim": ("moonrt.scheduler.sim", "simulate expert placement (MoonEP, EPLB, none) on a routing workload"),
     "mem-plan": ("moonrt.mem_plan", "per-rank memory model and activation-policy plan for a budget (ILP)"),
