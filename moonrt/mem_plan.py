@@ -18,7 +18,8 @@ from pathlib import Path
 
 from moonrt.config import ParallelConfig
 from moonrt.memory.model_memory import JobLayout
-from moonrt.memory.plan import Hardware, plan, plan_json, plot, table
+from moonrt.memory.plan import Hardware, plan
+from moonrt.memory.plan_report import plan_json, plot, table
 from moonrt.models import presets
 
 

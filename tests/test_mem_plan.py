@@ -12,7 +12,8 @@ import yaml
 from moonrt.config import ParallelConfig, from_dict
 from moonrt.k3_memory import kernel_profile, policy_dict
 from moonrt.memory.model_memory import GIB, JobLayout, Profile, rank_models
-from moonrt.memory.plan import Hardware, Plan, plan, table
+from moonrt.memory.plan import Hardware, Plan, plan
+from moonrt.memory.plan_report import table
 from moonrt.memory.policy import MemoryPolicy
 from moonrt.model.config import k3, k3_tiny
 from moonrt.models import K3
