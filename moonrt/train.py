@@ -408,6 +408,8 @@ def parallel_runtime(job: JobConfig) -> Parallelism:
 
         ep = ExpertParallel(p, mesh=mesh, capacity=job.optim.batch_size * job.optim.seq_len)
         rt.parts.append(ep)
+        if p.pp > 1:  # the pipeline combines the expert shards' norm and checkpoint state over its stages
+            rt.parts[0].inner = ep
         counts = ep.layer_counts
     if job.routing_trace:
         rt.parts.append(RoutingTrace(job.routing_trace, is_main=rt.is_main, counts=counts))

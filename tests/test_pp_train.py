@@ -26,6 +26,9 @@ import torch
 
 from moonrt.config import ConfigError, ParallelConfig
 from moonrt.job import JobConfig
+from moonrt.model.config import k3_tiny
+from moonrt.scheduler.attnres_comm import even_layer_ranges, hop_plan
+from moonrt.scheduler.pipeline import build_schedule
 
 FLAGS = ["--steps", "4", "--seed", "0", "--batch-size", "4", "--seq-len", "32", "--eval-every", "100", "--lr", "1e-3",
          "--threads", "1", "--no-progress"]
@@ -90,10 +93,18 @@ def test_pp_resumes_a_single_process_checkpoint_and_matches_it(tmp_path: Path) -
     _run(tmp_path, runs)
     ref = _metrics(tmp_path / "single.jsonl")[2]
     ref_ckpt = _ckpt(tmp_path / "single")
-    for name in ("pp2", "pp2v2"):
+    cfg = k3_tiny()
+    for name, vpp, m in (("pp2", 1, 2), ("pp2v2", 2, 4)):
         got = _metrics(tmp_path / f"{name}.jsonl")[2]
         assert abs(got["loss"] - ref["loss"]) <= RTOL * abs(ref["loss"]), (name, got["loss"], ref["loss"])
-        assert len(got["pp_blocks_sent"]) == 2 and sum(got["pp_blocks_sent"]) > 0, got
+        # per rank and step: the blocks and bytes moonrt pp-plan counts for this layout (hop_plan), M times
+        sched = build_schedule("1f1b" if vpp == 1 else "interleaved", 2, m, vpp)
+        hops = hop_plan(even_layer_ranges(cfg.num_hidden_layers, 2 * vpp), cfg.attn_res_block_size, sched.rank_of)
+        per_hop = hops.bytes_per_hop(4 // m * 32 * cfg.hidden_size * 4)  # one fp32 [B/M, T, D] tensor
+        for r in range(2):
+            mine = [s for s in range(2 * vpp - 1) if sched.rank_of(s) == r]
+            assert got["pp_blocks_sent"][r] == m * sum(len(hops.sends[s]) for s in mine), (name, got)
+            assert got["pp_bytes_sent"][r] == m * sum(per_hop[s] for s in mine), (name, got)
         ck = _ckpt(tmp_path / name)
         assert ck["step"] == 2 and list(ck["model"]) == list(ref_ckpt["model"]), name
         _close(ck["model"], ref_ckpt["model"], f"{name}.model")
@@ -108,6 +119,27 @@ def test_pp_resumes_a_single_process_checkpoint_and_matches_it(tmp_path: Path) -
     a, b = _metrics(tmp_path / "a.jsonl")[3], _metrics(tmp_path / "b.jsonl")[3]
     assert abs(a["loss"] - b["loss"]) <= RTOL * abs(b["loss"]), (a["loss"], b["loss"])
     _close(_ckpt(tmp_path / "from_pp2")["model"], _ckpt(tmp_path / "single3")["model"], "step3.model")
+
+
+@pytest.mark.timeout(1200)
+def test_pp2_ep2_resumes_a_single_process_checkpoint_and_matches_it(tmp_path: Path) -> None:
+    """``--pp 2 --ep 2`` on 4 ranks: MoonEP inside each stage; the pipeline combines the expert shards'
+    gradient norm and checkpoint state over its stages."""
+    _run(tmp_path, {"base": _moonrt("train", *FLAGS, "--until", "1", "--out", "base")})
+    runs = {"single": _moonrt("train", *FLAGS, "--resume", "--until", "2", "--out", "single", "--metrics",
+                              "single.jsonl"),
+            "ppep": _launch(4, "train", *FLAGS, "--resume", "--until", "2", "--out", "ppep", "--metrics", "ppep.jsonl",
+                            "--pp", "2", "--ep", "2", "--microbatches", "2")}
+    for name in runs:
+        shutil.copytree(tmp_path / "base", tmp_path / name)
+    _run(tmp_path, runs)
+    ref, got = _metrics(tmp_path / "single.jsonl")[2], _metrics(tmp_path / "ppep.jsonl")[2]
+    assert abs(got["loss"] - ref["loss"]) <= RTOL * abs(ref["loss"]), (got["loss"], ref["loss"])
+    assert abs(got["grad_norm"] - ref["grad_norm"]) <= RTOL * ref["grad_norm"], (got["grad_norm"], ref["grad_norm"])
+    assert len(got["ep_rows"]) == 2 and len(got["pp_blocks_sent"]) == 2, got  # both parts ran
+    ck, ref_ckpt = _ckpt(tmp_path / "ppep"), _ckpt(tmp_path / "single")
+    _close(ck["model"], ref_ckpt["model"], "model")
+    _close(ck["optimizer"], ref_ckpt["optimizer"], "optimizer")
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -48,7 +48,8 @@ class ExpertParallel(Part):
     """Expert parallelism as a part of the job's parallelism object (see the module docstring).
 
     Args:
-        parallel: the job's degrees; ``pp`` must be 1 (``cp`` > 1 composes: pass the CP runtime's mesh).
+        parallel: the job's degrees (``cp`` > 1 composes: pass the CP runtime's mesh; with ``pp`` > 1 it
+            acts on this pipeline rank's stages, inside :class:`moonrt.comm.pp_part.PipelineParallel`).
         capacity: S, the most tokens one rank passes to one MoE layer per call (training and eval).
         mesh: the job's :class:`ProcessMesh` (built here, joining the default group, if None and the
             world has more than one rank).
@@ -58,8 +59,6 @@ class ExpertParallel(Part):
 
     def __init__(self, parallel: ParallelConfig, *, capacity: int, mesh: ProcessMesh | None = None,
                  num_slots: int | None = None, dispatcher: DispatcherKind = "moonep") -> None:
-        if parallel.pp != 1:
-            raise ConfigError(f"parallel.pp = {parallel.pp}: expected 1 for the expert-parallel runtime")
         if dispatcher not in ("moonep", "alltoall"):
             raise ConfigError(f"dispatcher = {dispatcher!r}: expected 'moonep' or 'alltoall'")
         self.parallel, self.capacity, self.num_slots, self.kind = parallel, capacity, num_slots, dispatcher

@@ -30,12 +30,16 @@ class PipelineParallel(Part):
     """This rank's pipeline: ``group`` (the pp group), ``rank``/``size`` in it, the schedule and AttnRes mode.
 
     ``schedule`` is a :class:`moonrt.scheduler.pipeline.Schedule` of ``size`` ranks (compute-only or
-    lowered; it is lowered and validated here), ``mode`` "cached" or "naive" (K3_SYSTEMS §9).
+    lowered; it is lowered and validated here), ``mode`` "cached" or "naive" (K3_SYSTEMS §9). ``inner``: a
+    part that shards this rank's stages further (expert parallelism): its gradient norm and its
+    single-process-layout state of the stages are what the pipeline combines over the pp group.
     """
 
-    def __init__(self, schedule: Schedule, *, group: Any, rank: int, mode: str = "cached") -> None:
+    def __init__(self, schedule: Schedule, *, group: Any, rank: int, mode: str = "cached",
+                 inner: Part | None = None) -> None:
         self.schedule = validate(lower(schedule))
         self.group, self.rank, self.mode = group, rank, mode
+        self.inner = inner
         self.size = schedule.pp
         self.num_stages = schedule.num_stages
         self.my_stages = sorted(schedule.stage(rank, c) for c in range(schedule.vpp))
@@ -126,10 +130,16 @@ class PipelineParallel(Part):
     def clip_grad_norm(self, params: list[torch.Tensor], max_norm: float) -> float | None:
         named = self._named
         sq = torch.zeros((), dtype=torch.float64)
-        for n in self.owned:
-            g = named[n].grad
-            if g is not None:
-                sq += torch.linalg.vector_norm(g.detach().float()).double() ** 2
+        if self.inner is not None:  # this rank's stages' norm from the inner part (no clipping), shared params once
+            sq += self.inner.clip_grad_norm(params, float("inf")) ** 2
+            for n in set(named) - self.owned:
+                if named[n].grad is not None:
+                    sq -= named[n].grad.double().pow(2).sum()
+        else:
+            for n in self.owned:
+                g = named[n].grad
+                if g is not None:
+                    sq += g.double().pow(2).sum()
         dist.all_reduce(sq, group=self.group)
         norm = float(sq.sqrt())
         coef = min(1.0, max_norm / (norm + 1e-6))
@@ -166,10 +176,12 @@ class PipelineParallel(Part):
 
     def full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any] | None:
         groups = self._groups(model, optim)
-        local = optim.state_dict()
+        inner = self.inner.full_state_dict(model, optim) if self.inner is not None else None
+        local = inner["optimizer"] if inner is not None else optim.state_dict()
+        local_model = inner["model"] if inner is not None else model.state_dict()
         name_of = {id(p): n for n, p in model.named_parameters()}
         names = [name_of[id(p)] for g in optim.param_groups for p in g["params"]]
-        mine = {"model": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        mine = {"model": {k: v.detach().clone() for k, v in local_model.items()},
                 "optim": {names[i]: st for i, st in local["state"].items()}}
         every: list[Any] = [None] * self.size if self.rank == 0 else None
         dist.gather_object(mine, every, dst=dist.get_global_rank(self.group, 0), group=self.group)
@@ -196,7 +208,7 @@ class PipelineParallel(Part):
         missing = [k for k in own if k not in state["model"]]
         if missing:
             raise KeyError(f"model state lacks {missing[0]!r}")
-        model.load_state_dict({k: state["model"][k] for k in own})
+        local_model = {k: state["model"][k] for k in own}
         full = state["optimizer"]
         index = {n: i for i, n in enumerate(n for g in groups for n in g)}
         name_of = {id(p): n for n, p in model.named_parameters()}
@@ -210,7 +222,10 @@ class PipelineParallel(Part):
                 ids.append(i)
                 i += 1
             local_groups.append({**hyper, "params": ids})
-        optim.load_state_dict({"state": local_state, "param_groups": local_groups})
+        local = {"model": local_model, "optimizer": {"state": local_state, "param_groups": local_groups}}
+        if self.inner is None or not self.inner.load_full_state_dict(model, optim, local):
+            model.load_state_dict(local["model"])
+            optim.load_state_dict(local["optimizer"])
         return True
 
 
