@@ -7,8 +7,11 @@ For every shape ``(s tokens per rank, hidden H, top-k, experts E)`` and routing 
 
 1. **check** one fp32 forward + backward through SiTU-GLU experts (E/R homed per rank, MoonEP's
    slot copies prefetched) on every rank against :func:`moonrt.ops.grouped.moe_reference` run in
-   float64 on the seeded problem (every rank builds all of it and runs the reference on its own
-   tokens; the expert-weight gradients are the float64 partials summed over ranks):
+   float64 on the seeded problem (every rank holds the routing and expert weights of all ranks,
+   rebuilds any rank's tokens from that rank's seed, and runs the reference on its own tokens; the
+   expert-weight gradients are the float64 partials summed over ranks). ``--ep-ffn`` (F) only sizes
+   these experts and the prefetched copies: keep it small at large H and E, every rank holds
+   ``3 E F H`` fp32 weights:
 
    - ``rows``: the received rows, their router weights and segment bounds equal
      :func:`~moonrt.comm.ep_ref.rows_reference` exactly (a transport moves bits, it must not round);
@@ -142,19 +145,24 @@ def skewed_routing(world: int, shape: EPShape, maxvio: float, seed: int) -> list
     return [ids[torch.randperm(s, generator=g)] for _ in range(world)]
 
 
-def make_problem(world: int, shape: EPShape, ffn: int, maxvio: float, seed: int = 0) -> dict:
-    """The seeded global problem (identical on every rank): per-rank ``xs [s, H]``, ``ids [s, k]``,
-    ``ws [s, k]`` (rows sum to 1), output gradients ``gouts [s, H]``; ``experts`` ``[E, F, H]`` x2 and
-    ``[E, H, F]`` scaled to unit gain. All fp32 on CPU."""
+def source_tokens(shape: EPShape, src: int, seed: int = 0) -> torch.Tensor:
+    """``[s, H]`` fp32 tokens of rank ``src`` (seeded by rank: any rank can rebuild any other's)."""
+    return torch.randn(shape.tokens, shape.hidden, generator=torch.Generator().manual_seed(7919 * seed + 2 * src + 1))
+
+
+def make_problem(world: int, rank: int, shape: EPShape, ffn: int, maxvio: float, seed: int = 0) -> dict:
+    """This rank's view of the seeded problem: its tokens ``x [s, H]`` and output gradient
+    ``gout [s, H]``; every rank's ``ids [s, k]`` and router weights ``ws [s, k]`` (rows sum to 1;
+    small); all ``experts``: ``[E, F, H]`` x2 and ``[E, H, F]`` scaled to unit gain. fp32 on CPU. Other
+    ranks' tokens are rebuilt one at a time by :func:`source_tokens` (memory O(s H), not O(R s H))."""
     s, H, k, E = shape.tokens, shape.hidden, shape.top_k, shape.experts
     g = torch.Generator().manual_seed(seed)
-    xs = [torch.randn(s, H, generator=g) for _ in range(world)]
-    gouts = [torch.randn(s, H, generator=g) for _ in range(world)]
     ws = [torch.rand(s, k, generator=g) + 0.1 for _ in range(world)]
     experts = [torch.randn(E, ffn, H, generator=g) * H ** -0.5, torch.randn(E, ffn, H, generator=g) * H ** -0.5,
                torch.randn(E, H, ffn, generator=g) * ffn ** -0.5]
-    return {"xs": xs, "ids": skewed_routing(world, shape, maxvio, seed + 1), "gouts": gouts,
-            "ws": [w / w.sum(1, keepdim=True) for w in ws], "experts": experts}
+    gout = torch.randn(s, H, generator=torch.Generator().manual_seed(7919 * seed + 2 * rank + 2))
+    return {"x": source_tokens(shape, rank, seed), "gout": gout, "ids": skewed_routing(world, shape, maxvio, seed + 1),
+            "ws": [w / w.sum(1, keepdim=True) for w in ws], "experts": experts, "seed": seed}
 
 
 def reference(p: dict, rank: int, world: int) -> dict:
@@ -165,12 +173,12 @@ def reference(p: dict, rank: int, world: int) -> dict:
     from moonrt.ops.grouped import moe_reference
 
     dev = device()
-    x = p["xs"][rank].double().requires_grad_()
+    x = p["x"].double().requires_grad_()
     w = p["ws"][rank].double().requires_grad_()
     experts = [t.double().requires_grad_() for t in p["experts"]]
     per_expert = [t.unbind(0) for t in experts]  # w[e] of a tuple: one gradient node per stack, not E full-size ones
     out = moe_reference(x, p["ids"][rank], w, *per_expert, act=ACT)
-    (out * p["gouts"][rank].double()).sum().backward()
+    (out * p["gout"].double()).sum().backward()
     partial = torch.cat([t.grad.reshape(world, -1) for t in experts], dim=1).to(dev)  # row d: rank d's experts
     summed = torch.empty_like(partial)
     if world > 1:
@@ -214,14 +222,19 @@ def check_case(res: SuiteResult, name: str, impl: str, p: dict, ref: dict, shape
     dev = device()
     per = shape.experts // world
     disp = _dispatcher(impl, shape)
-    x = p["xs"][rank].to(dev, copy=True).requires_grad_()
+    x = p["x"].to(dev, copy=True).requires_grad_()
     w = p["ws"][rank].to(dev, copy=True).requires_grad_()
     home = [t[rank * per:(rank + 1) * per].to(dev, copy=True).requires_grad_() for t in p["experts"]]
     recv_x, recv_w, cu, h = disp.dispatch(x, p["ids"][rank].to(dev), w)
     if corrupt == (rank, "dispatch"):
         recv_x = _bump(recv_x)
     rows, cu_ref = rows_reference(p["ids"], torch.as_tensor(h.plan.alloc), torch.as_tensor(h.plan.copies), rank)
-    want_x = torch.stack([p["xs"][src][t] for src, t, _ in rows]) if rows else torch.zeros(0, shape.hidden)
+    want_x = torch.zeros(len(rows), shape.hidden)
+    for src in range(world):  # rebuild each sender's tokens in turn and pick the rows it sent here
+        mine = [(i, t) for i, (r, t, _) in enumerate(rows) if r == src]
+        if mine:
+            pos, tok = torch.tensor(mine).t()
+            want_x[pos] = (p["x"] if src == rank else source_tokens(shape, src, p["seed"]))[tok]
     want_w = torch.tensor([float(p["ws"][src][t, j]) for src, t, j in rows], dtype=torch.float32)
     got_x, got_w = recv_x.detach().cpu(), recv_w.detach().cpu().float()
     same_x = got_x.shape == want_x.shape and torch.equal(got_x, want_x)
@@ -240,7 +253,7 @@ def check_case(res: SuiteResult, name: str, impl: str, p: dict, ref: dict, shape
     out = disp.combine(y, h)
     if corrupt == (rank, "combine"):
         out = _bump(out)
-    (out * p["gouts"][rank].to(dev)).sum().backward()
+    (out * p["gout"].to(dev)).sum().backward()
     H, F, k = shape.hidden, p["experts"][0].shape[1], shape.top_k
     c = H + F + k
     close(res, f"{name}/output", out, ref["out"], 2 * c * EPS32)
@@ -257,7 +270,7 @@ def time_case(impl: str, p: dict, shape: EPShape, rank: int, world: int, iters: 
     dev = device()
     per = shape.experts // world
     disp = _dispatcher(impl, shape)
-    x, ids, w = p["xs"][rank].to(dev), p["ids"][rank].to(dev), p["ws"][rank].to(dev)
+    x, ids, w = p["x"].to(dev), p["ids"][rank].to(dev), p["ws"][rank].to(dev)
     home = [t[rank * per:(rank + 1) * per].to(dev) for t in p["experts"]]
     spent = torch.zeros(3, dtype=torch.float64)
     sent = torch.zeros(3, dtype=torch.float64)  # off-rank bytes: dispatch, combine, prefetch
@@ -321,7 +334,7 @@ def run_suite(args: argparse.Namespace, rank: int, world: int) -> SuiteResult:
             continue
         for ffn in args.ep_ffn:
             for level in args.ep_maxvio:
-                p = make_problem(world, shape, ffn, level)
+                p = make_problem(world, rank, shape, ffn, level)
                 ref = reference(p, rank, world)
                 load = torch.bincount(torch.cat(p["ids"]).flatten(), minlength=shape.experts).double()
                 case = {"shape": shape.label, "tokens": shape.tokens, "hidden": shape.hidden, "top_k": shape.top_k,
