@@ -66,6 +66,27 @@ class Accounting:
                 self.peak[tier] = max(self.peak[tier], self.live[tier])
             self.pack_s += dt
 
+    def on_pack_tier(self, region: str, policy: str, tier: str, logical: int, stored: int, dt: float) -> None:
+        """:meth:`on_pack` of a record stored in one tier (the manager's per-save fast path)."""
+        with self._lock:
+            st = self.regions[(region, policy)]
+            st.count += 1
+            st.logical_bytes += logical
+            st.live_bytes += stored
+            st.stored_bytes[tier] += stored
+            live = self.live[tier] = self.live[tier] + stored
+            if live > self.peak[tier]:
+                self.peak[tier] = live
+            self.pack_s += dt
+
+    def on_release_tier(self, tier: str, stored: int, region: str, policy: str) -> None:
+        """:meth:`on_release` of a record stored in one tier."""
+        with self._lock:
+            st = self.regions.get((region, policy))
+            if st is not None:
+                st.live_bytes -= stored
+            self.live[tier] -= stored
+
     def on_dedupe(self, region: str, policy: str) -> None:
         with self._lock:
             st = self.regions[(region, policy)]

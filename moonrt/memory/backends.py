@@ -97,7 +97,14 @@ class KeepStore:
 
 class HostStore:
     """Host memory. With CUDA: pinned buffers and a dedicated copy stream (events order the copies
-    against the compute stream). Without CUDA: a plain copy into a separate host buffer."""
+    against the compute stream). Without CUDA: a plain copy into a separate host buffer.
+
+    Freed buffers go to a pool keyed by byte size and are reused by later ``put`` calls of the same
+    size (the saved tensors of a training step repeat every step), so a steady-state step allocates no
+    host memory: no allocator calls, no page faults on fresh pages, no pinned registration. Without
+    CUDA, ``get`` hands out the buffer itself (zero copy); a buffer is only pooled again once no tensor
+    outside the pool references its storage. :meth:`trim` releases the pool.
+    """
 
     tier = "host"
 
@@ -105,11 +112,25 @@ class HostStore:
         self._cuda = torch.cuda.is_available()
         self._stream = torch.cuda.Stream() if self._cuda else None
         self.prefetch = self._cuda  # without CUDA, host memory is the compute memory: get is free
+        self._pool: dict[int, list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+        self.pooled_bytes = 0
+        self.reused = 0
+
+    def _take(self, n: int, pinned: bool) -> torch.Tensor:
+        with self._lock:
+            free = self._pool.get(n)
+            if free:
+                self.pooled_bytes -= n
+                self.reused += 1
+                return free.pop()
+        return torch.empty(n, dtype=torch.uint8, pin_memory=pinned)
 
     def put(self, data: torch.Tensor) -> Any:
+        n = data.numel()
         if data.device.type == "cuda":
             assert self._stream is not None
-            buf = torch.empty(data.numel(), dtype=torch.uint8, pin_memory=True)
+            buf = self._take(n, pinned=True)
             self._stream.wait_stream(torch.cuda.current_stream(data.device))
             with torch.cuda.stream(self._stream):
                 buf.copy_(data, non_blocking=True)
@@ -117,7 +138,9 @@ class HostStore:
                 event = torch.cuda.Event()
                 event.record(self._stream)
             return buf, event
-        return data.clone(), None
+        buf = self._take(n, pinned=False)
+        buf.copy_(data)
+        return buf, None
 
     def get(self, record: Any, device: torch.device) -> torch.Tensor:
         buf, event = record
@@ -132,7 +155,26 @@ class HostStore:
         return buf
 
     def free(self, record: Any) -> None:
-        pass
+        buf, event = record
+        # reusable when nothing but ``buf`` holds the storage (a CPU ``get`` hands out aliasing views; the
+        # storage object made for the query holds one more reference). CUDA: the next copy into a pooled
+        # pinned buffer is queued on the same copy stream as the reads from it, so it runs after them.
+        if _USE_COUNT is None or _USE_COUNT(buf.untyped_storage()._cdata) > 2:
+            return
+        n = buf.numel()
+        with self._lock:
+            self._pool.setdefault(n, []).append(buf)
+            self.pooled_bytes += n
+
+    def trim(self) -> None:
+        """Release every pooled buffer."""
+        with self._lock:
+            self._pool.clear()
+            self.pooled_bytes = 0
+
+
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+"""Reference count of a StorageImpl (used to recycle host buffers only when nothing aliases them)."""
 
 
 class DiskStore:
@@ -283,15 +325,27 @@ class Backend:
         """Store ``t`` (any shape/dtype, contiguous or not). Raw codec: the bytes of ``t``."""
         with torch.no_grad():
             if self.quantizes(t):
-                payload, scales = fp8.quantize(t, self.block)
-                datas = [as_bytes(payload), as_bytes(scales)]
-                meta = ("fp8", tuple(t.shape), t.dtype, tuple(scales.shape))
+                return self.store_quantized(tuple(t.shape), t.dtype, t.device, *fp8.quantize(t, self.block))
             else:
                 datas = [as_bytes(t) if self.store.tier != "device" else t.detach()]  # detach: no grad_fn cycle
                 meta = ("raw", tuple(t.shape), t.dtype)
             parts = [self.store.put(d) for d in datas]
         nbytes = sum(d.numel() * d.element_size() for d in datas)
         return Packed(parts, meta, t.device, {self.store.tier: nbytes})
+
+    def store_quantized(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                        payload: torch.Tensor, scales: torch.Tensor) -> Packed:
+        """Store an already quantized tensor of ``shape``/``dtype``: ``payload [M, nb * block]`` E4M3 and
+        ``scales [M, nb]`` fp32 from :func:`moonrt.ops.fp8.quantize` (or one entry of ``quantize_many``)."""
+        datas = [as_bytes(payload), as_bytes(scales)]
+        parts = [self.store.put(d) for d in datas]
+        nbytes = datas[0].numel() + datas[1].numel()
+        return Packed(parts, ("fp8", tuple(shape), dtype, tuple(scales.shape)), device, {self.store.tier: nbytes})
+
+    def quantized_parts(self, packed: Packed, parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(payload [M, nb * block] E4M3, scales [M, nb] fp32)`` of an FP8 record from its fetched parts."""
+        sshape = packed.meta[3]
+        return parts[0].view(fp8.E4M3).view(sshape[0], -1), parts[1].view(torch.float32).view(sshape)
 
     def fetch(self, packed: Packed) -> list[torch.Tensor]:
         """Bring the stored parts back to the compute device (the prefetcher calls this early)."""
@@ -300,10 +354,7 @@ class Backend:
     def decode(self, packed: Packed, parts: list[torch.Tensor]) -> torch.Tensor:
         """Rebuild the tensor from fetched parts."""
         if packed.meta[0] == "fp8":
-            _, shape, dtype, sshape = packed.meta
-            payload = parts[0].view(fp8.E4M3).view(sshape[0], -1)
-            scales = parts[1].view(torch.float32).view(sshape)
-            return fp8.dequantize(payload, scales, shape, dtype)
+            return fp8.dequantize(*self.quantized_parts(packed, parts), packed.meta[1], packed.meta[2])
         _, shape, dtype = packed.meta
         if self.store.tier == "device":
             return parts[0]

@@ -36,6 +36,7 @@ import copy
 import dataclasses
 import fnmatch
 import functools
+import math
 import re
 import threading
 import time
@@ -60,6 +61,7 @@ from moonrt.memory.backends import (
     storage_bytes,
 )
 from moonrt.memory.policy import MemoryPolicy
+from moonrt.ops import fp8
 
 
 def _generalize(path: str) -> str:
@@ -92,11 +94,15 @@ class _Anchor(torch.autograd.Function):
 
 
 class _Entry:
-    """One stored unit (a storage for raw policies, a view for FP8), shared by deduplicated saves."""
+    """One stored unit (a storage for raw policies, a view for FP8), shared by deduplicated saves.
 
-    __slots__ = ("backend", "packed", "refs", "layer", "future", "parts", "key", "weak", "region", "__weakref__")
+    An FP8 entry is first *pending* (``raw`` holds the tensor, ``packed`` is None) until its batch is
+    quantized in one call; ``decoded`` holds its tensor when a batched decode ran ahead of its unpack."""
 
-    def __init__(self, backend: Backend, packed: Packed, layer: int, key: Any, weak: Any) -> None:
+    __slots__ = ("backend", "packed", "refs", "layer", "future", "parts", "key", "weak", "region", "raw", "batch",
+                 "decoded", "__weakref__")
+
+    def __init__(self, backend: Backend, packed: Packed | None, layer: int, key: Any, weak: Any) -> None:
         self.backend = backend
         self.packed = packed
         self.refs = 0
@@ -106,6 +112,52 @@ class _Entry:
         self.key = key
         self.weak = weak
         self.region: tuple[str, str] | None = None
+        self.raw: torch.Tensor | None = None
+        self.batch: _Batch | None = None
+        self.decoded: torch.Tensor | None = None
+
+
+class _KeepEntry:
+    """A storage saved under ``keep``: only counted (bytes once per storage), never copied."""
+
+    __slots__ = ("sptr", "nbytes", "refs", "region", "label")
+
+    def __init__(self, sptr: int, nbytes: int, region: str, label: str) -> None:
+        self.sptr = sptr
+        self.nbytes = nbytes
+        self.refs = 1
+        self.region = region
+        self.label = label
+
+
+class _Batch:
+    """FP8 saves of one layer and policy, quantized together (:func:`moonrt.ops.fp8.quantize_many`) when
+    the layer ends, the batch reaches ``fp8_batch_bytes``, the forward ends or backward starts; in backward
+    the first unpack decodes every entry of the batch that is at hand in one call."""
+
+    __slots__ = ("backend", "layer", "entries", "nbytes", "live", "decoded")
+
+    def __init__(self, backend: Backend, layer: int) -> None:
+        self.backend = backend
+        self.layer = layer
+        self.entries: list[_Entry] = []
+        self.nbytes = 0
+        self.live = 0
+        self.decoded = False
+
+
+class _Frame:
+    """What a save inside an active module/region resolves to: region name, policy, layer, whether a rule
+    decided it (inherited by children) and the layer index (assigned on first use)."""
+
+    __slots__ = ("region", "policy", "layer_name", "decided", "layer")
+
+    def __init__(self, region: str, policy: str, layer_name: str, decided: bool) -> None:
+        self.region = region
+        self.policy = policy
+        self.layer_name = layer_name
+        self.decided = decided
+        self.layer: int | None = None
 
 
 class _Handle:
@@ -114,7 +166,7 @@ class _Handle:
 
     __slots__ = ("entry", "view", "tensor", "release", "__weakref__")
 
-    def __init__(self, entry: _Entry | None, view: Any, tensor: torch.Tensor | None = None,
+    def __init__(self, entry: Any, view: Any, tensor: torch.Tensor | None = None,
                  release: Any = None) -> None:
         self.entry = entry
         self.view = view
@@ -137,9 +189,12 @@ class ActivationManager:
             ``model.named_modules()`` names.
         policy: the :class:`MemoryPolicy` (rules by module path / region name).
         remote: a :class:`moonrt.memory.remote.RemoteClient` when any rule uses a remote policy.
+        fp8_batch_bytes: FP8 saves of a layer are quantized together once this many input bytes are
+            pending (or the layer / forward ends): the most raw bytes held beyond their FP8 copy.
     """
 
-    def __init__(self, model: torch.nn.Module, policy: MemoryPolicy | None = None, remote: Any = None) -> None:
+    def __init__(self, model: torch.nn.Module, policy: MemoryPolicy | None = None, remote: Any = None,
+                 fp8_batch_bytes: int = 64 * 2**20) -> None:
         self.model = model
         self.policy = policy or MemoryPolicy()
         self.policy.validate()
@@ -162,8 +217,13 @@ class ActivationManager:
         self._stack: list[str] = []
         # per active module/region: (region, policy, layer name, a rule decided), so a save reads the
         # innermost frame instead of matching rules (the resolution changes only on enter/exit)
-        self._frames: list[tuple[str, str, str, bool]] = []
-        self._root = ("<root>", self.policy.default, "<root>", False)
+        self._root = _Frame("<root>", self.policy.default, "<root>", False)
+        self._frames: list[_Frame] = [self._root]
+        self._frame_cache: dict[tuple[str, int], _Frame] = {}
+        self._keep: dict[int, _KeepEntry] = {}
+        self._pending: dict[str, _Batch] = {}
+        self._fp8_batch_bytes = int(fp8_batch_bytes)
+        self._min_bytes = self.policy.min_bytes
         self._own_rule: dict[str, str | None] = {}
         self._layer_names: dict[str, str] = {}
         self._layers: dict[str, int] = {}
@@ -325,9 +385,17 @@ class ActivationManager:
         for mod, meth in self._wrapped_methods:
             delattr(mod, meth)
         self._wrapped_methods.clear()
+        with self._lock:
+            for batch in self._pending.values():  # never quantized: nothing will unpack them
+                for e in batch.entries:
+                    e.raw = None
+            self._pending.clear()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        host = self._stores.get("host")
+        if host is not None:
+            host.trim()
         disk = self._stores.get("disk")
         if disk is not None:
             disk.close()
@@ -352,17 +420,22 @@ class ActivationManager:
 
     def _push(self, name: str) -> None:
         self._stack.append(name)
-        own = self._rule_of(name)
-        lk = self._layer_names.get(name)
-        if lk is None:
-            lk = self._layer_names[name] = layer_key(name)
-        parent = self._frames[-1] if self._frames else self._root
-        if own is not None:
-            self._frames.append((name, own, lk, True))
-        elif parent[3]:
-            self._frames.append((parent[0], parent[1], lk, True))
-        else:
-            self._frames.append((name, self.policy.default, lk, False))
+        parent = self._frames[-1]
+        key = (name, id(parent))
+        frame = self._frame_cache.get(key)
+        if frame is None:
+            own = self._rule_of(name)
+            lk = self._layer_names.get(name)
+            if lk is None:
+                lk = self._layer_names[name] = layer_key(name)
+            if own is not None:
+                frame = _Frame(name, own, lk, True)
+            elif parent.decided:
+                frame = _Frame(parent.region, parent.policy, lk, True)
+            else:
+                frame = _Frame(name, self.policy.default, lk, False)
+            self._frame_cache[key] = frame  # frames are never dropped, so the parent's id stays unique
+        self._frames.append(frame)
 
     def _pop(self) -> None:
         self._stack.pop()
@@ -436,6 +509,14 @@ class ActivationManager:
     def __exit__(self, *exc: Any) -> None:
         self._hooks_ctx.__exit__(*exc)
         self._hooks_ctx = None
+        self._flush_all()
+
+    def _layer_of(self, frame: _Frame) -> int:
+        layer = frame.layer
+        if layer is None:
+            with self._lock:
+                layer = frame.layer = self._layers.setdefault(frame.layer_name, len(self._layers))
+        return layer
 
     def _pack(self, t: torch.Tensor) -> Any:
         t0 = time.perf_counter()
@@ -445,18 +526,16 @@ class ActivationManager:
             with self._lock:
                 self.accounting.parameter_saves += sptr in self._param_ptrs
             return _Handle(None, None, t.detach())
-        region, policy, layer_name, _ = self._frames[-1] if self._frames else self._root
-        label = policy
+        frame = self._frames[-1]
+        policy = label = frame.policy
         if self._anchoring:
             policy, label = "keep", "recompute"
-        if policy != "keep" and t.numel() * t.element_size() < self.policy.min_bytes:
+        elif policy != "keep" and self._min_bytes and t.numel() * t.element_size() < self._min_bytes:
             policy = "keep"
-        layer = self._layers.get(layer_name)
-        if layer is None:
-            with self._lock:
-                layer = self._layers.setdefault(layer_name, len(self._layers))
         if policy == "keep":
-            return self._pack_keep(t, storage, sptr, region, label, layer, t0)
+            return self._pack_keep(t, storage, sptr, frame.region, label, t0)
+        layer = self._layer_of(frame)
+        region = frame.region
         backend = self._backend(policy)
         fp8 = backend.quantizes(t)
         view = (t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
@@ -469,10 +548,28 @@ class ActivationManager:
                 entry.refs += 1
                 self.accounting.on_dedupe(region, label)
                 return _Handle(entry, view, None, self._release)
-        if fp8:
-            packed = backend.pack(t)
-            logical = t.numel() * t.element_size()
-        elif backend.store.tier == "device":
+        if fp8:  # pending: quantized with the rest of its batch (layer) in one call
+            entry = _Entry(backend, None, layer, key, StorageWeakRef(storage))
+            entry.refs = 1
+            entry.region = (region, label)
+            entry.raw = t.detach()
+            with self._lock:
+                self._entries[key] = entry
+                batch = self._pending.get(policy)
+                if batch is not None and batch.layer != layer:
+                    self._flush(policy)
+                    batch = None
+                if batch is None:
+                    batch = self._pending[policy] = _Batch(backend, layer)
+                batch.entries.append(entry)
+                batch.live += 1
+                batch.nbytes += t.numel() * t.element_size()
+                entry.batch = batch
+                if batch.nbytes >= self._fp8_batch_bytes:
+                    self._flush(policy)
+            self.accounting.pack_s += time.perf_counter() - t0
+            return _Handle(entry, view, None, self._release)
+        if backend.store.tier == "device":
             packed = backend.pack(t)  # keeps the tensor itself; bytes counted by storage
             packed.tier_bytes = {"device": storage.nbytes()}
             logical = storage.nbytes()
@@ -486,35 +583,62 @@ class ActivationManager:
         entry.region = (region, label)
         with self._lock:
             self._entries[key] = entry
-        self.accounting.on_pack(region, label, logical, packed.tier_bytes, time.perf_counter() - t0)
-        return _Handle(entry, view, packed.parts[0] if backend.store.tier == "device" and not fp8 else None,
-                       self._release)
+        self.accounting.on_pack_tier(region, label, backend.store.tier, logical, logical, time.perf_counter() - t0)
+        return _Handle(entry, view, packed.parts[0] if backend.store.tier == "device" else None, self._release)
 
-    def _pack_keep(self, t: torch.Tensor, storage: Any, sptr: int, region: str, label: str, layer: int,
-                   t0: float) -> _Handle:
+    def _flush(self, policy: str) -> None:
+        """Quantize the pending FP8 batch of ``policy`` in one call and store every entry (caller holds the lock)."""
+        batch = self._pending.pop(policy, None)
+        if batch is None:
+            return
+        t0 = time.perf_counter()
+        todo = [e for e in batch.entries if e.raw is not None]
+        if not todo:
+            return
+        backend = batch.backend
+        quantized = fp8.quantize_many([e.raw for e in todo], backend.block)
+        for e, (payload, scales) in zip(todo, quantized):
+            raw = e.raw
+            e.packed = backend.store_quantized(tuple(raw.shape), raw.dtype, raw.device, payload, scales)
+            e.raw = None
+        dt = (time.perf_counter() - t0) / len(todo)
+        tier = backend.store.tier
+        for e in todo:
+            region, label = e.region
+            nbytes = e.packed.tier_bytes[tier]
+            meta = e.packed.meta
+            logical = math.prod(meta[1]) * meta[2].itemsize
+            self.accounting.on_pack_tier(region, label, tier, logical, nbytes, dt)
+
+    def _flush_all(self) -> None:
+        if self._pending:
+            with self._lock:
+                for policy in list(self._pending):
+                    self._flush(policy)
+
+    def _pack_keep(self, t: torch.Tensor, storage: Any, sptr: int, region: str, label: str, t0: float) -> _Handle:
         """The keep path: no copy, no view bookkeeping; the handle holds ``t`` itself (detached), the
         entry only counts the storage once for the accounting. No weak reference is needed: while the
         entry lives, a handle keeps the storage alive, so its address cannot be reused."""
-        key = ("keep", sptr)
         with self._lock:
-            entry = self._entries.get(key)
-            fresh = entry is None
+            entry = self._keep.get(sptr)
             if entry is not None:
                 entry.refs += 1
-            else:
-                backend = self._keep_backend
-                if backend is None:
-                    backend = self._keep_backend = self._backend("keep")
-                nbytes = storage.nbytes()
-                entry = _Entry(backend, Packed([], ("raw",), t.device, {"device": nbytes}), layer, key, None)
-                entry.refs = 1
-                entry.region = (region, label)
-                self._entries[key] = entry
-        if fresh:
-            self.accounting.on_pack(region, label, nbytes, entry.packed.tier_bytes, time.perf_counter() - t0)
-        else:
-            self.accounting.on_dedupe(region, label)
-        return _Handle(entry, None, t.detach(), self._release)
+                self.accounting.on_dedupe(region, label)
+                return _Handle(entry, None, t.detach(), self._release_keep)
+            n = storage.nbytes()
+            entry = self._keep[sptr] = _KeepEntry(sptr, n, region, label)
+        self.accounting.on_pack_tier(region, label, "device", n, n, time.perf_counter() - t0)
+        return _Handle(entry, None, t.detach(), self._release_keep)
+
+    def _release_keep(self, entry: _KeepEntry) -> None:
+        with self._lock:
+            entry.refs -= 1
+            if entry.refs > 0:
+                return
+            if self._keep.get(entry.sptr) is entry:
+                del self._keep[entry.sptr]
+        self.accounting.on_release_tier("device", entry.nbytes, entry.region, entry.label)
 
     def _release(self, entry: _Entry) -> None:
         with self._lock:
@@ -525,8 +649,26 @@ class ActivationManager:
                 del self._entries[entry.key]
             entry.parts = None
             entry.future = None
+            entry.decoded = None
+            batch = entry.batch
+            if batch is not None:
+                entry.batch = None
+                batch.live -= 1
+                if batch.live == 0:
+                    batch.entries = []  # no entry left to decode: drop the references
+            pending = entry.raw
+            entry.raw = None
+        region, label = entry.region or (None, None)
+        if pending is not None:  # released before its batch was quantized: account what it would have stored
+            tier = entry.backend.store.tier
+            stored = fp8.stored_bytes(pending.shape if pending.dim() else (1,), entry.backend.block)
+            self.accounting.on_pack_tier(region, label, tier, pending.numel() * pending.element_size(), stored, 0.0)
+            self.accounting.on_release_tier(tier, stored, region, label)
+            return
+        if entry.packed is None:  # dropped unquantized by close()
+            return
         entry.backend.free(entry.packed)
-        self.accounting.on_release(entry.packed.tier_bytes, *(entry.region or (None, None)))
+        self.accounting.on_release(entry.packed.tier_bytes, region, label)
 
     def _fetch(self, entry: _Entry) -> tuple[list[torch.Tensor], float]:
         t0 = time.perf_counter()
@@ -539,37 +681,71 @@ class ActivationManager:
         self._prefetched_layers.add(layer)
         with self._lock:
             todo = [e for e in self._entries.values()
-                    if e.layer == layer and e.backend.store.prefetch and e.future is None and e.parts is None]
+                    if e.layer == layer and e.backend.store.prefetch and e.future is None and e.parts is None
+                    and e.packed is not None]
             for e in todo:
                 e.future = self._pool.submit(self._fetch, e)
 
+    def _parts(self, entry: _Entry) -> list[torch.Tensor]:
+        """The entry's stored parts on the compute device (from the prefetcher, or fetched now)."""
+        if entry.backend.store.tier == "device":
+            return entry.backend.fetch(entry.packed)
+        with self._lock:
+            parts, fut = entry.parts, entry.future
+        if parts is None:
+            if fut is not None:
+                w0 = time.perf_counter()
+                parts, dt = fut.result()
+                # waited time counts as exposed, at most the fetch's own duration
+                self.accounting.on_fetch(dt, min(dt, time.perf_counter() - w0), prefetched=True)
+            else:
+                parts, dt = self._fetch(entry)
+                self.accounting.on_fetch(dt, dt, prefetched=False)
+            with self._lock:
+                entry.parts, entry.future = parts, None
+        return parts
+
+    def _decode_batch(self, batch: _Batch) -> None:
+        """Decode, in one call, every live entry of ``batch`` whose bytes are at hand without waiting (device
+        tier, host without CUDA, or already prefetched); each unpack then takes its tensor."""
+        with self._lock:
+            if batch.decoded:
+                return
+            batch.decoded = True
+            todo = [e for e in batch.entries
+                    if e.refs > 0 and e.packed is not None and e.decoded is None
+                    and (not e.backend.store.prefetch or e.parts is not None)]
+        if len(todo) < 2:
+            return
+        items = []
+        for e in todo:
+            payload, scales = e.backend.quantized_parts(e.packed, self._parts(e))
+            items.append((payload, scales, e.packed.meta[1], e.packed.meta[2]))
+        for e, out in zip(todo, fp8.dequantize_many(items)):
+            e.decoded = out
+
     def _unpack(self, handle: _Handle) -> torch.Tensor:
-        if handle.tensor is not None:
-            return handle.tensor
+        tensor = handle.tensor
+        if tensor is not None:
+            return tensor
         t0 = time.perf_counter()
+        if self._pending:
+            self._flush_all()
         entry = handle.entry
         assert entry is not None
         self._start_prefetch(entry.layer - 1)
-        if entry.backend.store.tier == "device":
-            parts = entry.backend.fetch(entry.packed)
-        else:
-            with self._lock:
-                parts, fut = entry.parts, entry.future
-            if parts is None:
-                if fut is not None:
-                    w0 = time.perf_counter()
-                    parts, dt = fut.result()
-                    # waited time counts as exposed, at most the fetch's own duration
-                    self.accounting.on_fetch(dt, min(dt, time.perf_counter() - w0), prefetched=True)
-                else:
-                    parts, dt = self._fetch(entry)
-                    self.accounting.on_fetch(dt, dt, prefetched=False)
-                with self._lock:
-                    entry.parts, entry.future = parts, None
         packed = entry.packed
         if packed.meta[0] == "fp8":
-            out = entry.backend.decode(packed, parts)
+            batch = entry.batch
+            if entry.decoded is None and batch is not None and not batch.decoded:
+                self._decode_batch(batch)
+            out = entry.decoded
+            if out is not None:
+                entry.decoded = None  # a later unpack of the same entry decodes again
+            else:
+                out = entry.backend.decode(packed, self._parts(entry))
         else:
+            parts = self._parts(entry)
             dtype, shape, stride, offset = handle.view
             flat = parts[0]
             out = torch.empty(0, dtype=dtype, device=flat.device).set_(flat.untyped_storage(), offset, shape, stride)
