@@ -255,14 +255,18 @@ def default_profile(cfg: Any, layout: JobLayout, sdpa: str | None = None) -> Pro
 
 
 def param_sizes(cfg: K3Config) -> ParamSizes:
-    """Parameter counts of one instance of each part of a K3 model (the K3 parameter table,
-    :mod:`moonrt.model.params`): attention sub-layers, dense FFN, the always-active part of a MoE layer,
-    one routed expert, embedding, LM head (+ final norm and AttnRes query) and per-layer norms + queries."""
-    return ParamSizes(kda=mp.kda_params(cfg), mla=mp.mla_params(cfg), dense_ffn=mp.glu_params(
-        cfg.hidden_size, cfg.intermediate_size), moe_dense=mp.moe_dense_params(cfg),
-        routed_expert=mp.routed_expert_params(cfg), embed=cfg.vocab_size * cfg.hidden_size,
-        lm_head=0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size + 2 * cfg.hidden_size,
-        norm=4 * cfg.hidden_size)
+    """Per-layer parameter counts of a K3 model from the K3 parameter table (:mod:`moonrt.model.params`):
+    each decoder layer holds its KDA or MLA attention, 2 RMSNorms + 2 AttnRes pseudo-queries (``4 D``) and
+    a dense GLU FFN or a LatentMoE's always-active part plus routed experts; the last stage holds the LM
+    head + final norm and AttnRes query (nothing with tied embeddings)."""
+    D = cfg.hidden_size
+    attn = {"kda": mp.kda_params(cfg), "mla": mp.mla_params(cfg)}
+    moe, ffn, expert = mp.moe_dense_params(cfg), mp.glu_params(D, cfg.intermediate_size), mp.routed_expert_params(cfg)
+    types = cfg.layer_types()
+    return ParamSizes(
+        layers=tuple(attn[t] + 4 * D + (moe if cfg.is_moe_layer(i) else ffn) for i, t in enumerate(types)),
+        expert=tuple(expert if cfg.is_moe_layer(i) else 0 for i in range(len(types))),
+        embed=cfg.vocab_size * D, lm_head=0 if cfg.tie_word_embeddings else cfg.vocab_size * D + 2 * D)
 
 
 def _fp8_lin(elems: float, width: int, act_bytes: int) -> float:

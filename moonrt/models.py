@@ -27,9 +27,8 @@ class ModelSpec:
     """What a job needs to build a model family and to plan its memory.
 
     Callables take the family's config object (``cfg``); the memory planner reads that config only
-    through the structural fields it documents (``num_hidden_layers``, ``layer_types()``,
-    ``is_moe_layer(i)``, ``num_experts``, ``num_experts_per_token``, ``hidden_size``,
-    ``routed_expert_hidden_size``).
+    through the structural fields it documents (``num_hidden_layers``, ``num_experts``,
+    ``num_experts_per_token``, ``hidden_size``, ``routed_expert_hidden_size``).
     """
 
     name: str

@@ -1,8 +1,9 @@
 """Memory model of a training job per pipeline rank (K3_SYSTEMS §1, §6, §8, §10).
 
-Pure functions of a model config (duck-typed: the HF field names of ``K3Config``), a
-:class:`JobLayout` and per-part parameter counts (:class:`ParamSizes`) and a per-layer activation
-:class:`Profile`, both supplied by the caller (for K3: :mod:`moonrt.k3_memory`, reached through the
+Pure functions of a model config (read only through ``num_hidden_layers``, ``num_experts``,
+``num_experts_per_token``, ``hidden_size`` and ``routed_expert_hidden_size``), a :class:`JobLayout`,
+per-layer parameter counts (:class:`ParamSizes`) and a per-layer activation :class:`Profile`, both
+supplied by the caller (for K3: :mod:`moonrt.k3_memory`, reached through the
 model registry :mod:`moonrt.models`); the runtime never imports the model package.
 
 Per rank ``r`` of ``pp`` (chunks ``c`` of ``vpp`` hold stages ``c * pp + r``; layers are cut into
@@ -84,18 +85,19 @@ class JobLayout:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ParamSizes:
-    """Parameter counts of one instance of each part (from ``moonrt.model.params``)."""
+    """Parameter counts the planner places on pipeline ranks, supplied by the model's client (for K3:
+    :func:`moonrt.k3_memory.param_sizes`). ``[L]`` tuples are per decoder layer."""
 
-    kda: int
-    mla: int
-    dense_ffn: int
-    moe_dense: int
-    """Router, latent down/up, latent norm, shared experts of one MoE layer."""
-    routed_expert: int
+    layers: tuple[int, ...]
+    """[L] parameters of each decoder layer that every rank of its stage holds whole: attention, norms, and
+    the dense FFN or the always-active part of a MoE layer (router, shared experts, ...)."""
+    expert: tuple[int, ...]
+    """[L] parameters of one routed expert of each layer (0: a dense layer); ``num_experts / ep`` of them
+    per EP rank, and as many slot copies in the MoonEP slot pool."""
     embed: int
+    """The input embedding (held by the first stage; read by lookup, so not counted as compute)."""
     lm_head: int
-    norm: int
-    """Per-layer norms + AttnRes pseudo-queries of one decoder layer."""
+    """What the last stage holds after the last decoder layer (final norms, output projection)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -203,10 +205,12 @@ def rank_models(cfg: Any, layout: JobLayout, sizes: ParamSizes, profile: Profile
     """Static bytes, saved-class counts per chunk and schedule live points for every pipeline rank."""
     n, par = cfg.num_hidden_layers, layout.parallel
     layout.check(n, cfg.num_experts)
+    if len(sizes.layers) != n or len(sizes.expert) != n:
+        raise ValueError(f"sizes: {len(sizes.layers)} layers and {len(sizes.expert)} expert sizes; expected "
+                         f"num_hidden_layers ({n}) of each")
     sched = build_schedule(layout.schedule, par.pp, layout.microbatches, par.vpp)
     T = layout.tokens()
     E, ep, k = cfg.num_experts, par.ep, cfg.num_experts_per_token
-    types = cfg.layer_types()
     out = []
     for r in range(par.pp):
         chunks = stage_layers(n, par.pp, par.vpp, r)
@@ -216,13 +220,10 @@ def rank_models(cfg: Any, layout: JobLayout, sizes: ParamSizes, profile: Profile
         for c, rng in enumerate(chunks):
             counts: dict[str, int] = {}
             for i in rng:
-                dense += (sizes.kda if types[i] == "kda" else sizes.mla) + sizes.norm
-                if cfg.is_moe_layer(i):
-                    dense += sizes.moe_dense
-                    local_experts += (E // ep) * sizes.routed_expert
-                    active += k * sizes.routed_expert
-                else:
-                    dense += sizes.dense_ffn
+                dense += sizes.layers[i]
+                if sizes.expert[i]:
+                    local_experts += (E // ep) * sizes.expert[i]
+                    active += k * sizes.expert[i]
                 for name in profile.layers[i].classes:
                     counts[name] = counts.get(name, 0) + 1
             stage = c * par.pp + r
@@ -236,10 +237,11 @@ def rank_models(cfg: Any, layout: JobLayout, sizes: ParamSizes, profile: Profile
                     counts[name] = counts.get(name, 0) + 1
             chunk_classes.append(counts)
         active += dense - (sizes.embed if r == 0 else 0)
-        has_moe = any(cfg.is_moe_layer(i) for rng in chunks for i in rng)
+        expert = max(sizes.expert[i] for rng in chunks for i in rng)  # the slot pool is sized for the largest
+        has_moe = expert > 0
         params = dense + local_experts
         sharded = dense / (par.dp * ep * par.cp) + local_experts / (par.dp * par.cp)
-        slot_pool = (E // ep) * sizes.routed_expert * (layout.param_bytes + 4) if has_moe and ep > 1 else 0
+        slot_pool = (E // ep) * expert * (layout.param_bytes + 4) if has_moe and ep > 1 else 0
         comm = 0.0
         if ep > 1 and has_moe:
             comm += 2 * 2 * T * k * cfg.routed_expert_hidden_size * layout.act_bytes
