@@ -412,6 +412,9 @@ def parallel_runtime(job: JobConfig) -> Parallelism:
             rt.parts[0].inner = ep
         counts = ep.layer_counts
     if job.routing_trace:
+        if p.pp > 1:  # rank 0 holds only its own stages' MoE layers
+            raise ConfigError(f"routing_trace (--routing-trace) = {job.routing_trace!r}: expected parallel.pp = 1 "
+                              f"(got {p.pp}: each pipeline rank holds only its stages' MoE layers)")
         rt.parts.append(RoutingTrace(job.routing_trace, is_main=rt.is_main, counts=counts))
     return rt
 

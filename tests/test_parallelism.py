@@ -68,3 +68,42 @@ def test_first_part_that_handles_a_verb_wins_and_hooks_run_in_order() -> None:
     record: dict = {}
     rt.step_metrics(4, model, record)
     assert record == {"owner": 4, "later": 5}
+
+
+class _LossModel(nn.Module):
+    """The duck-typed surface the default step uses: ``loss_sum(x, y, ctx=...)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(8, 4)
+        self.out = nn.Linear(4, 8)
+
+    def loss_sum(self, x: torch.Tensor, y: torch.Tensor, ctx: object = None) -> torch.Tensor:
+        logits = self.out(self.emb(x))
+        return nn.functional.cross_entropy(logits.reshape(-1, 8), y.reshape(-1), reduction="sum")
+
+
+def test_default_step_is_one_forward_and_one_backward_and_a_part_can_run_it() -> None:
+    x, y = torch.tensor([[1, 2, 3]]), torch.tensor([[2, 3, 4]])
+    model, ref = _LossModel(), _LossModel()
+    loss = Parallelism().forward_backward(model, x, y, 1 / 3)
+    ref_loss = ref.loss_sum(x, y) / 3
+    ref_loss.backward()
+    assert not loss.requires_grad and torch.allclose(loss, ref_loss.detach())
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.allclose(a.grad, b.grad)
+    with torch.no_grad():
+        assert float(Parallelism().loss_sum(model, x, y)) == float(ref.loss_sum(x, y))
+
+    class Runner(Part):  # e.g. the pipeline: it runs the step and eval itself
+        def forward_backward(self, model, x, y, scale, ctx=None, saved=None):
+            return torch.tensor(42.0)
+
+        def loss_sum(self, model, x, y, ctx=None):
+            return torch.tensor(7.0)
+
+    rt = Parallelism(parts=[Part(), Runner()])
+    model.zero_grad(set_to_none=True)
+    assert float(rt.forward_backward(model, x, y, 1.0)) == 42.0 and model.out.weight.grad is None
+    assert float(rt.loss_sum(model, x, y)) == 7.0

@@ -36,8 +36,6 @@ from torch import nn
 from moonrt.comm.pp_cache import BlockCache, BlockPlan
 from moonrt.parallel.context import LOCAL, AttentionContext
 
-COMPUTE = ("F", "B", "I", "W")
-
 
 class PipelineError(RuntimeError):
     """A pipeline action failed (usually: a peer rank died); the message names this rank, the action and the peer."""
@@ -376,4 +374,4 @@ class PipelineExecutor:
         self.out_grad[(s, mb)] = bufs[-1] if self.plan.partial_in[s + 1] else None
 
 
-__all__ = ["COMPUTE", "PipelineError", "PipelineExecutor", "StepStats"]
+__all__ = ["PipelineError", "PipelineExecutor", "StepStats"]
