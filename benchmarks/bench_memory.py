@@ -88,7 +88,7 @@ def main() -> None:
         return model.loss_sum(tok, tok)
 
     profile = traced_profile(_model, run_fwd, cfg, T)
-    layout = JobLayout(seq_len=T, micro_batch_size=B, microbatches=1, act_bytes=4)
+    layout = JobLayout(seq_len=T, micro_batch_size=B, act_bytes=4)  # one micro-batch (ParallelConfig default)
     (rm,) = rank_models(cfg, layout, param_sizes(cfg), profile)
     static = sum(rm.static.values())
     from moonrt.memory.model_memory import activation_bytes

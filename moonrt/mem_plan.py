@@ -142,9 +142,10 @@ def run(args: argparse.Namespace) -> int:
     cfg = spec.presets[args.model]()
     dtype = args.dtype or default_dtype()
     ab = dtype_bytes(dtype)
-    par = ParallelConfig(dp=args.dp, pp=args.pp, vpp=args.vpp, ep=args.ep, cp=args.cp)
+    par = ParallelConfig(dp=args.dp, pp=args.pp, vpp=args.vpp, ep=args.ep, cp=args.cp, schedule=args.schedule,
+                         microbatches=args.microbatches)
     layout = JobLayout(parallel=par, micro_batch_size=args.micro_batch_size, seq_len=args.seq_len,
-                       microbatches=args.microbatches, schedule=args.schedule, optim_bytes=args.optim_bytes,
+                       optim_bytes=args.optim_bytes,
                        shard_grads=args.shard_grads, act_bytes=ab, param_bytes=ab)
     try:
         layout.check(cfg.num_hidden_layers, cfg.num_experts)
@@ -173,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             return _fail(str(exc))
         print(f"== {args.model} {dtype}: dp={par.dp} pp={par.pp} vpp={par.vpp} ep={par.ep} cp={par.cp} "
-              f"seq={layout.seq_len} mbs={layout.micro_batch_size} m={layout.microbatches} {layout.schedule}; "
+              f"seq={layout.seq_len} mbs={layout.micro_batch_size} m={par.microbatches} {par.pipeline_schedule}; "
               f"{layout.tokens()} tokens/rank/micro-batch; {args.profile} profile{attention}; budget {b:g} GiB "
               f"(reserve {hw.reserve_gib:g} GiB)")
         print(table(p))

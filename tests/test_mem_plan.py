@@ -19,8 +19,8 @@ from moonrt.model.config import k3, k3_tiny
 from moonrt.models import K3
 
 param_sizes = K3.param_sizes
-K3_LONG = JobLayout(parallel=ParallelConfig(pp=16, vpp=2, ep=64, cp=64), seq_len=1 << 20, microbatches=32,
-                    schedule="interleaved", optim_bytes=8)
+K3_LONG = JobLayout(parallel=ParallelConfig(pp=16, vpp=2, ep=64, cp=64, microbatches=32, schedule="interleaved"),
+                    seq_len=1 << 20, optim_bytes=8)
 
 
 def _plan(cfg: object, layout: JobLayout, hw: Hardware, profile: Profile | None = None, **kw: object) -> Plan:
@@ -31,15 +31,15 @@ def _plan(cfg: object, layout: JobLayout, hw: Hardware, profile: Profile | None 
 def test_in_flight_counts_per_rank():
     cfg = k3()
     sizes, prof = param_sizes(cfg), kernel_profile(cfg)
-    rms = rank_models(cfg, JobLayout(parallel=ParallelConfig(pp=8, ep=64), seq_len=4096, microbatches=16,
-                                     schedule="1f1b"), sizes, prof)
+    rms = rank_models(cfg, JobLayout(parallel=ParallelConfig(pp=8, ep=64, microbatches=16, schedule="1f1b"),
+                                     seq_len=4096), sizes, prof)
     assert [r.in_flight_microbatches for r in rms] == [8 - r for r in range(8)]
-    rms = rank_models(cfg, JobLayout(parallel=ParallelConfig(pp=8, vpp=2, ep=64), seq_len=4096, microbatches=16,
-                                     schedule="interleaved"), sizes, prof)
+    rms = rank_models(cfg, JobLayout(parallel=ParallelConfig(pp=8, vpp=2, ep=64, microbatches=16,
+                                                             schedule="interleaved"), seq_len=4096), sizes, prof)
     assert rms[0].in_flight_microbatches == pytest.approx(8 * (1 + 7 / 16)) == 11.5
     assert rms[7].in_flight_microbatches == 4.5
-    rms = rank_models(cfg, JobLayout(parallel=ParallelConfig(pp=4, ep=64), seq_len=4096, microbatches=6,
-                                     schedule="gpipe"), sizes, prof)
+    rms = rank_models(cfg, JobLayout(parallel=ParallelConfig(pp=4, ep=64, microbatches=6, schedule="gpipe"),
+                                     seq_len=4096), sizes, prof)
     assert all(r.in_flight_microbatches == 6 for r in rms)
     # activations at keep scale with the in-flight count: rank 0 holds the most
     keep0 = rank_models(cfg, K3_LONG, sizes, prof)
@@ -94,14 +94,14 @@ def test_infeasible_budget_gives_minimum_and_dominating_term():
 
 def test_budget_below_parameter_memory_is_clear():
     cfg = k3()
-    p = _plan(cfg, JobLayout(parallel=ParallelConfig(pp=2, ep=8), seq_len=4096, microbatches=4),
+    p = _plan(cfg, JobLayout(parallel=ParallelConfig(pp=2, ep=8, microbatches=4), seq_len=4096),
               Hardware(budget_gib=80))
     assert not p.feasible and p.dominating == "params"
     assert "below the parameter memory of rank" in p.message
     with pytest.raises(ValueError, match="budget_gib = -1"):
         _plan(cfg, K3_LONG, Hardware(budget_gib=-1))
     with pytest.raises(ValueError, match="ep = 5: expected a divisor of num_experts"):
-        _plan(cfg, JobLayout(parallel=ParallelConfig(pp=16, ep=5), seq_len=4096, microbatches=16), Hardware())
+        _plan(cfg, JobLayout(parallel=ParallelConfig(pp=16, ep=5, microbatches=16), seq_len=4096), Hardware())
     with pytest.raises(ValueError, match="solver = 'cplex'"):
         _plan(cfg, K3_LONG, Hardware(), solver="cplex")
 
@@ -111,7 +111,7 @@ def test_policy_yaml_loads_and_matches_k3_tiny_modules(tmp_path):
     from moonrt.model.model import K3Model
 
     cfg = k3_tiny()
-    layout = JobLayout(seq_len=4096, microbatches=4)
+    layout = JobLayout(parallel=ParallelConfig(microbatches=4), seq_len=4096)
     keep = _plan(cfg, layout, Hardware(budget_gib=1000, reserve_gib=0))
     need = keep.ranks[0].total / GIB
     p = _plan(cfg, layout, Hardware(budget_gib=need * 0.6, reserve_gib=0, host_gib=0.01))

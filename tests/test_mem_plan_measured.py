@@ -78,7 +78,7 @@ def test_predicted_bytes_per_layer_kind_within_5_percent(profile, measured, poli
 def test_planner_device_peak_matches_manager(profile, measured, policy):
     """The planner's activation term for one rank (pp = 1, one micro-batch) vs the manager's peak."""
     cfg = k3_tiny()
-    layout = JobLayout(seq_len=SEQ, micro_batch_size=B_CHECK, microbatches=1, act_bytes=4)
+    layout = JobLayout(seq_len=SEQ, micro_batch_size=B_CHECK, act_bytes=4)  # one micro-batch
     (rm,) = rank_models(cfg, layout, param_sizes(cfg), profile)
     dev, off = activation_bytes(rm, profile, dict.fromkeys(profile.classes, policy), T_CHECK)
     _, peak = measured[policy]

@@ -81,7 +81,7 @@ def test_mem_plan_predicts_k3_tiny_forward_fp32():
     """The planner's activation term (pp = 1, one micro-batch of 8 x 128 tokens, fp32) vs what a real
     k3_tiny forward leaves saved for backward (the old fused-kernel profile said ~2.5x less)."""
     cfg = k3_tiny()
-    layout = JobLayout(micro_batch_size=8, seq_len=128, microbatches=1, parallel=ParallelConfig(), schedule="1f1b",
+    layout = JobLayout(micro_batch_size=8, seq_len=128, parallel=ParallelConfig(microbatches=1, schedule="1f1b"),
                        act_bytes=4, param_bytes=4)
     p = plan(cfg, layout, param_sizes(cfg), Hardware(budget_gib=100, reserve_gib=0),
              profile=default_profile(cfg, layout))
@@ -95,7 +95,7 @@ def test_traced_profile_plans_like_analytic(dtype):
     from moonrt.k3_memory_trace import traced_profile_by_kind
 
     cfg = k3_tiny()
-    layout = JobLayout(micro_batch_size=2, seq_len=512, microbatches=1, parallel=ParallelConfig(), schedule="1f1b",
+    layout = JobLayout(micro_batch_size=2, seq_len=512, parallel=ParallelConfig(microbatches=1, schedule="1f1b"),
                        act_bytes=4, param_bytes=4)
     traced = traced_profile_by_kind(cfg, torch.float32, 512, 2, 1, probe_tokens=256, max_experts=16)
     hw = Hardware(budget_gib=100, reserve_gib=0)

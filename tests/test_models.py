@@ -36,7 +36,7 @@ def test_build_and_param_count_agree_on_k3_tiny():
 
 def test_memory_description_is_the_planner_types():
     cfg = k3_tiny()
-    layout = JobLayout(parallel=ParallelConfig(), seq_len=256, microbatches=1, act_bytes=4)
+    layout = JobLayout(parallel=ParallelConfig(), seq_len=256, act_bytes=4)
     sizes = models.K3.param_sizes(cfg)
     prof = models.K3.memory_profile(cfg, layout)
     assert isinstance(sizes, ParamSizes) and isinstance(prof, Profile)

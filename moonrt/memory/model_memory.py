@@ -40,12 +40,11 @@ class JobLayout:
     """Parallel layout and batch of the job being planned (K3_SYSTEMS §10)."""
 
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
-    """Degrees of the parallel dimensions (``dp``, ``pp``, ``vpp``, ``ep``, ``cp``): the same config a
-    training job holds."""
+    """The same config a training job holds: degrees (``dp``, ``pp``, ``vpp``, ``ep``, ``cp``), micro-batches
+    per step (``microbatches``) and the pipeline schedule (``pipeline_schedule``: gpipe, 1f1b, interleaved)."""
     micro_batch_size: int = 1
+    """Sequences per micro-batch."""
     seq_len: int = 4096
-    microbatches: int = 8
-    schedule: str = "1f1b"
     act_bytes: int = 2
     """Bytes per activation element (bf16)."""
     param_bytes: int = 2
@@ -67,7 +66,8 @@ class JobLayout:
         micro-batches, i.e. gradient accumulation)."""
         par = self.parallel
         fields = {n: getattr(par, n) for n in ("dp", "pp", "vpp", "ep", "cp")}
-        fields.update((n, getattr(self, n)) for n in ("micro_batch_size", "seq_len", "microbatches"))
+        fields["microbatches"] = par.microbatches
+        fields.update((n, getattr(self, n)) for n in ("micro_batch_size", "seq_len"))
         for name, v in fields.items():
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} = {v!r}: expected an integer >= 1")
@@ -77,10 +77,11 @@ class JobLayout:
             raise ValueError(f"ep = {par.ep}: expected a divisor of num_experts ({num_experts})")
         if par.pp * par.vpp > num_layers:
             raise ValueError(f"pp * vpp = {par.pp * par.vpp}: expected <= num_hidden_layers ({num_layers})")
-        if self.schedule == "interleaved" and par.vpp < 2:
+        schedule = par.pipeline_schedule
+        if schedule == "interleaved" and par.vpp < 2:
             raise ValueError(f"vpp = {par.vpp}: expected >= 2 for schedule 'interleaved'")
-        if self.schedule != "interleaved" and par.vpp != 1:
-            raise ValueError(f"vpp = {par.vpp}: expected 1 for schedule {self.schedule!r}")
+        if schedule != "interleaved" and par.vpp != 1:
+            raise ValueError(f"vpp = {par.vpp}: expected 1 for schedule {schedule!r}")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -208,7 +209,7 @@ def rank_models(cfg: Any, layout: JobLayout, sizes: ParamSizes, profile: Profile
     if len(sizes.layers) != n or len(sizes.expert) != n:
         raise ValueError(f"sizes: {len(sizes.layers)} layers and {len(sizes.expert)} expert sizes; expected "
                          f"num_hidden_layers ({n}) of each")
-    sched = build_schedule(layout.schedule, par.pp, layout.microbatches, par.vpp)
+    sched = build_schedule(par.pipeline_schedule, par.pp, par.microbatches, par.vpp)
     T = layout.tokens()
     E, ep, k = cfg.num_experts, par.ep, cfg.num_experts_per_token
     out = []
@@ -257,7 +258,7 @@ def rank_models(cfg: Any, layout: JobLayout, sizes: ParamSizes, profile: Profile
             "comm_buffers": comm,
         }
         chunks_peak, mb_peak = in_flight(sched, r)
-        compute = 3 * 2 * active * T * layout.microbatches / (tflops * 1e12)
+        compute = 3 * 2 * active * T * par.microbatches / (tflops * 1e12)
         out.append(RankModel(r, tuple(i for rng in chunks for i in rng), static, tuple(chunk_classes),
                              _live_points(sched, r), chunks_peak, mb_peak, compute))
     return out

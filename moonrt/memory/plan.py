@@ -159,7 +159,7 @@ def _solve_ilp(rms: list[RankModel], profile: Profile, layout: JobLayout, hw: Ha
 
 def _build_and_solve(pulp: Any, rms: list[RankModel], profile: Profile, layout: JobLayout, hw: Hardware,
                      minimize_budget: bool) -> tuple[dict[int, dict[str, str]], float] | None:
-    T, m = layout.tokens(), layout.microbatches
+    T, m = layout.tokens(), layout.parallel.microbatches
     pols = _policies(layout, hw)
     prob = pulp.LpProblem("memplan", pulp.LpMinimize)
     x: dict[tuple[int, str, str], Any] = {}
@@ -238,7 +238,7 @@ def _build_and_solve(pulp: Any, rms: list[RankModel], profile: Profile, layout: 
 def greedy(rms: list[RankModel], profile: Profile, layout: JobLayout, hw: Hardware) -> dict[int, dict[str, str]]:
     """Fallback: per rank, repeatedly take the move with the most device bytes saved per added
     second (local tiers only, host/disk capacity respected) until the rank fits."""
-    T, m = layout.tokens(), layout.microbatches
+    T, m = layout.tokens(), layout.parallel.microbatches
     pols = [p for p in _policies(layout, hw) if _tier(p) != "remote"]
     out = {}
     for rm in rms:
@@ -287,7 +287,7 @@ def greedy(rms: list[RankModel], profile: Profile, layout: JobLayout, hw: Hardwa
 
 def _rank_plans(rms: list[RankModel], profile: Profile, layout: JobLayout, hw: Hardware,
                 choice: dict[int, dict[str, str]]) -> list[RankPlan]:
-    T, m = layout.tokens(), layout.microbatches
+    T, m = layout.tokens(), layout.parallel.microbatches
     plans = []
     remote_out = {}
     for rm in rms:
