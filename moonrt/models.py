@@ -40,7 +40,7 @@ class ModelSpec:
     param_count: Callable[[Any], int]
     """Total parameters of ``build(cfg)`` computed from the config alone (no instantiation)."""
     param_sizes: Callable[[Any], Any]
-    """``cfg`` -> :class:`~moonrt.memory.model_memory.ParamSizes` (parameters of one instance of each part)."""
+    """``cfg`` -> :class:`~moonrt.memory.model_memory.ParamSizes` (parameters per decoder layer, embedding, head)."""
     memory_profile: Callable[..., Any]
     """``(cfg, layout, sdpa=None)`` -> analytic :class:`~moonrt.memory.model_memory.Profile` at a
     :class:`~moonrt.memory.model_memory.JobLayout` (``sdpa``: ``"math"`` / ``"fused"``, None: by dtype)."""
