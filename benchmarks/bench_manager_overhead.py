@@ -1,23 +1,34 @@
 """Activation-manager overhead on k3_tiny training steps, every policy side by side in one run.
 
-One model + AdamW per policy (same init, same batches); the steps are interleaved round-robin
-(step s of every policy, then step s + 1, with the order rotated each round), so machine load
-drifts hit every policy alike. Reported per policy: median tokens/s over the timed steps, the ratio
-of the no-manager median to it, and the median of the per-round paired ratios (step time of the
-policy / step time without manager in the same round), which is the figure robust to load drift.
+One model + AdamW per (policy, manager version) (same init, same batches); the steps are interleaved
+round-robin (step s of every runner, then step s + 1, with the order rotated each round), so machine
+load drifts hit every runner alike. With ``--baseline DIR`` (a checkout of an older commit, e.g. a
+``git worktree`` in /tmp) the manager modules of that checkout (``ops/fp8.py``, ``memory/backends.py``,
+``memory/accounting.py``, ``memory/manager.py``) are loaded next to the current ones and every policy
+runs under both, in the same process and the same rounds.
 
-    .venv/bin/python benchmarks/bench_manager_overhead.py --steps 10 --out /tmp/bench_manager_overhead.json
+Reported per runner: median tokens/s, and two paired ratios against the no-manager runner of the same
+round (median over rounds): wall-clock step time and process CPU time (``time.process_time``: CPU
+seconds of this process, all threads; robust to other jobs on a shared machine, which stretch wall
+time but not the CPU work of a step).
+
+    .venv/bin/python benchmarks/bench_manager_overhead.py --steps 10 --baseline /tmp/base --out /tmp/overhead.json
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
+import importlib.util
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
+from typing import Any
 
 import torch
 from machine import cpu_model
@@ -30,6 +41,7 @@ from moonrt.model.model import K3Model
 
 FP8_CLASSES = ["layers.*.moe", "layers.*.ffn", "layers.*.attn.*proj", "layers.*.attn_norm", "layers.*.ffn_norm",
                "attn_res.sublayer_input"]
+MANAGER_MODULES = ["moonrt.ops.fp8", "moonrt.memory.backends", "moonrt.memory.accounting", "moonrt.memory.manager"]
 
 
 def policies(disk_dir: str) -> dict[str, MemoryPolicy | None]:
@@ -44,80 +56,120 @@ def policies(disk_dir: str) -> dict[str, MemoryPolicy | None]:
     }
 
 
-class Runner:
-    """One policy's model, optimizer and manager; :meth:`step` runs one timed training step."""
+def load_manager(root: Path) -> type:
+    """``ActivationManager`` of the checkout at ``root``: its manager modules are executed under their own
+    names while ``sys.modules`` (and the parent packages' attributes) point at them, then restored, so the
+    old classes bind to each other and the current modules stay in place."""
+    saved = {n: sys.modules.get(n) for n in MANAGER_MODULES}
+    parents = {n: sys.modules[n.rpartition(".")[0]] for n in MANAGER_MODULES}
+    try:
+        for name in MANAGER_MODULES:
+            path = root / (name.replace(".", "/") + ".py")
+            spec = importlib.util.spec_from_file_location(name, path)
+            if spec is None or spec.loader is None or not path.exists():
+                raise SystemExit(f"--baseline {str(root)!r}: no {path}; expected a moonrt checkout")
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[name] = mod
+            setattr(parents[name], name.rpartition(".")[2], mod)
+            spec.loader.exec_module(mod)
+        return sys.modules["moonrt.memory.manager"].ActivationManager
+    finally:
+        for name, mod in saved.items():
+            if mod is not None:
+                sys.modules[name] = mod
+                setattr(parents[name], name.rpartition(".")[2], mod)
 
-    def __init__(self, policy: MemoryPolicy | None) -> None:
+
+class Runner:
+    """One policy's model, optimizer and manager; :meth:`step` runs one training step."""
+
+    def __init__(self, policy: MemoryPolicy | None, manager: type = ActivationManager) -> None:
         torch.manual_seed(0)
         self.model = K3Model(k3_tiny())
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
-        self.mgr = ActivationManager(self.model, policy) if policy is not None else None
+        self.mgr: Any = manager(self.model, policy) if policy is not None else None
         self.times: list[float] = []
+        self.cpu: list[float] = []
         self.losses: list[float] = []
 
-    def step(self, tok: torch.Tensor, record: bool) -> float:
-        t0 = time.perf_counter()
+    def step(self, tok: torch.Tensor, record: bool) -> tuple[float, float]:
+        """One step; returns ``(wall s, process CPU s)``."""
+        c0, t0 = time.process_time(), time.perf_counter()
         self.opt.zero_grad(set_to_none=True)
         with self.mgr if self.mgr is not None else contextlib.nullcontext():
             loss = self.model.loss_sum(tok, tok) / tok.numel()
         loss.backward()
         self.opt.step()
-        dt = time.perf_counter() - t0
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
         if record:
             self.times.append(dt)
+            self.cpu.append(dc)
             self.losses.append(float(loss.detach()))
-        return dt
+        return dt, dc
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=8, help="sequences per step (moonrt train default 8)")
     ap.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (moonrt train default 128)")
-    ap.add_argument("--steps", type=int, default=10, help="timed steps per policy (after one warm-up step)")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per runner (after one warm-up step)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (moonrt train default 1)")
+    ap.add_argument("--baseline", default="", help="a moonrt checkout (e.g. git worktree of an older commit) "
+                    "whose manager runs next to the current one")
     ap.add_argument("--out", default="/tmp/moonrt-bench-manager-overhead.json", help="JSON results file")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     disk_dir = tempfile.mkdtemp(prefix="moonrt-bench-overhead-")
-    runners = {name: Runner(p) for name, p in policies(disk_dir).items()}
+    versions: dict[str, type] = {"": ActivationManager}
+    if args.baseline:
+        versions = {"base: ": load_manager(Path(args.baseline)), "": ActivationManager}
+    runners: dict[str, Runner] = {}
+    for name, p in policies(disk_dir).items():
+        for tag, cls in versions.items():
+            if p is None and tag:
+                continue
+            runners[tag + name] = Runner(copy.deepcopy(p), cls)
     names = list(runners)
     gen = torch.Generator().manual_seed(0)
     toks = [torch.randint(0, 256, (args.batch, args.seq_len), generator=gen) for _ in range(args.steps + 1)]
     paired: dict[str, list[float]] = {n: [] for n in names}
+    paired_cpu: dict[str, list[float]] = {n: [] for n in names}
     for s, tok in enumerate(toks):
         order = names[s % len(names):] + names[:s % len(names)]
         dts = {n: runners[n].step(tok, record=s > 0) for n in order}
         if s > 0:
             for n in names:
-                paired[n].append(dts[n] / dts["no manager"])
+                paired[n].append(dts[n][0] / dts["no manager"][0])
+                paired_cpu[n].append(dts[n][1] / dts["no manager"][1])
     tokens = args.batch * args.seq_len
-    base = statistics.median(runners["no manager"].times)
     info = {"threads": torch.get_num_threads(), "cpu": cpu_model(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
             "cpu_count": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]}
+    machine = f"threads={info['threads']}, {info['cpu']}, {info['cpu_capability']}"
     print(f"k3_tiny training step (fwd + bwd + AdamW), batch {args.batch} x {args.seq_len} tokens, "
-          f"{args.steps} timed steps per policy, interleaved round-robin in one run")
+          f"{args.steps} timed steps per runner, interleaved round-robin in one run"
+          + (f"; 'base:' = manager of {args.baseline}" if args.baseline else ""))
     print(f"threads {info['threads']}, CPU {info['cpu']} ({info['cpu_count']} logical), torch CPU capability "
           f"{info['cpu_capability']}, torch {info['torch']}, load avg at end {info['load_avg_1m']:.1f}")
-    head = f"{'policy':<22}{'tokens/s':>10}{'x slower':>10}{'paired x':>10}{'saves/step':>12}"
+    head = f"{'policy':<28}{'tokens/s':>10}{'paired x':>10}{'CPU x':>8}{'saves/step':>12}  machine"
     print(head)
     rows = []
     for n in names:
         r = runners[n]
-        med = statistics.median(r.times)
         saves = None
         if r.mgr is not None:
             saves = sum(st.count for st in r.mgr.accounting.regions.values()) / (args.steps + 1)
             r.mgr.close()
-        row = {"policy": n, "tokens_per_s": tokens / med, "ratio_of_medians": med / base,
-               "paired_ratio_median": statistics.median(paired[n]), "step_s": r.times, "saves_per_step": saves,
-               "losses": r.losses}
+        row = {"policy": n, "tokens_per_s": tokens / statistics.median(r.times),
+               "paired_ratio_median": statistics.median(paired[n]),
+               "paired_cpu_ratio_median": statistics.median(paired_cpu[n]), "step_s": r.times, "cpu_s": r.cpu,
+               "saves_per_step": saves, "losses": r.losses}
         rows.append(row)
-        print(f"{n:<22}{row['tokens_per_s']:>10.0f}{row['ratio_of_medians']:>10.3f}{row['paired_ratio_median']:>10.3f}"
-              f"{'-' if saves is None else f'{saves:.0f}':>12}")
+        print(f"{n:<28}{row['tokens_per_s']:>10.0f}{row['paired_ratio_median']:>10.3f}"
+              f"{row['paired_cpu_ratio_median']:>8.3f}{'-' if saves is None else f'{saves:.0f}':>12}  {machine}")
     with open(args.out, "w") as f:
-        json.dump({"batch": args.batch, "seq_len": args.seq_len, "steps": args.steps, **info, "rows": rows}, f,
-                  indent=1)
+        json.dump({"batch": args.batch, "seq_len": args.seq_len, "steps": args.steps, "baseline": args.baseline,
+                   **info, "rows": rows}, f, indent=1)
     os.rmdir(disk_dir)
     print(f"wrote {args.out}")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections import defaultdict
+from typing import Any
 
 from moonrt.memory.backends import TIERS
 
@@ -31,8 +32,10 @@ class RegionStats:
 class Accounting:
     """Thread-safe counters. ``live``/``peak`` are per tier; ``peak["device"]`` is the resident peak."""
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
+    def __init__(self, lock: Any = None) -> None:
+        self._lock = lock if lock is not None else threading.Lock()
+        """Guards every counter; the activation manager passes its own (re-entrant) lock so that its
+        per-save updates (:meth:`pack_tier_locked` etc., called with the lock held) need one acquisition."""
         self.regions: dict[tuple[str, str], RegionStats] = defaultdict(RegionStats)
         self.live: dict[str, int] = dict.fromkeys(TIERS, 0)
         self.peak: dict[str, int] = dict.fromkeys(TIERS, 0)
@@ -67,25 +70,39 @@ class Accounting:
             self.pack_s += dt
 
     def on_pack_tier(self, region: str, policy: str, tier: str, logical: int, stored: int, dt: float) -> None:
-        """:meth:`on_pack` of a record stored in one tier (the manager's per-save fast path)."""
+        """:meth:`on_pack` of a record stored in one tier."""
         with self._lock:
-            st = self.regions[(region, policy)]
-            st.count += 1
-            st.logical_bytes += logical
-            st.live_bytes += stored
-            st.stored_bytes[tier] += stored
-            live = self.live[tier] = self.live[tier] + stored
-            if live > self.peak[tier]:
-                self.peak[tier] = live
-            self.pack_s += dt
+            self.pack_tier_locked(region, policy, tier, logical, stored, dt)
+
+    def pack_tier_locked(self, region: str, policy: str, tier: str, logical: int, stored: int, dt: float) -> None:
+        """:meth:`on_pack_tier` for a caller that holds the accounting's lock (the manager's per-save path)."""
+        st = self.regions[(region, policy)]
+        st.count += 1
+        st.logical_bytes += logical
+        st.live_bytes += stored
+        st.stored_bytes[tier] += stored
+        live = self.live[tier] = self.live[tier] + stored
+        if live > self.peak[tier]:
+            self.peak[tier] = live
+        self.pack_s += dt
+
+    def dedupe_locked(self, region: str, policy: str) -> None:
+        """:meth:`on_dedupe` for a caller that holds the accounting's lock."""
+        st = self.regions[(region, policy)]
+        st.count += 1
+        st.deduped += 1
 
     def on_release_tier(self, tier: str, stored: int, region: str, policy: str) -> None:
         """:meth:`on_release` of a record stored in one tier."""
         with self._lock:
-            st = self.regions.get((region, policy))
-            if st is not None:
-                st.live_bytes -= stored
-            self.live[tier] -= stored
+            self.release_tier_locked(tier, stored, region, policy)
+
+    def release_tier_locked(self, tier: str, stored: int, region: str, policy: str) -> None:
+        """:meth:`on_release_tier` for a caller that holds the accounting's lock."""
+        st = self.regions.get((region, policy))
+        if st is not None:
+            st.live_bytes -= stored
+        self.live[tier] -= stored
 
     def on_dedupe(self, region: str, policy: str) -> None:
         with self._lock:

@@ -198,7 +198,8 @@ class ActivationManager:
         self.model = model
         self.policy = policy or MemoryPolicy()
         self.policy.validate()
-        self.accounting = Accounting()
+        self._lock = threading.RLock()
+        self.accounting = Accounting(lock=self._lock)  # one lock for the entries and the counters
         self.remote = remote
         self._stores: dict[str, Any] = {"keep": KeepStore()}
         used = self.policy.tiers_used()
@@ -230,7 +231,6 @@ class ActivationManager:
         self._entries: dict[Any, _Entry] = {}
         self._param_ptrs = {t.untyped_storage()._cdata
                             for t in list(model.parameters()) + list(model.buffers())}
-        self._lock = threading.RLock()
         self._prefetched_layers: set[int] = set()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="moonrt-prefetch") if self.policy.prefetch else None
         self._hooks_ctx: Any = None
@@ -522,18 +522,29 @@ class ActivationManager:
         t0 = time.perf_counter()
         storage = t.untyped_storage()
         sptr = storage._cdata  # the StorageImpl: unique while alive, also on the meta device
-        if sptr in self._param_ptrs or t.numel() == 0:
-            with self._lock:
-                self.accounting.parameter_saves += sptr in self._param_ptrs
-            return _Handle(None, None, t.detach())
+        if sptr in self._param_ptrs:  # autograd keeps the parameter anyway: hand back a detached alias
+            self.accounting.parameter_saves += 1
+            return t.detach()
+        if t.numel() == 0:
+            return t.detach()
         frame = self._frames[-1]
         policy = label = frame.policy
         if self._anchoring:
             policy, label = "keep", "recompute"
         elif policy != "keep" and self._min_bytes and t.numel() * t.element_size() < self._min_bytes:
             policy = "keep"
-        if policy == "keep":
-            return self._pack_keep(t, storage, sptr, frame.region, label, t0)
+        if policy == "keep":  # no copy, no view record, no weak reference: count the storage once
+            region = frame.region
+            with self._lock:
+                entry = self._keep.get(sptr)
+                if entry is not None:
+                    entry.refs += 1
+                    self.accounting.dedupe_locked(region, label)
+                else:
+                    n = storage.nbytes()
+                    entry = self._keep[sptr] = _KeepEntry(sptr, n, region, label)
+                    self.accounting.pack_tier_locked(region, label, "device", n, n, time.perf_counter() - t0)
+            return _Handle(entry, None, t.detach(), self._release_keep)
         layer = self._layer_of(frame)
         region = frame.region
         backend = self._backend(policy)
@@ -616,29 +627,16 @@ class ActivationManager:
                 for policy in list(self._pending):
                     self._flush(policy)
 
-    def _pack_keep(self, t: torch.Tensor, storage: Any, sptr: int, region: str, label: str, t0: float) -> _Handle:
-        """The keep path: no copy, no view bookkeeping; the handle holds ``t`` itself (detached), the
-        entry only counts the storage once for the accounting. No weak reference is needed: while the
-        entry lives, a handle keeps the storage alive, so its address cannot be reused."""
-        with self._lock:
-            entry = self._keep.get(sptr)
-            if entry is not None:
-                entry.refs += 1
-                self.accounting.on_dedupe(region, label)
-                return _Handle(entry, None, t.detach(), self._release_keep)
-            n = storage.nbytes()
-            entry = self._keep[sptr] = _KeepEntry(sptr, n, region, label)
-        self.accounting.on_pack_tier(region, label, "device", n, n, time.perf_counter() - t0)
-        return _Handle(entry, None, t.detach(), self._release_keep)
-
     def _release_keep(self, entry: _KeepEntry) -> None:
+        """Keep entries are never copied: no entry lives beyond its storage (a handle holds the tensor, so
+        the storage address cannot be reused while the entry is in ``_keep``)."""
         with self._lock:
             entry.refs -= 1
             if entry.refs > 0:
                 return
             if self._keep.get(entry.sptr) is entry:
                 del self._keep[entry.sptr]
-        self.accounting.on_release_tier("device", entry.nbytes, entry.region, entry.label)
+            self.accounting.release_tier_locked("device", entry.nbytes, entry.region, entry.label)
 
     def _release(self, entry: _Entry) -> None:
         with self._lock:
@@ -724,7 +722,9 @@ class ActivationManager:
         for e, out in zip(todo, fp8.dequantize_many(items)):
             e.decoded = out
 
-    def _unpack(self, handle: _Handle) -> torch.Tensor:
+    def _unpack(self, handle: _Handle | torch.Tensor) -> torch.Tensor:
+        if handle.__class__ is not _Handle:  # a parameter (or empty tensor), saved as its detached alias
+            return handle
         tensor = handle.tensor
         if tensor is not None:
             return tensor
