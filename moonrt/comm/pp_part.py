@@ -77,6 +77,10 @@ class PipelineParallel(Part):
         every = [None] * self.size
         dist.all_gather_object(every, mine, group=self.group)
         self.shared = [n for n in mine if sum(n in names for names in every) > 1]
+        partial = [n for n in self.shared if not all(n in names for names in every)]
+        if partial:  # its gradient sum would need a group of its own
+            raise ValueError(f"parameter {partial[0]!r}: held by some pipeline ranks but not all; expected a "
+                             "parameter of one stage, or of every rank (the AttnRes pseudo-queries)")
         self.owned = {n for n in mine if n not in self.shared or self.rank == min(
             r for r, names in enumerate(every) if n in names)}
         self.executor = PipelineExecutor(model, self.plan, self.schedule.actions[self.rank], rank=self.rank,
