@@ -105,6 +105,7 @@ def test_pp_resumes_a_single_process_checkpoint_and_matches_it(tmp_path: Path) -
             mine = [s for s in range(2 * vpp - 1) if sched.rank_of(s) == r]
             assert got["pp_blocks_sent"][r] == m * sum(len(hops.sends[s]) for s in mine), (name, got)
             assert got["pp_bytes_sent"][r] == m * sum(per_hop[s] for s in mine), (name, got)
+        assert len(got["pp_idle_frac"]) == 2 and all(0.0 <= f < 1.0 for f in got["pp_idle_frac"]), got
         ck = _ckpt(tmp_path / name)
         assert ck["step"] == 2 and list(ck["model"]) == list(ref_ckpt["model"]), name
         _close(ck["model"], ref_ckpt["model"], f"{name}.model")

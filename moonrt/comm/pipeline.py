@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -56,12 +57,16 @@ class _Saved:
 
 @dataclasses.dataclass
 class StepStats:
-    """One step's traffic of this rank: forward blocks and bytes sent (blocks + partial), backward bytes."""
+    """One step of this rank: forward blocks and bytes sent (blocks + partial), backward bytes, wait and wall time."""
 
     blocks_sent: int = 0
     bytes_sent: int = 0
     bytes_sent_bwd: int = 0
     hops: dict[int, int] = dataclasses.field(default_factory=dict)  # stage s -> blocks sent on hop s -> s+1
+    recv_wait_s: float = 0.0
+    """Seconds blocked in RECV_F / RECV_B (the rank's measured idle time: bubble plus transfer)."""
+    wall_s: float = 0.0
+    """Seconds of the whole action list."""
 
 
 class PipelineExecutor:
@@ -111,6 +116,7 @@ class PipelineExecutor:
         self.saved: dict[tuple[int, int], _Saved] = {}
         self.pending: list[tuple[Any, Any, int]] = []  # (isend work, its buffer, peer)
         self.loss = torch.zeros((), dtype=torch.float32)
+        t_start = time.perf_counter()
         for a in self.actions:
             s = self.stage_of(a.chunk)
             try:
@@ -125,6 +131,7 @@ class PipelineExecutor:
         for w, _, peer in self.pending:
             self._wait(w, "a send", peer)
         self.pending = []
+        self.stats.wall_s = time.perf_counter() - t_start
         if forward_only:
             self.saved, self.caches = {}, {}
         leftover = [k for k, c in self.caches.items() if c.data]
@@ -199,8 +206,10 @@ class PipelineExecutor:
         bufs = [torch.empty(self.shape, dtype=self.dtype) for _ in range(n)]
         works = [dist.irecv(b, self._global(src), group=self.group, tag=self._tag(stage, mb, backward, i))
                  for i, b in enumerate(bufs)]
+        t0 = time.perf_counter()
         for w in works:
             self._wait(w, what, src)
+        self.stats.recv_wait_s += time.perf_counter() - t0
         return bufs
 
     # ---- compute -------------------------------------------------------------------------------

@@ -155,7 +155,8 @@ class PipelineParallel(Part):
 
     # ---- metrics -------------------------------------------------------------------------------
     def step_metrics(self, step: int, model: nn.Module, record: dict[str, Any]) -> None:
-        """Per pp rank: forward blocks sent, forward bytes (blocks + partial), backward bytes, this step."""
+        """Per pp rank, this step: forward blocks sent, forward bytes (blocks + partial), backward bytes, and the
+        idle fraction (time blocked in receives / time of the action list)."""
         st = self.executor.stats
         mine = torch.tensor([st.blocks_sent, st.bytes_sent, st.bytes_sent_bwd], dtype=torch.int64)
         rows = [torch.zeros_like(mine) for _ in range(self.size)]
@@ -163,6 +164,10 @@ class PipelineParallel(Part):
         record["pp_blocks_sent"] = [int(r[0]) for r in rows]
         record["pp_bytes_sent"] = [int(r[1]) for r in rows]
         record["pp_bytes_sent_bwd"] = [int(r[2]) for r in rows]
+        times = torch.tensor([st.recv_wait_s, st.wall_s], dtype=torch.float64)
+        trows = [torch.zeros_like(times) for _ in range(self.size)]
+        dist.all_gather(trows, times, group=self.group)
+        record["pp_idle_frac"] = [float(t[0] / t[1]) if t[1] > 0 else 0.0 for t in trows]
         vio = torch.tensor([float(record.get("maxvio", float("-inf")))], dtype=torch.float64)
         dist.all_reduce(vio, op=dist.ReduceOp.MAX, group=self.group)  # every stage's MoE layers, not only ours
         if float(vio) > float("-inf"):
