@@ -119,9 +119,12 @@ def test_fast_codec_bitwise_equals_reference():
         assert y.shape == x.shape and y.dtype == x.dtype and torch.equal(_bits(y), _bits(ry)), tuple(x.shape)
 
 
-def test_batched_codec_bitwise_equals_per_tensor():
-    """quantize_many / dequantize_many (one call per row width, tensors concatenated) give every tensor
-    exactly the payload, scales and decoded values of its own quantize / dequantize call."""
+@pytest.mark.parametrize("alone_bytes", [1 << 20, 1000])
+def test_batched_codec_bitwise_equals_per_tensor(monkeypatch, alone_bytes):
+    """quantize_many / dequantize_many (one call per row width, tensors concatenated; large tensors on
+    their own) give every tensor exactly the payload, scales and decoded values of its own quantize /
+    dequantize call."""
+    monkeypatch.setattr(fp8, "BATCH_ALONE_BYTES", alone_bytes)
     xs = _inputs()
     xs += [x * 3 for x in xs]  # groups with several members of every width
     batched = fp8.quantize_many(xs)
@@ -131,5 +134,8 @@ def test_batched_codec_bitwise_equals_per_tensor():
     ys = fp8.dequantize_many([(p, s, tuple(x.shape), x.dtype) for x, (p, s) in zip(xs, batched)])
     for x, (p, s), y in zip(xs, batched, ys):
         assert torch.equal(_bits(y), _bits(fp8.dequantize(p, s, x.shape, x.dtype))), tuple(x.shape)
+    # decoding rows that are not views of one buffer (copied parts, as from an offload tier) is the same
+    copied = fp8.dequantize_many([(p.clone(), s.clone(), tuple(x.shape), x.dtype) for x, (p, s) in zip(xs, batched)])
+    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(copied, ys))
     with pytest.raises(ValueError, match=r"quantize_many: x.dtype = torch.int64"):
         fp8.quantize_many([torch.randn(3), torch.arange(3)])

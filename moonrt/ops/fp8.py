@@ -87,11 +87,17 @@ def quantize(x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Ten
     return _quantize_rows(x.detach().reshape(-1, n).float(), block)
 
 
+BATCH_ALONE_BYTES = 1 << 20
+"""Tensors of at least this many bytes are quantized on their own by :func:`quantize_many` (their per-op
+overhead is already negligible; concatenating them would only add a copy)."""
+
+
 def quantize_many(xs: list[torch.Tensor], block: int = 128) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """:func:`quantize` of several tensors in one batched call per row width (bitwise the same results).
 
     Tensors with the same last dimension ``N`` (any leading shape, any float dtype) are concatenated as
     ``[sum M, N]`` fp32 rows and quantized together; each result is a row range of the shared buffers.
+    Tensors of :data:`BATCH_ALONE_BYTES` or more are quantized on their own (same results, no copy).
 
     Args:
         xs: floating tensors ``[..., N_i]`` on one device.
@@ -109,7 +115,8 @@ def quantize_many(xs: list[torch.Tensor], block: int = 128) -> list[tuple[torch.
         if x.dim() == 0:
             x = x.reshape(1)
         rows.append(x.reshape(-1, x.shape[-1]))
-        groups.setdefault(x.shape[-1], []).append(i)
+        alone = x.numel() * x.element_size() >= BATCH_ALONE_BYTES
+        groups.setdefault(-1 - i if alone else x.shape[-1], []).append(i)
     out: list[tuple[torch.Tensor, torch.Tensor]] = [None] * len(xs)  # type: ignore[list-item]
     for idx in groups.values():
         parts = [rows[i] for i in idx]
@@ -160,6 +167,23 @@ def dequantize(payload: torch.Tensor, scales: torch.Tensor, shape: torch.Size | 
     return _dequantize_rows(payload, scales, n).to(dtype).reshape(shape)
 
 
+def _stacked(ts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(ts)`` of 2-D row blocks; a view without copying when they are consecutive rows of one
+    buffer (what :func:`quantize_many` returns for one group)."""
+    first = ts[0]
+    if len(ts) == 1:
+        return first
+    sptr = first.untyped_storage()._cdata
+    nxt = first.storage_offset()
+    width = first.shape[1]
+    for t in ts:
+        if not t.is_contiguous() or t.storage_offset() != nxt or t.untyped_storage()._cdata != sptr:
+            return torch.cat(ts)
+        nxt += t.numel()
+    rows = sum(t.shape[0] for t in ts)
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (rows, width), (width, 1))
+
+
 def dequantize_many(items: list[tuple[torch.Tensor, torch.Tensor, tuple[int, ...], torch.dtype]]
                     ) -> list[torch.Tensor]:
     """:func:`dequantize` of several tensors, one batched decode per (payload width, scale count, N)
@@ -184,7 +208,7 @@ def dequantize_many(items: list[tuple[torch.Tensor, torch.Tensor, tuple[int, ...
             p, s, shape, dtype = items[idx[0]]
             out[idx[0]] = _dequantize_rows(p, s, n).to(dtype).reshape(tuple(shape))
             continue
-        x = _dequantize_rows(torch.cat([items[i][0] for i in idx]), torch.cat([items[i][1] for i in idx]), n)
+        x = _dequantize_rows(_stacked([items[i][0] for i in idx]), _stacked([items[i][1] for i in idx]), n)
         off = 0
         for i in idx:
             _, s, shape, dtype = items[i]
