@@ -244,6 +244,7 @@ class ParallelConfig:
         check(self.schedule in kinds, "schedule", self.schedule, "one of " + ", ".join(kinds))
         check(self.pp > 1 or self.microbatches == 1, "microbatches", self.microbatches,
               "1 without pipeline parallelism (pp = 1)")
+        check(self.pp > 1 or self.vpp == 1, "vpp", self.vpp, "1 without pipeline parallelism (pp = 1)")
         kind = self.pipeline_schedule
         if kind in ("gpipe", "1f1b"):
             check(self.vpp == 1, "vpp", self.vpp, f"1 for schedule {kind!r} (virtual stages need 'interleaved')")

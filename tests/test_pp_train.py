@@ -169,6 +169,7 @@ def test_pp2_cp2_with_a_memory_policy_matches_the_single_process(tmp_path: Path)
     (["--pp", "2", "--schedule", "zigzag"], "parallel.schedule = 'zigzag'"),
     (["--pp", "2", "--attn-res-comm", "sometimes"], "parallel.attn_res_comm = 'sometimes'"),
     (["--microbatches", "2"], "microbatches = 2: expected 1 without pipeline parallelism"),
+    (["--vpp", "2"], "vpp = 2: expected 1 without pipeline parallelism"),
 ])
 def test_bad_pipeline_flags_are_one_clear_line(tmp_path: Path, flags: list[str], message: str) -> None:
     out = subprocess.run(_moonrt("train", *FLAGS, "--out", str(tmp_path / "o"), *flags), cwd=tmp_path,
