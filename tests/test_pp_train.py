@@ -26,9 +26,6 @@ import torch
 
 from moonrt.config import ConfigError, ParallelConfig
 from moonrt.job import JobConfig
-from moonrt.model.config import k3_tiny
-from moonrt.scheduler.attnres_comm import even_layer_ranges, hop_plan
-from moonrt.scheduler.pipeline import build_schedule
 
 FLAGS = ["--steps", "4", "--seed", "0", "--batch-size", "4", "--seq-len", "32", "--eval-every", "100", "--lr", "1e-3",
          "--threads", "1", "--no-progress"]
@@ -93,18 +90,18 @@ def test_pp_resumes_a_single_process_checkpoint_and_matches_it(tmp_path: Path) -
     _run(tmp_path, runs)
     ref = _metrics(tmp_path / "single.jsonl")[2]
     ref_ckpt = _ckpt(tmp_path / "single")
-    cfg = k3_tiny()
     for name, vpp, m in (("pp2", 1, 2), ("pp2v2", 2, 4)):
         got = _metrics(tmp_path / f"{name}.jsonl")[2]
         assert abs(got["loss"] - ref["loss"]) <= RTOL * abs(ref["loss"]), (name, got["loss"], ref["loss"])
-        # per rank and step: the blocks and bytes moonrt pp-plan counts for this layout (hop_plan), M times
-        sched = build_schedule("1f1b" if vpp == 1 else "interleaved", 2, m, vpp)
-        hops = hop_plan(even_layer_ranges(cfg.num_hidden_layers, 2 * vpp), cfg.attn_res_block_size, sched.rank_of)
-        per_hop = hops.bytes_per_hop(4 // m * 32 * cfg.hidden_size * 4)  # one fp32 [B/M, T, D] tensor
-        for r in range(2):
-            mine = [s for s in range(2 * vpp - 1) if sched.rank_of(s) == r]
-            assert got["pp_blocks_sent"][r] == m * sum(len(hops.sends[s]) for s in mine), (name, got)
-            assert got["pp_bytes_sent"][r] == m * sum(per_hop[s] for s in mine), (name, got)
+        # per rank and step: the blocks and bytes `moonrt pp-plan` counts for the same layout
+        plan = tmp_path / f"{name}.plan.json"
+        subprocess.run(_moonrt("pp-plan", "--model", "k3_tiny", "--pp", "2", "--vpp", str(vpp), "--microbatches",
+                               str(m), "--schedule", "1f1b" if vpp == 1 else "interleaved", "--seq-len", "32",
+                               "--micro-batch-size", str(4 // m), "--dtype", "fp32", "--json", str(plan)),
+                       check=True, capture_output=True, timeout=120)
+        sent = json.loads(plan.read_text())["sent_per_step"]
+        assert got["pp_blocks_sent"] == [sent[str(r)]["cached_blocks"] for r in range(2)], (name, got, sent)
+        assert got["pp_bytes_sent"] == [sent[str(r)]["cached_bytes"] for r in range(2)], (name, got, sent)
         assert len(got["pp_idle_frac"]) == 2 and all(0.0 <= f < 1.0 for f in got["pp_idle_frac"]), got
         ck = _ckpt(tmp_path / name)
         assert ck["step"] == 2 and list(ck["model"]) == list(ref_ckpt["model"]), name
