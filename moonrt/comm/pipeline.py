@@ -115,7 +115,8 @@ class PipelineExecutor:
         self.in_grad: dict[tuple[int, int], torch.Tensor | None] = {}
         self.saved: dict[tuple[int, int], _Saved] = {}
         self.pending: list[tuple[Any, Any, int]] = []  # (isend work, its buffer, peer)
-        self.loss = torch.zeros((), dtype=torch.float32)
+        self.device = xs[0].device
+        self.loss = torch.zeros((), dtype=torch.float32, device=self.device)
         t_start = time.perf_counter()
         for a in self.actions:
             s = self.stage_of(a.chunk)
@@ -203,7 +204,7 @@ class PipelineExecutor:
         return works
 
     def _recv(self, n: int, stage: int, mb: int, backward: bool, src: int, what: str) -> list[torch.Tensor]:
-        bufs = [torch.empty(self.shape, dtype=self.dtype) for _ in range(n)]
+        bufs = [torch.empty(self.shape, dtype=self.dtype, device=self.device) for _ in range(n)]
         works = [dist.irecv(b, self._global(src), group=self.group, tag=self._tag(stage, mb, backward, i))
                  for i, b in enumerate(bufs)]
         t0 = time.perf_counter()
@@ -369,7 +370,7 @@ class PipelineExecutor:
         tensors = [cache.grad_or_zeros(b) for b in ids]
         if self.plan.partial_in[s]:
             g = self.in_grad.pop((s, mb))
-            tensors.append(g if g is not None else torch.zeros(self.shape, dtype=self.dtype))
+            tensors.append(g if g is not None else torch.zeros(self.shape, dtype=self.dtype, device=self.device))
         self._send(tensors, s - 1, mb, True, self.rank_of(s - 1))
         self._drop_introduced(s, mb)
 

@@ -92,6 +92,7 @@ class PipelineParallel(Part):
         self.eval_actions = lower(dataclasses.replace(self.schedule, actions=forward)).actions[self.rank]
         self.width = cfg.hidden_size
         self._named = dict(model.named_parameters())
+        self.device = next(iter(self._named.values())).device  # collectives' tensors live here (NCCL: the GPU)
         return model
 
     # ---- the step ------------------------------------------------------------------------------
@@ -133,7 +134,7 @@ class PipelineParallel(Part):
 
     def clip_grad_norm(self, params: list[torch.Tensor], max_norm: float) -> float | None:
         named = self._named
-        sq = torch.zeros((), dtype=torch.float64)
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
         if self.inner is not None:  # this rank's stages' norm from the inner part (no clipping), shared params once
             sq += self.inner.clip_grad_norm(params, float("inf")) ** 2
             for n in set(named) - self.owned:
@@ -158,17 +159,17 @@ class PipelineParallel(Part):
         """Per pp rank, this step: forward blocks sent, forward bytes (blocks + partial), backward bytes, and the
         idle fraction (time blocked in receives / time of the action list)."""
         st = self.executor.stats
-        mine = torch.tensor([st.blocks_sent, st.bytes_sent, st.bytes_sent_bwd], dtype=torch.int64)
+        mine = torch.tensor([st.blocks_sent, st.bytes_sent, st.bytes_sent_bwd], dtype=torch.int64, device=self.device)
         rows = [torch.zeros_like(mine) for _ in range(self.size)]
         dist.all_gather(rows, mine, group=self.group)
         record["pp_blocks_sent"] = [int(r[0]) for r in rows]
         record["pp_bytes_sent"] = [int(r[1]) for r in rows]
         record["pp_bytes_sent_bwd"] = [int(r[2]) for r in rows]
-        times = torch.tensor([st.recv_wait_s, st.wall_s], dtype=torch.float64)
+        times = torch.tensor([st.recv_wait_s, st.wall_s], dtype=torch.float64, device=self.device)
         trows = [torch.zeros_like(times) for _ in range(self.size)]
         dist.all_gather(trows, times, group=self.group)
         record["pp_idle_frac"] = [float(t[0] / t[1]) if t[1] > 0 else 0.0 for t in trows]
-        vio = torch.tensor([float(record.get("maxvio", float("-inf")))], dtype=torch.float64)
+        vio = torch.tensor([float(record.get("maxvio", float("-inf")))], dtype=torch.float64, device=self.device)
         dist.all_reduce(vio, op=dist.ReduceOp.MAX, group=self.group)  # every stage's MoE layers, not only ours
         if float(vio) > float("-inf"):
             record["maxvio"] = float(vio)
