@@ -19,7 +19,8 @@ def test_parallel_roundtrip(tmp_path):
         ({"dp": 0}, r"dp = 0: expected an integer >= 1"),
         ({"dp": "two"}, r"dp = 'two': expected an integer"),
         ({"dp": 2.5}, r"dp = 2.5: expected an integer"),
-        ({"ddp": 2}, r"ddp: unknown key in ParallelConfig; expected one of attn_res_comm, cp, dp, ep, microbatches, pp, schedule, vpp"),
+        ({"ddp": 2}, r"ddp: unknown key in ParallelConfig; expected one of attn_res_comm, cp, dp, ep, "
+                     r"microbatches, pp, schedule, vpp"),
     ],
 )
 def test_parallel_bad_values(data, match):
