@@ -234,11 +234,16 @@ class ParallelConfig:
     attn_res_comm: Literal["cached", "naive"] = "cached"
     """Block AttnRes traffic between pipeline ranks (K3_SYSTEMS §9): ``cached`` sends each rank only the
     blocks it does not hold yet, ``naive`` every completed block on every hop."""
+    zero: int = 0
+    """ZeRO stage of data parallelism: 0 replicates the AdamW states on every replica, 1 shards them (and the
+    reduced gradients) over each parameter's replicas (:class:`moonrt.comm.zero.Zero1`); with one replica a no-op."""
 
     def validate(self) -> None:
         for name in ("dp", "pp", "vpp", "ep", "cp", "microbatches"):
             value = getattr(self, name)
             check(isinstance(value, int) and value >= 1, name, value, "an integer >= 1")
+        check(self.zero in (0, 1) and not isinstance(self.zero, bool), "zero", self.zero,
+              "0 (replicated optimizer states) or 1 (ZeRO-1: sharded over the data-parallel replicas)")
         check(self.attn_res_comm in ("cached", "naive"), "attn_res_comm", self.attn_res_comm, "cached or naive")
         kinds = ("auto", "gpipe", "1f1b", "interleaved", "zb", "zbv")
         check(self.schedule in kinds, "schedule", self.schedule, "one of " + ", ".join(kinds))

@@ -244,7 +244,7 @@ def train(job: JobConfig, rt: Parallelism | None = None, metrics_path: str | Non
             loss = rt.forward_backward(model, torch.from_numpy(x), torch.from_numpy(y), 1.0 / global_tokens, mgr)
             rt.sync_grads(model)
             grad_norm = rt.clip_grad_norm(model.parameters(), cfg.grad_clip)
-            opt.step()
+            rt.step(opt)  # ZeRO-1: p.grad is gone after sync_grads; only rt reads the gradients
             stat_sum = rt.sum_stats if rt.replicas is not None else None
             stats = model.update_routing_bias(stat_sum) if cfg.routing_bias_update else {}
             loss_value = rt.sum_scalar(float(loss.detach()))
@@ -333,6 +333,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--microbatches", type=int, help="micro-batches per step of each pipeline "
                         "(parallel.microbatches)")
     parser.add_argument("--schedule", help="pipeline schedule: auto, gpipe, 1f1b, interleaved, zb (parallel.schedule)")
+    parser.add_argument("--zero", type=int, help="ZeRO stage: 0 (replicated AdamW states) or 1 (states and reduced "
+                        "gradients sharded over each parameter's data-parallel replicas) (parallel.zero)")
     parser.add_argument("--attn-res-comm", help="AttnRes blocks between PP ranks: cached (only blocks the receiver "
                         "lacks) or naive (every completed block) (parallel.attn_res_comm)")
 
@@ -346,6 +348,7 @@ _OVERRIDES: dict[str, tuple[str, ...]] = {
     "cp": ("parallel", "cp"), "ep": ("parallel", "ep"), "routing_trace": ("routing_trace",),
     "pp": ("parallel", "pp"), "vpp": ("parallel", "vpp"), "microbatches": ("parallel", "microbatches"),
     "schedule": ("parallel", "schedule"), "attn_res_comm": ("parallel", "attn_res_comm"),
+    "zero": ("parallel", "zero"),
 }
 
 
@@ -378,7 +381,9 @@ def parallel_runtime(job: JobConfig) -> Parallelism:
     each sequence over ``cp`` (:class:`moonrt.comm.cp_context.ContextParallel`: KCP, conv halo, MLA latent
     gather); gradients, router statistics and scalars are summed over the replicas ``dp_ep_cp``. Parts:
     :class:`moonrt.comm.pp_part.PipelineParallel` when ``pp > 1`` (stages over the ``pp`` group),
-    :class:`moonrt.comm.ep_parallel.ExpertParallel` when ``ep > 1``, a routing-trace recorder when asked for.
+    :class:`moonrt.comm.ep_parallel.ExpertParallel` when ``ep > 1``, a routing-trace recorder when asked for;
+    :class:`moonrt.comm.zero.Zero1` when ``zero = 1``, after the pipeline and before EP (the pipeline's inner
+    part then: see :mod:`moonrt.comm.zero` for the composition).
     """
     import torch.distributed as dist
 
@@ -403,6 +408,7 @@ def parallel_runtime(job: JobConfig) -> Parallelism:
         schedule = build_schedule(p.pipeline_schedule, p.pp, p.microbatches, p.vpp)
         rt.parts.append(PipelineParallel(schedule, group=mesh.group("pp"), rank=mesh.rank("pp"),
                                          mode=p.attn_res_comm))
+    ep = None
     if p.ep > 1:  # MoonEP: shard experts, per-group grad sync, global-norm clip over the shards
         from moonrt.comm.ep_parallel import ExpertParallel
 
@@ -411,6 +417,13 @@ def parallel_runtime(job: JobConfig) -> Parallelism:
         if p.pp > 1:  # the pipeline combines the expert shards' norm and checkpoint state over its stages
             rt.parts[0].inner = ep
         counts = ep.layer_counts
+    if p.zero:  # ZeRO-1 owns sync, clip, update and the state of every parameter: before EP, after the pipeline
+        from moonrt.comm.zero import Zero1
+
+        zero = Zero1.from_mesh(mesh, ep=ep)
+        rt.parts.insert(1 if p.pp > 1 else 0, zero)
+        if p.pp > 1:  # runs after the pipeline's pseudo-query sum; the pipeline combines its state over stages
+            rt.parts[0].inner = zero
     if job.routing_trace:
         if p.pp > 1:  # rank 0 holds only its own stages' MoE layers
             raise ConfigError(f"routing_trace (--routing-trace) = {job.routing_trace!r}: expected parallel.pp = 1 "
@@ -429,6 +442,9 @@ def run(args: argparse.Namespace) -> int:
             rt = parallel_runtime(job)
         else:
             rt = Parallelism(parts=[RoutingTrace(job.routing_trace)] if job.routing_trace else [])
+            if job.parallel.zero and not args.no_progress:
+                print("moonrt train: parallel.zero = 1 with one process: nothing to shard, ZeRO-1 is a no-op",
+                      flush=True)
         summary = train(job, rt=rt, metrics_path=args.metrics, resume=args.resume, until=args.until,
                         progress=not args.no_progress, resume_allow=allow)
     except NothingToDo as exc:

@@ -2,18 +2,26 @@
 
 The training loop (``moonrt train``) is the same code whatever is parallel: it calls
 :meth:`Parallelism.parallelize` once, then per step :meth:`forward_backward` (the pipeline part runs its
-schedule there), :meth:`sync_grads`, :meth:`clip_grad_norm`,
+schedule there), :meth:`sync_grads`, :meth:`clip_grad_norm`, :meth:`step` (instead of ``optimizer.step()``),
 :meth:`sum_stats` / :meth:`sum_scalar` and :meth:`step_metrics`, and :meth:`full_state_dict` /
 :meth:`load_full_state_dict` for checkpoints in the single-process layout, :meth:`close` at the end.
 A single-process job is this object with no parts and no replica group.
+
+Order of the parts (``moonrt.train.parallel_runtime``): the pipeline first (it runs the step, and it wraps
+the part that shards its stages further as ``inner`` for the norm and checkpoints), then ZeRO-1
+(:class:`moonrt.comm.zero.Zero1`: it owns the gradient sum, clip and update of every parameter, experts
+included), then expert parallelism. Parts whose :meth:`Part.sync_grads` returns False (the pipeline's sum of
+the pseudo-queries over its stages) run before the part that handles the sum. After :meth:`sync_grads`
+a part that handles it may have moved the gradients out of ``p.grad`` (ZeRO-1 keeps only its shard), so
+the loop reads gradients only through :meth:`clip_grad_norm` and :meth:`step`.
 
 A :class:`Part` is one parallel dimension's contribution (expert parallelism, the pipeline:
 :class:`moonrt.comm.pp_part.PipelineParallel`). Every method has a do-nothing default; for the verbs that one
 part must own (summing gradients, clipping, checkpoint state) the first part that handles the call
 wins (it returns True / a value instead of the default; likewise for running the step,
-:meth:`forward_backward` / :meth:`loss_sum`), otherwise the object's own replicated-data
-default runs: per-tensor all-reduce over the replica group, torch's global-norm clip, the module's
-own ``state_dict``.
+:meth:`forward_backward` / :meth:`loss_sum`, and the optimizer update, :meth:`step`), otherwise the
+object's own replicated-data default runs: per-tensor all-reduce over the replica group, torch's
+global-norm clip, the module's own ``state_dict``.
 """
 
 from __future__ import annotations
@@ -58,6 +66,11 @@ class Part:
     def clip_grad_norm(self, params: list[torch.Tensor], max_norm: float) -> float | None:
         """Clip to the global gradient norm and return it, or None to leave it to the default."""
         return None
+
+    def step(self, optim: torch.optim.Optimizer) -> bool:
+        """Update the parameters from the synced, clipped gradients; True if this part did it (else
+        ``optim.step()`` runs)."""
+        return False
 
     def full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any] | None:
         """``{"model", "optimizer"}`` in the single-process layout (collective), or None for the default."""
@@ -137,6 +150,11 @@ class Parallelism:
             if norm is not None:
                 return float(norm)
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+    def step(self, optim: torch.optim.Optimizer) -> None:
+        """The optimizer update: the first part that handles it (ZeRO-1: AdamW on its shards), else ``optim.step()``."""
+        if not any(part.step(optim) for part in self.parts):
+            optim.step()
 
     def sum_stats(self, t: torch.Tensor) -> torch.Tensor:
         """Sum a tensor in place over the ranks that routed different tokens (Quantile Balancing histograms)."""

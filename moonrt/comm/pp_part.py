@@ -21,6 +21,7 @@ from torch import nn
 from moonrt.comm.parallelism import Part
 from moonrt.comm.pipeline import PipelineExecutor
 from moonrt.comm.pp_cache import block_plan
+from moonrt.comm.zero import Zero1
 from moonrt.config import ConfigError
 from moonrt.parallel.context import LOCAL, AttentionContext
 from moonrt.scheduler.pipeline import Action, Schedule, lower, validate
@@ -31,8 +32,10 @@ class PipelineParallel(Part):
 
     ``schedule`` is a :class:`moonrt.scheduler.pipeline.Schedule` of ``size`` ranks (compute-only or
     lowered; it is lowered and validated here), ``mode`` "cached" or "naive" (K3_SYSTEMS §9). ``inner``: a
-    part that shards this rank's stages further (expert parallelism): its gradient norm and its
-    single-process-layout state of the stages are what the pipeline combines over the pp group.
+    part that shards this rank's stages further (expert parallelism, ZeRO-1): its gradient norm and its
+    single-process-layout state of the stages are what the pipeline combines over the pp group. A
+    :class:`~moonrt.comm.zero.Zero1` inner's norm is already global: the pipeline names the pseudo-queries it
+    does not own in ``inner.duplicates`` and returns that norm (see :mod:`moonrt.comm.zero`).
     """
 
     def __init__(self, schedule: Schedule, *, group: Any, rank: int, mode: str = "cached",
@@ -83,6 +86,8 @@ class PipelineParallel(Part):
                              "parameter of one stage, or of every rank (the AttnRes pseudo-queries)")
         self.owned = {n for n in mine if n not in self.shared or self.rank == min(
             r for r, names in enumerate(every) if n in names)}
+        if isinstance(self.inner, Zero1):  # its global norm counts each pseudo-query once
+            self.inner.duplicates = set(mine) - self.owned
         self.executor = PipelineExecutor(model, self.plan, self.schedule.actions[self.rank], rank=self.rank,
                                          rank_of=self.rank_of, stage_of=self.stage_of, group=self.group,
                                          params_of=lambda s: self.stage_params[s])
@@ -133,6 +138,8 @@ class PipelineParallel(Part):
         return False  # the data-parallel sum over the replicas still runs
 
     def clip_grad_norm(self, params: list[torch.Tensor], max_norm: float) -> float | None:
+        if isinstance(self.inner, Zero1):  # its norm is over every rank already, and it clips its shards
+            return self.inner.clip_grad_norm(params, max_norm)
         named = self._named
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
         if self.inner is not None:  # this rank's stages' norm from the inner part (no clipping), shared params once

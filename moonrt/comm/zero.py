@@ -39,6 +39,15 @@ contributes to (dense pieces over ``dp_ep_cp`` at each stage, expert pieces over
 EP rank), so the sum over *all* ranks of the squared shard gradients is the squared norm of the
 single-process gradient (one fp64 all-reduce over the default group).
 
+Composition with pipeline parallelism: each pipeline rank shards only its stages' parameters (the mesh
+groups ``dp_ep_cp`` / ``dp_cp`` lie inside one pp coordinate). The parameters every pp rank holds (the
+AttnRes pseudo-queries) get their gradients summed over the pp group by the pipeline part's
+``sync_grads``, which returns False and comes *before* :class:`Zero1` in ``Parallelism.parts``, so it
+runs before the reduce-scatter; after it those gradients are equal on every pp rank, so the pipeline part
+names them in :attr:`Zero1.duplicates` on all pp ranks but the lowest holding them, and the norm skips
+their shard pieces there (each counted once). The pipeline part takes :class:`Zero1` as its ``inner``: it
+delegates the clip to it (already global) and combines its single-process-layout state over the stages.
+
 Composition with expert parallelism: pass the :class:`~moonrt.comm.ep_parallel.ExpertParallel` part
 as ``ep`` and put :class:`Zero1` *before* it in ``Parallelism.parts`` (the first part that handles
 sync/clip/state wins). Checkpoint state is first (un)sharded over the data-parallel replicas here,
@@ -153,6 +162,9 @@ class Zero1(Part):
         self._outer: torch.optim.Optimizer | None = None
         self._seg_group: list[int] = []  # inner group index -> outer group index
         self._segs: list[tuple[_Bucket, tuple[int, int, int], torch.Tensor]] = []
+        self.duplicates: set[str] = set()
+        """Names of parameters whose (synced) gradient on this rank is a copy of another rank's that the norm
+        already counts (set by the pipeline part: the pseudo-queries on all pp ranks but one)."""
 
     @classmethod
     def from_mesh(cls, mesh: ProcessMesh, ep: ExpertParallel | None = None) -> Zero1:
@@ -248,9 +260,12 @@ class Zero1(Part):
 
     def clip_grad_norm(self, params: list[torch.Tensor], max_norm: float) -> float:
         """Scale the shard gradients to global norm ``max_norm`` if above it; returns the norm (fp64 sum)."""
-        sq = torch.zeros((), dtype=torch.float64)
+        sq = torch.zeros((), dtype=torch.float64, device=self.buckets[0].grad_shard.device if self.buckets else None)
         for b in self.buckets:
             sq += b.grad_shard.double().pow(2).sum()
+            for seg in b.segments:  # copies counted on another rank (pipeline: pseudo-queries)
+                if b.names[seg[0]] in self.duplicates:
+                    sq -= b.view(b.grad_shard, seg).double().pow(2).sum()
         if _size_rank(self.norm_group)[0] > 1:
             dist.all_reduce(sq, group=self.norm_group)
         total = float(sq.sqrt())
@@ -277,7 +292,7 @@ class Zero1(Part):
             self._inner.step()
         for b in self.buckets:
             b.steps += b.had_grad.double()
-            full = b.param_shard if b.size == 1 else torch.empty(b.size * b.shard, dtype=b.dtype)
+            full = b.param_shard if b.size == 1 else b.param_shard.new_empty(b.size * b.shard)
             if b.size > 1:
                 _all_gather(full, b.param_shard, b.group)
             with torch.no_grad():
@@ -301,7 +316,7 @@ class Zero1(Part):
                 full = {}
                 for key in _MOMENTS:
                     src = getattr(b, key)
-                    full[key] = src if b.size == 1 else torch.empty(b.size * b.shard, dtype=b.dtype)
+                    full[key] = src if b.size == 1 else src.new_empty(b.size * b.shard)
                     if b.size > 1:
                         _all_gather(full[key], src, b.group)
                 for i, (p, off) in enumerate(zip(b.params, b.offsets)):
@@ -360,6 +375,19 @@ class Zero1(Part):
         return {"optimizer_state": self.state_bytes(),
                 "grad_shard": sum(b.grad_shard.nbytes for b in self.buckets),
                 "param_shard": sum(b.param_shard.nbytes for b in self.buckets)}
+
+
+    def step_metrics(self, step: int, model: nn.Module, record: dict[str, Any]) -> None:
+        """``optimizer_state_bytes``: every rank's AdamW state bytes (:meth:`state_bytes`), in global rank order."""
+        mine = torch.tensor([self.state_bytes()], dtype=torch.int64,
+                            device=self.buckets[0].exp_avg.device if self.buckets else None)
+        world = _size_rank(None)[0]
+        rows = [torch.zeros_like(mine) for _ in range(world)]
+        if world > 1:
+            dist.all_gather(rows, mine)
+        else:
+            rows = [mine]
+        record["optimizer_state_bytes"] = [int(r) for r in rows]
 
 
 def _hyper(group: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,81 @@
+"""``moonrt train --zero 1`` (ZeRO-1, K3_SYSTEMS §10): resumed from a single-process checkpoint, one step
+equals the single process's; each rank holds 1/dp of the AdamW state; bad ``--zero`` is a clear error.
+
+Runs (teacher-forced, the same scheme as ``tests/test_pp_train.py``): a single-process job trains step 1
+and checkpoints; copies of that directory are resumed for step 2 by the single process, by ``--zero 1``
+on dp 2 (2 gloo ranks), by ``--pp 2 --zero 1`` on 4 ranks (dp 2 inferred; the pseudo-queries' gradients
+are summed over the pipeline before the reduce-scatter and counted once in the norm) and by ``--zero 1``
+in one process (a no-op). The dp 2 step sums two half-batches' gradients (a different fp32 summation
+order than one backward of the whole batch, ~1e-7 relative) and clips with an fp64 norm where the
+single process uses torch's fp32 one (~1e-6 relative off at k3_tiny's size); one resumed AdamW step
+keeps that order of difference, so loss, every parameter and every optimizer moment agree within 1e-5
+relative (normwise per tensor). The checkpoint of the ZeRO run is in the single-process layout (the
+moments gathered from the shards).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from test_pp_train import FLAGS, RTOL, _ckpt, _close, _launch, _metrics, _moonrt, _run
+
+
+def _adamw_bytes_per_rank(dp: int) -> int:
+    """AdamW state bytes of one rank under ZeRO-1 over ``dp`` replicas of k3_tiny (one fp32 bucket): two
+    ``[ceil(L / dp)]`` fp32 moment shards and the ``[P]`` fp64 step counts."""
+    from moonrt.job import JobConfig
+    from moonrt.train import build_model
+
+    params = [p for p in build_model(JobConfig(model="k3_tiny")).parameters() if p.requires_grad]
+    assert {p.dtype for p in params} == {torch.float32}
+    total = sum(p.numel() for p in params)
+    return 2 * 4 * -(-total // dp) + 8 * len(params)
+
+
+@pytest.mark.timeout(1800)
+def test_zero1_resumes_a_single_process_checkpoint_and_matches_it(tmp_path: Path) -> None:
+    _run(tmp_path, {"base": _moonrt("train", *FLAGS, "--until", "1", "--out", "base")})
+    common = ("train", *FLAGS, "--resume", "--until", "2")
+    runs = {"single": _moonrt(*common, "--out", "single", "--metrics", "single.jsonl"),
+            "zero_one_process": _moonrt(*common, "--out", "zero_one_process", "--zero", "1"),
+            "zero_dp2": _launch(2, *common, "--out", "zero_dp2", "--metrics", "zero_dp2.jsonl", "--zero", "1"),
+            "zero_pp2_dp2": _launch(4, *common, "--out", "zero_pp2_dp2", "--metrics", "zero_pp2_dp2.jsonl",
+                                    "--pp", "2", "--microbatches", "2", "--zero", "1")}
+    for name in runs:
+        shutil.copytree(tmp_path / "base", tmp_path / name)
+    _run(tmp_path, runs, timeout=1700)
+    ref = _metrics(tmp_path / "single.jsonl")[2]
+    ref_ckpt = _ckpt(tmp_path / "single")
+    for name in ("zero_dp2", "zero_pp2_dp2"):
+        got = _metrics(tmp_path / f"{name}.jsonl")[2]
+        assert abs(got["loss"] - ref["loss"]) <= RTOL * abs(ref["loss"]), (name, got["loss"], ref["loss"])
+        assert abs(got["grad_norm"] - ref["grad_norm"]) <= RTOL * ref["grad_norm"], (name, got, ref)
+        ck = _ckpt(tmp_path / name)
+        assert ck["step"] == 2 and list(ck["model"]) == list(ref_ckpt["model"]), name
+        _close(ck["model"], ref_ckpt["model"], f"{name}.model")
+        _close(ck["optimizer"], ref_ckpt["optimizer"], f"{name}.optimizer")
+    # dp 2: each rank holds half the moments (plus the step counts), not the replicated full state
+    per_rank = _metrics(tmp_path / "zero_dp2.jsonl")[2]["optimizer_state_bytes"]
+    half, full = _adamw_bytes_per_rank(2), _adamw_bytes_per_rank(1)
+    assert per_rank == [half, half], (per_rank, half)
+    assert half <= 0.51 * full, (half, full)
+    # --pp 2 --zero 1: every rank holds a shard of its own stages only, together about the whole state once
+    pp_bytes = _metrics(tmp_path / "zero_pp2_dp2.jsonl")[2]["optimizer_state_bytes"]
+    assert len(pp_bytes) == 4 and max(pp_bytes) < 0.5 * full, (pp_bytes, full)
+    # one process: --zero 1 changes nothing (no replicas to shard over)
+    one = _ckpt(tmp_path / "zero_one_process")
+    for part in ("model", "optimizer"):
+        _close(one[part], ref_ckpt[part], f"zero_one_process.{part}")
+
+
+@pytest.mark.parametrize("value", ["2", "-1"])
+def test_zero_stage_other_than_0_or_1_is_a_clear_error(tmp_path: Path, value: str) -> None:
+    out = subprocess.run(_moonrt("train", "--zero", value, "--steps", "1", "--no-progress", "--out", str(tmp_path)),
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"parallel.zero = {value}: expected 0 (replicated optimizer states) or 1" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
