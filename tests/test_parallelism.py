@@ -107,3 +107,25 @@ def test_default_step_is_one_forward_and_one_backward_and_a_part_can_run_it() ->
     model.zero_grad(set_to_none=True)
     assert float(rt.forward_backward(model, x, y, 1.0)) == 42.0 and model.out.weight.grad is None
     assert float(rt.loss_sum(model, x, y)) == 7.0
+
+
+def test_step_runs_the_first_handling_part_else_the_optimizer() -> None:
+    """``Parallelism.step`` (the loop's ``opt.step()``): the first part whose ``step`` returns True updates the
+    parameters (ZeRO-1's sharded AdamW) and no other does; with none, ``optimizer.step()`` runs."""
+    p = nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.5)
+    calls: list[str] = []
+
+    class Updater(Part):
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def step(self, optim: torch.optim.Optimizer) -> bool:
+            calls.append(self.name)
+            return True
+
+    p.grad = torch.ones(3)
+    Parallelism(parts=[Part(), Updater("a"), Updater("b")]).step(opt)
+    assert calls == ["a"] and torch.equal(p.detach(), torch.ones(3)), "the handling part replaces optim.step()"
+    Parallelism(parts=[Part()]).step(opt)
+    assert torch.equal(p.detach(), torch.full((3,), 0.5))
