@@ -1,0 +1,79 @@
+"""The records behind saved tensors of the activation manager (:mod:`moonrt.memory.manager`).
+
+- :class:`_Entry`: one stored unit (a storage for raw policies, a view for FP8), shared by deduplicated saves.
+- :class:`_KeepEntry`: a storage saved under ``keep`` (counted, never copied).
+- :class:`_Handle`: what autograd holds instead of a saved tensor; releases its entry when dropped.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from moonrt.memory.backends import Backend, Packed
+
+if TYPE_CHECKING:
+    from moonrt.memory.fp8_batch import _Batch
+
+
+class _Entry:
+    """One stored unit (a storage for raw policies, a view for FP8), shared by deduplicated saves.
+
+    An FP8 entry is first *pending* (``raw`` holds the tensor, ``packed`` is None) until its batch is
+    quantized in one call; ``decoded`` holds its tensor when a batched decode ran ahead of its unpack."""
+
+    __slots__ = ("backend", "packed", "refs", "layer", "future", "parts", "key", "weak", "region", "raw", "batch",
+                 "decoded", "__weakref__")
+
+    def __init__(self, backend: Backend, packed: Packed | None, layer: int, key: Any, weak: Any) -> None:
+        self.backend = backend
+        self.packed = packed
+        self.refs = 0
+        self.layer = layer
+        self.future: Future | None = None
+        self.parts: list[torch.Tensor] | None = None
+        self.key = key
+        self.weak = weak
+        self.region: tuple[str, str] | None = None
+        self.raw: torch.Tensor | None = None
+        self.batch: _Batch | None = None
+        self.decoded: torch.Tensor | None = None
+
+
+class _KeepEntry:
+    """A storage saved under ``keep``: only counted (bytes once per storage), never copied."""
+
+    __slots__ = ("sptr", "nbytes", "refs", "region", "label")
+
+    def __init__(self, sptr: int, nbytes: int, region: str, label: str) -> None:
+        self.sptr = sptr
+        self.nbytes = nbytes
+        self.refs = 1
+        self.region = region
+        self.label = label
+
+
+class _Handle:
+    """What autograd holds instead of a saved tensor; releases its entry when autograd drops it
+    (``__del__``: much cheaper per saved tensor than a ``weakref.finalize``)."""
+
+    __slots__ = ("entry", "view", "tensor", "release", "__weakref__")
+
+    def __init__(self, entry: Any, view: Any, tensor: torch.Tensor | None = None,
+                 release: Any = None) -> None:
+        self.entry = entry
+        self.view = view
+        self.tensor = tensor
+        self.release = release
+
+    def __del__(self) -> None:
+        if self.release is not None:
+            try:
+                self.release(self.entry)
+            except Exception:  # noqa: BLE001 - interpreter shutdown: nothing left to account
+                pass
+
+
+__all__: list[str] = []

@@ -1,0 +1,145 @@
+"""Recompute of the activation manager (K3_SYSTEMS §8): wrappers that run modules / methods under
+non-reentrant ``torch.utils.checkpoint`` and the identity anchor through which a checkpointed region's
+inputs are saved (policy ``keep``, label ``recompute``, so they are accounted and deduplicated).
+
+:class:`RecomputeMixin` is a base of :class:`moonrt.memory.manager.ActivationManager`, which decides in
+``_attach`` what to wrap; ``region`` comes from :class:`~moonrt.memory.regions.RegionsMixin`.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+
+class _Anchor(torch.autograd.Function):
+    """Identity whose backward is identity; it saves its inputs so the manager sees (and accounts)
+    the inputs a checkpointed region keeps."""
+
+    @staticmethod
+    def forward(ctx: Any, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.save_for_backward(*xs)
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return grads
+
+
+class RecomputeMixin:
+    """Checkpoint wrappers (``_wrap_method``, ``_wrap_routed``, ``_wrap_checkpoint``), function-level
+    ``checkpoint`` and ``_anchor``."""
+
+    _anchoring: bool
+    _wrapped: list[torch.nn.Module]
+    _wrapped_methods: list[tuple[torch.nn.Module, str]]
+
+    def _wrap_method(self, mod: torch.nn.Module, meth: str, region: str, recompute: bool) -> None:
+        """Mark calls of ``mod.meth`` as region ``region``; with ``recompute`` run them checkpointed.
+
+        Checkpointed calls get shallow copies of dataclass arguments (list fields copied), so a state
+        object the caller mutates later (e.g. the AttnRes stream) is replayed as it was.
+        """
+        inner = getattr(mod, meth)
+
+        def tagged(*args: Any, **kwargs: Any) -> Any:
+            with self.region(region):
+                return inner(*args, **kwargs)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if not (recompute and torch.is_grad_enabled()):
+                return tagged(*args, **kwargs)
+            frozen = []
+            for a in args:
+                if dataclasses.is_dataclass(a) and not isinstance(a, type):
+                    a = copy.copy(a)
+                    for f in dataclasses.fields(a):
+                        v = getattr(a, f.name)
+                        if isinstance(v, list):
+                            setattr(a, f.name, list(v))
+                frozen.append(a)
+            return checkpoint(tagged, *self._anchor(frozen), use_reentrant=False, **kwargs)
+
+        setattr(mod, meth, call)
+        self._wrapped_methods.append((mod, meth))
+
+    def _wrap_routed(self, mod: torch.nn.Module, region: str) -> None:
+        """``moe_dispatch_only`` on a module with a ``routed(z, topk_ids, topk_weights)`` method (the
+        LatentMoE routed path): checkpoint that method, so its saved inputs are exactly the dispatch
+        input ``z [N, L]``, ``topk_ids [N, k]``, ``topk_weights [N, k]`` (accounted in region
+        ``region``, label ``recompute``) and backward replays dispatch, experts and combine (K3_SYSTEMS
+        §8). Router, down-projection, shared experts and norm/up-projection run outside it and save
+        under their own policies; the router is not replayed, so routing is counted once."""
+        inner = mod.routed
+
+        def tagged(*args: Any, **kwargs: Any) -> Any:
+            with self.region(region):
+                return inner(*args, **kwargs)
+
+        def routed(*args: Any, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled():
+                return tagged(*args, **kwargs)
+            with self.region(region):
+                anchored = self._anchor(args, floating_only=False)
+            return checkpoint(tagged, *anchored, use_reentrant=False, **kwargs)
+
+        mod.routed = routed
+        self._wrapped_methods.append((mod, "routed"))
+
+    def _wrap_checkpoint(self, mod: torch.nn.Module) -> None:
+        inner = mod.forward
+        recorders = [m for m in mod.modules() if isinstance(getattr(m, "record_routing", None), bool)]
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled():
+                return inner(*args, **kwargs)
+            calls = [0]
+
+            def run(*a: Any, **kw: Any) -> Any:
+                calls[0] += 1
+                if calls[0] == 1:
+                    return inner(*a, **kw)
+                # the replay in backward: MoE layers must not count their routing twice
+                saved = [m.record_routing for m in recorders]
+                for m in recorders:
+                    m.record_routing = False
+                try:
+                    return inner(*a, **kw)
+                finally:
+                    for m, v in zip(recorders, saved):
+                        m.record_routing = v
+
+            return checkpoint(run, *self._anchor(args), use_reentrant=False, **kwargs)
+
+        mod.forward = forward
+        self._wrapped.append(mod)
+
+    def checkpoint(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Function-level recompute (non-reentrant); may span several layers."""
+        if torch.is_grad_enabled():
+            args = self._anchor(args)
+        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+
+    def _anchor(self, args: Any, floating_only: bool = True) -> list[Any]:
+        """Pass the floating (or, with ``floating_only=False``, all) tensor arguments of a recompute
+        region through :class:`_Anchor`, so the inputs the checkpoint keeps are saved (policy label
+        ``recompute``, stored as ``keep``)."""
+        args = list(args)
+        idx = [i for i, a in enumerate(args)
+               if isinstance(a, torch.Tensor) and (a.is_floating_point() or not floating_only)]
+        if idx:
+            self._anchoring = True
+            try:
+                anchored = _Anchor.apply(*[args[i] for i in idx])
+            finally:
+                self._anchoring = False
+            for i, t in zip(idx, anchored):
+                args[i] = t
+        return args
+
+
+__all__: list[str] = []

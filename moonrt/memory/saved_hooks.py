@@ -1,0 +1,238 @@
+"""The saved-tensor hooks of the activation manager: ``_pack`` binds every tensor autograd saves to the
+storage of its policy (keep: counted once per storage; FP8: pending in a batch of :mod:`.fp8_batch`;
+host / disk / remote: the whole storage as flat bytes; deduplicated by storage or view), ``_unpack``
+rebuilds it in backward, fetching through the background prefetcher; handles release their entries.
+
+:class:`SavedTensorsMixin` is a base of :class:`moonrt.memory.manager.ActivationManager`, which sets the
+state it reads in ``__init__`` and installs ``_pack`` / ``_unpack`` in ``__enter__``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from moonrt.memory.accounting import Accounting
+from moonrt.memory.backends import Backend, Packed, make_backend, storage_bytes
+from moonrt.memory.entries import _Entry, _Handle, _KeepEntry
+from moonrt.memory.fp8_batch import _Batch
+from moonrt.memory.policy import MemoryPolicy
+from moonrt.ops import fp8
+
+
+class SavedTensorsMixin:
+    """Pack / unpack / release of saved tensors per policy, and the prefetch of offloaded entries."""
+
+    policy: MemoryPolicy
+    accounting: Accounting
+    _lock: threading.RLock
+    _stores: dict[str, Any]
+    _backends: dict[str, Backend]
+    _keep: dict[int, _KeepEntry]
+    _entries: dict[Any, _Entry]
+    _pending: dict[str, _Batch]
+    _fp8_batch_bytes: int
+    _min_bytes: int
+    _param_ptrs: set[int]
+    _prefetched_layers: set[int]
+    _pool: ThreadPoolExecutor | None
+    _anchoring: bool
+
+    def _backend(self, policy: str) -> Backend:
+        b = self._backends.get(policy)
+        if b is None:
+            b = self._backends[policy] = make_backend(policy, self._stores, self.policy.fp8_block)
+        return b
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        t0 = time.perf_counter()
+        storage = t.untyped_storage()
+        sptr = storage._cdata  # the StorageImpl: unique while alive, also on the meta device
+        if sptr in self._param_ptrs:  # autograd keeps the parameter anyway: hand back a detached alias
+            self.accounting.parameter_saves += 1
+            return t.detach()
+        if t.numel() == 0:
+            return t.detach()
+        frame = self._frames[-1]
+        policy = label = frame.policy
+        if self._anchoring:
+            policy, label = "keep", "recompute"
+        elif policy != "keep" and self._min_bytes and t.numel() * t.element_size() < self._min_bytes:
+            policy = "keep"
+        if policy == "keep":  # no copy, no view record, no weak reference: count the storage once
+            region = frame.region
+            with self._lock:
+                entry = self._keep.get(sptr)
+                if entry is not None:
+                    entry.refs += 1
+                    self.accounting.dedupe_locked(region, label)
+                else:
+                    n = storage.nbytes()
+                    entry = self._keep[sptr] = _KeepEntry(sptr, n, region, label)
+                    self.accounting.pack_tier_locked(region, label, "device", n, n, time.perf_counter() - t0)
+            return _Handle(entry, None, t.detach(), self._release_keep)
+        layer = self._layer_of(frame)
+        region = frame.region
+        backend = self._backend(policy)
+        fp8 = backend.quantizes(t)
+        view = (t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+        key = (policy, sptr, view) if fp8 else (policy, sptr)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and entry.weak is not None and entry.weak.expired():
+                entry = None
+            if entry is not None:
+                entry.refs += 1
+                self.accounting.on_dedupe(region, label)
+                return _Handle(entry, view, None, self._release)
+        if fp8:  # pending: quantized with the rest of its batch (layer) in one call
+            entry = _Entry(backend, None, layer, key, StorageWeakRef(storage))
+            entry.refs = 1
+            entry.region = (region, label)
+            entry.raw = t.detach()
+            with self._lock:
+                self._entries[key] = entry
+                batch = self._pending.get(policy)
+                if batch is not None and batch.layer != layer:
+                    self._flush(policy)
+                    batch = None
+                if batch is None:
+                    batch = self._pending[policy] = _Batch(backend, layer)
+                batch.entries.append(entry)
+                batch.live += 1
+                batch.nbytes += t.numel() * t.element_size()
+                entry.batch = batch
+                if batch.nbytes >= self._fp8_batch_bytes:
+                    self._flush(policy)
+            self.accounting.pack_s += time.perf_counter() - t0
+            return _Handle(entry, view, None, self._release)
+        if backend.store.tier == "device":
+            packed = backend.pack(t)  # keeps the tensor itself; bytes counted by storage
+            packed.tier_bytes = {"device": storage.nbytes()}
+            logical = storage.nbytes()
+        else:  # the whole storage as flat bytes, straight to the store (already contiguous uint8)
+            logical = storage.nbytes()
+            store = backend.store
+            packed = Packed([store.put(storage_bytes(t))], ("raw", (logical,), torch.uint8), t.device,
+                            {store.tier: logical})
+        entry = _Entry(backend, packed, layer, key, StorageWeakRef(storage))
+        entry.refs = 1
+        entry.region = (region, label)
+        with self._lock:
+            self._entries[key] = entry
+        self.accounting.on_pack_tier(region, label, backend.store.tier, logical, logical, time.perf_counter() - t0)
+        return _Handle(entry, view, packed.parts[0] if backend.store.tier == "device" else None, self._release)
+
+    def _release_keep(self, entry: _KeepEntry) -> None:
+        """Keep entries are never copied: no entry lives beyond its storage (a handle holds the tensor, so
+        the storage address cannot be reused while the entry is in ``_keep``)."""
+        with self._lock:
+            entry.refs -= 1
+            if entry.refs > 0:
+                return
+            if self._keep.get(entry.sptr) is entry:
+                del self._keep[entry.sptr]
+            self.accounting.release_tier_locked("device", entry.nbytes, entry.region, entry.label)
+
+    def _release(self, entry: _Entry) -> None:
+        with self._lock:
+            entry.refs -= 1
+            if entry.refs > 0:
+                return
+            if self._entries.get(entry.key) is entry:
+                del self._entries[entry.key]
+            entry.parts = None
+            entry.future = None
+            entry.decoded = None
+            batch = entry.batch
+            if batch is not None:
+                entry.batch = None
+                batch.live -= 1
+                if batch.live == 0:
+                    batch.entries = []  # no entry left to decode: drop the references
+            pending = entry.raw
+            entry.raw = None
+        region, label = entry.region or (None, None)
+        if pending is not None:  # released before its batch was quantized: account what it would have stored
+            tier = entry.backend.store.tier
+            stored = fp8.stored_bytes(pending.shape if pending.dim() else (1,), entry.backend.block)
+            self.accounting.on_pack_tier(region, label, tier, pending.numel() * pending.element_size(), stored, 0.0)
+            self.accounting.on_release_tier(tier, stored, region, label)
+            return
+        if entry.packed is None:  # dropped unquantized by close()
+            return
+        entry.backend.free(entry.packed)
+        self.accounting.on_release(entry.packed.tier_bytes, region, label)
+
+    def _fetch(self, entry: _Entry) -> tuple[list[torch.Tensor], float]:
+        t0 = time.perf_counter()
+        parts = entry.backend.fetch(entry.packed)
+        return parts, time.perf_counter() - t0
+
+    def _start_prefetch(self, layer: int) -> None:
+        if self._pool is None or layer < 0 or layer in self._prefetched_layers:
+            return
+        self._prefetched_layers.add(layer)
+        with self._lock:
+            todo = [e for e in self._entries.values()
+                    if e.layer == layer and e.backend.store.prefetch and e.future is None and e.parts is None
+                    and e.packed is not None]
+            for e in todo:
+                e.future = self._pool.submit(self._fetch, e)
+
+    def _parts(self, entry: _Entry) -> list[torch.Tensor]:
+        """The entry's stored parts on the compute device (from the prefetcher, or fetched now)."""
+        if entry.backend.store.tier == "device":
+            return entry.backend.fetch(entry.packed)
+        with self._lock:
+            parts, fut = entry.parts, entry.future
+        if parts is None:
+            if fut is not None:
+                w0 = time.perf_counter()
+                parts, dt = fut.result()
+                # waited time counts as exposed, at most the fetch's own duration
+                self.accounting.on_fetch(dt, min(dt, time.perf_counter() - w0), prefetched=True)
+            else:
+                parts, dt = self._fetch(entry)
+                self.accounting.on_fetch(dt, dt, prefetched=False)
+            with self._lock:
+                entry.parts, entry.future = parts, None
+        return parts
+
+    def _unpack(self, handle: _Handle | torch.Tensor) -> torch.Tensor:
+        if handle.__class__ is not _Handle:  # a parameter (or empty tensor), saved as its detached alias
+            return handle
+        tensor = handle.tensor
+        if tensor is not None:
+            return tensor
+        t0 = time.perf_counter()
+        if self._pending:
+            self._flush_all()
+        entry = handle.entry
+        assert entry is not None
+        self._start_prefetch(entry.layer - 1)
+        packed = entry.packed
+        if packed.meta[0] == "fp8":
+            batch = entry.batch
+            if entry.decoded is None and batch is not None and not batch.decoded:
+                self._decode_batch(batch)
+            out = entry.decoded
+            if out is not None:
+                entry.decoded = None  # a later unpack of the same entry decodes again
+            else:
+                out = entry.backend.decode(packed, self._parts(entry))
+        else:
+            parts = self._parts(entry)
+            dtype, shape, stride, offset = handle.view
+            flat = parts[0]
+            out = torch.empty(0, dtype=dtype, device=flat.device).set_(flat.untyped_storage(), offset, shape, stride)
+        self.accounting.on_unpack(time.perf_counter() - t0)
+        return out
+
+
+__all__: list[str] = []
