@@ -1,9 +1,10 @@
-"""``moonrt selftest`` suites collectives, ep, kcp, remote on 2 and 4 gloo ranks, and a corrupted transport.
+"""``moonrt selftest`` suites collectives, ep, kcp, pp, remote on 2 and 4 gloo ranks, and corrupted transports.
 
 The multi-rank runs go through the real CLI (``moonrt launch -n N --selftest``); the report is then
 checked independently: every suite ran on every rank, every check passed, and the measurements
 have the properties each suite exists to show (MoonEP's rows are balanced while the all-to-all's
-are not under skew; KCP moves one fixed-size summary per layer whatever T).
+are not under skew; KCP moves one fixed-size summary per layer whatever T; the pipeline's blocks per
+step are the hop plan's, fewer cached than naive).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from moonrt.cluster import selftest, selftest_ep
 
 LAUNCH = [sys.executable, "-m", "moonrt.cli", "launch"]
 SMALL = ["--sizes", "4K", "--iters", "1", "--ep-shapes", "32x16x2x64,16x8x3x96", "--ep-maxvio", "0,16",
-         "--ep-ffn", "8", "--kcp-tokens", "40,64", "--kcp-shape", "1x2x8x12", "--remote-sizes", "4K"]
+         "--ep-ffn", "8", "--kcp-tokens", "40,64", "--kcp-shape", "1x2x8x12", "--remote-sizes", "4K",
+         "--pp-sizes", "4K"]
 
 
 def _launch(world: int, args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -36,15 +38,14 @@ def test_every_suite_passes_and_reports(world: int, tmp_path) -> None:
     res = _launch(world, ["--suite", "collectives,ep,kcp,pp,remote", *SMALL, "--report", str(report)])
     assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout[-4000:]}\n{res.stderr[-4000:]}"
     assert re.search(rf"^\[rank 0\] moonrt selftest: PASS: {world} ranks", res.stdout, re.M)
-    assert "skipped pp: needs the pipeline executor" in res.stdout
     rep = json.loads(report.read_text())
     assert rep["passed"] is True and rep["failures"] == []
     env = rep["env"]
     assert (env["backend"], env["device"], env["world_size"], env["ranks_per_node"], env["nodes"]) == (
         "gloo", "cpu", world, world, 1)
     assert env["torch_version"] == torch.__version__ and env["launcher"] == "torchrun"
-    assert rep["suites"]["pp"] == {"status": "skipped", "reason": "needs the pipeline executor (suite not written yet)"}
-    for suite in ("collectives", "ep", "kcp", "remote"):
+    assert "skipped" not in res.stdout
+    for suite in ("collectives", "ep", "kcp", "pp", "remote"):
         assert rep["suites"][suite]["status"] == "ran" and rep["suites"][suite]["passed"], suite
     for rank, rr in enumerate(rep["ranks"]):
         assert rr["outputs"] == expected_outputs(rank, world)
@@ -62,6 +63,10 @@ def test_every_suite_passes_and_reports(world: int, tmp_path) -> None:
         assert ("kcp/T=64/grad_h0" in names) == (rank == 0)
         assert {"remote/activations_exact", "remote/bytes_back_equal_bytes_in", "remote/roundtrip_4096",
                 "remote/peer_freed", "remote/peer_held_all"} <= names
+        assert "pp/hop/4096/payload" in names
+        for case in ("1f1b/v1/m{w}/cached", "interleaved/v2/m{w}/cached", "interleaved/v2/m{w}/naive"):
+            for check in ("hop_counts", "blocks_exact", "loss", "grads"):
+                assert f"pp/{case.format(w=world)}/{check}" in names
 
     ep = rep["suites"]["ep"]["rows"]
     assert len(ep) == 2 * 2 * 2  # shapes x skews x dispatchers
@@ -84,6 +89,13 @@ def test_every_suite_passes_and_reports(world: int, tmp_path) -> None:
         assert (r["fwd_sent"], r["bwd_sent"]) == (summary, summary)
         assert (r["fwd_recv"], r["bwd_recv"]) == ((world - 1) * summary, (world - 1) * summary)
     assert [r["bytes"] for r in rep["suites"]["remote"]["rows"]] == [4096]
+    pp = rep["suites"]["pp"]["rows"]
+    assert [(r["bytes"], r["GBps"] > 0) for r in pp if r["kind"] == "hop"] == [(4096, True)]
+    sched = {(r["schedule"], r["mode"]): r for r in pp if r["kind"] == "schedule"}
+    assert set(sched) == {("1f1b", "cached"), ("interleaved", "cached"), ("interleaved", "naive")}
+    for r in sched.values():  # every rank's sent blocks summed = the hop plan's, independently of the executor
+        assert r["blocks_per_step"] == r["hop_plan_blocks"] > 0 and r["fwd_bytes"] == r["bwd_bytes"] > 0
+    assert sched["interleaved", "cached"]["blocks_per_step"] < sched["interleaved", "naive"]["blocks_per_step"]
 
 
 def test_corrupted_dispatch_fails_naming_the_rank_and_check(tmp_path) -> None:
@@ -101,6 +113,27 @@ def test_corrupted_dispatch_fails_naming_the_rank_and_check(tmp_path) -> None:
     assert len(rows_failures) == 2 and all("/rows on rank 2" in f for f in rows_failures), rep["failures"]
     assert not rep["ranks"][2]["checks"]["ep/moonep/32x16x2x64/F8/maxvio=4/rows"]["ok"]
     assert rep["ranks"][2]["checks"]["ep/moonep/32x16x2x64/F8/maxvio=4/rows"]["first_bad_rows"] == [0]
+
+
+@pytest.mark.parametrize("world,bad", [(2, 1), (4, 2)])
+def test_corrupted_pipeline_hops_fail_naming_the_rank(world: int, bad: int, tmp_path) -> None:
+    """Rank ``bad``'s executor receives are perturbed: its hop payload and received-block checks fail
+    (every schedule and mode), nobody else's; the corrupted block then spoils the loss downstream."""
+    report = tmp_path / "report.json"
+    res = _launch(world, ["--suite", "pp", "--iters", "1", "--pp-sizes", "4K", "--report", str(report)],
+                  env={selftest_ep.CORRUPT_ENV: f"{bad}:pp"})
+    assert res.returncode == 1, f"exit {res.returncode}\n{res.stdout[-4000:]}\n{res.stderr[-4000:]}"
+    out = res.stdout + res.stderr
+    assert f"FAILED pp/1f1b/v1/m{world}/cached/blocks_exact on rank {bad}" in out, out[-4000:]
+    rep = json.loads(report.read_text())
+    assert rep["passed"] is False
+    moved = sorted(f.split(" (")[0] for f in rep["failures"] if "/payload on" in f or "/blocks_exact on" in f)
+    assert moved == sorted([f"pp/hop/4096/payload on rank {bad}"] + [
+        f"pp/{c}/m{world}/{m}/blocks_exact on rank {bad}" for c, m in
+        (("1f1b/v1", "cached"), ("interleaved/v2", "cached"), ("interleaved/v2", "naive"))]), rep["failures"]
+    assert rep["failures"][0].startswith(f"pp/1f1b/v1/m{world}/cached/blocks_exact on rank {bad}")
+    assert any(f"/loss on rank {bad}" in f for f in rep["failures"])
+    assert all(c["ok"] for name, c in rep["ranks"][bad]["checks"].items() if name.endswith("/hop_counts"))
 
 
 def _ep_suite(rank: int, world: int, corrupt: str) -> dict:
@@ -126,7 +159,8 @@ def test_corrupted_combine_fails_on_that_rank_output() -> None:
 
 def test_suite_choice_and_skip_reasons() -> None:
     assert selftest.plan_suites(None, 1) == (["collectives", "ep", "kcp"], {
-        "pp": "needs the pipeline executor (suite not written yet)", "remote": "needs >= 2 ranks, the job has 1"})
+        "pp": "needs >= 2 ranks, the job has 1", "remote": "needs >= 2 ranks, the job has 1"})
+    assert selftest.plan_suites(None, 2)[0] == ["collectives", "ep", "kcp", "pp", "remote"]
     assert selftest.plan_suites(("ep", "remote"), 4) == (["ep", "remote"], {})
     assert selftest.suite_list("kcp,ep,kcp") == ("kcp", "ep")
     assert selftest.suite_list("all") == selftest.SUITES

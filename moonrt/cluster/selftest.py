@@ -13,7 +13,10 @@ prints a table (DeepEP's ``tests/test_intranode.py`` habit):
 - ``kcp`` (:mod:`.selftest_kcp`): context-parallel KDA forward + backward vs the single-rank
   chunked form on the gathered input; bytes and time per layer;
 - ``remote`` (:mod:`.selftest_remote`, >= 2 ranks): the activation manager's remote store round trip;
-- ``pp``: skipped, it needs the pipeline executor (suite not written yet).
+- ``pp`` (:mod:`.selftest_pp`, >= 2 ranks as one pipeline): the pipeline executor's hops between
+  neighbours (exact payloads, time, bandwidth), cached vs naive AttnRes block counts per hop against
+  the hop plan with exact received blocks, and 1F1B / interleaved end to end vs the single-rank
+  float64 loss and gradients (a stand-in model: the runtime does not import moonrt.model).
 
 ``--report PATH``: rank 0 writes JSON with the environment (backend, device, world size, ranks per
 node, torch version), every rank's checks (and the raw collective outputs, so a caller can verify
@@ -48,10 +51,10 @@ from moonrt.cluster.selftest_collectives import (  # noqa: F401 (the module's pu
 )
 
 SUITES = ("collectives", "ep", "kcp", "pp", "remote")
-UNAVAILABLE = {"pp": "needs the pipeline executor (suite not written yet)"}
+UNAVAILABLE: dict[str, str] = {}
 """Suites that never run today, with the reason printed and reported."""
-MIN_WORLD = {"remote": 2}
-FIRST = ("rows", "balance")
+MIN_WORLD = {"pp": 2, "remote": 2}
+FIRST = ("rows", "balance", "payload", "blocks_exact")
 """Checks of the data movement itself, listed before the checks their failure propagates to."""
 
 
@@ -68,9 +71,10 @@ def suite_list(text: str) -> tuple[str, ...]:
 
 
 def _modules() -> dict[str, ModuleType]:
-    from moonrt.cluster import selftest_collectives, selftest_ep, selftest_kcp, selftest_remote
+    from moonrt.cluster import selftest_collectives, selftest_ep, selftest_kcp, selftest_pp, selftest_remote
 
-    return {"collectives": selftest_collectives, "ep": selftest_ep, "kcp": selftest_kcp, "remote": selftest_remote}
+    return {"collectives": selftest_collectives, "ep": selftest_ep, "kcp": selftest_kcp, "pp": selftest_pp,
+            "remote": selftest_remote}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -86,9 +90,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="rank 0 also runs a GEMM micro-benchmark and writes a hardware profile YAML for "
                              "`moonrt ep-sim --hardware` (all_to_all rows fitted to latency + bytes / bandwidth; "
                              "needs the collectives suite)")
-    from moonrt.cluster import selftest_ep, selftest_kcp, selftest_remote
+    from moonrt.cluster import selftest_ep, selftest_kcp, selftest_pp, selftest_remote
 
-    for module in (selftest_ep, selftest_kcp, selftest_remote):
+    for module in (selftest_ep, selftest_kcp, selftest_pp, selftest_remote):
         module.add_arguments(parser)
 
 

@@ -30,7 +30,7 @@ For every shape ``(s tokens per rank, hidden H, top-k, experts E)`` and routing 
 Test hook: ``MOONRT_SELFTEST_CORRUPT=RANK:CHECK`` (read only here) makes rank ``RANK`` perturb the
 rows it receives (``dispatch``: the expert input rows; ``combine``: the rows combined into its
 output) by adding 1 to the first row, as a broken transport would; the suite must then fail naming
-that rank and check.
+that rank and check. ``RANK:pp`` perturbs the pp suite's executor receives instead (:mod:`.selftest_pp`).
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ import torch.distributed as dist
 from moonrt.cluster.selftest_common import EPS32, SuiteResult, close, device, max_over_ranks, normwise_err, sync
 
 CORRUPT_ENV = "MOONRT_SELFTEST_CORRUPT"
-CORRUPTIBLE = ("dispatch", "combine")
+CORRUPTIBLE = ("dispatch", "combine", "pp")
+"""``pp``: read by :mod:`.selftest_pp` (every tensor its pipeline executor receives)."""
 IMPLS = ("alltoall", "moonep")
 ACT = "situ"
 """The experts' GLU activation (K3's SiTU-GLU, :mod:`moonrt.ops.grouped`)."""
