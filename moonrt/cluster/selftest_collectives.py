@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from moonrt.cluster.selftest_common import SuiteResult, byte_sizes
+from moonrt.cluster.selftest_common import SuiteResult, byte_sizes, device, timed
 
 DEFAULT_SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20)
 """Message sizes in bytes per rank."""
@@ -37,7 +37,7 @@ def check_collectives(rank: int, world: int) -> tuple[dict[str, bool], dict[str,
     import torch
     import torch.distributed as dist
 
-    dev = _device()
+    dev = device()
     ok: dict[str, bool] = {}
     outputs: dict[str, list] = {}
     n = 8  # elements per rank per peer
@@ -68,23 +68,6 @@ def check_collectives(rank: int, world: int) -> tuple[dict[str, bool], dict[str,
     outputs["ring"] = got.tolist()
     ok["ring"] = torch.equal(got, 7 * ((rank - 1) % world) + i)
     return ok, outputs
-
-
-def _device():
-    """CUDA (the current device) under nccl, else CPU: the tensors every collective here uses."""
-    import torch
-    import torch.distributed as dist
-
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _sync(dev) -> None:
-    import torch
-
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
 
 
 def _ring(x, rank: int, world: int):
@@ -121,7 +104,7 @@ def measure(op: str, nbytes: int, iters: int, rank: int, world: int) -> float:
     import torch.distributed as dist
 
     numel = max(world, nbytes // 4 // world * world)
-    dev = _device()
+    dev = device()
     x = torch.ones(numel, dtype=torch.float32, device=dev)
     if op == "all_reduce":
         step = lambda: dist.all_reduce(x)
@@ -134,16 +117,7 @@ def measure(op: str, nbytes: int, iters: int, rank: int, world: int) -> float:
         step = lambda: gather(y, x)
     else:
         step = lambda: _ring(x, rank, world)
-    step()
-    _sync(dev)
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        step()
-    _sync(dev)
-    dt = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64, device=dev)
-    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-    return float(dt)
+    return timed(step, iters)
 
 
 def gemm_tflops(shape: tuple[int, int, int] = (2048, 256, 256), repeats: int = 20) -> float:
