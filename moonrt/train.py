@@ -332,7 +332,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vpp", type=int, help="virtual pipeline stages per PP rank (parallel.vpp; interleaved)")
     parser.add_argument("--microbatches", type=int, help="micro-batches per step of each pipeline "
                         "(parallel.microbatches)")
-    parser.add_argument("--schedule", help="pipeline schedule: auto, gpipe, 1f1b, interleaved, zb (parallel.schedule)")
+    parser.add_argument("--schedule", help="pipeline schedule: auto, gpipe, 1f1b, interleaved, zb, zbv "
+                        "(parallel.schedule)")
     parser.add_argument("--zero", type=int, help="ZeRO stage: 0 (replicated AdamW states) or 1 (states and reduced "
                         "gradients sharded over each parameter's data-parallel replicas) (parallel.zero)")
     parser.add_argument("--attn-res-comm", help="AttnRes blocks between PP ranks: cached (only blocks the receiver "
