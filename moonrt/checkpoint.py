@@ -28,6 +28,10 @@ from typing import Any, BinaryIO
 
 import torch
 
+from moonrt.comm.parallelism import Parallelism
+from moonrt.config import to_dict
+from moonrt.job import JobConfig
+
 KEYS = ("model", "optimizer", "step", "config")
 
 # Dotted job-config paths that may change on resume without an explicit override: where the outputs go,
@@ -166,3 +170,37 @@ def check_resume(stored: Mapping[str, Any], new: Mapping[str, Any], step: int, a
         raise CheckpointError(f"--resume: the job differs from the checkpoint's (step {step}) in "
                               f"{'; '.join(diffs)}. Resume with the same settings, or name the fields in "
                               "--resume-allow-changes (e.g. --resume-allow-changes lr,steps)")
+
+
+# ---------------------------------------------------------------------------------------------
+# A training job's state: the single-process layout gathered / sharded by the parallelism object
+
+
+def save_checkpoint(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, step: int,
+                    job: JobConfig, rt: Parallelism | None = None) -> None:
+    """Atomically write ``{model, optimizer, step, config}`` (:func:`save`).
+
+    Model and optimizer state are in the single-process layout (``rt.full_state_dict``, collective:
+    every rank calls this function); only the main rank writes.
+    """
+    rt = rt or Parallelism()
+    state = rt.full_state_dict(model, opt)
+    if not rt.is_main:
+        return
+    save(path, {"model": state["model"], "optimizer": state["optimizer"], "step": step,
+                           "config": to_dict(job)})
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer,
+                    rt: Parallelism | None = None, state: dict[str, Any] | None = None) -> int:
+    """Load a :func:`save_checkpoint` file (or its already-read ``state``) into this rank's model and optimizer
+    (``rt.load_full_state_dict`` shards it for this layout); returns its step."""
+    rt = rt or Parallelism()
+    state = load(path) if state is None else state
+    try:
+        rt.load_full_state_dict(model, opt, state)
+    except (RuntimeError, KeyError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"checkpoint {str(path)!r}: does not fit this model and optimizer: "
+                                         f"{first}") from None
+    return int(state["step"])

@@ -13,7 +13,7 @@ import sys
 
 # name -> (module, one-line help). Keep sorted by the order a user meets them.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("moonrt.train", "train the K3 model (default: k3_tiny on the stdlib sources) -- the main job"),
+    "train": ("moonrt.train_cli", "train the K3 model (default: k3_tiny on the stdlib sources) -- the main job"),
     "launch": ("moonrt.cluster.launch", "run N local ranks of a command (or --selftest), like torchrun"),
     "selftest": ("moonrt.cluster.selftest", "check and time the job's communication: collectives, MoonEP, KCP, remote"),
     "sbatch": ("moonrt.cluster.sbatch", "write (and optionally submit) a SLURM batch script for a job"),

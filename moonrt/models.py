@@ -5,7 +5,7 @@ its build function, its parameter counts, and the memory description the planner
 importing the model (:class:`~moonrt.memory.model_memory.ParamSizes` per part, a per-layer
 :class:`~moonrt.memory.model_memory.Profile` of saved activations, and how a planned class choice maps
 to the model's module paths in a memory policy). Jobs look the model up here (``moonrt mem-plan``
-does; ``moonrt train`` still builds K3 directly); the runtime never imports ``moonrt.model``
+does, and ``moonrt train`` through :func:`moonrt.assemble.build_model`); the runtime never imports ``moonrt.model``
 (docs/ARCHITECTURE.md §1). Parallelizing needs no entry: the parallel parts reach the model through
 the seams and the small duck-typed surface described there (``moe_layers()``, the stage API).
 

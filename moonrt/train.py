@@ -26,50 +26,24 @@ recorder); a single-process run is that object with no parts.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
 from moonrt import checkpoint, data, outputs
-from moonrt.comm.parallelism import Parallelism, RoutingTrace
-from moonrt.config import ConfigError, from_dict, load_yaml, save_yaml, to_dict
-from moonrt.job import MAX_PARAMS, JobConfig, OptimConfig, lr_at
-from moonrt.model.config import PRESETS
-from moonrt.parallel.context import LOCAL
+from moonrt.assemble import build_model
+from moonrt.checkpoint import load_checkpoint, save_checkpoint
+from moonrt.comm.parallelism import Parallelism
+from moonrt.config import ConfigError, load_yaml, save_yaml, to_dict
+from moonrt.job import JobConfig, lr_at
+from moonrt.optimizers import build_optimizer
 
 CHECKPOINT = "checkpoint.pt"
-def build_model(job: JobConfig) -> torch.nn.Module:
-    from moonrt.model.model import K3Model
-    from moonrt.model.moe import moe_config_from_dict
-    from moonrt.model.params import count_params
-
-    cfg = job.model_cfg()
-    total = count_params(cfg).total
-    if total > MAX_PARAMS:  # e.g. the real k3 (2.78T): a planning config, never instantiated
-        raise ConfigError(f"model = {job.model if job.model_config is None else 'model_config'}: {total:,} parameters; "
-                          f"expected at most {MAX_PARAMS:,} (moonrt train builds the whole model in one process)")
-    torch.manual_seed(job.optim.seed)
-    return K3Model(cfg, moe_config_from_dict(job.moe))
-
-
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    """AdamW; matrices (dim >= 2, except the embedding) get weight decay, vectors and embedding do not."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        (decay if p.dim() >= 2 and not name.startswith("embed") else no_decay).append(p)
-    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}],
-                             lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
-
-
 def evaluate(model: torch.nn.Module, windows: np.ndarray, batch_size: int, rt: Parallelism) -> float:
     """Mean next-token loss (nats/token) over the held-out ``windows [N, T + 1]``."""
     was_training = model.training
@@ -84,36 +58,6 @@ def evaluate(model: torch.nn.Module, windows: np.ndarray, batch_size: int, rt: P
     model.set_record_routing(True)
     model.train(was_training)
     return rt.sum_scalar(total) / rt.sum_scalar(count)
-
-
-def save_checkpoint(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, step: int,
-                    job: JobConfig, rt: Parallelism | None = None) -> None:
-    """Atomically write ``{model, optimizer, step, config}`` (:func:`moonrt.checkpoint.save`).
-
-    Model and optimizer state are in the single-process layout (``rt.full_state_dict``, collective:
-    every rank calls this function); only the main rank writes.
-    """
-    rt = rt or Parallelism()
-    state = rt.full_state_dict(model, opt)
-    if not rt.is_main:
-        return
-    checkpoint.save(path, {"model": state["model"], "optimizer": state["optimizer"], "step": step,
-                           "config": to_dict(job)})
-
-
-def load_checkpoint(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer,
-                    rt: Parallelism | None = None, state: dict[str, Any] | None = None) -> int:
-    """Load a :func:`save_checkpoint` file (or its already-read ``state``) into this rank's model and optimizer
-    (``rt.load_full_state_dict`` shards it for this layout); returns its step."""
-    rt = rt or Parallelism()
-    state = checkpoint.load(path) if state is None else state
-    try:
-        rt.load_full_state_dict(model, opt, state)
-    except (RuntimeError, KeyError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise checkpoint.CheckpointError(f"checkpoint {str(path)!r}: does not fit this model and optimizer: "
-                                         f"{first}") from None
-    return int(state["step"])
 
 
 class NothingToDo(Exception):
@@ -293,169 +237,3 @@ def train(job: JobConfig, rt: Parallelism | None = None, metrics_path: str | Non
 
         print(comm_table(cp_bytes, f"CP bytes per layer, cp rank {rt.cp_rank}, last step"), flush=True)
     return summary
-
-
-# ---------------------------------------------------------------------------------------------
-# CLI
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="job config YAML (a JobConfig; all keys optional)")
-    parser.add_argument("--steps", type=int, help="optimizer steps (optim.steps)")
-    parser.add_argument("--seed", type=int, help="data order and init seed (optim.seed)")
-    parser.add_argument("--batch-size", type=int, help="sequences per global batch (optim.batch_size)")
-    parser.add_argument("--seq-len", type=int, help="tokens per sequence (optim.seq_len)")
-    parser.add_argument("--lr", type=float, help="peak learning rate (optim.lr)")
-    parser.add_argument("--eval-every", type=int, help="eval interval in steps (optim.eval_every)")
-    parser.add_argument("--model", help="model preset: " + ", ".join(sorted(PRESETS)))
-    parser.add_argument("--corpus", help="text file, or token file with --token-dtype (default: stdlib sources)")
-    parser.add_argument("--token-dtype", choices=["uint16", "uint32"], help="--corpus is a binary token file")
-    parser.add_argument("--out", help="output dir for checkpoints and config.yaml (out_dir)")
-    parser.add_argument("--metrics", help="write JSON lines {step, loss, lr, tokens_per_s, ...} to this file")
-    parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt (the job config must "
-                        "match the checkpoint's in every field that changes the trajectory; --steps may grow)")
-    parser.add_argument("--resume-allow-changes", metavar="FIELDS", default="",
-                        help="comma-separated job config fields that may differ from the checkpoint's on --resume "
-                        "(e.g. lr,steps or optim.lr,data.corpus)")
-    parser.add_argument("--until", type=int, help="stop after this step (checkpointed); schedule still uses --steps")
-    parser.add_argument("--threads", type=int, help="torch threads per process, 0 = torch default (threads)")
-    parser.add_argument("--memory-policy", help="activation memory policy YAML (memory_policy; moonrt.memory)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar or summary line")
-    parser.add_argument("--ep", type=int, help="expert-parallel degree: MoonEP over EP ranks, E/EP home experts "
-                        "per rank (parallel.ep)")
-    parser.add_argument("--routing-trace", help="write per-step, per-layer [R, E] routing counts to this .npz "
-                        "(routing_trace; read by moonrt ep-sim --trace)")
-    parser.add_argument("--cp", type=int, help="context-parallel degree: each sequence split over CP ranks, KCP for "
-                        "KDA, latent all-gather for MLA (parallel.cp)")
-    parser.add_argument("--pp", type=int, help="pipeline-parallel degree: the decoder layers cut into contiguous "
-                        "stages over PP ranks (parallel.pp)")
-    parser.add_argument("--vpp", type=int, help="virtual pipeline stages per PP rank (parallel.vpp; interleaved)")
-    parser.add_argument("--microbatches", type=int, help="micro-batches per step of each pipeline "
-                        "(parallel.microbatches)")
-    parser.add_argument("--schedule", help="pipeline schedule: auto, gpipe, 1f1b, interleaved, zb, zbv "
-                        "(parallel.schedule)")
-    parser.add_argument("--zero", type=int, help="ZeRO stage: 0 (replicated AdamW states) or 1 (states and reduced "
-                        "gradients sharded over each parameter's data-parallel replicas) (parallel.zero)")
-    parser.add_argument("--attn-res-comm", help="AttnRes blocks between PP ranks: cached (only blocks the receiver "
-                        "lacks) or naive (every completed block) (parallel.attn_res_comm)")
-
-
-# Command-line flag (argparse dest) -> path of the JobConfig field it overrides.
-_OVERRIDES: dict[str, tuple[str, ...]] = {
-    "steps": ("optim", "steps"), "seed": ("optim", "seed"), "batch_size": ("optim", "batch_size"),
-    "seq_len": ("optim", "seq_len"), "lr": ("optim", "lr"), "eval_every": ("optim", "eval_every"),
-    "model": ("model",), "corpus": ("data", "corpus"), "token_dtype": ("data", "token_dtype"),
-    "out": ("out_dir",), "threads": ("threads",), "memory_policy": ("memory_policy",),
-    "cp": ("parallel", "cp"), "ep": ("parallel", "ep"), "routing_trace": ("routing_trace",),
-    "pp": ("parallel", "pp"), "vpp": ("parallel", "vpp"), "microbatches": ("parallel", "microbatches"),
-    "schedule": ("parallel", "schedule"), "attn_res_comm": ("parallel", "attn_res_comm"),
-    "zero": ("parallel", "zero"),
-}
-
-
-def job_from_args(args: argparse.Namespace) -> JobConfig:
-    """The job config: ``--config`` (or the default), then command-line overrides (:data:`_OVERRIDES`)."""
-    raw = to_dict(load_yaml(JobConfig, args.config)) if args.config else to_dict(JobConfig())
-    for dest, path in _OVERRIDES.items():
-        value = getattr(args, dest)
-        if value is None:
-            continue
-        node = raw
-        for key in path[:-1]:
-            node = node[key]
-        node[path[-1]] = value
-    return from_dict(JobConfig, raw)
-
-
-def _launched() -> bool:
-    """True when a launcher (moonrt launch, torchrun, SLURM, MPI) started this process as one rank of several."""
-    from moonrt.cluster.env import detect_rendezvous
-
-    return detect_rendezvous().world_size > 1
-
-
-def parallel_runtime(job: JobConfig) -> Parallelism:
-    """This rank's :class:`Parallelism` in a multi-rank job (``moonrt launch``, torchrun, SLURM or MPI).
-
-    Joins the default group (:func:`moonrt.cluster.env.init_distributed`); ``parallel.dp`` is raised to fill the
-    world when the other degrees divide it. Batch rows are split over ``dp_ep`` (ranks that see different data),
-    each sequence over ``cp`` (:class:`moonrt.comm.cp_context.ContextParallel`: KCP, conv halo, MLA latent
-    gather); gradients, router statistics and scalars are summed over the replicas ``dp_ep_cp``. Parts:
-    :class:`moonrt.comm.pp_part.PipelineParallel` when ``pp > 1`` (stages over the ``pp`` group),
-    :class:`moonrt.comm.ep_parallel.ExpertParallel` when ``ep > 1``, a routing-trace recorder when asked for;
-    :class:`moonrt.comm.zero.Zero1` when ``zero = 1``, after the pipeline and before EP (the pipeline's inner
-    part then: see :mod:`moonrt.comm.zero` for the composition).
-    """
-    import torch.distributed as dist
-
-    from moonrt.cluster.env import init_distributed
-    from moonrt.comm.cp_context import ContextParallel
-    from moonrt.comm.mesh import ProcessMesh
-
-    init_distributed()
-    p = job.parallel
-    world = dist.get_world_size()
-    if p.world_size != world and p.dp == 1 and world % p.world_size == 0:
-        p.dp = world // p.world_size
-    mesh = ProcessMesh(p)
-    ctx = ContextParallel(mesh.group("cp")) if p.cp > 1 else LOCAL
-    rt = Parallelism(dp_rank=mesh.rank("dp_ep"), dp_size=mesh.size("dp_ep"), cp_rank=mesh.rank("cp"),
-                     cp_size=mesh.size("cp"), is_main=dist.get_rank() == 0, ctx=ctx, replicas=mesh.group("dp_ep_cp"))
-    counts = None
-    if p.pp > 1:  # the pipeline runs the step: it comes first
-        from moonrt.comm.pp_part import PipelineParallel
-        from moonrt.scheduler.pipeline import build_schedule
-
-        schedule = build_schedule(p.pipeline_schedule, p.pp, p.microbatches, p.vpp)
-        rt.parts.append(PipelineParallel(schedule, group=mesh.group("pp"), rank=mesh.rank("pp"),
-                                         mode=p.attn_res_comm))
-    ep = None
-    if p.ep > 1:  # MoonEP: shard experts, per-group grad sync, global-norm clip over the shards
-        from moonrt.comm.ep_parallel import ExpertParallel
-
-        ep = ExpertParallel(p, mesh=mesh, capacity=job.optim.batch_size * job.optim.seq_len)
-        rt.parts.append(ep)
-        if p.pp > 1:  # the pipeline combines the expert shards' norm and checkpoint state over its stages
-            rt.parts[0].inner = ep
-        counts = ep.layer_counts
-    if p.zero:  # ZeRO-1 owns sync, clip, update and the state of every parameter: before EP, after the pipeline
-        from moonrt.comm.zero import Zero1
-
-        zero = Zero1.from_mesh(mesh, ep=ep)
-        rt.parts.insert(1 if p.pp > 1 else 0, zero)
-        if p.pp > 1:  # runs after the pipeline's pseudo-query sum; the pipeline combines its state over stages
-            rt.parts[0].inner = zero
-    if job.routing_trace:
-        if p.pp > 1:  # rank 0 holds only its own stages' MoE layers
-            raise ConfigError(f"routing_trace (--routing-trace) = {job.routing_trace!r}: expected parallel.pp = 1 "
-                              f"(got {p.pp}: each pipeline rank holds only its stages' MoE layers)")
-        rt.parts.append(RoutingTrace(job.routing_trace, is_main=rt.is_main, counts=counts))
-    return rt
-
-
-def run(args: argparse.Namespace) -> int:
-    allow = tuple(f.strip() for f in args.resume_allow_changes.split(",") if f.strip())
-    try:
-        if allow and not args.resume:
-            raise ConfigError("--resume-allow-changes: expected together with --resume")
-        job = job_from_args(args)
-        if job.parallel.world_size != 1 or _launched():
-            rt = parallel_runtime(job)
-        else:
-            rt = Parallelism(parts=[RoutingTrace(job.routing_trace)] if job.routing_trace else [])
-            if job.parallel.zero and not args.no_progress:
-                print("moonrt train: parallel.zero = 1 with one process: nothing to shard, ZeRO-1 is a no-op",
-                      flush=True)
-        summary = train(job, rt=rt, metrics_path=args.metrics, resume=args.resume, until=args.until,
-                        progress=not args.no_progress, resume_allow=allow)
-    except NothingToDo as exc:
-        print(f"moonrt train: {exc}", flush=True)
-        return 0
-    except (ConfigError, ValueError) as exc:
-        print(f"moonrt train: error: {exc}", file=sys.stderr, flush=True)
-        return 2
-    if not math.isfinite(summary["train_loss"]):
-        print(f"moonrt train: error: train loss is {summary['train_loss']} after step {summary['steps']} (diverged; "
-              "try a lower --lr)", file=sys.stderr, flush=True)
-        return 1
-    return 0

@@ -90,10 +90,11 @@ def test_ep_checkpoint_resumes_in_ep_and_in_a_single_process(tmp_path: Path) -> 
 
 
 def _gather_and_reload(rank: int, world_size: int) -> dict[str, Any]:
+    from moonrt.assemble import build_model
     from moonrt.comm.ep_parallel import ExpertParallel
     from moonrt.config import ParallelConfig
     from moonrt.job import JobConfig, OptimConfig
-    from moonrt.train import build_model, build_optimizer
+    from moonrt.optimizers import build_optimizer
 
     job = JobConfig(model="k3_tiny")
     reference = {k: v.clone() for k, v in build_model(job).state_dict().items()}  # unsharded, same seed

@@ -16,11 +16,14 @@ import pytest
 import torch
 
 from moonrt import checkpoint
+from moonrt.assemble import build_model
+from moonrt.checkpoint import save_checkpoint
 from moonrt.cli import main
 from moonrt.comm.parallelism import Parallelism, Part
 from moonrt.config import from_dict
 from moonrt.job import JobConfig
-from moonrt.train import CHECKPOINT, build_model, build_optimizer, save_checkpoint, train
+from moonrt.optimizers import build_optimizer
+from moonrt.train import CHECKPOINT, train
 
 MARKER_ENV = "MOONRT_TEST_MARKER"
 

@@ -7,7 +7,7 @@ schedule there), :meth:`sync_grads`, :meth:`clip_grad_norm`, :meth:`step` (inste
 :meth:`load_full_state_dict` for checkpoints in the single-process layout, :meth:`close` at the end.
 A single-process job is this object with no parts and no replica group.
 
-Order of the parts (``moonrt.train.parallel_runtime``): the pipeline first (it runs the step, and it wraps
+Order of the parts (``moonrt.assemble.parallel_runtime``): the pipeline first (it runs the step, and it wraps
 the part that shards its stages further as ``inner`` for the norm and checkpoints), then ZeRO-1
 (:class:`moonrt.comm.zero.Zero1`: it owns the gradient sum, clip and update of every parameter, experts
 included), then expert parallelism. Parts whose :meth:`Part.sync_grads` returns False (the pipeline's sum of

@@ -1,0 +1,92 @@
+"""Assembly of a ``moonrt train`` job (job layer): the model from the registry (:mod:`moonrt.models`) and
+this rank's :class:`~moonrt.comm.parallelism.Parallelism` with its parts for the job's parallel layout."""
+
+from __future__ import annotations
+
+import torch
+
+from moonrt import models
+from moonrt.comm.parallelism import Parallelism, RoutingTrace
+from moonrt.config import ConfigError
+from moonrt.job import MAX_PARAMS, JobConfig
+from moonrt.parallel.context import LOCAL
+
+
+def build_model(job: JobConfig) -> torch.nn.Module:
+    """The job's model, built through its :class:`~moonrt.models.ModelSpec` (seeded with ``optim.seed``).
+
+    A custom ``model_config`` is a K3 config; a preset names its family in the registry."""
+    spec = models.K3 if job.model_config is not None else models.presets()[job.model]
+    cfg = job.model_cfg()
+    total = spec.param_count(cfg)
+    if total > MAX_PARAMS:  # e.g. the real k3 (2.78T): a planning config, never instantiated
+        raise ConfigError(f"model = {job.model if job.model_config is None else 'model_config'}: {total:,} parameters; "
+                          f"expected at most {MAX_PARAMS:,} (moonrt train builds the whole model in one process)")
+    torch.manual_seed(job.optim.seed)
+    return spec.build(cfg, job.moe)
+
+
+def launched() -> bool:
+    """True when a launcher (moonrt launch, torchrun, SLURM, MPI) started this process as one rank of several."""
+    from moonrt.cluster.env import detect_rendezvous
+
+    return detect_rendezvous().world_size > 1
+
+
+def parallel_runtime(job: JobConfig) -> Parallelism:
+    """This rank's :class:`Parallelism` in a multi-rank job (``moonrt launch``, torchrun, SLURM or MPI).
+
+    Joins the default group (:func:`moonrt.cluster.env.init_distributed`); ``parallel.dp`` is raised to fill the
+    world when the other degrees divide it. Batch rows are split over ``dp_ep`` (ranks that see different data),
+    each sequence over ``cp`` (:class:`moonrt.comm.cp_context.ContextParallel`: KCP, conv halo, MLA latent
+    gather); gradients, router statistics and scalars are summed over the replicas ``dp_ep_cp``. Parts:
+    :class:`moonrt.comm.pp_part.PipelineParallel` when ``pp > 1`` (stages over the ``pp`` group),
+    :class:`moonrt.comm.ep_parallel.ExpertParallel` when ``ep > 1``, a routing-trace recorder when asked for;
+    :class:`moonrt.comm.zero.Zero1` when ``zero = 1``, after the pipeline and before EP (the pipeline's inner
+    part then: see :mod:`moonrt.comm.zero` for the composition).
+    """
+    import torch.distributed as dist
+
+    from moonrt.cluster.env import init_distributed
+    from moonrt.comm.cp_context import ContextParallel
+    from moonrt.comm.mesh import ProcessMesh
+
+    init_distributed()
+    p = job.parallel
+    world = dist.get_world_size()
+    if p.world_size != world and p.dp == 1 and world % p.world_size == 0:
+        p.dp = world // p.world_size
+    mesh = ProcessMesh(p)
+    ctx = ContextParallel(mesh.group("cp")) if p.cp > 1 else LOCAL
+    rt = Parallelism(dp_rank=mesh.rank("dp_ep"), dp_size=mesh.size("dp_ep"), cp_rank=mesh.rank("cp"),
+                     cp_size=mesh.size("cp"), is_main=dist.get_rank() == 0, ctx=ctx, replicas=mesh.group("dp_ep_cp"))
+    counts = None
+    if p.pp > 1:  # the pipeline runs the step: it comes first
+        from moonrt.comm.pp_part import PipelineParallel
+        from moonrt.scheduler.pipeline import build_schedule
+
+        schedule = build_schedule(p.pipeline_schedule, p.pp, p.microbatches, p.vpp)
+        rt.parts.append(PipelineParallel(schedule, group=mesh.group("pp"), rank=mesh.rank("pp"),
+                                         mode=p.attn_res_comm))
+    ep = None
+    if p.ep > 1:  # MoonEP: shard experts, per-group grad sync, global-norm clip over the shards
+        from moonrt.comm.ep_parallel import ExpertParallel
+
+        ep = ExpertParallel(p, mesh=mesh, capacity=job.optim.batch_size * job.optim.seq_len)
+        rt.parts.append(ep)
+        if p.pp > 1:  # the pipeline combines the expert shards' norm and checkpoint state over its stages
+            rt.parts[0].inner = ep
+        counts = ep.layer_counts
+    if p.zero:  # ZeRO-1 owns sync, clip, update and the state of every parameter: before EP, after the pipeline
+        from moonrt.comm.zero import Zero1
+
+        zero = Zero1.from_mesh(mesh, ep=ep)
+        rt.parts.insert(1 if p.pp > 1 else 0, zero)
+        if p.pp > 1:  # runs after the pipeline's pseudo-query sum; the pipeline combines its state over stages
+            rt.parts[0].inner = zero
+    if job.routing_trace:
+        if p.pp > 1:  # rank 0 holds only its own stages' MoE layers
+            raise ConfigError(f"routing_trace (--routing-trace) = {job.routing_trace!r}: expected parallel.pp = 1 "
+                              f"(got {p.pp}: each pipeline rank holds only its stages' MoE layers)")
+        rt.parts.append(RoutingTrace(job.routing_trace, is_main=rt.is_main, counts=counts))
+    return rt

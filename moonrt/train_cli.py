@@ -1,0 +1,111 @@
+"""``moonrt train`` command line (job layer): flags, the job config they override, and the run that maps
+errors to exit codes (2: bad input, 1: diverged). The loop itself is :func:`moonrt.train.train`."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+from moonrt.assemble import launched, parallel_runtime
+from moonrt.comm.parallelism import Parallelism, RoutingTrace
+from moonrt.config import ConfigError, from_dict, load_yaml, to_dict
+from moonrt.job import JobConfig
+from moonrt.models import presets
+from moonrt.train import NothingToDo, train
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="job config YAML (a JobConfig; all keys optional)")
+    parser.add_argument("--steps", type=int, help="optimizer steps (optim.steps)")
+    parser.add_argument("--seed", type=int, help="data order and init seed (optim.seed)")
+    parser.add_argument("--batch-size", type=int, help="sequences per global batch (optim.batch_size)")
+    parser.add_argument("--seq-len", type=int, help="tokens per sequence (optim.seq_len)")
+    parser.add_argument("--lr", type=float, help="peak learning rate (optim.lr)")
+    parser.add_argument("--eval-every", type=int, help="eval interval in steps (optim.eval_every)")
+    parser.add_argument("--model", help="model preset: " + ", ".join(sorted(presets())))
+    parser.add_argument("--corpus", help="text file, or token file with --token-dtype (default: stdlib sources)")
+    parser.add_argument("--token-dtype", choices=["uint16", "uint32"], help="--corpus is a binary token file")
+    parser.add_argument("--out", help="output dir for checkpoints and config.yaml (out_dir)")
+    parser.add_argument("--metrics", help="write JSON lines {step, loss, lr, tokens_per_s, ...} to this file")
+    parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt (the job config must "
+                        "match the checkpoint's in every field that changes the trajectory; --steps may grow)")
+    parser.add_argument("--resume-allow-changes", metavar="FIELDS", default="",
+                        help="comma-separated job config fields that may differ from the checkpoint's on --resume "
+                        "(e.g. lr,steps or optim.lr,data.corpus)")
+    parser.add_argument("--until", type=int, help="stop after this step (checkpointed); schedule still uses --steps")
+    parser.add_argument("--threads", type=int, help="torch threads per process, 0 = torch default (threads)")
+    parser.add_argument("--memory-policy", help="activation memory policy YAML (memory_policy; moonrt.memory)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar or summary line")
+    parser.add_argument("--ep", type=int, help="expert-parallel degree: MoonEP over EP ranks, E/EP home experts "
+                        "per rank (parallel.ep)")
+    parser.add_argument("--routing-trace", help="write per-step, per-layer [R, E] routing counts to this .npz "
+                        "(routing_trace; read by moonrt ep-sim --trace)")
+    parser.add_argument("--cp", type=int, help="context-parallel degree: each sequence split over CP ranks, KCP for "
+                        "KDA, latent all-gather for MLA (parallel.cp)")
+    parser.add_argument("--pp", type=int, help="pipeline-parallel degree: the decoder layers cut into contiguous "
+                        "stages over PP ranks (parallel.pp)")
+    parser.add_argument("--vpp", type=int, help="virtual pipeline stages per PP rank (parallel.vpp; interleaved)")
+    parser.add_argument("--microbatches", type=int, help="micro-batches per step of each pipeline "
+                        "(parallel.microbatches)")
+    parser.add_argument("--schedule", help="pipeline schedule: auto, gpipe, 1f1b, interleaved, zb, zbv "
+                        "(parallel.schedule)")
+    parser.add_argument("--zero", type=int, help="ZeRO stage: 0 (replicated AdamW states) or 1 (states and reduced "
+                        "gradients sharded over each parameter's data-parallel replicas) (parallel.zero)")
+    parser.add_argument("--attn-res-comm", help="AttnRes blocks between PP ranks: cached (only blocks the receiver "
+                        "lacks) or naive (every completed block) (parallel.attn_res_comm)")
+
+
+# Command-line flag (argparse dest) -> path of the JobConfig field it overrides.
+_OVERRIDES: dict[str, tuple[str, ...]] = {
+    "steps": ("optim", "steps"), "seed": ("optim", "seed"), "batch_size": ("optim", "batch_size"),
+    "seq_len": ("optim", "seq_len"), "lr": ("optim", "lr"), "eval_every": ("optim", "eval_every"),
+    "model": ("model",), "corpus": ("data", "corpus"), "token_dtype": ("data", "token_dtype"),
+    "out": ("out_dir",), "threads": ("threads",), "memory_policy": ("memory_policy",),
+    "cp": ("parallel", "cp"), "ep": ("parallel", "ep"), "routing_trace": ("routing_trace",),
+    "pp": ("parallel", "pp"), "vpp": ("parallel", "vpp"), "microbatches": ("parallel", "microbatches"),
+    "schedule": ("parallel", "schedule"), "attn_res_comm": ("parallel", "attn_res_comm"),
+    "zero": ("parallel", "zero"),
+}
+
+
+def job_from_args(args: argparse.Namespace) -> JobConfig:
+    """The job config: ``--config`` (or the default), then command-line overrides (:data:`_OVERRIDES`)."""
+    raw = to_dict(load_yaml(JobConfig, args.config)) if args.config else to_dict(JobConfig())
+    for dest, path in _OVERRIDES.items():
+        value = getattr(args, dest)
+        if value is None:
+            continue
+        node = raw
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value
+    return from_dict(JobConfig, raw)
+
+
+def run(args: argparse.Namespace) -> int:
+    allow = tuple(f.strip() for f in args.resume_allow_changes.split(",") if f.strip())
+    try:
+        if allow and not args.resume:
+            raise ConfigError("--resume-allow-changes: expected together with --resume")
+        job = job_from_args(args)
+        if job.parallel.world_size != 1 or launched():
+            rt = parallel_runtime(job)
+        else:
+            rt = Parallelism(parts=[RoutingTrace(job.routing_trace)] if job.routing_trace else [])
+            if job.parallel.zero and not args.no_progress:
+                print("moonrt train: parallel.zero = 1 with one process: nothing to shard, ZeRO-1 is a no-op",
+                      flush=True)
+        summary = train(job, rt=rt, metrics_path=args.metrics, resume=args.resume, until=args.until,
+                        progress=not args.no_progress, resume_allow=allow)
+    except NothingToDo as exc:
+        print(f"moonrt train: {exc}", flush=True)
+        return 0
+    except (ConfigError, ValueError) as exc:
+        print(f"moonrt train: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    if not math.isfinite(summary["train_loss"]):
+        print(f"moonrt train: error: train loss is {summary['train_loss']} after step {summary['steps']} (diverged; "
+              "try a lower --lr)", file=sys.stderr, flush=True)
+        return 1
+    return 0
