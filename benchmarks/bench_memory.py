@@ -24,7 +24,7 @@ from moonrt.k3_memory import param_sizes, policy_dict
 from moonrt.k3_memory_trace import policy_for_all, traced_profile
 from moonrt.memory.manager import ActivationManager
 from moonrt.memory.model_memory import GIB, JobLayout, rank_models
-from moonrt.memory.plan import Hardware, plan
+from moonrt.memory.plan import Hardware, plan_memory
 from moonrt.memory.policy import MemoryPolicy
 from moonrt.model.config import k3_tiny
 from moonrt.model.model import K3Model
@@ -96,7 +96,7 @@ def main() -> None:
     keep_act, _ = activation_bytes(rm, profile, {}, B * T)
     budget = (static + args.budget_fraction * keep_act) / GIB
     disk = tempfile.mkdtemp(prefix="moonrt-bench-")  # each DiskStore creates its own unnamed file in it
-    p = plan(cfg, layout, param_sizes(cfg), Hardware(budget_gib=budget, reserve_gib=0.0, host_gib=0.0,
+    p = plan_memory(cfg, layout, param_sizes(cfg), Hardware(budget_gib=budget, reserve_gib=0.0, host_gib=0.0,
                                                      disk_gib=1.0, disk_gbs=2.0, tflops=0.05), profile=profile)
     planned = dict(policy_dict(p.ranks[0]), disk_path=disk, disk_capacity_mib=1024)
     policies = {

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from moonrt.config import ParallelConfig
 from moonrt.memory.model_memory import JobLayout
-from moonrt.memory.plan import Hardware, plan
+from moonrt.memory.plan import Hardware, plan_memory
 from moonrt.memory.plan_report import plan_json, plot, table
 from moonrt.models import presets
 
@@ -170,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
         hw = Hardware(budget_gib=b, reserve_gib=args.reserve_gib, host_gib=args.host_gib, host_gbs=args.host_gbs,
                       remote_gbs=args.remote_gbs, disk_gib=args.disk_gib, tflops=args.tflops)
         try:
-            p = plan(cfg, layout, sizes, hw, profile=profile, solver=args.solver)
+            p = plan_memory(cfg, layout, sizes, hw, profile=profile, solver=args.solver)
         except ValueError as exc:
             return _fail(str(exc))
         print(f"== {args.model} {dtype}: dp={par.dp} pp={par.pp} vpp={par.vpp} ep={par.ep} cp={par.cp} "

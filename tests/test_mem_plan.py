@@ -12,7 +12,7 @@ import yaml
 from moonrt.config import ParallelConfig, from_dict
 from moonrt.k3_memory import kernel_profile, policy_dict
 from moonrt.memory.model_memory import GIB, JobLayout, Profile, rank_models
-from moonrt.memory.plan import Hardware, Plan, plan
+from moonrt.memory.plan import Hardware, Plan, plan_memory
 from moonrt.memory.plan_report import table
 from moonrt.memory.policy import MemoryPolicy
 from moonrt.model.config import k3, k3_tiny
@@ -25,7 +25,7 @@ K3_LONG = JobLayout(parallel=ParallelConfig(pp=16, vpp=2, ep=64, cp=64, microbat
 
 def _plan(cfg: object, layout: JobLayout, hw: Hardware, profile: Profile | None = None, **kw: object) -> Plan:
     """:func:`plan` with K3's parameter sizes and (default) analytic profile from the model registry."""
-    return plan(cfg, layout, param_sizes(cfg), hw, profile=profile or K3.memory_profile(cfg, layout), **kw)
+    return plan_memory(cfg, layout, param_sizes(cfg), hw, profile=profile or K3.memory_profile(cfg, layout), **kw)
 
 
 def test_in_flight_counts_per_rank():

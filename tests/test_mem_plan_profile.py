@@ -19,7 +19,7 @@ from moonrt.k3_memory import class_terms, default_profile, param_sizes
 from moonrt.k3_memory_trace import KIND_SOURCES, kind_modules, measure_kind
 from moonrt.memory.manager import ActivationManager
 from moonrt.memory.model_memory import JobLayout
-from moonrt.memory.plan import Hardware, plan
+from moonrt.memory.plan import Hardware, plan_memory
 from moonrt.memory.policy import MemoryPolicy
 from moonrt.model.config import k3, k3_tiny
 from moonrt.model.model import K3Model
@@ -83,7 +83,7 @@ def test_mem_plan_predicts_k3_tiny_forward_fp32():
     cfg = k3_tiny()
     layout = JobLayout(micro_batch_size=8, seq_len=128, parallel=ParallelConfig(microbatches=1, schedule="1f1b"),
                        act_bytes=4, param_bytes=4)
-    p = plan(cfg, layout, param_sizes(cfg), Hardware(budget_gib=100, reserve_gib=0),
+    p = plan_memory(cfg, layout, param_sizes(cfg), Hardware(budget_gib=100, reserve_gib=0),
              profile=default_profile(cfg, layout))
     got = _measured_forward(cfg, 8, 128)
     assert abs(p.ranks[0].activations_keep - got) <= 0.10 * got, (p.ranks[0].activations_keep, got)
@@ -99,7 +99,7 @@ def test_traced_profile_plans_like_analytic(dtype):
                        act_bytes=4, param_bytes=4)
     traced = traced_profile_by_kind(cfg, torch.float32, 512, 2, 1, probe_tokens=256, max_experts=16)
     hw = Hardware(budget_gib=100, reserve_gib=0)
-    a = plan(cfg, layout, param_sizes(cfg), hw, profile=default_profile(cfg, layout)).ranks[0].activations_keep
-    t = plan(cfg, layout, param_sizes(cfg), hw, profile=traced).ranks[0].activations_keep
+    a = plan_memory(cfg, layout, param_sizes(cfg), hw, profile=default_profile(cfg, layout)).ranks[0].activations_keep
+    t = plan_memory(cfg, layout, param_sizes(cfg), hw, profile=traced).ranks[0].activations_keep
     # the probe's 256-token sequences hold fewer KDA chunks than the planned 512 (per-sequence scan terms)
     assert abs(a - t) <= 0.10 * a, (a, t)

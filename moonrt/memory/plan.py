@@ -2,7 +2,7 @@
 ``moonrt mem-plan`` (:mod:`moonrt.mem_plan`); the table, JSON and plot of a plan are in
 :mod:`moonrt.memory.plan_report`.
 
-``plan(...)`` is a pure function: from a model config, a :class:`JobLayout`, parameter sizes and an
+``plan_memory(...)`` is a pure function: from a model config, a :class:`JobLayout`, parameter sizes and an
 activation profile supplied by the model's client (:mod:`moonrt.models`; the planner never imports the
 model) and a :class:`Hardware` budget it chooses, per pipeline rank and saved-tensor
 class, one storage policy among keep / recompute / FP8 / host / disk / remote (and FP8 compositions)
@@ -315,7 +315,7 @@ def _rank_plans(rms: list[RankModel], profile: Profile, layout: JobLayout, hw: H
     return plans
 
 
-def plan(cfg: Any, layout: JobLayout, sizes: ParamSizes, hw: Hardware, profile: Profile,
+def plan_memory(cfg: Any, layout: JobLayout, sizes: ParamSizes, hw: Hardware, profile: Profile,
          solver: str = "highs") -> Plan:
     """Choose storage policies per rank and class under ``hw.budget_gib`` (see module docstring).
 
@@ -386,4 +386,4 @@ def plan(cfg: Any, layout: JobLayout, sizes: ParamSizes, hw: Hardware, profile: 
     return Plan(False, used, time.perf_counter() - t0, hw.budget_gib, tuple(ranks), min_budget, dom, msg)
 
 
-__all__ = ["Hardware", "Plan", "RankPlan", "default_reserve", "greedy", "plan"]
+__all__ = ["Hardware", "Plan", "RankPlan", "default_reserve", "greedy", "plan_memory"]
