@@ -212,6 +212,36 @@ def save_yaml(obj: Any, path: str | Path) -> None:
 # Shared runtime configs
 
 
+PIPELINE_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb", "zbv")
+"""Pipeline schedules (:mod:`moonrt.scheduler.pipeline` builds them)."""
+
+
+def schedule_error(kind: str, pp: int, microbatches: int, vpp: int) -> tuple[str, Any, str] | None:
+    """The first rule of pipeline schedule ``kind`` that the degrees break, as ``(field, value, expected)``
+    (for :func:`check`), or None: the one statement of these rules, used by :class:`ParallelConfig` and by
+    :func:`moonrt.scheduler.pipeline.build_schedule`.
+
+    ``vpp`` is 1 for gpipe / 1f1b, >= 2 for interleaved, 2 for zbv; interleaved (and zb with ``vpp > 1``) need
+    ``microbatches`` a multiple of ``pp``, so at least ``pp`` (as in Megatron)."""
+    if kind not in PIPELINE_SCHEDULES:
+        return "schedule", kind, "one of " + ", ".join(PIPELINE_SCHEDULES) + " (zb1p = zb)"
+    for name, v in (("pp", pp), ("microbatches", microbatches), ("vpp", vpp)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            return name, v, "an integer >= 1"
+    if kind in ("gpipe", "1f1b") and vpp != 1:
+        return "vpp", vpp, f"1 for schedule {kind!r} (use 'interleaved' or 'zb' for vpp > 1)"
+    if kind == "interleaved" and vpp < 2:
+        return "vpp", vpp, ">= 2 for schedule 'interleaved' (use '1f1b' for vpp = 1)"
+    if kind == "zbv" and vpp != 2:
+        return "vpp", vpp, "2 for schedule 'zbv' (two chunks per rank, V placement)"
+    if kind == "interleaved" or (kind == "zb" and vpp > 1):
+        if microbatches < pp:
+            return "microbatches", microbatches, f">= pp ({pp}) for schedule {kind!r} with vpp > 1"
+        if microbatches % pp:
+            return "microbatches", microbatches, f"a multiple of pp ({pp}) for schedule {kind!r} with vpp > 1"
+    return None
+
+
 @dataclasses.dataclass(kw_only=True, slots=True)
 class ParallelConfig:
     """Degrees of the parallel dimensions of one job (K3_SYSTEMS §10).
@@ -245,21 +275,14 @@ class ParallelConfig:
         check(self.zero in (0, 1) and not isinstance(self.zero, bool), "zero", self.zero,
               "0 (replicated optimizer states) or 1 (ZeRO-1: sharded over the data-parallel replicas)")
         check(self.attn_res_comm in ("cached", "naive"), "attn_res_comm", self.attn_res_comm, "cached or naive")
-        kinds = ("auto", "gpipe", "1f1b", "interleaved", "zb", "zbv")
+        kinds = ("auto", *PIPELINE_SCHEDULES)
         check(self.schedule in kinds, "schedule", self.schedule, "one of " + ", ".join(kinds))
         check(self.pp > 1 or self.microbatches == 1, "microbatches", self.microbatches,
               "1 without pipeline parallelism (pp = 1)")
         check(self.pp > 1 or self.vpp == 1, "vpp", self.vpp, "1 without pipeline parallelism (pp = 1)")
-        kind = self.pipeline_schedule
-        if kind in ("gpipe", "1f1b"):
-            check(self.vpp == 1, "vpp", self.vpp, f"1 for schedule {kind!r} (virtual stages need 'interleaved')")
-        if kind == "zbv":
-            check(self.vpp == 2, "vpp", self.vpp, "2 for schedule 'zbv' (two chunks per rank)")
-        if kind == "interleaved":
-            check(self.vpp >= 2, "vpp", self.vpp, "an integer >= 2 for schedule 'interleaved'")
-        if kind == "interleaved" or (kind == "zb" and self.vpp > 1):
-            check(self.microbatches % self.pp == 0, "microbatches", self.microbatches,
-                  f"a multiple of pp ({self.pp}) for schedule {kind!r} with vpp > 1 (at least pp micro-batches)")
+        bad = schedule_error(self.pipeline_schedule, self.pp, self.microbatches, self.vpp)
+        if bad is not None:
+            check(False, *bad)
 
     @property
     def pipeline_schedule(self) -> str:
@@ -289,11 +312,13 @@ class DistConfig:
 __all__ = [
     "ConfigError",
     "DistConfig",
+    "PIPELINE_SCHEDULES",
     "ParallelConfig",
     "check",
     "from_dict",
     "load_yaml",
     "save_yaml",
+    "schedule_error",
     "to_dict",
     "validate",
 ]

@@ -29,10 +29,11 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+from moonrt.config import PIPELINE_SCHEDULES, schedule_error
 from moonrt.scheduler.pipeline_ir import COMM_OPS, COMPUTE_OPS, OPS, Action, Schedule
 from moonrt.scheduler.pipeline_sim import UNIT_COSTS, SimResult, Slot, lower, simulate, validate
 
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb", "zbv")
+SCHEDULES: tuple[str, ...] = PIPELINE_SCHEDULES
 ALIASES: dict[str, str] = {"zb1p": "zb"}
 ScheduleKind = str
 
@@ -122,22 +123,10 @@ def _zbv(pp: int, m: int, rank: int) -> list[Action]:
 
 def _check(kind: str, pp: int, m: int, vpp: int) -> str:
     kind = ALIASES.get(kind, kind)
-    if kind not in SCHEDULES:
-        raise ValueError(f"schedule = {kind!r}: expected one of {', '.join(SCHEDULES)} (zb1p = zb)")
-    for name, v in (("pp", pp), ("microbatches", m), ("vpp", vpp)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"{name} = {v!r}: expected an integer >= 1")
-    if kind in ("gpipe", "1f1b") and vpp != 1:
-        raise ValueError(f"vpp = {vpp}: expected 1 for schedule {kind!r} (use 'interleaved' or 'zb' for vpp > 1)")
-    if kind == "interleaved" and vpp < 2:
-        raise ValueError(f"vpp = {vpp}: expected >= 2 for schedule 'interleaved' (use '1f1b' for vpp = 1)")
-    if kind == "zbv" and vpp != 2:
-        raise ValueError(f"vpp = {vpp}: expected 2 for schedule 'zbv' (two chunks per rank, V placement)")
-    if kind == "interleaved" or (kind == "zb" and vpp > 1):
-        if m < pp:
-            raise ValueError(f"microbatches = {m}: expected >= pp ({pp}) for schedule {kind!r} with vpp > 1")
-        if m % pp:
-            raise ValueError(f"microbatches = {m}: expected a multiple of pp ({pp}) for schedule {kind!r}")
+    bad = schedule_error(kind, pp, m, vpp)
+    if bad is not None:
+        field, value, expected = bad
+        raise ValueError(f"{field} = {value!r}: expected {expected}")
     return kind
 
 
