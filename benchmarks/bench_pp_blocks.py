@@ -1,4 +1,4 @@
-"""Block AttnRes pipeline traffic at K3's depth: blocks and bytes per forward hop, naive vs cached (issue 12).
+"""Block AttnRes pipeline traffic at K3's depth: blocks and bytes per forward hop, naive vs cached.
 
 K3: 93 decoder layers, AttnRes blocks of 12 (8 blocks + the embedding), hidden 7168. For each (P, V) the
 layers are split evenly into C = P V contiguous stages in loop placement (the K3 layout, interleaved 1F1B)

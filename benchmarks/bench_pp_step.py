@@ -1,5 +1,5 @@
 """A k3_tiny pipeline step on 4 gloo ranks: measured idle fraction per rank vs the simulator's bubble,
-cached vs naive AttnRes bytes, step time (issue 12).
+cached vs naive AttnRes bytes, step time.
 
 For each schedule (1F1B, interleaved with V = 2, ZB1P) and AttnRes mode (cached, naive) the ranks run
 :class:`moonrt.comm.pp_part.PipelineParallel` on k3_tiny (fp32, batch ``--batch`` x ``--seq-len``, M =

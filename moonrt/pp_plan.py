@@ -1,4 +1,4 @@
-"""``moonrt pp-plan``: a pipeline schedule and its Block AttnRes traffic, without processes (issue 12 item 4).
+"""``moonrt pp-plan``: a pipeline schedule and its Block AttnRes traffic, without processes.
 
 A job: it takes the model's depth, AttnRes block size and width from a preset (:mod:`moonrt.model.config`),
 builds the schedule (:mod:`moonrt.scheduler.pipeline`: generator, lowering, validator, unit-cost simulator)

@@ -1,4 +1,4 @@
-"""Cache-based Block AttnRes communication plan (K3_SYSTEMS §9, issue 12 item 3): aligned counts equal
+"""Cache-based Block AttnRes communication plan (K3_SYSTEMS §9): aligned counts equal
 the closed forms, unaligned splits, V placement, each block held once per rank, bad input."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``moonrt pp-plan`` (issue 12 item 4): the JSON equals the closed forms in an aligned layout, the PNG is
+"""``moonrt pp-plan``: the JSON equals the closed forms in an aligned layout, the PNG is
 written, and bad input is one line on stderr with exit 2."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Pipeline schedule IR (issue 12): generators x lowering x validator x simulator on a grid, the known
+"""Pipeline schedule IR: generators x lowering x validator x simulator on a grid, the known
 bubble and in-flight formulas (K3_SYSTEMS §8, §9), and a validator that names the rank of a broken order."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Cache-based Block AttnRes pipeline communication plan (K3_SYSTEMS §4, §9; issue 12 item 3). Pure.
+"""Cache-based Block AttnRes pipeline communication plan (K3_SYSTEMS §4, §9). Pure.
 
 Every stage needs all earlier block representations. Stages ``s = 0 .. C-1`` run the contiguous decoder
 layer ranges ``layer_ranges[s]``. Block 0 is the token embedding (produced by stage 0); block

@@ -1,6 +1,6 @@
 """Pipeline schedules as per-rank action lists: generators, and the one entry point for executor and planner.
 
-Pure data shared by the pipeline executor and the memory planner (K3_SYSTEMS §8-§10, issue 12).
+Pure data shared by the pipeline executor and the memory planner (K3_SYSTEMS §8-§10).
 :func:`build_schedule` returns a compute-only :class:`Schedule` (IR: :mod:`.pipeline_ir`); :func:`lower`
 inserts the sends and receives, :func:`validate` proves the result deadlock-free under the executor's
 semantics and :func:`simulate` times it (:mod:`.pipeline_sim`). :func:`in_flight`, which the memory

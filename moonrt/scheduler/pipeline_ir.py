@@ -1,4 +1,4 @@
-"""The pipeline schedule IR: per-rank ordered action lists (K3_SYSTEMS §9, §10; contract in issue 12).
+"""The pipeline schedule IR: per-rank ordered action lists (K3_SYSTEMS §9, §10).
 
 An :class:`Action` is one unit of work of one rank on one micro-batch through one of the rank's local
 model chunks. Compute ops:
