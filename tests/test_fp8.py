@@ -139,3 +139,62 @@ def test_batched_codec_bitwise_equals_per_tensor(monkeypatch, alone_bytes):
     assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(copied, ys))
     with pytest.raises(ValueError, match=r"quantize_many: x.dtype = torch.int64"):
         fp8.quantize_many([torch.randn(3), torch.arange(3)])
+
+
+def _elementwise_bound(x: torch.Tensor, scales: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """The codec's per-element round-trip bound (module docstring) for ``x [M, N]`` fp32:
+    ``2^-4 |x| + 2^-10 s + 2^-149``, with ``s`` the tile's stored scale. E4M3 has 3 mantissa bits
+    (half an ulp is 2^-4 relative in its normal range) and subnormal spacing 2^-9 (half: 2^-10 in units of
+    ``s``); the fp32 scale, its reciprocal and the decode multiply add a few fp32 ulps (the 1e-5 factor,
+    2^-24 relative each) and one rounding to fp32's subnormal grid (< 2^-149)."""
+    s = scales.repeat_interleave(block, dim=1)[:, :x.shape[1]]
+    return (2.0 ** -4 * (1 + 1e-5)) * x.abs() + 2.0 ** -10 * s + 2.0 ** -149
+
+
+def test_tiny_and_subnormal_tiles_roundtrip_within_bound():
+    """A tile whose largest magnitude is subnormal, or too small for ``448 / amax`` to be a finite fp32
+    (< 1.3e-36), round-trips without NaN or inf within the per-element bound, relative to its own scale;
+    zeros inside such a tile and all-zero tiles stay exactly zero."""
+    g = torch.Generator().manual_seed(4)
+    tiny = torch.finfo(torch.float32).tiny  # 2^-126, the smallest normal fp32
+    rows = []
+    for amax in (1e-30, 1e-36, 5e-36, tiny, 1e-38, 1e-40, 1e-43, 2.0 ** -149 * 300, 2.0 ** -149 * 7, 2.0 ** -149):
+        r = torch.randn(2 * 128, generator=g)
+        r = r / r.abs().max() * amax
+        r[::5] = 0  # zeros inside the tiny tile
+        r[128:] = 0  # and an all-zero tile next to it
+        rows.append(r)
+    x = torch.stack(rows).float()
+    assert (x[:, :128].abs().amax(dim=1) > 0).all()  # every tiny tile is nonzero in fp32
+    payload, scales = fp8.quantize(x)
+    assert torch.isfinite(scales).all() and (scales[:, 0] > 0).all()
+    assert torch.equal(scales[:, 1], torch.zeros(len(rows)))
+    y = fp8.dequantize(payload, scales, x.shape, x.dtype)
+    assert torch.isfinite(y).all()
+    assert torch.equal(y[x == 0], torch.zeros(int((x == 0).sum())))
+    err = (y.double() - x.double()).abs()
+    assert (err <= _elementwise_bound(x.double(), scales.double())).all()
+    # relative to the tile: the scale uses at least half of E4M3's range (s <= amax / 224)
+    assert (scales[:, 0].double() <= x[:, :128].abs().amax(dim=1).double() / 224 + 2.0 ** -149).all()
+    # the same tile, alone or batched
+    [(bp, bs)] = fp8.quantize_many([x])
+    assert torch.equal(_bits(bp), _bits(payload)) and torch.equal(_bits(bs), _bits(scales))
+    # a tiny tile that is the zero-padded last tile, after an ordinary one (N = 200)
+    xp = torch.cat([torch.randn(len(rows), 128, generator=g), x[:, :72]], dim=1)
+    pp, ps = fp8.quantize(xp)
+    yp = fp8.dequantize(pp, ps, xp.shape, xp.dtype)
+    assert pp.shape == (len(rows), 256) and torch.equal(pp[:, 200:].view(torch.uint8), torch.zeros(len(rows), 56,
+                                                                                                    dtype=torch.uint8))
+    assert torch.equal(_bits(pp[:, :128]), _bits(fp8.quantize(xp[:, :128])[0]))  # ordinary tiles unchanged
+    assert torch.equal(yp[xp == 0], torch.zeros(int((xp == 0).sum())))
+    assert ((yp.double() - xp.double()).abs() <= _elementwise_bound(xp.double(), ps.double())).all()
+
+
+def test_elementwise_bound_holds_on_gaussian_tiles():
+    """The per-element bound is the codec's, not a special case: it holds for ordinary tiles too."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(64, 300, generator=g) * torch.logspace(-30, 30, 64)[:, None]
+    payload, scales = fp8.quantize(x)
+    y = fp8.dequantize(payload, scales, x.shape, x.dtype)
+    err = (y.double() - x.double()).abs()
+    assert (err <= _elementwise_bound(x.double(), scales.double())).all()

@@ -7,6 +7,12 @@ scaled so that its largest magnitude maps to the E4M3 maximum (448), rounded to
 ``1 + 4 / block`` bytes (1.03 B at block 128), i.e. ~1.94x smaller than bf16 and ~3.9x smaller
 than fp32. Round-trip error on Gaussian data is ~2.6% relative L2; an all-zero tile has scale 0
 and round-trips exactly.
+
+Per element, with ``s`` the tile's scale: ``|y - x| <= 2^-4 |x| + 2^-10 s`` (E4M3 has 3 mantissa bits
+and subnormal spacing 2^-9), plus a few fp32 ulps. A tile whose ``amax / 448`` is not a normal fp32
+(``amax < 448 * 2^-126``, about 5.3e-36; subnormal inputs included) gets the power-of-two scale
+``2^k >= 2^-149`` with ``amax / 2^k`` in ``(224, 448]`` instead, so the bound holds there too (and zeros
+stay zero) where ``448 / amax`` would overflow.
 """
 
 from __future__ import annotations
@@ -55,17 +61,47 @@ def _quantize_rows(x2: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Te
     if full < nb:
         amax[:, full] = x2[:, full * block:].abs().amax(dim=-1)
     scales = amax / E4M3_MAX
-    inv = torch.where(amax > 0, E4M3_MAX / amax.clamp_min(torch.finfo(torch.float32).tiny), torch.zeros_like(amax))
+    ok = amax >= _MIN_NORMAL_AMAX  # amax / 448 a normal fp32 and 448 / amax finite; else 0 here, fixed below
+    inv = torch.where(ok, E4M3_MAX / amax.clamp_min(_MIN_NORMAL_AMAX), torch.zeros_like(amax))
     # |tile * inv| <= 448 * (1 + 2 ulp) and E4M3 rounds anything below 464 to at most 448: no clamp needed
     if full == nb:
         scaled = x2.view(m, nb, block) * inv[:, :, None]
-        return scaled.view(m, n).to(E4M3), scales
-    payload = torch.zeros(m, nb * block, dtype=E4M3, device=x2.device)
-    if full:
-        scaled = x2[:, :full * block].reshape(m, full, block) * inv[:, :full, None]
-        payload[:, :full * block] = scaled.reshape(m, full * block).to(E4M3)
-    payload[:, full * block:n] = (x2[:, full * block:] * inv[:, full:]).to(E4M3)
+        payload = scaled.view(m, n).to(E4M3)
+    else:
+        payload = torch.zeros(m, nb * block, dtype=E4M3, device=x2.device)
+        if full:
+            scaled = x2[:, :full * block].reshape(m, full, block) * inv[:, :full, None]
+            payload[:, :full * block] = scaled.reshape(m, full * block).to(E4M3)
+        payload[:, full * block:n] = (x2[:, full * block:] * inv[:, full:]).to(E4M3)
+    small = (amax > 0) & ~ok
+    if small.any():  # rare (tiles below ~5e-36): one small pass over the rows that hold such a tile
+        _quantize_small_tiles(x2, block, amax, small, payload, scales)
     return payload, scales
+
+
+_MIN_NORMAL_AMAX = E4M3_MAX * torch.finfo(torch.float32).tiny
+"""Smallest tile amax whose scale ``amax / 448`` is a normal fp32 (448 * 2^-126, ~5.3e-36)."""
+
+
+def _quantize_small_tiles(x2: torch.Tensor, block: int, amax: torch.Tensor, small: torch.Tensor,
+                          payload: torch.Tensor, scales: torch.Tensor) -> None:
+    """Re-encode, in place, the tiles with ``0 < amax < 448 * 2^-126`` (``small [M, nb]``) of ``x2 [M, N]``.
+
+    Their scale is the power of two ``2^k``, ``k = max(-149, exponent of amax / 448)`` (frexp: ``amax / 2^k``
+    in ``[224, 448)``), exact in fp32 (down to its smallest subnormal); the payload ``x * 2^-k`` is formed in
+    float64, where it is exact (a power-of-two scaling of an fp32 value, at most 448), then rounded to E4M3
+    like every other tile. Decoding ``payload * 2^k`` in fp32 then rounds once to fp32's grid.
+    """
+    n = x2.shape[1]
+    nb = amax.shape[1]
+    rows = small.any(dim=1).nonzero().squeeze(1)
+    k = torch.frexp(amax[rows].double() / E4M3_MAX).exponent.clamp_min(-149).double()
+    tile_scale = torch.where(small[rows], torch.exp2(k), scales[rows].double())
+    scales[rows] = tile_scale.float()
+    sub = torch.nn.functional.pad(x2[rows].double(), (0, nb * block - n)).view(-1, nb, block)
+    enc = (sub * torch.where(small[rows], torch.exp2(-k), 0.0)[:, :, None]).float().to(E4M3).view(-1, nb * block)
+    keep = (~small[rows]).repeat_interleave(block, dim=1)  # [R, nb * block], the payload's width
+    payload[rows] = torch.where(keep, payload[rows].view(torch.uint8), enc.view(torch.uint8)).view(E4M3)
 
 
 def quantize(x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
