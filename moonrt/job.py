@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Literal
 
 from moonrt import data
 from moonrt.config import ConfigError, ParallelConfig, check
@@ -58,6 +58,20 @@ class OptimConfig:
     checkpoint_every: int = 100
     routing_bias_update: bool = True
     """Quantile Balancing update of every MoE layer's router bias after each step (K3_SYSTEMS §5.3)."""
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    """``muon``: Per-Head Muon (``moonrt.ops.muon``) for the model's matrices (``moonrt.parallel.blocks``),
+    AdamW for everything else; both use ``lr``, ``weight_decay`` and the schedule (``muon_adjust_lr``)."""
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_adjust_lr: Literal["original", "match_rms_adamw"] = "match_rms_adamw"
+    """Muon's update scale per block: ``match_rms_adamw`` (Moonlight: 0.2 * sqrt(max(a, b)), an update RMS of 0.2
+    like AdamW's, so AdamW's lr and weight decay carry over) or ``original`` (Keller Jordan's; needs its own lr)."""
+    muon_ns_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Newton-Schulz precision (torch.optim.Muon uses bfloat16; fp32 is the exact choice on CPU)."""
+    muon_per_head: bool = True
+    """Orthogonalize the declared heads separately (K3); False: whole matrices (experts stay per expert)."""
+    muon_adamw_modules: list[str] = dataclasses.field(default_factory=lambda: ["lm_head"])
+    """Modules (dotted-name prefixes) whose matrices AdamW updates under ``optimizer: muon`` (the LM head)."""
 
     def validate(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_windows", "checkpoint_every"):
@@ -70,6 +84,7 @@ class OptimConfig:
         check(0 <= self.beta1 < 1, "beta1", self.beta1, "a number in [0, 1)")
         check(0 <= self.beta2 < 1, "beta2", self.beta2, "a number in [0, 1)")
         check(self.grad_clip > 0, "grad_clip", self.grad_clip, "a positive number (max global grad norm)")
+        check(0 <= self.muon_momentum < 1, "muon_momentum", self.muon_momentum, "a number in [0, 1)")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

@@ -22,6 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, help="sequences per global batch (optim.batch_size)")
     parser.add_argument("--seq-len", type=int, help="tokens per sequence (optim.seq_len)")
     parser.add_argument("--lr", type=float, help="peak learning rate (optim.lr)")
+    parser.add_argument("--optimizer", choices=["adamw", "muon"], help="adamw, or muon: Per-Head Muon for the "
+                        "model's matrices and AdamW for the rest, same lr (optim.optimizer; default adamw)")
     parser.add_argument("--eval-every", type=int, help="eval interval in steps (optim.eval_every)")
     parser.add_argument("--model", help="model preset: " + ", ".join(sorted(presets())))
     parser.add_argument("--corpus", help="text file, or token file with --token-dtype (default: stdlib sources)")
@@ -60,6 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 _OVERRIDES: dict[str, tuple[str, ...]] = {
     "steps": ("optim", "steps"), "seed": ("optim", "seed"), "batch_size": ("optim", "batch_size"),
     "seq_len": ("optim", "seq_len"), "lr": ("optim", "lr"), "eval_every": ("optim", "eval_every"),
+    "optimizer": ("optim", "optimizer"),
     "model": ("model",), "corpus": ("data", "corpus"), "token_dtype": ("data", "token_dtype"),
     "out": ("out_dir",), "threads": ("threads",), "memory_policy": ("memory_policy",),
     "cp": ("parallel", "cp"), "ep": ("parallel", "ep"), "routing_trace": ("routing_trace",),

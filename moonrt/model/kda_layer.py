@@ -24,6 +24,7 @@ from torch import nn
 
 from moonrt.model.config import K3Config
 from moonrt.ops.kda import MIN_LOG_DECAY
+from moonrt.parallel.blocks import MatrixBlocks
 from moonrt.parallel.context import LOCAL, AttentionContext
 
 
@@ -97,6 +98,10 @@ class KDALayer(nn.Module):
         self.o_norm_weight = nn.Parameter(torch.ones(K))
         self.o_proj = nn.Linear(self.value_dim, D, bias=False)
         self.reset_parameters()
+
+    def matrix_blocks(self) -> dict[str, MatrixBlocks]:
+        """Optimizer blocks: ``qkv_proj`` per head of q, of k and of v (3H blocks of ``[K, D]``, K3 report §2.7)."""
+        return {"qkv_proj.weight": MatrixBlocks(head_dim=self.head_dim)}
 
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:

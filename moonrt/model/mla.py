@@ -25,6 +25,7 @@ from torch import nn
 
 from moonrt.model.config import K3Config
 from moonrt.model.norm import RMSNorm
+from moonrt.parallel.blocks import MatrixBlocks
 from moonrt.parallel.context import LOCAL, AttentionContext
 
 
@@ -59,6 +60,14 @@ class GatedMLA(nn.Module):
         for lin in (self.q_a_proj, self.q_b_proj, self.kv_a_proj, self.kv_b_proj, self.g_proj, self.o_proj):
             if lin is not None:
                 nn.init.normal_(lin.weight, std=c.initializer_range)
+
+    def matrix_blocks(self) -> dict[str, MatrixBlocks]:
+        """Optimizer blocks (K3 report §2.7): the up-projections per head. ``q_b_proj``: one ``[nope + rope,
+        q_lora]`` query block per head; ``kv_b_proj``'s rows are ``[k_nope_h | v_h]`` per head: one block per
+        head's keys and one per its values when ``nope == v``, else one ``[nope + v, kv_lora]`` block per head."""
+        kv = self.nope if self.nope == self.v_dim else self.nope + self.v_dim
+        return {"q_b_proj.weight": MatrixBlocks(head_dim=self.nope + self.rope),
+                "kv_b_proj.weight": MatrixBlocks(head_dim=kv)}
 
     def latent(self, x: torch.Tensor) -> torch.Tensor:
         """Compressed per-token latent ``x [B, T, D]`` -> ``[B, T, kv_lora_rank + qk_rope_head_dim]``.

@@ -32,6 +32,7 @@ from moonrt.model.config import K3Config
 from moonrt.model.ffn import shared_expert
 from moonrt.model.norm import RMSNorm
 from moonrt.ops.grouped import grouped_glu_experts
+from moonrt.parallel.blocks import MatrixBlocks
 from moonrt.parallel.dispatch import Dispatcher, ExpertWeights, LocalDispatcher
 
 
@@ -110,6 +111,10 @@ class RoutedExperts(nn.Module):
     @property
     def num_local(self) -> int:
         return self.w_gate.shape[0]
+
+    def matrix_blocks(self) -> dict[str, MatrixBlocks]:
+        """Optimizer blocks: one matrix per expert (Per-Head Muon orthogonalizes experts separately)."""
+        return {name: MatrixBlocks(stack_dims=1) for name in ("w_gate", "w_up", "w_down")}
 
     def weights(self) -> ExpertWeights:
         """The stacked ``(w_gate, w_up, w_down)``, each ``[E_local, ...]`` (what an EP runtime prefetches)."""
