@@ -77,7 +77,15 @@ def parallel_runtime(job: JobConfig) -> Parallelism:
         if p.pp > 1:  # the pipeline combines the expert shards' norm and checkpoint state over its stages
             rt.parts[0].inner = ep
         counts = ep.layer_counts
-    if p.zero:  # ZeRO-1 owns sync, clip, update and the state of every parameter: before EP, after the pipeline
+    if p.zero and job.optim.optimizer == "muon":  # each Muon block / AdamW parameter owned whole by one replica
+        from moonrt.comm.zero_muon import ZeroMuon
+        from moonrt.optimizers import muon_blocks
+
+        if p.pp > 1 or p.ep > 1:
+            raise ConfigError(f"parallel.zero = 1 with optim.optimizer = 'muon': expected pp = 1 and ep = 1 (got pp "
+                              f"{p.pp}, ep {p.ep}; ZeroMuon shards over data/context replicas only)")
+        rt.parts.insert(0, ZeroMuon(mesh.group("dp_ep_cp"), assign=lambda model: muon_blocks(model, job.optim)))
+    elif p.zero:  # ZeRO-1 owns sync, clip, update and the state of every parameter: before EP, after the pipeline
         from moonrt.comm.zero import Zero1
 
         zero = Zero1.from_mesh(mesh, ep=ep)

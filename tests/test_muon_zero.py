@@ -1,0 +1,138 @@
+"""ZeRO-1 for Per-Head Muon (``moonrt.comm.zero_muon``) and its planner (``moonrt.scheduler.muon_plan``).
+
+- the planner puts every unit on exactly one rank, balanced by FLOPs, the same plan on every call;
+- 2 gloo ranks, each holding half of every gradient, take the same two steps as one process's
+  :class:`moonrt.ops.muon.Muon` on the summed gradients (every parameter and every state tensor of the
+  single-process checkpoint layout), including a matrix that a flat ZeRO-1 partition cuts in two;
+- ``moonrt train --zero 1 --optimizer muon`` on dp 2, resumed from a single-process checkpoint, takes the
+  single process's step (loss, grad norm, every parameter and optimizer tensor within 1e-5 relative: the
+  dp 2 gradient is a sum of two half-batch backwards and the clip norm is fp64, ~1e-7 off; Newton-Schulz of
+  one block vs the batched blocks differs by fp32 rounding, well inside the bound).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from dist import dist_run
+from test_pp_train import FLAGS, RTOL, _ckpt, _close, _launch, _metrics, _moonrt, _run
+
+from moonrt.scheduler.muon_plan import Unit, plan_units
+
+
+def _tiny_job():
+    from moonrt.job import JobConfig, OptimConfig
+
+    return JobConfig(model="k3_tiny", optim=OptimConfig(optimizer="muon"))
+
+
+def _flat_straddlers(model: torch.nn.Module, names: set[str], ranks: int) -> list[str]:
+    """Muon parameters that a flat ZeRO-1 partition (``moonrt.comm.zero``: all trainable parameters
+    concatenated, ``ceil(L / ranks)`` elements per rank) cuts between two ranks."""
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    total = sum(p.numel() for _, p in params)
+    shard = -(-total // ranks)
+    out, off = [], 0
+    for n, p in params:
+        if n in names and off // shard != (off + p.numel() - 1) // shard:
+            out.append(n)
+        off += p.numel()
+    return out
+
+
+def test_plan_is_balanced_and_deterministic() -> None:
+    units = [Unit(48, 128)] * 36 + [Unit(56, 64)] * 384 + [Unit(608, 128)] * 3 + [Unit(32768, 1, muon=False)] * 2
+    for ranks in (1, 2, 3, 8):
+        plan = plan_units(units, ranks)
+        assert plan == plan_units(units, ranks)
+        assert sorted(u for r in plan.units for u in r) == list(range(len(units)))
+        assert all(plan.owner[u] == r for r in range(ranks) for u in plan.units[r])
+        largest = max(u.flops() for u in units)
+        assert max(plan.load) - min(plan.load) <= largest  # LPT: within one unit of each other
+        assert sum(plan.sizes) == sum(u.numel for u in units)
+    assert plan_units(units, 2).imbalance < 1.01
+    with pytest.raises(ValueError, match="ranks = 0"):
+        plan_units(units, 0)
+
+
+def _zero_vs_single(rank: int, world: int, steps: int) -> dict[str, object]:
+    from moonrt.assemble import build_model
+    from moonrt.comm.zero_muon import ZeroMuon
+    from moonrt.optimizers import build_optimizer, muon_blocks
+
+    job = _tiny_job()
+    model = build_model(job)
+    opt = build_optimizer(model, job.optim)
+    part = ZeroMuon(None, assign=lambda m: muon_blocks(m, job.optim))
+    gen = torch.Generator().manual_seed(7)
+    for step in range(steps):
+        for p in model.parameters():
+            g = torch.randn(p.shape, generator=gen) * 1e-2
+            p.grad = g / world + (rank - (world - 1) / 2) * 1e-3  # the ranks' pieces sum to g
+        part.sync_grads(model)
+        part.clip_grad_norm(list(model.parameters()), 1.0)
+        for g in opt.param_groups:
+            g["lr"] = 1e-2 * (step + 1)
+        part.step(opt)
+    state = part.full_state_dict(model, opt)
+    return {"state": state, "bytes": part.state_bytes(), "units": len(part.mine)}
+
+
+def _single(steps: int) -> dict[str, object]:
+    from moonrt.assemble import build_model
+    from moonrt.optimizers import build_optimizer
+
+    job = _tiny_job()
+    model = build_model(job)
+    opt = build_optimizer(model, job.optim)
+    gen = torch.Generator().manual_seed(7)
+    for step in range(steps):
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=gen) * 1e-2
+        torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0)
+        for g in opt.param_groups:
+            g["lr"] = 1e-2 * (step + 1)
+        opt.step()
+    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "_model": model}
+
+
+@pytest.mark.timeout(900)
+def test_two_ranks_equal_one_process_incl_matrices_a_flat_partition_splits() -> None:
+    from moonrt.optimizers import muon_blocks
+
+    ref = _single(2)
+    names = set(muon_blocks(ref.pop("_model"), _tiny_job().optim))
+    from moonrt.assemble import build_model
+
+    straddlers = _flat_straddlers(build_model(_tiny_job()), names, 2)
+    assert straddlers, "k3_tiny's flat 2-way partition cuts no Muon matrix: build one"
+    out = dist_run(_zero_vs_single, 2, 2, timeout=600)
+    for r in out:
+        _close(r["state"]["model"], ref["model"], "model")
+        _close(r["state"]["optimizer"], ref["optimizer"], "optimizer")
+    full = _zero_vs_single(0, 1, 0)["bytes"]  # one rank owns every unit: no sharding
+    assert out[0]["units"] + out[1]["units"] > 0 and max(r["bytes"] for r in out) < 0.6 * full, \
+        ([r["bytes"] for r in out], full)
+
+
+@pytest.mark.timeout(1800)
+def test_train_zero1_muon_resumes_a_single_process_checkpoint_and_matches_it(tmp_path: Path) -> None:
+    flags = [*FLAGS, "--optimizer", "muon"]
+    _run(tmp_path, {"base": _moonrt("train", *flags, "--until", "1", "--out", "base")})
+    common = ("train", *flags, "--resume", "--until", "2")
+    runs = {"single": _moonrt(*common, "--out", "single", "--metrics", "single.jsonl"),
+            "zero_dp2": _launch(2, *common, "--out", "zero_dp2", "--metrics", "zero_dp2.jsonl", "--zero", "1")}
+    for name in runs:
+        shutil.copytree(tmp_path / "base", tmp_path / name)
+    _run(tmp_path, runs, timeout=1700)
+    ref, got = _metrics(tmp_path / "single.jsonl")[2], _metrics(tmp_path / "zero_dp2.jsonl")[2]
+    assert abs(got["loss"] - ref["loss"]) <= RTOL * abs(ref["loss"]), (got["loss"], ref["loss"])
+    assert abs(got["grad_norm"] - ref["grad_norm"]) <= RTOL * ref["grad_norm"], (got, ref)
+    ref_ckpt, ck = _ckpt(tmp_path / "single"), _ckpt(tmp_path / "zero_dp2")
+    assert ck["step"] == 2 and list(ck["model"]) == list(ref_ckpt["model"])
+    _close(ck["model"], ref_ckpt["model"], "model")
+    _close(ck["optimizer"], ref_ckpt["optimizer"], "optimizer")
+    assert len(got["optimizer_state_bytes"]) == 2 and got["optimizer_comm_bytes"] > 0
