@@ -38,6 +38,12 @@ def default_dtype() -> str:
     return "bf16" if torch.cuda.is_available() else "fp32"
 
 
+OPTIM_STATE_BYTES = {"muon": 4 + 4, "adamw": 4 + 2 * 4}
+"""Persistent optimizer bytes per parameter: an fp32 master copy plus Muon's one fp32 momentum
+(``moonrt.ops.muon``) or AdamW's two fp32 moments. Under ``muon`` the few non-matrix parameters that AdamW
+updates (embedding, LM head, norms, router: ~0.1% of K3's parameters) are counted at Muon's 8 bytes."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument
     g("--model", default="k3", help="model preset: k3 (the released 2.8T config) or k3_tiny (default: k3)")
@@ -55,8 +61,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       "default 32)")
     g("--schedule", default="interleaved", choices=["1f1b", "interleaved", "gpipe"],
       help="pipeline schedule whose in-flight micro-batches set the activation peak (default interleaved)")
-    g("--optim-bytes", type=int, default=8, help="optimizer-state bytes per parameter, sharded ZeRO-1 (Muon 8, AdamW "
-      "12; default 8)")
+    g("--optimizer", choices=sorted(OPTIM_STATE_BYTES), default="muon",
+      help="optimizer whose state ZeRO-1 shards: muon (fp32 master + momentum, 8 bytes per parameter; K3's) or "
+      "adamw (fp32 master + two moments, 12); default muon")
+    g("--optim-bytes", type=int, default=None, help="optimizer-state bytes per parameter, sharded ZeRO-1 "
+      "(default: --optimizer's)")
     g("--shard-grads", action="store_true",
       help="fp32 gradients sharded like the optimizer states (K3_SYSTEMS §10), else full per rank")
     g("--dtype", choices=["bf16", "fp32"], default=None,
@@ -101,6 +110,8 @@ def _check_args(args: argparse.Namespace) -> str | None:
     for name in ("dp", "pp", "vpp", "ep", "cp", "micro_batch_size", "seq_len", "microbatches", "optim_bytes",
                  "probe_tokens", "probe_experts"):
         v = getattr(args, name)
+        if v is None:
+            continue
         if v < (0 if name == "optim_bytes" else 1):
             return f"--{name.replace('_', '-')} = {v}: expected an integer >= {0 if name == 'optim_bytes' else 1}"
     for b in args.budget_gib:
@@ -145,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
     par = ParallelConfig(dp=args.dp, pp=args.pp, vpp=args.vpp, ep=args.ep, cp=args.cp, schedule=args.schedule,
                          microbatches=args.microbatches)
     layout = JobLayout(parallel=par, micro_batch_size=args.micro_batch_size, seq_len=args.seq_len,
-                       optim_bytes=args.optim_bytes,
+                       optim_bytes=OPTIM_STATE_BYTES[args.optimizer] if args.optim_bytes is None else args.optim_bytes,
                        shard_grads=args.shard_grads, act_bytes=ab, param_bytes=ab)
     try:
         layout.check(cfg.num_hidden_layers, cfg.num_experts)
