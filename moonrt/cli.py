@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "ep-sim": ("moonrt.scheduler.sim", "simulate expert placement (MoonEP, EPLB, none) on a routing workload"),
     "mem-plan": ("moonrt.mem_plan", "per-rank memory model and activation-policy plan for a budget (ILP)"),
     "pp-plan": ("moonrt.pp_plan", "pipeline schedule (bubble, peak live) and AttnRes blocks per hop, naive vs cached"),
+    "checkpoint": ("moonrt.checkpoint_cli", "inspect (info), export (safetensors), convert moonrt train checkpoints"),
 }
 
 

@@ -17,6 +17,7 @@
   saved state always has the single-process layout (every ``[E, ...]`` expert tensor whole, AdamW
   ``exp_avg`` / ``exp_avg_sq`` of the experts likewise), gathered over the EP group; loading slices
   it back to the home experts, so a checkpoint of ``--ep 2`` resumes in one process or ``--ep 4``.
+  :meth:`sharded_state_dict`: the same names for DCP, each rank writing only its home experts' rows.
 - :meth:`step_metrics`: per-step metrics (rows each EP rank computed, rows the hottest rank would
   compute without balancing); :meth:`layer_counts` gives the group-wide ``[R, E]`` routing counts a
   :class:`moonrt.comm.parallelism.RoutingTrace` records.
@@ -208,6 +209,21 @@ class ExpertParallel(Part):
         if optim_sd is not None:
             optim.load_state_dict(optim_sd)
         return True
+
+    def shard_map(self, model: nn.Module) -> dict[int, tuple[tuple[int, ...], int]]:
+        """``id(param) -> (single-process shape (E, ...), first home expert)`` of every sharded expert parameter."""
+        if self.ep_size == 1:
+            return {}
+        return {id(p): ((self._expert_slices[id(p)][2], *p.shape[1:]), self._expert_slices[id(p)][0])
+                for _, p in self._sharded(model)}
+
+    def sharded_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer,
+                           save: bool = True) -> dict[str, Any]:
+        """DCP state without a gather: expert tensors as row shards ``[first, first + E/R)`` of ``[E, ...]`` (their
+        moments as the same range of the flattened tensor), everything else whole (replicas: DCP writes one)."""
+        from moonrt.comm.dcp_state import local_state
+
+        return local_state(model, optim, self.shard_map(model))
 
     # ---- per-step metrics and routing counts --------------------------------------------------------
     def layer_counts(self, model: nn.Module) -> list[torch.Tensor]:

@@ -4,7 +4,8 @@ The training loop (``moonrt train``) is the same code whatever is parallel: it c
 :meth:`Parallelism.parallelize` once, then per step :meth:`forward_backward` (the pipeline part runs its
 schedule there), :meth:`sync_grads`, :meth:`clip_grad_norm`, :meth:`step` (instead of ``optimizer.step()``),
 :meth:`sum_stats` / :meth:`sum_scalar` and :meth:`step_metrics`, and :meth:`full_state_dict` /
-:meth:`load_full_state_dict` for checkpoints in the single-process layout, :meth:`close` at the end.
+:meth:`load_full_state_dict` for checkpoints in the single-process layout (gathered), :meth:`sharded_state_dict` /
+:meth:`load_sharded_state_dict` for sharded DCP checkpoints (each rank its own pieces), :meth:`close` at the end.
 A single-process job is this object with no parts and no replica group.
 
 Order of the parts (``moonrt.assemble.parallel_runtime``): the pipeline first (it runs the step, and it wraps
@@ -78,6 +79,18 @@ class Part:
 
     def load_full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, state: dict[str, Any]) -> bool:
         """Load a single-process-layout state into this rank's shards; True if this part did it."""
+        return False
+
+    def sharded_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer,
+                           save: bool = True) -> dict[str, Any] | None:
+        """This rank's pieces of the single-process-layout state for DCP (:mod:`moonrt.comm.dcp_state`: tensors
+        and ``Shard`` s by name, no gather), or None for the default. ``save=True``: what this rank writes (it may
+        leave out a copy another rank writes); False: the load targets of everything this rank holds."""
+        return None
+
+    def load_sharded_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, state: dict[str, Any]) -> bool:
+        """Finish a load after DCP filled ``state`` (this part's :meth:`sharded_state_dict` with ``save=False``);
+        True if this part did it."""
         return False
 
     def step_metrics(self, step: int, model: nn.Module, record: dict[str, Any]) -> None:
@@ -168,6 +181,16 @@ class Parallelism:
             return x
         return float(self.sum_stats(torch.tensor([x], dtype=torch.float64)))
 
+    def any_flag(self, flag: bool) -> bool:
+        """True on every rank when ``flag`` is True on any rank of the job: one int all-reduce MAX over the
+        default group (collective: every rank calls it at the same point, e.g. a step boundary, so all agree
+        on the step a stop signal takes effect). One process: ``flag``."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return flag
+        t = torch.tensor([int(flag)], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
     def full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
         for part in self.parts:
             state = part.full_state_dict(model, optim)
@@ -180,6 +203,23 @@ class Parallelism:
             return
         model.load_state_dict(state["model"])
         optim.load_state_dict(state["optimizer"])
+
+    def sharded_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, save: bool = True) -> dict[str, Any]:
+        """This rank's DCP state (:meth:`Part.sharded_state_dict`); default: every tensor whole (one process)."""
+        from moonrt.comm.dcp_state import local_state
+
+        for part in self.parts:
+            state = part.sharded_state_dict(model, optim, save)
+            if state is not None:
+                return state
+        return local_state(model, optim)
+
+    def load_sharded_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """Finish a load into the targets of ``sharded_state_dict(model, optim, save=False)`` that DCP filled."""
+        from moonrt.comm.dcp_state import finish_local_load
+
+        if not any(part.load_sharded_state_dict(model, optim, state) for part in self.parts):
+            finish_local_load(model, optim, state)
 
     def step_metrics(self, step: int, model: nn.Module, record: dict[str, Any]) -> None:
         for part in self.parts:

@@ -6,7 +6,8 @@ every step's micro-batches through :class:`moonrt.comm.pipeline.PipelineExecutor
 lowered action list. Gradients of parameters held by several pipeline ranks (the AttnRes
 pseudo-queries) are summed over the pp group; the gradient norm is the global one; checkpoints stay in
 the single-process layout (:meth:`full_state_dict` gathers every stage's parameters and optimizer
-state onto pipeline rank 0 by name; :meth:`load_full_state_dict` gives each rank its stages).
+state onto pipeline rank 0 by name; :meth:`load_full_state_dict` gives each rank its stages), or sharded for
+DCP (:meth:`sharded_state_dict`: each rank writes its own stages).
 """
 
 from __future__ import annotations
@@ -243,6 +244,29 @@ class PipelineParallel(Part):
         if self.inner is None or not self.inner.load_full_state_dict(model, optim, local):
             model.load_state_dict(local["model"])
             optim.load_state_dict(local["optimizer"])
+        return True
+
+    # ---- sharded (DCP) checkpoints: each rank its stages, no gather ----------------------------------
+    def sharded_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer,
+                           save: bool = True) -> dict[str, Any]:
+        """This rank's stages' state (through ``inner`` when it shards them further); when saving, a parameter
+        every pp rank holds (a pseudo-query) is written by its lowest pp rank only (the others' copies are equal,
+        and their ZeRO pieces of it are cut at other offsets)."""
+        from moonrt.comm.dcp_state import local_state
+
+        state = self.inner.sharded_state_dict(model, optim, save) if self.inner is not None else None
+        state = local_state(model, optim) if state is None else state
+        if save:
+            for name in set(self._named) - self.owned:
+                for key in [k for k in state if k == f"model.{name}" or k.startswith(f"optimizer.{name}.")]:
+                    del state[key]
+        return state
+
+    def load_sharded_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, state: dict[str, Any]) -> bool:
+        from moonrt.comm.dcp_state import finish_local_load
+
+        if self.inner is None or not self.inner.load_sharded_state_dict(model, optim, state):
+            finish_local_load(model, optim, state)
         return True
 
 

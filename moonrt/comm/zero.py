@@ -5,7 +5,8 @@
 shards) and :meth:`Zero1.step` (AdamW on this rank's shard, then all-gather of the updated shard)
 *instead of* ``optimizer.step()``; :meth:`Zero1.full_state_dict` / :meth:`Zero1.load_full_state_dict`
 speak the single-process ``{"model", "optimizer"}`` layout, so a ZeRO checkpoint resumes in one
-process and a single-process checkpoint resumes under ZeRO.
+process and a single-process checkpoint resumes under ZeRO; :meth:`Zero1.sharded_state_dict` gives DCP each
+rank's flat moment range as 1-D shards of the flattened parameters instead (no gather).
 With one replica per group (dp 1: ``--zero 1`` is allowed there) nothing is sharded and no
 collective runs; the update is torch's AdamW on whole parameters.
 
@@ -57,6 +58,7 @@ then over the EP group by the EP part.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -363,6 +365,36 @@ class Zero1(Part):
                             b.view(getattr(b, key), seg).copy_(st[key].reshape(-1)[lo:lo + c - a])
         finally:
             optim.state.clear()
+        return True
+
+    def sharded_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer,
+                           save: bool = True) -> dict[str, Any]:
+        """DCP state without a gather: the model as the EP part (or one process) gives it, and per parameter
+        this rank's piece of each moment as a 1-D ``Shard`` of the flattened single-process parameter (a
+        segment ``(i, a, b)`` is elements ``[a - offsets[i], b - offsets[i])`` of the local parameter, which
+        under EP starts at row ``first`` of ``[E, ...]``); ``.step`` replicated (DCP writes one copy)."""
+        from moonrt.comm.dcp_state import Shard, model_entries
+
+        self._bind(model, optim)
+        shards = self.ep.shard_map(model) if self.ep is not None else {}
+        out = model_entries(model, shards)
+        for b in self.buckets:
+            for i, (name, p) in enumerate(zip(b.names, b.params)):
+                shape, first = shards.get(id(p), (tuple(p.shape), 0))
+                base = first * (p[0].numel() if p.dim() else 1) - b.offsets[i]
+                for seg in (s for s in b.segments if s[0] == i):
+                    for key in _MOMENTS:
+                        out[f"optimizer.{name}.{key}"] = Shard(b.view(getattr(b, key), seg), (math.prod(shape),),
+                                                               (base + seg[1],))
+                out[f"optimizer.{name}.step"] = b.steps[i].clone()
+        return out
+
+    def load_sharded_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, state: dict[str, Any]) -> bool:
+        """The moments were read into the shard buffers in place; copy the step counts, keep ``optim.state`` empty."""
+        for b in self.buckets:
+            for i, name in enumerate(b.names):
+                b.steps[i] = float(state[f"optimizer.{name}.step"])
+        optim.state.clear()
         return True
 
     # ---- accounting --------------------------------------------------------------------------------

@@ -1,0 +1,235 @@
+"""``moonrt checkpoint``: inspect, export and convert ``moonrt train`` checkpoints (job layer).
+
+- ``moonrt checkpoint info DIR [--json]``: step, the layout that wrote it (world, dp/pp/vpp/ep/cp, zero),
+  tensor count and bytes, and what each rank passed to DCP and wrote. DIR: ``OUT/checkpoint`` (its newest
+  committed step) or one ``step-N`` directory; a torn one (no ``moonrt.json``) is an error.
+- ``moonrt checkpoint export DIR FILE [--names hf|moonrt]``: the model weights as one single-process
+  ``safetensors`` file (no optimizer state), for use outside moonrt. Names (``--names hf``, the default)
+  follow the Llama / DeepSeek-V3 convention where moonrt has the same tensor, see :data:`HF_RULES`:
+
+  ======================================  ======================================================
+  moonrt                                  safetensors (HF-style)
+  ======================================  ======================================================
+  ``embed.weight``                        ``model.embed_tokens.weight``
+  ``norm.weight``                         ``model.norm.weight``
+  ``lm_head.weight``                      ``lm_head.weight``
+  ``layers.i.attn_norm.weight``           ``model.layers.i.input_layernorm.weight``
+  ``layers.i.ffn_norm.weight``            ``model.layers.i.post_attention_layernorm.weight``
+  ``layers.i.ffn.{gate,up,down}_proj.*``  ``model.layers.i.mlp.{gate,up,down}_proj.*`` (dense FFN)
+  ``layers.i.attn.{q_a,q_b,kv_b,o}_proj`` ``model.layers.i.self_attn.{q_a,q_b,kv_b,o}_proj`` (MLA layers)
+  ``layers.i.attn.kv_a_proj.weight``      ``model.layers.i.self_attn.kv_a_proj_with_mqa.weight`` (MLA)
+  ``layers.i.attn.{q_a,kv_a}_norm.weight````model.layers.i.self_attn.{q_a,kv_a}_layernorm.weight`` (MLA)
+  ``layers.i.moe.router.weight``          ``model.layers.i.mlp.gate.weight``
+  ``layers.i.moe.router.bias`` (buffer)   ``model.layers.i.mlp.gate.e_score_correction_bias``
+  ``layers.i.moe.experts.w_gate [E,F,L]`` ``model.layers.i.mlp.experts.e.gate_proj.weight [F, L]`` per expert
+  ``layers.i.moe.experts.w_up [E,F,L]``   ``model.layers.i.mlp.experts.e.up_proj.weight [F, L]``
+  ``layers.i.moe.experts.w_down [E,L,F]`` ``model.layers.i.mlp.experts.e.down_proj.weight [L, F]``
+  ======================================  ======================================================
+
+  Everything else keeps its moonrt name (KDA attention, the LatentMoE's latent ``down_proj`` / ``up_proj`` /
+  ``norm`` -- the routed experts act on the latent width L, not the hidden size --, the shared experts, the
+  AttnRes queries). The file's ``__metadata__`` holds ``moonrt_names`` (JSON: every exported name -> its moonrt
+  name, experts as ``name[e]``), the step and the model config, so :func:`from_hf` maps it back.
+  ``--names moonrt`` writes the moonrt names and stacked experts unchanged.
+- ``moonrt checkpoint convert SRC DST``: ``checkpoint.pt`` -> a sharded directory (DST is the
+  ``OUT/checkpoint`` root; written in one process) or a sharded directory -> ``checkpoint.pt`` (DST a file).
+
+Bad input: one line on stderr naming the argument, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+HF_RULES: list[tuple[str, str]] = [
+    (r"embed\.weight", "model.embed_tokens.weight"),
+    (r"norm\.weight", "model.norm.weight"),
+    (r"lm_head\.weight", "lm_head.weight"),
+    (r"layers\.(\d+)\.attn_norm\.weight", r"model.layers.\1.input_layernorm.weight"),
+    (r"layers\.(\d+)\.ffn_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
+    (r"layers\.(\d+)\.ffn\.(gate_proj|up_proj|down_proj)\.weight", r"model.layers.\1.mlp.\2.weight"),
+    (r"layers\.(\d+)\.attn\.(q_a_proj|q_b_proj|kv_b_proj)\.weight", r"model.layers.\1.self_attn.\2.weight"),
+    (r"layers\.(\d+)\.attn\.kv_a_proj\.weight", r"model.layers.\1.self_attn.kv_a_proj_with_mqa.weight"),
+    (r"layers\.(\d+)\.attn\.q_a_norm\.weight", r"model.layers.\1.self_attn.q_a_layernorm.weight"),
+    (r"layers\.(\d+)\.attn\.kv_a_norm\.weight", r"model.layers.\1.self_attn.kv_a_layernorm.weight"),
+    (r"layers\.(\d+)\.moe\.router\.weight", r"model.layers.\1.mlp.gate.weight"),
+    (r"layers\.(\d+)\.moe\.router\.bias", r"model.layers.\1.mlp.gate.e_score_correction_bias"),
+]
+"""``(moonrt regex, HF replacement)``, matched against the whole name; first match wins."""
+
+_EXPERTS = re.compile(r"layers\.(\d+)\.moe\.experts\.w_(gate|up|down)")
+_MLA_O = re.compile(r"layers\.(\d+)\.attn\.o_proj\.weight")
+
+
+def hf_names(model: dict[str, Any]) -> dict[str, str]:
+    """``moonrt name -> HF name`` for every non-expert tensor of a single-process ``model.state_dict()``
+    (unmapped names map to themselves); MLA's ``o_proj`` only in layers that are MLA (``kv_b_proj`` present)."""
+    out = {}
+    for name in model:
+        new = name
+        for pat, rep in HF_RULES:
+            if re.fullmatch(pat, name):
+                new = re.sub(pat, rep, name)
+                break
+        m = _MLA_O.fullmatch(name)
+        if m and f"layers.{m.group(1)}.attn.kv_b_proj.weight" in model:
+            new = f"model.layers.{m.group(1)}.self_attn.o_proj.weight"
+        out[name] = new
+    return out
+
+
+def to_hf(model: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """The export tensors (HF names where :data:`HF_RULES` has one, experts one tensor per expert) and
+    ``exported name -> moonrt name`` (``w_gate[e]`` for expert ``e`` of a stacked tensor)."""
+    names = hf_names(model)
+    tensors, back = {}, {}
+    for name, t in model.items():
+        m = _EXPERTS.fullmatch(name)
+        if m:
+            for e in range(t.shape[0]):
+                key = f"model.layers.{m.group(1)}.mlp.experts.{e}.{m.group(2)}_proj.weight"
+                tensors[key], back[key] = t[e].contiguous(), f"{name}[{e}]"
+        else:
+            tensors[names[name]], back[names[name]] = t.contiguous(), name
+    return tensors, back
+
+
+def from_hf(tensors: dict[str, Any], back: dict[str, str]) -> dict[str, Any]:
+    """Invert :func:`to_hf`: moonrt names, experts stacked again ``[E, ...]`` in expert order."""
+    import torch
+
+    out: dict[str, Any] = {}
+    stacks: dict[str, dict[int, Any]] = {}
+    for key, t in tensors.items():
+        m = re.fullmatch(r"(.+)\[(\d+)\]", back[key])
+        if m:
+            stacks.setdefault(m.group(1), {})[int(m.group(2))] = t
+        else:
+            out[back[key]] = t
+    for name, parts in stacks.items():
+        out[name] = torch.stack([parts[e] for e in range(len(parts))])
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    info = sub.add_parser("info", help="step, layout, tensor count and bytes of a checkpoint")
+    info.add_argument("dir", metavar="DIR", help="OUT/checkpoint (newest committed step) or a step-N directory")
+    info.add_argument("--json", action="store_true", help="print the commit marker (without the job config) as JSON")
+    exp = sub.add_parser("export", help="model weights as one single-process safetensors file")
+    exp.add_argument("dir", metavar="DIR", help="OUT/checkpoint, a step-N directory, or a checkpoint.pt file")
+    exp.add_argument("file", metavar="FILE", help="the .safetensors file to write")
+    exp.add_argument("--names", choices=("hf", "moonrt"), default="hf",
+                     help="hf: HF-style names where they exist, experts one tensor each (default); moonrt: as stored")
+    conv = sub.add_parser("convert", help="checkpoint.pt -> sharded directory, or sharded directory -> checkpoint.pt")
+    conv.add_argument("src", metavar="SRC", help="a checkpoint.pt file, or OUT/checkpoint / a step-N directory")
+    conv.add_argument("dst", metavar="DST", help="the OUT/checkpoint root to write (SRC a file) or a .pt file (SRC a "
+                      "directory)")
+
+
+def _fail(msg: str) -> int:
+    print(f"moonrt checkpoint: {msg}", file=sys.stderr)
+    return 2
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
+def _info(args: argparse.Namespace) -> int:
+    from moonrt.checkpoint_dcp import read_marker, resolve
+
+    step_dir = resolve(args.dir)
+    marker = read_marker(step_dir)
+    if args.json:
+        print(json.dumps({"dir": str(step_dir), **{k: v for k, v in marker.items() if k != "config"}}, indent=1))
+        return 0
+    lay, ranks = marker["layout"], marker["ranks"]
+    cfg = marker["config"]
+    print(f"checkpoint {step_dir} (committed)")
+    model = cfg["model"] if cfg.get("model_config") is None else "custom"
+    print(f"step {marker['step']} of {cfg['optim']['steps']}; model {model}")
+    print(f"written at world {lay['world']} = dp {lay['dp']} x pp {lay['pp']} x ep {lay['ep']} x cp {lay['cp']} "
+          f"(vpp {lay['vpp']}, zero {lay['zero']})")
+    print(f"{marker['tensors']} tensors, {_mb(marker['bytes'])}")
+    for r, row in enumerate(ranks):
+        print(f"rank {r}: model {_mb(row['model_bytes'])} + optimizer {_mb(row['optimizer_bytes'])} passed to DCP, "
+              f"{_mb(row['written_bytes'])} written")
+    return 0
+
+
+def _model_state(src: str) -> tuple[dict[str, Any], int, dict[str, Any]]:
+    """``(model state dict, step, job config)`` of a checkpoint directory or ``checkpoint.pt`` file."""
+    from moonrt.checkpoint import load
+    from moonrt.checkpoint_dcp import read_full
+
+    if Path(src).is_file():
+        state = load(src)
+        return state["model"], state["step"], state["config"]
+    flat, marker = read_full(src)
+    return {k[len("model."):]: v for k, v in flat.items() if k.startswith("model.")}, marker["step"], marker["config"]
+
+
+def _export(args: argparse.Namespace) -> int:
+    from safetensors.torch import save_file
+
+    out = Path(args.file)
+    if out.is_dir() or not out.parent.is_dir():
+        return _fail(f"FILE = {args.file!r}: expected a file path in an existing directory")
+    model, step, config = _model_state(args.dir)
+    if args.names == "hf":
+        tensors, back = to_hf(model)
+    else:
+        tensors, back = {k: v.contiguous() for k, v in model.items()}, {k: k for k in model}
+    meta = {"format": "pt", "moonrt_step": str(step), "moonrt_names": json.dumps(back),
+            "moonrt_config": json.dumps(config)}
+    save_file(tensors, str(out), metadata=meta)
+    print(f"wrote {out}: {len(tensors)} tensors, {_mb(sum(t.numel() * t.element_size() for t in tensors.values()))} "
+          f"(step {step}, {args.names} names)")
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from moonrt.checkpoint import load, save
+    from moonrt.checkpoint_dcp import save_sharded, to_single_file
+
+    src, dst = Path(args.src), Path(args.dst)
+    if src.is_dir():
+        if dst.is_dir():
+            return _fail(f"DST = {args.dst!r}: is a directory; expected the checkpoint.pt file to write")
+        save(dst, to_single_file(src))
+        print(f"wrote {dst}")
+        return 0
+    if dst.exists() and not dst.is_dir():
+        return _fail(f"DST = {args.dst!r}: is a file; expected the OUT/checkpoint directory to write into")
+    import torch
+
+    from moonrt.assemble import build_model
+    from moonrt.config import from_dict
+    from moonrt.job import JobConfig
+    from moonrt.optimizers import build_optimizer
+
+    state = load(src)
+    job = from_dict(JobConfig, state["config"])
+    model = build_model(job)
+    opt = build_optimizer(model, job.optim)
+    if not isinstance(opt, torch.optim.AdamW):
+        return _fail(f"SRC = {args.src!r}: optimizer {type(opt).__name__}; expected AdamW (the sharded format's state)")
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    print(f"wrote {save_sharded(dst, model, opt, state['step'], job)}")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    from moonrt.checkpoint import CheckpointError
+
+    try:
+        return {"info": _info, "export": _export, "convert": _convert}[args.action](args)
+    except (CheckpointError, OSError) as exc:
+        return _fail(str(exc).splitlines()[0])

@@ -1,0 +1,243 @@
+"""Sharded checkpoint state for ``torch.distributed.checkpoint`` (DCP): what each rank owns, by single-process name.
+
+A **sharded state** is a flat ``dict[str, torch.Tensor | Shard]`` a rank hands to DCP (runtime layer: the
+parts of :class:`moonrt.comm.parallelism.Parallelism` build it, :mod:`moonrt.checkpoint_dcp` saves and loads it):
+
+- ``model.<name>``: every entry of the single-process ``model.state_dict()`` with its single-process shape.
+  A whole tensor (a replica: DCP keeps one copy, from the rank with the least to write) or a :class:`Shard`
+  (expert weights under EP: rows ``[first, first + E/R)`` of the stacked ``[E, ...]`` tensor).
+- ``optimizer.<name>.exp_avg`` / ``.exp_avg_sq``: the AdamW moments of parameter ``<name>``, **flattened**
+  to ``[numel]`` of the single-process parameter, so that every layout's piece is one contiguous range:
+  an EP rank's experts, a ZeRO-1 owner's piece of its flat bucket (``moonrt.comm.zero._Bucket``), or both.
+  ``optimizer.<name>.step``: the parameter's AdamW step count, a 0-d float64 tensor (0: no state yet).
+
+Loading builds the same dict with the *target* tensors (views of the parameters and optimizer buffers where
+possible), DCP copies every requested range from whichever saved chunks overlap it (resharding), and the
+part's ``load_sharded_state_dict`` finishes (step counts into the optimizer). :class:`SafeReader` and
+:class:`ShardLoadPlanner` make loading execute no pickled object (see their docstrings).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import math
+import pickle
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, TensorWriteData, WriteItem, WriteItemType
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclasses.dataclass
+class Shard:
+    """``local`` is the box ``offsets + local.shape`` of a tensor whose single-process shape is ``shape``.
+
+    DCP's hooks (``__create_write_items__``, ``__create_chunk_list__``, ``size``) describe it as one chunk;
+    the planners below hand DCP ``local`` itself to write from or read into.
+    """
+
+    local: torch.Tensor
+    shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.offsets) != len(self.shape) or self.local.dim() != len(self.shape) or any(
+                o < 0 or o + n > s for o, n, s in zip(self.offsets, self.local.shape, self.shape)):
+            raise ValueError(f"Shard: local {tuple(self.local.shape)} at {self.offsets} does not fit in {self.shape}")
+
+    def size(self) -> torch.Size:
+        return torch.Size(self.shape)
+
+    def chunk(self) -> ChunkStorageMetadata:
+        return ChunkStorageMetadata(offsets=torch.Size(self.offsets), sizes=torch.Size(self.local.shape))
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        return [WriteItem(index=MetadataIndex(fqn, torch.Size(self.offsets)), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=self.chunk(),
+                                                      properties=TensorProperties.create_from_tensor(self.local),
+                                                      size=self.size()))]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [self.chunk()]
+
+
+def flat_shard(local: torch.Tensor, numel: int, start: int) -> Shard:
+    """Elements ``[start, start + local.numel())`` of a flattened ``[numel]`` tensor (``local`` viewed 1-D)."""
+    return Shard(local.reshape(-1), (numel,), (start,))
+
+
+def _local(obj: Any) -> Any:
+    return obj.local if isinstance(obj, Shard) else obj
+
+
+class ShardSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner (replicas deduplicated across ranks) that also writes :class:`Shard` values
+    (of a flat dict: nothing to flatten)."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        return _local(self.state_dict[index.fqn])
+
+
+class ShardLoadPlanner(DefaultLoadPlanner):
+    """Loads into :class:`Shard` and tensor targets; refuses non-tensor (pickled) entries.
+
+    DCP's default planner unpickles a ``BytesStorageMetadata`` entry with ``torch.load(weights_only=False)``;
+    here such an entry is an error before any byte of it is read. The state dict is flat and its values are
+    targets as they are (DCP's own set-up would replace a :class:`Shard` by None: it only knows tensors).
+    """
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def set_up_planner(self, state_dict: dict[str, Any], metadata: Metadata | None = None,
+                       is_coordinator: bool = False) -> None:
+        self.original_state_dict = self.state_dict = state_dict
+        self.metadata, self.is_coordinator = metadata, is_coordinator
+
+    def create_local_plan(self) -> LoadPlan:
+        """DCP's resharding reads, checked to cover every target element (DCP leaves an uncovered range as it was)."""
+        plan = super().create_local_plan()
+        covered: dict[str, int] = {}
+        for item in plan.items:
+            covered[item.dest_index.fqn] = covered.get(item.dest_index.fqn, 0) + math.prod(item.lengths)
+        for fqn, target in self.state_dict.items():
+            want = _local(target).numel()
+            if covered.get(fqn, 0) != want:
+                raise ValueError(f"checkpoint entry {fqn!r}: the saved chunks hold {covered.get(fqn, 0)} of the "
+                                 f"{want} elements this rank needs (a checkpoint missing some ranks' files?)")
+        return plan
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        return _local(self.state_dict[index.fqn])
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        raise ValueError(f"checkpoint entry {read_item.dest_index.fqn!r}: a pickled object, expected a tensor "
+                         "(refused: loading executes no pickled objects)")
+
+
+# DCP's ``.metadata`` file is a pickle (torch 2.13 reads it with plain ``pickle.load``): these are the only
+# globals a DCP metadata pickle of tensors needs; anything else (a class whose reduce would run code) is refused.
+_METADATA_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", n) for n in (
+        "Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "TensorProperties", "BytesStorageMetadata",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.distributed.checkpoint.planner", "TensorWriteData"),
+    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_GLOBALS or (module == "torch" and isinstance(
+                getattr(torch, name, None), torch.dtype | torch.memory_format)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"global {module}.{name} is not a DCP metadata type")
+
+
+def read_metadata_safely(data: bytes) -> Metadata:
+    """Unpickle a DCP ``.metadata`` file allowing only DCP metadata classes, torch sizes, dtypes and formats."""
+    md = _MetadataUnpickler(io.BytesIO(data)).load()
+    if not isinstance(md, Metadata):
+        raise pickle.UnpicklingError(f"holds {type(md).__name__}, expected DCP Metadata")
+    return md
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file-system reader with :func:`read_metadata_safely` for the pickled ``.metadata`` file
+    (the tensor data files DCP reads with ``torch.load(weights_only=True)`` already)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+            md = read_metadata_safely(f.read())
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+
+# ---- the single-process layout (the default of Parallelism and of the parts' unsharded parameters) ----------
+
+
+def local_state(model: nn.Module, optim: torch.optim.Optimizer, shards: dict[int, tuple[tuple[int, ...], int]]
+                | None = None) -> dict[str, Any]:
+    """The sharded state of a model whose tensors are whole except ``shards``: ``id(param) -> (full shape,
+    first row)`` (EP's home experts): :func:`model_entries` and :func:`optim_entries`."""
+    return model_entries(model, shards) | optim_entries(model, optim, shards)
+
+
+def model_entries(model: nn.Module, shards: dict[int, tuple[tuple[int, ...], int]] | None = None) -> dict[str, Any]:
+    """``model.<name>`` for every ``model.state_dict()`` entry: a view of the tensor itself (save source and load
+    target), a :class:`Shard` of rows ``[first, first + n)`` for the parameters in ``shards``."""
+    shards = shards or {}
+    out: dict[str, Any] = {}
+    for name, t in model.state_dict(keep_vars=True).items():  # keep_vars: parameters are the objects themselves
+        if id(t) in shards:
+            shape, first = shards[id(t)]
+            out[f"model.{name}"] = Shard(t.detach(), shape, (first,) + (0,) * (t.dim() - 1))
+        else:
+            out[f"model.{name}"] = t.detach()
+    return out
+
+
+def optim_entries(model: nn.Module, optim: torch.optim.Optimizer,
+                  shards: dict[int, tuple[tuple[int, ...], int]] | None = None) -> dict[str, Any]:
+    """``optimizer.<name>.exp_avg`` / ``.exp_avg_sq`` (flat, a :class:`Shard` under ``shards``) and ``.step``
+    (0-d float64) of every parameter of ``optim`` (torch AdamW layout). A parameter without state yet gets
+    zeros and step 0, so the same dict serves as the save source and the load target."""
+    shards = shards or {}
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    out: dict[str, Any] = {}
+    for group in optim.param_groups:
+        for p in group["params"]:
+            name = name_of[id(p)]
+            st = optim.state.get(p) or {}
+            shape, first = shards.get(id(p), (tuple(p.shape), 0))
+            row = p[0].numel() if p.dim() else 1
+            for key in MOMENTS:
+                buf = st.get(key)
+                out[f"optimizer.{name}.{key}"] = flat_shard(buf if buf is not None else torch.zeros_like(p),
+                                                            math.prod(shape), first * row)
+            out[f"optimizer.{name}.step"] = torch.tensor(float(st["step"]) if "step" in st else 0.0,
+                                                         dtype=torch.float64)
+    return out
+
+
+def finish_local_load(model: nn.Module, optim: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """After DCP filled a :func:`local_state` target (model tensors are loaded in place, being views): put the loaded
+    moments and step counts into ``optim.state`` (a parameter with step 0 gets no state, as in torch)."""
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    from torch.optim.optimizer import _get_scalar_dtype
+
+    scalar = _get_scalar_dtype()
+    for group in optim.param_groups:
+        for p in group["params"]:
+            name = name_of[id(p)]
+            step = float(state[f"optimizer.{name}.step"])
+            if step == 0:
+                optim.state.pop(p, None)
+                continue
+            moments = {k: _local(state[f"optimizer.{name}.{k}"]).view_as(p) for k in MOMENTS}
+            optim.state[p] = {"step": torch.tensor(step, dtype=scalar), **moments}
+
+
+__all__ = ["MOMENTS", "SafeReader", "Shard", "ShardLoadPlanner", "ShardSavePlanner", "finish_local_load",
+           "flat_shard", "local_state", "model_entries", "optim_entries",
+           "read_metadata_safely"]
