@@ -74,6 +74,24 @@ class _Slot:
         return self.rows * self.cols
 
 
+def unit_layout(model: nn.Module, blocks: dict[str, Blocking]
+                ) -> tuple[list[tuple[str, nn.Parameter]], list[Unit], list[tuple[int, int, int, int]]]:
+    """The trainable parameters, their units (Muon blocks of ``blocks``' parameters, whole AdamW parameters
+    otherwise) and per unit ``(parameter index, block index or -1, rows, cols)``, in ``named_parameters`` order."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    units: list[Unit] = []
+    raw: list[tuple[int, int, int, int]] = []
+    for i, (name, p) in enumerate(named):
+        if name in blocks:
+            stack, heads, a, b = block_grid(p.shape, blocks[name])
+            units += [Unit(a, b)] * (stack * heads)
+            raw += [(i, k, a, b) for k in range(stack * heads)]
+        else:
+            units.append(Unit(p.numel(), 1, muon=False))
+            raw.append((i, -1, p.numel(), 1))
+    return named, units, raw
+
+
 class ZeroMuon(Part):
     """Muon + AdamW with unit ownership over one replica group (see the module docstring).
 
@@ -106,25 +124,12 @@ class ZeroMuon(Part):
         if self.plan is not None:
             return
         blocks = self.assign(model)
-        units: list[Unit] = []
-        raw: list[tuple[int, int, int, int]] = []
-        for name, p in model.named_parameters():
-            if not p.requires_grad:
-                continue
-            i = len(self.params)
+        named, units, raw = unit_layout(model, blocks)
+        for name, p in named:
             self.names.append(name)
             self.params.append(p)
-            muon = name in blocks
-            self.is_muon.append(muon)
+            self.is_muon.append(name in blocks)
             self.specs.append(blocks.get(name))
-            if muon:
-                stack, heads, a, b = block_grid(p.shape, blocks[name])
-                for k in range(stack * heads):
-                    units.append(Unit(a, b))
-                    raw.append((i, k, a, b))
-            else:
-                units.append(Unit(p.numel(), 1, muon=False))
-                raw.append((i, -1, p.numel(), 1))
         self.plan = plan_units(units, self.size)
         self.slots = [_Slot(i, k, a, b, self.plan.owner[u], self.plan.offsets[u]) for u, (i, k, a, b) in enumerate(raw)]
         self.mine = list(self.plan.units[self.rank])
