@@ -110,9 +110,18 @@ class JobConfig:
     threads: int = 1
     """torch intra-op threads per process (0: torch's default). One is the robust choice on a shared
     2-core machine (spinning OpenMP threads of several processes slow everyone down many-fold)."""
+    stop_signal: str = "SIGTERM"
+    """Signal (besides SIGTERM and SIGINT) on which every rank finishes its step, checkpoints and exits with
+    :data:`moonrt.cluster.preempt.PREEMPTED_EXIT` (``--signal USR1`` for ``#SBATCH --signal=B:USR1@...``)."""
 
     def validate(self) -> None:
         check(self.model in PRESETS, "model", self.model, "one of " + ", ".join(sorted(PRESETS)))
+        from moonrt.cluster.preempt import signal_from_name
+
+        try:
+            signal_from_name(self.stop_signal, "stop_signal")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         check(self.threads >= 0, "threads", self.threads, "an integer >= 0 (0 = torch default)")
         from moonrt.model.moe import moe_config_from_dict
 

@@ -17,12 +17,21 @@ looping) makes its peers' collectives time out after ``--timeout`` seconds, whic
 same way; the message then names the rank(s) still running when the peers timed out as the ones
 that stopped making progress (a rank frozen by a signal first), not the peer that noticed.
 ``--max-time`` bounds the whole run regardless.
+
+Signals: SIGTERM and SIGINT (and SIGHUP, forwarded as SIGTERM; SIGUSR1/SIGUSR2 as themselves) sent to the
+launcher are forwarded to every rank's process group, so a job that stops on them (``moonrt train``: finish the
+step, checkpoint, exit :data:`moonrt.cluster.preempt.PREEMPTED_EXIT` = 75) can save; a second one is forwarded
+too (``moonrt train`` then aborts at once). After a SIGTERM/SIGINT/SIGHUP the launcher waits up to
+``--stop-grace`` seconds for the ranks, then stops them as above; ranks exiting with code 75 are not failures.
+The launcher's exit code is the ranks': their common code (75 when all checkpointed, 143 when all were killed
+by SIGTERM), else the first rank's code that is neither 0 nor 75.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import math
 import os
 import queue
 import re
@@ -36,6 +45,7 @@ from typing import IO
 
 from moonrt.cluster.env import GLOO_IFNAME_ENV, TIMEOUT_ENV, free_port, loopback_interface
 from moonrt.cluster.local import describe_exit
+from moonrt.cluster.preempt import PREEMPTED_EXIT
 
 STDERR_TAIL = 40
 """Lines of the failing rank's stderr repeated in the failure message."""
@@ -45,6 +55,13 @@ PEER_FAILURE_MARKS = ("Connection closed by peer", "Connection reset by peer", "
 """gloo's words for "a peer went away": a rank showing them failed because of another rank."""
 GRACE_S = 5.0
 """Seconds between SIGTERM and SIGKILL when stopping the surviving ranks."""
+STOP_GRACE_S = 300.0
+"""Default ``--stop-grace``: seconds the ranks get to finish their step and checkpoint after a forwarded stop signal."""
+FORWARD = {signal.SIGTERM: signal.SIGTERM, signal.SIGINT: signal.SIGINT, signal.SIGHUP: signal.SIGTERM,
+           signal.SIGUSR1: signal.SIGUSR1, signal.SIGUSR2: signal.SIGUSR2}
+"""Signal received by the launcher -> signal sent to each rank's process group."""
+STOPS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+"""Received signals that start the ``--stop-grace`` wait (the others are only forwarded)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,6 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="rendezvous/collective timeout in seconds passed to every rank (default 300)")
     parser.add_argument("--max-time", type=float, default=None,
                         help="wall-clock limit of the whole run in seconds (default: none)")
+    parser.add_argument("--stop-grace", type=float, default=STOP_GRACE_S,
+                        help="seconds the ranks get to checkpoint and exit after a forwarded SIGTERM/SIGINT before "
+                        f"they are killed (default {STOP_GRACE_S:g})")
     parser.add_argument("--selftest", action="store_true",
                         help="run the communication self-test (moonrt.cluster.selftest) on the ranks")
     parser.add_argument("command", nargs=argparse.REMAINDER,
@@ -68,20 +88,39 @@ def run(args: argparse.Namespace) -> int:
     if not command:
         print("moonrt launch: nothing to run: give --selftest or -- command ...", file=sys.stderr)
         return 2
-    # SIGTERM/SIGHUP (scancel, a closed terminal) unwind through launch(), which stops the ranks
-    # (they run in their own sessions and would otherwise outlive the launcher).
-    def _terminate(signum: int, _frame: object) -> None:
-        raise SystemExit(128 + signum)
-
-    previous = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        return launch(command, args.nprocs, timeout_s=args.timeout, max_time_s=args.max_time)
+    try:  # launch() forwards SIGTERM/SIGINT/SIGHUP (scancel, Ctrl-C, a closed terminal) to the ranks
+        return launch(command, args.nprocs, timeout_s=args.timeout, max_time_s=args.max_time,
+                      stop_grace_s=args.stop_grace)
     except ValueError as exc:
         print(f"moonrt launch: {exc}", file=sys.stderr)
         return 2
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+
+
+class _Received:
+    """While active (main thread only: elsewhere it installs nothing), the signals of :data:`FORWARD` are
+    recorded in arrival order instead of acting; the previous handlers are restored on exit."""
+
+    def __init__(self) -> None:
+        self.pending: list[int] = []
+        self._previous: dict[int, object] = {}
+
+    def _handle(self, signum: int, _frame: object) -> None:
+        self.pending.append(signum)
+
+    def take(self) -> list[int]:
+        out = self.pending[:]
+        del self.pending[:len(out)]  # a signal recorded meanwhile stays pending
+        return out
+
+    def __enter__(self) -> _Received:
+        if threading.current_thread() is threading.main_thread():
+            for sig in FORWARD:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 def launch(
@@ -92,18 +131,27 @@ def launch(
     max_time_s: float | None = None,
     stdout: IO[str] | None = None,
     stderr: IO[str] | None = None,
+    stop_grace_s: float = STOP_GRACE_S,
 ) -> int:
     """Run ``command`` on ``nprocs`` local ranks; return 0, or non-zero after reporting the failing rank.
 
     ``stdout``/``stderr`` (default: this process's) receive the prefixed rank output and the
-    launcher's own messages.
+    launcher's own messages. Called in the main thread, it forwards signals to the ranks (module docstring).
     """
+    with _Received() as received:
+        return _launch(command, nprocs, timeout_s, max_time_s, stdout, stderr, stop_grace_s, received)
+
+
+def _launch(command: list[str], nprocs: int, timeout_s: float, max_time_s: float | None, stdout: IO[str] | None,
+            stderr: IO[str] | None, stop_grace_s: float, received: _Received) -> int:
     if not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs = {nprocs!r}: expected an integer >= 1")
     if not timeout_s > 0:
         raise ValueError(f"timeout = {timeout_s!r}: expected a positive number of seconds")
     if max_time_s is not None and not max_time_s > 0:
         raise ValueError(f"max_time = {max_time_s!r}: expected a positive number of seconds")
+    if not stop_grace_s > 0:
+        raise ValueError(f"stop_grace = {stop_grace_s!r}: expected a positive number of seconds")
     out = stdout or sys.stdout
     err = stderr or sys.stderr
     port = free_port()
@@ -136,26 +184,51 @@ def launch(
 
         done: dict[int, int] = {}
         failed: int | None = None
+        stop_sig: int | None = None  # the first stop signal forwarded
+        stop_deadline = math.inf
+        max_deadline = math.inf if max_time_s is None else start + max_time_s
         while len(done) < nprocs:
-            wait = None if max_time_s is None else max(0.0, start + max_time_s - time.monotonic())
-            try:
-                r, code = exits.get(timeout=wait)
-            except queue.Empty:
+            for sig in received.take():
+                _signal_all(procs, FORWARD[sig])
+                if sig in STOPS and stop_sig is None:
+                    stop_sig, stop_deadline = sig, time.monotonic() + stop_grace_s
+            now = time.monotonic()
+            if now >= min(max_deadline, stop_deadline):
                 running = [r for r in range(nprocs) if r not in done]
                 _stop(procs)
                 _join(readers)
                 with lock:
-                    err.write(f"moonrt launch: ranks {running} of {nprocs} still running after --max-time "
-                              f"{max_time_s:g} s; stopped them\n")
+                    if now >= max_deadline:
+                        err.write(f"moonrt launch: ranks {running} of {nprocs} still running after --max-time "
+                                  f"{max_time_s:g} s; stopped them\n")
+                    else:
+                        err.write(f"moonrt launch: ranks {running} of {nprocs} still running --stop-grace "
+                                  f"{stop_grace_s:g} s after {signal.Signals(stop_sig).name}; stopped them\n")
                     err.flush()
-                return 124
+                if now >= max_deadline:
+                    return 124
+                return _job_code([done.get(r, procs[r].returncode) for r in range(nprocs)])
+            try:  # wake up now and then to forward signals
+                r, code = exits.get(timeout=min(0.1, max_deadline - now, stop_deadline - now))
+            except queue.Empty:
+                continue
             done[r] = code
-            if code != 0:
+            if code not in (0, PREEMPTED_EXIT) and stop_sig is None:
                 failed = _first_failure(r, code, exits, done, tails, readers)
                 break
         if failed is None:
             _join(readers)
-            return 0
+            code = _job_code([done[r] for r in range(nprocs)])
+            if stop_sig is not None or code != 0:
+                with lock:
+                    how = f"after {signal.Signals(stop_sig).name} " if stop_sig is not None else ""
+                    codes = sorted(set(done.values()))
+                    err.write(f"moonrt launch: {nprocs} ranks exited {how}with "
+                              + ", ".join(describe_exit(c) for c in codes)
+                              + (f" ({PREEMPTED_EXIT}: stopped at a step boundary and checkpointed)"
+                                 if PREEMPTED_EXIT in codes else "") + "\n")
+                    err.flush()
+            return code
         stopped = [r for r in range(nprocs) if procs[r].poll() is None]
         frozen = [r for r in stopped if _process_state(procs[r].pid) in ("T", "t")]
         # a rank that returned 0 while its peers still needed it is the likely cause of their failure
@@ -192,6 +265,26 @@ def launch(
         raise
 
 
+
+
+def _job_code(codes: list[int | None]) -> int:
+    """The launcher's exit code from the ranks' ``Popen`` codes (negative: killed by that signal -> 128 + n):
+    their common code, else the first that is neither 0 nor :data:`PREEMPTED_EXIT`, else 75 if any, else 0."""
+    shell = [128 - c if c is not None and c < 0 else (c if c is not None else 128 + signal.SIGKILL) for c in codes]
+    if len(set(shell)) == 1:
+        return shell[0]
+    bad = [c for c in shell if c not in (0, PREEMPTED_EXIT)]
+    return bad[0] if bad else (PREEMPTED_EXIT if PREEMPTED_EXIT in shell else 0)
+
+
+def _signal_all(procs: list[subprocess.Popen], sig: int) -> None:
+    """Send ``sig`` to the process group of every live rank."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -16,6 +16,19 @@ limit, log path) must consist of characters that need no shell quoting (letters,
 ``_ @ % + = : , . / -``; no whitespace, quotes or newlines, so no value can start a new script
 line), numbers must be finite, and everything bash executes (``cd`` target, command) is
 shell-quoted. A bad value is one line naming the flag (CLI: exit 2).
+
+``--requeue [--signal-lead SECONDS]`` (preemption, :mod:`moonrt.cluster.preempt`): the script asks SLURM for
+``--signal=B:USR1@SECONDS`` (SIGUSR1 to the batch shell that long before the time limit; ``scancel
+--signal=USR1 --batch JOB`` sends it at any time) and ``--requeue``, appends to its log across runs, starts
+the step in the background and traps SIGUSR1: the trap forwards it to ``srun``, which passes it on to every
+task (measured on slurm-wlm 22.05: SIGUSR1 to ``srun`` reaches the tasks; SIGTERM to ``srun`` instead cancels
+the step). When the step then exits with :data:`moonrt.cluster.preempt.PREEMPTED_EXIT` (75), or is killed
+by a signal after the trap fired (``--kill-on-bad-exit`` ends the remaining tasks once the first one exits
+75, so ``srun`` may report 143), the script runs ``scontrol requeue $SLURM_JOB_ID``; the next run continues
+from the checkpoint. A ``moonrt train`` command gets ``--signal USR1`` and ``--resume-if-exists`` appended
+(unless it names ``--signal`` / ``--resume`` itself) so that the first run starts fresh and a requeued one
+resumes; any other command must stop on SIGUSR1 and exit 75 itself. (SLURM makes a requeued job eligible
+again only after a delay, about two minutes on 22.05.)
 """
 
 from __future__ import annotations
@@ -34,12 +47,13 @@ from pathlib import Path
 import yaml
 
 from moonrt.cluster.env import RDZV_HOST_ENV, TIMEOUT_ENV
+from moonrt.cluster.preempt import PREEMPTED_EXIT
 from moonrt.config import ConfigError, DistConfig, ParallelConfig, check, from_dict
 
 FLAGS = {"command": "command", "nodes": "--nodes", "ntasks_per_node": "--ntasks-per-node",
          "cpus_per_task": "--cpus-per-task", "job_name": "--job-name", "partition": "--partition", "time": "--time",
          "log": "--log", "workdir": "working directory", "timeout_s": "--timeout",
-         "rdzv_host": "--rdzv-host"}
+         "rdzv_host": "--rdzv-host", "requeue": "--requeue", "signal_lead_s": "--signal-lead"}
 """Each :class:`SbatchJob` field's name on the ``moonrt sbatch`` command line (for error messages)."""
 
 _SAFE = re.compile(r"[\w@%+=:,./-]+", re.ASCII)
@@ -72,6 +86,10 @@ class SbatchJob:
     """Collective/rendezvous timeout of every task (``MOONRT_DIST_TIMEOUT``)."""
     rdzv_host: str | None = None
     """Address rank 0's rendezvous store binds (``MOONRT_RDZV_HOST``); ``None``: the first node's address."""
+    requeue: bool = False
+    """Preemption support: SIGUSR1 ahead of the time limit, forwarded to the step; requeue on exit code 75."""
+    signal_lead_s: int = 120
+    """With ``requeue``: seconds before the time limit at which SLURM sends SIGUSR1 (``--signal=B:USR1@...``)."""
 
     def validate(self, *, flags: bool = False) -> None:
         """Raise :class:`ConfigError` naming the first bad field (its CLI flag when ``flags``)."""
@@ -103,6 +121,9 @@ class SbatchJob:
               self.workdir, "a directory path")
         check(isinstance(self.timeout_s, (int, float)) and math.isfinite(self.timeout_s) and self.timeout_s > 0,
               name("timeout_s"), self.timeout_s, "a positive number of seconds")
+        check(isinstance(self.requeue, bool), name("requeue"), self.requeue, "True or False")
+        check(_is_int(self.signal_lead_s) and 1 <= self.signal_lead_s <= 65535, name("signal_lead_s"),
+              self.signal_lead_s, "an integer number of seconds in [1, 65535] (SLURM's --signal range)")
 
     @property
     def world_size(self) -> int:
@@ -126,6 +147,9 @@ def render_sbatch(job: SbatchJob) -> str:
         lines.append(f"#SBATCH --time={shlex.quote(job.time)}")
     if job.cpus_per_task:
         lines.append(f"#SBATCH --cpus-per-task={job.cpus_per_task}")
+    if job.requeue:
+        lines += [f"#SBATCH --signal=B:USR1@{job.signal_lead_s}", "#SBATCH --requeue", "#SBATCH --open-mode=append"]
+    srun = f"srun --kill-on-bad-exit=1 --ntasks={job.world_size} --ntasks-per-node={job.ntasks_per_node} \\"
     lines += [
         "# written by `moonrt sbatch`: one task per rank; each joins through the SLURM path of",
         "# moonrt.cluster.env.init_distributed (SLURM_PROCID / SLURM_STEP_NUM_TASKS / SLURM_STEP_NODELIST).",
@@ -134,11 +158,57 @@ def render_sbatch(job: SbatchJob) -> str:
         f"export {TIMEOUT_ENV}={job.timeout_s:g}",
         *([f"export {RDZV_HOST_ENV}={shlex.quote(job.rdzv_host)}"] if job.rdzv_host else []),
         "export PYTHONUNBUFFERED=1",
-        f"srun --kill-on-bad-exit=1 --ntasks={job.world_size} --ntasks-per-node={job.ntasks_per_node} \\",
-        "    " + shlex.join(job.command),
+    ]
+    if not job.requeue:
+        return "\n".join([*lines, srun, "    " + shlex.join(job.command), ""])
+    lines += [
+        "# --requeue: SIGUSR1 (SLURM, the lead time before the limit; or scancel --signal=USR1 --batch) reaches this",
+        "# shell; the trap forwards it to srun, which passes it to every task: they finish their step, checkpoint",
+        f"# and exit {PREEMPTED_EXIT}; the job is then requeued and the next run resumes from the checkpoint.",
+        "preempted=0",
+        "step=",
+        "forward() {",
+        "  preempted=1",
+        '  echo "moonrt sbatch: SIGUSR1: forwarding it to the job step (srun pid ${step:-not started})"',
+        '  if [ -n "$step" ]; then kill -USR1 "$step" 2>/dev/null || true; fi',
+        "}",
+        "trap forward USR1",
+        srun,
+        "    " + shlex.join(requeue_command(job.command)) + " &",
+        "step=$!",
+        'if [ "$preempted" = 1 ]; then kill -USR1 "$step" 2>/dev/null || true; fi',
+        "while :; do  # wait returns early (> 128) when the trap runs: wait again while the step lives",
+        '  rc=0; wait "$step" || rc=$?',
+        '  kill -0 "$step" 2>/dev/null || break',
+        "done",
+        f'if [ "$rc" -eq {PREEMPTED_EXIT} ] || {{ [ "$preempted" = 1 ] && [ "$rc" -gt 128 ]; }}; then',
+        '  echo "moonrt sbatch: job step stopped (exit $rc) after the stop signal: requeueing job $SLURM_JOB_ID'
+        ' (restart ${SLURM_RESTART_COUNT:-0})"',
+        '  scontrol requeue "$SLURM_JOB_ID"',
+        "  exit 0",
+        "fi",
+        'exit "$rc"',
         "",
     ]
     return "\n".join(lines)
+
+
+def requeue_command(command: list[str]) -> list[str]:
+    """``command``, with ``--signal USR1`` and ``--resume-if-exists`` appended when it runs ``moonrt train``
+    (``.../moonrt train ...`` or ``python -m moonrt.cli train ...``) and names neither itself."""
+    is_train = any(
+        word == "train" and (os.path.basename(command[i - 1]) == "moonrt"
+                             or (i >= 2 and command[i - 2] == "-m" and command[i - 1] in ("moonrt", "moonrt.cli")))
+        for i, word in enumerate(command) if i >= 1
+    )
+    if not is_train:
+        return list(command)
+    extra = []
+    if not any(a == "--signal" or a.startswith("--signal=") for a in command):
+        extra += ["--signal", "USR1"]
+    if not any(a in ("--resume", "--resume-if-exists") for a in command):
+        extra.append("--resume-if-exists")
+    return [*command, *extra]
 
 
 def job_from_config(job: SbatchJob, config: Path) -> SbatchJob:
@@ -181,6 +251,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rdzv-host", default=None,
                         help="address of the interface rank 0's rendezvous store listens on (MOONRT_RDZV_HOST; "
                              "default: the address the first node's name resolves to; 0.0.0.0: every interface)")
+    parser.add_argument("--requeue", action="store_true",
+                        help="preemption: SIGUSR1 --signal-lead seconds before the time limit, forwarded to the "
+                        f"tasks; requeue the job when they stop with exit code {PREEMPTED_EXIT} (a moonrt train "
+                        "command gets --signal USR1 --resume-if-exists)")
+    parser.add_argument("--signal-lead", type=int, default=None,
+                        help="with --requeue: seconds before the time limit at which SLURM sends SIGUSR1 (default 120)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- command and arguments run on every task")
 
 
@@ -196,7 +272,10 @@ def run(args: argparse.Namespace) -> int:
                         job_name=args.job_name, partition=args.partition, time=args.time,
                         cpus_per_task=args.cpus_per_task, log=args.log or f"{args.job_name}-%j.out",
                         workdir=os.getcwd(), timeout_s=args.timeout,
-                        rdzv_host=args.rdzv_host)
+                        rdzv_host=args.rdzv_host, requeue=args.requeue,
+                        signal_lead_s=120 if args.signal_lead is None else args.signal_lead)
+        if args.signal_lead is not None and not args.requeue:
+            raise ConfigError(f"--signal-lead = {args.signal_lead}: expected together with --requeue")
         job.validate(flags=True)
         if args.config is not None:
             job = job_from_config(job, args.config)
