@@ -35,9 +35,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from moonrt import checkpoint, data, outputs
+from moonrt import checkpoint, checkpoint_dcp, data, outputs
 from moonrt.assemble import build_model
 from moonrt.checkpoint import load_checkpoint, save_checkpoint
+from moonrt.cluster.preempt import StopSignal, stop_signals
 from moonrt.comm.parallelism import Parallelism
 from moonrt.config import ConfigError, load_yaml, save_yaml, to_dict
 from moonrt.job import JobConfig, lr_at
@@ -62,6 +63,20 @@ def evaluate(model: torch.nn.Module, windows: np.ndarray, batch_size: int, rt: P
 
 class NothingToDo(Exception):
     """The job has no step left to run (a finished run resumed, ``--until`` already reached): not an error."""
+
+
+class Preempted(Exception):
+    """The job stopped on a stop signal after checkpointing its last completed step ``step`` (exit code
+    :data:`moonrt.cluster.preempt.PREEMPTED_EXIT`); ``signum`` is the signal this rank received (None: another
+    rank received it)."""
+
+    def __init__(self, step: int, total: int, signum: int | None, path: Path) -> None:
+        import signal
+
+        how = f"by {signal.Signals(signum).name}" if signum is not None else "by a stop signal to another rank"
+        super().__init__(f"stopped {how} after step {step} of {total}; checkpoint {str(path)!r} holds step {step}: "
+                         "continue with --resume")
+        self.step, self.signum, self.path = step, signum, path
 
 
 def _check_outputs(job: JobConfig, metrics_path: str | None, resume: bool, rt: Parallelism) -> None:
@@ -96,8 +111,21 @@ def train(job: JobConfig, rt: Parallelism | None = None, metrics_path: str | Non
     Raises :class:`NothingToDo` when no step is left (a finished run resumed, ``until`` already reached),
     :class:`moonrt.config.ConfigError` / :class:`moonrt.checkpoint.CheckpointError` (both ``ValueError``) on
     bad input, before step 1 wherever the input can be checked then.
+
+    Stop signals (:mod:`moonrt.cluster.preempt`; SIGTERM, SIGINT and ``job.stop_signal``, handled while this
+    runs, in the main thread): the first lets every rank finish its current step; at each step boundary the
+    ranks agree on it (:meth:`Parallelism.any_flag`), skip that step's eval, save a checkpoint of that step
+    (a signal during start-up: of the starting step) and raise :class:`Preempted`. A signal during an eval
+    takes effect right after it (eval is short: it completes); one during the run's last step is moot (the run
+    ends normally). A second signal raises :class:`moonrt.cluster.preempt.Aborted` at once (the previous
+    checkpoint stays intact: checkpoints are written atomically).
     """
-    rt = rt or Parallelism()
+    with StopSignal(stop_signals(job.stop_signal)) as preempt:
+        return _train(job, rt or Parallelism(), metrics_path, resume, until, progress, resume_allow, preempt)
+
+
+def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bool, until: int | None,
+           progress: bool, resume_allow: tuple[str, ...], preempt: StopSignal) -> dict[str, float]:
     if job.threads:
         torch.set_num_threads(job.threads)
     cfg = job.optim
@@ -174,8 +202,12 @@ def train(job: JobConfig, rt: Parallelism | None = None, metrics_path: str | Non
     eval_loss = math.nan
     t_start = time.perf_counter()
     tokens_done = 0
+    done, saved = start, (start if resume else None)  # last completed step, last checkpointed step
     try:
+        stopped = rt.any_flag(preempt.requested)  # a signal during start-up: stop before the first step
         for step in bar:
+            if stopped:
+                break
             t0 = time.perf_counter()
             lr = lr_at(step, cfg)
             for group in opt.param_groups:
@@ -203,8 +235,11 @@ def train(job: JobConfig, rt: Parallelism | None = None, metrics_path: str | Non
             if stats:
                 record["maxvio"] = max(s.maxvio for s in stats.values())
             rt.step_metrics(step, model, record)
-            if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+            done = step + 1
+            stopped = done < stop and rt.any_flag(preempt.requested)  # the ranks agree on the stop step
+            if not stopped and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
                 eval_loss = evaluate(model, heldout, cfg.batch_size, rt)
+                stopped = done < stop and rt.any_flag(preempt.requested)
                 record["eval_loss"] = eval_loss
                 if rt.is_main and progress:
                     bar.write(f"step {step + 1}: train loss {loss_value:.3f}, eval loss {eval_loss:.3f} nats/token "
@@ -213,8 +248,13 @@ def train(job: JobConfig, rt: Parallelism | None = None, metrics_path: str | Non
                 metrics.write(json.dumps(record) + "\n")
                 metrics.flush()
             bar.set_postfix(loss=f"{loss_value:.3f}", eval=f"{eval_loss:.3f}", tok_s=f"{global_tokens / dt:,.0f}")
-            if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == stop:
+            if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == stop or stopped:
                 save_checkpoint(ckpt, model, opt, step + 1, job, rt)
+                saved = step + 1
+        if stopped:
+            if saved != done:
+                save_checkpoint(ckpt, model, opt, done, job, rt)
+            rt.any_flag(True)  # no rank exits (srun --kill-on-bad-exit) before the main rank's save is complete
         rt.close()
     finally:
         bar.close()
@@ -224,6 +264,9 @@ def train(job: JobConfig, rt: Parallelism | None = None, metrics_path: str | Non
             if rt.is_main and progress:
                 print(mgr.accounting.summary(), flush=True)
             mgr.close()
+    if stopped:
+        raise Preempted(done, cfg.steps, preempt.signum, out / checkpoint_dcp.ROOT if checkpoint_dcp.use_sharded(opt)
+                        else ckpt)
     wall = time.perf_counter() - t_start
     summary = {"steps": stop, "train_loss": float(np.mean(losses[-10:])) if losses else math.nan,
                "final_eval_loss": eval_loss, "unigram_entropy": baseline,

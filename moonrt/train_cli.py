@@ -1,18 +1,28 @@
 """``moonrt train`` command line (job layer): flags, the job config they override, and the run that maps
-errors to exit codes (2: bad input, 1: diverged). The loop itself is :func:`moonrt.train.train`."""
+outcomes to exit codes. The loop itself is :func:`moonrt.train.train`.
+
+Exit codes: 0 done (or nothing to do); 1 diverged; 2 bad input (one line on stderr);
+75 (:data:`moonrt.cluster.preempt.PREEMPTED_EXIT`, ``EX_TEMPFAIL``) preempted: a stop signal (SIGTERM, SIGINT or
+``--signal``) arrived, every rank finished its step and the checkpoint holds the last completed step, continue
+with ``--resume`` (``--resume-if-exists`` does so whenever a checkpoint exists: the form for requeued jobs);
+``128 + n`` aborted by a second signal ``n`` before the checkpoint was complete (the previous one is intact).
+"""
 
 from __future__ import annotations
 
 import argparse
 import math
 import sys
+from pathlib import Path
 
+from moonrt import checkpoint_dcp
 from moonrt.assemble import launched, parallel_runtime
+from moonrt.cluster.preempt import PREEMPTED_EXIT, Aborted
 from moonrt.comm.parallelism import Parallelism, RoutingTrace
 from moonrt.config import ConfigError, from_dict, load_yaml, to_dict
 from moonrt.job import JobConfig
 from moonrt.models import presets
-from moonrt.train import NothingToDo, train
+from moonrt.train import CHECKPOINT, NothingToDo, Preempted, train
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,6 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics", help="write JSON lines {step, loss, lr, tokens_per_s, ...} to this file")
     parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt (the job config must "
                         "match the checkpoint's in every field that changes the trajectory; --steps may grow)")
+    parser.add_argument("--resume-if-exists", action="store_true", help="--resume when OUT holds a checkpoint, "
+                        "else start a new run (for jobs that may be requeued: moonrt sbatch --requeue)")
+    parser.add_argument("--signal", help="stop signal besides SIGTERM and SIGINT, e.g. USR1: every rank finishes "
+                        f"its step, checkpoints and exits with {PREEMPTED_EXIT} (stop_signal; default SIGTERM)")
     parser.add_argument("--resume-allow-changes", metavar="FIELDS", default="",
                         help="comma-separated job config fields that may differ from the checkpoint's on --resume "
                         "(e.g. lr,steps or optim.lr,data.corpus)")
@@ -68,7 +82,7 @@ _OVERRIDES: dict[str, tuple[str, ...]] = {
     "cp": ("parallel", "cp"), "ep": ("parallel", "ep"), "routing_trace": ("routing_trace",),
     "pp": ("parallel", "pp"), "vpp": ("parallel", "vpp"), "microbatches": ("parallel", "microbatches"),
     "schedule": ("parallel", "schedule"), "attn_res_comm": ("parallel", "attn_res_comm"),
-    "zero": ("parallel", "zero"),
+    "zero": ("parallel", "zero"), "signal": ("stop_signal",),
 }
 
 
@@ -89,9 +103,11 @@ def job_from_args(args: argparse.Namespace) -> JobConfig:
 def run(args: argparse.Namespace) -> int:
     allow = tuple(f.strip() for f in args.resume_allow_changes.split(",") if f.strip())
     try:
-        if allow and not args.resume:
+        if allow and not (args.resume or args.resume_if_exists):
             raise ConfigError("--resume-allow-changes: expected together with --resume")
         job = job_from_args(args)
+        resume = args.resume or (args.resume_if_exists and any((Path(job.out_dir) / name).exists()
+                                                                for name in (CHECKPOINT, checkpoint_dcp.ROOT)))
         if job.parallel.world_size != 1 or launched():
             rt = parallel_runtime(job)
         else:
@@ -99,11 +115,18 @@ def run(args: argparse.Namespace) -> int:
             if job.parallel.zero and not args.no_progress:
                 print("moonrt train: parallel.zero = 1 with one process: nothing to shard, ZeRO-1 is a no-op",
                       flush=True)
-        summary = train(job, rt=rt, metrics_path=args.metrics, resume=args.resume, until=args.until,
+        summary = train(job, rt=rt, metrics_path=args.metrics, resume=resume, until=args.until,
                         progress=not args.no_progress, resume_allow=allow)
     except NothingToDo as exc:
         print(f"moonrt train: {exc}", flush=True)
         return 0
+    except Preempted as exc:
+        if rt.is_main:
+            print(f"moonrt train: {exc}", flush=True)
+        return PREEMPTED_EXIT
+    except Aborted as exc:
+        print(f"moonrt train: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
     except (ConfigError, ValueError) as exc:
         print(f"moonrt train: error: {exc}", file=sys.stderr, flush=True)
         return 2
