@@ -3,9 +3,12 @@ this rank's :class:`~moonrt.comm.parallelism.Parallelism` with its parts for the
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from moonrt import models
+from moonrt.comm.mesh import MeshLayout
 from moonrt.comm.parallelism import Parallelism, RoutingTrace
 from moonrt.config import ConfigError
 from moonrt.job import MAX_PARAMS, JobConfig
@@ -33,13 +36,18 @@ def launched() -> bool:
     return detect_rendezvous().world_size > 1
 
 
-def parallel_runtime(job: JobConfig) -> Parallelism:
+def parallel_runtime(job: JobConfig, progress: bool = False) -> Parallelism:
     """This rank's :class:`Parallelism` in a multi-rank job (``moonrt launch``, torchrun, SLURM or MPI).
 
     Joins the default group (:func:`moonrt.cluster.env.init_distributed`); ``parallel.dp`` is raised to fill the
-    world when the other degrees divide it. Batch rows are split over ``dp_ep`` (ranks that see different data),
-    each sequence over ``cp`` (:class:`moonrt.comm.cp_context.ContextParallel`: KCP, conv halo, MLA latent
-    gather); gradients, router statistics and scalars are summed over the replicas ``dp_ep_cp``. Parts:
+    world when the other degrees divide it (ConfigError naming the degrees and the world otherwise). Any product
+    of ``pp x dp x ep x cp`` composes; the mesh's rank order (:mod:`moonrt.comm.mesh`) decides the groups. With
+    ``progress``, rank 0 prints the layout once (:func:`layout_table`: every rank's coordinates, its batch shard
+    and pipeline stages, and the groups; gathered from the ranks with one ``all_gather_object``).
+
+    Batch rows are split over ``dp_ep`` (ranks that see different data), each sequence over ``cp``
+    (:class:`moonrt.comm.cp_context.ContextParallel`: KCP, conv halo, MLA latent gather); gradients, router
+    statistics and scalars are summed over the replicas ``dp_ep_cp``. Parts:
     :class:`moonrt.comm.pp_part.PipelineParallel` when ``pp > 1`` (stages over the ``pp`` group),
     :class:`moonrt.comm.ep_parallel.ExpertParallel` when ``ep > 1``, a routing-trace recorder when asked for;
     :class:`moonrt.comm.zero.Zero1` when ``zero = 1``, after the pipeline and before EP (the pipeline's inner
@@ -51,10 +59,17 @@ def parallel_runtime(job: JobConfig) -> Parallelism:
     from moonrt.comm.cp_context import ContextParallel
     from moonrt.comm.mesh import ProcessMesh
 
-    init_distributed()
     p = job.parallel
+    if p.cp > job.optim.seq_len:  # before joining: every rank fails alike, none waits for the others
+        raise ConfigError(f"parallel.cp (--cp) = {p.cp}: expected at most optim.seq_len (--seq-len) = "
+                          f"{job.optim.seq_len} (each CP rank holds a slice of every sequence, uneven slices allowed)")
+    init_distributed()
     world = dist.get_world_size()
-    if p.world_size != world and p.dp == 1 and world % p.world_size == 0:
+    if p.world_size != world and p.dp == 1:
+        if world % p.world_size:
+            raise ConfigError(f"parallel = pp {p.pp} x ep {p.ep} x cp {p.cp} = {p.world_size} ranks per data-parallel "
+                              f"replica: expected a divisor of the world size {world} (dp = world / (pp x ep x cp) "
+                              "is inferred)")
         p.dp = world // p.world_size
     mesh = ProcessMesh(p)
     ctx = ContextParallel(mesh.group("cp")) if p.cp > 1 else LOCAL
@@ -97,4 +112,53 @@ def parallel_runtime(job: JobConfig) -> Parallelism:
             raise ConfigError(f"routing_trace (--routing-trace) = {job.routing_trace!r}: expected parallel.pp = 1 "
                               f"(got {p.pp}: each pipeline rank holds only its stages' MoE layers)")
         rt.parts.append(RoutingTrace(job.routing_trace, is_main=rt.is_main, counts=counts))
+    if progress:  # every rank reports what it uses, rank 0 prints the table
+        import socket
+
+        pipe = rt.parts[0] if p.pp > 1 else None
+        mine = {"coords": mesh.coords, "batch": rt.dp_rank, "stages": getattr(pipe, "my_stages", [0]),
+                "host": socket.gethostname()}
+        rows: list[dict] = [{}] * world
+        dist.all_gather_object(rows, mine)
+        if rt.is_main:
+            print(layout_table(mesh.layout, rows), flush=True)
     return rt
+
+
+_GROUP_ROLES: dict[str, str] = {
+    "pp": "pipeline send/recv", "dp_ep": "different batch rows", "ep": "MoonEP dispatch/combine",
+    "cp": "one sequence split: KCP, MLA", "dp_cp": "expert-parameter replicas: grad sum, ZeRO-1 shards",
+    "dp_ep_cp": "dense-parameter replicas: grad sum, ZeRO-1 shards, loss sum", "dp": "plain data-parallel replicas",
+    "ep_cp": "one replica of one pipeline stage",
+}
+
+
+def layout_table(layout: MeshLayout, rows: list[dict[str, Any]]) -> str:
+    """The job's layout as text: one line per rank and the process groups (what ``moonrt train`` prints at start).
+
+    ``rows[r]``: what rank ``r`` reports: ``coords`` (``{"pp", "dp", "ep", "cp"}`` of :meth:`MeshLayout.coords`),
+    ``batch`` (its batch shard, the index in its ``dp_ep`` group), ``stages`` (its pipeline stages), ``host``.
+    Groups: every kind of :data:`moonrt.comm.mesh.GROUP_NAMES` with more than one member, kinds with the same
+    member sets on one line, each listed as the partition of all ranks.
+    """
+    p = layout.parallel
+    head = (f"moonrt train: layout pp {p.pp} x dp {p.dp} x ep {p.ep} x cp {p.cp} = {layout.world_size} ranks"
+            + (f", vpp {p.vpp}" if p.vpp > 1 else "") + f", zero {p.zero}; rank = ((pp * {p.dp} + dp) * {p.ep} + ep) "
+            f"* {p.cp} + cp")
+    width = max(len(str(layout.world_size - 1)), 4)
+    lines = [head, f"  {'rank':>{width}}  pp  dp  ep  cp  batch  stages  host"]
+    shards = layout.group_size("dp_ep")
+    for r, row in enumerate(rows):
+        c = row["coords"]
+        stages = ",".join(map(str, row["stages"]))
+        lines.append(f"  {r:>{width}}  {c['pp']:>2}  {c['dp']:>2}  {c['ep']:>2}  {c['cp']:>2}  "
+                     f"{row['batch']:>2}/{shards:<2}  {stages:<6}  {row['host']}")
+    kinds: dict[tuple[tuple[int, ...], ...], list[str]] = {}
+    for name in ("pp", "dp_ep", "ep", "cp", "dp_cp", "dp_ep_cp", "dp", "ep_cp"):
+        if layout.group_size(name) > 1:
+            kinds.setdefault(tuple(map(tuple, layout.all_groups(name))), []).append(name)
+    lines.append("  groups:")
+    for groups, names in kinds.items():
+        members = " ".join("[" + ",".join(map(str, g)) + "]" for g in groups)
+        lines.append(f"    {' = '.join(names)}: {members}  ({'; '.join(_GROUP_ROLES[n] for n in names)})")
+    return "\n".join(lines)

@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         resume = args.resume or (args.resume_if_exists and any((Path(job.out_dir) / name).exists()
                                                                 for name in (CHECKPOINT, checkpoint_dcp.ROOT)))
         if job.parallel.world_size != 1 or launched():
-            rt = parallel_runtime(job)
+            rt = parallel_runtime(job, progress=not args.no_progress)
         else:
             rt = Parallelism(parts=[RoutingTrace(job.routing_trace)] if job.routing_trace else [])
             if job.parallel.zero and not args.no_progress:

@@ -1,0 +1,131 @@
+"""Every parallel dimension composed in ``moonrt train`` (K3_SYSTEMS §10): pp x dp x ep x cp, with or without
+ZeRO-1, resumed from a single-process checkpoint, one step equals the single process's; the layout is printed
+once at start in the mesh's documented rank order; degrees that do not divide the world or the model are a
+clear error.
+
+Runs (teacher-forced, the scheme of ``tests/test_pp_train.py`` and ``tests/test_zero_train.py``): a
+single-process job trains step 1 and checkpoints; copies of that directory are resumed for step 2 by the
+single process and by each layout, all at once:
+
+- ``--ep 2 --zero 1`` on 4 ranks (dp 2 inferred): dense parameters sharded over 4 replicas, experts over 2;
+- ``--pp 2 --ep 2 --zero 1`` on 8 ranks (dp 2 inferred): ZeRO-1 inside each stage, MoonEP inside ZeRO-1;
+- ``--pp 2 --ep 2 --cp 2`` on 8 ranks: KCP and MoonEP inside each stage;
+- ``--pp 2 --vpp 2 --cp 2`` on 4 ranks: interleaved 1F1B (4 stages over 2 ranks) with KCP.
+
+The global batch is 8 rows of 32 tokens, so every layout has at least one row per batch shard and each
+pipeline splits its rows into micro-batches. A layout's step sums partial gradients in another fp32 order
+than the single process's one backward (micro-batches, batch shards, sequence slices: ~1e-7 relative) and
+clips with an fp64 norm where the single process uses torch's fp32 one (~1e-6 relative at k3_tiny's size);
+one resumed AdamW step keeps that order of difference, so loss, grad norm, every parameter and every
+optimizer moment agree within 1e-5 relative (normwise per tensor, :func:`test_pp_train._close`).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from test_pp_train import RTOL, _ckpt, _close, _launch, _metrics, _moonrt, _run
+from test_zero_train import _adamw_bytes_per_rank
+
+FLAGS = ["--steps", "4", "--seed", "0", "--batch-size", "8", "--seq-len", "32", "--eval-every", "100", "--lr", "1e-3",
+         "--threads", "1", "--no-progress"]
+
+LAYOUTS: dict[str, tuple[int, list[str]]] = {
+    "ep2_zero1": (4, ["--ep", "2", "--zero", "1"]),
+    "pp2_ep2_zero1": (8, ["--pp", "2", "--ep", "2", "--zero", "1", "--microbatches", "2"]),
+    "pp2_ep2_cp2": (8, ["--pp", "2", "--ep", "2", "--cp", "2", "--microbatches", "2"]),
+    "pp2_vpp2_cp2": (4, ["--pp", "2", "--vpp", "2", "--cp", "2", "--microbatches", "4"]),
+}
+
+
+@pytest.mark.timeout(3000)
+def test_composed_layouts_resume_a_single_process_checkpoint_and_match_it(tmp_path: Path) -> None:
+    _run(tmp_path, {"base": _moonrt("train", *FLAGS, "--until", "1", "--out", "base")})
+    common = ("train", *FLAGS, "--resume", "--until", "2")
+    runs = {"single": _moonrt(*common, "--out", "single", "--metrics", "single.jsonl")}
+    for name, (n, flags) in LAYOUTS.items():
+        runs[name] = _launch(n, *common, "--out", name, "--metrics", f"{name}.jsonl", *flags)
+    for name in runs:
+        shutil.copytree(tmp_path / "base", tmp_path / name)
+    _run(tmp_path, runs, timeout=2900)
+    ref = _metrics(tmp_path / "single.jsonl")[2]
+    ref_ckpt = _ckpt(tmp_path / "single")
+    for name, (_, flags) in LAYOUTS.items():
+        got = _metrics(tmp_path / f"{name}.jsonl")[2]
+        assert abs(got["loss"] - ref["loss"]) <= RTOL * abs(ref["loss"]), (name, got["loss"], ref["loss"])
+        assert abs(got["grad_norm"] - ref["grad_norm"]) <= RTOL * ref["grad_norm"], (name, got, ref)
+        if "--pp" in flags:  # the pipeline ran (2 pp ranks reporting)
+            assert len(got["pp_blocks_sent"]) == 2 and got["pp_blocks_sent"][0] > 0, (name, got)
+        if "--ep" in flags:  # MoonEP ran (2 EP ranks reporting)
+            assert len(got["ep_rows"]) == 2, (name, got)
+        if "--cp" in flags:
+            assert got["cp_bytes_sent"] > 0, (name, got)
+        ck = _ckpt(tmp_path / name)
+        assert ck["step"] == 2 and list(ck["model"]) == list(ref_ckpt["model"]), name
+        _close(ck["model"], ref_ckpt["model"], f"{name}.model")
+        _close(ck["optimizer"], ref_ckpt["optimizer"], f"{name}.optimizer")
+    # ZeRO-1 composed with EP (and the pipeline): no rank holds the full AdamW state
+    full = _adamw_bytes_per_rank(1)
+    for name, n in (("ep2_zero1", 4), ("pp2_ep2_zero1", 8)):
+        per_rank = _metrics(tmp_path / f"{name}.jsonl")[2]["optimizer_state_bytes"]
+        assert len(per_rank) == n and max(per_rank) < 0.5 * full, (name, per_rank, full)
+
+
+def _expected_coords(rank: int, pp: int, dp: int, ep: int, cp: int) -> tuple[int, int, int, int]:
+    """``(pp, dp, ep, cp)`` of ``rank`` from the rank order documented in :mod:`moonrt.comm.mesh`:
+    ``rank = ((pp_idx * dp + dp_idx) * ep + ep_idx) * cp + cp_idx`` (written out here, not the mesh's code)."""
+    for c in range(cp):
+        for e in range(ep):
+            for d in range(dp):
+                for s in range(pp):
+                    if ((s * dp + d) * ep + e) * cp + c == rank:
+                        return s, d, e, c
+    raise AssertionError(rank)
+
+
+@pytest.mark.timeout(900)
+def test_train_prints_the_layout_once_in_the_mesh_rank_order(tmp_path: Path) -> None:
+    """``--pp 2 --ep 2`` on 4 ranks (dp 1) with progress on: rank 0 prints one table, every rank's coordinates
+    as the mesh's documented order gives them, its batch shard (index in ``dp_ep``) and its pipeline stage."""
+    flags = [f for f in FLAGS if f != "--no-progress"]
+    out = subprocess.run(_launch(4, "train", *flags, "--until", "1", "--out", "o", "--pp", "2", "--ep", "2",
+                                 "--microbatches", "2"), cwd=tmp_path, capture_output=True, text=True, timeout=850)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-4000:]
+    heads = [line for line in text.splitlines() if "moonrt train: layout" in line]
+    assert heads == ["[rank 0] moonrt train: layout pp 2 x dp 1 x ep 2 x cp 1 = 4 ranks, zero 0; "
+                     "rank = ((pp * 1 + dp) * 2 + ep) * 1 + cp"], heads
+    rows = {}
+    for line in text.splitlines():
+        m = re.fullmatch(r"\[rank 0\]\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)/(\d+)\s+(\S+)\s+\S+", line)
+        if m:
+            rows[int(m[1])] = tuple(map(int, m.groups()[1:7])) + (m[8],)
+    assert sorted(rows) == [0, 1, 2, 3], text[-4000:]
+    for r, (pp, dp, ep, cp, batch, shards, stages) in rows.items():
+        assert (pp, dp, ep, cp) == _expected_coords(r, 2, 1, 2, 1), (r, rows[r])
+        assert (batch, shards) == (ep, 2), (r, rows[r])  # dp 1: the batch shard is the EP index
+        assert stages == str(pp), (r, rows[r])  # 1F1B: pipeline rank i runs stage i
+    assert "[rank 0]     pp: [0,2] [1,3]  (pipeline send/recv)" in text, text[-4000:]
+    # dp 1, cp 1: the batch-row, EP, dense-replica and stage-replica groups are the same pairs
+    assert "[rank 0]     dp_ep = ep = dp_ep_cp = ep_cp: [0,1] [2,3]  (" in text, text[-4000:]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("n, flags, message", [
+    # 6 ranks per data-parallel replica do not divide 8 (dp cannot be inferred)
+    (8, ["--pp", "2", "--ep", "3", "--microbatches", "2"],
+     "parallel = pp 2 x ep 3 x cp 1 = 6 ranks per data-parallel replica: expected a divisor of the world size 8"),
+    # more sequence slices than tokens (uneven slices are allowed: --cp 3 of 32 tokens runs)
+    (4, ["--cp", "4", "--seq-len", "3"], "parallel.cp (--cp) = 4: expected at most optim.seq_len (--seq-len) = 3"),
+])
+def test_degrees_that_do_not_divide_the_world_or_the_model_are_one_clear_line(tmp_path: Path, n: int,
+                                                                               flags: list[str], message: str) -> None:
+    out = subprocess.run(_launch(n, "train", *FLAGS, "--out", "o", *flags), cwd=tmp_path, capture_output=True,
+                         text=True, timeout=550)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"moonrt train: error: {message}" in out.stderr, out.stderr
+    assert "Traceback" not in out.stdout + out.stderr
