@@ -178,12 +178,18 @@ def check_resume(stored: Mapping[str, Any], new: Mapping[str, Any], step: int, a
 
 def save_checkpoint(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, step: int,
                     job: JobConfig, rt: Parallelism | None = None) -> None:
-    """Atomically write ``{model, optimizer, step, config}`` (:func:`save`).
+    """Atomically write ``{model, optimizer, step, config}`` (:func:`save`); collective: every rank calls it.
 
-    Model and optimizer state are in the single-process layout (``rt.full_state_dict``, collective:
-    every rank calls this function); only the main rank writes.
+    A multi-rank AdamW job writes a sharded DCP checkpoint under ``path.parent / "checkpoint"`` instead
+    (:mod:`moonrt.checkpoint_dcp`: every rank its own pieces, nothing gathered). Otherwise model and optimizer
+    state are gathered in the single-process layout (``rt.full_state_dict``) and only the main rank writes.
     """
+    from moonrt import checkpoint_dcp
+
     rt = rt or Parallelism()
+    if checkpoint_dcp.use_sharded(opt):
+        checkpoint_dcp.save_sharded(path.parent / checkpoint_dcp.ROOT, model, opt, step, job, rt)
+        return
     state = rt.full_state_dict(model, opt)
     if not rt.is_main:
         return
@@ -194,8 +200,13 @@ def save_checkpoint(path: Path, model: torch.nn.Module, opt: torch.optim.Optimiz
 def load_checkpoint(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer,
                     rt: Parallelism | None = None, state: dict[str, Any] | None = None) -> int:
     """Load a :func:`save_checkpoint` file (or its already-read ``state``) into this rank's model and optimizer
-    (``rt.load_full_state_dict`` shards it for this layout); returns its step."""
+    (``rt.load_full_state_dict`` shards it for this layout); returns its step. A directory is a sharded DCP
+    checkpoint (:func:`moonrt.checkpoint_dcp.load_sharded`, collective)."""
     rt = rt or Parallelism()
+    if Path(path).is_dir():
+        from moonrt import checkpoint_dcp
+
+        return checkpoint_dcp.load_sharded(Path(path), model, opt, rt)
     state = load(path) if state is None else state
     try:
         rt.load_full_state_dict(model, opt, state)

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from moonrt.checkpoint import CheckpointError, load
@@ -81,16 +82,14 @@ def _quiet(multi: bool) -> Any:
 
 
 def _reason(exc: BaseException) -> str:
-    """The first line of the underlying error (DCP wraps each rank's exception in a CheckpointException)."""
+    """``Type: message`` of the underlying error (DCP wraps each rank's exception, with its traceback, in a
+    ``CheckpointException``: the lowest failing rank's)."""
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict) and failures:
-        inner = next(iter(failures.values()))
-        exc = getattr(inner, "exc", inner) if isinstance(inner, BaseException) else exc
-        if not isinstance(exc, BaseException):
-            exc = inner
-    text = str(exc).strip()
-    lines = [ln for ln in text.splitlines() if ln.strip()]
-    return lines[-1].strip() if lines and "Traceback" in text else (lines[0] if lines else type(exc).__name__)
+        inner = failures[min(failures)]
+        exc = inner[0] if isinstance(inner, tuple) else inner
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
@@ -158,14 +157,14 @@ def save_sharded(root: Path, model: torch.nn.Module, opt: torch.optim.Optimizer,
         with _quiet(multi):
             dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, thread_count=1, sync_files=True),
                      planner=planner, no_dist=not multi)
-    except Exception as exc:  # DCP re-raises every rank's failure on every rank
+    except (Exception, CheckpointException) as exc:  # DCP re-raises every rank's failure on every rank
         raise CheckpointError(f"checkpoint write failed: {tmp}: {_reason(exc)}") from None
     written = sum(math.prod(it.tensor_data.chunk.sizes) * it.tensor_data.properties.dtype.itemsize
                   for it in planner.plan.items if it.tensor_data is not None)  # this rank's chunks after dedup
-    row = torch.tensor([*mine, written], dtype=torch.int64)
-    rows = [torch.zeros_like(row) for _ in range(dist.get_world_size())] if multi else [row]
-    if multi:
-        dist.all_gather(rows, row)
+    row = [*mine, int(written)]
+    rows: list[Any] = [None] * dist.get_world_size() if multi else [row]
+    if multi:  # small Python lists: no device to pick (NCCL's tensors live on the GPU)
+        dist.all_gather_object(rows, row)
     if rt.is_main:
         md = SafeReader(tmp).read_metadata()
         tensors = [m for m in md.state_dict_metadata.values() if isinstance(m, TensorStorageMetadata)]
@@ -247,7 +246,7 @@ def load_sharded(step_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimi
     try:
         with _quiet(_multi()):
             dcp.load(state, storage_reader=SafeReader(step_dir), planner=ShardLoadPlanner(), no_dist=not _multi())
-    except Exception as exc:
+    except (Exception, CheckpointException) as exc:
         raise CheckpointError(f"checkpoint {str(step_dir)!r}: does not fit this model and optimizer: "
                               f"{_reason(exc)}") from None
     rt.load_sharded_state_dict(model, opt, state)
@@ -270,7 +269,7 @@ def read_full(step_dir: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, 
         out = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in md.state_dict_metadata.items()}
         with _quiet(False):
             dcp.load(out, storage_reader=SafeReader(step_dir), planner=ShardLoadPlanner(), no_dist=True)
-    except Exception as exc:
+    except (Exception, CheckpointException) as exc:
         raise CheckpointError(f"checkpoint {str(step_dir)!r}: unreadable: {_reason(exc)}") from None
     return out, marker
 

@@ -85,9 +85,10 @@ def _check_outputs(job: JobConfig, metrics_path: str | None, resume: bool, rt: P
     if not rt.is_main:
         return
     outputs.probe_dir(out, "out_dir (--out)")
-    if not resume and (out / CHECKPOINT).exists():
-        raise ConfigError(f"out_dir (--out) = {str(out)!r}: already holds {CHECKPOINT} of another run; expected "
-                          "--resume to continue it, or a new --out")
+    for name in (CHECKPOINT, checkpoint_dcp.ROOT):
+        if not resume and (out / name).exists():
+            raise ConfigError(f"out_dir (--out) = {str(out)!r}: already holds {name} of another run; expected "
+                              "--resume to continue it, or a new --out")
     if metrics_path is not None:
         m = Path(metrics_path)
         if m.is_dir():
@@ -135,20 +136,19 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
     ckpt = out / CHECKPOINT
     state = None
     start = 0
+    src = ckpt  # what --resume loads: the newer of OUT/checkpoint.pt and the sharded OUT/checkpoint/
     if resume:
-        if not ckpt.is_file():
-            raise checkpoint.CheckpointError(f"--resume: no checkpoint at {str(ckpt)!r}")
-        state = checkpoint.load(ckpt)
+        src, state = checkpoint_dcp.resume_state(out)
         start = state["step"]
         checkpoint.check_resume(state["config"], to_dict(job), start, resume_allow)
         if start > cfg.steps:
             raise ConfigError(f"optim.steps (--steps) = {cfg.steps}: expected at least the checkpoint's step {start} "
-                              f"({str(ckpt)!r})")
+                              f"({str(src)!r})")
         if start == cfg.steps:
             raise NothingToDo(f"the run in {str(out)!r} already finished: checkpoint at step {start} of {cfg.steps}; "
                               "nothing to do (raise --steps to train further)")
         if until is not None and until <= start:
-            raise NothingToDo(f"checkpoint {str(ckpt)!r} is at step {start}, already at or past --until {until}; "
+            raise NothingToDo(f"checkpoint {str(src)!r} is at step {start}, already at or past --until {until}; "
                               "nothing to do")
     _check_outputs(job, metrics_path, resume, rt)
     mcfg = job.model_cfg()
@@ -169,7 +169,7 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
         rt.ctx.tag_layers((n, m) for n, m in model.named_modules() if n.endswith(".attn"))
     opt = build_optimizer(model, cfg)
     if state is not None:
-        load_checkpoint(ckpt, model, opt, rt, state=state)
+        load_checkpoint(src, model, opt, rt, state=state)
         del state
     mgr = None
     if job.memory_policy is not None:  # saved-tensor storage policies (K3_SYSTEMS §8), matched by module name

@@ -40,8 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--token-dtype", choices=["uint16", "uint32"], help="--corpus is a binary token file")
     parser.add_argument("--out", help="output dir for checkpoints and config.yaml (out_dir)")
     parser.add_argument("--metrics", help="write JSON lines {step, loss, lr, tokens_per_s, ...} to this file")
-    parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt (the job config must "
-                        "match the checkpoint's in every field that changes the trajectory; --steps may grow)")
+    parser.add_argument("--resume", action="store_true", help="continue from OUT's newest checkpoint, "
+                        "OUT/checkpoint.pt or the sharded OUT/checkpoint/ (the job config must match the "
+                        "checkpoint's in every field that changes the trajectory; --steps may grow)")
     parser.add_argument("--resume-if-exists", action="store_true", help="--resume when OUT holds a checkpoint, "
                         "else start a new run (for jobs that may be requeued: moonrt sbatch --requeue)")
     parser.add_argument("--signal", help="stop signal besides SIGTERM and SIGINT, e.g. USR1: every rank finishes "

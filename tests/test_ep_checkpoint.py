@@ -46,7 +46,11 @@ def _losses(path: Path) -> dict[int, float]:
 
 
 def _ckpt(path: Path) -> dict[str, Any]:
-    return torch.load(path / "checkpoint.pt", map_location="cpu", weights_only=True)
+    """The run's newest checkpoint (multi-rank jobs write the sharded OUT/checkpoint/, one process checkpoint.pt)
+    in the single-process ``checkpoint.pt`` format."""
+    from moonrt.checkpoint_dcp import read_state
+
+    return read_state(path)
 
 
 @pytest.mark.timeout(600)

@@ -53,7 +53,11 @@ def _metrics(path: Path) -> dict[int, dict[str, Any]]:
 
 
 def _ckpt(path: Path) -> dict[str, Any]:
-    return torch.load(path / "checkpoint.pt", weights_only=True)
+    """The run's newest checkpoint (multi-rank jobs write the sharded OUT/checkpoint/, one process checkpoint.pt)
+    in the single-process ``checkpoint.pt`` format."""
+    from moonrt.checkpoint_dcp import read_state
+
+    return read_state(path)
 
 
 def _close(a: Any, b: Any, where: str) -> None:
