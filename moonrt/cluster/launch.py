@@ -23,7 +23,8 @@ launcher are forwarded to every rank's process group, so a job that stops on the
 step, checkpoint, exit :data:`moonrt.cluster.preempt.PREEMPTED_EXIT` = 75) can save; a second one is forwarded
 too (``moonrt train`` then aborts at once). After a SIGTERM/SIGINT/SIGHUP the launcher waits up to
 ``--stop-grace`` seconds for the ranks, then stops them as above; ranks exiting with code 75 are not failures.
-The launcher's exit code is the ranks': their common code (75 when all checkpointed, 143 when all were killed
+A rank that fails otherwise meanwhile (a traceback: any other exit code) is reported as above. The
+launcher's exit code is the ranks': their common code (75 when all checkpointed, 143 when all were killed
 by SIGTERM), else the first rank's code that is neither 0 nor 75.
 """
 
@@ -185,11 +186,13 @@ def _launch(command: list[str], nprocs: int, timeout_s: float, max_time_s: float
         done: dict[int, int] = {}
         failed: int | None = None
         stop_sig: int | None = None  # the first stop signal forwarded
+        expected = {0, PREEMPTED_EXIT}  # exit codes that are no failure: + death by / abort on a forwarded signal
         stop_deadline = math.inf
         max_deadline = math.inf if max_time_s is None else start + max_time_s
         while len(done) < nprocs:
             for sig in received.take():
                 _signal_all(procs, FORWARD[sig])
+                expected |= {-FORWARD[sig], 128 + FORWARD[sig]}
                 if sig in STOPS and stop_sig is None:
                     stop_sig, stop_deadline = sig, time.monotonic() + stop_grace_s
             now = time.monotonic()
@@ -213,7 +216,7 @@ def _launch(command: list[str], nprocs: int, timeout_s: float, max_time_s: float
             except queue.Empty:
                 continue
             done[r] = code
-            if code not in (0, PREEMPTED_EXIT) and stop_sig is None:
+            if code not in expected:
                 failed = _first_failure(r, code, exits, done, tails, readers)
                 break
         if failed is None:
