@@ -2,15 +2,17 @@
 
 One model + AdamW per (policy, manager version) (same init, same batches); the steps are interleaved
 round-robin (step s of every runner, then step s + 1, with the order rotated each round), so machine
-load drifts hit every runner alike. With ``--baseline DIR`` (a checkout of an older commit, e.g. a
-``git worktree`` in /tmp) the manager modules of that checkout (``ops/fp8.py``, ``memory/backends.py``,
-``memory/accounting.py``, ``memory/manager.py``) are loaded next to the current ones and every policy
-runs under both, in the same process and the same rounds.
+load drifts hit every runner alike. With ``--baseline DIR`` (a checkout of an older commit, e.g.
+``git archive COMMIT moonrt | tar -x -C DIR``) the manager modules of that checkout (:data:`MANAGER_MODULES`
+that exist there: ``ops/fp8.py`` and ``memory/{backends,accounting,entries,fp8_batch,regions,recompute,
+saved_hooks,manager}.py``) are loaded next to the current ones and every policy runs under both, in the
+same process and the same rounds.
 
 Reported per runner: median tokens/s, and two paired ratios against the no-manager runner of the same
 round (median over rounds): wall-clock step time and process CPU time (``time.process_time``: CPU
 seconds of this process, all threads; robust to other jobs on a shared machine, which stretch wall
-time but not the CPU work of a step).
+time but not the CPU work of a step). After the timed rounds, one more (untimed) step per runner counts
+the calls of the manager's pack hook: Python hook calls per step in steady state.
 
     .venv/bin/python benchmarks/bench_manager_overhead.py --steps 10 --baseline /tmp/base --out /tmp/overhead.json
 """
@@ -41,7 +43,11 @@ from moonrt.model.model import K3Model
 
 FP8_CLASSES = ["layers.*.moe", "layers.*.ffn", "layers.*.attn.*proj", "layers.*.attn_norm", "layers.*.ffn_norm",
                "attn_res.sublayer_input"]
-MANAGER_MODULES = ["moonrt.ops.fp8", "moonrt.memory.backends", "moonrt.memory.accounting", "moonrt.memory.manager"]
+MANAGER_MODULES = ["moonrt.ops.fp8", "moonrt.memory.backends", "moonrt.memory.accounting", "moonrt.memory.entries",
+                   "moonrt.memory.fp8_batch", "moonrt.memory.regions", "moonrt.memory.recompute",
+                   "moonrt.memory.saved_hooks", "moonrt.memory.manager"]
+"""The manager's modules in import order; a baseline checkout's are loaded when they exist there (an older
+layout without some of them imports the current ones)."""
 
 
 def policies(disk_dir: str) -> dict[str, MemoryPolicy | None]:
@@ -60,14 +66,18 @@ def load_manager(root: Path) -> type:
     """``ActivationManager`` of the checkout at ``root``: its manager modules are executed under their own
     names while ``sys.modules`` (and the parent packages' attributes) point at them, then restored, so the
     old classes bind to each other and the current modules stay in place."""
-    saved = {n: sys.modules.get(n) for n in MANAGER_MODULES}
-    parents = {n: sys.modules[n.rpartition(".")[0]] for n in MANAGER_MODULES}
+    names = [n for n in MANAGER_MODULES if (root / (n.replace(".", "/") + ".py")).exists()]
+    if "moonrt.memory.manager" not in names:
+        raise SystemExit(f"--baseline {str(root)!r}: no moonrt/memory/manager.py there; expected a moonrt checkout")
+    for name in names:
+        importlib.import_module(name)  # the current module first, so it can be restored
+    saved = {n: sys.modules.get(n) for n in names}
+    parents = {n: sys.modules[n.rpartition(".")[0]] for n in names}
     try:
-        for name in MANAGER_MODULES:
+        for name in names:
             path = root / (name.replace(".", "/") + ".py")
             spec = importlib.util.spec_from_file_location(name, path)
-            if spec is None or spec.loader is None or not path.exists():
-                raise SystemExit(f"--baseline {str(root)!r}: no {path}; expected a moonrt checkout")
+            assert spec is not None and spec.loader is not None
             mod = importlib.util.module_from_spec(spec)
             sys.modules[name] = mod
             setattr(parents[name], name.rpartition(".")[2], mod)
@@ -119,6 +129,7 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/moonrt-bench-manager-overhead.json", help="JSON results file")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    load_start = os.getloadavg()[0]
     disk_dir = tempfile.mkdtemp(prefix="moonrt-bench-overhead-")
     versions: dict[str, type] = {"": ActivationManager}
     if args.baseline:
@@ -141,32 +152,46 @@ def main() -> None:
             for n in names:
                 paired[n].append(dts[n][0] / dts["no manager"][0])
                 paired_cpu[n].append(dts[n][1] / dts["no manager"][1])
+    hook_calls: dict[str, float] = {}
+    for n in names:  # one more step, untimed, counting the pack hook's calls
+        r = runners[n]
+        if r.mgr is None:
+            continue
+        calls = [0]
+
+        def counted(t: torch.Tensor, pack: Any = r.mgr._pack, calls: list[int] = calls) -> Any:
+            calls[0] += 1
+            return pack(t)
+
+        r.mgr._pack = r.mgr._pack_fn = counted  # the baseline pushes _pack at __enter__, the current _pack_fn
+        r.step(toks[-1], record=False)
+        hook_calls[n] = calls[0]
     tokens = args.batch * args.seq_len
     info = {"threads": torch.get_num_threads(), "cpu": cpu_model(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
-            "cpu_count": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]}
+            "cpu_count": os.cpu_count(), "load_avg_1m_start": load_start, "load_avg_1m": os.getloadavg()[0]}
     machine = f"threads={info['threads']}, {info['cpu']}, {info['cpu_capability']}"
     print(f"k3_tiny training step (fwd + bwd + AdamW), batch {args.batch} x {args.seq_len} tokens, "
           f"{args.steps} timed steps per runner, interleaved round-robin in one run"
           + (f"; 'base:' = manager of {args.baseline}" if args.baseline else ""))
     print(f"threads {info['threads']}, CPU {info['cpu']} ({info['cpu_count']} logical), torch CPU capability "
-          f"{info['cpu_capability']}, torch {info['torch']}, load avg at end {info['load_avg_1m']:.1f}")
-    head = f"{'policy':<28}{'tokens/s':>10}{'paired x':>10}{'CPU x':>8}{'saves/step':>12}  machine"
+          f"{info['cpu_capability']}, torch {info['torch']}, load avg (1 min) at start {load_start:.1f}, "
+          f"at end {info['load_avg_1m']:.1f}")
+    head = f"{'policy':<34}{'tokens/s':>10}{'paired x':>10}{'CPU x':>8}{'hook calls/step':>16}  machine"
     print(head)
     rows = []
     for n in names:
         r = runners[n]
-        saves = None
+        calls = hook_calls.get(n)
         if r.mgr is not None:
-            saves = sum(st.count for st in r.mgr.accounting.regions.values()) / (args.steps + 1)
             r.mgr.close()
         row = {"policy": n, "tokens_per_s": tokens / statistics.median(r.times),
                "paired_ratio_median": statistics.median(paired[n]),
                "paired_cpu_ratio_median": statistics.median(paired_cpu[n]), "step_s": r.times, "cpu_s": r.cpu,
-               "saves_per_step": saves, "losses": r.losses}
+               "hook_calls_per_step": calls, "losses": r.losses}
         rows.append(row)
-        print(f"{n:<28}{row['tokens_per_s']:>10.0f}{row['paired_ratio_median']:>10.3f}"
-              f"{row['paired_cpu_ratio_median']:>8.3f}{'-' if saves is None else f'{saves:.0f}':>12}  {machine}")
+        print(f"{n:<34}{row['tokens_per_s']:>10.0f}{row['paired_ratio_median']:>10.3f}"
+              f"{row['paired_cpu_ratio_median']:>8.3f}{'-' if calls is None else f'{calls:.0f}':>16}  {machine}")
     with open(args.out, "w") as f:
         json.dump({"batch": args.batch, "seq_len": args.seq_len, "steps": args.steps, "baseline": args.baseline,
                    **info, "rows": rows}, f, indent=1)

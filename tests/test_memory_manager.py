@@ -222,3 +222,105 @@ def test_host_buffers_reused_across_steps():
     assert mgr.accounting.live["host"] == 0
     mgr.close()
     assert store.pooled_bytes == 0
+
+
+def _top_pack():
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return None if top is None else top[0]
+
+
+def _steps(policy: MemoryPolicy, steps: int, probes: tuple[str, ...] = (), **kw):
+    """``steps`` forward/backward steps of ``Stack`` under one manager: gradients of every step, the manager,
+    and per step the top of the saved-tensor hooks stack seen inside each module of ``probes``."""
+    torch.manual_seed(0)
+    model = Stack()
+    x = torch.randn(4, 16, 128, requires_grad=True)
+    mgr = ActivationManager(model, policy, **kw)
+    seen: list[dict[str, object]] = []
+    for name in probes:
+        model.get_submodule(name).register_forward_pre_hook(lambda m, a, name=name: seen[-1].__setitem__(name,
+                                                                                                          _top_pack()))
+    grads = []
+    for _ in range(steps):
+        seen.append({})
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        with mgr:
+            loss = model(x).float().square().mean()
+        loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters()] + [x.grad.clone()])
+    assert _top_pack() is None  # nothing left on the stack
+    return grads, mgr, seen
+
+
+def _counts(acc, policy: str) -> int:
+    return sum(st.count for (_, pol), st in acc.regions.items() if pol == policy)
+
+
+def test_keep_regions_run_without_hooks_after_first_forward():
+    """Default ``keep_accounting="first"``: the first forward accounts keep saves (hooks on); later forwards
+    run keep regions with no saved-tensor hooks at all, with the same gradients bit for bit."""
+    ref, _ = _run(None)
+    grads, mgr, seen = _steps(_policy(default="keep"), 3, probes=("layers.0.attn", "layers.2.ffn"))
+    for g in grads:
+        assert all(torch.equal(a, b) for a, b in zip(g, ref))
+    assert seen[0]["layers.0.attn"] is mgr._pack_fn
+    assert all(s == {"layers.0.attn": None, "layers.2.ffn": None} for s in seen[1:])
+    acc = mgr.accounting
+    _, one = _run(_policy(default="keep"))
+    assert acc.to_dict()["regions"] == one.to_dict()["regions"]  # the first forward's rows, exactly
+    assert acc.peak == one.peak and acc.live["device"] == 0
+    assert (acc.forwards, acc.keep_forwards) == (3, 1) and "keep saves accounted in 1 of 3" in acc.summary()
+    mgr.account_keep_next()
+    with mgr:
+        loss = mgr.model(torch.randn(4, 16, 128)).square().mean()
+    loss.backward()
+    assert _counts(acc, "keep") == 2 * _counts(one, "keep") and acc.keep_forwards == 2
+    mgr.close()
+
+
+def test_keep_accounting_every_forward():
+    ref, _ = _run(None)
+    grads, mgr, seen = _steps(_policy(default="keep"), 2, probes=("layers.1",), keep_accounting="every")
+    _, one = _run(_policy(default="keep"))
+    assert all(torch.equal(a, b) for g in grads for a, b in zip(g, ref))
+    assert all(s["layers.1"] is mgr._pack_fn for s in seen)
+    assert _counts(mgr.accounting, "keep") == 2 * _counts(one, "keep") and mgr.accounting.keep_forwards == 2
+    mgr.close()
+    with pytest.raises(ValueError, match="keep_accounting = 'last'"):
+        ActivationManager(Stack(), _policy(), keep_accounting="last")
+
+
+def test_hooks_only_inside_offloaded_regions():
+    """Default keep with a host rule: after the first forward the hooks are on inside ``ffn`` only; host saves
+    are stored every forward, keep saves only in the first; gradients exact; a keep rule inside an
+    offloaded region takes the hooks off there and puts them back after it."""
+    ref, _ = _run(None)
+    pol = _policy(default="keep", rules=[{"match": "layers.*.ffn.0", "policy": "keep"},
+                                         {"match": "layers.*.ffn", "policy": "host"}])
+    grads, mgr, seen = _steps(pol, 2, probes=("layers.0.attn", "layers.1.ffn", "layers.1.ffn.0", "layers.1.ffn.2"))
+    assert all(torch.equal(a, b) for g in grads for a, b in zip(g, ref))
+    assert seen[1] == {"layers.0.attn": None, "layers.1.ffn": mgr._pack_fn, "layers.1.ffn.0": None,
+                       "layers.1.ffn.2": mgr._pack_fn}
+    _, one = _run(pol)
+    assert _counts(mgr.accounting, "host") == 2 * _counts(one, "host") > 0
+    assert _counts(mgr.accounting, "keep") == _counts(one, "keep") > 0
+    assert mgr.accounting.live == {"device": 0, "host": 0, "disk": 0, "remote": 0}
+    mgr.close()
+
+
+@pytest.mark.parametrize("spec", [
+    {"default": "keep", "rules": [{"match": "layers.*.attn", "policy": "recompute"}]},
+    # a checkpointed layer of a host policy with a keep module inside: the checkpoint's hooks are on top there
+    # and the manager leaves the stack alone
+    {"default": "host", "rules": [{"match": "layers.1", "policy": "recompute"},
+                                  {"match": "layers.*.ffn", "policy": "keep"}]},
+])
+def test_recompute_anchors_every_forward_without_keep_hooks(spec):
+    ref, _ = _run(None)
+    grads, mgr, _ = _steps(_policy(**spec), 2)
+    _, one = _run(_policy(**spec))
+    assert all(torch.equal(a, b) for g in grads for a, b in zip(g, ref))
+    assert _counts(mgr.accounting, "recompute") == 2 * _counts(one, "recompute") > 0
+    assert mgr.accounting.live == {"device": 0, "host": 0, "disk": 0, "remote": 0}
+    mgr.close()

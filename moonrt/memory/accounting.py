@@ -48,6 +48,11 @@ class Accounting:
         self.prefetched = 0
         self.fetched_inline = 0
         self.parameter_saves = 0
+        self.forwards = 0
+        """Forwards run under the manager (``with manager:``)."""
+        self.keep_forwards = 0
+        """Forwards whose ``keep`` saves were accounted (the others ran keep regions without hooks: their
+        keep saves are in no row, no live or peak figure)."""
 
     def reset(self) -> None:
         """Forget totals and peaks (live bytes stay: tensors still saved are still resident)."""
@@ -56,6 +61,7 @@ class Accounting:
             self.peak = dict(self.live)
             self.pack_s = self.unpack_s = self.fetch_s = self.exposed_s = 0.0
             self.prefetched = self.fetched_inline = self.parameter_saves = 0
+            self.forwards = self.keep_forwards = 0
 
     def on_pack(self, region: str, policy: str, logical: int, tier_bytes: dict[str, int], dt: float) -> None:
         with self._lock:
@@ -164,6 +170,8 @@ class Accounting:
             "prefetched": self.prefetched,
             "fetched_inline": self.fetched_inline,
             "parameter_saves": self.parameter_saves,
+            "forwards": self.forwards,
+            "keep_forwards": self.keep_forwards,
         }
 
     def summary(self) -> str:
@@ -183,6 +191,9 @@ class Accounting:
                      f"{self.fetch_s * 1e3:.1f} ms of which {self.hidden_fraction:.0%} hidden by prefetch "
                      f"({self.prefetched} prefetched, {self.fetched_inline} inline); "
                      f"{self.parameter_saves} parameter saves not stored again")
+        if self.keep_forwards < self.forwards:
+            lines.append(f"keep saves accounted in {self.keep_forwards} of {self.forwards} forwards (keep regions "
+                         "of the others ran without saved-tensor hooks)")
         return "\n".join(lines)
 
 

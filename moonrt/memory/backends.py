@@ -140,9 +140,11 @@ class HostStore:
             return buf, event
         buf = self._take(n, pinned=False)
         buf.copy_(data)
-        return buf, None
+        return buf  # without CUDA the record is the buffer (no tuple kept alive per saved tensor)
 
     def get(self, record: Any, device: torch.device) -> torch.Tensor:
+        if record.__class__ is not tuple:
+            return record
         buf, event = record
         if device.type == "cuda":
             assert self._stream is not None
@@ -155,7 +157,7 @@ class HostStore:
         return buf
 
     def free(self, record: Any) -> None:
-        buf, event = record
+        buf = record[0] if record.__class__ is tuple else record
         # reusable when nothing but ``buf`` holds the storage (a CPU ``get`` hands out aliasing views; the
         # storage object made for the query holds one more reference). CUDA: the next copy into a pooled
         # pinned buffer is queued on the same copy stream as the reads from it, so it runs after them.

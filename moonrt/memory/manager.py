@@ -19,6 +19,11 @@ the module path (or region name) it was saved in. The model code never calls thi
 - **Prefetch**: in backward, the first unpack from layer ``l`` starts fetching every offloaded
   entry of layer ``l - 1`` (forward order) on a background thread; the accounting reports how much
   reload time was hidden.
+- **Keep regions cost nothing per saved tensor**: the hooks are only on the stack inside modules /
+  regions whose policy is not ``keep`` (:mod:`.saved_hooks`). Keep saves are accounted (bytes per region,
+  peak) in the first forward (``keep_accounting="first"``, the default; :meth:`ActivationManager.account_keep_next`
+  re-arms it) or in every forward (``"every"``, one hook call per keep save); ``accounting.keep_forwards``
+  says how many forwards the keep rows cover.
 
 Layout: this module is the facade (construction, module hooks and wrappers, ``with``, ``close``);
 the manager's behaviour lives in its bases: :mod:`.saved_hooks` (pack / unpack / release per policy,
@@ -54,7 +59,7 @@ from moonrt.memory.fp8_batch import Fp8BatchMixin, _Batch
 from moonrt.memory.policy import MemoryPolicy
 from moonrt.memory.recompute import RecomputeMixin
 from moonrt.memory.regions import RegionsMixin, _Frame, _generalize, layer_key
-from moonrt.memory.saved_hooks import SavedTensorsMixin
+from moonrt.memory.saved_hooks import SavedTensorsMixin, _top_hooks
 
 
 class ActivationManager(RegionsMixin, RecomputeMixin, SavedTensorsMixin, Fp8BatchMixin):
@@ -67,10 +72,14 @@ class ActivationManager(RegionsMixin, RecomputeMixin, SavedTensorsMixin, Fp8Batc
         remote: a :class:`moonrt.memory.remote.RemoteClient` when any rule uses a remote policy.
         fp8_batch_bytes: FP8 saves of a layer are quantized together once this many input bytes are
             pending (or the layer / forward ends): the most raw bytes held beyond their FP8 copy.
+        keep_accounting: ``"first"``: saves under ``keep`` are accounted in the first forward only (later
+            forwards run keep regions without saved-tensor hooks); ``"every"``: in every forward.
     """
 
     def __init__(self, model: torch.nn.Module, policy: MemoryPolicy | None = None, remote: Any = None,
-                 fp8_batch_bytes: int = 64 * 2**20) -> None:
+                 fp8_batch_bytes: int = 64 * 2**20, keep_accounting: str = "first") -> None:
+        if keep_accounting not in ("first", "every"):
+            raise ValueError(f"keep_accounting = {keep_accounting!r}: expected 'first' or 'every'")
         self.model = model
         self.policy = policy or MemoryPolicy()
         self.policy.validate()
@@ -109,7 +118,17 @@ class ActivationManager(RegionsMixin, RecomputeMixin, SavedTensorsMixin, Fp8Batc
                             for t in list(model.parameters()) + list(model.buffers())}
         self._prefetched_layers: set[int] = set()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="moonrt-prefetch") if self.policy.prefetch else None
-        self._hooks_ctx: Any = None
+        self._keep_accounting = keep_accounting
+        self._account_keep_next = True
+        self._account_keep_now = False
+        self._active = False
+        self._hooks_on = False
+        self._base_hooks: tuple[Any, Any] | None = None
+        self._hook_marks: list[tuple[int, bool]] = []
+        self._pack_fn = self._pack  # one bound-method object each: the hooks stack is compared by identity
+        self._unpack_fn = self._unpack
+        self._release_fn = self._release  # bound once: a handle holds it, not a new method object per save
+        self._release_keep_fn = self._release_keep
         self._anchoring = False
         self._handles: list[Any] = []
         self._wrapped: list[torch.nn.Module] = []
@@ -198,15 +217,31 @@ class ActivationManager(RegionsMixin, RecomputeMixin, SavedTensorsMixin, Fp8Batc
 
     # ---- hooks ---------------------------------------------------------------------------------
     def __enter__(self) -> ActivationManager:
+        if self._active:
+            raise RuntimeError("ActivationManager: already entered; expected one 'with manager:' at a time")
         self._prefetched_layers.clear()
-        self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._hooks_ctx.__enter__()
+        self._account_keep_now = self._account_keep_next or self._keep_accounting == "every"
+        self._account_keep_next = False
+        self.accounting.forwards += 1
+        self.accounting.keep_forwards += self._account_keep_now
+        self._base_hooks = _top_hooks(False)
+        self._hook_marks = []
+        self._hooks_on = False
+        self._active = True
+        self._set_hooks(self._hooks_wanted(self._frames[-1].policy))
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._hooks_ctx.__exit__(*exc)
-        self._hooks_ctx = None
+        self._set_hooks(False)
+        self._active = False
+        self._hooks_on = False
+        self._hook_marks = []
         self._flush_all()
+
+    def account_keep_next(self) -> None:
+        """Account the ``keep`` saves of the next forward too (per-tensor hooks in keep regions for that
+        forward), e.g. to measure a step whose shapes changed."""
+        self._account_keep_next = True
 
     def flush(self) -> None:
         """Send queued remote frees (call after backward; a new forward does it too)."""

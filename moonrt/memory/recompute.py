@@ -35,6 +35,8 @@ class RecomputeMixin:
     ``checkpoint`` and ``_anchor``."""
 
     _anchoring: bool
+    _hooks_on: bool
+    _set_hooks: Any
     _wrapped: list[torch.nn.Module]
     _wrapped_methods: list[tuple[torch.nn.Module, str]]
 
@@ -133,9 +135,12 @@ class RecomputeMixin:
                if isinstance(a, torch.Tensor) and (a.is_floating_point() or not floating_only)]
         if idx:
             self._anchoring = True
+            hooks_were_on = self._hooks_on
+            self._set_hooks(True)  # the anchor's saves are accounted in every forward, keep regions included
             try:
                 anchored = _Anchor.apply(*[args[i] for i in idx])
             finally:
+                self._set_hooks(hooks_were_on)
                 self._anchoring = False
             for i, t in zip(idx, anchored):
                 args[i] = t

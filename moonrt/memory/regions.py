@@ -61,6 +61,11 @@ class RegionsMixin:
     _layer_names: dict[str, str]
     _layers: dict[str, int]
     _module_regions: dict[str, str]
+    _active: bool
+    _hooks_on: bool
+    _hook_marks: list[tuple[int, bool]]
+    _set_hooks: Any
+    _hooks_wanted: Any
 
     def _rule_of(self, name: str) -> str | None:
         """Policy of the first non-recompute rule matching module/region ``name`` (or its
@@ -97,8 +102,14 @@ class RegionsMixin:
                 frame = _Frame(name, self.policy.default, lk, False)
             self._frame_cache[key] = frame  # frames are never dropped, so the parent's id stays unique
         self._frames.append(frame)
+        if self._active:  # hooks on where the frame's policy needs them (saved_hooks._set_hooks)
+            self._hook_marks.append((len(self._frames), self._hooks_on))
+            self._set_hooks(self._hooks_wanted(frame.policy))
 
     def _pop(self) -> None:
+        marks = self._hook_marks
+        if marks and marks[-1][0] == len(self._frames):  # restore the hooks state of the enclosing frame
+            self._set_hooks(marks.pop()[1])
         self._stack.pop()
         self._frames.pop()
 

@@ -3,8 +3,14 @@ storage of its policy (keep: counted once per storage; FP8: pending in a batch o
 host / disk / remote: the whole storage as flat bytes; deduplicated by storage or view), ``_unpack``
 rebuilds it in backward, fetching through the background prefetcher; handles release their entries.
 
+The hooks are on the thread's saved-tensor hooks stack only where they have work to do: ``_set_hooks``
+pushes them when a module / region whose policy is not ``keep`` is entered and pops them in ``keep``
+regions (no Python call per saved tensor there), except in forwards that account keep saves (the first
+one by default, see ``keep_accounting``) and around the recompute anchors. It never touches the stack
+when someone else's hooks are on top (a checkpoint's, which decide inside their region).
+
 :class:`SavedTensorsMixin` is a base of :class:`moonrt.memory.manager.ActivationManager`, which sets the
-state it reads in ``__init__`` and installs ``_pack`` / ``_unpack`` in ``__enter__``.
+state it reads in ``__init__`` and starts the hooks in ``__enter__``.
 """
 
 from __future__ import annotations
@@ -15,7 +21,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from moonrt.memory.accounting import Accounting
 from moonrt.memory.backends import Backend, Packed, make_backend, storage_bytes
@@ -23,6 +28,18 @@ from moonrt.memory.entries import _Entry, _Handle, _KeepEntry
 from moonrt.memory.fp8_batch import _Batch
 from moonrt.memory.policy import MemoryPolicy
 from moonrt.ops import fp8
+
+_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+_push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
+_pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
+_STORAGE_META = ("raw", None, torch.uint8)
+"""``Packed.meta`` of a whole storage stored as flat bytes (one shared tuple: unpack rebuilds the saved view
+from the handle's ``view``)."""
+_expired = torch.UntypedStorage._expired
+_free_weak_ref = torch.UntypedStorage._free_weak_ref
+"""An entry's ``weak`` is the raw weak reference of its source storage (``storage._weak_ref()``: an int, no
+Python object to allocate and track), freed by ``_release``."""
+"""The thread-local saved-tensor hooks stack that ``torch.autograd.graph.saved_tensors_hooks`` pushes to."""
 
 
 class SavedTensorsMixin:
@@ -42,6 +59,37 @@ class SavedTensorsMixin:
     _prefetched_layers: set[int]
     _pool: ThreadPoolExecutor | None
     _anchoring: bool
+    _active: bool
+    _account_keep_now: bool
+    _hooks_on: bool
+    _base_hooks: tuple[Any, Any] | None
+    _pack_fn: Any
+    _unpack_fn: Any
+    _release_fn: Any
+    _release_keep_fn: Any
+
+    def _hooks_wanted(self, policy: str) -> bool:
+        """Whether saves under a frame of ``policy`` need the manager's hooks in the current forward."""
+        return policy != "keep" or self._account_keep_now
+
+    def _set_hooks(self, on: bool) -> None:
+        """Push (``on``) or pop the manager's saved-tensor hooks. Only inside ``with manager:``, and only when
+        the stack's top is what it was at ``__enter__`` (to push) or the manager's own hooks (to pop): under
+        another context's hooks (a non-reentrant checkpoint) nothing changes, as those decide there."""
+        if on is self._hooks_on or not self._active:
+            return
+        top = _top_hooks(False)
+        if on:
+            base = self._base_hooks
+            if not (top is None and base is None
+                    or top is not None and base is not None and top[0] is base[0] and top[1] is base[1]):
+                return
+            _push_hooks(self._pack_fn, self._unpack_fn)
+        else:
+            if top is None or top[0] is not self._pack_fn:
+                return
+            _pop_hooks()
+        self._hooks_on = on
 
     def _backend(self, policy: str) -> Backend:
         b = self._backends.get(policy)
@@ -75,7 +123,7 @@ class SavedTensorsMixin:
                     n = storage.nbytes()
                     entry = self._keep[sptr] = _KeepEntry(sptr, n, region, label)
                     self.accounting.pack_tier_locked(region, label, "device", n, n, time.perf_counter() - t0)
-            return _Handle(entry, None, t.detach(), self._release_keep)
+            return _Handle(entry, None, t.detach(), self._release_keep_fn)
         layer = self._layer_of(frame)
         region = frame.region
         backend = self._backend(policy)
@@ -84,14 +132,14 @@ class SavedTensorsMixin:
         key = (policy, sptr, view) if fp8 else (policy, sptr)
         with self._lock:
             entry = self._entries.get(key)
-            if entry is not None and entry.weak is not None and entry.weak.expired():
+            if entry is not None and entry.weak is not None and _expired(entry.weak):
                 entry = None
             if entry is not None:
                 entry.refs += 1
                 self.accounting.on_dedupe(region, label)
-                return _Handle(entry, view, None, self._release)
+                return _Handle(entry, view, None, self._release_fn)
         if fp8:  # pending: quantized with the rest of its batch (layer) in one call
-            entry = _Entry(backend, None, layer, key, StorageWeakRef(storage))
+            entry = _Entry(backend, None, layer, key, storage._weak_ref())
             entry.refs = 1
             entry.region = (region, label)
             entry.raw = t.detach()
@@ -110,7 +158,7 @@ class SavedTensorsMixin:
                 if batch.nbytes >= self._fp8_batch_bytes:
                     self._flush(policy)
             self.accounting.pack_s += time.perf_counter() - t0
-            return _Handle(entry, view, None, self._release)
+            return _Handle(entry, view, None, self._release_fn)
         if backend.store.tier == "device":
             packed = backend.pack(t)  # keeps the tensor itself; bytes counted by storage
             packed.tier_bytes = {"device": storage.nbytes()}
@@ -118,15 +166,15 @@ class SavedTensorsMixin:
         else:  # the whole storage as flat bytes, straight to the store (already contiguous uint8)
             logical = storage.nbytes()
             store = backend.store
-            packed = Packed([store.put(storage_bytes(t))], ("raw", (logical,), torch.uint8), t.device,
-                            {store.tier: logical})
-        entry = _Entry(backend, packed, layer, key, StorageWeakRef(storage))
+            packed = Packed([store.put(storage_bytes(t))], _STORAGE_META, t.device, {store.tier: logical})
+        entry = _Entry(backend, packed, layer, key, storage._weak_ref())
         entry.refs = 1
         entry.region = (region, label)
         with self._lock:
             self._entries[key] = entry
         self.accounting.on_pack_tier(region, label, backend.store.tier, logical, logical, time.perf_counter() - t0)
-        return _Handle(entry, view, packed.parts[0] if backend.store.tier == "device" else None, self._release)
+        return _Handle(entry, view, packed.parts[0] if backend.store.tier == "device" else None,
+                       self._release_fn)
 
     def _release_keep(self, entry: _KeepEntry) -> None:
         """Keep entries are never copied: no entry lives beyond its storage (a handle holds the tensor, so
@@ -146,6 +194,9 @@ class SavedTensorsMixin:
                 return
             if self._entries.get(entry.key) is entry:
                 del self._entries[entry.key]
+            if entry.weak is not None:
+                _free_weak_ref(entry.weak)
+                entry.weak = None
             entry.parts = None
             entry.future = None
             entry.decoded = None
