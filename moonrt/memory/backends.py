@@ -339,10 +339,12 @@ class Backend:
                         payload: torch.Tensor, scales: torch.Tensor) -> Packed:
         """Store an already quantized tensor of ``shape``/``dtype``: ``payload [M, nb * block]`` E4M3 and
         ``scales [M, nb]`` fp32 from :func:`moonrt.ops.fp8.quantize` (or one entry of ``quantize_many``)."""
-        datas = [as_bytes(payload), as_bytes(scales)]
-        parts = [self.store.put(d) for d in datas]
-        nbytes = datas[0].numel() + datas[1].numel()
-        return Packed(parts, ("fp8", tuple(shape), dtype, tuple(scales.shape)), device, {self.store.tier: nbytes})
+        nbytes = payload.numel() + 4 * scales.numel()
+        meta = ("fp8", shape, dtype, tuple(scales.shape))
+        if self.store.tier == "device":  # kept as they are (quantized_parts views them back): no byte views
+            return Packed([payload, scales], meta, device, {"device": nbytes})
+        parts = [self.store.put(as_bytes(payload)), self.store.put(as_bytes(scales))]
+        return Packed(parts, meta, device, {self.store.tier: nbytes})
 
     def quantized_parts(self, packed: Packed, parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(payload [M, nb * block] E4M3, scales [M, nb] fp32)`` of an FP8 record from its fetched parts."""

@@ -59,12 +59,13 @@ class Fp8BatchMixin:
             e.raw = None
         dt = (time.perf_counter() - t0) / len(todo)
         tier = backend.store.tier
+        pack_tier = self.accounting.pack_tier_locked  # the caller holds the lock the accounting shares
         for e in todo:
             region, label = e.region
             nbytes = e.packed.tier_bytes[tier]
             meta = e.packed.meta
             logical = math.prod(meta[1]) * meta[2].itemsize
-            self.accounting.on_pack_tier(region, label, tier, logical, nbytes, dt)
+            pack_tier(region, label, tier, logical, nbytes, dt)
 
     def _flush_all(self) -> None:
         if self._pending:
