@@ -32,6 +32,10 @@ from moonrt import checkpoint_dcp
 from moonrt.cluster.launch import launch
 from moonrt.cluster.preempt import PREEMPTED_EXIT
 from moonrt.cluster.sbatch import SbatchJob, render_sbatch, requeue_command
+from moonrt.comm.parallelism import Parallelism, Part
+from moonrt.config import from_dict
+from moonrt.job import JobConfig
+from moonrt.train import Preempted, train
 
 STEPS = 8
 MOONRT = [sys.executable, "-m", "moonrt.cli"]
@@ -188,6 +192,53 @@ def test_second_signal_aborts_and_keeps_the_previous_checkpoint(workdir: Path) -
     state = checkpoint_dcp.read_state(run / "out")  # an earlier step's, complete
     assert 1 <= state["step"] <= _records(run)[-1]["step"]
     assert sorted(p.name for p in (run / "out").iterdir()) == ["checkpoint.pt", "config.yaml"]  # no temp file
+
+
+class _SignalSelf(Part):
+    """Sends this process SIGTERM from one hook of the training loop: start-up, an eval batch, or a step."""
+
+    def __init__(self, where: str, step: int = -1) -> None:
+        self.where, self.at = where, step
+
+    def _kill(self) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        self.where = "done"
+
+    def parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
+        if self.where == "start-up":
+            self._kill()
+        return model
+
+    def loss_sum(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, ctx: object = None) -> None:
+        if self.where == "eval":
+            self._kill()
+
+    def step_metrics(self, step: int, model: torch.nn.Module, record: dict) -> None:
+        if self.where == "step" and step == self.at:
+            self._kill()
+
+
+@pytest.mark.parametrize(("where", "stop_step", "evaluated"), [("start-up", 0, False), ("eval", 2, True),
+                                                               ("step", 3, False)])
+def test_stop_points_in_process(workdir: Path, tmp_path: Path, where: str, stop_step: int, evaluated: bool) -> None:
+    """A signal during start-up stops before step 1 (checkpoint of step 0); during an eval, right after it
+    (the eval completes); during step 3 (an eval step), after step 3 without its eval. Handlers are restored."""
+    job = from_dict(JobConfig, {"data": {"corpus": str(workdir / "corpus.txt")}, "out_dir": str(tmp_path / "out"),
+                                "optim": {"steps": 6, "batch_size": 2, "seq_len": 16, "eval_every": 2 if where == "eval"
+                                          else 3, "eval_windows": 2, "checkpoint_every": 100}})
+    metrics = tmp_path / "m.jsonl"
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Preempted) as info:
+        train(job, rt=Parallelism(parts=[_SignalSelf(where, 2)]), metrics_path=str(metrics), progress=False)
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert info.value.step == stop_step and info.value.signum == signal.SIGTERM
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, stop_step + 1))
+    if records:
+        assert ("eval_loss" in records[-1]) == evaluated
+    assert checkpoint_dcp.read_state(tmp_path / "out")["step"] == stop_step
+    train(job, metrics_path=str(metrics), resume=True, progress=False)
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == list(range(1, 7))
 
 
 def test_launch_kills_ranks_that_do_not_stop_within_the_grace(tmp_path: Path) -> None:
