@@ -390,3 +390,20 @@ def test_slurm_requeue_resumes_and_matches(workdir: Path, reference2: Callable[[
     assert 2 <= step < STEPS, text[-4000:]
     assert f"requeueing job {job_id} (restart 0)" in text, text[-4000:]
     _assert_same_run(run, reference2())
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [(["train", "--signal", "KILL", "--steps", "1"], "stop_signal = 'KILL': expected one of TERM, INT, HUP"),
+     (["sbatch", "--nodes", "1", "--ntasks-per-node", "1", "--signal-lead", "30", "--", "true"],
+      "--signal-lead = 30: expected together with --requeue"),
+     (["sbatch", "--nodes", "1", "--ntasks-per-node", "1", "--requeue", "--signal-lead", "0", "--", "true"],
+      "--signal-lead = 0: expected an integer number of seconds in [1, 65535]"),
+     (["launch", "-n", "1", "--stop-grace", "0", "--", "true"], "stop_grace = 0.0: expected a positive number")],
+)
+def test_bad_input(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from moonrt.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
