@@ -274,7 +274,8 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
     if rt.is_main and progress:
         print(f"summary: {stop} steps in {wall:.0f} s ({summary['tokens_per_s']:,.0f} tokens/s); "
               f"train loss {summary['train_loss']:.3f}; eval loss {eval_loss:.3f} nats/token vs held-out "
-              f"unigram entropy {baseline:.3f} ({eval_loss - baseline:+.3f}); checkpoint {ckpt}", flush=True)
+              f"unigram entropy {baseline:.3f} ({eval_loss - baseline:+.3f}); checkpoint "
+              f"{out / checkpoint_dcp.ROOT if checkpoint_dcp.use_sharded(opt) else ckpt}", flush=True)
     if cp_bytes and progress:  # every rank reports its own CP traffic (moonrt launch prefixes [rank r])
         from moonrt.comm.cp_context import comm_table
 
