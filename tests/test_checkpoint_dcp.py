@@ -260,3 +260,16 @@ def test_pp2_ep2_zero1_on_8_ranks_resumes_in_one_process_ep4_and_pp2_cp2(tmp_pat
         cmds[name] = _launch(n, *args) if n > 1 else _moonrt(*args)
     _run(tmp_path, cmds, timeout=2900)
     _check_other_layouts(tmp_path, {name: _metrics(tmp_path / f"{name}.jsonl")[3] for name in runs})
+
+
+def test_convert_between_the_formats_round_trips(saved: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    from moonrt.checkpoint import load
+
+    root, ref = saved
+    assert cli(["checkpoint", "convert", str(root), str(tmp_path / "checkpoint.pt")]) == 0
+    old = load(tmp_path / "checkpoint.pt")
+    assert old["step"] == 1
+    _equal({"model": old["model"], "optimizer": old["optimizer"]}, ref, "to .pt")
+    assert cli(["checkpoint", "convert", str(tmp_path / "checkpoint.pt"), str(tmp_path / "back")]) == 0
+    again = checkpoint_dcp.to_single_file(tmp_path / "back")
+    _equal({"model": again["model"], "optimizer": again["optimizer"]}, ref, "back to sharded")
