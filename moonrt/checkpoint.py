@@ -146,9 +146,12 @@ def check_resume(stored: Mapping[str, Any], new: Mapping[str, Any], step: int, a
     A field that changes the trajectory (model, data, seed, batch, sequence length, optimizer
     hyper-parameters: everything except :data:`FREE_ON_RESUME`) must be equal unless ``allow`` names it
     (dotted, e.g. ``optim.lr``, or its last part, e.g. ``lr``). ``optim.steps`` may grow. Raises
-    :class:`CheckpointError` naming every differing field with both values.
+    :class:`CheckpointError` naming every differing field with both values. A field the stored config lacks
+    (a checkpoint written before the field existed) counts as its default value in :class:`JobConfig`.
     """
+    defaults = _flatten(to_dict(JobConfig()))
     old_flat, new_flat = _flatten(stored), _flatten(new)
+    old_flat = {**{k: v for k, v in defaults.items() if k not in old_flat and k in new_flat}, **old_flat}
     allow = list(allow)
     known = set(old_flat) | set(new_flat)
     resolved: list[str] = []

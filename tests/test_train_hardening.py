@@ -151,6 +151,20 @@ def test_nothing_to_do_and_bad_until_are_one_line(tmp_path: Path, capsys) -> Non
     assert "already holds checkpoint.pt" in _one_error_line(capsys.readouterr().err)
 
 
+def test_a_field_the_checkpoint_predates_counts_as_its_default() -> None:
+    """A checkpoint written before a job-config field existed resumes when the job keeps the field's default,
+    and is refused (naming the field) when the job sets another value."""
+    from moonrt.config import to_dict
+
+    stored = to_dict(JobConfig())
+    del stored["optim"]["optimizer"]
+    checkpoint.check_resume(stored, to_dict(JobConfig()), 2)
+    new = to_dict(JobConfig())
+    new["optim"]["optimizer"] = "muon"
+    with pytest.raises(checkpoint.CheckpointError, match="optim.optimizer: checkpoint 'adamw', now 'muon'"):
+        checkpoint.check_resume(stored, new, 2)
+
+
 def test_metrics_after_kill_and_resume_hold_each_step_once(tmp_path: Path) -> None:
     job = from_dict(JobConfig, {"data": {"corpus": str(_corpus(tmp_path))}, "out_dir": str(tmp_path / "run"),
                                 "optim": {"steps": 6, "batch_size": 2, "seq_len": 16, "eval_every": 3,
