@@ -162,6 +162,7 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
                           f"batch {cfg.batch_size // rt.dp_size} (optim.batch_size {cfg.batch_size} / data-parallel "
                           f"size {rt.dp_size})")
     model = build_model(job)
+    n_params = sum(p.numel() for p in model.parameters())  # the whole model, before parts shard or prune it
     model = rt.parallelize(model)
     cp_log = getattr(rt.ctx, "log", None)  # ContextParallel's CP byte records per layer (K3_SYSTEMS §7)
     cp_bytes: dict[str, dict[str, int]] = {}
@@ -190,7 +191,6 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
     baseline = data.unigram_entropy(corpus.heldout, corpus.vocab_size)
     global_tokens = cfg.batch_size * cfg.seq_len
     metrics = outputs.open_metrics(metrics_path, start if resume else None) if (metrics_path and rt.is_main) else None
-    n_params = sum(p.numel() for p in model.parameters())
     if rt.is_main and progress:
         print(f"moonrt train: {job.model if job.model_config is None else 'custom'} ({n_params / 1e6:.2f}M params, "
               f"pattern {mcfg.pattern}), corpus {corpus.description}: {len(corpus.train):,} train / "
