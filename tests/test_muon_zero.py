@@ -124,15 +124,21 @@ def test_train_zero1_muon_resumes_a_single_process_checkpoint_and_matches_it(tmp
     _run(tmp_path, {"base": _moonrt("train", *flags, "--until", "1", "--out", "base")})
     common = ("train", *flags, "--resume", "--until", "2")
     runs = {"single": _moonrt(*common, "--out", "single", "--metrics", "single.jsonl"),
-            "zero_dp2": _launch(2, *common, "--out", "zero_dp2", "--metrics", "zero_dp2.jsonl", "--zero", "1")}
+            "zero_dp2": _launch(2, *common, "--out", "zero_dp2", "--metrics", "zero_dp2.jsonl", "--zero", "1"),
+            # without ZeRO, Muon runs replicated under the other parts: experts per expert on their EP rank
+            "ep2": _launch(2, *common, "--out", "ep2", "--metrics", "ep2.jsonl", "--ep", "2"),
+            "pp2": _launch(2, *common, "--out", "pp2", "--metrics", "pp2.jsonl", "--pp", "2", "--microbatches", "2")}
     for name in runs:
         shutil.copytree(tmp_path / "base", tmp_path / name)
     _run(tmp_path, runs, timeout=1700)
-    ref, got = _metrics(tmp_path / "single.jsonl")[2], _metrics(tmp_path / "zero_dp2.jsonl")[2]
-    assert abs(got["loss"] - ref["loss"]) <= RTOL * abs(ref["loss"]), (got["loss"], ref["loss"])
-    assert abs(got["grad_norm"] - ref["grad_norm"]) <= RTOL * ref["grad_norm"], (got, ref)
-    ref_ckpt, ck = _ckpt(tmp_path / "single"), _ckpt(tmp_path / "zero_dp2")
-    assert ck["step"] == 2 and list(ck["model"]) == list(ref_ckpt["model"])
-    _close(ck["model"], ref_ckpt["model"], "model")
-    _close(ck["optimizer"], ref_ckpt["optimizer"], "optimizer")
+    ref, ref_ckpt = _metrics(tmp_path / "single.jsonl")[2], _ckpt(tmp_path / "single")
+    for name in ("zero_dp2", "ep2", "pp2"):
+        got = _metrics(tmp_path / f"{name}.jsonl")[2]
+        assert abs(got["loss"] - ref["loss"]) <= RTOL * abs(ref["loss"]), (name, got["loss"], ref["loss"])
+        assert abs(got["grad_norm"] - ref["grad_norm"]) <= RTOL * ref["grad_norm"], (name, got, ref)
+        ck = _ckpt(tmp_path / name)
+        assert ck["step"] == 2 and list(ck["model"]) == list(ref_ckpt["model"]), name
+        _close(ck["model"], ref_ckpt["model"], f"{name}.model")
+        _close(ck["optimizer"], ref_ckpt["optimizer"], f"{name}.optimizer")
+    got = _metrics(tmp_path / "zero_dp2.jsonl")[2]
     assert len(got["optimizer_state_bytes"]) == 2 and got["optimizer_comm_bytes"] > 0
