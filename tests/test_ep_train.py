@@ -78,4 +78,4 @@ def test_ep_degree_that_does_not_fit_the_world_is_a_clear_error(tmp_path: Path) 
     out = subprocess.run(_moonrt("train", "--ep", "2", "--steps", "1", "--no-progress", "--out", str(tmp_path)),
                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert out.returncode == 2, out.stdout + out.stderr
-    assert "expected the degrees to multiply to the world size 1" in out.stderr, out.stderr
+    assert "ranks per data-parallel replica: expected a divisor of the world size 1" in out.stderr, out.stderr
