@@ -22,7 +22,7 @@ weight decay are torch's). Per step and bucket there is one ``reduce_scatter_sin
 gradient (``[n*S] -> [S]``, sum), one ``all_gather_single`` of the updated parameter shard
 (``[S] -> [n*S]``) and one small all-reduce of ``[P]`` "had a gradient" flags (``P`` parameters, so
 a parameter no rank produced a gradient for is skipped exactly as torch skips ``grad is None``).
-Gloo implements both bucketed collectives (checked in ``tests/test_zero.py``); on torch versions
+Gloo implements both bucketed collectives (checked in ``tests/runtime/test_zero.py``); on torch versions
 without the ``*_single`` names the ``*_tensor`` names are used.
 
 Why flat, not per-parameter ownership: a flat partition balances bytes to within ``n - 1``

@@ -1,7 +1,7 @@
 """``moonrt train --zero 1`` (ZeRO-1, K3_SYSTEMS §10): resumed from a single-process checkpoint, one step
 equals the single process's; each rank holds 1/dp of the AdamW state; bad ``--zero`` is a clear error.
 
-Runs (teacher-forced, the same scheme as ``tests/test_pp_train.py``): a single-process job trains step 1
+Runs (teacher-forced, the same scheme as ``tests/jobs/test_pp_train.py``): a single-process job trains step 1
 and checkpoints; copies of that directory are resumed for step 2 by the single process, by ``--zero 1``
 on dp 2 (2 gloo ranks), by ``--pp 2 --zero 1`` on 4 ranks (dp 2 inferred; the pseudo-queries' gradients
 are summed over the pipeline before the reduce-scatter and counted once in the norm) and by ``--zero 1``

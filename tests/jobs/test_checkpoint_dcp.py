@@ -6,11 +6,11 @@ round-trips through ``safetensors`` (HF names mapped back equal the model's stat
 commit marker, a ``.tmp`` directory) is refused and an interrupted save leaves the previous one loadable; a
 ``.metadata`` pickle holding code is refused before it runs; a checkpoint of another model is a clear error.
 
-Multi-rank (``moonrt train`` under ``moonrt launch``, gloo, teacher-forced like ``tests/test_pp_train.py``):
+Multi-rank (``moonrt train`` under ``moonrt launch``, gloo, teacher-forced like ``tests/jobs/test_pp_train.py``):
 a layout saves at step 2, copies resume for step 3 in the same layout (bit-identical to the same layout's
 uninterrupted run), in one process and in another layout. Those differ from the same layout only by fp32
 summation order (different reduction trees over ranks, micro-batches and half-batches: ~1e-7 relative per
-step, see ``tests/test_pp_train.py``) and one AdamW step keeps that order, so the step-3 loss and every
+step, see ``tests/jobs/test_pp_train.py``) and one AdamW step keeps that order, so the step-3 loss and every
 parameter agree within 1e-5 relative. During the save no rank passes more than half the AdamW state to DCP
 (``moonrt.json`` records the bytes each rank passed), and every stored byte is written by exactly one rank.
 """

@@ -14,7 +14,7 @@ from moonrt.config import ConfigError, from_dict, load_yaml
 from moonrt.job import JobConfig, OptimConfig, lr_at
 from moonrt.train import CHECKPOINT, train
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _job(tmp_path: Path, out: str, memory_policy: str | None = None, **optim) -> JobConfig:

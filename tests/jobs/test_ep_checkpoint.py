@@ -4,7 +4,7 @@ A checkpoint always holds the single-process state: every ``[E, ...]`` expert te
 AdamW moments of the experts in the same layout, gathered over the EP group by rank 0; loading
 slices it back to each rank's home experts. So an ``--ep 2`` run resumes bit-identically in
 ``--ep 2``, and continues in a single process within 1e-4 relative of the straight single-process
-run (the layouts differ only in fp32 summation order). Flags as in tests/test_ep_train.py (``--lr 1e-3``).
+run (the layouts differ only in fp32 summation order). Flags as in tests/jobs/test_ep_train.py (``--lr 1e-3``).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ ZeRO-1, resumed from a single-process checkpoint, one step equals the single pro
 once at start in the mesh's documented rank order; degrees that do not divide the world or the model are a
 clear error.
 
-Runs (teacher-forced, the scheme of ``tests/test_pp_train.py`` and ``tests/test_zero_train.py``): a
+Runs (teacher-forced, the scheme of ``tests/jobs/test_pp_train.py`` and ``tests/jobs/test_zero_train.py``): a
 single-process job trains step 1 and checkpoints; copies of that directory are resumed for step 2 by the
 single process and by each layout, all at once:
 
