@@ -411,15 +411,19 @@ class Zero1(Part):
 
     def step_metrics(self, step: int, model: nn.Module, record: dict[str, Any]) -> None:
         """``optimizer_state_bytes``: every rank's AdamW state bytes (:meth:`state_bytes`), in global rank order."""
-        mine = torch.tensor([self.state_bytes()], dtype=torch.int64,
-                            device=self.buckets[0].exp_avg.device if self.buckets else None)
-        world = _size_rank(None)[0]
-        rows = [torch.zeros_like(mine) for _ in range(world)]
-        if world > 1:
-            dist.all_gather(rows, mine)
-        else:
-            rows = [mine]
-        record["optimizer_state_bytes"] = [int(r) for r in rows]
+        device = self.buckets[0].exp_avg.device if self.buckets else None
+        record["optimizer_state_bytes"] = every_rank(self.state_bytes(), device)
+
+
+def every_rank(value: int, device: torch.device | None = None) -> list[int]:
+    """``value`` of every rank of the default group, in global rank order (one all-gather; ``[value]`` alone)."""
+    mine = torch.tensor([value], dtype=torch.int64, device=device)
+    world = _size_rank(None)[0]
+    if world == 1:
+        return [value]
+    rows = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(rows, mine)
+    return [int(r) for r in rows]
 
 
 def _hyper(group: dict[str, Any]) -> dict[str, Any]:

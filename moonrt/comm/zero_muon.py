@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moonrt.comm.parallelism import Part
-from moonrt.comm.zero import _all_gather, _reduce_scatter, _size_rank
+from moonrt.comm.zero import _all_gather, _reduce_scatter, _size_rank, every_rank
 from moonrt.config import ConfigError
 from moonrt.ops.muon import (
     NS_DTYPES,
@@ -328,13 +328,6 @@ class ZeroMuon(Part):
 
     def step_metrics(self, step: int, model: nn.Module, record: dict[str, Any]) -> None:
         """``optimizer_state_bytes`` (every rank's, global rank order) and ``optimizer_comm_bytes`` (this rank)."""
-        mine = torch.tensor([self.state_bytes()], dtype=torch.int64)
-        world = _size_rank(None)[0]
-        rows = [torch.zeros_like(mine) for _ in range(world)]
-        if world > 1:
-            dist.all_gather(rows, mine)
-        else:
-            rows = [mine]
-        record["optimizer_state_bytes"] = [int(r) for r in rows]
+        record["optimizer_state_bytes"] = every_rank(self.state_bytes())
         record["optimizer_comm_bytes"] = self.comm_bytes()
         record["muon_flops_imbalance"] = self.plan.imbalance if self.plan else 1.0
