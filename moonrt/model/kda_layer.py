@@ -11,6 +11,9 @@ Per token x (width D), with H heads of K = V = ``linear_attn_config.head_dim``::
 
 The layer never talks to process groups: the short conv's left context comes from ``ctx.conv_prefix`` and
 the KDA op from ``ctx.kda`` (moonrt/parallel/context.py), which context parallelism overrides (K3_SYSTEMS §7).
+
+Packed documents (``packing``, :mod:`moonrt.model.packing`): the short conv takes no tap from an earlier
+document and the KDA state restarts at each document start (``cu_seqlens`` over the flattened batch).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moonrt.model.config import K3Config
+from moonrt.model.packing import DocumentPacking
 from moonrt.ops.kda import MIN_LOG_DECAY
 from moonrt.parallel.blocks import MatrixBlocks
 from moonrt.parallel.context import LOCAL, AttentionContext
@@ -142,6 +146,17 @@ class KDALayer(nn.Module):
         y = F.conv1d(xp, self.conv_weight.to(x.dtype)[:, None, :], groups=xp.shape[1])  # [B, C, T]
         return F.silu(y.transpose(1, 2))
 
+    def _short_conv_packed(self, x: torch.Tensor, packing: DocumentPacking) -> torch.Tensor:
+        """:meth:`_short_conv` of packed documents: ``x [B, T, C]`` -> ``[B, T, C]``; tap ``j`` (token ``t - j``)
+        contributes only when that token is in ``t``'s document (fla's ``causal_conv1d`` with ``seq_idx``)."""
+        w = self.conv_weight.to(x.dtype)  # [C, W]; conv1d pairs w[:, W - 1 - j] with token t - j
+        W, T = self.kernel_size, x.shape[1]
+        y = x * w[:, W - 1]
+        for j in range(1, min(W, T + 1)):
+            shifted = F.pad(x, (0, 0, j, 0))[:, :T]  # token t - j (zeros before the row)
+            y = y + torch.where(packing.conv_valid(j), shifted, 0.0) * w[:, W - 1 - j]
+        return F.silu(y)
+
     def _check_cache(self, cache: KDACache, x: torch.Tensor) -> None:
         B = x.shape[0]
         conv_shape = (B, self.kernel_size - 1, 2 * self.key_dim + self.value_dim)
@@ -153,7 +168,8 @@ class KDALayer(nn.Module):
         if cache.state.dtype != torch.float32:
             raise ValueError(f"cache.state.dtype = {cache.state.dtype}: expected torch.float32")
 
-    def forward(self, x: torch.Tensor, ctx: AttentionContext = LOCAL, cache: KDACache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: AttentionContext = LOCAL, cache: KDACache | None = None,
+                packing: DocumentPacking | None = None) -> torch.Tensor:
         """Mix tokens: ``x [B, T, D]`` -> ``[B, T, D]`` (same dtype).
 
         Args:
@@ -161,6 +177,7 @@ class KDALayer(nn.Module):
             ctx: attention context; supplies the conv halo (``conv_prefix``) and the KDA op (``kda``).
             cache: incremental decoding. When given, it replaces the context's halo and initial state, and is
                 updated in place with the new conv tail and the KDA state after the last token.
+            packing: documents packed in ``x`` (single-device context, no cache): no token mixes across them.
         """
         if x.dim() != 3 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"x.shape = {tuple(x.shape)}: expected [B, T, {self.hidden_size}]")
@@ -168,17 +185,30 @@ class KDALayer(nn.Module):
         H, K = self.num_heads, self.head_dim
         if cache is not None:
             self._check_cache(cache, x)
+        if packing is not None:
+            packing.check(B, T, "packing")
+            packing.check_context(ctx)
+            if cache is not None:
+                raise ValueError("packing with a KDACache: expected one of them (decoding runs one sequence per row)")
         pre = self.qkv_proj(x)  # [B, T, 2HK + HV] pre-conv projections
-        prefix = cache.conv if cache is not None else ctx.conv_prefix(pre, self.kernel_size - 1)
-        qkv = self._short_conv(pre, prefix)
+        if packing is not None:
+            qkv = self._short_conv_packed(pre, packing)
+        else:
+            prefix = cache.conv if cache is not None else ctx.conv_prefix(pre, self.kernel_size - 1)
+            qkv = self._short_conv(pre, prefix)
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = l2_normalize(q.reshape(B, T, H, K))
         k = l2_normalize(k.reshape(B, T, H, K))
         v = v.reshape(B, T, H, K)
         beta = torch.sigmoid(self.b_proj(x).float())  # [B, T, H]
         g = self.gate(x)  # [B, T, H, K] fp32
-        o, S = ctx.kda(q, k, v, g, beta, initial_state=None if cache is None else cache.state,
-                       output_final_state=cache is not None)
+        if packing is not None:  # the rows laid end to end: [1, B*T, ...], documents at cu_seqlens
+            flat = [t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, beta)]
+            o, S = ctx.kda(*flat, cu_seqlens=packing.cu_seqlens)
+            o = o.view(B, T, *o.shape[2:])
+        else:
+            o, S = ctx.kda(q, k, v, g, beta, initial_state=None if cache is None else cache.state,
+                           output_final_state=cache is not None)
         if cache is not None:
             tail = torch.cat([cache.conv.to(pre.dtype), pre], dim=1)[:, -(self.kernel_size - 1):] \
                 if self.kernel_size > 1 else cache.conv

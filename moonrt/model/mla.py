@@ -15,6 +15,9 @@ Context parallelism: the latent ``[RMSNorm(c) | k_r]`` (``kv_lora_rank + qk_rope
 per token, the smallest thing that determines every key and value) goes through
 ``ctx.gather_sequence``; queries stay local and are masked causally by their global positions
 ``offset + arange(T)``. The module holds no process state.
+
+Packed documents (``packing``, :mod:`moonrt.model.packing`): a block-diagonal causal mask, so a query
+attends only to earlier keys of its own document (NoPE: no positions to restart).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from torch import nn
 
 from moonrt.model.config import K3Config
 from moonrt.model.norm import RMSNorm
+from moonrt.model.packing import DocumentPacking
 from moonrt.parallel.blocks import MatrixBlocks
 from moonrt.parallel.context import LOCAL, AttentionContext
 
@@ -92,16 +96,20 @@ class GatedMLA(nn.Module):
         k = torch.cat([k_nope, k_r.unsqueeze(2).expand(b, s, self.num_heads, self.rope)], dim=-1)
         return k, v
 
-    def forward(self, x: torch.Tensor, ctx: AttentionContext = LOCAL) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: AttentionContext = LOCAL,
+                packing: DocumentPacking | None = None) -> torch.Tensor:
         """``x [B, T, D]`` (this rank's slice of the sequence) -> ``[B, T, D]`` in ``x.dtype``.
 
         ``ctx.gather_sequence`` returns the latent of all tokens up to the end of this slice and the
         slice's offset; query ``t`` sits at global position ``offset + t`` and attends to key
-        positions ``<= offset + t``.
+        positions ``<= offset + t``; with ``packing`` (single-device context) only those of its own document.
         """
         if x.dim() != 3 or x.shape[-1] != self.q_a_proj.in_features:
             raise ValueError(f"x shape {tuple(x.shape)}: expected [B, T, {self.q_a_proj.in_features}]")
         b, t, _ = x.shape
+        if packing is not None:
+            packing.check(b, t, "packing")
+            packing.check_context(ctx)
         q = self.queries(x)
         latent_full, offset = ctx.gather_sequence(self.latent(x))
         k, v = self.keys_values(latent_full)
@@ -111,6 +119,8 @@ class GatedMLA(nn.Module):
         q_pos = torch.arange(t, device=x.device) + offset
         k_pos = torch.arange(s, device=x.device)
         mask = k_pos[None, :] <= q_pos[:, None]  # [T, S] True = attend
+        if packing is not None:
+            mask = packing.attention_mask()  # [B, 1, T, T]: causal within each document
         o = F.scaled_dot_product_attention(
             q.float().transpose(1, 2), k.float().transpose(1, 2), v.float().transpose(1, 2),
             attn_mask=mask, scale=self.scale,

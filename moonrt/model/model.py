@@ -17,6 +17,10 @@ Seams (the model holds no process groups): ``ctx`` (an :class:`AttentionContext`
 parallelism), each LatentMoE's ``dispatcher`` (expert parallelism), and the stage API
 :meth:`K3Model.embed` / :meth:`K3Model.run_layers` / :meth:`K3Model.head` with :meth:`K3Model.stages`
 for pipeline parallelism (stages cut between decoder layers; the :class:`AttnResState` crosses them).
+
+Packed documents: ``packing`` (:class:`moonrt.model.packing.DocumentPacking`) goes to every attention
+sub-layer (KDA: per-document state and short conv; MLA: block-diagonal causal mask); all other parts are
+per token, so each document's logits are those of the document run alone.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from moonrt.model.kda_layer import KDALayer
 from moonrt.model.mla import GatedMLA
 from moonrt.model.moe import LatentMoE, MoEConfig
 from moonrt.model.norm import RMSNorm
+from moonrt.model.packing import DocumentPacking
 from moonrt.parallel.context import LOCAL, AttentionContext
 
 
@@ -57,9 +62,11 @@ class DecoderLayer(nn.Module):
     def is_moe(self) -> bool:
         return hasattr(self, "moe")
 
-    def attention(self, h: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        """Attention sub-layer output ``[B, T, D]`` from its AttnRes input ``h [B, T, D]``."""
-        return self.attn(self.attn_norm(h), ctx=ctx)
+    def attention(self, h: torch.Tensor, ctx: AttentionContext,
+                  packing: DocumentPacking | None = None) -> torch.Tensor:
+        """Attention sub-layer output ``[B, T, D]`` from its AttnRes input ``h [B, T, D]`` (``packing``: the
+        documents packed in the rows, none mixed with another)."""
+        return self.attn(self.attn_norm(h), ctx=ctx, packing=packing)
 
     def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
         """FFN / MoE sub-layer output ``[B, T, D]`` from its AttnRes input ``h [B, T, D]``."""
@@ -131,12 +138,12 @@ class K3Model(nn.Module):
         return AttnResState(blocks=[self.embed(tokens)])
 
     def run_layers(self, state: AttnResState, layers: range, ctx: AttentionContext = LOCAL,
-                   two_phase: bool = False) -> AttnResState:
-        """Run decoder ``layers`` on the stream ``state`` (mutated and returned)."""
+                   two_phase: bool = False, packing: DocumentPacking | None = None) -> AttnResState:
+        """Run decoder ``layers`` on the stream ``state`` (mutated and returned); ``packing``: packed documents."""
         for i in layers:
             layer = self.layers[i]
             self.attn_res.begin_layer(i, state, two_phase)
-            state.add(layer.attention(self.attn_res.sublayer_input(i, 0, state, two_phase), ctx))
+            state.add(layer.attention(self.attn_res.sublayer_input(i, 0, state, two_phase), ctx, packing))
             state.add(layer.feed_forward(self.attn_res.sublayer_input(i, 1, state, two_phase)))
             self.attn_res.end_layer(i, state)
         return state
@@ -146,21 +153,29 @@ class K3Model(nn.Module):
         return self.lm_head(self.norm(self.attn_res.final(state))).float()
 
     # ---- whole model -----------------------------------------------------------------------------
-    def forward(self, tokens: torch.Tensor, ctx: AttentionContext = LOCAL, two_phase: bool = False) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, ctx: AttentionContext = LOCAL, two_phase: bool = False,
+                packing: DocumentPacking | None = None) -> torch.Tensor:
         """``tokens [B, T]`` int64 (this rank's sequence slice under CP) -> ``logits [B, T, vocab]`` fp32.
 
         ``two_phase`` computes AttnRes in its two-phase inference form (same result to fp32 rounding).
+        ``packing``: the documents packed in the rows (single-device context); no token sees another document.
         """
-        state = self.run_layers(self.embed_tokens(tokens), range(self.config.num_hidden_layers), ctx, two_phase)
+        state = self.embed_tokens(tokens)
+        if packing is not None:
+            packing.check(*tokens.shape, "packing")
+            packing.check_context(ctx)
+        state = self.run_layers(state, range(self.config.num_hidden_layers), ctx, two_phase, packing)
         return self.head(state)
 
-    def loss_sum(self, tokens: torch.Tensor, targets: torch.Tensor, ctx: AttentionContext = LOCAL) -> torch.Tensor:
-        """Summed next-token cross-entropy (fp32 scalar) over all ``targets [B, T]``.
+    def loss_sum(self, tokens: torch.Tensor, targets: torch.Tensor, ctx: AttentionContext = LOCAL,
+                 packing: DocumentPacking | None = None) -> torch.Tensor:
+        """Summed next-token cross-entropy (fp32 scalar) over all ``targets [B, T]`` except those equal to
+        -100 (torch's ``ignore_index``; a packed batch's cross-document targets, see :mod:`moonrt.model.packing`).
 
         Sum, not mean: a runtime divides by the *global* token count so the loss is the mean over
         every token of the global batch whatever the data/context split.
         """
-        logits = self(tokens, ctx=ctx)
+        logits = self(tokens, ctx=ctx, packing=packing)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
 
     # ---- MoE routing -----------------------------------------------------------------------------

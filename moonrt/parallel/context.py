@@ -25,8 +25,10 @@ class AttentionContext:
         scale: float | None = None,
         initial_state: torch.Tensor | None = None,
         output_final_state: bool = False,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """KDA over this rank's tokens; same contract as :func:`moonrt.ops.kda.kda_chunk`.
+        """KDA over this rank's tokens; same contract as :func:`moonrt.ops.kda.kda_chunk` (``cu_seqlens``: packed
+        documents, single device only; callers pass it only when packing).
 
         A context-parallel override runs KCP (K3_SYSTEMS §7): the state entering this rank's slice
         is the merged state of all earlier ranks.
@@ -34,7 +36,7 @@ class AttentionContext:
         from moonrt.ops.kda import kda_chunk
 
         return kda_chunk(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                         output_final_state=output_final_state)
+                         output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
     def conv_prefix(self, x: torch.Tensor, width: int) -> torch.Tensor:
         """The ``width`` pre-conv tokens that precede this slice: ``x [B, T, C]`` -> ``[B, width, C]``.
