@@ -248,14 +248,8 @@ class Zero1(Part):
             pieces = [p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in b.params]
             if b.padding:
                 pieces.append(b.params[0].new_zeros(b.padding))
-            flat = torch.cat(pieces)
-            if b.size > 1:
-                _reduce_scatter(b.grad_shard, flat, b.group)
-                dist.all_reduce(flags, group=b.group)
-            else:
-                b.grad_shard.copy_(flat)
-            b.had_grad = flags > 0
-            del flat, pieces
+            b.had_grad = scatter_grads(torch.cat(pieces), b.grad_shard, flags, b.group, b.size)
+            del pieces
             for p in b.params:
                 p.grad = None
         return True
@@ -413,6 +407,18 @@ class Zero1(Part):
         """``optimizer_state_bytes``: every rank's AdamW state bytes (:meth:`state_bytes`), in global rank order."""
         device = self.buckets[0].exp_avg.device if self.buckets else None
         record["optimizer_state_bytes"] = every_rank(self.state_bytes(), device)
+
+
+def scatter_grads(flat: torch.Tensor, out: torch.Tensor, flags: torch.Tensor, group: Any, size: int) -> torch.Tensor:
+    """The gradient tail of a sharded step: reduce-scatter (sum) ``flat [size * S]``, laid out in the owners'
+    order, into this rank's ``out [S]`` (a copy with one replica) and sum the ``[P]`` "had a gradient" flags over
+    ``group``; returns ``[P]`` bool, True where any replica produced that parameter's gradient."""
+    if size > 1:
+        _reduce_scatter(out, flat, group)
+        dist.all_reduce(flags, group=group)
+    else:
+        out.copy_(flat)
+    return flags > 0
 
 
 def every_rank(value: int, device: torch.device | None = None) -> list[int]:

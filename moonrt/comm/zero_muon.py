@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moonrt.comm.parallelism import Part
-from moonrt.comm.zero import _all_gather, _reduce_scatter, _size_rank, every_rank
+from moonrt.comm.zero import _all_gather, _size_rank, every_rank, scatter_grads
 from moonrt.config import ConfigError
 from moonrt.ops.muon import (
     NS_DTYPES,
@@ -184,12 +184,7 @@ class ZeroMuon(Part):
         self._layout(model)
         flags = torch.tensor([p.grad is not None for p in self.params], dtype=torch.float32)
         flat = self._pack([p.grad for p in self.params])
-        if self.size > 1:
-            _reduce_scatter(self.grad, flat, self.group)
-            dist.all_reduce(flags, group=self.group)
-        else:
-            self.grad.copy_(flat)
-        self.had_grad = flags > 0
+        self.had_grad = scatter_grads(flat, self.grad, flags, self.group, self.size)
         for p in self.params:
             p.grad = None
         return True
