@@ -67,6 +67,8 @@ def storage_bytes(t: torch.Tensor) -> torch.Tensor:
 class Store(Protocol):
     tier: str
     prefetch: bool
+    batched: bool
+    """Whether the store has ``put_many(datas, sizes) -> (buffer, views)`` (several CPU parts, one buffer)."""
 
     def put(self, data: torch.Tensor) -> Any:
         """Store ``[n]`` uint8 ``data``; returns a record. The caller may reuse ``data`` afterwards."""
@@ -81,6 +83,7 @@ class Store(Protocol):
 class KeepStore:
     """Keeps the tensor itself on the compute device (no copy)."""
 
+    batched = False
     tier = "device"
     prefetch = False
     """Whether ``get`` moves bytes (worth starting early in backward)."""
@@ -142,6 +145,31 @@ class HostStore:
         buf.copy_(data)
         return buf  # without CUDA the record is the buffer (no tuple kept alive per saved tensor)
 
+    batched = True
+    """Whether :meth:`put_many` exists: the manager then copies a layer's saves of CPU tensors in one call."""
+    ALIGN = 64
+    """Byte alignment of each part in a :meth:`put_many` buffer (a multiple of every dtype's size)."""
+
+    def put_many(self, datas: list[torch.Tensor], sizes: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Copy several CPU ``[sizes[i]]`` uint8 tensors into one pooled host buffer, each part at a multiple
+        of :data:`ALIGN` bytes, with one ``torch._foreach_copy_`` call (bitwise copies).
+
+        Returns ``(buffer [total] uint8, [view_i [sizes[i]] of buffer])``; free the buffer with :meth:`free`
+        once no view is needed (the views alias it: it is pooled again only when none is left).
+        """
+        align = self.ALIGN
+        split: list[int] = []
+        total = 0
+        for n in sizes:
+            pad = -n % align
+            split.append(n)
+            split.append(pad)
+            total += n + pad
+        buf = self._take(total, pinned=False)
+        views = list(buf.split(split)[::2])
+        torch._foreach_copy_(views, datas)
+        return buf, views
+
     def get(self, record: Any, device: torch.device) -> torch.Tensor:
         if record.__class__ is not tuple:
             return record
@@ -194,6 +222,7 @@ class DiskStore:
     copy, so the extent can be reused right after ``free``.
     """
 
+    batched = False
     tier = "disk"
     prefetch = True
     ALIGN = 64
@@ -274,6 +303,7 @@ class DiskStore:
 class RemoteStore:
     """Another rank's memory, through a :class:`moonrt.memory.remote.RemoteClient`."""
 
+    batched = False
     tier = "remote"
     prefetch = True
 

@@ -16,16 +16,18 @@ from moonrt.memory.backends import Backend, Packed
 
 if TYPE_CHECKING:
     from moonrt.memory.fp8_batch import _Batch
+    from moonrt.memory.host_batch import _CopyGroup
 
 
 class _Entry:
     """One stored unit (a storage for raw policies, a view for FP8), shared by deduplicated saves.
 
     An FP8 entry is first *pending* (``raw`` holds the tensor, ``packed`` is None) until its batch is
-    quantized in one call; ``decoded`` holds its tensor when a batched decode ran ahead of its unpack."""
+    quantized in one call; ``decoded`` holds its tensor when a batched decode ran ahead of its unpack. An entry
+    of a batched host copy has ``group`` / ``index`` instead of ``packed`` (:mod:`.host_batch`)."""
 
     __slots__ = ("backend", "packed", "refs", "layer", "future", "parts", "key", "weak", "region", "raw", "batch",
-                 "decoded", "__weakref__")
+                 "decoded", "group", "index", "__weakref__")
 
     def __init__(self, backend: Backend, packed: Packed | None, layer: int, key: Any, weak: Any) -> None:
         self.backend = backend
@@ -40,6 +42,9 @@ class _Entry:
         self.raw: torch.Tensor | None = None
         self.batch: _Batch | None = None
         self.decoded: torch.Tensor | None = None
+        self.group: _CopyGroup | None = None
+        """Raw entries of a batched host copy: their group and their part's index in it (no ``packed``)."""
+        self.index = 0
 
 
 class _KeepEntry:

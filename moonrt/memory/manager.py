@@ -27,7 +27,8 @@ the module path (or region name) it was saved in. The model code never calls thi
 
 Layout: this module is the facade (construction, module hooks and wrappers, ``with``, ``close``);
 the manager's behaviour lives in its bases: :mod:`.saved_hooks` (pack / unpack / release per policy,
-prefetch), :mod:`.fp8_batch` (FP8 saves quantized and decoded per batch), :mod:`.regions` (region,
+prefetch), :mod:`.fp8_batch` (FP8 saves quantized and decoded per batch), :mod:`.host_batch` (host
+copies of a layer in one call, on a background thread), :mod:`.regions` (region,
 policy and layer of a save; :func:`layer_key`) and :mod:`.recompute` (checkpoint wrappers, the
 anchor); the stored records are in :mod:`.entries`.
 
@@ -56,13 +57,14 @@ from moonrt.memory.accounting import Accounting
 from moonrt.memory.backends import Backend, DiskStore, HostStore, KeepStore, RemoteStore
 from moonrt.memory.entries import _Entry, _KeepEntry
 from moonrt.memory.fp8_batch import Fp8BatchMixin, _Batch
+from moonrt.memory.host_batch import CopyBatchMixin, _CopyGroup
 from moonrt.memory.policy import MemoryPolicy
 from moonrt.memory.recompute import RecomputeMixin
 from moonrt.memory.regions import RegionsMixin, _Frame, _generalize, layer_key
 from moonrt.memory.saved_hooks import SavedTensorsMixin, _top_hooks
 
 
-class ActivationManager(RegionsMixin, RecomputeMixin, SavedTensorsMixin, Fp8BatchMixin):
+class ActivationManager(RegionsMixin, RecomputeMixin, SavedTensorsMixin, Fp8BatchMixin, CopyBatchMixin):
     """Saved-tensor storage policies for one model (K3_SYSTEMS §8). See the module docstring.
 
     Args:
@@ -74,10 +76,15 @@ class ActivationManager(RegionsMixin, RecomputeMixin, SavedTensorsMixin, Fp8Batc
             pending (or the layer / forward ends): the most raw bytes held beyond their FP8 copy.
         keep_accounting: ``"first"``: saves under ``keep`` are accounted in the first forward only (later
             forwards run keep regions without saved-tensor hooks); ``"every"``: in every forward.
+        copy_batch_bytes: host saves of CPU tensors are copied per layer in one call (:mod:`.host_batch`),
+            or once this many bytes are pending: the most source bytes held until their copy is submitted.
+        copy_thread: run those copies on a background thread (overlapping the forward; backward waits
+            for them); ``False``: in the forward's thread when the group is submitted.
     """
 
     def __init__(self, model: torch.nn.Module, policy: MemoryPolicy | None = None, remote: Any = None,
-                 fp8_batch_bytes: int = 64 * 2**20, keep_accounting: str = "first") -> None:
+                 fp8_batch_bytes: int = 64 * 2**20, keep_accounting: str = "first",
+                 copy_batch_bytes: int = 64 * 2**20, copy_thread: bool = True) -> None:
         if keep_accounting not in ("first", "every"):
             raise ValueError(f"keep_accounting = {keep_accounting!r}: expected 'first' or 'every'")
         self.model = model
@@ -109,6 +116,10 @@ class ActivationManager(RegionsMixin, RecomputeMixin, SavedTensorsMixin, Fp8Batc
         self._keep: dict[int, _KeepEntry] = {}
         self._pending: dict[str, _Batch] = {}
         self._fp8_batch_bytes = int(fp8_batch_bytes)
+        self._copies: dict[str, _CopyGroup] = {}
+        self._copy_batch_bytes = int(copy_batch_bytes)
+        self._copy_thread = bool(copy_thread)
+        self._copier: ThreadPoolExecutor | None = None
         self._min_bytes = self.policy.min_bytes
         self._own_rule: dict[str, str | None] = {}
         self._layer_names: dict[str, str] = {}
@@ -205,6 +216,12 @@ class ActivationManager(RegionsMixin, RecomputeMixin, SavedTensorsMixin, Fp8Batc
                 for e in batch.entries:
                     e.raw = None
             self._pending.clear()
+            for grp in self._copies.values():  # never copied: nothing will unpack them
+                grp.datas = None
+            self._copies.clear()
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
+            self._copier = None
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
@@ -237,6 +254,7 @@ class ActivationManager(RegionsMixin, RecomputeMixin, SavedTensorsMixin, Fp8Batc
         self._hooks_on = False
         self._hook_marks = []
         self._flush_all()
+        self._flush_all_copies()
 
     def account_keep_next(self) -> None:
         """Account the ``keep`` saves of the next forward too (per-tensor hooks in keep regions for that

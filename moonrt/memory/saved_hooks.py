@@ -26,6 +26,7 @@ from moonrt.memory.accounting import Accounting
 from moonrt.memory.backends import Backend, Packed, make_backend, storage_bytes
 from moonrt.memory.entries import _Entry, _Handle, _KeepEntry
 from moonrt.memory.fp8_batch import _Batch
+from moonrt.memory.host_batch import _CopyGroup
 from moonrt.memory.policy import MemoryPolicy
 from moonrt.ops import fp8
 
@@ -53,6 +54,12 @@ class SavedTensorsMixin:
     _keep: dict[int, _KeepEntry]
     _entries: dict[Any, _Entry]
     _pending: dict[str, _Batch]
+    _copies: dict[str, _CopyGroup]
+    _copy_batch_bytes: int
+    _flush_copies: Any
+    _flush_all_copies: Any
+    _group_views: Any
+    _release_group: Any
     _fp8_batch_bytes: int
     _min_bytes: int
     _param_ptrs: set[int]
@@ -159,7 +166,31 @@ class SavedTensorsMixin:
                     self._flush(policy)
             self.accounting.pack_s += time.perf_counter() - t0
             return _Handle(entry, view, None, self._release_fn)
-        if backend.store.tier == "device":
+        store = backend.store
+        if store.batched and t.device.type == "cpu":  # copied with the rest of its layer in one call
+            n = storage.nbytes()
+            entry = _Entry(backend, None, layer, key, storage._weak_ref())
+            entry.refs = 1
+            entry.region = (region, label)
+            with self._lock:
+                self._entries[key] = entry
+                grp = self._copies.get(policy)
+                if grp is not None and grp.layer != layer:
+                    self._flush_copies(policy)
+                    grp = None
+                if grp is None:
+                    grp = self._copies[policy] = _CopyGroup(backend, layer)
+                entry.group = grp
+                entry.index = len(grp.sizes)
+                grp.datas.append(storage_bytes(t))  # type: ignore[union-attr]
+                grp.sizes.append(n)
+                grp.live += 1
+                grp.nbytes += n
+                self.accounting.pack_tier_locked(region, label, store.tier, n, n, time.perf_counter() - t0)
+                if grp.nbytes >= self._copy_batch_bytes:
+                    self._flush_copies(policy)
+            return _Handle(entry, view, None, self._release_fn)
+        if store.tier == "device":
             packed = backend.pack(t)  # keeps the tensor itself; bytes counted by storage
             packed.tier_bytes = {"device": storage.nbytes()}
             logical = storage.nbytes()
@@ -208,6 +239,16 @@ class SavedTensorsMixin:
                     batch.entries = []  # no entry left to decode: drop the references
             pending = entry.raw
             entry.raw = None
+            grp = entry.group
+            if grp is not None:  # a batched host copy: account the part; the last one returns the buffer
+                entry.group = None
+                grp.live -= 1
+                region, label = entry.region or (None, None)
+                self.accounting.release_tier_locked(entry.backend.store.tier, grp.sizes[entry.index], region, label)
+        if grp is not None:
+            if grp.live == 0:
+                self._release_group(grp)
+            return
         region, label = entry.region or (None, None)
         if pending is not None:  # released before its batch was quantized: account what it would have stored
             tier = entry.backend.store.tier
@@ -264,8 +305,18 @@ class SavedTensorsMixin:
         t0 = time.perf_counter()
         if self._pending:
             self._flush_all()
+        if self._copies:
+            self._flush_all_copies()
         entry = handle.entry
         assert entry is not None
+        grp = entry.group
+        if grp is not None:  # a batched host copy: the part of the group's buffer (after the copy finished)
+            flat = (grp.views or self._group_views(grp))[entry.index]
+            dtype, shape, stride, offset = handle.view
+            out = torch.empty(0, dtype=dtype).set_(flat.untyped_storage(),
+                                                   flat.storage_offset() // dtype.itemsize + offset, shape, stride)
+            self.accounting.on_unpack(time.perf_counter() - t0)
+            return out
         self._start_prefetch(entry.layer - 1)
         packed = entry.packed
         if packed.meta[0] == "fp8":

@@ -1,0 +1,133 @@
+"""Batched host copies of the activation manager (moonrt/memory/host_batch.py): a layer's host saves copied in
+one call into one pooled buffer, on a background thread by default; gradients bit for bit those of the run
+without a manager, backward waits for a copy still running, a failed copy raises in backward."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from test_memory_manager import Stack, _policy, _run, _run_mgr
+
+from moonrt.memory.backends import HostStore
+from moonrt.memory.manager import ActivationManager
+
+
+def _spy(store: HostStore, delay: float = 0.0, fail: bool = False) -> list[tuple[str, int]]:
+    """Wrap ``store.put_many``: record (thread name, number of parts) per call; optionally sleep / raise."""
+    calls: list[tuple[str, int]] = []
+    inner = store.put_many
+
+    def put_many(datas, sizes):
+        calls.append((threading.current_thread().name, len(datas)))
+        if delay:
+            time.sleep(delay)
+        if fail:
+            raise RuntimeError("host copy failed: out of pinned memory (test)")
+        return inner(datas, sizes)
+
+    store.put_many = put_many  # type: ignore[method-assign]
+    return calls
+
+
+@pytest.mark.parametrize("copy_thread", [True, False])
+def test_one_copy_per_layer_exact(copy_thread):
+    """Every host save goes through one ``put_many`` per layer (3 layers + the loss: 4 calls), on the
+    copy thread or inline; gradients and accounting equal the per-save path's (``copy_batch_bytes=1``:
+    one part per call)."""
+    ref, _ = _run(None)
+    torch.manual_seed(0)
+    model = Stack()
+    x = torch.randn(4, 16, 128, requires_grad=True)
+    mgr = ActivationManager(model, _policy(default="host"), copy_thread=copy_thread)
+    calls = _spy(mgr._stores["host"])
+    with mgr:
+        loss = model(x).float().square().mean()
+    loss.backward()
+    got = [p.grad for p in model.parameters()] + [x.grad]
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    assert len(calls) == 4 and all(n > 1 for _, n in calls[:3])  # 3 layers, then the loss outside them
+    main = threading.current_thread().name
+    assert all((name != main) is copy_thread for name, _ in calls)
+    _, single = _run_mgr(_policy(default="host"), copy_batch_bytes=1)
+    assert mgr.accounting.to_dict()["regions"] == single.accounting.to_dict()["regions"]
+    assert mgr.accounting.peak == single.accounting.peak
+    assert mgr.accounting.live == {"device": 0, "host": 0, "disk": 0, "remote": 0}
+    mgr.close()
+    single.close()
+
+
+def test_backward_waits_for_a_slow_copy():
+    """Copies that take longer than the rest of the forward: backward waits for them (exact gradients), and
+    the wait is counted as exposed time."""
+    ref, _ = _run(None)
+    torch.manual_seed(0)
+    model = Stack()
+    x = torch.randn(4, 16, 128, requires_grad=True)
+    mgr = ActivationManager(model, _policy(default="host"))
+    calls = _spy(mgr._stores["host"], delay=0.3)
+    with mgr:
+        loss = model(x).float().square().mean()
+    loss.backward()
+    assert len(calls) == 4
+    assert all(torch.equal(a, b) for a, b in zip([p.grad for p in model.parameters()] + [x.grad], ref))
+    assert mgr.accounting.exposed_s > 0.0
+    mgr.close()
+
+
+@pytest.mark.parametrize("copy_thread", [True, False])
+def test_failed_copy_raises_in_backward(copy_thread):
+    torch.manual_seed(0)
+    model = Stack()
+    x = torch.randn(4, 16, 128, requires_grad=True)
+    mgr = ActivationManager(model, _policy(default="host"), copy_thread=copy_thread)
+    _spy(mgr._stores["host"], fail=True)
+    with mgr:
+        loss = model(x).float().square().mean()
+    with pytest.raises(RuntimeError, match="host copy failed: out of pinned memory"):
+        loss.backward()
+    del loss
+    mgr.close()
+
+
+def test_mixed_dtypes_odd_sizes_and_offsets():
+    """Parts of odd byte sizes and dtypes (bool, int64, float64, a float32 view at a storage offset) share one
+    buffer: each part starts at a multiple of 64 bytes, so every view is rebuilt exactly."""
+
+    class Odd(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            mask = x[:3, 0] > 0                                  # 3-byte bool storage
+            idx = torch.arange(5)                                # int64
+            y = x.double().sin()                                 # float64 save
+            z = x[1:, 1:].exp()                                  # float32, saved as output
+            w = torch.where(mask[:, None], x[:3] * 2.0, x[:3])
+            return (y.float()[1:, 1:] * z).sum() + w.index_select(1, idx).square().sum()
+
+    x0 = torch.randn(7, 9)
+    x1 = x0.clone().requires_grad_(True)
+    Odd()(x1).backward()
+    model = Odd()
+    mgr = ActivationManager(model, _policy(default="host"))
+    x2 = x0.clone().requires_grad_(True)
+    with mgr:
+        out = model(x2)
+    out.backward()
+    assert torch.equal(x1.grad, x2.grad)
+    assert mgr.accounting.live["host"] == 0
+    mgr.close()
+
+
+def test_released_before_backward_returns_the_buffer():
+    """A forward whose graph is dropped without backward: every group's buffer goes back to the pool."""
+    torch.manual_seed(0)
+    model = Stack()
+    mgr = ActivationManager(model, _policy(default="host"))
+    with mgr:
+        loss = model(torch.randn(4, 16, 128)).square().mean()
+    del loss
+    store = mgr._stores["host"]
+    assert mgr.accounting.live["host"] == 0 and store.pooled_bytes > 0
+    mgr.close()
+    assert store.pooled_bytes == 0
