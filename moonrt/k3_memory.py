@@ -32,8 +32,6 @@ from moonrt.ops import fp8 as fp8mod
 CHUNK = 64
 """KDA chunk size of :func:`moonrt.ops.kda.kda_chunk` (its default)."""
 SUB_TILE = 32
-CHUNK_GROUP_ELEMS = 1 << 18
-"""Mirrors :data:`moonrt.ops.kda.CHUNK_GROUP_ELEMS` (chunks per group: per-group masks)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -53,46 +51,6 @@ def _chunk_geometry(t: int, chunk: int = CHUNK) -> tuple[int, int, int]:
     """``(C, N, n_sub)`` of :func:`kda_chunk` for a sequence of ``t`` tokens."""
     C = min(chunk, t if t <= SUB_TILE else -(-t // SUB_TILE) * SUB_TILE)
     return C, -(-t // C), max(1, C // SUB_TILE) if C > SUB_TILE else 1
-
-
-def _clamped() -> bool:
-    """Whether the KDA kernel clamps decaying exponents (``moonrt.ops.kda._decay_exp``, saves each clamp input)."""
-    from moonrt.ops import kda
-
-    return hasattr(kda, "_decay_exp")
-
-
-def _sub_tile_terms(HK: int, K: int, C: int, n_sub: int, pad: float) -> list[Term]:
-    """In-chunk decay factorization of ``chunk_terms`` (bytes per token, fp32), for both kernel versions:
-    midpoint-referenced column factors over the whole chunk per sub-tile (unclamped), or diagonal blocks with
-    midpoint references plus off-diagonal blocks referenced at each sub-tile start (clamped exps)."""
-    sub = C // n_sub
-    if not _clamped():
-        return [Term("exp(m - G) columns", 4 * n_sub * HK * pad, K, fp32=True),
-                Term("k, q chunks + e_pos", 12 * HK * pad, K, fp32=True),
-                Term("[k|q] row tiles + k column tiles", (8 + 4 * n_sub) * HK * pad, K, fp32=True)]
-    H = HK // K
-    off = sum(16 * sub * K + 12 * i * sub * K for i in range(1, n_sub))  # per chunk and head
-    return [Term("exp(m - G) diagonal columns", 4 * HK * pad, K, fp32=True),
-            Term("k, q chunks + e_pos", 12 * HK * pad, K, fp32=True),
-            Term("[k|q] row tiles + k column tiles", 12 * HK * pad, K, fp32=True),
-            Term("off-diagonal blocks: clamp inputs, exps, [k|q] rows, decayed columns", H * off / C * pad, K,
-                 fp32=True),
-            Term("clamp inputs of exp(G), exp(G_C - G)", 8 * HK * pad, K, fp32=True)]
-
-
-def _state_bytes(N: int, group: int, H: int, K: int, V: int) -> float:
-    """Bytes per sequence of the KDA state scan that stay saved (``_scan_states``, groups of ``group``
-    chunks): the state entering every chunk but the last (``baddbmm`` inputs), the stacked entering
-    states of every group, and a group's ``M [n, H, K, K]`` if one of its scan steps both needs it (its
-    entering state has a gradient: not the very first step) and is used (not the very last step)."""
-    states = (max(N - 1, 0) + N) * 4 * H * K * V
-    m = 0.0
-    for g0 in range(0, N, group):
-        n = min(group, N - g0)
-        steps = [i for i in range(g0, g0 + n) if 0 < i < N - 1]
-        m += 4 * H * K * K * n if steps else 0.0
-    return states + m
 
 
 def class_terms(cfg: Any, a: int, seq_tokens: int, batch: int = 1, gathered: int | None = None,
@@ -118,10 +76,8 @@ def class_terms(cfg: Any, a: int, seq_tokens: int, batch: int = 1, gathered: int
     D, H, K = cfg.hidden_size, la.num_heads, la.head_dim
     V, HK, HV = K, H * K, H * K
     W, ks = 2 * HK + HV, la.short_conv_kernel_size
-    C, N, n_sub = _chunk_geometry(t)
+    C, N, _ = _chunk_geometry(t)
     pad = N * C / t
-    group = max(1, CHUNK_GROUP_ELEMS // (batch * H * C * max(K, V)))
-    groups = -(-N // group)
     per_seq = 1.0 / t  # a per-sequence quantity spread over its tokens
 
     kda = [
@@ -130,23 +86,17 @@ def class_terms(cfg: Any, a: int, seq_tokens: int, batch: int = 1, gathered: int
         Term("conv output (SiLU input)", W * a, W), Term("q|k|v (SiLU output)", W * a, W),
         Term("q, k L2 rsqrt", 2 * H * a), Term("beta = sigmoid", 4 * H, fp32=True),
         Term("f_a output", K * a, K), Term("gate pre-sigmoid + sigmoid", 8 * HK, HK, fp32=True),
-        # chunk form (compute dtype fp32; G in fp64), per padded token
-        Term("exp(G - m) fp64", 8 * HK * pad, K),
-        *_sub_tile_terms(HK, K, C, n_sub, pad),
+        # chunk form (moonrt.ops.kda_autograd.ChunkKDA, compute dtype fp32): it saves its chunked inputs (per
+        # padded token) and the state entering each chunk, and recomputes the chunk terms in backward
+        Term("q, k, g chunks", 12 * HK * pad, K, fp32=True),
+        Term("v chunks", 4 * HV * pad, V, fp32=True),
         Term("beta chunks", 4 * H * pad, fp32=True),
-        Term("L (masked, scaled), UT transform T, A_qk (C x C)", 16 * H * C * pad, C, fp32=True),
-        Term("exp(G), exp(G) k, Kg, exp(G_C - G), W, Qg", 24 * HK * pad, K, fp32=True),
-        Term("v chunks, U, V~", 12 * HV * pad, V, fp32=True),
-        Term("chunk decay exp(G_C)", (8 if _clamped() else 4) * HK / C * pad, K, fp32=True),
-        Term("per-chunk M (K x K), entering states, stacked states", _state_bytes(N, group, H, K, V) * per_seq, V,
-             fp32=True),
+        Term("state entering each chunk (K x V)", N * 4 * H * K * V * per_seq, V, fp32=True),
         Term("KDA output (fp32 copy)", 4 * HV * (pad if f32 else 1), V, fp32=True),
         Term("output RMSNorm rsqrt", 4 * H, fp32=True),
         Term("normed output, x weight, gate sigmoid", 12 * HV, V, fp32=True),
         Term("o_proj input", HV * a, HV),
-        Term("decay constants, masks", 0, 0, 4 * H + 4 * HK
-             + groups * ((0 if _clamped() else n_sub * C) + 2 * C * C)
-             + (0 if f32 else 4 * K)),
+        Term("decay constants", 0, 0, 4 * H + 4 * HK + (0 if f32 else 4 * K)),
     ]
     ql, kvl, rope, nope, Hm, Vm = (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim,
                                    cfg.num_attention_heads, cfg.v_head_dim)

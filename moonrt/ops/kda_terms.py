@@ -1,0 +1,265 @@
+"""KDA chunk-form building blocks (K3_SYSTEMS §2.2-2.4): chunk layout, per-chunk terms, state maps, state pass.
+
+Shapes are chunk-major ``[N, B, H, C, *]`` (N chunks of C tokens, see :func:`_to_chunks`). Everything here is
+plain torch and differentiable (``chunk_terms`` backs :func:`moonrt.ops.kda.kda_transition`); the chunked kernel
+(:mod:`moonrt.ops.kda_autograd`) runs it without a graph and keeps the :class:`TileFactors` for its hand-written
+backward.
+
+Numerics: all state arithmetic is in fp32 (fp64 if the inputs are fp64). In-chunk decays are applied through
+32-token sub-tiles with a midpoint reference (§2.2), so every factor in a matmul operand lies within
+``e^(16 * 5) = e^80`` for per-token log-decays >= -5 (K3's gate range). Cumulative log-decays are summed in fp64
+and exponentials of large exponents are taken in fp64 and rounded once, so results keep fp32 precision (~1e-7
+relative against an fp64 reference).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+SUB_TILE = 32
+"""Rows per sub-tile for the in-chunk decay factorization (K3_SYSTEMS §2.2). 32 rather than 16: the batched
+intra-chunk matmuls then have 64 rows (q and k rows of a sub-tile), which CPU BLAS runs several times faster."""
+
+MIN_LOG_DECAY = -5.0
+"""Smallest per-token log-decay the chunk form accepts (K3's gate bound, §2.2): the factors taken relative to
+a sub-tile midpoint then stay within e^(16 * 5) = e^80 < 3.4e38 (fp32 max)."""
+
+LOG_FLOOR = -80.0
+"""Exponents of decaying factors (exponent <= 0) are clamped from below at this value before ``exp``: fp32 ``exp``
+of arguments below about -87 takes a slow path (subnormal/underflow results, 10-35x slower on x86 CPUs), which
+made the kernel's speed depend on the decay values. A clamped factor is off by at most ``e^-80 ~ 1.8e-35``
+absolute on a factor <= 1 that multiplies only factors <= 1 and O(1) data, far below fp32 rounding of any
+result; its gradient (``e^x`` times O(1) data) is likewise below ``e^-80``."""
+
+
+def _decay_exp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``exp(x)`` for exponents ``x <= 0`` (any dtype, rounded to ``dtype`` first), clamped at :data:`LOG_FLOOR`."""
+    return torch.exp(x.to(dtype).clamp_(min=LOG_FLOOR) if x.dtype != dtype else x.clamp(min=LOG_FLOOR))
+
+
+def _to_chunks(x: torch.Tensor, C: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, T, H, *]`` -> ``[N, B, H, C, *]`` (zero padded to N * C tokens), in ``dtype``, one copy.
+
+    Chunks lead so that a run of chunks is one contiguous block (processed while it sits in cache).
+    """
+    B, T, H = x.shape[:3]
+    rest = x.shape[3:]
+    N, full = -(-T // C), T // C
+    out = x.new_empty(N, B, H, C, *rest, dtype=dtype)
+    dims = (1, 0, 3, 2, *range(4, 4 + len(rest)))
+    view = out.permute(*dims)  # [B, N, C, H, *] view of out
+    if full:
+        view[:, :full] = x[:, : full * C].reshape(B, full, C, H, *rest)
+    if full != N:
+        view[:, full, : T - full * C] = x[:, full * C :]
+        view[:, full, T - full * C :] = 0
+    return out
+
+
+def _sub_tile(chunk_size: int) -> int:
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size = {chunk_size}: expected an integer >= 1")
+    if chunk_size <= SUB_TILE:
+        return chunk_size
+    if chunk_size % SUB_TILE:
+        raise ValueError(f"chunk_size = {chunk_size}: expected <= {SUB_TILE} or a multiple of {SUB_TILE}")
+    return SUB_TILE
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChunkTerms:
+    """Per-chunk quantities that do not depend on the entering state (K3_SYSTEMS §2.3 steps 1-3, 5-6).
+
+    Shapes are ``[N, B, H, C, *]`` (N chunks of C tokens), in the compute dtype (fp32 for fp32/bf16 inputs).
+    """
+
+    G: torch.Tensor
+    """``[N, B, H, C, K]`` in-chunk inclusive cumulative log-decay (fp64: differences stay precise)."""
+    T: torch.Tensor
+    """``[N, B, H, C, C]`` UT transform ``(I + L)^-1 Diag(beta)`` (lower triangular)."""
+    W: torch.Tensor
+    """``[N, B, H, C, K]`` ``T (exp(G) * K)``."""
+    U: torch.Tensor
+    """``[N, B, H, C, V]`` ``T V``."""
+    Kg: torch.Tensor
+    """``[N, B, H, C, K]`` ``exp(G_C - G) * K``: each key decayed to the chunk end."""
+    decay: torch.Tensor
+    """``[N, B, H, K]`` ``exp(G_C)``: total decay over the chunk."""
+    Qg: torch.Tensor | None
+    """``[N, B, H, C, K]`` ``scale * Q * exp(G)`` (None without q)."""
+    A_qk: torch.Tensor | None
+    """``[N, B, H, C, C]`` ``scale * q_r . (exp(G_r - G_c) * k_c)`` for c <= r, else 0 (None without q)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TileFactors:
+    """Intermediates of :func:`chunk_terms` that the hand-written backward reuses (sub-tile i of ``sub`` rows)."""
+
+    e_pos: torch.Tensor
+    """``[N, B, H, n_sub, sub, K]`` ``exp(G_r - m_i)``, m_i sub-tile i's midpoint (diagonal-block row factor)."""
+    e_neg: torch.Tensor
+    """``[N, B, H, n_sub, sub, K]`` ``exp(m_i - G_c)`` (diagonal-block column factor)."""
+    off_rows: list[torch.Tensor]
+    """Per sub-tile i >= 1: ``[N, B, H, sub, K]`` ``exp(G_r - b_i) <= 1``, b_i = G before sub-tile i (clamped)."""
+    off_cols: list[torch.Tensor]
+    """Per sub-tile i >= 1: ``[N, B, H, i sub, K]`` ``exp(b_i - G_c) <= 1`` for the columns before it (clamped)."""
+    A_kk: torch.Tensor
+    """``[N, B, H, C, C]`` ``k_r . (exp(G_r - G_c) * k_c)`` for c < r, else 0 (L before the beta row scale)."""
+    T_inv: torch.Tensor
+    """``[N, B, H, C, C]`` ``(I + L)^-1`` (T = T_inv Diag(beta))."""
+    eG: torch.Tensor
+    """``[N, B, H, C, K]`` ``exp(G)``."""
+    eCG: torch.Tensor
+    """``[N, B, H, C, K]`` ``exp(G_C - G)``."""
+
+
+def _masks(C: int, sub: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``strict [n_sub, sub, C]`` (c < r) and ``lower`` (c <= r) masks of the rows of each sub-tile."""
+    cols = torch.arange(C, device=device)
+    strict = cols[:, None] > cols[None, :]
+    return strict.view(C // sub, sub, C), (strict | torch.eye(C, dtype=torch.bool, device=device)).view(C // sub,
+                                                                                                        sub, C)
+
+
+def chunk_terms_with_factors(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    q: torch.Tensor | None = None,
+    scale: float = 1.0,
+) -> tuple[ChunkTerms, TileFactors]:
+    """:func:`chunk_terms` and the :class:`TileFactors` it computed on the way (same arguments)."""
+    dtype = k.dtype
+    N, B, H, C, K = k.shape
+    sub = _sub_tile(C)
+    n_sub = C // sub
+    tiles = (N, B, H, n_sub, sub)
+    G = g.to(torch.float64).cumsum(dim=-2)  # [N, B, H, C, K]; (cumsum(dtype=) would run its backward in fp32)
+    Gt = G.view(*tiles, K)
+    # sub-tile midpoints [N, B, H, n_sub, 1, K], detached: the factored products do not depend on them, and their
+    # gradient would be a difference of two large sums (cancellation)
+    m = Gt[..., max(sub // 2 - 1, 0) : max(sub // 2, 1), :].detach()
+    e_pos = torch.exp(Gt - m).to(dtype)  # [N, B, H, n_sub, sub, K] exp(G_r - m_i), within e^+-80
+    e_neg = torch.exp((m - Gt).to(dtype))  # exp(m_i - G_c)
+    k_t = k.view(*tiles, K)
+    k_col = e_neg * k_t  # k_c exp(m_i - G_c), c in sub-tile i
+    qs = None if q is None else q * scale
+    k_rows = k_t * e_pos  # [N, B, H, n_sub, sub, K]
+    rows = k_rows if qs is None else torch.cat([k_rows, qs.view(*tiles, K) * e_pos], dim=-2)
+    R = rows.shape[-2]  # sub (k rows) or 2 sub (k and q rows)
+    A_diag = rows @ k_col.transpose(-1, -2)  # [N, B, H, n_sub, R, sub]
+    # per sub-tile i: [N, B, H, R, C] = [off-diagonal (c < i sub) | diagonal | zeros (c > i sub)]
+    A = A_diag.new_zeros(N, B, H, n_sub, R, C)
+    A.view(N, B, H, n_sub, R, n_sub, sub).diagonal(dim1=3, dim2=5).copy_(A_diag.permute(0, 1, 2, 4, 5, 3))
+    off_rows, off_cols = [], []
+    for i in range(1, n_sub):
+        ref = G[..., i * sub - 1 : i * sub, :]  # [N, B, H, 1, K] b_i
+        row_f = _decay_exp(Gt[..., i, :, :] - ref, dtype)  # [N, B, H, sub, K] exp(G_r - b_i) <= 1
+        col_f = _decay_exp(ref - G[..., : i * sub, :], dtype)  # exp(b_i - G_c) <= 1
+        rows_i = k_t[..., i, :, :] * row_f
+        if qs is not None:
+            rows_i = torch.cat([rows_i, qs.view(*tiles, K)[..., i, :, :] * row_f], dim=-2)
+        A[..., i, :, : i * sub] = rows_i @ (col_f * k[..., : i * sub, :]).transpose(-1, -2)
+        off_rows.append(row_f)
+        off_cols.append(col_f)
+    strict, lower = _masks(C, sub, k.device)
+    # masked entries of the diagonal blocks may overflow (products of two large factors): select before any
+    # arithmetic
+    A_kk = torch.where(strict, A[..., :sub, :], 0.0).view(N, B, H, C, C)
+    eye = torch.eye(C, dtype=dtype, device=k.device)
+    T_inv = torch.linalg.solve_triangular(A_kk * beta[..., None] + eye, eye, upper=False, unitriangular=True)
+    T = T_inv * beta[..., None, :]
+    # decaying factors (exponent <= 0) from fp32-rounded exponents: the error |x| eps is scaled by e^-|x| <= 1/e
+    eG = _decay_exp(G, dtype)  # [N, B, H, C, K] exp(G)
+    W = T @ (eG * k)
+    U = T @ v
+    G_last = G[..., -1:, :]  # [N, B, H, 1, K]
+    eCG = _decay_exp(G_last - G, dtype)
+    Kg = eCG * k  # exp(G_C - G) * K
+    decay = eG[..., -1, :]
+    Qg = A_qk = None
+    if qs is not None:
+        Qg = qs * eG
+        A_qk = torch.where(lower, A[..., sub:, :], 0.0).view(N, B, H, C, C)
+        # the diagonal carries no decay: take it exactly
+        A_qk.diagonal(dim1=-2, dim2=-1).copy_((qs * k).sum(-1))
+    terms = ChunkTerms(G=G, T=T, W=W, U=U, Kg=Kg, decay=decay, Qg=Qg, A_qk=A_qk)
+    return terms, TileFactors(e_pos=e_pos, e_neg=e_neg, off_rows=off_rows, off_cols=off_cols, A_kk=A_kk,
+                              T_inv=T_inv, eG=eG, eCG=eCG)
+
+
+def chunk_terms(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    q: torch.Tensor | None = None,
+    scale: float = 1.0,
+) -> ChunkTerms:
+    """Per-chunk KDA quantities for all chunks at once (K3_SYSTEMS §2.3), as batched matmuls.
+
+    Args:
+        k: ``[N, B, H, C, K]`` keys, chunked (see :func:`_to_chunks`), compute dtype.
+        v: ``[N, B, H, C, V]`` values.
+        g: ``[N, B, H, C, K]`` per-token log-decay (>= :data:`MIN_LOG_DECAY`).
+        beta: ``[N, B, H, C]`` write strength.
+        q: ``[N, B, H, C, K]`` queries, or None when only the state transition is needed.
+        scale: query scale.
+
+    In-chunk decays ``exp(G_r - G_c)`` (c <= r) enter the matmuls factored through sub-tiles of :data:`SUB_TILE`
+    tokens (§2.2), with every factor in fp32 range and no exponent below :data:`LOG_FLOOR`:
+
+    - diagonal blocks (r, c in sub-tile i): row r is scaled by ``exp(G_r - m_i)`` and column c by
+      ``exp(m_i - G_c)``, m_i the sub-tile's midpoint; both within ``e^(16 * 5) = e^80`` for log-decays >= -5;
+    - off-diagonal blocks (r in sub-tile i, c before it): reference ``b_i = G`` at the last token before sub-tile
+      i, row factor ``exp(G_r - b_i) <= 1`` and column factor ``exp(b_i - G_c) <= 1``, both decaying and clamped
+      at :data:`LOG_FLOOR` (a dropped product is below ``e^-80``).
+
+    Exponents are differences of fp64 cumulative sums, rounded once. The diagonal ``r = c`` of ``A_qk`` is taken
+    exactly (``q_r . k_r``), so no gradient passes through ``exp(0)`` written as a product of a large and a small
+    factor. The UT transform is one batched triangular solve against the identity, scaled by ``beta`` per column.
+    """
+    return chunk_terms_with_factors(k, v, g, beta, q, scale)[0]
+
+
+def chunk_transitions(terms: ChunkTerms) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-chunk affine state maps ``S_{n+1} = M_n S_n + S_ext_n`` (K3_SYSTEMS §2.4).
+
+    Returns ``M [N, B, H, K, K] = Diag(exp(G_C)) - Kg^T W`` and ``S_ext [N, B, H, K, V] = Kg^T U``.
+    """
+    KgT = terms.Kg.transpose(-1, -2)
+    return torch.diag_embed(terms.decay).sub_(KgT @ terms.W), KgT @ terms.U
+
+
+def _scan_states(M: torch.Tensor, S_ext: torch.Tensor, S: torch.Tensor, first: int = 0,
+                 resets: dict[int, torch.Tensor] | None = None, finals: dict[int, int] | None = None,
+                 out: list[torch.Tensor | None] | None = None,
+                 states: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """States entering each chunk ``[N, B, H, K, V]`` and the state after the last one ``[B, H, K, V]``.
+
+    ``M [N, B, H, K, K]``, ``S_ext [N, B, H, K, V]``, ``S [B, H, K, V]`` the entering state. The only sequential
+    part of the chunk form: one ``[K, K] @ [K, V]`` matmul per chunk (batched over B, H). For packed sequences
+    (``cu_seqlens``): chunk ``first + n`` in ``resets`` starts from ``resets[first + n]`` instead of the carried
+    state, and the state after chunk ``first + n`` in ``finals`` is stored at ``out[finals[first + n]]``.
+    ``states``: optional preallocated ``[N, B, H, K, V]`` output. No graph: the chunked kernel's backward runs
+    the reverse pass itself (:mod:`moonrt.ops.kda_autograd`).
+    """
+    N, B, H, K, V = S_ext.shape
+    if states is None:
+        states = S_ext.new_empty(N, B, H, K, V)
+    S3 = S.reshape(B * H, K, V)
+    for n in range(N):
+        if resets is not None and first + n in resets:
+            S3 = resets[first + n].reshape(B * H, K, V)
+        cur = states[n].view(B * H, K, V)
+        if S3.data_ptr() != cur.data_ptr():
+            cur.copy_(S3)
+        in_place = n + 1 < N and (resets is None or first + n + 1 not in resets)
+        S3 = torch.baddbmm(S_ext[n].view(B * H, K, V), M[n].view(B * H, K, K), cur,
+                           out=states[n + 1].view(B * H, K, V) if in_place else torch.empty_like(cur))
+        if finals is not None and out is not None and first + n in finals:
+            out[finals[first + n]] = S3.view(B, H, K, V)
+    return states, S3.view(B, H, K, V)
