@@ -18,6 +18,17 @@ Corpora:
 - a text file: UTF-8 bytes, the last ``heldout_fraction`` of bytes held out;
 - a binary token file (``uint16`` or ``uint32``, native byte order) read with ``numpy.memmap``,
   the last ``heldout_fraction`` of tokens held out.
+
+Document packing (``data.pack_documents``, Megatron's ``reset_attention_mask`` / ``eod_mask_loss`` form): the
+windows stay the same random cuts of the concatenated documents (so a window holds several documents, the
+first possibly a suffix), and :func:`packed_batch` also yields every token's document index, from the corpus's
+document starts (the stdlib corpus: its files; a user corpus: the token after each ``eos_id``, the EOS token
+ending its document). The model then keeps documents apart (:mod:`moonrt.model.packing`), and
+:func:`shard_packed` masks (:data:`IGNORE_INDEX`) each target that starts a new document: it would be predicted
+from the previous document's last token, which is no context for it. Megatron does the same with
+``eod_mask_loss`` (the loss at an EOD input is dropped); torchtitan does not mask, but its documents carry
+BOS/EOS tokens, so its cross-document target is always BOS. Byte corpora have no BOS, so the target would be
+real text predicted across the boundary: masked here.
 """
 
 from __future__ import annotations
@@ -31,6 +42,9 @@ from typing import Literal
 import numpy as np
 
 TokenDtype = Literal["uint16", "uint32"]
+
+IGNORE_INDEX = -100
+"""Target value the loss skips (torch's ``cross_entropy`` default ``ignore_index``): cross-document targets."""
 
 
 class ByteTokenizer:
@@ -49,12 +63,16 @@ class ByteTokenizer:
 
 @dataclasses.dataclass(frozen=True)
 class Corpus:
-    """``train [N]`` and ``heldout [M]`` token arrays (integer dtype), their vocabulary and a description."""
+    """``train [N]`` and ``heldout [M]`` token arrays (integer dtype), their vocabulary and a description;
+    ``train_docs`` / ``heldout_docs``: sorted int64 start offsets of the documents in each split (first 0), or
+    None where document boundaries are unknown."""
 
     train: np.ndarray
     heldout: np.ndarray
     vocab_size: int
     description: str
+    train_docs: np.ndarray | None = None
+    heldout_docs: np.ndarray | None = None
 
 
 def stdlib_files() -> list[Path]:
@@ -72,12 +90,23 @@ def stdlib_corpus(heldout_every: int = 16) -> Corpus:
     train, held = [], []
     for i, f in enumerate(files):
         (held if i % heldout_every == heldout_every - 1 else train).append(f.read_bytes())
+
+    def starts(parts: list[bytes]) -> np.ndarray:  # each file a document (empty files add none)
+        return np.unique(np.concatenate([[0], np.cumsum([len(b) for b in parts])[:-1]]).astype(np.int64))
+
     return Corpus(
         train=np.frombuffer(b"".join(train), dtype=np.uint8),
         heldout=np.frombuffer(b"".join(held), dtype=np.uint8),
         vocab_size=ByteTokenizer.vocab_size,
         description=f"Python {sysconfig.get_python_version()} stdlib sources ({len(files)} files, bytes)",
+        train_docs=starts(train), heldout_docs=starts(held),
     )
+
+
+def eos_document_starts(tokens: np.ndarray, eos_id: int) -> np.ndarray:
+    """Start offsets (int64, first 0) of the documents in ``tokens [N]`` where each ``eos_id`` token ends one."""
+    ends = np.flatnonzero(np.asarray(tokens) == eos_id) + 1
+    return np.concatenate([[0], ends[ends < len(tokens)]]).astype(np.int64)
 
 
 def _split(tokens: np.ndarray, heldout_fraction: float) -> tuple[np.ndarray, np.ndarray]:
@@ -113,9 +142,12 @@ def token_corpus(path: str | Path, dtype: TokenDtype, vocab_size: int, heldout_f
 
 
 def load_corpus(path: str | None, token_dtype: TokenDtype | None, vocab_size: int,
-                heldout_fraction: float = 0.05) -> Corpus:
+                heldout_fraction: float = 0.05, eos_id: int | None = None) -> Corpus:
     """The corpus a job config names: None -> :func:`stdlib_corpus`; a token dtype -> :func:`token_corpus`;
-    otherwise :func:`text_corpus`. Raises ValueError if a byte corpus does not fit ``vocab_size``."""
+    otherwise :func:`text_corpus`. Raises ValueError if a byte corpus does not fit ``vocab_size``.
+
+    ``eos_id`` (user corpora): the token (a byte value for a text file) that ends each document; sets the
+    corpus's document starts (:func:`eos_document_starts`). The stdlib corpus's documents are its files."""
     if path is None:
         corpus = stdlib_corpus()
     elif not Path(path).is_file():
@@ -129,6 +161,12 @@ def load_corpus(path: str | None, token_dtype: TokenDtype | None, vocab_size: in
     if corpus.vocab_size > vocab_size:
         raise ValueError(f"corpus {corpus.description}: needs vocab_size >= {corpus.vocab_size}, "
                          f"model has {vocab_size}")
+    if eos_id is not None and path is not None:
+        if not 0 <= eos_id < corpus.vocab_size:
+            raise ValueError(f"eos_id (--eos-id) = {eos_id}: expected a token id in [0, {corpus.vocab_size}) "
+                             f"of corpus {corpus.description}")
+        corpus = dataclasses.replace(corpus, train_docs=eos_document_starts(corpus.train, eos_id),
+                                     heldout_docs=eos_document_starts(corpus.heldout, eos_id))
     return corpus
 
 
@@ -143,17 +181,65 @@ def global_batch(tokens: np.ndarray, seed: int, step: int, batch_size: int, seq_
     A pure function of ``(seed, step)`` (and the corpus): the same on every rank and layout.
     Inputs are ``[:, :-1]``, next-token targets ``[:, 1:]``.
     """
+    return _windows(tokens, _batch_starts(tokens, seed, step, batch_size, seq_len), seq_len)
+
+
+def _batch_starts(tokens: np.ndarray, seed: int, step: int, batch_size: int, seq_len: int) -> np.ndarray:
     _check_length(tokens, seq_len, "training split")
     rng = np.random.default_rng([seed, step])
-    starts = rng.integers(0, len(tokens) - seq_len - 1, size=batch_size)
+    return rng.integers(0, len(tokens) - seq_len - 1, size=batch_size)
+
+
+def _eval_starts(tokens: np.ndarray, num: int, seq_len: int) -> np.ndarray:
+    _check_length(tokens, seq_len, "held-out split")
+    return np.linspace(0, len(tokens) - seq_len - 1, num=num).astype(np.int64)
+
+
+def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> np.ndarray:
     return np.stack([np.asarray(tokens[s:s + seq_len + 1], dtype=np.int64) for s in starts])
 
 
 def eval_windows(tokens: np.ndarray, num: int, seq_len: int) -> np.ndarray:
     """``num`` evenly spaced held-out windows ``[num, seq_len + 1]`` int64 (the same every eval)."""
-    _check_length(tokens, seq_len, "held-out split")
-    starts = np.linspace(0, len(tokens) - seq_len - 1, num=num).astype(np.int64)
-    return np.stack([np.asarray(tokens[s:s + seq_len + 1], dtype=np.int64) for s in starts])
+    return _windows(tokens, _eval_starts(tokens, num, seq_len), seq_len)
+
+
+def document_ids(doc_starts: np.ndarray, starts: np.ndarray, seq_len: int) -> np.ndarray:
+    """``[len(starts), seq_len + 1]`` int64: the corpus document index of every token of the windows at
+    ``starts`` (``doc_starts``: sorted document start offsets, first 0)."""
+    pos = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(seq_len + 1, dtype=np.int64)
+    return np.searchsorted(doc_starts, pos, side="right").astype(np.int64) - 1
+
+
+def packed_batch(tokens: np.ndarray, doc_starts: np.ndarray, seed: int, step: int, batch_size: int,
+                 seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`global_batch` (the same windows) and each token's document index ``[batch_size, seq_len + 1]``."""
+    starts = _batch_starts(tokens, seed, step, batch_size, seq_len)
+    return _windows(tokens, starts, seq_len), document_ids(doc_starts, starts, seq_len)
+
+
+def packed_eval_windows(tokens: np.ndarray, doc_starts: np.ndarray, num: int,
+                        seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`eval_windows` and each token's document index ``[num, seq_len + 1]``."""
+    starts = _eval_starts(tokens, num, seq_len)
+    return _windows(tokens, starts, seq_len), document_ids(doc_starts, starts, seq_len)
+
+
+def shard_packed(batch: np.ndarray, docs: np.ndarray, dp_rank: int = 0,
+                 dp_size: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """This rank's ``(inputs [B/d, T], targets [B/d, T], doc_ids [B/d, T])`` of a packed global batch
+    (``batch``, ``docs`` ``[B, T + 1]`` from :func:`packed_batch`): :func:`shard`'s rows, with every target that
+    starts another document than its input's set to :data:`IGNORE_INDEX` (see the module docstring)."""
+    if docs.shape != batch.shape:
+        raise ValueError(f"docs.shape = {docs.shape}: expected the batch's {batch.shape}")
+    x, y = shard(batch, dp_rank, dp_size)
+    d_in, d_out = shard(docs, dp_rank, dp_size)
+    return x, np.where(d_in == d_out, y, IGNORE_INDEX), d_in
+
+
+def packed_targets(docs: np.ndarray) -> int:
+    """Targets the loss counts in a packed batch ``docs [B, T + 1]``: those in their input's document."""
+    return int((docs[:, 1:] == docs[:, :-1]).sum())
 
 
 def shard(batch: np.ndarray, dp_rank: int = 0, dp_size: int = 1, cp_rank: int = 0,

@@ -28,11 +28,23 @@ class DataConfig:
     token_dtype: data.TokenDtype | None = None
     heldout_fraction: float = 0.05
     """Fraction of a user corpus held out for eval (the stdlib corpus holds out every 16th file)."""
+    pack_documents: bool = False
+    """Tell the model where the documents in each window start (:func:`moonrt.data.packed_batch`): no token
+    attends to, or carries KDA/conv state from, another document, and cross-document targets are not trained
+    (:mod:`moonrt.model.packing`). The stdlib corpus's documents are its files; a user corpus needs ``eos_id``."""
+    eos_id: int | None = None
+    """Token id (a byte value for a text corpus) that ends each document of a user corpus (with ``pack_documents``)."""
 
     def validate(self) -> None:
         check(0.0 < self.heldout_fraction < 1.0, "heldout_fraction", self.heldout_fraction, "a number in (0, 1)")
         check(self.token_dtype is None or self.corpus is not None, "token_dtype", self.token_dtype,
               "null unless corpus names a token file")
+        check(self.eos_id is None or (self.corpus is not None and self.pack_documents), "eos_id", self.eos_id,
+              "null unless pack_documents is true and corpus names a file (the stdlib corpus's documents are files)")
+        check(self.eos_id is None or self.eos_id >= 0, "eos_id", self.eos_id, "a token id >= 0")
+        check(not self.pack_documents or self.corpus is None or self.eos_id is not None, "eos_id", self.eos_id,
+              "the token id that ends each document of corpus "
+              f"{self.corpus!r} (pack_documents needs document boundaries)")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -123,6 +135,12 @@ class JobConfig:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         check(self.threads >= 0, "threads", self.threads, "an integer >= 0 (0 = torch default)")
+        if self.data.pack_documents:  # document boundaries reach the model only on the default (non-part) path
+            for name, why in (("cp", "KCP and the MLA all-gather carry no document boundaries"),
+                              ("pp", "pipeline stages carry no document boundaries")):
+                degree = getattr(self.parallel, name)
+                check(degree == 1, "data.pack_documents", True,
+                      f"false with parallel.{name} = {degree} (--{name}): {why}")
         from moonrt.model.moe import moe_config_from_dict
 
         try:

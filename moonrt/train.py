@@ -42,17 +42,26 @@ from moonrt.cluster.preempt import StopSignal, stop_signals
 from moonrt.comm.parallelism import Parallelism
 from moonrt.config import ConfigError, load_yaml, save_yaml, to_dict
 from moonrt.job import JobConfig, lr_at
+from moonrt.model.packing import DocumentPacking
 from moonrt.optimizers import build_optimizer
 
 CHECKPOINT = "checkpoint.pt"
-def evaluate(model: torch.nn.Module, windows: np.ndarray, batch_size: int, rt: Parallelism) -> float:
-    """Mean next-token loss (nats/token) over the held-out ``windows [N, T + 1]``."""
+def evaluate(model: torch.nn.Module, windows: np.ndarray, batch_size: int, rt: Parallelism,
+             docs: np.ndarray | None = None) -> float:
+    """Mean next-token loss (nats/token) over the held-out ``windows [N, T + 1]`` (``docs [N, T + 1]``: packed
+    documents, :func:`moonrt.data.packed_eval_windows`; cross-document targets are not counted)."""
     was_training = model.training
     model.eval()
     model.set_record_routing(False)
     total, count = 0.0, 0.0
     with torch.no_grad():
         for i in range(0, len(windows), batch_size):
+            if docs is not None:
+                x, y, d = data.shard_packed(windows[i:i + batch_size], docs[i:i + batch_size])
+                packing = DocumentPacking.from_doc_ids(torch.from_numpy(d))
+                total += float(rt.loss_sum(model, torch.from_numpy(x), torch.from_numpy(y), packing=packing))
+                count += data.packed_targets(docs[i:i + batch_size])
+                continue
             x, y = data.shard(windows[i:i + batch_size], 0, 1, rt.cp_rank, rt.cp_size)
             total += float(rt.loss_sum(model, torch.from_numpy(x), torch.from_numpy(y)))
             count += y.size
@@ -152,7 +161,9 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
                               "nothing to do")
     _check_outputs(job, metrics_path, resume, rt)
     mcfg = job.model_cfg()
-    corpus = data.load_corpus(job.data.corpus, job.data.token_dtype, mcfg.vocab_size, job.data.heldout_fraction)
+    corpus = data.load_corpus(job.data.corpus, job.data.token_dtype, mcfg.vocab_size, job.data.heldout_fraction,
+                              job.data.eos_id)
+    pack = job.data.pack_documents  # documents kept apart (moonrt.model.packing); job.py refuses --cp/--pp with it
     if cfg.batch_size % rt.dp_size:
         raise ConfigError(f"optim.batch_size = {cfg.batch_size}: expected a multiple of the data-parallel size "
                           f"{rt.dp_size}")
@@ -187,7 +198,12 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
     if rt.is_main:
         save_yaml(job, out / "config.yaml")
     stop = cfg.steps if until is None else min(until, cfg.steps)
-    heldout = data.eval_windows(corpus.heldout, cfg.eval_windows, cfg.seq_len)
+    heldout_docs = None
+    if pack:
+        heldout, heldout_docs = data.packed_eval_windows(corpus.heldout, corpus.heldout_docs, cfg.eval_windows,
+                                                         cfg.seq_len)
+    else:
+        heldout = data.eval_windows(corpus.heldout, cfg.eval_windows, cfg.seq_len)
     baseline = data.unigram_entropy(corpus.heldout, corpus.vocab_size)
     global_tokens = cfg.batch_size * cfg.seq_len
     metrics = outputs.open_metrics(metrics_path, start if resume else None) if (metrics_path and rt.is_main) else None
@@ -212,12 +228,19 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
             lr = lr_at(step, cfg)
             for group in opt.param_groups:
                 group["lr"] = lr
-            batch = data.global_batch(corpus.train, cfg.seed, step, cfg.batch_size, cfg.seq_len)
-            x, y = data.shard(batch, rt.dp_rank, rt.dp_size, rt.cp_rank, rt.cp_size)
+            packing, targets = None, global_tokens  # targets: the loss's denominator (tokens it counts)
+            if pack:
+                batch, docs = data.packed_batch(corpus.train, corpus.train_docs, cfg.seed, step, cfg.batch_size,
+                                                cfg.seq_len)
+                x, y, d = data.shard_packed(batch, docs, rt.dp_rank, rt.dp_size)
+                packing, targets = DocumentPacking.from_doc_ids(torch.from_numpy(d)), data.packed_targets(docs)
+            else:
+                batch = data.global_batch(corpus.train, cfg.seed, step, cfg.batch_size, cfg.seq_len)
+                x, y = data.shard(batch, rt.dp_rank, rt.dp_size, rt.cp_rank, rt.cp_size)
             if cp_log is not None:
                 rt.ctx.new_step()
             opt.zero_grad(set_to_none=True)
-            loss = rt.forward_backward(model, torch.from_numpy(x), torch.from_numpy(y), 1.0 / global_tokens, mgr)
+            loss = rt.forward_backward(model, torch.from_numpy(x), torch.from_numpy(y), 1.0 / targets, mgr, packing)
             rt.sync_grads(model)
             grad_norm = rt.clip_grad_norm(model.parameters(), cfg.grad_clip)
             rt.step(opt)  # ZeRO-1: p.grad is gone after sync_grads; only rt reads the gradients
@@ -238,7 +261,7 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
             done = step + 1
             stopped = done < stop and rt.any_flag(preempt.requested)  # the ranks agree on the stop step
             if not stopped and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
-                eval_loss = evaluate(model, heldout, cfg.batch_size, rt)
+                eval_loss = evaluate(model, heldout, cfg.batch_size, rt, heldout_docs)
                 stopped = done < stop and rt.any_flag(preempt.requested)
                 record["eval_loss"] = eval_loss
                 if rt.is_main and progress:

@@ -38,6 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="model preset: " + ", ".join(sorted(presets())))
     parser.add_argument("--corpus", help="text file, or token file with --token-dtype (default: stdlib sources)")
     parser.add_argument("--token-dtype", choices=["uint16", "uint32"], help="--corpus is a binary token file")
+    parser.add_argument("--pack-documents", action="store_true", default=None, help="keep the documents packed in "
+                        "each sequence apart: per-document KDA state and conv, block-diagonal MLA mask, no "
+                        "cross-document targets (data.pack_documents; not with --cp or --pp)")
+    parser.add_argument("--eos-id", type=int, help="token id (byte value for a text --corpus) that ends each "
+                        "document, for --pack-documents with --corpus (data.eos_id)")
     parser.add_argument("--out", help="output dir for checkpoints and config.yaml (out_dir)")
     parser.add_argument("--metrics", help="write JSON lines {step, loss, lr, tokens_per_s, ...} to this file")
     parser.add_argument("--resume", action="store_true", help="continue from OUT's newest checkpoint, "
@@ -79,6 +84,7 @@ _OVERRIDES: dict[str, tuple[str, ...]] = {
     "seq_len": ("optim", "seq_len"), "lr": ("optim", "lr"), "eval_every": ("optim", "eval_every"),
     "optimizer": ("optim", "optimizer"),
     "model": ("model",), "corpus": ("data", "corpus"), "token_dtype": ("data", "token_dtype"),
+    "pack_documents": ("data", "pack_documents"), "eos_id": ("data", "eos_id"),
     "out": ("out_dir",), "threads": ("threads",), "memory_policy": ("memory_policy",),
     "cp": ("parallel", "cp"), "ep": ("parallel", "ep"), "routing_trace": ("routing_trace",),
     "pp": ("parallel", "pp"), "vpp": ("parallel", "vpp"), "microbatches": ("parallel", "microbatches"),

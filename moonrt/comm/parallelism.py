@@ -125,29 +125,31 @@ class Parallelism:
         return model
 
     def forward_backward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, scale: float,
-                         saved: Any = None) -> torch.Tensor:
+                         saved: Any = None, packing: Any = None) -> torch.Tensor:
         """Forward and backward of this rank's batch ``x``/``y`` ``[B, T]``: the summed token loss times
         ``scale`` (1 / global token count) back-propagated into the gradients; returns it detached.
 
         ``saved``: a reusable context manager entered around the forward (the activation manager) or None.
         The first part that runs the step wins (the pipeline); the default is one forward, one backward.
+        ``packing`` (packed documents, ``moonrt.model.packing``) reaches the model on the default path only (the
+        job config refuses packing with the parts that run the step); None calls ``loss_sum`` without it.
         """
         for part in self.parts:
             loss = part.forward_backward(model, x, y, scale, self.ctx, saved)
             if loss is not None:
                 return loss
         with saved if saved is not None else contextlib.nullcontext():
-            loss = model.loss_sum(x, y, ctx=self.ctx) * scale
+            loss = model.loss_sum(x, y, ctx=self.ctx, **({} if packing is None else {"packing": packing})) * scale
         loss.backward()
         return loss.detach()
 
-    def loss_sum(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def loss_sum(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, packing: Any = None) -> torch.Tensor:
         """Summed token loss of ``x``/``y`` ``[B, T]`` without gradients (call under ``torch.no_grad``)."""
         for part in self.parts:
             loss = part.loss_sum(model, x, y, self.ctx)
             if loss is not None:
                 return loss
-        return model.loss_sum(x, y, ctx=self.ctx)
+        return model.loss_sum(x, y, ctx=self.ctx, **({} if packing is None else {"packing": packing}))
 
     def sync_grads(self, model: nn.Module) -> None:
         if any(part.sync_grads(model) for part in self.parts) or self.replicas is None:
