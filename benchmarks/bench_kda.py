@@ -23,13 +23,19 @@ multiply-add; elementwise work such as exponentials is not counted)::
 forward FLOPs = B * H * ceil(T / C) * (sum above); forward+backward FLOPs = 3 x forward (the backward of each
 matmul is two matmuls of its size).
 
-Usage: python benchmarks/bench_kda.py [--T 2048 8192] [--reps 5] [--threads N] [--out FILE.json]
+``--baseline FILE``: also time the ``kda_chunk`` of another version of ``moonrt/ops/kda.py`` (a self-contained
+file, e.g. ``git show 106d3e1:moonrt/ops/kda.py > /tmp/kda_old.py``) in the same interleaved rounds, forward and
+forward+backward, and print both side by side.
+
+Usage: python benchmarks/bench_kda.py [--T 2048 8192] [--reps 5] [--threads N] [--baseline FILE] [--out FILE.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import platform
 import time
 from collections.abc import Callable
@@ -66,6 +72,16 @@ def make_inputs(B: int, T: int, H: int, K: int, V: int, seed: int = 0,
     )
 
 
+def load_baseline(path: str) -> Callable[..., object]:
+    """``kda_chunk`` of a self-contained kda.py at ``path`` (an older version of the kernel)."""
+    spec = importlib.util.spec_from_file_location("kda_baseline", path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"--baseline {path}: not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.kda_chunk
+
+
 def timed(fn: Callable[[], object]) -> float:
     t0 = time.perf_counter()
     fn()
@@ -97,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="repeat until each measured function ran this many seconds (noisy shared machines)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
     parser.add_argument("--matmul-n", type=int, default=512, help="size of the square reference matmul")
+    parser.add_argument("--baseline", default=None, help="an older self-contained kda.py to time side by side")
     parser.add_argument("--out", default="/tmp/bench_kda.json", help="JSON output path")
     args = parser.parse_args(argv)
     if args.threads:
@@ -106,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     tag = f"[threads={env['threads']}, {env['cpu']}, {env['capability']}]"
     n = args.matmul_n
     a, b = torch.randn(n, n), torch.randn(n, n)
+    load_before = os.getloadavg()
+    kernels = {"": kda_chunk}
+    if args.baseline:
+        kernels["old_"] = load_baseline(args.baseline)
     rows = []
     for T in tqdm(args.T, desc="kda_chunk", unit="T"):
         fns: dict[str, Callable[[], object]] = {"matmul": lambda: a @ b}
@@ -113,27 +134,31 @@ def main(argv: list[str] | None = None) -> int:
             x = make_inputs(B, T, H, K, V, shift=shift)
             xg = {name: t.clone().requires_grad_() for name, t in x.items()}
 
-            def fwd(x: dict[str, torch.Tensor] = x) -> None:
-                with torch.no_grad():
-                    kda_chunk(**x, chunk_size=C)
+            for prefix, kernel in kernels.items():
 
-            def fwd_bwd(xg: dict[str, torch.Tensor] = xg) -> None:
-                o, _ = kda_chunk(**xg, chunk_size=C)
-                o.sum().backward()
+                def fwd(x: dict[str, torch.Tensor] = x, kernel: Callable[..., object] = kernel) -> None:
+                    with torch.no_grad():
+                        kernel(**x, chunk_size=C)
 
-            fns[f"fwd_{regime}"], fns[f"fwd_bwd_{regime}"] = fwd, fwd_bwd
+                def fwd_bwd(xg: dict[str, torch.Tensor] = xg, kernel: Callable[..., object] = kernel) -> None:
+                    o, _ = kernel(**xg, chunk_size=C)  # type: ignore[misc]
+                    o.sum().backward()
+
+                fns[f"{prefix}fwd_{regime}"], fns[f"{prefix}fwd_bwd_{regime}"] = fwd, fwd_bwd
         t = interleaved_min(fns, args.reps, args.min_time)
         peak = 2 * n**3 / t["matmul"] / 1e9
         flops = chunk_flops(B, T, H, K, V, C)
-        for regime in DECAY_SHIFT:
-            tf, tb = t[f"fwd_{regime}"], t[f"fwd_bwd_{regime}"]
-            row = dict(T=T, decay=regime, fwd_ms=tf * 1e3, fwd_bwd_ms=tb * 1e3, fwd_gflops=flops / tf / 1e9,
-                       fwd_bwd_gflops=3 * flops / tb / 1e9, matmul_gflops=peak, **env)
-            row["fwd_frac"] = row["fwd_gflops"] / peak
-            row["fwd_bwd_frac"] = row["fwd_bwd_gflops"] / peak
-            rows.append(row)
-        ratio = dict(T=T, fwd=t["fwd_strong"] / t["fwd_mild"], fwd_bwd=t["fwd_bwd_strong"] / t["fwd_bwd_mild"])
-        rows[-1]["strong_over_mild"] = ratio
+        for prefix in kernels:
+            for regime in DECAY_SHIFT:
+                tf, tb = t[f"{prefix}fwd_{regime}"], t[f"{prefix}fwd_bwd_{regime}"]
+                row = dict(kernel=prefix.rstrip("_") or "new", T=T, decay=regime, fwd_ms=tf * 1e3,
+                           fwd_bwd_ms=tb * 1e3, fwd_gflops=flops / tf / 1e9, fwd_bwd_gflops=3 * flops / tb / 1e9,
+                           matmul_gflops=peak, **env)
+                row["fwd_frac"] = row["fwd_gflops"] / peak
+                row["fwd_bwd_frac"] = row["fwd_bwd_gflops"] / peak
+                rows.append(row)
+            rows[-1]["strong_over_mild"] = dict(T=T, fwd=t[f"{prefix}fwd_strong"] / t[f"{prefix}fwd_mild"],
+                                                fwd_bwd=t[f"{prefix}fwd_bwd_strong"] / t[f"{prefix}fwd_bwd_mild"])
     # speedup over the token recurrence, forward, T = 2048, mild decay (fewer repetitions: it is slow)
     x = make_inputs(B, 2048, H, K, V)
     with torch.no_grad():
@@ -143,19 +168,23 @@ def main(argv: list[str] | None = None) -> int:
                    speedup=t["recurrent"] / t["chunk"], **env)
 
     print(f"\nKDA chunked kernel, CPU fp32, B={B} H={H} K={K} V={V} C={C}; reference: {n}x{n} fp32 matmul")
-    print(f"{'T':>6} {'decay':>6} {'fwd ms':>8} {'of mm':>6} {'fwd+bwd ms':>11} {'of mm':>6} {'mm GFLOP/s':>11}"
+    print(f"{'kernel':>6} {'T':>6} {'decay':>6} {'fwd ms':>8} {'of mm':>6} {'fwd+bwd ms':>11} {'of mm':>6}"
+          f" {'mm GFLOP/s':>11}"
           f" {'strong/mild fwd, fwd+bwd':>25}  machine")
     for r in rows:
         ratio_s = ""
         if "strong_over_mild" in r:
             ratio_s = f"{r['strong_over_mild']['fwd']:.2f}, {r['strong_over_mild']['fwd_bwd']:.2f}"
-        print(f"{r['T']:>6} {r['decay']:>6} {r['fwd_ms']:>8.1f} {r['fwd_frac']:>6.1%} {r['fwd_bwd_ms']:>11.1f}"
+        print(f"{r['kernel']:>6} {r['T']:>6} {r['decay']:>6} {r['fwd_ms']:>8.1f} {r['fwd_frac']:>6.1%}"
+              f" {r['fwd_bwd_ms']:>11.1f}"
               f" {r['fwd_bwd_frac']:>6.1%} {r['matmul_gflops']:>11.1f} {ratio_s:>25}  {tag}")
     print(f"speedup over kda_recurrent (forward, T=2048, mild): {speedup['speedup']:.1f}x "
           f"({speedup['recurrent_ms']:.1f} ms -> {speedup['chunk_ms']:.1f} ms)  {tag}")
     result = dict(config=dict(B=B, H=H, K=K, V=V, C=C, dtype="float32", matmul_n=n, reps=args.reps,
-                              min_time=args.min_time, torch=torch.__version__, machine=platform.machine(), **env),
+                              min_time=args.min_time, baseline=args.baseline, torch=torch.__version__,
+                              machine=platform.machine(), load_before=load_before, load_after=os.getloadavg(), **env),
                   rows=rows, recurrent_speedup=speedup)
+    print(f"load average (1, 5, 15 min) before: {load_before}, after: {os.getloadavg()} (shared machine)")
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     print(f"wrote {args.out}")
