@@ -1,6 +1,6 @@
 """FP8 batching of the activation manager: FP8 saves of one layer and policy are quantized in one call
-(:func:`moonrt.ops.fp8.quantize_many`) and, in backward, decoded in one call
-(:func:`moonrt.ops.fp8.dequantize_many`).
+(:func:`moonrt.ops.fp8.quantize_many`; for the device tier on the manager's copy thread by default, overlapping
+the forward, bitwise the same) and, in backward, decoded in one call (:func:`moonrt.ops.fp8.dequantize_many`).
 
 :class:`Fp8BatchMixin` is a base of :class:`moonrt.memory.manager.ActivationManager`, which sets the state
 it reads in ``__init__``; the per-save path that fills a batch is ``_pack`` (:mod:`.saved_hooks`).
@@ -11,9 +11,10 @@ from __future__ import annotations
 import math
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from moonrt.memory.accounting import Accounting
-from moonrt.memory.backends import Backend
+from moonrt.memory.backends import Backend, Packed
 from moonrt.memory.entries import _Entry
 from moonrt.ops import fp8
 
@@ -23,7 +24,7 @@ class _Batch:
     the layer ends, the batch reaches ``fp8_batch_bytes``, the forward ends or backward starts; in backward
     the first unpack decodes every entry of the batch that is at hand in one call."""
 
-    __slots__ = ("backend", "layer", "entries", "nbytes", "live", "decoded")
+    __slots__ = ("backend", "layer", "entries", "nbytes", "live", "decoded", "future", "todo")
 
     def __init__(self, backend: Backend, layer: int) -> None:
         self.backend = backend
@@ -32,6 +33,10 @@ class _Batch:
         self.nbytes = 0
         self.live = 0
         self.decoded = False
+        self.future: Future | None = None
+        """Quantization running on the copy thread (device tier): its entries' ``packed.parts`` are filled by
+        :meth:`Fp8BatchMixin._quantized` when the first unpack needs them."""
+        self.todo: list[_Entry] | None = None
 
 
 class Fp8BatchMixin:
@@ -41,6 +46,8 @@ class Fp8BatchMixin:
     _lock: threading.RLock
     accounting: Accounting
     _pending: dict[str, _Batch]
+    _copier: ThreadPoolExecutor | None
+    _copy_thread: bool
 
     def _flush(self, policy: str) -> None:
         """Quantize the pending FP8 batch of ``policy`` in one call and store every entry (caller holds the lock)."""
@@ -52,11 +59,27 @@ class Fp8BatchMixin:
         if not todo:
             return
         backend = batch.backend
-        quantized = fp8.quantize_many([e.raw for e in todo], backend.block)
-        for e, (payload, scales) in zip(todo, quantized):
-            raw = e.raw
-            e.packed = backend.store_quantized(tuple(raw.shape), raw.dtype, raw.device, payload, scales)
-            e.raw = None
+        raws = [e.raw for e in todo]
+        if self._copy_thread and backend.store.tier == "device":  # quantized on the copy thread, bitwise the same
+            if self._copier is None:
+                self._copier = ThreadPoolExecutor(1, thread_name_prefix="moonrt-host-copy")
+            batch.future = self._copier.submit(fp8.quantize_many, raws, backend.block)
+            batch.todo = todo
+            block = backend.block
+            for e, raw in zip(todo, raws):  # parts filled by _quantized; bytes known from the shape
+                shape = tuple(raw.shape) or (1,)
+                m = math.prod(shape[:-1])
+                nb = -(-shape[-1] // block)
+                meta = ("fp8", tuple(raw.shape), raw.dtype, (m, nb))
+                e.packed = Packed([None, None], meta, raw.device, {"device": m * nb * block + 4 * m * nb})
+                e.raw = None
+        else:
+            quantized = fp8.quantize_many(raws, backend.block)
+            for e, (payload, scales) in zip(todo, quantized):
+                raw = e.raw
+                e.packed = backend.store_quantized(tuple(raw.shape), raw.dtype, raw.device, payload, scales)
+                e.raw = None
+        del raws
         dt = (time.perf_counter() - t0) / len(todo)
         tier = backend.store.tier
         pack_tier = self.accounting.pack_tier_locked  # the caller holds the lock the accounting shares
@@ -72,6 +95,19 @@ class Fp8BatchMixin:
             with self._lock:
                 for policy in list(self._pending):
                     self._flush(policy)
+
+    def _quantized(self, batch: _Batch) -> None:
+        """Wait for ``batch``'s quantization on the copy thread and fill its entries' parts (raises its error)."""
+        fut = batch.future
+        if fut is None:
+            return
+        quantized = fut.result()
+        with self._lock:
+            if batch.future is not fut:
+                return
+            for e, (payload, scales) in zip(batch.todo or (), quantized):
+                e.packed.parts = [payload, scales]
+            batch.future = batch.todo = None
 
     def _decode_batch(self, batch: _Batch) -> None:
         """Decode, in one call, every live entry of ``batch`` whose bytes are at hand without waiting (device

@@ -60,6 +60,7 @@ class SavedTensorsMixin:
     _flush_all_copies: Any
     _group_views: Any
     _release_group: Any
+    _quantized: Any
     _fp8_batch_bytes: int
     _min_bytes: int
     _param_ptrs: set[int]
@@ -321,6 +322,8 @@ class SavedTensorsMixin:
         packed = entry.packed
         if packed.meta[0] == "fp8":
             batch = entry.batch
+            if batch is not None and batch.future is not None:
+                self._quantized(batch)
             if entry.decoded is None and batch is not None and not batch.decoded:
                 self._decode_batch(batch)
             out = entry.decoded

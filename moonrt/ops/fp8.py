@@ -17,6 +17,8 @@ stay zero) where ``448 / amax`` would overflow.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 E4M3 = torch.float8_e4m3fn
@@ -171,14 +173,41 @@ def _dequantize_rows(payload: torch.Tensor, scales: torch.Tensor, n: int) -> tor
     m, width = payload.shape
     nb = scales.shape[-1]
     block = width // nb
-    codes = payload[:, :n].view(torch.uint8).to(torch.int32)  # [M, N], contiguous
-    x = _lut(payload.device).index_select(0, codes.view(-1)).view(m, n)
+    lut = _lut(payload.device)
+    codes = payload[:, :n].view(torch.uint8)
+    if payload.device.type == "cpu" and codes.is_contiguous() and m * n >= _CHUNK // 16:
+        # int32 codes in a reused per-thread workspace, CHUNK elements at a time: no [M, N] int32 temporary
+        # (a fresh allocation of that size costs more in page faults than the lookup itself)
+        flat = codes.view(-1)
+        x = torch.empty(m, n, dtype=torch.float32)
+        out = x.view(-1)
+        ws = _workspace()
+        for i in range(0, flat.numel(), _CHUNK):
+            k = min(_CHUNK, flat.numel() - i)
+            idx = ws[:k]
+            idx.copy_(flat[i:i + k])
+            torch.index_select(lut, 0, idx, out=out[i:i + k])
+    else:
+        x = lut.index_select(0, codes.to(torch.int32).view(-1)).view(m, n)  # codes [M, N], contiguous
     full = n // block
     if full:
         x[:, :full * block].view(m, full, block).mul_(scales[:, :full, None])
     if full < nb:
         x[:, full * block:].mul_(scales[:, full:])
     return x
+
+
+_CHUNK = 1 << 20
+"""Codes decoded per table lookup on CPU (a 4 MiB int32 index workspace per thread)."""
+_local = threading.local()
+
+
+def _workspace() -> torch.Tensor:
+    """``[_CHUNK]`` int32 on CPU, one per thread (reused by every CPU decode of that thread)."""
+    ws = getattr(_local, "ws", None)
+    if ws is None:
+        ws = _local.ws = torch.empty(_CHUNK, dtype=torch.int32)
+    return ws
 
 
 def dequantize(payload: torch.Tensor, scales: torch.Tensor, shape: torch.Size | tuple[int, ...],

@@ -131,3 +131,42 @@ def test_released_before_backward_returns_the_buffer():
     assert mgr.accounting.live["host"] == 0 and store.pooled_bytes > 0
     mgr.close()
     assert store.pooled_bytes == 0
+
+
+def test_fp8_quantized_on_the_copy_thread_bitwise(monkeypatch):
+    """FP8 (device tier) batches are quantized on the copy thread: gradients, bytes per region and peaks equal
+    the inline quantization's bit for bit; a failing quantization raises in backward."""
+    from moonrt.ops import fp8
+
+    threads: list[str] = []
+    inner = fp8.quantize_many
+
+    def spy(xs, block=128):
+        threads.append(threading.current_thread().name)
+        return inner(xs, block)
+
+    monkeypatch.setattr(fp8, "quantize_many", spy)
+    got, bg = _run_mgr(_policy(default="fp8"))
+    assert threads and all(t.startswith("moonrt-host-copy") for t in threads)
+    threads.clear()
+    ref, inline = _run_mgr(_policy(default="fp8"), copy_thread=False)
+    assert threads and all(t == threading.current_thread().name for t in threads)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    assert bg.accounting.to_dict()["regions"] == inline.accounting.to_dict()["regions"]
+    assert bg.accounting.peak == inline.accounting.peak and bg.accounting.live["device"] == 0
+    bg.close()
+    inline.close()
+
+    def fail(xs, block=128):
+        raise RuntimeError("quantize failed (test)")
+
+    monkeypatch.setattr(fp8, "quantize_many", fail)
+    torch.manual_seed(0)
+    model = Stack()
+    mgr = ActivationManager(model, _policy(default="fp8"))
+    with mgr:
+        loss = model(torch.randn(4, 16, 128, requires_grad=True)).square().mean()
+    with pytest.raises(RuntimeError, match="quantize failed"):
+        loss.backward()
+    del loss
+    mgr.close()
