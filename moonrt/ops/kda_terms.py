@@ -143,7 +143,7 @@ def chunk_terms_with_factors(
     # gradient would be a difference of two large sums (cancellation)
     m = Gt[..., max(sub // 2 - 1, 0) : max(sub // 2, 1), :].detach()
     e_pos = torch.exp(Gt - m).to(dtype)  # [N, B, H, n_sub, sub, K] exp(G_r - m_i), within e^+-80
-    e_neg = torch.exp((m - Gt).to(dtype))  # exp(m_i - G_c)
+    e_neg = torch.reciprocal(e_pos)  # exp(m_i - G_c): within e^+-80 as e_pos, and rounded twice only
     k_t = k.view(*tiles, K)
     k_col = e_neg * k_t  # k_c exp(m_i - G_c), c in sub-tile i
     qs = None if q is None else q * scale
