@@ -50,8 +50,9 @@ def parallel_runtime(job: JobConfig, progress: bool = False) -> Parallelism:
     statistics and scalars are summed over the replicas ``dp_ep_cp``. Parts:
     :class:`moonrt.comm.pp_part.PipelineParallel` when ``pp > 1`` (stages over the ``pp`` group),
     :class:`moonrt.comm.ep_parallel.ExpertParallel` when ``ep > 1``, a routing-trace recorder when asked for;
-    :class:`moonrt.comm.zero.Zero1` when ``zero = 1``, after the pipeline and before EP (the pipeline's inner
-    part then: see :mod:`moonrt.comm.zero` for the composition).
+    :class:`moonrt.comm.zero.Zero1` when ``zero = 1`` (:class:`moonrt.comm.zero_muon.ZeroMuon` with ``optimizer =
+    muon``), after the pipeline and before EP (the pipeline's inner part then: see :mod:`moonrt.comm.zero` for the
+    composition).
     """
     import torch.distributed as dist
 
@@ -92,18 +93,15 @@ def parallel_runtime(job: JobConfig, progress: bool = False) -> Parallelism:
         if p.pp > 1:  # the pipeline combines the expert shards' norm and checkpoint state over its stages
             rt.parts[0].inner = ep
         counts = ep.layer_counts
-    if p.zero and job.optim.optimizer == "muon":  # each Muon block / AdamW parameter owned whole by one replica
+    if p.zero:  # ZeRO-1 owns sync, clip, update and the state of every parameter: before EP, after the pipeline
+        from moonrt.comm.zero import Zero1
         from moonrt.comm.zero_muon import ZeroMuon
         from moonrt.optimizers import muon_blocks
 
-        if p.pp > 1 or p.ep > 1:
-            raise ConfigError(f"parallel.zero = 1 with optim.optimizer = 'muon': expected pp = 1 and ep = 1 (got pp "
-                              f"{p.pp}, ep {p.ep}; ZeroMuon shards over data/context replicas only)")
-        rt.parts.insert(0, ZeroMuon(mesh.group("dp_ep_cp"), assign=lambda model: muon_blocks(model, job.optim)))
-    elif p.zero:  # ZeRO-1 owns sync, clip, update and the state of every parameter: before EP, after the pipeline
-        from moonrt.comm.zero import Zero1
-
-        zero = Zero1.from_mesh(mesh, ep=ep)
+        if job.optim.optimizer == "muon":  # each Muon block / AdamW parameter owned whole by one replica
+            zero = ZeroMuon.from_mesh(mesh, assign=lambda model: muon_blocks(model, job.optim), ep=ep)
+        else:
+            zero = Zero1.from_mesh(mesh, ep=ep)
         rt.parts.insert(1 if p.pp > 1 else 0, zero)
         if p.pp > 1:  # runs after the pipeline's pseudo-query sum; the pipeline combines its state over stages
             rt.parts[0].inner = zero

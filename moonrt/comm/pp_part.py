@@ -23,6 +23,7 @@ from moonrt.comm.parallelism import Part
 from moonrt.comm.pipeline import PipelineExecutor
 from moonrt.comm.pp_cache import block_plan
 from moonrt.comm.zero import Zero1
+from moonrt.comm.zero_muon import ZeroMuon
 from moonrt.config import ConfigError
 from moonrt.parallel.context import LOCAL, AttentionContext
 from moonrt.scheduler.pipeline import Action, Schedule, lower, validate
@@ -87,7 +88,7 @@ class PipelineParallel(Part):
                              "parameter of one stage, or of every rank (the AttnRes pseudo-queries)")
         self.owned = {n for n in mine if n not in self.shared or self.rank == min(
             r for r, names in enumerate(every) if n in names)}
-        if isinstance(self.inner, Zero1):  # its global norm counts each pseudo-query once
+        if isinstance(self.inner, (Zero1, ZeroMuon)):  # its global norm counts each pseudo-query once
             self.inner.duplicates = set(mine) - self.owned
         self.executor = PipelineExecutor(model, self.plan, self.schedule.actions[self.rank], rank=self.rank,
                                          rank_of=self.rank_of, stage_of=self.stage_of, group=self.group,
@@ -139,7 +140,7 @@ class PipelineParallel(Part):
         return False  # the data-parallel sum over the replicas still runs
 
     def clip_grad_norm(self, params: list[torch.Tensor], max_norm: float) -> float | None:
-        if isinstance(self.inner, Zero1):  # its norm is over every rank already, and it clips its shards
+        if isinstance(self.inner, (Zero1, ZeroMuon)):  # its norm is over every rank already, and it clips its shards
             return self.inner.clip_grad_norm(params, max_norm)
         named = self._named
         sq = torch.zeros((), dtype=torch.float64, device=self.device)

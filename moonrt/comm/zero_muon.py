@@ -9,7 +9,7 @@ AdamW parameter (embedding, norms, router, LM head: whole, AdamW is element-wise
 balanced by optimizer FLOPs.
 
 Layout: rank ``r``'s **segment** is the concatenation of its units' elements (block layout ``[a, b]``
-row-major, units in index order), padded with zeros to ``S`` = the largest segment. Per step:
+row-major, units in index order), padded with zeros to ``S`` = the largest segment. Per step and bucket:
 
 - :meth:`ZeroMuon.sync_grads`: every rank packs its full gradient into ``[n * S]`` in the owners' layout
   and one ``reduce_scatter_single`` (sum) leaves rank ``r`` the summed gradient of its own units ``[S]``
@@ -24,9 +24,19 @@ State: the momentum of owned Muon blocks (``[a, b]`` fp32 each) and the two mome
 parameters; nothing else (``optimizer_state_bytes`` per rank in the metrics). Checkpoints speak the
 single-process layout (:meth:`ZeroMuon.full_state_dict` gathers the segments with the same collective).
 
-Scope: data parallelism (and context parallelism: its ranks hold replicas too) over one replica group; with
-expert or pipeline parallelism ``moonrt.assemble`` refuses ``--zero 1 --optimizer muon`` (experts would be
-owned within their ``dp_cp`` replica group and stages per ``pp`` rank: not built yet).
+Buckets (as :class:`moonrt.comm.zero.Zero1`'s): the units of parameters with the same replica group and dtype
+are planned, packed and reduced together. Dense parameters are replicated over ``dp_ep_cp`` (data, expert and
+context parallel ranks hold the same weight); routed experts under expert parallelism (pass the
+:class:`~moonrt.comm.ep_parallel.ExpertParallel` part as ``ep``; ZeroMuon comes *before* it in
+``Parallelism.parts``) only over ``dp_cp``, the ranks with the same EP coordinate: each expert's matrix is
+owned by one rank of its ``dp_cp`` group, each dense unit by one rank of ``dp_ep_cp``. Checkpoint state is
+first (un)sharded over those groups here, then over the EP group by the EP part.
+
+Pipeline parallelism: the mesh groups lie inside one ``pp`` coordinate, so each pipeline rank plans only its
+stages' parameters. The pipeline part runs its pseudo-query gradient sum first, then hands clipping to this part
+(its norm is global: every rank's units are disjoint, summed over the default group), naming in
+:attr:`ZeroMuon.duplicates` the pseudo-queries another pp rank counts; it combines this part's single-process
+state of its stages over the pipeline (this part is its ``inner``), as for :class:`~moonrt.comm.zero.Zero1`.
 """
 
 from __future__ import annotations
@@ -34,7 +44,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -56,22 +66,48 @@ from moonrt.ops.muon import (
 )
 from moonrt.scheduler.muon_plan import MuonPlan, Unit, plan_units
 
+if TYPE_CHECKING:
+    from moonrt.comm.ep_parallel import ExpertParallel
+    from moonrt.comm.mesh import ProcessMesh
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Slot:
-    """Unit ``u``: parameter ``param``, block ``block`` (-1: the whole AdamW parameter), in its owner's segment
-    at ``[offset, offset + numel)``."""
+    """Unit ``u``: parameter ``param``, block ``block`` (-1: the whole AdamW parameter), of bucket ``bucket``, in its
+    owner's segment at ``[offset, offset + numel)``."""
 
     param: int
     block: int
     rows: int
     cols: int
+    bucket: int
     owner: int
     offset: int
 
     @property
     def numel(self) -> int:
         return self.rows * self.cols
+
+
+@dataclasses.dataclass
+class _Bucket:
+    """The units of the parameters with one replica group (dense: ``dp_ep_cp``; routed experts: ``dp_cp``) and
+    dtype: ``params`` (parameter indices), ``units`` (global unit ids, ``named_parameters`` order), their ownership
+    ``plan`` over the group's ``size`` ranks, and ``grad [S]``: the summed gradient of this rank's units."""
+
+    kind: str
+    group: Any
+    size: int
+    rank: int
+    params: list[int]
+    units: list[int]
+    plan: MuonPlan
+    grad: torch.Tensor
+
+    @property
+    def mine(self) -> list[int]:
+        """Global ids of the units this rank owns, in segment order."""
+        return [self.units[j] for j in self.plan.units[self.rank]]
 
 
 def unit_layout(model: nn.Module, blocks: dict[str, Blocking]
@@ -93,52 +129,81 @@ def unit_layout(model: nn.Module, blocks: dict[str, Blocking]
 
 
 class ZeroMuon(Part):
-    """Muon + AdamW with unit ownership over one replica group (see the module docstring).
+    """Muon + AdamW with unit ownership inside each parameter's replica group (see the module docstring).
 
     Args:
-        group: the replicas of every parameter (mesh ``dp_ep_cp`` with ep 1; None: the default group).
+        dense: the replicas of the dense parameters (mesh ``dp_ep_cp``; None: the default group).
+        experts: the replicas of the routed experts (mesh ``dp_cp``); needed when ``ep`` is given.
         assign: ``model -> {parameter name: blocking}`` of the parameters Muon updates (the job's
             :func:`moonrt.optimizers.muon_blocks`); every other trainable parameter is AdamW.
+        ep: the job's expert-parallel part (which parameters are experts; EP gather of checkpoints).
+        norm_group: the ranks whose units together hold the whole model once (None: the default group).
     """
 
-    def __init__(self, group: Any = None, *, assign: Callable[[nn.Module], dict[str, Blocking]]) -> None:
-        self.group, self.assign = group, assign
-        self.size, self.rank = _size_rank(group)
+    def __init__(self, dense: Any = None, experts: Any = None, *, assign: Callable[[nn.Module], dict[str, Blocking]],
+                 ep: ExpertParallel | None = None, norm_group: Any = None) -> None:
+        if ep is not None and experts is None and _size_rank(None)[0] > 1:
+            raise ConfigError("ZeroMuon: ep given without the experts' replica group (mesh group 'dp_cp')")
+        self.dense, self.experts, self.assign, self.ep, self.norm_group = dense, experts, assign, ep, norm_group
         self.names: list[str] = []
         self.params: list[nn.Parameter] = []
         self.specs: list[Blocking | None] = []
         self.is_muon: list[bool] = []
         self.slots: list[_Slot] = []
-        self.plan: MuonPlan | None = None
-        self.mine: list[int] = []
-        self.grad: torch.Tensor = torch.zeros(0)
+        self.buckets: list[_Bucket] = []
         self.state: dict[int, dict[str, torch.Tensor]] = {}
         """Owned unit -> ``momentum_buffer [a, b]`` (Muon) or ``step``/``exp_avg``/``exp_avg_sq`` (AdamW)."""
         self.steps = torch.zeros(0, dtype=torch.float64)
         """``[P]`` replicated: optimizer steps taken by each parameter (state exists when > 0)."""
         self.had_grad = torch.zeros(0, dtype=torch.bool)
-        self._checked: torch.optim.Optimizer | None = None
+        self.duplicates: set[str] = set()
+        """Names of parameters whose (synced) gradient on this rank is a copy of another rank's that the norm
+        already counts (set by the pipeline part: the pseudo-queries on all pp ranks but one)."""
+
+    @classmethod
+    def from_mesh(cls, mesh: ProcessMesh, *, assign: Callable[[nn.Module], dict[str, Blocking]],
+                  ep: ExpertParallel | None = None) -> ZeroMuon:
+        """Dense parameters over ``dp_ep_cp``, experts over ``dp_cp``, norm over the default group."""
+        return cls(mesh.group("dp_ep_cp"), mesh.group("dp_cp"), assign=assign, ep=ep)
+
+    @property
+    def mine(self) -> list[int]:
+        """Global ids of every unit this rank owns (all buckets)."""
+        return [u for b in self.buckets for u in b.mine]
 
     # ---- layout ------------------------------------------------------------------------------------
     def _layout(self, model: nn.Module) -> None:
-        if self.plan is not None:
+        """Plan the buckets once (after every part's ``parallelize``, which may replace parameters)."""
+        if self.buckets or self.params:
             return
         blocks = self.assign(model)
         named, units, raw = unit_layout(model, blocks)
-        for name, p in named:
+        keys: dict[tuple[str, torch.dtype], list[int]] = {}
+        for i, (name, p) in enumerate(named):
             self.names.append(name)
             self.params.append(p)
             self.is_muon.append(name in blocks)
             self.specs.append(blocks.get(name))
-        self.plan = plan_units(units, self.size)
-        self.slots = [_Slot(i, k, a, b, self.plan.owner[u], self.plan.offsets[u]) for u, (i, k, a, b) in enumerate(raw)]
-        self.mine = list(self.plan.units[self.rank])
-        dev = self.params[0].device if self.params else None
-        self.grad = torch.zeros(self.plan.shard, device=dev)
+            kind = "expert" if self.ep is not None and self.ep.is_expert(p) else "dense"
+            keys.setdefault((kind, p.dtype), []).append(i)
+        slots: list[_Slot | None] = [None] * len(raw)
+        for (kind, dtype), params in keys.items():
+            member = set(params)
+            ids = [u for u, r in enumerate(raw) if r[0] in member]
+            group = self.experts if kind == "expert" else self.dense
+            size, rank = _size_rank(group)
+            plan = plan_units([units[u] for u in ids], size)
+            for j, u in enumerate(ids):
+                slots[u] = _Slot(*raw[u], len(self.buckets), plan.owner[j], plan.offsets[j])
+            dev = self.params[params[0]].device
+            self.buckets.append(_Bucket(kind, group, size, rank, params, ids, plan,
+                                        torch.zeros(plan.shard, dtype=dtype, device=dev)))
+        self.slots = [s for s in slots if s is not None]
         self.steps = torch.zeros(len(self.params), dtype=torch.float64)
         self.had_grad = torch.zeros(len(self.params), dtype=torch.bool)
-        for u in self.mine:
-            self.state[u] = self._fresh(self.slots[u])
+        for b in self.buckets:
+            for u in b.mine:
+                self.state[u] = self._fresh(self.slots[u])
 
     def _fresh(self, s: _Slot) -> dict[str, torch.Tensor]:
         p = self.params[s.param]
@@ -150,52 +215,73 @@ class ZeroMuon(Part):
         """Unit ``s`` of a tensor shaped like its parameter: ``[a, b]`` block view or the whole tensor."""
         return block_view(t, self.specs[s.param], s.block) if s.block >= 0 else t
 
-    def _pack(self, tensors: list[torch.Tensor | None]) -> torch.Tensor:
-        """``[n * S]``: every rank's segment of per-parameter ``tensors`` (None: zeros), in the owners' layout."""
-        plan = self.plan
-        pieces = []
-        for r in range(self.size):
-            for u in plan.units[r]:
-                s = self.slots[u]
+    def _pack(self, b: _Bucket, tensors: list[torch.Tensor | None]) -> torch.Tensor:
+        """``[n * S]``: every rank's segment of bucket ``b`` from per-parameter ``tensors`` (None: zeros)."""
+        plan, pieces = b.plan, []
+        for r in range(b.size):
+            for j in plan.units[r]:
+                s = self.slots[b.units[j]]
                 t = tensors[s.param]
-                pieces.append(self._piece(t, s).reshape(-1) if t is not None else
-                              self.grad.new_zeros(s.numel))
+                pieces.append(self._piece(t, s).reshape(-1) if t is not None else b.grad.new_zeros(s.numel))
             pad = plan.shard - plan.sizes[r]
             if pad:
-                pieces.append(self.grad.new_zeros(pad))
-        return torch.cat(pieces) if pieces else self.grad.new_zeros(0)
+                pieces.append(b.grad.new_zeros(pad))
+        return torch.cat(pieces) if pieces else b.grad.new_zeros(0)
 
     def _seg(self, flat: torch.Tensor, u: int) -> torch.Tensor:
-        """Unit ``u``'s ``[a, b]`` (or ``[numel]``) piece of this rank's ``[S]`` segment buffer ``flat``."""
+        """Unit ``u``'s ``[a, b]`` (or parameter-shaped) piece of its owner's ``[S]`` segment buffer ``flat``."""
         s = self.slots[u]
         piece = flat[s.offset:s.offset + s.numel]
         return piece.view(s.rows, s.cols) if s.block >= 0 else piece.view_as(self.params[s.param])
 
-    def _unpack(self, full: torch.Tensor, targets: list[torch.Tensor]) -> None:
-        """Copy every unit of the gathered ``[n * S]`` into the matching piece of ``targets[param]``."""
-        for s in self.slots:
-            src = full[s.owner * self.plan.shard + s.offset:][:s.numel]
+    def _unpack(self, b: _Bucket, full: torch.Tensor, targets: list[torch.Tensor]) -> None:
+        """Copy every unit of bucket ``b``'s gathered ``[n * S]`` into the matching piece of ``targets[param]``."""
+        for u in b.units:
+            s = self.slots[u]
+            src = full[s.owner * b.plan.shard + s.offset:][:s.numel]
             dst = self._piece(targets[s.param], s)
             dst.copy_(src.view(dst.shape))
 
+    @staticmethod
+    def _gather(b: _Bucket, mine: torch.Tensor) -> torch.Tensor:
+        """``[S] -> [n * S]`` over the bucket's group (a copy with one replica)."""
+        full = torch.empty(b.size * b.plan.shard, dtype=mine.dtype, device=mine.device)
+        if b.size > 1:
+            _all_gather(full, mine, b.group)
+        else:
+            full.copy_(mine)
+        return full
+
     # ---- per-step verbs ----------------------------------------------------------------------------
     def sync_grads(self, model: nn.Module) -> bool:
-        """Reduce-scatter (sum) every gradient into its owner's segment; frees ``p.grad``."""
+        """Reduce-scatter (sum) every gradient into its owner's segment, per bucket; frees ``p.grad``."""
         self._layout(model)
-        flags = torch.tensor([p.grad is not None for p in self.params], dtype=torch.float32)
-        flat = self._pack([p.grad for p in self.params])
-        self.had_grad = scatter_grads(flat, self.grad, flags, self.group, self.size)
+        for b in self.buckets:
+            flags = torch.tensor([self.params[i].grad is not None for i in b.params], dtype=torch.float32)
+            flat = self._pack(b, [p.grad for p in self.params])
+            self.had_grad[b.params] = scatter_grads(flat, b.grad, flags, b.group, b.size)
+            del flat
         for p in self.params:
             p.grad = None
         return True
 
     def clip_grad_norm(self, params: list[torch.Tensor], max_norm: float) -> float:
-        """Scale the owned gradients to global norm ``max_norm`` if above (torch's rule); returns the norm."""
-        sq = self.grad.double().pow(2).sum()
-        if self.size > 1:
-            dist.all_reduce(sq, group=self.group)
-        norm = math.sqrt(float(sq))
-        self.grad.mul_(min(1.0, max_norm / (norm + 1e-6)))
+        """Scale the owned gradients to global norm ``max_norm`` if above (torch's rule); returns the norm.
+
+        Every rank of the job owns disjoint units (dense over ``dp_ep_cp`` at each stage, experts over ``dp_cp``
+        at each EP rank), so one fp64 sum over ``norm_group`` is the single-process norm; units of
+        :attr:`duplicates` are left out here (another pipeline rank counts them)."""
+        sq = torch.zeros((), dtype=torch.float64, device=self.buckets[0].grad.device if self.buckets else None)
+        for b in self.buckets:
+            sq += b.grad.double().pow(2).sum()
+            for u in b.mine:
+                if self.names[self.slots[u].param] in self.duplicates:
+                    sq -= self._seg(b.grad, u).double().pow(2).sum()
+        if _size_rank(self.norm_group)[0] > 1:
+            dist.all_reduce(sq, group=self.norm_group)
+        norm = math.sqrt(max(float(sq), 0.0))
+        for b in self.buckets:
+            b.grad.mul_(min(1.0, max_norm / (norm + 1e-6)))
         return norm
 
     def _check(self, optim: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
@@ -215,59 +301,53 @@ class ZeroMuon(Part):
 
     @torch.no_grad()
     def step(self, optim: torch.optim.Optimizer) -> bool:
-        """Update the owned units, then all-gather every parameter (one collective)."""
+        """Update the owned units, then all-gather every bucket's parameters (one collective per bucket)."""
         groups = self._check(optim)
-        out = torch.zeros_like(self.grad)
-        for u in self.mine:
-            s = self.slots[u]
-            p, g = self.params[s.param], groups[s.param]
-            dst = self._seg(out, u)
-            dst.copy_(self._piece(p.detach(), s))
-            if not self.had_grad[s.param]:
-                continue
-            grad, st = self._seg(self.grad, u), self.state[u]
-            if s.block >= 0:
-                upd = momentum_update(grad, st["momentum_buffer"], g["momentum"], g["nesterov"])
-                o = zeropower_via_newtonschulz(upd, g["ns_coefficients"], g["ns_steps"], g["eps"],
-                                               NS_DTYPES[g["ns_dtype"]])
-                dst.mul_(1 - g["lr"] * g["weight_decay"])
-                dst.add_(o, alpha=-adjusted_lr(g["lr"], g["adjust_lr_fn"], s.rows, s.cols))
-            else:
-                adamw_update([dst], [grad], [st["exp_avg"]], [st["exp_avg_sq"]], [st["step"]], g)
-        full = torch.empty(self.size * self.plan.shard, dtype=out.dtype, device=out.device)
-        if self.size > 1:
-            _all_gather(full, out, self.group)
-        else:
-            full.copy_(out)
-        self._unpack(full, [p.detach() for p in self.params])
+        targets = [p.detach() for p in self.params]
+        for b in self.buckets:
+            out = torch.zeros_like(b.grad)
+            for u in b.mine:
+                s = self.slots[u]
+                g = groups[s.param]
+                dst = self._seg(out, u)
+                dst.copy_(self._piece(targets[s.param], s))
+                if not self.had_grad[s.param]:
+                    continue
+                grad, st = self._seg(b.grad, u), self.state[u]
+                if s.block >= 0:
+                    upd = momentum_update(grad, st["momentum_buffer"], g["momentum"], g["nesterov"])
+                    o = zeropower_via_newtonschulz(upd, g["ns_coefficients"], g["ns_steps"], g["eps"],
+                                                   NS_DTYPES[g["ns_dtype"]])
+                    dst.mul_(1 - g["lr"] * g["weight_decay"])
+                    dst.add_(o, alpha=-adjusted_lr(g["lr"], g["adjust_lr_fn"], s.rows, s.cols))
+                else:
+                    adamw_update([dst], [grad], [st["exp_avg"]], [st["exp_avg_sq"]], [st["step"]], g)
+            self._unpack(b, self._gather(b, out), targets)
         self.steps += self.had_grad.double()
         return True
 
     # ---- checkpoints (single-process layout) -------------------------------------------------------
-    def _gather_state(self, key: str) -> torch.Tensor:
-        """``[n * S]``: every owned unit's ``key`` state (Muon: ``momentum_buffer``; AdamW: ``exp_avg`` or
-        ``exp_avg_sq``; zeros where the unit has no such state) gathered in the owners' layout."""
-        mine = torch.zeros_like(self.grad)
-        for u in self.mine:
+    def _gather_state(self, b: _Bucket, key: str) -> torch.Tensor:
+        """``[n * S]``: bucket ``b``'s owned units' ``key`` state (Muon: ``momentum_buffer``; AdamW: ``exp_avg``
+        or ``exp_avg_sq``; zeros where the unit has no such state) gathered in the owners' layout."""
+        mine = torch.zeros_like(b.grad)
+        for u in b.mine:
             s, st = self.slots[u], self.state[u]
             k = key if s.block < 0 else ("momentum_buffer" if key == "exp_avg" else None)
             if k is not None:
                 self._seg(mine, u).copy_(st[k])
-        full = torch.empty(self.size * self.plan.shard, dtype=mine.dtype, device=mine.device)
-        if self.size > 1:
-            _all_gather(full, mine, self.group)
-        else:
-            full.copy_(mine)
-        return full
+        return self._gather(b, mine)
 
     def full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
-        """``{"model", "optimizer"}`` as the single-process :class:`Muon` would hold them (collective)."""
+        """``{"model", "optimizer"}`` as the single-process :class:`Muon` would hold them (collective over every
+        bucket's group; then the EP part, if any, gathers the experts over the EP group)."""
         self._layout(model)
         self._check(optim)
         m1 = [torch.zeros_like(p) for p in self.params]
         m2 = [torch.zeros_like(p) for p in self.params]
-        self._unpack(self._gather_state("exp_avg"), m1)
-        self._unpack(self._gather_state("exp_avg_sq"), m2)
+        for b in self.buckets:
+            self._unpack(b, self._gather_state(b, "exp_avg"), m1)
+            self._unpack(b, self._gather_state(b, "exp_avg_sq"), m2)
         try:
             for i, p in enumerate(self.params):
                 if self.steps[i] <= 0:
@@ -276,17 +356,23 @@ class ZeroMuon(Part):
                     optim.state[p] = {"momentum_buffer": m1[i]}
                 else:
                     optim.state[p] = {"step": torch.tensor(float(self.steps[i])), "exp_avg": m1[i], "exp_avg_sq": m2[i]}
+            if self.ep is not None:
+                return self.ep.full_state_dict(model, optim)
             return {"model": model.state_dict(), "optimizer": optim.state_dict()}
         finally:
             optim.state.clear()
 
     def load_full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, state: dict[str, Any]) -> bool:
-        """Load a single-process-layout state: parameters whole, owned units' optimizer state sliced out.
+        """Load a single-process-layout state: parameters whole (the EP part, if any, keeps the home experts),
+        owned units' optimizer state sliced out.
 
         ValueError (own state unchanged) when a saved state tensor has the wrong shape.
         """
-        model.load_state_dict(state["model"])
-        optim.load_state_dict(state["optimizer"])
+        if self.ep is not None:
+            self.ep.load_full_state_dict(model, optim, state)
+        else:
+            model.load_state_dict(state["model"])
+            optim.load_state_dict(state["optimizer"])
         self._layout(model)
         self._check(optim)
         try:
@@ -298,7 +384,7 @@ class ZeroMuon(Part):
             for i, p in enumerate(self.params):
                 st = optim.state.get(p, {})
                 self.steps[i] = float(st["step"]) if "step" in st else float("momentum_buffer" in st)
-            for u in self.mine:
+            for u in self.state:
                 s = self.slots[u]
                 st = optim.state.get(self.params[s.param], {})
                 self.state[u] = self._fresh(s)
@@ -317,12 +403,14 @@ class ZeroMuon(Part):
         return sum(t.nbytes for st in self.state.values() for k, t in st.items() if k != "step") + self.steps.nbytes
 
     def comm_bytes(self) -> int:
-        """Bytes one rank sends and receives per step in the two bucketed collectives (ring: ``(n-1) * S``
-        elements each way for the reduce-scatter and again for the all-gather)."""
-        return 2 * 2 * (self.size - 1) * self.plan.shard * self.grad.element_size() if self.plan else 0
+        """Bytes one rank sends and receives per step in the bucketed collectives (ring: ``(n-1) * S`` elements
+        each way for the reduce-scatter and again for the all-gather, per bucket)."""
+        return sum(4 * (b.size - 1) * b.plan.shard * b.grad.element_size() for b in self.buckets)
 
     def step_metrics(self, step: int, model: nn.Module, record: dict[str, Any]) -> None:
-        """``optimizer_state_bytes`` (every rank's, global rank order) and ``optimizer_comm_bytes`` (this rank)."""
-        record["optimizer_state_bytes"] = every_rank(self.state_bytes())
+        """``optimizer_state_bytes`` (every rank's, global rank order), ``optimizer_comm_bytes`` (this rank) and
+        ``muon_flops_imbalance`` (the worst bucket's largest owner FLOPs over the mean)."""
+        device = self.buckets[0].grad.device if self.buckets else None
+        record["optimizer_state_bytes"] = every_rank(self.state_bytes(), device)
         record["optimizer_comm_bytes"] = self.comm_bytes()
-        record["muon_flops_imbalance"] = self.plan.imbalance if self.plan else 1.0
+        record["muon_flops_imbalance"] = max((b.plan.imbalance for b in self.buckets), default=1.0)
