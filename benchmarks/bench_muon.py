@@ -3,8 +3,9 @@
 1. K3 shapes (hidden 7168, 96 heads x 128): one query projection ``[96 * 128, 7168]`` orthogonalized as
    96 ``[128, 7168]`` head blocks (batched) vs one ``[12288, 7168]`` matrix. Analytic FLOPs for both
    (:func:`moonrt.ops.muon.ns_flops`); wall time measured for the heads, and for the whole matrix only with
-   ``--k3-whole`` (about 1.6e13 FLOPs: minutes on a CPU), optionally timing ``--whole-steps`` of the 5 NS
-   iterations and scaling (every iteration does the same work).
+   ``--k3-whole`` (about 1.6e13 FLOPs: tens of minutes on one CPU core; timed once), optionally timing
+   ``--whole-steps`` of the 5 NS iterations and scaling (every iteration does the same work). Every figure is
+   printed with the CPU model, core count, torch thread count and load average at the time it was taken.
 2. k3_tiny: every Muon matrix of the model, as ``moonrt train --optimizer muon`` orthogonalizes them
    (``muon_per_head`` true vs false), NS time per optimizer step (median of ``--repeats``).
 3. Communication per step and rank, ZeRO-1 over dp ranks (k3_tiny, fp32): AdamW's flat partition
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import statistics
 import time
 from pathlib import Path
@@ -49,17 +52,41 @@ def _time(fn, repeats: int, device: str) -> float:
     return statistics.median(out)
 
 
+def machine() -> dict:
+    """What the timings ran on: CPU model, core count, torch threads, load averages (1, 5, 15 min) now."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+            "loadavg": [round(x, 2) for x in os.getloadavg()],
+            "time": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def _machine_line(m: dict) -> str:
+    return (f"[{m['time']}: {m['cpu']}, {m['cores']} cores, torch threads {m['threads']}, "
+            f"load average {'/'.join(map(str, m['loadavg']))}]")
+
+
 def k3_projection(repeats: int, whole: bool, whole_steps: int, device: str, dtype: torch.dtype) -> dict:
     heads, hd, d = 96, 128, 7168
     g = torch.randn(heads * hd, d, device=device)
     blocks = g.view(heads, hd, d)
     row = {"shape": [heads * hd, d], "heads": heads, "head_dim": hd,
            "flops_per_head": heads * ns_flops(hd, d), "flops_whole": ns_flops(heads * hd, d)}
+    row["machine_before"] = machine()
     row["heads_s"] = _time(lambda: zeropower_via_newtonschulz(blocks, dtype=dtype), repeats, device)
-    if whole:
-        t = _time(lambda: zeropower_via_newtonschulz(g, steps=whole_steps, dtype=dtype), 1, device)
-        row["whole_s"] = t * 5 / whole_steps
+    row["machine_heads"] = machine()
+    if whole:  # timed once, no warm-up (one call is minutes on a CPU)
+        t0 = time.perf_counter()
+        zeropower_via_newtonschulz(g, steps=whole_steps, dtype=dtype)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        row["whole_s"] = (time.perf_counter() - t0) * 5 / whole_steps
         row["whole_steps_timed"] = whole_steps
+        row["machine_whole"] = machine()
     return row
 
 
@@ -82,6 +109,7 @@ def tiny_step(repeats: int, device: str, dtype: torch.dtype) -> dict:
 
         out["per_head" if per_head else "whole"] = {"ns_s": _time(step, repeats, device), "flops": flops,
                                                     "blocks": sum(u.shape[0] for u in mats)}
+    out["machine"] = machine()
     return out
 
 
@@ -117,19 +145,22 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     res = {"device": args.device, "dtype": args.dtype, "threads": args.threads,
-           "k3": k3_projection(args.repeats, args.k3_whole, args.whole_steps, args.device, dtype),
-           "k3_tiny": tiny_step(args.repeats, args.device, dtype), "comm": comm_bytes((2, 4, 8))}
+           "k3_tiny": tiny_step(args.repeats, args.device, dtype), "comm": comm_bytes((2, 4, 8)),
+           "k3": k3_projection(args.repeats, args.k3_whole, args.whole_steps, args.device, dtype)}
     k3 = res["k3"]
     ratio = k3["flops_whole"] / k3["flops_per_head"]
     print(f"K3 q projection [{k3['shape'][0]}, {k3['shape'][1]}] ({args.device}, {args.dtype}): NS FLOPs 96 heads "
           f"{k3['flops_per_head']:.3g} vs whole {k3['flops_whole']:.3g} ({ratio:.1f}x); "
-          f"heads {k3['heads_s']:.3f} s" + (f", whole {k3['whole_s']:.1f} s ({k3['whole_s'] / k3['heads_s']:.1f}x)"
-                                               if "whole_s" in k3 else ""))
+          f"heads {k3['heads_s']:.3f} s {_machine_line(k3['machine_heads'])}")
+    if "whole_s" in k3:
+        scaled = ", scaled to 5" if k3["whole_steps_timed"] < 5 else ""
+        print(f"  whole matrix {k3['whole_s']:.1f} s ({k3['whole_s'] / k3['heads_s']:.1f}x the heads; "
+              f"{k3['whole_steps_timed']} of 5 NS iterations timed{scaled}) {_machine_line(k3['machine_whole'])}")
     t = res["k3_tiny"]
     print(f"k3_tiny, all Muon matrices per step: per-head {t['per_head']['ns_s'] * 1e3:.1f} ms "
           f"({t['per_head']['blocks']} blocks, {t['per_head']['flops']:.3g} FLOPs) "
           f"vs whole {t['whole']['ns_s'] * 1e3:.1f} ms "
-          f"({t['whole']['blocks']} blocks, {t['whole']['flops']:.3g} FLOPs)")
+          f"({t['whole']['blocks']} blocks, {t['whole']['flops']:.3g} FLOPs) {_machine_line(t['machine'])}")
     print("ZeRO-1 on k3_tiny, bytes sent per rank per step (reduce-scatter + all-gather, ring):")
     for r in res["comm"]:
         print(f"  dp {r['dp']}: AdamW {r['adamw_bytes_per_rank']:,} vs Muon {r['muon_bytes_per_rank']:,} "
