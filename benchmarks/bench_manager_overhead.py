@@ -15,6 +15,9 @@ time but not the CPU work of a step). After the timed rounds, one more (untimed)
 the calls of the manager's pack hook: Python hook calls per step in steady state.
 
     .venv/bin/python benchmarks/bench_manager_overhead.py --steps 10 --baseline /tmp/base --out /tmp/overhead.json
+
+``--inline`` adds host and FP8 under the current manager with ``copy_thread=False`` (no second thread: what a
+machine whose other cores are busy gets).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import importlib.util
 import json
 import os
@@ -126,6 +130,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (moonrt train default 1)")
     ap.add_argument("--baseline", default="", help="a moonrt checkout (e.g. git worktree of an older commit) "
                     "whose manager runs next to the current one")
+    ap.add_argument("--inline", action="store_true", help="also run host and FP8 under the current manager "
+                    "with copy_thread=False (copies / quantization in the forward's thread, no second thread)")
     ap.add_argument("--out", default="/tmp/moonrt-bench-manager-overhead.json", help="JSON results file")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -140,6 +146,10 @@ def main() -> None:
             if p is None and tag:
                 continue
             runners[tag + name] = Runner(copy.deepcopy(p), cls)
+        if p is not None and args.inline and ("host" in name or "fp8" in name):
+            # the current manager with its host copies / FP8 quantization in the forward's thread
+            runners[name + " [copy_thread=False]"] = Runner(copy.deepcopy(p),
+                                                            functools.partial(ActivationManager, copy_thread=False))
     names = list(runners)
     gen = torch.Generator().manual_seed(0)
     toks = [torch.randint(0, 256, (args.batch, args.seq_len), generator=gen) for _ in range(args.steps + 1)]
@@ -177,7 +187,8 @@ def main() -> None:
     print(f"threads {info['threads']}, CPU {info['cpu']} ({info['cpu_count']} logical), torch CPU capability "
           f"{info['cpu_capability']}, torch {info['torch']}, load avg (1 min) at start {load_start:.1f}, "
           f"at end {info['load_avg_1m']:.1f}")
-    head = f"{'policy':<34}{'tokens/s':>10}{'paired x':>10}{'CPU x':>8}{'hook calls/step':>16}  machine"
+    head = (f"{'policy':<42}{'tokens/s':>10}{'paired x':>10}{'CPU x':>8}{'hook calls/step':>16}{'loss==none':>11}"
+            "  machine")
     print(head)
     rows = []
     for n in names:
@@ -188,10 +199,12 @@ def main() -> None:
         row = {"policy": n, "tokens_per_s": tokens / statistics.median(r.times),
                "paired_ratio_median": statistics.median(paired[n]),
                "paired_cpu_ratio_median": statistics.median(paired_cpu[n]), "step_s": r.times, "cpu_s": r.cpu,
-               "hook_calls_per_step": calls, "losses": r.losses}
+               "hook_calls_per_step": calls, "losses": r.losses,
+               "losses_equal_no_manager": r.losses == runners["no manager"].losses}
         rows.append(row)
-        print(f"{n:<34}{row['tokens_per_s']:>10.0f}{row['paired_ratio_median']:>10.3f}"
-              f"{row['paired_cpu_ratio_median']:>8.3f}{'-' if calls is None else f'{calls:.0f}':>16}  {machine}")
+        print(f"{n:<42}{row['tokens_per_s']:>10.0f}{row['paired_ratio_median']:>10.3f}"
+              f"{row['paired_cpu_ratio_median']:>8.3f}{'-' if calls is None else f'{calls:.0f}':>16}"
+              f"{str(row['losses_equal_no_manager']):>11}  {machine}")
     with open(args.out, "w") as f:
         json.dump({"batch": args.batch, "seq_len": args.seq_len, "steps": args.steps, "baseline": args.baseline,
                    **info, "rows": rows}, f, indent=1)
