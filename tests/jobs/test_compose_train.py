@@ -12,6 +12,10 @@ single process and by each layout, all at once:
 - ``--pp 2 --ep 2 --cp 2`` on 8 ranks: KCP and MoonEP inside each stage;
 - ``--pp 2 --vpp 2 --cp 2`` on 4 ranks: interleaved 1F1B (4 stages over 2 ranks) with KCP.
 
+Then the sharded checkpoint the 8-rank ``--pp 2 --ep 2 --zero 1`` run wrote at step 2 resumes for step 3 in one
+process, in ``--ep 4`` and in ``--pp 2 --cp 2`` (issue 13's layouts for sharded checkpoints), each against the
+single process's own step 3 (one 8-rank run serves both checks: these runs are the slowest of the suite).
+
 The global batch is 8 rows of 32 tokens, so every layout has at least one row per batch shard and each
 pipeline splits its rows into micro-batches. A layout's step sums partial gradients in another fp32 order
 than the single process's one backward (micro-batches, batch shards, sequence slices: ~1e-7 relative) and
@@ -30,6 +34,8 @@ from pathlib import Path
 import pytest
 from test_pp_train import RTOL, _ckpt, _close, _launch, _metrics, _moonrt, _run
 from test_zero_train import _adamw_bytes_per_rank
+
+from moonrt import checkpoint_dcp
 
 FLAGS = ["--steps", "4", "--seed", "0", "--batch-size", "8", "--seq-len", "32", "--eval-every", "100", "--lr", "1e-3",
          "--threads", "1", "--no-progress"]
@@ -73,6 +79,39 @@ def test_composed_layouts_resume_a_single_process_checkpoint_and_match_it(tmp_pa
     for name, n in (("ep2_zero1", 4), ("pp2_ep2_zero1", 8)):
         per_rank = _metrics(tmp_path / f"{name}.jsonl")[2]["optimizer_state_bytes"]
         assert len(per_rank) == n and max(per_rank) < 0.5 * full, (name, per_rank, full)
+    _resume_the_8_rank_sharded_checkpoint_elsewhere(tmp_path)
+
+
+def _resume_the_8_rank_sharded_checkpoint_elsewhere(tmp_path: Path) -> None:
+    """Step 3 from ``pp2_ep2_zero1``'s sharded step-2 checkpoint (``moonrt.checkpoint_dcp``) in one process, in
+    ``--ep 4`` and in ``--pp 2 --cp 2``, against the single process continued from its own step 2: two steps of
+    summation-order differences (~1e-7 each), within 1e-5. The save passed DCP shards only (no rank more than a
+    quarter of the AdamW state) and every stored byte was written by exactly one rank."""
+    root = tmp_path / "pp2_ep2_zero1"
+    marker = checkpoint_dcp.read_marker(checkpoint_dcp.resolve(root / "checkpoint"))
+    assert marker["step"] == 2 and marker["layout"] == {"world": 8, "dp": 2, "pp": 2, "vpp": 1, "ep": 2, "cp": 1,
+                                                        "zero": 1}, marker
+    state = checkpoint_dcp.read_state(root)
+    full = sum(t.numel() * t.element_size() for st in state["optimizer"]["state"].values() for t in st.values())
+    assert max(r["optimizer_bytes"] for r in marker["ranks"]) < 0.25 * full, (marker["ranks"], full)
+    assert sum(r["written_bytes"] for r in marker["ranks"]) == marker["bytes"], marker["ranks"]
+    common = ("train", *FLAGS, "--resume", "--until", "3")
+    runs = {"single3": (1, "single", []), "from8_one": (1, "pp2_ep2_zero1", []),
+            "from8_ep4": (4, "pp2_ep2_zero1", ["--ep", "4"]),
+            "from8_pp2_cp2": (4, "pp2_ep2_zero1", ["--pp", "2", "--cp", "2", "--microbatches", "2"])}
+    cmds = {}
+    for name, (n, src, flags) in runs.items():
+        shutil.copytree(tmp_path / src, tmp_path / name)
+        args = (*common, "--out", name, "--metrics", f"{name}.jsonl", *flags)
+        cmds[name] = _launch(n, *args) if n > 1 else _moonrt(*args)
+    _run(tmp_path, cmds, timeout=2900)
+    ref, ref_ckpt = _metrics(tmp_path / "single3.jsonl")[3], _ckpt(tmp_path / "single3")
+    for name in runs:
+        got = _metrics(tmp_path / f"{name}.jsonl")[3]
+        assert abs(got["loss"] - ref["loss"]) <= RTOL * abs(ref["loss"]), (name, got["loss"], ref["loss"])
+        ck = _ckpt(tmp_path / name)
+        assert ck["step"] == 3, name
+        _close(ck["model"], ref_ckpt["model"], f"{name}.model")
 
 
 def _expected_coords(rank: int, pp: int, dp: int, ep: int, cp: int) -> tuple[int, int, int, int]:

@@ -1,10 +1,11 @@
 """Layout-independent checkpoints of ``moonrt train --ep N`` (K3_SYSTEMS §6).
 
-A checkpoint always holds the single-process state: every ``[E, ...]`` expert tensor whole and the
-AdamW moments of the experts in the same layout, gathered over the EP group by rank 0; loading
-slices it back to each rank's home experts. So an ``--ep 2`` run resumes bit-identically in
-``--ep 2``, and continues in a single process within 1e-4 relative of the straight single-process
-run (the layouts differ only in fp32 summation order). Flags as in tests/jobs/test_ep_train.py (``--lr 1e-3``).
+A checkpoint holds the single-process state: every ``[E, ...]`` expert tensor whole (each EP rank writes its
+home experts' rows of it to the sharded ``OUT/checkpoint/``) and the AdamW moments of the experts in the same
+layout; loading slices it back to each rank's home experts. So an ``--ep 2`` run resumes bit-identically in
+``--ep 2``, and continues in a single process or ``--ep 4`` within 1e-4 relative of the straight
+single-process run (the layouts differ only in fp32 summation order; a short run, flags as in
+tests/jobs/test_ep_train.py). ``ExpertParallel.full_state_dict`` gathers the same state in memory.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from dist import dist_run
 
 from moonrt.model.config import k3_tiny
 
-FLAGS = ["--steps", "8", "--seed", "0", "--batch-size", "4", "--seq-len", "32", "--eval-every", "100",
+STEPS, SPLIT = 4, 2
+FLAGS = ["--steps", str(STEPS), "--seed", "0", "--batch-size", "4", "--seq-len", "32", "--eval-every", "100",
          "--threads", "1", "--no-progress", "--lr", "1e-3"]
 EXPERT_KEYS = ("experts.w_gate", "experts.w_up", "experts.w_down")
 
@@ -55,13 +57,13 @@ def _ckpt(path: Path) -> dict[str, Any]:
 
 @pytest.mark.timeout(600)
 def test_ep_checkpoint_resumes_in_ep_and_in_a_single_process(tmp_path: Path) -> None:
-    _run_all(tmp_path, [_train("straight", "straight.jsonl", 2), _train("split", "split.jsonl", 2, "--until", "4"),
-                        _train("single", "single.jsonl", 1)])
+    _run_all(tmp_path, [_train("straight", "straight.jsonl", 2),
+                        _train("split", "split.jsonl", 2, "--until", str(SPLIT)), _train("single", "single.jsonl", 1)])
     for copy in ("to1", "to4"):
         shutil.copytree(tmp_path / "split", tmp_path / copy)
         shutil.copy(tmp_path / "split.jsonl", tmp_path / f"{copy}.jsonl")
     mid = _ckpt(tmp_path / "split")
-    assert mid["step"] == 4
+    assert mid["step"] == SPLIT
     cfg = k3_tiny()
     moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
     for i in moe_layers:  # the full [E, ...] expert tensors, not rank 0's home slice
@@ -71,10 +73,10 @@ def test_ep_checkpoint_resumes_in_ep_and_in_a_single_process(tmp_path: Path) -> 
                         _train("to4", "to4.jsonl", 4, "--resume")])
 
     straight, split = _losses(tmp_path / "straight.jsonl"), _losses(tmp_path / "split.jsonl")
-    assert sorted(split) == list(range(1, 9))
+    assert sorted(split) == list(range(1, STEPS + 1))
     assert split == straight  # --ep 2 -> --ep 2 resume: bit-identical losses
     a, b = _ckpt(tmp_path / "straight"), _ckpt(tmp_path / "split")
-    assert a["step"] == b["step"] == 8 and a["model"].keys() == b["model"].keys()
+    assert a["step"] == b["step"] == STEPS and a["model"].keys() == b["model"].keys()
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k
     sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
@@ -84,10 +86,10 @@ def test_ep_checkpoint_resumes_in_ep_and_in_a_single_process(tmp_path: Path) -> 
             assert torch.equal(sa[i][k], sb[i][k]), (i, k)
 
     single = _losses(tmp_path / "single.jsonl")
-    for name in ("to1", "to4"):  # steps 1-4 ran under --ep 2, 5-8 in one process / --ep 4 from its checkpoint
+    for name in ("to1", "to4"):  # steps 1-2 ran under --ep 2, 3-4 in one process / --ep 4 from its checkpoint
         got = _losses(tmp_path / f"{name}.jsonl")
-        assert sorted(got) == list(range(1, 9))
-        for s in range(1, 9):
+        assert sorted(got) == list(range(1, STEPS + 1))
+        for s in range(1, STEPS + 1):
             assert abs(got[s] - single[s]) <= 1e-4 * abs(single[s]), (name, s, got[s], single[s])
     end = _ckpt(tmp_path / "to1")
     assert end["model"].keys() == _ckpt(tmp_path / "single")["model"].keys()

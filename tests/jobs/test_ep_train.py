@@ -1,18 +1,15 @@
-"""``moonrt train --ep N`` under ``moonrt launch -n N`` reproduces the single-process loss curve (K3_SYSTEMS §6).
+"""``moonrt train --ep N`` under ``moonrt launch -n N`` trains like the single process (K3_SYSTEMS §6).
 
 Both runs see the same global batch every step (a function of seed and step); with ``--ep N`` each rank
 trains on 1/N of the batch rows, holds E/N home experts, and MoonEP moves the latent activations (and
 copies of hot experts) between ranks; dense gradients are summed over the ranks, expert gradients stay
-with their home rank, the clip uses the global norm. Per-step losses must agree within 1e-4 relative
-for 20 steps, every rank computes exactly ``s * k`` rows per MoE layer, and the routing traces of both
-runs (``--routing-trace``) hold the same per-expert counts.
-
-The runs use ``--lr 1e-3`` (default 4e-3), with Quantile Balancing on. At the default rate this tiny
-batch (4 x 32 tokens) is itself unstable under any change of fp32 summation order: the single process
-run against itself with the batch split into two accumulated micro-batches (mathematically identical)
-drifts to 1.6e-4 relative by step 12 and 3e-3 by step 20 (Adam amplifies ~1e-8 gradients, then the
-curves separate), so no parallel layout can meet 1e-4 there. At 1e-3 that control stays within 5e-5
-and EP 2 / EP 4 agree with the single process to ~2e-7 at every step.
+with their home rank, the clip uses the global norm. What this test is for: every rank computes exactly
+``s * k`` rows per MoE layer at every step (where the unbalanced home placement would not), the routing
+traces of both runs (``--routing-trace``) hold the same per-expert counts, and the first steps' losses
+agree within 1e-4 relative. Exact parity (1e-5 on loss, parameters and moments) is the teacher-forced
+test in ``tests/jobs/test_compose_train.py``; long loss curves prove nothing (tiny fp32 summation-order
+differences grow chaotically: at the default lr 4e-3 even the single process against itself with two
+accumulated micro-batches drifts to 3e-3 by step 20), so this run is short and uses ``--lr 1e-3``.
 """
 
 from __future__ import annotations
@@ -28,8 +25,8 @@ import pytest
 from moonrt.model.config import k3_tiny
 from moonrt.scheduler.workload import load_trace
 
-BATCH, SEQ = 4, 32
-FLAGS = ["--steps", "20", "--seed", "0", "--batch-size", str(BATCH), "--seq-len", str(SEQ), "--eval-every", "100",
+BATCH, SEQ, STEPS = 4, 32, 5
+FLAGS = ["--steps", str(STEPS), "--seed", "0", "--batch-size", str(BATCH), "--seq-len", str(SEQ), "--eval-every", "100",
          "--threads", "1", "--no-progress", "--lr", "1e-3"]
 
 
@@ -52,22 +49,22 @@ def test_ep_training_matches_single_process_loss_curve(tmp_path: Path) -> None:
         assert p.returncode == 0, f"--ep {n}:\n" + outs[n][-4000:]
     metrics = {n: [json.loads(line) for line in (tmp_path / f"m{n}.jsonl").read_text().splitlines()] for n in runs}
     ref = metrics[1]
-    assert [r["step"] for r in ref] == list(range(1, 21))
+    assert [r["step"] for r in ref] == list(range(1, STEPS + 1))
     cfg = k3_tiny()
     k = cfg.num_experts_per_token
     num_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
     t1 = load_trace(tmp_path / "t1.npz")
-    assert t1.counts.shape == (20, num_moe, 1, cfg.num_experts)
+    assert t1.counts.shape == (STEPS, num_moe, 1, cfg.num_experts)
     for n in (2, 4):
         got = metrics[n]
-        assert [r["step"] for r in got] == list(range(1, 21))
+        assert [r["step"] for r in got] == list(range(1, STEPS + 1))
         for x, y in zip(ref, got):
             assert abs(x["loss"] - y["loss"]) <= 1e-4 * abs(x["loss"]), (n, x["step"], x["loss"], y["loss"])
             assert y["ep_rows"] == [BATCH * SEQ // n * k] * n, "every EP rank computes exactly s*k rows"
             assert y["ep_rows_max"] == BATCH * SEQ // n * k <= y["ep_rows_unbalanced_max"]
         assert abs(ref[-1]["eval_loss"] - got[-1]["eval_loss"]) <= 1e-4 * ref[-1]["eval_loss"]
         tn = load_trace(tmp_path / f"t{n}.npz")
-        assert tn.counts.shape == (20, num_moe, n, cfg.num_experts) and tn.top_k == k
+        assert tn.counts.shape == (STEPS, num_moe, n, cfg.num_experts) and tn.top_k == k
         assert (tn.counts.sum(-1) == BATCH * SEQ // n * k).all()
         np.testing.assert_array_equal(tn.counts.sum(2), t1.counts[:, :, 0])
     # k3_tiny's early routing is skewed: the hottest home group would get far more than its share
