@@ -17,7 +17,10 @@ The chunk form (§2.3) splits the sequence into chunks of C tokens. Everything t
 state entering a chunk is computed for all chunks at once as batched matmuls ``[N, B, H, C, *]`` by
 :func:`chunk_terms`; the only sequential part is one K x K by K x V state matmul per chunk
 (``S_{n+1} = M_n S_n + S_ext_n``, the affine form of §2.4). :func:`kda_transition` exposes that affine map
-for any contiguous segment; KCP (§7) builds on it.
+for any contiguous segment; KCP (§7) builds on it. The building blocks live in :mod:`moonrt.ops.kda_terms`;
+:func:`kda_chunk` runs them as one autograd function with a hand-written chunked backward (reverse state
+pass, then batched per-chunk gradients; :mod:`moonrt.ops.kda_autograd`). :func:`kda_transition` stays plain
+torch (differentiable through autograd).
 
 Numerics: all state arithmetic is in fp32 (fp64 if the inputs are fp64). In-chunk decays are applied
 through 32-token sub-tiles with a midpoint reference (§2.2), so every factor in a matmul operand lies within

@@ -137,7 +137,9 @@ def chunk_terms_with_factors(
     sub = _sub_tile(C)
     n_sub = C // sub
     tiles = (N, B, H, n_sub, sub)
-    G = g.to(torch.float64).cumsum(dim=-2)  # [N, B, H, C, K]; (cumsum(dtype=) would run its backward in fp32)
+    # [N, B, H, C, K] in fp64; cumsum(dtype=) (no separate cast) only without a graph: its backward runs in fp32
+    grad = torch.is_grad_enabled() and g.requires_grad
+    G = g.to(torch.float64).cumsum(dim=-2) if grad else g.cumsum(dim=-2, dtype=torch.float64)
     Gt = G.view(*tiles, K)
     # sub-tile midpoints [N, B, H, n_sub, 1, K], detached: the factored products do not depend on them, and their
     # gradient would be a difference of two large sums (cancellation)
@@ -170,7 +172,8 @@ def chunk_terms_with_factors(
     # arithmetic
     A_kk = torch.where(strict, A[..., :sub, :], 0.0).view(N, B, H, C, C)
     eye = torch.eye(C, dtype=dtype, device=k.device)
-    T_inv = torch.linalg.solve_triangular(A_kk * beta[..., None] + eye, eye, upper=False, unitriangular=True)
+    # unitriangular: the solve reads only the strictly lower part (L), the unit diagonal is implied
+    T_inv = torch.linalg.solve_triangular(A_kk * beta[..., None], eye, upper=False, unitriangular=True)
     T = T_inv * beta[..., None, :]
     # decaying factors (exponent <= 0) from fp32-rounded exponents: the error |x| eps is scaled by e^-|x| <= 1/e
     eG = _decay_exp(G, dtype)  # [N, B, H, C, K] exp(G)
