@@ -111,8 +111,9 @@ def test_cli_packed_run_and_refusals(tmp_path: Path, capsys) -> None:
 
 @pytest.mark.timeout(1800)
 def test_data_parallel_packed_step_equals_single_process(tmp_path: Path) -> None:
-    """dp 2 (2 gloo ranks, a row each) takes the same first step as one process: the loss is divided by the
-    global count of unmasked targets on every rank. Tolerance as tests/jobs/test_zero_train.py (two half-batch
+    """dp 2 (2 gloo ranks, a row each) and ep 2 (MoonEP: the packed rows' tokens dispatched to other ranks' experts)
+    take the same first step as one process: the loss is divided by the global count of unmasked targets on every
+    rank. Tolerance as tests/jobs/test_zero_train.py (two half-batch
     backwards summed vs one, fp64 vs fp32 clip norm: ~1e-6 relative)."""
     from test_pp_train import RTOL, _launch, _metrics, _moonrt, _run
 
@@ -120,7 +121,10 @@ def test_data_parallel_packed_step_equals_single_process(tmp_path: Path) -> None
     flags = ("train", "--steps", "2", "--until", "1", "--batch-size", "2", "--seq-len", "64", "--threads", "1",
              "--no-progress", "--corpus", corpus, "--pack-documents", "--eos-id", str(EOS))
     _run(tmp_path, {"single": _moonrt(*flags, "--out", "single", "--metrics", "single.jsonl"),
-                    "dp2": _launch(2, *flags, "--out", "dp2", "--metrics", "dp2.jsonl")}, timeout=1700)
-    ref, got = _metrics(tmp_path / "single.jsonl")[1], _metrics(tmp_path / "dp2.jsonl")[1]
-    for key in ("loss", "grad_norm"):
-        assert abs(got[key] - ref[key]) <= RTOL * abs(ref[key]), (key, got[key], ref[key])
+                    "dp2": _launch(2, *flags, "--out", "dp2", "--metrics", "dp2.jsonl"),
+                    "ep2": _launch(2, *flags, "--out", "ep2", "--metrics", "ep2.jsonl", "--ep", "2")}, timeout=1700)
+    ref = _metrics(tmp_path / "single.jsonl")[1]
+    for name in ("dp2", "ep2"):
+        got = _metrics(tmp_path / f"{name}.jsonl")[1]
+        for key in ("loss", "grad_norm"):
+            assert abs(got[key] - ref[key]) <= RTOL * abs(ref[key]), (name, key, got[key], ref[key])
