@@ -80,6 +80,22 @@ def _close(a: Any, b: Any, where: str) -> None:
         assert a == b, (where, a, b)
 
 
+def _assert_same_step(tmp_path: Path, name: str, ref: dict[str, Any], ref_ckpt: dict[str, Any],
+                      step: int = 2) -> dict[str, Any]:
+    """Run ``name``'s step ``step`` (``<name>.jsonl`` and ``<name>/``'s checkpoint) against the single process's
+    metrics ``ref`` and checkpoint ``ref_ckpt``: loss and grad norm, every parameter and optimizer tensor within
+    ``RTOL`` relative (normwise per tensor); returns the run's step record."""
+    got = _metrics(tmp_path / f"{name}.jsonl")[step]
+    assert abs(got["loss"] - ref["loss"]) <= RTOL * abs(ref["loss"]), (name, got["loss"], ref["loss"])
+    assert abs(got["grad_norm"] - ref["grad_norm"]) <= RTOL * ref["grad_norm"], (name, got["grad_norm"],
+                                                                                 ref["grad_norm"])
+    ck = _ckpt(tmp_path / name)
+    assert ck["step"] == step and list(ck["model"]) == list(ref_ckpt["model"]), name
+    _close(ck["model"], ref_ckpt["model"], f"{name}.model")
+    _close(ck["optimizer"], ref_ckpt["optimizer"], f"{name}.optimizer")
+    return got
+
+
 @pytest.mark.timeout(1500)
 def test_pp_resumes_a_single_process_checkpoint_and_matches_it(tmp_path: Path) -> None:
     _run(tmp_path, {"base": _moonrt("train", *FLAGS, "--until", "1", "--out", "base")})
@@ -95,8 +111,7 @@ def test_pp_resumes_a_single_process_checkpoint_and_matches_it(tmp_path: Path) -
     ref = _metrics(tmp_path / "single.jsonl")[2]
     ref_ckpt = _ckpt(tmp_path / "single")
     for name, vpp, m in (("pp2", 1, 2), ("pp2v2", 2, 4)):
-        got = _metrics(tmp_path / f"{name}.jsonl")[2]
-        assert abs(got["loss"] - ref["loss"]) <= RTOL * abs(ref["loss"]), (name, got["loss"], ref["loss"])
+        got = _assert_same_step(tmp_path, name, ref, ref_ckpt)
         # per rank and step: the blocks and bytes `moonrt pp-plan` counts for the same layout
         plan = tmp_path / f"{name}.plan.json"
         subprocess.run(_moonrt("pp-plan", "--model", "k3_tiny", "--pp", "2", "--vpp", str(vpp), "--microbatches",
@@ -107,10 +122,6 @@ def test_pp_resumes_a_single_process_checkpoint_and_matches_it(tmp_path: Path) -
         assert got["pp_blocks_sent"] == [sent[str(r)]["cached_blocks"] for r in range(2)], (name, got, sent)
         assert got["pp_bytes_sent"] == [sent[str(r)]["cached_bytes"] for r in range(2)], (name, got, sent)
         assert len(got["pp_idle_frac"]) == 2 and all(0.0 <= f < 1.0 for f in got["pp_idle_frac"]), got
-        ck = _ckpt(tmp_path / name)
-        assert ck["step"] == 2 and list(ck["model"]) == list(ref_ckpt["model"]), name
-        _close(ck["model"], ref_ckpt["model"], f"{name}.model")
-        _close(ck["optimizer"], ref_ckpt["optimizer"], f"{name}.optimizer")
     # the --pp 2 checkpoint resumes in one process: step 3 equals the single process's own step 3
     shutil.copytree(tmp_path / "pp2", tmp_path / "from_pp2")
     shutil.copytree(tmp_path / "single", tmp_path / "single3")
@@ -135,13 +146,8 @@ def test_pp2_ep2_resumes_a_single_process_checkpoint_and_matches_it(tmp_path: Pa
     for name in runs:
         shutil.copytree(tmp_path / "base", tmp_path / name)
     _run(tmp_path, runs)
-    ref, got = _metrics(tmp_path / "single.jsonl")[2], _metrics(tmp_path / "ppep.jsonl")[2]
-    assert abs(got["loss"] - ref["loss"]) <= RTOL * abs(ref["loss"]), (got["loss"], ref["loss"])
-    assert abs(got["grad_norm"] - ref["grad_norm"]) <= RTOL * ref["grad_norm"], (got["grad_norm"], ref["grad_norm"])
+    got = _assert_same_step(tmp_path, "ppep", _metrics(tmp_path / "single.jsonl")[2], _ckpt(tmp_path / "single"))
     assert len(got["ep_rows"]) == 2 and len(got["pp_blocks_sent"]) == 2, got  # both parts ran
-    ck, ref_ckpt = _ckpt(tmp_path / "ppep"), _ckpt(tmp_path / "single")
-    _close(ck["model"], ref_ckpt["model"], "model")
-    _close(ck["optimizer"], ref_ckpt["optimizer"], "optimizer")
 
 
 @pytest.mark.timeout(900)
