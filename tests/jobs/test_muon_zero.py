@@ -8,7 +8,8 @@
   single process's step (loss, grad norm, every parameter and optimizer tensor within 1e-5 relative: the
   dp 2 gradient is a sum of two half-batch backwards and the clip norm is fp64, ~1e-7 off; Newton-Schulz of
   one block vs the batched blocks differs by fp32 rounding, well inside the bound);
-- in the same run (one base checkpoint, all layouts at once), the same with expert parallelism (``--ep 2 --zero 1``, dp 2 x ep 2: experts owned within their ``dp_cp``
+- in the same run (one base checkpoint, all layouts at once), the same with expert parallelism
+  (``--ep 2 --zero 1``, dp 2 x ep 2: experts owned within their ``dp_cp``
   group, dense units within ``dp_ep_cp``) and pipeline parallelism (``--pp 2 --zero 1``, pp 2 x dp 2: each stage's
   units over that stage's dp group) on 4 ranks: the single process's step, every unit's state held by exactly one
   rank of its group (ep: the ranks' state bytes add up to the single process's exactly, each ~1/4 of it; pp:
