@@ -1,6 +1,7 @@
 """FP8 batching of the activation manager: FP8 saves of one layer and policy are quantized in one call
-(:func:`moonrt.ops.fp8.quantize_many`; for the device tier on the manager's copy thread by default, overlapping
-the forward, bitwise the same) and, in backward, decoded in one call (:func:`moonrt.ops.fp8.dequantize_many`).
+(:func:`moonrt.ops.fp8.quantize_many`; for the device tier on the manager's copy thread with
+``copy_thread=True``, overlapping the forward, bitwise the same) and, in backward, decoded in one call
+(:func:`moonrt.ops.fp8.dequantize_many`).
 
 :class:`Fp8BatchMixin` is a base of :class:`moonrt.memory.manager.ActivationManager`, which sets the state
 it reads in ``__init__``; the per-save path that fills a batch is ``_pack`` (:mod:`.saved_hooks`).

@@ -1,7 +1,7 @@
 """Batched host copies of the activation manager: the saves of CPU tensors under a policy whose store has
 ``put_many`` (:class:`~moonrt.memory.backends.HostStore`) are collected per layer and policy and copied in
-one call into one pooled buffer (:meth:`HostStore.put_many`), on a background thread by default, like a CUDA
-side stream: the copy of layer ``l`` runs while the forward computes layer ``l + 1``.
+one call into one pooled buffer (:meth:`HostStore.put_many`); with ``copy_thread=True`` on a background thread, like a
+CUDA side stream: the copy of layer ``l`` runs while the forward computes layer ``l + 1``.
 
 A pending save holds its source storage until its group is copied; the group is submitted when the layer
 ends, it reaches ``copy_batch_bytes``, the forward ends or backward starts. An unpack waits for its group's

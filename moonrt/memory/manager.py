@@ -78,13 +78,14 @@ class ActivationManager(RegionsMixin, RecomputeMixin, SavedTensorsMixin, Fp8Batc
             forwards run keep regions without saved-tensor hooks); ``"every"``: in every forward.
         copy_batch_bytes: host saves of CPU tensors are copied per layer in one call (:mod:`.host_batch`),
             or once this many bytes are pending: the most source bytes held until their copy is submitted.
-        copy_thread: run those copies on a background thread (overlapping the forward; backward waits
-            for them); ``False``: in the forward's thread when the group is submitted.
+        copy_thread: run those copies (and device-tier FP8 quantization) on a background thread, overlapping
+            the forward (backward waits for them): worth it only with an idle core; off by default (on the
+            shared 2-core benchmark machine it measured no gain, see benchmarks/RESULTS.md).
     """
 
     def __init__(self, model: torch.nn.Module, policy: MemoryPolicy | None = None, remote: Any = None,
                  fp8_batch_bytes: int = 64 * 2**20, keep_accounting: str = "first",
-                 copy_batch_bytes: int = 64 * 2**20, copy_thread: bool = True) -> None:
+                 copy_batch_bytes: int = 64 * 2**20, copy_thread: bool = False) -> None:
         if keep_accounting not in ("first", "every"):
             raise ValueError(f"keep_accounting = {keep_accounting!r}: expected 'first' or 'every'")
         self.model = model

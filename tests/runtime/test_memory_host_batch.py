@@ -1,5 +1,5 @@
 """Batched host copies of the activation manager (moonrt/memory/host_batch.py): a layer's host saves copied in
-one call into one pooled buffer, on a background thread by default; gradients bit for bit those of the run
+one call into one pooled buffer, inline or on a background thread; gradients bit for bit those of the run
 without a manager, backward waits for a copy still running, a failed copy raises in backward."""
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def test_backward_waits_for_a_slow_copy():
     torch.manual_seed(0)
     model = Stack()
     x = torch.randn(4, 16, 128, requires_grad=True)
-    mgr = ActivationManager(model, _policy(default="host"))
+    mgr = ActivationManager(model, _policy(default="host"), copy_thread=True)
     calls = _spy(mgr._stores["host"], delay=0.3)
     with mgr:
         loss = model(x).float().square().mean()
@@ -146,7 +146,7 @@ def test_fp8_quantized_on_the_copy_thread_bitwise(monkeypatch):
         return inner(xs, block)
 
     monkeypatch.setattr(fp8, "quantize_many", spy)
-    got, bg = _run_mgr(_policy(default="fp8"))
+    got, bg = _run_mgr(_policy(default="fp8"), copy_thread=True)
     assert threads and all(t.startswith("moonrt-host-copy") for t in threads)
     threads.clear()
     ref, inline = _run_mgr(_policy(default="fp8"), copy_thread=False)
@@ -163,7 +163,7 @@ def test_fp8_quantized_on_the_copy_thread_bitwise(monkeypatch):
     monkeypatch.setattr(fp8, "quantize_many", fail)
     torch.manual_seed(0)
     model = Stack()
-    mgr = ActivationManager(model, _policy(default="fp8"))
+    mgr = ActivationManager(model, _policy(default="fp8"), copy_thread=True)
     with mgr:
         loss = model(torch.randn(4, 16, 128, requires_grad=True)).square().mean()
     with pytest.raises(RuntimeError, match="quantize failed"):
