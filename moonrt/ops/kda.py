@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from moonrt.ops.kda_autograd import ChunkKDA
+from moonrt.ops.kda_autograd import ChunkKDA, chunk_state_grad
 from moonrt.ops.kda_terms import (
     LOG_FLOOR,
     MIN_LOG_DECAY,
@@ -247,6 +247,51 @@ def _kda_chunk_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     return o, S_T
 
 
+def kda_state_grad(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    d_o: torch.Tensor,
+    d_final: torch.Tensor | None = None,
+    scale: float | None = None,
+    chunk_size: int = 64,
+) -> torch.Tensor:
+    """Gradient of :func:`kda_chunk`'s ``initial_state`` only, for output gradient ``d_o`` (and final-state gradient
+    ``d_final``): the state path of the chunked backward (per-chunk ``P_n`` from ``d_o``, transitions ``M_n``, the
+    reverse state pass), without the per-input gradients. KCP's backward step 1 (K3_SYSTEMS §7).
+
+    Args:
+        q, k, v, g, beta, scale, chunk_size: as in :func:`kda_chunk` (v only fixes V and the dtype: the gradient of
+            the entering state does not depend on the values, nor on the entering state itself, the map being affine).
+        d_o: ``[B, T, H, V]`` gradient of the outputs.
+        d_final: ``[B, H, K, V]`` gradient of the final state, or None (zero).
+
+    Returns:
+        ``dS_in [B, H, K, V]`` fp32 (fp64 for fp64 inputs): equal to the ``initial_state`` gradient of the same
+        :func:`kda_chunk` call. No graph.
+    """
+    _check_inputs(q, k, v, g, beta, None)
+    _check_decay(g)
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    if d_o.shape != v.shape:
+        raise ValueError(f"d_o.shape = {tuple(d_o.shape)}: expected v's shape {tuple(v.shape)} [B, T, H, V]")
+    if d_final is not None and d_final.shape != (B, H, K, V):
+        raise ValueError(f"d_final.shape = {tuple(d_final.shape)}: expected [B, H, K, V] = [{B}, {H}, {K}, {V}]")
+    scale = K ** -0.5 if scale is None else scale
+    dtype = _compute_dtype(q, k, v, g, beta)
+    _sub_tile(chunk_size)
+    dS = k.new_zeros(B, H, K, V, dtype=dtype) if d_final is None else d_final.detach().to(dtype)
+    if T == 0:
+        return dS.clone()
+    C = _chunk_len(T, chunk_size)
+    with torch.no_grad():
+        chunks = [_to_chunks(t.detach(), C, dtype) for t in (q, k, g, beta, d_o)]  # [N, B, H, C, *]
+        return chunk_state_grad(*chunks, dS, scale)
+
+
 def kda_transition(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -283,5 +328,5 @@ def kda_transition(
     return M, S
 
 
-__all__ = ["ChunkTerms", "chunk_terms", "chunk_transitions", "kda_chunk", "kda_recurrent", "kda_transition",
-           "LOG_FLOOR", "MIN_LOG_DECAY", "SUB_TILE"]
+__all__ = ["ChunkTerms", "chunk_terms", "chunk_transitions", "kda_chunk", "kda_recurrent", "kda_state_grad",
+           "kda_transition", "LOG_FLOOR", "MIN_LOG_DECAY", "SUB_TILE"]

@@ -102,21 +102,60 @@ class ChunkKDA(torch.autograd.Function):
             dOg = dO[sl]
             dOA = _bmm_tn(terms.A_qk, dOg)  # [n, B, H, C, V] A_qk^T dO
             P = _bmm_tn(terms.Qg, dOg).sub_(_bmm_tn(terms.W, dOA))  # [n, B, H, K, V]
-            n = sl.stop - sl.start
-            dS_out = P.new_empty(n, B, H, K, V)  # gradient of the state leaving each chunk
-            for j in range(n - 1, -1, -1):
-                c = sl.start + j
-                if c in lasts:
-                    carry = d_final[lasts[c]].reshape(B * H, K, V)
-                dS_out[j].view(B * H, K, V).copy_(carry)
-                carry = torch.baddbmm(P[j].view(B * H, K, V), M[j].view(B * H, K, K).transpose(-1, -2), carry)
-                if c in resets:
-                    dS0[resets[c]].view(B * H, K, V).copy_(carry)
+            dS_out = P.new_empty(P.shape)  # gradient of the state leaving each chunk
+            carry = _reverse_state_pass(P, M, carry, sl.start, lasts, d_final, resets, dS0, dS_out)
             out = _chunk_grads(terms, fac, q[sl], k[sl], v[sl], beta[sl], S_in[sl], dS_out, dOg, dOA, scale)
             for grad, part in zip(grads, out):
                 grad[sl] = part
         need = ctx.needs_input_grad
         return (*(gr if need[i] else None for i, gr in enumerate(grads)), dS0 if need[5] else None, None, None)
+
+
+def _reverse_state_pass(P: torch.Tensor, M: torch.Tensor, carry: torch.Tensor, first: int, lasts: dict[int, int],
+                        d_final: torch.Tensor, resets: dict[int, int], dS0: torch.Tensor,
+                        dS_out: torch.Tensor | None = None) -> torch.Tensor:
+    """The reverse state pass ``dS_n = M_n^T dS_{n+1} + P_n`` over one group of chunks ``first ..``, last first.
+
+    ``P [n, B, H, K, V]``, ``M [n, B, H, K, K]``; ``carry [B * H, K, V]`` the gradient of the state leaving the
+    group (replaced by ``d_final[lasts[c]]`` at the last chunk c of a sequence). Writes the gradient entering the
+    first chunk of sequence j into ``dS0[j]`` (``resets``: first chunk -> j) and, when given, the gradient of the
+    state leaving each chunk into ``dS_out [n, B, H, K, V]``. Returns the gradient entering the group's first chunk.
+    """
+    n, B, H, K, V = P.shape
+    for j in range(n - 1, -1, -1):
+        c = first + j
+        if c in lasts:
+            carry = d_final[lasts[c]].reshape(B * H, K, V)
+        if dS_out is not None:
+            dS_out[j].view(B * H, K, V).copy_(carry)
+        carry = torch.baddbmm(P[j].view(B * H, K, V), M[j].view(B * H, K, K).transpose(-1, -2), carry)
+        if c in resets:
+            dS0[resets[c]].view(B * H, K, V).copy_(carry)
+    return carry
+
+
+def chunk_state_grad(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, dO: torch.Tensor,
+                     d_final: torch.Tensor, scale: float) -> torch.Tensor:
+    """Gradient of the entering state of one sequence, only (the state path of :class:`ChunkKDA`'s backward).
+
+    ``q, k, g [N, B, H, C, K]``, ``beta [N, B, H, C]``, ``dO [N, B, H, C, V]`` chunked as for :class:`ChunkKDA`
+    (compute dtype), ``d_final [B, H, K, V]`` the gradient of the state after the last chunk. Returns
+    ``dS_in [B, H, K, V]``. Per group of chunks it recomputes the terms (no values: ``P_n`` and ``M_n`` do not
+    depend on them, nor on any state), forms ``P_n = Qg^T dO - W^T (A_qk^T dO)`` and runs the reverse state pass;
+    none of the per-input gradients of the full backward.
+    """
+    N, B, H, C, K = k.shape
+    V = dO.shape[-1]
+    v0 = k[..., :0]  # the values only enter U = T v, which the state gradient does not read: a zero-width view
+    dS0 = dO.new_empty(1, B, H, K, V)
+    carry = d_final.to(dO.dtype).reshape(B * H, K, V)
+    for sl in reversed(_groups(N, B * H * C * max(K, V))):
+        terms = chunk_terms_with_factors(k[sl], v0[sl], g[sl], beta[sl], q=q[sl], scale=scale)[0]
+        M, _ = _transition_matrix(terms)
+        dOg = dO[sl]
+        P = _bmm_tn(terms.Qg, dOg).sub_(_bmm_tn(terms.W, _bmm_tn(terms.A_qk, dOg)))  # [n, B, H, K, V]
+        carry = _reverse_state_pass(P, M, carry, sl.start, {}, d_final, {0: 0}, dS0)
+    return dS0[0]
 
 
 def _lasts(starts: tuple[int, ...], N: int) -> dict[int, int]:

@@ -7,7 +7,14 @@ import torch
 from numerics import rel_l2
 
 import moonrt.ops.kda_autograd as kda_module
-from moonrt.ops.kda import chunk_terms, chunk_transitions, kda_chunk, kda_recurrent, kda_transition
+from moonrt.ops.kda import (
+    chunk_terms,
+    chunk_transitions,
+    kda_chunk,
+    kda_recurrent,
+    kda_state_grad,
+    kda_transition,
+)
 
 
 def make_inputs(B: int, T: int, H: int, K: int, V: int, seed: int, dtype: torch.dtype = torch.float32,
@@ -333,3 +340,35 @@ def test_hand_written_backward_equals_recurrent_float64(cu_lens: list[int] | Non
     loss.backward()
     for name, t, r in zip((*names, "initial_state"), leaves, ref):
         assert rel_l2(t.grad, r.grad) < 1e-10, name
+
+
+@pytest.mark.parametrize("with_final", [False, True])
+@pytest.mark.parametrize("chunks_per_group", [None, 1])
+def test_state_grad_equals_autograd_initial_state_grad_float64(with_final: bool, chunks_per_group: int | None,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """kda_state_grad (KCP's state-only backward) equals autograd's initial-state gradient through kda_recurrent
+    in float64 to rounding (1e-10 relative RMS): T = 178 (two full chunks of 64 and a padded tail), with and
+    without a final-state gradient, with all chunks in one group and one chunk per group (the carry across
+    groups)."""
+    x = make_inputs(1, 178, 2, 8, 6, seed=31, dtype=torch.float64)
+    if chunks_per_group is not None:
+        monkeypatch.setattr(kda_module, "CHUNK_GROUP_ELEMS", chunks_per_group * 2 * 64 * 8)
+    gen = torch.Generator().manual_seed(9)
+    d_o = torch.randn(x["v"].shape, generator=gen, dtype=torch.float64)
+    d_final = torch.randn(x["initial_state"].shape, generator=gen, dtype=torch.float64) if with_final else None
+    s0 = x["initial_state"].clone().requires_grad_()
+    o, S = kda_recurrent(*(x[n] for n in ("q", "k", "v", "g", "beta")), initial_state=s0, output_final_state=True)
+    loss = (o * d_o).sum() + ((S * d_final).sum() if d_final is not None else 0.0)
+    (ref,) = torch.autograd.grad(loss, [s0])
+    got = kda_state_grad(*(x[n] for n in ("q", "k", "v", "g", "beta")), d_o, d_final)
+    assert got.dtype == torch.float64 and got.shape == ref.shape
+    assert rel_l2(got, ref) < 1e-10
+
+
+def test_state_grad_bad_input_is_rejected() -> None:
+    x = make_inputs(1, 10, 2, 8, 6, seed=32)
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    with pytest.raises(ValueError, match=r"d_o.shape = \(1, 10, 2, 5\): expected v's shape"):
+        kda_state_grad(*args, torch.zeros(1, 10, 2, 5))
+    with pytest.raises(ValueError, match=r"d_final.shape = \(1, 2, 8, 5\): expected \[B, H, K, V\]"):
+        kda_state_grad(*args, torch.zeros(1, 10, 2, 6), torch.zeros(1, 2, 8, 5))
