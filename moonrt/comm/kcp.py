@@ -14,7 +14,8 @@ Forward
 
 Backward (the transposed chain)
   1. ``a_r``: the gradient of the entering state from this slice's outputs alone (on the last rank
-     with the user's final-state gradient): a pruned backward along the state path only.
+     with the user's final-state gradient): the state path only (``kda_state_grad``: per-chunk
+     ``P_n`` and ``M_n`` recomputed, one reverse state pass; no input gradients).
   2. One all-gather of ``[a_r | M_r]``.
   3. Suffix merge: ``dS_out_r = dS_in_{r+1}`` with ``dS_in_j = M_j^T dS_out_j + a_j`` (the chain ends
      at the last rank, whose ``a`` already holds the final-state gradient).
@@ -22,9 +23,10 @@ Backward (the transposed chain)
      gives every input gradient, and on rank 0 ``dh0``.
 
 Per KDA layer and rank this moves ``B * H * K * (K + V) * 4`` bytes in each pass, independent of
-the sequence length. The local math is :mod:`moonrt.ops.kda` (``kda_chunk``, ``kda_transition``):
-this runtime module reaches it through keyword seams ``chunk_fn`` / ``transition_fn`` whose default
-is imported lazily, so a device kernel with the same contract can be swapped in.
+the sequence length. The local math is :mod:`moonrt.ops.kda` (``kda_chunk``, ``kda_transition``,
+``kda_state_grad``): this runtime module reaches it through keyword seams ``chunk_fn`` /
+``transition_fn`` / ``state_grad_fn`` whose default is imported lazily, so a device kernel with the
+same contract can be swapped in (a ``chunk_fn`` without a ``state_grad_fn``: step 1 asks autograd).
 """
 
 from __future__ import annotations
@@ -48,15 +50,17 @@ if TYPE_CHECKING:
 
 ChunkFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 TransitionFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+StateGradFn = Callable[..., torch.Tensor]
 
 _META = ("B", "T", "H", "K", "V", "dtype", "init", "final")
 
 
-def _default_fns() -> tuple[ChunkFn, TransitionFn, float]:
-    """The ops layer's chunked KDA, its segment transition, and the smallest log-decay they accept."""
-    from moonrt.ops.kda import MIN_LOG_DECAY, kda_chunk, kda_transition
+def _default_fns() -> tuple[ChunkFn, TransitionFn, StateGradFn, float]:
+    """The ops layer's chunked KDA, its segment transition, its state-only gradient, and the smallest log-decay
+    they accept."""
+    from moonrt.ops.kda import MIN_LOG_DECAY, kda_chunk, kda_state_grad, kda_transition
 
-    return kda_chunk, kda_transition, MIN_LOG_DECAY
+    return kda_chunk, kda_transition, kda_state_grad, MIN_LOG_DECAY
 
 
 def _all_gather(x: torch.Tensor, group: ProcessGroup | None, size: int) -> list[torch.Tensor]:
@@ -72,7 +76,7 @@ class _KCP(torch.autograd.Function):
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                 beta: torch.Tensor, h0: torch.Tensor | None, group: ProcessGroup | None, rank: int, size: int,
                 scale: float, final: bool, chunk_size: int, chunk_fn: ChunkFn, transition_fn: TransitionFn,
-                record: CommRecord | None) -> tuple[torch.Tensor, torch.Tensor]:
+                state_grad_fn: StateGradFn | None, record: CommRecord | None) -> tuple[torch.Tensor, torch.Tensor]:
         last = rank == size - 1
         with torch.no_grad():
             M, S_ext = transition_fn(k, v, g, beta, chunk_size=chunk_size)  # [B,H,K,K], [B,H,K,V] fp32
@@ -93,6 +97,7 @@ class _KCP(torch.autograd.Function):
 
         needs = ctx.needs_input_grad[:6]
         ctx.meta = (group, rank, size, record, V)
+        ctx.local = (scale, chunk_size, state_grad_fn)
         if not any(needs):
             with torch.no_grad():
                 o, S_out = chunk_fn(q, k, v, g, beta, scale=scale, initial_state=S_in,
@@ -126,8 +131,15 @@ class _KCP(torch.autograd.Function):
             outs.append(S_out)
             grads.append(d_final.to(S_out.dtype))
         # Step 1: a_r = dS_in from this slice's outputs (and, on the last rank, the user's final-state
-        # gradient): a pruned backward that only walks the state path (no input gradients yet).
-        (a,) = torch.autograd.grad(outs, [s_leaf], grads, retain_graph=True)
+        # gradient), no input gradients yet: the kernel's state-only backward, or (a chunk_fn without one)
+        # autograd asked for the entering state only.
+        scale, chunk_size, state_grad_fn = ctx.local
+        if state_grad_fn is not None:
+            with torch.no_grad():
+                a = state_grad_fn(*leaves, d_o, grads[1] if len(grads) > 1 else None, scale=scale,
+                                  chunk_size=chunk_size).to(M.dtype)
+        else:
+            (a,) = torch.autograd.grad(outs, [s_leaf], grads, retain_graph=True)
         # Step 2: one all-gather of [a | M].
         payload = torch.cat([a, M], dim=-1)
         parts = _all_gather(payload, group, size)
@@ -146,7 +158,7 @@ class _KCP(torch.autograd.Function):
         result: list[torch.Tensor | None] = [next(it) if t.requires_grad else None for t in leaves]
         d_s = next(it)
         result.append(d_s if ctx.has_h0 and ctx.needs_input_grad[5] else None)
-        return (*result, None, None, None, None, None, None, None, None, None)
+        return (*result, *(None,) * 10)
 
 
 def kcp_kda(
@@ -164,6 +176,7 @@ def kcp_kda(
     record: CommRecord | None = None,
     chunk_fn: ChunkFn | None = None,
     transition_fn: TransitionFn | None = None,
+    state_grad_fn: StateGradFn | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Context-parallel KDA over ``group`` (KCP, K3_SYSTEMS §7); the contract of ``kda_chunk`` per slice.
 
@@ -184,6 +197,9 @@ def kcp_kda(
         record: optional byte counter (:class:`moonrt.comm.cp_ops.CommRecord`).
         chunk_fn, transition_fn: local kernels with the contracts of ``moonrt.ops.kda.kda_chunk``
             and ``kda_transition`` (default: those).
+        state_grad_fn: the entering-state gradient of ``chunk_fn`` alone (backward step 1), with the contract
+            of ``moonrt.ops.kda.kda_state_grad``; default: that one with the default ``chunk_fn``, and for a
+            custom ``chunk_fn`` without one, autograd through ``chunk_fn``'s graph asked for that gradient only.
 
     Returns:
         ``o [B, T_r, H, V]`` in v's dtype (this slice's outputs), and ``S_T [B, H, K, V]`` fp32 on the
@@ -196,7 +212,9 @@ def kcp_kda(
     what = "kcp_kda"
     rank = dist.get_rank(group)
     size = dist.get_world_size(group)
-    default_chunk, default_transition, min_log_decay = _default_fns()
+    default_chunk, default_transition, default_state_grad, min_log_decay = _default_fns()
+    if state_grad_fn is None and chunk_fn is None:
+        state_grad_fn = default_state_grad
     chunk_fn = chunk_fn or default_chunk
     transition_fn = transition_fn or default_transition
     error = _local_error(q, k, v, g, beta, initial_state, rank, min_log_decay)
@@ -212,7 +230,7 @@ def kcp_kda(
     require_split(what, [row["T"] for row in table])
     scale = k.shape[-1] ** -0.5 if scale is None else scale
     o, final = _KCP.apply(q, k, v, g, beta, initial_state, group, rank, size, scale, output_final_state,
-                          chunk_size, chunk_fn, transition_fn, record)
+                          chunk_size, chunk_fn, transition_fn, state_grad_fn, record)
     return o, (final if output_final_state and rank == size - 1 else None)
 
 

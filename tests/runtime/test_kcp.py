@@ -47,14 +47,15 @@ def _reference(x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _kcp_rank(rank: int, world: int, cases: list[tuple[int, bool, dict]]) -> list[dict]:
+def _kcp_rank(rank: int, world: int, cases: list[tuple[int, bool, dict]], chunk_fn: object = None) -> list[dict]:
     results = []
     for T, init, x in cases:
         a, b = slice_bounds(T, world, rank)
         leaves = {n: x[n][:, a:b].clone().requires_grad_(True) for n in ("q", "k", "v", "g", "beta")}
         h0 = x["h0"].clone().requires_grad_(True) if init and rank == 0 else None
         rec = CommRecord(op="kcp", layer="test")
-        o, s = kcp_kda(**leaves, group=None, initial_state=h0, output_final_state=True, record=rec)
+        o, s = kcp_kda(**leaves, group=None, initial_state=h0, output_final_state=True, record=rec,
+                       chunk_fn=chunk_fn)
         loss = (o * x["do"][:, a:b]).sum()
         if rank == world - 1:
             loss = loss + (s * x["ds"]).sum()
@@ -96,6 +97,45 @@ def test_kcp_matches_single_process_outputs_state_and_all_gradients(world: int) 
             rec = r["bytes"]
             assert (rec.fwd_sent, rec.bwd_sent) == (summary, summary)
             assert (rec.fwd_recv, rec.bwd_recv) == ((world - 1) * summary, (world - 1) * summary)
+
+
+def _backward_count_rank(rank: int, world: int, x: dict) -> dict[str, dict]:
+    """kcp_kda's forward + backward with the default kernels and with a custom chunk_fn (the same kda_chunk, but
+    given without a state_grad_fn), counting the runs of the chunked kernel's full backward (ChunkKDA.backward)."""
+    import moonrt.ops.kda_autograd as kda_autograd
+
+    calls = [0]
+    orig = kda_autograd.ChunkKDA.backward
+
+    def counted(ctx: object, *grads: torch.Tensor) -> tuple:
+        calls[0] += 1
+        return orig(ctx, *grads)
+
+    kda_autograd.ChunkKDA.backward = staticmethod(counted)  # type: ignore[method-assign]
+    out = {}
+    try:
+        for name, fn in (("default", None), ("custom", lambda *a, **kw: kda_chunk(*a, **kw))):
+            calls[0] = 0
+            (r,) = _kcp_rank(rank, world, [(x["q"].shape[1], True, x)], chunk_fn=fn)
+            out[name] = {**r, "calls": calls[0]}
+    finally:
+        kda_autograd.ChunkKDA.backward = orig  # type: ignore[method-assign]
+    return out
+
+
+def test_kcp_backward_runs_one_full_local_backward_and_custom_chunk_fn_falls_back() -> None:
+    """KCP's backward step 1 (the entering-state gradient) uses kda_state_grad: one run of the chunked kernel's
+    full backward per rank (two before: step 1 asked autograd, which ran all of it). A custom chunk_fn without a
+    state_grad_fn falls back to autograd (two runs). Both give single-process kda_chunk's gradients."""
+    x = _inputs(300, seed=5, init=True)
+    got = dist_run(_backward_count_rank, 2, x, timeout=240)
+    ref = _reference(x)
+    for name, calls in (("default", 1), ("custom", 2)):
+        assert [got[r][name]["calls"] for r in range(2)] == [calls, calls], name
+        for n in ("q", "k", "v", "g", "beta"):
+            err = rel_l2(torch.cat([got[r][name][f"d{n}"] for r in range(2)], 1), ref[f"d{n}"])
+            assert err <= 1e-5, (name, n, err)
+        assert rel_l2(got[0][name]["dh0"], ref["dh0"]) <= 1e-5, name
 
 
 def _bad_rank(rank: int, world: int) -> dict[str, str]:
