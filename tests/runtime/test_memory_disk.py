@@ -104,7 +104,10 @@ _CHILD = textwrap.dedent("""
         y = model(torch.randn(16, 64, requires_grad=True)).sum()
     assert mgr.accounting.live["disk"] > 0
     print("ready", flush=True)
-    time.sleep(120)
+    # short sleeps: the kernel may deliver SIGINT to any thread (torch's, the manager's); Python then runs the
+    # handler only when the main thread next checks, which one long sleep would delay past the test's timeout
+    for _ in range(1200):
+        time.sleep(0.1)
 """)
 
 
