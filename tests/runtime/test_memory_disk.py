@@ -91,7 +91,7 @@ def test_two_ranks_same_disk_path_own_files_exact(tmp_path):
 
 
 _CHILD = textwrap.dedent("""
-    import sys, time, torch
+    import signal, sys, time, torch
     from torch import nn
     from moonrt.config import from_dict
     from moonrt.memory.manager import ActivationManager
@@ -103,9 +103,11 @@ _CHILD = textwrap.dedent("""
     with mgr:
         y = model(torch.randn(16, 64, requires_grad=True)).sum()
     assert mgr.accounting.live["disk"] > 0
+    # Python's own SIGINT behaviour (KeyboardInterrupt) even when started with SIGINT ignored (shells ignore it in
+    # commands they run in the background, and exec keeps that); short sleeps, because the kernel may deliver the
+    # signal to another thread (torch's, the manager's) and Python runs the handler only when the main thread checks
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     print("ready", flush=True)
-    # short sleeps: the kernel may deliver SIGINT to any thread (torch's, the manager's); Python then runs the
-    # handler only when the main thread next checks, which one long sleep would delay past the test's timeout
     for _ in range(1200):
         time.sleep(0.1)
 """)
