@@ -74,16 +74,18 @@ def load(path: str | Path) -> dict[str, Any]:
 
 
 class _Sink:
-    """A write-only file wrapper for ``torch.save`` that keeps the OSError of a failed write (disk full, quota)."""
+    """A write-only file wrapper for ``torch.save`` that keeps what interrupted a write: the OSError of a failed
+    write (disk full, quota) or a ``BaseException`` raised in it (a signal handler's abort), which torch's zip
+    writer would otherwise turn into a RuntimeError ("unexpected pos ...")."""
 
     def __init__(self, f: BinaryIO) -> None:
         self.f = f
-        self.error: OSError | None = None
+        self.error: BaseException | None = None
 
     def write(self, data: bytes) -> int:
         try:
             return self.f.write(data)
-        except OSError as exc:
+        except BaseException as exc:
             self.error = exc
             raise
 

@@ -221,3 +221,31 @@ def test_remote_memory_policy_is_refused_in_one_line(tmp_path: Path, capsys) -> 
     line = _one_error_line(capsys.readouterr().err)
     assert "uses remote, which moonrt train does not support" in line and str(policy) in line
     assert not (tmp_path / "o" / CHECKPOINT).exists()
+
+
+def test_an_abort_raised_inside_a_checkpoint_write_propagates_and_keeps_the_previous_file(tmp_path: Path,
+                                                                                          monkeypatch) -> None:
+    """A second stop signal's :class:`Aborted` raised while ``torch.save`` writes (the handler runs inside the
+    write) reaches the caller as itself, not as torch's "unexpected pos" write error (exit 128 + n, not 2); the
+    temp file is removed and the previous checkpoint still loads."""
+    from moonrt.cluster.preempt import Aborted
+
+    path = tmp_path / "c.pt"
+    checkpoint.save(path, {"step": 1, "x": torch.zeros(10)})
+    calls, write = [0], checkpoint._Sink.write
+
+    class _Abort:
+        def write(self, data: bytes) -> int:
+            raise Aborted(signal.SIGINT)
+
+    def interrupted(self, data: bytes) -> int:  # the third write of the zip stream is interrupted
+        calls[0] += 1
+        if calls[0] == 3:
+            self.f = _Abort()
+        return write(self, data)
+
+    monkeypatch.setattr(checkpoint._Sink, "write", interrupted)
+    with pytest.raises(Aborted, match="second SIGINT"):
+        checkpoint.save(path, {"step": 2, "x": torch.ones(100_000)})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.pt"]
+    assert torch.load(path, weights_only=True)["step"] == 1
