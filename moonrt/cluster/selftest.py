@@ -231,6 +231,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"moonrt selftest: wrote hardware profile {args.profile_out} (all_to_all "
                       f"{prof['intra_node']['bandwidth_GBps']:.3f} GB/s + {prof['intra_node']['latency_us']:.0f} us, "
                       f"GEMM {prof['gemm_tflops'] * 1e3:.1f} GFLOP/s)", flush=True)
+        dist.barrier()  # no rank tears its process group down while another still uses it (rank 0's report)
         return 0 if passed else 1
     finally:
         dist.destroy_process_group()
