@@ -48,7 +48,6 @@ class Fp8BatchMixin:
     accounting: Accounting
     _pending: dict[str, _Batch]
     _copier: ThreadPoolExecutor | None
-    _copy_thread: bool
 
     def _flush(self, policy: str) -> None:
         """Quantize the pending FP8 batch of ``policy`` in one call and store every entry (caller holds the lock)."""
@@ -61,9 +60,7 @@ class Fp8BatchMixin:
             return
         backend = batch.backend
         raws = [e.raw for e in todo]
-        if self._copy_thread and backend.store.tier == "device":  # quantized on the copy thread, bitwise the same
-            if self._copier is None:
-                self._copier = ThreadPoolExecutor(1, thread_name_prefix="moonrt-host-copy")
+        if self._copier is not None and backend.store.tier == "device":  # on the copy thread, bitwise the same
             batch.future = self._copier.submit(fp8.quantize_many, raws, backend.block)
             batch.todo = todo
             block = backend.block

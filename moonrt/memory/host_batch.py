@@ -55,7 +55,6 @@ class CopyBatchMixin:
     accounting: Accounting
     _copies: dict[str, _CopyGroup]
     _copier: ThreadPoolExecutor | None
-    _copy_thread: bool
 
     def _flush_copies(self, policy: str) -> None:
         """Submit the pending copy group of ``policy`` (caller holds the lock)."""
@@ -66,9 +65,7 @@ class CopyBatchMixin:
         if not datas or grp.live == 0:  # every save already released: nothing to copy
             return
         store = grp.backend.store
-        if self._copy_thread:
-            if self._copier is None:
-                self._copier = ThreadPoolExecutor(1, thread_name_prefix="moonrt-host-copy")
+        if self._copier is not None:  # copy_thread=True
             grp.future = self._copier.submit(_copy, store, datas, grp.sizes)
         else:
             grp.future = Future()

@@ -119,8 +119,8 @@ class ActivationManager(RegionsMixin, RecomputeMixin, SavedTensorsMixin, Fp8Batc
         self._fp8_batch_bytes = int(fp8_batch_bytes)
         self._copies: dict[str, _CopyGroup] = {}
         self._copy_batch_bytes = int(copy_batch_bytes)
-        self._copy_thread = bool(copy_thread)
-        self._copier: ThreadPoolExecutor | None = None
+        self._copier: ThreadPoolExecutor | None = (  # copy_thread: the one background copy thread
+            ThreadPoolExecutor(1, thread_name_prefix="moonrt-host-copy") if copy_thread else None)
         self._min_bytes = self.policy.min_bytes
         self._own_rule: dict[str, str | None] = {}
         self._layer_names: dict[str, str] = {}
