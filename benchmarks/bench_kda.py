@@ -23,11 +23,12 @@ multiply-add; elementwise work such as exponentials is not counted)::
 forward FLOPs = B * H * ceil(T / C) * (sum above); forward+backward FLOPs = 3 x forward (the backward of each
 matmul is two matmuls of its size).
 
-``--baseline FILE``: also time the ``kda_chunk`` of another version of ``moonrt/ops/kda.py`` (a self-contained
-file, e.g. ``git show 106d3e1:moonrt/ops/kda.py > /tmp/kda_old.py``) in the same interleaved rounds, forward and
-forward+backward, and print both side by side.
+``--baseline FILE|DIR``: also time the ``kda_chunk`` of another version of the kernel in the same interleaved rounds,
+forward and forward+backward, and print both side by side: a self-contained ``kda.py`` (e.g.
+``git show 106d3e1:moonrt/ops/kda.py > /tmp/kda_old.py``), or a checkout directory holding ``moonrt/`` (e.g.
+``git worktree add /tmp/kda_base <rev>``; needed since the kernel spans kda.py, kda_terms.py and kda_autograd.py).
 
-Usage: python benchmarks/bench_kda.py [--T 2048 8192] [--reps 5] [--threads N] [--baseline FILE] [--out FILE.json]
+Usage: python benchmarks/bench_kda.py [--T 2048 8192] [--reps 5] [--threads N] [--baseline FILE|DIR] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import importlib.util
 import json
 import os
 import platform
+import sys
 import time
 from collections.abc import Callable
 
@@ -73,7 +75,24 @@ def make_inputs(B: int, T: int, H: int, K: int, V: int, seed: int = 0,
 
 
 def load_baseline(path: str) -> Callable[..., object]:
-    """``kda_chunk`` of a self-contained kda.py at ``path`` (an older version of the kernel)."""
+    """``kda_chunk`` of an older version of the kernel: a self-contained kda.py, or a checkout directory (e.g. from
+    ``git worktree add /tmp/kda_base <rev>``) whose ``moonrt`` package is imported in isolation (its modules are
+    loaded under their own names, then taken out of ``sys.modules`` again so this run's ``moonrt`` stays in place;
+    the baseline's functions keep their own module globals)."""
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "moonrt", "ops", "kda.py")):
+            raise SystemExit(f"--baseline {path}: no moonrt/ops/kda.py in that directory")
+        ours = {name: mod for name, mod in sys.modules.items() if name == "moonrt" or name.startswith("moonrt.")}
+        for name in ours:
+            del sys.modules[name]
+        sys.path.insert(0, os.path.abspath(path))
+        try:
+            return importlib.import_module("moonrt.ops.kda").kda_chunk
+        finally:
+            sys.path.remove(os.path.abspath(path))
+            for name in [n for n in sys.modules if n == "moonrt" or n.startswith("moonrt.")]:
+                del sys.modules[name]
+            sys.modules.update(ours)
     spec = importlib.util.spec_from_file_location("kda_baseline", path)
     if spec is None or spec.loader is None:
         raise SystemExit(f"--baseline {path}: not a Python file")
@@ -113,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="repeat until each measured function ran this many seconds (noisy shared machines)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
     parser.add_argument("--matmul-n", type=int, default=512, help="size of the square reference matmul")
-    parser.add_argument("--baseline", default=None, help="an older self-contained kda.py to time side by side")
+    parser.add_argument("--baseline", default=None,
+                        help="an older self-contained kda.py, or a checkout directory, to time side by side")
     parser.add_argument("--out", default="/tmp/bench_kda.json", help="JSON output path")
     args = parser.parse_args(argv)
     if args.threads:
