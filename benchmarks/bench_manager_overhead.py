@@ -16,8 +16,9 @@ the calls of the manager's pack hook: Python hook calls per step in steady state
 
     .venv/bin/python benchmarks/bench_manager_overhead.py --steps 10 --baseline /tmp/base --out /tmp/overhead.json
 
-``--inline`` adds host and FP8 under the current manager with ``copy_thread=True`` (host copies and FP8
-quantization on a background thread; the default runs them in the forward's thread).
+The current manager runs with its default ``copy_thread=None``: host copies and FP8 quantization on a background
+thread when the process has an idle CPU (``idle_cpu()``, printed in the header), else in the forward's thread.
+``--inline`` adds host and FP8 under the current manager with the other setting (row names say which).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import torch
 from machine import cpu_model
 
 from moonrt.config import from_dict
-from moonrt.memory.manager import ActivationManager
+from moonrt.memory.manager import ActivationManager, idle_cpu
 from moonrt.memory.policy import MemoryPolicy
 from moonrt.model.config import k3_tiny
 from moonrt.model.model import K3Model
@@ -137,6 +138,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     load_start = os.getloadavg()[0]
     disk_dir = tempfile.mkdtemp(prefix="moonrt-bench-overhead-")
+    idle = idle_cpu()  # what the current manager's copy_thread=None resolves to
     versions: dict[str, type] = {"": ActivationManager}
     if args.baseline:
         versions = {"base: ": load_manager(Path(args.baseline)), "": ActivationManager}
@@ -147,9 +149,9 @@ def main() -> None:
                 continue
             runners[tag + name] = Runner(copy.deepcopy(p), cls)
         if p is not None and args.inline and ("host" in name or "fp8" in name):
-            # the current manager with its host copies / FP8 quantization on the copy thread
-            runners[name + " [copy_thread=True]"] = Runner(copy.deepcopy(p),
-                                                           functools.partial(ActivationManager, copy_thread=True))
+            # the current manager with the copy thread setting its default did not pick
+            runners[name + f" [copy_thread={not idle}]"] = Runner(
+                copy.deepcopy(p), functools.partial(ActivationManager, copy_thread=not idle))
     names = list(runners)
     gen = torch.Generator().manual_seed(0)
     toks = [torch.randint(0, 256, (args.batch, args.seq_len), generator=gen) for _ in range(args.steps + 1)]
@@ -179,14 +181,15 @@ def main() -> None:
     tokens = args.batch * args.seq_len
     info = {"threads": torch.get_num_threads(), "cpu": cpu_model(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
-            "cpu_count": os.cpu_count(), "load_avg_1m_start": load_start, "load_avg_1m": os.getloadavg()[0]}
+            "cpu_count": os.cpu_count(), "load_avg_1m_start": load_start, "load_avg_1m": os.getloadavg()[0],
+            "copy_thread_default": idle}
     machine = f"threads={info['threads']}, {info['cpu']}, {info['cpu_capability']}"
     print(f"k3_tiny training step (fwd + bwd + AdamW), batch {args.batch} x {args.seq_len} tokens, "
           f"{args.steps} timed steps per runner, interleaved round-robin in one run"
           + (f"; 'base:' = manager of {args.baseline}" if args.baseline else ""))
     print(f"threads {info['threads']}, CPU {info['cpu']} ({info['cpu_count']} logical), torch CPU capability "
           f"{info['cpu_capability']}, torch {info['torch']}, load avg (1 min) at start {load_start:.1f}, "
-          f"at end {info['load_avg_1m']:.1f}")
+          f"at end {info['load_avg_1m']:.1f}; current manager: copy thread {'on' if idle else 'off'}")
     head = (f"{'policy':<42}{'tokens/s':>10}{'paired x':>10}{'CPU x':>8}{'hook calls/step':>16}{'loss==none':>11}"
             "  machine")
     print(head)

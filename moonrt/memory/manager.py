@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+import os
 import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -63,6 +64,18 @@ from moonrt.memory.recompute import RecomputeMixin
 from moonrt.memory.regions import RegionsMixin, _Frame, _generalize, layer_key
 from moonrt.memory.saved_hooks import SavedTensorsMixin, _top_hooks
 
+LOCAL_RANKS_ENV = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE")
+"""Where launchers put the number of ranks on this node (torchrun / ``moonrt launch``, Open MPI, MPICH, SLURM)."""
+
+
+def idle_cpu() -> bool:
+    """Whether this process has a CPU that torch's intra-op threads leave idle: the CPUs it may run on
+    (its affinity mask), shared among the node's ranks (the first of :data:`LOCAL_RANKS_ENV` set; 1 when
+    none is), number more than ``torch.get_num_threads()``."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    ranks = next((int(v) for v in (os.environ.get(k, "") for k in LOCAL_RANKS_ENV) if v.isdigit() and int(v) > 0), 1)
+    return cpus // ranks > torch.get_num_threads()
+
 
 class ActivationManager(RegionsMixin, RecomputeMixin, SavedTensorsMixin, Fp8BatchMixin, CopyBatchMixin):
     """Saved-tensor storage policies for one model (K3_SYSTEMS §8). See the module docstring.
@@ -79,13 +92,14 @@ class ActivationManager(RegionsMixin, RecomputeMixin, SavedTensorsMixin, Fp8Batc
         copy_batch_bytes: host saves of CPU tensors are copied per layer in one call (:mod:`.host_batch`),
             or once this many bytes are pending: the most source bytes held until their copy is submitted.
         copy_thread: run those copies (and device-tier FP8 quantization) on a background thread, overlapping
-            the forward (backward waits for them): worth it only with an idle core; off by default (on the
-            shared 2-core benchmark machine it measured no gain, see benchmarks/RESULTS.md).
+            the forward (backward waits for them), as a CUDA copy stream would. ``None`` (the default): on
+            when this process has a CPU its compute threads leave idle (:func:`idle_cpu`), where it hides
+            the copy (benchmarks/RESULTS.md); without one the thread would only compete with the forward.
     """
 
     def __init__(self, model: torch.nn.Module, policy: MemoryPolicy | None = None, remote: Any = None,
                  fp8_batch_bytes: int = 64 * 2**20, keep_accounting: str = "first",
-                 copy_batch_bytes: int = 64 * 2**20, copy_thread: bool = False) -> None:
+                 copy_batch_bytes: int = 64 * 2**20, copy_thread: bool | None = None) -> None:
         if keep_accounting not in ("first", "every"):
             raise ValueError(f"keep_accounting = {keep_accounting!r}: expected 'first' or 'every'")
         self.model = model
@@ -119,6 +133,8 @@ class ActivationManager(RegionsMixin, RecomputeMixin, SavedTensorsMixin, Fp8Batc
         self._fp8_batch_bytes = int(fp8_batch_bytes)
         self._copies: dict[str, _CopyGroup] = {}
         self._copy_batch_bytes = int(copy_batch_bytes)
+        if copy_thread is None:
+            copy_thread = idle_cpu()
         self._copier: ThreadPoolExecutor | None = (  # copy_thread: the one background copy thread
             ThreadPoolExecutor(1, thread_name_prefix="moonrt-host-copy") if copy_thread else None)
         self._min_bytes = self.policy.min_bytes
@@ -268,4 +284,4 @@ class ActivationManager(RegionsMixin, RecomputeMixin, SavedTensorsMixin, Fp8Batc
             self.remote.flush()
 
 
-__all__ = ["ActivationManager", "layer_key"]
+__all__ = ["ActivationManager", "idle_cpu", "layer_key"]

@@ -170,3 +170,27 @@ def test_fp8_quantized_on_the_copy_thread_bitwise(monkeypatch):
         loss.backward()
     del loss
     mgr.close()
+
+
+@pytest.mark.parametrize(("cpus", "env", "threads", "on"), [
+    (4, {}, 1, True),  # idle CPUs: the copy thread hides the copies
+    (4, {}, 4, False),  # every CPU runs intra-op threads: a copy thread would compete with them
+    (4, {"LOCAL_WORLD_SIZE": "4"}, 1, False),  # four ranks share the node's four CPUs
+    (4, {"OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, 1, True),  # two ranks of one thread on four CPUs
+    (4, {"SLURM_NTASKS_PER_NODE": "2"}, 2, False),
+])
+def test_copy_thread_default_follows_idle_cpus(monkeypatch, cpus, env, threads, on):
+    """``copy_thread=None`` (the default) starts the copy thread exactly when the process's CPUs, shared among
+    the node's ranks, outnumber torch's intra-op threads; an explicit setting wins."""
+    from moonrt.memory import manager as manager_mod
+
+    for k in manager_mod.LOCAL_RANKS_ENV:
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(manager_mod.os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    monkeypatch.setattr(manager_mod.torch, "get_num_threads", lambda: threads)
+    for arg, want in ((None, on), (True, True), (False, False)):
+        mgr = ActivationManager(Stack(), _policy(default="host"), copy_thread=arg)
+        assert (mgr._copier is not None) is want, arg
+        mgr.close()
