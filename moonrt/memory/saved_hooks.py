@@ -31,6 +31,7 @@ from moonrt.memory.policy import MemoryPolicy
 from moonrt.ops import fp8
 
 _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+"""The thread-local saved-tensor hooks stack that ``torch.autograd.graph.saved_tensors_hooks`` pushes to."""
 _push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
 _pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
 _STORAGE_META = ("raw", None, torch.uint8)
@@ -40,7 +41,6 @@ _expired = torch.UntypedStorage._expired
 _free_weak_ref = torch.UntypedStorage._free_weak_ref
 """An entry's ``weak`` is the raw weak reference of its source storage (``storage._weak_ref()``: an int, no
 Python object to allocate and track), freed by ``_release``."""
-"""The thread-local saved-tensor hooks stack that ``torch.autograd.graph.saved_tensors_hooks`` pushes to."""
 
 
 class SavedTensorsMixin:
@@ -138,13 +138,37 @@ class SavedTensorsMixin:
         fp8 = backend.quantizes(t)
         view = (t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
         key = (policy, sptr, view) if fp8 else (policy, sptr)
-        with self._lock:
+        store = backend.store
+        batched = not fp8 and store.batched and t.is_cpu
+        with self._lock:  # one critical section per save: the dedupe lookup and, for a batched copy, the insert
             entry = self._entries.get(key)
             if entry is not None and entry.weak is not None and _expired(entry.weak):
                 entry = None
             if entry is not None:
                 entry.refs += 1
-                self.accounting.on_dedupe(region, label)
+                self.accounting.dedupe_locked(region, label)
+                return _Handle(entry, view, None, self._release_fn)
+            if batched:  # copied with the rest of its layer in one call
+                n = storage.nbytes()
+                entry = _Entry(backend, None, layer, key, storage._weak_ref())
+                entry.refs = 1
+                entry.region = (region, label)
+                self._entries[key] = entry
+                grp = self._copies.get(policy)
+                if grp is not None and grp.layer != layer:
+                    self._flush_copies(policy)
+                    grp = None
+                if grp is None:
+                    grp = self._copies[policy] = _CopyGroup(backend, layer)
+                entry.group = grp
+                entry.index = len(grp.sizes)
+                grp.datas.append(torch.empty(0, dtype=torch.uint8).set_(storage))  # type: ignore[union-attr]
+                grp.sizes.append(n)
+                grp.live += 1
+                grp.nbytes += n
+                self.accounting.pack_tier_locked(region, label, store.tier, n, n, time.perf_counter() - t0)
+                if grp.nbytes >= self._copy_batch_bytes:
+                    self._flush_copies(policy)
                 return _Handle(entry, view, None, self._release_fn)
         if fp8:  # pending: quantized with the rest of its batch (layer) in one call
             entry = _Entry(backend, None, layer, key, storage._weak_ref())
@@ -166,30 +190,6 @@ class SavedTensorsMixin:
                 if batch.nbytes >= self._fp8_batch_bytes:
                     self._flush(policy)
             self.accounting.pack_s += time.perf_counter() - t0
-            return _Handle(entry, view, None, self._release_fn)
-        store = backend.store
-        if store.batched and t.device.type == "cpu":  # copied with the rest of its layer in one call
-            n = storage.nbytes()
-            entry = _Entry(backend, None, layer, key, storage._weak_ref())
-            entry.refs = 1
-            entry.region = (region, label)
-            with self._lock:
-                self._entries[key] = entry
-                grp = self._copies.get(policy)
-                if grp is not None and grp.layer != layer:
-                    self._flush_copies(policy)
-                    grp = None
-                if grp is None:
-                    grp = self._copies[policy] = _CopyGroup(backend, layer)
-                entry.group = grp
-                entry.index = len(grp.sizes)
-                grp.datas.append(storage_bytes(t))  # type: ignore[union-attr]
-                grp.sizes.append(n)
-                grp.live += 1
-                grp.nbytes += n
-                self.accounting.pack_tier_locked(region, label, store.tier, n, n, time.perf_counter() - t0)
-                if grp.nbytes >= self._copy_batch_bytes:
-                    self._flush_copies(policy)
             return _Handle(entry, view, None, self._release_fn)
         if store.tier == "device":
             packed = backend.pack(t)  # keeps the tensor itself; bytes counted by storage
