@@ -23,7 +23,14 @@ from typing import Any
 
 import torch
 
-from moonrt.ops.kda_terms import ChunkTerms, TileFactors, _scan_states, chunk_terms_with_factors, chunk_transitions
+from moonrt.ops.kda_terms import (
+    ChunkTerms,
+    TileFactors,
+    _scan_states,
+    chunk_terms,
+    chunk_terms_with_factors,
+    chunk_transitions,
+)
 
 CHUNK_GROUP_ELEMS = 1 << 18
 """Chunks are processed in groups of about this many ``[C, K]`` elements (1 MiB in fp32), so each group's
@@ -71,7 +78,7 @@ class ChunkKDA(torch.autograd.Function):
         finals: list[torch.Tensor | None] = [None] * len(starts)
         S = S0[0]
         for sl in _groups(N, B * H * C * max(K, V)):
-            terms = chunk_terms_with_factors(k[sl], v[sl], g[sl], beta[sl], q=q[sl], scale=scale)[0]
+            terms = chunk_terms(k[sl], v[sl], g[sl], beta[sl], q=q[sl], scale=scale)
             M, S_ext = chunk_transitions(terms)
             _, S = _scan_states(M, S_ext, S, sl.start, resets, lasts, finals, states=S_in[sl])
             Si = S_in[sl].view(-1, K, V)
@@ -150,7 +157,7 @@ def chunk_state_grad(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: to
     dS0 = dO.new_empty(1, B, H, K, V)
     carry = d_final.to(dO.dtype).reshape(B * H, K, V)
     for sl in reversed(_groups(N, B * H * C * max(K, V))):
-        terms = chunk_terms_with_factors(k[sl], v0[sl], g[sl], beta[sl], q=q[sl], scale=scale)[0]
+        terms = chunk_terms(k[sl], v0[sl], g[sl], beta[sl], q=q[sl], scale=scale)
         M, _ = _transition_matrix(terms)
         dOg = dO[sl]
         P = _bmm_tn(terms.Qg, dOg).sub_(_bmm_tn(terms.W, _bmm_tn(terms.A_qk, dOg)))  # [n, B, H, K, V]

@@ -18,6 +18,8 @@ import dataclasses
 
 import torch
 
+from moonrt.ops import kda_numba
+
 SUB_TILE = 32
 """Rows per sub-tile for the in-chunk decay factorization (K3_SYSTEMS §2.2). 32 rather than 16: the batched
 intra-chunk matmuls then have 64 rows (q and k rows of a sub-tile), which CPU BLAS runs several times faster."""
@@ -75,12 +77,11 @@ class ChunkTerms:
     Shapes are ``[N, B, H, C, *]`` (N chunks of C tokens), in the compute dtype (fp32 for fp32/bf16 inputs).
     """
 
-    G: torch.Tensor
-    """``[N, B, H, C, K]`` in-chunk inclusive cumulative log-decay (fp64: differences stay precise)."""
-    T: torch.Tensor
-    """``[N, B, H, C, C]`` UT transform ``(I + L)^-1 Diag(beta)`` (lower triangular)."""
+    T: torch.Tensor | None
+    """``[N, B, H, C, C]`` UT transform ``(I + L)^-1 Diag(beta)`` (lower triangular); None from the fused path
+    without factors (the forward needs only W and U)."""
     W: torch.Tensor
-    """``[N, B, H, C, K]`` ``T (exp(G) * K)``."""
+    """``[N, B, H, C, K]`` ``T (exp(G) * K)`` (G the in-chunk inclusive cumulative log-decay)."""
     U: torch.Tensor
     """``[N, B, H, C, V]`` ``T V``."""
     Kg: torch.Tensor
@@ -91,6 +92,8 @@ class ChunkTerms:
     """``[N, B, H, C, K]`` ``scale * Q * exp(G)`` (None without q)."""
     A_qk: torch.Tensor | None
     """``[N, B, H, C, C]`` ``scale * q_r . (exp(G_r - G_c) * k_c)`` for c <= r, else 0 (None without q)."""
+    WU: torch.Tensor | None = None
+    """``[N, B, H, C, K + V]``: W and U side by side when computed by one matmul (W, U are views of it), else None."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -123,6 +126,14 @@ def _masks(C: int, sub: int, device: torch.device) -> tuple[torch.Tensor, torch.
                                                                                                         sub, C)
 
 
+def _use_fused(*tensors: torch.Tensor | None) -> bool:
+    """The numba path runs without a graph on CPU fp32/fp64 tensors; the torch path otherwise (autograd)."""
+    ts = [t for t in tensors if t is not None]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
+        return False
+    return all(t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64) for t in ts)
+
+
 def chunk_terms_with_factors(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -132,6 +143,77 @@ def chunk_terms_with_factors(
     scale: float = 1.0,
 ) -> tuple[ChunkTerms, TileFactors]:
     """:func:`chunk_terms` and the :class:`TileFactors` it computed on the way (same arguments)."""
+    if _use_fused(k, v, g, beta, q):
+        terms, fac = _chunk_terms_fused(k, v, g, beta, q, scale, factors=True)
+        assert fac is not None
+        return terms, fac
+    return _chunk_terms_autograd(k, v, g, beta, q, scale)
+
+
+def _chunk_terms_fused(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, q: torch.Tensor | None,
+                       scale: float, factors: bool) -> tuple[ChunkTerms, TileFactors | None]:
+    """:func:`chunk_terms` without a graph: the elementwise work in two numba passes
+    (:func:`moonrt.ops.kda_numba.tile_operands` before the block matmul, :func:`~moonrt.ops.kda_numba.assemble_blocks`
+    after it), the matmuls batched over all chunks ``p`` of ``[N, B, H]``: all sub-tile blocks in one ``bmm``, the
+    UT transform as one triangular solve, ``[W | U] = (I + L)^-1 [Diag(beta) exp(G) K | Diag(beta) V]`` as one
+    ``bmm``. With ``factors`` also the backward's :class:`TileFactors` (and ``T``)."""
+    N, B, H, C, K = k.shape
+    V = v.shape[-1]
+    P = N * B * H
+    sub = _sub_tile(C)
+    n_sub = C // sub
+    nb = kda_numba.n_blocks(n_sub)
+    R = sub if q is None else 2 * sub
+    dtype = k.dtype
+    k, v, g, beta = (t.to(dtype).contiguous() for t in (k, v, g, beta))
+    q = None if q is None else q.to(dtype).contiguous()
+
+    def new(*shape: int) -> torch.Tensor:
+        return k.new_empty(P, *shape)
+
+    none = k.new_empty(0, 0, 0)  # stands for an output that is not written (numba needs an array)
+    blk_rows, blk_cols, xv, kg, decay = new(nb, R, K), new(nb, sub, K), new(C, K + V), new(C, K), new(K)
+    qg, qk = (new(C, K), new(C)) if q is not None else (none, k.new_empty(0, 0))
+    e_pos, e_neg, eg, ecg = (new(C, K) for _ in range(4)) if factors else (none,) * 4
+    off_rows = new(n_sub - 1, sub, K) if factors else k.new_empty(0, 0, 0, 0)
+    off_cols = new(sub * n_sub * (n_sub - 1) // 2, K) if factors else none
+    a = {n: t.reshape(P, C, -1).numpy() for n, t in dict(k=k, v=v, g=g).items()}
+    kda_numba.tile_operands(a["g"], a["k"], a["k"] if q is None else q.reshape(P, C, K).numpy(), a["v"],
+                            beta.reshape(P, C).numpy(), float(scale), sub, q is not None, factors,
+                            *(t.numpy() for t in (blk_rows, blk_cols, xv, kg, qg, decay, qk, e_pos, e_neg, eg, ecg,
+                                                 off_rows, off_cols)))
+    blk = torch.bmm(blk_rows.view(P * nb, R, K), blk_cols.view(P * nb, sub, K).transpose(1, 2))
+    lb = new(C, C)
+    a_kk = new(C, C) if factors else none
+    a_qk = new(C, C) if q is not None else none
+    kda_numba.assemble_blocks(blk.view(P, nb, R, sub).numpy(), beta.reshape(P, C).numpy(), qk.numpy(),
+                              q is not None, factors, lb.numpy(), a_kk.numpy(), a_qk.numpy())
+    eye = torch.eye(C, dtype=dtype, device=k.device)
+    # unitriangular: the solve reads only the strictly lower part (L), the unit diagonal is implied
+    T_inv = torch.linalg.solve_triangular(lb, eye, upper=False, unitriangular=True)  # [P, C, C]
+    WU = torch.bmm(T_inv, xv).view(N, B, H, C, K + V)
+    T_inv = T_inv.view(N, B, H, C, C)
+    T = T_inv * beta[..., None, :] if factors else None
+
+    def chunked(t: torch.Tensor) -> torch.Tensor:
+        return t.view(N, B, H, *t.shape[1:])
+
+    terms = ChunkTerms(T=T, W=WU[..., :K], U=WU[..., K:], Kg=chunked(kg), decay=chunked(decay),
+                       Qg=None if q is None else chunked(qg), A_qk=None if q is None else chunked(a_qk), WU=WU)
+    if not factors:
+        return terms, None
+    tiles = (N, B, H, n_sub, sub, K)
+    offs = [sub * i * (i - 1) // 2 for i in range(n_sub)]
+    fac = TileFactors(e_pos=e_pos.view(tiles), e_neg=e_neg.view(tiles),
+                      off_rows=[chunked(off_rows[:, i - 1]) for i in range(1, n_sub)],
+                      off_cols=[chunked(off_cols[:, offs[i] : offs[i] + i * sub]) for i in range(1, n_sub)],
+                      A_kk=chunked(a_kk), T_inv=T_inv, eG=chunked(eg), eCG=chunked(ecg))
+    return terms, fac
+
+
+def _chunk_terms_autograd(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                          q: torch.Tensor | None, scale: float) -> tuple[ChunkTerms, TileFactors]:
+    """:func:`chunk_terms_with_factors` in plain torch, differentiable (the path with a graph)."""
     dtype = k.dtype
     N, B, H, C, K = k.shape
     sub = _sub_tile(C)
@@ -189,7 +271,7 @@ def chunk_terms_with_factors(
         A_qk = torch.where(lower, A[..., sub:, :], 0.0).view(N, B, H, C, C)
         # the diagonal carries no decay: take it exactly
         A_qk.diagonal(dim1=-2, dim2=-1).copy_((qs * k).sum(-1))
-    terms = ChunkTerms(G=G, T=T, W=W, U=U, Kg=Kg, decay=decay, Qg=Qg, A_qk=A_qk)
+    terms = ChunkTerms(T=T, W=W, U=U, Kg=Kg, decay=decay, Qg=Qg, A_qk=A_qk)
     return terms, TileFactors(e_pos=e_pos, e_neg=e_neg, off_rows=off_rows, off_cols=off_cols, A_kk=A_kk,
                               T_inv=T_inv, eG=eG, eCG=eCG)
 
@@ -225,7 +307,9 @@ def chunk_terms(
     exactly (``q_r . k_r``), so no gradient passes through ``exp(0)`` written as a product of a large and a small
     factor. The UT transform is one batched triangular solve against the identity, scaled by ``beta`` per column.
     """
-    return chunk_terms_with_factors(k, v, g, beta, q, scale)[0]
+    if _use_fused(k, v, g, beta, q):
+        return _chunk_terms_fused(k, v, g, beta, q, scale, factors=False)[0]
+    return _chunk_terms_autograd(k, v, g, beta, q, scale)[0]
 
 
 def chunk_transitions(terms: ChunkTerms) -> tuple[torch.Tensor, torch.Tensor]:
@@ -234,6 +318,14 @@ def chunk_transitions(terms: ChunkTerms) -> tuple[torch.Tensor, torch.Tensor]:
     Returns ``M [N, B, H, K, K] = Diag(exp(G_C)) - Kg^T W`` and ``S_ext [N, B, H, K, V] = Kg^T U``.
     """
     KgT = terms.Kg.transpose(-1, -2)
+    if terms.WU is not None and not torch.is_grad_enabled():  # one matmul Kg^T [W | U]; M and S_ext are views
+        K = KgT.shape[-2]
+        N, B, H = KgT.shape[:3]
+        MS = torch.bmm(KgT.reshape(-1, K, KgT.shape[-1]), terms.WU.reshape(-1, *terms.WU.shape[-2:]))
+        MS = MS.view(N, B, H, K, -1)
+        M = MS[..., :K].neg_()
+        M.diagonal(dim1=-2, dim2=-1).add_(terms.decay)
+        return M, MS[..., K:]
     return torch.diag_embed(terms.decay).sub_(KgT @ terms.W), KgT @ terms.U
 
 
