@@ -7,6 +7,7 @@ import torch
 from numerics import rel_l2
 
 import moonrt.ops.kda_autograd as kda_module
+import moonrt.ops.kda_terms as kda_terms
 from moonrt.ops.kda import (
     chunk_terms,
     chunk_transitions,
@@ -159,6 +160,32 @@ def test_chunk_terms_match_definitions() -> None:
     torch.testing.assert_close(terms.A_qk[0, 0, 0], A_qk)
     M, _ = chunk_transitions(terms)
     torch.testing.assert_close(M[0, 0, 0], torch.diag(G[-1].exp()) - terms.Kg[0, 0, 0].T @ terms.W[0, 0, 0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(("C", "with_q"), [(64, True), (128, True), (96, False), (16, True)])
+def test_fused_terms_equal_the_autograd_path(C: int, with_q: bool, dtype: torch.dtype) -> None:
+    """The numba path of chunk_terms_with_factors (no graph) and the torch path (taken when an input requires
+    grad) compute the same terms and tile factors: 1, 2, 3 and 4 sub-tiles per chunk, K3's full gate range."""
+    x = make_inputs(2, 2 * C, 2, 16, 8, seed=C, dtype=dtype)
+    x["g"] = -5.0 * torch.sigmoid(torch.randn(x["g"].shape, generator=torch.Generator().manual_seed(1))).to(dtype)
+    ch = {n: kda_terms._to_chunks(x[n], C, dtype) for n in ("q", "k", "v", "g", "beta")}
+    q = ch["q"] if with_q else None
+    fused = kda_terms.chunk_terms_with_factors(ch["k"], ch["v"], ch["g"], ch["beta"], q=q, scale=0.3)
+    grad = {n: t.clone().requires_grad_() for n, t in ch.items()}
+    ref = kda_terms.chunk_terms_with_factors(grad["k"], grad["v"], grad["g"], grad["beta"],
+                                             q=grad["q"] if with_q else None, scale=0.3)
+    tol = 1e-12 if dtype == torch.float64 else 1e-6
+    for part_f, part_r in zip(fused, ref):
+        for field in part_f.__dataclass_fields__:
+            a, b = getattr(part_f, field), getattr(part_r, field)
+            if field == "WU" or (a is None and b is None):
+                continue
+            for ai, bi in zip(a, b) if isinstance(a, list) else [(a, b)]:
+                assert ai.shape == bi.shape and ai.dtype == bi.dtype == dtype, field
+                assert rel_l2(ai, bi.detach()) <= tol, field
+    terms = kda_terms.chunk_terms(ch["k"], ch["v"], ch["g"], ch["beta"], q=q, scale=0.3)
+    assert terms.T is None and torch.equal(terms.W, fused[0].W)  # the forward-only path skips T
 
 
 def test_empty_sequence() -> None:
