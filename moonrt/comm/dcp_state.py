@@ -10,6 +10,17 @@ parts of :class:`moonrt.comm.parallelism.Parallelism` build it, :mod:`moonrt.che
   to ``[numel]`` of the single-process parameter, so that every layout's piece is one contiguous range:
   an EP rank's experts, a ZeRO-1 owner's piece of its flat bucket (``moonrt.comm.zero._Bucket``), or both.
   ``optimizer.<name>.step``: the parameter's AdamW step count, a 0-d float64 tensor (0: no state yet).
+- ``optimizer.<name>.momentum_buffer``: the momentum of a parameter in a ``use_muon`` group of
+  :class:`moonrt.ops.muon.Muon`, with the parameter's **single-process shape** (not flattened: a Muon block
+  ``[a, b]`` of ``[*S, A, B]`` is a box, rows or columns, one per block a ZeRO-Muon owner holds: :class:`Boxes`);
+  zeros when the parameter has no state yet. Its ``optimizer.<name>.step`` says whether it has state (> 0; a
+  ZeRO-Muon owner counts steps, the single-process Muon, which keeps no count, writes 1). A zero buffer and no
+  buffer give the same next step bit for bit (``Muon._muon_param`` starts an absent buffer as zeros, then the
+  same ``lerp_``), so loading never needs the marker for exactness; it is there so that a checkpoint converted to
+  the gathered format has state for exactly the parameters the gathered ``optimizer.state_dict()`` has (a buffer
+  can be all zeros after a step: a parameter whose gradients were exactly zero), and so that every rank agrees on
+  it without a collective (EP gathers every rank's state of a parameter together).
+  The AdamW-group parameters of Muon have AdamW's three entries (above).
 
 Loading builds the same dict with the *target* tensors (views of the parameters and optimizer buffers where
 possible), DCP copies every requested range from whichever saved chunks overlap it (resharding), and the
@@ -38,6 +49,8 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, TensorWriteData, WriteItem, WriteItemType
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+MOMENTUM = "momentum_buffer"
+"""Muon's state key (``torch.optim.Muon``'s name, kept by :class:`moonrt.ops.muon.Muon`)."""
 
 
 @dataclasses.dataclass
@@ -73,6 +86,52 @@ class Shard:
         return [self.chunk()]
 
 
+@dataclasses.dataclass
+class Boxes:
+    """Several boxes ``parts`` (each a :class:`Shard` of single-process shape ``shape``) of one tensor on one rank:
+    the Muon blocks a ZeRO-Muon owner holds of one parameter (rows or columns: a column block is no contiguous
+    range of the flattened tensor, so the moment cannot be one flat :class:`Shard`).
+
+    DCP sees one write item / chunk per box; the planners below find the box of an item by its offsets (a
+    ``MetadataIndex.offset``: every box of a tensor starts at its own offsets).
+    """
+
+    shape: tuple[int, ...]
+    parts: list[Shard]
+
+    def __post_init__(self) -> None:
+        starts = [p.offsets for p in self.parts]
+        if any(p.shape != self.shape for p in self.parts) or len(set(starts)) != len(starts):
+            raise ValueError(f"Boxes: parts {[(p.shape, p.offsets) for p in self.parts]} of {self.shape}: expected "
+                             "the same shape and distinct offsets")
+
+    def size(self) -> torch.Size:
+        return torch.Size(self.shape)
+
+    def box(self, offsets: Any) -> torch.Tensor:
+        """The local tensor of the box starting at ``offsets``."""
+        want = tuple(offsets)
+        for p in self.parts:
+            if p.offsets == want:
+                return p.local
+        raise KeyError(f"Boxes: no box at offsets {want} (boxes at {[p.offsets for p in self.parts]})")
+
+    def numel(self) -> int:
+        return sum(p.local.numel() for p in self.parts)
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        return [w for p in self.parts for w in p.__create_write_items__(fqn, p)]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [p.chunk() for p in self.parts]
+
+
+def entry_bytes(obj: Any) -> int:
+    """Bytes of this rank's data in a sharded-state value (a tensor, :class:`Shard` or :class:`Boxes`)."""
+    tensors = [p.local for p in obj.parts] if isinstance(obj, Boxes) else [_local(obj)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def flat_shard(local: torch.Tensor, numel: int, start: int) -> Shard:
     """Elements ``[start, start + local.numel())`` of a flattened ``[numel]`` tensor (``local`` viewed 1-D)."""
     return Shard(local.reshape(-1), (numel,), (start,))
@@ -82,19 +141,28 @@ def _local(obj: Any) -> Any:
     return obj.local if isinstance(obj, Shard) else obj
 
 
+def _target(obj: Any, index: MetadataIndex) -> torch.Tensor:
+    """The local tensor of ``obj`` that write / read item ``index`` names (a :class:`Boxes` box by its offsets)."""
+    return obj.box(index.offset) if isinstance(obj, Boxes) else _local(obj)
+
+
+def _numel(obj: Any) -> int:
+    return obj.numel() if isinstance(obj, Boxes) else _local(obj).numel()
+
+
 class ShardSavePlanner(DefaultSavePlanner):
-    """DCP's default save planner (replicas deduplicated across ranks) that also writes :class:`Shard` values
-    (of a flat dict: nothing to flatten)."""
+    """DCP's default save planner (replicas deduplicated across ranks) that also writes :class:`Shard` and
+    :class:`Boxes` values (of a flat dict: nothing to flatten)."""
 
     def __init__(self) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
 
     def lookup_object(self, index: MetadataIndex) -> Any:
-        return _local(self.state_dict[index.fqn])
+        return _target(self.state_dict[index.fqn], index)
 
 
 class ShardLoadPlanner(DefaultLoadPlanner):
-    """Loads into :class:`Shard` and tensor targets; refuses non-tensor (pickled) entries.
+    """Loads into :class:`Shard`, :class:`Boxes` and tensor targets; refuses non-tensor (pickled) entries.
 
     DCP's default planner unpickles a ``BytesStorageMetadata`` entry with ``torch.load(weights_only=False)``;
     here such an entry is an error before any byte of it is read. The state dict is flat and its values are
@@ -116,14 +184,14 @@ class ShardLoadPlanner(DefaultLoadPlanner):
         for item in plan.items:
             covered[item.dest_index.fqn] = covered.get(item.dest_index.fqn, 0) + math.prod(item.lengths)
         for fqn, target in self.state_dict.items():
-            want = _local(target).numel()
+            want = _numel(target)
             if covered.get(fqn, 0) != want:
                 raise ValueError(f"checkpoint entry {fqn!r}: the saved chunks hold {covered.get(fqn, 0)} of the "
                                  f"{want} elements this rank needs (a checkpoint missing some ranks' files?)")
         return plan
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        return _local(self.state_dict[index.fqn])
+        return _target(self.state_dict[index.fqn], index)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         raise ValueError(f"checkpoint entry {read_item.dest_index.fqn!r}: a pickled object, expected a tensor "
@@ -199,9 +267,11 @@ def model_entries(model: nn.Module, shards: dict[int, tuple[tuple[int, ...], int
 
 def optim_entries(model: nn.Module, optim: torch.optim.Optimizer,
                   shards: dict[int, tuple[tuple[int, ...], int]] | None = None) -> dict[str, Any]:
-    """``optimizer.<name>.exp_avg`` / ``.exp_avg_sq`` (flat, a :class:`Shard` under ``shards``) and ``.step``
-    (0-d float64) of every parameter of ``optim`` (torch AdamW layout). A parameter without state yet gets
-    zeros and step 0, so the same dict serves as the save source and the load target."""
+    """The optimizer entries of every parameter of ``optim`` (torch AdamW, or :class:`moonrt.ops.muon.Muon`):
+    ``optimizer.<name>.exp_avg`` / ``.exp_avg_sq`` (flat, a :class:`Shard` under ``shards``) of AdamW
+    parameters, ``optimizer.<name>.momentum_buffer`` (the parameter's shape; under ``shards`` a :class:`Shard` of
+    rows ``(first, 0, ...)``) of a ``use_muon`` group's, and ``.step`` (0-d float64) of both. A parameter without
+    state yet gets zeros and step 0, so the same dict serves as the save source and the load target."""
     shards = shards or {}
     name_of = {id(p): n for n, p in model.named_parameters()}
     out: dict[str, Any] = {}
@@ -210,6 +280,13 @@ def optim_entries(model: nn.Module, optim: torch.optim.Optimizer,
             name = name_of[id(p)]
             st = optim.state.get(p) or {}
             shape, first = shards.get(id(p), (tuple(p.shape), 0))
+            if group.get("use_muon", False):
+                buf = st.get("momentum_buffer")
+                buf = buf if buf is not None else torch.zeros_like(p)
+                out[f"optimizer.{name}.{MOMENTUM}"] = (Shard(buf, shape, (first,) + (0,) * (p.dim() - 1))
+                                                       if id(p) in shards else buf)
+                out[f"optimizer.{name}.step"] = torch.tensor(float(MOMENTUM in st), dtype=torch.float64)
+                continue
             row = p[0].numel() if p.dim() else 1
             for key in MOMENTS:
                 buf = st.get(key)
@@ -222,7 +299,8 @@ def optim_entries(model: nn.Module, optim: torch.optim.Optimizer,
 
 def finish_local_load(model: nn.Module, optim: torch.optim.Optimizer, state: dict[str, Any]) -> None:
     """After DCP filled a :func:`local_state` target (model tensors are loaded in place, being views): put the loaded
-    moments and step counts into ``optim.state`` (a parameter with step 0 gets no state, as in torch)."""
+    moments / momentum buffers and step counts into ``optim.state`` (a parameter with step 0 gets no state, as in
+    torch and :class:`moonrt.ops.muon.Muon`)."""
     name_of = {id(p): n for n, p in model.named_parameters()}
     from torch.optim.optimizer import _get_scalar_dtype
 
@@ -234,10 +312,13 @@ def finish_local_load(model: nn.Module, optim: torch.optim.Optimizer, state: dic
             if step == 0:
                 optim.state.pop(p, None)
                 continue
+            if group.get("use_muon", False):
+                optim.state[p] = {MOMENTUM: _local(state[f"optimizer.{name}.{MOMENTUM}"]).view_as(p)}
+                continue
             moments = {k: _local(state[f"optimizer.{name}.{k}"]).view_as(p) for k in MOMENTS}
             optim.state[p] = {"step": torch.tensor(step, dtype=scalar), **moments}
 
 
-__all__ = ["MOMENTS", "SafeReader", "Shard", "ShardLoadPlanner", "ShardSavePlanner", "finish_local_load",
-           "flat_shard", "local_state", "model_entries", "optim_entries",
+__all__ = ["MOMENTS", "MOMENTUM", "Boxes", "SafeReader", "Shard", "ShardLoadPlanner", "ShardSavePlanner",
+           "entry_bytes", "finish_local_load", "flat_shard", "local_state", "model_entries", "optim_entries",
            "read_metadata_safely"]

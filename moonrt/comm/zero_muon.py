@@ -22,7 +22,9 @@ row-major, units in index order), padded with zeros to ``S`` = the largest segme
 
 State: the momentum of owned Muon blocks (``[a, b]`` fp32 each) and the two moments of owned AdamW
 parameters; nothing else (``optimizer_state_bytes`` per rank in the metrics). Checkpoints speak the
-single-process layout (:meth:`ZeroMuon.full_state_dict` gathers the segments with the same collective).
+single-process layout: gathered (:meth:`ZeroMuon.full_state_dict` gathers the segments with the same collective)
+or sharded for DCP (:meth:`ZeroMuon.sharded_state_dict`: each owned block's momentum is a box of the parameter's
+single-process shape, rows or columns, several per parameter on one rank; owned AdamW moments flat ranges).
 
 Buckets (as :class:`moonrt.comm.zero.Zero1`'s): the units of parameters with the same replica group and dtype
 are planned, packed and reduced together. Dense parameters are replicated over ``dp_ep_cp`` (data, expert and
@@ -67,6 +69,7 @@ from moonrt.ops.muon import (
 from moonrt.scheduler.muon_plan import MuonPlan, Unit, plan_units
 
 if TYPE_CHECKING:
+    from moonrt.comm.dcp_state import Shard
     from moonrt.comm.ep_parallel import ExpertParallel
     from moonrt.comm.mesh import ProcessMesh
 
@@ -397,6 +400,50 @@ class ZeroMuon(Part):
             optim.state.clear()
         return True
 
+    def sharded_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer,
+                           save: bool = True) -> dict[str, Any]:
+        """DCP state without a gather (:mod:`moonrt.comm.dcp_state`): the model as the EP part (or one process)
+        gives it; per parameter with an owned unit, the owned Muon blocks' ``momentum_buffer`` as boxes of the
+        single-process shape (:func:`block_box`; several blocks of one parameter: :class:`Boxes`) or an owned
+        AdamW parameter's moments as its flat range (under EP from row ``first`` of ``[E, ...]``); ``.step`` of
+        every parameter (replicated: DCP writes one copy). The same dict is the load target: the boxes are views
+        of the owned state tensors (a unit with no step yet holds zeros, which Muon's first step treats as no
+        buffer, bit for bit: ``Muon._muon_param`` starts an absent buffer as zeros)."""
+        from moonrt.comm.dcp_state import MOMENTS, MOMENTUM, Boxes, flat_shard, model_entries
+
+        self._layout(model)
+        self._check(optim)
+        shards = self.ep.shard_map(model) if self.ep is not None else {}
+        out = model_entries(model, shards)
+        boxes: dict[int, list[Shard]] = {}
+        for u in self.mine:
+            s, st = self.slots[u], self.state[u]
+            p, name = self.params[s.param], self.names[s.param]
+            shape, first = shards.get(id(p), (tuple(p.shape), 0))
+            if s.block >= 0:
+                boxes.setdefault(s.param, []).append(
+                    block_box(st[MOMENTUM], p.shape, self.specs[s.param], s.block, shape, first))
+            else:
+                row = p[0].numel() if p.dim() else 1
+                for key in MOMENTS:
+                    out[f"optimizer.{name}.{key}"] = flat_shard(st[key], math.prod(shape), first * row)
+        for i, parts in boxes.items():
+            out[f"optimizer.{self.names[i]}.{MOMENTUM}"] = parts[0] if len(parts) == 1 else Boxes(parts[0].shape, parts)
+        for i, name in enumerate(self.names):
+            out[f"optimizer.{name}.step"] = self.steps[i].clone()
+        return out
+
+    def load_sharded_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, state: dict[str, Any]) -> bool:
+        """The owned momenta and moments were read into the state tensors in place; take the step counts (the
+        owned AdamW units' ``step`` too), keep ``optim.state`` empty."""
+        for i, name in enumerate(self.names):
+            self.steps[i] = float(state[f"optimizer.{name}.step"])
+        for u, st in self.state.items():
+            if "step" in st:
+                st["step"].fill_(self.steps[self.slots[u].param])
+        optim.state.clear()
+        return True
+
     # ---- accounting --------------------------------------------------------------------------------
     def state_bytes(self) -> int:
         """Optimizer-state bytes this rank holds (owned momentum / moments, the ``[P]`` step counts)."""
@@ -414,3 +461,22 @@ class ZeroMuon(Part):
         record["optimizer_state_bytes"] = every_rank(self.state_bytes(), device)
         record["optimizer_comm_bytes"] = self.comm_bytes()
         record["muon_flops_imbalance"] = max((b.plan.imbalance for b in self.buckets), default=1.0)
+
+
+def block_box(buf: torch.Tensor, local_shape: torch.Size, spec: Blocking | None, k: int, shape: tuple[int, ...],
+              first: int = 0) -> Shard:
+    """Block ``k`` (``block_view``'s numbering) of a parameter of this rank's shape ``local_shape`` as a box of its
+    single-process ``shape``: ``buf [a, b]`` viewed ``[1, ..., 1, a, b]`` at the block's stack index, row or
+    column offset, shifted by ``first`` rows along dim 0 (EP: the rank's first home expert)."""
+    from moonrt.comm.dcp_state import Shard
+
+    stack, heads, a, b = block_grid(local_shape, spec)
+    sd = spec.stack_dims if spec is not None else 0
+    s, h = divmod(k, heads)
+    index = []
+    for n in reversed(local_shape[:sd]):  # the stack index s over the stacked dims, row-major
+        s, i = divmod(s, n)
+        index.insert(0, i)
+    offsets = index + ([h * a, 0] if heads == 1 or spec.axis == 0 else [0, h * b])
+    offsets[0] += first
+    return Shard(buf.view(*([1] * sd), a, b), tuple(shape), tuple(offsets))
