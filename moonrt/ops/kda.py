@@ -19,8 +19,9 @@ state entering a chunk is computed for all chunks at once as batched matmuls ``[
 (``S_{n+1} = M_n S_n + S_ext_n``, the affine form of §2.4). :func:`kda_transition` exposes that affine map
 for any contiguous segment; KCP (§7) builds on it. The building blocks live in :mod:`moonrt.ops.kda_terms`;
 :func:`kda_chunk` runs them as one autograd function with a hand-written chunked backward (reverse state
-pass, then batched per-chunk gradients; :mod:`moonrt.ops.kda_autograd`). :func:`kda_transition` stays plain
-torch (differentiable through autograd).
+pass, then batched per-chunk gradients; :mod:`moonrt.ops.kda_autograd`); without a graph the terms' elementwise
+work runs in numba (:mod:`moonrt.ops.kda_numba`). :func:`kda_transition` under autograd runs the plain torch
+terms (differentiable).
 
 Numerics: all state arithmetic is in fp32 (fp64 if the inputs are fp64). In-chunk decays are applied
 through 32-token sub-tiles with a midpoint reference (§2.2), so every factor in a matmul operand lies within

@@ -245,19 +245,24 @@ def tile_operands(g, k, q, v, beta, scale, sub, has_q, want_factors,  # pragma: 
 
 
 
-@njit(cache=True, nogil=True)
-def assemble_blocks(blk, beta, qk, has_q, want_akk, lb, a_kk, a_qk):  # pragma: no cover (compiled)
+@njit(cache=True, nogil=True, fastmath={"contract"})
+def assemble_blocks(blk, beta, qk, has_q, want_akk, lb, a_kk, a_qk, solve, xv, wu):  # pragma: no cover (compiled)
     """Scatter block products ``blk [P, nb, R, sub]`` (rows ``[k; q]`` of sub-tile i against columns of sub-tile
     j, block order as in :func:`tile_operands`) into ``[P, C, C]`` matrices, zero elsewhere:
 
     - ``lb``: ``beta_r A_kk[r, c]`` for c < r (the strictly lower L of the UT transform);
     - ``a_kk`` (only with ``want_akk``): ``A_kk[r, c]`` for c < r;
-    - ``a_qk`` (only with ``has_q``): ``A_qk[r, c]`` for c < r, ``qk[p, r]`` (the exact diagonal) for c = r.
+    - ``a_qk`` (only with ``has_q``): ``A_qk[r, c]`` for c < r, ``qk[p, r]`` (the exact diagonal) for c = r;
+    - ``wu [P, C, K + V]`` (only with ``solve``): ``(I + L)^-1 xv`` by forward substitution as each row of L is
+      built, ``wu[r] = xv[r] - sum_{c < r} L[r, c] wu[c]`` (rows of K + V: vectorized multiply-adds in the compute
+      dtype, as LAPACK's triangular solve; C^2 (K + V) / 2 multiply-adds, half of inverting ``I + L`` and
+      multiplying, when the inverse itself is not needed).
 
     The masked entries of the diagonal blocks (c > r) are never read: they may overflow (a product of two large
     factors). Each row is written as runs of whole blocks (vectorized copies), then its zero tail."""
     P, C = beta.shape
     sub = blk.shape[3]
+    acc = np.empty(xv.shape[2] if solve else 0, lb.dtype)  # row r of wu
     for p in range(P):
         for r in range(C):
             i = r // sub
@@ -286,3 +291,12 @@ def assemble_blocks(blk, beta, qk, has_q, want_akk, lb, a_kk, a_qk):  # pragma: 
                 aqk_r[r] = qk[p, r]
                 for c in range(r + 1, C):
                     aqk_r[c] = 0.0
+            if solve:
+                wu_p = wu[p]
+                acc[:] = xv[p, r]
+                for c in range(r):
+                    x = lb_r[c]
+                    w_c = wu_p[c]
+                    for e in range(acc.size):
+                        acc[e] -= x * w_c[e]
+                wu_p[r, :] = acc

@@ -1,9 +1,11 @@
 """KDA chunk-form building blocks (K3_SYSTEMS §2.2-2.4): chunk layout, per-chunk terms, state maps, state pass.
 
-Shapes are chunk-major ``[N, B, H, C, *]`` (N chunks of C tokens, see :func:`_to_chunks`). Everything here is
-plain torch and differentiable (``chunk_terms`` backs :func:`moonrt.ops.kda.kda_transition`); the chunked kernel
-(:mod:`moonrt.ops.kda_autograd`) runs it without a graph and keeps the :class:`TileFactors` for its hand-written
-backward.
+Shapes are chunk-major ``[N, B, H, C, *]`` (N chunks of C tokens, see :func:`_to_chunks`). ``chunk_terms`` has two
+implementations of the same math: without a graph (the chunked kernel :mod:`moonrt.ops.kda_autograd`, forward and
+recomputation in its hand-written backward, which keeps the :class:`TileFactors`) the elementwise work runs in two
+numba passes (:mod:`moonrt.ops.kda_numba`) around batched matmuls; when an input requires grad
+(:func:`moonrt.ops.kda.kda_transition` under autograd) plain differentiable torch runs instead. A test holds the
+two equal (fp64: 1e-12, fp32: 1e-6 relative).
 
 Numerics: all state arithmetic is in fp32 (fp64 if the inputs are fp64). In-chunk decays are applied through
 32-token sub-tiles with a midpoint reference (§2.2), so every factor in a matmul operand lies within
@@ -11,7 +13,6 @@ Numerics: all state arithmetic is in fp32 (fp64 if the inputs are fp64). In-chun
 and exponentials of large exponents are taken in fp64 and rounded once, so results keep fp32 precision (~1e-7
 relative against an fp64 reference).
 """
-
 from __future__ import annotations
 
 import dataclasses
@@ -186,14 +187,20 @@ def _chunk_terms_fused(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: 
     lb = new(C, C)
     a_kk = new(C, C) if factors else none
     a_qk = new(C, C) if q is not None else none
+    # forward only: [W | U] by forward substitution in the same pass; with factors (backward): T_inv as well
+    WU = none if factors else new(C, K + V)
     kda_numba.assemble_blocks(blk.view(P, nb, R, sub).numpy(), beta.reshape(P, C).numpy(), qk.numpy(),
-                              q is not None, factors, lb.numpy(), a_kk.numpy(), a_qk.numpy())
-    eye = torch.eye(C, dtype=dtype, device=k.device)
-    # unitriangular: the solve reads only the strictly lower part (L), the unit diagonal is implied
-    T_inv = torch.linalg.solve_triangular(lb, eye, upper=False, unitriangular=True)  # [P, C, C]
-    WU = torch.bmm(T_inv, xv).view(N, B, H, C, K + V)
-    T_inv = T_inv.view(N, B, H, C, C)
-    T = T_inv * beta[..., None, :] if factors else None
+                              q is not None, factors, lb.numpy(), a_kk.numpy(), a_qk.numpy(), not factors,
+                              xv.numpy(), WU.numpy())
+    T = T_inv = None
+    if factors:
+        eye = torch.eye(C, dtype=dtype, device=k.device)
+        # unitriangular: the solve reads only the strictly lower part (L), the unit diagonal is implied
+        T_inv = torch.linalg.solve_triangular(lb, eye, upper=False, unitriangular=True)  # [P, C, C]
+        WU = torch.bmm(T_inv, xv)
+        T_inv = T_inv.view(N, B, H, C, C)
+        T = T_inv * beta[..., None, :]
+    WU = WU.view(N, B, H, C, K + V)
 
     def chunked(t: torch.Tensor) -> torch.Tensor:
         return t.view(N, B, H, *t.shape[1:])
@@ -207,7 +214,7 @@ def _chunk_terms_fused(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: 
     fac = TileFactors(e_pos=e_pos.view(tiles), e_neg=e_neg.view(tiles),
                       off_rows=[chunked(off_rows[:, i - 1]) for i in range(1, n_sub)],
                       off_cols=[chunked(off_cols[:, offs[i] : offs[i] + i * sub]) for i in range(1, n_sub)],
-                      A_kk=chunked(a_kk), T_inv=T_inv, eG=chunked(eg), eCG=chunked(ecg))
+                      A_kk=chunked(a_kk), T_inv=T_inv, eG=chunked(eg), eCG=chunked(ecg))  # type: ignore[arg-type]
     return terms, fac
 
 
@@ -306,6 +313,9 @@ def chunk_terms(
     Exponents are differences of fp64 cumulative sums, rounded once. The diagonal ``r = c`` of ``A_qk`` is taken
     exactly (``q_r . k_r``), so no gradient passes through ``exp(0)`` written as a product of a large and a small
     factor. The UT transform is one batched triangular solve against the identity, scaled by ``beta`` per column.
+
+    Without a graph (no input requires grad, CPU fp32/fp64) this runs :func:`_chunk_terms_fused` and returns
+    ``T = None`` (the forward reads only W and U, computed as ``[W | U] = (I + L)^-1 Diag(beta) [exp(G) K | V]``).
     """
     if _use_fused(k, v, g, beta, q):
         return _chunk_terms_fused(k, v, g, beta, q, scale, factors=False)[0]

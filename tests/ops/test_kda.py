@@ -185,7 +185,8 @@ def test_fused_terms_equal_the_autograd_path(C: int, with_q: bool, dtype: torch.
                 assert ai.shape == bi.shape and ai.dtype == bi.dtype == dtype, field
                 assert rel_l2(ai, bi.detach()) <= tol, field
     terms = kda_terms.chunk_terms(ch["k"], ch["v"], ch["g"], ch["beta"], q=q, scale=0.3)
-    assert terms.T is None and torch.equal(terms.W, fused[0].W)  # the forward-only path skips T
+    assert terms.T is None  # the forward-only path skips T and solves for [W | U] directly
+    assert rel_l2(terms.W, fused[0].W) <= tol and rel_l2(terms.U, fused[0].U) <= tol
 
 
 def test_empty_sequence() -> None:
