@@ -32,7 +32,8 @@
   name, experts as ``name[e]``), the step and the model config, so :func:`from_hf` maps it back.
   ``--names moonrt`` writes the moonrt names and stacked experts unchanged.
 - ``moonrt checkpoint convert SRC DST``: ``checkpoint.pt`` -> a sharded directory (DST is the
-  ``OUT/checkpoint`` root; written in one process) or a sharded directory -> ``checkpoint.pt`` (DST a file).
+  ``OUT/checkpoint`` root; written in one process) or a sharded directory -> ``checkpoint.pt`` (DST a file);
+  AdamW and Muon jobs (``--optimizer muon``) alike.
 
 Bad input: one line on stderr naming the argument, exit 2.
 """
@@ -212,14 +213,16 @@ def _convert(args: argparse.Namespace) -> int:
     from moonrt.assemble import build_model
     from moonrt.config import from_dict
     from moonrt.job import JobConfig
+    from moonrt.ops.muon import Muon
     from moonrt.optimizers import build_optimizer
 
     state = load(src)
     job = from_dict(JobConfig, state["config"])
     model = build_model(job)
     opt = build_optimizer(model, job.optim)
-    if not isinstance(opt, torch.optim.AdamW):
-        return _fail(f"SRC = {args.src!r}: optimizer {type(opt).__name__}; expected AdamW (the sharded format's state)")
+    if not isinstance(opt, torch.optim.AdamW | Muon):
+        return _fail(f"SRC = {args.src!r}: optimizer {type(opt).__name__}; expected AdamW or Muon (the sharded "
+                     "format's states)")
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
     print(f"wrote {save_sharded(dst, model, opt, state['step'], job)}")

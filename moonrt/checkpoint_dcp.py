@@ -11,7 +11,9 @@ Layout on disk (``OUT/checkpoint/``)::
 Entries (:mod:`moonrt.comm.dcp_state`): ``model.<name>`` for every single-process ``model.state_dict()`` entry
 (single-process shapes: experts ``[E, ...]`` written as row shards by the EP ranks holding them, each
 pipeline stage's tensors by its ranks, replicas once), ``optimizer.<name>.exp_avg`` / ``.exp_avg_sq`` (the
-AdamW moments flattened to ``[numel]``: ZeRO-1 owners write their flat ranges) and ``optimizer.<name>.step``.
+AdamW moments flattened to ``[numel]``: ZeRO-1 owners write their flat ranges) and ``optimizer.<name>.step``;
+with ``--optimizer muon`` its AdamW-group parameters the same, its Muon parameters ``optimizer.<name>.momentum_buffer``
+(the parameter's shape: ZeRO-Muon owners write their blocks as boxes, rows or columns) and ``.step`` (> 0: has state).
 
 - **Every rank writes what it owns**: ``Parallelism.sharded_state_dict`` hands DCP views of this rank's
   parameters and optimizer shards; nothing is gathered (``moonrt.json`` records the bytes each rank passed).
@@ -27,9 +29,9 @@ AdamW moments flattened to ``[numel]``: ZeRO-1 owners write their flat ranges) a
   ``pickle.load``, so it is read here with an allow-list unpickler (DCP metadata classes, ``torch.Size``,
   dtypes) instead; non-tensor entries are refused.
 
-Which format a job writes (:func:`use_sharded`): multi-rank jobs with AdamW write DCP; a single process keeps
-writing ``OUT/checkpoint.pt`` (it holds everything anyway, and the one file is what other tools read); other
-optimizers keep the gathered file. ``--resume`` takes the newer of the two (:func:`resume_state`).
+Which format a job writes (:func:`use_sharded`): multi-rank jobs with AdamW or Muon write DCP; a single process
+keeps writing ``OUT/checkpoint.pt`` (it holds everything anyway, and the one file is what other tools read); other
+optimizers would keep the gathered file. ``--resume`` takes the newer of the two (:func:`resume_state`).
 """
 
 from __future__ import annotations
@@ -51,10 +53,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from moonrt.checkpoint import CheckpointError, load
-from moonrt.comm.dcp_state import SafeReader, ShardLoadPlanner, ShardSavePlanner
+from moonrt.comm.dcp_state import MOMENTS, MOMENTUM, SafeReader, ShardLoadPlanner, ShardSavePlanner, entry_bytes
 from moonrt.comm.parallelism import Parallelism
 from moonrt.config import from_dict, to_dict
 from moonrt.job import JobConfig
+from moonrt.ops.muon import Muon
 
 ROOT = "checkpoint"
 MARKER = "moonrt.json"
@@ -67,9 +70,9 @@ def _multi() -> bool:
 
 
 def use_sharded(opt: torch.optim.Optimizer) -> bool:
-    """True where a job writes DCP checkpoints: more than one rank and torch's AdamW (the state layout
-    :mod:`moonrt.comm.dcp_state` names); else the gathered ``checkpoint.pt``."""
-    return _multi() and isinstance(opt, torch.optim.AdamW)
+    """True where a job writes DCP checkpoints: more than one rank and torch's AdamW or moonrt's Muon (the state
+    layouts :mod:`moonrt.comm.dcp_state` names); else the gathered ``checkpoint.pt``."""
+    return _multi() and isinstance(opt, torch.optim.AdamW | Muon)
 
 
 @contextlib.contextmanager
@@ -124,11 +127,6 @@ def _hyper(saved: dict[str, Any]) -> dict[str, Any]:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()}
 
 
-def _nbytes(v: Any) -> int:
-    t = getattr(v, "local", v)
-    return t.numel() * t.element_size()
-
-
 # ---- writing -------------------------------------------------------------------------------------------
 
 
@@ -143,8 +141,8 @@ def save_sharded(root: Path, model: torch.nn.Module, opt: torch.optim.Optimizer,
     root = Path(root)
     multi = _multi()
     state = rt.sharded_state_dict(model, opt, save=True)
-    mine = [sum(_nbytes(v) for k, v in state.items() if k.startswith("model.")),
-            sum(_nbytes(v) for k, v in state.items() if k.startswith("optimizer."))]
+    mine = [sum(entry_bytes(v) for k, v in state.items() if k.startswith("model.")),
+            sum(entry_bytes(v) for k, v in state.items() if k.startswith("optimizer."))]
     name = f"step-{step:08d}"
     tmp, final = root / f"{name}.tmp", root / name
     if rt.is_main:
@@ -277,7 +275,9 @@ def read_full(step_dir: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, 
 def to_single_file(step_dir: str | Path) -> dict[str, Any]:
     """The checkpoint in the gathered ``checkpoint.pt`` format: ``{"model", "optimizer", "step", "config"}``
     with torch's ``optimizer.state_dict()`` numbering (the job's model and optimizer rebuilt on the meta
-    device give the single-process parameter order and param groups)."""
+    device give the single-process parameter order and param groups): AdamW parameters with step > 0 get
+    ``{step, exp_avg, exp_avg_sq}``, Muon parameters with step > 0 ``{momentum_buffer}`` (as
+    :class:`moonrt.ops.muon.Muon` and the gathered path hold them), the others no state."""
     from moonrt.assemble import build_model
     from moonrt.optimizers import build_optimizer
 
@@ -295,9 +295,11 @@ def to_single_file(step_dir: str | Path) -> dict[str, Any]:
             for p in group["params"]:
                 n = name_of[id(p)]
                 step = float(flat[f"optimizer.{n}.step"])
-                if step > 0:
+                if step > 0 and group.get("use_muon", False):  # Muon: the buffer, no step count
+                    state[i] = {MOMENTUM: flat[f"optimizer.{n}.{MOMENTUM}"].view(p.shape)}
+                elif step > 0:
                     state[i] = {"step": torch.tensor(step)} | {
-                        k: flat[f"optimizer.{n}.{k}"].view(p.shape) for k in ("exp_avg", "exp_avg_sq")}
+                        k: flat[f"optimizer.{n}.{k}"].view(p.shape) for k in MOMENTS}
                 ids.append(i)
                 i += 1
             groups.append({**_hyper(saved), "params": ids})

@@ -220,7 +220,8 @@ class ExpertParallel(Part):
     def sharded_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer,
                            save: bool = True) -> dict[str, Any]:
         """DCP state without a gather: expert tensors as row shards ``[first, first + E/R)`` of ``[E, ...]`` (their
-        moments as the same range of the flattened tensor), everything else whole (replicas: DCP writes one)."""
+        AdamW moments as the same range of the flattened tensor, a Muon momentum as the box of rows at
+        ``(first, 0, 0)``), everything else whole (replicas: DCP writes one)."""
         from moonrt.comm.dcp_state import local_state
 
         return local_state(model, optim, self.shard_map(model))

@@ -5,7 +5,9 @@
   :class:`moonrt.ops.muon.Muon` on the summed gradients (every parameter and every state tensor of the
   single-process checkpoint layout), including a matrix that a flat ZeRO-1 partition cuts in two;
 - ``moonrt train --zero 1 --optimizer muon`` on dp 2, resumed from a single-process checkpoint, takes the
-  single process's step (loss, grad norm, every parameter and optimizer tensor within 1e-5 relative: the
+  single process's step, and its sharded DCP checkpoint (every multi-rank layout below writes one: ranks write the
+  blocks they own, nothing is gathered) read back with ``to_single_file`` holds it
+  (loss, grad norm, every parameter and optimizer tensor within 1e-5 relative: the
   dp 2 gradient is a sum of two half-batch backwards and the clip norm is fp64, ~1e-7 off; Newton-Schulz of
   one block vs the batched blocks differs by fp32 rounding, well inside the bound);
 - in the same run (one base checkpoint, all layouts at once), the same with expert parallelism
@@ -27,6 +29,7 @@ import torch
 from dist import dist_run
 from test_pp_train import FLAGS, _assert_same_step, _ckpt, _close, _launch, _metrics, _moonrt, _run
 
+from moonrt.checkpoint_dcp import read_marker, resolve
 from moonrt.scheduler.muon_plan import Unit, plan_units
 
 
@@ -148,7 +151,8 @@ def test_train_zero1_muon_resumes_a_single_process_checkpoint_and_matches_it(tmp
         shutil.copytree(tmp_path / "base", tmp_path / name)
     _run(tmp_path, runs, timeout=2800)
     ref, ref_ckpt = _metrics(tmp_path / "single.jsonl")[2], _ckpt(tmp_path / "single")
-    for name in layouts:
+    for name in layouts:  # each wrote a sharded checkpoint (no gather), read back through to_single_file
+        assert read_marker(resolve(tmp_path / name / "checkpoint"))["step"] == 2, name
         _assert_same_step(tmp_path, name, ref, ref_ckpt)
     got = _metrics(tmp_path / "zero_dp2.jsonl")[2]
     assert len(got["optimizer_state_bytes"]) == 2 and got["optimizer_comm_bytes"] > 0
