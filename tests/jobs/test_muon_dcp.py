@@ -71,7 +71,17 @@ def _blocks(job: Any) -> Any:
 # ---- one process ----------------------------------------------------------------------------------------------
 
 
-def test_one_process_muon_round_trips_bit_for_bit(tmp_path: Path) -> None:
+@pytest.fixture
+def one_thread() -> Any:
+    """Torch at one thread for the test, as the ranks run (on the shared 2-core machine two threads competing with
+    other jobs are slow: 6 s at load ~2, 30 s at load ~8 were measured with two)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_one_process_muon_round_trips_bit_for_bit(tmp_path: Path, one_thread: Any) -> None:
     from moonrt.checkpoint import load
 
     job = _job()
