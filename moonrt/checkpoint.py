@@ -185,7 +185,7 @@ def save_checkpoint(path: Path, model: torch.nn.Module, opt: torch.optim.Optimiz
                     job: JobConfig, rt: Parallelism | None = None) -> None:
     """Atomically write ``{model, optimizer, step, config}`` (:func:`save`); collective: every rank calls it.
 
-    A multi-rank AdamW job writes a sharded DCP checkpoint under ``path.parent / "checkpoint"`` instead
+    A multi-rank AdamW or Muon job writes a sharded DCP checkpoint under ``path.parent / "checkpoint"`` instead
     (:mod:`moonrt.checkpoint_dcp`: every rank its own pieces, nothing gathered). Otherwise model and optimizer
     state are gathered in the single-process layout (``rt.full_state_dict``) and only the main rank writes.
     """

@@ -14,9 +14,11 @@ Exactness contract (what later parallel runs are compared against):
   token losses and divides by the global token count, gradients are summed across ranks;
 - the learning rate is a function of the step; checkpoints hold model, optimizer and step, so
   ``--resume`` continues bit-identically (checkpoints are written to a temp file, then renamed);
-- checkpoints are layout-independent: they always hold the single-process (unsharded) model and
-  optimizer state, gathered by the runtime's ``full_state_dict`` and sharded again on load by
-  ``load_full_state_dict``, so a checkpoint of ``--ep 2`` resumes in one process, ``--ep 2`` or ``--ep 4``;
+- checkpoints are layout-independent: they hold the single-process (unsharded) model and optimizer state
+  under single-process names, either gathered by the runtime's ``full_state_dict`` into ``checkpoint.pt``
+  (one process) or written by every rank as its own pieces into a sharded DCP directory (multi-rank jobs,
+  :mod:`moonrt.checkpoint_dcp`), and sharded again on load, so a checkpoint of ``--ep 2`` resumes in one
+  process, ``--ep 2`` or ``--ep 4``;
 - only rank 0 writes metrics, checkpoints and the progress bar.
 
 Parallel behaviour comes from one :class:`moonrt.comm.parallelism.Parallelism` object (its parts: the
