@@ -26,30 +26,38 @@ from moonrt.memory.backends import Backend
 
 
 class _CopyGroup:
-    """Saves of one layer and policy copied together. ``datas[i]`` (the source bytes, ``[sizes[i]]`` uint8)
-    until submitted; then ``future`` until its result ``(buf, views)`` is taken by the first waiter."""
+    """Saves of one layer and policy copied together. ``storages[i]`` (the source storage, ``sizes[i]`` bytes)
+    until submitted; then ``future`` until its result ``(buf, starts)`` is taken by the first waiter: the buffer
+    and each part's byte offset in its storage. ``typed``: views of ``buf`` per dtype, made on first unpack."""
 
-    __slots__ = ("backend", "layer", "datas", "sizes", "nbytes", "live", "future", "buf", "views")
+    __slots__ = ("backend", "layer", "storages", "sizes", "nbytes", "live", "future", "buf", "starts", "typed")
 
     def __init__(self, backend: Backend, layer: int) -> None:
         self.backend = backend
         self.layer = layer
-        self.datas: list[torch.Tensor] | None = []
+        self.storages: list[torch.UntypedStorage] | None = []
         self.sizes: list[int] = []
         self.nbytes = 0
         self.live = 0
         self.future: Future | None = None
         self.buf: torch.Tensor | None = None
-        self.views: list[torch.Tensor] | None = None
+        self.starts: list[int] | None = None
+        self.typed: dict[torch.dtype, torch.Tensor] = {}
 
 
-def _copy(store: Any, datas: list[torch.Tensor], sizes: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    return store.put_many(datas, sizes)
+def _copy(store: Any, storages: list[torch.UntypedStorage], sizes: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """Copy the storages into one pooled buffer (:meth:`HostStore.put_many`); returns it and each part's byte
+    offset in the buffer's storage. The byte views of the sources are made here (on the copy thread when there
+    is one), not in the forward's pack hook."""
+    datas = [torch.empty(0, dtype=torch.uint8).set_(s) for s in storages]
+    buf, views = store.put_many(datas, sizes)
+    return buf, [v.storage_offset() for v in views]
 
 
 class CopyBatchMixin:
-    """Submit pending copy groups (``_flush_copies``, ``_flush_all_copies``), wait for one (``_group_views``)
-    and free a group whose entries are all released (``_release_group``)."""
+    """Submit pending copy groups (``_flush_copies``, ``_flush_all_copies``), wait for one (``_group_starts``),
+    rebuild a saved tensor from its part (``_group_part``) and free a group whose entries are all released
+    (``_release_group``)."""
 
     _lock: threading.RLock
     accounting: Accounting
@@ -61,16 +69,16 @@ class CopyBatchMixin:
         grp = self._copies.pop(policy, None)
         if grp is None:
             return
-        datas, grp.datas = grp.datas, None
-        if not datas or grp.live == 0:  # every save already released: nothing to copy
+        storages, grp.storages = grp.storages, None
+        if not storages or grp.live == 0:  # every save already released: nothing to copy
             return
         store = grp.backend.store
         if self._copier is not None:  # copy_thread=True
-            grp.future = self._copier.submit(_copy, store, datas, grp.sizes)
+            grp.future = self._copier.submit(_copy, store, storages, grp.sizes)
         else:
             grp.future = Future()
             try:
-                grp.future.set_result(_copy(store, datas, grp.sizes))
+                grp.future.set_result(_copy(store, storages, grp.sizes))
             except BaseException as exc:  # noqa: BLE001 - raised where the copy is needed (unpack)
                 grp.future.set_exception(exc)
 
@@ -80,11 +88,12 @@ class CopyBatchMixin:
                 for policy in list(self._copies):
                     self._flush_copies(policy)
 
-    def _group_views(self, grp: _CopyGroup) -> list[torch.Tensor]:
-        """The copied parts of ``grp`` (waits for its copy; raises the copy's error)."""
-        views = grp.views
-        if views is not None:
-            return views
+    def _group_starts(self, grp: _CopyGroup) -> list[int]:
+        """The byte offsets of ``grp``'s copied parts in ``grp.buf``'s storage (waits for its copy; raises the
+        copy's error)."""
+        starts = grp.starts
+        if starts is not None:
+            return starts
         fut = grp.future
         if fut is None:  # still pending (an unpack inside the forward that saved it): submit it now
             with self._lock:
@@ -94,26 +103,38 @@ class CopyBatchMixin:
             fut = grp.future
             assert fut is not None
         w0 = time.perf_counter()
-        buf, views = fut.result()
+        buf, starts = fut.result()
         waited = time.perf_counter() - w0
         with self._lock:
-            if grp.views is None:
-                grp.buf, grp.views, grp.future = buf, views, None
+            if grp.starts is None:
+                grp.buf, grp.starts, grp.future = buf, starts, None
                 self.accounting.exposed_s += waited
-            views = grp.views
-        assert views is not None
-        return views
+            starts = grp.starts
+        assert starts is not None
+        return starts
+
+    def _group_part(self, grp: _CopyGroup, index: int, view: tuple[Any, ...]) -> torch.Tensor:
+        """Part ``index`` of ``grp`` as the saved tensor ``view = (dtype, shape, stride, offset)``: a strided view
+        of the buffer typed as ``dtype`` (parts start at :data:`HostStore.ALIGN`-byte offsets)."""
+        start = (grp.starts or self._group_starts(grp))[index]
+        dtype, shape, stride, offset = view
+        typed = grp.typed.get(dtype)
+        if typed is None:
+            assert grp.buf is not None
+            typed = grp.typed[dtype] = grp.buf.view(dtype)
+        return typed.as_strided(shape, stride, start // dtype.itemsize + offset)
 
     def _release_group(self, grp: _CopyGroup) -> None:
         """Hand ``grp``'s buffer back to its store (its last entry was released; caller does not hold the lock)."""
-        if grp.future is None and grp.views is None:  # never submitted (or dropped): nothing was copied
+        if grp.future is None and grp.starts is None:  # never submitted (or dropped): nothing was copied
             return
         try:
-            self._group_views(grp)
+            self._group_starts(grp)
         except Exception:  # noqa: BLE001 - the copy failed: no buffer to return (the unpack raised it)
             return
         with self._lock:
-            buf, grp.buf, grp.views = grp.buf, None, None
+            buf, grp.buf, grp.starts = grp.buf, None, None
+            grp.typed.clear()
         if buf is not None:
             grp.backend.store.free(buf)
 

@@ -234,7 +234,7 @@ class ActivationManager(RegionsMixin, RecomputeMixin, SavedTensorsMixin, Fp8Batc
                     e.raw = None
             self._pending.clear()
             for grp in self._copies.values():  # never copied: nothing will unpack them
-                grp.datas = None
+                grp.storages = None
             self._copies.clear()
         if self._copier is not None:
             self._copier.shutdown(wait=True)

@@ -58,7 +58,7 @@ class SavedTensorsMixin:
     _copy_batch_bytes: int
     _flush_copies: Any
     _flush_all_copies: Any
-    _group_views: Any
+    _group_part: Any
     _release_group: Any
     _quantized: Any
     _fp8_batch_bytes: int
@@ -162,7 +162,7 @@ class SavedTensorsMixin:
                     grp = self._copies[policy] = _CopyGroup(backend, layer)
                 entry.group = grp
                 entry.index = len(grp.sizes)
-                grp.datas.append(torch.empty(0, dtype=torch.uint8).set_(storage))  # type: ignore[union-attr]
+                grp.storages.append(storage)  # type: ignore[union-attr]
                 grp.sizes.append(n)
                 grp.live += 1
                 grp.nbytes += n
@@ -312,10 +312,7 @@ class SavedTensorsMixin:
         assert entry is not None
         grp = entry.group
         if grp is not None:  # a batched host copy: the part of the group's buffer (after the copy finished)
-            flat = (grp.views or self._group_views(grp))[entry.index]
-            dtype, shape, stride, offset = handle.view
-            out = torch.empty(0, dtype=dtype).set_(flat.untyped_storage(),
-                                                   flat.storage_offset() // dtype.itemsize + offset, shape, stride)
+            out = self._group_part(grp, entry.index, handle.view)
             self.accounting.on_unpack(time.perf_counter() - t0)
             return out
         self._start_prefetch(entry.layer - 1)
