@@ -55,9 +55,9 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
-def storage_bytes(t: torch.Tensor) -> torch.Tensor:
-    """``[storage nbytes]`` uint8 tensor aliasing the whole storage behind ``t`` (views included)."""
-    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+def storage_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    """``[storage nbytes]`` uint8 tensor aliasing all of ``storage`` (a ``t.untyped_storage()``: every view of it)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
 # ---------------------------------------------------------------------------------------------

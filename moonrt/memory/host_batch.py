@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from moonrt.memory.accounting import Accounting
-from moonrt.memory.backends import Backend
+from moonrt.memory.backends import Backend, storage_bytes
 
 
 class _CopyGroup:
@@ -49,7 +49,7 @@ def _copy(store: Any, storages: list[torch.UntypedStorage], sizes: list[int]) ->
     """Copy the storages into one pooled buffer (:meth:`HostStore.put_many`); returns it and each part's byte
     offset in the buffer's storage. The byte views of the sources are made here (on the copy thread when there
     is one), not in the forward's pack hook."""
-    datas = [torch.empty(0, dtype=torch.uint8).set_(s) for s in storages]
+    datas = [storage_bytes(s) for s in storages]
     buf, views = store.put_many(datas, sizes)
     return buf, [v.storage_offset() for v in views]
 

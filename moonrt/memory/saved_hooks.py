@@ -198,7 +198,7 @@ class SavedTensorsMixin:
         else:  # the whole storage as flat bytes, straight to the store (already contiguous uint8)
             logical = storage.nbytes()
             store = backend.store
-            packed = Packed([store.put(storage_bytes(t))], _STORAGE_META, t.device, {store.tier: logical})
+            packed = Packed([store.put(storage_bytes(storage))], _STORAGE_META, t.device, {store.tier: logical})
         entry = _Entry(backend, packed, layer, key, storage._weak_ref())
         entry.refs = 1
         entry.region = (region, label)
