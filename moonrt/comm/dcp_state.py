@@ -281,7 +281,7 @@ def optim_entries(model: nn.Module, optim: torch.optim.Optimizer,
             st = optim.state.get(p) or {}
             shape, first = shards.get(id(p), (tuple(p.shape), 0))
             if group.get("use_muon", False):
-                buf = st.get("momentum_buffer")
+                buf = st.get(MOMENTUM)
                 buf = buf if buf is not None else torch.zeros_like(p)
                 out[f"optimizer.{name}.{MOMENTUM}"] = (Shard(buf, shape, (first,) + (0,) * (p.dim() - 1))
                                                        if id(p) in shards else buf)
