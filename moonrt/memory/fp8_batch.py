@@ -1,7 +1,9 @@
 """FP8 batching of the activation manager: FP8 saves of one layer and policy are quantized in one call
 (:func:`moonrt.ops.fp8.quantize_many`; for the device tier on the manager's copy thread with
 ``copy_thread=True``, overlapping the forward, bitwise the same) and, in backward, decoded in one call
-(:func:`moonrt.ops.fp8.dequantize_many`).
+(:func:`moonrt.ops.fp8.dequantize_many`). With the copy thread, the first unpack from a batch of layer ``l``
+also starts decoding the batches of layer ``l - 1`` (of the same forward) there, so the backward of layer ``l``
+hides the decode of the layer it reaches next (the CPU decode runs without the GIL).
 
 :class:`Fp8BatchMixin` is a base of :class:`moonrt.memory.manager.ActivationManager`, which sets the state
 it reads in ``__init__``; the per-save path that fills a batch is ``_pack`` (:mod:`.saved_hooks`).
@@ -25,11 +27,13 @@ class _Batch:
     the layer ends, the batch reaches ``fp8_batch_bytes``, the forward ends or backward starts; in backward
     the first unpack decodes every entry of the batch that is at hand in one call."""
 
-    __slots__ = ("backend", "layer", "entries", "nbytes", "live", "decoded", "future", "todo")
+    __slots__ = ("backend", "layer", "forward", "entries", "nbytes", "live", "decoded", "future", "todo", "ahead")
 
-    def __init__(self, backend: Backend, layer: int) -> None:
+    def __init__(self, backend: Backend, layer: int, forward: int = 0) -> None:
         self.backend = backend
         self.layer = layer
+        self.forward = forward
+        """The manager's forward count when the batch began: decode-ahead stays within one forward's batches."""
         self.entries: list[_Entry] = []
         self.nbytes = 0
         self.live = 0
@@ -38,6 +42,8 @@ class _Batch:
         """Quantization running on the copy thread (device tier): its entries' ``packed.parts`` are filled by
         :meth:`Fp8BatchMixin._quantized` when the first unpack needs them."""
         self.todo: list[_Entry] | None = None
+        self.ahead: Future | None = None
+        """Decode running ahead on the copy thread (:meth:`Fp8BatchMixin._decode_ahead`); unpacks wait for it."""
 
 
 class Fp8BatchMixin:
@@ -47,6 +53,7 @@ class Fp8BatchMixin:
     _lock: threading.RLock
     accounting: Accounting
     _pending: dict[str, _Batch]
+    _decodable: dict[tuple[int, int], list[_Batch]]
     _copier: ThreadPoolExecutor | None
 
     def _flush(self, policy: str) -> None:
@@ -58,6 +65,8 @@ class Fp8BatchMixin:
         todo = [e for e in batch.entries if e.raw is not None]
         if not todo:
             return
+        if self._copier is not None:  # a candidate for decode-ahead in backward
+            self._decodable.setdefault((batch.forward, batch.layer), []).append(batch)
         backend = batch.backend
         raws = [e.raw for e in todo]
         if self._copier is not None and backend.store.tier == "device":  # on the copy thread, bitwise the same
@@ -123,8 +132,41 @@ class Fp8BatchMixin:
         for e in todo:
             payload, scales = e.backend.quantized_parts(e.packed, self._parts(e))
             items.append((payload, scales, e.packed.meta[1], e.packed.meta[2]))
-        for e, out in zip(todo, fp8.dequantize_many(items)):
-            e.decoded = out
+        outs = fp8.dequantize_many(items)
+        with self._lock:
+            for e, out in zip(todo, outs):
+                if e.refs > 0:  # (on the copy thread, an entry may have been released meanwhile)
+                    e.decoded = out
+
+    def _decode_ahead(self, batch: _Batch) -> None:
+        """Start decoding, on the copy thread, the batches of the layer before ``batch``'s (same forward): the
+        next the backward reaches. Their unpacks wait for it (:meth:`_wait_ahead`)."""
+        with self._lock:
+            todo = [b for b in self._decodable.pop((batch.forward, batch.layer - 1), ())
+                    if b.live > 0 and not b.decoded and b.ahead is None]
+            for b in todo:
+                b.ahead = self._copier.submit(self._decode_on_thread, b)  # type: ignore[union-attr]
+
+    def _decode_on_thread(self, b: _Batch) -> None:
+        self._quantized(b)  # queued earlier on this same thread: already done
+        self._decode_batch(b)
+
+    def _wait_ahead(self, batch: _Batch) -> None:
+        """Wait for ``batch``'s decode on the copy thread (raises its error)."""
+        fut = batch.ahead
+        if fut is not None:
+            w0 = time.perf_counter()
+            fut.result()
+            self.accounting.exposed_s += time.perf_counter() - w0
+            batch.ahead = None
+
+    def _forget_batch(self, batch: _Batch) -> None:
+        """Drop ``batch`` from the decode-ahead candidates (its last entry was released; caller holds the lock)."""
+        batches = self._decodable.get((batch.forward, batch.layer))
+        if batches is not None and batch in batches:
+            batches.remove(batch)
+            if not batches:
+                del self._decodable[(batch.forward, batch.layer)]
 
 
 __all__: list[str] = []

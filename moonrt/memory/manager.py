@@ -130,6 +130,8 @@ class ActivationManager(RegionsMixin, RecomputeMixin, SavedTensorsMixin, Fp8Batc
         self._frame_cache: dict[tuple[str, int], _Frame] = {}
         self._keep: dict[int, _KeepEntry] = {}
         self._pending: dict[str, _Batch] = {}
+        self._decodable: dict[tuple[int, int], list[_Batch]] = {}  # (forward, layer) -> quantized FP8 batches
+        self._forward_id = 0
         self._fp8_batch_bytes = int(fp8_batch_bytes)
         self._copies: dict[str, _CopyGroup] = {}
         self._copy_batch_bytes = int(copy_batch_bytes)
@@ -233,6 +235,7 @@ class ActivationManager(RegionsMixin, RecomputeMixin, SavedTensorsMixin, Fp8Batc
                 for e in batch.entries:
                     e.raw = None
             self._pending.clear()
+            self._decodable.clear()
             for grp in self._copies.values():  # never copied: nothing will unpack them
                 grp.storages = None
             self._copies.clear()
@@ -257,6 +260,7 @@ class ActivationManager(RegionsMixin, RecomputeMixin, SavedTensorsMixin, Fp8Batc
         self._account_keep_now = self._account_keep_next or self._keep_accounting == "every"
         self._account_keep_next = False
         self.accounting.forwards += 1
+        self._forward_id += 1
         self.accounting.keep_forwards += self._account_keep_now
         self._base_hooks = _top_hooks(False)
         self._hook_marks = []

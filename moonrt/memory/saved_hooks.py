@@ -54,6 +54,10 @@ class SavedTensorsMixin:
     _keep: dict[int, _KeepEntry]
     _entries: dict[Any, _Entry]
     _pending: dict[str, _Batch]
+    _forward_id: int
+    _forget_batch: Any
+    _decode_ahead: Any
+    _wait_ahead: Any
     _copies: dict[str, _CopyGroup]
     _copy_batch_bytes: int
     _flush_copies: Any
@@ -182,7 +186,7 @@ class SavedTensorsMixin:
                     self._flush(policy)
                     batch = None
                 if batch is None:
-                    batch = self._pending[policy] = _Batch(backend, layer)
+                    batch = self._pending[policy] = _Batch(backend, layer, self._forward_id)
                 batch.entries.append(entry)
                 batch.live += 1
                 batch.nbytes += t.numel() * t.element_size()
@@ -238,6 +242,7 @@ class SavedTensorsMixin:
                 batch.live -= 1
                 if batch.live == 0:
                     batch.entries = []  # no entry left to decode: drop the references
+                    self._forget_batch(batch)
             pending = entry.raw
             entry.raw = None
             grp = entry.group
@@ -319,10 +324,16 @@ class SavedTensorsMixin:
         packed = entry.packed
         if packed.meta[0] == "fp8":
             batch = entry.batch
-            if batch is not None and batch.future is not None:
-                self._quantized(batch)
-            if entry.decoded is None and batch is not None and not batch.decoded:
-                self._decode_batch(batch)
+            if batch is not None:
+                if batch.future is not None:
+                    self._quantized(batch)
+                if batch.ahead is not None:  # decoding on the copy thread: queue the next layer's, then wait
+                    self._decode_ahead(batch)
+                    self._wait_ahead(batch)
+                elif entry.decoded is None and not batch.decoded:  # the first unpack of a batch decodes it
+                    if self._copier is not None:
+                        self._decode_ahead(batch)  # and the next layer's batches on the copy thread
+                    self._decode_batch(batch)
             out = entry.decoded
             if out is not None:
                 entry.decoded = None  # a later unpack of the same entry decodes again

@@ -17,9 +17,9 @@ stay zero) where ``448 / amax`` would overflow.
 
 from __future__ import annotations
 
-import threading
-
+import numpy as np
 import torch
+from numba import njit
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = float(torch.finfo(E4M3).max)  # 448.0
@@ -27,7 +27,8 @@ E4M3_MAX = float(torch.finfo(E4M3).max)  # 448.0
 
 def _lut(device: torch.device) -> torch.Tensor:
     """``[256]`` fp32 on ``device``: the value of every E4M3 code. Decoding by table lookup is bitwise the
-    same as ``.float()`` and several times faster on CPU, where the fp8 -> fp32 cast is scalar code."""
+    same as ``.float()`` and several times faster on CPU, where the fp8 -> fp32 cast is scalar code (there a
+    numba loop does the lookup and the scale in one pass: ~3x faster than ``index_select`` + ``mul_``)."""
     lut = _LUTS.get(device)
     if lut is None:
         lut = _LUTS[device] = torch.arange(256, dtype=torch.uint8).view(E4M3).float().to(device)
@@ -173,22 +174,13 @@ def _dequantize_rows(payload: torch.Tensor, scales: torch.Tensor, n: int) -> tor
     m, width = payload.shape
     nb = scales.shape[-1]
     block = width // nb
-    lut = _lut(payload.device)
-    codes = payload[:, :n].view(torch.uint8)
-    if payload.device.type == "cpu" and codes.is_contiguous() and m * n >= _CHUNK // 16:
-        # int32 codes in a reused per-thread workspace, CHUNK elements at a time: no [M, N] int32 temporary
-        # (a fresh allocation of that size costs more in page faults than the lookup itself)
-        flat = codes.view(-1)
+    codes = payload.view(torch.uint8)
+    if payload.device.type == "cpu":  # one fused pass (numba, no GIL): table lookup times the tile's scale
         x = torch.empty(m, n, dtype=torch.float32)
-        out = x.view(-1)
-        ws = _workspace()
-        for i in range(0, flat.numel(), _CHUNK):
-            k = min(_CHUNK, flat.numel() - i)
-            idx = ws[:k]
-            idx.copy_(flat[i:i + k])
-            torch.index_select(lut, 0, idx, out=out[i:i + k])
-    else:
-        x = lut.index_select(0, codes.to(torch.int32).view(-1)).view(m, n)  # codes [M, N], contiguous
+        if m * n:
+            _decode_cpu(codes.numpy(), scales.float().numpy(), _lut(payload.device).numpy(), x.numpy(), block)
+        return x
+    x = _lut(payload.device).index_select(0, codes[:, :n].to(torch.int32).reshape(-1)).view(m, n)
     full = n // block
     if full:
         x[:, :full * block].view(m, full, block).mul_(scales[:, :full, None])
@@ -197,17 +189,18 @@ def _dequantize_rows(payload: torch.Tensor, scales: torch.Tensor, n: int) -> tor
     return x
 
 
-_CHUNK = 1 << 20
-"""Codes decoded per table lookup on CPU (a 4 MiB int32 index workspace per thread)."""
-_local = threading.local()
-
-
-def _workspace() -> torch.Tensor:
-    """``[_CHUNK]`` int32 on CPU, one per thread (reused by every CPU decode of that thread)."""
-    ws = getattr(_local, "ws", None)
-    if ws is None:
-        ws = _local.ws = torch.empty(_CHUNK, dtype=torch.int32)
-    return ws
+@njit(cache=True, nogil=True, boundscheck=False)
+def _decode_cpu(codes: np.ndarray, scales: np.ndarray, lut: np.ndarray, out: np.ndarray, block: int) -> None:
+    """``out[i, j] = lut[codes[i, j]] * scales[i, j // block]`` for ``out [M, N]`` (one fp32 product per element,
+    as the torch path's ``mul_``: bitwise the same). Releases the GIL, so a decode on the manager's copy thread
+    runs beside the backward."""
+    m, n = out.shape
+    nb = scales.shape[1]
+    for i in range(m):
+        for b in range(nb):
+            s = scales[i, b]
+            for j in range(b * block, min((b + 1) * block, n)):
+                out[i, j] = lut[codes[i, j]] * s
 
 
 def dequantize(payload: torch.Tensor, scales: torch.Tensor, shape: torch.Size | tuple[int, ...],

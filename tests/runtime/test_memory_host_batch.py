@@ -172,6 +172,70 @@ def test_fp8_quantized_on_the_copy_thread_bitwise(monkeypatch):
     mgr.close()
 
 
+def _two_in_flight(copy_thread: bool) -> tuple[list[torch.Tensor], ActivationManager]:
+    """Two forwards under one manager, then their backwards in reverse order (a pipeline's microbatches)."""
+    torch.manual_seed(0)
+    model = Stack()
+    mgr = ActivationManager(model, _policy(default="fp8"), copy_thread=copy_thread)
+    xs = [torch.randn(4, 16, 128, requires_grad=True) for _ in range(2)]
+    losses = []
+    for x in xs:
+        with mgr:
+            losses.append(model(x).square().mean())
+    for loss in reversed(losses):
+        loss.backward()
+    return [p.grad.clone() for p in model.parameters()] + [x.grad.clone() for x in xs], mgr
+
+
+def test_fp8_decoded_ahead_on_the_copy_thread_bitwise(monkeypatch):
+    """In backward, the first unpack of a layer's FP8 batch queues the decode of the previous layer's batches (same
+    forward) on the copy thread: gradients equal the inline run's bit for bit, also with two forwards in flight;
+    nothing is left queued; a failing decode raises in backward."""
+    from moonrt.ops import fp8
+
+    threads: list[str] = []
+    inner = fp8.dequantize_many
+
+    def spy(items):
+        threads.append(threading.current_thread().name)
+        return inner(items)
+
+    monkeypatch.setattr(fp8, "dequantize_many", spy)
+    got, bg = _run_mgr(_policy(default="fp8"), copy_thread=True)
+    # the loss's one-save batch (layer 3, the root's) is decoded alone by its unpack, which queues Stack's layer 2;
+    # layer 2's unpack queues layer 1, and so on: every batched decode ran on the copy thread
+    assert len(threads) == 3 and all(t.startswith("moonrt-host-copy") for t in threads)
+    ref, inline = _run_mgr(_policy(default="fp8"), copy_thread=False)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    assert bg.accounting.to_dict()["regions"] == inline.accounting.to_dict()["regions"]
+    assert bg.accounting.live["device"] == 0 and not bg._decodable
+    bg.close()
+    inline.close()
+
+    got, bg = _two_in_flight(copy_thread=True)
+    ref, inline = _two_in_flight(copy_thread=False)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    assert bg.accounting.live["device"] == 0 and not bg._decodable
+    bg.close()
+    inline.close()
+
+    def fail_on_thread(items):
+        if threading.current_thread().name.startswith("moonrt-host-copy"):
+            raise RuntimeError("decode failed (test)")
+        return inner(items)
+
+    monkeypatch.setattr(fp8, "dequantize_many", fail_on_thread)
+    torch.manual_seed(0)
+    model = Stack()
+    mgr = ActivationManager(model, _policy(default="fp8"), copy_thread=True)
+    with mgr:
+        loss = model(torch.randn(4, 16, 128, requires_grad=True)).square().mean()
+    with pytest.raises(RuntimeError, match="decode failed"):
+        loss.backward()
+    del loss
+    mgr.close()
+
+
 @pytest.mark.parametrize(("cpus", "env", "threads", "on"), [
     (4, {}, 1, True),  # idle CPUs: the copy thread hides the copies
     (4, {}, 4, False),  # every CPU runs intra-op threads: a copy thread would compete with them
