@@ -62,16 +62,18 @@ class _KeepEntry:
 
 class _Handle:
     """What autograd holds instead of a saved tensor; releases its entry when autograd drops it
-    (``__del__``: much cheaper per saved tensor than a ``weakref.finalize``)."""
+    (``__del__``: much cheaper per saved tensor than a ``weakref.finalize``). ``slot``: the save's index in its
+    entry's pending copy group (:mod:`.host_batch`), else -1."""
 
-    __slots__ = ("entry", "view", "tensor", "release", "__weakref__")
+    __slots__ = ("entry", "view", "tensor", "release", "slot", "__weakref__")
 
     def __init__(self, entry: Any, view: Any, tensor: torch.Tensor | None = None,
-                 release: Any = None) -> None:
+                 release: Any = None, slot: int = -1) -> None:
         self.entry = entry
         self.view = view
         self.tensor = tensor
         self.release = release
+        self.slot = slot
 
     def __del__(self) -> None:
         if self.release is not None:

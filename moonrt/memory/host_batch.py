@@ -27,35 +27,52 @@ from moonrt.memory.backends import Backend, storage_bytes
 
 class _CopyGroup:
     """Saves of one layer and policy copied together. ``storages[i]`` (the source storage, ``sizes[i]`` bytes)
-    until submitted; then ``future`` until its result ``(buf, starts)`` is taken by the first waiter: the buffer
-    and each part's byte offset in its storage. ``typed``: views of ``buf`` per dtype, made on first unpack."""
+    until submitted; ``views[k]`` / ``parts[k]``: the view ``(dtype, shape, stride, offset)`` and part index of
+    save ``k`` made while the group was pending (a handle's ``slot``). Once submitted, ``future`` until its result
+    ``(buf, starts, outs)`` is taken by the first waiter: the buffer, each part's byte offset in its storage and
+    ``outs[k]``, save ``k`` rebuilt on the buffer (made with the copy, on the copy thread when there is one: an
+    unpack only picks it). ``typed``: views of ``buf`` per dtype for a later save of a part (no slot)."""
 
-    __slots__ = ("backend", "layer", "storages", "sizes", "nbytes", "live", "future", "buf", "starts", "typed")
+    __slots__ = ("backend", "layer", "storages", "sizes", "views", "parts", "nbytes", "live", "future", "buf",
+                 "starts", "outs", "typed")
 
     def __init__(self, backend: Backend, layer: int) -> None:
         self.backend = backend
         self.layer = layer
         self.storages: list[torch.UntypedStorage] | None = []
         self.sizes: list[int] = []
+        self.views: list[tuple[Any, ...]] = []
+        self.parts: list[int] = []
         self.nbytes = 0
         self.live = 0
         self.future: Future | None = None
         self.buf: torch.Tensor | None = None
         self.starts: list[int] | None = None
+        self.outs: list[torch.Tensor] | None = None
         self.typed: dict[torch.dtype, torch.Tensor] = {}
 
 
-def _copy(store: Any, storages: list[torch.UntypedStorage], sizes: list[int]) -> tuple[torch.Tensor, list[int]]:
-    """Copy the storages into one pooled buffer (:meth:`HostStore.put_many`); returns it and each part's byte
-    offset in the buffer's storage. The byte views of the sources are made here (on the copy thread when there
-    is one), not in the forward's pack hook."""
+def _copy(store: Any, storages: list[torch.UntypedStorage], sizes: list[int], views: list[tuple[Any, ...]],
+          parts: list[int]) -> tuple[torch.Tensor, list[int], list[torch.Tensor]]:
+    """Copy the storages into one pooled buffer (:meth:`HostStore.put_many`); returns it, each part's byte
+    offset in the buffer's storage and each save's view ``views[k]`` of part ``parts[k]`` on the buffer. The
+    byte views of the sources and the saved views are made here (on the copy thread when there is one), not in
+    the forward's pack hook or the backward's unpack."""
     datas = [storage_bytes(s) for s in storages]
-    buf, views = store.put_many(datas, sizes)
-    return buf, [v.storage_offset() for v in views]
+    buf, copies = store.put_many(datas, sizes)
+    starts = [v.storage_offset() for v in copies]
+    typed: dict[torch.dtype, torch.Tensor] = {}
+    outs = []
+    for part, (dtype, shape, stride, offset) in zip(parts, views):
+        tv = typed.get(dtype)
+        if tv is None:
+            tv = typed[dtype] = buf.view(dtype)
+        outs.append(tv.as_strided(shape, stride, starts[part] // dtype.itemsize + offset))
+    return buf, starts, outs
 
 
 class CopyBatchMixin:
-    """Submit pending copy groups (``_flush_copies``, ``_flush_all_copies``), wait for one (``_group_starts``),
+    """Submit pending copy groups (``_flush_copies``, ``_flush_all_copies``), wait for one (``_group_outs``),
     rebuild a saved tensor from its part (``_group_part``) and free a group whose entries are all released
     (``_release_group``)."""
 
@@ -74,11 +91,11 @@ class CopyBatchMixin:
             return
         store = grp.backend.store
         if self._copier is not None:  # copy_thread=True
-            grp.future = self._copier.submit(_copy, store, storages, grp.sizes)
+            grp.future = self._copier.submit(_copy, store, storages, grp.sizes, grp.views, grp.parts)
         else:
             grp.future = Future()
             try:
-                grp.future.set_result(_copy(store, storages, grp.sizes))
+                grp.future.set_result(_copy(store, storages, grp.sizes, grp.views, grp.parts))
             except BaseException as exc:  # noqa: BLE001 - raised where the copy is needed (unpack)
                 grp.future.set_exception(exc)
 
@@ -88,12 +105,11 @@ class CopyBatchMixin:
                 for policy in list(self._copies):
                     self._flush_copies(policy)
 
-    def _group_starts(self, grp: _CopyGroup) -> list[int]:
-        """The byte offsets of ``grp``'s copied parts in ``grp.buf``'s storage (waits for its copy; raises the
-        copy's error)."""
-        starts = grp.starts
-        if starts is not None:
-            return starts
+    def _group_outs(self, grp: _CopyGroup) -> list[torch.Tensor]:
+        """``grp``'s saves rebuilt on its buffer, by slot (waits for its copy; raises the copy's error)."""
+        outs = grp.outs
+        if outs is not None:
+            return outs
         fut = grp.future
         if fut is None:  # still pending (an unpack inside the forward that saved it): submit it now
             with self._lock:
@@ -103,20 +119,25 @@ class CopyBatchMixin:
             fut = grp.future
             assert fut is not None
         w0 = time.perf_counter()
-        buf, starts = fut.result()
+        buf, starts, outs = fut.result()
         waited = time.perf_counter() - w0
         with self._lock:
-            if grp.starts is None:
-                grp.buf, grp.starts, grp.future = buf, starts, None
+            if grp.outs is None:
+                grp.buf, grp.starts, grp.outs, grp.future = buf, starts, outs, None
                 self.accounting.exposed_s += waited
-            starts = grp.starts
-        assert starts is not None
-        return starts
+            outs = grp.outs
+        assert outs is not None
+        return outs
 
-    def _group_part(self, grp: _CopyGroup, index: int, view: tuple[Any, ...]) -> torch.Tensor:
-        """Part ``index`` of ``grp`` as the saved tensor ``view = (dtype, shape, stride, offset)``: a strided view
-        of the buffer typed as ``dtype`` (parts start at :data:`HostStore.ALIGN`-byte offsets)."""
-        start = (grp.starts or self._group_starts(grp))[index]
+    def _group_part(self, grp: _CopyGroup, index: int, view: tuple[Any, ...], slot: int) -> torch.Tensor:
+        """Part ``index`` of ``grp`` as the saved tensor ``view = (dtype, shape, stride, offset)``: the one made
+        with the copy for a save with a ``slot`` (made while the group was pending), else a strided view of the
+        buffer typed as ``dtype`` (parts start at :data:`HostStore.ALIGN`-byte offsets)."""
+        outs = grp.outs or self._group_outs(grp)
+        if slot >= 0:
+            return outs[slot]
+        assert grp.starts is not None
+        start = grp.starts[index]
         dtype, shape, stride, offset = view
         typed = grp.typed.get(dtype)
         if typed is None:
@@ -126,14 +147,14 @@ class CopyBatchMixin:
 
     def _release_group(self, grp: _CopyGroup) -> None:
         """Hand ``grp``'s buffer back to its store (its last entry was released; caller does not hold the lock)."""
-        if grp.future is None and grp.starts is None:  # never submitted (or dropped): nothing was copied
+        if grp.future is None and grp.outs is None:  # never submitted (or dropped): nothing was copied
             return
         try:
-            self._group_starts(grp)
+            self._group_outs(grp)
         except Exception:  # noqa: BLE001 - the copy failed: no buffer to return (the unpack raised it)
             return
         with self._lock:
-            buf, grp.buf, grp.starts = grp.buf, None, None
+            buf, grp.buf, grp.starts, grp.outs = grp.buf, None, None, None
             grp.typed.clear()
         if buf is not None:
             grp.backend.store.free(buf)

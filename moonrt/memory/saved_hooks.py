@@ -140,7 +140,7 @@ class SavedTensorsMixin:
         region = frame.region
         backend = self._backend(policy)
         fp8 = backend.quantizes(t)
-        view = (t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+        view = (t.dtype, t.shape, t.stride(), t.storage_offset())  # Size and stride() are tuples already
         key = (policy, sptr, view) if fp8 else (policy, sptr)
         store = backend.store
         batched = not fp8 and store.batched and t.is_cpu
@@ -151,6 +151,11 @@ class SavedTensorsMixin:
             if entry is not None:
                 entry.refs += 1
                 self.accounting.dedupe_locked(region, label)
+                grp = entry.group
+                if grp is not None and grp.storages is not None:  # its group is pending: rebuilt with the copy
+                    grp.views.append(view)
+                    grp.parts.append(entry.index)
+                    return _Handle(entry, view, None, self._release_fn, len(grp.views) - 1)
                 return _Handle(entry, view, None, self._release_fn)
             if batched:  # copied with the rest of its layer in one call
                 n = storage.nbytes()
@@ -168,12 +173,14 @@ class SavedTensorsMixin:
                 entry.index = len(grp.sizes)
                 grp.storages.append(storage)  # type: ignore[union-attr]
                 grp.sizes.append(n)
+                grp.views.append(view)
+                grp.parts.append(entry.index)
                 grp.live += 1
                 grp.nbytes += n
                 self.accounting.pack_tier_locked(region, label, store.tier, n, n, time.perf_counter() - t0)
                 if grp.nbytes >= self._copy_batch_bytes:
                     self._flush_copies(policy)
-                return _Handle(entry, view, None, self._release_fn)
+                return _Handle(entry, view, None, self._release_fn, len(grp.views) - 1)
         if fp8:  # pending: quantized with the rest of its batch (layer) in one call
             entry = _Entry(backend, None, layer, key, storage._weak_ref())
             entry.refs = 1
@@ -317,7 +324,7 @@ class SavedTensorsMixin:
         assert entry is not None
         grp = entry.group
         if grp is not None:  # a batched host copy: the part of the group's buffer (after the copy finished)
-            out = self._group_part(grp, entry.index, handle.view)
+            out = self._group_part(grp, entry.index, handle.view, handle.slot)
             self.accounting.on_unpack(time.perf_counter() - t0)
             return out
         self._start_prefetch(entry.layer - 1)
