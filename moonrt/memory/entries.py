@@ -1,6 +1,7 @@
 """The records behind saved tensors of the activation manager (:mod:`moonrt.memory.manager`).
 
 - :class:`_Entry`: one stored unit (a storage for raw policies, a view for FP8), shared by deduplicated saves.
+- :class:`_PartEntry`: a storage in a batched host copy (part of a copy group).
 - :class:`_KeepEntry`: a storage saved under ``keep`` (counted, never copied).
 - :class:`_Handle`: what autograd holds instead of a saved tensor; releases its entry when dropped.
 """
@@ -23,11 +24,11 @@ class _Entry:
     """One stored unit (a storage for raw policies, a view for FP8), shared by deduplicated saves.
 
     An FP8 entry is first *pending* (``raw`` holds the tensor, ``packed`` is None) until its batch is
-    quantized in one call; ``decoded`` holds its tensor when a batched decode ran ahead of its unpack. An entry
-    of a batched host copy has ``group`` / ``index`` instead of ``packed`` (:mod:`.host_batch`)."""
+    quantized in one call; ``decoded`` holds its tensor when a batched decode ran ahead of its unpack. (A save of
+    a batched host copy is a :class:`_PartEntry`.)"""
 
     __slots__ = ("backend", "packed", "refs", "layer", "future", "parts", "key", "weak", "region", "raw", "batch",
-                 "decoded", "group", "index", "__weakref__")
+                 "decoded", "__weakref__")
 
     def __init__(self, backend: Backend, packed: Packed | None, layer: int, key: Any, weak: Any) -> None:
         self.backend = backend
@@ -42,9 +43,29 @@ class _Entry:
         self.raw: torch.Tensor | None = None
         self.batch: _Batch | None = None
         self.decoded: torch.Tensor | None = None
-        self.group: _CopyGroup | None = None
-        """Raw entries of a batched host copy: their group and their part's index in it (no ``packed``)."""
-        self.index = 0
+
+
+class _PartEntry:
+    """A storage saved under a batched host policy (:mod:`.host_batch`): part ``index`` of the copy ``group``
+    (``None`` once released). The class attributes let generic scans of the entries (prefetch) skip it."""
+
+    __slots__ = ("refs", "key", "weak", "region", "label", "tier", "group", "index", "layer", "backend")
+    packed = None
+    future = None
+    parts = None
+
+    def __init__(self, key: Any, weak: Any, region: str, label: str, tier: str, group: _CopyGroup, index: int,
+                 layer: int, backend: Backend) -> None:
+        self.refs = 1
+        self.key = key
+        self.weak = weak
+        self.region = region
+        self.label = label
+        self.tier = tier
+        self.group: _CopyGroup | None = group
+        self.index = index
+        self.layer = layer
+        self.backend = backend
 
 
 class _KeepEntry:

@@ -159,6 +159,7 @@ class ActivationManager(RegionsMixin, RecomputeMixin, SavedTensorsMixin, Fp8Batc
         self._unpack_fn = self._unpack
         self._release_fn = self._release  # bound once: a handle holds it, not a new method object per save
         self._release_keep_fn = self._release_keep
+        self._release_part_fn = self._release_part
         self._anchoring = False
         self._handles: list[Any] = []
         self._wrapped: list[torch.nn.Module] = []

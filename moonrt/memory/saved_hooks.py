@@ -24,7 +24,7 @@ import torch
 
 from moonrt.memory.accounting import Accounting
 from moonrt.memory.backends import Backend, Packed, make_backend, storage_bytes
-from moonrt.memory.entries import _Entry, _Handle, _KeepEntry
+from moonrt.memory.entries import _Entry, _Handle, _KeepEntry, _PartEntry
 from moonrt.memory.fp8_batch import _Batch
 from moonrt.memory.host_batch import _CopyGroup
 from moonrt.memory.policy import MemoryPolicy
@@ -79,6 +79,7 @@ class SavedTensorsMixin:
     _unpack_fn: Any
     _release_fn: Any
     _release_keep_fn: Any
+    _release_part_fn: Any
 
     def _hooks_wanted(self, policy: str) -> bool:
         """Whether saves under a frame of ``policy`` need the manager's hooks in the current forward."""
@@ -136,10 +137,12 @@ class SavedTensorsMixin:
                     entry = self._keep[sptr] = _KeepEntry(sptr, n, region, label)
                     self.accounting.pack_tier_locked(region, label, "device", n, n, time.perf_counter() - t0)
             return _Handle(entry, None, t.detach(), self._release_keep_fn)
-        layer = self._layer_of(frame)
+        layer = frame.layer
+        if layer is None:
+            layer = self._layer_of(frame)
         region = frame.region
-        backend = self._backend(policy)
-        fp8 = backend.quantizes(t)
+        backend = self._backends.get(policy) or self._backend(policy)
+        fp8 = backend.use_fp8 and backend.quantizes(t)
         view = (t.dtype, t.shape, t.stride(), t.storage_offset())  # Size and stride() are tuples already
         key = (policy, sptr, view) if fp8 else (policy, sptr)
         store = backend.store
@@ -151,36 +154,36 @@ class SavedTensorsMixin:
             if entry is not None:
                 entry.refs += 1
                 self.accounting.dedupe_locked(region, label)
-                grp = entry.group
-                if grp is not None and grp.storages is not None:  # its group is pending: rebuilt with the copy
-                    grp.views.append(view)
-                    grp.parts.append(entry.index)
-                    return _Handle(entry, view, None, self._release_fn, len(grp.views) - 1)
+                if entry.__class__ is _PartEntry:
+                    grp = entry.group
+                    if grp.storages is not None:  # its group is pending: rebuilt with the copy (a slot)
+                        grp.views.append(view)
+                        grp.parts.append(entry.index)
+                        return _Handle(entry, view, None, self._release_part_fn, len(grp.views) - 1)
+                    return _Handle(entry, view, None, self._release_part_fn)
                 return _Handle(entry, view, None, self._release_fn)
             if batched:  # copied with the rest of its layer in one call
-                n = storage.nbytes()
-                entry = _Entry(backend, None, layer, key, storage._weak_ref())
-                entry.refs = 1
-                entry.region = (region, label)
-                self._entries[key] = entry
                 grp = self._copies.get(policy)
                 if grp is not None and grp.layer != layer:
                     self._flush_copies(policy)
                     grp = None
                 if grp is None:
                     grp = self._copies[policy] = _CopyGroup(backend, layer)
-                entry.group = grp
-                entry.index = len(grp.sizes)
+                n = storage.nbytes()
+                tier = store.tier
+                entry = self._entries[key] = _PartEntry(key, storage._weak_ref(), region, label, tier, grp,
+                                                        len(grp.sizes), layer, backend)
                 grp.storages.append(storage)  # type: ignore[union-attr]
                 grp.sizes.append(n)
-                grp.views.append(view)
+                views = grp.views
+                views.append(view)
                 grp.parts.append(entry.index)
                 grp.live += 1
                 grp.nbytes += n
-                self.accounting.pack_tier_locked(region, label, store.tier, n, n, time.perf_counter() - t0)
+                self.accounting.pack_tier_locked(region, label, tier, n, n, time.perf_counter() - t0)
                 if grp.nbytes >= self._copy_batch_bytes:
                     self._flush_copies(policy)
-                return _Handle(entry, view, None, self._release_fn, len(grp.views) - 1)
+                return _Handle(entry, view, None, self._release_part_fn, len(views) - 1)
         if fp8:  # pending: quantized with the rest of its batch (layer) in one call
             entry = _Entry(backend, None, layer, key, storage._weak_ref())
             entry.refs = 1
@@ -230,6 +233,22 @@ class SavedTensorsMixin:
                 del self._keep[entry.sptr]
             self.accounting.release_tier_locked("device", entry.nbytes, entry.region, entry.label)
 
+    def _release_part(self, entry: _PartEntry) -> None:
+        """Release a save of a batched host copy: account its part; the group's last one returns the buffer."""
+        with self._lock:
+            entry.refs -= 1
+            if entry.refs > 0:
+                return
+            if self._entries.get(entry.key) is entry:
+                del self._entries[entry.key]
+            _free_weak_ref(entry.weak)
+            grp = entry.group
+            entry.group = None
+            grp.live -= 1
+            self.accounting.release_tier_locked(entry.tier, grp.sizes[entry.index], entry.region, entry.label)
+        if grp.live == 0:
+            self._release_group(grp)
+
     def _release(self, entry: _Entry) -> None:
         with self._lock:
             entry.refs -= 1
@@ -252,16 +271,6 @@ class SavedTensorsMixin:
                     self._forget_batch(batch)
             pending = entry.raw
             entry.raw = None
-            grp = entry.group
-            if grp is not None:  # a batched host copy: account the part; the last one returns the buffer
-                entry.group = None
-                grp.live -= 1
-                region, label = entry.region or (None, None)
-                self.accounting.release_tier_locked(entry.backend.store.tier, grp.sizes[entry.index], region, label)
-        if grp is not None:
-            if grp.live == 0:
-                self._release_group(grp)
-            return
         region, label = entry.region or (None, None)
         if pending is not None:  # released before its batch was quantized: account what it would have stored
             tier = entry.backend.store.tier
@@ -322,9 +331,8 @@ class SavedTensorsMixin:
             self._flush_all_copies()
         entry = handle.entry
         assert entry is not None
-        grp = entry.group
-        if grp is not None:  # a batched host copy: the part of the group's buffer (after the copy finished)
-            out = self._group_part(grp, entry.index, handle.view, handle.slot)
+        if entry.__class__ is _PartEntry:  # a batched host copy: the part of the group's buffer (once copied)
+            out = self._group_part(entry.group, entry.index, handle.view, handle.slot)
             self.accounting.on_unpack(time.perf_counter() - t0)
             return out
         self._start_prefetch(entry.layer - 1)
