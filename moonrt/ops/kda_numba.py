@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
+from numba import njit, typeof, types
 
 LOG_FLOOR = -80.0
 """Same value as :data:`moonrt.ops.kda_terms.LOG_FLOOR` (kept here so this module has no torch import)."""
@@ -300,3 +300,17 @@ def assemble_blocks(blk, beta, qk, has_q, want_akk, lb, a_kk, a_qk, solve, xv, w
                     for e in range(acc.size):
                         acc[e] -= x * w_c[e]
                 wu_p[r, :] = acc
+
+
+def load_compiled() -> None:
+    """Load both kernels' fp32 and fp64 specializations (C-contiguous arrays, as :mod:`moonrt.ops.kda_terms` passes
+    them) from numba's on-disk cache, compiling and caching any that is missing. Runs no kernel and starts no thread.
+
+    A process that will fork workers calls this first (:mod:`moonrt.cluster.rank_preload`), so each worker inherits
+    the compiled code instead of loading it again (~0.4 s per process on 2 cores)."""
+    for dtype in (np.float32, np.float64):
+        a2, a3, a4 = (typeof(np.empty((0,) * ndim, dtype)) for ndim in (2, 3, 4))
+        flag = types.boolean
+        tile_operands.compile((a3, a3, a3, a3, a2, types.float64, types.int64, flag, flag,
+                               a4, a4, a3, a3, a3, a2, a2, a3, a3, a3, a3, a4, a3))
+        assemble_blocks.compile((a4, a2, a2, flag, flag, a3, a3, a3, flag, a3, a3))

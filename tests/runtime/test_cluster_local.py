@@ -32,6 +32,21 @@ def _misbehave(rank: int, world: int, how: str) -> int:
     return rank
 
 
+def _kernels_at_start(rank: int, world: int) -> tuple[int, int, bool]:
+    import numba.np.ufunc.parallel as numba_parallel
+
+    from moonrt.ops import kda_numba
+
+    return (len(kda_numba.tile_operands.signatures), len(kda_numba.assemble_blocks.signatures),
+            numba_parallel._is_initialized)
+
+
+def test_ranks_inherit_the_compiled_kda_kernels_and_no_numba_threads():
+    """The fork server loaded both numba kernels for fp32 and fp64 (``moonrt.cluster.rank_preload``) without
+    starting numba's threading layer, so a rank starts with them compiled and forks no thread pool."""
+    assert run_ranks(_kernels_at_start, 2, timeout=60) == [(2, 2, False)] * 2
+
+
 def test_results_in_rank_order():
     assert run_ranks(_sum_of_ranks, 3, timeout=60) == [3.0, 3.0, 3.0]
 
