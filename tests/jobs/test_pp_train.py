@@ -2,14 +2,15 @@
 equals the single process's; its checkpoint is in the single-process layout; bad pipeline input is a
 clear error before step 1.
 
-Runs: a single-process job trains step 1 and checkpoints; copies of that directory are resumed for
-step 2 by the single process, by ``--pp 2`` (1F1B, 2 micro-batches) and by ``--pp 2 --vpp 2
---microbatches 4`` (interleaved, 4 stages: k3_tiny's 9 layers cut 2/2/2/3, a partial AttnRes block
-crosses a cut). The pipelined step sums the loss and the gradients over micro-batches, a different
-fp32 summation order than one forward of the whole batch (measured: ~1e-7 relative); Adam's update
-after one resumed step keeps that order of difference, so loss, every parameter and every optimizer
-moment agree within 1e-5 relative (normwise per tensor). Then the ``--pp 2`` checkpoint resumes in one
-process for step 3.
+Runs: a single-process job trains step 1 and checkpoints; copies of that directory are resumed for step 2 by
+the single process (these two runs are made once per session and shared with
+``tests/jobs/test_zero_train.py``: ``single_process_steps`` in ``tests/jobs/conftest.py``), by ``--pp 2``
+(1F1B, 2 micro-batches) and by ``--pp 2 --vpp 2 --microbatches 4`` (interleaved, 4 stages: k3_tiny's 9 layers
+cut 2/2/2/3, a partial AttnRes block crosses a cut). The pipelined step sums the loss and the gradients over
+micro-batches, a different fp32 summation order than one forward of the whole batch (measured: ~1e-7
+relative); Adam's update after one resumed step keeps that order of difference, so loss, every parameter and
+every optimizer moment agree within 1e-5 relative (normwise per tensor). Then the ``--pp 2`` checkpoint
+resumes in one process for step 3.
 """
 
 from __future__ import annotations
@@ -97,19 +98,17 @@ def _assert_same_step(tmp_path: Path, name: str, ref: dict[str, Any], ref_ckpt: 
 
 
 @pytest.mark.timeout(1500)
-def test_pp_resumes_a_single_process_checkpoint_and_matches_it(tmp_path: Path) -> None:
-    _run(tmp_path, {"base": _moonrt("train", *FLAGS, "--until", "1", "--out", "base")})
-    runs = {"single": _moonrt("train", *FLAGS, "--resume", "--until", "2", "--out", "single", "--metrics",
-                              "single.jsonl"),
-            "pp2": _launch(2, "train", *FLAGS, "--resume", "--until", "2", "--out", "pp2", "--metrics", "pp2.jsonl",
+def test_pp_resumes_a_single_process_checkpoint_and_matches_it(tmp_path: Path, single_process_steps: Path) -> None:
+    shared = single_process_steps
+    runs = {"pp2": _launch(2, "train", *FLAGS, "--resume", "--until", "2", "--out", "pp2", "--metrics", "pp2.jsonl",
                            "--pp", "2", "--microbatches", "2"),
             "pp2v2": _launch(2, "train", *FLAGS, "--resume", "--until", "2", "--out", "pp2v2", "--metrics",
                              "pp2v2.jsonl", "--pp", "2", "--vpp", "2", "--microbatches", "4")}
     for name in runs:
-        shutil.copytree(tmp_path / "base", tmp_path / name)
+        shutil.copytree(shared / "base", tmp_path / name)
     _run(tmp_path, runs)
-    ref = _metrics(tmp_path / "single.jsonl")[2]
-    ref_ckpt = _ckpt(tmp_path / "single")
+    ref = _metrics(shared / "single.jsonl")[2]
+    ref_ckpt = _ckpt(shared / "single")
     for name, vpp, m in (("pp2", 1, 2), ("pp2v2", 2, 4)):
         got = _assert_same_step(tmp_path, name, ref, ref_ckpt)
         # per rank and step: the blocks and bytes `moonrt pp-plan` counts for the same layout
@@ -124,7 +123,7 @@ def test_pp_resumes_a_single_process_checkpoint_and_matches_it(tmp_path: Path) -
         assert len(got["pp_idle_frac"]) == 2 and all(0.0 <= f < 1.0 for f in got["pp_idle_frac"]), got
     # the --pp 2 checkpoint resumes in one process: step 3 equals the single process's own step 3
     shutil.copytree(tmp_path / "pp2", tmp_path / "from_pp2")
-    shutil.copytree(tmp_path / "single", tmp_path / "single3")
+    shutil.copytree(shared / "single", tmp_path / "single3")
     _run(tmp_path, {"a": _moonrt("train", *FLAGS, "--resume", "--until", "3", "--out", "from_pp2", "--metrics",
                                  "a.jsonl"),
                     "b": _moonrt("train", *FLAGS, "--resume", "--until", "3", "--out", "single3", "--metrics",
@@ -135,18 +134,15 @@ def test_pp_resumes_a_single_process_checkpoint_and_matches_it(tmp_path: Path) -
 
 
 @pytest.mark.timeout(1200)
-def test_pp2_ep2_resumes_a_single_process_checkpoint_and_matches_it(tmp_path: Path) -> None:
+def test_pp2_ep2_resumes_a_single_process_checkpoint_and_matches_it(tmp_path: Path,
+                                                                   single_process_steps: Path) -> None:
     """``--pp 2 --ep 2`` on 4 ranks: MoonEP inside each stage; the pipeline combines the expert shards'
     gradient norm and checkpoint state over its stages."""
-    _run(tmp_path, {"base": _moonrt("train", *FLAGS, "--until", "1", "--out", "base")})
-    runs = {"single": _moonrt("train", *FLAGS, "--resume", "--until", "2", "--out", "single", "--metrics",
-                              "single.jsonl"),
-            "ppep": _launch(4, "train", *FLAGS, "--resume", "--until", "2", "--out", "ppep", "--metrics", "ppep.jsonl",
-                            "--pp", "2", "--ep", "2", "--microbatches", "2")}
-    for name in runs:
-        shutil.copytree(tmp_path / "base", tmp_path / name)
-    _run(tmp_path, runs)
-    got = _assert_same_step(tmp_path, "ppep", _metrics(tmp_path / "single.jsonl")[2], _ckpt(tmp_path / "single"))
+    shared = single_process_steps
+    shutil.copytree(shared / "base", tmp_path / "ppep")
+    _run(tmp_path, {"ppep": _launch(4, "train", *FLAGS, "--resume", "--until", "2", "--out", "ppep", "--metrics",
+                                    "ppep.jsonl", "--pp", "2", "--ep", "2", "--microbatches", "2")})
+    got = _assert_same_step(tmp_path, "ppep", _metrics(shared / "single.jsonl")[2], _ckpt(shared / "single"))
     assert len(got["ep_rows"]) == 2 and len(got["pp_blocks_sent"]) == 2, got  # both parts ran
 
 

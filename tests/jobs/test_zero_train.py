@@ -37,19 +37,18 @@ def _adamw_bytes_per_rank(dp: int) -> int:
 
 
 @pytest.mark.timeout(1800)
-def test_zero1_resumes_a_single_process_checkpoint_and_matches_it(tmp_path: Path) -> None:
-    _run(tmp_path, {"base": _moonrt("train", *FLAGS, "--until", "1", "--out", "base")})
+def test_zero1_resumes_a_single_process_checkpoint_and_matches_it(tmp_path: Path, single_process_steps: Path) -> None:
+    shared = single_process_steps  # base (step 1) and the single process's step 2, as in test_pp_train
     common = ("train", *FLAGS, "--resume", "--until", "2")
-    runs = {"single": _moonrt(*common, "--out", "single", "--metrics", "single.jsonl"),
-            "zero_one_process": _moonrt(*common, "--out", "zero_one_process", "--zero", "1"),
+    runs = {"zero_one_process": _moonrt(*common, "--out", "zero_one_process", "--zero", "1"),
             "zero_dp2": _launch(2, *common, "--out", "zero_dp2", "--metrics", "zero_dp2.jsonl", "--zero", "1"),
             "zero_pp2_dp2": _launch(4, *common, "--out", "zero_pp2_dp2", "--metrics", "zero_pp2_dp2.jsonl",
                                     "--pp", "2", "--microbatches", "2", "--zero", "1")}
     for name in runs:
-        shutil.copytree(tmp_path / "base", tmp_path / name)
+        shutil.copytree(shared / "base", tmp_path / name)
     _run(tmp_path, runs, timeout=1700)
-    ref = _metrics(tmp_path / "single.jsonl")[2]
-    ref_ckpt = _ckpt(tmp_path / "single")
+    ref = _metrics(shared / "single.jsonl")[2]
+    ref_ckpt = _ckpt(shared / "single")
     for name in ("zero_dp2", "zero_pp2_dp2"):
         _assert_same_step(tmp_path, name, ref, ref_ckpt)
     # dp 2: each rank holds half the moments (plus the step counts), not the replicated full state
