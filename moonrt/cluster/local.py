@@ -6,7 +6,8 @@ ranks' return values in rank order.
 
 Design (measured on 2-core machines): each rank costs one ``import torch`` if started fresh, which
 dominates start-up on 2 cores. Ranks are therefore forked from a *fork server* that imported torch
-once, and loaded numba's compiled KDA kernels (:mod:`moonrt.cluster.rank_preload`), and never ran a
+once (and ``torch.distributed.checkpoint``, ~1.2 s more per rank that saves or loads a sharded
+checkpoint), loaded numba's compiled KDA kernels (:mod:`moonrt.cluster.rank_preload`) and never ran a
 kernel (forking a parent that already used OpenMP can hang the child). The
 rendezvous store is a ``TCPStore`` that the caller opens on an OS-chosen free port of 127.0.0.1
 (loopback only, never every interface), never a hard-coded one; gloo uses the loopback interface.
@@ -33,7 +34,7 @@ from typing import Any
 
 from moonrt.cluster.env import GLOO_IFNAME_ENV, loopback_interface, master_store
 
-_PRELOAD = ["torch", "torch.distributed", "numpy", "moonrt.cluster.rank_preload"]
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "numpy", "moonrt.cluster.rank_preload"]
 
 
 class RankError(RuntimeError):
