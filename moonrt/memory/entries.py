@@ -28,7 +28,7 @@ class _Entry:
     a batched host copy is a :class:`_PartEntry`.)"""
 
     __slots__ = ("backend", "packed", "refs", "layer", "future", "parts", "key", "weak", "region", "raw", "batch",
-                 "decoded", "__weakref__")
+                 "decoded", "waiting", "__weakref__")
 
     def __init__(self, backend: Backend, packed: Packed | None, layer: int, key: Any, weak: Any) -> None:
         self.backend = backend
@@ -43,6 +43,8 @@ class _Entry:
         self.raw: torch.Tensor | None = None
         self.batch: _Batch | None = None
         self.decoded: torch.Tensor | None = None
+        self.waiting = 1
+        """Saves of the entry not unpacked yet (an upper bound): an FP8 entry keeps ``decoded`` for them."""
 
 
 class _PartEntry:

@@ -161,6 +161,7 @@ class SavedTensorsMixin:
                         grp.parts.append(entry.index)
                         return _Handle(entry, view, None, self._release_part_fn, len(grp.views) - 1)
                     return _Handle(entry, view, None, self._release_part_fn)
+                entry.waiting += 1
                 return _Handle(entry, view, None, self._release_fn)
             if batched:  # copied with the rest of its layer in one call
                 grp = self._copies.get(policy)
@@ -253,6 +254,8 @@ class SavedTensorsMixin:
         with self._lock:
             entry.refs -= 1
             if entry.refs > 0:
+                if entry.waiting > entry.refs:  # (a save released before its unpack: at most refs still wait)
+                    entry.waiting = entry.refs
                 return
             if self._entries.get(entry.key) is entry:
                 del self._entries[entry.key]
@@ -350,10 +353,11 @@ class SavedTensorsMixin:
                         self._decode_ahead(batch)  # and the next layer's batches on the copy thread
                     self._decode_batch(batch)
             out = entry.decoded
-            if out is not None:
-                entry.decoded = None  # a later unpack of the same entry decodes again
-            else:
+            if out is None:
                 out = entry.backend.decode(packed, self._parts(entry))
+            # several saves of one view (a dedupe) decode once: kept while a live save has not unpacked it yet
+            entry.waiting -= 1
+            entry.decoded = out if entry.waiting > 0 else None
         else:
             parts = self._parts(entry)
             dtype, shape, stride, offset = handle.view

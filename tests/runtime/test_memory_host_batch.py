@@ -319,3 +319,60 @@ def test_copy_thread_default_follows_idle_cpus(monkeypatch, cpus, env, threads, 
         mgr = ActivationManager(Stack(), _policy(default="host"), copy_thread=arg)
         assert (mgr._copier is not None) is want, arg
         mgr.close()
+
+
+class _Shared(torch.nn.Module):
+    """tanh's output saved by tanh itself and by three matmuls (four saves of one FP8 view), twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.ParameterList(
+            torch.nn.Parameter(torch.randn(128, 128) / 12) for _ in range(3)) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for ws in self.layers:
+            h = torch.tanh(x)
+            x = x + h @ ws[0] + (h @ ws[1]).sin() + h @ ws[2]
+        return x.square().mean()
+
+
+@pytest.mark.parametrize("copy_thread", [True, False])
+def test_fp8_view_saved_four_times_decodes_once(monkeypatch, copy_thread):
+    """Four saves of one FP8 view share an entry: backward decodes it once (not once per save), releases the
+    decoded tensor once every save has unpacked it (none is held after a retained-graph backward), and a second
+    backward of the retained graph gives the same gradients."""
+    from moonrt.memory import backends
+    from moonrt.ops import fp8
+
+    decoded: list[int] = []
+    inner_many, inner_one = fp8.dequantize_many, backends.fp8.dequantize
+
+    def many(items):
+        decoded.extend(int(p.shape[0]) for p, _, _, _ in items)
+        return inner_many(items)
+
+    def one(payload, scales, shape, dtype):
+        decoded.append(int(payload.shape[0]))
+        return inner_one(payload, scales, shape, dtype)
+
+    monkeypatch.setattr(fp8, "dequantize_many", many)
+    monkeypatch.setattr(backends.fp8, "dequantize", one)
+    torch.manual_seed(0)
+    model = _Shared()
+    mgr = ActivationManager(model, _policy(default="fp8"), copy_thread=copy_thread)
+    x = torch.randn(64, 128, requires_grad=True)
+    with mgr:
+        loss = model(x)
+    entries = list(mgr._entries.values())
+    assert sorted(e.refs for e in entries) == [1, 1, 1, 4, 4]  # the two tanh outputs: four saves each
+    loss.backward(retain_graph=True)
+    assert sum(decoded) == sum(e.packed.meta[3][0] for e in entries if e.packed.meta[0] == "fp8")  # each once
+    assert all(e.decoded is None for e in entries)
+    first = [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+    loss.backward()
+    assert all(torch.equal(a, b) for a, b in zip(first, [p.grad for p in model.parameters()] + [x.grad]))
+    del loss
+    assert mgr.accounting.live["device"] == 0
+    mgr.close()
