@@ -16,12 +16,11 @@ moments gathered from the shards).
 from __future__ import annotations
 
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from test_pp_train import FLAGS, _assert_same_step, _ckpt, _close, _launch, _metrics, _moonrt, _run
+from test_pp_train import FLAGS, _assert_same_step, _ckpt, _cli, _close, _launch, _metrics, _moonrt, _run
 
 
 def _adamw_bytes_per_rank(dp: int) -> int:
@@ -66,9 +65,9 @@ def test_zero1_resumes_a_single_process_checkpoint_and_matches_it(tmp_path: Path
 
 
 @pytest.mark.parametrize("value", ["2", "-1"])
-def test_zero_stage_other_than_0_or_1_is_a_clear_error(tmp_path: Path, value: str) -> None:
-    out = subprocess.run(_moonrt("train", "--zero", value, "--steps", "1", "--no-progress", "--out", str(tmp_path)),
-                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 2, out.stdout + out.stderr
-    assert f"parallel.zero = {value}: expected 0 (replicated optimizer states) or 1" in out.stderr, out.stderr
-    assert "Traceback" not in out.stderr
+def test_zero_stage_other_than_0_or_1_is_a_clear_error(tmp_path: Path, value: str,
+                                                       capfd: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _cli(["train", "--zero", value, "--steps", "1", "--no-progress", "--out", str(tmp_path)], capfd)
+    assert code == 2, out + err
+    assert f"parallel.zero = {value}: expected 0 (replicated optimizer states) or 1" in err, err
+    assert "Traceback" not in err
