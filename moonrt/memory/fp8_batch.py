@@ -1,9 +1,10 @@
 """FP8 batching of the activation manager: FP8 saves of one layer and policy are quantized in one call
 (:func:`moonrt.ops.fp8.quantize_many`; for the device tier on the manager's copy thread with
 ``copy_thread=True``, overlapping the forward, bitwise the same) and, in backward, decoded in one call
-(:func:`moonrt.ops.fp8.dequantize_many`). With the copy thread, the first unpack from a batch of layer ``l``
-also starts decoding the batches of layer ``l - 1`` (of the same forward) there, so the backward of layer ``l``
-hides the decode of the layer it reaches next (the CPU decode runs without the GIL).
+(:func:`moonrt.ops.fp8.dequantize_many`). With the copy thread, the first unpack from a batch also starts
+decoding there the :data:`AHEAD` batches quantized just before it in the same forward (backward reaches them next,
+whatever regions they belong to), so the backward of one layer hides the decode of the next (the CPU decode runs
+without the GIL).
 
 :class:`Fp8BatchMixin` is a base of :class:`moonrt.memory.manager.ActivationManager`, which sets the state
 it reads in ``__init__``; the per-save path that fills a batch is ``_pack`` (:mod:`.saved_hooks`).
@@ -27,13 +28,16 @@ class _Batch:
     the layer ends, the batch reaches ``fp8_batch_bytes``, the forward ends or backward starts; in backward
     the first unpack decodes every entry of the batch that is at hand in one call."""
 
-    __slots__ = ("backend", "layer", "forward", "entries", "nbytes", "live", "decoded", "future", "todo", "ahead")
+    __slots__ = ("backend", "layer", "forward", "seq", "entries", "nbytes", "live", "decoded", "future", "todo",
+                 "ahead")
 
     def __init__(self, backend: Backend, layer: int, forward: int = 0) -> None:
         self.backend = backend
         self.layer = layer
         self.forward = forward
         """The manager's forward count when the batch began: decode-ahead stays within one forward's batches."""
+        self.seq = -1
+        """Its index in its forward's quantized batches (``Fp8BatchMixin._decodable``), once quantized."""
         self.entries: list[_Entry] = []
         self.nbytes = 0
         self.live = 0
@@ -53,7 +57,7 @@ class Fp8BatchMixin:
     _lock: threading.RLock
     accounting: Accounting
     _pending: dict[str, _Batch]
-    _decodable: dict[tuple[int, int], list[_Batch]]
+    _decodable: dict[int, list[_Batch | None]]
     _copier: ThreadPoolExecutor | None
 
     def _flush(self, policy: str) -> None:
@@ -66,7 +70,9 @@ class Fp8BatchMixin:
         if not todo:
             return
         if self._copier is not None:  # a candidate for decode-ahead in backward
-            self._decodable.setdefault((batch.forward, batch.layer), []).append(batch)
+            batches = self._decodable.setdefault(batch.forward, [])
+            batch.seq = len(batches)
+            batches.append(batch)
         backend = batch.backend
         raws = [e.raw for e in todo]
         if self._copier is not None and backend.store.tier == "device":  # on the copy thread, bitwise the same
@@ -139,11 +145,17 @@ class Fp8BatchMixin:
                     e.decoded = out
 
     def _decode_ahead(self, batch: _Batch) -> None:
-        """Start decoding, on the copy thread, the batches of the layer before ``batch``'s (same forward): the
-        next the backward reaches. Their unpacks wait for it (:meth:`_wait_ahead`)."""
+        """Start decoding, on the copy thread, the :data:`AHEAD` live batches quantized before ``batch`` in its
+        forward that are not decoded or queued yet: the next the backward reaches. Their unpacks wait for it
+        (:meth:`_wait_ahead`)."""
         with self._lock:
-            todo = [b for b in self._decodable.pop((batch.forward, batch.layer - 1), ())
-                    if b.live > 0 and not b.decoded and b.ahead is None]
+            batches = self._decodable.get(batch.forward)
+            if not batches or batch.seq < 0:
+                return
+            todo = []
+            for b in reversed(batches[max(0, batch.seq - AHEAD):batch.seq]):
+                if b is not None and b.live > 0 and not b.decoded and b.ahead is None:
+                    todo.append(b)
             for b in todo:
                 b.ahead = self._copier.submit(self._decode_on_thread, b)  # type: ignore[union-attr]
 
@@ -161,12 +173,17 @@ class Fp8BatchMixin:
             batch.ahead = None
 
     def _forget_batch(self, batch: _Batch) -> None:
-        """Drop ``batch`` from the decode-ahead candidates (its last entry was released; caller holds the lock)."""
-        batches = self._decodable.get((batch.forward, batch.layer))
-        if batches is not None and batch in batches:
-            batches.remove(batch)
-            if not batches:
-                del self._decodable[(batch.forward, batch.layer)]
+        """Drop ``batch`` from the decode-ahead candidates (its last entry was released; caller holds the lock);
+        a forward's list goes once all of its batches are released."""
+        batches = self._decodable.get(batch.forward)
+        if batches is not None and 0 <= batch.seq < len(batches) and batches[batch.seq] is batch:
+            batches[batch.seq] = None
+            if not any(batches):
+                del self._decodable[batch.forward]
+
+
+AHEAD = 2
+"""Batches decoded ahead on the copy thread per first unpack of a batch (the decoded tensors live that much earlier)."""
 
 
 __all__: list[str] = []

@@ -130,7 +130,7 @@ class ActivationManager(RegionsMixin, RecomputeMixin, SavedTensorsMixin, Fp8Batc
         self._frame_cache: dict[tuple[str, int], _Frame] = {}
         self._keep: dict[int, _KeepEntry] = {}
         self._pending: dict[str, _Batch] = {}
-        self._decodable: dict[tuple[int, int], list[_Batch]] = {}  # (forward, layer) -> quantized FP8 batches
+        self._decodable: dict[int, list[_Batch | None]] = {}  # forward -> its quantized FP8 batches, in order
         self._forward_id = 0
         self._fp8_batch_bytes = int(fp8_batch_bytes)
         self._copies: dict[str, _CopyGroup] = {}

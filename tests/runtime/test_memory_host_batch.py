@@ -249,7 +249,7 @@ def _two_in_flight(copy_thread: bool) -> tuple[list[torch.Tensor], ActivationMan
 
 
 def test_fp8_decoded_ahead_on_the_copy_thread_bitwise(monkeypatch):
-    """In backward, the first unpack of a layer's FP8 batch queues the decode of the previous layer's batches (same
+    """In backward, the first unpack of an FP8 batch queues the decode of the batches quantized before it (same
     forward) on the copy thread: gradients equal the inline run's bit for bit, also with two forwards in flight;
     nothing is left queued; a failing decode raises in backward."""
     from moonrt.ops import fp8
@@ -263,8 +263,8 @@ def test_fp8_decoded_ahead_on_the_copy_thread_bitwise(monkeypatch):
 
     monkeypatch.setattr(fp8, "dequantize_many", spy)
     got, bg = _run_mgr(_policy(default="fp8"), copy_thread=True)
-    # the loss's one-save batch (layer 3, the root's) is decoded alone by its unpack, which queues Stack's layer 2;
-    # layer 2's unpack queues layer 1, and so on: every batched decode ran on the copy thread
+    # the loss's one-save batch (the root's, quantized last) is decoded alone by its unpack, which queues Stack's
+    # layers 2 and 1; layer 2's first unpack queues layer 0: every batched decode ran on the copy thread
     assert len(threads) == 3 and all(t.startswith("moonrt-host-copy") for t in threads)
     ref, inline = _run_mgr(_policy(default="fp8"), copy_thread=False)
     assert all(torch.equal(a, b) for a, b in zip(got, ref))
