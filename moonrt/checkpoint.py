@@ -37,7 +37,7 @@ KEYS = ("model", "optimizer", "step", "config")
 # Dotted job-config paths that may change on resume without an explicit override: where the outputs go,
 # how the work is laid out and stored (layout-independent checkpoints), how often eval and checkpoints happen.
 FREE_ON_RESUME = ("out_dir", "threads", "parallel", "memory_policy", "routing_trace", "optim.eval_every",
-                  "optim.eval_windows", "optim.checkpoint_every", "stop_signal")
+                  "optim.eval_windows", "optim.checkpoint_every", "stop_signal", "gc_interval")
 
 
 class CheckpointError(ValueError):

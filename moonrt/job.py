@@ -125,6 +125,11 @@ class JobConfig:
     stop_signal: str = "SIGTERM"
     """Signal (besides SIGTERM and SIGINT) on which every rank finishes its step, checkpoints and exits with
     :data:`moonrt.cluster.preempt.PREEMPTED_EXIT` (``--signal USR1`` for ``#SBATCH --signal=B:USR1@...``)."""
+    gc_interval: int = 50
+    """Python's automatic garbage collection is off in the training loop and a young-generation collection
+    (``gc.collect(1)``) runs every this many steps instead, as torchtitan's ``gc_freq`` and Megatron's
+    ``--manual-gc`` do: a full collection scans every live Python object (~370k for k3_tiny) and the saved-tensor
+    records of an activation-manager step trigger one every few steps (benchmarks/RESULTS.md). 0: automatic."""
 
     def validate(self) -> None:
         check(self.model in PRESETS, "model", self.model, "one of " + ", ".join(sorted(PRESETS)))
@@ -135,6 +140,7 @@ class JobConfig:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         check(self.threads >= 0, "threads", self.threads, "an integer >= 0 (0 = torch default)")
+        check(self.gc_interval >= 0, "gc_interval", self.gc_interval, "an integer >= 0 (0 = automatic collection)")
         if self.data.pack_documents:  # document boundaries reach the model only on the default (non-part) path
             for name, why in (("cp", "KCP and the MLA all-gather carry no document boundaries"),
                               ("pp", "pipeline stages carry no document boundaries")):

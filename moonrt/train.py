@@ -28,6 +28,7 @@ recorder); a single-process run is that object with no parts.
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import time
@@ -136,6 +137,28 @@ def train(job: JobConfig, rt: Parallelism | None = None, metrics_path: str | Non
         return _train(job, rt or Parallelism(), metrics_path, resume, until, progress, resume_allow, preempt)
 
 
+class ManualGC:
+    """Python's automatic garbage collection off from construction to :meth:`close` (``interval`` > 0);
+    :meth:`tick` runs a young-generation collection (``gc.collect(1)``: the objects made since the last one, cycles
+    among them freed) on every ``interval``-th completed step. :meth:`close` restores the collector's state. With
+    ``interval`` 0 the collector is untouched and ``tick`` does nothing."""
+
+    def __init__(self, interval: int) -> None:
+        self.interval = interval
+        self._restore = interval > 0 and gc.isenabled()
+        if interval > 0:
+            gc.disable()
+
+    def tick(self, step: int) -> None:
+        if self.interval > 0 and step % self.interval == 0:
+            gc.collect(1)
+
+    def close(self) -> None:
+        if self._restore:
+            gc.enable()
+            self._restore = False
+
+
 def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bool, until: int | None,
            progress: bool, resume_allow: tuple[str, ...], preempt: StopSignal) -> dict[str, float]:
     if job.threads:
@@ -221,6 +244,7 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
     t_start = time.perf_counter()
     tokens_done = 0
     done, saved = start, (start if resume else None)  # last completed step, last checkpointed step
+    gc_control = ManualGC(job.gc_interval)
     try:
         stopped = rt.any_flag(preempt.requested)  # a signal during start-up: stop before the first step
         for step in bar:
@@ -276,12 +300,14 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
             if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == stop or stopped:
                 save_checkpoint(ckpt, model, opt, step + 1, job, rt)
                 saved = step + 1
+            gc_control.tick(step + 1)
         if stopped:
             if saved != done:
                 save_checkpoint(ckpt, model, opt, done, job, rt)
             rt.any_flag(True)  # no rank exits (srun --kill-on-bad-exit) before the main rank's save is complete
         rt.close()
     finally:
+        gc_control.close()
         bar.close()
         if metrics is not None:
             metrics.close()

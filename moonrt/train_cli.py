@@ -57,6 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(e.g. lr,steps or optim.lr,data.corpus)")
     parser.add_argument("--until", type=int, help="stop after this step (checkpointed); schedule still uses --steps")
     parser.add_argument("--threads", type=int, help="torch threads per process, 0 = torch default (threads)")
+    parser.add_argument("--gc-interval", type=int, help="Python garbage collection: off in the training loop, one "
+                        "young-generation collection every N steps (gc_interval; default 50; 0 = automatic)")
     parser.add_argument("--memory-policy", help="activation memory policy YAML (memory_policy; moonrt.memory)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar or summary line")
     parser.add_argument("--ep", type=int, help="expert-parallel degree: MoonEP over EP ranks, E/EP home experts "
@@ -90,6 +92,7 @@ _OVERRIDES: dict[str, tuple[str, ...]] = {
     "pp": ("parallel", "pp"), "vpp": ("parallel", "vpp"), "microbatches": ("parallel", "microbatches"),
     "schedule": ("parallel", "schedule"), "attn_res_comm": ("parallel", "attn_res_comm"),
     "zero": ("parallel", "zero"), "signal": ("stop_signal",),
+    "gc_interval": ("gc_interval",),
 }
 
 
