@@ -16,6 +16,10 @@ the calls of the manager's pack hook: Python hook calls per step in steady state
 
     .venv/bin/python benchmarks/bench_manager_overhead.py --steps 10 --baseline /tmp/base --out /tmp/overhead.json
 
+Python's garbage collector runs as in ``moonrt train``: automatic collection off, one young-generation collection every
+``--gc-interval`` rounds (default: ``JobConfig.gc_interval``, 50; ``--gc-interval 0``: Python's automatic collection,
+whose full collections over the process's ~370k objects the managers' per-save records trigger every few steps).
+
 The current manager runs with its default ``copy_thread=None``: host copies and FP8 quantization on a background
 thread when the process has an idle CPU (``idle_cpu()``, printed in the header), else in the forward's thread.
 ``--inline`` adds host and FP8 under the current manager with the other setting (row names say which).
@@ -41,10 +45,12 @@ import torch
 from machine import cpu_model
 
 from moonrt.config import from_dict
+from moonrt.job import JobConfig
 from moonrt.memory.manager import ActivationManager, idle_cpu
 from moonrt.memory.policy import MemoryPolicy
 from moonrt.model.config import k3_tiny
 from moonrt.model.model import K3Model
+from moonrt.train import ManualGC
 
 FP8_CLASSES = ["layers.*.moe", "layers.*.ffn", "layers.*.attn.*proj", "layers.*.attn_norm", "layers.*.ffn_norm",
                "attn_res.sublayer_input"]
@@ -134,6 +140,9 @@ def main() -> None:
                     "whose manager runs next to the current one")
     ap.add_argument("--inline", action="store_true", help="also run host and FP8 under the current manager "
                     "with the other copy_thread setting (see the row names)")
+    ap.add_argument("--gc-interval", type=int, default=JobConfig().gc_interval, help="garbage collection as moonrt "
+                    "train does it: automatic collection off, gc.collect(1) every N rounds; 0 = Python's automatic "
+                    "collection (default: moonrt train's, %(default)s)")
     ap.add_argument("--out", default="/tmp/moonrt-bench-manager-overhead.json", help="JSON results file")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -158,13 +167,18 @@ def main() -> None:
     toks = [torch.randint(0, 256, (args.batch, args.seq_len), generator=gen) for _ in range(args.steps + 1)]
     paired: dict[str, list[float]] = {n: [] for n in names}
     paired_cpu: dict[str, list[float]] = {n: [] for n in names}
-    for s, tok in enumerate(toks):
-        order = names[s % len(names):] + names[:s % len(names)]
-        dts = {n: runners[n].step(tok, record=s > 0) for n in order}
-        if s > 0:
-            for n in names:
-                paired[n].append(dts[n][0] / dts["no manager"][0])
-                paired_cpu[n].append(dts[n][1] / dts["no manager"][1])
+    gc_control = ManualGC(args.gc_interval)
+    try:
+        for s, tok in enumerate(toks):
+            order = names[s % len(names):] + names[:s % len(names)]
+            dts = {n: runners[n].step(tok, record=s > 0) for n in order}
+            if s > 0:
+                for n in names:
+                    paired[n].append(dts[n][0] / dts["no manager"][0])
+                    paired_cpu[n].append(dts[n][1] / dts["no manager"][1])
+            gc_control.tick(s + 1)
+    finally:
+        gc_control.close()
     hook_calls: dict[str, float] = {}
     for n in names:  # one more step, untimed, counting the pack hook's calls
         r = runners[n]
@@ -183,14 +197,16 @@ def main() -> None:
     info = {"threads": torch.get_num_threads(), "cpu": cpu_model(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
             "cpu_count": os.cpu_count(), "load_avg_1m_start": load_start, "load_avg_1m": os.getloadavg()[0],
-            "copy_thread_default": idle}
+            "copy_thread_default": idle, "gc_interval": args.gc_interval}
     machine = f"threads={info['threads']}, {info['cpu']}, {info['cpu_capability']}"
     print(f"k3_tiny training step (fwd + bwd + AdamW), batch {args.batch} x {args.seq_len} tokens, "
           f"{args.steps} timed steps per runner, interleaved round-robin in one run"
           + (f"; 'base:' = manager of {args.baseline}" if args.baseline else ""))
     print(f"threads {info['threads']}, CPU {info['cpu']} ({info['cpu_count']} logical), torch CPU capability "
           f"{info['cpu_capability']}, torch {info['torch']}, load avg (1 min) at start {load_start:.1f}, "
-          f"at end {info['load_avg_1m']:.1f}; current manager: copy thread {'on' if idle else 'off'}")
+          f"at end {info['load_avg_1m']:.1f}; current manager: copy thread {'on' if idle else 'off'}; garbage "
+          "collection: " + (f"gc.collect(1) every {args.gc_interval} rounds (as moonrt train)" if args.gc_interval
+                            else "automatic"))
     head = (f"{'policy':<42}{'tokens/s':>10}{'paired x':>10}{'CPU x':>8}{'hook calls/step':>16}{'loss==none':>11}"
             "  machine")
     print(head)
