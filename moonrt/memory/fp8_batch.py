@@ -75,8 +75,8 @@ class Fp8BatchMixin:
             batches.append(batch)
         backend = batch.backend
         raws = [e.raw for e in todo]
-        if self._copier is not None and backend.store.tier == "device":  # on the copy thread, bitwise the same
-            batch.future = self._copier.submit(fp8.quantize_many, raws, backend.block)
+        on_thread = self._copier is not None and backend.store.tier == "device"
+        if on_thread:  # on the copy thread, bitwise the same
             batch.todo = todo
             block = backend.block
             for e, raw in zip(todo, raws):  # parts filled by _quantized; bytes known from the shape
@@ -92,7 +92,6 @@ class Fp8BatchMixin:
                 raw = e.raw
                 e.packed = backend.store_quantized(tuple(raw.shape), raw.dtype, raw.device, payload, scales)
                 e.raw = None
-        del raws
         dt = (time.perf_counter() - t0) / len(todo)
         tier = backend.store.tier
         pack_tier = self.accounting.pack_tier_locked  # the caller holds the lock the accounting shares
@@ -102,6 +101,8 @@ class Fp8BatchMixin:
             meta = e.packed.meta
             logical = math.prod(meta[1]) * meta[2].itemsize
             pack_tier(region, label, tier, logical, nbytes, dt)
+        if on_thread:  # submitted last: the forward's thread then returns to compute (GIL released) at once
+            batch.future = self._copier.submit(fp8.quantize_many, raws, backend.block)  # type: ignore[union-attr]
 
     def _flush_all(self) -> None:
         if self._pending:
