@@ -57,12 +57,22 @@ def _quantize_rows(x2: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Te
     m, n = x2.shape
     x2 = x2.contiguous()
     nb = -(-n // block)
+    if x2.device.type == "cpu":  # one fused pass (numba, no GIL), bitwise the torch path below
+        payload = torch.empty(m, nb * block, dtype=torch.uint8)
+        scales = torch.empty(m, nb, dtype=torch.float32)
+        if _quantize_cpu(x2.numpy(), payload.numpy(), scales.numpy(), block, np.float32(_MIN_NORMAL_AMAX)):
+            amax = _tile_amax(x2, block)
+            _quantize_small_tiles(x2, block, amax, (amax > 0) & (amax < _MIN_NORMAL_AMAX), payload.view(E4M3), scales)
+        return payload.view(E4M3), scales
+    return _quantize_rows_torch(x2, block)
+
+
+def _quantize_rows_torch(x2: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_quantize_rows` in torch ops (any device; contiguous ``x2``)."""
+    m, n = x2.shape
+    nb = -(-n // block)
     full = n // block
-    amax = torch.empty(m, nb, dtype=torch.float32, device=x2.device)
-    if full:
-        amax[:, :full] = x2[:, :full * block].reshape(m, full, block).abs().amax(dim=-1)
-    if full < nb:
-        amax[:, full] = x2[:, full * block:].abs().amax(dim=-1)
+    amax = _tile_amax(x2, block)
     scales = amax / E4M3_MAX
     ok = amax >= _MIN_NORMAL_AMAX  # amax / 448 a normal fp32 and 448 / amax finite; else 0 here, fixed below
     inv = torch.where(ok, E4M3_MAX / amax.clamp_min(_MIN_NORMAL_AMAX), torch.zeros_like(amax))
@@ -80,6 +90,93 @@ def _quantize_rows(x2: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Te
     if small.any():  # rare (tiles below ~5e-36): one small pass over the rows that hold such a tile
         _quantize_small_tiles(x2, block, amax, small, payload, scales)
     return payload, scales
+
+
+def _tile_amax(x2: torch.Tensor, block: int) -> torch.Tensor:
+    """``[M, nb]`` fp32: each tile's largest magnitude (NaN if the tile holds one)."""
+    m, n = x2.shape
+    nb = -(-n // block)
+    full = n // block
+    amax = torch.empty(m, nb, dtype=torch.float32, device=x2.device)
+    if full:
+        amax[:, :full] = x2[:, :full * block].reshape(m, full, block).abs().amax(dim=-1)
+    if full < nb:
+        amax[:, full] = x2[:, full * block:].abs().amax(dim=-1)
+    return amax
+
+
+@njit(cache=True, nogil=True, boundscheck=False, inline="always")
+def _e4m3_code(f: int, a: int) -> int:
+    """E4M3 code of the fp32 value with bits ``f``, given the bits ``a`` of ``|value| + 2^14`` (in fp32): torch's
+    cast (round to nearest even; NaN -> 0x7F with the sign; above 464 saturates to 448 in torch 2.13, a range
+    the codec never reaches: its scaled values are at most 448 (1 + 2 ulp)). Below E4M3's smallest normal 2^-6,
+    fp32's own rounding of ``|value| + 2^14`` lands on the subnormal grid 2^-9."""
+    sign = f & np.uint32(0x80000000)
+    f = f ^ sign
+    normal = (f - np.uint32(120 << 23) + np.uint32(0x7FFFF) + ((f >> np.uint32(20)) & np.uint32(1))) >> np.uint32(20)
+    sub = a - np.uint32(141 << 23)
+    if f > np.uint32(0x7F800000):
+        r = np.uint32(0x7F)
+    elif f > np.uint32(0x43E80000):
+        r = np.uint32(0x7E)
+    elif f < np.uint32(121 << 23):
+        r = sub
+    else:
+        r = normal
+    return (r | (sign >> np.uint32(24))) & np.uint32(0xFF)
+
+
+@njit(cache=True, nogil=True, boundscheck=False, error_model="numpy")
+def _quantize_cpu(x: np.ndarray, payload: np.ndarray, scales: np.ndarray, block: int, min_amax: np.float32) -> bool:
+    """The codec of the torch path in one pass per tile: amax, ``scale = amax / 448``, ``inv = 448 * (1 / amax)``
+    (torch's ``448 / t`` is a reciprocal times 448), ``x * inv`` cast to E4M3, padding zero; the same fp32
+    operations, so bitwise the same. Tiles with ``0 < amax < min_amax`` get ``inv = 0`` here; returns whether there
+    is one (the caller re-encodes them, :func:`_quantize_small_tiles`)."""
+    m, n = x.shape
+    nb = scales.shape[1]
+    sc = np.empty(block, np.float32)
+    ad = np.empty(block, np.float32)
+    scb = sc.view(np.uint32)
+    adb = ad.view(np.uint32)
+    e4 = np.float32(448.0)
+    zero = np.float32(0.0)
+    small = False
+    for i in range(m):
+        for b in range(nb):
+            j0 = b * block
+            w = min(block, n - j0)
+            amax = zero
+            nan = False
+            for k in range(w):
+                v = abs(x[i, j0 + k])
+                amax = max(amax, v)
+                nan |= v != v
+            if nan:
+                amax = np.float32(np.nan)
+            scales[i, b] = amax / e4
+            ok = amax >= min_amax
+            inv = e4 * (np.float32(1.0) / amax) if ok else zero
+            if amax > zero and not ok:
+                small = True
+            for k in range(w):
+                v = x[i, j0 + k] * inv
+                sc[k] = v
+                ad[k] = abs(v) + np.float32(16384.0)
+            for k in range(w):
+                payload[i, j0 + k] = _e4m3_code(scb[k], adb[k])
+            for k in range(w, block):
+                payload[i, j0 + k] = 0
+    return small
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def _cast_e4m3_cpu(v: np.ndarray, out: np.ndarray) -> None:
+    """``out[k]``: the E4M3 code of fp32 ``v[k]`` by :func:`_quantize_cpu`'s encoding (tests: torch's cast)."""
+    ad = np.abs(v) + np.float32(16384.0)
+    vb = v.view(np.uint32)
+    adb = ad.view(np.uint32)
+    for k in range(v.shape[0]):
+        out[k] = _e4m3_code(vb[k], adb[k])
 
 
 _MIN_NORMAL_AMAX = E4M3_MAX * torch.finfo(torch.float32).tiny
