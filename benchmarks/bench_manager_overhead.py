@@ -140,6 +140,8 @@ def main() -> None:
                     "whose manager runs next to the current one")
     ap.add_argument("--inline", action="store_true", help="also run host and FP8 under the current manager "
                     "with the other copy_thread setting (see the row names)")
+    ap.add_argument("--only", default="", help="comma-separated policies to run (besides 'no manager'), e.g. "
+                    "keep,host,fp8: fewer runners, more rounds in the same time")
     ap.add_argument("--gc-interval", type=int, default=JobConfig().gc_interval, help="garbage collection as moonrt "
                     "train does it: automatic collection off, gc.collect(1) every N rounds; 0 = Python's automatic "
                     "collection (default: moonrt train's, %(default)s)")
@@ -153,7 +155,14 @@ def main() -> None:
     if args.baseline:
         versions = {"base: ": load_manager(Path(args.baseline)), "": ActivationManager}
     runners: dict[str, Runner] = {}
-    for name, p in policies(disk_dir).items():
+    chosen = [w.strip() for w in args.only.split(",") if w.strip()]
+    known = policies(disk_dir)
+    unknown = [w for w in chosen if not any(n.startswith(w) for n in known)]
+    if unknown:
+        raise SystemExit(f"--only: unknown policy {', '.join(unknown)}; expected names from {', '.join(known)}")
+    for name, p in known.items():
+        if chosen and p is not None and not any(name.startswith(w) for w in chosen):
+            continue
         for tag, cls in versions.items():
             if p is None and tag:
                 continue
