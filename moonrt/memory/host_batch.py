@@ -29,9 +29,9 @@ class _CopyGroup:
     """Saves of one layer and policy copied together. ``storages[i]`` (the source storage, ``sizes[i]`` bytes)
     until submitted; ``views[k]`` / ``parts[k]``: the view ``(dtype, shape, stride, offset)`` and part index of
     save ``k`` made while the group was pending (a handle's ``slot``). Once submitted, ``future`` until its result
-    ``(buf, starts, outs)`` is taken by the first waiter: the buffer, each part's byte offset in its storage and
-    ``outs[k]``, save ``k`` rebuilt on the buffer (made with the copy, on the copy thread when there is one: an
-    unpack only picks it). ``typed``: views of ``buf`` per dtype for a later save of a part (no slot)."""
+    ``(buf, starts, outs, typed)`` is taken by the first waiter: the buffer, each part's byte offset in its
+    storage, ``outs[k]``, save ``k`` rebuilt on the buffer (made with the copy, on the copy thread when there is
+    one: an unpack only picks it), and ``typed``, the buffer's views per dtype (reused for a later save of a part)."""
 
     __slots__ = ("backend", "layer", "storages", "sizes", "views", "parts", "nbytes", "live", "future", "buf",
                  "starts", "outs", "typed")
@@ -53,22 +53,29 @@ class _CopyGroup:
 
 
 def _copy(store: Any, storages: list[torch.UntypedStorage], sizes: list[int], views: list[tuple[Any, ...]],
-          parts: list[int]) -> tuple[torch.Tensor, list[int], list[torch.Tensor]]:
+          parts: list[int]) -> tuple[torch.Tensor, list[int], list[torch.Tensor], dict[torch.dtype, torch.Tensor]]:
     """Copy the storages into one pooled buffer (:meth:`HostStore.put_many`); returns it, each part's byte
-    offset in the buffer's storage and each save's view ``views[k]`` of part ``parts[k]`` on the buffer. The
-    byte views of the sources and the saved views are made here (on the copy thread when there is one), not in
-    the forward's pack hook or the backward's unpack."""
+    offset in the buffer's storage, each save's view ``views[k]`` of part ``parts[k]`` on the buffer and the
+    buffer's per-dtype views made for them. The byte views of the sources and the saved views are made here (on
+    the copy thread when there is one), not in the forward's pack hook or the backward's unpack."""
     datas = [storage_bytes(s) for s in storages]
     buf, copies = store.put_many(datas, sizes)
     starts = [v.storage_offset() for v in copies]
     typed: dict[torch.dtype, torch.Tensor] = {}
-    outs = []
-    for part, (dtype, shape, stride, offset) in zip(parts, views):
-        tv = typed.get(dtype)
-        if tv is None:
-            tv = typed[dtype] = buf.view(dtype)
-        outs.append(tv.as_strided(shape, stride, starts[part] // dtype.itemsize + offset))
-    return buf, starts, outs
+    outs = [_part_view(buf, typed, starts[part], view) for part, view in zip(parts, views)]
+    return buf, starts, outs, typed
+
+
+def _part_view(buf: torch.Tensor, typed: dict[torch.dtype, torch.Tensor], start: int, view: tuple[Any, ...]
+               ) -> torch.Tensor:
+    """The saved tensor ``view = (dtype, shape, stride, offset)`` of the part at byte ``start`` of ``buf``: a strided
+    view of ``buf`` typed as ``dtype`` (``typed`` caches those; parts start at :data:`HostStore.ALIGN`-byte
+    offsets, a multiple of every dtype's size)."""
+    dtype, shape, stride, offset = view
+    tv = typed.get(dtype)
+    if tv is None:
+        tv = typed[dtype] = buf.view(dtype)
+    return tv.as_strided(shape, stride, start // dtype.itemsize + offset)
 
 
 class CopyBatchMixin:
@@ -119,31 +126,24 @@ class CopyBatchMixin:
             fut = grp.future
             assert fut is not None
         w0 = time.perf_counter()
-        buf, starts, outs = fut.result()
+        buf, starts, outs, typed = fut.result()
         waited = time.perf_counter() - w0
         with self._lock:
             if grp.outs is None:
-                grp.buf, grp.starts, grp.outs, grp.future = buf, starts, outs, None
+                grp.buf, grp.starts, grp.outs, grp.typed, grp.future = buf, starts, outs, typed, None
                 self.accounting.exposed_s += waited
             outs = grp.outs
         assert outs is not None
         return outs
 
     def _group_part(self, grp: _CopyGroup, index: int, view: tuple[Any, ...], slot: int) -> torch.Tensor:
-        """Part ``index`` of ``grp`` as the saved tensor ``view = (dtype, shape, stride, offset)``: the one made
-        with the copy for a save with a ``slot`` (made while the group was pending), else a strided view of the
-        buffer typed as ``dtype`` (parts start at :data:`HostStore.ALIGN`-byte offsets)."""
+        """Part ``index`` of ``grp`` as the saved tensor ``view``: the one made with the copy for a save with a
+        ``slot`` (made while the group was pending), else :func:`_part_view` of the buffer."""
         outs = grp.outs or self._group_outs(grp)
         if slot >= 0:
             return outs[slot]
-        assert grp.starts is not None
-        start = grp.starts[index]
-        dtype, shape, stride, offset = view
-        typed = grp.typed.get(dtype)
-        if typed is None:
-            assert grp.buf is not None
-            typed = grp.typed[dtype] = grp.buf.view(dtype)
-        return typed.as_strided(shape, stride, start // dtype.itemsize + offset)
+        assert grp.buf is not None and grp.starts is not None
+        return _part_view(grp.buf, grp.typed, grp.starts[index], view)
 
     def _release_group(self, grp: _CopyGroup) -> None:
         """Hand ``grp``'s buffer back to its store (its last entry was released; caller does not hold the lock)."""
