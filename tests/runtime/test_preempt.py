@@ -380,8 +380,10 @@ def test_slurm_requeue_resumes_and_matches(workdir: Path, reference2: Callable[[
         _wait_for_step(run, 2, lambda: _job_state(job_id).get("JobState") in ("PENDING", "RUNNING"))
         subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True, timeout=30)
         _wait_state(job_id, lambda s: s.get("Restarts") == "1" and s.get("JobState") == "PENDING", "requeued", log)
-        # a requeued job becomes eligible ~2 minutes later: let it start now
-        subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True, timeout=30)
+        # A requeued job becomes eligible ~2 minutes later: let it start in 3 s. Not "now": slurmd
+        # revoked the first run's credential at the requeue with a time in whole seconds, and a run
+        # allocated in that same second is refused ("Job credential revoked": FAILED, exit 1, 0 s).
+        subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now+3"], check=True, timeout=30)
         _wait_state(job_id, lambda s: s.get("JobState") == "COMPLETED", "completed", log)
     finally:
         subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
