@@ -48,16 +48,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from moonrt.checkpoint import CheckpointError, load
-from moonrt.comm.dcp_state import MOMENTS, MOMENTUM, SafeReader, ShardLoadPlanner, ShardSavePlanner, entry_bytes
 from moonrt.comm.parallelism import Parallelism
 from moonrt.config import from_dict, to_dict
 from moonrt.job import JobConfig
 from moonrt.ops.muon import Muon
+
+# torch.distributed.checkpoint (and moonrt.comm.dcp_state, built on it) is imported by the functions that read or
+# write a DCP checkpoint, not here: it costs ~1.5 s per process (it imports torch.distributed.tensor and sympy),
+# and every `moonrt train` imports this module while a single process never writes DCP (use_sharded).
 
 ROOT = "checkpoint"
 MARKER = "moonrt.json"
@@ -137,6 +137,12 @@ def save_sharded(root: Path, model: torch.nn.Module, opt: torch.optim.Optimizer,
     Returns the committed ``root/step-N`` directory. :class:`CheckpointError` (nothing committed, the previous
     checkpoint untouched) when a rank's write fails.
     """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from moonrt.comm.dcp_state import SafeReader, ShardSavePlanner, entry_bytes
+
     rt = rt or Parallelism()
     root = Path(root)
     multi = _multi()
@@ -233,6 +239,11 @@ def load_sharded(step_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimi
                  rt: Parallelism | None = None) -> int:
     """Load a committed checkpoint into this rank's model and optimizer, whatever layout wrote it; returns its
     step. Collective in a multi-rank job. :class:`CheckpointError` when it does not fit the model."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from moonrt.comm.dcp_state import SafeReader, ShardLoadPlanner
+
     rt = rt or Parallelism()
     step_dir = resolve(step_dir)
     marker = read_marker(step_dir)
@@ -256,6 +267,12 @@ def load_sharded(step_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimi
 def read_full(step_dir: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Every entry of a checkpoint whole (single-process shapes, moments flat) and its marker; one process,
     no process group needed (the caller's memory holds the whole state: a tool for models that fit)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from moonrt.comm.dcp_state import SafeReader, ShardLoadPlanner
+
     step_dir = resolve(step_dir)
     marker = read_marker(step_dir)
     reader = SafeReader(step_dir)
@@ -279,6 +296,7 @@ def to_single_file(step_dir: str | Path) -> dict[str, Any]:
     ``{step, exp_avg, exp_avg_sq}``, Muon parameters with step > 0 ``{momentum_buffer}`` (as
     :class:`moonrt.ops.muon.Muon` and the gathered path hold them), the others no state."""
     from moonrt.assemble import build_model
+    from moonrt.comm.dcp_state import MOMENTS, MOMENTUM
     from moonrt.optimizers import build_optimizer
 
     flat, marker = read_full(step_dir)
