@@ -136,6 +136,33 @@ def test_corrupted_pipeline_hops_fail_naming_the_rank(world: int, bad: int, tmp_
     assert all(c["ok"] for name, c in rep["ranks"][bad]["checks"].items() if name.endswith("/hop_counts"))
 
 
+
+def _pp_selftest_threads(rank: int, world: int) -> tuple[int, int, int]:
+    """``moonrt selftest --suite pp`` with rank 1's receives corrupted, run in this rank on the group it already
+    joined (the launcher variables only name it: ``init_distributed`` finds it initialized); returns the exit
+    code and the thread count while the group lived and right after ``run`` returned."""
+    import argparse
+    import os
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="1")  # never connected to: the group exists
+    os.environ[selftest_ep.CORRUPT_ENV] = "1:pp"
+    parser = argparse.ArgumentParser()
+    selftest.add_arguments(parser)
+    args = parser.parse_args(["--suite", "pp", "--iters", "1", "--pp-sizes", "4K"])
+    during = len(os.listdir("/proc/self/task"))
+    code = selftest.run(args)
+    return code, during, len(os.listdir("/proc/self/task"))
+
+
+def test_selftest_destroys_the_gloo_group_before_it_returns() -> None:
+    """The failing pp self-test's exit code was once 134, not 1: its executors (in reference cycles) kept the
+    process group alive after ``destroy_process_group``, so gloo's worker threads outlived ``run`` and one aborted
+    the process at interpreter exit (SIGABRT). When ``run`` returns, the group's threads are gone (here: only
+    the main thread is left), on the failing rank and the others."""
+    for code, during, after in dist_run(_pp_selftest_threads, 2, timeout=300):
+        assert code == 1 and during > 1 and after == 1, (code, during, after)
+
 def _ep_suite(rank: int, world: int, corrupt: str) -> dict:
     import argparse
     import os
