@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_pp_train import FLAGS, RTOL, _close, _launch, _metrics, _moonrt, _run
+from test_pp_train import FLAGS, RTOL, _close, _here, _launch, _metrics, _run
 
 from moonrt import checkpoint_dcp
 from moonrt.checkpoint import CheckpointError
@@ -191,7 +191,7 @@ def _resume_everywhere(tmp_path: Path, base: str, same: tuple[int, list[str]],
     for name, (n, flags) in runs.items():
         shutil.copytree(tmp_path / base, tmp_path / name)
         args = ("train", *FLAGS, "--resume", "--until", "3", "--out", name, "--metrics", f"{name}.jsonl", *flags)
-        cmds[name] = _launch(n, *args) if n > 1 else _moonrt(*args)
+        cmds[name] = _launch(n, *args) if n > 1 else _here(*args)  # one process: in this one (no new interpreter)
     _run(tmp_path, cmds, timeout=1700)
     return {name: _metrics(tmp_path / f"{name}.jsonl")[3] for name in runs}
 

@@ -32,7 +32,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from test_pp_train import RTOL, _assert_same_step, _ckpt, _close, _launch, _metrics, _moonrt, _run
+from test_pp_train import RTOL, _assert_same_step, _ckpt, _close, _here, _launch, _metrics, _run
 from test_zero_train import _adamw_bytes_per_rank
 
 from moonrt import checkpoint_dcp
@@ -50,9 +50,9 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
 
 @pytest.mark.timeout(3000)
 def test_composed_layouts_resume_a_single_process_checkpoint_and_match_it(tmp_path: Path) -> None:
-    _run(tmp_path, {"base": _moonrt("train", *FLAGS, "--until", "1", "--out", "base")})
+    _run(tmp_path, {"base": _here("train", *FLAGS, "--until", "1", "--out", "base")})
     common = ("train", *FLAGS, "--resume", "--until", "2")
-    runs = {"single": _moonrt(*common, "--out", "single", "--metrics", "single.jsonl")}
+    runs = {"single": _here(*common, "--out", "single", "--metrics", "single.jsonl")}
     for name, (n, flags) in LAYOUTS.items():
         runs[name] = _launch(n, *common, "--out", name, "--metrics", f"{name}.jsonl", *flags)
     for name in runs:
@@ -97,7 +97,7 @@ def _resume_the_8_rank_sharded_checkpoint_elsewhere(tmp_path: Path) -> None:
     for name, (n, src, flags) in runs.items():
         shutil.copytree(tmp_path / src, tmp_path / name)
         args = (*common, "--out", name, "--metrics", f"{name}.jsonl", *flags)
-        cmds[name] = _launch(n, *args) if n > 1 else _moonrt(*args)
+        cmds[name] = _launch(n, *args) if n > 1 else _here(*args)  # one process: in this one (no new interpreter)
     _run(tmp_path, cmds, timeout=2900)
     ref, ref_ckpt = _metrics(tmp_path / "single3.jsonl")[3], _ckpt(tmp_path / "single3")
     for name in runs:

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_pp_train import _here, _run
 
 from moonrt.model.config import k3_tiny
 
@@ -38,17 +39,13 @@ def test_cp2_training_matches_single_process_loss_curve(tmp_path: Path) -> None:
     config = tmp_path / "job.yaml"
     config.write_text("optim:\n  routing_bias_update: false\n")
     flags = [*FLAGS, "--config", str(config)]
-    single = _moonrt("train", *flags, "--metrics", str(a), "--out", str(tmp_path / "ra"))
+    single = _here("train", *flags, "--metrics", str(a), "--out", str(tmp_path / "ra"))  # the reference: here
     cp = _moonrt("launch", "-n", "2", "--", *_moonrt("train", "--cp", "2", *flags, "--metrics", str(b),
                                                       "--out", str(tmp_path / "rb")))
     c = tmp_path / "c.jsonl"  # CP composed with MoonEP: 4 ranks = ep 2 x cp 2 (batch rows over EP, sequences over CP)
     ep_cp = _moonrt("launch", "-n", "4", "--", *_moonrt("train", "--ep", "2", "--cp", "2", *flags, "--metrics", str(c),
                                                          "--out", str(tmp_path / "rc")))
-    procs = [subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for cmd in (single, cp, ep_cp)]
-    outs = [p.communicate(timeout=540)[0] for p in procs]
-    for p, out in zip(procs, outs):
-        assert p.returncode == 0, out[-4000:]
+    _run(tmp_path, {"single": single, "cp2": cp, "ep2_cp2": ep_cp}, timeout=540)
     ra = [json.loads(line) for line in a.read_text().splitlines()]
     rb = [json.loads(line) for line in b.read_text().splitlines()]
     rc = [json.loads(line) for line in c.read_text().splitlines()]

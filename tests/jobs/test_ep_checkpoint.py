@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 from dist import dist_run
+from test_pp_train import _here, _run
 
 from moonrt.model.config import k3_tiny
 
@@ -36,11 +36,9 @@ def _train(out: str, metrics: str, ep: int, *extra: str) -> list[str]:
     return [sys.executable, "-m", "moonrt.cli", "launch", "-n", str(ep), "--", *cmd[:4], "--ep", str(ep), *cmd[4:]]
 
 
-def _run_all(cwd: Path, cmds: list[list[str]]) -> None:
-    procs = [subprocess.Popen(c, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for c in cmds]
-    outs = [p.communicate(timeout=400)[0] for p in procs]
-    for c, p, o in zip(cmds, procs, outs):
-        assert p.returncode == 0, " ".join(c) + "\n" + o[-4000:]
+def _run_all(cwd: Path, cmds: list[list[str] | tuple[str, ...]]) -> None:
+    """Every run at once (:func:`test_pp_train._run`: tuples are ``moonrt`` runs in this process)."""
+    _run(cwd, {" ".join(c): c for c in cmds}, timeout=400)
 
 
 def _losses(path: Path) -> dict[int, float]:
@@ -57,8 +55,10 @@ def _ckpt(path: Path) -> dict[str, Any]:
 
 @pytest.mark.timeout(600)
 def test_ep_checkpoint_resumes_in_ep_and_in_a_single_process(tmp_path: Path) -> None:
+    # one process runs in this one (test_pp_train._here: no new interpreter)
     _run_all(tmp_path, [_train("straight", "straight.jsonl", 2),
-                        _train("split", "split.jsonl", 2, "--until", str(SPLIT)), _train("single", "single.jsonl", 1)])
+                        _train("split", "split.jsonl", 2, "--until", str(SPLIT)),
+                        _here(*_train("single", "single.jsonl", 1)[3:])])
     for copy in ("to1", "to4"):
         shutil.copytree(tmp_path / "split", tmp_path / copy)
         shutil.copy(tmp_path / "split.jsonl", tmp_path / f"{copy}.jsonl")
@@ -69,7 +69,8 @@ def test_ep_checkpoint_resumes_in_ep_and_in_a_single_process(tmp_path: Path) -> 
     for i in moe_layers:  # the full [E, ...] expert tensors, not rank 0's home slice
         for key in EXPERT_KEYS:
             assert mid["model"][f"layers.{i}.moe.{key}"].shape[0] == cfg.num_experts, key
-    _run_all(tmp_path, [_train("split", "split.jsonl", 2, "--resume"), _train("to1", "to1.jsonl", 1, "--resume"),
+    _run_all(tmp_path, [_train("split", "split.jsonl", 2, "--resume"),
+                        _here(*_train("to1", "to1.jsonl", 1, "--resume")[3:]),
                         _train("to4", "to4.jsonl", 4, "--resume")])
 
     straight, split = _losses(tmp_path / "straight.jsonl"), _losses(tmp_path / "split.jsonl")

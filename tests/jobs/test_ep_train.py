@@ -18,9 +18,11 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+from test_pp_train import _here, _run
 
 from moonrt.model.config import k3_tiny
 from moonrt.scheduler.workload import load_trace
@@ -37,16 +39,14 @@ def _moonrt(*args: str) -> list[str]:
 @pytest.mark.timeout(900)
 def test_ep_training_matches_single_process_loss_curve(tmp_path: Path) -> None:
     flags = FLAGS
-    runs = {1: _moonrt("train", *flags, "--metrics", "m1.jsonl", "--out", "r1", "--routing-trace", "t1.npz")}
+    # the single process is the reference: in this process (test_pp_train._here)
+    runs: dict[int, Any] = {1: _here("train", *flags, "--metrics", "m1.jsonl", "--out", "r1", "--routing-trace",
+                                     "t1.npz")}
     for n in (2, 4):
         runs[n] = _moonrt("launch", "-n", str(n), "--", *_moonrt(
             "train", "--ep", str(n), *flags, "--metrics", f"m{n}.jsonl", "--out", f"r{n}", "--routing-trace",
             f"t{n}.npz"))
-    procs = {n: subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for n, cmd in runs.items()}
-    outs = {n: p.communicate(timeout=840)[0] for n, p in procs.items()}
-    for n, p in procs.items():
-        assert p.returncode == 0, f"--ep {n}:\n" + outs[n][-4000:]
+    _run(tmp_path, {f"--ep {n}": cmd for n, cmd in runs.items()}, timeout=840)
     metrics = {n: [json.loads(line) for line in (tmp_path / f"m{n}.jsonl").read_text().splitlines()] for n in runs}
     ref = metrics[1]
     assert [r["step"] for r in ref] == list(range(1, STEPS + 1))

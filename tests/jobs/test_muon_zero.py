@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 import torch
 from dist import dist_run
-from test_pp_train import FLAGS, _assert_same_step, _ckpt, _close, _launch, _metrics, _moonrt, _run
+from test_pp_train import FLAGS, _assert_same_step, _ckpt, _close, _here, _launch, _metrics, _run
 
 from moonrt.checkpoint_dcp import read_marker, resolve
 from moonrt.scheduler.muon_plan import Unit, plan_units
@@ -137,14 +137,14 @@ def _state_bytes(optimizer: dict[str, Any]) -> tuple[int, int]:
 @pytest.mark.timeout(3000)
 def test_train_zero1_muon_resumes_a_single_process_checkpoint_and_matches_it(tmp_path: Path) -> None:
     flags = [*FLAGS, "--optimizer", "muon"]
-    _run(tmp_path, {"base": _moonrt("train", *flags, "--until", "1", "--out", "base")})
+    _run(tmp_path, {"base": _here("train", *flags, "--until", "1", "--out", "base")})
     common = ("train", *flags, "--resume", "--until", "2")
     layouts = {"zero_dp2": (2, ["--zero", "1"]),
                # without ZeRO, Muon runs replicated under the other parts: experts per expert on their EP rank
                "ep2": (2, ["--ep", "2"]), "pp2": (2, ["--pp", "2", "--microbatches", "2"]),
                "zero_ep2": (4, ["--zero", "1", "--ep", "2"]),  # dp 2 x ep 2
                "zero_pp2": (4, ["--zero", "1", "--pp", "2", "--microbatches", "2"])}  # pp 2 x dp 2
-    runs = {"single": _moonrt(*common, "--out", "single", "--metrics", "single.jsonl")}
+    runs = {"single": _here(*common, "--out", "single", "--metrics", "single.jsonl")}
     for name, (n, extra) in layouts.items():
         runs[name] = _launch(n, *common, "--out", name, "--metrics", f"{name}.jsonl", *extra)
     for name in runs:

@@ -15,10 +15,14 @@ resumes in one process for step 3.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -54,12 +58,60 @@ def _launch(n: int, *args: str) -> list[str]:
     return _moonrt("launch", "-n", str(n), "--", *_moonrt(*args))
 
 
-def _run(cwd: Path, cmds: dict[str, list[str]], timeout: float = 840) -> None:
-    procs = {k: subprocess.Popen(c, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for k, c in cmds.items()}
-    outs = {k: p.communicate(timeout=timeout)[0] for k, p in procs.items()}
-    for k, p in procs.items():
-        assert p.returncode == 0, f"{k}:\n{outs[k][-4000:]}"
+def _here(*args: str) -> tuple[str, ...]:
+    """A ``moonrt ARGS`` run that :func:`_run` makes in this process (``moonrt.cli.main``) instead of a new one:
+    for the single-process runs a test resumes from or compares against (not what it tests), which would
+    otherwise each pay a new interpreter's ~6 s of imports (torch, torch._dynamo, numba), alone on one core
+    when nothing else runs beside them."""
+    return args
+
+
+def _main_here(cwd: Path, args: tuple[str, ...]) -> None:
+    """``moonrt ARGS`` in this process with ``cwd`` as the working directory; the torch thread count and RNG
+    state are this process's again afterwards (``moonrt train --threads`` sets the count, the job seeds torch),
+    and no process group is left (one process never joins one)."""
+    from moonrt.cli import main
+
+    threads, here = torch.get_num_threads(), os.getcwd()
+    try:
+        os.chdir(cwd)  # contextlib.chdir is Python 3.11+
+        with torch.random.fork_rng(devices=[]):
+            code = main(list(args))
+    finally:
+        os.chdir(here)
+        torch.set_num_threads(threads)
+    assert code == 0 and not torch.distributed.is_initialized(), (args, code)
+
+
+def _run(cwd: Path, cmds: dict[str, list[str] | tuple[str, ...]], timeout: float = 840) -> None:
+    """Every command of ``cmds`` at once in ``cwd``; each must exit 0. Lists are new processes; tuples
+    (:func:`_here`) run in this process, one after another, while the new processes run (their output goes to
+    files, so none blocks on a full pipe meanwhile)."""
+    with contextlib.ExitStack() as stack:
+        procs = {}
+        for k, c in cmds.items():
+            if isinstance(c, list):
+                out = stack.enter_context(tempfile.TemporaryFile("w+"))
+                procs[k] = (subprocess.Popen(c, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, text=True), out)
+        try:
+            for c in cmds.values():
+                if isinstance(c, tuple):
+                    _main_here(cwd, c)
+            deadline = time.monotonic() + timeout
+            for p, _ in procs.values():
+                p.wait(timeout=max(deadline - time.monotonic(), 1))
+        finally:  # a failure here leaves no job running on (moonrt launch stops its ranks on SIGTERM)
+            for p, _ in procs.values():
+                if p.poll() is None:
+                    p.terminate()
+                    try:
+                        p.wait(timeout=60)
+                    except subprocess.TimeoutExpired:
+                        p.kill()
+                        p.wait()
+        for k, (p, out) in procs.items():
+            out.seek(0)
+            assert p.returncode == 0, f"{k}:\n{out.read()[-4000:]}"
 
 
 def _metrics(path: Path) -> dict[int, dict[str, Any]]:

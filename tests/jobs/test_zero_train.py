@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_pp_train import FLAGS, _assert_same_step, _ckpt, _cli, _close, _launch, _metrics, _moonrt, _run
+from test_pp_train import FLAGS, _assert_same_step, _ckpt, _cli, _close, _here, _launch, _metrics, _run
 
 
 def _adamw_bytes_per_rank(dp: int) -> int:
@@ -39,7 +39,7 @@ def _adamw_bytes_per_rank(dp: int) -> int:
 def test_zero1_resumes_a_single_process_checkpoint_and_matches_it(tmp_path: Path, single_process_steps: Path) -> None:
     shared = single_process_steps  # base (step 1) and the single process's step 2, as in test_pp_train
     common = ("train", *FLAGS, "--resume", "--until", "2")
-    runs = {"zero_one_process": _moonrt(*common, "--out", "zero_one_process", "--zero", "1"),
+    runs = {"zero_one_process": _here(*common, "--out", "zero_one_process", "--zero", "1"),  # in this process
             "zero_dp2": _launch(2, *common, "--out", "zero_dp2", "--metrics", "zero_dp2.jsonl", "--zero", "1"),
             "zero_pp2_dp2": _launch(4, *common, "--out", "zero_pp2_dp2", "--metrics", "zero_pp2_dp2.jsonl",
                                     "--pp", "2", "--microbatches", "2", "--zero", "1")}
