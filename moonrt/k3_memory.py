@@ -104,9 +104,10 @@ def class_terms(cfg: Any, a: int, seq_tokens: int, batch: int = 1, gathered: int
     g = S / t
     mla = [
         Term("input (q_a, kv_a, g_proj)", D * a, D),
-        Term("q_a RMSNorm (fp32 input, rsqrt, normed)", 8 * ql + 4, ql, fp32=True),
+        Term("q_a RMSNorm input", ql * a, ql), Term("q_a RMSNorm reciprocal RMS", 4, fp32=True),
         Term("q_b input", ql * a, ql),
-        Term("kv_a RMSNorm", 4 * (kvl + rope if f32 else kvl) + 4 + 4 * kvl, kvl, fp32=True),
+        Term("kv_a RMSNorm input (a view of the whole kv_a output)", (kvl + rope) * a, kvl),
+        Term("kv_a RMSNorm reciprocal RMS", 4, fp32=True),
         Term("kv_b input (gathered latent)", (kvl + rope) * a * g, kvl + rope),
         Term("q (fp32)", 4 * Hm * qk, qk, fp32=True), Term("k (fp32, gathered)", 4 * Hm * qk * g, qk, fp32=True),
         Term("v (fp32, gathered)", 4 * Hm * ((nope + Vm) if f32 and batch == 1 else Vm) * g, Vm, fp32=True),
@@ -114,7 +115,6 @@ def class_terms(cfg: Any, a: int, seq_tokens: int, batch: int = 1, gathered: int
              4 * Hm * S if sdpa == "math" else 4 * Hm * Vm + 4 * Hm, S if sdpa == "math" else Vm, fp32=True),
         Term("gate sigmoid, gated output", 8 * Hm * Vm, Vm, fp32=True),
         Term("o_proj input", Hm * Vm * a, Hm * Vm),
-        Term("norm weights (fp32 copies)", 0, 0, 0 if f32 else 4 * (ql + kvl)),
     ]
     E, k, L, F, ns, I_ = (cfg.num_experts, cfg.num_experts_per_token, cfg.routed_expert_hidden_size,
                           cfg.moe_intermediate_size, cfg.num_shared_experts, cfg.intermediate_size)
@@ -128,15 +128,14 @@ def class_terms(cfg: Any, a: int, seq_tokens: int, batch: int = 1, gathered: int
         Term("expert inputs (fp32 rows) per assignment", 4 * k * L, L, fp32=True),
         Term("expert SiTU-GLU inputs (gate, up) + down input per assignment", 12 * k * F, F, fp32=True),
         Term("combine: row weights, expert outputs, weighted rows", 4 * k + 8 * k * L, L, fp32=True),
-        Term("latent RMSNorm", 8 * L + 4, L, fp32=True), Term("up_proj input", L * a, L),
+        Term("latent RMSNorm input", L * a, L), Term("latent RMSNorm reciprocal RMS", 4, fp32=True),
+        Term("up_proj input", L * a, L),
         Term("shared experts: SiTU-GLU inputs (gate, up) + down input", ns * 3 * F * a, F),
-        Term("router weight / norm weight / active expert weights (fp32 copies)", 0, 0,
-             0 if f32 else 4 * E * D + 4 * L + act * 12 * F * L),
+        Term("router weight / active expert weights (fp32 copies)", 0, 0, 0 if f32 else 4 * E * D + act * 12 * F * L),
     ]
     ffn = [Term("input", D * a, D), Term("SiTU-GLU inputs (gate, up)", 2 * I_ * a, I_),
            Term("down_proj input", I_ * a, I_)]
-    norm = [Term("fp32 input, rsqrt, normed", 8 * D + 4, D, fp32=True),
-            Term("weight (fp32 copy)", 0, 0, 0 if f32 else 4 * D)]
+    norm = [Term("input", D * a, D), Term("reciprocal RMS", 4, fp32=True)]
     attn_res = [Term("source (stacked) + RMS keys", (8 if f32 else 12) * D, D, fp32=True),
                 Term("rsqrt + softmax weight", 8, fp32=True),
                 Term("pseudo-query (fp32 copy, ~2 sources per mix)", 0, 0, 0 if f32 else 2 * D)]

@@ -1,12 +1,15 @@
 """RMSNorm, the normalization used by every K3 block (K3_SYSTEMS §1, §3, §5).
 
-Computed in fp32 whatever the input dtype, and returned in the input dtype.
+Computed in fp32 whatever the input dtype, and returned in the input dtype; the math is one autograd node,
+:func:`moonrt.ops.rmsnorm.rms_norm` (saves the input and the reciprocal RMS only).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from moonrt.ops.rmsnorm import rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -33,10 +36,7 @@ class RMSNorm(nn.Module):
         """``x [..., dim]`` any float dtype -> ``[..., dim]`` same dtype (fp32 internally; fp64 stays fp64)."""
         if x.shape[-1] != self.dim:
             raise ValueError(f"RMSNorm: input last dimension {x.shape[-1]}, expected dim={self.dim}")
-        dt = torch.promote_types(x.dtype, torch.float32)
-        x32 = x.to(dt)
-        y = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return (y * self.weight.to(dt)).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}"

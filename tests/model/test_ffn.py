@@ -186,3 +186,54 @@ def test_rmsnorm_fp32_compute_and_dtype():
         norm(torch.zeros(2, 31))
     with pytest.raises(ValueError, match="dim"):
         RMSNorm(0)
+
+
+def _composed_rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as plain torch ops (the form autograd differentiates step by step)."""
+    dt = torch.promote_types(x.dtype, torch.float32)
+    x32 = x.to(dt)
+    return (x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps) * w.to(dt)).to(x.dtype)
+
+
+def test_rmsnorm_is_one_node_saving_input_and_rstd() -> None:
+    """RMSNorm saves its input as given, the fp32 reciprocal RMS [..., 1] and the weight (a parameter),
+    not the composed form's fp32 input copy, normed tensor and fp32 weight copy; the forward is bitwise the
+    composed form's; gradients (input and weight) equal it in fp64 and are within fp32 rounding of it."""
+    gen = torch.Generator().manual_seed(5)
+    D = 96
+    for dtype in (torch.float32, torch.bfloat16):
+        norm = RMSNorm(D).to(dtype)
+        with torch.no_grad():
+            norm.weight.copy_(torch.rand(D, generator=gen) + 0.5)
+        x = (torch.randn(4, 7, D, generator=gen) * 3).to(dtype).requires_grad_()
+        saved: list[torch.Tensor] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t, saved=saved: saved.append(t) or t, lambda t: t):
+            out = norm(x)
+            n_fused = len(saved)
+            ref = _composed_rms(x, norm.weight, norm.eps)
+        assert n_fused == 3
+        assert (saved[0].dtype, saved[0].data_ptr()) == (dtype, x.data_ptr())
+        assert saved[1].shape == (4, 7, 1) and saved[1].dtype == torch.float32
+        assert saved[2] is norm.weight or saved[2].data_ptr() == norm.weight.data_ptr()
+        assert len(saved) - n_fused >= 5  # the composed form's saves
+        assert torch.equal(out, ref), f"{dtype}: forward differs from the composed form"
+    x64 = (torch.randn(3, 5, D, generator=gen, dtype=torch.float64) * 2).requires_grad_()
+    w64 = (torch.rand(D, generator=gen, dtype=torch.float64) + 0.5).requires_grad_()
+    assert torch.autograd.gradcheck(lambda a, b: RMSNorm.forward(_WithWeight(b), a), (x64, w64))
+    proj = torch.randn(3, 5, D, generator=gen, dtype=torch.float64)
+    want = torch.autograd.grad((_composed_rms(x64, w64, 1e-5) * proj).sum(), (x64, w64))
+    got = torch.autograd.grad((RMSNorm.forward(_WithWeight(w64), x64) * proj).sum(), (x64, w64))
+    for a, b, name in zip(got, want, ("d_x", "d_weight")):
+        assert_equal_f64(a, b, f"rmsnorm {name}")
+    # fp32: reductions of length D (mean of squares, mean of dy * y) and of 15 rows (weight): c = 2 (D + 15)
+    x32, w32 = x64.detach().float().requires_grad_(), w64.detach().float().requires_grad_()
+    got32 = torch.autograd.grad((RMSNorm.forward(_WithWeight(w32), x32) * proj.float()).sum(), (x32, w32))
+    for a, b, name in zip(got32, want, ("d_x", "d_weight")):
+        assert_near_reference(a, b, 2 * (D + 15), f"rmsnorm fp32 {name}")
+
+
+class _WithWeight:
+    """The attributes RMSNorm.forward reads, around a given weight tensor (a leaf for gradcheck)."""
+
+    def __init__(self, weight: torch.Tensor, eps: float = 1e-5) -> None:
+        self.weight, self.eps, self.dim = weight, eps, weight.shape[0]
