@@ -1,6 +1,7 @@
 """Pure tensor math, the bottom layer: KDA (``kda``: the token recurrence, the chunk form and
-``kda_transition``), the block-wise FP8 codec (``fp8``), the GLU activations (``glu``) and the routed experts
-(``grouped``: one GLU expert, the grouped-expert op over ``cu_seqlens`` segments, the MoE reference).
+``kda_transition``), the block-wise FP8 codec (``fp8``), the GLU activations (``glu``), RMSNorm (``rmsnorm``) and
+the routed experts (``grouped``: one GLU expert, the grouped-expert op over ``cu_seqlens`` segments, the MoE
+reference).
 
 These modules import only torch / numpy / numba and ``moonrt.ops`` itself (no ranks, no process
 groups, no model classes), so the model, the runtime and the benchmarks all share one copy
