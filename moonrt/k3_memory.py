@@ -94,9 +94,9 @@ def class_terms(cfg: Any, a: int, seq_tokens: int, batch: int = 1, gathered: int
         Term("state entering each chunk (K x V)", N * 4 * H * K * V * per_seq, V, fp32=True),
         Term("KDA output (fp32 copy)", 4 * HV * (pad if f32 else 1), V, fp32=True),
         Term("output RMSNorm rsqrt", 4 * H, fp32=True),
-        Term("normed output, x weight, gate sigmoid", 12 * HV, V, fp32=True),
+        Term("normed x weight (gate-mul input), gate sigmoid", 8 * HV, V, fp32=True),
         Term("o_proj input", HV * a, HV),
-        Term("decay constants", 0, 0, 4 * H + 4 * HK + (0 if f32 else 4 * K)),
+        Term("decay constants", 0, 0, 4 * H + 4 * HK),
     ]
     ql, kvl, rope, nope, Hm, Vm = (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim,
                                    cfg.num_attention_heads, cfg.v_head_dim)

@@ -28,6 +28,7 @@ from torch import nn
 from moonrt.model.config import K3Config
 from moonrt.model.packing import DocumentPacking
 from moonrt.ops.kda import MIN_LOG_DECAY
+from moonrt.ops.rmsnorm import rms_norm
 from moonrt.parallel.blocks import MatrixBlocks
 from moonrt.parallel.context import LOCAL, AttentionContext
 
@@ -216,7 +217,7 @@ class KDALayer(nn.Module):
             cache.state = S.detach().float()
             cache.tokens += T
         o = o.float()
-        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps) * self.o_norm_weight.float()
+        o = rms_norm(o, self.o_norm_weight, self.eps)  # per head, fp32; one autograd node (saves o and its rsqrt)
         o = o * torch.sigmoid(self.g_proj(x).float().view(B, T, H, K))
         return self.o_proj(o.reshape(B, T, self.value_dim).to(x.dtype))
 
