@@ -126,14 +126,14 @@ def class_terms(cfg: Any, a: int, seq_tokens: int, batch: int = 1, gathered: int
         Term("down_proj input", 0 if f32 else D * a, D),
         Term("dispatch indices (token_index, order)", 16 * k),
         Term("expert inputs (fp32 rows) per assignment", 4 * k * L, L, fp32=True),
-        Term("expert SiTU-GLU inputs (gate, up) + down input per assignment", 12 * k * F, F, fp32=True),
+        Term("expert SiTU-GLU (6 x [F]) + down input per assignment", 28 * k * F, F, fp32=True),
         Term("combine: row weights, expert outputs, weighted rows", 4 * k + 8 * k * L, L, fp32=True),
         Term("latent RMSNorm input", L * a, L), Term("latent RMSNorm reciprocal RMS", 4, fp32=True),
         Term("up_proj input", L * a, L),
-        Term("shared experts: SiTU-GLU inputs (gate, up) + down input", ns * 3 * F * a, F),
+        Term("shared experts: SiTU-GLU + down input", ns * (24 * F + F * a), F),
         Term("router weight / active expert weights (fp32 copies)", 0, 0, 0 if f32 else 4 * E * D + act * 12 * F * L),
     ]
-    ffn = [Term("input", D * a, D), Term("SiTU-GLU inputs (gate, up)", 2 * I_ * a, I_),
+    ffn = [Term("input", D * a, D), Term("SiTU-GLU (6 x [I])", 24 * I_, I_, fp32=True),
            Term("down_proj input", I_ * a, I_)]
     norm = [Term("input", D * a, D), Term("reciprocal RMS", 4, fp32=True)]
     attn_res = [Term("source (stacked) + RMS keys", (8 if f32 else 12) * D, D, fp32=True),

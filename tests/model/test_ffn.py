@@ -74,61 +74,6 @@ def test_situ_glu_gradients_finite_for_large_inputs():
                                     (gate * 10, up * 30))
 
 
-def _composed(act: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """The GLUs as plain torch ops (what autograd would differentiate step by step), in fp32 / fp64."""
-    dt = torch.promote_types(gate.dtype, torch.float32)
-    g, u = gate.to(dt), up.to(dt)
-    if act == "situ":
-        return soft_cap(g, 4.0) * torch.sigmoid(g) * soft_cap(u, 25.0)
-    return F.silu(g) * u
-
-
-@pytest.mark.parametrize(("act", "composed_saves"), [("situ", 7), ("silu", 3)])
-def test_glu_is_one_node_saving_only_its_inputs(act: str, composed_saves: int) -> None:
-    """The reason the GLUs are autograd Functions: backward recomputes the element-wise factors, so the
-    saved tensors are ``gate`` and ``up`` themselves (bf16 stays bf16), not the composed form's fp32
-    intermediates. The forward is bitwise the composed form's; fp64 gradients equal autograd's of the
-    composed form (gradcheck, 1e-12), fp32 ones are within fp32 rounding of them."""
-    fn = situ_glu if act == "situ" else swiglu
-    gen = torch.Generator().manual_seed(3)
-
-    def saves(f, *args: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        saved: list[torch.Tensor] = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-            out = f(*args)
-        return out, saved
-
-    for dtype in (torch.float32, torch.bfloat16):
-        gate = (torch.randn(64, 40, generator=gen) * 6).to(dtype).requires_grad_()
-        up = (torch.randn(64, 40, generator=gen) * 40).to(dtype).requires_grad_()
-        out, saved = saves(fn, gate, up)
-        assert [(t.dtype, t.data_ptr()) for t in saved] == [(dtype, gate.data_ptr()), (dtype, up.data_ptr())]
-        ref, ref_saved = saves(lambda g, u: _composed(act, g, u), gate, up)
-        assert len(ref_saved) == composed_saves  # what the Function saves the memory of
-        assert torch.equal(out, ref), f"{act} {dtype}: forward differs from the composed form"
-
-    g64 = (torch.randn(30, generator=gen, dtype=torch.float64) * 5).requires_grad_()
-    u64 = (torch.randn(30, generator=gen, dtype=torch.float64) * 30).requires_grad_()
-    assert torch.autograd.gradcheck(fn, (g64, u64))
-    w = torch.randn(30, generator=gen, dtype=torch.float64)
-    want = torch.autograd.grad((_composed(act, g64, u64) * w).sum(), (g64, u64))
-    got = torch.autograd.grad((fn(g64, u64) * w).sum(), (g64, u64))
-    for a, b, name in zip(got, want, ("d_gate", "d_up")):
-        assert_equal_f64(a, b, f"{act} {name}")
-    # fp32: each gradient element is a product of O(1)-conditioned factors, ~8 roundings, no reduction
-    g32, u32 = g64.detach().float().requires_grad_(), u64.detach().float().requires_grad_()
-    got32 = torch.autograd.grad((fn(g32, u32) * w.float()).sum(), (g32, u32))
-    for a, b, name in zip(got32, want, ("d_gate", "d_up")):
-        assert_near_reference(a, b, 16, f"{act} fp32 {name}")
-    # bf16 inputs: the fp32 gradient of the upcast inputs, rounded once to bf16
-    gb, ub = g32.detach().bfloat16().requires_grad_(), u32.detach().bfloat16().requires_grad_()
-    gotb = torch.autograd.grad((fn(gb, ub) * w.float()).sum(), (gb, ub))
-    gf, uf = gb.detach().float().requires_grad_(), ub.detach().float().requires_grad_()
-    wantf = torch.autograd.grad((fn(gf, uf) * w.float()).sum(), (gf, uf))
-    for a, b in zip(gotb, wantf):
-        assert a.dtype == torch.bfloat16 and torch.equal(a, b.bfloat16())
-
-
 def test_situ_glu_bad_input():
     with pytest.raises(ValueError, match="gate shape"):
         situ_glu(torch.zeros(3), torch.zeros(4))
