@@ -28,6 +28,7 @@ from typing import Any, BinaryIO
 
 import torch
 
+from moonrt.cluster.preempt import raised_abort
 from moonrt.comm.parallelism import Parallelism
 from moonrt.config import to_dict
 from moonrt.job import JobConfig
@@ -107,8 +108,8 @@ def save(path: str | Path, state: Mapping[str, Any]) -> None:
             sink = _Sink(f)
             try:
                 torch.save(dict(state), sink)
-            except RuntimeError as exc:  # torch's zip writer hides the OSError ("unexpected pos ...")
-                raise (sink.error or exc) from None
+            except RuntimeError as exc:  # torch's zip writer hides the OSError or abort ("unexpected pos ...")
+                raise (sink.error or raised_abort() or exc) from None
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

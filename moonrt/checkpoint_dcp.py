@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from moonrt.checkpoint import CheckpointError, load
+from moonrt.cluster.preempt import raised_abort
 from moonrt.comm.parallelism import Parallelism
 from moonrt.config import from_dict, to_dict
 from moonrt.job import JobConfig
@@ -162,6 +163,9 @@ def save_sharded(root: Path, model: torch.nn.Module, opt: torch.optim.Optimizer,
             dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, thread_count=1, sync_files=True),
                      planner=planner, no_dist=not multi)
     except (Exception, CheckpointException) as exc:  # DCP re-raises every rank's failure on every rank
+        abort = raised_abort()  # a second stop signal during the save: DCP wrapped the abort too
+        if abort is not None:
+            raise abort from None
         raise CheckpointError(f"checkpoint write failed: {tmp}: {_reason(exc)}") from None
     written = sum(math.prod(it.tensor_data.chunk.sizes) * it.tensor_data.properties.dtype.itemsize
                   for it in planner.plan.items if it.tensor_data is not None)  # this rank's chunks after dedup

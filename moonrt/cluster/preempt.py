@@ -59,6 +59,18 @@ class Aborted(BaseException):
         return 128 + self.signum
 
 
+_raised: Aborted | None = None
+"""The :class:`Aborted` a :class:`StopSignal` handler raised since one was last entered (:func:`raised_abort`)."""
+
+
+def raised_abort() -> Aborted | None:
+    """The abort a second stop signal raised in this process, if any: for code that catches the error of a library
+    whose callbacks the handler may have interrupted (torch.save's zip writer turns an exception raised in its
+    Python ``write`` into "unexpected pos ..."; DCP wraps every exception of a save): re-raise this instead, so
+    the job still aborts with ``128 + signum``."""
+    return _raised
+
+
 class StopSignal:
     """Context manager: while active, the first of ``signals`` sets :attr:`signum`, the second raises
     :class:`Aborted` (and restores the default action, so a third terminates even a process stuck in C code).
@@ -78,14 +90,18 @@ class StopSignal:
         return self.signum is not None
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
+        global _raised
         if self.signum is None:
             self.signum = signum
             return
         for sig in self.signals:
             signal.signal(sig, signal.SIG_DFL)
-        raise Aborted(signum)
+        _raised = Aborted(signum)
+        raise _raised
 
     def __enter__(self) -> StopSignal:
+        global _raised
+        _raised = None
         if threading.current_thread() is threading.main_thread():
             for sig in self.signals:
                 self._previous[sig] = signal.signal(sig, self._handle)

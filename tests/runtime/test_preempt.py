@@ -409,3 +409,31 @@ def test_bad_input(argv: list[str], message: str, capsys: pytest.CaptureFixture[
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_abort_swallowed_by_torch_save_still_aborts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second stop signal whose handler runs inside torch.save's zip writer (at the entry of the Python
+    ``write`` it calls back, before any ``try`` there) comes out of torch as a RuntimeError ("unexpected pos
+    ..."): checkpoint.save re-raises the abort (exit 128 + signum), not a "checkpoint write failed" error, and
+    leaves no temp file beside the previous checkpoint."""
+    from moonrt import checkpoint
+    from moonrt.cluster.preempt import Aborted, StopSignal
+
+    path = tmp_path / "checkpoint.pt"
+    checkpoint.save(path, {"step": 1})
+    stop = StopSignal([signal.SIGTERM, signal.SIGINT])
+
+    def save_hit_by_two_signals(obj: object, f: object) -> None:
+        stop._handle(signal.SIGTERM, None)  # the first: stop after this step
+        try:
+            stop._handle(signal.SIGINT, None)  # the second, where the C++ writer swallows what it raises
+        except Aborted:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 8945920 vs 8945808") \
+                from None
+
+    monkeypatch.setattr(torch, "save", save_hit_by_two_signals)
+    with stop, pytest.raises(Aborted) as err:
+        checkpoint.save(path, {"step": 2})
+    assert err.value.exit_code == 128 + signal.SIGINT
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
+    assert torch.load(path, weights_only=True) == {"step": 1}
