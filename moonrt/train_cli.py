@@ -17,6 +17,7 @@ from pathlib import Path
 
 from moonrt import checkpoint_dcp
 from moonrt.assemble import launched, parallel_runtime
+from moonrt.cluster.env import shutdown_distributed
 from moonrt.cluster.preempt import PREEMPTED_EXIT, Aborted
 from moonrt.comm.parallelism import Parallelism, RoutingTrace
 from moonrt.config import ConfigError, from_dict, load_yaml, to_dict
@@ -110,21 +111,6 @@ def job_from_args(args: argparse.Namespace) -> JobConfig:
     return from_dict(JobConfig, raw)
 
 
-def _leave_process_group() -> None:
-    """Destroy this process's default process group, if it joined one (a local step for gloo: no collective).
-    Collected first: while a reference cycle (a model's hooked bound methods, a pipeline executor) still holds
-    the group, ``destroy_process_group`` only unregisters it and gloo's threads live on until interpreter
-    finalization, where a worker releasing a finished collective's tensors needs the GIL and aborts the
-    process (what ``moonrt selftest`` did: SIGABRT after a correct run)."""
-    import gc
-
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        gc.collect()
-        dist.destroy_process_group()
-
-
 def run(args: argparse.Namespace) -> int:
     allow = tuple(f.strip() for f in args.resume_allow_changes.split(",") if f.strip())
     try:
@@ -156,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"moonrt train: error: {exc}", file=sys.stderr, flush=True)
         return 2
     finally:
-        _leave_process_group()
+        shutdown_distributed()  # a multi-rank job's group: destroyed while the interpreter is alive
     if not math.isfinite(summary["train_loss"]):
         print(f"moonrt train: error: train loss is {summary['train_loss']} after step {summary['steps']} (diverged; "
               "try a lower --lr)", file=sys.stderr, flush=True)

@@ -332,6 +332,25 @@ def init_distributed(cfg: DistConfig | None = None) -> Rendezvous:
 # Where the rendezvous store listens
 
 
+def shutdown_distributed() -> None:
+    """Leave the default process group, if this process joined one (a local step for gloo: no collective).
+
+    Garbage is collected first: while a reference cycle still holds the group (a pipeline executor hooking its
+    own bound methods, a model's hooks), ``destroy_process_group`` only unregisters it, and gloo's backend and
+    worker threads live on until the cycle is collected, at the latest during interpreter finalization, where
+    a worker releasing a finished collective's tensors must take the GIL and aborts the process ("terminate
+    called without an active exception", SIGABRT: exit 134). Collected first, the backend is destroyed here
+    and joins its workers while the interpreter is alive.
+    """
+    import gc
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        gc.collect()
+        dist.destroy_process_group()
+
+
 def rendezvous_bind_host(master_addr: str, *, multi_node: bool | None,
                          environ: Mapping[str, str] = os.environ) -> str:
     """The one address rank 0's store binds (see module doc): ``MOONRT_RDZV_HOST`` if set, else the

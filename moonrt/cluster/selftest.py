@@ -28,7 +28,6 @@ as ``<suite>/<case>/<check> on rank <r>``.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import platform
 import socket
@@ -148,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from moonrt.cluster.env import init_distributed
+    from moonrt.cluster.env import init_distributed, shutdown_distributed
     from moonrt.cluster.selftest_ep import corruption, validate
 
     try:  # argument combinations and the test hook, before joining (every rank exits 2 alike)
@@ -235,15 +234,9 @@ def run(args: argparse.Namespace) -> int:
         dist.barrier()  # no rank tears its process group down while another still uses it (rank 0's report)
         return 0 if passed else 1
     finally:
-        # The suites leave objects that hold the process group in reference cycles (the pp suite's executors hook
-        # their own bound methods: _traced, _corrupt). While one lives, destroy_process_group only unregisters
-        # the group: gloo's backend and its worker threads live on until the cycle is collected, at the latest
-        # during interpreter finalization, where a worker releasing a finished collective's tensors must take
-        # the GIL and aborts the process ("terminate called without an active exception", SIGABRT: exit 134
-        # instead of 1). Collecting first makes this the last reference: the backend is destroyed here and
-        # joins its workers while the interpreter is alive.
-        gc.collect()
-        dist.destroy_process_group()
+        # the suites leave objects that hold the group in reference cycles (the pp suite's executors hook their own
+        # bound methods: _traced, _corrupt): shutdown_distributed collects them before destroying it
+        shutdown_distributed()
 
 
 def main(argv: list[str] | None = None) -> int:
