@@ -54,7 +54,7 @@ def _chunk_geometry(t: int, chunk: int = CHUNK) -> tuple[int, int, int]:
 
 
 def class_terms(cfg: Any, a: int, seq_tokens: int, batch: int = 1, gathered: int | None = None,
-                sdpa: str = "math", active_experts: int | None = None) -> dict[str, list[Term]]:
+                sdpa: str = "math") -> dict[str, list[Term]]:
     """Saved-tensor terms of each class of moonrt's K3 layers (formulas: docs/MEMORY_MODEL.md).
 
     Args:
@@ -66,8 +66,6 @@ def class_terms(cfg: Any, a: int, seq_tokens: int, batch: int = 1, gathered: int
             the worst case); default ``seq_tokens``.
         sdpa: ``"math"`` (CPU: the ``[H, T, S]`` fp32 probabilities are saved) or ``"fused"``
             (flash / memory-efficient kernels: output and log-sum-exp; [derived], not traced).
-        active_experts: experts of one MoE layer computing rows on this rank (bf16 only: their
-            fp32 weight copies are saved); default all ``E``.
     """
     f32 = a == 4
     t = seq_tokens
@@ -118,22 +116,21 @@ def class_terms(cfg: Any, a: int, seq_tokens: int, batch: int = 1, gathered: int
     ]
     E, k, L, F, ns, I_ = (cfg.num_experts, cfg.num_experts_per_token, cfg.routed_expert_hidden_size,
                           cfg.moe_intermediate_size, cfg.num_shared_experts, cfg.intermediate_size)
-    act = E if active_experts is None else active_experts
     moe = [
         Term("router input (fp32)", D * a if f32 else 4 * D, D, fp32=not f32),
         Term("router scores sigmoid [E]", 4 * E, E, fp32=True),
         Term("top-k ids, selected scores, their sum", 8 * k + 4 * k + 4),
         Term("down_proj input", 0 if f32 else D * a, D),
         Term("dispatch indices (token_index, order)", 16 * k),
-        Term("expert inputs (fp32 rows) per assignment", 4 * k * L, L, fp32=True),
-        Term("expert SiTU-GLU (6 x [F]) + down input per assignment", 28 * k * F, F, fp32=True),
+        Term("expert input rows per assignment", k * L * a, L),
+        Term("expert GLU output + its 2 derivative factors per assignment", 12 * k * F, F, fp32=True),
         Term("combine: row weights, expert outputs, weighted rows", 4 * k + 8 * k * L, L, fp32=True),
         Term("latent RMSNorm input", L * a, L), Term("latent RMSNorm reciprocal RMS", 4, fp32=True),
         Term("up_proj input", L * a, L),
-        Term("shared experts: SiTU-GLU + down input", ns * (24 * F + F * a), F),
-        Term("router weight / active expert weights (fp32 copies)", 0, 0, 0 if f32 else 4 * E * D + act * 12 * F * L),
+        Term("shared experts: GLU derivative factors + down input", ns * (8 * F + F * a), F),
+        Term("router weight (fp32 copy)", 0, 0, 0 if f32 else 4 * E * D),
     ]
-    ffn = [Term("input", D * a, D), Term("SiTU-GLU (6 x [I])", 24 * I_, I_, fp32=True),
+    ffn = [Term("input", D * a, D), Term("GLU derivative factors (2 x [I])", 8 * I_, I_, fp32=True),
            Term("down_proj input", I_ * a, I_)]
     norm = [Term("input", D * a, D), Term("reciprocal RMS", 4, fp32=True)]
     attn_res = [Term("source (stacked) + RMS keys", (8 if f32 else 12) * D, D, fp32=True),
@@ -170,12 +167,12 @@ def _recompute_input(name: str, cfg: Any, a: int) -> float:
     return {"attn_res": 0.0, "embed": 8.0}.get(name, cfg.hidden_size * a)
 
 
-def analytic_profile(cfg: Any, act_bytes: int, seq_tokens: int, batch: int = 1, cp: int = 1, sdpa: str = "math",
-                     active_experts: int | None = None) -> Profile:
+def analytic_profile(cfg: Any, act_bytes: int, seq_tokens: int, batch: int = 1, cp: int = 1,
+                     sdpa: str = "math") -> Profile:
     """Profile of moonrt's K3 layers from the formulas of :func:`class_terms` (per token at this layout)."""
     if sdpa not in ("math", "fused"):
         raise ValueError(f"sdpa = {sdpa!r}: expected 'math' or 'fused'")
-    terms = class_terms(cfg, act_bytes, seq_tokens, batch, seq_tokens * cp, sdpa, active_experts)
+    terms = class_terms(cfg, act_bytes, seq_tokens, batch, seq_tokens * cp, sdpa)
     flops = kernel_profile(cfg, act_bytes).classes
     classes = {}
     for name, ts in terms.items():
@@ -194,13 +191,10 @@ def analytic_profile(cfg: Any, act_bytes: int, seq_tokens: int, batch: int = 1, 
 def default_profile(cfg: Any, layout: JobLayout, sdpa: str | None = None) -> Profile:
     """:func:`analytic_profile` for a :class:`~moonrt.memory.model_memory.JobLayout`: activation bytes
     ``layout.act_bytes``, one sequence slice of ``seq_len / cp`` tokens, ``micro_batch_size`` sequences;
-    attention ``sdpa`` defaults to ``"math"`` in fp32 (the CPU path) and ``"fused"`` in bf16 (GPU kernels).
-    In bf16 the active experts of a MoE layer on a rank are its ``E / ep`` home experts plus as many
-    MoonEP slot copies (all ``E`` without EP), at most one per routed assignment."""
+    attention ``sdpa`` defaults to ``"math"`` in fp32 (the CPU path) and ``"fused"`` in bf16 (GPU kernels)."""
     sdpa = sdpa or ("math" if layout.act_bytes == 4 else "fused")
-    E, ep, cp = cfg.num_experts, layout.parallel.ep, layout.parallel.cp
-    active = min(E if ep == 1 else 2 * (E // ep), layout.tokens() * cfg.num_experts_per_token)
-    return analytic_profile(cfg, layout.act_bytes, layout.seq_len // cp, layout.micro_batch_size, cp, sdpa, active)
+    cp = layout.parallel.cp
+    return analytic_profile(cfg, layout.act_bytes, layout.seq_len // cp, layout.micro_batch_size, cp, sdpa)
 
 
 def param_sizes(cfg: K3Config) -> ParamSizes:

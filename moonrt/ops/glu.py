@@ -9,14 +9,23 @@ so every output coordinate is bounded by ``b1 * b2 = 100`` however large the pre
 grow, while near zero ``cap_b(x) ~ x`` and it matches SwiGLU ``silu(gate) * up``. Used by the
 model's FFNs (``moonrt.model.ffn``) and by the routed experts (:mod:`moonrt.ops.grouped`, which the
 model and the EP runtime share): written once, here.
+
+Both are one autograd node. A GLU is ``h = A(gate) * C(up)``; the forward also computes the two
+derivative factors ``dA = C(up) A'(gate)`` and ``dC = A(gate) C'(up)`` and saves only those, so the
+backward is ``d_gate = d_h * dA``, ``d_up = d_h * dC``: two saved tensors instead of the six
+intermediates (tanh and sigmoid outputs, both caps, their product) autograd saves for the composed
+expression, and nothing recomputed (a node that saved gate / up and recomputed tanh and sigmoid in
+backward made the CPU step 7% slower). Outputs are the composed expression's; gradients equal
+autograd's of it up to fp32 rounding (tests: fp64 gradcheck and equality).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 Activation = Literal["situ", "silu"]
 
@@ -24,6 +33,43 @@ Activation = Literal["situ", "silu"]
 def soft_cap(x: torch.Tensor, b: float) -> torch.Tensor:
     """``cap_b(x) = b * tanh(x / b)``: identity near zero, bounded by ``b`` in magnitude."""
     return b * torch.tanh(x / b)
+
+
+def glu_parts(gate: torch.Tensor, up: torch.Tensor, act: Activation, beta: float = 4.0, linear_beta: float = 25.0,
+              derivatives: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``h = A(gate) * C(up)`` and, with ``derivatives``, ``dA = C(up) A'(gate)`` and ``dC = A(gate) C'(up)``
+    (else None): the GLU and its two derivative factors, from ``gate`` / ``up`` already in the compute dtype.
+    No autograd (the callers' nodes use ``dA`` / ``dC`` in backward); ``"situ"``: ``A = cap_{beta}(g) sigmoid(g)``,
+    ``C = cap_{linear_beta}(u)``; ``"silu"``: ``A = g sigmoid(g)``, ``C = u``."""
+    with torch.no_grad():
+        s = torch.sigmoid(gate)
+        if act == "situ":
+            t1 = torch.tanh(gate / beta)
+            cap1 = t1 * beta
+            a = cap1 * s
+            t2 = torch.tanh(up / linear_beta)
+            c = t2 * linear_beta
+            h = a * c
+            if not derivatives:
+                return h, None, None
+            # A' = s (cap1' + cap1 (1 - s)),  cap1' = 1 - t1^2;  C' = 1 - t2^2  (in place, few passes)
+            d_a = torch.rsub(s, 1).mul_(cap1).addcmul_(t1, t1, value=-1).add_(1).mul_(s).mul_(c)
+            d_c = torch.addcmul(a, a, t2.square_(), value=-1)
+            return h, d_a, d_c
+        if act == "silu":
+            a = gate * s
+            h = a * up
+            if not derivatives:
+                return h, None, None
+            # A' = s (1 + g (1 - s)),  C' = 1
+            d_a = torch.rsub(s, 1).mul_(gate).add_(1).mul_(s).mul_(up)
+            return h, d_a, a
+    raise ValueError(f"hidden_act = {act!r}: expected 'situ' or 'silu'")
+
+
+def _check(name: str, gate: torch.Tensor, up: torch.Tensor) -> None:
+    if gate.shape != up.shape:
+        raise ValueError(f"{name}: gate shape {tuple(gate.shape)} != up shape {tuple(up.shape)}")
 
 
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0) -> torch.Tensor:
@@ -39,21 +85,16 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_bet
         ``[..., F]`` fp32 (fp64 for fp64 input), ``cap_{b1}(gate) * sigmoid(gate) * cap_{b2}(up)``;
         ``|out| <= b1 * b2``.
     """
-    if gate.shape != up.shape:
-        raise ValueError(f"situ_glu: gate shape {tuple(gate.shape)} != up shape {tuple(up.shape)}")
+    _check("situ_glu", gate, up)
     if not (beta > 0 and linear_beta > 0):
         raise ValueError(f"situ_glu: beta={beta!r}, linear_beta={linear_beta!r}, expected positive numbers")
-    dt = torch.promote_types(gate.dtype, torch.float32)
-    g = gate.to(dt)
-    return soft_cap(g, beta) * torch.sigmoid(g) * soft_cap(up.to(dt), linear_beta)
+    return _glu(gate, up, "situ", float(beta), float(linear_beta))
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """SwiGLU ``silu(gate) * up`` in fp32 (``[..., F]`` -> ``[..., F]`` fp32, fp64 stays), the uncapped baseline."""
-    if gate.shape != up.shape:
-        raise ValueError(f"swiglu: gate shape {tuple(gate.shape)} != up shape {tuple(up.shape)}")
-    dt = torch.promote_types(gate.dtype, torch.float32)
-    return F.silu(gate.to(dt)) * up.to(dt)
+    _check("swiglu", gate, up)
+    return _glu(gate, up, "silu", 0.0, 0.0)
 
 
 def glu_activation(gate: torch.Tensor, up: torch.Tensor, act: Activation, beta: float = 4.0,
@@ -64,3 +105,34 @@ def glu_activation(gate: torch.Tensor, up: torch.Tensor, act: Activation, beta: 
     if act == "silu":
         return swiglu(gate, up)
     raise ValueError(f"hidden_act = {act!r}: expected 'situ' or 'silu'")
+
+
+def _glu(gate: torch.Tensor, up: torch.Tensor, act: Activation, beta: float, linear_beta: float) -> torch.Tensor:
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+        return _GLU.apply(gate, up, act, beta, linear_beta)
+    dt = torch.promote_types(gate.dtype, torch.float32)
+    if act == "silu":  # no derivative factors wanted: the one-kernel silu
+        return F.silu(gate.to(dt)) * up.to(dt)
+    return glu_parts(gate.to(dt), up.to(dt), act, beta, linear_beta, derivatives=False)[0]
+
+
+class _GLU(torch.autograd.Function):
+    """``h = A(gate) C(up)`` saving ``dA``, ``dC`` (module docstring)."""
+
+    @staticmethod
+    def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor, act: Activation, beta: float,
+                linear_beta: float) -> torch.Tensor:
+        dt = torch.promote_types(gate.dtype, torch.float32)
+        h, d_a, d_c = glu_parts(gate.to(dt), up.to(dt), act, beta, linear_beta)
+        ctx.save_for_backward(d_a, d_c)
+        ctx.dtypes = gate.dtype, up.dtype
+        return h
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        d_a, d_c = ctx.saved_tensors
+        g_dtype, u_dtype = ctx.dtypes
+        d_gate = (grad * d_a).to(g_dtype) if ctx.needs_input_grad[0] else None
+        d_up = (grad * d_c).to(u_dtype) if ctx.needs_input_grad[1] else None
+        return d_gate, d_up, None, None, None

@@ -22,10 +22,12 @@ per expert.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
+from torch.autograd.function import once_differentiable
 
-from moonrt.ops.glu import Activation, glu_activation
+from moonrt.ops.glu import Activation, glu_activation, glu_parts
 
 StackedWeight = torch.Tensor | Sequence[torch.Tensor | None]
 """One expert tensor for every segment: a ``[G, ...]`` stack, or a length-G sequence of per-expert
@@ -64,10 +66,16 @@ def grouped_glu_experts(x: torch.Tensor, cu_seqlens: torch.Tensor, w_gate: Stack
     ``glu_expert(rows, w_gate[i], w_up[i], w_down[i])``.
 
     Weights: ``[G, F, H]``, ``[G, F, H]``, ``[G, H, F]`` stacks or per-segment sequences
-    (:data:`StackedWeight`). Returns ``[rows, H]`` in ``promote(x.dtype, float32)``; rows outside
-    every segment (padding) are 0. Empty segments are skipped: a loop over the non-empty segments
-    (the readable grouped GEMM; a fused kernel would replace this function). Differentiable in
-    ``x`` and every weight used.
+    (:data:`StackedWeight`; every expert used has the same ``F``). Returns ``[rows, H]`` in
+    ``promote(x.dtype, float32)``; rows outside every segment (padding) are 0. Differentiable in ``x`` and
+    every weight used.
+
+    One autograd node for all segments (the readable grouped GEMM; a fused kernel would replace the loops):
+    the gate / up matmuls of every non-empty segment write one ``[n, F]`` buffer each, the GLU runs once on
+    them (:func:`moonrt.ops.glu.glu_parts`), the down matmuls write the output rows. It saves ``x`` as given,
+    the GLU output and its two derivative factors (``[n, F]`` each, ``n = cu[G] - cu[0]``) and the weights:
+    four activations however many experts, where a loop of per-expert autograd ops saves seven per expert
+    (and fp32 copies of bf16 weights).
     """
     bounds = cu_seqlens.tolist()
     rows = x.shape[0]
@@ -77,23 +85,108 @@ def grouped_glu_experts(x: torch.Tensor, cu_seqlens: torch.Tensor, w_gate: Stack
         raise ValueError(f"cu_seqlens: {bounds[:8]}..., expected non-decreasing bounds within [0, {rows}]")
     groups = len(bounds) - 1
     ws = [_per_segment(w, groups, name) for w, name in ((w_gate, "w_gate"), (w_up, "w_up"), (w_down, "w_down"))]
-    dt = torch.promote_types(x.dtype, torch.float32)
-    width = x.shape[1]
-    pieces, pos = [], 0
+    width = None
     for i in range(groups):
-        a, b = bounds[i], bounds[i + 1]
-        if b == a:
+        if bounds[i + 1] == bounds[i]:
             continue
         g, u, d = (w[i] for w in ws)
         if g is None or u is None or d is None:
-            raise ValueError(f"segment {i} has {b - a} rows but no expert weights were given for it")
-        if a > pos:
-            pieces.append(x.new_zeros(a - pos, width, dtype=dt))
-        pieces.append(glu_expert(x[a:b], g, u, d, act, beta, linear_beta))
-        pos = b
-    if pos < rows:
-        pieces.append(x.new_zeros(rows - pos, width, dtype=dt))
-    return torch.cat(pieces) if pieces else x.new_zeros(0, width, dtype=dt)
+            raise ValueError(f"segment {i} has {bounds[i + 1] - bounds[i]} rows but no expert weights were given "
+                             "for it")
+        if width is None:
+            width = g.shape[0]
+        if not (g.shape == u.shape == (width, x.shape[1]) and d.shape == (x.shape[1], width)):
+            raise ValueError(f"segment {i}: expert weights {tuple(g.shape)}, {tuple(u.shape)}, {tuple(d.shape)}; "
+                             f"expected [{width}, {x.shape[1]}], [{width}, {x.shape[1]}], [{x.shape[1]}, {width}] "
+                             f"(the F of the first expert used)")
+    flat = [w for per in ws for w in per]
+    if torch.is_grad_enabled() and (x.requires_grad or any(w is not None and w.requires_grad for w in flat)):
+        return _GroupedGLU.apply(x, bounds, act, float(beta), float(linear_beta), *flat)
+    return _grouped_forward(x, bounds, ws, act, beta, linear_beta, derivatives=False)[0]
+
+
+def _grouped_forward(x: torch.Tensor, bounds: list[int], ws: list[Sequence[torch.Tensor | None]], act: Activation,
+                     beta: float, linear_beta: float, derivatives: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The output ``[rows, H]`` and the GLU output, ``dA``, ``dC`` over rows ``cu[0]:cu[G]`` (None without
+    ``derivatives``, or when no row is routed)."""
+    dt = torch.promote_types(x.dtype, torch.float32)
+    rows, width = x.shape
+    lo, hi = bounds[0], bounds[-1]
+    segs = [i for i in range(len(bounds) - 1) if bounds[i + 1] > bounds[i]]
+    if not segs:
+        return x.new_zeros(rows, width, dtype=dt), None, None, None
+    xs = x.to(dt)
+    hidden = ws[0][segs[0]].shape[0]  # type: ignore[union-attr]
+    gate = xs.new_empty(hi - lo, hidden)
+    up = xs.new_empty(hi - lo, hidden)
+    with torch.no_grad():
+        for i in segs:
+            a, b = bounds[i] - lo, bounds[i + 1] - lo
+            xi = xs[lo + a:lo + b]
+            torch.mm(xi, ws[0][i].to(dt).t(), out=gate[a:b])  # type: ignore[union-attr]
+            torch.mm(xi, ws[1][i].to(dt).t(), out=up[a:b])  # type: ignore[union-attr]
+        h, d_a, d_c = glu_parts(gate, up, act, beta, linear_beta, derivatives)
+        out = (x.new_zeros if lo > 0 or hi < rows else x.new_empty)(rows, width, dtype=dt)
+        for i in segs:
+            a, b = bounds[i], bounds[i + 1]
+            torch.mm(h[a - lo:b - lo], ws[2][i].to(dt).t(), out=out[a:b])  # type: ignore[union-attr]
+    return out, h, d_a, d_c
+
+
+class _GroupedGLU(torch.autograd.Function):
+    """:func:`grouped_glu_experts` as one node: ``forward(x, bounds, act, beta, linear_beta, *weights)`` with the
+    ``3 G`` per-segment weights flattened (gates, ups, downs; None for a segment that has none)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, bounds: list[int], act: Activation, beta: float, linear_beta: float,
+                *flat: torch.Tensor | None) -> torch.Tensor:
+        groups = len(bounds) - 1
+        ws = [flat[j * groups:(j + 1) * groups] for j in range(3)]
+        out, h, d_a, d_c = _grouped_forward(x, bounds, ws, act, beta, linear_beta, derivatives=True)
+        ctx.bounds = bounds
+        ctx.save_for_backward(x, h, d_a, d_c, *flat)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, h, d_a, d_c, *flat = ctx.saved_tensors
+        bounds = ctx.bounds
+        groups = len(bounds) - 1
+        need = ctx.needs_input_grad
+        d_flat: list[torch.Tensor | None] = [None] * (3 * groups)
+        d_x = None
+        if h is None:  # no routed row: the output was all zeros
+            return (torch.zeros_like(x) if need[0] else None), None, None, None, None, *d_flat
+        dt = h.dtype
+        lo = bounds[0]
+        xs = x.to(dt)
+        g = grad.to(dt)
+        segs = [i for i in range(groups) if bounds[i + 1] > bounds[i]]
+        d_h = torch.empty_like(h)
+        for i in segs:
+            a, b = bounds[i], bounds[i + 1]
+            w_down = flat[2 * groups + i]
+            torch.mm(g[a:b], w_down.to(dt), out=d_h[a - lo:b - lo])  # type: ignore[union-attr]
+            if need[5 + 2 * groups + i]:
+                d_flat[2 * groups + i] = (g[a:b].t() @ h[a - lo:b - lo]).to(w_down.dtype)  # type: ignore[union-attr]
+        d_gate = d_h * d_a
+        d_up = d_h.mul_(d_c)
+        if need[0]:
+            d_x = torch.zeros_like(xs)
+        for i in segs:
+            a, b = bounds[i], bounds[i + 1]
+            w_gate, w_up = flat[i], flat[groups + i]
+            dg, du, xi = d_gate[a - lo:b - lo], d_up[a - lo:b - lo], xs[a:b]
+            if need[5 + i]:
+                d_flat[i] = (dg.t() @ xi).to(w_gate.dtype)  # type: ignore[union-attr]
+            if need[5 + groups + i]:
+                d_flat[groups + i] = (du.t() @ xi).to(w_up.dtype)  # type: ignore[union-attr]
+            if d_x is not None:
+                torch.mm(dg, w_gate.to(dt), out=d_x[a:b])  # type: ignore[union-attr]
+                d_x[a:b].addmm_(du, w_up.to(dt))  # type: ignore[union-attr]
+        return (d_x.to(x.dtype) if d_x is not None else None), None, None, None, None, *d_flat
 
 
 def moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate: torch.Tensor,
