@@ -85,7 +85,7 @@ def grouped_glu_experts(x: torch.Tensor, cu_seqlens: torch.Tensor, w_gate: Stack
         raise ValueError(f"cu_seqlens: {bounds[:8]}..., expected non-decreasing bounds within [0, {rows}]")
     groups = len(bounds) - 1
     ws = [_per_segment(w, groups, name) for w, name in ((w_gate, "w_gate"), (w_up, "w_up"), (w_down, "w_down"))]
-    width = None
+    hidden = None
     for i in range(groups):
         if bounds[i + 1] == bounds[i]:
             continue
@@ -93,11 +93,11 @@ def grouped_glu_experts(x: torch.Tensor, cu_seqlens: torch.Tensor, w_gate: Stack
         if g is None or u is None or d is None:
             raise ValueError(f"segment {i} has {bounds[i + 1] - bounds[i]} rows but no expert weights were given "
                              "for it")
-        if width is None:
-            width = g.shape[0]
-        if not (g.shape == u.shape == (width, x.shape[1]) and d.shape == (x.shape[1], width)):
+        if hidden is None:
+            hidden = g.shape[0]
+        if not (g.shape == u.shape == (hidden, x.shape[1]) and d.shape == (x.shape[1], hidden)):
             raise ValueError(f"segment {i}: expert weights {tuple(g.shape)}, {tuple(u.shape)}, {tuple(d.shape)}; "
-                             f"expected [{width}, {x.shape[1]}], [{width}, {x.shape[1]}], [{x.shape[1]}, {width}] "
+                             f"expected [{hidden}, {x.shape[1]}], [{hidden}, {x.shape[1]}], [{x.shape[1]}, {hidden}] "
                              f"(the F of the first expert used)")
     flat = [w for per in ws for w in per]
     if torch.is_grad_enabled() and (x.requires_grad or any(w is not None and w.requires_grad for w in flat)):
@@ -108,8 +108,8 @@ def grouped_glu_experts(x: torch.Tensor, cu_seqlens: torch.Tensor, w_gate: Stack
 def _grouped_forward(x: torch.Tensor, bounds: list[int], ws: list[Sequence[torch.Tensor | None]], act: Activation,
                      beta: float, linear_beta: float, derivatives: bool
                      ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """The output ``[rows, H]`` and the GLU output, ``dA``, ``dC`` over rows ``cu[0]:cu[G]`` (None without
-    ``derivatives``, or when no row is routed)."""
+    """The output ``[rows, H]`` and, over rows ``cu[0]:cu[G]``, the GLU output and its factors ``dA``, ``dC``
+    (the factors None without ``derivatives``; all three None when no row is routed)."""
     dt = torch.promote_types(x.dtype, torch.float32)
     rows, width = x.shape
     lo, hi = bounds[0], bounds[-1]
