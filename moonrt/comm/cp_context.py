@@ -108,6 +108,7 @@ class ContextParallel(AttentionContext):
         v: torch.Tensor,
         g: torch.Tensor,
         beta: torch.Tensor,
+        *,
         scale: float | None = None,
         initial_state: torch.Tensor | None = None,
         output_final_state: bool = False,

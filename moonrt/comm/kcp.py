@@ -55,12 +55,12 @@ StateGradFn = Callable[..., torch.Tensor]
 _META = ("B", "T", "H", "K", "V", "dtype", "init", "final")
 
 
-def _default_fns() -> tuple[ChunkFn, TransitionFn, StateGradFn, float]:
-    """The ops layer's chunked KDA, its segment transition, its state-only gradient, and the smallest log-decay
-    they accept."""
-    from moonrt.ops.kda import MIN_LOG_DECAY, kda_chunk, kda_state_grad, kda_transition
+def _default_fns() -> tuple[ChunkFn, TransitionFn, StateGradFn, float, Callable[[object], int]]:
+    """The ops layer's chunked KDA, its segment transition, its state-only gradient, the smallest log-decay
+    they accept, and its chunk-size check."""
+    from moonrt.ops.kda import MIN_LOG_DECAY, check_chunk_size, kda_chunk, kda_state_grad, kda_transition
 
-    return kda_chunk, kda_transition, kda_state_grad, MIN_LOG_DECAY
+    return kda_chunk, kda_transition, kda_state_grad, MIN_LOG_DECAY, check_chunk_size
 
 
 def _all_gather(x: torch.Tensor, group: ProcessGroup | None, size: int) -> list[torch.Tensor]:
@@ -136,7 +136,7 @@ class _KCP(torch.autograd.Function):
         scale, chunk_size, state_grad_fn = ctx.local
         if state_grad_fn is not None:
             with torch.no_grad():
-                a = state_grad_fn(*leaves, d_o, grads[1] if len(grads) > 1 else None, scale=scale,
+                a = state_grad_fn(*leaves, d_o, d_final=grads[1] if len(grads) > 1 else None, scale=scale,
                                   chunk_size=chunk_size).to(M.dtype)
         else:
             (a,) = torch.autograd.grad(outs, [s_leaf], grads, retain_graph=True)
@@ -168,10 +168,10 @@ def kcp_kda(
     g: torch.Tensor,
     beta: torch.Tensor,
     group: ProcessGroup | None,
+    *,
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
-    *,
     chunk_size: int = 64,
     record: CommRecord | None = None,
     chunk_fn: ChunkFn | None = None,
@@ -193,7 +193,8 @@ def kcp_kda(
         initial_state: ``[B, H, K, V]`` fp32 state before the sequence's first token, on CP rank 0
             only (other ranks pass None).
         output_final_state: return the state after the sequence's last token on the last CP rank.
-        chunk_size: chunk length C of the local chunked form.
+        chunk_size: chunk length C of the local chunked form (checked as by ``moonrt.ops.kda.check_chunk_size``;
+            a bad value raises ValueError on every rank).
         record: optional byte counter (:class:`moonrt.comm.cp_ops.CommRecord`).
         chunk_fn, transition_fn: local kernels with the contracts of ``moonrt.ops.kda.kda_chunk``
             and ``kda_transition`` (default: those).
@@ -212,12 +213,16 @@ def kcp_kda(
     what = "kcp_kda"
     rank = dist.get_rank(group)
     size = dist.get_world_size(group)
-    default_chunk, default_transition, default_state_grad, min_log_decay = _default_fns()
+    default_chunk, default_transition, default_state_grad, min_log_decay, check_chunk = _default_fns()
     if state_grad_fn is None and chunk_fn is None:
         state_grad_fn = default_state_grad
     chunk_fn = chunk_fn or default_chunk
     transition_fn = transition_fn or default_transition
-    error = _local_error(q, k, v, g, beta, initial_state, rank, min_log_decay)
+    try:
+        chunk_size, error = check_chunk(chunk_size), None
+    except (TypeError, ValueError) as exc:  # raised on every rank by the metadata exchange (no hang)
+        error = str(exc)
+    error = error or _local_error(q, k, v, g, beta, initial_state, rank, min_log_decay)
     values = None
     if error is None:
         B, T, H, K = k.shape

@@ -1,13 +1,16 @@
 """Kimi Delta Attention ops: the token recurrence and the chunkwise-parallel form (K3_SYSTEMS §2.1-2.4).
 
-Both functions share fla's ``chunk_kda`` / ``fused_recurrent_kda`` contract, so implementations can be
-swapped:
+Both functions share fla's ``chunk_kda`` / ``fused_recurrent_kda`` contract for the five tensors, so
+implementations can be swapped when called with keywords:
 
 - ``q, k [B, T, H, K]``, ``v [B, T, H, V]``: used as given (L2 normalization is the layer's job);
 - ``g [B, T, H, K]``: per-token, per-channel log-decay (<= 0), ``alpha_t = exp(g_t)``;
 - ``beta [B, T, H]``: write strength; ``scale`` defaults to ``K ** -0.5``;
 - ``initial_state [B, H, K, V]`` (fp32); returns ``(o [B, T, H, V] in v's dtype, final_state [B, H, K, V]
-  fp32 or None)``.
+  fp32 or None)``;
+- everything after the five tensors is keyword-only: fla's positional order differs (its 9th argument is
+  ``use_qk_l2norm_in_kernel``, moonrt's was ``chunk_size``), so a peer-style positional call raises TypeError
+  instead of silently running with other options. ``chunk_size`` is checked (:func:`check_chunk_size`).
 
 The recurrence (§2.1) per head, state ``S`` of shape K x V, is "decay, then delta correction, then read"::
 
@@ -40,8 +43,8 @@ from moonrt.ops.kda_terms import (
     MIN_LOG_DECAY,
     SUB_TILE,
     ChunkTerms,
-    _sub_tile,
     _to_chunks,
+    check_chunk_size,
     chunk_terms,
     chunk_transitions,
 )
@@ -80,6 +83,7 @@ def kda_recurrent(
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
+    *,
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
@@ -133,6 +137,7 @@ def kda_chunk(
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
+    *,
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
@@ -151,8 +156,9 @@ def kda_chunk(
             ``cu_seqlens``, one per sequence.
         output_final_state: also return the state after the last token (``[N, H, K, V]`` per sequence with
             ``cu_seqlens``).
-        chunk_size: tokens per chunk C (<= 32 or a multiple of 32). T need not be a multiple of C: the
-            tail is padded with tokens that neither decay nor write (g = 0, k = 0, beta = 0).
+        chunk_size: tokens per chunk C, an int (not a bool) >= 1 that is <= 32 or a multiple of 32
+            (:func:`check_chunk_size`: TypeError / ValueError naming it otherwise). T need not be a multiple of C:
+            the tail is padded with tokens that neither decay nor write (g = 0, k = 0, beta = 0).
         cu_seqlens: ``[N + 1]`` integer offsets of N sequences packed along T (fla's meaning; requires B = 1):
             sequence i is tokens ``cu_seqlens[i]:cu_seqlens[i + 1]``, the state starts from its own initial state
             at each boundary and nothing crosses it. Each sequence is padded to whole chunks, so results equal
@@ -162,22 +168,23 @@ def kda_chunk(
         ``o [B, T, H, V]`` in v's dtype, and ``S_T [B, H, K, V]`` (``[N, H, K, V]`` with ``cu_seqlens``) fp32
         (fp64 for fp64 inputs) or None.
     """
+    chunk_size = check_chunk_size(chunk_size)
     _check_inputs(q, k, v, g, beta, initial_state if cu_seqlens is None else None)
     _check_decay(g)
     B, T, H, K = k.shape
     V = v.shape[-1]
     scale = K ** -0.5 if scale is None else scale
     dtype = _compute_dtype(q, k, v, g, beta)
-    _sub_tile(chunk_size)
     if cu_seqlens is not None:
-        return _kda_chunk_varlen(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size,
-                                 cu_seqlens, dtype)
+        return _kda_chunk_varlen(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                 output_final_state=output_final_state, chunk_size=chunk_size,
+                                 cu_seqlens=cu_seqlens, dtype=dtype)
     S = k.new_zeros(B, H, K, V, dtype=dtype) if initial_state is None else initial_state.to(dtype)
     if T == 0:
         return v.new_zeros(B, 0, H, V), (S if output_final_state else None)
     C = _chunk_len(T, chunk_size)
     chunks = [_to_chunks(t, C, dtype) for t in (q, k, v, g, beta)]  # [N, B, H, C, *]
-    O, S = ChunkKDA.apply(*chunks, S[None], (0,), scale)
+    O, S = ChunkKDA.apply(*chunks, S[None], starts=(0,), scale=scale)
     S = S[0]
     N = O.shape[0]
     o = O.permute(1, 0, 3, 2, 4).reshape(B, N * C, H, V)[:, :T].to(v.dtype)
@@ -205,7 +212,7 @@ def _check_cu_seqlens(cu_seqlens: torch.Tensor, B: int, T: int) -> list[int]:
     return cu
 
 
-def _kda_chunk_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+def _kda_chunk_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
                       scale: float, initial_state: torch.Tensor | None, output_final_state: bool, chunk_size: int,
                       cu_seqlens: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`kda_chunk` with ``cu_seqlens``: each sequence padded to whole chunks, all chunks of all sequences
@@ -240,7 +247,7 @@ def _kda_chunk_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
 
     live = [i for i, n in enumerate(n_chunks) if n]  # sequences with tokens; an empty one ends in its S0
     O, S_live = ChunkKDA.apply(*(chunked(t) for t in (q, k, v, g, beta)), S0[live][:, None],
-                               tuple(firsts[i] for i in live), scale)
+                               starts=tuple(firsts[i] for i in live), scale=scale)
     for j, i in enumerate(live):
         finals_out[i] = S_live[j]
     o = O[:, 0].transpose(1, 2).reshape(NC * C, H, V).index_select(0, pos)[None].to(v.dtype)
@@ -255,6 +262,7 @@ def kda_state_grad(
     g: torch.Tensor,
     beta: torch.Tensor,
     d_o: torch.Tensor,
+    *,
     d_final: torch.Tensor | None = None,
     scale: float | None = None,
     chunk_size: int = 64,
@@ -273,6 +281,7 @@ def kda_state_grad(
         ``dS_in [B, H, K, V]`` fp32 (fp64 for fp64 inputs): equal to the ``initial_state`` gradient of the same
         :func:`kda_chunk` call. No graph.
     """
+    chunk_size = check_chunk_size(chunk_size)
     _check_inputs(q, k, v, g, beta, None)
     _check_decay(g)
     B, T, H, K = k.shape
@@ -283,14 +292,13 @@ def kda_state_grad(
         raise ValueError(f"d_final.shape = {tuple(d_final.shape)}: expected [B, H, K, V] = [{B}, {H}, {K}, {V}]")
     scale = K ** -0.5 if scale is None else scale
     dtype = _compute_dtype(q, k, v, g, beta)
-    _sub_tile(chunk_size)
     dS = k.new_zeros(B, H, K, V, dtype=dtype) if d_final is None else d_final.detach().to(dtype)
     if T == 0:
         return dS.clone()
     C = _chunk_len(T, chunk_size)
     with torch.no_grad():
         chunks = [_to_chunks(t.detach(), C, dtype) for t in (q, k, g, beta, d_o)]  # [N, B, H, C, *]
-        return chunk_state_grad(*chunks, dS, scale)
+        return chunk_state_grad(*chunks, dS, scale=scale)
 
 
 def kda_transition(
@@ -298,6 +306,7 @@ def kda_transition(
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
+    *,
     chunk_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Affine state map of a contiguous segment: ``S_end = M S_start + S_ext`` (K3_SYSTEMS §2.4, used by KCP §7).
@@ -311,6 +320,7 @@ def kda_transition(
         the left) and ``S_ext [B, H, K, V]`` (the segment's final state from a zero start), both fp32 (fp64 for
         fp64 inputs). Differentiable.
     """
+    chunk_size = check_chunk_size(chunk_size)
     _check_inputs(None, k, v, g, beta, None)
     _check_decay(g)
     B, T, H, K = k.shape
@@ -329,5 +339,5 @@ def kda_transition(
     return M, S
 
 
-__all__ = ["ChunkTerms", "chunk_terms", "chunk_transitions", "kda_chunk", "kda_recurrent", "kda_state_grad",
-           "kda_transition", "LOG_FLOOR", "MIN_LOG_DECAY", "SUB_TILE"]
+__all__ = ["ChunkTerms", "check_chunk_size", "chunk_terms", "chunk_transitions", "kda_chunk", "kda_recurrent",
+           "kda_state_grad", "kda_transition", "LOG_FLOOR", "MIN_LOG_DECAY", "SUB_TILE"]

@@ -66,6 +66,8 @@ class ChunkKDA(torch.autograd.Function):
     ``beta [N, B, H, C]`` (chunked, compute dtype; padding tokens have g = k = beta = 0), ``S0 [n, B, H, K, V]``
     the entering state of each of n sequences, ``starts`` (tuple of n ints, ``starts[0] = 0``) the first chunk of
     each sequence. Returns ``O [N, B, H, C, V]`` and the state after each sequence ``[n, B, H, K, V]``.
+    Callers pass ``starts`` and ``scale`` by keyword (``apply`` cannot declare them keyword-only: torch binds
+    only positional parameters of ``forward``).
     """
 
     @staticmethod
@@ -144,7 +146,7 @@ def _reverse_state_pass(P: torch.Tensor, M: torch.Tensor, carry: torch.Tensor, f
 
 
 def chunk_state_grad(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, dO: torch.Tensor,
-                     d_final: torch.Tensor, scale: float) -> torch.Tensor:
+                     d_final: torch.Tensor, *, scale: float) -> torch.Tensor:
     """Gradient of the entering state of one sequence, only (the state path of :class:`ChunkKDA`'s backward).
 
     ``q, k, g [N, B, H, C, K]``, ``beta [N, B, H, C]``, ``dO [N, B, H, C, V]`` chunked as for :class:`ChunkKDA`

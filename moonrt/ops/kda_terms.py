@@ -16,6 +16,7 @@ relative against an fp64 reference).
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import torch
 
@@ -61,14 +62,30 @@ def _to_chunks(x: torch.Tensor, C: int, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
+def check_chunk_size(chunk_size: object) -> int:
+    """``chunk_size`` as an int if it is a valid chunk length, else a one-line error naming it.
+
+    TypeError for anything but an integer (a bool too: ``True`` would silently mean 1-token chunks, e.g. a flag
+    passed where fla's ``chunk_kda`` takes ``use_qk_l2norm_in_kernel``); ValueError below 1 or, above
+    :data:`SUB_TILE`, for a length that is not a whole number of sub-tiles (the in-chunk decay factorization
+    splits a chunk into sub-tiles of :data:`SUB_TILE` tokens; a chunk of at most that many is one sub-tile)."""
+    if isinstance(chunk_size, bool):
+        raise TypeError(f"chunk_size = {chunk_size!r}: expected an integer, not a bool")
+    try:
+        c = operator.index(chunk_size)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"chunk_size = {chunk_size!r}: expected an integer") from None
+    if c < 1:
+        raise ValueError(f"chunk_size = {c}: expected an integer >= 1")
+    if c > SUB_TILE and c % SUB_TILE:
+        raise ValueError(f"chunk_size = {c}: expected <= {SUB_TILE} or a multiple of {SUB_TILE}")
+    return c
+
+
 def _sub_tile(chunk_size: int) -> int:
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size = {chunk_size}: expected an integer >= 1")
-    if chunk_size <= SUB_TILE:
-        return chunk_size
-    if chunk_size % SUB_TILE:
-        raise ValueError(f"chunk_size = {chunk_size}: expected <= {SUB_TILE} or a multiple of {SUB_TILE}")
-    return SUB_TILE
+    """Sub-tile length of a chunk of ``chunk_size`` tokens (validated by :func:`check_chunk_size`)."""
+    c = check_chunk_size(chunk_size)
+    return c if c <= SUB_TILE else SUB_TILE
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -140,6 +157,7 @@ def chunk_terms_with_factors(
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
+    *,
     q: torch.Tensor | None = None,
     scale: float = 1.0,
 ) -> tuple[ChunkTerms, TileFactors]:
@@ -288,6 +306,7 @@ def chunk_terms(
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
+    *,
     q: torch.Tensor | None = None,
     scale: float = 1.0,
 ) -> ChunkTerms:
@@ -298,7 +317,8 @@ def chunk_terms(
         v: ``[N, B, H, C, V]`` values.
         g: ``[N, B, H, C, K]`` per-token log-decay (>= :data:`MIN_LOG_DECAY`).
         beta: ``[N, B, H, C]`` write strength.
-        q: ``[N, B, H, C, K]`` queries, or None when only the state transition is needed.
+        q: ``[N, B, H, C, K]`` queries, or None when only the state transition is needed (keyword-only, as
+            ``scale``).
         scale: query scale.
 
     In-chunk decays ``exp(G_r - G_c)`` (c <= r) enter the matmuls factored through sub-tiles of :data:`SUB_TILE`

@@ -388,7 +388,7 @@ def test_state_grad_equals_autograd_initial_state_grad_float64(with_final: bool,
     o, S = kda_recurrent(*(x[n] for n in ("q", "k", "v", "g", "beta")), initial_state=s0, output_final_state=True)
     loss = (o * d_o).sum() + ((S * d_final).sum() if d_final is not None else 0.0)
     (ref,) = torch.autograd.grad(loss, [s0])
-    got = kda_state_grad(*(x[n] for n in ("q", "k", "v", "g", "beta")), d_o, d_final)
+    got = kda_state_grad(*(x[n] for n in ("q", "k", "v", "g", "beta")), d_o, d_final=d_final)
     assert got.dtype == torch.float64 and got.shape == ref.shape
     assert rel_l2(got, ref) < 1e-10
 
@@ -399,4 +399,4 @@ def test_state_grad_bad_input_is_rejected() -> None:
     with pytest.raises(ValueError, match=r"d_o.shape = \(1, 10, 2, 5\): expected v's shape"):
         kda_state_grad(*args, torch.zeros(1, 10, 2, 5))
     with pytest.raises(ValueError, match=r"d_final.shape = \(1, 2, 8, 5\): expected \[B, H, K, V\]"):
-        kda_state_grad(*args, torch.zeros(1, 10, 2, 6), torch.zeros(1, 2, 8, 5))
+        kda_state_grad(*args, torch.zeros(1, 10, 2, 6), d_final=torch.zeros(1, 2, 8, 5))
