@@ -4,8 +4,8 @@ Two layers:
 
 - A **store** keeps a flat byte tensor somewhere and gives it back: :class:`KeepStore` (the compute
   device), :class:`HostStore` (host memory; pinned and copied on a side CUDA stream when CUDA is
-  present, a plain copy otherwise), :class:`DiskStore` (one unnamed memory-mapped file per process in
-  the policy's ``disk_path`` directory, the NVMe tier) and :class:`RemoteStore` (another rank's
+  present, a plain copy otherwise), :class:`DiskStore` (one unnamed file per process in the policy's
+  ``disk_path`` directory, its capacity reserved up front, the NVMe tier) and :class:`RemoteStore` (another rank's
   memory through :mod:`moonrt.memory.remote`).
 - A **codec** turns a tensor into the byte tensors handed to the store: :class:`RawCodec` (bytes
   as they are) or :class:`FP8Codec` (block-wise E4M3 payload + fp32 scales, :mod:`.fp8`).
@@ -18,7 +18,7 @@ checkpointing. Every record knows its bytes per tier so the accounting can repor
 from __future__ import annotations
 
 import dataclasses
-import mmap
+import errno
 import os
 import tempfile
 import threading
@@ -207,8 +207,41 @@ _USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
 """Reference count of a StorageImpl (used to recycle host buffers only when nothing aliases them)."""
 
 
+_NO_SPACE = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
+
+
+def _free_bytes(directory: Path) -> int | str:
+    """Bytes an unprivileged writer may still use on ``directory``'s filesystem (``"unknown"`` if not stated)."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return "unknown"
+    return st.f_bavail * st.f_frsize
+
+
+def _reserve(fd: int, size: int) -> None:
+    """Allocate every block of ``[0, size)`` of ``fd`` now (OSError with ``ENOSPC`` when they do not fit)."""
+    fallocate = getattr(os, "posix_fallocate", None)
+    if fallocate is not None:
+        fallocate(fd, 0, size)
+        return
+    zeros = bytes(1 << 20)  # no posix_fallocate (macOS): write the zeros
+    for off in range(0, size, len(zeros)):
+        _pwrite_all(fd, memoryview(zeros)[: min(len(zeros), size - off)], off)
+
+
+_PREADV = getattr(os, "preadv", None)
+"""Reads straight into the result tensor (``os.pread``, one more copy, where the platform lacks it)."""
+
+
+def _pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
+    while len(buf):
+        done = os.pwrite(fd, buf, offset)
+        buf, offset = buf[done:], offset + done
+
+
 class DiskStore:
-    """One memory-mapped file per store (the NVMe tier), sized once (a sparse file of ``capacity`` bytes).
+    """One file per store (the NVMe tier) of ``capacity`` bytes, all of them reserved when it is created.
 
     ``directory`` is a directory (created if missing; never a file): every store, i.e. every rank
     and process, creates its **own new** file in it with :func:`tempfile.TemporaryFile`
@@ -217,6 +250,13 @@ class DiskStore:
     share a file, and the file has no name while it is used: the kernel frees it when the last
     descriptor closes -- on :meth:`close`, on normal exit and on any death of the process
     (SIGTERM, SIGINT, SIGKILL, OOM kill) -- so no signal handler is needed and nothing is left behind.
+
+    Space: the whole capacity is allocated on creation (``posix_fallocate``), so a filesystem that cannot hold
+    it is refused at once with :class:`~moonrt.config.ConfigError` ``"disk tier: no space left on DIR: need X
+    bytes, free Y bytes"`` (the file closed, i.e. gone) instead of failing later. Bytes move with ``pwrite`` /
+    ``preadv``, not through a memory map: a page of a map that the filesystem cannot back when written (a sparse
+    file on a full disk) kills the process with SIGBUS and no message, while a write that finds no space (a
+    copy-on-write filesystem can run out even inside reserved blocks) raises the same ConfigError.
 
     First-fit allocation over 64-byte aligned extents; freed extents are merged. ``get`` returns a
     copy, so the extent can be reused right after ``free``.
@@ -244,13 +284,22 @@ class DiskStore:
                               f"({exc.strerror or exc}); expected a writable directory") from None
         self.capacity = int(capacity)
         self._fd = self._file.fileno()
-        os.ftruncate(self._fd, self.capacity)
-        self._mm = mmap.mmap(self._fd, self.capacity)
-        self._view = torch.frombuffer(self._mm, dtype=torch.uint8)
+        try:
+            _reserve(self._fd, self.capacity)
+        except OSError as exc:
+            self._file.close()  # unnamed: the kernel frees whatever was allocated
+            if exc.errno in _NO_SPACE:
+                raise self._no_space(self.capacity) from None
+            raise ConfigError(f"{field} = {str(directory)!r}: cannot reserve {self.capacity} bytes for the disk "
+                              f"tier there ({exc.strerror or exc})") from None
         self._free: list[tuple[int, int]] = [(0, self.capacity)]  # sorted (offset, size)
         self._lock = threading.Lock()
         self.used = 0
         self.closed = False
+
+    def _no_space(self, need: int) -> ConfigError:
+        return ConfigError(f"disk tier: no space left on {self.directory}: need {need} bytes, free "
+                           f"{_free_bytes(self.directory)} bytes (memory policy disk_path / disk_capacity_mib)")
 
     def _alloc(self, n: int) -> int:
         size = max(self.ALIGN, -(-n // self.ALIGN) * self.ALIGN)
@@ -268,12 +317,31 @@ class DiskStore:
         n = data.numel()
         with self._lock:
             off = self._alloc(n)
-        self._view[off:off + n].copy_(data.cpu())
+        try:
+            _pwrite_all(self._fd, memoryview(data.cpu().contiguous().numpy()).cast("B"), off)
+        except OSError as exc:
+            self.free((off, n))
+            if exc.errno in _NO_SPACE:
+                raise self._no_space(n) from None
+            raise
         return off, n
 
     def get(self, record: Any, device: torch.device) -> torch.Tensor:
         off, n = record
-        return self._view[off:off + n].to(device, copy=True)
+        out = torch.empty(n, dtype=torch.uint8)
+        buf = memoryview(out.numpy())
+        done = 0
+        while done < n:
+            if _PREADV is not None:
+                got = _PREADV(self._fd, [buf[done:]], off + done)
+            else:
+                chunk = os.pread(self._fd, n - done, off + done)
+                got = len(chunk)
+                buf[done:done + got] = chunk
+            if got == 0:
+                raise OSError(errno.EIO, f"disk tier: short read from the offload file in {self.directory}")
+            done += got
+        return out.to(device)
 
     def free(self, record: Any) -> None:
         off, n = record
@@ -291,12 +359,10 @@ class DiskStore:
             self._free = merged
 
     def close(self) -> None:
-        """Unmap and close the file (the kernel frees its blocks; it never had a lasting name)."""
+        """Close the file (the kernel frees its blocks; it never had a lasting name)."""
         if self.closed:
             return
         self.closed = True
-        del self._view
-        self._mm.close()
         self._file.close()
 
 

@@ -65,6 +65,9 @@ class MemoryPolicy:
     creates its own new unnamed file there (``O_TMPFILE`` / ``O_EXCL``), freed when it closes or exits
     in any way; an existing file given here is refused, never overwritten."""
     disk_capacity_mib: int = 4096
+    """Size of each process's disk-tier file, allocated when the manager starts (``posix_fallocate``): a filesystem
+    without that much free space is refused at once (``disk tier: no space left on DIR: need X bytes, free Y
+    bytes``), never a crash later."""
     remote_timeout_s: float = 60.0
 
     def validate(self) -> None:
