@@ -146,9 +146,10 @@ class SbatchJob:
         seconds = None
         if self.time is not None:
             try:
-                seconds = slurm_seconds(self.time)
+                seconds, valid = slurm_seconds(self.time), True
             except ValueError:
-                check(False, name("time"), self.time, TIME_FORMATS)
+                valid = False
+            check(valid, name("time"), self.time, TIME_FORMATS)
         check(isinstance(self.log, str) and bool(_SAFE.fullmatch(self.log)), name("log"), self.log,
               "a file path of letters, digits and '_ @ % + = : , . / -' (no spaces, quotes or control characters)")
         if self.rdzv_host is not None:
