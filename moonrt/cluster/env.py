@@ -69,7 +69,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Literal
@@ -413,7 +413,7 @@ PR_SET_PDEATHSIG = 1
 PR_GET_PDEATHSIG = 2
 
 
-def libc_prctl():
+def libc_prctl() -> Callable[..., int] | None:
     """Linux's ``prctl(2)`` through ctypes, or ``None`` where it does not exist (macOS, BSD, no libc found)."""
     if not os.uname().sysname == "Linux":
         return None
@@ -457,7 +457,7 @@ def watch_launcher(environ: Mapping[str, str] = os.environ, *, poll_s: float = 1
     parent = os.getppid()
 
     def alive() -> bool:
-        if os.getppid() != parent or parent == 1:
+        if os.getppid() != parent or (parent == 1 and launcher != 1):  # reparented to init: orphaned
             return False
         try:
             os.kill(launcher, 0)

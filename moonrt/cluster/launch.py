@@ -54,6 +54,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
@@ -145,7 +146,7 @@ def check_launch_values(nprocs: object, timeout_s: object, max_time_s: object, s
                              f"(finite, at most {MAX_TIMEOUT_S:g})")
 
 
-def _die_with_launcher(prctl, launcher: int):
+def _die_with_launcher(prctl: Callable[..., int], launcher: int) -> Callable[[], None]:
     """``preexec_fn`` of every rank (runs in the child between fork and exec): the kernel sends the rank SIGKILL
     when the thread that forked it ends. That thread is the one running :func:`launch`, which returns only after
     every rank has ended (the CLI's main thread), so the signal means the launcher died. If it died before the
