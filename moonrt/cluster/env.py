@@ -9,8 +9,9 @@ launcher whose variables are present wins):
 2. **SLURM**, inside an ``srun`` step: ``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS``,
    ``SLURM_LOCALID``, ``SLURM_JOB_ID`` (``SLURM_STEP_ID`` optional, default 0), master = first
    host of ``SLURM_STEP_NODELIST`` (else ``SLURM_JOB_NODELIST``), port derived from the job and
-   step ids (:func:`slurm_port`). ``SLURM_NTASKS`` is deliberately *not* used: inside a batch
-   script (outside ``srun``) it is the job size while only one process runs (checked on slurm-wlm 22.05).
+   step ids (:func:`slurm_port`, unless ``MASTER_PORT`` is set). ``SLURM_NTASKS`` is deliberately
+   *not* used: inside a batch script (outside ``srun``) it is the job size while only one process
+   runs (checked on slurm-wlm 22.05).
    When MPI variables are present too and give a different world size (``mpiexec`` inside an
    allocation starts one proxy per node through ``srun``), the MPI path is taken instead.
 3. **MPI**: ``OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK`` (Open MPI) or ``PMI_RANK``, ``PMI_SIZE``,
@@ -24,6 +25,19 @@ A partially set environment (``RANK`` without ``WORLD_SIZE``, ``SLURM_PROCID`` o
 the rendezvous itself are bounded by ``DistConfig.timeout_s`` (default: env
 ``MOONRT_DIST_TIMEOUT``, which ``moonrt launch --timeout`` and ``moonrt sbatch`` set), so a dead
 rank never hangs a job.
+
+**Job identity.** A port can still be shared by two jobs (two SLURM jobs whose derived ports collide,
+a ``MASTER_PORT`` set twice): the store then holds ranks of both, which would form mixed process groups
+that run to the end. Rank 0 therefore publishes its job's identity (:func:`job_identity`: ``moonrt launch``'s
+per-job random ``MOONRT_JOB_ID``, else the SLURM job and step ids, else torchrun's run id) in its store, and
+every other rank compares it with its own before joining the group: a rank that reached another job's store
+fails with a ``ValueError`` naming both jobs instead of joining. (The MPI path's store port is chosen by the OS
+and sent through MPI: private to the job, not checked.)
+
+**Ranks die with their launcher.** ``moonrt launch`` makes the kernel kill each rank when the launcher dies
+(Linux ``PR_SET_PDEATHSIG``); it also passes its pid in ``MOONRT_LAUNCHER_PID``, and where no parent-death
+signal is set (no ``prctl``: macOS, BSD) :func:`init_distributed` starts :func:`watch_launcher`, a thread that
+kills the rank (and its process group) once the launcher is gone.
 
 **What the rendezvous listens on.** torch's ``TCPStore`` (unauthenticated: anyone who reaches it
 can read and write the job's keys) binds every interface when it creates its own socket, so rank
@@ -44,12 +58,18 @@ the host name resolves to, which may be a LAN address.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import dataclasses
 import ipaddress
+import math
 import os
 import re
+import signal
 import socket
-from collections.abc import Mapping
+import threading
+import time
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Literal
@@ -65,8 +85,23 @@ RDZV_HOST_ENV = "MOONRT_RDZV_HOST"
 GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
 """gloo's choice of network interface; set to loopback for single-host jobs unless already set."""
 
-SLURM_PORT_BASE = 10000
-"""Ports derived for SLURM steps lie in [10000, 30000): below Linux's ephemeral range."""
+SLURM_PORT_BASE = 1024
+"""Ports derived for SLURM steps lie in [SLURM_PORT_BASE, SLURM_PORT_END): every unprivileged port below Linux's
+ephemeral range (32768-60999 by default), where outgoing connections (gloo's among them) take their ports."""
+SLURM_PORT_END = 32768
+SLURM_STEP_SLOTS = 4
+"""Ports set aside per SLURM job: concurrent steps of one job get distinct ports while their ids differ mod 4."""
+
+JOB_ID_ENV = "MOONRT_JOB_ID"
+"""Per-job random nonce that ``moonrt launch`` gives its ranks: their job identity (:func:`job_identity`)."""
+LAUNCHER_PID_ENV = "MOONRT_LAUNCHER_PID"
+"""Pid of the ``moonrt launch`` process that started this rank (:func:`watch_launcher`)."""
+IDENTITY_KEY = "moonrt/job_identity"
+"""Key under which rank 0 publishes its job identity in its rendezvous store."""
+
+MAX_TIMEOUT_S = 1e8
+"""Largest timeout accepted (about 3 years): finite, and far inside what ``timedelta``, ``threading`` and torch's
+millisecond/nanosecond clocks represent (``inf`` or ``1e300`` overflow there)."""
 
 Source = Literal["torchrun", "slurm", "mpi", "single"]
 
@@ -149,8 +184,47 @@ def _expand_host(item: str, spec: str) -> list[str]:
 
 
 def slurm_port(job_id: int, step_id: int) -> int:
-    """Rendezvous port of a SLURM step: unique for 16 concurrent steps of 1250 consecutive jobs."""
-    return SLURM_PORT_BASE + (job_id % 1250) * 16 + step_id % 16
+    """Rendezvous port of a SLURM step, in [:data:`SLURM_PORT_BASE`, :data:`SLURM_PORT_END`).
+
+    Distinct for any two steps of jobs whose ids differ by less than 7936 (31744 ports / 4 slots per job), and
+    for up to 4 concurrent steps of one job. What can still collide on one node: jobs whose ids differ by a
+    multiple of 7936 running there at the same time with step ids equal mod 4, and any other program that
+    listens on the port. Such a collision never forms a mixed group: rank 0's store carries the job identity,
+    which every rank checks before joining (module doc); the job fails with a line naming both jobs (or, when
+    rank 0 cannot bind the port, naming the address in use).
+    """
+    span = SLURM_PORT_END - SLURM_PORT_BASE
+    return SLURM_PORT_BASE + (job_id * SLURM_STEP_SLOTS + step_id % SLURM_STEP_SLOTS) % span
+
+
+def job_identity(environ: Mapping[str, str] = os.environ) -> str | None:
+    """Which job this process belongs to, as its launcher says (``None``: no launcher says).
+
+    ``moonrt launch``'s ``MOONRT_JOB_ID`` (a random nonce per launch) first, then SLURM's job and step ids, then
+    torchrun's ``TORCHELASTIC_RUN_ID``.
+    """
+    if environ.get(JOB_ID_ENV):
+        return f"moonrt launch job {environ[JOB_ID_ENV]}"
+    if environ.get("SLURM_JOB_ID"):
+        return f"SLURM job {environ['SLURM_JOB_ID']} step {environ.get('SLURM_STEP_ID') or 0}"
+    if environ.get("TORCHELASTIC_RUN_ID"):
+        return f"torchrun run {environ['TORCHELASTIC_RUN_ID']}"
+    return None
+
+
+def check_job_identity(store, rdzv: Rendezvous, environ: Mapping[str, str] = os.environ) -> None:
+    """Rank 0 publishes this job's identity in its ``store``; any other rank compares it with its own and raises
+    ``ValueError`` naming both jobs when they differ (it reached another job's store: it must not join)."""
+    mine = job_identity(environ) or "a job without an identity (no MOONRT_JOB_ID, SLURM_JOB_ID or torchrun run id)"
+    if rdzv.rank == 0:
+        store.set(IDENTITY_KEY, mine)
+        return
+    theirs = store.get(IDENTITY_KEY).decode(errors="replace")
+    if theirs != mine:
+        raise ValueError(
+            f"the rendezvous store at {rdzv.master_addr}:{rdzv.master_port} belongs to {theirs}, but this process "
+            f"(rank {rdzv.rank}) belongs to {mine}: two jobs met on one port; not joining the other job's group"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,12 +348,13 @@ def default_dist_config(environ: Mapping[str, str] = os.environ) -> DistConfig:
     raw = environ.get(TIMEOUT_ENV)
     if not raw:
         return DistConfig()
+    expected = f"expected a positive number of seconds (finite, at most {MAX_TIMEOUT_S:g})"
     try:
         timeout = float(raw)
     except ValueError:
-        raise ConfigError(f"{TIMEOUT_ENV} = {raw!r}: expected a positive number of seconds") from None
-    if not timeout > 0:
-        raise ConfigError(f"{TIMEOUT_ENV} = {raw!r}: expected a positive number of seconds")
+        raise ConfigError(f"{TIMEOUT_ENV} = {raw!r}: {expected}") from None
+    if not (math.isfinite(timeout) and 0 < timeout <= MAX_TIMEOUT_S):
+        raise ConfigError(f"{TIMEOUT_ENV} = {raw!r}: {expected}")
     return DistConfig(timeout_s=timeout)
 
 
@@ -296,6 +371,7 @@ def init_distributed(cfg: DistConfig | None = None) -> Rendezvous:
 
     cfg = cfg or default_dist_config()
     rdzv = detect_rendezvous()
+    watch_launcher()
     if dist.is_initialized():
         if dist.get_world_size() != rdzv.world_size or dist.get_rank() != rdzv.rank:
             raise RuntimeError(
@@ -322,10 +398,91 @@ def init_distributed(cfg: DistConfig | None = None) -> Rendezvous:
         else:
             store = dist.TCPStore(rdzv.master_addr, rdzv.master_port, rdzv.world_size, is_master=False,
                                   timeout=timeout)
+        # a port known in advance may be another job's too (the MPI path's port is private to the job)
+        check_job_identity(store, rdzv)
     if backend == "gloo" and rdzv.master_addr is not None and _is_loopback(rdzv.master_addr):
         os.environ.setdefault(GLOO_IFNAME_ENV, loopback_interface())
     dist.init_process_group(backend, store=store, rank=rdzv.rank, world_size=rdzv.world_size, timeout=timeout)
     return rdzv
+
+
+# ---------------------------------------------------------------------------------------------
+# Ranks die with their launcher
+
+PR_SET_PDEATHSIG = 1
+PR_GET_PDEATHSIG = 2
+
+
+def libc_prctl() -> Callable[..., int] | None:
+    """Linux's ``prctl(2)`` through ctypes, or ``None`` where it does not exist (macOS, BSD, no libc found)."""
+    if not os.uname().sysname == "Linux":
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    return prctl
+
+
+def parent_death_signal() -> int:
+    """The signal this process gets when its parent dies (``PR_GET_PDEATHSIG``); 0 when none, or no prctl."""
+    prctl = libc_prctl()
+    if prctl is None:
+        return 0
+    sig = ctypes.c_int(0)
+    if prctl(PR_GET_PDEATHSIG, ctypes.addressof(sig), 0, 0, 0) != 0:
+        return 0
+    return sig.value
+
+
+def watch_launcher(environ: Mapping[str, str] = os.environ, *, poll_s: float = 1.0) -> threading.Thread | None:
+    """Portable fallback for ``PR_SET_PDEATHSIG``: when ``MOONRT_LAUNCHER_PID`` is set and no parent-death signal
+    is, start a daemon thread that SIGKILLs this process (its whole process group when it leads one, as a
+    ``moonrt launch`` rank does) once the launcher is gone: its parent changed (reparented) or the launcher's pid
+    no longer exists. Checked every ``poll_s`` seconds and once at once. Returns the thread, or ``None``.
+
+    SIGKILL, as for the parent-death signal (``moonrt.cluster.launch``): with the launcher gone nothing would
+    bound a graceful stop; checkpoints are written atomically, so the last committed one stays valid.
+    """
+    raw = environ.get(LAUNCHER_PID_ENV)
+    if not raw or parent_death_signal():
+        return None
+    try:
+        launcher = int(raw)
+    except ValueError:
+        raise ValueError(f"{LAUNCHER_PID_ENV} = {raw!r}: expected a process id") from None
+    parent = os.getppid()
+
+    def alive() -> bool:
+        if os.getppid() != parent or (parent == 1 and launcher != 1):  # reparented to init: orphaned
+            return False
+        try:
+            os.kill(launcher, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass  # exists, owned by another user
+        return True
+
+    def die() -> None:
+        if os.getpgrp() == os.getpid():
+            os.killpg(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if not alive():
+        die()
+
+    def watch() -> None:
+        while alive():
+            time.sleep(poll_s)
+        die()
+
+    thread = threading.Thread(target=watch, name="moonrt-launcher-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 # ---------------------------------------------------------------------------------------------

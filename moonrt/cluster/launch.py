@@ -5,7 +5,19 @@ Like ``torchrun --standalone``: each rank is a fresh process with ``RANK``, ``WO
 reports free), ``GLOO_SOCKET_IFNAME`` = the loopback interface (unless set), plus
 ``MOONRT_DIST_TIMEOUT`` = ``--timeout``, which
 :func:`moonrt.cluster.env.init_distributed` uses as the timeout of the rendezvous and every
-collective. Everything the job listens on is on loopback: rank 0's rendezvous store binds
+collective, ``MOONRT_JOB_ID`` (a random nonce per launch: the job identity every rank checks at the
+rendezvous, so a rank never joins another job that got the same port) and ``MOONRT_LAUNCHER_PID``.
+Numeric flags are range-checked before anything starts (one line naming the flag, exit 2).
+
+Ranks die with the launcher, even when it is killed with SIGKILL: on Linux each rank gets
+``PR_SET_PDEATHSIG`` = SIGKILL (set between fork and exec, then ``getppid()`` re-checked in case the
+launcher died in between); elsewhere a rank that joins through ``init_distributed`` runs
+:func:`moonrt.cluster.env.watch_launcher`. SIGKILL, not SIGTERM: with the launcher gone, nothing would
+bound a graceful stop (a rank ignoring SIGTERM, or waiting on a peer, would live on) or see its result;
+checkpoints are written atomically, so the last committed one stays valid for a resume. (Children a
+rank starts itself are not covered on Linux unless they watch their own parent.)
+
+Everything the job listens on is on loopback: rank 0's rendezvous store binds
 127.0.0.1 only (see :mod:`moonrt.cluster.env`), gloo's sockets the loopback interface. Each line a
 rank prints is echoed with a ``[rank r]`` prefix (stdout to stdout, stderr to stderr).
 
@@ -36,15 +48,27 @@ import math
 import os
 import queue
 import re
+import secrets
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-from moonrt.cluster.env import GLOO_IFNAME_ENV, TIMEOUT_ENV, free_port, loopback_interface
+from moonrt.cluster.env import (
+    GLOO_IFNAME_ENV,
+    JOB_ID_ENV,
+    LAUNCHER_PID_ENV,
+    MAX_TIMEOUT_S,
+    PR_SET_PDEATHSIG,
+    TIMEOUT_ENV,
+    free_port,
+    libc_prctl,
+    loopback_interface,
+)
 from moonrt.cluster.local import describe_exit
 from moonrt.cluster.preempt import PREEMPTED_EXIT
 
@@ -63,6 +87,8 @@ FORWARD = {signal.SIGTERM: signal.SIGTERM, signal.SIGINT: signal.SIGINT, signal.
 """Signal received by the launcher -> signal sent to each rank's process group."""
 STOPS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 """Received signals that start the ``--stop-grace`` wait (the others are only forwarded)."""
+MAX_NPROCS = 1024
+"""Most local ranks one launch starts."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -89,12 +115,52 @@ def run(args: argparse.Namespace) -> int:
     if not command:
         print("moonrt launch: nothing to run: give --selftest or -- command ...", file=sys.stderr)
         return 2
+    try:
+        check_launch_values(args.nprocs, args.timeout, args.max_time, args.stop_grace, flags=True)
+    except ValueError as exc:
+        print(f"moonrt launch: {exc}", file=sys.stderr)
+        return 2
     try:  # launch() forwards SIGTERM/SIGINT/SIGHUP (scancel, Ctrl-C, a closed terminal) to the ranks
         return launch(command, args.nprocs, timeout_s=args.timeout, max_time_s=args.max_time,
                       stop_grace_s=args.stop_grace)
     except ValueError as exc:
         print(f"moonrt launch: {exc}", file=sys.stderr)
         return 2
+
+
+def check_launch_values(nprocs: object, timeout_s: object, max_time_s: object, stop_grace_s: object, *,
+                        flags: bool = False) -> None:
+    """Raise ``ValueError`` naming the first bad value (its CLI flag when ``flags``): the number of ranks an integer
+    in [1, :data:`MAX_NPROCS`], each duration finite, > 0 and at most :data:`~moonrt.cluster.env.MAX_TIMEOUT_S`
+    seconds (``inf`` would overflow ``timedelta`` and torch's clocks on every rank)."""
+    if not (isinstance(nprocs, int) and not isinstance(nprocs, bool) and 1 <= nprocs <= MAX_NPROCS):
+        raise ValueError(f"{'--nprocs' if flags else 'nprocs'} = {nprocs!r}: expected an integer >= 1"
+                         f" and <= {MAX_NPROCS}")
+    for value, flag, name in ((timeout_s, "--timeout", "timeout"), (max_time_s, "--max-time", "max_time"),
+                              (stop_grace_s, "--stop-grace", "stop_grace")):
+        if value is None and name == "max_time":
+            continue
+        if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                and 0 < value <= MAX_TIMEOUT_S):
+            raise ValueError(f"{flag if flags else name} = {value!r}: expected a positive number of seconds "
+                             f"(finite, at most {MAX_TIMEOUT_S:g})")
+
+
+def _die_with_launcher(prctl: Callable[..., int], launcher: int) -> Callable[[], None]:
+    """``preexec_fn`` of every rank (runs in the child between fork and exec): the kernel sends the rank SIGKILL
+    when the thread that forked it ends. That thread is the one running :func:`launch`, which returns only after
+    every rank has ended (the CLI's main thread), so the signal means the launcher died. If it died before the
+    prctl took effect, the rank has been reparented already: it kills itself instead of running unsupervised.
+    (SIGKILL rather than SIGTERM: module doc.)"""
+
+    kill = int(signal.SIGKILL)
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, kill, 0, 0, 0)  # should it fail, the portable watchdog (env.py) acts instead
+        if os.getppid() != launcher:
+            os.kill(os.getpid(), kill)
+
+    return preexec
 
 
 class _Received:
@@ -145,17 +211,13 @@ def launch(
 
 def _launch(command: list[str], nprocs: int, timeout_s: float, max_time_s: float | None, stdout: IO[str] | None,
             stderr: IO[str] | None, stop_grace_s: float, received: _Received) -> int:
-    if not isinstance(nprocs, int) or nprocs < 1:
-        raise ValueError(f"nprocs = {nprocs!r}: expected an integer >= 1")
-    if not timeout_s > 0:
-        raise ValueError(f"timeout = {timeout_s!r}: expected a positive number of seconds")
-    if max_time_s is not None and not max_time_s > 0:
-        raise ValueError(f"max_time = {max_time_s!r}: expected a positive number of seconds")
-    if not stop_grace_s > 0:
-        raise ValueError(f"stop_grace = {stop_grace_s!r}: expected a positive number of seconds")
+    check_launch_values(nprocs, timeout_s, max_time_s, stop_grace_s)
     out = stdout or sys.stdout
     err = stderr or sys.stderr
     port = free_port()
+    job_id = secrets.token_hex(16)
+    prctl = libc_prctl()
+    preexec = None if prctl is None else _die_with_launcher(prctl, os.getpid())
     gloo_ifname = os.environ.get(GLOO_IFNAME_ENV) or loopback_interface()
     lock = threading.Lock()
     tails = [collections.deque(maxlen=STDERR_TAIL) for _ in range(nprocs)]
@@ -169,11 +231,13 @@ def _launch(command: list[str], nprocs: int, timeout_s: float, max_time_s: float
                 **os.environ,
                 "RANK": str(r), "WORLD_SIZE": str(nprocs), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(nprocs),
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), TIMEOUT_ENV: repr(float(timeout_s)),
-                "PYTHONUNBUFFERED": "1", GLOO_IFNAME_ENV: gloo_ifname,
+                "PYTHONUNBUFFERED": "1", GLOO_IFNAME_ENV: gloo_ifname, JOB_ID_ENV: job_id,
+                LAUNCHER_PID_ENV: str(os.getpid()),
             }
             try:
                 p = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     stdin=subprocess.DEVNULL, text=True, errors="replace", start_new_session=True)
+                                     stdin=subprocess.DEVNULL, text=True, errors="replace", start_new_session=True,
+                                     preexec_fn=preexec)
             except OSError as exc:
                 raise ValueError(f"cannot start {command[0]!r}: {exc.strerror}") from None
             procs.append(p)

@@ -15,7 +15,10 @@ Every value is validated before it is written: the ``#SBATCH`` values (job name,
 limit, log path) must consist of characters that need no shell quoting (letters, digits and
 ``_ @ % + = : , . / -``; no whitespace, quotes or newlines, so no value can start a new script
 line), numbers must be finite, and everything bash executes (``cd`` target, command) is
-shell-quoted. A bad value is one line naming the flag (CLI: exit 2).
+shell-quoted. The time limit must be a SLURM time whose fields are in range (:func:`slurm_seconds`:
+``99:99:99`` is refused), and with ``--requeue`` the signal lead must be shorter than it. A bad value
+is one line naming the flag (CLI: exit 2). The script file is created exclusively: an existing file
+(or symlink) there is refused unless ``--force``, which writes a new file and renames it over the old.
 
 ``--requeue [--signal-lead SECONDS]`` (preemption, :mod:`moonrt.cluster.preempt`): the script asks SLURM for
 ``--signal=B:USR1@SECONDS`` (SIGUSR1 to the batch shell that long before the time limit; ``scancel
@@ -42,6 +45,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import yaml
@@ -59,7 +63,37 @@ FLAGS = {"command": "command", "nodes": "--nodes", "ntasks_per_node": "--ntasks-
 _SAFE = re.compile(r"[\w@%+=:,./-]+", re.ASCII)
 """Exactly the characters :func:`shlex.quote` leaves bare: such a value is one shell word as written."""
 _PARTITION = re.compile(r"[\w.-]+(,[\w.-]+)*", re.ASCII)
-_TIME = re.compile(r"\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}|UNLIMITED|INFINITE", re.ASCII)
+_TIME = re.compile(r"(?P<d>\d{1,5})-(?P<h>\d{1,2})(?::(?P<m>\d{1,2})(?::(?P<s>\d{1,2}))?)?"
+                   r"|(?P<a>\d{1,8})(?::(?P<b>\d{1,2})(?::(?P<c>\d{1,2}))?)?", re.ASCII)
+TIME_FORMATS = ("a SLURM time limit: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS (minutes and seconds < 60 after "
+                "the first field, hours < 24 after a day part), 0 or UNLIMITED")
+
+
+def slurm_seconds(value: str) -> int | None:
+    """Seconds of a SLURM time limit (``--time``); ``None`` for no limit (``UNLIMITED``, ``INFINITE``, 0).
+
+    Formats (sbatch(1)): minutes, minutes:seconds, hours:minutes:seconds, days-hours, days-hours:minutes,
+    days-hours:minutes:seconds. The first field is unbounded; minutes and seconds after it must be < 60, hours
+    after a day part < 24 (SLURM itself would silently carry ``99:99:99`` over). ``ValueError`` otherwise.
+    """
+    if value in ("UNLIMITED", "INFINITE"):
+        return None
+    m = _TIME.fullmatch(value) if isinstance(value, str) else None
+    if m is None:
+        raise ValueError(f"time limit {value!r}: not in a SLURM time format")
+    f = {k: int(v) for k, v in m.groupdict().items() if v is not None}
+    if "d" in f:
+        bounded = [f["h"] < 24, f.get("m", 0) < 60, f.get("s", 0) < 60]
+        total = ((f["d"] * 24 + f["h"]) * 60 + f.get("m", 0)) * 60 + f.get("s", 0)
+    elif "c" in f:  # hours:minutes:seconds
+        bounded = [f["b"] < 60, f["c"] < 60]
+        total = (f["a"] * 60 + f["b"]) * 60 + f["c"]
+    else:  # minutes[:seconds]
+        bounded = [f.get("b", 0) < 60]
+        total = f["a"] * 60 + f.get("b", 0)
+    if not all(bounded):
+        raise ValueError(f"time limit {value!r}: a field out of range")
+    return total or None
 
 
 def _is_int(value: object) -> bool:
@@ -109,9 +143,13 @@ class SbatchJob:
         if self.partition is not None:
             check(isinstance(self.partition, str) and bool(_PARTITION.fullmatch(self.partition)), name("partition"),
                   self.partition, "a partition name (or comma-separated names) of letters, digits, '_', '.', '-'")
+        seconds = None
         if self.time is not None:
-            check(isinstance(self.time, str) and bool(_TIME.fullmatch(self.time)), name("time"), self.time,
-                  "a SLURM time limit: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS or UNLIMITED")
+            try:
+                seconds, valid = slurm_seconds(self.time), True
+            except ValueError:
+                valid = False
+            check(valid, name("time"), self.time, TIME_FORMATS)
         check(isinstance(self.log, str) and bool(_SAFE.fullmatch(self.log)), name("log"), self.log,
               "a file path of letters, digits and '_ @ % + = : , . / -' (no spaces, quotes or control characters)")
         if self.rdzv_host is not None:
@@ -124,6 +162,9 @@ class SbatchJob:
         check(isinstance(self.requeue, bool), name("requeue"), self.requeue, "True or False")
         check(_is_int(self.signal_lead_s) and 1 <= self.signal_lead_s <= 65535, name("signal_lead_s"),
               self.signal_lead_s, "an integer number of seconds in [1, 65535] (SLURM's --signal range)")
+        if self.requeue and seconds is not None:  # SLURM would signal before (or as) the job starts
+            check(self.signal_lead_s < seconds, name("signal_lead_s"), self.signal_lead_s,
+                  f"fewer seconds than the time limit {name('time')} = {self.time!r} ({seconds} s)")
 
     @property
     def world_size(self) -> int:
@@ -241,7 +282,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, default=None, help="job config YAML (checked, passed as --config)")
     parser.add_argument("--submit", action="store_true", help="submit with sbatch and print the job id")
     parser.add_argument("--output", type=Path, default=None,
-                        help="where to write the script (default: stdout; with --submit: ./<job-name>.sbatch)")
+                        help="where to write the script (default: stdout; with --submit: ./<job-name>.sbatch); "
+                        "an existing file is refused unless --force")
+    parser.add_argument("--force", action="store_true", help="replace an existing script file")
     parser.add_argument("--job-name", default="moonrt")
     parser.add_argument("--partition", default=None)
     parser.add_argument("--time", default=None, help="time limit, e.g. 01:00:00")
@@ -287,12 +330,47 @@ def run(args: argparse.Namespace) -> int:
     if path is None:
         sys.stdout.write(text)
         return 0
-    path.write_text(text)
-    path.chmod(0o755)
+    what = "--output" if args.output is not None else "script"
+    try:
+        write_script(path, text, force=args.force)
+    except FileExistsError:
+        print(f"moonrt sbatch: {what} = {str(path)!r}: already exists (give --force to replace it)", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"moonrt sbatch: {what} = {str(path)!r}: cannot write ({exc.strerror})", file=sys.stderr)
+        return 2
     print(f"moonrt sbatch: wrote {path} ({job.nodes} node(s) x {job.ntasks_per_node} task(s))", file=sys.stderr)
     if not args.submit:
         return 0
     return submit(path)
+
+
+def write_script(path: Path, text: str, *, force: bool) -> None:
+    """Write the executable script ``path``: created exclusively (``FileExistsError`` if anything, a symlink
+    included, is there), or with ``force`` written to a fresh temp file beside it and renamed over it (a symlink
+    there is replaced, never written through)."""
+    if not force:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o755)
+        try:
+            os.fchmod(fd, 0o755)
+            with os.fdopen(fd, "w") as f:
+                fd = -1
+                f.write(text)
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+        return
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o755)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def submit(path: Path) -> int:

@@ -20,7 +20,9 @@ prints a table (DeepEP's ``tests/test_intranode.py`` habit):
 
 ``--report PATH``: rank 0 writes JSON with the environment (backend, device, world size, ranks per
 node, torch version), every rank's checks (and the raw collective outputs, so a caller can verify
-them independently), every measurement and the suites skipped with their reason. Exit code 0 only
+them independently), every measurement and the suites skipped with their reason. ``--report`` and
+``--profile-out`` files are created exclusively: an existing path is refused before the job starts (one
+line, exit 2) unless ``--force``, which writes a new file and renames it over the old one. Exit code 0 only
 when every check passed on every rank (1 otherwise; 2 for bad arguments). A failure is printed
 as ``<suite>/<case>/<check> on rank <r>``.
 """
@@ -29,9 +31,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import socket
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import ModuleType
@@ -85,11 +89,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default 4K,64K,1M,4M)")
     parser.add_argument("--iters", type=int, default=5,
                         help="timed iterations per measurement (default 5, after 1 warm-up)")
-    parser.add_argument("--report", type=Path, default=None, help="rank 0 writes a JSON report here")
+    parser.add_argument("--report", type=Path, default=None,
+                        help="rank 0 writes a JSON report here (a new file; an existing one only with --force)")
     parser.add_argument("--profile-out", type=Path, default=None,
                         help="rank 0 also runs a GEMM micro-benchmark and writes a hardware profile YAML for "
                              "`moonrt ep-sim --hardware` (all_to_all rows fitted to latency + bytes / bandwidth; "
-                             "needs the collectives suite)")
+                             "needs the collectives suite; a new file; an existing one only with --force)")
+    parser.add_argument("--force", action="store_true", help="replace an existing --report / --profile-out file")
     from moonrt.cluster import selftest_ep, selftest_kcp, selftest_pp, selftest_remote
 
     for module in (selftest_ep, selftest_kcp, selftest_pp, selftest_remote):
@@ -133,10 +139,54 @@ def environment(rdzv: object, rank: int, world: int) -> dict:
             "torch_threads": torch.get_num_threads()}
 
 
+def check_output_path(path: Path, flag: str, force: bool) -> None:
+    """Raise ``ValueError`` (one line naming ``flag``) unless rank 0 can create ``path``: not a directory, its
+    directory exists, and nothing is there yet unless ``force``."""
+    where = f"{flag} = {str(path)!r}"
+    if path.is_dir():
+        raise ValueError(f"{where}: is a directory: expected a file path")
+    if (path.exists() or path.is_symlink()) and not force:
+        raise ValueError(f"{where}: already exists (give --force to replace it)")
+    if not path.absolute().parent.is_dir():
+        raise ValueError(f"{where}: its directory {str(path.absolute().parent)!r} does not exist")
+
+
+def write_output(path: Path, text: str, force: bool) -> None:
+    """Write ``text`` to ``path``: created exclusively (``FileExistsError`` if anything is there), or with
+    ``force`` through a fresh temp file beside it renamed over it (a symlink there is replaced, not followed)."""
+    if not force:
+        with open(path, "x") as f:
+            f.write(text)
+        return
+    fd, tmp = tempfile.mkstemp(dir=path.absolute().parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def _failure_text(name: str, rank: int, detail: dict) -> str:
     extra = {k: v for k, v in detail.items() if k != "ok"}
     shown = ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in extra.items())
     return f"{name} on rank {rank}" + (f" ({shown})" if shown else "")
+
+
+def _write(path: Path, flag: str, text: str, force: bool) -> bool:
+    """:func:`write_output`, an error reported in one line (False) instead of raised: the run's results stand,
+    and rank 0 must still reach the final barrier."""
+    try:
+        write_output(path, text, force)
+    except FileExistsError:
+        print(f"moonrt selftest: {flag} = {str(path)!r}: already exists (created during the run; give --force to "
+              "replace it)", file=sys.stderr, flush=True)
+        return False
+    except OSError as exc:
+        print(f"moonrt selftest: {flag} = {str(path)!r}: cannot write ({exc.strerror})", file=sys.stderr, flush=True)
+        return False
+    return True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from moonrt.cluster.env import init_distributed, shutdown_distributed
+    from moonrt.cluster.env import detect_rendezvous, init_distributed, shutdown_distributed
     from moonrt.cluster.selftest_ep import corruption, validate
 
     try:  # argument combinations and the test hook, before joining (every rank exits 2 alike)
@@ -158,6 +208,13 @@ def run(args: argparse.Namespace) -> int:
         if args.profile_out is not None and args.suite is not None and "collectives" not in args.suite:
             raise ValueError(f"--profile-out {args.profile_out}: expected the collectives suite in --suite "
                              f"(got {','.join(args.suite)})")
+        try:  # only rank 0 writes: on other nodes the path may not exist, or exist as another file
+            writer = detect_rendezvous().rank == 0
+        except ValueError:
+            writer = True  # init_distributed below names the launcher variables at fault
+        for path, flag in ((args.report, "--report"), (args.profile_out, "--profile-out")):
+            if writer and path is not None:
+                check_output_path(path, flag, args.force)
     except ValueError as exc:
         print(f"moonrt selftest: {exc}", file=sys.stderr)
         return 2
@@ -213,6 +270,7 @@ def run(args: argparse.Namespace) -> int:
                 if bad:
                     print(f"moonrt selftest {name}: FAILED {lines[0]}", file=sys.stderr, flush=True)
         passed = not failures
+        written = True
         if rank == 0:
             print(f"moonrt selftest: {'PASS' if passed else 'FAIL'}: {world} ranks, {n_checks} checks"
                   f"{'' if passed else f' ({len(failures)} failed)'}, {n_rows} measurements in "
@@ -222,17 +280,22 @@ def run(args: argparse.Namespace) -> int:
                 report = {"world_size": world, "backend": dist.get_backend(), "passed": passed, "env": env,
                           "suites": suites, "failures": failures, "ranks": ranks,
                           "bandwidth": coll.get("rows", [])}
-                args.report.write_text(json.dumps(report, indent=1, default=str))
+                written = _write(args.report, "--report", json.dumps(report, indent=1, default=str), args.force)
             if args.profile_out is not None and "collectives" in suites and suites["collectives"]["status"] == "ran":
                 import yaml
 
                 prof = local_profile(suites["collectives"]["rows"], world, gemm_tflops(), dist.get_backend())
-                args.profile_out.write_text(yaml.safe_dump(prof, sort_keys=False))
-                print(f"moonrt selftest: wrote hardware profile {args.profile_out} (all_to_all "
-                      f"{prof['intra_node']['bandwidth_GBps']:.3f} GB/s + {prof['intra_node']['latency_us']:.0f} us, "
-                      f"GEMM {prof['gemm_tflops'] * 1e3:.1f} GFLOP/s)", flush=True)
+                if _write(args.profile_out, "--profile-out", yaml.safe_dump(prof, sort_keys=False), args.force):
+                    print(f"moonrt selftest: wrote hardware profile {args.profile_out} (all_to_all "
+                          f"{prof['intra_node']['bandwidth_GBps']:.3f} GB/s + "
+                          f"{prof['intra_node']['latency_us']:.0f} us, GEMM {prof['gemm_tflops'] * 1e3:.1f} GFLOP/s)",
+                          flush=True)
+                else:
+                    written = False
         dist.barrier()  # no rank tears its process group down while another still uses it (rank 0's report)
-        return 0 if passed else 1
+        if not passed:
+            return 1
+        return 0 if written else 2  # 2: the output file was refused or could not be written
     finally:
         # the suites leave objects that hold the group in reference cycles (the pp suite's executors hook their own
         # bound methods: _traced, _corrupt): shutdown_distributed collects them before destroying it

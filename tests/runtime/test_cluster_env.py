@@ -66,7 +66,7 @@ def test_slurm_step():
     r = detect_rendezvous(SLURM)
     # world from SLURM_STEP_NUM_TASKS (8), never SLURM_NTASKS (16); master = first host of the step
     assert r == Rendezvous(5, 8, 1, "gpu03", slurm_port(4321, 2), "slurm")
-    assert slurm_port(4321, 2) == SLURM_PORT_BASE + (4321 % 1250) * 16 + 2
+    assert slurm_port(4321, 2) == SLURM_PORT_BASE + 4321 * 4 + 2
 
 
 def test_slurm_job_nodelist_fallback_and_master_override():
@@ -78,9 +78,9 @@ def test_slurm_job_nodelist_fallback_and_master_override():
 
 
 def test_slurm_ports_differ_between_steps_and_jobs():
-    ports = {slurm_port(job, step) for job in range(1000, 1100) for step in range(16)}
-    assert len(ports) == 100 * 16
-    assert all(SLURM_PORT_BASE <= p < 30000 for p in ports)
+    ports = {slurm_port(job, step) for job in range(1000, 1100) for step in range(4)}
+    assert len(ports) == 100 * 4
+    assert all(SLURM_PORT_BASE <= p < 32768 for p in ports)  # below Linux's ephemeral ports
 
 
 def test_slurm_batch_script_outside_srun_is_an_error():

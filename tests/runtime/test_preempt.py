@@ -401,7 +401,7 @@ def test_slurm_requeue_resumes_and_matches(workdir: Path, reference2: Callable[[
       "--signal-lead = 30: expected together with --requeue"),
      (["sbatch", "--nodes", "1", "--ntasks-per-node", "1", "--requeue", "--signal-lead", "0", "--", "true"],
       "--signal-lead = 0: expected an integer number of seconds in [1, 65535]"),
-     (["launch", "-n", "1", "--stop-grace", "0", "--", "true"], "stop_grace = 0.0: expected a positive number")],
+     (["launch", "-n", "1", "--stop-grace", "0", "--", "true"], "--stop-grace = 0.0: expected a positive number")],
 )
 def test_bad_input(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     from moonrt.cli import main
