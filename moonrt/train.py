@@ -28,27 +28,34 @@ recorder); a single-process run is that object with no parts.
 
 from __future__ import annotations
 
+import contextlib
 import gc
-import json
 import math
+import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
+import yaml
 from tqdm import tqdm
 
 from moonrt import checkpoint, checkpoint_dcp, data, outputs
 from moonrt.assemble import build_model
-from moonrt.checkpoint import load_checkpoint, save_checkpoint
+from moonrt.checkpoint import FREE_ON_RESUME, CheckpointError, load_checkpoint, save_checkpoint
 from moonrt.cluster.preempt import StopSignal, stop_signals
 from moonrt.comm.parallelism import Parallelism
-from moonrt.config import ConfigError, load_yaml, save_yaml, to_dict
+from moonrt.config import ConfigError, load_yaml, to_dict
 from moonrt.job import JobConfig, lr_at
 from moonrt.model.packing import DocumentPacking
 from moonrt.optimizers import build_optimizer
 
 CHECKPOINT = "checkpoint.pt"
+CONFIG = "config.yaml"
+
+
 def evaluate(model: torch.nn.Module, windows: np.ndarray, batch_size: int, rt: Parallelism,
              docs: np.ndarray | None = None) -> float:
     """Mean next-token loss (nats/token) over the held-out ``windows [N, T + 1]`` (``docs [N, T + 1]``: packed
@@ -91,29 +98,121 @@ class Preempted(Exception):
         self.step, self.signum, self.path = step, signum, path
 
 
-def _check_outputs(job: JobConfig, metrics_path: str | None, resume: bool, rt: Parallelism) -> None:
-    """Fail before step 1 on outputs that cannot be written or would overwrite another run's files."""
+class Diverged(Exception):
+    """A non-finite loss or gradient norm at step ``step`` (1-based): the run stopped before that step's
+    optimizer update and before any save (``moonrt train`` exits 1). ``last`` says which checkpoint holds what."""
+
+    def __init__(self, step: int, loss: float, grad_norm: float, last: str) -> None:
+        super().__init__(f"diverged at step {step}: loss = {loss}, grad norm = {grad_norm}; {last}; try a lower --lr")
+        self.step = step
+
+
+def has_checkpoint(out: Path) -> bool:
+    """Whether ``out`` holds a checkpoint ``--resume-if-exists`` continues: ``checkpoint.pt``, or a committed step
+    of the sharded ``checkpoint/``. An interrupted first sharded save (``checkpoint/step-N.tmp`` only) is none:
+    the job starts fresh if ``out`` is its own (:func:`_check_outputs`), and its first commit removes the stale
+    ``.tmp``."""
+    if (out / CHECKPOINT).exists():
+        return True
+    return _committed(out / checkpoint_dcp.ROOT)
+
+
+def _committed(root: Path) -> bool:
+    if not root.exists():
+        return False
+    try:
+        checkpoint_dcp.resolve(root)
+    except CheckpointError:
+        return False
+    return True
+
+
+def _flat(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping) and value:
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _foreign_config(path: Path, job: JobConfig) -> str | None:
+    """Why the existing ``path`` (``OUT/config.yaml``) is not this job's, or None when it is: a job config equal to
+    ``job`` in every field but :data:`moonrt.checkpoint.FREE_ON_RESUME` (where outputs go, layout, intervals)."""
+    if path.is_symlink() or not path.is_file():
+        return "a link or not a regular file"
+    try:
+        stored = _flat(to_dict(load_yaml(JobConfig, path)))
+    except Exception:  # noqa: BLE001  (any file that does not read as a job config is not this job's)
+        return "not a moonrt job config"
+    new = _flat(to_dict(job))
+    diffs = [f"{k}: {stored.get(k, '<absent>')!r} there, {new.get(k, '<absent>')!r} now"
+             for k in sorted(set(stored) | set(new))
+             if stored.get(k, "<absent>") != new.get(k, "<absent>")
+             and not any(k == f or k.startswith(f + ".") for f in FREE_ON_RESUME)]
+    return f"differs in {'; '.join(diffs)}" if diffs else None
+
+
+def _same_file(a: str, b: str) -> bool:
+    return os.path.abspath(a) == os.path.abspath(b)
+
+
+def _check_outputs(job: JobConfig, metrics_path: str | None, resume: bool, rt: Parallelism,
+                   stored: Mapping[str, Any] | None) -> None:
+    """Fail before step 1 on outputs that cannot be written or would overwrite what is not this run's
+    (``stored``: the job config of the checkpoint a resume continues)."""
     out = Path(job.out_dir)
     if not rt.is_main:
         return
+    what = f"out_dir (--out) = {str(out)!r}"
     outputs.probe_dir(out, "out_dir (--out)")
-    for name in (CHECKPOINT, checkpoint_dcp.ROOT):
-        if not resume and (out / name).exists():
-            raise ConfigError(f"out_dir (--out) = {str(out)!r}: already holds {name} of another run; expected "
-                              "--resume to continue it, or a new --out")
+    if not resume:
+        root = out / checkpoint_dcp.ROOT
+        for name in (CHECKPOINT, checkpoint_dcp.ROOT):
+            if (out / name).exists() and (name == CHECKPOINT or _committed(root)):
+                raise ConfigError(f"{what}: already holds {name} of another run; expected --resume to continue "
+                                  "it, or a new --out")
+        config = out / CONFIG
+        foreign = _foreign_config(config, job) if config.exists() or config.is_symlink() else None
+        if (root.exists() or root.is_symlink()) and (foreign is not None or not config.exists()):
+            raise ConfigError(f"{what}: {str(root)!r} holds no committed checkpoint (an interrupted first save) of "
+                              f"another run ({CONFIG}: {foreign or 'none'}); expected a new --out")
+        if foreign is not None:
+            raise ConfigError(f"{what}: holds a {CONFIG} that is not this job's ({foreign}); expected a new --out "
+                              "(or the same job config to start that run again)")
     if metrics_path is not None:
         m = Path(metrics_path)
+        if not metrics_path:
+            raise ConfigError("--metrics = '': expected a file path")
         if m.is_dir():
             raise ConfigError(f"--metrics = {metrics_path!r}: is a directory; expected a file path")
-        if not resume and m.exists():
+        if not resume and (m.exists() or m.is_symlink()):
             raise ConfigError(f"--metrics = {metrics_path!r}: file exists; expected a new path (or --resume to "
                               "continue the run that wrote it)")
+        if resume:
+            outputs.check_metrics(metrics_path)  # only this run's metrics file is trimmed
         outputs.probe_dir(m.parent, "--metrics directory")
     if job.routing_trace is not None:
         t = Path(job.routing_trace)
+        field = f"routing_trace (--routing-trace) = {job.routing_trace!r}"
+        if not job.routing_trace:
+            raise ConfigError(f"{field}: expected a .npz file path")
         if t.is_dir():
-            raise ConfigError(f"routing_trace (--routing-trace) = {job.routing_trace!r}: is a directory; "
-                              "expected a .npz file path")
+            raise ConfigError(f"{field}: is a directory; expected a .npz file path")
+        if t.exists() or t.is_symlink():
+            own = (resume and stored is not None and isinstance(stored.get("routing_trace"), str)
+                   and _same_file(stored["routing_trace"], job.routing_trace) and not t.is_symlink())
+            if own:
+                from moonrt.scheduler.workload import open_trace
+
+                try:
+                    open_trace(t)
+                except ValueError:
+                    own = False
+            if not own:
+                raise ConfigError(f"{field}: file exists and is not this run's trace; expected a new path (or, with "
+                                  "--resume, the trace this run wrote)")
         outputs.probe_dir(t.parent, "routing_trace (--routing-trace) directory")
 
 
@@ -133,8 +232,14 @@ def train(job: JobConfig, rt: Parallelism | None = None, metrics_path: str | Non
     ends normally). A second signal raises :class:`moonrt.cluster.preempt.Aborted` at once (the previous
     checkpoint stays intact: checkpoints are written atomically).
     """
-    with StopSignal(stop_signals(job.stop_signal)) as preempt:
-        return _train(job, rt or Parallelism(), metrics_path, resume, until, progress, resume_allow, preempt)
+    rt = rt or Parallelism()
+    if not job.out_dir:
+        raise ConfigError("out_dir (--out) = '': expected a directory path")
+    if until is not None and until < 1:
+        raise ConfigError(f"--until = {until}: expected an integer >= 1 (the step to stop after)")
+    lock = outputs.lock_out_dir(Path(job.out_dir), create=not resume) if rt.is_main else contextlib.nullcontext()
+    with StopSignal(stop_signals(job.stop_signal)) as preempt, lock:  # one run per --out, before anything is written
+        return _train(job, rt, metrics_path, resume, until, progress, resume_allow, preempt)
 
 
 class ManualGC:
@@ -164,17 +269,16 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
     if job.threads:
         torch.set_num_threads(job.threads)
     cfg = job.optim
-    if until is not None and until < 1:
-        raise ConfigError(f"--until = {until}: expected an integer >= 1 (the step to stop after)")
     out = Path(job.out_dir)
     ckpt = out / CHECKPOINT
     state = None
+    stored = None  # the job config of the checkpoint a resume continues
     start = 0
     src = ckpt  # what --resume loads: the newer of OUT/checkpoint.pt and the sharded OUT/checkpoint/
     if resume:
         src, state = checkpoint_dcp.resume_state(out)
-        start = state["step"]
-        checkpoint.check_resume(state["config"], to_dict(job), start, resume_allow)
+        start, stored = state["step"], state["config"]
+        checkpoint.check_resume(stored, to_dict(job), start, resume_allow)
         if start > cfg.steps:
             raise ConfigError(f"optim.steps (--steps) = {cfg.steps}: expected at least the checkpoint's step {start} "
                               f"({str(src)!r})")
@@ -184,7 +288,7 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
         if until is not None and until <= start:
             raise NothingToDo(f"checkpoint {str(src)!r} is at step {start}, already at or past --until {until}; "
                               "nothing to do")
-    _check_outputs(job, metrics_path, resume, rt)
+    _check_outputs(job, metrics_path, resume, rt, stored)
     mcfg = job.model_cfg()
     corpus = data.load_corpus(job.data.corpus, job.data.token_dtype, mcfg.vocab_size, job.data.heldout_fraction,
                               job.data.eos_id)
@@ -220,8 +324,10 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
                               "which moonrt train does not support (remote offload needs a peer rank serving each "
                               "owner: moonrt.memory.remote); expected keep, recompute, fp8, host or disk tiers")
         mgr = ActivationManager(model, policy)
-    if rt.is_main:
-        save_yaml(job, out / "config.yaml")
+    if rt.is_main:  # a fresh run's new config.yaml is created exclusively; this run's own is replaced whole
+        config = out / CONFIG
+        outputs.write_file(config, yaml.safe_dump(to_dict(job), sort_keys=False).encode(), "out_dir (--out)",
+                           exclusive=not (resume or config.exists()))
     stop = cfg.steps if until is None else min(until, cfg.steps)
     heldout_docs = None
     if pack:
@@ -269,6 +375,19 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
             loss = rt.forward_backward(model, torch.from_numpy(x), torch.from_numpy(y), 1.0 / targets, mgr, packing)
             rt.sync_grads(model)
             grad_norm = rt.clip_grad_norm(model.parameters(), cfg.grad_clip)
+            if rt.any_flag(not (math.isfinite(float(loss)) and math.isfinite(grad_norm))):  # every rank agrees
+                loss_value = rt.sum_scalar(float(loss.detach()))
+                if metrics is not None:
+                    metrics.write({"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
+                                   "tokens_per_s": global_tokens / (time.perf_counter() - t0),
+                                   "tokens": (step + 1) * global_tokens, "diverged": True})
+                if saved is None:
+                    last = "no checkpoint was written"
+                else:
+                    path = src if resume and saved == start else (
+                        out / checkpoint_dcp.ROOT if checkpoint_dcp.use_sharded(opt) else ckpt)
+                    last = f"the last checkpoint {str(path)!r} holds step {saved}"
+                raise Diverged(step + 1, loss_value, grad_norm, last)  # before the update and any save
             rt.step(opt)  # ZeRO-1: p.grad is gone after sync_grads; only rt reads the gradients
             stat_sum = rt.sum_stats if rt.replicas is not None else None
             stats = model.update_routing_bias(stat_sum) if cfg.routing_bias_update else {}
@@ -294,8 +413,7 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
                     bar.write(f"step {step + 1}: train loss {loss_value:.3f}, eval loss {eval_loss:.3f} nats/token "
                               f"(unigram entropy {baseline:.3f})")
             if metrics is not None:
-                metrics.write(json.dumps(record) + "\n")
-                metrics.flush()
+                metrics.write(record)
             bar.set_postfix(loss=f"{loss_value:.3f}", eval=f"{eval_loss:.3f}", tok_s=f"{global_tokens / dt:,.0f}")
             if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == stop or stopped:
                 save_checkpoint(ckpt, model, opt, step + 1, job, rt)
@@ -305,7 +423,11 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
             if saved != done:
                 save_checkpoint(ckpt, model, opt, done, job, rt)
             rt.any_flag(True)  # no rank exits (srun --kill-on-bad-exit) before the main rank's save is complete
-        rt.close()
+        try:
+            rt.close()  # the parts' outputs: the routing trace
+        except OSError as exc:
+            what = f"routing_trace (--routing-trace) = {job.routing_trace!r}" if job.routing_trace else "outputs"
+            raise ConfigError(f"{what}: cannot write ({exc.strerror or exc})") from None
     finally:
         gc_control.close()
         bar.close()
