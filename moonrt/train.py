@@ -231,6 +231,11 @@ def train(job: JobConfig, rt: Parallelism | None = None, metrics_path: str | Non
     takes effect right after it (eval is short: it completes); one during the run's last step is moot (the run
     ends normally). A second signal raises :class:`moonrt.cluster.preempt.Aborted` at once (the previous
     checkpoint stays intact: checkpoints are written atomically).
+
+    The main rank holds the lock on ``job.out_dir`` (:func:`moonrt.outputs.lock_out_dir`) from before anything is
+    written until it returns: a second run into the same directory is a :class:`ConfigError`. A non-finite loss
+    or gradient norm raises :class:`Diverged` on every rank before that step's optimizer update and before any
+    save (its metrics line is written, non-finite values as ``null``).
     """
     rt = rt or Parallelism()
     if not job.out_dir:
