@@ -159,12 +159,15 @@ def _same_file(a: str, b: str) -> bool:
 
 
 def _check_outputs(job: JobConfig, metrics_path: str | None, resume: bool, rt: Parallelism,
-                   stored: Mapping[str, Any] | None) -> None:
+                   stored: Mapping[str, Any] | None, requeued: bool) -> bool:
     """Fail before step 1 on outputs that cannot be written or would overwrite what is not this run's
-    (``stored``: the job config of the checkpoint a resume continues)."""
+    (``stored``: the job config of the checkpoint a resume continues). Returns whether this fresh start restarts
+    this job in its own ``out_dir`` (``requeued`` and ``OUT/config.yaml`` is this job's: the run before was killed
+    before its first checkpoint, and its metrics file is taken over from step 0)."""
     out = Path(job.out_dir)
+    restart = False
     if not rt.is_main:
-        return
+        return restart
     what = f"out_dir (--out) = {str(out)!r}"
     outputs.probe_dir(out, "out_dir (--out)")
     if not resume:
@@ -181,17 +184,18 @@ def _check_outputs(job: JobConfig, metrics_path: str | None, resume: bool, rt: P
         if foreign is not None:
             raise ConfigError(f"{what}: holds a {CONFIG} that is not this job's ({foreign}); expected a new --out "
                               "(or the same job config to start that run again)")
+        restart = requeued and config.exists()
     if metrics_path is not None:
         m = Path(metrics_path)
         if not metrics_path:
             raise ConfigError("--metrics = '': expected a file path")
         if m.is_dir():
             raise ConfigError(f"--metrics = {metrics_path!r}: is a directory; expected a file path")
-        if not resume and (m.exists() or m.is_symlink()):
+        if not (resume or restart) and (m.exists() or m.is_symlink()):
             raise ConfigError(f"--metrics = {metrics_path!r}: file exists; expected a new path (or --resume to "
                               "continue the run that wrote it)")
-        if resume:
-            outputs.check_metrics(metrics_path)  # only this run's metrics file is trimmed
+        if resume or restart:
+            outputs.check_metrics(metrics_path)  # only a moonrt metrics file is trimmed
         outputs.probe_dir(m.parent, "--metrics directory")
     if job.routing_trace is not None:
         t = Path(job.routing_trace)
@@ -214,10 +218,12 @@ def _check_outputs(job: JobConfig, metrics_path: str | None, resume: bool, rt: P
                 raise ConfigError(f"{field}: file exists and is not this run's trace; expected a new path (or, with "
                                   "--resume, the trace this run wrote)")
         outputs.probe_dir(t.parent, "routing_trace (--routing-trace) directory")
+    return restart
 
 
 def train(job: JobConfig, rt: Parallelism | None = None, metrics_path: str | None = None, resume: bool = False,
-          until: int | None = None, progress: bool = True, resume_allow: tuple[str, ...] = ()) -> dict[str, float]:
+          until: int | None = None, progress: bool = True, resume_allow: tuple[str, ...] = (),
+          requeued: bool = False) -> dict[str, float]:
     """Run the job; returns the summary (``final_eval_loss``, ``unigram_entropy``, ...).
 
     Raises :class:`NothingToDo` when no step is left (a finished run resumed, ``until`` already reached),
@@ -236,6 +242,10 @@ def train(job: JobConfig, rt: Parallelism | None = None, metrics_path: str | Non
     written until it returns: a second run into the same directory is a :class:`ConfigError`. A non-finite loss
     or gradient norm raises :class:`Diverged` on every rank before that step's optimizer update and before any
     save (its metrics line is written, non-finite values as ``null``).
+
+    ``requeued`` (``--resume-if-exists`` that found no checkpoint): a fresh start that finds this job's own
+    ``config.yaml`` in ``out_dir`` (a run killed before its first checkpoint, or during its first sharded save)
+    starts that run again, its moonrt metrics file trimmed to nothing instead of refused.
     """
     rt = rt or Parallelism()
     if not job.out_dir:
@@ -244,7 +254,7 @@ def train(job: JobConfig, rt: Parallelism | None = None, metrics_path: str | Non
         raise ConfigError(f"--until = {until}: expected an integer >= 1 (the step to stop after)")
     lock = outputs.lock_out_dir(Path(job.out_dir), create=not resume) if rt.is_main else contextlib.nullcontext()
     with StopSignal(stop_signals(job.stop_signal)) as preempt, lock:  # one run per --out, before anything is written
-        return _train(job, rt, metrics_path, resume, until, progress, resume_allow, preempt)
+        return _train(job, rt, metrics_path, resume, until, progress, resume_allow, preempt, requeued)
 
 
 class ManualGC:
@@ -270,7 +280,7 @@ class ManualGC:
 
 
 def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bool, until: int | None,
-           progress: bool, resume_allow: tuple[str, ...], preempt: StopSignal) -> dict[str, float]:
+           progress: bool, resume_allow: tuple[str, ...], preempt: StopSignal, requeued: bool) -> dict[str, float]:
     if job.threads:
         torch.set_num_threads(job.threads)
     cfg = job.optim
@@ -293,7 +303,7 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
         if until is not None and until <= start:
             raise NothingToDo(f"checkpoint {str(src)!r} is at step {start}, already at or past --until {until}; "
                               "nothing to do")
-    _check_outputs(job, metrics_path, resume, rt, stored)
+    restart = _check_outputs(job, metrics_path, resume, rt, stored, requeued)
     mcfg = job.model_cfg()
     corpus = data.load_corpus(job.data.corpus, job.data.token_dtype, mcfg.vocab_size, job.data.heldout_fraction,
                               job.data.eos_id)
@@ -342,7 +352,9 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
         heldout = data.eval_windows(corpus.heldout, cfg.eval_windows, cfg.seq_len)
     baseline = data.unigram_entropy(corpus.heldout, corpus.vocab_size)
     global_tokens = cfg.batch_size * cfg.seq_len
-    metrics = outputs.open_metrics(metrics_path, start if resume else None) if (metrics_path and rt.is_main) else None
+    metrics = None
+    if metrics_path and rt.is_main:
+        metrics = outputs.open_metrics(metrics_path, start if resume else (0 if restart else None))
     if rt.is_main and progress:
         print(f"moonrt train: {job.model if job.model_config is None else 'custom'} ({n_params / 1e6:.2f}M params, "
               f"pattern {mcfg.pattern}), corpus {corpus.description}: {len(corpus.train):,} train / "

@@ -129,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
                 print("moonrt train: parallel.zero = 1 with one process: nothing to shard, ZeRO-1 is a no-op",
                       flush=True)
         summary = train(job, rt=rt, metrics_path=args.metrics, resume=resume, until=args.until,
-                        progress=not args.no_progress, resume_allow=allow)
+                        progress=not args.no_progress, resume_allow=allow,
+                        requeued=args.resume_if_exists and not resume)
     except NothingToDo as exc:
         print(f"moonrt train: {exc}", flush=True)
         return 0

@@ -12,13 +12,16 @@ import os
 import re
 import resource
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from moonrt import checkpoint, outputs
+from moonrt import checkpoint, checkpoint_dcp, outputs
 from moonrt.cli import main
 from moonrt.comm.parallelism import Parallelism, Part
 from moonrt.config import ConfigError, from_dict
@@ -27,6 +30,7 @@ from moonrt.scheduler.workload import load_trace
 from moonrt.train import CHECKPOINT, train
 
 LOCK = ".moonrt.lock"
+MOONRT = [sys.executable, "-m", "moonrt.cli"]
 
 
 def _corpus(tmp_path: Path) -> Path:
@@ -63,6 +67,12 @@ def _tree(path: Path) -> dict[str, bytes | str]:
         rel = str(p.relative_to(path))
         out[rel] = f"-> {os.readlink(p)}" if p.is_symlink() else ("<dir>" if p.is_dir() else p.read_bytes())
     return out
+
+
+def _env() -> dict[str, str]:
+    """This environment without launcher variables (the test may itself run under a launcher)."""
+    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    return {k: v for k, v in os.environ.items() if k not in drop and not k.startswith(("SLURM_", "OMPI_", "PMI"))}
 
 
 class _FileSizeLimit:
@@ -194,6 +204,21 @@ def test_a_torn_first_sharded_save_of_this_run_starts_fresh_on_requeue(tmp_path:
     assert checkpoint.load(tmp_path / "run" / CHECKPOINT)["step"] == 5
 
 
+def test_two_ranks_requeued_after_a_torn_first_save_commit_and_clear_it(tmp_path: Path) -> None:
+    """The SLURM case end to end: ``moonrt launch -n 2 ... --resume-if-exists`` on a torn first sharded save of
+    the same job trains from step 1, and its first commit removes the stale ``.tmp``."""
+    _torn_first_save(tmp_path, "run")
+    argv = [*MOONRT, "launch", "-n", "2", "--timeout", "120", "--", *MOONRT,
+            *_cli(tmp_path, "run", "--steps", "4", "--resume-if-exists", "--threads", "1", "--metrics",
+                  str(tmp_path / "m.jsonl"))]
+    done = subprocess.run(argv, env=_env(), capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    root = tmp_path / "run" / "checkpoint"
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000004"]
+    assert checkpoint_dcp.read_marker(root / "step-00000004")["step"] == 4
+    assert [r["step"] for r in _strict_records(tmp_path / "m.jsonl")] == [1, 2, 3, 4]
+
+
 def test_a_torn_first_sharded_save_of_another_run_is_refused(tmp_path: Path, capsys) -> None:
     torn = _torn_first_save(tmp_path, "run", "--seed", "5")
     before = _tree(tmp_path / "run")
@@ -269,6 +294,34 @@ def test_a_second_run_into_a_locked_out_dir_is_refused_and_writes_nothing(tmp_pa
         os.close(fd)  # released: as when the holder dies
     assert main(_cli(tmp_path, "run", "--steps", "2")) == 0
     assert checkpoint.load(out / CHECKPOINT)["step"] == 2
+
+
+def test_a_killed_runs_lock_is_released_and_the_requeued_job_starts_again(tmp_path: Path, capsys) -> None:
+    """Two processes: while a run holds ``--out`` (stopped, not dead) a second one is refused naming its pid;
+    after ``kill -9`` (no checkpoint yet) ``--resume-if-exists`` takes the directory and its metrics over."""
+    metrics, run = tmp_path / "m.jsonl", tmp_path / "run"
+    flags = ("--steps", "400", "--metrics", str(metrics))
+    first = subprocess.Popen([*MOONRT, *_cli(tmp_path, "run", *flags, "--threads", "1")], env=_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+            assert first.poll() is None, first.communicate()[0][-4000:]
+            assert time.monotonic() < deadline, "no metrics line of the first run"
+            time.sleep(0.05)
+        os.kill(first.pid, signal.SIGSTOP)  # holds the lock, writes nothing more
+        before = _tree(tmp_path)
+        assert main(_cli(tmp_path, "run", *flags, "--until", "2", "--resume-if-exists")) == 2
+        line = _one_error_line(capsys.readouterr().err)
+        assert f"pid {first.pid}" in line and str(run) in line, line
+        assert _tree(tmp_path) == before
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.communicate()
+    assert (run / LOCK).exists() and not (run / CHECKPOINT).exists()  # left by the kill, unlocked
+    assert main(_cli(tmp_path, "run", *flags, "--until", "2", "--resume-if-exists")) == 0
+    assert [r["step"] for r in _strict_records(metrics)] == [1, 2]
+    assert checkpoint.load(run / CHECKPOINT)["step"] == 2 and not (run / LOCK).exists()
 
 
 def test_the_lock_is_held_for_the_whole_run(tmp_path: Path) -> None:
