@@ -265,6 +265,21 @@ def test_divergence_after_a_checkpoint_keeps_it_unchanged(tmp_path: Path, capsys
     assert all(torch.isfinite(t).all() for t in state["model"].values() if t.is_floating_point())
 
 
+def test_two_ranks_agree_on_divergence_and_save_nothing(tmp_path: Path) -> None:
+    """2 ranks (dp 2, sharded checkpoints): the loss summed and the norm global, both ranks stop at the same step
+    before the update; no checkpoint directory, exit 1 through ``moonrt launch``, one diverged line (rank 0)."""
+    metrics = tmp_path / "m.jsonl"
+    argv = [*MOONRT, "launch", "-n", "2", "--timeout", "120", "--", *MOONRT,
+            *_cli(tmp_path, "run", "--steps", "6", "--lr", "1e5", "--threads", "1", "--metrics", str(metrics))]
+    done = subprocess.run(argv, env=_env(), capture_output=True, text=True, timeout=400)
+    output = done.stdout + done.stderr
+    assert done.returncode == 1, output[-4000:]
+    assert len(re.findall(r"\] moonrt train: error: diverged at step \d+: ", output)) == 1, output[-4000:]
+    assert not (tmp_path / "run" / "checkpoint").exists() and not (tmp_path / "run" / CHECKPOINT).exists()
+    records = _strict_records(metrics)
+    assert records[-1].get("diverged") is True and all("diverged" not in r for r in records[:-1])
+
+
 def test_metrics_lines_are_strict_json() -> None:
     line = outputs.json_line({"step": 3, "loss": float("nan"), "grad_norm": float("inf"), "lr": 0.1,
                               "eval_loss": float("-inf")})
