@@ -182,43 +182,50 @@ def json_line(record: dict[str, Any]) -> str:
     return json.dumps(_finite(record), allow_nan=False) + "\n"
 
 
-def check_metrics(path: str) -> list[dict[str, Any]] | None:
-    """The records of an existing moonrt metrics file at ``path`` (None if there is none); :class:`ConfigError`
-    (the file untouched) unless it is one: a regular file (not a link), every line a JSON step record
-    (:data:`METRICS_KEYS`) with steps increasing, except that the last line may be cut by a kill (dropped)."""
+_MAX_LINE = 1 << 20  # bytes: a longer line is not a metrics record
+
+
+def _metrics_records(path: str) -> Iterator[dict[str, Any]]:
+    """The records of the existing moonrt metrics file ``path``, read one line at a time; :class:`ConfigError`
+    (raised while iterating, the file untouched) at the first line that shows it is not one (see
+    :func:`check_metrics`)."""
     what = f"--metrics = {path!r}"
     try:
         st = os.lstat(path)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise ConfigError(f"{what}: unreadable ({_reason(exc)})") from None
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode):
-        raise ConfigError(f"{what}: not a regular file (a link?); expected the metrics file of this run or a new "
-                          "path")
-    try:
+        if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"{what}: not a regular file (a link?); expected the metrics file of this run or a "
+                              "new path")
         with open(path, "rb") as f:
-            lines = f.read().split(b"\n")
+            last, cut = 0, 0  # the last record's step; the number of an unparseable line (allowed last only)
+            for i, line in enumerate(iter(lambda: f.readline(_MAX_LINE), b""), 1):
+                record = None
+                if not cut and (len(line) < _MAX_LINE or line.endswith(b"\n")):
+                    try:
+                        record = json.loads(line)
+                    except ValueError:  # also UnicodeDecodeError
+                        cut = i  # a line cut by a kill, if no other follows
+                        continue
+                if not (isinstance(record, dict) and all(k in record for k in METRICS_KEYS)
+                        and type(record["step"]) is int and record["step"] > last):
+                    raise ConfigError(f"{what}: line {cut or i} is not a metrics record of a moonrt train run "
+                                      f"(expected JSON with {', '.join(METRICS_KEYS)}, steps increasing); refusing to "
+                                      "trim a file that is not this run's metrics: expected a new path or this run's "
+                                      "metrics file")
+                last = record["step"]
+                yield record
     except OSError as exc:
         raise ConfigError(f"{what}: unreadable ({_reason(exc)})") from None
-    if lines and lines[-1] == b"":
-        lines.pop()  # the newline that ends the last line
-    records: list[dict[str, Any]] = []
-    for i, line in enumerate(lines):
-        try:
-            record = json.loads(line)
-        except (ValueError, UnicodeDecodeError):
-            if i == len(lines) - 1:  # a line cut by a kill
-                break
-            record = None
-        last = records[-1]["step"] if records else 0
-        if not (isinstance(record, dict) and all(k in record for k in METRICS_KEYS)
-                and type(record["step"]) is int and record["step"] > last):
-            raise ConfigError(f"{what}: line {i + 1} is not a metrics record of a moonrt train run (expected JSON "
-                              f"with {', '.join(METRICS_KEYS)}, steps increasing); refusing to trim a file that is "
-                              "not this run's metrics: expected a new path or this run's metrics file")
-        records.append(record)
-    return records
+
+
+def check_metrics(path: str) -> bool:
+    """Whether a metrics file exists at ``path``; :class:`ConfigError` (the file untouched) unless it is a moonrt
+    metrics file: a regular file (not a link), every line a JSON step record (:data:`METRICS_KEYS`) with steps
+    increasing, except that the last line may be cut by a kill."""
+    if not os.path.lexists(path):
+        return False
+    for _ in _metrics_records(path):
+        pass
+    return True
 
 
 class MetricsFile:
@@ -243,27 +250,29 @@ class MetricsFile:
 def open_metrics(path: str, resume_step: int | None) -> MetricsFile:
     """The metrics file to append to: new (exclusive), or on resume an existing one trimmed to the records of
     steps ``<= resume_step`` (atomically: a trimmed copy replaces it; only a moonrt metrics file,
-    :func:`check_metrics`), so no step appears twice after a kill."""
+    :func:`check_metrics`; a cut last line is dropped), so no step appears twice after a kill."""
     what = f"--metrics = {path!r}"
-    records = check_metrics(path) if resume_step is not None else None
     try:
-        if records is None:
+        if resume_step is None or not os.path.lexists(path):
             return MetricsFile(path, open(path, "x"))  # noqa: SIM115
         mode = stat.S_IMODE(os.stat(path).st_mode)
-        kept = "".join(json_line(r) for r in records if r["step"] <= resume_step)
         fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=os.path.dirname(os.path.abspath(path)))
+        f = os.fdopen(fd, "w")
         try:
-            with os.fdopen(fd, "w") as f:
-                f.write(kept)
-                f.flush()
-                os.fsync(f.fileno())
+            for record in _metrics_records(path):
+                if record["step"] <= resume_step:
+                    f.write(json_line(record))
+            f.flush()
+            os.fsync(f.fileno())
             os.chmod(tmp, mode)
             os.replace(tmp, path)
         except BaseException:
+            with contextlib.suppress(OSError):  # closing flushes the buffer: fails again on a full disk
+                f.close()
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
-        return MetricsFile(path, open(path, "a"))  # noqa: SIM115
+        return MetricsFile(path, f)  # the trimmed copy, now at path: appended to
     except FileExistsError:
         raise ConfigError(f"{what}: file exists; expected a new path (or --resume to continue the run that wrote "
                           "it)") from None
