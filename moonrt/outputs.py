@@ -16,6 +16,10 @@ Safe by default (nothing a user owns is overwritten, nothing is written through 
   atomic replace, so after a kill and resume every step appears exactly once, but only when it is a moonrt
   metrics file (:func:`check_metrics`: every line a step record, steps increasing, only the last line possibly
   cut by a kill); any other file is refused and left untouched.
+- **Whose directory** (:func:`check_outputs`, before step 1): a fresh run refuses a checkpoint, a ``config.yaml``
+  that is not its job's, an existing metrics file or routing trace; an interrupted first sharded save
+  (``checkpoint/`` without a committed step) counts as no checkpoint when ``config.yaml`` is this job's
+  (:func:`has_checkpoint`), so a requeued job starts again instead of being stuck.
 """
 
 from __future__ import annotations
@@ -29,12 +33,19 @@ import os
 import re
 import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
-from moonrt.config import ConfigError
+from moonrt import checkpoint_dcp
+from moonrt.checkpoint import FREE_ON_RESUME, CheckpointError
+from moonrt.config import ConfigError, load_yaml, to_dict
+from moonrt.job import JobConfig
 
+CHECKPOINT = "checkpoint.pt"
+"""A run's single-file checkpoint in its output directory (the sharded one: ``checkpoint_dcp.ROOT``)."""
+CONFIG = "config.yaml"
+"""The job config a run writes into its output directory."""
 LOCK = ".moonrt.lock"
 _PID = re.compile(r"^\d{0,10}\n?$")
 METRICS_KEYS = ("step", "loss", "lr", "tokens_per_s", "tokens")
@@ -278,3 +289,118 @@ def open_metrics(path: str, resume_step: int | None) -> MetricsFile:
                           "it)") from None
     except OSError as exc:
         raise ConfigError(f"{what}: cannot write ({_reason(exc)})") from None
+
+
+# ---- which outputs a run may write -----------------------------------------------------------------------------
+
+
+def has_checkpoint(out: Path) -> bool:
+    """Whether ``out`` holds a checkpoint ``--resume-if-exists`` continues: ``checkpoint.pt``, or a committed step
+    of the sharded ``checkpoint/``. An interrupted first sharded save (``checkpoint/step-N.tmp`` only) is none:
+    the job starts fresh if ``out`` is its own (:func:`check_outputs`), and its first commit removes the stale
+    ``.tmp``."""
+    if (out / CHECKPOINT).exists():
+        return True
+    return _committed(out / checkpoint_dcp.ROOT)
+
+
+def _committed(root: Path) -> bool:
+    if not root.exists():
+        return False
+    try:
+        checkpoint_dcp.resolve(root)
+    except CheckpointError:
+        return False
+    return True
+
+
+def _flat(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping) and value:
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _foreign_config(path: Path, job: JobConfig) -> str | None:
+    """Why the existing ``path`` (``OUT/config.yaml``) is not this job's, or None when it is: a job config equal to
+    ``job`` in every field but :data:`moonrt.checkpoint.FREE_ON_RESUME` (where outputs go, layout, intervals)."""
+    if path.is_symlink() or not path.is_file():
+        return "a link or not a regular file"
+    try:
+        stored = _flat(to_dict(load_yaml(JobConfig, path)))
+    except Exception:  # noqa: BLE001  (any file that does not read as a job config is not this job's)
+        return "not a moonrt job config"
+    new = _flat(to_dict(job))
+    diffs = [f"{k}: {stored.get(k, '<absent>')!r} there, {new.get(k, '<absent>')!r} now"
+             for k in sorted(set(stored) | set(new))
+             if stored.get(k, "<absent>") != new.get(k, "<absent>")
+             and not any(k == f or k.startswith(f + ".") for f in FREE_ON_RESUME)]
+    return f"differs in {'; '.join(diffs)}" if diffs else None
+
+
+def _same_file(a: str, b: str) -> bool:
+    return os.path.abspath(a) == os.path.abspath(b)
+
+
+def check_outputs(job: JobConfig, metrics_path: str | None, resume: bool, stored: Mapping[str, Any] | None,
+                  requeued: bool) -> bool:
+    """Fail before step 1 on outputs that cannot be written or would overwrite what is not this run's
+    (``stored``: the job config of the checkpoint a resume continues); the main rank calls it. Returns whether
+    this fresh start restarts this job in its own ``out_dir`` (``requeued`` and ``OUT/config.yaml`` is this job's:
+    the run before was killed before its first checkpoint, and its metrics file is taken over from step 0)."""
+    out = Path(job.out_dir)
+    restart = False
+    what = f"out_dir (--out) = {str(out)!r}"
+    probe_dir(out, "out_dir (--out)")
+    if not resume:
+        root = out / checkpoint_dcp.ROOT
+        for name in (CHECKPOINT, checkpoint_dcp.ROOT):
+            if (out / name).exists() and (name == CHECKPOINT or _committed(root)):
+                raise ConfigError(f"{what}: already holds {name} of another run; expected --resume to continue "
+                                  "it, or a new --out")
+        config = out / CONFIG
+        foreign = _foreign_config(config, job) if config.exists() or config.is_symlink() else None
+        if (root.exists() or root.is_symlink()) and (foreign is not None or not config.exists()):
+            raise ConfigError(f"{what}: {str(root)!r} holds no committed checkpoint (an interrupted first save) of "
+                              f"another run ({CONFIG}: {foreign or 'none'}); expected a new --out")
+        if foreign is not None:
+            raise ConfigError(f"{what}: holds a {CONFIG} that is not this job's ({foreign}); expected a new --out "
+                              "(or the same job config to start that run again)")
+        restart = requeued and config.exists()
+    if metrics_path is not None:
+        m = Path(metrics_path)
+        if not metrics_path:
+            raise ConfigError("--metrics = '': expected a file path")
+        if m.is_dir():
+            raise ConfigError(f"--metrics = {metrics_path!r}: is a directory; expected a file path")
+        if not (resume or restart) and (m.exists() or m.is_symlink()):
+            raise ConfigError(f"--metrics = {metrics_path!r}: file exists; expected a new path (or --resume to "
+                              "continue the run that wrote it)")
+        if resume or restart:
+            check_metrics(metrics_path)  # only a moonrt metrics file is trimmed
+        probe_dir(m.parent, "--metrics directory")
+    if job.routing_trace is not None:
+        t = Path(job.routing_trace)
+        field = f"routing_trace (--routing-trace) = {job.routing_trace!r}"
+        if not job.routing_trace:
+            raise ConfigError(f"{field}: expected a .npz file path")
+        if t.is_dir():
+            raise ConfigError(f"{field}: is a directory; expected a .npz file path")
+        if t.exists() or t.is_symlink():
+            own = (resume and stored is not None and isinstance(stored.get("routing_trace"), str)
+                   and _same_file(stored["routing_trace"], job.routing_trace) and not t.is_symlink())
+            if own:
+                from moonrt.scheduler.workload import open_trace
+
+                try:
+                    open_trace(t)
+                except ValueError:
+                    own = False
+            if not own:
+                raise ConfigError(f"{field}: file exists and is not this run's trace; expected a new path (or, with "
+                                  "--resume, the trace this run wrote)")
+        probe_dir(t.parent, "routing_trace (--routing-trace) directory")
+    return restart

@@ -24,7 +24,8 @@ from moonrt.comm.parallelism import Parallelism, RoutingTrace
 from moonrt.config import ConfigError, from_dict, load_yaml, to_dict
 from moonrt.job import JobConfig
 from moonrt.models import presets
-from moonrt.train import Diverged, NothingToDo, Preempted, has_checkpoint, train
+from moonrt.outputs import has_checkpoint
+from moonrt.train import Diverged, NothingToDo, Preempted, train
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
