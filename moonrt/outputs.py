@@ -41,6 +41,7 @@ from moonrt import checkpoint_dcp
 from moonrt.checkpoint import FREE_ON_RESUME, CheckpointError
 from moonrt.config import ConfigError, load_yaml, to_dict
 from moonrt.job import JobConfig
+from moonrt.scheduler.workload import open_trace
 
 CHECKPOINT = "checkpoint.pt"
 """A run's single-file checkpoint in its output directory (the sharded one: ``checkpoint_dcp.ROOT``)."""
@@ -393,8 +394,6 @@ def check_outputs(job: JobConfig, metrics_path: str | None, resume: bool, stored
             own = (resume and stored is not None and isinstance(stored.get("routing_trace"), str)
                    and _same_file(stored["routing_trace"], job.routing_trace) and not t.is_symlink())
             if own:
-                from moonrt.scheduler.workload import open_trace
-
                 try:
                     open_trace(t)
                 except ValueError:
