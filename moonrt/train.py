@@ -28,14 +28,15 @@ recorder); a single-process run is that object with no parts.
 
 from __future__ import annotations
 
+import contextlib
 import gc
-import json
 import math
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+import yaml
 from tqdm import tqdm
 
 from moonrt import checkpoint, checkpoint_dcp, data, outputs
@@ -43,12 +44,13 @@ from moonrt.assemble import build_model
 from moonrt.checkpoint import load_checkpoint, save_checkpoint
 from moonrt.cluster.preempt import StopSignal, stop_signals
 from moonrt.comm.parallelism import Parallelism
-from moonrt.config import ConfigError, load_yaml, save_yaml, to_dict
+from moonrt.config import ConfigError, load_yaml, to_dict
 from moonrt.job import JobConfig, lr_at
 from moonrt.model.packing import DocumentPacking
 from moonrt.optimizers import build_optimizer
+from moonrt.outputs import CHECKPOINT, CONFIG
 
-CHECKPOINT = "checkpoint.pt"
+
 def evaluate(model: torch.nn.Module, windows: np.ndarray, batch_size: int, rt: Parallelism,
              docs: np.ndarray | None = None) -> float:
     """Mean next-token loss (nats/token) over the held-out ``windows [N, T + 1]`` (``docs [N, T + 1]``: packed
@@ -91,34 +93,18 @@ class Preempted(Exception):
         self.step, self.signum, self.path = step, signum, path
 
 
-def _check_outputs(job: JobConfig, metrics_path: str | None, resume: bool, rt: Parallelism) -> None:
-    """Fail before step 1 on outputs that cannot be written or would overwrite another run's files."""
-    out = Path(job.out_dir)
-    if not rt.is_main:
-        return
-    outputs.probe_dir(out, "out_dir (--out)")
-    for name in (CHECKPOINT, checkpoint_dcp.ROOT):
-        if not resume and (out / name).exists():
-            raise ConfigError(f"out_dir (--out) = {str(out)!r}: already holds {name} of another run; expected "
-                              "--resume to continue it, or a new --out")
-    if metrics_path is not None:
-        m = Path(metrics_path)
-        if m.is_dir():
-            raise ConfigError(f"--metrics = {metrics_path!r}: is a directory; expected a file path")
-        if not resume and m.exists():
-            raise ConfigError(f"--metrics = {metrics_path!r}: file exists; expected a new path (or --resume to "
-                              "continue the run that wrote it)")
-        outputs.probe_dir(m.parent, "--metrics directory")
-    if job.routing_trace is not None:
-        t = Path(job.routing_trace)
-        if t.is_dir():
-            raise ConfigError(f"routing_trace (--routing-trace) = {job.routing_trace!r}: is a directory; "
-                              "expected a .npz file path")
-        outputs.probe_dir(t.parent, "routing_trace (--routing-trace) directory")
+class Diverged(Exception):
+    """A non-finite loss or gradient norm at step ``step`` (1-based): the run stopped before that step's
+    optimizer update and before any save (``moonrt train`` exits 1). ``last`` says which checkpoint holds what."""
+
+    def __init__(self, step: int, loss: float, grad_norm: float, last: str) -> None:
+        super().__init__(f"diverged at step {step}: loss = {loss}, grad norm = {grad_norm}; {last}; try a lower --lr")
+        self.step = step
 
 
 def train(job: JobConfig, rt: Parallelism | None = None, metrics_path: str | None = None, resume: bool = False,
-          until: int | None = None, progress: bool = True, resume_allow: tuple[str, ...] = ()) -> dict[str, float]:
+          until: int | None = None, progress: bool = True, resume_allow: tuple[str, ...] = (),
+          requeued: bool = False) -> dict[str, float]:
     """Run the job; returns the summary (``final_eval_loss``, ``unigram_entropy``, ...).
 
     Raises :class:`NothingToDo` when no step is left (a finished run resumed, ``until`` already reached),
@@ -132,9 +118,24 @@ def train(job: JobConfig, rt: Parallelism | None = None, metrics_path: str | Non
     takes effect right after it (eval is short: it completes); one during the run's last step is moot (the run
     ends normally). A second signal raises :class:`moonrt.cluster.preempt.Aborted` at once (the previous
     checkpoint stays intact: checkpoints are written atomically).
+
+    The main rank holds the lock on ``job.out_dir`` (:func:`moonrt.outputs.lock_out_dir`) from before anything is
+    written until it returns: a second run into the same directory is a :class:`ConfigError`. A non-finite loss
+    or gradient norm raises :class:`Diverged` on every rank before that step's optimizer update and before any
+    save (its metrics line is written, non-finite values as ``null``).
+
+    ``requeued`` (``--resume-if-exists`` that found no checkpoint): a fresh start that finds this job's own
+    ``config.yaml`` in ``out_dir`` (a run killed before its first checkpoint, or during its first sharded save)
+    starts that run again, its moonrt metrics file trimmed to nothing instead of refused.
     """
-    with StopSignal(stop_signals(job.stop_signal)) as preempt:
-        return _train(job, rt or Parallelism(), metrics_path, resume, until, progress, resume_allow, preempt)
+    rt = rt or Parallelism()
+    if not job.out_dir:
+        raise ConfigError("out_dir (--out) = '': expected a directory path")
+    if until is not None and until < 1:
+        raise ConfigError(f"--until = {until}: expected an integer >= 1 (the step to stop after)")
+    lock = outputs.lock_out_dir(Path(job.out_dir), create=not resume) if rt.is_main else contextlib.nullcontext()
+    with StopSignal(stop_signals(job.stop_signal)) as preempt, lock:  # one run per --out, before anything is written
+        return _train(job, rt, metrics_path, resume, until, progress, resume_allow, preempt, requeued)
 
 
 class ManualGC:
@@ -160,21 +161,20 @@ class ManualGC:
 
 
 def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bool, until: int | None,
-           progress: bool, resume_allow: tuple[str, ...], preempt: StopSignal) -> dict[str, float]:
+           progress: bool, resume_allow: tuple[str, ...], preempt: StopSignal, requeued: bool) -> dict[str, float]:
     if job.threads:
         torch.set_num_threads(job.threads)
     cfg = job.optim
-    if until is not None and until < 1:
-        raise ConfigError(f"--until = {until}: expected an integer >= 1 (the step to stop after)")
     out = Path(job.out_dir)
     ckpt = out / CHECKPOINT
     state = None
+    stored = None  # the job config of the checkpoint a resume continues
     start = 0
     src = ckpt  # what --resume loads: the newer of OUT/checkpoint.pt and the sharded OUT/checkpoint/
     if resume:
         src, state = checkpoint_dcp.resume_state(out)
-        start = state["step"]
-        checkpoint.check_resume(state["config"], to_dict(job), start, resume_allow)
+        start, stored = state["step"], state["config"]
+        checkpoint.check_resume(stored, to_dict(job), start, resume_allow)
         if start > cfg.steps:
             raise ConfigError(f"optim.steps (--steps) = {cfg.steps}: expected at least the checkpoint's step {start} "
                               f"({str(src)!r})")
@@ -184,7 +184,7 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
         if until is not None and until <= start:
             raise NothingToDo(f"checkpoint {str(src)!r} is at step {start}, already at or past --until {until}; "
                               "nothing to do")
-    _check_outputs(job, metrics_path, resume, rt)
+    restart = rt.is_main and outputs.check_outputs(job, metrics_path, resume, stored, requeued)
     mcfg = job.model_cfg()
     corpus = data.load_corpus(job.data.corpus, job.data.token_dtype, mcfg.vocab_size, job.data.heldout_fraction,
                               job.data.eos_id)
@@ -220,8 +220,10 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
                               "which moonrt train does not support (remote offload needs a peer rank serving each "
                               "owner: moonrt.memory.remote); expected keep, recompute, fp8, host or disk tiers")
         mgr = ActivationManager(model, policy)
-    if rt.is_main:
-        save_yaml(job, out / "config.yaml")
+    if rt.is_main:  # a fresh run's new config.yaml is created exclusively; this run's own is replaced whole
+        config = out / CONFIG
+        outputs.write_file(config, yaml.safe_dump(to_dict(job), sort_keys=False).encode(), "out_dir (--out)",
+                           exclusive=not (resume or config.exists()))
     stop = cfg.steps if until is None else min(until, cfg.steps)
     heldout_docs = None
     if pack:
@@ -231,7 +233,9 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
         heldout = data.eval_windows(corpus.heldout, cfg.eval_windows, cfg.seq_len)
     baseline = data.unigram_entropy(corpus.heldout, corpus.vocab_size)
     global_tokens = cfg.batch_size * cfg.seq_len
-    metrics = outputs.open_metrics(metrics_path, start if resume else None) if (metrics_path and rt.is_main) else None
+    metrics = None
+    if metrics_path and rt.is_main:
+        metrics = outputs.open_metrics(metrics_path, start if resume else (0 if restart else None))
     if rt.is_main and progress:
         print(f"moonrt train: {job.model if job.model_config is None else 'custom'} ({n_params / 1e6:.2f}M params, "
               f"pattern {mcfg.pattern}), corpus {corpus.description}: {len(corpus.train):,} train / "
@@ -269,6 +273,19 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
             loss = rt.forward_backward(model, torch.from_numpy(x), torch.from_numpy(y), 1.0 / targets, mgr, packing)
             rt.sync_grads(model)
             grad_norm = rt.clip_grad_norm(model.parameters(), cfg.grad_clip)
+            if rt.any_flag(not (math.isfinite(float(loss)) and math.isfinite(grad_norm))):  # every rank agrees
+                loss_value = rt.sum_scalar(float(loss.detach()))
+                if metrics is not None:
+                    metrics.write({"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
+                                   "tokens_per_s": global_tokens / (time.perf_counter() - t0),
+                                   "tokens": (step + 1) * global_tokens, "diverged": True})
+                if saved is None:
+                    last = "no checkpoint was written"
+                else:
+                    path = src if resume and saved == start else (
+                        out / checkpoint_dcp.ROOT if checkpoint_dcp.use_sharded(opt) else ckpt)
+                    last = f"the last checkpoint {str(path)!r} holds step {saved}"
+                raise Diverged(step + 1, loss_value, grad_norm, last)  # before the update and any save
             rt.step(opt)  # ZeRO-1: p.grad is gone after sync_grads; only rt reads the gradients
             stat_sum = rt.sum_stats if rt.replicas is not None else None
             stats = model.update_routing_bias(stat_sum) if cfg.routing_bias_update else {}
@@ -294,8 +311,7 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
                     bar.write(f"step {step + 1}: train loss {loss_value:.3f}, eval loss {eval_loss:.3f} nats/token "
                               f"(unigram entropy {baseline:.3f})")
             if metrics is not None:
-                metrics.write(json.dumps(record) + "\n")
-                metrics.flush()
+                metrics.write(record)
             bar.set_postfix(loss=f"{loss_value:.3f}", eval=f"{eval_loss:.3f}", tok_s=f"{global_tokens / dt:,.0f}")
             if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == stop or stopped:
                 save_checkpoint(ckpt, model, opt, step + 1, job, rt)
@@ -305,7 +321,11 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
             if saved != done:
                 save_checkpoint(ckpt, model, opt, done, job, rt)
             rt.any_flag(True)  # no rank exits (srun --kill-on-bad-exit) before the main rank's save is complete
-        rt.close()
+        try:
+            rt.close()  # the parts' outputs: the routing trace
+        except OSError as exc:
+            what = f"routing_trace (--routing-trace) = {job.routing_trace!r}" if job.routing_trace else "outputs"
+            raise ConfigError(f"{what}: cannot write ({exc.strerror or exc})") from None
     finally:
         gc_control.close()
         bar.close()

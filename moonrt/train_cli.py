@@ -1,7 +1,9 @@
 """``moonrt train`` command line (job layer): flags, the job config they override, and the run that maps
 outcomes to exit codes. The loop itself is :func:`moonrt.train.train`.
 
-Exit codes: 0 done (or nothing to do); 1 diverged; 2 bad input (one line on stderr);
+Exit codes: 0 done (or nothing to do); 1 diverged (a non-finite loss or gradient norm: the run stops before that
+step's update and any save, one line on stderr); 2 bad input (one line on stderr: also an output that is not this
+run's, an ``--out`` another run holds, a full disk);
 75 (:data:`moonrt.cluster.preempt.PREEMPTED_EXIT`, ``EX_TEMPFAIL``) preempted: a stop signal (SIGTERM, SIGINT or
 ``--signal``) arrived, every rank finished its step and the checkpoint holds the last completed step, continue
 with ``--resume`` (``--resume-if-exists`` does so whenever a checkpoint exists: the form for requeued jobs);
@@ -15,7 +17,6 @@ import math
 import sys
 from pathlib import Path
 
-from moonrt import checkpoint_dcp
 from moonrt.assemble import launched, parallel_runtime
 from moonrt.cluster.env import shutdown_distributed
 from moonrt.cluster.preempt import PREEMPTED_EXIT, Aborted
@@ -23,7 +24,8 @@ from moonrt.comm.parallelism import Parallelism, RoutingTrace
 from moonrt.config import ConfigError, from_dict, load_yaml, to_dict
 from moonrt.job import JobConfig
 from moonrt.models import presets
-from moonrt.train import CHECKPOINT, NothingToDo, Preempted, train
+from moonrt.outputs import has_checkpoint
+from moonrt.train import Diverged, NothingToDo, Preempted, train
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,13 +46,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "cross-document targets (data.pack_documents; not with --cp or --pp)")
     parser.add_argument("--eos-id", type=int, help="token id (byte value for a text --corpus) that ends each "
                         "document, for --pack-documents with --corpus (data.eos_id)")
-    parser.add_argument("--out", help="output dir for checkpoints and config.yaml (out_dir)")
+    parser.add_argument("--out", help="output dir for checkpoints and config.yaml (out_dir); one run at a time "
+                        "(OUT/.moonrt.lock)")
     parser.add_argument("--metrics", help="write JSON lines {step, loss, lr, tokens_per_s, ...} to this file")
     parser.add_argument("--resume", action="store_true", help="continue from OUT's newest checkpoint, "
                         "OUT/checkpoint.pt or the sharded OUT/checkpoint/ (the job config must match the "
                         "checkpoint's in every field that changes the trajectory; --steps may grow)")
     parser.add_argument("--resume-if-exists", action="store_true", help="--resume when OUT holds a checkpoint, "
-                        "else start a new run (for jobs that may be requeued: moonrt sbatch --requeue)")
+                        "else start a new run (for jobs that may be requeued: moonrt sbatch --requeue); an interrupted "
+                        "first sharded save of the same job counts as no checkpoint")
     parser.add_argument("--signal", help="stop signal besides SIGTERM and SIGINT, e.g. USR1: every rank finishes "
                         f"its step, checkpoints and exits with {PREEMPTED_EXIT} (stop_signal; default SIGTERM)")
     parser.add_argument("--resume-allow-changes", metavar="FIELDS", default="",
@@ -117,8 +121,7 @@ def run(args: argparse.Namespace) -> int:
         if allow and not (args.resume or args.resume_if_exists):
             raise ConfigError("--resume-allow-changes: expected together with --resume")
         job = job_from_args(args)
-        resume = args.resume or (args.resume_if_exists and any((Path(job.out_dir) / name).exists()
-                                                                for name in (CHECKPOINT, checkpoint_dcp.ROOT)))
+        resume = args.resume or (args.resume_if_exists and bool(job.out_dir) and has_checkpoint(Path(job.out_dir)))
         if job.parallel.world_size != 1 or launched():
             rt = parallel_runtime(job, progress=not args.no_progress)
         else:
@@ -127,7 +130,8 @@ def run(args: argparse.Namespace) -> int:
                 print("moonrt train: parallel.zero = 1 with one process: nothing to shard, ZeRO-1 is a no-op",
                       flush=True)
         summary = train(job, rt=rt, metrics_path=args.metrics, resume=resume, until=args.until,
-                        progress=not args.no_progress, resume_allow=allow)
+                        progress=not args.no_progress, resume_allow=allow,
+                        requeued=args.resume_if_exists and not resume)
     except NothingToDo as exc:
         print(f"moonrt train: {exc}", flush=True)
         return 0
@@ -135,6 +139,10 @@ def run(args: argparse.Namespace) -> int:
         if rt.is_main:
             print(f"moonrt train: {exc}", flush=True)
         return PREEMPTED_EXIT
+    except Diverged as exc:
+        if rt.is_main:
+            print(f"moonrt train: error: {exc}", file=sys.stderr, flush=True)
+        return 1
     except Aborted as exc:
         print(f"moonrt train: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code

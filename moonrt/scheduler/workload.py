@@ -25,7 +25,10 @@ multinomial overflow is redrawn onto experts with room.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import tempfile
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -204,7 +207,10 @@ def synthetic(kind: str = "lognormal", *, num_experts: int = 896, num_ranks: int
 
 def save_trace(path: str | Path, counts: np.ndarray, top_k: int, tokens_per_rank: np.ndarray | None = None,
                layer_ids: np.ndarray | None = None) -> None:
-    """Write a trace ``.npz`` (format in the module docstring)."""
+    """Write a trace ``.npz`` (format in the module docstring) to exactly ``path`` (no suffix added), whole: a
+    ``mkstemp`` temp file beside it, then renamed over ``path`` (a link at ``path`` is replaced, never written
+    through; on failure no temp file is left). Whether ``path`` may be replaced is the caller's decision
+    (``moonrt train`` refuses an existing file that is not its own trace before step 1)."""
     c = np.asarray(counts)
     if c.ndim != 4:
         raise ValueError(f"counts: shape {c.shape}, expected [steps, layers, R, E]")
@@ -213,7 +219,21 @@ def save_trace(path: str | Path, counts: np.ndarray, top_k: int, tokens_per_rank
         arrays["tokens_per_rank"] = np.asarray(tokens_per_rank)
     if layer_ids is not None:
         arrays["layer_ids"] = np.asarray(layer_ids)
-    np.savez_compressed(path, **arrays)
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez_compressed(f, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        mask = os.umask(0o022)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)  # what a plain open() would have made (mkstemp makes 0600)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def load_trace(path: str | Path) -> Workload:
