@@ -1,10 +1,16 @@
 """``moonrt checkpoint``: inspect, export and convert ``moonrt train`` checkpoints (job layer).
 
-- ``moonrt checkpoint info DIR [--json]``: step, the layout that wrote it (world, dp/pp/vpp/ep/cp, zero),
-  tensor count and bytes, and what each rank passed to DCP and wrote. DIR: ``OUT/checkpoint`` (its newest
-  committed step) or one ``step-N`` directory; a torn one (no ``moonrt.json``) is an error.
-- ``moonrt checkpoint export DIR FILE [--names hf|moonrt]``: the model weights as one single-process
-  ``safetensors`` file (no optimizer state), for use outside moonrt. Names (``--names hf``, the default)
+- ``moonrt checkpoint info PATH [--json] [--verify]``: step, the layout that wrote it (world, dp/pp/vpp/ep/cp,
+  zero), tensor count and bytes, and what each rank passed to DCP and wrote. PATH: ``OUT/checkpoint`` (its newest
+  committed step), one ``step-N`` directory (a torn one, no ``moonrt.json``, is an error), a ``checkpoint.pt``
+  file, or a run directory ``OUT``: then first which checkpoint ``--resume`` takes (the newer of
+  ``OUT/checkpoint.pt`` and ``OUT/checkpoint/``, :func:`moonrt.checkpoint_dcp.resume_state`) and that the other
+  is ignored. ``--verify``: every file against the sizes and CRC-32s in ``moonrt.json`` (markers written before
+  checksums: "not verified"), a ``.pt`` file's zip records against their CRC-32s.
+- ``moonrt checkpoint export DIR FILE [--names hf|moonrt] [--force]``: the model weights as one single-process
+  ``safetensors`` file (no optimizer state), for use outside moonrt. FILE must be new (``--force`` replaces a
+  user's file); a run's checkpoint is never written (the source, any ``checkpoint.pt``, a path inside a sharded
+  checkpoint), not even with ``--force``. Names (``--names hf``, the default)
   follow the Llama / DeepSeek-V3 convention where moonrt has the same tensor, see :data:`HF_RULES`:
 
   ======================================  ======================================================
@@ -31,11 +37,13 @@
   AttnRes queries). The file's ``__metadata__`` holds ``moonrt_names`` (JSON: every exported name -> its moonrt
   name, experts as ``name[e]``), the step and the model config, so :func:`from_hf` maps it back.
   ``--names moonrt`` writes the moonrt names and stacked experts unchanged.
-- ``moonrt checkpoint convert SRC DST``: ``checkpoint.pt`` -> a sharded directory (DST is the
-  ``OUT/checkpoint`` root; written in one process) or a sharded directory -> ``checkpoint.pt`` (DST a file);
-  AdamW and Muon jobs (``--optimizer muon``) alike.
+- ``moonrt checkpoint convert SRC DST [--force]``: ``checkpoint.pt`` -> a sharded directory (DST a new or empty
+  directory, used as the ``OUT/checkpoint`` root; written in one process) or a sharded directory -> a ``.pt``
+  file (DST new; ``--force`` replaces an existing one, never a ``checkpoint.pt`` or a file inside a sharded
+  checkpoint); AdamW and Muon jobs (``--optimizer muon``) alike.
 
-Bad input: one line on stderr naming the argument, exit 2.
+Bad input (a malformed or unsafe checkpoint included): one line on stderr naming the argument or file, exit 2,
+nothing written.
 """
 
 from __future__ import annotations
@@ -265,28 +273,31 @@ def _model_state(src: str) -> tuple[dict[str, Any], int, dict[str, Any]]:
 
 def _own_checkpoint(target: Path, src: Path) -> str | None:
     """Why writing ``target`` would overwrite a run's checkpoint (None if it would not): the source itself, a file
-    named ``checkpoint.pt``, or a path inside a sharded checkpoint (a step directory, or a root holding one)."""
-    from moonrt.checkpoint_dcp import MARKER, METADATA, STEP_DIR
-
-    def holds_step(d: Path) -> bool:
-        try:
-            return d.is_dir() and any(STEP_DIR.match(e.name) and (e / MARKER).is_file() for e in d.iterdir())
-        except OSError:  # an unreadable ancestor: holds nothing we can see
-            return False
+    named ``checkpoint.pt``, or a path inside a sharded checkpoint: a step directory (``step-N``, ``*.tmp``, or
+    one holding ``moonrt.json`` / ``.metadata``), SRC (a directory), or a root: a directory named ``checkpoint``
+    holding a ``step-N`` directory, as ``OUT/checkpoint`` is."""
+    from moonrt.checkpoint_dcp import MARKER, METADATA, ROOT, STEP_DIR
 
     def same(a: Path, b: Path) -> bool:
         return os.path.abspath(a) == os.path.abspath(b) or a.resolve() == b.resolve()
+
+    def is_root(d: Path) -> bool:
+        if src.is_dir() and same(d, src):
+            return True
+        try:
+            return d.name == ROOT and any(STEP_DIR.match(e.name) and e.is_dir() for e in d.iterdir())
+        except OSError:  # unreadable: nothing we can see is ours
+            return False
 
     if same(target, src):
         return "is SRC itself"
     if target.name == "checkpoint.pt":
         return "is named checkpoint.pt (a run's checkpoint)"
     for parent in {*Path(os.path.abspath(target)).parents, *target.resolve().parents}:
-        if same(parent, src):
-            return f"is inside SRC {str(src)!r}"
-        if (parent / MARKER).is_file() or (parent / METADATA).is_file() or STEP_DIR.match(parent.name):
+        if (parent / MARKER).is_file() or (parent / METADATA).is_file() or STEP_DIR.match(parent.name) or (
+                parent.name.endswith(".tmp") and parent.parent.name == ROOT):
             return f"is inside the sharded checkpoint {str(parent)!r}"
-        if holds_step(parent):
+        if is_root(parent):
             return f"is inside the sharded checkpoint root {str(parent)!r}"
     return None
 

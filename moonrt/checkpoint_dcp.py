@@ -5,7 +5,8 @@ Layout on disk (``OUT/checkpoint/``)::
     OUT/checkpoint/step-00000020/     one committed checkpoint (older ones are removed after a commit)
         .metadata                     DCP's index: every entry's global shape, dtype and saved chunks
         __<rank>_0.distcp             what each rank wrote (DCP's files, one per rank)
-        moonrt.json                   the commit marker: step, job config, layout, optimizer hyperparameters
+        moonrt.json                   the commit marker: step, job config, layout, optimizer hyperparameters,
+                                      every file's size and CRC-32 (``files``; absent in markers written before)
     OUT/checkpoint/step-00000030.tmp/ a save in progress or interrupted (never loaded)
 
 Entries (:mod:`moonrt.comm.dcp_state`): ``model.<name>`` for every single-process ``model.state_dict()`` entry
@@ -20,14 +21,20 @@ with ``--optimizer muon`` its AdamW-group parameters the same, its Muon paramete
 - **Atomic**: ranks write into ``step-N.tmp``; after DCP's collective finish (``.metadata`` written), rank 0
   writes ``moonrt.json`` (temp file, fsync, rename) and renames the directory to ``step-N``. Loading requires
   the marker: a ``.tmp`` directory or one without ``moonrt.json`` is refused, and ``OUT/checkpoint`` resolves
-  to its newest committed step, so an interrupted save leaves the previous checkpoint loadable.
+  to its newest committed step, so an interrupted save leaves the previous checkpoint loadable. A save that
+  fails (a rank's write: a full disk says "no space left on device in ROOT") removes its ``step-N.tmp``.
+- **Verified**: before a load every file is checked against the marker's sizes and CRC-32s (:func:`file_sum`;
+  the ranks of a load share the reading) and every entry of ``.metadata`` against its file's size, so a flipped
+  bit, a truncated shard or a missing ``.metadata`` is one :class:`CheckpointError` naming the file (DCP's
+  own logging of the failure is silenced); ``moonrt checkpoint info --verify`` runs the same check.
 - **Loading reshards** to any layout, one process included (DCP without a process group): each rank asks
   for the ranges its own tensors cover, DCP reads them from whichever saved chunks overlap; a range no saved
   chunk covers is an error (:class:`moonrt.comm.dcp_state.ShardLoadPlanner`).
 - **No pickled objects run**: tensor data is read with ``torch.load(weights_only=True)`` (DCP), the step and
   config live in ``moonrt.json``; DCP's ``.metadata`` is a pickle that torch 2.13 reads with plain
   ``pickle.load``, so it is read here with an allow-list unpickler (DCP metadata classes, ``torch.Size``,
-  dtypes) instead; non-tensor entries are refused.
+  dtypes) instead; non-tensor entries are refused, and so are entries stored outside the step directory (an
+  absolute path, ``..``, a symlink out: :func:`moonrt.comm.dcp_state.check_storage_paths`).
 
 Which format a job writes (:func:`use_sharded`): multi-rank jobs with AdamW or Muon write DCP; a single process
 keeps writing ``OUT/checkpoint.pt`` (it holds everything anyway, and the one file is what other tools read); other
@@ -530,10 +537,13 @@ def to_single_file(step_dir: str | Path) -> dict[str, Any]:
     from moonrt.optimizers import build_optimizer
 
     flat, marker = read_full(step_dir)
-    job = from_dict(JobConfig, marker["config"])
-    with torch.device("meta"):
-        model = build_model(job)
-    opt = build_optimizer(model, job.optim)
+    try:
+        job = from_dict(JobConfig, marker["config"])
+        with torch.device("meta"):
+            model = build_model(job)
+        opt = build_optimizer(model, job.optim)
+    except ValueError as exc:  # ConfigError: a config this moonrt does not build
+        raise CheckpointError(f"checkpoint {str(step_dir)!r}: {MARKER} config: {exc}") from None
     name_of = {id(p): n for n, p in model.named_parameters()}
     try:
         model_sd = {k: flat[f"model.{k}"] for k in model.state_dict()}
