@@ -319,7 +319,7 @@ def _target(flag: str, value: str, src: Path, force: bool, pt_ok: bool) -> str |
 
 
 def _export(args: argparse.Namespace) -> int:
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     from moonrt.checkpoint import publish
 
@@ -333,10 +333,16 @@ def _export(args: argparse.Namespace) -> int:
         tensors, back = {k: v.contiguous() for k, v in model.items()}, {k: k for k in model}
     meta = {"format": "pt", "moonrt_step": str(step), "moonrt_names": json.dumps(back),
             "moonrt_config": json.dumps(config)}
+    data = save(tensors, metadata=meta)
     fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent)  # a new file of ours
-    os.close(fd)
     try:
-        save_file(tensors, tmp, metadata=meta)
+        with os.fdopen(fd, "wb") as f:  # written through the descriptor: the name is never reopened
+            mask = os.umask(0o022)
+            os.umask(mask)
+            os.fchmod(f.fileno(), 0o666 & ~mask)  # the mode open() would give, not mkstemp's 0600
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
         publish(tmp, out, exclusive=not args.force)
     except FileExistsError:
         return _fail(f"FILE = {args.file!r}: the file exists; not overwritten (--force replaces it)")
