@@ -252,10 +252,10 @@ def save_sharded(root: Path, model: torch.nn.Module, opt: torch.optim.Optimizer,
     if rt.is_main:
         try:
             _commit(root, tmp, final, rows, step, job, opt)
-        except OSError as exc:
+        except Exception as exc:  # the other ranks wait for the verdict below: they must hear of any failure
             shutil.rmtree(tmp, ignore_errors=True)
-            why = (f"{_NO_SPACE[exc.errno]} in {root}" if exc.errno in _NO_SPACE
-                   else f"{tmp}: {exc.strerror or exc}")
+            why = (f"{_NO_SPACE[exc.errno]} in {root}" if isinstance(exc, OSError) and exc.errno in _NO_SPACE
+                   else f"{tmp}: {exc.strerror if isinstance(exc, OSError) and exc.strerror else _reason(exc)}")
             failed = [f"checkpoint write failed: {why}"]
     if multi:  # every rank learns whether rank 0 committed
         dist.broadcast_object_list(failed, src=0)
