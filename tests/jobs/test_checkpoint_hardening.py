@@ -187,6 +187,30 @@ def test_a_flipped_bit_in_a_shard_is_refused_naming_the_file(tmp_path: Path, cap
     assert "file __0_0.distcp is damaged" in _one_line(capsys)
 
 
+def test_resume_from_a_shard_with_a_flipped_bit_is_refused(tmp_path: Path, capsys: Any) -> None:
+    """The probe's case end to end: ``moonrt train --resume`` of a sharded checkpoint with one bit flipped in its
+    shard exits 2 naming the file (it resumed with rc 0 and one weight changed)."""
+    from test_train_hardening import _cli
+
+    assert cli(_cli(tmp_path, "run", "--steps", "3", "--until", "2")) == 0
+    run = tmp_path / "run"
+    assert cli(["checkpoint", "convert", str(run / "checkpoint.pt"), str(run / "checkpoint")]) == 0
+    state = checkpoint.load(run / "checkpoint.pt")
+    (run / "checkpoint.pt").unlink()  # the sharded checkpoint is what a 2-rank run leaves
+    step_dir = checkpoint_dcp.resolve(run / "checkpoint")
+    shard = next(step_dir.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    at = bytes(data).find(state["model"]["norm.weight"].numpy().tobytes())
+    assert at > 0
+    data[at + 1] ^= 0x01
+    shard.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert cli(_cli(tmp_path, "run", "--steps", "3", "--resume")) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"file {shard.name} is damaged" in err, err
+    assert sorted(p.name for p in step_dir.iterdir()) == sorted([".metadata", shard.name, "moonrt.json"])
+
+
 def test_a_truncated_shard_or_metadata_is_one_line_naming_the_file(tmp_path: Path, capsys: Any,
                                                                     caplog: Any) -> None:
     good = _sharded(tmp_path / "good" / "checkpoint")
