@@ -251,6 +251,39 @@ def test_a_marker_written_before_checksums_still_loads(tmp_path: Path, capsys: A
     assert "not verified (written before checksums)" in capsys.readouterr().out
 
 
+def _two_ranks_load_a_damaged_shard(rank: int, world: int, root: str) -> dict[str, Any]:
+    """2 ranks save (a replicated state: DCP splits the writing between them), one shard gets a flipped bit, both
+    ranks load: each must fail naming the file, whichever rank summed it."""
+    import torch.distributed as dist
+
+    rt = Parallelism(dp_rank=rank, dp_size=world, is_main=rank == 0)
+    model, opt = _linear(0, 64)
+    step_dir = checkpoint_dcp.save_sharded(Path(root), model, opt, 1, JobConfig(), rt)
+    files = sorted(checkpoint_dcp.read_marker(step_dir)["files"])
+    if rank == 0:
+        shard = step_dir / files[-1]  # the last data file: summed by the last rank of a 2-rank load
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x04
+        shard.write_bytes(bytes(data))
+    dist.barrier()
+    fresh, fresh_opt = _linear(5, 64)
+    try:
+        checkpoint_dcp.load_sharded(step_dir, fresh, fresh_opt, rt)
+        error = None
+    except CheckpointError as exc:
+        error = str(exc)
+    return {"files": files, "error": error}
+
+
+@pytest.mark.timeout(300)
+def test_every_rank_of_a_load_refuses_a_damaged_shard(tmp_path: Path) -> None:
+    got = dist_run(_two_ranks_load_a_damaged_shard, 2, str(tmp_path / "checkpoint"), timeout=240)
+    files = got[0]["files"]
+    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp"], files  # each rank's file summed by it
+    for r in got:
+        assert r["error"] is not None and f"file {files[-1]} is damaged" in r["error"], got
+
+
 # ---- 3. a full disk during a 2-rank save ---------------------------------------------------------------
 
 
