@@ -176,7 +176,7 @@ def _is_run_dir(path: Path) -> bool:
     return path.is_dir() and ((path / "checkpoint.pt").is_file() or (path / ROOT).is_dir())
 
 
-def _info_file(path: Path, args: argparse.Namespace) -> int:
+def _info_file(path: Path, args: argparse.Namespace, extra: dict[str, Any] | None = None) -> int:
     import zipfile
 
     from moonrt.checkpoint import load
@@ -192,8 +192,8 @@ def _info_file(path: Path, args: argparse.Namespace) -> int:
     cfg = state["config"]
     steps = cfg.get("optim", {}).get("steps") if isinstance(cfg.get("optim"), dict) else None
     if args.json:
-        print(json.dumps({"file": str(path), "step": state["step"], "model_tensors": n, "model_bytes": size,
-                          "optimizer_tensors": m, "optimizer_bytes": osize}, indent=1))
+        print(json.dumps({**(extra or {}), "file": str(path), "step": state["step"], "model_tensors": n,
+                          "model_bytes": size, "optimizer_tensors": m, "optimizer_bytes": osize}, indent=1))
         return 0
     print(f"checkpoint {path} (one file)")
     print(f"step {state['step']} of {steps}; model {cfg.get('model')}")
@@ -203,13 +203,14 @@ def _info_file(path: Path, args: argparse.Namespace) -> int:
     return 0
 
 
-def _info_dir(step_dir: Path, args: argparse.Namespace) -> int:
+def _info_dir(step_dir: Path, args: argparse.Namespace, extra: dict[str, Any] | None = None) -> int:
     from moonrt.checkpoint_dcp import read_marker, verify
 
     marker = read_marker(step_dir)
     checked = verify(step_dir) if args.verify else None
     if args.json:
-        print(json.dumps({"dir": str(step_dir), **{k: v for k, v in marker.items() if k != "config"}}, indent=1))
+        print(json.dumps({**(extra or {}), "dir": str(step_dir), **{k: v for k, v in marker.items()
+                                                                     if k != "config"}}, indent=1))
         return 0
     lay, ranks = marker["layout"], marker["ranks"]
     cfg = marker["config"]
@@ -242,21 +243,24 @@ def _info(args: argparse.Namespace) -> int:
         return _info_dir(resolve(path), args)
     src, state = resume_state(path)  # the rule --resume follows: the newer by step, the sharded one on a tie
     pt, root = path / "checkpoint.pt", path / ROOT
-    if src == pt:
-        other = None
-        if root.exists():
-            try:
-                step_dir = resolve(root)
-                other = f"{step_dir} (step {read_marker(step_dir)['step']}) is not newer: --resume ignores it"
-            except CheckpointError:
-                other = f"{root} holds no committed checkpoint: --resume ignores it"
-    else:
-        other = f"{pt} (step {load(pt)['step']}) is not newer: --resume ignores it" if pt.is_file() else None
+    other: tuple[Path, int | None] | None = None  # the checkpoint --resume ignores (step None: none committed)
+    if src == pt and root.exists():
+        try:
+            step_dir = resolve(root)
+            other = (step_dir, read_marker(step_dir)["step"])
+        except CheckpointError:
+            other = (root, None)
+    elif src != pt and pt.is_file():
+        other = (pt, load(pt)["step"])
+    extra = {"run": str(path), "resume_takes": str(src),
+             "ignored": None if other is None else {"path": str(other[0]), "step": other[1]}}
     if not args.json:
         print(f"run {path}: --resume takes {src} (step {state['step']})")
-        if other:
-            print(other)
-    return _info_file(src, args) if src == pt else _info_dir(src, args)
+        if other is not None and other[1] is None:
+            print(f"{other[0]} holds no committed checkpoint: --resume ignores it")
+        elif other is not None:
+            print(f"{other[0]} (step {other[1]}) is not newer: --resume ignores it")
+    return _info_file(src, args, extra) if src == pt else _info_dir(src, args, extra)
 
 
 def _model_state(src: str) -> tuple[dict[str, Any], int, dict[str, Any]]:

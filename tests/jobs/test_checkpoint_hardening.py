@@ -489,6 +489,10 @@ def test_info_on_a_run_directory_says_which_checkpoint_resume_takes(tmp_path: Pa
     assert f"{step_dir} (step 30) is not newer: --resume ignores it" in text, text
     assert checkpoint_dcp.resume_state(out)[0] == out / "checkpoint.pt"
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint", "checkpoint.pt"]  # nothing retired
+    assert cli(["checkpoint", "info", str(out), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["resume_takes"] == str(out / "checkpoint.pt") and got["step"] == 40, got
+    assert got["ignored"] == {"path": str(step_dir), "step": 30}, got
 
     assert cli(["checkpoint", "info", str(out / "checkpoint.pt"), "--verify"]) == 0  # a .pt file on its own
     text = capsys.readouterr().out
