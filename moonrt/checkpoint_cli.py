@@ -176,7 +176,8 @@ def _is_run_dir(path: Path) -> bool:
     return path.is_dir() and ((path / "checkpoint.pt").is_file() or (path / ROOT).is_dir())
 
 
-def _info_file(path: Path, args: argparse.Namespace, extra: dict[str, Any] | None = None) -> int:
+def _info_file(path: Path, args: argparse.Namespace, extra: dict[str, Any] | None = None,
+               lead: tuple[str, ...] = ()) -> int:
     import zipfile
 
     from moonrt.checkpoint import load
@@ -195,6 +196,8 @@ def _info_file(path: Path, args: argparse.Namespace, extra: dict[str, Any] | Non
         print(json.dumps({**(extra or {}), "file": str(path), "step": state["step"], "model_tensors": n,
                           "model_bytes": size, "optimizer_tensors": m, "optimizer_bytes": osize}, indent=1))
         return 0
+    for line in lead:
+        print(line)
     print(f"checkpoint {path} (one file)")
     print(f"step {state['step']} of {steps}; model {cfg.get('model')}")
     print(f"model {n} tensors, {_mb(size)}; optimizer {m} tensors, {_mb(osize)}")
@@ -203,7 +206,10 @@ def _info_file(path: Path, args: argparse.Namespace, extra: dict[str, Any] | Non
     return 0
 
 
-def _info_dir(step_dir: Path, args: argparse.Namespace, extra: dict[str, Any] | None = None) -> int:
+def _info_dir(step_dir: Path, args: argparse.Namespace, extra: dict[str, Any] | None = None,
+              lead: tuple[str, ...] = ()) -> int:
+    """Print a committed step directory (``extra``: more JSON fields, ``lead``: lines printed first, once it has
+    been read and verified)."""
     from moonrt.checkpoint_dcp import read_marker, verify
 
     marker = read_marker(step_dir)
@@ -214,6 +220,8 @@ def _info_dir(step_dir: Path, args: argparse.Namespace, extra: dict[str, Any] | 
         return 0
     lay, ranks = marker["layout"], marker["ranks"]
     cfg = marker["config"]
+    for line in lead:
+        print(line)
     print(f"checkpoint {step_dir} (committed)")
     model = cfg["model"] if cfg.get("model_config") is None else "custom"
     print(f"step {marker['step']} of {cfg['optim']['steps']}; model {model}")
@@ -254,13 +262,12 @@ def _info(args: argparse.Namespace) -> int:
         other = (pt, load(pt)["step"])
     extra = {"run": str(path), "resume_takes": str(src),
              "ignored": None if other is None else {"path": str(other[0]), "step": other[1]}}
-    if not args.json:
-        print(f"run {path}: --resume takes {src} (step {state['step']})")
-        if other is not None and other[1] is None:
-            print(f"{other[0]} holds no committed checkpoint: --resume ignores it")
-        elif other is not None:
-            print(f"{other[0]} (step {other[1]}) is not newer: --resume ignores it")
-    return _info_file(src, args, extra) if src == pt else _info_dir(src, args, extra)
+    lead = [f"run {path}: --resume takes {src} (step {state['step']})"]
+    if other is not None and other[1] is None:
+        lead.append(f"{other[0]} holds no committed checkpoint: --resume ignores it")
+    elif other is not None:
+        lead.append(f"{other[0]} (step {other[1]}) is not newer: --resume ignores it")
+    return (_info_file if src == pt else _info_dir)(src, args, extra, tuple(lead))
 
 
 def _model_state(src: str) -> tuple[dict[str, Any], int, dict[str, Any]]:
