@@ -227,6 +227,8 @@ def save_sharded(root: Path, model: torch.nn.Module, opt: torch.optim.Optimizer,
     tmp, final = root / f"{name}.tmp", root / name
     if rt.is_main:
         root.mkdir(parents=True, exist_ok=True)
+        if tmp.is_symlink():  # planted: DCP would write through it into the directory it names
+            tmp.unlink()
         shutil.rmtree(tmp, ignore_errors=True)
     if multi:
         dist.barrier()
@@ -291,7 +293,9 @@ def _commit(root: Path, tmp: Path, final: Path, rows: list[Any], step: int, job:
               "files": dict(sorted(files.items()))}
     _write_json(tmp / MARKER, marker)
     _fsync_dir(tmp)
-    if final.exists():
+    if final.is_symlink():
+        final.unlink()
+    elif final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
     _fsync_dir(root)

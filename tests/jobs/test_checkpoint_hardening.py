@@ -371,6 +371,19 @@ def test_no_space_during_a_two_rank_save_keeps_the_previous_step(tmp_path: Path,
             subprocess.run(["umount", str(disk)], check=False)
 
 
+def test_a_symlink_planted_at_the_save_directory_is_not_written_through(tmp_path: Path) -> None:
+    root, foreign = tmp_path / "checkpoint", tmp_path / "foreign"
+    foreign.mkdir()
+    _sharded(root, 1)
+    (root / "step-00000002.tmp").symlink_to(foreign)
+    (root / "step-00000003").symlink_to(foreign)
+    _sharded(root, 2)
+    step_dir = _sharded(root, 3)
+    assert list(foreign.iterdir()) == []
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000003"] and not step_dir.is_symlink()
+    assert checkpoint_dcp.verify(step_dir) == 2
+
+
 # ---- 4. a crafted .metadata cannot read outside the checkpoint -----------------------------------------------
 
 
