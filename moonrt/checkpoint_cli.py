@@ -373,7 +373,7 @@ def _convert(args: argparse.Namespace) -> int:
     if src.is_dir():
         if refused := _target("DST", args.dst, src, args.force, pt_ok=True):
             return _fail(refused)
-        save(dst, to_single_file(src), exclusive=not args.force)
+        save(dst, to_single_file(src), exclusive=not args.force or dst.name == "checkpoint.pt")  # a new one only
         print(f"wrote {dst}")
         return 0
     if dst.exists() and not dst.is_dir():
