@@ -18,8 +18,11 @@ A checkpoint is one ``torch.save`` archive holding only tensors, dicts, lists an
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import pickle
+import re
+import shutil
 import tempfile
 import zipfile
 from collections.abc import Iterable, Mapping
@@ -58,10 +61,12 @@ def load(path: str | Path) -> dict[str, Any]:
                               "central directory: truncated, or another format)")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        reason = next((line.strip() for line in str(exc).splitlines() if "GLOBAL" in line or "Unsupported" in line),
-                      "holds an object other than tensors, dicts, lists and numbers")
-        raise CheckpointError(f"checkpoint {str(path)!r}: refused to load (weights_only=True): {reason}") from None
+    except pickle.UnpicklingError as exc:  # torch's message would advise allow-listing the global: never that
+        found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        what = f" (it names {found.group(1)})" if found else ""
+        raise CheckpointError(f"checkpoint {str(path)!r}: refused to load (weights_only=True): the file holds "
+                              f"objects other than tensors and plain containers{what}; moonrt loads no such "
+                              "file") from None
     except (RuntimeError, EOFError, OSError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise CheckpointError(f"checkpoint {str(path)!r}: unreadable: {first}") from None
@@ -71,6 +76,15 @@ def load(path: str | Path) -> dict[str, Any]:
                               "(a file written by moonrt train)")
     if not isinstance(state["step"], int) or state["step"] < 0:
         raise CheckpointError(f"checkpoint {str(path)!r}: step = {state['step']!r}; expected an integer >= 0")
+    for key in ("model", "optimizer", "config"):
+        if not isinstance(state[key], dict):
+            raise CheckpointError(f"checkpoint {str(path)!r}: {key} is a {type(state[key]).__name__}; expected a "
+                                  "dict (a file written by moonrt train)")
+    bad = next((k for k, v in state["model"].items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)),
+               None)
+    if bad is not None:
+        raise CheckpointError(f"checkpoint {str(path)!r}: model entry {bad!r} is a "
+                              f"{type(state['model'][bad]).__name__}; expected a tensor")
     return state
 
 
@@ -94,8 +108,34 @@ class _Sink:
         self.f.flush()
 
 
-def save(path: str | Path, state: Mapping[str, Any]) -> None:
-    """Atomically write ``state`` to ``path``: exclusive temp file beside it, fsync, rename.
+def publish(tmp: str | Path, path: Path, exclusive: bool) -> None:
+    """Move the complete file ``tmp`` to ``path``: ``os.replace`` (an existing ``path`` replaced atomically), or
+    with ``exclusive`` a hard link that fails on an existing ``path`` (``FileExistsError``: nothing of ``path``
+    touched), then ``tmp`` unlinked. A file system without hard links gets an ``open(path, "xb")`` copy."""
+    if not exclusive:
+        os.replace(tmp, path)
+        return
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        raise
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
+            raise
+        with open(tmp, "rb") as src, open(path, "xb") as dst:
+            try:
+                shutil.copyfileobj(src, dst, 1 << 22)
+                dst.flush()
+                os.fsync(dst.fileno())
+            except BaseException:
+                os.unlink(path)  # created by this open: ours
+                raise
+    os.unlink(tmp)
+
+
+def save(path: str | Path, state: Mapping[str, Any], exclusive: bool = False) -> None:
+    """Atomically write ``state`` to ``path``: exclusive temp file beside it, fsync, rename (:func:`publish`;
+    ``exclusive``: an existing ``path`` is refused and left as it is).
 
     On any failure the temp file is removed, the previous ``path`` is untouched and a
     :class:`CheckpointError` ``"checkpoint write failed: <path>: <reason>"`` is raised.
@@ -112,8 +152,10 @@ def save(path: str | Path, state: Mapping[str, Any]) -> None:
                 raise (sink.error or raised_abort() or exc) from None
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        publish(tmp, path, exclusive)
         tmp = None
+    except FileExistsError:
+        raise CheckpointError(f"checkpoint write refused: {path}: the file exists (not overwritten)") from None
     except (OSError, RuntimeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0]
         raise CheckpointError(f"checkpoint write failed: {path}: {reason}") from None

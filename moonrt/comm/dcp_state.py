@@ -30,16 +30,21 @@ part's ``load_sharded_state_dict`` finishes (step counts into the optimizer). :c
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import math
+import os
 import pickle
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -226,19 +231,86 @@ def read_metadata_safely(data: bytes) -> Metadata:
     return md
 
 
+def check_storage_paths(md: Metadata, directory: str | os.PathLike[str]) -> None:
+    """Refuse a ``.metadata`` whose entries are stored outside ``directory``: every ``storage_data`` entry's
+    ``relative_path`` must be a plain relative file name (not absolute, no ``..`` part) that resolves, symlinks
+    followed, to a path inside ``directory`` (DCP joins it to the directory, and an absolute path would replace
+    the directory: a crafted index could make a load read any file). ``ValueError`` naming the entry."""
+    storage = md.storage_data
+    if not isinstance(storage, dict):
+        raise ValueError(f"storage_data is a {type(storage).__name__}, expected a mapping of entries to files")
+    root = os.path.realpath(directory)
+    for index, info in storage.items():
+        name = index.fqn if isinstance(index, MetadataIndex) else repr(index)
+        rel = getattr(info, "relative_path", None)
+        if not isinstance(rel, str) or not rel:
+            raise ValueError(f"checkpoint entry {name!r}: stored in {rel!r}, expected a file name")
+        parts = rel.replace("\\", "/").split("/")
+        real = os.path.realpath(os.path.join(root, rel))
+        if os.path.isabs(rel) or ".." in parts or os.path.commonpath([root, real]) != root or real == root:
+            raise ValueError(f"checkpoint entry {name!r}: stored in {rel!r}, outside the checkpoint directory "
+                             "(refused: a checkpoint reads only its own files)")
+
+
 class SafeReader(FileSystemReader):
-    """DCP's file-system reader with :func:`read_metadata_safely` for the pickled ``.metadata`` file
-    (the tensor data files DCP reads with ``torch.load(weights_only=True)`` already)."""
+    """DCP's file-system reader with :func:`read_metadata_safely` for the pickled ``.metadata`` file (the tensor
+    data files DCP reads with ``torch.load(weights_only=True)`` already) and :func:`check_storage_paths` (every
+    entry read from a file of this directory)."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         from torch.distributed.checkpoint.metadata import StorageMeta
 
         with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
             md = read_metadata_safely(f.read())
+        check_storage_paths(md, self.path)
         if getattr(md, "storage_meta", None) is None:
             md.storage_meta = StorageMeta()
         md.storage_meta.load_id = self.load_id
         return md
+
+
+class _Stream:
+    """A written file that keeps the ``OSError`` of a failed write (a full disk, a quota), which torch's zip
+    writer turns into ``RuntimeError("... unexpected pos ...")``; everything else is the file's."""
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.f, name)
+
+
+class _ErrnoFileSystem(FileSystem):
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
+        with super().create_stream(path, mode) as f:
+            if "r" in mode:
+                yield f
+                return
+            stream = _Stream(f)
+            try:
+                yield stream
+            except RuntimeError:
+                if stream.error is not None:  # the write's own error (ENOSPC, EDQUOT, EIO), errno kept
+                    raise stream.error from None
+                raise
+
+
+class SafeWriter(FileSystemWriter):
+    """DCP's file-system writer whose failed writes raise the ``OSError`` itself (with its ``errno``: the caller can
+    say "no space left on device"), not torch's "unexpected pos"."""
+
+    def __init__(self, path: str | os.PathLike[str] | Path, **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        self.fs = _ErrnoFileSystem()
 
 
 # ---- the single-process layout (the default of Parallelism and of the parts' unsharded parameters) ----------
@@ -319,6 +391,6 @@ def finish_local_load(model: nn.Module, optim: torch.optim.Optimizer, state: dic
             optim.state[p] = {"step": torch.tensor(step, dtype=scalar), **moments}
 
 
-__all__ = ["MOMENTS", "MOMENTUM", "Boxes", "SafeReader", "Shard", "ShardLoadPlanner", "ShardSavePlanner",
+__all__ = ["MOMENTS", "MOMENTUM", "Boxes", "SafeReader", "SafeWriter", "Shard", "ShardLoadPlanner", "ShardSavePlanner",
            "entry_bytes", "finish_local_load", "flat_shard", "local_state", "model_entries", "optim_entries",
-           "read_metadata_safely"]
+           "check_storage_paths", "read_metadata_safely"]
