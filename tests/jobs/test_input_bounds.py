@@ -1,0 +1,141 @@
+"""The job CLIs against unbounded or out-of-range input (issue 28): ``moonrt train`` / ``moonrt sbatch`` with a YAML
+alias bomb or deep nesting, numeric flags out of range (``--threads 5000``, ``--batch-size 1000000000``, ``--lr
+inf``, ``--seed -1``, a seed past int64), the text corpus memory-mapped, not read whole, and the outputs of
+``mem-plan`` / ``pp-plan`` / ``ep-sim`` created exclusively (``--force`` to replace, never through a symlink).
+
+Every refusal is one line on stderr naming the field or flag, exit 2, before any work: nothing is written. Cases
+that crashed or ran away before the fix (a segfault, an allocation of a terabyte, an exponential repr) run in a
+subprocess under an address-space limit, so the old behaviour fails the test instead of the test process.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from moonrt.cli import main
+
+# Runs `moonrt.cli.main(argv)` after importing the command's module (torch included), with the address space
+# limited to what the process holds then plus 1 GiB: a command that tries to build gigabytes fails fast (MemoryError)
+# rather than swapping the machine; a normal refusal needs a few MiB.
+LIMITED = textwrap.dedent("""
+    import importlib, resource, sys
+    from moonrt.cli import COMMANDS, main
+    importlib.import_module(COMMANDS[sys.argv[1]][0])
+    with open("/proc/self/status") as f:
+        vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 30), vm + (1 << 30)))
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+def run_limited(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess:
+    # the timeout only guards against a hang (the old sbatch); a refusal takes seconds
+    return subprocess.run([sys.executable, "-c", LIMITED, *argv], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600)
+
+
+def one_line(err: str, prefix: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith(prefix), err
+    return lines[0]
+
+
+def corpus(tmp_path: Path) -> Path:
+    path = tmp_path / "corpus.txt"
+    if not path.exists():
+        path.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(400)))
+    return path
+
+
+def train_args(tmp_path: Path, *extra: str) -> list[str]:
+    return ["train", "--corpus", str(corpus(tmp_path)), "--batch-size", "2", "--seq-len", "16", "--steps", "1",
+            "--out", str(tmp_path / "out"), "--no-progress", *extra]
+
+
+def alias_bomb(levels: int = 9) -> str:
+    """A "billion laughs" list: 9**levels strings once expanded, under 500 bytes written."""
+    items = ["&a0 [" + ",".join(['"lol"'] * 9) + "]"]
+    items += [f"&a{i} [" + ",".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, levels)]
+    return "[" + ", ".join(items) + "]"
+
+
+# ---- 1. bounded YAML ----------------------------------------------------------------------------------------------
+
+def test_train_config_alias_bomb_is_one_line(tmp_path):
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(f"optim:\n  muon_adamw_modules: {alias_bomb()}\n")
+    res = run_limited(tmp_path, *train_args(tmp_path, "--config", str(bomb)))
+    assert res.returncode == 2, res.stderr[-2000:]
+    line = one_line(res.stderr, "moonrt train: error: config file ")
+    assert str(bomb) in line and "YAML_MAX_NODES" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_sbatch_config_alias_bomb_does_not_hang(tmp_path):
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(f"parallel:\n  dp: {alias_bomb()}\n")
+    script = tmp_path / "job.sbatch"
+    res = run_limited(tmp_path, "sbatch", "--nodes", "1", "--ntasks-per-node", "1", "--config", str(bomb),
+                      "--output", str(script), "--", "true")
+    assert res.returncode == 2, res.stderr[-2000:]
+    line = one_line(res.stderr, "moonrt sbatch: config file ")
+    assert str(bomb) in line and "YAML_MAX_NODES" in line
+    assert not script.exists()
+
+
+def test_train_config_deep_nesting_is_one_line(tmp_path, capsys):
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("optim:\n  seed: " + "[" * 5000 + "]" * 5000 + "\n")
+    assert main(train_args(tmp_path, "--config", str(deep))) == 2
+    line = one_line(capsys.readouterr().err, "moonrt train: error: config file ")
+    assert str(deep) in line and "YAML_MAX_DEPTH" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_sbatch_config_deep_nesting_is_one_line(tmp_path, capsys):
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("parallel:\n  dp: " + "[" * 5000 + "]" * 5000 + "\n")
+    script = tmp_path / "job.sbatch"
+    assert main(["sbatch", "--nodes", "1", "--ntasks-per-node", "1", "--config", str(deep), "--output", str(script),
+                 "--", "true"]) == 2
+    assert "YAML_MAX_DEPTH" in one_line(capsys.readouterr().err, "moonrt sbatch: config file ")
+    assert not script.exists()
+
+
+# ---- 2. numeric flags range-checked before any work, naming the field --------------------------------------------
+
+def test_threads_5000_refused_not_a_segfault(tmp_path):
+    res = run_limited(tmp_path, *train_args(tmp_path, "--threads", "5000"))
+    assert res.returncode == 2, (res.returncode, res.stderr[-2000:])
+    line = one_line(res.stderr, "moonrt train: error: threads = 5000: expected an integer in [0, 1024]")
+    assert "0 = torch default" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_batch_size_beyond_physical_memory_refused_before_allocating(tmp_path):
+    res = run_limited(tmp_path, *train_args(tmp_path, "--batch-size", "1000000000"))
+    assert res.returncode == 2, (res.returncode, res.stderr[-2000:])
+    line = one_line(res.stderr, "moonrt train: error: optim.batch_size = 1000000000: expected batch_size x "
+                                "(seq_len + 1) x 8 bytes")
+    assert f"= {10**9 * 17 * 8} bytes) <= this host's physical memory (" in line
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (("--lr", "inf"), "optim.lr = inf: expected a finite number"),
+    (("--lr", "nan"), "optim.lr = nan: expected a finite number"),
+    (("--lr", "-1"), "optim.lr = -1.0: expected a finite number > 0"),
+    (("--seed", "-1"), "optim.seed = -1: expected an integer in [0, 9223372036854775807]"),
+    (("--seed", str(2**70)), f"optim.seed = {2**70}: expected an integer in [0, 9223372036854775807]"),
+    (("--steps", str(2**63)), f"optim.steps = {2**63}: expected an integer <= 9223372036854775807"),
+])
+def test_numeric_flags_refused_naming_the_field(tmp_path, capsys, flags, message):
+    assert main(train_args(tmp_path, *flags)) == 2
+    one_line(capsys.readouterr().err, f"moonrt train: error: {message}")
+    assert not (tmp_path / "out").exists()
