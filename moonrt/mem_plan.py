@@ -20,7 +20,7 @@ from moonrt.config import ParallelConfig
 from moonrt.memory.model_memory import JobLayout
 from moonrt.memory.plan import Hardware, plan_memory
 from moonrt.memory.plan_report import plan_json, plot, table
-from moonrt.models import presets
+from moonrt.models import ModelSpec, presets
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -31,11 +31,11 @@ def dtype_bytes(dtype: str) -> int:
         raise ValueError(f"dtype = {dtype!r}: expected 'bf16' or 'fp32'") from None
 
 
-def default_dtype() -> str:
-    """The runtime's training dtype on this machine: bf16 with a CUDA device, else fp32."""
-    import torch
-
-    return "bf16" if torch.cuda.is_available() else "fp32"
+def default_dtype(spec: ModelSpec, preset: str) -> str:
+    """The dtype preset ``preset`` of ``spec`` is trained in (:attr:`ModelSpec.train_dtype`): what a plan assumes
+    without ``--dtype``, whatever machine plans it (the planning machine's own dtype, fp32 on a CPU laptop, planned K3
+    at twice its real parameter and activation bytes)."""
+    return spec.train_dtype.get(preset, "fp32")
 
 
 OPTIM_STATE_BYTES = {"muon": 4 + 4, "adamw": 4 + 2 * 4}
@@ -69,8 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g("--shard-grads", action="store_true",
       help="fp32 gradients sharded like the optimizer states (K3_SYSTEMS §10), else full per rank")
     g("--dtype", choices=["bf16", "fp32"], default=None,
-      help="training dtype of activations and parameters (default: the runtime's on this machine, bf16 with a GPU, "
-      "fp32 on CPU)")
+      help="training dtype of activations and parameters (default: the model's training dtype, printed in the "
+      "plan header: bf16 for k3, fp32 for k3_tiny)")
     g("--profile", choices=["analytic", "traced"], default="analytic",
       help="activation profile: analytic (per-term formulas of moonrt's K3 layers, docs/MEMORY_MODEL.md) or "
       "traced (build each layer kind at the model's widths, measure a few tokens under the activation manager, "
@@ -151,7 +151,8 @@ def run(args: argparse.Namespace) -> int:
         return _fail(bad)
     spec = models[args.model]
     cfg = spec.presets[args.model]()
-    dtype = args.dtype or default_dtype()
+    dtype = args.dtype or default_dtype(spec, args.model)
+    source = "--dtype" if args.dtype else "training dtype"
     ab = dtype_bytes(dtype)
     par = ParallelConfig(dp=args.dp, pp=args.pp, vpp=args.vpp, ep=args.ep, cp=args.cp, schedule=args.schedule,
                          microbatches=args.microbatches)
@@ -184,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
             p = plan_memory(cfg, layout, sizes, hw, profile=profile, solver=args.solver)
         except ValueError as exc:
             return _fail(str(exc))
-        print(f"== {args.model} {dtype}: dp={par.dp} pp={par.pp} vpp={par.vpp} ep={par.ep} cp={par.cp} "
+        print(f"== {args.model} {dtype} ({source}): dp={par.dp} pp={par.pp} vpp={par.vpp} ep={par.ep} cp={par.cp} "
               f"seq={layout.seq_len} mbs={layout.micro_batch_size} m={par.microbatches} {par.pipeline_schedule}; "
               f"{layout.tokens()} tokens/rank/micro-batch; {args.profile} profile{attention}; budget {b:g} GiB "
               f"(reserve {hw.reserve_gib:g} GiB)")

@@ -139,3 +139,23 @@ def test_numeric_flags_refused_naming_the_field(tmp_path, capsys, flags, message
     assert main(train_args(tmp_path, *flags)) == 2
     one_line(capsys.readouterr().err, f"moonrt train: error: {message}")
     assert not (tmp_path / "out").exists()
+
+
+# ---- 3. mem-plan plans in the model's training dtype -------------------------------------------------------------
+
+def test_mem_plan_k3_defaults_plan_in_bf16_on_any_machine(capsys):
+    """K3 trains in bf16: with the default flags, 80 GiB needs 109.2 GiB and 141 GiB fits (the README's figures),
+    not the planning machine's dtype (fp32 on a CPU: 188.5 GiB)."""
+    assert main(["mem-plan"]) == 1  # 80 GiB does not fit
+    out = capsys.readouterr().out
+    headers = [line for line in out.splitlines() if line.startswith("== ")]
+    assert len(headers) == 2 and all(h.startswith("== k3 bf16 (training dtype): ") for h in headers), headers
+    assert "does not fit 80 GiB: minimum budget 109.2 GiB" in out and "fits 141 GiB" in out
+    assert main(["mem-plan", "--dtype", "fp32", "--budget-gib", "141"]) == 1
+    assert "== k3 fp32 (--dtype): " in capsys.readouterr().out
+
+
+def test_mem_plan_k3_tiny_defaults_to_fp32(capsys):
+    assert main(["mem-plan", "--model", "k3_tiny", "--pp", "2", "--ep", "1", "--cp", "1", "--vpp", "1", "--schedule",
+                 "1f1b", "--seq-len", "4096", "--microbatches", "8", "--budget-gib", "1"]) == 0
+    assert "== k3_tiny fp32 (training dtype): " in capsys.readouterr().out
