@@ -159,3 +159,55 @@ def test_mem_plan_k3_tiny_defaults_to_fp32(capsys):
     assert main(["mem-plan", "--model", "k3_tiny", "--pp", "2", "--ep", "1", "--cp", "1", "--vpp", "1", "--schedule",
                  "1f1b", "--seq-len", "4096", "--microbatches", "8", "--budget-gib", "1"]) == 0
     assert "== k3_tiny fp32 (training dtype): " in capsys.readouterr().out
+
+
+# ---- 4. a text corpus is memory-mapped, not read whole -----------------------------------------------------------
+
+def test_text_corpus_same_tokens_and_split_as_reading_it_whole(tmp_path, monkeypatch):
+    import numpy as np
+
+    from moonrt import data
+
+    path = tmp_path / "c.txt"
+    path.write_text("".join(f"doc {i}: {'é' * (i % 5)} text\n" for i in range(500)))
+    whole = np.fromfile(path, dtype=np.uint8)  # the old reading
+    cut = len(whole) - max(1, int(len(whole) * 0.05))
+    monkeypatch.setattr(data, "CHUNK_TOKENS", 7)  # many chunks in the whole-corpus passes
+    c = data.load_corpus(str(path), None, 256, 0.05, eos_id=ord("\n"))
+    assert isinstance(c.train, np.memmap) and isinstance(c.heldout, np.memmap)
+    assert np.array_equal(c.train, whole[:cut]) and np.array_equal(c.heldout, whole[cut:])
+    for split, docs in ((whole[:cut], c.train_docs), (whole[cut:], c.heldout_docs)):
+        ends = np.flatnonzero(split == ord("\n")) + 1
+        assert np.array_equal(docs, np.concatenate([[0], ends[ends < len(split)]]))
+    counts = np.bincount(whole[cut:], minlength=256)
+    p = counts[counts > 0] / counts.sum()
+    assert data.unigram_entropy(c.heldout, 256) == pytest.approx(float(-(p * np.log(p)).sum()), rel=1e-12)
+    assert np.array_equal(data.global_batch(c.train, 3, 5, 4, 16),
+                          data.global_batch(whole[:cut], 3, 5, 4, 16))
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    assert len(data.text_corpus(empty).train) == 0  # refused later by the length check, as before
+
+
+MAPPED = textwrap.dedent("""
+    import resource, sys
+    from moonrt import data
+    with open("/proc/self/status") as f:
+        used = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmData:"))
+    # private memory (heap, anonymous maps) limited to what the process holds plus 128 MiB: the corpus below is
+    # 384 MiB, so reading it whole fails; a read-only file mapping does not count against RLIMIT_DATA
+    resource.setrlimit(resource.RLIMIT_DATA, (used + (128 << 20),) * 2)
+    c = data.load_corpus(sys.argv[1], None, 256, 0.05, eos_id=10)
+    batch = data.global_batch(c.train, 0, 0, 8, 128)
+    data.eval_windows(c.heldout, 32, 128)
+    print(len(c.train) + len(c.heldout), batch.shape, data.unigram_entropy(c.heldout, 256))
+""")
+
+
+def test_text_corpus_larger_than_allowed_memory_loads(tmp_path):
+    big = tmp_path / "big.txt"
+    with open(big, "wb") as f:  # sparse: 384 MiB of zero bytes that take no disk
+        f.truncate(384 << 20)
+    res = subprocess.run([sys.executable, "-c", MAPPED, str(big)], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split()[:3] == [str(384 << 20), "(8,", "129)"]
