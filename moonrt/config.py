@@ -12,6 +12,8 @@ machinery shared by all of them:
   thousands of nested brackets) is one :class:`ConfigError` line, never unbounded memory or a RecursionError.
 - A dataclass may define ``validate(self)`` that raises :class:`ConfigError` (via :func:`check`)
   for cross-field constraints; it runs after the tree is built, children first.
+- :func:`write_new` / :func:`existing_outputs`: how every command creates its output files (exclusively, never
+  through a symlink, replaced only when the user passes ``--force``); here because every layer may import this leaf.
 
 It also defines the configs every runtime part shares: :class:`ParallelConfig` (the degrees of a
 job's parallel dimensions) and :class:`DistConfig` (how torch.distributed is initialized).
@@ -26,8 +28,9 @@ import os
 import reprlib
 import tempfile
 import types
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import Any, BinaryIO, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
@@ -359,6 +362,46 @@ def save_yaml(obj: Any, path: str | Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Output files
+
+
+def existing_outputs(paths: Iterable[str | Path]) -> list[Path]:
+    """Those of ``paths`` that exist, as anything (a file, a directory, a symlink, dangling or not): what a command
+    refuses before any work unless ``--force``."""
+    return [Path(p) for p in paths if os.path.lexists(p)]
+
+
+def write_new(path: str | Path, content: bytes | str | Callable[[BinaryIO], None], *, force: bool = False) -> None:
+    """Create the file ``path`` with ``content`` (bytes, text as UTF-8, or a function writing to the open binary
+    file, e.g. ``lambda f: fig.savefig(f, format="png")``).
+
+    Without ``force`` the file is created exclusively (``O_CREAT | O_EXCL | O_NOFOLLOW``): anything already at
+    ``path``, a symlink included, raises :class:`FileExistsError` and is left as it is. With ``force`` the content
+    goes to a new temp file (``mkstemp``) beside it, renamed over ``path``: an existing file is replaced whole, a
+    symlink there is replaced itself, never written through. A failed write removes only the file it created."""
+    path = Path(path)
+    if force:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        os.fchmod(fd, 0o666 & ~_umask())
+        made = Path(tmp)
+    else:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        made = path
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if callable(content):
+                content(f)
+            else:
+                f.write(content.encode() if isinstance(content, str) else content)
+        if force:
+            os.replace(made, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(made)
+        raise
+
+
+# ---------------------------------------------------------------------------------------------
 # Shared runtime configs
 
 
@@ -477,7 +520,12 @@ __all__ = [
     "MAX_TIMEOUT_S",
     "PIPELINE_SCHEDULES",
     "ParallelConfig",
+    "YAML_MAX_ALIASES",
+    "YAML_MAX_BYTES",
+    "YAML_MAX_DEPTH",
+    "YAML_MAX_NODES",
     "check",
+    "existing_outputs",
     "from_dict",
     "load_yaml",
     "parse_yaml",
@@ -487,4 +535,5 @@ __all__ = [
     "show",
     "to_dict",
     "validate",
+    "write_new",
 ]

@@ -4,7 +4,8 @@ A job: it looks the model up in the registry (:mod:`moonrt.models`: preset confi
 activation profile) and hands that description to the model-agnostic planner (:mod:`moonrt.memory.plan`).
 
 Every flag is checked before any work: a bad value is one line on stderr naming the flag, the value
-and what was expected, exit 2 (an unwritable ``--out`` included). Exit 1 when a budget does not fit.
+and what was expected, exit 2 (an unwritable ``--out`` included, and output files that exist already: each is
+created exclusively, never through a symlink, replaced only with ``--force``). Exit 1 when a budget does not fit.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from moonrt.config import ParallelConfig
+from moonrt.config import ParallelConfig, existing_outputs, write_new
 from moonrt.memory.model_memory import JobLayout
 from moonrt.memory.plan import Hardware, plan_memory
 from moonrt.memory.plan_report import plan_json, plot, table
@@ -97,7 +98,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       "recompute cost (default 400)")
     g("--solver", default="highs", choices=["highs", "greedy"], help="ILP with PuLP + HiGHS, or the greedy "
       "fallback (local tiers only; default highs)")
-    g("--out", default="", help="directory for per-budget policy YAMLs, plan JSON and PNG (created if missing)")
+    g("--out", default="", help="directory for per-budget policy YAMLs, plan JSON and PNG (created if missing; "
+      "existing files in it are refused unless --force)")
+    g("--force", action="store_true", help="replace existing output files under --out (default: refuse them, exit 2)")
 
 
 def _fail(msg: str) -> int:
@@ -137,6 +140,12 @@ def _check_args(args: argparse.Namespace) -> str | None:
                 pass
         except OSError as exc:
             return f"--out = {args.out!r}: expected a writable directory ({exc.strerror or exc})"
+        if not args.force:
+            names = ["plan.json", "plan.png", *(f"policy_rank{r}.yaml" for r in range(args.pp))]
+            found = existing_outputs(out / f"budget{b:g}" / n for b in args.budget_gib for n in names)
+            if found:
+                return (f"--out = {args.out!r}: {found[0]} exists; expected new output files (--force replaces "
+                        "them)")
     return None
 
 
@@ -199,12 +208,12 @@ def run(args: argparse.Namespace) -> int:
             d = out / f"budget{b:g}"
             try:
                 d.mkdir(parents=True, exist_ok=True)
-                (d / "plan.json").write_text(json.dumps(plan_json(p), indent=1, default=str))
-                plot(p, d / "plan.png")
+                write_new(d / "plan.json", json.dumps(plan_json(p), indent=1, default=str), force=args.force)
+                write_new(d / "plan.png", lambda f, p=p: plot(p, f), force=args.force)
                 if p.feasible:
                     for r in p.ranks:
-                        (d / f"policy_rank{r.rank}.yaml").write_text(yaml.safe_dump(spec.memory_policy(r),
-                                                                                    sort_keys=False))
+                        write_new(d / f"policy_rank{r.rank}.yaml", yaml.safe_dump(spec.memory_policy(r),
+                                                                                  sort_keys=False), force=args.force)
             except OSError as exc:
                 return _fail(f"--out = {args.out!r}: cannot write {d}: {exc.strerror or exc}")
             print(f"wrote {d}/ (plan.json, plan.png{', policy_rank*.yaml' if p.feasible else ''})")

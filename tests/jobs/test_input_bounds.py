@@ -211,3 +211,65 @@ def test_text_corpus_larger_than_allowed_memory_loads(tmp_path):
     res = subprocess.run([sys.executable, "-c", MAPPED, str(big)], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.split()[:3] == [str(384 << 20), "(8,", "129)"]
+
+
+# ---- 5. outputs of mem-plan, pp-plan, ep-sim created exclusively --------------------------------------------------
+
+MEM_PLAN = ["mem-plan", "--model", "k3_tiny", "--pp", "2", "--ep", "1", "--cp", "1", "--vpp", "1", "--schedule",
+            "1f1b", "--seq-len", "4096", "--microbatches", "8", "--budget-gib", "1"]
+PP_PLAN = ["pp-plan", "--model", "k3_tiny", "--pp", "2", "--microbatches", "4"]
+EP_SIM = ["ep-sim", "--experts", "32", "--ranks", "4", "--top-k", "4", "--tokens", "64", "--steps", "4", "--layers",
+          "2", "--quiet"]
+
+
+def _commands(tmp_path: Path) -> dict[str, tuple[list[str], list[Path]]]:
+    """command -> (argv writing into tmp_path/out, the files it writes there)."""
+    out = tmp_path / "out"
+    mp = out / "budget1"
+    return {
+        "mem-plan": ([*MEM_PLAN, "--out", str(out)],
+                     [mp / "plan.json", mp / "plan.png", mp / "policy_rank0.yaml", mp / "policy_rank1.yaml"]),
+        "pp-plan": ([*PP_PLAN, "--out", str(out), "--json", str(tmp_path / "plan.json")],
+                    [out / "plan.json", out / "timeline.png", tmp_path / "plan.json"]),
+        "ep-sim": ([*EP_SIM, "--out", str(out)], [out / "summary.json", out / "ep_sim.png"]),
+    }
+
+
+@pytest.mark.parametrize("command", ["mem-plan", "pp-plan", "ep-sim"])
+def test_outputs_refuse_existing_files_and_symlinks_unless_force(tmp_path, capsys, command):
+    argv, files = _commands(tmp_path)[command]
+    assert main(argv) == 0
+    capsys.readouterr()
+    assert all(f.read_bytes() for f in files)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    for target in files:
+        for f in files:
+            f.unlink(missing_ok=True)
+        # an existing file: refused before any work, one line naming it, nothing else written
+        target.write_text("mine\n")
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert str(target) in err and "--force" in err and len(err.strip().splitlines()) == 1, err
+        assert target.read_text() == "mine\n" and not any(f.exists() for f in files if f != target)
+        # a symlink planted there: refused the same way, its target never written
+        target.unlink()
+        target.symlink_to(victim)
+        assert main(argv) == 2
+        assert str(target) in capsys.readouterr().err and victim.read_text() == "precious\n"
+        target.unlink()
+    assert main(argv) == 0
+    # --force replaces files whole and a symlink itself, never writing through it
+    files[0].unlink()
+    files[0].symlink_to(victim)
+    files[-1].write_text("stale\n")
+    assert main([*argv, "--force"]) == 0
+    assert victim.read_text() == "precious\n"
+    assert not files[0].is_symlink() and files[0].read_bytes()[:1] in (b"{", b"\x89")
+    assert files[-1].read_bytes() != b"stale\n"
+    assert sorted(p.name for p in files[0].parent.iterdir() if p.name.endswith(".tmp")) == []  # no temp file left
+
+
+def test_ep_sim_negative_seed_names_the_flag(tmp_path, capsys):
+    assert main([*EP_SIM, "--seed", "-1", "--out", str(tmp_path / "out")]) == 2
+    assert one_line(capsys.readouterr().err, "moonrt ep-sim: --seed: -1, expected an integer >= 0")

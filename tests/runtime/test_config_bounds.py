@@ -223,3 +223,42 @@ def test_defaults_and_presets_still_valid():
     job = from_dict(JobConfig, _job(threads=MAX_THREADS, optim={"seed": 2**63 - 1}))
     assert job.threads == MAX_THREADS and job.optim.seed == 2**63 - 1
     from_dict(K3Config, to_dict(k3_tiny()))
+
+
+# ---- write_new: exclusive output files --------------------------------------------------------------------------
+
+def test_write_new_is_exclusive_and_never_follows_a_symlink(tmp_path):
+    from moonrt.config import existing_outputs, write_new
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    f = tmp_path / "out.json"
+    write_new(f, "{}")
+    assert f.read_text() == "{}"
+    with pytest.raises(FileExistsError):
+        write_new(f, "new")
+    assert f.read_text() == "{}"
+    link = tmp_path / "link.json"
+    link.symlink_to(victim)
+    dangling = tmp_path / "dangling.json"
+    dangling.symlink_to(tmp_path / "nowhere")
+    for target in (link, dangling):
+        with pytest.raises(FileExistsError):
+            write_new(target, "x")
+    assert victim.read_text() == "precious\n" and not (tmp_path / "nowhere").exists()
+    assert existing_outputs([f, link, dangling, tmp_path / "new"]) == [f, link, dangling]
+    write_new(link, b"replaced", force=True)  # the link itself replaced, its target untouched
+    assert not link.is_symlink() and link.read_bytes() == b"replaced" and victim.read_text() == "precious\n"
+    write_new(f, lambda out: out.write(b"[1]"), force=True)
+    assert f.read_text() == "[1]"
+
+    def boom(out):
+        out.write(b"half")
+        raise RuntimeError("writer failed")
+
+    with pytest.raises(RuntimeError):
+        write_new(tmp_path / "partial.json", boom)
+    with pytest.raises(RuntimeError):
+        write_new(f, boom, force=True)
+    assert not (tmp_path / "partial.json").exists() and f.read_text() == "[1]"  # the old file kept whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling.json", "link.json", "out.json", "victim.txt"]
