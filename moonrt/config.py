@@ -439,6 +439,21 @@ MAX_DEGREE = 1 << 20
 """Largest degree of a parallel dimension (and micro-batch count): a million ranks, far beyond any cluster; a bound
 so that a typo (``--ep 1000000000``) is refused here, not in the arithmetic of the mesh."""
 
+MAX_SCHEDULE_CELLS = 1 << 17
+"""Most (stage, micro-batch) cells of a pipeline schedule, ``pp x vpp x microbatches``: the schedule holds actions per
+cell and the planners simulate them one by one (2**17 cells: about half a minute and 250 MB on one core). Real
+layouts have a few thousand (K3's pp 16 x vpp 2 x 32 micro-batches = 1,024)."""
+
+
+def schedule_cells_error(pp: int, vpp: int, microbatches: int) -> str | None:
+    """The ``expected`` text when ``pp x vpp x microbatches`` exceeds :data:`MAX_SCHEDULE_CELLS`, else None."""
+    cells = pp * vpp * microbatches
+    if cells <= MAX_SCHEDULE_CELLS:
+        return None
+    return (f"pp x vpp x microbatches ({pp} x {vpp} x {microbatches} = {cells}) <= {MAX_SCHEDULE_CELLS} "
+            "(MAX_SCHEDULE_CELLS, the schedule cells a planner simulates)")
+
+
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 """Longest collective / rendezvous timeout (a week): a collective that has not finished by then is a hung job;
 beyond this, the deadline arithmetic of torch and threading overflows (``inf``: OverflowError)."""
@@ -486,6 +501,8 @@ class ParallelConfig:
         bad = schedule_error(self.pipeline_schedule, self.pp, self.microbatches, self.vpp)
         if bad is not None:
             check(False, *bad)
+        too_many = schedule_cells_error(self.pp, self.vpp, self.microbatches)
+        check(too_many is None, "microbatches", self.microbatches, too_many or "")
 
     @property
     def pipeline_schedule(self) -> str:
@@ -517,6 +534,7 @@ __all__ = [
     "ConfigError",
     "DistConfig",
     "MAX_DEGREE",
+    "MAX_SCHEDULE_CELLS",
     "MAX_TIMEOUT_S",
     "PIPELINE_SCHEDULES",
     "ParallelConfig",
@@ -531,6 +549,7 @@ __all__ = [
     "parse_yaml",
     "read_yaml",
     "save_yaml",
+    "schedule_cells_error",
     "schedule_error",
     "show",
     "to_dict",

@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from moonrt.config import ParallelConfig, existing_outputs, write_new
+from moonrt.config import ParallelConfig, existing_outputs, schedule_cells_error, write_new
 from moonrt.memory.model_memory import JobLayout
 from moonrt.memory.plan import Hardware, plan_memory
 from moonrt.memory.plan_report import plan_json, plot, table
@@ -117,6 +117,9 @@ def _check_args(args: argparse.Namespace) -> str | None:
             continue
         if v < (0 if name == "optim_bytes" else 1):
             return f"--{name.replace('_', '-')} = {v}: expected an integer >= {0 if name == 'optim_bytes' else 1}"
+    too_many = schedule_cells_error(args.pp, args.vpp, args.microbatches)
+    if too_many:
+        return f"--microbatches = {args.microbatches}: expected {too_many}"
     for b in args.budget_gib:
         if not (math.isfinite(b) and b > 0):
             return f"--budget-gib = {b}: expected a positive, finite number of GiB"

@@ -25,7 +25,8 @@ import sys
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from moonrt.config import existing_outputs, write_new
+from moonrt.config import existing_outputs, schedule_cells_error, write_new
+from moonrt.model.config import MAX_LAYERS
 from moonrt.scheduler.attnres_comm import even_layer_ranges, hop_plan
 from moonrt.scheduler.pipeline import ALIASES, SCHEDULES, SimResult, build_schedule, lower, simulate
 
@@ -208,6 +209,11 @@ def run(args: argparse.Namespace) -> int:
                     ("--micro-batch-size", args.micro_batch_size), ("--hidden", hidden)):
         if v < 1:
             return _fail(f"{flag} = {v}: expected an integer >= 1")
+    if layers > MAX_LAYERS:
+        return _fail(f"--num-layers = {layers}: expected an integer <= {MAX_LAYERS} (MAX_LAYERS)")
+    too_many = schedule_cells_error(args.pp, args.vpp, args.microbatches)
+    if too_many:
+        return _fail(f"--microbatches = {args.microbatches}: expected {too_many}")
     if ALIASES.get(args.schedule, args.schedule) not in SCHEDULES:
         return _fail(f"--schedule = {args.schedule!r}: expected one of {', '.join(SCHEDULES)}")
     if args.dtype not in ("bf16", "fp32"):

@@ -273,3 +273,15 @@ def test_outputs_refuse_existing_files_and_symlinks_unless_force(tmp_path, capsy
 def test_ep_sim_negative_seed_names_the_flag(tmp_path, capsys):
     assert main([*EP_SIM, "--seed", "-1", "--out", str(tmp_path / "out")]) == 2
     assert one_line(capsys.readouterr().err, "moonrt ep-sim: --seed: -1, expected an integer >= 0")
+
+
+@pytest.mark.parametrize("argv", [
+    ["pp-plan", "--pp", "8", "--microbatches", "100000000"],
+    ["pp-plan", "--num-layers", "100000000", "--pp", "50000000"],
+    ["mem-plan", "--pp", "16", "--microbatches", "1048576"],
+])
+def test_planner_schedule_size_bounded(tmp_path, capsys, argv):
+    """A schedule of 10**8 micro-batches was simulated action by action (minutes, gigabytes): refused up front."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and ("MAX_SCHEDULE_CELLS" in err or "MAX_LAYERS" in err), err
