@@ -7,8 +7,13 @@ machinery shared by all of them:
   checking every value against the field's type hint. Unknown keys are an error, never ignored.
   Errors are :class:`ConfigError` and name the dotted field path, the value and what was expected.
 - :func:`load_yaml` / :func:`save_yaml` round-trip a config through a YAML file.
+- :func:`read_yaml` / :func:`parse_yaml`: the one YAML reader of moonrt, bounded in file size, nesting depth,
+  aliases and nodes (aliases counted as the nodes they expand to), so a small hostile file (an alias bomb,
+  thousands of nested brackets) is one :class:`ConfigError` line, never unbounded memory or a RecursionError.
 - A dataclass may define ``validate(self)`` that raises :class:`ConfigError` (via :func:`check`)
   for cross-field constraints; it runs after the tree is built, children first.
+- :func:`write_new` / :func:`existing_outputs`: how every command creates its output files (exclusively, never
+  through a symlink, replaced only when the user passes ``--force``); here because every layer may import this leaf.
 
 It also defines the configs every runtime part shares: :class:`ParallelConfig` (the degrees of a
 job's parallel dimensions) and :class:`DistConfig` (how torch.distributed is initialized).
@@ -16,10 +21,16 @@ job's parallel dimensions) and :class:`DistConfig` (how torch.distributed is ini
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import math
+import os
+import reprlib
+import tempfile
 import types
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import Any, BinaryIO, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
@@ -30,10 +41,23 @@ class ConfigError(ValueError):
     """A config value is missing, unknown or invalid. The message names field, value and expectation."""
 
 
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 120
+_REPR.maxlong = 60
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 12
+_REPR.maxlevel = 3
+
+
+def show(value: Any) -> str:
+    """``repr(value)`` cut to one short line (long strings, lists and mappings elided with ``...``): a bad value in
+    a message, however big the value."""
+    return _REPR.repr(value)
+
+
 def check(cond: bool, field: str, value: Any, expected: str) -> None:
     """Raise :class:`ConfigError` unless ``cond``: ``"<field> = <value>: expected <expected>"``."""
     if not cond:
-        raise ConfigError(f"{field} = {value!r}: expected {expected}")
+        raise ConfigError(f"{field} = {show(value)}: expected {expected}")
 
 
 def _type_name(tp: Any) -> str:
@@ -65,11 +89,11 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         if isinstance(value, tp):
             return value
         if not isinstance(value, dict):
-            raise ConfigError(f"{path} = {value!r}: expected {_type_name(tp)}")
+            raise ConfigError(f"{path} = {show(value)}: expected {_type_name(tp)}")
         return _build(tp, value, path)
     if origin is Literal:
         if value not in get_args(tp):
-            raise ConfigError(f"{path} = {value!r}: expected {_type_name(tp)}")
+            raise ConfigError(f"{path} = {show(value)}: expected {_type_name(tp)}")
         return value
     if origin in (Union, types.UnionType):
         args = get_args(tp)
@@ -83,38 +107,47 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
                 return _convert(arg, value, path)
             except ConfigError as exc:
                 errors.append(exc)
-        raise ConfigError(f"{path} = {value!r}: expected {_type_name(tp)}")
+        inner = [e for e in errors if str(e).startswith((f"{path}.", f"{path}["))]
+        if len(inner) == 1:  # the value has the shape of one option, wrong inside: that error names the field
+            raise inner[0]
+        raise ConfigError(f"{path} = {show(value)}: expected {_type_name(tp)}")
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{path} = {value!r}: expected {_type_name(tp)}")
+            raise ConfigError(f"{path} = {show(value)}: expected {_type_name(tp)}")
         args = get_args(tp)
         item = args[0] if args else Any
         items = [_convert(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
     if origin is dict:
         if not isinstance(value, dict):
-            raise ConfigError(f"{path} = {value!r}: expected a mapping")
+            raise ConfigError(f"{path} = {show(value)}: expected a mapping")
         kt, vt = get_args(tp) or (Any, Any)
         return {_convert(kt, k, f"{path}.<key>"): _convert(vt, v, f"{path}.{k}") for k, v in value.items()}
     if tp is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"{path} = {value!r}: expected true or false")
+            raise ConfigError(f"{path} = {show(value)}: expected true or false")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{path} = {value!r}: expected an integer")
+            raise ConfigError(f"{path} = {show(value)}: expected an integer")
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{path} = {value!r}: expected a number")
-        return float(value)
+            raise ConfigError(f"{path} = {show(value)}: expected a number")
+        try:
+            value = float(value)
+        except OverflowError:  # an integer beyond the float range
+            raise ConfigError(f"{path} = {show(value)}: expected a finite number") from None
+        if not math.isfinite(value):  # no moonrt float field means anything by inf or nan
+            raise ConfigError(f"{path} = {show(value)}: expected a finite number")
+        return value
     if tp is str:
         if not isinstance(value, str):
-            raise ConfigError(f"{path} = {value!r}: expected a string")
+            raise ConfigError(f"{path} = {show(value)}: expected a string")
         return value
     if isinstance(tp, type) and isinstance(value, tp):
         return value
-    raise ConfigError(f"{path} = {value!r}: expected {_type_name(tp)}")
+    raise ConfigError(f"{path} = {show(value)}: expected {_type_name(tp)}")
 
 
 def _build(cls: type[T], data: dict, path: str) -> T:
@@ -165,7 +198,7 @@ def from_dict(cls: type[T], data: dict | None) -> T:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"<root> = {data!r}: expected a mapping of {cls.__name__} fields")
+        raise ConfigError(f"<root> = {show(data)}: expected a mapping of {cls.__name__} fields")
     return _build(cls, data, "")
 
 
@@ -180,32 +213,192 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
-def load_yaml(cls: type[T], path: str | Path) -> T:
-    """Load ``cls`` from a YAML file. Malformed YAML is a :class:`ConfigError` naming file and line."""
-    path = Path(path)
+YAML_MAX_BYTES = 1 << 20
+"""Largest YAML file moonrt reads (1 MiB): a job config, memory policy or hardware profile is a few KiB (the
+largest, a K3 policy with one rule per tensor kind, under 10 KiB)."""
+YAML_MAX_DEPTH = 64
+"""Deepest nesting of mappings and sequences (a JobConfig is 4 deep); well below Python's recursion limit, which
+the YAML composer and :func:`from_dict` recurse against."""
+YAML_MAX_ALIASES = 256
+"""Most alias references (``*name``) in one file; a config needs a handful."""
+YAML_MAX_NODES = 100_000
+"""Most nodes (scalars, mappings, sequences) of the document, every alias counted as the nodes of the subtree it
+stands for: what the loaded Python data would hold if written out. A "billion laughs" bomb of nine 9-fold aliases
+(under 500 bytes) expands to 9**9 nodes and stops here, before anything is built."""
+
+
+def _yaml_error(where: str, exc: yaml.YAMLError) -> ConfigError:
+    mark = getattr(exc, "problem_mark", None)
+    at = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    problem = getattr(exc, "problem", None) or str(exc).strip().splitlines()[0]
+    return ConfigError(f"{where}{at}: malformed YAML ({problem})")
+
+
+def _check_yaml_bounds(text: str, where: str) -> None:
+    """Walk the YAML event stream (the parser is iterative: no recursion, nothing built) and refuse a document
+    deeper than :data:`YAML_MAX_DEPTH`, with more than :data:`YAML_MAX_ALIASES` aliases, an alias inside its
+    own anchor (a cycle), or more than :data:`YAML_MAX_NODES` nodes once aliases are expanded."""
+    sizes: dict[str, int] = {}  # anchor -> nodes of its subtree (aliases expanded)
+    stack: list[list] = []  # open collections: [nodes so far, anchor]
+    open_anchors: set[str] = set()
+    total = aliases = 0
+
+    def add(n: int, mark: Any) -> None:
+        nonlocal total
+        total += n
+        if stack:
+            stack[-1][0] += n
+        if total > YAML_MAX_NODES:
+            line = f" line {mark.line + 1}" if mark is not None else ""
+            raise ConfigError(f"{where}{line}: more than YAML_MAX_NODES = {YAML_MAX_NODES} YAML nodes with aliases "
+                              "expanded; expected a smaller document (an alias bomb?)")
+
     try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"config file {str(path)!r}: cannot read ({exc.strerror})") from None
-    try:
-        data = yaml.safe_load(text)
+        for ev in yaml.parse(text, Loader=yaml.SafeLoader):
+            if isinstance(ev, yaml.AliasEvent):
+                aliases += 1
+                line = f" line {ev.start_mark.line + 1}"
+                if aliases > YAML_MAX_ALIASES:
+                    raise ConfigError(f"{where}{line}: more than YAML_MAX_ALIASES = {YAML_MAX_ALIASES} YAML aliases; "
+                                      "expected fewer")
+                if ev.anchor in open_anchors:
+                    raise ConfigError(f"{where}{line}: alias *{ev.anchor} inside its own anchor &{ev.anchor} "
+                                      "(a cycle); expected an acyclic document")
+                add(sizes.get(ev.anchor, 1), ev.start_mark)  # an undefined alias: the composer names it below
+            elif isinstance(ev, yaml.ScalarEvent):
+                if ev.anchor is not None:
+                    sizes[ev.anchor] = 1
+                add(1, ev.start_mark)
+            elif isinstance(ev, yaml.CollectionStartEvent):
+                if len(stack) >= YAML_MAX_DEPTH:
+                    raise ConfigError(f"{where} line {ev.start_mark.line + 1}: YAML nested deeper than "
+                                      f"YAML_MAX_DEPTH = {YAML_MAX_DEPTH}; expected a flatter document")
+                stack.append([0, ev.anchor])
+                if ev.anchor is not None:
+                    open_anchors.add(ev.anchor)
+                add(1, ev.start_mark)
+            elif isinstance(ev, yaml.CollectionEndEvent):
+                n, anchor = stack.pop()
+                if anchor is not None:
+                    open_anchors.discard(anchor)
+                    sizes[anchor] = n
+                if stack:
+                    stack[-1][0] += n
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError(f"config file {str(path)!r}{where}: malformed YAML ({problem})") from None
+        raise _yaml_error(where, exc) from None
+
+
+def parse_yaml(text: str, where: str) -> Any:
+    """The data of YAML ``text`` (``yaml.safe_load``), after :func:`_check_yaml_bounds`; ``where`` (e.g.
+    ``"config file 'job.yaml'"``) starts every :class:`ConfigError` message."""
+    if len(text) > YAML_MAX_BYTES:
+        raise ConfigError(f"{where}: {len(text)} characters, more than YAML_MAX_BYTES = {YAML_MAX_BYTES}; "
+                          "expected a smaller YAML document")
+    _check_yaml_bounds(text, where)
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise _yaml_error(where, exc) from None
+    except (ValueError, OverflowError) as exc:  # a scalar Python refuses, e.g. an integer of > 4300 digits
+        raise ConfigError(f"{where}: unreadable YAML value ({str(exc).splitlines()[0]})") from None
+
+
+def read_yaml(path: str | Path, what: str = "config file") -> Any:
+    """The data of the YAML file ``path``, read through :func:`parse_yaml`'s bounds; at most
+    :data:`YAML_MAX_BYTES` bytes are read. Every failure (unreadable, too big, not UTF-8, malformed, past a bound)
+    is one :class:`ConfigError` line starting ``<what> '<path>'``."""
+    where = f"{what} {str(path)!r}"
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(YAML_MAX_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot read ({exc.strerror or exc})") from None
+    if len(raw) > YAML_MAX_BYTES:
+        raise ConfigError(f"{where}: larger than YAML_MAX_BYTES = {YAML_MAX_BYTES} bytes; expected a smaller "
+                          "YAML file")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{where}: not UTF-8 text (byte {exc.start}); expected a YAML file") from None
+    return parse_yaml(text, where)
+
+
+def load_yaml(cls: type[T], path: str | Path) -> T:
+    """Load ``cls`` from a YAML file (:func:`read_yaml`). Malformed YAML is a :class:`ConfigError` naming file and
+    line, a bad value one naming the file and the field."""
+    data = read_yaml(path)
     try:
         return from_dict(cls, data)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
 
 
+def _umask() -> int:
+    """This process's umask, read without changing it (Linux ``/proc``; else the usual 022)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
+
+
 def save_yaml(obj: Any, path: str | Path) -> None:
-    """Write a config tree to YAML atomically (temp file, then rename)."""
+    """Write a config tree to YAML atomically: a new temp file (``mkstemp``: an unpredictable name, created
+    exclusively, so a planted symlink is never written through) in the target's directory, then renamed over
+    ``path``."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(yaml.safe_dump(to_dict(obj), sort_keys=False))
-    tmp.replace(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 -> what open() would have made
+        with os.fdopen(fd, "w") as f:
+            f.write(yaml.safe_dump(to_dict(obj), sort_keys=False))
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+# ---------------------------------------------------------------------------------------------
+# Output files
+
+
+def existing_outputs(paths: Iterable[str | Path]) -> list[Path]:
+    """Those of ``paths`` that exist, as anything (a file, a directory, a symlink, dangling or not): what a command
+    refuses before any work unless ``--force``."""
+    return [Path(p) for p in paths if os.path.lexists(p)]
+
+
+def write_new(path: str | Path, content: bytes | str | Callable[[BinaryIO], None], *, force: bool = False) -> None:
+    """Create the file ``path`` with ``content`` (bytes, text as UTF-8, or a function writing to the open binary
+    file, e.g. ``lambda f: fig.savefig(f, format="png")``).
+
+    Without ``force`` the file is created exclusively (``O_CREAT | O_EXCL | O_NOFOLLOW``): anything already at
+    ``path``, a symlink included, raises :class:`FileExistsError` and is left as it is. With ``force`` the content
+    goes to a new temp file (``mkstemp``) beside it, renamed over ``path``: an existing file is replaced whole, a
+    symlink there is replaced itself, never written through. A failed write removes only the file it created."""
+    path = Path(path)
+    if force:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        os.fchmod(fd, 0o666 & ~_umask())
+        made = Path(tmp)
+    else:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        made = path
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if callable(content):
+                content(f)
+            else:
+                f.write(content.encode() if isinstance(content, str) else content)
+        if force:
+            os.replace(made, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(made)
+        raise
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,6 +435,30 @@ def schedule_error(kind: str, pp: int, microbatches: int, vpp: int) -> tuple[str
     return None
 
 
+MAX_DEGREE = 1 << 20
+"""Largest degree of a parallel dimension (and micro-batch count): a million ranks, far beyond any cluster; a bound
+so that a typo (``--ep 1000000000``) is refused here, not in the arithmetic of the mesh."""
+
+MAX_SCHEDULE_CELLS = 1 << 17
+"""Most (stage, micro-batch) cells of a pipeline schedule, ``pp x vpp x microbatches``: the schedule holds actions per
+cell and the planners simulate them one by one (2**17 cells: about half a minute and 250 MB on one core). Real
+layouts have a few thousand (K3's pp 16 x vpp 2 x 32 micro-batches = 1,024)."""
+
+
+def schedule_cells_error(pp: int, vpp: int, microbatches: int) -> str | None:
+    """The ``expected`` text when ``pp x vpp x microbatches`` exceeds :data:`MAX_SCHEDULE_CELLS`, else None."""
+    cells = pp * vpp * microbatches
+    if cells <= MAX_SCHEDULE_CELLS:
+        return None
+    return (f"pp x vpp x microbatches ({pp} x {vpp} x {microbatches} = {cells}) <= {MAX_SCHEDULE_CELLS} "
+            "(MAX_SCHEDULE_CELLS, the schedule cells a planner simulates)")
+
+
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+"""Longest collective / rendezvous timeout (a week): a collective that has not finished by then is a hung job;
+beyond this, the deadline arithmetic of torch and threading overflows (``inf``: OverflowError)."""
+
+
 @dataclasses.dataclass(kw_only=True, slots=True)
 class ParallelConfig:
     """Degrees of the parallel dimensions of one job (K3_SYSTEMS §10).
@@ -272,6 +489,7 @@ class ParallelConfig:
         for name in ("dp", "pp", "vpp", "ep", "cp", "microbatches"):
             value = getattr(self, name)
             check(isinstance(value, int) and value >= 1, name, value, "an integer >= 1")
+            check(value <= MAX_DEGREE, name, value, f"an integer <= {MAX_DEGREE} (MAX_DEGREE)")
         check(self.zero in (0, 1) and not isinstance(self.zero, bool), "zero", self.zero,
               "0 (replicated optimizer states) or 1 (ZeRO-1: sharded over the data-parallel replicas)")
         check(self.attn_res_comm in ("cached", "naive"), "attn_res_comm", self.attn_res_comm, "cached or naive")
@@ -283,6 +501,8 @@ class ParallelConfig:
         bad = schedule_error(self.pipeline_schedule, self.pp, self.microbatches, self.vpp)
         if bad is not None:
             check(False, *bad)
+        too_many = schedule_cells_error(self.pp, self.vpp, self.microbatches)
+        check(too_many is None, "microbatches", self.microbatches, too_many or "")
 
     @property
     def pipeline_schedule(self) -> str:
@@ -306,19 +526,33 @@ class DistConfig:
     """Timeout of every collective and of rendezvous; a dead rank never hangs a job longer."""
 
     def validate(self) -> None:
-        check(self.timeout_s > 0, "timeout_s", self.timeout_s, "a positive number of seconds")
+        check(math.isfinite(self.timeout_s) and 0 < self.timeout_s <= MAX_TIMEOUT_S, "timeout_s", self.timeout_s,
+              f"a positive number of seconds <= {MAX_TIMEOUT_S:g} (MAX_TIMEOUT_S, a week)")
 
 
 __all__ = [
     "ConfigError",
     "DistConfig",
+    "MAX_DEGREE",
+    "MAX_SCHEDULE_CELLS",
+    "MAX_TIMEOUT_S",
     "PIPELINE_SCHEDULES",
     "ParallelConfig",
+    "YAML_MAX_ALIASES",
+    "YAML_MAX_BYTES",
+    "YAML_MAX_DEPTH",
+    "YAML_MAX_NODES",
     "check",
+    "existing_outputs",
     "from_dict",
     "load_yaml",
+    "parse_yaml",
+    "read_yaml",
     "save_yaml",
+    "schedule_cells_error",
     "schedule_error",
+    "show",
     "to_dict",
     "validate",
+    "write_new",
 ]

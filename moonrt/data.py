@@ -15,7 +15,8 @@ Corpora:
 - default (no ``--corpus``): the Python standard library's own top-level ``*.py`` sources (always
   present offline), in sorted file order, byte-tokenized; every 16th file (index % 16 == 15) is
   held out, so held-out text is unseen files, not a tail of a seen one;
-- a text file: UTF-8 bytes, the last ``heldout_fraction`` of bytes held out;
+- a text file: UTF-8 bytes read with ``numpy.memmap`` (never whole into memory: a corpus may be larger than it),
+  the last ``heldout_fraction`` of bytes held out;
 - a binary token file (``uint16`` or ``uint32``, native byte order) read with ``numpy.memmap``,
   the last ``heldout_fraction`` of tokens held out.
 
@@ -103,10 +104,19 @@ def stdlib_corpus(heldout_every: int = 16) -> Corpus:
     )
 
 
+CHUNK_TOKENS = 1 << 22
+"""Tokens a whole-corpus pass (document starts, unigram counts) reads at a time, so that its temporaries stay
+a few tens of MiB (4 Mi tokens: 32 MiB as int64) however large the memory-mapped corpus is."""
+
+
 def eos_document_starts(tokens: np.ndarray, eos_id: int) -> np.ndarray:
     """Start offsets (int64, first 0) of the documents in ``tokens [N]`` where each ``eos_id`` token ends one."""
-    ends = np.flatnonzero(np.asarray(tokens) == eos_id) + 1
-    return np.concatenate([[0], ends[ends < len(tokens)]]).astype(np.int64)
+    n = len(tokens)
+    parts = [np.zeros(1, dtype=np.int64)]
+    for lo in range(0, n, CHUNK_TOKENS):
+        ends = np.flatnonzero(np.asarray(tokens[lo:lo + CHUNK_TOKENS]) == eos_id).astype(np.int64) + (lo + 1)
+        parts.append(ends[ends < n])
+    return np.concatenate(parts)
 
 
 def _split(tokens: np.ndarray, heldout_fraction: float) -> tuple[np.ndarray, np.ndarray]:
@@ -117,9 +127,11 @@ def _split(tokens: np.ndarray, heldout_fraction: float) -> tuple[np.ndarray, np.
 
 
 def text_corpus(path: str | Path, heldout_fraction: float = 0.05) -> Corpus:
-    """A UTF-8 text file, byte-tokenized; the last ``heldout_fraction`` of bytes held out."""
+    """A UTF-8 text file, byte-tokenized, memory-mapped (pages are read as windows touch them, never the whole file
+    into memory); the last ``heldout_fraction`` of bytes held out."""
     path = Path(path)
-    data = np.fromfile(path, dtype=np.uint8)
+    # np.memmap cannot map an empty file; an empty corpus is refused later (_check_length), as before
+    data = np.memmap(path, dtype=np.uint8, mode="r") if path.stat().st_size else np.zeros(0, dtype=np.uint8)
     train, held = _split(data, heldout_fraction)
     return Corpus(train=train, heldout=held, vocab_size=ByteTokenizer.vocab_size, description=f"{path} (bytes)")
 
@@ -265,6 +277,11 @@ def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
 
     The loss of the best context-free predictor of this very text: a model that beats it uses context.
     """
-    counts = np.bincount(np.asarray(tokens, dtype=np.int64), minlength=vocab_size).astype(np.float64)
+    counts = np.zeros(vocab_size, dtype=np.float64)
+    for lo in range(0, len(tokens), CHUNK_TOKENS):  # in chunks: an int64 copy of a memory-mapped split may not fit
+        chunk = np.bincount(np.asarray(tokens[lo:lo + CHUNK_TOKENS], dtype=np.int64), minlength=vocab_size)
+        if len(chunk) > len(counts):
+            counts = np.concatenate([counts, np.zeros(len(chunk) - len(counts))])
+        counts[:len(chunk)] += chunk
     p = counts[counts > 0] / counts.sum()
     return float(-(p * np.log(p)).sum()) if len(p) else math.nan

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Any, Literal
 
 from moonrt import data
@@ -17,6 +18,35 @@ from moonrt.model.config import PRESETS, K3Config
 
 MAX_PARAMS = 5_000_000_000
 """Largest model (parameters, from the config) that ``moonrt train`` will instantiate."""
+
+MAX_THREADS = 1024
+"""Most torch intra-op threads per process (``threads``). A fixed bound, not one of this host's cores, so that a
+config stays valid on every machine it moves to: 1024 is above the hardware threads of any one node (two 192-core
+SMT sockets have 768), so no real setting is refused, while OpenMP pools of thousands of threads crash the process
+(``--threads 5000`` ends in SIGSEGV in the first step)."""
+
+MAX_SEED = 2**63 - 1
+"""Largest ``optim.seed``: it seeds ``torch.manual_seed`` (which takes at most 2**64 - 1) and
+``numpy.random.default_rng([seed, step])`` (any integer >= 0); int64's range, so it also fits every int64 that
+records it."""
+
+MAX_COUNT = 2**63 - 1
+"""Largest step count or interval (int64: what a step counter in a checkpoint or tensor can hold)."""
+
+
+def physical_memory_bytes() -> int | None:
+    """This host's physical memory (``os.sysconf``), or None where the platform does not say."""
+    try:
+        pages, page = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+    return pages * page if pages > 0 and page > 0 else None
+
+
+def _finite(obj: Any, name: str, ok: bool, expected: str) -> None:
+    """:func:`check` that field ``name`` of ``obj`` is a finite number and ``ok``."""
+    value = getattr(obj, name)
+    check(isinstance(value, (int, float)) and math.isfinite(value) and ok, name, value, f"a finite number {expected}")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -36,7 +66,7 @@ class DataConfig:
     """Token id (a byte value for a text corpus) that ends each document of a user corpus (with ``pack_documents``)."""
 
     def validate(self) -> None:
-        check(0.0 < self.heldout_fraction < 1.0, "heldout_fraction", self.heldout_fraction, "a number in (0, 1)")
+        _finite(self, "heldout_fraction", 0.0 < self.heldout_fraction < 1.0, "in (0, 1)")
         check(self.token_dtype is None or self.corpus is not None, "token_dtype", self.token_dtype,
               "null unless corpus names a token file")
         check(self.eos_id is None or (self.corpus is not None and self.pack_documents), "eos_id", self.eos_id,
@@ -89,14 +119,28 @@ class OptimConfig:
         for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_windows", "checkpoint_every"):
             value = getattr(self, name)
             check(value >= 1, name, value, "an integer >= 1")
-        check(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "an integer >= 0")
-        check(self.lr > 0, "lr", self.lr, "a positive number")
-        check(0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]")
-        check(self.weight_decay >= 0, "weight_decay", self.weight_decay, "a number >= 0")
-        check(0 <= self.beta1 < 1, "beta1", self.beta1, "a number in [0, 1)")
-        check(0 <= self.beta2 < 1, "beta2", self.beta2, "a number in [0, 1)")
-        check(self.grad_clip > 0, "grad_clip", self.grad_clip, "a positive number (max global grad norm)")
-        check(0 <= self.muon_momentum < 1, "muon_momentum", self.muon_momentum, "a number in [0, 1)")
+            check(value <= MAX_COUNT, name, value, f"an integer <= {MAX_COUNT} (int64)")
+        check(0 <= self.warmup_steps <= MAX_COUNT, "warmup_steps", self.warmup_steps,
+              f"an integer in [0, {MAX_COUNT}]")
+        check(0 <= self.seed <= MAX_SEED, "seed", self.seed,
+              f"an integer in [0, {MAX_SEED}] (2**63 - 1: torch.manual_seed and numpy's default_rng take it)")
+        _finite(self, "lr", self.lr > 0, "> 0")
+        _finite(self, "min_lr_ratio", 0.0 <= self.min_lr_ratio <= 1.0, "in [0, 1]")
+        _finite(self, "weight_decay", self.weight_decay >= 0, ">= 0")
+        _finite(self, "beta1", 0 <= self.beta1 < 1, "in [0, 1)")
+        _finite(self, "beta2", 0 <= self.beta2 < 1, "in [0, 1)")
+        _finite(self, "grad_clip", self.grad_clip > 0, "> 0 (max global grad norm)")
+        _finite(self, "muon_momentum", 0 <= self.muon_momentum < 1, "in [0, 1)")
+        # One step's global batch is built whole on every rank (data.global_batch): batch_size x (seq_len + 1) int64
+        # tokens, the least a step allocates; an eval, eval_windows x (seq_len + 1). Refused here, before anything is
+        # allocated, when that alone exceeds this host's physical memory.
+        phys = physical_memory_bytes()
+        for name, rows in (("batch_size", self.batch_size), ("eval_windows", self.eval_windows)):
+            need = rows * (self.seq_len + 1) * 8
+            what = "step" if name == "batch_size" else "eval"
+            check(phys is None or need <= phys, name, rows,
+                  f"{name} x (seq_len + 1) x 8 bytes (the int64 tokens of one {what}, {rows} x {self.seq_len + 1} x 8 "
+                  f"= {need} bytes) <= this host's physical memory ({phys} bytes)")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -139,8 +183,14 @@ class JobConfig:
             signal_from_name(self.stop_signal, "stop_signal")
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        check(self.threads >= 0, "threads", self.threads, "an integer >= 0 (0 = torch default)")
-        check(self.gc_interval >= 0, "gc_interval", self.gc_interval, "an integer >= 0 (0 = automatic collection)")
+        check(0 <= self.threads <= MAX_THREADS, "threads", self.threads,
+              f"an integer in [0, {MAX_THREADS}] (0 = torch default; MAX_THREADS)")
+        check(0 <= self.gc_interval <= MAX_COUNT, "gc_interval", self.gc_interval,
+              "an integer >= 0 (0 = automatic collection)")
+        if self.data.eos_id is not None:
+            vocab = self.model_cfg().vocab_size
+            check(self.data.eos_id < vocab, "data.eos_id", self.data.eos_id, f"a token id < the model's vocab_size "
+                  f"({vocab})")
         if self.data.pack_documents:  # document boundaries reach the model only on the default (non-part) path
             for name, why in (("cp", "KCP and the MLA all-gather carry no document boundaries"),
                               ("pp", "pipeline stages carry no document boundaries")):

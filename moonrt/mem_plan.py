@@ -4,7 +4,8 @@ A job: it looks the model up in the registry (:mod:`moonrt.models`: preset confi
 activation profile) and hands that description to the model-agnostic planner (:mod:`moonrt.memory.plan`).
 
 Every flag is checked before any work: a bad value is one line on stderr naming the flag, the value
-and what was expected, exit 2 (an unwritable ``--out`` included). Exit 1 when a budget does not fit.
+and what was expected, exit 2 (an unwritable ``--out`` included, and output files that exist already: each is
+created exclusively, never through a symlink, replaced only with ``--force``). Exit 1 when a budget does not fit.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from moonrt.config import ParallelConfig
+from moonrt.config import ParallelConfig, existing_outputs, schedule_cells_error, write_new
 from moonrt.memory.model_memory import JobLayout
 from moonrt.memory.plan import Hardware, plan_memory
 from moonrt.memory.plan_report import plan_json, plot, table
-from moonrt.models import presets
+from moonrt.models import ModelSpec, presets
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -31,11 +32,11 @@ def dtype_bytes(dtype: str) -> int:
         raise ValueError(f"dtype = {dtype!r}: expected 'bf16' or 'fp32'") from None
 
 
-def default_dtype() -> str:
-    """The runtime's training dtype on this machine: bf16 with a CUDA device, else fp32."""
-    import torch
-
-    return "bf16" if torch.cuda.is_available() else "fp32"
+def default_dtype(spec: ModelSpec, preset: str) -> str:
+    """The dtype preset ``preset`` of ``spec`` is trained in (:attr:`ModelSpec.train_dtype`): what a plan assumes
+    without ``--dtype``, whatever machine plans it (the planning machine's own dtype, fp32 on a CPU laptop, planned K3
+    at twice its real parameter and activation bytes)."""
+    return spec.train_dtype.get(preset, "fp32")
 
 
 OPTIM_STATE_BYTES = {"muon": 4 + 4, "adamw": 4 + 2 * 4}
@@ -69,8 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g("--shard-grads", action="store_true",
       help="fp32 gradients sharded like the optimizer states (K3_SYSTEMS §10), else full per rank")
     g("--dtype", choices=["bf16", "fp32"], default=None,
-      help="training dtype of activations and parameters (default: the runtime's on this machine, bf16 with a GPU, "
-      "fp32 on CPU)")
+      help="training dtype of activations and parameters (default: the model's training dtype, printed in the "
+      "plan header: bf16 for k3, fp32 for k3_tiny)")
     g("--profile", choices=["analytic", "traced"], default="analytic",
       help="activation profile: analytic (per-term formulas of moonrt's K3 layers, docs/MEMORY_MODEL.md) or "
       "traced (build each layer kind at the model's widths, measure a few tokens under the activation manager, "
@@ -97,7 +98,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       "recompute cost (default 400)")
     g("--solver", default="highs", choices=["highs", "greedy"], help="ILP with PuLP + HiGHS, or the greedy "
       "fallback (local tiers only; default highs)")
-    g("--out", default="", help="directory for per-budget policy YAMLs, plan JSON and PNG (created if missing)")
+    g("--out", default="", help="directory for per-budget policy YAMLs, plan JSON and PNG (created if missing; "
+      "existing files in it are refused unless --force)")
+    g("--force", action="store_true", help="replace existing output files under --out (default: refuse them, exit 2)")
 
 
 def _fail(msg: str) -> int:
@@ -114,6 +117,9 @@ def _check_args(args: argparse.Namespace) -> str | None:
             continue
         if v < (0 if name == "optim_bytes" else 1):
             return f"--{name.replace('_', '-')} = {v}: expected an integer >= {0 if name == 'optim_bytes' else 1}"
+    too_many = schedule_cells_error(args.pp, args.vpp, args.microbatches)
+    if too_many:
+        return f"--microbatches = {args.microbatches}: expected {too_many}"
     for b in args.budget_gib:
         if not (math.isfinite(b) and b > 0):
             return f"--budget-gib = {b}: expected a positive, finite number of GiB"
@@ -137,6 +143,12 @@ def _check_args(args: argparse.Namespace) -> str | None:
                 pass
         except OSError as exc:
             return f"--out = {args.out!r}: expected a writable directory ({exc.strerror or exc})"
+        if not args.force:
+            names = ["plan.json", "plan.png", *(f"policy_rank{r}.yaml" for r in range(args.pp))]
+            found = existing_outputs(out / f"budget{b:g}" / n for b in args.budget_gib for n in names)
+            if found:
+                return (f"--out = {args.out!r}: {found[0]} exists; expected new output files (--force replaces "
+                        "them)")
     return None
 
 
@@ -151,7 +163,8 @@ def run(args: argparse.Namespace) -> int:
         return _fail(bad)
     spec = models[args.model]
     cfg = spec.presets[args.model]()
-    dtype = args.dtype or default_dtype()
+    dtype = args.dtype or default_dtype(spec, args.model)
+    source = "--dtype" if args.dtype else "training dtype"
     ab = dtype_bytes(dtype)
     par = ParallelConfig(dp=args.dp, pp=args.pp, vpp=args.vpp, ep=args.ep, cp=args.cp, schedule=args.schedule,
                          microbatches=args.microbatches)
@@ -184,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
             p = plan_memory(cfg, layout, sizes, hw, profile=profile, solver=args.solver)
         except ValueError as exc:
             return _fail(str(exc))
-        print(f"== {args.model} {dtype}: dp={par.dp} pp={par.pp} vpp={par.vpp} ep={par.ep} cp={par.cp} "
+        print(f"== {args.model} {dtype} ({source}): dp={par.dp} pp={par.pp} vpp={par.vpp} ep={par.ep} cp={par.cp} "
               f"seq={layout.seq_len} mbs={layout.micro_batch_size} m={par.microbatches} {par.pipeline_schedule}; "
               f"{layout.tokens()} tokens/rank/micro-batch; {args.profile} profile{attention}; budget {b:g} GiB "
               f"(reserve {hw.reserve_gib:g} GiB)")
@@ -198,12 +211,12 @@ def run(args: argparse.Namespace) -> int:
             d = out / f"budget{b:g}"
             try:
                 d.mkdir(parents=True, exist_ok=True)
-                (d / "plan.json").write_text(json.dumps(plan_json(p), indent=1, default=str))
-                plot(p, d / "plan.png")
+                write_new(d / "plan.json", json.dumps(plan_json(p), indent=1, default=str), force=args.force)
+                write_new(d / "plan.png", lambda f, p=p: plot(p, f), force=args.force)
                 if p.feasible:
                     for r in p.ranks:
-                        (d / f"policy_rank{r.rank}.yaml").write_text(yaml.safe_dump(spec.memory_policy(r),
-                                                                                    sort_keys=False))
+                        write_new(d / f"policy_rank{r.rank}.yaml", yaml.safe_dump(spec.memory_policy(r),
+                                                                                  sort_keys=False), force=args.force)
             except OSError as exc:
                 return _fail(f"--out = {args.out!r}: cannot write {d}: {exc.strerror or exc}")
             print(f"wrote {d}/ (plan.json, plan.png{', policy_rank*.yaml' if p.feasible else ''})")

@@ -50,6 +50,9 @@ class ModelSpec:
     memory_policy: Callable[[Any], dict]
     """A :class:`~moonrt.memory.plan.RankPlan` -> the :class:`~moonrt.memory.policy.MemoryPolicy` YAML data
     of its class choice, as rules on the model's module paths."""
+    train_dtype: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """Preset name -> the dtype (``"bf16"`` / ``"fp32"``) its parameters and activations are trained in, what a
+    memory plan assumes unless told otherwise (``moonrt mem-plan --dtype``); a preset not listed: ``"fp32"``."""
 
 
 def _k3_build(cfg: Any, options: Mapping[str, Any] | None = None) -> Any:
@@ -91,7 +94,9 @@ def _k3_memory_policy(rank_plan: Any) -> dict:
 
 K3 = ModelSpec(name="k3", presets=K3_PRESETS, build=_k3_build, param_count=_k3_param_count,
                param_sizes=_k3_param_sizes, memory_profile=_k3_memory_profile,
-               traced_memory_profile=_k3_traced_memory_profile, memory_policy=_k3_memory_policy)
+               traced_memory_profile=_k3_traced_memory_profile, memory_policy=_k3_memory_policy,
+               train_dtype={"k3": "bf16", "k3_tiny": "fp32"})
+"""K3 trains in bf16 (the released weights and the target GPUs); ``k3_tiny`` in fp32, as ``moonrt train`` runs it."""
 
 MODELS: dict[str, ModelSpec] = {"k3": K3}
 """Every registered model family by name."""

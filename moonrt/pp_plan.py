@@ -12,7 +12,8 @@ of the decoder layers into ``pp * vpp`` stages, and prints
 - totals, and blocks / bytes each rank sends per step (micro-batches x per-micro-batch counts; the
   backward sends the same blocks' gradients back, not counted).
 
-``--json FILE`` writes the same as a dict (:func:`plan_dict`), ``--out DIR`` a PNG timeline and the JSON.
+``--json FILE`` writes the same as a dict (:func:`plan_dict`), ``--out DIR`` a PNG timeline and the JSON, each
+file created exclusively (never through a symlink); one that exists is refused before any work unless ``--force``.
 Bad input: one line on stderr naming the flag, exit 2.
 """
 
@@ -22,8 +23,10 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
+from moonrt.config import existing_outputs, schedule_cells_error, write_new
+from moonrt.model.config import MAX_LAYERS
 from moonrt.scheduler.attnres_comm import even_layer_ranges, hop_plan
 from moonrt.scheduler.pipeline import ALIASES, SCHEDULES, SimResult, build_schedule, lower, simulate
 
@@ -43,8 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g("--micro-batch-size", type=int, default=1, help="sequences per micro-batch, for bytes (default 1)")
     g("--hidden", type=int, default=None, help="hidden size, for bytes (default: the preset's)")
     g("--dtype", default="bf16", help="activation dtype on the wire: bf16 or fp32 (default bf16)")
-    g("--json", default="", help="write the plan as JSON to this file")
+    g("--json", default="", help="write the plan as JSON to this new file")
     g("--out", default="", help="directory for timeline.png and plan.json (created if missing)")
+    g("--force", action="store_true", help="replace existing output files (default: refuse them, exit 2)")
 
 
 def compress(labels: list[str]) -> str:
@@ -154,7 +158,7 @@ def table(d: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(sim: SimResult, path: Path) -> None:
+def plot(sim: SimResult, path: Path | BinaryIO) -> None:
     """PNG timeline: one row per rank, compute actions as bars coloured by op, labelled with the micro-batch."""
     import matplotlib
 
@@ -182,7 +186,7 @@ def plot(sim: SimResult, path: Path) -> None:
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
     ax.legend(handles, list(colors), loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=7, ncol=4, frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format="png")
     plt.close(fig)
 
 
@@ -205,12 +209,25 @@ def run(args: argparse.Namespace) -> int:
                     ("--micro-batch-size", args.micro_batch_size), ("--hidden", hidden)):
         if v < 1:
             return _fail(f"{flag} = {v}: expected an integer >= 1")
+    if layers > MAX_LAYERS:
+        return _fail(f"--num-layers = {layers}: expected an integer <= {MAX_LAYERS} (MAX_LAYERS)")
+    too_many = schedule_cells_error(args.pp, args.vpp, args.microbatches)
+    if too_many:
+        return _fail(f"--microbatches = {args.microbatches}: expected {too_many}")
     if ALIASES.get(args.schedule, args.schedule) not in SCHEDULES:
         return _fail(f"--schedule = {args.schedule!r}: expected one of {', '.join(SCHEDULES)}")
     if args.dtype not in ("bf16", "fp32"):
         return _fail(f"--dtype = {args.dtype!r}: expected bf16 or fp32")
     if args.pp * args.vpp > layers:
         return _fail(f"--pp = {args.pp}: pp * vpp = {args.pp * args.vpp} stages, expected <= --num-layers ({layers})")
+    outputs = [(Path(args.json), "--json")] if args.json else []
+    if args.out:
+        outputs += [(Path(args.out) / "plan.json", "--out"), (Path(args.out) / "timeline.png", "--out")]
+    if not args.force:
+        for path, flag in outputs:
+            if existing_outputs([path]):
+                return _fail(f"{flag} = {str(args.json if flag == '--json' else args.out)!r}: {path} exists; expected "
+                             "a new file (--force replaces it)")
     block_bytes = float(args.micro_batch_size * args.seq_len * hidden * (2 if args.dtype == "bf16" else 4))
     try:
         d, sim = plan_dict(layers, block, args.pp, args.vpp, args.microbatches, args.schedule, block_bytes)
@@ -235,13 +252,16 @@ def run(args: argparse.Namespace) -> int:
         targets.append(out / "plan.json")
     for t in targets:
         try:
-            t.write_text(json.dumps(d, indent=1) + "\n")
+            write_new(t, json.dumps(d, indent=1) + "\n", force=args.force)
         except OSError as exc:
             return _fail(f"--json = {str(t)!r}: cannot write ({exc.strerror or exc})")
         print(f"wrote {t}")
     if args.out:
         png = Path(args.out) / "timeline.png"
-        plot(sim, png)
+        try:
+            write_new(png, lambda f: plot(sim, f), force=args.force)
+        except OSError as exc:
+            return _fail(f"--out = {args.out!r}: cannot write {png} ({exc.strerror or exc})")
         print(f"wrote {png}")
     return 0
 

@@ -52,7 +52,7 @@ import yaml
 
 from moonrt.cluster.env import RDZV_HOST_ENV, TIMEOUT_ENV
 from moonrt.cluster.preempt import PREEMPTED_EXIT
-from moonrt.config import ConfigError, DistConfig, ParallelConfig, check, from_dict
+from moonrt.config import ConfigError, DistConfig, ParallelConfig, check, from_dict, read_yaml
 
 FLAGS = {"command": "command", "nodes": "--nodes", "ntasks_per_node": "--ntasks-per-node",
          "cpus_per_task": "--cpus-per-task", "job_name": "--job-name", "partition": "--partition", "time": "--time",
@@ -255,7 +255,7 @@ def requeue_command(command: list[str]) -> list[str]:
 def job_from_config(job: SbatchJob, config: Path) -> SbatchJob:
     """Check the job's YAML config against the allocation; pass it to the command (see module doc)."""
     try:
-        data = yaml.safe_load(config.read_text())
+        data = read_yaml(config)  # bounded: size, depth, aliases, nodes
     except OSError as exc:
         raise ConfigError(f"config file {str(config)!r}: cannot read ({exc.strerror})") from None
     except yaml.YAMLError as exc:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import BinaryIO
 
 from moonrt.memory.model_memory import GIB
 from moonrt.memory.plan import Plan
@@ -33,8 +34,9 @@ def plan_json(p: Plan) -> dict:
     return d
 
 
-def plot(p: Plan, path: str | Path) -> None:
-    """Stacked bars per rank (device memory by term) with the budget line."""
+def plot(p: Plan, path: str | Path | BinaryIO) -> None:
+    """Stacked bars per rank (device memory by term) with the budget line, as PNG to ``path`` (a file name, or an
+    open binary file: what :func:`moonrt.config.write_new` hands its writer)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -54,7 +56,7 @@ def plot(p: Plan, path: str | Path) -> None:
     ax.set_title(p.message[:90])
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, format="png")
     plt.close(fig)
 
 

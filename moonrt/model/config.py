@@ -9,9 +9,22 @@ as in the HF file; everything else in moonrt uses 0-indexed layers (:meth:`K3Con
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
 from moonrt.config import check
+
+MAX_LAYERS = 4096
+"""Most decoder layers (``num_hidden_layers``): the parameter count, the planners and the layer pattern walk the
+layers one by one, so a typo of 10**9 would stall them before any size check; K3 has 93, the deepest published
+decoders a few hundred."""
+
+
+def _positive_finite(obj: object, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        check(isinstance(value, (int, float)) and math.isfinite(value) and value > 0, name, value,
+              "a finite number > 0")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -32,7 +45,8 @@ class LinearAttnConfig:
         check(self.head_dim >= 1, "head_dim", self.head_dim, "an integer >= 1")
         check(self.short_conv_kernel_size >= 1, "short_conv_kernel_size", self.short_conv_kernel_size,
               "an integer >= 1")
-        check(self.gate_lower_bound < 0, "gate_lower_bound", self.gate_lower_bound, "a negative number")
+        check(math.isfinite(self.gate_lower_bound) and self.gate_lower_bound < 0, "gate_lower_bound",
+              self.gate_lower_bound, "a finite negative number")
         check(len(set(self.full_attn_layers)) == len(self.full_attn_layers), "full_attn_layers",
               self.full_attn_layers, "distinct layer numbers")
 
@@ -84,6 +98,12 @@ class K3Config:
                      "attn_res_block_size"):
             value = getattr(self, name)
             check(value >= 1, name, value, "an integer >= 1")
+        check(self.num_hidden_layers <= MAX_LAYERS, "num_hidden_layers", self.num_hidden_layers,
+              f"an integer <= {MAX_LAYERS} (MAX_LAYERS)")
+        check(self.max_position_embeddings >= 1, "max_position_embeddings", self.max_position_embeddings,
+              "an integer >= 1")
+        _positive_finite(self, ("routed_scaling_factor", "activation_situ_beta", "activation_situ_linear_beta",
+                                "rms_norm_eps", "initializer_range"))
         check(self.qk_rope_head_dim >= 0, "qk_rope_head_dim", self.qk_rope_head_dim, "an integer >= 0")
         check(self.num_shared_experts >= 0, "num_shared_experts", self.num_shared_experts, "an integer >= 0")
         check(0 <= self.first_k_dense_replace <= self.num_hidden_layers, "first_k_dense_replace",

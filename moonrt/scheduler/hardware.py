@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
+from moonrt.config import read_yaml
 
 __all__ = ["Link", "HardwareProfile", "load_profile", "profile_from_dict", "builtin_profiles", "resolve_profile",
            "PROFILE_DIR"]
@@ -159,11 +159,7 @@ def load_profile(path: str | Path) -> HardwareProfile:
     if not path.is_file():
         raise ValueError(f"--hardware: {str(path)!r} is not a file; expected a profile YAML, a built-in name from "
                          f"{sorted(builtin_profiles())} or 'cpu-local'")
-    try:
-        doc = yaml.safe_load(path.read_text())
-    except (yaml.YAMLError, UnicodeDecodeError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(f"{path}: not valid YAML ({first})") from None
+    doc = read_yaml(path, "hardware profile")  # ConfigError (a ValueError): bounded size, depth, aliases, nodes
     return profile_from_dict(doc, str(path))
 
 

@@ -17,7 +17,8 @@ Policies: ``none`` (contiguous home placement), ``eplb`` (DeepSeek EPLB re-plann
 the same ``E/R`` extra slots per rank as MoonEP), ``eplb-oracle`` (EPLB planned from the current
 step's loads: perfect prediction, an upper bound on what prediction can reach) and ``moonep``.
 With no arguments it runs a K3-sized default: E=896, k=16, R=64, s=4096, lognormal skew, ±30%
-per-step drift. Output: a table on stdout, ``summary.json`` and ``ep_sim.png`` in ``--out``.
+per-step drift. Output: a table on stdout, ``summary.json`` and ``ep_sim.png`` in ``--out``, each created
+exclusively (never through a symlink); existing ones are refused before any work unless ``--force``.
 """
 
 from __future__ import annotations
@@ -30,10 +31,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 from tqdm import tqdm
 
+from moonrt.config import existing_outputs, write_new
 from moonrt.scheduler import baselines as bl
 from moonrt.scheduler.hardware import HardwareProfile, resolve_profile
 from moonrt.scheduler.moonep import plan, transfer_matrix
@@ -81,7 +84,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--max-memory-gib", type=float, default=None,
                    help="refuse to start when the estimated peak memory exceeds this (default: the machine's "
                         "available memory)")
-    m.add_argument("--out", type=Path, default=Path("runs/ep-sim"), help="output directory")
+    m.add_argument("--out", type=Path, default=Path("runs/ep-sim"),
+                   help="output directory (summary.json, ep_sim.png; existing ones are refused unless --force)")
+    m.add_argument("--force", action="store_true", help="replace existing output files (default: refuse them, exit 2)")
     m.add_argument("--no-plot", action="store_true", help="skip the PNG")
     m.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -282,7 +287,7 @@ def format_table(summary: dict, maxvio_mean: float, warmup: int = 0) -> str:
     return "\n".join(lines)
 
 
-def plot(res: dict, policies: list[str], path: Path, title: str) -> None:
+def plot(res: dict, policies: list[str], path: Path | BinaryIO, title: str) -> None:
     """PNG: rank balance per policy over steps; per-rank loads of step 0, layer 0 per policy."""
     import matplotlib
 
@@ -313,7 +318,7 @@ def plot(res: dict, policies: list[str], path: Path, title: str) -> None:
     b.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, format="png")
     plt.close(fig)
 
 
@@ -349,6 +354,8 @@ def _workload(args: argparse.Namespace) -> WorkloadLike:
                          "E % R == 0 (each rank is home to E/R experts)")
     if v["--top-k"] > v["--experts"]:
         raise ValueError(f"--top-k: {v['--top-k']}, expected <= --experts ({v['--experts']})")
+    if args.seed < 0:
+        raise ValueError(f"--seed: {args.seed}, expected an integer >= 0 (numpy's default_rng seed)")
     for flag, x in (("--sigma", args.sigma), ("--zipf-s", args.zipf_s)):
         if not (math.isfinite(x) and x >= 0):
             raise ValueError(f"{flag}: {x}, expected a finite number >= 0")
@@ -406,6 +413,10 @@ def _run(args: argparse.Namespace) -> int:
                          f"policies {','.join(policies)} exceeds the {src} limit of {limit / 2**30:.1f} GiB; expected "
                          "fewer ranks/experts/steps, fewer policies or a larger --max-memory-gib")
     _writable_dir(args.out)
+    outputs = [args.out / "summary.json", *([] if args.no_plot else [args.out / "ep_sim.png"])]
+    found = [] if args.force else existing_outputs(outputs)
+    if found:
+        raise ValueError(f"--out: {found[0]} exists; expected new output files (--force replaces them)")
     hw = resolve_profile(args.hardware) if args.hardware is not None else None
     t0 = time.perf_counter()
     res = simulate(wl, policies, num_slots=args.num_slots, eplb_every=args.eplb_every, eplb_alpha=args.eplb_alpha,
@@ -427,10 +438,12 @@ def _run(args: argparse.Namespace) -> int:
     if hw is not None:
         doc["hardware"] = hw.to_dict()
         doc["passes"] = args.passes
-    (args.out / "summary.json").write_text(json.dumps(doc, indent=1))
-    written = [str(args.out / "summary.json")]
-    if not args.no_plot:
-        plot(res, policies, args.out / "ep_sim.png", title)
-        written.append(str(args.out / "ep_sim.png"))
+    try:
+        write_new(outputs[0], json.dumps(doc, indent=1), force=args.force)
+        if not args.no_plot:
+            write_new(outputs[1], lambda f: plot(res, policies, f, title), force=args.force)
+    except OSError as exc:
+        raise ValueError(f"--out: cannot write {exc.filename or args.out} ({exc.strerror or exc})") from None
+    written = [str(p) for p in outputs]
     print(f"wrote {', '.join(written)} in {doc['seconds']:.1f} s")
     return 0
