@@ -371,9 +371,11 @@ def existing_outputs(paths: Iterable[str | Path]) -> list[Path]:
     return [Path(p) for p in paths if os.path.lexists(p)]
 
 
-def write_new(path: str | Path, content: bytes | str | Callable[[BinaryIO], None], *, force: bool = False) -> None:
+def write_new(path: str | Path, content: bytes | str | Callable[[BinaryIO], None], *, force: bool = False,
+              mode: int = 0o666) -> None:
     """Create the file ``path`` with ``content`` (bytes, text as UTF-8, or a function writing to the open binary
-    file, e.g. ``lambda f: fig.savefig(f, format="png")``).
+    file, e.g. ``lambda f: fig.savefig(f, format="png")``), permissions ``mode`` less the umask (``0o777`` for a
+    script).
 
     Without ``force`` the file is created exclusively (``O_CREAT | O_EXCL | O_NOFOLLOW``): anything already at
     ``path``, a symlink included, raises :class:`FileExistsError` and is left as it is. With ``force`` the content
@@ -382,10 +384,10 @@ def write_new(path: str | Path, content: bytes | str | Callable[[BinaryIO], None
     path = Path(path)
     if force:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        os.fchmod(fd, 0o666 & ~_umask())
+        os.fchmod(fd, mode & ~_umask())
         made = Path(tmp)
     else:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
         made = path
     try:
         with os.fdopen(fd, "wb") as f:

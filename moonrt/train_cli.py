@@ -112,7 +112,15 @@ def job_from_args(args: argparse.Namespace) -> JobConfig:
         for key in path[:-1]:
             node = node[key]
         node[path[-1]] = value
-    return from_dict(JobConfig, raw)
+    try:
+        return from_dict(JobConfig, raw)
+    except ConfigError as exc:  # name the flag beside the field it set: "optim.lr (--lr) = inf: expected ..."
+        msg = str(exc)
+        for dest, path in _OVERRIDES.items():
+            field = ".".join(path)
+            if getattr(args, dest) is not None and msg.startswith(f"{field} = "):
+                raise ConfigError(f"{field} (--{dest.replace('_', '-')}){msg[len(field):]}") from None
+        raise
 
 
 def run(args: argparse.Namespace) -> int:

@@ -45,14 +45,11 @@ import shlex
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
-
-import yaml
 
 from moonrt.cluster.env import RDZV_HOST_ENV, TIMEOUT_ENV
 from moonrt.cluster.preempt import PREEMPTED_EXIT
-from moonrt.config import ConfigError, DistConfig, ParallelConfig, check, from_dict, read_yaml
+from moonrt.config import ConfigError, DistConfig, ParallelConfig, check, from_dict, read_yaml, write_new
 
 FLAGS = {"command": "command", "nodes": "--nodes", "ntasks_per_node": "--ntasks-per-node",
          "cpus_per_task": "--cpus-per-task", "job_name": "--job-name", "partition": "--partition", "time": "--time",
@@ -254,12 +251,7 @@ def requeue_command(command: list[str]) -> list[str]:
 
 def job_from_config(job: SbatchJob, config: Path) -> SbatchJob:
     """Check the job's YAML config against the allocation; pass it to the command (see module doc)."""
-    try:
-        data = read_yaml(config)  # bounded: size, depth, aliases, nodes
-    except OSError as exc:
-        raise ConfigError(f"config file {str(config)!r}: cannot read ({exc.strerror})") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {str(config)!r}: malformed YAML ({exc})") from None
+    data = read_yaml(config)  # bounded (size, depth, aliases, nodes); every failure is one ConfigError line
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(config)!r}: expected a mapping at the top level")
     timeout_s = job.timeout_s
@@ -332,7 +324,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     what = "--output" if args.output is not None else "script"
     try:
-        write_script(path, text, force=args.force)
+        write_new(path, text, force=args.force, mode=0o777)  # exclusive; --force: temp + rename
     except FileExistsError:
         print(f"moonrt sbatch: {what} = {str(path)!r}: already exists (give --force to replace it)", file=sys.stderr)
         return 2
@@ -343,34 +335,6 @@ def run(args: argparse.Namespace) -> int:
     if not args.submit:
         return 0
     return submit(path)
-
-
-def write_script(path: Path, text: str, *, force: bool) -> None:
-    """Write the executable script ``path``: created exclusively (``FileExistsError`` if anything, a symlink
-    included, is there), or with ``force`` written to a fresh temp file beside it and renamed over it (a symlink
-    there is replaced, never written through)."""
-    if not force:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o755)
-        try:
-            os.fchmod(fd, 0o755)
-            with os.fdopen(fd, "w") as f:
-                fd = -1
-                f.write(text)
-        except BaseException:
-            if fd >= 0:
-                os.close(fd)
-            path.unlink(missing_ok=True)
-            raise
-        return
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o755)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def submit(path: Path) -> int:

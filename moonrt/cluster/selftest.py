@@ -31,11 +31,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import socket
 import sys
-import tempfile
 import time
 from pathlib import Path
 from types import ModuleType
@@ -53,6 +51,7 @@ from moonrt.cluster.selftest_collectives import (  # noqa: F401 (the module's pu
     measure,
     measure_local_profile,
 )
+from moonrt.config import write_new
 
 SUITES = ("collectives", "ep", "kcp", "pp", "remote")
 UNAVAILABLE: dict[str, str] = {}
@@ -151,23 +150,6 @@ def check_output_path(path: Path, flag: str, force: bool) -> None:
         raise ValueError(f"{where}: its directory {str(path.absolute().parent)!r} does not exist")
 
 
-def write_output(path: Path, text: str, force: bool) -> None:
-    """Write ``text`` to ``path``: created exclusively (``FileExistsError`` if anything is there), or with
-    ``force`` through a fresh temp file beside it renamed over it (a symlink there is replaced, not followed)."""
-    if not force:
-        with open(path, "x") as f:
-            f.write(text)
-        return
-    fd, tmp = tempfile.mkstemp(dir=path.absolute().parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _failure_text(name: str, rank: int, detail: dict) -> str:
     extra = {k: v for k, v in detail.items() if k != "ok"}
     shown = ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in extra.items())
@@ -175,10 +157,10 @@ def _failure_text(name: str, rank: int, detail: dict) -> str:
 
 
 def _write(path: Path, flag: str, text: str, force: bool) -> bool:
-    """:func:`write_output`, an error reported in one line (False) instead of raised: the run's results stand,
-    and rank 0 must still reach the final barrier."""
+    """:func:`moonrt.config.write_new`, an error reported in one line (False) instead of raised: the run's results
+    stand, and rank 0 must still reach the final barrier."""
     try:
-        write_output(path, text, force)
+        write_new(path, text, force=force)
     except FileExistsError:
         print(f"moonrt selftest: {flag} = {str(path)!r}: already exists (created during the run; give --force to "
               "replace it)", file=sys.stderr, flush=True)

@@ -113,7 +113,7 @@ def test_sbatch_config_deep_nesting_is_one_line(tmp_path, capsys):
 def test_threads_5000_refused_not_a_segfault(tmp_path):
     res = run_limited(tmp_path, *train_args(tmp_path, "--threads", "5000"))
     assert res.returncode == 2, (res.returncode, res.stderr[-2000:])
-    line = one_line(res.stderr, "moonrt train: error: threads = 5000: expected an integer in [0, 1024]")
+    line = one_line(res.stderr, "moonrt train: error: threads (--threads) = 5000: expected an integer in [0, 1024]")
     assert "0 = torch default" in line
     assert not (tmp_path / "out").exists()
 
@@ -121,19 +121,19 @@ def test_threads_5000_refused_not_a_segfault(tmp_path):
 def test_batch_size_beyond_physical_memory_refused_before_allocating(tmp_path):
     res = run_limited(tmp_path, *train_args(tmp_path, "--batch-size", "1000000000"))
     assert res.returncode == 2, (res.returncode, res.stderr[-2000:])
-    line = one_line(res.stderr, "moonrt train: error: optim.batch_size = 1000000000: expected batch_size x "
-                                "(seq_len + 1) x 8 bytes")
+    line = one_line(res.stderr, "moonrt train: error: optim.batch_size (--batch-size) = 1000000000: expected "
+                                "batch_size x (seq_len + 1) x 8 bytes")
     assert f"= {10**9 * 17 * 8} bytes) <= this host's physical memory (" in line
     assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize(("flags", "message"), [
-    (("--lr", "inf"), "optim.lr = inf: expected a finite number"),
-    (("--lr", "nan"), "optim.lr = nan: expected a finite number"),
-    (("--lr", "-1"), "optim.lr = -1.0: expected a finite number > 0"),
-    (("--seed", "-1"), "optim.seed = -1: expected an integer in [0, 9223372036854775807]"),
-    (("--seed", str(2**70)), f"optim.seed = {2**70}: expected an integer in [0, 9223372036854775807]"),
-    (("--steps", str(2**63)), f"optim.steps = {2**63}: expected an integer <= 9223372036854775807"),
+    (("--lr", "inf"), "optim.lr (--lr) = inf: expected a finite number"),
+    (("--lr", "nan"), "optim.lr (--lr) = nan: expected a finite number"),
+    (("--lr", "-1"), "optim.lr (--lr) = -1.0: expected a finite number > 0"),
+    (("--seed", "-1"), "optim.seed (--seed) = -1: expected an integer in [0, 9223372036854775807]"),
+    (("--seed", str(2**70)), f"optim.seed (--seed) = {2**70}: expected an integer in [0, 9223372036854775807]"),
+    (("--steps", str(2**63)), f"optim.steps (--steps) = {2**63}: expected an integer <= 9223372036854775807"),
 ])
 def test_numeric_flags_refused_naming_the_field(tmp_path, capsys, flags, message):
     assert main(train_args(tmp_path, *flags)) == 2

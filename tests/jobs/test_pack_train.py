@@ -97,10 +97,13 @@ def test_cli_packed_run_and_refusals(tmp_path: Path, capsys) -> None:
     assert len(records) == 2 and all(np.isfinite(r["loss"]) for r in records)
     assert np.isfinite(records[-1]["eval_loss"])
     for flags, message in [
-        (["--pack-documents", "--cp", "2"], "data.pack_documents = True: expected false with parallel.cp = 2 (--cp)"),
-        (["--pack-documents", "--pp", "2"], "data.pack_documents = True: expected false with parallel.pp = 2 (--pp)"),
+        (["--pack-documents", "--cp", "2"],
+         "data.pack_documents (--pack-documents) = True: expected false with parallel.cp = 2 (--cp)"),
+        (["--pack-documents", "--pp", "2"],
+         "data.pack_documents (--pack-documents) = True: expected false with parallel.pp = 2 (--pp)"),
         (["--pack-documents", "--corpus", corpus], "data.eos_id = None: expected the token id that ends each"),
-        (["--corpus", corpus, "--eos-id", "12"], "data.eos_id = 12: expected null unless pack_documents is true"),
+        (["--corpus", corpus, "--eos-id", "12"],
+         "data.eos_id (--eos-id) = 12: expected null unless pack_documents is true"),
     ]:
         assert main([*common, *flags, "--out", str(tmp_path / "x")]) == 2
         err = capsys.readouterr().err.strip()

@@ -233,11 +233,11 @@ def test_pp2_cp2_with_a_memory_policy_matches_the_single_process(tmp_path: Path)
 
 @pytest.mark.parametrize("flags, message", [
     (["--pp", "2", "--vpp", "2"], "microbatches = 1: expected >= pp (2)"),
-    (["--pp", "2", "--vpp", "2", "--schedule", "gpipe"], "vpp = 2: expected 1 for schedule 'gpipe'"),
-    (["--pp", "2", "--schedule", "zigzag"], "parallel.schedule = 'zigzag'"),
-    (["--pp", "2", "--attn-res-comm", "sometimes"], "parallel.attn_res_comm = 'sometimes'"),
-    (["--microbatches", "2"], "microbatches = 2: expected 1 without pipeline parallelism"),
-    (["--vpp", "2"], "vpp = 2: expected 1 without pipeline parallelism"),
+    (["--pp", "2", "--vpp", "2", "--schedule", "gpipe"], "parallel.vpp (--vpp) = 2: expected 1 for schedule 'gpipe'"),
+    (["--pp", "2", "--schedule", "zigzag"], "parallel.schedule (--schedule) = 'zigzag'"),
+    (["--pp", "2", "--attn-res-comm", "sometimes"], "parallel.attn_res_comm (--attn-res-comm) = 'sometimes'"),
+    (["--microbatches", "2"], "parallel.microbatches (--microbatches) = 2: expected 1 without pipeline parallelism"),
+    (["--vpp", "2"], "parallel.vpp (--vpp) = 2: expected 1 without pipeline parallelism"),
 ])
 def test_bad_pipeline_flags_are_one_clear_line(tmp_path: Path, flags: list[str], message: str,
                                               capfd: pytest.CaptureFixture[str]) -> None:

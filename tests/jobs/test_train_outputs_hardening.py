@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_train_hardening import _cli, _corpus, _one_error_line
 
 from moonrt import checkpoint, checkpoint_dcp, outputs
 from moonrt.cli import main
@@ -31,25 +32,6 @@ from moonrt.train import CHECKPOINT, train
 
 LOCK = ".moonrt.lock"
 MOONRT = [sys.executable, "-m", "moonrt.cli"]
-
-
-def _corpus(tmp_path: Path) -> Path:
-    corpus = tmp_path / "corpus.txt"
-    if not corpus.exists():
-        corpus.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(400)))
-    return corpus
-
-
-def _cli(tmp_path: Path, out: str, *extra: str) -> list[str]:
-    return ["train", "--corpus", str(_corpus(tmp_path)), "--batch-size", "2", "--seq-len", "16", "--eval-every", "2",
-            "--out", str(tmp_path / out), "--no-progress", *extra]
-
-
-def _one_error_line(err: str) -> str:
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1, err
-    assert lines[0].startswith("moonrt train: error: "), err
-    return lines[0]
 
 
 def _strict_records(path: Path) -> list[dict]:

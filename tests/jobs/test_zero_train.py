@@ -69,5 +69,5 @@ def test_zero_stage_other_than_0_or_1_is_a_clear_error(tmp_path: Path, value: st
                                                        capfd: pytest.CaptureFixture[str]) -> None:
     code, out, err = _cli(["train", "--zero", value, "--steps", "1", "--no-progress", "--out", str(tmp_path)], capfd)
     assert code == 2, out + err
-    assert f"parallel.zero = {value}: expected 0 (replicated optimizer states) or 1" in err, err
+    assert f"parallel.zero (--zero) = {value}: expected 0 (replicated optimizer states) or 1" in err, err
     assert "Traceback" not in err

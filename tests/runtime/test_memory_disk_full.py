@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_memory_disk import _open_files_under
 from torch import nn
 
 import moonrt
@@ -47,22 +48,6 @@ def _policy_file(tmp_path: Path, disk_path: Path, mib: int = 8) -> Path:
 def _train_args(tmp_path: Path, disk_path: Path) -> list[str]:
     return ["train", "--corpus", str(_corpus(tmp_path)), "--batch-size", "2", "--seq-len", "16", "--steps", "1",
             "--out", str(tmp_path / "run"), "--no-progress", "--memory-policy", str(_policy_file(tmp_path, disk_path))]
-
-
-def _our_open_files(directory: Path) -> list[str]:
-    """This process's open descriptors on files in ``directory`` (an unnamed O_TMPFILE shows as ``DIR/#N``)."""
-    fd_dir = Path("/proc/self/fd")
-    if not fd_dir.is_dir():
-        return []
-    out = []
-    for fd in fd_dir.iterdir():
-        try:
-            target = os.readlink(fd)
-        except OSError:
-            continue
-        if target.startswith(str(directory) + "/"):
-            out.append(target)
-    return out
 
 
 @pytest.fixture
@@ -105,7 +90,7 @@ def test_train_on_a_full_filesystem_is_one_line_not_sigbus(tmp_path: Path, small
 def test_store_on_a_full_filesystem_raises_and_closes_its_file(small_fs: Path) -> None:
     with pytest.raises(ConfigError, match=rf"^disk tier: no space left on {small_fs}: need {MIB} bytes, free \d+"):
         DiskStore(small_fs, MIB)
-    assert list(small_fs.iterdir()) == [] and _our_open_files(small_fs) == []
+    assert list(small_fs.iterdir()) == [] and _open_files_under(os.getpid(), small_fs) == []
     assert shutil.disk_usage(small_fs).used == 0
     # a capacity that fits works, and its space is taken at once (reserved, not sparse)
     store = DiskStore(small_fs, 128 * 1024)
@@ -114,7 +99,7 @@ def test_store_on_a_full_filesystem_raises_and_closes_its_file(small_fs: Path) -
     rec = store.put(data)
     assert torch.equal(store.get(rec, torch.device("cpu")), data)
     store.close()
-    assert _our_open_files(small_fs) == [] and shutil.disk_usage(small_fs).used == 0
+    assert _open_files_under(os.getpid(), small_fs) == [] and shutil.disk_usage(small_fs).used == 0
 
 
 def _enospc(*_args: object) -> None:
@@ -131,7 +116,7 @@ def test_reservation_enospc_is_one_clear_error(tmp_path: Path, monkeypatch: pyte
     msg = str(info.value)
     assert msg.startswith(f"disk tier: no space left on {directory}: need {3 * MIB} bytes, free "), msg
     assert int(msg.split("free ")[1].split(" bytes")[0]) == shutil.disk_usage(directory).free
-    assert list(directory.iterdir()) == [] and _our_open_files(directory) == []
+    assert list(directory.iterdir()) == [] and _open_files_under(os.getpid(), directory) == []
 
 
 def test_reservation_enospc_in_train_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
@@ -179,7 +164,7 @@ def test_write_enospc_is_one_clear_error(tmp_path: Path, monkeypatch: pytest.Mon
     assert mgr.accounting.peak["disk"] > 0
     assert all(torch.equal(a, b) for a, b in zip(got, ref))
     mgr.close()
-    assert list(directory.iterdir()) == [] and _our_open_files(directory) == []
+    assert list(directory.iterdir()) == [] and _open_files_under(os.getpid(), directory) == []
 
 
 def test_store_without_posix_fallocate_reserves_by_writing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -193,5 +178,5 @@ def test_store_without_posix_fallocate_reserves_by_writing(tmp_path: Path, monke
     monkeypatch.setattr(os, "pwrite", _enospc)
     with pytest.raises(ConfigError, match=rf"^disk tier: no space left on {tmp_path}: need {MIB + 7} bytes"):
         DiskStore(tmp_path, MIB + 7)
-    assert list(tmp_path.iterdir()) == [] and _our_open_files(tmp_path) == []
+    assert list(tmp_path.iterdir()) == [] and _open_files_under(os.getpid(), tmp_path) == []
     assert backends._PREADV is not None or sys.platform != "linux"
