@@ -136,7 +136,7 @@ def test_no_file_left_after_signal(tmp_path, sig):
         line = proc.stdout.readline()
         assert line.strip() == "ready", proc.stderr.read()
         if Path(f"/proc/{proc.pid}/fd").is_dir():  # the offload file is open and lives in the directory
-            assert len(set(_open_files_under(proc.pid, directory))) == 1  # (mmap holds a dup)
+            assert len(set(_open_files_under(proc.pid, directory))) == 1  # (one descriptor: the store file)
         proc.send_signal(sig)
         proc.wait(timeout=60)
     finally:
