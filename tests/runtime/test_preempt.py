@@ -396,7 +396,7 @@ def test_slurm_requeue_resumes_and_matches(workdir: Path, reference2: Callable[[
 
 @pytest.mark.parametrize(
     ("argv", "message"),
-    [(["train", "--signal", "KILL", "--steps", "1"], "stop_signal = 'KILL': expected one of TERM, INT, HUP"),
+    [(["train", "--signal", "KILL", "--steps", "1"], "stop_signal (--signal) = 'KILL': expected one of TERM, INT, HUP"),
      (["sbatch", "--nodes", "1", "--ntasks-per-node", "1", "--signal-lead", "30", "--", "true"],
       "--signal-lead = 30: expected together with --requeue"),
      (["sbatch", "--nodes", "1", "--ntasks-per-node", "1", "--requeue", "--signal-lead", "0", "--", "true"],
