@@ -5,15 +5,22 @@ after the quick start, honest summaries of stopped and resumed runs, and a stop 
 from __future__ import annotations
 
 import math
+import os
+import signal
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 from test_train_hardening import _corpus, _records
 
+from moonrt import checkpoint_dcp
 from moonrt.cli import main
+from moonrt.cluster.preempt import PREEMPTED_EXIT
 from moonrt.config import load_yaml, read_yaml, to_dict
 from moonrt.job import JobConfig
-from moonrt.outputs import CHECKPOINT
+from moonrt.outputs import CHECKPOINT, has_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -71,3 +78,46 @@ def test_resume_keeps_the_metrics_file_mode(tmp_path: Path) -> None:
                        "--no-progress")) == 0
     assert stat.S_IMODE(metrics.stat().st_mode) == 0o640
     assert [r["step"] for r in _records(metrics)] == [1, 2]
+
+
+# A `moonrt train` process that stops just before it imports torch (the first import of `torch` writes a line on
+# stdout and waits for one on stdin): the test signals it there, which is before any handler of the training loop
+# could exist, with no race and no sleep.
+_PAUSE_AT_TORCH = """
+import importlib.abc, sys
+class Pause(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            sys.meta_path.remove(self)
+            print("importing torch", flush=True)
+            sys.stdin.readline()
+        return None
+sys.meta_path.insert(0, Pause())
+from moonrt.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                  "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID")
+
+
+@pytest.mark.parametrize(("sig", "flags"), [(signal.SIGUSR1, ("--signal", "USR1")), (signal.SIGTERM, ())])
+def test_stop_signal_while_torch_is_imported_stops_at_step_0(tmp_path: Path, sig: signal.Signals,
+                                                             flags: tuple[str, ...]) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS and not k.startswith("SLURM_")}
+    proc = subprocess.Popen([sys.executable, "-c", _PAUSE_AT_TORCH, *_train(tmp_path, "run", "--steps", "3",
+                                                                          "--no-progress", *flags)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, cwd=tmp_path)
+    try:
+        assert proc.stdout.readline() == "importing torch\n"
+        proc.send_signal(sig)
+        out, _ = proc.communicate("\n", timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == PREEMPTED_EXIT, out
+    assert f"stopped by {sig.name} after step 0 of 3" in out, out
+    assert has_checkpoint(tmp_path / "run") and checkpoint_dcp.read_state(tmp_path / "run")["step"] == 0
+    assert main(_train(tmp_path, "run", "--steps", "3", "--until", "1", "--resume", "--no-progress")) == 0
