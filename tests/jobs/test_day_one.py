@@ -121,3 +121,20 @@ def test_stop_signal_while_torch_is_imported_stops_at_step_0(tmp_path: Path, sig
     assert f"stopped by {sig.name} after step 0 of 3" in out, out
     assert has_checkpoint(tmp_path / "run") and checkpoint_dcp.read_state(tmp_path / "run")["step"] == 0
     assert main(_train(tmp_path, "run", "--steps", "3", "--until", "1", "--resume", "--no-progress")) == 0
+
+
+def test_the_stop_signal_is_found_before_torch_is_imported(tmp_path: Path) -> None:
+    """What ``moonrt train`` arms before its imports: ``--signal`` (either form, the last wins), else the
+    ``stop_signal`` of ``--config``; nothing for a missing or broken config (the real parse reports those)."""
+    from moonrt.cli import _stop_signal_arg
+
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("stop_signal: USR2\n")
+    assert _stop_signal_arg(["--steps", "3"]) is None
+    assert _stop_signal_arg(["--signal", "USR1"]) == "USR1"
+    assert _stop_signal_arg(["--signal=HUP", "--signal", "USR1"]) == "USR1"
+    assert _stop_signal_arg(["--config", str(cfg)]) == "USR2"
+    assert _stop_signal_arg([f"--config={cfg}", "--signal", "QUIT"]) == "QUIT"
+    cfg.write_text("stop_signal: [\n")
+    assert _stop_signal_arg(["--config", str(cfg)]) is None
+    assert _stop_signal_arg(["--config", str(tmp_path / "missing.yaml")]) is None
