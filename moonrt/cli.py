@@ -2,13 +2,16 @@
 
 Each entry of :data:`COMMANDS` names a module that defines ``add_arguments(parser)`` and
 ``run(args) -> int``. Modules are imported only when their subcommand runs (``moonrt --help``
-stays fast and does not import torch).
+stays fast and does not import torch). ``moonrt train`` handles its stop signals from before that import
+(:func:`moonrt.cluster.preempt.arm_early`): a stop signal while torch loads stops the job at its starting step.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import os
 import sys
 
 # name -> (module, one-line help). Keep sorted by the order a user meets them.
@@ -37,6 +40,42 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _stop_signal_arg(argv: list[str]) -> str | None:
+    """The stop signal a ``moonrt train`` command line names, found without parsing it: ``--signal`` (the last one,
+    as argparse takes it), else the ``stop_signal`` of its ``--config`` file; None when neither names one. Bad values
+    are the real parse's to report."""
+    found, config = None, None
+    for i, arg in enumerate(argv):
+        for flag in ("--signal", "--config"):
+            if arg == flag and i + 1 < len(argv):
+                value = argv[i + 1]
+            elif arg.startswith(flag + "="):
+                value = arg[len(flag) + 1:]
+            else:
+                continue
+            found, config = (value, config) if flag == "--signal" else (found, value)
+    if found is None and config is not None and os.path.isfile(config):
+        from moonrt.config import ConfigError, read_yaml
+
+        with contextlib.suppress(ConfigError):
+            raw = read_yaml(config)
+            found = raw.get("stop_signal") if isinstance(raw, dict) else None
+    return found if isinstance(found, str) else None
+
+
+def _arm_stop_signals(argv: list[str]) -> None:
+    """``moonrt train``: record a stop signal (SIGTERM, SIGINT, ``--signal``) that arrives before the job's own
+    handlers are installed (:func:`moonrt.cluster.preempt.arm_early`; this imports no torch)."""
+    from moonrt.cluster.preempt import arm_early, signal_from_name
+
+    signals = ["SIGTERM", "SIGINT"]
+    name = _stop_signal_arg(argv)
+    if name is not None:
+        with contextlib.suppress(ValueError):
+            signals.append(signal_from_name(name).name)
+    arm_early(signal_from_name(s) for s in signals)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -45,6 +84,21 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     name, rest = argv[0], argv[1:]
+    if name != "train":
+        return _run(name, rest)
+    from moonrt.cluster.preempt import Aborted, disarm_early
+
+    _arm_stop_signals(rest)
+    try:
+        return _run(name, rest)
+    except Aborted as exc:  # a second stop signal before the job's own handlers took over
+        print(f"moonrt {name}: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
+    finally:
+        disarm_early()  # the handlers from before (a job that ran took them over already)
+
+
+def _run(name: str, rest: list[str]) -> int:
     module = importlib.import_module(COMMANDS[name][0])
     sub = argparse.ArgumentParser(prog=f"moonrt {name}", description=COMMANDS[name][1])
     module.add_arguments(sub)

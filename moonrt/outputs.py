@@ -261,7 +261,7 @@ class MetricsFile:
 
 def open_metrics(path: str, resume_step: int | None) -> MetricsFile:
     """The metrics file to append to: new (exclusive), or on resume an existing one trimmed to the records of
-    steps ``<= resume_step`` (atomically: a trimmed copy replaces it; only a moonrt metrics file,
+    steps ``<= resume_step`` (atomically: a trimmed copy with the same mode replaces it; only a moonrt metrics file,
     :func:`check_metrics`; a cut last line is dropped), so no step appears twice after a kill."""
     what = f"--metrics = {path!r}"
     try:
@@ -276,7 +276,7 @@ def open_metrics(path: str, resume_step: int | None) -> MetricsFile:
                     f.write(json_line(record))
             f.flush()
             os.fsync(f.fileno())
-            os.chmod(tmp, mode)
+            os.fchmod(f.fileno(), mode)  # the file's own mode (mkstemp makes 0600), set on the descriptor
             os.replace(tmp, path)
         except BaseException:
             with contextlib.suppress(OSError):  # closing flushes the buffer: fails again on a full disk

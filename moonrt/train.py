@@ -3,8 +3,9 @@
 With no arguments it runs the embedded default :class:`JobConfig`: k3_tiny, byte tokenizer, the
 Python standard library's ``*.py`` files as corpus (:mod:`moonrt.data`), AdamW, linear warmup +
 cosine decay, gradient clipping, Quantile Balancing bias updates after every step, a tqdm bar with
-loss and tokens/s, periodic held-out eval, and a summary comparing the final eval loss with the
-held-out unigram entropy (nats/token).
+loss and tokens/s, periodic held-out eval (and one at the stop step of ``--until`` when this process ran none),
+and a summary of the steps this process ran (a resumed run says so at start: ``resumed from step N``) comparing the
+final eval loss with the held-out unigram entropy (nats/token).
 
 Exactness contract (what later parallel runs are compared against):
 
@@ -240,11 +241,13 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
         print(f"moonrt train: {job.model if job.model_config is None else 'custom'} ({n_params / 1e6:.2f}M params, "
               f"pattern {mcfg.pattern}), corpus {corpus.description}: {len(corpus.train):,} train / "
               f"{len(corpus.heldout):,} held-out tokens; {cfg.steps} steps x {global_tokens} tokens", flush=True)
+        if resume:
+            print(f"moonrt train: resumed from step {start} (checkpoint {str(src)!r})", flush=True)
     bar = tqdm(range(start, stop), initial=start, total=cfg.steps, disable=not (rt.is_main and progress),
                dynamic_ncols=True, desc="train")
     model.train()
     losses: list[float] = []
-    eval_loss = math.nan
+    eval_loss, eval_step = math.nan, None  # the last held-out eval of this process and its step
     t_start = time.perf_counter()
     tokens_done = 0
     done, saved = start, (start if resume else None)  # last completed step, last checkpointed step
@@ -303,8 +306,10 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
             rt.step_metrics(step, model, record)
             done = step + 1
             stopped = done < stop and rt.any_flag(preempt.requested)  # the ranks agree on the stop step
-            if not stopped and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
-                eval_loss = evaluate(model, heldout, cfg.batch_size, rt, heldout_docs)
+            # eval every eval_every steps, at the last step, and at the stop step (--until) if none ran yet
+            if not stopped and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps
+                                or (step + 1 == stop and eval_step is None)):
+                eval_loss, eval_step = evaluate(model, heldout, cfg.batch_size, rt, heldout_docs), step + 1
                 stopped = done < stop and rt.any_flag(preempt.requested)
                 record["eval_loss"] = eval_loss
                 if rt.is_main and progress:
@@ -312,7 +317,8 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
                               f"(unigram entropy {baseline:.3f})")
             if metrics is not None:
                 metrics.write(record)
-            bar.set_postfix(loss=f"{loss_value:.3f}", eval=f"{eval_loss:.3f}", tok_s=f"{global_tokens / dt:,.0f}")
+            shown = {"loss": f"{loss_value:.3f}"} | ({} if eval_step is None else {"eval": f"{eval_loss:.3f}"})
+            bar.set_postfix(shown | {"tok_s": f"{global_tokens / dt:,.0f}"})  # no eval field before the first eval
             if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == stop or stopped:
                 save_checkpoint(ckpt, model, opt, step + 1, job, rt)
                 saved = step + 1
@@ -339,12 +345,15 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
         raise Preempted(done, cfg.steps, preempt.signum, out / checkpoint_dcp.ROOT if checkpoint_dcp.use_sharded(opt)
                         else ckpt)
     wall = time.perf_counter() - t_start
-    summary = {"steps": stop, "train_loss": float(np.mean(losses[-10:])) if losses else math.nan,
-               "final_eval_loss": eval_loss, "unigram_entropy": baseline,
+    summary = {"steps": stop, "steps_run": stop - start,
+               "train_loss": float(np.mean(losses[-10:])) if losses else math.nan,
+               "final_eval_loss": eval_loss, "eval_step": eval_step, "unigram_entropy": baseline,
                "tokens_per_s": tokens_done / wall if wall > 0 else math.nan, "wall_s": wall, "params": n_params}
     if rt.is_main and progress:
-        print(f"summary: {stop} steps in {wall:.0f} s ({summary['tokens_per_s']:,.0f} tokens/s); "
-              f"train loss {summary['train_loss']:.3f}; eval loss {eval_loss:.3f} nats/token vs held-out "
+        ran = f"{stop} steps" if start == 0 else f"steps {start + 1}-{stop}: {stop - start} steps"
+        at = "" if eval_step == stop else f" (step {eval_step})"
+        print(f"summary: {ran} in {wall:.0f} s ({summary['tokens_per_s']:,.0f} tokens/s); "
+              f"train loss {summary['train_loss']:.3f}; eval loss{at} {eval_loss:.3f} nats/token vs held-out "
               f"unigram entropy {baseline:.3f} ({eval_loss - baseline:+.3f}); checkpoint "
               f"{out / checkpoint_dcp.ROOT if checkpoint_dcp.use_sharded(opt) else ckpt}", flush=True)
     if cp_bytes and progress:  # every rank reports its own CP traffic (moonrt launch prefixes [rank r])

@@ -11,6 +11,11 @@ save a checkpoint of that step and exit with :data:`PREEMPTED_EXIT`. A second si
 the second could not interrupt, gets the default action (termination). Checkpoints are written atomically,
 so an abort never corrupts the previous one.
 
+A signal can arrive before the job gets that far (importing torch and building the model take seconds): the
+command line arms :func:`arm_early` for the same signals first thing, whose handler only records the signal, and
+the :class:`StopSignal` entered later takes it over, so such a job stops at its starting step (checkpointed,
+exit :data:`PREEMPTED_EXIT`) instead of dying of the signal's default action.
+
 Launchers use the same exit code: ``moonrt launch`` forwards the signal to its ranks and reports their code,
 and the script of ``moonrt sbatch --requeue`` requeues the job when its step exits with it.
 """
@@ -59,6 +64,44 @@ class Aborted(BaseException):
         return 128 + self.signum
 
 
+_early: dict[signal.Signals, Any] = {}
+"""Signals :func:`arm_early` handles until a :class:`StopSignal` is entered -> the handler each had before."""
+
+_early_signum: int | None = None
+"""The stop signal the :func:`arm_early` handler recorded (the first one that arrived), if any."""
+
+
+def arm_early(signals: Iterable[int]) -> None:
+    """Handle ``signals`` from now until a :class:`StopSignal` is entered (which takes over a recorded signal and
+    restores the handlers from before this call on exit): the first one that arrives is only recorded, a second
+    one raises :class:`Aborted` (as under :class:`StopSignal`). For the start of a job, before the heavy imports;
+    in the main thread only (elsewhere a no-op). Imports nothing heavy: this module must stay free of torch."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in dict.fromkeys(signal.Signals(s) for s in signals):
+        if sig not in _early:
+            _early[sig] = signal.signal(sig, _record_early)
+
+
+def _record_early(signum: int, _frame: FrameType | None) -> None:
+    global _early_signum
+    if _early_signum is None:
+        _early_signum = signum
+        return
+    disarm_early()
+    raise Aborted(signum)
+
+
+def disarm_early() -> int | None:
+    """Restore the handlers :func:`arm_early` replaced; returns the signal it recorded (and forgets it)."""
+    global _early_signum
+    for sig, handler in _early.items():
+        signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+    _early.clear()
+    signum, _early_signum = _early_signum, None
+    return signum
+
+
 _raised: Aborted | None = None
 """The :class:`Aborted` a :class:`StopSignal` handler raised since one was last entered (:func:`raised_abort`)."""
 
@@ -76,7 +119,10 @@ class StopSignal:
     :class:`Aborted` (and restores the default action, so a third terminates even a process stuck in C code).
 
     Handlers are installed only in the main thread (Python delivers signals there; elsewhere the manager does
-    nothing and :attr:`signum` stays None) and the previous ones are restored on exit.
+    nothing and :attr:`signum` stays None) and the previous ones are restored on exit (those from before
+    :func:`arm_early`, if it was armed). A stop signal that :func:`arm_early`'s handler recorded counts as the first:
+    :attr:`signum` is set on entry; one of another signal (not a stop signal of this job after all) gets the action
+    it had before :func:`arm_early`.
     """
 
     def __init__(self, signals: Iterable[int]) -> None:
@@ -105,6 +151,12 @@ class StopSignal:
         if threading.current_thread() is threading.main_thread():
             for sig in self.signals:
                 self._previous[sig] = signal.signal(sig, self._handle)
+                self._previous[sig] = _early.pop(sig, self._previous[sig])
+            early = disarm_early()  # the signals armed early that this job does not stop on get their old handlers
+            if early in self.signals:
+                self.signum = early
+            elif early is not None:
+                signal.raise_signal(early)
         return self
 
     def __exit__(self, *exc: object) -> None:
