@@ -5,7 +5,10 @@ One entry point for every launcher: :func:`init_distributed` reads the environme
 launcher whose variables are present wins):
 
 1. **torchrun** (and ``moonrt launch``): ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``
-   (``LOCAL_RANK`` optional, default: ``RANK``).
+   (``LOCAL_RANK`` optional, default: ``RANK``). Under the real torchrun, whose agent already serves
+   the rendezvous store on ``MASTER_PORT`` and says so with ``TORCHELASTIC_USE_AGENT_STORE=True``
+   (:func:`uses_agent_store`; every rendezvous backend, ``--standalone`` included), every rank connects
+   to that store as a client, as torch's ``env://`` does; otherwise rank 0 opens the store.
 2. **SLURM**, inside an ``srun`` step: ``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS``,
    ``SLURM_LOCALID``, ``SLURM_JOB_ID`` (``SLURM_STEP_ID`` optional, default 0), master = first
    host of ``SLURM_STEP_NODELIST`` (else ``SLURM_JOB_NODELIST``), port derived from the job and
@@ -41,7 +44,9 @@ kills the rank (and its process group) once the launcher is gone.
 
 **What the rendezvous listens on.** torch's ``TCPStore`` (unauthenticated: anyone who reaches it
 can read and write the job's keys) binds every interface when it creates its own socket, so rank
-0 binds the socket itself (:func:`master_store`) on one address (:func:`rendezvous_bind_host`):
+0 binds the socket itself (:func:`master_store`) on one address (:func:`rendezvous_bind_host`).
+(Under torchrun the store is torchrun's agent's, which torch 2.13 listens with on every interface,
+``--standalone`` included: moonrt opens none there; ``moonrt launch`` is the loopback-only launcher.)
 
 - ``MOONRT_RDZV_HOST`` when set (``moonrt sbatch --rdzv-host``): an address or name of one of
   rank 0's interfaces; ``0.0.0.0`` or ``::`` (every interface) only when asked for like this;
@@ -96,6 +101,8 @@ JOB_ID_ENV = "MOONRT_JOB_ID"
 """Per-job random nonce that ``moonrt launch`` gives its ranks: their job identity (:func:`job_identity`)."""
 LAUNCHER_PID_ENV = "MOONRT_LAUNCHER_PID"
 """Pid of the ``moonrt launch`` process that started this rank (:func:`watch_launcher`)."""
+AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
+"""``"True"`` in the workers of a torchrun whose agent serves the rendezvous store on ``MASTER_PORT``."""
 IDENTITY_KEY = "moonrt/job_identity"
 """Key under which rank 0 publishes its job identity in its rendezvous store."""
 
@@ -225,6 +232,13 @@ def check_job_identity(store, rdzv: Rendezvous, environ: Mapping[str, str] = os.
             f"the rendezvous store at {rdzv.master_addr}:{rdzv.master_port} belongs to {theirs}, but this process "
             f"(rank {rdzv.rank}) belongs to {mine}: two jobs met on one port; not joining the other job's group"
         )
+
+
+def uses_agent_store(rdzv: Rendezvous, environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether torchrun's agent already serves the rendezvous store on ``MASTER_ADDR:MASTER_PORT``: its workers
+    get ``TORCHELASTIC_USE_AGENT_STORE=True`` (torch 2.13's torchrun sets it for every rendezvous backend, with
+    ``--standalone`` too), and then no rank may open a store there (the port is torchrun's); all are its clients."""
+    return rdzv.source == "torchrun" and environ.get(AGENT_STORE_ENV) == "True"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -392,7 +406,10 @@ def init_distributed(cfg: DistConfig | None = None) -> Rendezvous:
         store, rdzv = _mpi_store(rdzv, timeout)
     else:
         assert rdzv.master_addr is not None and rdzv.master_port is not None
-        if rdzv.rank == 0:
+        if uses_agent_store(rdzv):  # torchrun's agent serves the store on MASTER_PORT: every rank is its client
+            store = dist.TCPStore(rdzv.master_addr, rdzv.master_port, rdzv.world_size, is_master=False,
+                                  timeout=timeout)
+        elif rdzv.rank == 0:
             bind = rendezvous_bind_host(rdzv.master_addr, multi_node=_multi_node(os.environ, rdzv))
             store = master_store(bind, rdzv.master_port, rdzv.world_size, timeout, connect=rdzv.master_addr)
         else:

@@ -6,7 +6,8 @@ reports free), ``GLOO_SOCKET_IFNAME`` = the loopback interface (unless set), plu
 ``MOONRT_DIST_TIMEOUT`` = ``--timeout``, which
 :func:`moonrt.cluster.env.init_distributed` uses as the timeout of the rendezvous and every
 collective, ``MOONRT_JOB_ID`` (a random nonce per launch: the job identity every rank checks at the
-rendezvous, so a rank never joins another job that got the same port) and ``MOONRT_LAUNCHER_PID``.
+rendezvous, so a rank never joins another job that got the same port) and ``MOONRT_LAUNCHER_PID``;
+torchrun's ``TORCHELASTIC_*`` variables (when the launcher itself runs in a torchrun worker) are not passed on.
 Numeric flags are range-checked before anything starts (one line naming the flag, exit 2).
 
 Ranks die with the launcher, even when it is killed with SIGKILL: on Linux each rank gets
@@ -228,7 +229,9 @@ def _launch(command: list[str], nprocs: int, timeout_s: float, max_time_s: float
     try:
         for r in range(nprocs):
             env = {
-                **os.environ,
+                # torchrun's worker variables, when moonrt launch itself runs in one: this job is not torchrun's
+                # (TORCHELASTIC_USE_AGENT_STORE would make rank 0 wait for a store torchrun serves elsewhere)
+                **{k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")},
                 "RANK": str(r), "WORLD_SIZE": str(nprocs), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(nprocs),
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), TIMEOUT_ENV: repr(float(timeout_s)),
                 "PYTHONUNBUFFERED": "1", GLOO_IFNAME_ENV: gloo_ifname, JOB_ID_ENV: job_id,
