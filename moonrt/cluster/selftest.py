@@ -25,6 +25,13 @@ them independently), every measurement and the suites skipped with their reason.
 line, exit 2) unless ``--force``, which writes a new file and renames it over the old one. Exit code 0 only
 when every check passed on every rank (1 otherwise; 2 for bad arguments). A failure is printed
 as ``<suite>/<case>/<check> on rank <r>``.
+
+A suite that cannot run on the job (``pp``/``remote`` on one rank; ``ep`` when no ``--ep-shapes`` expert count is
+a multiple of the world size) is never a pass: rank 0 prints ``moonrt selftest <suite>: SKIPPED: <reason>`` and
+the summary ends with ``; skipped: <suite> (<reason>)`` (EP shapes skipped beside others that ran too). When
+nothing at all could be checked, the job exits :data:`NOTHING_CHECKED` (2) with one line on stderr
+(``moonrt selftest: nothing could be checked on N ranks: every requested suite was skipped: ...``), and the
+report says ``"passed": false`` with ``"checks": 0``.
 """
 
 from __future__ import annotations
@@ -57,6 +64,8 @@ SUITES = ("collectives", "ep", "kcp", "pp", "remote")
 UNAVAILABLE: dict[str, str] = {}
 """Suites that never run today, with the reason printed and reported."""
 MIN_WORLD = {"pp": 2, "remote": 2}
+NOTHING_CHECKED = 2
+"""Exit code when every requested suite was skipped (or ran no check): nothing could be checked on this job."""
 FIRST = ("rows", "balance", "payload", "blocks_exact")
 """Checks of the data movement itself, listed before the checks their failure propagates to."""
 
@@ -212,10 +221,10 @@ def run(args: argparse.Namespace) -> int:
         to_run, skipped = plan_suites(args.suite, world)
         env = environment(rdzv, rank, world)
         if rank == 0:
-            skip = "".join(f"; skipped {n}: {why}" for n, why in skipped.items())
             print(f"moonrt selftest: {world} ranks via {rdzv.source}, backend {dist.get_backend()}, "
-                  f"{env['nodes']} node(s), device {env['device']}; suites {', '.join(to_run) or 'none'}{skip}",
-                  flush=True)
+                  f"{env['nodes']} node(s), device {env['device']}; suites {', '.join(to_run) or 'none'}", flush=True)
+            for n, why in skipped.items():
+                print(f"moonrt selftest {n}: SKIPPED: {why}", flush=True)
         modules = _modules()
         ranks: list[dict] = [{"source": None, "local_rank": None, "checks": {}} for _ in range(world)]
         suites: dict[str, dict] = {n: {"status": "skipped", "reason": why} for n, why in skipped.items()}
@@ -237,6 +246,15 @@ def run(args: argparse.Namespace) -> int:
                 ranks[r]["checks"].update(g["checks"])
                 if name == "collectives":
                     ranks[r].update(ok=g["ok"], outputs=g["outputs"])
+            if not total:  # no case of the suite fits this job (ep: no shape's E divides the world size)
+                why = res.extra.get("skip_reason") or f"no case fits {world} ranks"
+                suites[name] = {"status": "skipped", "reason": why}
+                skipped[name] = why
+                if rank == 0:
+                    print(f"moonrt selftest {name}: SKIPPED: {why}", flush=True)
+                continue
+            for case in res.extra.get("skipped", ()):  # cases that did not fit (ep: a shape), the others ran
+                skipped[f"{name} {case.split(':', 1)[0]}"] = case.split(": ", 1)[-1]
             lines = [_failure_text(c, r, d) for r, c, d in bad]
             failures += lines
             n_checks, n_rows = n_checks + total, n_rows + len(res.rows)
@@ -251,16 +269,23 @@ def run(args: argparse.Namespace) -> int:
                       f"({time.perf_counter() - t0:.1f} s)", flush=True)
                 if bad:
                     print(f"moonrt selftest {name}: FAILED {lines[0]}", file=sys.stderr, flush=True)
-        passed = not failures
+        checked = n_checks > 0  # a suite that cannot run on this job is no pass: with nothing checked, exit 2
+        passed = checked and not failures
         written = True
         if rank == 0:
-            print(f"moonrt selftest: {'PASS' if passed else 'FAIL'}: {world} ranks, {n_checks} checks"
-                  f"{'' if passed else f' ({len(failures)} failed)'}, {n_rows} measurements in "
-                  f"{time.perf_counter() - t_start:.1f} s", flush=True)
+            skip = "; skipped: " + ", ".join(f"{n} ({why})" for n, why in skipped.items()) if skipped else ""
+            if not checked:
+                print(f"moonrt selftest: NOTHING CHECKED: {world} ranks, 0 checks{skip}", flush=True)
+                print(f"moonrt selftest: nothing could be checked on {world} ranks: every requested suite was "
+                      f"skipped{skip[len('; skipped'):]}", file=sys.stderr, flush=True)
+            else:
+                print(f"moonrt selftest: {'PASS' if passed else 'FAIL'}: {world} ranks, {n_checks} checks"
+                      f"{'' if passed else f' ({len(failures)} failed)'}, {n_rows} measurements in "
+                      f"{time.perf_counter() - t_start:.1f} s{skip}", flush=True)
             if args.report is not None:
                 coll = suites.get("collectives", {})
-                report = {"world_size": world, "backend": dist.get_backend(), "passed": passed, "env": env,
-                          "suites": suites, "failures": failures, "ranks": ranks,
+                report = {"world_size": world, "backend": dist.get_backend(), "passed": passed, "checks": n_checks,
+                          "skipped": skipped, "env": env, "suites": suites, "failures": failures, "ranks": ranks,
                           "bandwidth": coll.get("rows", [])}
                 written = _write(args.report, "--report", json.dumps(report, indent=1, default=str), args.force)
             if args.profile_out is not None and "collectives" in suites and suites["collectives"]["status"] == "ran":
@@ -275,8 +300,10 @@ def run(args: argparse.Namespace) -> int:
                 else:
                     written = False
         dist.barrier()  # no rank tears its process group down while another still uses it (rank 0's report)
-        if not passed:
+        if failures:
             return 1
+        if not checked:
+            return NOTHING_CHECKED
         return 0 if written else 2  # 2: the output file was refused or could not be written
     finally:
         # the suites leave objects that hold the group in reference cycles (the pp suite's executors hook their own
