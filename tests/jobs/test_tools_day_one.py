@@ -116,3 +116,82 @@ def test_mem_plan_says_no_policy_is_written_for_a_budget_that_does_not_fit(tmp_p
     capsys.readouterr()
     assert sorted(p.name for p in (out / f"budget{least:g}").iterdir()) == [
         "plan.json", "plan.png", "policy_rank0.yaml", "policy_rank1.yaml"]
+
+
+# ---- item 9: ep-sim --trace of one rank; MB columns sized by the trace's model ---------------------------------
+
+_EP = ["--policies", "none,eplb,moonep", "--no-plot", "--quiet", "--warmup", "0"]
+
+
+def _counts(ranks: int, experts: int = 16, top_k: int = 2, steps: int = 3, layers: int = 2) -> Any:
+    from moonrt.scheduler.workload import synthetic
+
+    return synthetic("zipf", num_experts=experts, num_ranks=ranks, top_k=top_k, tokens_per_rank=32, steps=steps,
+                     layers=layers, zipf_s=1.2, seed=0).counts
+
+
+def test_ep_sim_warns_that_a_one_rank_trace_cannot_show_imbalance(tmp_path: Path, capsys: Any) -> None:
+    from moonrt.scheduler.workload import save_trace
+
+    save_trace(tmp_path / "one.npz", _counts(1), top_k=2)  # what one process of moonrt train records: [T, L, 1, E]
+    assert cli(["ep-sim", "--trace", str(tmp_path / "one.npz"), *_EP, "--out", str(tmp_path / "o1")]) == 0
+    text = capsys.readouterr().out
+    warn = [ln for ln in text.splitlines() if ln.startswith("warning:") and "R=1" in ln]
+    assert warn and "cannot show imbalance" in warn[0] and "--ep N" in warn[0], text
+    doc = json.loads((tmp_path / "o1" / "summary.json").read_text())
+    assert doc["imbalance_observable"] is False and any("R=1" in w for w in doc["warnings"]), doc["warnings"]
+    assert {v["balance_mean"] for v in doc["summary"].values()} == {1.0}  # why the warning
+
+    save_trace(tmp_path / "four.npz", _counts(4), top_k=2)  # a 4-rank trace: no such warning
+    assert cli(["ep-sim", "--trace", str(tmp_path / "four.npz"), *_EP, "--out", str(tmp_path / "o4")]) == 0
+    assert "R=1" not in capsys.readouterr().out
+    doc = json.loads((tmp_path / "o4" / "summary.json").read_text())
+    assert doc["imbalance_observable"] is True and not any("R=1" in w for w in doc["warnings"])
+
+    # asking for more ranks than a one-rank trace holds: refused, naming how to get such a trace
+    assert cli(["ep-sim", "--trace", str(tmp_path / "one.npz"), "--ranks", "4", *_EP,
+                "--out", str(tmp_path / "o5")]) == 2
+    line = _one_line(capsys, "moonrt ep-sim: ")
+    assert "--ranks: 4" in line and "--ep N" in line, line
+    assert not (tmp_path / "o5" / "summary.json").exists()
+
+
+def test_ep_sim_sizes_the_mb_columns_from_the_traces_model(tmp_path: Path, capsys: Any) -> None:
+    from moonrt.model.config import k3_tiny
+    from moonrt.models import presets
+    from moonrt.scheduler.workload import expert_sizes, save_trace
+
+    K3_SIZES = {"hidden": 3584, "expert_params": 3 * 3584 * 3072, "bytes_per_elem": 2}  # noqa: N806 -- K3's bf16 expert
+    cfg = k3_tiny()
+    tiny = expert_sizes(cfg, presets()["k3_tiny"].train_dtype["k3_tiny"])
+    assert tiny == {"hidden": 64, "expert_params": 3 * 64 * 56, "bytes_per_elem": 4}
+    counts = _counts(4, cfg.num_experts, cfg.num_experts_per_token)
+    save_trace(tmp_path / "tiny.npz", counts, top_k=2, model="k3_tiny", sizes=tiny)
+    save_trace(tmp_path / "bare.npz", counts, top_k=2)  # the same routing, no model recorded
+
+    assert cli(["ep-sim", "--trace", str(tmp_path / "tiny.npz"), *_EP, "--out", str(tmp_path / "t")]) == 0
+    text = capsys.readouterr().out
+    assert "tiny.npz (k3_tiny)" in text and "records no model sizes" not in text, text
+    assert cli(["ep-sim", "--trace", str(tmp_path / "bare.npz"), *_EP, "--out", str(tmp_path / "b")]) == 0
+    text = capsys.readouterr().out
+    assert "records no model sizes" in text and "--hidden 3584" in text, text
+
+    got = json.loads((tmp_path / "t" / "summary.json").read_text())
+    bare = json.loads((tmp_path / "b" / "summary.json").read_text())
+    assert got["model"] == "k3_tiny" and got["sizes"] == tiny and set(got["sizes_from"].values()) == {"trace"}
+    assert bare["sizes"] == K3_SIZES and bare["warnings"]
+    token_ratio = (64 * 4) / (K3_SIZES["hidden"] * K3_SIZES["bytes_per_elem"])
+    expert_ratio = (3 * 64 * 56 * 4) / (K3_SIZES["expert_params"] * K3_SIZES["bytes_per_elem"])
+    for policy in ("none", "eplb", "moonep"):
+        s, b = got["summary"][policy], bare["summary"][policy]
+        assert s["token_MB_per_layer_step"] == pytest.approx(b["token_MB_per_layer_step"] * token_ratio)
+        assert s["prefetch_MB_per_layer_step"] == pytest.approx(b["prefetch_MB_per_layer_step"] * expert_ratio)
+    assert got["summary"]["moonep"]["token_MB_per_layer_step"] > 0  # k3_tiny-sized, not zero
+    # explicit flags still win over the trace's model
+    assert cli(["ep-sim", "--trace", str(tmp_path / "tiny.npz"), *_EP, "--hidden", "3584", "--bytes-per-elem",
+                "2", "--out", str(tmp_path / "f")]) == 0
+    capsys.readouterr()
+    flagged = json.loads((tmp_path / "f" / "summary.json").read_text())
+    assert flagged["sizes"]["hidden"] == 3584 and flagged["sizes_from"]["hidden"] == "--hidden"
+    assert flagged["summary"]["none"]["token_MB_per_layer_step"] == pytest.approx(
+        bare["summary"]["none"]["token_MB_per_layer_step"])
