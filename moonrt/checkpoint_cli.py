@@ -294,14 +294,15 @@ def _info(args: argparse.Namespace) -> int:
 def _export_source(arg: str) -> tuple[Path, dict[str, Any] | None]:
     """The checkpoint ``export`` reads for its DIR argument and, for a ``checkpoint.pt`` that had to be read to
     choose it, its state: a run directory ``OUT`` gives the one ``--resume`` takes (the newer of
-    ``OUT/checkpoint.pt`` and ``OUT/checkpoint/``); a file, ``OUT/checkpoint`` or a step directory themselves."""
-    from moonrt.checkpoint_dcp import resume_state
+    ``OUT/checkpoint.pt`` and ``OUT/checkpoint/``), ``OUT/checkpoint`` its newest committed step, a file or a step
+    directory themselves."""
+    from moonrt.checkpoint_dcp import resolve, resume_state
 
     path = _existing(arg, "DIR")
     if path.is_dir() and _is_run_dir(path):
         src, state = resume_state(path)
         return src, state if src.is_file() else None
-    return path, None
+    return (resolve(path) if path.is_dir() else path), None  # OUT/checkpoint: its newest committed step
 
 
 def _model_state(src: Path, state: dict[str, Any] | None = None) -> tuple[dict[str, Any], int, dict[str, Any]]:
