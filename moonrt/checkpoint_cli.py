@@ -7,8 +7,11 @@
   ``OUT/checkpoint.pt`` and ``OUT/checkpoint/``, :func:`moonrt.checkpoint_dcp.resume_state`) and that the other
   is ignored. ``--verify``: every file against the sizes and CRC-32s in ``moonrt.json`` (markers written before
   checksums: "not verified"), a ``.pt`` file's zip records against their CRC-32s.
+  A missing ``OUT/checkpoint`` of a run that wrote ``OUT/checkpoint.pt`` (one process) is one line naming that
+  file (give ``OUT`` or the file; ``convert`` writes the sharded format).
 - ``moonrt checkpoint export DIR FILE [--names hf|moonrt] [--force]``: the model weights as one single-process
-  ``safetensors`` file (no optimizer state), for use outside moonrt. FILE must be new (``--force`` replaces a
+  ``safetensors`` file (no optimizer state), for use outside moonrt. DIR: as ``info``'s PATH (a run directory:
+  the checkpoint ``--resume`` takes). FILE must be new (``--force`` replaces a
   user's file); a run's checkpoint is never written (the source, any ``checkpoint.pt``, a path inside a sharded
   checkpoint), not even with ``--force``. Names (``--names hf``, the default)
   follow the Llama / DeepSeek-V3 convention where moonrt has the same tensor, see :data:`HF_RULES`:
@@ -137,7 +140,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     info.add_argument("--verify", action="store_true", help="check every file against the sizes and CRC-32s in "
                       "moonrt.json (a checkpoint.pt: its zip records' CRC-32s)")
     exp = sub.add_parser("export", help="model weights as one single-process safetensors file")
-    exp.add_argument("dir", metavar="DIR", help="OUT/checkpoint, a step-N directory, or a checkpoint.pt file")
+    exp.add_argument("dir", metavar="DIR", help="a run directory OUT (the checkpoint --resume takes), "
+                     "OUT/checkpoint (newest committed step), a step-N directory, or a checkpoint.pt file")
     exp.add_argument("file", metavar="FILE", help="the .safetensors file to write (a new file; see --force)")
     exp.add_argument("--names", choices=("hf", "moonrt"), default="hf",
                      help="hf: HF-style names where they exist, experts one tensor each (default); moonrt: as stored")
@@ -174,6 +178,23 @@ def _is_run_dir(path: Path) -> bool:
     from moonrt.checkpoint_dcp import ROOT
 
     return path.is_dir() and ((path / "checkpoint.pt").is_file() or (path / ROOT).is_dir())
+
+
+def _existing(arg: str, flag: str) -> Path:
+    """``arg`` as a path that exists, else :class:`CheckpointError`: for a missing ``OUT/checkpoint`` of a run that
+    wrote ``OUT/checkpoint.pt`` (one process), which file it did write and what to give instead."""
+    from moonrt.checkpoint import CheckpointError
+    from moonrt.checkpoint_dcp import ROOT
+
+    path = Path(arg)
+    if os.path.lexists(path):
+        return path
+    pt = path.parent / "checkpoint.pt"
+    if path.name == ROOT and pt.is_file():
+        raise CheckpointError(f"{path} does not exist; this run wrote {pt}: give {path.parent} or that file "
+                              f"(the sharded format: moonrt checkpoint convert {pt} {path})")
+    raise CheckpointError(f"{flag} = {arg!r}: does not exist; expected a run directory OUT, OUT/checkpoint, a "
+                          "step-N directory or a checkpoint.pt file")
 
 
 def _info_file(path: Path, args: argparse.Namespace, extra: dict[str, Any] | None = None,
@@ -244,7 +265,7 @@ def _info(args: argparse.Namespace) -> int:
     from moonrt.checkpoint import CheckpointError, load
     from moonrt.checkpoint_dcp import ROOT, read_marker, resolve, resume_state
 
-    path = Path(args.dir)
+    path = _existing(args.dir, "PATH")
     if path.is_file():
         return _info_file(path, args)
     if not _is_run_dir(path):
@@ -270,13 +291,28 @@ def _info(args: argparse.Namespace) -> int:
     return (_info_file if src == pt else _info_dir)(src, args, extra, tuple(lead))
 
 
-def _model_state(src: str) -> tuple[dict[str, Any], int, dict[str, Any]]:
-    """``(model state dict, step, job config)`` of a checkpoint directory or ``checkpoint.pt`` file."""
+def _export_source(arg: str) -> tuple[Path, dict[str, Any] | None]:
+    """The checkpoint ``export`` reads for its DIR argument and, for a ``checkpoint.pt`` that had to be read to
+    choose it, its state: a run directory ``OUT`` gives the one ``--resume`` takes (the newer of
+    ``OUT/checkpoint.pt`` and ``OUT/checkpoint/``), ``OUT/checkpoint`` its newest committed step, a file or a step
+    directory themselves."""
+    from moonrt.checkpoint_dcp import resolve, resume_state
+
+    path = _existing(arg, "DIR")
+    if path.is_dir() and _is_run_dir(path):
+        src, state = resume_state(path)
+        return src, state if src.is_file() else None
+    return (resolve(path) if path.is_dir() else path), None  # OUT/checkpoint: its newest committed step
+
+
+def _model_state(src: Path, state: dict[str, Any] | None = None) -> tuple[dict[str, Any], int, dict[str, Any]]:
+    """``(model state dict, step, job config)`` of a checkpoint directory or ``checkpoint.pt`` file (``state``:
+    the file's, already read)."""
     from moonrt.checkpoint import load
     from moonrt.checkpoint_dcp import read_full
 
-    if Path(src).is_file():
-        state = load(src)
+    if src.is_file():
+        state = state if state is not None else load(src)
         return state["model"], state["step"], state["config"]
     flat, marker = read_full(src)
     return {k[len("model."):]: v for k, v in flat.items() if k.startswith("model.")}, marker["step"], marker["config"]
@@ -335,9 +371,10 @@ def _export(args: argparse.Namespace) -> int:
     from moonrt.checkpoint import publish
 
     out = Path(args.file)
-    if refused := _target("FILE", args.file, Path(args.dir), args.force, pt_ok=False):
+    src, state = _export_source(args.dir)
+    if refused := _target("FILE", args.file, src, args.force, pt_ok=False):
         return _fail(refused)
-    model, step, config = _model_state(args.dir)
+    model, step, config = _model_state(src, state)
     if args.names == "hf":
         tensors, back = to_hf(model)
     else:
@@ -361,7 +398,7 @@ def _export(args: argparse.Namespace) -> int:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
     print(f"wrote {out}: {len(tensors)} tensors, {_mb(sum(t.numel() * t.element_size() for t in tensors.values()))} "
-          f"(step {step}, {args.names} names)")
+          f"(step {step} from {src}, {args.names} names)")
     return 0
 
 

@@ -5,7 +5,9 @@ activation profile) and hands that description to the model-agnostic planner (:m
 
 Every flag is checked before any work: a bad value is one line on stderr naming the flag, the value
 and what was expected, exit 2 (an unwritable ``--out`` included, and output files that exist already: each is
-created exclusively, never through a symlink, replaced only with ``--force``). Exit 1 when a budget does not fit.
+created exclusively, never through a symlink, replaced only with ``--force``). Exit 1 when a budget does not fit;
+``--out`` then holds that budget's ``plan.json`` and ``plan.png`` (the plan at the minimum budget) but no policy
+YAML, and the output says so with the minimum budget.
 """
 
 from __future__ import annotations
@@ -220,6 +222,11 @@ def run(args: argparse.Namespace) -> int:
             except OSError as exc:
                 return _fail(f"--out = {args.out!r}: cannot write {d}: {exc.strerror or exc}")
             print(f"wrote {d}/ (plan.json, plan.png{', policy_rank*.yaml' if p.feasible else ''})")
+            if not p.feasible:
+                least = math.ceil(p.min_budget_gib * 10) / 10 if p.min_budget_gib else None  # rounded up: it fits
+                print(f"{b:g} GiB does not fit: no policy written; " + (
+                    f"the minimum budget is {least:g} GiB (--budget-gib {least:g} writes its policies)" if least
+                    else "not even with every class offloaded or recomputed"))
     return rc
 
 

@@ -17,8 +17,12 @@ Policies: ``none`` (contiguous home placement), ``eplb`` (DeepSeek EPLB re-plann
 the same ``E/R`` extra slots per rank as MoonEP), ``eplb-oracle`` (EPLB planned from the current
 step's loads: perfect prediction, an upper bound on what prediction can reach) and ``moonep``.
 With no arguments it runs a K3-sized default: E=896, k=16, R=64, s=4096, lognormal skew, ±30%
-per-step drift. Output: a table on stdout, ``summary.json`` and ``ep_sim.png`` in ``--out``, each created
-exclusively (never through a symlink); existing ones are refused before any work unless ``--force``.
+per-step drift. The MB columns size tokens and experts with ``--hidden``, ``--expert-params`` and
+``--bytes-per-elem``, else those a trace records of its model, else K3's (a trace without them: a warning line).
+A workload of one EP rank (the trace of a single process) cannot show imbalance: a warning line, and
+``imbalance_observable: false`` and the warnings in ``summary.json``. Output: a table on stdout, ``summary.json``
+and ``ep_sim.png`` in ``--out``, each created exclusively (never through a symlink); existing ones are refused
+before any work unless ``--force``.
 """
 
 from __future__ import annotations
@@ -71,9 +75,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="steps left out of the summary (step 0: EPLB has no history to predict from)")
     q.add_argument("--eplb-alpha", type=float, default=0.2, help="EPLB moving-average weight of the newest step")
     q.add_argument("--eplb-redundant", type=int, default=None, help="EPLB redundant replicas (default E)")
-    q.add_argument("--hidden", type=int, default=K3_LATENT, help="activation width crossing ranks (K3 latent)")
-    q.add_argument("--expert-params", type=int, default=K3_EXPERT_PARAMS, help="parameters per routed expert")
-    q.add_argument("--bytes-per-elem", type=int, default=2, help="bytes per activation/weight element (bf16: 2)")
+    q.add_argument("--hidden", type=int, default=None, help="activation width crossing ranks (default: the "
+                   f"trace's model, else K3's latent {K3_LATENT})")
+    q.add_argument("--expert-params", type=int, default=None, help="parameters per routed expert (default: the "
+                   f"trace's model, else K3's {K3_EXPERT_PARAMS})")
+    q.add_argument("--bytes-per-elem", type=int, default=None, help="bytes per activation/weight element (default: "
+                   "the trace's model, else 2: bf16)")
     h = p.add_argument_group("step-time model")
     h.add_argument("--hardware", default=None,
                    help="hardware profile: a YAML file, a built-in name (h800-ib400, h200-ib400) or 'cpu-local' "
@@ -339,9 +346,12 @@ def _workload(args: argparse.Namespace) -> WorkloadLike:
         have = {"--steps": T, "--layers": L, "--ranks": R, "--experts": E, "--top-k": wl.top_k}
         for flag, v in have.items():
             if given[flag] is not None and given[flag] != v:
+                more = ("; a trace of one process has one EP rank: for a trace of N ranks record it from an --ep N "
+                        "run (moonrt launch -n N -- moonrt train --ep N --routing-trace FILE), or simulate N ranks "
+                        "without --trace" if flag == "--ranks" and v == 1 else "")
                 raise ValueError(f"{flag}: {given[flag]}, but trace {args.trace} has {flag[2:]} = {v} (counts "
                                  f"[steps, layers, R, E] = {list(wl.shape)}, top_k = {wl.top_k}); expected the "
-                                 "trace's value or no flag")
+                                 f"trace's value or no flag{more}")
         if given["--tokens"] is not None:
             raise ValueError(f"--tokens: {given['--tokens']}, but a trace sets tokens per rank itself (row sums / k); "
                              "expected no --tokens with --trace")
@@ -377,9 +387,31 @@ def _check_options(args: argparse.Namespace, R: int, E: int, T: int) -> None:
         raise ValueError(f"--eplb-redundant: {args.eplb_redundant}, expected >= 0 with (E + redundant) % R == 0 "
                          f"(E={E}, R={R})")
     for flag in ("--hidden", "--expert-params", "--bytes-per-elem"):
-        _int_arg(flag, getattr(args, flag[2:].replace("-", "_")), 1)
+        if getattr(args, flag[2:].replace("-", "_")) is not None:
+            _int_arg(flag, getattr(args, flag[2:].replace("-", "_")), 1)
     if args.max_memory_gib is not None and not (math.isfinite(args.max_memory_gib) and args.max_memory_gib > 0):
         raise ValueError(f"--max-memory-gib: {args.max_memory_gib}, expected a finite number of GiB > 0")
+
+
+K3_SIZES = {"hidden": K3_LATENT, "expert_params": K3_EXPERT_PARAMS, "bytes_per_elem": 2}
+
+
+def _sizes(args: argparse.Namespace, wl: WorkloadLike) -> tuple[dict[str, int], dict[str, str], list[str]]:
+    """The ``hidden``, ``expert_params`` and ``bytes_per_elem`` the MB columns use, where each came from (a flag,
+    the trace's recorded model, K3's default) and the warnings to print (a trace that records no model sizes)."""
+    recorded = dict(wl.sizes) if isinstance(wl, TraceStream) else {}
+    sizes, source = {}, {}
+    for key, k3 in K3_SIZES.items():
+        flag = getattr(args, key)
+        sizes[key], source[key] = ((flag, f"--{key.replace('_', '-')}") if flag is not None else
+                                   (recorded[key], "trace") if key in recorded else (k3, "K3 default"))
+    warnings = []
+    guessed = [k for k in K3_SIZES if source[k] == "K3 default"]
+    if isinstance(wl, TraceStream) and guessed:
+        warnings.append(f"warning: trace {wl.name} records no model sizes ({', '.join(guessed)}): the MB columns "
+                        "assume K3-sized experts (" + ", ".join(f"--{k.replace('_', '-')} {sizes[k]}" for k in guessed)
+                        + "); pass those flags for the model that routed it")
+    return sizes, source, warnings
 
 
 def _writable_dir(path: Path) -> None:
@@ -418,13 +450,21 @@ def _run(args: argparse.Namespace) -> int:
     if found:
         raise ValueError(f"--out: {found[0]} exists; expected new output files (--force replaces them)")
     hw = resolve_profile(args.hardware) if args.hardware is not None else None
+    sizes, source, warnings = _sizes(args, wl)
+    if R == 1:
+        warnings.append(f"warning: {'trace ' + wl.name if isinstance(wl, TraceStream) else 'the workload'} has R=1 "
+                        "EP rank: one rank cannot show imbalance (every policy's balance is 1.000); record the trace "
+                        "from an --ep N run (moonrt launch -n N -- moonrt train --ep N --routing-trace FILE)")
     t0 = time.perf_counter()
     res = simulate(wl, policies, num_slots=args.num_slots, eplb_every=args.eplb_every, eplb_alpha=args.eplb_alpha,
-                   eplb_redundant=args.eplb_redundant, token_bytes=args.hidden * args.bytes_per_elem,
-                   expert_bytes=args.expert_params * args.bytes_per_elem, progress=not args.quiet, hardware=hw,
-                   expert_params=args.expert_params, passes=args.passes)
+                   eplb_redundant=args.eplb_redundant, token_bytes=sizes["hidden"] * sizes["bytes_per_elem"],
+                   expert_bytes=sizes["expert_params"] * sizes["bytes_per_elem"], progress=not args.quiet,
+                   hardware=hw, expert_params=sizes["expert_params"], passes=args.passes)
     summary = summarize(res, policies, args.warmup)
-    title = f"{wl.name}: E={E} R={R} k={wl.top_k} steps={T} layers={L}"
+    model = getattr(wl, "model", None)
+    title = f"{wl.name}{f' ({model})' if model else ''}: E={E} R={R} k={wl.top_k} steps={T} layers={L}"
+    for line in warnings:
+        print(line)
     print(title)
     print(format_table(summary, float(res["maxvio"][args.warmup:].mean()), args.warmup))
     if hw is not None:
@@ -434,6 +474,7 @@ def _run(args: argparse.Namespace) -> int:
         "policies": policies, "warmup": args.warmup, "summary": summary, "maxvio": res["maxvio"].tolist(),
         "per_step": {p: {k: v.tolist() for k, v in res[p].items()} for p in policies},
         "seconds": time.perf_counter() - t0, "estimated_memory_bytes": need,
+        "model": model, "sizes": sizes, "sizes_from": source, "imbalance_observable": R > 1, "warnings": warnings,
     }
     if hw is not None:
         doc["hardware"] = hw.to_dict()

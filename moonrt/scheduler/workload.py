@@ -13,6 +13,10 @@ Trace file format (``.npz``, written by :func:`save_trace`, read by :func:`load_
 * ``tokens_per_rank``: integer array ``[steps, layers, R]`` of ``s_r`` (optional). If absent, ranks
   are assumed to route ``counts[t, l, r].sum() / top_k`` tokens each.
 * ``layer_ids``: integer array ``[layers]`` of the model's layer indices (optional, informational).
+* the model that routed (optional; ``ep-sim`` sizes its MB columns from them, else K3's sizes with a warning):
+  ``model`` (string scalar, its preset name), ``hidden`` (the activation width a token carries between EP ranks:
+  K3's routed-expert latent width), ``expert_params`` (parameters of one routed expert) and ``bytes_per_elem``
+  (2 for bf16, 4 for fp32), integer scalars ``>= 1``. :func:`expert_sizes` derives them from a model config.
 
 Synthetic generators (:func:`synthetic`): expert popularity ``p`` per layer, ``uniform``,
 ``lognormal`` (``p_e = exp(sigma * N(0, 1))``) or ``zipf`` (``p ∝ 1 / rank^s``), with the hot
@@ -36,8 +40,19 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["Workload", "SyntheticStream", "TraceStream", "synthetic", "save_trace", "load_trace", "open_trace",
-           "maxvio", "popularity", "sample_counts"]
+__all__ = ["SIZE_FIELDS", "Workload", "SyntheticStream", "TraceStream", "synthetic", "save_trace", "load_trace",
+           "open_trace", "expert_sizes", "maxvio", "popularity", "sample_counts"]
+
+SIZE_FIELDS = ("hidden", "expert_params", "bytes_per_elem")
+"""The optional integer members of a trace that size ``ep-sim``'s MB columns (module docstring)."""
+
+
+def expert_sizes(cfg: object, dtype: str) -> dict[str, int]:
+    """The :data:`SIZE_FIELDS` of a model config with K3's MoE fields (``routed_expert_hidden_size``: the latent
+    width crossing EP ranks; ``moe_intermediate_size``; an expert is 3 matrices latent x intermediate) trained in
+    ``dtype`` (``"bf16"`` / ``"fp32"``)."""
+    latent, inter = int(cfg.routed_expert_hidden_size), int(cfg.moe_intermediate_size)  # type: ignore[attr-defined]
+    return {"hidden": latent, "expert_params": 3 * latent * inter, "bytes_per_elem": {"bf16": 2, "fp32": 4}[dtype]}
 
 KINDS = ("uniform", "lognormal", "zipf")
 
@@ -206,11 +221,13 @@ def synthetic(kind: str = "lognormal", *, num_experts: int = 896, num_ranks: int
 
 
 def save_trace(path: str | Path, counts: np.ndarray, top_k: int, tokens_per_rank: np.ndarray | None = None,
-               layer_ids: np.ndarray | None = None) -> None:
+               layer_ids: np.ndarray | None = None, *, model: str | None = None,
+               sizes: dict[str, int] | None = None) -> None:
     """Write a trace ``.npz`` (format in the module docstring) to exactly ``path`` (no suffix added), whole: a
     ``mkstemp`` temp file beside it, then renamed over ``path`` (a link at ``path`` is replaced, never written
     through; on failure no temp file is left). Whether ``path`` may be replaced is the caller's decision
-    (``moonrt train`` refuses an existing file that is not its own trace before step 1)."""
+    (``moonrt train`` refuses an existing file that is not its own trace before step 1). ``model``: the routing
+    model's name; ``sizes``: its :data:`SIZE_FIELDS` (:func:`expert_sizes`)."""
     c = np.asarray(counts)
     if c.ndim != 4:
         raise ValueError(f"counts: shape {c.shape}, expected [steps, layers, R, E]")
@@ -219,6 +236,12 @@ def save_trace(path: str | Path, counts: np.ndarray, top_k: int, tokens_per_rank
         arrays["tokens_per_rank"] = np.asarray(tokens_per_rank)
     if layer_ids is not None:
         arrays["layer_ids"] = np.asarray(layer_ids)
+    if model is not None:
+        arrays["model"] = np.asarray(str(model))
+    for key, v in (sizes or {}).items():
+        if key not in SIZE_FIELDS or int(v) < 1:
+            raise ValueError(f"sizes: {key} = {v!r}; expected integers >= 1 for keys of {SIZE_FIELDS}")
+        arrays[key] = np.asarray(int(v))
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
@@ -267,6 +290,8 @@ class TraceStream:
     shape: tuple[int, int, int, int]
     dtype: np.dtype
     top_k: int
+    model: str | None = None
+    sizes: tuple[tuple[str, int], ...] = ()  # the recorded SIZE_FIELDS, (name, value)
 
     @property
     def name(self) -> str:
@@ -324,6 +349,20 @@ def open_trace(path: str | Path) -> TraceStream:
             if "top_k.npy" in names:
                 with z.open("top_k.npy") as f:
                     top_k = int(np.lib.format.read_array(f, allow_pickle=False))
+            model, sizes = None, []
+            if "model.npy" in names:
+                with z.open("model.npy") as f:
+                    m = np.lib.format.read_array(f, allow_pickle=False)
+                if m.ndim != 0 or m.dtype.kind != "U":
+                    raise ValueError(f"{path}: model is {m.dtype} shape {m.shape}; expected a string scalar")
+                model = str(m)
+            for key in SIZE_FIELDS:
+                if f"{key}.npy" in names:
+                    with z.open(f"{key}.npy") as f:
+                        v = np.lib.format.read_array(f, allow_pickle=False)
+                    if v.ndim != 0 or v.dtype.kind not in "iu" or int(v) < 1:
+                        raise ValueError(f"{path}: {key} = {v.tolist()!r}; expected an integer scalar >= 1")
+                    sizes.append((key, int(v)))
     except (zipfile.BadZipFile, OSError, EOFError) as exc:
         raise ValueError(f"{path}: unreadable .npz ({exc})") from None
     if len(shape) == 3:
@@ -337,4 +376,4 @@ def open_trace(path: str | Path) -> TraceStream:
         raise ValueError(f"{path}: counts has shape {tuple(shape)}; expected every dimension >= 1")
     if top_k < 1:
         raise ValueError(f"{path}: top_k = {top_k}, expected >= 1")
-    return TraceStream(path, tuple(int(v) for v in shape), np.dtype(dtype), top_k)
+    return TraceStream(path, tuple(int(v) for v in shape), np.dtype(dtype), top_k, model, tuple(sizes))
