@@ -36,6 +36,15 @@ def launched() -> bool:
     return detect_rendezvous().world_size > 1
 
 
+def routing_trace(job: JobConfig, **kwargs: Any) -> RoutingTrace:
+    """The job's routing-trace recorder, the trace labelled with the job's model and its expert sizes (in the
+    training dtype, fp32) so that ``moonrt ep-sim --trace`` sizes its MB columns for this model, not K3's."""
+    from moonrt.scheduler.workload import expert_sizes
+
+    name = job.model if job.model_config is None else "custom"
+    return RoutingTrace(job.routing_trace, model=name, sizes=expert_sizes(job.model_cfg(), "fp32"), **kwargs)
+
+
 def parallel_runtime(job: JobConfig, progress: bool = False) -> Parallelism:
     """This rank's :class:`Parallelism` in a multi-rank job (``moonrt launch``, torchrun, SLURM or MPI).
 
@@ -109,7 +118,7 @@ def parallel_runtime(job: JobConfig, progress: bool = False) -> Parallelism:
         if p.pp > 1:  # rank 0 holds only its own stages' MoE layers
             raise ConfigError(f"routing_trace (--routing-trace) = {job.routing_trace!r}: expected parallel.pp = 1 "
                               f"(got {p.pp}: each pipeline rank holds only its stages' MoE layers)")
-        rt.parts.append(RoutingTrace(job.routing_trace, is_main=rt.is_main, counts=counts))
+        rt.parts.append(routing_trace(job, is_main=rt.is_main, counts=counts))
     if progress:  # every rank reports what it uses, rank 0 prints the table
         import socket
 

@@ -17,10 +17,10 @@ import math
 import sys
 from pathlib import Path
 
-from moonrt.assemble import launched, parallel_runtime
+from moonrt.assemble import launched, parallel_runtime, routing_trace
 from moonrt.cluster.env import shutdown_distributed
 from moonrt.cluster.preempt import PREEMPTED_EXIT, Aborted
-from moonrt.comm.parallelism import Parallelism, RoutingTrace
+from moonrt.comm.parallelism import Parallelism
 from moonrt.config import ConfigError, from_dict, load_yaml, to_dict
 from moonrt.job import JobConfig
 from moonrt.models import presets
@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
         if job.parallel.world_size != 1 or launched():
             rt = parallel_runtime(job, progress=not args.no_progress)
         else:
-            rt = Parallelism(parts=[RoutingTrace(job.routing_trace)] if job.routing_trace else [])
+            rt = Parallelism(parts=[routing_trace(job)] if job.routing_trace else [])
             if job.parallel.zero and not args.no_progress:
                 print("moonrt train: parallel.zero = 1 with one process: nothing to shard, ZeRO-1 is a no-op",
                       flush=True)

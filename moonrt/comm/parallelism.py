@@ -238,11 +238,15 @@ class RoutingTrace(Part):
     The format is :mod:`moonrt.scheduler.workload`'s (what ``moonrt ep-sim --trace`` reads). ``counts(model)``
     returns the last forward's counts per MoE layer: ``[R, E]`` from the EP dispatchers under expert
     parallelism, ``[1, E]`` from the layers themselves in one process (:func:`local_counts`). The
-    model is found by duck typing (``model.moe_layers()`` yields ``(index, layer)`` with ``top_k``).
+    model is found by duck typing (``model.moe_layers()`` yields ``(index, layer)`` with ``top_k``). ``model`` /
+    ``sizes``: the routing model's name and expert sizes (:func:`moonrt.scheduler.workload.expert_sizes`), stored in
+    the trace so that ``ep-sim`` sizes its MB columns for this model.
     """
 
-    def __init__(self, path: str | Path, *, is_main: bool = True, counts: Any = None) -> None:
+    def __init__(self, path: str | Path, *, is_main: bool = True, counts: Any = None, model: str | None = None,
+                 sizes: dict[str, int] | None = None) -> None:
         self.path, self.is_main = Path(path), is_main
+        self.model, self.sizes = model, sizes
         self.counts = counts if counts is not None else local_counts
         self.steps: list[np.ndarray] = []
         self.layer_ids: list[int] = []
@@ -264,7 +268,7 @@ class RoutingTrace(Part):
         from moonrt.scheduler.workload import save_trace
 
         save_trace(self.path, np.stack(self.steps).astype(np.int64), self.top_k,
-                   layer_ids=np.asarray(self.layer_ids))
+                   layer_ids=np.asarray(self.layer_ids), model=self.model, sizes=self.sizes)
 
 
 def local_counts(model: nn.Module) -> list[torch.Tensor]:

@@ -195,3 +195,18 @@ def test_ep_sim_sizes_the_mb_columns_from_the_traces_model(tmp_path: Path, capsy
     assert flagged["sizes"]["hidden"] == 3584 and flagged["sizes_from"]["hidden"] == "--hidden"
     assert flagged["summary"]["none"]["token_MB_per_layer_step"] == pytest.approx(
         bare["summary"]["none"]["token_MB_per_layer_step"])
+
+
+def test_train_labels_its_routing_trace_with_its_model_and_expert_sizes(tmp_path: Path) -> None:
+    """`moonrt train --routing-trace` stores the model's name and expert sizes (fp32), so `ep-sim --trace` sizes its
+    MB columns for k3_tiny instead of falling back to K3's experts."""
+    from moonrt.models import from_preset
+    from moonrt.scheduler.workload import expert_sizes, open_trace
+
+    trace = tmp_path / "r.npz"
+    assert cli(["train", "--steps", "1", "--batch-size", "2", "--seq-len", "16", "--no-progress",
+                "--routing-trace", str(trace), "--out", str(tmp_path / "o")]) == 0
+    stream = open_trace(trace)
+    assert stream.model == "k3_tiny"
+    assert dict(stream.sizes) == expert_sizes(from_preset("k3_tiny")[1], "fp32")
+    assert dict(stream.sizes)["hidden"] != expert_sizes(from_preset("k3")[1], "fp32")["hidden"]
