@@ -369,6 +369,7 @@ def _export(args: argparse.Namespace) -> int:
     from safetensors.torch import save
 
     from moonrt.checkpoint import publish
+    from moonrt.config import umask
 
     out = Path(args.file)
     src, state = _export_source(args.dir)
@@ -385,9 +386,7 @@ def _export(args: argparse.Namespace) -> int:
     fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent)  # a new file of ours
     try:
         with os.fdopen(fd, "wb") as f:  # written through the descriptor: the name is never reopened
-            mask = os.umask(0o022)
-            os.umask(mask)
-            os.fchmod(f.fileno(), 0o666 & ~mask)  # the mode open() would give, not mkstemp's 0600
+            os.fchmod(f.fileno(), 0o666 & ~umask())  # the mode open() would give, not mkstemp's 0600
             f.write(data)
             f.flush()
             os.fsync(f.fileno())

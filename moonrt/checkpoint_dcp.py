@@ -63,7 +63,7 @@ import torch.distributed as dist
 from moonrt.checkpoint import CheckpointError, load
 from moonrt.cluster.preempt import raised_abort
 from moonrt.comm.parallelism import Parallelism
-from moonrt.config import from_dict, to_dict
+from moonrt.config import from_dict, to_dict, umask
 from moonrt.job import JobConfig
 from moonrt.ops.muon import Muon
 
@@ -150,9 +150,7 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".part", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
-            mask = os.umask(0o022)  # mkstemp's file is 0600: give the marker the mode open() would (DCP's files')
-            os.umask(mask)
-            os.fchmod(f.fileno(), 0o666 & ~mask)
+            os.fchmod(f.fileno(), 0o666 & ~umask())  # mkstemp's 0600 -> the mode open() gives (DCP's files')
             json.dump(data, f, indent=1)
             f.flush()
             os.fsync(f.fileno())

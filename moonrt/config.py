@@ -333,8 +333,10 @@ def load_yaml(cls: type[T], path: str | Path) -> T:
         raise ConfigError(f"{path}: {exc}") from None
 
 
-def _umask() -> int:
-    """This process's umask, read without changing it (Linux ``/proc``; else the usual 022)."""
+def umask() -> int:
+    """This process's umask, read without changing it (Linux ``/proc``; else the usual 022): for the mode a plain
+    ``open()`` gives a file that ``mkstemp`` made 0600. (``os.umask`` can only be read by setting it, which races
+    with other threads creating files.)"""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("Umask:"):
@@ -351,7 +353,7 @@ def save_yaml(obj: Any, path: str | Path) -> None:
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 -> what open() would have made
+        os.fchmod(fd, 0o666 & ~umask())  # mkstemp's 0600 -> what open() would have made
         with os.fdopen(fd, "w") as f:
             f.write(yaml.safe_dump(to_dict(obj), sort_keys=False))
         os.replace(tmp, path)
@@ -384,7 +386,7 @@ def write_new(path: str | Path, content: bytes | str | Callable[[BinaryIO], None
     path = Path(path)
     if force:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        os.fchmod(fd, mode & ~_umask())
+        os.fchmod(fd, mode & ~umask())
         made = Path(tmp)
     else:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)

@@ -39,7 +39,7 @@ from typing import IO, Any
 
 from moonrt import checkpoint_dcp
 from moonrt.checkpoint import FREE_ON_RESUME, CheckpointError
-from moonrt.config import ConfigError, load_yaml, to_dict
+from moonrt.config import ConfigError, load_yaml, to_dict, umask
 from moonrt.job import JobConfig
 from moonrt.scheduler.workload import open_trace
 
@@ -153,7 +153,7 @@ def write_file(path: Path, data: bytes, what: str, exclusive: bool = False) -> N
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # what a plain open() would have made (mkstemp makes 0600)
+        os.chmod(tmp, 0o666 & ~umask())  # what a plain open() would have made (mkstemp makes 0600)
         if exclusive:
             try:
                 os.link(tmp, path)
@@ -168,12 +168,6 @@ def write_file(path: Path, data: bytes, what: str, exclusive: bool = False) -> N
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 # ---- metrics -------------------------------------------------------------------------------------------------

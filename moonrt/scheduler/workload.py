@@ -40,6 +40,8 @@ from pathlib import Path
 
 import numpy as np
 
+from moonrt.config import umask
+
 __all__ = ["SIZE_FIELDS", "Workload", "SyntheticStream", "TraceStream", "synthetic", "save_trace", "load_trace",
            "open_trace", "expert_sizes", "maxvio", "popularity", "sample_counts"]
 
@@ -249,9 +251,7 @@ def save_trace(path: str | Path, counts: np.ndarray, top_k: int, tokens_per_rank
             np.savez_compressed(f, **arrays)
             f.flush()
             os.fsync(f.fileno())
-        mask = os.umask(0o022)
-        os.umask(mask)
-        os.chmod(tmp, 0o666 & ~mask)  # what a plain open() would have made (mkstemp makes 0600)
+        os.chmod(tmp, 0o666 & ~umask())  # what a plain open() would have made (mkstemp makes 0600)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
