@@ -39,8 +39,9 @@ and sent through MPI: private to the job, not checked.)
 
 **Ranks die with their launcher.** ``moonrt launch`` makes the kernel kill each rank when the launcher dies
 (Linux ``PR_SET_PDEATHSIG``); it also passes its pid in ``MOONRT_LAUNCHER_PID``, and where no parent-death
-signal is set (no ``prctl``: macOS, BSD) :func:`init_distributed` starts :func:`watch_launcher`, a thread that
-kills the rank (and its process group) once the launcher is gone.
+signal is set (no ``prctl``: macOS, BSD) :func:`init_distributed` starts
+:func:`moonrt.cluster.lifeline.watch_launcher`, a thread that kills the rank (and its process group) once the
+launcher is gone.
 
 **What the rendezvous listens on.** torch's ``TCPStore`` (unauthenticated: anyone who reaches it
 can read and write the job's keys) binds every interface when it creates its own socket, so rank
@@ -63,22 +64,18 @@ the host name resolves to, which may be a LAN address.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import dataclasses
 import ipaddress
 import math
 import os
 import re
-import signal
 import socket
-import threading
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Literal
 
+from moonrt.cluster.lifeline import watch_launcher
 from moonrt.config import ConfigError, DistConfig
 
 TIMEOUT_ENV = "MOONRT_DIST_TIMEOUT"
@@ -99,8 +96,6 @@ SLURM_STEP_SLOTS = 4
 
 JOB_ID_ENV = "MOONRT_JOB_ID"
 """Per-job random nonce that ``moonrt launch`` gives its ranks: their job identity (:func:`job_identity`)."""
-LAUNCHER_PID_ENV = "MOONRT_LAUNCHER_PID"
-"""Pid of the ``moonrt launch`` process that started this rank (:func:`watch_launcher`)."""
 AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
 """``"True"`` in the workers of a torchrun whose agent serves the rendezvous store on ``MASTER_PORT``."""
 IDENTITY_KEY = "moonrt/job_identity"
@@ -421,85 +416,6 @@ def init_distributed(cfg: DistConfig | None = None) -> Rendezvous:
         os.environ.setdefault(GLOO_IFNAME_ENV, loopback_interface())
     dist.init_process_group(backend, store=store, rank=rdzv.rank, world_size=rdzv.world_size, timeout=timeout)
     return rdzv
-
-
-# ---------------------------------------------------------------------------------------------
-# Ranks die with their launcher
-
-PR_SET_PDEATHSIG = 1
-PR_GET_PDEATHSIG = 2
-
-
-def libc_prctl() -> Callable[..., int] | None:
-    """Linux's ``prctl(2)`` through ctypes, or ``None`` where it does not exist (macOS, BSD, no libc found)."""
-    if not os.uname().sysname == "Linux":
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        prctl = libc.prctl
-    except (OSError, AttributeError):
-        return None
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    prctl.restype = ctypes.c_int
-    return prctl
-
-
-def parent_death_signal() -> int:
-    """The signal this process gets when its parent dies (``PR_GET_PDEATHSIG``); 0 when none, or no prctl."""
-    prctl = libc_prctl()
-    if prctl is None:
-        return 0
-    sig = ctypes.c_int(0)
-    if prctl(PR_GET_PDEATHSIG, ctypes.addressof(sig), 0, 0, 0) != 0:
-        return 0
-    return sig.value
-
-
-def watch_launcher(environ: Mapping[str, str] = os.environ, *, poll_s: float = 1.0) -> threading.Thread | None:
-    """Portable fallback for ``PR_SET_PDEATHSIG``: when ``MOONRT_LAUNCHER_PID`` is set and no parent-death signal
-    is, start a daemon thread that SIGKILLs this process (its whole process group when it leads one, as a
-    ``moonrt launch`` rank does) once the launcher is gone: its parent changed (reparented) or the launcher's pid
-    no longer exists. Checked every ``poll_s`` seconds and once at once. Returns the thread, or ``None``.
-
-    SIGKILL, as for the parent-death signal (``moonrt.cluster.launch``): with the launcher gone nothing would
-    bound a graceful stop; checkpoints are written atomically, so the last committed one stays valid.
-    """
-    raw = environ.get(LAUNCHER_PID_ENV)
-    if not raw or parent_death_signal():
-        return None
-    try:
-        launcher = int(raw)
-    except ValueError:
-        raise ValueError(f"{LAUNCHER_PID_ENV} = {raw!r}: expected a process id") from None
-    parent = os.getppid()
-
-    def alive() -> bool:
-        if os.getppid() != parent or (parent == 1 and launcher != 1):  # reparented to init: orphaned
-            return False
-        try:
-            os.kill(launcher, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass  # exists, owned by another user
-        return True
-
-    def die() -> None:
-        if os.getpgrp() == os.getpid():
-            os.killpg(os.getpid(), signal.SIGKILL)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    if not alive():
-        die()
-
-    def watch() -> None:
-        while alive():
-            time.sleep(poll_s)
-        die()
-
-    thread = threading.Thread(target=watch, name="moonrt-launcher-watch", daemon=True)
-    thread.start()
-    return thread
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ Numeric flags are range-checked before anything starts (one line naming the flag
 Ranks die with the launcher, even when it is killed with SIGKILL: on Linux each rank gets
 ``PR_SET_PDEATHSIG`` = SIGKILL (set between fork and exec, then ``getppid()`` re-checked in case the
 launcher died in between); elsewhere a rank that joins through ``init_distributed`` runs
-:func:`moonrt.cluster.env.watch_launcher`. SIGKILL, not SIGTERM: with the launcher gone, nothing would
+:func:`moonrt.cluster.lifeline.watch_launcher`. SIGKILL, not SIGTERM: with the launcher gone, nothing would
 bound a graceful stop (a rank ignoring SIGTERM, or waiting on a peer, would live on) or see its result;
 checkpoints are written atomically, so the last committed one stays valid for a resume. (Children a
 rank starts itself are not covered on Linux unless they watch their own parent.)
@@ -62,14 +62,12 @@ from typing import IO
 from moonrt.cluster.env import (
     GLOO_IFNAME_ENV,
     JOB_ID_ENV,
-    LAUNCHER_PID_ENV,
     MAX_TIMEOUT_S,
-    PR_SET_PDEATHSIG,
     TIMEOUT_ENV,
     free_port,
-    libc_prctl,
     loopback_interface,
 )
+from moonrt.cluster.lifeline import LAUNCHER_PID_ENV, PR_SET_PDEATHSIG, libc_prctl
 from moonrt.cluster.local import describe_exit
 from moonrt.cluster.preempt import PREEMPTED_EXIT
 
@@ -157,7 +155,7 @@ def _die_with_launcher(prctl: Callable[..., int], launcher: int) -> Callable[[],
     kill = int(signal.SIGKILL)
 
     def preexec() -> None:
-        prctl(PR_SET_PDEATHSIG, kill, 0, 0, 0)  # should it fail, the portable watchdog (env.py) acts instead
+        prctl(PR_SET_PDEATHSIG, kill, 0, 0, 0)  # should it fail, the portable watchdog (lifeline.py) acts instead
         if os.getppid() != launcher:
             os.kill(os.getpid(), kill)
 

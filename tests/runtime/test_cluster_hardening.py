@@ -92,7 +92,7 @@ def test_killed_launcher_takes_its_ranks_with_it(tmp_path):
 
 WATCHED = textwrap.dedent("""
     import os, sys, time
-    from moonrt.cluster.env import watch_launcher
+    from moonrt.cluster.lifeline import watch_launcher
     watch_launcher(poll_s=0.1)
     print(os.getpid(), flush=True)
     while True:
