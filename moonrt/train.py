@@ -276,8 +276,9 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
             loss = rt.forward_backward(model, torch.from_numpy(x), torch.from_numpy(y), 1.0 / targets, mgr, packing)
             rt.sync_grads(model)
             grad_norm = rt.clip_grad_norm(model.parameters(), cfg.grad_clip)
-            if rt.any_flag(not (math.isfinite(float(loss)) and math.isfinite(grad_norm))):  # every rank agrees
-                loss_value = rt.sum_scalar(float(loss.detach()))
+            loss_value = rt.sum_scalar(float(loss.detach()))
+            # both global: the ranks agree without a vote (a non-finite loss on any rank makes the sum non-finite)
+            if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
                 if metrics is not None:
                     metrics.write({"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
                                    "tokens_per_s": global_tokens / (time.perf_counter() - t0),
@@ -292,7 +293,6 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
             rt.step(opt)  # ZeRO-1: p.grad is gone after sync_grads; only rt reads the gradients
             stat_sum = rt.sum_stats if rt.replicas is not None else None
             stats = model.update_routing_bias(stat_sum) if cfg.routing_bias_update else {}
-            loss_value = rt.sum_scalar(float(loss.detach()))
             dt = time.perf_counter() - t0
             tokens_done += global_tokens
             losses.append(loss_value)
