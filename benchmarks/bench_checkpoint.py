@@ -1,4 +1,4 @@
-"""Checkpoint save/load: sharded DCP (``moonrt.checkpoint_dcp``) vs the old gathered ``checkpoint.pt``.
+"""Checkpoint save/load: sharded DCP (``moonrt.jobs.checkpoint.sharded``) vs the old gathered ``checkpoint.pt``.
 
 k3_tiny after one AdamW step at ``--ep 2 --zero 1`` on 4 gloo ranks (dp 2), each format in fresh processes so
 the memory high-water marks do not mix. Per rank: wall time of save and load (median of ``--repeats``; an
@@ -29,14 +29,14 @@ RANKS = 4
 
 def _runtime(rank: int) -> tuple[Any, Any, Any, Any]:
     """k3_tiny at --ep 2 --zero 1 on this rank, after one step (every parameter has AdamW state)."""
-    from moonrt.assemble import build_model
     from moonrt.comm.ep_parallel import ExpertParallel
     from moonrt.comm.mesh import ProcessMesh
     from moonrt.comm.parallelism import Parallelism
     from moonrt.comm.zero import Zero1
     from moonrt.config import ParallelConfig
-    from moonrt.job import JobConfig
-    from moonrt.optimizers import build_optimizer
+    from moonrt.jobs.train.assemble import build_model
+    from moonrt.jobs.train.config import JobConfig
+    from moonrt.jobs.train.optimizers import build_optimizer
 
     job = JobConfig(model="k3_tiny", parallel=ParallelConfig(dp=2, ep=2, zero=1))
     mesh = ProcessMesh(job.parallel)
@@ -74,7 +74,8 @@ def _new_bytes(tree: Any, live: set[int]) -> int:
 
 
 def _rank(rank: int, world: int, fmt: str, out: str, repeats: int) -> dict[str, Any]:
-    from moonrt import checkpoint, checkpoint_dcp
+    from moonrt.jobs.checkpoint import sharded as checkpoint_dcp
+    from moonrt.jobs.checkpoint import single as checkpoint
 
     job, rt, model, opt = _runtime(rank)
     live = _live(model, rt)

@@ -1,7 +1,7 @@
 """Collective bandwidth of gloo on local ranks, side by side: all_reduce, all_to_all, all_gather, ring.
 
 For each world size, one :func:`moonrt.cluster.local.run_ranks` job measures every op at every size
-with :func:`moonrt.cluster.selftest.measure` (after verifying results with
+with :func:`moonrt.jobs.selftest.cli.measure` (after verifying results with
 ``check_collectives``). Reported per (world, size): bus bandwidth of each op (nccl-tests
 conventions) and its ratio to the ring send/recv at the same size, measured in the same job, which
 is what stays meaningful on a shared, noisy machine.
@@ -20,7 +20,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from moonrt.cluster.local import run_ranks
-from moonrt.cluster.selftest import BUS_FACTOR, OPS, _sizes, check_collectives, measure
+from moonrt.jobs.selftest.cli import BUS_FACTOR, OPS, _sizes, check_collectives, measure
 
 
 def _bench_rank(rank: int, world: int, sizes: tuple[int, ...], iters: int) -> list[dict]:

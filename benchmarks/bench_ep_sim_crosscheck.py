@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_moonep_layer as layer  # noqa: E402
 
-from moonrt.cluster.selftest import measure_local_profile  # noqa: E402
+from moonrt.jobs.selftest.cli import measure_local_profile  # noqa: E402
 from moonrt.scheduler import baselines as bl  # noqa: E402
 from moonrt.scheduler.hardware import profile_from_dict  # noqa: E402
 from moonrt.scheduler.moonep import plan  # noqa: E402

@@ -38,8 +38,8 @@ BYTES_CPS = (2, 4)
 
 
 def _layer() -> torch.nn.Module:
-    from moonrt.model.config import k3_tiny
-    from moonrt.model.kda_layer import KDALayer
+    from moonrt.models.k3.model.config import k3_tiny
+    from moonrt.models.k3.model.kda_layer import KDALayer
 
     torch.manual_seed(0)
     return KDALayer(k3_tiny())
@@ -47,7 +47,7 @@ def _layer() -> torch.nn.Module:
 
 def _bytes_rank(rank: int, world: int, seqs: tuple[int, ...]) -> list[dict]:
     from moonrt.comm.cp_context import ContextParallel
-    from moonrt.model.config import k3_tiny
+    from moonrt.models.k3.model.config import k3_tiny
 
     cfg = k3_tiny()
     latent_width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
@@ -125,7 +125,7 @@ def _step_rank(rank: int, world: int, seq: int, reps: int, threads: int) -> dict
 
 
 def bytes_part(seqs: tuple[int, ...], cps: tuple[int, ...]) -> dict:
-    from moonrt.model.config import k3_tiny
+    from moonrt.models.k3.model.config import k3_tiny
 
     cfg = k3_tiny()
     lac = cfg.linear_attn_config

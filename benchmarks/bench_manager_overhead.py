@@ -45,12 +45,12 @@ import torch
 from machine import cpu_model
 
 from moonrt.config import from_dict
-from moonrt.job import JobConfig
+from moonrt.jobs.train.config import JobConfig
+from moonrt.jobs.train.loop import ManualGC
 from moonrt.memory.manager import ActivationManager, idle_cpu
 from moonrt.memory.policy import MemoryPolicy
-from moonrt.model.config import k3_tiny
-from moonrt.model.model import K3Model
-from moonrt.train import ManualGC
+from moonrt.models.k3.model.config import k3_tiny
+from moonrt.models.k3.model.model import K3Model
 
 FP8_CLASSES = ["layers.*.moe", "layers.*.ffn", "layers.*.attn.*proj", "layers.*.attn_norm", "layers.*.ffn_norm",
                "attn_res.sublayer_input"]

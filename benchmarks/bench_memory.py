@@ -20,14 +20,14 @@ import torch
 from tqdm import tqdm
 
 from moonrt.config import from_dict
-from moonrt.k3_memory import param_sizes, policy_dict
-from moonrt.k3_memory_trace import policy_for_all, traced_profile
 from moonrt.memory.manager import ActivationManager
 from moonrt.memory.model_memory import GIB, JobLayout, rank_models
 from moonrt.memory.plan import Hardware, plan_memory
 from moonrt.memory.policy import MemoryPolicy
-from moonrt.model.config import k3_tiny
-from moonrt.model.model import K3Model
+from moonrt.models.k3.memory import param_sizes, policy_dict
+from moonrt.models.k3.memory_trace import policy_for_all, traced_profile
+from moonrt.models.k3.model.config import k3_tiny
+from moonrt.models.k3.model.model import K3Model
 
 FP8_CLASSES = ["layers.*.moe", "layers.*.ffn", "layers.*.attn.*proj", "layers.*.attn_norm", "layers.*.ffn_norm",
                "attn_res.sublayer_input"]

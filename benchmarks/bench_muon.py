@@ -29,11 +29,11 @@ from pathlib import Path
 
 import torch
 
-from moonrt.assemble import build_model
 from moonrt.comm.zero_muon import unit_layout
-from moonrt.job import JobConfig, OptimConfig
+from moonrt.jobs.train.assemble import build_model
+from moonrt.jobs.train.config import JobConfig, OptimConfig
+from moonrt.jobs.train.optimizers import muon_blocks
 from moonrt.ops.muon import block_grid, ns_flops, to_blocks, zeropower_via_newtonschulz
-from moonrt.optimizers import muon_blocks
 from moonrt.scheduler.muon_plan import plan_units
 
 

@@ -18,7 +18,7 @@ import argparse
 import json
 from pathlib import Path
 
-from moonrt.model.config import k3
+from moonrt.models.k3.model.config import k3
 from moonrt.scheduler.attnres_comm import even_layer_ranges, hop_plan
 from moonrt.scheduler.pipeline import build_schedule, simulate
 

@@ -51,8 +51,8 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--out", default="zero.json")
     args = ap.parse_args()
-    from moonrt.assemble import build_model
-    from moonrt.job import JobConfig
+    from moonrt.jobs.train.assemble import build_model
+    from moonrt.jobs.train.config import JobConfig
 
     params = [p for p in build_model(JobConfig(model="k3_tiny")).parameters() if p.requires_grad]
     n, tensors = sum(p.numel() for p in params), len(params)

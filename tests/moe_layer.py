@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moonrt.model.config import k3_tiny
-from moonrt.model.moe import LatentMoE
+from moonrt.models.k3.model.config import k3_tiny
+from moonrt.models.k3.model.moe import LatentMoE
 
 
 class OneLayer(nn.Module):

@@ -1,19 +1,11 @@
-"""Layering of the moonrt packages, checked on every import of every file (docs/ARCHITECTURE.md).
+"""Layering of the moonrt packages, checked on every import of every file (docs/ARCHITECTURE.md §1).
 
-The layers, bottom up, and what each may import from moonrt:
-
-- ``moonrt.ops``: pure tensor math; no other moonrt package.
-- runtime (``moonrt.comm``, ``scheduler``, ``memory``, ``cluster``, ``parallel``): only ``moonrt.ops``,
-  ``moonrt.config`` and each other; never the model client (``moonrt.model``) nor the job layer
-  (every other top-level module: ``moonrt.train``, ``job``, ``cli``, ``checkpoint``, ``outputs``,
-  ``data``, the model registry ``models`` and its adapters such as ``k3_memory``, the CLI modules such
-  as ``mem_plan``).
-- ``moonrt.model``: only ``moonrt.ops``, the seam protocols in ``moonrt.parallel``,
-  ``moonrt.config`` and itself (no ranks, process groups or runtime internals).
-
-Every ``import`` / ``from ... import`` counts, including those inside functions and under
-``TYPE_CHECKING`` (relative imports resolved), so a lazy import cannot hide an upward arrow. There is
-no list of tolerated exceptions: the last ones (the memory planner's K3 adapter) moved to the job layer.
+:data:`MAY_IMPORT` is the rule as a table: for each package (bottom up), the moonrt packages its files may import
+(itself always allowed). A model's network code is the ``model`` package of its client (``moonrt.models.<name>.model``);
+the rest of ``moonrt.models`` (registry records, memory descriptions) may use the runtime but never a job. Every
+``import`` / ``from ... import`` counts, including those inside functions and under ``TYPE_CHECKING`` (relative
+imports resolved), so a lazy import cannot hide an upward arrow. There is no list of tolerated exceptions. The file
+import graph has no cycle (:func:`file_cycles`), and the package root holds only ``__init__``, ``cli`` and ``config``.
 """
 
 from __future__ import annotations
@@ -27,9 +19,27 @@ from pathlib import Path
 import moonrt
 
 PKG_ROOT = Path(moonrt.__file__).parent
-RUNTIME = ("moonrt.comm", "moonrt.scheduler", "moonrt.memory", "moonrt.cluster", "moonrt.parallel")
+RUNTIME = ("moonrt.parallel", "moonrt.cluster", "moonrt.scheduler", "moonrt.comm", "moonrt.memory")
+
+MAY_IMPORT: dict[str, tuple[str, ...]] = {
+    "moonrt.ops": (),
+    "moonrt.config": (),
+    "moonrt.parallel": ("moonrt.ops", "moonrt.config"),
+    "moonrt.cluster": ("moonrt.ops", "moonrt.config"),
+    "moonrt.scheduler": ("moonrt.ops", "moonrt.config"),
+    "moonrt.comm": ("moonrt.ops", "moonrt.config", "moonrt.parallel", "moonrt.scheduler", "moonrt.cluster"),
+    "moonrt.memory": ("moonrt.ops", "moonrt.config", "moonrt.parallel", "moonrt.scheduler", "moonrt.cluster"),
+    "moonrt.models.*.model": ("moonrt.ops", "moonrt.parallel", "moonrt.config"),
+    "moonrt.models": ("moonrt.ops", "moonrt.config") + RUNTIME,
+    "moonrt.jobs": ("moonrt.ops", "moonrt.config", "moonrt.models") + RUNTIME,
+    "moonrt.cli": ("moonrt.ops", "moonrt.config", "moonrt.models", "moonrt.jobs") + RUNTIME,
+}
+"""Package -> the moonrt packages it may import besides itself (bottom up; ``*``: any one model client)."""
+
 RUNTIME_MAY_IMPORT = RUNTIME + ("moonrt.ops", "moonrt.config")
-MODEL_MAY_IMPORT = ("moonrt.ops", "moonrt.parallel", "moonrt.config", "moonrt.model")
+MODEL_MAY_IMPORT = ("moonrt.ops", "moonrt.parallel", "moonrt.config")
+ROOT_FILES = {"__init__.py", "cli.py", "config.py"}
+
 
 def _under(name: str, prefixes: tuple[str, ...]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
@@ -72,17 +82,29 @@ def imports(path: Path, root: Path) -> list[str]:
     return names
 
 
-def rule_broken(importer: str, imported: str) -> str | None:
-    """Why ``importer`` may not import ``imported`` (None when allowed). Only ``moonrt.*`` names are judged."""
-    if not imported.startswith("moonrt.") or _under(imported, (importer,)):
-        return None
-    if _under(importer, ("moonrt.ops",)) and not _under(imported, ("moonrt.ops",)):
-        return "moonrt.ops imports no other moonrt package"
-    if _under(importer, RUNTIME) and not _under(imported, RUNTIME_MAY_IMPORT):
-        return "runtime packages import only moonrt.ops, moonrt.config and each other (not the model or jobs)"
-    if _under(importer, ("moonrt.model",)) and not _under(imported, MODEL_MAY_IMPORT):
-        return "moonrt.model imports only moonrt.ops, moonrt.parallel, moonrt.config and itself"
+def layer_of(module: str) -> str | None:
+    """The :data:`MAY_IMPORT` key ``module`` belongs to (a model's network code: ``moonrt.models.<name>.model``)."""
+    parts = module.split(".")
+    if parts[:2] == ["moonrt", "models"] and len(parts) >= 4 and parts[3] == "model":
+        return "moonrt.models.*.model"
+    for key in MAY_IMPORT:
+        if "*" not in key and _under(module, (key,)):
+            return key
     return None
+
+
+def rule_broken(importer: str, imported: str) -> str | None:
+    """Why ``importer`` may not import ``imported`` (None when allowed). Only ``moonrt.*`` names are judged; a
+    module may always import inside its own package (a model's network code: inside its own ``model`` package)."""
+    if not imported.startswith("moonrt."):
+        return None
+    layer = layer_of(importer)
+    if layer is None:
+        return f"{importer} is in no layer of MAY_IMPORT (a new package: add it to the table and docs/ARCHITECTURE.md)"
+    own = ".".join(importer.split(".")[:4]) if layer == "moonrt.models.*.model" else layer
+    if _under(imported, (own,)) or _under(imported, MAY_IMPORT[layer]):
+        return None
+    return f"{layer} imports only {', '.join(MAY_IMPORT[layer]) or 'itself'}"
 
 
 def violations(root: Path) -> list[tuple[str, str, str]]:
@@ -90,6 +112,8 @@ def violations(root: Path) -> list[tuple[str, str, str]]:
     found = set()
     for path in sorted((root / "moonrt").rglob("*.py")):
         importer = module_name(path, root)
+        if importer == "moonrt":  # the root package (the version string) is below every layer
+            continue
         for imported in imports(path, root):
             why = rule_broken(importer, imported)
             if why is not None:
@@ -97,49 +121,113 @@ def violations(root: Path) -> list[tuple[str, str, str]]:
     return sorted(found)
 
 
+def file_cycles(root: Path) -> list[list[str]]:
+    """Import cycles between the files of ``root/moonrt`` (each a list of modules, the first repeated at the end;
+    an import of a package counts as one of its ``__init__``). Depth-first search over the file graph."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted((root / "moonrt").rglob("*.py")):
+        mod = module_name(path, root)
+        graph[mod] = {m for m in imports(path, root) if m.startswith("moonrt") and m != mod}
+    graph = {m: {n for n in deps if n in graph} for m, deps in graph.items()}
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        path.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                cycles.append(path[path.index(n):] + [n])
+            elif n not in state:
+                visit(n)
+        path.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+    return cycles
+
+
 def test_moonrt_respects_the_layers() -> None:
     assert violations(PKG_ROOT.parent) == []
 
 
+def test_no_import_cycle_between_files() -> None:
+    assert file_cycles(PKG_ROOT.parent) == []
+
+
+def test_package_root_holds_only_the_entry_points_and_the_packages() -> None:
+    files = {p.name for p in PKG_ROOT.iterdir() if p.is_file() and p.suffix == ".py"}
+    assert files == ROOT_FILES
+    packages = {p.name for p in PKG_ROOT.iterdir() if (p / "__init__.py").is_file()}
+    assert packages == {"ops", "parallel", "cluster", "scheduler", "comm", "memory", "models", "jobs"}
+    # every package is a row of the table (a new one must say where it sits)
+    assert {f"moonrt.{name}" for name in packages} <= set(MAY_IMPORT)
+
+
+def _tree(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
 def test_checker_catches_forbidden_imports_in_a_synthetic_tree(tmp_path: Path) -> None:
-    (tmp_path / "moonrt" / "ops").mkdir(parents=True)
-    (tmp_path / "moonrt" / "comm").mkdir()
-    (tmp_path / "moonrt" / "model").mkdir()
-    (tmp_path / "moonrt" / "memory").mkdir()
-    (tmp_path / "moonrt" / "model" / "moe.py").write_text("")
-    (tmp_path / "moonrt" / "memory" / "manager.py").write_text("")
-    (tmp_path / "moonrt" / "memory" / "bad.py").write_text(
-        "from moonrt.config import ParallelConfig\nfrom .manager import ActivationManager\n\n"
-        "def profile():\n    from moonrt.models import MODELS\n    from moonrt import k3_memory\n")
-    (tmp_path / "moonrt" / "ops" / "bad.py").write_text(
-        "import torch\nfrom . import fp8\n\ndef f():\n    from ..model import moe\n    return moe\n")
-    (tmp_path / "moonrt" / "comm" / "__init__.py").write_text("from moonrt.parallel.context import LOCAL\n")
-    (tmp_path / "moonrt" / "comm" / "bad.py").write_text(
-        "from moonrt.ops.kda import kda_chunk\nif True:\n    import moonrt.train\n"
-        "class A:\n    def g(self):\n        from ..model.context import LOCAL\n")
-    (tmp_path / "moonrt" / "model" / "bad.py").write_text(
-        "from moonrt.config import check\nfrom ..parallel import context\nfrom .ffn import GLUFFN\n"
-        "import moonrt.comm.mesh\nfrom moonrt import __version__\n\n"
-        "def h():\n    from ..memory import manager\n    from moonrt import cluster\n")
+    _tree(tmp_path, {
+        "moonrt/ops/fp8.py": "",
+        "moonrt/models/k3/model/moe.py": "",
+        "moonrt/models/k3/memory.py": "",
+        "moonrt/models/dense/model/attn.py": "",
+        "moonrt/memory/manager.py": "",
+        "moonrt/memory/bad.py": "from moonrt.config import ParallelConfig\nfrom .manager import ActivationManager\n\n"
+                                "def profile():\n    from moonrt.models import MODELS\n    from moonrt.comm import mesh\n",
+        "moonrt/ops/bad.py": "import torch\nfrom . import fp8\n\ndef f():\n    from ..models.k3.model import moe\n",
+        "moonrt/comm/__init__.py": "from moonrt.parallel.context import LOCAL\n",
+        "moonrt/comm/bad.py": "from moonrt.ops.kda import kda_chunk\nif True:\n    import moonrt.jobs.train.loop\n"
+                              "class A:\n    def g(self):\n        from ..memory import manager\n",
+        "moonrt/scheduler/bad.py": "from moonrt.cluster import env\n",
+        "moonrt/parallel/bad.py": "from moonrt.scheduler import pipeline\n",
+        "moonrt/models/k3/model/bad.py": "from moonrt.config import check\nfrom ...k3.model.moe import LatentMoE\n"
+                                          "from ..memory import X\nimport moonrt.comm.mesh\nfrom moonrt import __version__\n"
+                                          "\ndef h():\n    from moonrt.models.dense.model import attn\n",
+        "moonrt/models/k3/spec.py": "from moonrt.memory.manager import ActivationManager\nfrom moonrt.jobs import train\n",
+        "moonrt/newpkg/x.py": "from moonrt.ops import fp8\n",
+    })
     got = [(a, b) for a, b, _ in violations(tmp_path)]
     assert got == [
-        ("moonrt.comm.bad", "moonrt.model.context"),
-        ("moonrt.comm.bad", "moonrt.train"),
-        ("moonrt.memory.bad", "moonrt.k3_memory"),
+        ("moonrt.comm.bad", "moonrt.jobs.train.loop"),
+        ("moonrt.comm.bad", "moonrt.memory.manager"),
+        ("moonrt.memory.bad", "moonrt.comm"),
         ("moonrt.memory.bad", "moonrt.models"),
-        ("moonrt.model.bad", "moonrt.cluster"),
-        ("moonrt.model.bad", "moonrt.comm.mesh"),
-        ("moonrt.model.bad", "moonrt.memory.manager"),
-        ("moonrt.ops.bad", "moonrt.model.moe"),
+        ("moonrt.models.k3.model.bad", "moonrt.comm.mesh"),
+        ("moonrt.models.k3.model.bad", "moonrt.models.dense.model.attn"),
+        ("moonrt.models.k3.model.bad", "moonrt.models.k3.memory"),
+        ("moonrt.models.k3.spec", "moonrt.jobs"),
+        ("moonrt.newpkg.x", "moonrt.ops.fp8"),
+        ("moonrt.ops.bad", "moonrt.models.k3.model.moe"),
+        ("moonrt.parallel.bad", "moonrt.scheduler"),
+        ("moonrt.scheduler.bad", "moonrt.cluster"),
     ]
     # the real tree with one forbidden import added back is caught
     real = tmp_path / "real"
     (real / "moonrt" / "comm").mkdir(parents=True)
     src = (PKG_ROOT / "comm" / "kcp.py").read_text()
     (real / "moonrt" / "comm" / "kcp.py").write_text(src.replace(
-        "from moonrt.ops.kda import MIN_LOG_DECAY", "from moonrt.model.kda_layer import KDALayer\n"
+        "from moonrt.ops.kda import MIN_LOG_DECAY", "from moonrt.models.k3.model.kda_layer import KDALayer\n"
         "    from moonrt.ops.kda import MIN_LOG_DECAY"))
-    assert [(a, b) for a, b, _ in violations(real)] == [("moonrt.comm.kcp", "moonrt.model.kda_layer")]
+    assert [(a, b) for a, b, _ in violations(real)] == [("moonrt.comm.kcp", "moonrt.models.k3.model.kda_layer")]
+
+
+def test_cycle_finder_sees_a_cycle_through_a_lazy_import(tmp_path: Path) -> None:
+    _tree(tmp_path, {
+        "moonrt/jobs/a.py": "from moonrt.jobs import b\n",
+        "moonrt/jobs/b.py": "def f():\n    from moonrt.jobs.c import x\n",
+        "moonrt/jobs/c.py": "import moonrt.jobs.a\nx = 1\n",
+        "moonrt/jobs/d.py": "from moonrt.jobs import a\n",
+    })
+    assert file_cycles(tmp_path) == [["moonrt.jobs.a", "moonrt.jobs.b", "moonrt.jobs.c", "moonrt.jobs.a"]]
 
 
 def _loaded_after_importing(prefix: str, folder: str) -> tuple[list[str], list[str]]:
@@ -155,9 +243,14 @@ def _loaded_after_importing(prefix: str, folder: str) -> tuple[list[str], list[s
 
 
 def test_importing_every_model_module_loads_only_ops_seams_and_config() -> None:
-    mods, loaded = _loaded_after_importing("moonrt.model", "model")
-    assert set(mods) <= set(loaded)
-    assert [m for m in loaded if not _under(m, MODEL_MAY_IMPORT)] == []
+    for client in sorted(p.parent.name for p in (PKG_ROOT / "models").glob("*/model/__init__.py")):
+        prefix = f"moonrt.models.{client}.model"
+        mods, loaded = _loaded_after_importing(prefix, f"models/{client}/model")
+        assert set(mods) <= set(loaded)
+        # the parent packages' __init__ (the registry records) are loaded by Python on the way; nothing else is
+        allowed = MODEL_MAY_IMPORT + (prefix,)
+        parents = {"moonrt.models", f"moonrt.models.{client}"}
+        assert [m for m in loaded if not _under(m, allowed) and m not in parents] == []
 
 
 def test_importing_every_memory_module_loads_neither_the_model_nor_a_job_module() -> None:

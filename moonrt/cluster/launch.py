@@ -100,7 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds the ranks get to checkpoint and exit after a forwarded SIGTERM/SIGINT before "
                         f"they are killed (default {STOP_GRACE_S:g})")
     parser.add_argument("--selftest", action="store_true",
-                        help="run the communication self-test (moonrt.cluster.selftest) on the ranks")
+                        help="run the communication self-test (python -m moonrt.jobs.selftest) on the ranks")
     parser.add_argument("command", nargs=argparse.REMAINDER,
                         help="-- command and arguments to run on every rank (with --selftest: -- self-test options)")
 
@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     if command and command[0] == "--":
         command = command[1:]
     if args.selftest:
-        command = [sys.executable, "-u", "-m", "moonrt.cluster.selftest", *command]
+        command = [sys.executable, "-u", "-m", "moonrt.jobs.selftest", *command]
     if not command:
         print("moonrt launch: nothing to run: give --selftest or -- command ...", file=sys.stderr)
         return 2

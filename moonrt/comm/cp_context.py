@@ -15,7 +15,7 @@ module name set by :meth:`ContextParallel.tag_layers` (forward pre-hooks applied
 model), else ``"<op>#<n>"`` by call order within a step. Call :meth:`ContextParallel.new_step`
 before each step to start fresh counters.
 
-This runtime module imports only the context *base class* from ``moonrt.model`` (the seam it
+This runtime module imports only the context *base class* from ``moonrt.models.k3.model`` (the seam it
 implements); it knows nothing else of the model.
 """
 

@@ -11,15 +11,12 @@ dispatchers (``moonep_dispatch.py``, ``ep_alltoall.py``) call: the backward of o
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from moonrt.comm.ep_layout import EPLayout, WeightLayout
-
-if TYPE_CHECKING:
-    from moonrt.comm.ep_slots import SlotRefill
 
 
 def _all_to_all(
@@ -143,7 +140,7 @@ def dispatch_tokens(
 
 def combine_tokens(
     y: torch.Tensor, weights: torch.Tensor, layout: EPLayout, group: dist.ProcessGroup | None,
-    deps: tuple[torch.Tensor, ...] = (), refill: SlotRefill | None = None,
+    deps: tuple[torch.Tensor, ...] = (), refill: Callable[[], None] | None = None,
 ) -> torch.Tensor:
     """Differentiable combine: expert outputs ``y [rows, H]`` -> ``[s, H]``.
 
@@ -154,7 +151,7 @@ def combine_tokens(
     ``deps``: the dispatch's rows and the prefetched slot weights. They get no gradient from here,
     but being inputs makes the dispatch and prefetch backward (each a collective) run on every rank,
     in the same order, even on a rank whose expert compute did not touch them (no slot rows).
-    ``refill``: re-prefetches this layer's slots into a shared :class:`SlotPool` first thing in
+    ``refill`` (a :class:`moonrt.comm.ep_slots.SlotRefill`): re-prefetches this layer's slots into a shared :class:`SlotPool` first thing in
     backward (K3_SYSTEMS §6.3), before the expert backward reads them.
     """
     return _Combine.apply(y, weights, layout, group, refill, *deps)

@@ -7,7 +7,7 @@
   on the latent width, through the model's dispatcher seam; all layers share one
   :class:`SlotPool` (copies are re-prefetched in backward). Found by duck typing
   (``model.moe_layers()``, ``moe.experts.shard``, ``moe.dispatcher``): this module never imports
-  ``moonrt.model``.
+  ``moonrt.models.k3.model``.
 - :meth:`sync_grads`: routed-expert gradients are summed over the expert replicas (mesh group
   ``dp_cp``; slot copies already returned theirs to the home rank inside backward), every other
   gradient over the dense replicas (``dp_ep_cp``): one flat all-reduce per group.
@@ -52,8 +52,8 @@ class ExpertParallel(Part):
         parallel: the job's degrees (``cp`` > 1 composes: pass the CP runtime's mesh; with ``pp`` > 1 it
             acts on this pipeline rank's stages, inside :class:`moonrt.comm.pp_part.PipelineParallel`).
         capacity: S, the most tokens one rank passes to one MoE layer per call (training and eval).
-        mesh: the job's :class:`ProcessMesh` (built here, joining the default group, if None and the
-            world has more than one rank).
+        mesh: the job's :class:`ProcessMesh` (built here from the default group, which must exist, if None
+            and the world has more than one rank).
         num_slots: B per rank (default E/R).
         dispatcher: ``"moonep"`` or ``"alltoall"`` (the unbalanced baseline).
     """
@@ -64,10 +64,10 @@ class ExpertParallel(Part):
             raise ConfigError(f"dispatcher = {dispatcher!r}: expected 'moonep' or 'alltoall'")
         self.parallel, self.capacity, self.num_slots, self.kind = parallel, capacity, num_slots, dispatcher
         if mesh is None and parallel.world_size > 1:
-            if not dist.is_initialized():
-                from moonrt.cluster.env import init_distributed
-
-                init_distributed()
+            if not dist.is_initialized():  # joining a job is the caller's (moonrt.cluster.env.init_distributed)
+                raise RuntimeError(f"ExpertParallel: parallel.ep = {parallel.ep} needs the default process group; "
+                                   "expected torch.distributed initialized first (moonrt.cluster.env.init_distributed) "
+                                   "or a mesh")
             mesh = ProcessMesh(parallel)
         self.mesh = mesh
         if mesh is not None:

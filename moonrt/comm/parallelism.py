@@ -8,7 +8,7 @@ schedule there), :meth:`sync_grads`, :meth:`clip_grad_norm`, :meth:`step` (inste
 :meth:`load_sharded_state_dict` for sharded DCP checkpoints (each rank its own pieces), :meth:`close` at the end.
 A single-process job is this object with no parts and no replica group.
 
-Order of the parts (``moonrt.assemble.parallel_runtime``): the pipeline first (it runs the step, and it wraps
+Order of the parts (``moonrt.jobs.train.assemble.parallel_runtime``): the pipeline first (it runs the step, and it wraps
 the part that shards its stages further as ``inner`` for the norm and checkpoints), then ZeRO-1
 (:class:`moonrt.comm.zero.Zero1`: it owns the gradient sum, clip and update of every parameter, experts
 included), then expert parallelism. Parts whose :meth:`Part.sync_grads` returns False (the pipeline's sum of
@@ -131,7 +131,7 @@ class Parallelism:
 
         ``saved``: a reusable context manager entered around the forward (the activation manager) or None.
         The first part that runs the step wins (the pipeline); the default is one forward, one backward.
-        ``packing`` (packed documents, ``moonrt.model.packing``) reaches the model on the default path only (the
+        ``packing`` (packed documents, ``moonrt.models.k3.model.packing``) reaches the model on the default path only (the
         job config refuses packing with the parts that run the step); None calls ``loss_sum`` without it.
         """
         for part in self.parts:

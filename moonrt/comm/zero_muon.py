@@ -138,7 +138,7 @@ class ZeroMuon(Part):
         dense: the replicas of the dense parameters (mesh ``dp_ep_cp``; None: the default group).
         experts: the replicas of the routed experts (mesh ``dp_cp``); needed when ``ep`` is given.
         assign: ``model -> {parameter name: blocking}`` of the parameters Muon updates (the job's
-            :func:`moonrt.optimizers.muon_blocks`); every other trainable parameter is AdamW.
+            :func:`moonrt.jobs.train.optimizers.muon_blocks`); every other trainable parameter is AdamW.
         ep: the job's expert-parallel part (which parameters are experts; EP gather of checkpoints).
         norm_group: the ranks whose units together hold the whole model once (None: the default group).
     """

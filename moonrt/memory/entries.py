@@ -9,15 +9,11 @@
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from moonrt.memory.backends import Backend, Packed
-
-if TYPE_CHECKING:
-    from moonrt.memory.fp8_batch import _Batch
-    from moonrt.memory.host_batch import _CopyGroup
 
 
 class _Entry:
@@ -41,7 +37,7 @@ class _Entry:
         self.weak = weak
         self.region: tuple[str, str] | None = None
         self.raw: torch.Tensor | None = None
-        self.batch: _Batch | None = None
+        self.batch: Any = None  # the pending fp8_batch._Batch (entries know no batch type: no import cycle)
         self.decoded: torch.Tensor | None = None
         self.waiting = 1
         """Saves of the entry not unpacked yet (an upper bound): an FP8 entry keeps ``decoded`` for them."""
@@ -56,7 +52,7 @@ class _PartEntry:
     future = None
     parts = None
 
-    def __init__(self, key: Any, weak: Any, region: str, label: str, tier: str, group: _CopyGroup, index: int,
+    def __init__(self, key: Any, weak: Any, region: str, label: str, tier: str, group: Any, index: int,
                  layer: int, backend: Backend) -> None:
         self.refs = 1
         self.key = key
@@ -64,7 +60,7 @@ class _PartEntry:
         self.region = region
         self.label = label
         self.tier = tier
-        self.group: _CopyGroup | None = group
+        self.group: Any = group  # its host_batch._CopyGroup, None once copied
         self.index = index
         self.layer = layer
         self.backend = backend

@@ -3,7 +3,7 @@
 Pure functions of a model config (read only through ``num_hidden_layers``, ``num_experts``,
 ``num_experts_per_token``, ``hidden_size`` and ``routed_expert_hidden_size``), a :class:`JobLayout`,
 per-layer parameter counts (:class:`ParamSizes`) and a per-layer activation :class:`Profile`, both
-supplied by the caller (for K3: :mod:`moonrt.k3_memory`, reached through the
+supplied by the caller (for K3: :mod:`moonrt.models.k3.memory`, reached through the
 model registry :mod:`moonrt.models`); the runtime never imports the model package.
 
 Per rank ``r`` of ``pp`` (chunks ``c`` of ``vpp`` hold stages ``c * pp + r``; layers are cut into
@@ -19,8 +19,8 @@ Per rank ``r`` of ``pp`` (chunks ``c`` of ``vpp`` hold stages ``c * pp + r``; la
   over the rank's schedule walk (:mod:`.schedule`): the exact set of chunk activations alive at
   every point of the action order, which reproduces 1F1B's ``pp - r`` and the interleaved factor.
 
-The profiles themselves are the model client's: for K3, :mod:`moonrt.k3_memory` (analytic formulas,
-the fused-kernel estimate) and :mod:`moonrt.k3_memory_trace` (measured under the activation manager).
+The profiles themselves are the model client's: for K3, :mod:`moonrt.models.k3.memory` (analytic formulas,
+the fused-kernel estimate) and :mod:`moonrt.models.k3.memory_trace` (measured under the activation manager).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class JobLayout:
 @dataclasses.dataclass(frozen=True, slots=True)
 class ParamSizes:
     """Parameter counts the planner places on pipeline ranks, supplied by the model's client (for K3:
-    :func:`moonrt.k3_memory.param_sizes`). ``[L]`` tuples are per decoder layer."""
+    :func:`moonrt.models.k3.memory.param_sizes`). ``[L]`` tuples are per decoder layer."""
 
     layers: tuple[int, ...]
     """[L] parameters of each decoder layer that every rank of its stage holds whole: attention, norms, and

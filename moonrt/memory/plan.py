@@ -1,5 +1,5 @@
 """Memory-budget planner (K3_SYSTEMS §8 "Memory-budget planning", §10); its command line is the job
-``moonrt mem-plan`` (:mod:`moonrt.mem_plan`); the table, JSON and plot of a plan are in
+``moonrt mem-plan`` (:mod:`moonrt.jobs.mem_plan`); the table, JSON and plot of a plan are in
 :mod:`moonrt.memory.plan_report`.
 
 ``plan_memory(...)`` is a pure function: from a model config, a :class:`JobLayout`, parameter sizes and an

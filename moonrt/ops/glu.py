@@ -7,7 +7,7 @@ SiTU-GLU soft-caps both GLU factors::
 
 so every output coordinate is bounded by ``b1 * b2 = 100`` however large the pre-activations
 grow, while near zero ``cap_b(x) ~ x`` and it matches SwiGLU ``silu(gate) * up``. Used by the
-model's FFNs (``moonrt.model.ffn``) and by the routed experts (:mod:`moonrt.ops.grouped`, which the
+model's FFNs (``moonrt.models.k3.model.ffn``) and by the routed experts (:mod:`moonrt.ops.grouped`, which the
 model and the EP runtime share): written once, here.
 
 Both are one autograd node. A GLU is ``h = A(gate) * C(up)``; the forward also computes the two

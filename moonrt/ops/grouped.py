@@ -4,7 +4,7 @@ MoE reference, written once for the model and the expert-parallel runtime.
 - :func:`glu_expert`: one expert ``down(act(x W_g^T, x W_u^T))`` on rows ``x [n, H]``.
 - :func:`grouped_glu_experts`: rows sorted by expert and bounded by ``cu_seqlens [G + 1]``, segment
   ``i`` through expert ``i`` of stacked ``[G, ...]`` weights (the "grouped GEMM" that follows a
-  dispatch). Used by ``RoutedExperts.forward`` (:mod:`moonrt.model.moe`, every dispatcher) and by
+  dispatch). Used by ``RoutedExperts.forward`` (:mod:`moonrt.models.k3.model.moe`, every dispatcher) and by
   the MoonEP tests and benchmarks on home and slot rows.
 - :func:`moe_reference`: ``out[t] = sum_j w[t, j] * Expert_{ids[t, j]}(x[t])`` with all ``E``
   experts and no dispatcher, the oracle of the local MoE layer and of MoonEP dispatch / combine.

@@ -1,7 +1,7 @@
 """The MoE dispatcher seam (K3_SYSTEMS §6.3), owned by the runtime: the protocol a MoE layer calls to move
 token-expert assignments to where they are computed and back, and its single-device implementation.
 
-The model (:class:`moonrt.model.moe.LatentMoE`) calls a :class:`Dispatcher`; the runtime implements it
+The model (:class:`moonrt.models.k3.model.moe.LatentMoE`) calls a :class:`Dispatcher`; the runtime implements it
 with collectives (:class:`moonrt.comm.moonep_dispatch.MoonEPDispatcher`, the all-to-all baseline).
 """
 
@@ -40,7 +40,7 @@ class Dispatcher(Protocol):
     ignored by :meth:`combine`.
 
     LatentMoE calls, per forward: ``dispatch`` on the latent ``z``, ``segment_weights``, the grouped
-    expert compute (``RoutedExperts.forward`` of :mod:`moonrt.model.moe`), multiplies rows by ``recv_weights``, then
+    expert compute (``RoutedExperts.forward`` of :mod:`moonrt.models.k3.model.moe`), multiplies rows by ``recv_weights``, then
     ``combine(y, handle, weighted=False)``. An EP dispatcher with a DeepEP-style
     ``prefetch_weights(handle, expert_weights) -> slot tensors [B, ...]`` implements
     ``segment_weights`` in a few lines (experts sharded with ``experts.shard(rank * E // R, E // R)``)::

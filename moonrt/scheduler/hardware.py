@@ -18,7 +18,7 @@ Every field is checked (:func:`load_profile`): unknown names, missing required f
 non-finite numbers, a bandwidth <= 0 or a latency < 0 each raise one ValueError naming the file,
 the field, the value and what was expected. ``GB`` is 1e9 bytes.
 
-``cpu-local`` is not a file: :func:`moonrt.cluster.selftest.measure_local_profile` measures it on
+``cpu-local`` is not a file: :func:`moonrt.jobs.selftest.cli.measure_local_profile` measures it on
 the spot (the selftest's all_to_all bandwidth table on local gloo ranks, fitted to latency +
 bytes / bandwidth, and a single-thread GEMM micro-benchmark).
 """
@@ -32,7 +32,7 @@ from typing import Any
 
 from moonrt.config import read_yaml
 
-__all__ = ["Link", "HardwareProfile", "load_profile", "profile_from_dict", "builtin_profiles", "resolve_profile",
+__all__ = ["Link", "HardwareProfile", "load_profile", "profile_from_dict", "builtin_profiles",
            "PROFILE_DIR"]
 
 PROFILE_DIR = Path(__file__).resolve().parent.parent / "configs" / "hardware"
@@ -167,14 +167,3 @@ def builtin_profiles() -> dict[str, Path]:
     """Documented example profiles shipped with the package: name (file stem) -> path."""
     return {p.stem: p for p in sorted(PROFILE_DIR.glob("*.yaml"))}
 
-
-def resolve_profile(spec: str) -> HardwareProfile:
-    """``--hardware`` value: a YAML path, a built-in name (``h800-ib400``) or ``cpu-local`` (measured now)."""
-    if spec == "cpu-local":
-        from moonrt.cluster.selftest import measure_local_profile
-
-        return profile_from_dict(measure_local_profile(), "cpu-local (measured)")
-    builtin = builtin_profiles()
-    if spec in builtin and not Path(spec).exists():
-        return load_profile(builtin[spec])
-    return load_profile(spec)

@@ -1,4 +1,4 @@
-"""Sharded DCP checkpoints (``moonrt.checkpoint_dcp``, issue 13 item 3): save without a gather, load in any layout.
+"""Sharded DCP checkpoints (``moonrt.jobs.checkpoint.sharded``, issue 13 item 3): save without a gather, load in any layout.
 
 Unit tests (one process, no process group): a k3_tiny model and AdamW after one step round-trip bit for bit
 (``load_sharded`` into a fresh model, ``to_single_file`` against ``state_dict()``); ``moonrt checkpoint export``
@@ -30,16 +30,17 @@ import pytest
 import torch
 from test_pp_train import FLAGS, RTOL, _close, _here, _launch, _metrics, _run
 
-from moonrt import checkpoint_dcp
-from moonrt.checkpoint import CheckpointError
 from moonrt.cli import main as cli
-from moonrt.job import JobConfig
+from moonrt.jobs.checkpoint import sharded as checkpoint_dcp
+from moonrt.jobs.checkpoint import store
+from moonrt.jobs.checkpoint.single import CheckpointError
+from moonrt.jobs.train.config import JobConfig
 
 
 def _trained_tiny() -> tuple[torch.nn.Module, torch.optim.Optimizer, JobConfig]:
     """k3_tiny and its AdamW after one step on random tokens (every parameter has state)."""
-    from moonrt.assemble import build_model
-    from moonrt.optimizers import build_optimizer
+    from moonrt.jobs.train.assemble import build_model
+    from moonrt.jobs.train.optimizers import build_optimizer
 
     job = JobConfig(model="k3_tiny")
     model = build_model(job)
@@ -77,8 +78,8 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any
 
 
 def test_one_process_round_trip_is_bit_identical(saved: tuple[Path, dict[str, Any]]) -> None:
-    from moonrt.assemble import build_model
-    from moonrt.optimizers import build_optimizer
+    from moonrt.jobs.train.assemble import build_model
+    from moonrt.jobs.train.optimizers import build_optimizer
 
     root, ref = saved
     job = JobConfig(model="k3_tiny")
@@ -99,7 +100,7 @@ def test_export_round_trips_through_safetensors(saved: tuple[Path, dict[str, Any
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    from moonrt.checkpoint_cli import from_hf
+    from moonrt.jobs.checkpoint.cli import from_hf
 
     root, ref = saved
     for names in ("hf", "moonrt"):
@@ -197,10 +198,10 @@ def _resume_everywhere(tmp_path: Path, base: str, same: tuple[int, list[str]],
 
 
 def _check_other_layouts(tmp_path: Path, got: dict[str, dict[str, Any]]) -> None:
-    ref, ref_ckpt = got["same"], checkpoint_dcp.read_state(tmp_path / "same")
+    ref, ref_ckpt = got["same"], store.read_state(tmp_path / "same")
     for name, rec in got.items():
         assert abs(rec["loss"] - ref["loss"]) <= RTOL * abs(ref["loss"]), (name, rec["loss"], ref["loss"])
-        ck = checkpoint_dcp.read_state(tmp_path / name)
+        ck = store.read_state(tmp_path / name)
         assert ck["step"] == 3, name
         _close(ck["model"], ref_ckpt["model"], f"{name}.model")
 
@@ -216,7 +217,7 @@ def test_ep2_zero1_on_4_ranks_saves_sharded_and_resumes_in_any_layout(tmp_path: 
     assert marker["step"] == 2 and marker["layout"] == {"world": 4, "dp": 2, "pp": 1, "vpp": 1, "ep": 2, "cp": 1,
                                                         "zero": 1}
     # no rank held the whole optimizer state: each passed DCP its shard (~1/4), every byte written once
-    full = checkpoint_dcp.read_state(tmp_path / "base")
+    full = store.read_state(tmp_path / "base")
     ranks = marker["ranks"]
     assert max(r["optimizer_bytes"] for r in ranks) < 0.5 * _optimizer_bytes(full), (ranks, _optimizer_bytes(full))
     assert sum(r["written_bytes"] for r in ranks) == marker["bytes"], ranks
@@ -224,7 +225,7 @@ def test_ep2_zero1_on_4_ranks_saves_sharded_and_resumes_in_any_layout(tmp_path: 
                                                                                        "--microbatches", "2"])})
     # same layout: bit-identical to the uninterrupted run (loss and the whole state)
     assert got["same"]["loss"] == _metrics(tmp_path / "straight.jsonl")[3]["loss"]
-    same, straight = checkpoint_dcp.read_state(tmp_path / "same"), checkpoint_dcp.read_state(tmp_path / "straight")
+    same, straight = store.read_state(tmp_path / "same"), store.read_state(tmp_path / "straight")
     keys = ("model", "optimizer", "step")
     _equal({k: same[k] for k in keys}, {k: straight[k] for k in keys})
     _check_other_layouts(tmp_path, got)
@@ -242,7 +243,7 @@ def test_pp2_on_2_ranks_saves_sharded_and_resumes_in_one_process_and_under_ep(tm
 
 
 def test_convert_between_the_formats_round_trips(saved: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
-    from moonrt.checkpoint import load
+    from moonrt.jobs.checkpoint.single import load
 
     root, ref = saved
     assert cli(["checkpoint", "convert", str(root), str(tmp_path / "checkpoint.pt")]) == 0

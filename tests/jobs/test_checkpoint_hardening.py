@@ -30,12 +30,14 @@ import pytest
 import torch
 from dist import dist_run
 
-from moonrt import checkpoint, checkpoint_dcp
-from moonrt.checkpoint import CheckpointError
 from moonrt.cli import main as cli
 from moonrt.comm.parallelism import Parallelism
 from moonrt.config import to_dict
-from moonrt.job import JobConfig
+from moonrt.jobs.checkpoint import sharded as checkpoint_dcp
+from moonrt.jobs.checkpoint import single as checkpoint
+from moonrt.jobs.checkpoint import store
+from moonrt.jobs.checkpoint.single import CheckpointError
+from moonrt.jobs.train.config import JobConfig
 
 
 def _linear(seed: int = 0, n: int = 8) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -112,8 +114,8 @@ def test_export_refuses_an_existing_file_and_never_overwrites_a_runs_checkpoint(
 
 def _tiny_pt(path: Path, step: int) -> None:
     """A real ``checkpoint.pt`` of k3_tiny (convert rebuilds the model of its config)."""
-    from moonrt.assemble import build_model
-    from moonrt.optimizers import build_optimizer
+    from moonrt.jobs.train.assemble import build_model
+    from moonrt.jobs.train.optimizers import build_optimizer
 
     job = JobConfig(model="k3_tiny")
     model = build_model(job)
@@ -493,14 +495,14 @@ def test_info_on_a_run_directory_says_which_checkpoint_resume_takes(tmp_path: Pa
     text = capsys.readouterr().out
     assert f"--resume takes {step_dir} (step 30)" in text, text
     assert f"{out / 'checkpoint.pt'} (step 10) is not newer: --resume ignores it" in text, text
-    assert checkpoint_dcp.resume_state(out)[0] == step_dir
+    assert store.resume_state(out)[0] == step_dir
 
     _pt(out / "checkpoint.pt", 40)  # now the file is newer
     assert cli(["checkpoint", "info", str(out)]) == 0
     text = capsys.readouterr().out
     assert f"--resume takes {out / 'checkpoint.pt'} (step 40)" in text, text
     assert f"{step_dir} (step 30) is not newer: --resume ignores it" in text, text
-    assert checkpoint_dcp.resume_state(out)[0] == out / "checkpoint.pt"
+    assert store.resume_state(out)[0] == out / "checkpoint.pt"
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint", "checkpoint.pt"]  # nothing retired
     assert cli(["checkpoint", "info", str(out), "--json"]) == 0
     got = json.loads(capsys.readouterr().out)

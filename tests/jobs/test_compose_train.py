@@ -35,7 +35,8 @@ import pytest
 from test_pp_train import RTOL, _assert_same_step, _ckpt, _close, _here, _launch, _metrics, _run
 from test_zero_train import _adamw_bytes_per_rank
 
-from moonrt import checkpoint_dcp
+from moonrt.jobs.checkpoint import sharded as checkpoint_dcp
+from moonrt.jobs.checkpoint import store
 
 FLAGS = ["--steps", "4", "--seed", "0", "--batch-size", "8", "--seq-len", "32", "--eval-every", "100", "--lr", "1e-3",
          "--threads", "1", "--no-progress"]
@@ -77,7 +78,7 @@ def test_composed_layouts_resume_a_single_process_checkpoint_and_match_it(tmp_pa
 
 
 def _resume_the_8_rank_sharded_checkpoint_elsewhere(tmp_path: Path) -> None:
-    """Step 3 from ``pp2_ep2_zero1``'s sharded step-2 checkpoint (``moonrt.checkpoint_dcp``) in one process, in
+    """Step 3 from ``pp2_ep2_zero1``'s sharded step-2 checkpoint (``moonrt.jobs.checkpoint.sharded``) in one process, in
     ``--ep 4`` and in ``--pp 2 --cp 2``, against the single process continued from its own step 2: two steps of
     summation-order differences (~1e-7 each), within 1e-5. The save passed DCP shards only (no rank more than a
     quarter of the AdamW state) and every stored byte was written by exactly one rank."""
@@ -85,7 +86,7 @@ def _resume_the_8_rank_sharded_checkpoint_elsewhere(tmp_path: Path) -> None:
     marker = checkpoint_dcp.read_marker(checkpoint_dcp.resolve(root / "checkpoint"))
     assert marker["step"] == 2 and marker["layout"] == {"world": 8, "dp": 2, "pp": 2, "vpp": 1, "ep": 2, "cp": 1,
                                                         "zero": 1}, marker
-    state = checkpoint_dcp.read_state(root)
+    state = store.read_state(root)
     full = sum(t.numel() * t.element_size() for st in state["optimizer"]["state"].values() for t in st.values())
     assert max(r["optimizer_bytes"] for r in marker["ranks"]) < 0.25 * full, (marker["ranks"], full)
     assert sum(r["written_bytes"] for r in marker["ranks"]) == marker["bytes"], marker["ranks"]

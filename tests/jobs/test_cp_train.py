@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from test_pp_train import _here, _run
 
-from moonrt.model.config import k3_tiny
+from moonrt.models.k3.model.config import k3_tiny
 
 STEPS = 5
 FLAGS = ["--steps", str(STEPS), "--seed", "0", "--batch-size", "2", "--seq-len", "48", "--eval-every", "100",

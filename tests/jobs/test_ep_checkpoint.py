@@ -21,7 +21,7 @@ import torch
 from dist import dist_run
 from test_pp_train import _here, _run
 
-from moonrt.model.config import k3_tiny
+from moonrt.models.k3.model.config import k3_tiny
 
 STEPS, SPLIT = 4, 2
 FLAGS = ["--steps", str(STEPS), "--seed", "0", "--batch-size", "4", "--seq-len", "32", "--eval-every", "100",
@@ -48,7 +48,7 @@ def _losses(path: Path) -> dict[int, float]:
 def _ckpt(path: Path) -> dict[str, Any]:
     """The run's newest checkpoint (multi-rank jobs write the sharded OUT/checkpoint/, one process checkpoint.pt)
     in the single-process ``checkpoint.pt`` format."""
-    from moonrt.checkpoint_dcp import read_state
+    from moonrt.jobs.checkpoint.store import read_state
 
     return read_state(path)
 
@@ -97,11 +97,11 @@ def test_ep_checkpoint_resumes_in_ep_and_in_a_single_process(tmp_path: Path) -> 
 
 
 def _gather_and_reload(rank: int, world_size: int) -> dict[str, Any]:
-    from moonrt.assemble import build_model
     from moonrt.comm.ep_parallel import ExpertParallel
     from moonrt.config import ParallelConfig
-    from moonrt.job import JobConfig, OptimConfig
-    from moonrt.optimizers import build_optimizer
+    from moonrt.jobs.train.assemble import build_model
+    from moonrt.jobs.train.config import JobConfig, OptimConfig
+    from moonrt.jobs.train.optimizers import build_optimizer
 
     job = JobConfig(model="k3_tiny")
     reference = {k: v.clone() for k, v in build_model(job).state_dict().items()}  # unsharded, same seed

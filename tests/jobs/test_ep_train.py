@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from test_pp_train import _here, _run
 
-from moonrt.model.config import k3_tiny
+from moonrt.models.k3.model.config import k3_tiny
 from moonrt.scheduler.workload import load_trace
 
 BATCH, SEQ, STEPS = 4, 32, 5

@@ -166,7 +166,7 @@ def test_mem_plan_k3_tiny_defaults_to_fp32(capsys):
 def test_text_corpus_same_tokens_and_split_as_reading_it_whole(tmp_path, monkeypatch):
     import numpy as np
 
-    from moonrt import data
+    from moonrt.jobs.train import data
 
     path = tmp_path / "c.txt"
     path.write_text("".join(f"doc {i}: {'é' * (i % 5)} text\n" for i in range(500)))
@@ -191,7 +191,7 @@ def test_text_corpus_same_tokens_and_split_as_reading_it_whole(tmp_path, monkeyp
 
 MAPPED = textwrap.dedent("""
     import resource, sys
-    from moonrt import data
+    from moonrt.jobs.train import data
     with open("/proc/self/status") as f:
         used = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmData:"))
     # private memory (heap, anonymous maps) limited to what the process holds plus 128 MiB: the corpus below is

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from moonrt.mem_plan import add_arguments
+from moonrt.jobs.mem_plan import add_arguments
 
 README_TINY = ["--model", "k3_tiny", "--pp", "2", "--ep", "1", "--cp", "1", "--vpp", "1", "--schedule", "1f1b",
                "--seq-len", "4096", "--microbatches", "8", "--budget-gib", "1"]

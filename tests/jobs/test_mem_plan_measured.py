@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moonrt.k3_memory import param_sizes
-from moonrt.k3_memory_trace import class_counts, class_of, policy_for_all, traced_profile
 from moonrt.memory.manager import ActivationManager
 from moonrt.memory.model_memory import JobLayout, activation_bytes, rank_models
-from moonrt.model.config import k3_tiny
-from moonrt.model.model import K3Model
+from moonrt.models.k3.memory import param_sizes
+from moonrt.models.k3.memory_trace import class_counts, class_of, policy_for_all, traced_profile
+from moonrt.models.k3.model.config import k3_tiny
+from moonrt.models.k3.model.model import K3Model
 
 SEQ = 64
 B_CHECK = 3

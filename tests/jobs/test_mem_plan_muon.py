@@ -7,7 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
-from moonrt.mem_plan import OPTIM_STATE_BYTES, add_arguments, run
+from moonrt.jobs.mem_plan import OPTIM_STATE_BYTES, add_arguments, run
 
 TINY = ["--model", "k3_tiny", "--pp", "2", "--ep", "1", "--cp", "1", "--vpp", "1", "--schedule", "1f1b",
         "--seq-len", "4096", "--microbatches", "8", "--budget-gib", "1", "--solver", "greedy"]

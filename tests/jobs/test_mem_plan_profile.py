@@ -2,7 +2,7 @@
 
 Each layer kind of moonrt's K3 (KDA, MLA, LatentMoE, dense FFN, RMSNorm, AttnRes mix, head, embedding)
 is built standalone, run on 256 tokens under the activation manager (keep), and the bytes it leaves
-saved for backward are compared with :func:`moonrt.k3_memory.class_terms`: within 10% per
+saved for backward are compared with :func:`moonrt.models.k3.memory.class_terms`: within 10% per
 class and 5% in total, for k3_tiny and for K3's real widths (experts reduced so it fits). Then the
 planner's whole-model prediction for a k3_tiny forward of 8 x 128 tokens against the measurement.
 """
@@ -15,14 +15,14 @@ import pytest
 import torch
 
 from moonrt.config import ParallelConfig
-from moonrt.k3_memory import class_terms, default_profile, param_sizes
-from moonrt.k3_memory_trace import KIND_SOURCES, kind_modules, measure_kind
 from moonrt.memory.manager import ActivationManager
 from moonrt.memory.model_memory import JobLayout
 from moonrt.memory.plan import Hardware, plan_memory
 from moonrt.memory.policy import MemoryPolicy
-from moonrt.model.config import k3, k3_tiny
-from moonrt.model.model import K3Model
+from moonrt.models.k3.memory import class_terms, default_profile, param_sizes
+from moonrt.models.k3.memory_trace import KIND_SOURCES, kind_modules, measure_kind
+from moonrt.models.k3.model.config import k3, k3_tiny
+from moonrt.models.k3.model.model import K3Model
 
 TOKENS = 256
 
@@ -92,7 +92,7 @@ def test_mem_plan_predicts_k3_tiny_forward_fp32():
 @pytest.mark.parametrize("dtype", ["fp32"])
 def test_traced_profile_plans_like_analytic(dtype):
     """``--profile traced`` (probe forwards per layer kind, scaled) and the analytic profile agree on k3_tiny."""
-    from moonrt.k3_memory_trace import traced_profile_by_kind
+    from moonrt.models.k3.memory_trace import traced_profile_by_kind
 
     cfg = k3_tiny()
     layout = JobLayout(micro_batch_size=2, seq_len=512, parallel=ParallelConfig(microbatches=1, schedule="1f1b"),

@@ -1,4 +1,4 @@
-"""The model registry (moonrt/models.py): how jobs get K3 and the memory planner's description of it."""
+"""The model registry (moonrt/models/__init__.py): how jobs get K3 and the memory planner's description of it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from moonrt import models
 from moonrt.config import ConfigError, ParallelConfig
 from moonrt.memory.model_memory import JobLayout, ParamSizes, Profile
-from moonrt.model.config import k3_tiny
+from moonrt.models.k3.model.config import k3_tiny
 
 
 def test_presets_resolve_to_the_k3_record():

@@ -1,4 +1,4 @@
-"""Sharded DCP checkpoints of Muon jobs (``moonrt.checkpoint_dcp`` with ``--optimizer muon``): each rank writes what it
+"""Sharded DCP checkpoints of Muon jobs (``moonrt.jobs.checkpoint.sharded`` with ``--optimizer muon``): each rank writes what it
 owns, ``to_single_file`` gives the gathered ``optimizer.state_dict()``, and a checkpoint resumes in another layout.
 
 - one process: k3_tiny and its Muon after one step (one Muon parameter without a gradient, so without state)
@@ -29,8 +29,8 @@ from dist import dist_run
 from test_checkpoint_dcp import _equal
 from test_pp_train import _close
 
-from moonrt import checkpoint_dcp
 from moonrt.cli import main as cli
+from moonrt.jobs.checkpoint import sharded as checkpoint_dcp
 from moonrt.parallel.blocks import MatrixBlocks
 
 COLUMNS = "layers.0.attn.o_proj.weight"
@@ -38,15 +38,15 @@ COLUMNS = "layers.0.attn.o_proj.weight"
 
 
 def _job() -> Any:
-    from moonrt.job import JobConfig, OptimConfig
+    from moonrt.jobs.train.config import JobConfig, OptimConfig
 
     return JobConfig(model="k3_tiny", optim=OptimConfig(optimizer="muon"))
 
 
 def _model_opt(job: Any, columns: bool = True, rt: Any = None) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """k3_tiny (parallelized by ``rt``) and its Muon; ``columns``: :data:`COLUMNS` in column blocks."""
-    from moonrt.assemble import build_model
-    from moonrt.optimizers import build_optimizer
+    from moonrt.jobs.train.assemble import build_model
+    from moonrt.jobs.train.optimizers import build_optimizer
 
     model = build_model(job)
     if rt is not None:
@@ -59,7 +59,7 @@ def _model_opt(job: Any, columns: bool = True, rt: Any = None) -> tuple[torch.nn
 
 
 def _blocks(job: Any) -> Any:
-    from moonrt.optimizers import muon_blocks
+    from moonrt.jobs.train.optimizers import muon_blocks
 
     def assign(model: torch.nn.Module) -> dict[str, Any]:
         blocks = muon_blocks(model, job.optim)
@@ -82,7 +82,7 @@ def one_thread() -> Any:
 
 
 def test_one_process_muon_round_trips_bit_for_bit(tmp_path: Path, one_thread: Any) -> None:
-    from moonrt.checkpoint import load
+    from moonrt.jobs.checkpoint.single import load
 
     job = _job()
     model, opt = _model_opt(job, columns=False)

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import torch
 
-from moonrt.assemble import build_model
 from moonrt.config import from_dict
-from moonrt.job import JobConfig
+from moonrt.jobs.train.assemble import build_model
+from moonrt.jobs.train.config import JobConfig
+from moonrt.jobs.train.loop import CHECKPOINT, train
+from moonrt.jobs.train.optimizers import build_optimizer
 from moonrt.ops.muon import Muon
-from moonrt.optimizers import build_optimizer
 from moonrt.parallel.blocks import MatrixBlocks
-from moonrt.train import CHECKPOINT, train
 
 
 def _job(tmp_path: Path, out: str, **optim) -> JobConfig:
@@ -68,7 +68,7 @@ def test_muon_resume_is_bit_identical(tmp_path: Path) -> None:
 def test_cli_optimizer_flag(tmp_path: Path) -> None:
     import argparse
 
-    from moonrt.train_cli import add_arguments, job_from_args
+    from moonrt.jobs.train.cli import add_arguments, job_from_args
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -29,12 +29,12 @@ import torch
 from dist import dist_run
 from test_pp_train import FLAGS, _assert_same_step, _ckpt, _close, _here, _launch, _metrics, _run
 
-from moonrt.checkpoint_dcp import read_marker, resolve
+from moonrt.jobs.checkpoint.sharded import read_marker, resolve
 from moonrt.scheduler.muon_plan import Unit, plan_units
 
 
 def _tiny_job():
-    from moonrt.job import JobConfig, OptimConfig
+    from moonrt.jobs.train.config import JobConfig, OptimConfig
 
     return JobConfig(model="k3_tiny", optim=OptimConfig(optimizer="muon"))
 
@@ -69,9 +69,9 @@ def test_plan_is_balanced_and_deterministic() -> None:
 
 
 def _zero_vs_single(rank: int, world: int, steps: int) -> dict[str, object]:
-    from moonrt.assemble import build_model
     from moonrt.comm.zero_muon import ZeroMuon
-    from moonrt.optimizers import build_optimizer, muon_blocks
+    from moonrt.jobs.train.assemble import build_model
+    from moonrt.jobs.train.optimizers import build_optimizer, muon_blocks
 
     job = _tiny_job()
     model = build_model(job)
@@ -92,8 +92,8 @@ def _zero_vs_single(rank: int, world: int, steps: int) -> dict[str, object]:
 
 
 def _single(steps: int) -> dict[str, object]:
-    from moonrt.assemble import build_model
-    from moonrt.optimizers import build_optimizer
+    from moonrt.jobs.train.assemble import build_model
+    from moonrt.jobs.train.optimizers import build_optimizer
 
     job = _tiny_job()
     model = build_model(job)
@@ -111,11 +111,11 @@ def _single(steps: int) -> dict[str, object]:
 
 @pytest.mark.timeout(900)
 def test_two_ranks_equal_one_process_incl_matrices_a_flat_partition_splits() -> None:
-    from moonrt.optimizers import muon_blocks
+    from moonrt.jobs.train.optimizers import muon_blocks
 
     ref = _single(2)
     names = set(muon_blocks(ref.pop("_model"), _tiny_job().optim))
-    from moonrt.assemble import build_model
+    from moonrt.jobs.train.assemble import build_model
 
     straddlers = _flat_straddlers(build_model(_tiny_job()), names, 2)
     assert straddlers, "k3_tiny's flat 2-way partition cuts no Muon matrix: build one"

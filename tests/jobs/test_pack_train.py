@@ -12,12 +12,12 @@ import pytest
 import torch
 from numerics import assert_same_function, growth
 
-from moonrt import data
-from moonrt.assemble import build_model
 from moonrt.cli import main
 from moonrt.config import ConfigError, from_dict
-from moonrt.job import JobConfig
-from moonrt.train import train
+from moonrt.jobs.train import data
+from moonrt.jobs.train.assemble import build_model
+from moonrt.jobs.train.config import JobConfig
+from moonrt.jobs.train.loop import train
 
 EOS = 12  # form feed: the byte that ends each document of the test corpora
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from moonrt.cli import main
-from moonrt.pp_plan import compress
+from moonrt.jobs.pp_plan import compress
 
 
 @pytest.mark.parametrize("p,v,n_p,b,kind", [(4, 2, 2, 3, "interleaved"), (2, 3, 1, 4, "interleaved"),

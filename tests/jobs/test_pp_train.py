@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from moonrt.config import ConfigError, ParallelConfig
-from moonrt.job import JobConfig
+from moonrt.jobs.train.config import JobConfig
 
 FLAGS = ["--steps", "4", "--seed", "0", "--batch-size", "4", "--seq-len", "32", "--eval-every", "100", "--lr", "1e-3",
          "--threads", "1", "--no-progress"]
@@ -121,7 +121,7 @@ def _metrics(path: Path) -> dict[int, dict[str, Any]]:
 def _ckpt(path: Path) -> dict[str, Any]:
     """The run's newest checkpoint (multi-rank jobs write the sharded OUT/checkpoint/, one process checkpoint.pt)
     in the single-process ``checkpoint.pt`` format."""
-    from moonrt.checkpoint_dcp import read_state
+    from moonrt.jobs.checkpoint.store import read_state
 
     return read_state(path)
 
@@ -248,7 +248,7 @@ def test_bad_pipeline_flags_are_one_clear_line(tmp_path: Path, flags: list[str],
 
 def test_microbatches_must_divide_the_replica_batch(tmp_path: Path) -> None:
     from moonrt.comm.parallelism import Parallelism
-    from moonrt.train import train
+    from moonrt.jobs.train.loop import train
 
     job = JobConfig(out_dir=str(tmp_path), parallel=ParallelConfig(pp=2, microbatches=3))
     job.optim.batch_size = 4

@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 import torch
 
-from moonrt import checkpoint
 from moonrt.cli import main as cli
 from moonrt.config import to_dict
-from moonrt.job import JobConfig
+from moonrt.jobs.checkpoint import single as checkpoint
+from moonrt.jobs.train.config import JobConfig
 
 
 def _one_line(capsys: Any, prefix: str) -> str:
@@ -35,8 +35,8 @@ def _one_line(capsys: Any, prefix: str) -> str:
 
 def _single_process_run(out: Path, step: int = 100) -> None:
     """What ``moonrt train --steps 200 --until 100 --out runs/a`` leaves: ``OUT/checkpoint.pt`` only."""
-    from moonrt.assemble import build_model
-    from moonrt.optimizers import build_optimizer
+    from moonrt.jobs.train.assemble import build_model
+    from moonrt.jobs.train.optimizers import build_optimizer
 
     out.mkdir(parents=True)
     job = JobConfig(model="k3_tiny")
@@ -157,8 +157,8 @@ def test_ep_sim_warns_that_a_one_rank_trace_cannot_show_imbalance(tmp_path: Path
 
 
 def test_ep_sim_sizes_the_mb_columns_from_the_traces_model(tmp_path: Path, capsys: Any) -> None:
-    from moonrt.model.config import k3_tiny
     from moonrt.models import presets
+    from moonrt.models.k3.model.config import k3_tiny
     from moonrt.scheduler.workload import expert_sizes, save_trace
 
     K3_SIZES = {"hidden": 3584, "expert_params": 3 * 3584 * 3072, "bytes_per_elem": 2}  # noqa: N806 -- K3's bf16 expert

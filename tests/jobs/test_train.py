@@ -11,8 +11,8 @@ import torch
 
 from moonrt.cli import main
 from moonrt.config import ConfigError, from_dict, load_yaml
-from moonrt.job import JobConfig, OptimConfig, lr_at
-from moonrt.train import CHECKPOINT, train
+from moonrt.jobs.train.config import JobConfig, OptimConfig, lr_at
+from moonrt.jobs.train.loop import CHECKPOINT, train
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""moonrt.data: tokenizer, corpora, deterministic global batches and layout-independent shards."""
+"""moonrt.jobs.train.data: tokenizer, corpora, deterministic global batches and layout-independent shards."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from moonrt import data
+from moonrt.jobs.train import data
 
 
 def test_byte_tokenizer_roundtrip() -> None:

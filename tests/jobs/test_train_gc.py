@@ -1,4 +1,4 @@
-"""Manual garbage collection in the training loop (``JobConfig.gc_interval``, :class:`moonrt.train.ManualGC`):
+"""Manual garbage collection in the training loop (``JobConfig.gc_interval``, :class:`moonrt.jobs.train.loop.ManualGC`):
 no automatic collection inside, one young-generation collection every ``gc_interval`` steps, the collector's state
 restored afterwards (also when training raises)."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from moonrt.config import ConfigError, from_dict
-from moonrt.job import JobConfig
-from moonrt.train import ManualGC, train
+from moonrt.jobs.train.config import JobConfig
+from moonrt.jobs.train.loop import ManualGC, train
 
 
 class _Node:
@@ -91,7 +91,7 @@ def test_train_collects_every_interval_and_restores_the_collector(tmp_path: Path
         assert not gc.isenabled()  # inside the training loop
         raise RuntimeError("disk full (test)")
 
-    monkeypatch.setattr("moonrt.train.save_checkpoint", fail)
+    monkeypatch.setattr("moonrt.jobs.train.loop.save_checkpoint", fail)
     job = from_dict(JobConfig, {"optim": {**opt, "steps": 2}, "out_dir": str(tmp_path / "run2"), "gc_interval": 2})
     with pytest.raises(RuntimeError, match="disk full"):
         train(job, progress=False)

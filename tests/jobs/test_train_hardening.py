@@ -15,15 +15,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from moonrt import checkpoint
-from moonrt.assemble import build_model
-from moonrt.checkpoint import save_checkpoint
 from moonrt.cli import main
 from moonrt.comm.parallelism import Parallelism, Part
 from moonrt.config import from_dict
-from moonrt.job import JobConfig
-from moonrt.optimizers import build_optimizer
-from moonrt.train import CHECKPOINT, train
+from moonrt.jobs.checkpoint import single as checkpoint
+from moonrt.jobs.checkpoint.store import save_checkpoint
+from moonrt.jobs.train.assemble import build_model
+from moonrt.jobs.train.config import JobConfig
+from moonrt.jobs.train.loop import CHECKPOINT, train
+from moonrt.jobs.train.optimizers import build_optimizer
 
 MARKER_ENV = "MOONRT_TEST_MARKER"
 

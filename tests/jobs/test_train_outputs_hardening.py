@@ -22,13 +22,15 @@ import pytest
 import torch
 from test_train_hardening import _cli, _corpus, _one_error_line
 
-from moonrt import checkpoint, checkpoint_dcp, outputs
 from moonrt.cli import main
 from moonrt.comm.parallelism import Parallelism, Part
 from moonrt.config import ConfigError, from_dict
-from moonrt.job import JobConfig
+from moonrt.jobs.checkpoint import sharded as checkpoint_dcp
+from moonrt.jobs.checkpoint import single as checkpoint
+from moonrt.jobs.train import outputs
+from moonrt.jobs.train.config import JobConfig
+from moonrt.jobs.train.loop import CHECKPOINT, train
 from moonrt.scheduler.workload import load_trace
-from moonrt.train import CHECKPOINT, train
 
 LOCK = ".moonrt.lock"
 MOONRT = [sys.executable, "-m", "moonrt.cli"]

@@ -26,8 +26,8 @@ from test_pp_train import FLAGS, _assert_same_step, _ckpt, _cli, _close, _here, 
 def _adamw_bytes_per_rank(dp: int) -> int:
     """AdamW state bytes of one rank under ZeRO-1 over ``dp`` replicas of k3_tiny (one fp32 bucket): two
     ``[ceil(L / dp)]`` fp32 moment shards and the ``[P]`` fp64 step counts."""
-    from moonrt.assemble import build_model
-    from moonrt.job import JobConfig
+    from moonrt.jobs.train.assemble import build_model
+    from moonrt.jobs.train.config import JobConfig
 
     params = [p for p in build_model(JobConfig(model="k3_tiny")).parameters() if p.requires_grad]
     assert {p.dtype for p in params} == {torch.float32}

@@ -10,8 +10,8 @@ import pytest
 import torch
 from numerics import F64_RTOL, assert_equal_f64, assert_near_reference, eps, normwise_err
 
-from moonrt.model import attnres
-from moonrt.model.attnres import AttnResState, BlockAttnRes, inter_block_pass, merge_partial, mix
+from moonrt.models.k3.model import attnres
+from moonrt.models.k3.model.attnres import AttnResState, BlockAttnRes, inter_block_pass, merge_partial, mix
 
 
 def _run(attn: BlockAttnRes, emb: torch.Tensor, weights: list[torch.Tensor], two_phase: bool) -> torch.Tensor:

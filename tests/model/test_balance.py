@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moonrt.model.balance import (
+from moonrt.models.k3.model.balance import (
     MarginHistogram,
     expert_loads,
     maxvio,

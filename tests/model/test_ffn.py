@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 from numerics import assert_equal_f64, assert_near_reference
 
-from moonrt.model.config import k3_tiny
-from moonrt.model.ffn import GLUFFN, dense_ffn, shared_expert
-from moonrt.model.norm import RMSNorm
+from moonrt.models.k3.model.config import k3_tiny
+from moonrt.models.k3.model.ffn import GLUFFN, dense_ffn, shared_expert
+from moonrt.models.k3.model.norm import RMSNorm
 from moonrt.ops.glu import situ_glu, soft_cap, swiglu
 
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from numerics import assert_same_function, growth
 
-from moonrt.model.config import k3_tiny
-from moonrt.model.kda_layer import KDACache, KDALayer
+from moonrt.models.k3.model.config import k3_tiny
+from moonrt.models.k3.model.kda_layer import KDACache, KDALayer
 from moonrt.ops.kda import kda_recurrent
 from moonrt.parallel.context import AttentionContext
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from numerics import assert_near_reference, assert_same_function, growth
 
-from moonrt.model.config import k3_tiny
-from moonrt.model.mla import GatedMLA
+from moonrt.models.k3.model.config import k3_tiny
+from moonrt.models.k3.model.mla import GatedMLA
 from moonrt.parallel.context import AttentionContext
 
 

@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from numerics import assert_same_function, growth
 
-from moonrt.model.config import k3_tiny
-from moonrt.model.kda_layer import KDALayer
-from moonrt.model.mla import GatedMLA
-from moonrt.model.model import K3Model
+from moonrt.models.k3.model.config import k3_tiny
+from moonrt.models.k3.model.kda_layer import KDALayer
+from moonrt.models.k3.model.mla import GatedMLA
+from moonrt.models.k3.model.model import K3Model
 from moonrt.ops.kda import kda_chunk
 from moonrt.parallel.context import AttentionContext
 

@@ -13,9 +13,9 @@ from dist import dist_run
 from numerics import rel_l2
 
 from moonrt.config import ConfigError
-from moonrt.model.balance import maxvio
-from moonrt.model.config import k3_tiny
-from moonrt.model.moe import (
+from moonrt.models.k3.model.balance import maxvio
+from moonrt.models.k3.model.config import k3_tiny
+from moonrt.models.k3.model.moe import (
     LatentMoE,
     MoEConfig,
     RoutedExperts,

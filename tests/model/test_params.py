@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from moonrt.model.config import k3, k3_tiny
-from moonrt.model.params import count_params, kda_params, mla_params, routed_expert_params
+from moonrt.models.k3.model.config import k3, k3_tiny
+from moonrt.models.k3.model.params import count_params, kda_params, mla_params, routed_expert_params
 
 
 def test_k3_totals_match_the_report() -> None:
@@ -20,7 +20,7 @@ def test_k3_totals_match_the_report() -> None:
 
 
 def test_k3_tiny_count_equals_instantiated_model() -> None:
-    from moonrt.model.model import K3Model
+    from moonrt.models.k3.model.model import K3Model
 
     for cfg in (k3_tiny(), dataclasses.replace(k3_tiny(), tie_word_embeddings=True, first_k_dense_replace=2)):
         model = K3Model(cfg)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-N = 8  # elements per rank per peer in moonrt.cluster.selftest.check_collectives
+N = 8  # elements per rank per peer in moonrt.jobs.selftest.cli.check_collectives
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                  "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID")

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from moonrt.config import ConfigError, ParallelConfig, from_dict, load_yaml, save_yaml
-from moonrt.model.config import K3Config, k3, k3_tiny
+from moonrt.models.k3.model.config import K3Config, k3, k3_tiny
 
 
 def test_parallel_roundtrip(tmp_path):

@@ -13,7 +13,6 @@ import stat
 
 import pytest
 
-from moonrt import job as job_module
 from moonrt.config import (
     YAML_MAX_ALIASES,
     YAML_MAX_BYTES,
@@ -29,8 +28,9 @@ from moonrt.config import (
     save_yaml,
     to_dict,
 )
-from moonrt.job import MAX_THREADS, JobConfig, physical_memory_bytes
-from moonrt.model.config import K3Config, k3_tiny
+from moonrt.jobs.train import config as job_module
+from moonrt.jobs.train.config import MAX_THREADS, JobConfig, physical_memory_bytes
+from moonrt.models.k3.model.config import K3Config, k3_tiny
 from moonrt.scheduler.hardware import load_profile
 
 

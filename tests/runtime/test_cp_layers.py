@@ -13,9 +13,9 @@ from dist import dist_run
 from numerics import rel_l2
 
 from moonrt.comm.cp_context import ContextParallel
-from moonrt.model.config import k3_tiny
-from moonrt.model.kda_layer import KDALayer
-from moonrt.model.mla import GatedMLA
+from moonrt.models.k3.model.config import k3_tiny
+from moonrt.models.k3.model.kda_layer import KDALayer
+from moonrt.models.k3.model.mla import GatedMLA
 
 TS = (256, 1000, 4096)
 D = k3_tiny().hidden_size

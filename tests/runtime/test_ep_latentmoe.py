@@ -17,7 +17,7 @@ from moe_layer import OneLayer
 
 from moonrt.comm.ep_parallel import ExpertParallel
 from moonrt.config import ParallelConfig
-from moonrt.model.config import k3_tiny
+from moonrt.models.k3.model.config import k3_tiny
 
 B, T = 2, 5
 

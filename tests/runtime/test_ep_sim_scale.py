@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from moonrt.cli import main
-from moonrt.cluster.selftest import fit_link, local_profile
+from moonrt.jobs.selftest.cli import fit_link, local_profile
 from moonrt.scheduler import baselines as bl
 from moonrt.scheduler.hardware import Link, builtin_profiles, load_profile, profile_from_dict
 from moonrt.scheduler.moonep import plan, transfer_matrix

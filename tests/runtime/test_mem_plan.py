@@ -10,13 +10,13 @@ import pytest
 import yaml
 
 from moonrt.config import ParallelConfig, from_dict
-from moonrt.k3_memory import kernel_profile, policy_dict
 from moonrt.memory.model_memory import GIB, JobLayout, Profile, rank_models
 from moonrt.memory.plan import Hardware, Plan, plan_memory
 from moonrt.memory.plan_report import table
 from moonrt.memory.policy import MemoryPolicy
-from moonrt.model.config import k3, k3_tiny
 from moonrt.models import K3
+from moonrt.models.k3.memory import kernel_profile, policy_dict
+from moonrt.models.k3.model.config import k3, k3_tiny
 
 param_sizes = K3.param_sizes
 K3_LONG = JobLayout(parallel=ParallelConfig(pp=16, vpp=2, ep=64, cp=64, microbatches=32, schedule="interleaved"),
@@ -108,7 +108,7 @@ def test_budget_below_parameter_memory_is_clear():
 
 def test_policy_yaml_loads_and_matches_k3_tiny_modules(tmp_path):
     from moonrt.memory.manager import ActivationManager
-    from moonrt.model.model import K3Model
+    from moonrt.models.k3.model.model import K3Model
 
     cfg = k3_tiny()
     layout = JobLayout(parallel=ParallelConfig(microbatches=4), seq_len=4096)

@@ -9,8 +9,8 @@ import torch
 from moonrt.config import from_dict
 from moonrt.memory.manager import ActivationManager
 from moonrt.memory.policy import MemoryPolicy
-from moonrt.model.config import k3_tiny
-from moonrt.model.model import K3Model
+from moonrt.models.k3.model.config import k3_tiny
+from moonrt.models.k3.model.model import K3Model
 
 ATTNRES = ["attn_res.sublayer_input", "attn_res.final"]
 T = 16

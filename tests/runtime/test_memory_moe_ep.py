@@ -12,7 +12,7 @@ from moonrt.comm.ep_parallel import ExpertParallel
 from moonrt.config import ParallelConfig
 from moonrt.memory.manager import ActivationManager
 from moonrt.memory.policy import MemoryPolicy
-from moonrt.model.config import k3_tiny
+from moonrt.models.k3.model.config import k3_tiny
 
 B, T = 2, 5
 

@@ -42,7 +42,7 @@ def _mpiexec() -> str:
 def test_mpiexec_four_ranks_all_reduce_and_all_to_all(tmp_path):
     mpiexec = _mpiexec()
     report = tmp_path / "report.json"
-    cmd = ["timeout", "120", mpiexec, "-n", "4", sys.executable, "-m", "moonrt.cluster.selftest",
+    cmd = ["timeout", "120", mpiexec, "-n", "4", sys.executable, "-m", "moonrt.jobs.selftest",
            "--suite", "collectives", "--sizes", "64K", "--iters", "2", "--report", str(report)]
     env = {**clean_env(), "MOONRT_DIST_TIMEOUT": "60"}
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from moonrt.comm.pp_part import PipelineParallel
-from moonrt.model.config import full_attn_layers, k3_tiny
-from moonrt.model.model import K3Model
+from moonrt.models.k3.model.config import full_attn_layers, k3_tiny
+from moonrt.models.k3.model.model import K3Model
 from moonrt.scheduler.attnres_comm import hop_plan
 from moonrt.scheduler.pipeline import build_schedule
 from tests.dist import dist_run

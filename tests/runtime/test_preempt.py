@@ -28,14 +28,14 @@ import pytest
 import torch
 from test_cluster_report import clean_env, cluster_unavailable
 
-from moonrt import checkpoint_dcp
 from moonrt.cluster.launch import launch
 from moonrt.cluster.preempt import PREEMPTED_EXIT
 from moonrt.cluster.sbatch import SbatchJob, render_sbatch, requeue_command
 from moonrt.comm.parallelism import Parallelism, Part
 from moonrt.config import from_dict
-from moonrt.job import JobConfig
-from moonrt.train import Preempted, train
+from moonrt.jobs.checkpoint import store
+from moonrt.jobs.train.config import JobConfig
+from moonrt.jobs.train.loop import Preempted, train
 
 STEPS = 8
 MOONRT = [sys.executable, "-m", "moonrt.cli"]
@@ -92,7 +92,7 @@ def _assert_same_run(run: Path, ref: Path) -> None:
     got, want = _records(run), _records(ref)
     assert [r["step"] for r in got] == list(range(1, STEPS + 1)) == [r["step"] for r in want]
     assert [(r["loss"], r["grad_norm"]) for r in got] == [(r["loss"], r["grad_norm"]) for r in want]
-    a, b = (checkpoint_dcp.read_state(p / "out") for p in (run, ref))  # 2 ranks: sharded, gathered here
+    a, b = (store.read_state(p / "out") for p in (run, ref))  # 2 ranks: sharded, gathered here
     assert a["step"] == b["step"] == STEPS
     for key in ("model", "optimizer"):
         flat_a, flat_b = _tensors(a[key]), _tensors(b[key])
@@ -112,7 +112,7 @@ def _stopped(run: Path, out: str, code: int) -> int:
     """Check a stopped run: exit 75, its checkpoint at the last step of its metrics; returns that step."""
     assert code == PREEMPTED_EXIT, out[-4000:]
     steps = [r["step"] for r in _records(run)]
-    state = checkpoint_dcp.read_state(run / "out")
+    state = store.read_state(run / "out")
     assert steps == list(range(1, state["step"] + 1)), (steps, state["step"])
     assert 2 <= state["step"] < STEPS, "the signal came after the run had finished (raise STEPS)"
     assert f"after step {state['step']} of {STEPS}; checkpoint" in out, out[-4000:]
@@ -189,7 +189,7 @@ def test_second_signal_aborts_and_keeps_the_previous_checkpoint(workdir: Path) -
     code, out = _finish(job)
     assert code in (128 + signal.SIGTERM, 128 + signal.SIGINT), out[-4000:]
     assert re.search(r"moonrt train: second SIG(TERM|INT): aborting without a checkpoint", out), out[-4000:]
-    state = checkpoint_dcp.read_state(run / "out")  # an earlier step's, complete
+    state = store.read_state(run / "out")  # an earlier step's, complete
     assert 1 <= state["step"] <= _records(run)[-1]["step"]
     assert sorted(p.name for p in (run / "out").iterdir()) == ["checkpoint.pt", "config.yaml"]  # no temp file
 
@@ -236,7 +236,7 @@ def test_stop_points_in_process(workdir: Path, tmp_path: Path, where: str, stop_
     assert [r["step"] for r in records] == list(range(1, stop_step + 1))
     if records:
         assert ("eval_loss" in records[-1]) == evaluated
-    assert checkpoint_dcp.read_state(tmp_path / "out")["step"] == stop_step
+    assert store.read_state(tmp_path / "out")["step"] == stop_step
     train(job, metrics_path=str(metrics), resume=True, progress=False)
     assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == list(range(1, 7))
 
@@ -416,8 +416,8 @@ def test_abort_swallowed_by_torch_save_still_aborts(tmp_path: Path, monkeypatch:
     ``write`` it calls back, before any ``try`` there) comes out of torch as a RuntimeError ("unexpected pos
     ..."): checkpoint.save re-raises the abort (exit 128 + signum), not a "checkpoint write failed" error, and
     leaves no temp file beside the previous checkpoint."""
-    from moonrt import checkpoint
     from moonrt.cluster.preempt import Aborted, StopSignal
+    from moonrt.jobs.checkpoint import single as checkpoint
 
     path = tmp_path / "checkpoint.pt"
     checkpoint.save(path, {"step": 1})

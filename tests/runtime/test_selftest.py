@@ -19,7 +19,8 @@ import torch
 from dist import dist_run
 from test_cluster_report import clean_env, expected_outputs
 
-from moonrt.cluster import selftest, selftest_ep
+from moonrt.jobs.selftest import cli as selftest
+from moonrt.jobs.selftest import ep as selftest_ep
 
 LAUNCH = [sys.executable, "-m", "moonrt.cli", "launch"]
 SMALL = ["--sizes", "4K", "--iters", "1", "--ep-shapes", "32x16x2x64,16x8x3x96", "--ep-maxvio", "0,16",

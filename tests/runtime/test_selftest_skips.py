@@ -18,7 +18,7 @@ import sys
 from dist import dist_run
 from test_cluster_report import LAUNCHER_VARS, clean_env
 
-from moonrt.cluster import selftest
+from moonrt.jobs.selftest import cli as selftest
 
 
 def test_pp_on_one_rank_checks_nothing_and_says_so(monkeypatch, capsys, tmp_path) -> None:

@@ -18,7 +18,7 @@ from test_cluster_report import clean_env, cluster_unavailable, verify_selftest_
 
 pytestmark = pytest.mark.slurm
 
-SELFTEST = [sys.executable, "-m", "moonrt.cluster.selftest", "--suite", "collectives", "--sizes", "64K",
+SELFTEST = [sys.executable, "-m", "moonrt.jobs.selftest", "--suite", "collectives", "--sizes", "64K",
             "--iters", "2"]
 
 

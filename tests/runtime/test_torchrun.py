@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 from test_cluster_report import clean_env
 
-from moonrt import checkpoint_dcp
 from moonrt.cluster import env as env_mod
 from moonrt.cluster.env import free_port
 from moonrt.cluster.launch import launch
+from moonrt.jobs.checkpoint import sharded as checkpoint_dcp
 
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 pytestmark = pytest.mark.skipif(not TORCHRUN.exists(), reason=f"no torchrun beside {sys.executable} ({TORCHRUN})")
@@ -41,7 +41,7 @@ def _shown(res: subprocess.CompletedProcess) -> str:
 
 
 def test_selftest_under_torchrun_standalone(tmp_path: Path) -> None:
-    res = _torchrun(["--standalone"], ["-m", "moonrt.cluster.selftest", "--suite", "collectives", "--sizes", "4K",
+    res = _torchrun(["--standalone"], ["-m", "moonrt.jobs.selftest", "--suite", "collectives", "--sizes", "4K",
                                        "--iters", "1"], tmp_path)
     assert res.returncode == 0, _shown(res)
     assert "moonrt selftest: 2 ranks via torchrun" in res.stdout, _shown(res)

@@ -2,7 +2,7 @@
 
 Teacher-forced parity: every rank builds the same k3_tiny (same seed) plus one extra ``odd [7, 3]``
 parameter (21 elements, so the flat buffer needs padding for dp 2 and 4), and a full single-process
-reference copy with its own ``torch.optim.AdamW`` (``moonrt.optimizers.build_optimizer``: decay / no-decay
+reference copy with its own ``torch.optim.AdamW`` (``moonrt.jobs.train.optimizers.build_optimizer``: decay / no-decay
 groups). Each step every rank draws its own gradient for every parameter; the reference gets their
 sum. The gradients are dyadic (integers times 2^-14, |sum| < 2^9 * 2^-14), so every summation order
 gives the same fp32 sum exactly and the two runs see identical gradients. The reference clips with
@@ -33,8 +33,8 @@ SCALE = 2.0 ** -14
 
 
 def _model() -> nn.Module:
-    from moonrt.assemble import build_model
-    from moonrt.job import JobConfig
+    from moonrt.jobs.train.assemble import build_model
+    from moonrt.jobs.train.config import JobConfig
 
     model = build_model(JobConfig(model="k3_tiny"))
     model.register_parameter("odd", nn.Parameter(torch.randn(7, 3, generator=torch.Generator().manual_seed(1))))
@@ -42,8 +42,8 @@ def _model() -> nn.Module:
 
 
 def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
-    from moonrt.job import OptimConfig
-    from moonrt.optimizers import build_optimizer
+    from moonrt.jobs.train.config import OptimConfig
+    from moonrt.jobs.train.optimizers import build_optimizer
 
     return build_optimizer(model, OptimConfig())
 

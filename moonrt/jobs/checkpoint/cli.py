@@ -1,0 +1,455 @@
+"""``moonrt checkpoint``: inspect, export and convert ``moonrt train`` checkpoints (job layer).
+
+- ``moonrt checkpoint info PATH [--json] [--verify]``: step, the layout that wrote it (world, dp/pp/vpp/ep/cp,
+  zero), tensor count and bytes, and what each rank passed to DCP and wrote. PATH: ``OUT/checkpoint`` (its newest
+  committed step), one ``step-N`` directory (a torn one, no ``moonrt.json``, is an error), a ``checkpoint.pt``
+  file, or a run directory ``OUT``: then first which checkpoint ``--resume`` takes (the newer of
+  ``OUT/checkpoint.pt`` and ``OUT/checkpoint/``, :func:`moonrt.jobs.checkpoint.store.resume_state`) and that the other
+  is ignored. ``--verify``: every file against the sizes and CRC-32s in ``moonrt.json`` (markers written before
+  checksums: "not verified"), a ``.pt`` file's zip records against their CRC-32s.
+  A missing ``OUT/checkpoint`` of a run that wrote ``OUT/checkpoint.pt`` (one process) is one line naming that
+  file (give ``OUT`` or the file; ``convert`` writes the sharded format).
+- ``moonrt checkpoint export DIR FILE [--names hf|moonrt] [--force]``: the model weights as one single-process
+  ``safetensors`` file (no optimizer state), for use outside moonrt. DIR: as ``info``'s PATH (a run directory:
+  the checkpoint ``--resume`` takes). FILE must be new (``--force`` replaces a
+  user's file); a run's checkpoint is never written (the source, any ``checkpoint.pt``, a path inside a sharded
+  checkpoint), not even with ``--force``. Names (``--names hf``, the default)
+  follow the Llama / DeepSeek-V3 convention where moonrt has the same tensor, see :data:`HF_RULES`:
+
+  ======================================  ======================================================
+  moonrt                                  safetensors (HF-style)
+  ======================================  ======================================================
+  ``embed.weight``                        ``model.embed_tokens.weight``
+  ``norm.weight``                         ``model.norm.weight``
+  ``lm_head.weight``                      ``lm_head.weight``
+  ``layers.i.attn_norm.weight``           ``model.layers.i.input_layernorm.weight``
+  ``layers.i.ffn_norm.weight``            ``model.layers.i.post_attention_layernorm.weight``
+  ``layers.i.ffn.{gate,up,down}_proj.*``  ``model.layers.i.mlp.{gate,up,down}_proj.*`` (dense FFN)
+  ``layers.i.attn.{q_a,q_b,kv_b,o}_proj`` ``model.layers.i.self_attn.{q_a,q_b,kv_b,o}_proj`` (MLA layers)
+  ``layers.i.attn.kv_a_proj.weight``      ``model.layers.i.self_attn.kv_a_proj_with_mqa.weight`` (MLA)
+  ``layers.i.attn.{q_a,kv_a}_norm.weight````model.layers.i.self_attn.{q_a,kv_a}_layernorm.weight`` (MLA)
+  ``layers.i.moe.router.weight``          ``model.layers.i.mlp.gate.weight``
+  ``layers.i.moe.router.bias`` (buffer)   ``model.layers.i.mlp.gate.e_score_correction_bias``
+  ``layers.i.moe.experts.w_gate [E,F,L]`` ``model.layers.i.mlp.experts.e.gate_proj.weight [F, L]`` per expert
+  ``layers.i.moe.experts.w_up [E,F,L]``   ``model.layers.i.mlp.experts.e.up_proj.weight [F, L]``
+  ``layers.i.moe.experts.w_down [E,L,F]`` ``model.layers.i.mlp.experts.e.down_proj.weight [L, F]``
+  ======================================  ======================================================
+
+  Everything else keeps its moonrt name (KDA attention, the LatentMoE's latent ``down_proj`` / ``up_proj`` /
+  ``norm`` -- the routed experts act on the latent width L, not the hidden size --, the shared experts, the
+  AttnRes queries). The file's ``__metadata__`` holds ``moonrt_names`` (JSON: every exported name -> its moonrt
+  name, experts as ``name[e]``), the step and the model config, so :func:`from_hf` maps it back.
+  ``--names moonrt`` writes the moonrt names and stacked experts unchanged.
+- ``moonrt checkpoint convert SRC DST [--force]``: ``checkpoint.pt`` -> a sharded directory (DST a new or empty
+  directory, used as the ``OUT/checkpoint`` root; written in one process) or a sharded directory -> a ``.pt``
+  file (DST new; ``--force`` replaces an existing one, never a ``checkpoint.pt`` or a file inside a sharded
+  checkpoint); AdamW and Muon jobs (``--optimizer muon``) alike.
+
+Bad input (a malformed or unsafe checkpoint included): one line on stderr naming the argument or file, exit 2,
+nothing written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+HF_RULES: list[tuple[str, str]] = [
+    (r"embed\.weight", "model.embed_tokens.weight"),
+    (r"norm\.weight", "model.norm.weight"),
+    (r"lm_head\.weight", "lm_head.weight"),
+    (r"layers\.(\d+)\.attn_norm\.weight", r"model.layers.\1.input_layernorm.weight"),
+    (r"layers\.(\d+)\.ffn_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
+    (r"layers\.(\d+)\.ffn\.(gate_proj|up_proj|down_proj)\.weight", r"model.layers.\1.mlp.\2.weight"),
+    (r"layers\.(\d+)\.attn\.(q_a_proj|q_b_proj|kv_b_proj)\.weight", r"model.layers.\1.self_attn.\2.weight"),
+    (r"layers\.(\d+)\.attn\.kv_a_proj\.weight", r"model.layers.\1.self_attn.kv_a_proj_with_mqa.weight"),
+    (r"layers\.(\d+)\.attn\.q_a_norm\.weight", r"model.layers.\1.self_attn.q_a_layernorm.weight"),
+    (r"layers\.(\d+)\.attn\.kv_a_norm\.weight", r"model.layers.\1.self_attn.kv_a_layernorm.weight"),
+    (r"layers\.(\d+)\.moe\.router\.weight", r"model.layers.\1.mlp.gate.weight"),
+    (r"layers\.(\d+)\.moe\.router\.bias", r"model.layers.\1.mlp.gate.e_score_correction_bias"),
+]
+"""``(moonrt regex, HF replacement)``, matched against the whole name; first match wins."""
+
+_EXPERTS = re.compile(r"layers\.(\d+)\.moe\.experts\.w_(gate|up|down)")
+_MLA_O = re.compile(r"layers\.(\d+)\.attn\.o_proj\.weight")
+
+
+def hf_names(model: dict[str, Any]) -> dict[str, str]:
+    """``moonrt name -> HF name`` for every non-expert tensor of a single-process ``model.state_dict()``
+    (unmapped names map to themselves); MLA's ``o_proj`` only in layers that are MLA (``kv_b_proj`` present)."""
+    out = {}
+    for name in model:
+        new = name
+        for pat, rep in HF_RULES:
+            if re.fullmatch(pat, name):
+                new = re.sub(pat, rep, name)
+                break
+        m = _MLA_O.fullmatch(name)
+        if m and f"layers.{m.group(1)}.attn.kv_b_proj.weight" in model:
+            new = f"model.layers.{m.group(1)}.self_attn.o_proj.weight"
+        out[name] = new
+    return out
+
+
+def to_hf(model: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """The export tensors (HF names where :data:`HF_RULES` has one, experts one tensor per expert) and
+    ``exported name -> moonrt name`` (``w_gate[e]`` for expert ``e`` of a stacked tensor)."""
+    names = hf_names(model)
+    tensors, back = {}, {}
+    for name, t in model.items():
+        m = _EXPERTS.fullmatch(name)
+        if m:
+            for e in range(t.shape[0]):
+                key = f"model.layers.{m.group(1)}.mlp.experts.{e}.{m.group(2)}_proj.weight"
+                tensors[key], back[key] = t[e].contiguous(), f"{name}[{e}]"
+        else:
+            tensors[names[name]], back[names[name]] = t.contiguous(), name
+    return tensors, back
+
+
+def from_hf(tensors: dict[str, Any], back: dict[str, str]) -> dict[str, Any]:
+    """Invert :func:`to_hf`: moonrt names, experts stacked again ``[E, ...]`` in expert order."""
+    import torch
+
+    out: dict[str, Any] = {}
+    stacks: dict[str, dict[int, Any]] = {}
+    for key, t in tensors.items():
+        m = re.fullmatch(r"(.+)\[(\d+)\]", back[key])
+        if m:
+            stacks.setdefault(m.group(1), {})[int(m.group(2))] = t
+        else:
+            out[back[key]] = t
+    for name, parts in stacks.items():
+        out[name] = torch.stack([parts[e] for e in range(len(parts))])
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    info = sub.add_parser("info", help="step, layout, tensor count and bytes of a checkpoint; which one --resume takes")
+    info.add_argument("dir", metavar="PATH", help="a run directory OUT (says which checkpoint --resume takes), "
+                      "OUT/checkpoint (newest committed step), a step-N directory, or a checkpoint.pt file")
+    info.add_argument("--json", action="store_true", help="print the commit marker (without the job config) as JSON")
+    info.add_argument("--verify", action="store_true", help="check every file against the sizes and CRC-32s in "
+                      "moonrt.json (a checkpoint.pt: its zip records' CRC-32s)")
+    exp = sub.add_parser("export", help="model weights as one single-process safetensors file")
+    exp.add_argument("dir", metavar="DIR", help="a run directory OUT (the checkpoint --resume takes), "
+                     "OUT/checkpoint (newest committed step), a step-N directory, or a checkpoint.pt file")
+    exp.add_argument("file", metavar="FILE", help="the .safetensors file to write (a new file; see --force)")
+    exp.add_argument("--names", choices=("hf", "moonrt"), default="hf",
+                     help="hf: HF-style names where they exist, experts one tensor each (default); moonrt: as stored")
+    exp.add_argument("--force", action="store_true", help="replace an existing FILE (never a run's checkpoint)")
+    conv = sub.add_parser("convert", help="checkpoint.pt -> sharded directory, or sharded directory -> checkpoint.pt")
+    conv.add_argument("src", metavar="SRC", help="a checkpoint.pt file, or OUT/checkpoint / a step-N directory")
+    conv.add_argument("dst", metavar="DST", help="a new or empty directory to write the sharded checkpoint into "
+                      "(SRC a file), or a new .pt file (SRC a directory)")
+    conv.add_argument("--force", action="store_true", help="replace an existing .pt DST (never a run's "
+                      "checkpoint.pt)")
+
+
+def _fail(msg: str) -> int:
+    print(f"moonrt checkpoint: {msg}", file=sys.stderr)
+    return 2
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
+def _tensor_bytes(tree: Any) -> tuple[int, int]:
+    """``(count, bytes)`` of the tensors in a nested dict / list."""
+    import torch
+
+    if isinstance(tree, torch.Tensor):
+        return 1, tree.numel() * tree.element_size()
+    items = tree.values() if isinstance(tree, dict) else tree if isinstance(tree, list | tuple) else ()
+    parts = [_tensor_bytes(v) for v in items]
+    return sum(p[0] for p in parts), sum(p[1] for p in parts)
+
+
+def _is_run_dir(path: Path) -> bool:
+    from moonrt.jobs.checkpoint.sharded import ROOT
+
+    return path.is_dir() and ((path / "checkpoint.pt").is_file() or (path / ROOT).is_dir())
+
+
+def _existing(arg: str, flag: str) -> Path:
+    """``arg`` as a path that exists, else :class:`CheckpointError`: for a missing ``OUT/checkpoint`` of a run that
+    wrote ``OUT/checkpoint.pt`` (one process), which file it did write and what to give instead."""
+    from moonrt.jobs.checkpoint.sharded import ROOT
+    from moonrt.jobs.checkpoint.single import CheckpointError
+
+    path = Path(arg)
+    if os.path.lexists(path):
+        return path
+    pt = path.parent / "checkpoint.pt"
+    if path.name == ROOT and pt.is_file():
+        raise CheckpointError(f"{path} does not exist; this run wrote {pt}: give {path.parent} or that file "
+                              f"(the sharded format: moonrt checkpoint convert {pt} {path})")
+    raise CheckpointError(f"{flag} = {arg!r}: does not exist; expected a run directory OUT, OUT/checkpoint, a "
+                          "step-N directory or a checkpoint.pt file")
+
+
+def _info_file(path: Path, args: argparse.Namespace, extra: dict[str, Any] | None = None,
+               lead: tuple[str, ...] = ()) -> int:
+    import zipfile
+
+    from moonrt.jobs.checkpoint.single import load
+
+    state = load(path)
+    if args.verify:
+        with zipfile.ZipFile(path) as z:
+            bad = z.testzip()
+        if bad is not None:
+            return _fail(f"checkpoint {str(path)!r}: record {bad!r} is damaged (its CRC-32 does not match)")
+    n, size = _tensor_bytes(state["model"])
+    m, osize = _tensor_bytes(state["optimizer"])
+    cfg = state["config"]
+    steps = cfg.get("optim", {}).get("steps") if isinstance(cfg.get("optim"), dict) else None
+    if args.json:
+        print(json.dumps({**(extra or {}), "file": str(path), "step": state["step"], "model_tensors": n,
+                          "model_bytes": size, "optimizer_tensors": m, "optimizer_bytes": osize}, indent=1))
+        return 0
+    for line in lead:
+        print(line)
+    print(f"checkpoint {path} (one file)")
+    print(f"step {state['step']} of {steps}; model {cfg.get('model')}")
+    print(f"model {n} tensors, {_mb(size)}; optimizer {m} tensors, {_mb(osize)}")
+    if args.verify:
+        print("verified: every zip record matches its CRC-32")
+    return 0
+
+
+def _info_dir(step_dir: Path, args: argparse.Namespace, extra: dict[str, Any] | None = None,
+              lead: tuple[str, ...] = ()) -> int:
+    """Print a committed step directory (``extra``: more JSON fields, ``lead``: lines printed first, once it has
+    been read and verified)."""
+    from moonrt.jobs.checkpoint.sharded import read_marker, verify
+
+    marker = read_marker(step_dir)
+    checked = verify(step_dir) if args.verify else None
+    if args.json:
+        print(json.dumps({**(extra or {}), "dir": str(step_dir), **{k: v for k, v in marker.items()
+                                                                     if k != "config"}}, indent=1))
+        return 0
+    lay, ranks = marker["layout"], marker["ranks"]
+    cfg = marker["config"]
+    for line in lead:
+        print(line)
+    print(f"checkpoint {step_dir} (committed)")
+    model = cfg["model"] if cfg.get("model_config") is None else "custom"
+    print(f"step {marker['step']} of {cfg['optim']['steps']}; model {model}")
+    print(f"written at world {lay['world']} = dp {lay['dp']} x pp {lay['pp']} x ep {lay['ep']} x cp {lay['cp']} "
+          f"(vpp {lay['vpp']}, zero {lay['zero']})")
+    print(f"{marker['tensors']} tensors, {_mb(marker['bytes'])}")
+    for r, row in enumerate(ranks):
+        print(f"rank {r}: model {_mb(row['model_bytes'])} + optimizer {_mb(row['optimizer_bytes'])} passed to DCP, "
+              f"{_mb(row['written_bytes'])} written")
+    if "files" not in marker:
+        print("checksums: not verified (written before checksums)")
+    elif args.verify:
+        print(f"checksums: {checked} files verified (size and CRC-32)")
+    else:
+        print(f"checksums: {len(marker['files'])} files recorded (--verify checks them)")
+    return 0
+
+
+def _info(args: argparse.Namespace) -> int:
+    from moonrt.jobs.checkpoint.sharded import ROOT, read_marker, resolve
+    from moonrt.jobs.checkpoint.single import CheckpointError, load
+    from moonrt.jobs.checkpoint.store import resume_state
+
+    path = _existing(args.dir, "PATH")
+    if path.is_file():
+        return _info_file(path, args)
+    if not _is_run_dir(path):
+        return _info_dir(resolve(path), args)
+    src, state = resume_state(path)  # the rule --resume follows: the newer by step, the sharded one on a tie
+    pt, root = path / "checkpoint.pt", path / ROOT
+    other: tuple[Path, int | None] | None = None  # the checkpoint --resume ignores (step None: none committed)
+    if src == pt and root.exists():
+        try:
+            step_dir = resolve(root)
+            other = (step_dir, read_marker(step_dir)["step"])
+        except CheckpointError:
+            other = (root, None)
+    elif src != pt and pt.is_file():
+        other = (pt, load(pt)["step"])
+    extra = {"run": str(path), "resume_takes": str(src),
+             "ignored": None if other is None else {"path": str(other[0]), "step": other[1]}}
+    lead = [f"run {path}: --resume takes {src} (step {state['step']})"]
+    if other is not None and other[1] is None:
+        lead.append(f"{other[0]} holds no committed checkpoint: --resume ignores it")
+    elif other is not None:
+        lead.append(f"{other[0]} (step {other[1]}) is not newer: --resume ignores it")
+    return (_info_file if src == pt else _info_dir)(src, args, extra, tuple(lead))
+
+
+def _export_source(arg: str) -> tuple[Path, dict[str, Any] | None]:
+    """The checkpoint ``export`` reads for its DIR argument and, for a ``checkpoint.pt`` that had to be read to
+    choose it, its state: a run directory ``OUT`` gives the one ``--resume`` takes (the newer of
+    ``OUT/checkpoint.pt`` and ``OUT/checkpoint/``), ``OUT/checkpoint`` its newest committed step, a file or a step
+    directory themselves."""
+    from moonrt.jobs.checkpoint.sharded import resolve
+    from moonrt.jobs.checkpoint.store import resume_state
+
+    path = _existing(arg, "DIR")
+    if path.is_dir() and _is_run_dir(path):
+        src, state = resume_state(path)
+        return src, state if src.is_file() else None
+    return (resolve(path) if path.is_dir() else path), None  # OUT/checkpoint: its newest committed step
+
+
+def _model_state(src: Path, state: dict[str, Any] | None = None) -> tuple[dict[str, Any], int, dict[str, Any]]:
+    """``(model state dict, step, job config)`` of a checkpoint directory or ``checkpoint.pt`` file (``state``:
+    the file's, already read)."""
+    from moonrt.jobs.checkpoint.sharded import read_full
+    from moonrt.jobs.checkpoint.single import load
+
+    if src.is_file():
+        state = state if state is not None else load(src)
+        return state["model"], state["step"], state["config"]
+    flat, marker = read_full(src)
+    return {k[len("model."):]: v for k, v in flat.items() if k.startswith("model.")}, marker["step"], marker["config"]
+
+
+def _own_checkpoint(target: Path, src: Path) -> str | None:
+    """Why writing ``target`` would overwrite a run's checkpoint (None if it would not): the source itself, a file
+    named ``checkpoint.pt``, or a path inside a sharded checkpoint: a step directory (``step-N``, ``*.tmp``, or
+    one holding ``moonrt.json`` / ``.metadata``), SRC (a directory), or a root: a directory named ``checkpoint``
+    holding a ``step-N`` directory, as ``OUT/checkpoint`` is."""
+    from moonrt.jobs.checkpoint.sharded import MARKER, METADATA, ROOT, STEP_DIR
+
+    def same(a: Path, b: Path) -> bool:
+        return os.path.abspath(a) == os.path.abspath(b) or a.resolve() == b.resolve()
+
+    def is_root(d: Path) -> bool:
+        if src.is_dir() and same(d, src):
+            return True
+        try:
+            return d.name == ROOT and any(STEP_DIR.match(e.name) and e.is_dir() for e in d.iterdir())
+        except OSError:  # unreadable: nothing we can see is ours
+            return False
+
+    if same(target, src):
+        return "is SRC itself"
+    if target.name == "checkpoint.pt":
+        return "is named checkpoint.pt (a run's checkpoint)"
+    for parent in {*Path(os.path.abspath(target)).parents, *target.resolve().parents}:
+        if (parent / MARKER).is_file() or (parent / METADATA).is_file() or STEP_DIR.match(parent.name) or (
+                parent.name.endswith(".tmp") and parent.parent.name == ROOT):
+            return f"is inside the sharded checkpoint {str(parent)!r}"
+        if is_root(parent):
+            return f"is inside the sharded checkpoint root {str(parent)!r}"
+    return None
+
+
+def _target(flag: str, value: str, src: Path, force: bool, pt_ok: bool) -> str | None:
+    """Why file ``value`` cannot be written (None: it can): not in an existing directory, a run's own checkpoint
+    (never, even with ``--force``; ``pt_ok``: a *new* ``checkpoint.pt`` may be created), or existing without
+    ``--force``."""
+    out = Path(value)
+    if out.is_dir() or not out.parent.is_dir():
+        return f"{flag} = {value!r}: expected a file path in an existing directory"
+    why = _own_checkpoint(out, src)
+    if why and not (pt_ok and out.name == "checkpoint.pt" and why.startswith("is named")
+                    and not os.path.lexists(out)):
+        return f"{flag} = {value!r}: {why}; a run's checkpoint is never overwritten (not even with --force)"
+    if os.path.lexists(out) and not force:
+        return f"{flag} = {value!r}: the file exists; not overwritten (--force replaces it)"
+    return None
+
+
+def _export(args: argparse.Namespace) -> int:
+    from safetensors.torch import save
+
+    from moonrt.config import umask
+    from moonrt.jobs.checkpoint.single import publish
+
+    out = Path(args.file)
+    src, state = _export_source(args.dir)
+    if refused := _target("FILE", args.file, src, args.force, pt_ok=False):
+        return _fail(refused)
+    model, step, config = _model_state(src, state)
+    if args.names == "hf":
+        tensors, back = to_hf(model)
+    else:
+        tensors, back = {k: v.contiguous() for k, v in model.items()}, {k: k for k in model}
+    meta = {"format": "pt", "moonrt_step": str(step), "moonrt_names": json.dumps(back),
+            "moonrt_config": json.dumps(config)}
+    data = save(tensors, metadata=meta)
+    fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent)  # a new file of ours
+    try:
+        with os.fdopen(fd, "wb") as f:  # written through the descriptor: the name is never reopened
+            os.fchmod(f.fileno(), 0o666 & ~umask())  # the mode open() would give, not mkstemp's 0600
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        publish(tmp, out, exclusive=not args.force)
+    except FileExistsError:
+        return _fail(f"FILE = {args.file!r}: the file exists; not overwritten (--force replaces it)")
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    print(f"wrote {out}: {len(tensors)} tensors, {_mb(sum(t.numel() * t.element_size() for t in tensors.values()))} "
+          f"(step {step} from {src}, {args.names} names)")
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from moonrt.jobs.checkpoint.sharded import save_sharded, to_single_file
+    from moonrt.jobs.checkpoint.single import CheckpointError, load, save
+
+    src, dst = Path(args.src), Path(args.dst)
+    if src.is_dir():
+        if refused := _target("DST", args.dst, src, args.force, pt_ok=True):
+            return _fail(refused)
+        save(dst, to_single_file(src), exclusive=not args.force or dst.name == "checkpoint.pt")  # a new one only
+        print(f"wrote {dst}")
+        return 0
+    if dst.exists() and not dst.is_dir():
+        return _fail(f"DST = {args.dst!r}: is a file; expected a new or empty directory to write the sharded "
+                     "checkpoint into")
+    if dst.is_dir() and (held := sorted(d.name for d in dst.iterdir())):
+        return _fail(f"DST = {args.dst!r}: not empty (holds {held[:5]}{' ...' if len(held) > 5 else ''}); convert "
+                     "writes only into a new or empty directory")
+    import torch
+
+    from moonrt.config import ConfigError, from_dict
+    from moonrt.jobs.train.assemble import build_model
+    from moonrt.jobs.train.config import JobConfig
+    from moonrt.jobs.train.optimizers import build_optimizer
+    from moonrt.ops.muon import Muon
+
+    state = load(src)
+    try:
+        job = from_dict(JobConfig, state["config"])
+        model = build_model(job)
+        opt = build_optimizer(model, job.optim)
+        if not isinstance(opt, torch.optim.AdamW | Muon):
+            return _fail(f"SRC = {args.src!r}: optimizer {type(opt).__name__}; expected AdamW or Muon (the sharded "
+                         "format's states)")
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+    except (ConfigError, RuntimeError, KeyError, ValueError, TypeError, IndexError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"checkpoint {args.src!r}: does not hold the model and optimizer of its own config: "
+                              f"{type(exc).__name__}: {first[:300]}") from None
+    print(f"wrote {save_sharded(dst, model, opt, state['step'], job)}")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    from moonrt.jobs.checkpoint.single import CheckpointError
+
+    try:
+        return {"info": _info, "export": _export, "convert": _convert}[args.action](args)
+    except (CheckpointError, OSError) as exc:
+        return _fail(str(exc).splitlines()[0])

@@ -1,0 +1,93 @@
+"""Which checkpoint a ``moonrt train`` job writes and which one it resumes: the one place that decides.
+
+Two formats hold the same thing (the single-process model and optimizer state under single-process names, the
+step and the job config): the gathered file ``OUT/checkpoint.pt`` (:mod:`moonrt.jobs.checkpoint.single`) and the
+sharded DCP directory ``OUT/checkpoint/step-N`` (:mod:`moonrt.jobs.checkpoint.sharded`). :func:`save_checkpoint`
+picks the format (:func:`moonrt.jobs.checkpoint.sharded.use_sharded`: multi-rank AdamW and Muon jobs write sharded),
+:func:`resume_state` picks what ``--resume`` continues from (the newer by step, the sharded one on a tie),
+:func:`load_checkpoint` loads either into this rank's layout and :func:`read_state` reads either as one dict.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moonrt.comm.parallelism import Parallelism
+from moonrt.config import to_dict
+from moonrt.jobs.checkpoint import sharded
+from moonrt.jobs.checkpoint.sharded import ROOT, read_marker, resolve, to_single_file
+from moonrt.jobs.checkpoint.single import CheckpointError, load, save
+from moonrt.jobs.train.config import JobConfig
+
+
+def save_checkpoint(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, step: int,
+                    job: JobConfig, rt: Parallelism | None = None) -> None:
+    """Atomically write ``{model, optimizer, step, config}`` (:func:`moonrt.jobs.checkpoint.single.save`); collective: every rank calls it.
+
+    A multi-rank AdamW or Muon job writes a sharded DCP checkpoint under ``path.parent / "checkpoint"`` instead
+    (:mod:`moonrt.jobs.checkpoint.sharded`: every rank its own pieces, nothing gathered). Otherwise model and optimizer
+    state are gathered in the single-process layout (``rt.full_state_dict``) and only the main rank writes.
+    """
+    rt = rt or Parallelism()
+    if sharded.use_sharded(opt):
+        sharded.save_sharded(path.parent / sharded.ROOT, model, opt, step, job, rt)
+        return
+    state = rt.full_state_dict(model, opt)
+    if not rt.is_main:
+        return
+    save(path, {"model": state["model"], "optimizer": state["optimizer"], "step": step,
+                           "config": to_dict(job)})
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer,
+                    rt: Parallelism | None = None, state: dict[str, Any] | None = None) -> int:
+    """Load a :func:`save_checkpoint` file (or its already-read ``state``) into this rank's model and optimizer
+    (``rt.load_full_state_dict`` shards it for this layout); returns its step. A directory is a sharded DCP
+    checkpoint (:func:`moonrt.jobs.checkpoint.sharded.load_sharded`, collective)."""
+    rt = rt or Parallelism()
+    if Path(path).is_dir():
+        return sharded.load_sharded(Path(path), model, opt, rt)
+    state = load(path) if state is None else state
+    try:
+        rt.load_full_state_dict(model, opt, state)
+    except (RuntimeError, KeyError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"checkpoint {str(path)!r}: does not fit this model and optimizer: "
+                                         f"{first}") from None
+    return int(state["step"])
+
+
+def resume_state(out: Path) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint ``--resume`` continues from in ``out``: the newer (by step) of ``out/checkpoint/``
+    (committed; header = its marker) and ``out/checkpoint.pt`` (header = the whole file's state).
+
+    :class:`CheckpointError` when neither exists (naming a torn ``checkpoint/`` if that is all there is).
+    """
+    pt, root = out / "checkpoint.pt", out / ROOT
+    sharded: tuple[Path, dict[str, Any]] | None = None
+    if root.exists():
+        try:
+            step_dir = resolve(root)
+            sharded = (step_dir, read_marker(step_dir))
+        except CheckpointError:
+            if not pt.is_file():
+                raise
+    if pt.is_file():
+        state = load(pt)
+        if sharded is None or state["step"] > sharded[1]["step"]:
+            return pt, state
+    if sharded is None:
+        raise CheckpointError(f"--resume: no checkpoint at {str(pt)!r} or {str(root)!r}")
+    return sharded
+
+
+def read_state(out: str | Path) -> dict[str, Any]:
+    """The newest checkpoint of run directory ``out`` (either format) as the gathered ``checkpoint.pt`` dict."""
+    path, state = resume_state(Path(out))
+    return to_single_file(path) if path.is_dir() else state
+
+
+__all__ = ["load_checkpoint", "read_state", "resume_state", "save_checkpoint"]

@@ -1,0 +1,171 @@
+"""Assembly of a ``moonrt train`` job (job layer): the model from the registry (:mod:`moonrt.models`) and
+this rank's :class:`~moonrt.comm.parallelism.Parallelism` with its parts for the job's parallel layout."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from moonrt import models
+from moonrt.comm.mesh import MeshLayout
+from moonrt.comm.parallelism import Parallelism, RoutingTrace
+from moonrt.config import ConfigError
+from moonrt.jobs.train.config import MAX_PARAMS, JobConfig
+from moonrt.parallel.context import LOCAL
+
+
+def build_model(job: JobConfig) -> torch.nn.Module:
+    """The job's model, built through its :class:`~moonrt.models.ModelSpec` (seeded with ``optim.seed``).
+
+    A custom ``model_config`` is a K3 config; a preset names its family in the registry."""
+    spec = models.K3 if job.model_config is not None else models.presets()[job.model]
+    cfg = job.model_cfg()
+    total = spec.param_count(cfg)
+    if total > MAX_PARAMS:  # e.g. the real k3 (2.78T): a planning config, never instantiated
+        raise ConfigError(f"model = {job.model if job.model_config is None else 'model_config'}: {total:,} parameters; "
+                          f"expected at most {MAX_PARAMS:,} (moonrt train builds the whole model in one process)")
+    torch.manual_seed(job.optim.seed)
+    return spec.build(cfg, job.moe)
+
+
+def launched() -> bool:
+    """True when a launcher (moonrt launch, torchrun, SLURM, MPI) started this process as one rank of several."""
+    from moonrt.cluster.env import detect_rendezvous
+
+    return detect_rendezvous().world_size > 1
+
+
+def routing_trace(job: JobConfig, **kwargs: Any) -> RoutingTrace:
+    """The job's routing-trace recorder, the trace labelled with the job's model and its expert sizes (in the
+    training dtype, fp32) so that ``moonrt ep-sim --trace`` sizes its MB columns for this model, not K3's."""
+    from moonrt.scheduler.workload import expert_sizes
+
+    name = job.model if job.model_config is None else "custom"
+    return RoutingTrace(job.routing_trace, model=name, sizes=expert_sizes(job.model_cfg(), "fp32"), **kwargs)
+
+
+def parallel_runtime(job: JobConfig, progress: bool = False) -> Parallelism:
+    """This rank's :class:`Parallelism` in a multi-rank job (``moonrt launch``, torchrun, SLURM or MPI).
+
+    Joins the default group (:func:`moonrt.cluster.env.init_distributed`); ``parallel.dp`` is raised to fill the
+    world when the other degrees divide it (ConfigError naming the degrees and the world otherwise). Any product
+    of ``pp x dp x ep x cp`` composes; the mesh's rank order (:mod:`moonrt.comm.mesh`) decides the groups. With
+    ``progress``, rank 0 prints the layout once (:func:`layout_table`: every rank's coordinates, its batch shard
+    and pipeline stages, and the groups; gathered from the ranks with one ``all_gather_object``).
+
+    Batch rows are split over ``dp_ep`` (ranks that see different data), each sequence over ``cp``
+    (:class:`moonrt.comm.cp_context.ContextParallel`: KCP, conv halo, MLA latent gather); gradients, router
+    statistics and scalars are summed over the replicas ``dp_ep_cp``. Parts:
+    :class:`moonrt.comm.pp_part.PipelineParallel` when ``pp > 1`` (stages over the ``pp`` group),
+    :class:`moonrt.comm.ep_parallel.ExpertParallel` when ``ep > 1``, a routing-trace recorder when asked for;
+    :class:`moonrt.comm.zero.Zero1` when ``zero = 1`` (:class:`moonrt.comm.zero_muon.ZeroMuon` with ``optimizer =
+    muon``), after the pipeline and before EP (the pipeline's inner part then: see :mod:`moonrt.comm.zero` for the
+    composition).
+    """
+    import torch.distributed as dist
+
+    from moonrt.cluster.env import init_distributed
+    from moonrt.comm.cp_context import ContextParallel
+    from moonrt.comm.mesh import ProcessMesh
+
+    p = job.parallel
+    if p.cp > job.optim.seq_len:  # before joining: every rank fails alike, none waits for the others
+        raise ConfigError(f"parallel.cp (--cp) = {p.cp}: expected at most optim.seq_len (--seq-len) = "
+                          f"{job.optim.seq_len} (each CP rank holds a slice of every sequence, uneven slices allowed)")
+    init_distributed()
+    world = dist.get_world_size()
+    if p.world_size != world and p.dp == 1:
+        if world % p.world_size:
+            raise ConfigError(f"parallel = pp {p.pp} x ep {p.ep} x cp {p.cp} = {p.world_size} ranks per data-parallel "
+                              f"replica: expected a divisor of the world size {world} (dp = world / (pp x ep x cp) "
+                              "is inferred)")
+        p.dp = world // p.world_size
+    mesh = ProcessMesh(p)
+    ctx = ContextParallel(mesh.group("cp")) if p.cp > 1 else LOCAL
+    rt = Parallelism(dp_rank=mesh.rank("dp_ep"), dp_size=mesh.size("dp_ep"), cp_rank=mesh.rank("cp"),
+                     cp_size=mesh.size("cp"), is_main=dist.get_rank() == 0, ctx=ctx, replicas=mesh.group("dp_ep_cp"))
+    counts = None
+    if p.pp > 1:  # the pipeline runs the step: it comes first
+        from moonrt.comm.pp_part import PipelineParallel
+        from moonrt.scheduler.pipeline import build_schedule
+
+        schedule = build_schedule(p.pipeline_schedule, p.pp, p.microbatches, p.vpp)
+        rt.parts.append(PipelineParallel(schedule, group=mesh.group("pp"), rank=mesh.rank("pp"),
+                                         mode=p.attn_res_comm))
+    ep = None
+    if p.ep > 1:  # MoonEP: shard experts, per-group grad sync, global-norm clip over the shards
+        from moonrt.comm.ep_parallel import ExpertParallel
+
+        ep = ExpertParallel(p, mesh=mesh, capacity=job.optim.batch_size * job.optim.seq_len)
+        rt.parts.append(ep)
+        if p.pp > 1:  # the pipeline combines the expert shards' norm and checkpoint state over its stages
+            rt.parts[0].inner = ep
+        counts = ep.layer_counts
+    if p.zero:  # ZeRO-1 owns sync, clip, update and the state of every parameter: before EP, after the pipeline
+        from moonrt.comm.zero import Zero1
+        from moonrt.comm.zero_muon import ZeroMuon
+        from moonrt.jobs.train.optimizers import muon_blocks
+
+        if job.optim.optimizer == "muon":  # each Muon block / AdamW parameter owned whole by one replica
+            zero = ZeroMuon.from_mesh(mesh, assign=lambda model: muon_blocks(model, job.optim), ep=ep)
+        else:
+            zero = Zero1.from_mesh(mesh, ep=ep)
+        rt.parts.insert(1 if p.pp > 1 else 0, zero)
+        if p.pp > 1:  # runs after the pipeline's pseudo-query sum; the pipeline combines its state over stages
+            rt.parts[0].inner = zero
+    if job.routing_trace:
+        if p.pp > 1:  # rank 0 holds only its own stages' MoE layers
+            raise ConfigError(f"routing_trace (--routing-trace) = {job.routing_trace!r}: expected parallel.pp = 1 "
+                              f"(got {p.pp}: each pipeline rank holds only its stages' MoE layers)")
+        rt.parts.append(routing_trace(job, is_main=rt.is_main, counts=counts))
+    if progress:  # every rank reports what it uses, rank 0 prints the table
+        import socket
+
+        pipe = rt.parts[0] if p.pp > 1 else None
+        mine = {"coords": mesh.coords, "batch": rt.dp_rank, "stages": getattr(pipe, "my_stages", [0]),
+                "host": socket.gethostname()}
+        rows: list[dict] = [{}] * world
+        dist.all_gather_object(rows, mine)
+        if rt.is_main:
+            print(layout_table(mesh.layout, rows), flush=True)
+    return rt
+
+
+_GROUP_ROLES: dict[str, str] = {
+    "pp": "pipeline send/recv", "dp_ep": "different batch rows", "ep": "MoonEP dispatch/combine",
+    "cp": "one sequence split: KCP, MLA", "dp_cp": "expert-parameter replicas: grad sum, ZeRO-1 shards",
+    "dp_ep_cp": "dense-parameter replicas: grad sum, ZeRO-1 shards, loss sum", "dp": "plain data-parallel replicas",
+    "ep_cp": "one replica of one pipeline stage",
+}
+
+
+def layout_table(layout: MeshLayout, rows: list[dict[str, Any]]) -> str:
+    """The job's layout as text: one line per rank and the process groups (what ``moonrt train`` prints at start).
+
+    ``rows[r]``: what rank ``r`` reports: ``coords`` (``{"pp", "dp", "ep", "cp"}`` of :meth:`MeshLayout.coords`),
+    ``batch`` (its batch shard, the index in its ``dp_ep`` group), ``stages`` (its pipeline stages), ``host``.
+    Groups: every kind of :data:`moonrt.comm.mesh.GROUP_NAMES` with more than one member, kinds with the same
+    member sets on one line, each listed as the partition of all ranks.
+    """
+    p = layout.parallel
+    head = (f"moonrt train: layout pp {p.pp} x dp {p.dp} x ep {p.ep} x cp {p.cp} = {layout.world_size} ranks"
+            + (f", vpp {p.vpp}" if p.vpp > 1 else "") + f", zero {p.zero}; rank = ((pp * {p.dp} + dp) * {p.ep} + ep) "
+            f"* {p.cp} + cp")
+    width = max(len(str(layout.world_size - 1)), 4)
+    lines = [head, f"  {'rank':>{width}}  pp  dp  ep  cp  batch  stages  host"]
+    shards = layout.group_size("dp_ep")
+    for r, row in enumerate(rows):
+        c = row["coords"]
+        stages = ",".join(map(str, row["stages"]))
+        lines.append(f"  {r:>{width}}  {c['pp']:>2}  {c['dp']:>2}  {c['ep']:>2}  {c['cp']:>2}  "
+                     f"{row['batch']:>2}/{shards:<2}  {stages:<6}  {row['host']}")
+    kinds: dict[tuple[tuple[int, ...], ...], list[str]] = {}
+    for name in ("pp", "dp_ep", "ep", "cp", "dp_cp", "dp_ep_cp", "dp", "ep_cp"):
+        if layout.group_size(name) > 1:
+            kinds.setdefault(tuple(map(tuple, layout.all_groups(name))), []).append(name)
+    lines.append("  groups:")
+    for groups, names in kinds.items():
+        members = " ".join("[" + ",".join(map(str, g)) + "]" for g in groups)
+        lines.append(f"    {' = '.join(names)}: {members}  ({'; '.join(_GROUP_ROLES[n] for n in names)})")
+    return "\n".join(lines)

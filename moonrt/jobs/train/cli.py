@@ -1,0 +1,166 @@
+"""``moonrt train`` command line (job layer): flags, the job config they override, and the run that maps
+outcomes to exit codes. The loop itself is :func:`moonrt.jobs.train.loop.train`.
+
+Exit codes: 0 done (or nothing to do); 1 diverged (a non-finite loss or gradient norm: the run stops before that
+step's update and any save, one line on stderr); 2 bad input (one line on stderr: also an output that is not this
+run's, an ``--out`` another run holds, a full disk);
+75 (:data:`moonrt.cluster.preempt.PREEMPTED_EXIT`, ``EX_TEMPFAIL``) preempted: a stop signal (SIGTERM, SIGINT or
+``--signal``) arrived, every rank finished its step and the checkpoint holds the last completed step, continue
+with ``--resume`` (``--resume-if-exists`` does so whenever a checkpoint exists: the form for requeued jobs);
+``128 + n`` aborted by a second signal ``n`` before the checkpoint was complete (the previous one is intact).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+from moonrt.cluster.env import shutdown_distributed
+from moonrt.cluster.preempt import PREEMPTED_EXIT, Aborted
+from moonrt.comm.parallelism import Parallelism
+from moonrt.config import ConfigError, from_dict, load_yaml, to_dict
+from moonrt.jobs.train.assemble import launched, parallel_runtime, routing_trace
+from moonrt.jobs.train.config import JobConfig
+from moonrt.jobs.train.loop import Diverged, NothingToDo, Preempted, train
+from moonrt.jobs.train.outputs import has_checkpoint
+from moonrt.models import presets
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="job config YAML (a JobConfig; all keys optional)")
+    parser.add_argument("--steps", type=int, help="optimizer steps (optim.steps)")
+    parser.add_argument("--seed", type=int, help="data order and init seed (optim.seed)")
+    parser.add_argument("--batch-size", type=int, help="sequences per global batch (optim.batch_size)")
+    parser.add_argument("--seq-len", type=int, help="tokens per sequence (optim.seq_len)")
+    parser.add_argument("--lr", type=float, help="peak learning rate (optim.lr)")
+    parser.add_argument("--optimizer", choices=["adamw", "muon"], help="adamw, or muon: Per-Head Muon for the "
+                        "model's matrices and AdamW for the rest, same lr (optim.optimizer; default adamw)")
+    parser.add_argument("--eval-every", type=int, help="eval interval in steps (optim.eval_every)")
+    parser.add_argument("--model", help="model preset: " + ", ".join(sorted(presets())))
+    parser.add_argument("--corpus", help="text file, or token file with --token-dtype (default: stdlib sources)")
+    parser.add_argument("--token-dtype", choices=["uint16", "uint32"], help="--corpus is a binary token file")
+    parser.add_argument("--pack-documents", action="store_true", default=None, help="keep the documents packed in "
+                        "each sequence apart: per-document KDA state and conv, block-diagonal MLA mask, no "
+                        "cross-document targets (data.pack_documents; not with --cp or --pp)")
+    parser.add_argument("--eos-id", type=int, help="token id (byte value for a text --corpus) that ends each "
+                        "document, for --pack-documents with --corpus (data.eos_id)")
+    parser.add_argument("--out", help="output dir for checkpoints and config.yaml (out_dir); one run at a time "
+                        "(OUT/.moonrt.lock)")
+    parser.add_argument("--metrics", help="write JSON lines {step, loss, lr, tokens_per_s, ...} to this file")
+    parser.add_argument("--resume", action="store_true", help="continue from OUT's newest checkpoint, "
+                        "OUT/checkpoint.pt or the sharded OUT/checkpoint/ (the job config must match the "
+                        "checkpoint's in every field that changes the trajectory; --steps may grow)")
+    parser.add_argument("--resume-if-exists", action="store_true", help="--resume when OUT holds a checkpoint, "
+                        "else start a new run (for jobs that may be requeued: moonrt sbatch --requeue); an interrupted "
+                        "first sharded save of the same job counts as no checkpoint")
+    parser.add_argument("--signal", help="stop signal besides SIGTERM and SIGINT, e.g. USR1: every rank finishes "
+                        f"its step, checkpoints and exits with {PREEMPTED_EXIT} (stop_signal; default SIGTERM)")
+    parser.add_argument("--resume-allow-changes", metavar="FIELDS", default="",
+                        help="comma-separated job config fields that may differ from the checkpoint's on --resume "
+                        "(e.g. lr,steps or optim.lr,data.corpus)")
+    parser.add_argument("--until", type=int, help="stop after this step (checkpointed); schedule still uses --steps")
+    parser.add_argument("--threads", type=int, help="torch threads per process, 0 = torch default (threads)")
+    parser.add_argument("--gc-interval", type=int, help="Python garbage collection: off in the training loop, one "
+                        "young-generation collection every N steps (gc_interval; default 50; 0 = automatic)")
+    parser.add_argument("--memory-policy", help="activation memory policy YAML (memory_policy; moonrt.memory)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar or summary line")
+    parser.add_argument("--ep", type=int, help="expert-parallel degree: MoonEP over EP ranks, E/EP home experts "
+                        "per rank (parallel.ep)")
+    parser.add_argument("--routing-trace", help="write per-step, per-layer [R, E] routing counts to this .npz "
+                        "(routing_trace; read by moonrt ep-sim --trace)")
+    parser.add_argument("--cp", type=int, help="context-parallel degree: each sequence split over CP ranks, KCP for "
+                        "KDA, latent all-gather for MLA (parallel.cp)")
+    parser.add_argument("--pp", type=int, help="pipeline-parallel degree: the decoder layers cut into contiguous "
+                        "stages over PP ranks (parallel.pp)")
+    parser.add_argument("--vpp", type=int, help="virtual pipeline stages per PP rank (parallel.vpp; interleaved)")
+    parser.add_argument("--microbatches", type=int, help="micro-batches per step of each pipeline "
+                        "(parallel.microbatches)")
+    parser.add_argument("--schedule", help="pipeline schedule: auto, gpipe, 1f1b, interleaved, zb, zbv "
+                        "(parallel.schedule)")
+    parser.add_argument("--zero", type=int, help="ZeRO stage: 0 (replicated AdamW states) or 1 (states and reduced "
+                        "gradients sharded over each parameter's data-parallel replicas) (parallel.zero)")
+    parser.add_argument("--attn-res-comm", help="AttnRes blocks between PP ranks: cached (only blocks the receiver "
+                        "lacks) or naive (every completed block) (parallel.attn_res_comm)")
+
+
+# Command-line flag (argparse dest) -> path of the JobConfig field it overrides.
+_OVERRIDES: dict[str, tuple[str, ...]] = {
+    "steps": ("optim", "steps"), "seed": ("optim", "seed"), "batch_size": ("optim", "batch_size"),
+    "seq_len": ("optim", "seq_len"), "lr": ("optim", "lr"), "eval_every": ("optim", "eval_every"),
+    "optimizer": ("optim", "optimizer"),
+    "model": ("model",), "corpus": ("data", "corpus"), "token_dtype": ("data", "token_dtype"),
+    "pack_documents": ("data", "pack_documents"), "eos_id": ("data", "eos_id"),
+    "out": ("out_dir",), "threads": ("threads",), "memory_policy": ("memory_policy",),
+    "cp": ("parallel", "cp"), "ep": ("parallel", "ep"), "routing_trace": ("routing_trace",),
+    "pp": ("parallel", "pp"), "vpp": ("parallel", "vpp"), "microbatches": ("parallel", "microbatches"),
+    "schedule": ("parallel", "schedule"), "attn_res_comm": ("parallel", "attn_res_comm"),
+    "zero": ("parallel", "zero"), "signal": ("stop_signal",),
+    "gc_interval": ("gc_interval",),
+}
+
+
+def job_from_args(args: argparse.Namespace) -> JobConfig:
+    """The job config: ``--config`` (or the default), then command-line overrides (:data:`_OVERRIDES`)."""
+    raw = to_dict(load_yaml(JobConfig, args.config)) if args.config else to_dict(JobConfig())
+    for dest, path in _OVERRIDES.items():
+        value = getattr(args, dest)
+        if value is None:
+            continue
+        node = raw
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value
+    try:
+        return from_dict(JobConfig, raw)
+    except ConfigError as exc:  # name the flag beside the field it set: "optim.lr (--lr) = inf: expected ..."
+        msg = str(exc)
+        for dest, path in _OVERRIDES.items():
+            field = ".".join(path)
+            if getattr(args, dest) is not None and msg.startswith(f"{field} = "):
+                raise ConfigError(f"{field} (--{dest.replace('_', '-')}){msg[len(field):]}") from None
+        raise
+
+
+def run(args: argparse.Namespace) -> int:
+    allow = tuple(f.strip() for f in args.resume_allow_changes.split(",") if f.strip())
+    try:
+        if allow and not (args.resume or args.resume_if_exists):
+            raise ConfigError("--resume-allow-changes: expected together with --resume")
+        job = job_from_args(args)
+        resume = args.resume or (args.resume_if_exists and bool(job.out_dir) and has_checkpoint(Path(job.out_dir)))
+        if job.parallel.world_size != 1 or launched():
+            rt = parallel_runtime(job, progress=not args.no_progress)
+        else:
+            rt = Parallelism(parts=[routing_trace(job)] if job.routing_trace else [])
+            if job.parallel.zero and not args.no_progress:
+                print("moonrt train: parallel.zero = 1 with one process: nothing to shard, ZeRO-1 is a no-op",
+                      flush=True)
+        summary = train(job, rt=rt, metrics_path=args.metrics, resume=resume, until=args.until,
+                        progress=not args.no_progress, resume_allow=allow,
+                        requeued=args.resume_if_exists and not resume)
+    except NothingToDo as exc:
+        print(f"moonrt train: {exc}", flush=True)
+        return 0
+    except Preempted as exc:
+        if rt.is_main:
+            print(f"moonrt train: {exc}", flush=True)
+        return PREEMPTED_EXIT
+    except Diverged as exc:
+        if rt.is_main:
+            print(f"moonrt train: error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except Aborted as exc:
+        print(f"moonrt train: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
+    except (ConfigError, ValueError) as exc:
+        print(f"moonrt train: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        shutdown_distributed()  # a multi-rank job's group: destroyed while the interpreter is alive
+    if not math.isfinite(summary["train_loss"]):
+        print(f"moonrt train: error: train loss is {summary['train_loss']} after step {summary['steps']} (diverged; "
+              "try a lower --lr)", file=sys.stderr, flush=True)
+        return 1
+    return 0

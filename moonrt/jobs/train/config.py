@@ -1,0 +1,217 @@
+"""The configuration of a ``moonrt train`` job: data, optimizer and schedule, parallel layout, outputs.
+
+Nested ``@dataclass(kw_only=True, slots=True)`` trees, loaded from YAML by :mod:`moonrt.config` (unknown
+keys and bad values name the field, the value and the expectation). ``configs/k3_tiny.yaml`` writes
+out the embedded default. :func:`lr_at` is the learning-rate schedule, a pure function of the step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Any, Literal
+
+from moonrt.config import ConfigError, ParallelConfig, check
+from moonrt.jobs.train import data
+from moonrt.models.k3.model.config import PRESETS, K3Config
+
+MAX_PARAMS = 5_000_000_000
+"""Largest model (parameters, from the config) that ``moonrt train`` will instantiate."""
+
+MAX_THREADS = 1024
+"""Most torch intra-op threads per process (``threads``). A fixed bound, not one of this host's cores, so that a
+config stays valid on every machine it moves to: 1024 is above the hardware threads of any one node (two 192-core
+SMT sockets have 768), so no real setting is refused, while OpenMP pools of thousands of threads crash the process
+(``--threads 5000`` ends in SIGSEGV in the first step)."""
+
+MAX_SEED = 2**63 - 1
+"""Largest ``optim.seed``: it seeds ``torch.manual_seed`` (which takes at most 2**64 - 1) and
+``numpy.random.default_rng([seed, step])`` (any integer >= 0); int64's range, so it also fits every int64 that
+records it."""
+
+MAX_COUNT = 2**63 - 1
+"""Largest step count or interval (int64: what a step counter in a checkpoint or tensor can hold)."""
+
+
+def physical_memory_bytes() -> int | None:
+    """This host's physical memory (``os.sysconf``), or None where the platform does not say."""
+    try:
+        pages, page = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+    return pages * page if pages > 0 and page > 0 else None
+
+
+def _finite(obj: Any, name: str, ok: bool, expected: str) -> None:
+    """:func:`check` that field ``name`` of ``obj`` is a finite number and ``ok``."""
+    value = getattr(obj, name)
+    check(isinstance(value, (int, float)) and math.isfinite(value) and ok, name, value, f"a finite number {expected}")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class DataConfig:
+    """Where tokens come from (:mod:`moonrt.jobs.train.data`)."""
+
+    corpus: str | None = None
+    """None: the stdlib sources (bytes); a path: a text file, or a token file when ``token_dtype`` is set."""
+    token_dtype: data.TokenDtype | None = None
+    heldout_fraction: float = 0.05
+    """Fraction of a user corpus held out for eval (the stdlib corpus holds out every 16th file)."""
+    pack_documents: bool = False
+    """Tell the model where the documents in each window start (:func:`moonrt.jobs.train.data.packed_batch`): no token
+    attends to, or carries KDA/conv state from, another document, and cross-document targets are not trained
+    (:mod:`moonrt.models.k3.model.packing`). The stdlib corpus's documents are its files; a user corpus needs ``eos_id``."""
+    eos_id: int | None = None
+    """Token id (a byte value for a text corpus) that ends each document of a user corpus (with ``pack_documents``)."""
+
+    def validate(self) -> None:
+        _finite(self, "heldout_fraction", 0.0 < self.heldout_fraction < 1.0, "in (0, 1)")
+        check(self.token_dtype is None or self.corpus is not None, "token_dtype", self.token_dtype,
+              "null unless corpus names a token file")
+        check(self.eos_id is None or (self.corpus is not None and self.pack_documents), "eos_id", self.eos_id,
+              "null unless pack_documents is true and corpus names a file (the stdlib corpus's documents are files)")
+        check(self.eos_id is None or self.eos_id >= 0, "eos_id", self.eos_id, "a token id >= 0")
+        check(not self.pack_documents or self.corpus is None or self.eos_id is not None, "eos_id", self.eos_id,
+              "the token id that ends each document of corpus "
+              f"{self.corpus!r} (pack_documents needs document boundaries)")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class OptimConfig:
+    """Optimizer, schedule and step knobs."""
+
+    steps: int = 200
+    batch_size: int = 8
+    """Sequences per global batch (per optimizer step), whatever the parallel layout."""
+    seq_len: int = 128
+    lr: float = 4e-3
+    min_lr_ratio: float = 0.1
+    """Cosine decays to ``lr * min_lr_ratio`` at the last step."""
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    seed: int = 0
+    eval_every: int = 50
+    eval_windows: int = 32
+    """Held-out windows of ``seq_len`` tokens per eval (the same windows every time)."""
+    checkpoint_every: int = 100
+    routing_bias_update: bool = True
+    """Quantile Balancing update of every MoE layer's router bias after each step (K3_SYSTEMS §5.3)."""
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    """``muon``: Per-Head Muon (``moonrt.ops.muon``) for the model's matrices (``moonrt.parallel.blocks``),
+    AdamW for everything else; both use ``lr``, ``weight_decay`` and the schedule (``muon_adjust_lr``)."""
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_adjust_lr: Literal["original", "match_rms_adamw"] = "match_rms_adamw"
+    """Muon's update scale per block: ``match_rms_adamw`` (Moonlight: 0.2 * sqrt(max(a, b)), an update RMS of 0.2
+    like AdamW's, so AdamW's lr and weight decay carry over) or ``original`` (Keller Jordan's; needs its own lr)."""
+    muon_ns_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Newton-Schulz precision (torch.optim.Muon uses bfloat16; fp32 is the exact choice on CPU)."""
+    muon_per_head: bool = True
+    """Orthogonalize the declared heads separately (K3); False: whole matrices (experts stay per expert)."""
+    muon_adamw_modules: list[str] = dataclasses.field(default_factory=lambda: ["lm_head"])
+    """Modules (dotted-name prefixes) whose matrices AdamW updates under ``optimizer: muon`` (the LM head)."""
+
+    def validate(self) -> None:
+        for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_windows", "checkpoint_every"):
+            value = getattr(self, name)
+            check(value >= 1, name, value, "an integer >= 1")
+            check(value <= MAX_COUNT, name, value, f"an integer <= {MAX_COUNT} (int64)")
+        check(0 <= self.warmup_steps <= MAX_COUNT, "warmup_steps", self.warmup_steps,
+              f"an integer in [0, {MAX_COUNT}]")
+        check(0 <= self.seed <= MAX_SEED, "seed", self.seed,
+              f"an integer in [0, {MAX_SEED}] (2**63 - 1: torch.manual_seed and numpy's default_rng take it)")
+        _finite(self, "lr", self.lr > 0, "> 0")
+        _finite(self, "min_lr_ratio", 0.0 <= self.min_lr_ratio <= 1.0, "in [0, 1]")
+        _finite(self, "weight_decay", self.weight_decay >= 0, ">= 0")
+        _finite(self, "beta1", 0 <= self.beta1 < 1, "in [0, 1)")
+        _finite(self, "beta2", 0 <= self.beta2 < 1, "in [0, 1)")
+        _finite(self, "grad_clip", self.grad_clip > 0, "> 0 (max global grad norm)")
+        _finite(self, "muon_momentum", 0 <= self.muon_momentum < 1, "in [0, 1)")
+        # One step's global batch is built whole on every rank (data.global_batch): batch_size x (seq_len + 1) int64
+        # tokens, the least a step allocates; an eval, eval_windows x (seq_len + 1). Refused here, before anything is
+        # allocated, when that alone exceeds this host's physical memory.
+        phys = physical_memory_bytes()
+        for name, rows in (("batch_size", self.batch_size), ("eval_windows", self.eval_windows)):
+            need = rows * (self.seq_len + 1) * 8
+            what = "step" if name == "batch_size" else "eval"
+            check(phys is None or need <= phys, name, rows,
+                  f"{name} x (seq_len + 1) x 8 bytes (the int64 tokens of one {what}, {rows} x {self.seq_len + 1} x 8 "
+                  f"= {need} bytes) <= this host's physical memory ({phys} bytes)")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class JobConfig:
+    """A whole training job (``moonrt train --config FILE``; every key optional)."""
+
+    model: str = "k3_tiny"
+    """A preset name of :data:`moonrt.models.k3.model.config.PRESETS` (ignored when ``model_config`` is given)."""
+    model_config: K3Config | None = None
+    """A full model config; overrides ``model``."""
+    moe: dict[str, Any] | None = None
+    """LatentMoE options (Quantile Balancing estimator, ...), the fields of the MoE config class."""
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    memory_policy: str | None = None
+    """Path of an activation-memory policy YAML (applied by the activation manager when present)."""
+    out_dir: str = "runs/train"
+    """Checkpoints (``checkpoint.pt``) and the resolved ``config.yaml`` go here."""
+    routing_trace: str | None = None
+    """Record every step's per-MoE-layer ``[R, E]`` routing counts into this ``.npz`` (the trace format
+    ``moonrt ep-sim --trace`` reads, :mod:`moonrt.scheduler.workload`)."""
+    threads: int = 1
+    """torch intra-op threads per process (0: torch's default). One is the robust choice on a shared
+    2-core machine (spinning OpenMP threads of several processes slow everyone down many-fold)."""
+    stop_signal: str = "SIGTERM"
+    """Signal (besides SIGTERM and SIGINT) on which every rank finishes its step, checkpoints and exits with
+    :data:`moonrt.cluster.preempt.PREEMPTED_EXIT` (``--signal USR1`` for ``#SBATCH --signal=B:USR1@...``)."""
+    gc_interval: int = 50
+    """Python's automatic garbage collection is off in the training loop and a young-generation collection
+    (``gc.collect(1)``) runs every this many steps instead, as torchtitan's ``gc_freq`` and Megatron's
+    ``--manual-gc`` do: a full collection scans every live Python object (~370k for k3_tiny) and the saved-tensor
+    records of an activation-manager step trigger one every few steps (benchmarks/RESULTS.md). 0: automatic."""
+
+    def validate(self) -> None:
+        check(self.model in PRESETS, "model", self.model, "one of " + ", ".join(sorted(PRESETS)))
+        from moonrt.cluster.preempt import signal_from_name
+
+        try:
+            signal_from_name(self.stop_signal, "stop_signal")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        check(0 <= self.threads <= MAX_THREADS, "threads", self.threads,
+              f"an integer in [0, {MAX_THREADS}] (0 = torch default; MAX_THREADS)")
+        check(0 <= self.gc_interval <= MAX_COUNT, "gc_interval", self.gc_interval,
+              "an integer >= 0 (0 = automatic collection)")
+        if self.data.eos_id is not None:
+            vocab = self.model_cfg().vocab_size
+            check(self.data.eos_id < vocab, "data.eos_id", self.data.eos_id, f"a token id < the model's vocab_size "
+                  f"({vocab})")
+        if self.data.pack_documents:  # document boundaries reach the model only on the default (non-part) path
+            for name, why in (("cp", "KCP and the MLA all-gather carry no document boundaries"),
+                              ("pp", "pipeline stages carry no document boundaries")):
+                degree = getattr(self.parallel, name)
+                check(degree == 1, "data.pack_documents", True,
+                      f"false with parallel.{name} = {degree} (--{name}): {why}")
+        from moonrt.models.k3.model.moe import moe_config_from_dict
+
+        try:
+            moe_config_from_dict(self.moe)
+        except ConfigError as exc:
+            raise ConfigError(f"moe.{exc}") from None
+
+    def model_cfg(self) -> K3Config:
+        return self.model_config if self.model_config is not None else PRESETS[self.model]()
+
+
+def lr_at(step: int, cfg: OptimConfig) -> float:
+    """Learning rate of optimizer step ``step`` (0-based): linear warmup, then cosine to ``min_lr_ratio``."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.steps - cfg.warmup_steps - 1)
+    t = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))

@@ -1,0 +1,365 @@
+"""``moonrt train``: train the K3 model (default: ``k3_tiny`` on the stdlib sources, bytes) -- the main job.
+
+With no arguments it runs the embedded default :class:`JobConfig`: k3_tiny, byte tokenizer, the
+Python standard library's ``*.py`` files as corpus (:mod:`moonrt.jobs.train.data`), AdamW, linear warmup +
+cosine decay, gradient clipping, Quantile Balancing bias updates after every step, a tqdm bar with
+loss and tokens/s, periodic held-out eval (and one at the stop step of ``--until`` when this process ran none),
+and a summary of the steps this process ran (a resumed run says so at start: ``resumed from step N``) comparing the
+final eval loss with the held-out unigram entropy (nats/token).
+
+Exactness contract (what later parallel runs are compared against):
+
+- the global batch of step ``s`` is ``data.global_batch(train, seed, s, batch_size, seq_len)``, a
+  function of ``(seed, s)`` only; a rank trains on :func:`moonrt.jobs.train.data.shard` of it;
+- the loss is the mean over all tokens of the global batch: each rank computes the *sum* of its
+  token losses and divides by the global token count, gradients are summed across ranks;
+- the learning rate is a function of the step; checkpoints hold model, optimizer and step, so
+  ``--resume`` continues bit-identically (checkpoints are written to a temp file, then renamed);
+- checkpoints are layout-independent: they hold the single-process (unsharded) model and optimizer state
+  under single-process names, either gathered by the runtime's ``full_state_dict`` into ``checkpoint.pt``
+  (one process) or written by every rank as its own pieces into a sharded DCP directory (multi-rank jobs,
+  :mod:`moonrt.jobs.checkpoint.sharded`), and sharded again on load, so a checkpoint of ``--ep 2`` resumes in one
+  process, ``--ep 2`` or ``--ep 4``;
+- only rank 0 writes metrics, checkpoints and the progress bar.
+
+Parallel behaviour comes from one :class:`moonrt.comm.parallelism.Parallelism` object (its parts: the
+pipeline, which runs each step's micro-batches through its schedule, expert parallelism, the routing-trace
+recorder); a single-process run is that object with no parts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+from tqdm import tqdm
+
+from moonrt.cluster.preempt import StopSignal, stop_signals
+from moonrt.comm.parallelism import Parallelism
+from moonrt.config import ConfigError, load_yaml, to_dict
+from moonrt.jobs.checkpoint import sharded as checkpoint_dcp
+from moonrt.jobs.checkpoint import single as checkpoint
+from moonrt.jobs.checkpoint.store import load_checkpoint, resume_state, save_checkpoint
+from moonrt.jobs.train import data, outputs
+from moonrt.jobs.train.assemble import build_model
+from moonrt.jobs.train.config import JobConfig, lr_at
+from moonrt.jobs.train.optimizers import build_optimizer
+from moonrt.jobs.train.outputs import CHECKPOINT, CONFIG
+from moonrt.models.k3.model.packing import DocumentPacking
+
+
+def evaluate(model: torch.nn.Module, windows: np.ndarray, batch_size: int, rt: Parallelism,
+             docs: np.ndarray | None = None) -> float:
+    """Mean next-token loss (nats/token) over the held-out ``windows [N, T + 1]`` (``docs [N, T + 1]``: packed
+    documents, :func:`moonrt.jobs.train.data.packed_eval_windows`; cross-document targets are not counted)."""
+    was_training = model.training
+    model.eval()
+    model.set_record_routing(False)
+    total, count = 0.0, 0.0
+    with torch.no_grad():
+        for i in range(0, len(windows), batch_size):
+            if docs is not None:
+                x, y, d = data.shard_packed(windows[i:i + batch_size], docs[i:i + batch_size])
+                packing = DocumentPacking.from_doc_ids(torch.from_numpy(d))
+                total += float(rt.loss_sum(model, torch.from_numpy(x), torch.from_numpy(y), packing=packing))
+                count += data.packed_targets(docs[i:i + batch_size])
+                continue
+            x, y = data.shard(windows[i:i + batch_size], 0, 1, rt.cp_rank, rt.cp_size)
+            total += float(rt.loss_sum(model, torch.from_numpy(x), torch.from_numpy(y)))
+            count += y.size
+    model.set_record_routing(True)
+    model.train(was_training)
+    return rt.sum_scalar(total) / rt.sum_scalar(count)
+
+
+class NothingToDo(Exception):
+    """The job has no step left to run (a finished run resumed, ``--until`` already reached): not an error."""
+
+
+class Preempted(Exception):
+    """The job stopped on a stop signal after checkpointing its last completed step ``step`` (exit code
+    :data:`moonrt.cluster.preempt.PREEMPTED_EXIT`); ``signum`` is the signal this rank received (None: another
+    rank received it)."""
+
+    def __init__(self, step: int, total: int, signum: int | None, path: Path) -> None:
+        import signal
+
+        how = f"by {signal.Signals(signum).name}" if signum is not None else "by a stop signal to another rank"
+        super().__init__(f"stopped {how} after step {step} of {total}; checkpoint {str(path)!r} holds step {step}: "
+                         "continue with --resume")
+        self.step, self.signum, self.path = step, signum, path
+
+
+class Diverged(Exception):
+    """A non-finite loss or gradient norm at step ``step`` (1-based): the run stopped before that step's
+    optimizer update and before any save (``moonrt train`` exits 1). ``last`` says which checkpoint holds what."""
+
+    def __init__(self, step: int, loss: float, grad_norm: float, last: str) -> None:
+        super().__init__(f"diverged at step {step}: loss = {loss}, grad norm = {grad_norm}; {last}; try a lower --lr")
+        self.step = step
+
+
+def train(job: JobConfig, rt: Parallelism | None = None, metrics_path: str | None = None, resume: bool = False,
+          until: int | None = None, progress: bool = True, resume_allow: tuple[str, ...] = (),
+          requeued: bool = False) -> dict[str, float]:
+    """Run the job; returns the summary (``final_eval_loss``, ``unigram_entropy``, ...).
+
+    Raises :class:`NothingToDo` when no step is left (a finished run resumed, ``until`` already reached),
+    :class:`moonrt.config.ConfigError` / :class:`moonrt.jobs.checkpoint.single.CheckpointError` (both ``ValueError``) on
+    bad input, before step 1 wherever the input can be checked then.
+
+    Stop signals (:mod:`moonrt.cluster.preempt`; SIGTERM, SIGINT and ``job.stop_signal``, handled while this
+    runs, in the main thread): the first lets every rank finish its current step; at each step boundary the
+    ranks agree on it (:meth:`Parallelism.any_flag`), skip that step's eval, save a checkpoint of that step
+    (a signal during start-up: of the starting step) and raise :class:`Preempted`. A signal during an eval
+    takes effect right after it (eval is short: it completes); one during the run's last step is moot (the run
+    ends normally). A second signal raises :class:`moonrt.cluster.preempt.Aborted` at once (the previous
+    checkpoint stays intact: checkpoints are written atomically).
+
+    The main rank holds the lock on ``job.out_dir`` (:func:`moonrt.jobs.train.outputs.lock_out_dir`) from before anything is
+    written until it returns: a second run into the same directory is a :class:`ConfigError`. A non-finite loss
+    or gradient norm raises :class:`Diverged` on every rank before that step's optimizer update and before any
+    save (its metrics line is written, non-finite values as ``null``).
+
+    ``requeued`` (``--resume-if-exists`` that found no checkpoint): a fresh start that finds this job's own
+    ``config.yaml`` in ``out_dir`` (a run killed before its first checkpoint, or during its first sharded save)
+    starts that run again, its moonrt metrics file trimmed to nothing instead of refused.
+    """
+    rt = rt or Parallelism()
+    if not job.out_dir:
+        raise ConfigError("out_dir (--out) = '': expected a directory path")
+    if until is not None and until < 1:
+        raise ConfigError(f"--until = {until}: expected an integer >= 1 (the step to stop after)")
+    lock = outputs.lock_out_dir(Path(job.out_dir), create=not resume) if rt.is_main else contextlib.nullcontext()
+    with StopSignal(stop_signals(job.stop_signal)) as preempt, lock:  # one run per --out, before anything is written
+        return _train(job, rt, metrics_path, resume, until, progress, resume_allow, preempt, requeued)
+
+
+class ManualGC:
+    """Python's automatic garbage collection off from construction to :meth:`close` (``interval`` > 0);
+    :meth:`tick` runs a young-generation collection (``gc.collect(1)``: the objects made since the last one, cycles
+    among them freed) on every ``interval``-th completed step. :meth:`close` restores the collector's state. With
+    ``interval`` 0 the collector is untouched and ``tick`` does nothing."""
+
+    def __init__(self, interval: int) -> None:
+        self.interval = interval
+        self._restore = interval > 0 and gc.isenabled()
+        if interval > 0:
+            gc.disable()
+
+    def tick(self, step: int) -> None:
+        if self.interval > 0 and step % self.interval == 0:
+            gc.collect(1)
+
+    def close(self) -> None:
+        if self._restore:
+            gc.enable()
+            self._restore = False
+
+
+def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bool, until: int | None,
+           progress: bool, resume_allow: tuple[str, ...], preempt: StopSignal, requeued: bool) -> dict[str, float]:
+    if job.threads:
+        torch.set_num_threads(job.threads)
+    cfg = job.optim
+    out = Path(job.out_dir)
+    ckpt = out / CHECKPOINT
+    state = None
+    stored = None  # the job config of the checkpoint a resume continues
+    start = 0
+    src = ckpt  # what --resume loads: the newer of OUT/checkpoint.pt and the sharded OUT/checkpoint/
+    if resume:
+        src, state = resume_state(out)
+        start, stored = state["step"], state["config"]
+        checkpoint.check_resume(stored, to_dict(job), start, resume_allow)
+        if start > cfg.steps:
+            raise ConfigError(f"optim.steps (--steps) = {cfg.steps}: expected at least the checkpoint's step {start} "
+                              f"({str(src)!r})")
+        if start == cfg.steps:
+            raise NothingToDo(f"the run in {str(out)!r} already finished: checkpoint at step {start} of {cfg.steps}; "
+                              "nothing to do (raise --steps to train further)")
+        if until is not None and until <= start:
+            raise NothingToDo(f"checkpoint {str(src)!r} is at step {start}, already at or past --until {until}; "
+                              "nothing to do")
+    restart = rt.is_main and outputs.check_outputs(job, metrics_path, resume, stored, requeued)
+    mcfg = job.model_cfg()
+    corpus = data.load_corpus(job.data.corpus, job.data.token_dtype, mcfg.vocab_size, job.data.heldout_fraction,
+                              job.data.eos_id)
+    pack = job.data.pack_documents  # documents kept apart (moonrt.models.k3.model.packing); job.py refuses --cp/--pp with it
+    if cfg.batch_size % rt.dp_size:
+        raise ConfigError(f"optim.batch_size = {cfg.batch_size}: expected a multiple of the data-parallel size "
+                          f"{rt.dp_size}")
+    m = job.parallel.microbatches
+    if (cfg.batch_size // rt.dp_size) % m:
+        raise ConfigError(f"parallel.microbatches (--microbatches) = {m}: expected a divisor of the per-replica "
+                          f"batch {cfg.batch_size // rt.dp_size} (optim.batch_size {cfg.batch_size} / data-parallel "
+                          f"size {rt.dp_size})")
+    model = build_model(job)
+    n_params = sum(p.numel() for p in model.parameters())  # the whole model, before parts shard or prune it
+    model = rt.parallelize(model)
+    cp_log = getattr(rt.ctx, "log", None)  # ContextParallel's CP byte records per layer (K3_SYSTEMS §7)
+    cp_bytes: dict[str, dict[str, int]] = {}
+    if cp_log is not None:
+        rt.ctx.tag_layers((n, m) for n, m in model.named_modules() if n.endswith(".attn"))
+    opt = build_optimizer(model, cfg)
+    if state is not None:
+        load_checkpoint(src, model, opt, rt, state=state)
+        del state
+    mgr = None
+    if job.memory_policy is not None:  # saved-tensor storage policies (K3_SYSTEMS §8), matched by module name
+        from moonrt.memory.manager import ActivationManager
+        from moonrt.memory.policy import MemoryPolicy
+
+        policy = load_yaml(MemoryPolicy, job.memory_policy)
+        if "remote" in policy.tiers_used():  # needs a serving peer per owner rank: the ActivationManager API (README)
+            remote = sorted(p for p in policy.policies_used() if p.endswith("remote"))
+            raise ConfigError(f"memory_policy (--memory-policy) = {job.memory_policy!r}: uses {', '.join(remote)}, "
+                              "which moonrt train does not support (remote offload needs a peer rank serving each "
+                              "owner: moonrt.memory.remote); expected keep, recompute, fp8, host or disk tiers")
+        mgr = ActivationManager(model, policy)
+    if rt.is_main:  # a fresh run's new config.yaml is created exclusively; this run's own is replaced whole
+        config = out / CONFIG
+        outputs.write_file(config, yaml.safe_dump(to_dict(job), sort_keys=False).encode(), "out_dir (--out)",
+                           exclusive=not (resume or config.exists()))
+    stop = cfg.steps if until is None else min(until, cfg.steps)
+    heldout_docs = None
+    if pack:
+        heldout, heldout_docs = data.packed_eval_windows(corpus.heldout, corpus.heldout_docs, cfg.eval_windows,
+                                                         cfg.seq_len)
+    else:
+        heldout = data.eval_windows(corpus.heldout, cfg.eval_windows, cfg.seq_len)
+    baseline = data.unigram_entropy(corpus.heldout, corpus.vocab_size)
+    global_tokens = cfg.batch_size * cfg.seq_len
+    metrics = None
+    if metrics_path and rt.is_main:
+        metrics = outputs.open_metrics(metrics_path, start if resume else (0 if restart else None))
+    if rt.is_main and progress:
+        print(f"moonrt train: {job.model if job.model_config is None else 'custom'} ({n_params / 1e6:.2f}M params, "
+              f"pattern {mcfg.pattern}), corpus {corpus.description}: {len(corpus.train):,} train / "
+              f"{len(corpus.heldout):,} held-out tokens; {cfg.steps} steps x {global_tokens} tokens", flush=True)
+        if resume:
+            print(f"moonrt train: resumed from step {start} (checkpoint {str(src)!r})", flush=True)
+    bar = tqdm(range(start, stop), initial=start, total=cfg.steps, disable=not (rt.is_main and progress),
+               dynamic_ncols=True, desc="train")
+    model.train()
+    losses: list[float] = []
+    eval_loss, eval_step = math.nan, None  # the last held-out eval of this process and its step
+    t_start = time.perf_counter()
+    tokens_done = 0
+    done, saved = start, (start if resume else None)  # last completed step, last checkpointed step
+    gc_control = ManualGC(job.gc_interval)
+    try:
+        stopped = rt.any_flag(preempt.requested)  # a signal during start-up: stop before the first step
+        for step in bar:
+            if stopped:
+                break
+            t0 = time.perf_counter()
+            lr = lr_at(step, cfg)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            packing, targets = None, global_tokens  # targets: the loss's denominator (tokens it counts)
+            if pack:
+                batch, docs = data.packed_batch(corpus.train, corpus.train_docs, cfg.seed, step, cfg.batch_size,
+                                                cfg.seq_len)
+                x, y, d = data.shard_packed(batch, docs, rt.dp_rank, rt.dp_size)
+                packing, targets = DocumentPacking.from_doc_ids(torch.from_numpy(d)), data.packed_targets(docs)
+            else:
+                batch = data.global_batch(corpus.train, cfg.seed, step, cfg.batch_size, cfg.seq_len)
+                x, y = data.shard(batch, rt.dp_rank, rt.dp_size, rt.cp_rank, rt.cp_size)
+            if cp_log is not None:
+                rt.ctx.new_step()
+            opt.zero_grad(set_to_none=True)
+            loss = rt.forward_backward(model, torch.from_numpy(x), torch.from_numpy(y), 1.0 / targets, mgr, packing)
+            rt.sync_grads(model)
+            grad_norm = rt.clip_grad_norm(model.parameters(), cfg.grad_clip)
+            loss_value = rt.sum_scalar(float(loss.detach()))
+            # both global: the ranks agree without a vote (a non-finite loss on any rank makes the sum non-finite)
+            if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
+                if metrics is not None:
+                    metrics.write({"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
+                                   "tokens_per_s": global_tokens / (time.perf_counter() - t0),
+                                   "tokens": (step + 1) * global_tokens, "diverged": True})
+                if saved is None:
+                    last = "no checkpoint was written"
+                else:
+                    path = src if resume and saved == start else (
+                        out / checkpoint_dcp.ROOT if checkpoint_dcp.use_sharded(opt) else ckpt)
+                    last = f"the last checkpoint {str(path)!r} holds step {saved}"
+                raise Diverged(step + 1, loss_value, grad_norm, last)  # before the update and any save
+            rt.step(opt)  # ZeRO-1: p.grad is gone after sync_grads; only rt reads the gradients
+            stat_sum = rt.sum_stats if rt.replicas is not None else None
+            stats = model.update_routing_bias(stat_sum) if cfg.routing_bias_update else {}
+            dt = time.perf_counter() - t0
+            tokens_done += global_tokens
+            losses.append(loss_value)
+            record = {"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
+                      "tokens_per_s": global_tokens / dt, "tokens": (step + 1) * global_tokens}
+            if cp_log is not None:
+                cp_bytes = cp_log.by_layer()
+                record["cp_bytes_sent"] = sum(r["fwd_sent"] + r["bwd_sent"] for r in cp_bytes.values())
+            if stats:
+                record["maxvio"] = max(s.maxvio for s in stats.values())
+            rt.step_metrics(step, model, record)
+            done = step + 1
+            stopped = done < stop and rt.any_flag(preempt.requested)  # the ranks agree on the stop step
+            # eval every eval_every steps, at the last step, and at the stop step (--until) if none ran yet
+            if not stopped and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps
+                                or (step + 1 == stop and eval_step is None)):
+                eval_loss, eval_step = evaluate(model, heldout, cfg.batch_size, rt, heldout_docs), step + 1
+                stopped = done < stop and rt.any_flag(preempt.requested)
+                record["eval_loss"] = eval_loss
+                if rt.is_main and progress:
+                    bar.write(f"step {step + 1}: train loss {loss_value:.3f}, eval loss {eval_loss:.3f} nats/token "
+                              f"(unigram entropy {baseline:.3f})")
+            if metrics is not None:
+                metrics.write(record)
+            shown = {"loss": f"{loss_value:.3f}"} | ({} if eval_step is None else {"eval": f"{eval_loss:.3f}"})
+            bar.set_postfix(shown | {"tok_s": f"{global_tokens / dt:,.0f}"})  # no eval field before the first eval
+            if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == stop or stopped:
+                save_checkpoint(ckpt, model, opt, step + 1, job, rt)
+                saved = step + 1
+            gc_control.tick(step + 1)
+        if stopped:
+            if saved != done:
+                save_checkpoint(ckpt, model, opt, done, job, rt)
+            rt.any_flag(True)  # no rank exits (srun --kill-on-bad-exit) before the main rank's save is complete
+        try:
+            rt.close()  # the parts' outputs: the routing trace
+        except OSError as exc:
+            what = f"routing_trace (--routing-trace) = {job.routing_trace!r}" if job.routing_trace else "outputs"
+            raise ConfigError(f"{what}: cannot write ({exc.strerror or exc})") from None
+    finally:
+        gc_control.close()
+        bar.close()
+        if metrics is not None:
+            metrics.close()
+        if mgr is not None:
+            if rt.is_main and progress:
+                print(mgr.accounting.summary(), flush=True)
+            mgr.close()
+    if stopped:
+        raise Preempted(done, cfg.steps, preempt.signum, out / checkpoint_dcp.ROOT if checkpoint_dcp.use_sharded(opt)
+                        else ckpt)
+    wall = time.perf_counter() - t_start
+    summary = {"steps": stop, "steps_run": stop - start,
+               "train_loss": float(np.mean(losses[-10:])) if losses else math.nan,
+               "final_eval_loss": eval_loss, "eval_step": eval_step, "unigram_entropy": baseline,
+               "tokens_per_s": tokens_done / wall if wall > 0 else math.nan, "wall_s": wall, "params": n_params}
+    if rt.is_main and progress:
+        ran = f"{stop} steps" if start == 0 else f"steps {start + 1}-{stop}: {stop - start} steps"
+        at = "" if eval_step == stop else f" (step {eval_step})"
+        print(f"summary: {ran} in {wall:.0f} s ({summary['tokens_per_s']:,.0f} tokens/s); "
+              f"train loss {summary['train_loss']:.3f}; eval loss{at} {eval_loss:.3f} nats/token vs held-out "
+              f"unigram entropy {baseline:.3f} ({eval_loss - baseline:+.3f}); checkpoint "
+              f"{out / checkpoint_dcp.ROOT if checkpoint_dcp.use_sharded(opt) else ckpt}", flush=True)
+    if cp_bytes and progress:  # every rank reports its own CP traffic (moonrt launch prefixes [rank r])
+        from moonrt.comm.cp_context import comm_table
+
+        print(comm_table(cp_bytes, f"CP bytes per layer, cp rank {rt.cp_rank}, last step"), flush=True)
+    return summary
