@@ -182,7 +182,8 @@ def test_checker_catches_forbidden_imports_in_a_synthetic_tree(tmp_path: Path) -
         "moonrt/models/dense/model/attn.py": "",
         "moonrt/memory/manager.py": "",
         "moonrt/memory/bad.py": "from moonrt.config import ParallelConfig\nfrom .manager import ActivationManager\n\n"
-                                "def profile():\n    from moonrt.models import MODELS\n    from moonrt.comm import mesh\n",
+                                "def profile():\n    from moonrt.models import MODELS\n"
+                                "    from moonrt.comm import mesh\n",
         "moonrt/ops/bad.py": "import torch\nfrom . import fp8\n\ndef f():\n    from ..models.k3.model import moe\n",
         "moonrt/comm/__init__.py": "from moonrt.parallel.context import LOCAL\n",
         "moonrt/comm/bad.py": "from moonrt.ops.kda import kda_chunk\nif True:\n    import moonrt.jobs.train.loop\n"
@@ -190,9 +191,11 @@ def test_checker_catches_forbidden_imports_in_a_synthetic_tree(tmp_path: Path) -
         "moonrt/scheduler/bad.py": "from moonrt.cluster import env\n",
         "moonrt/parallel/bad.py": "from moonrt.scheduler import pipeline\n",
         "moonrt/models/k3/model/bad.py": "from moonrt.config import check\nfrom ...k3.model.moe import LatentMoE\n"
-                                          "from ..memory import X\nimport moonrt.comm.mesh\nfrom moonrt import __version__\n"
+                                          "from ..memory import X\nimport moonrt.comm.mesh\n"
+                                          "from moonrt import __version__\n"
                                           "\ndef h():\n    from moonrt.models.dense.model import attn\n",
-        "moonrt/models/k3/spec.py": "from moonrt.memory.manager import ActivationManager\nfrom moonrt.jobs import train\n",
+        "moonrt/models/k3/spec.py": "from moonrt.memory.manager import ActivationManager\n"
+                                    "from moonrt.jobs import train\n",
         "moonrt/newpkg/x.py": "from moonrt.ops import fp8\n",
     })
     got = [(a, b) for a, b, _ in violations(tmp_path)]

@@ -1,7 +1,8 @@
 """Sharded checkpoint state for ``torch.distributed.checkpoint`` (DCP): what each rank owns, by single-process name.
 
 A **sharded state** is a flat ``dict[str, torch.Tensor | Shard]`` a rank hands to DCP (runtime layer: the
-parts of :class:`moonrt.comm.parallelism.Parallelism` build it, :mod:`moonrt.jobs.checkpoint.sharded` saves and loads it):
+parts of :class:`moonrt.comm.parallelism.Parallelism` build it, :mod:`moonrt.jobs.checkpoint.sharded` saves and loads
+it):
 
 - ``model.<name>``: every entry of the single-process ``model.state_dict()`` with its single-process shape.
   A whole tensor (a replica: DCP keeps one copy, from the rank with the least to write) or a :class:`Shard`

@@ -151,7 +151,8 @@ def combine_tokens(
     ``deps``: the dispatch's rows and the prefetched slot weights. They get no gradient from here,
     but being inputs makes the dispatch and prefetch backward (each a collective) run on every rank,
     in the same order, even on a rank whose expert compute did not touch them (no slot rows).
-    ``refill`` (a :class:`moonrt.comm.ep_slots.SlotRefill`): re-prefetches this layer's slots into a shared :class:`SlotPool` first thing in
+    ``refill`` (a :class:`moonrt.comm.ep_slots.SlotRefill`): re-prefetches this layer's slots into a shared
+    :class:`SlotPool` first thing in
     backward (K3_SYSTEMS §6.3), before the expert backward reads them.
     """
     return _Combine.apply(y, weights, layout, group, refill, *deps)

@@ -40,7 +40,8 @@ class Dispatcher(Protocol):
     ignored by :meth:`combine`.
 
     LatentMoE calls, per forward: ``dispatch`` on the latent ``z``, ``segment_weights``, the grouped
-    expert compute (``RoutedExperts.forward`` of :mod:`moonrt.models.k3.model.moe`), multiplies rows by ``recv_weights``, then
+    expert compute (``RoutedExperts.forward`` of :mod:`moonrt.models.k3.model.moe`), multiplies rows by
+    ``recv_weights``, then
     ``combine(y, handle, weighted=False)``. An EP dispatcher with a DeepEP-style
     ``prefetch_weights(handle, expert_weights) -> slot tensors [B, ...]`` implements
     ``segment_weights`` in a few lines (experts sharded with ``experts.shard(rank * E // R, E // R)``)::

@@ -6,7 +6,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from test_pp_train import FLAGS, _here, _run
+from helpers import FLAGS, _here, _run
 
 
 @pytest.fixture(scope="session")

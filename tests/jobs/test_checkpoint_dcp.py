@@ -1,4 +1,5 @@
-"""Sharded DCP checkpoints (``moonrt.jobs.checkpoint.sharded``, issue 13 item 3): save without a gather, load in any layout.
+"""Sharded DCP checkpoints (``moonrt.jobs.checkpoint.sharded``, issue 13 item 3):
+save without a gather, load in any layout.
 
 Unit tests (one process, no process group): a k3_tiny model and AdamW after one step round-trip bit for bit
 (``load_sharded`` into a fresh model, ``to_single_file`` against ``state_dict()``); ``moonrt checkpoint export``
@@ -28,7 +29,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_pp_train import FLAGS, RTOL, _close, _here, _launch, _metrics, _run
+from helpers import FLAGS, RTOL, _close, _here, _launch, _metrics, _run
 
 from moonrt.cli import main as cli
 from moonrt.jobs.checkpoint import sharded as checkpoint_dcp

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_pp_train import _here, _run
+from helpers import _here, _run
 
 from moonrt.models.k3.model.config import k3_tiny
 

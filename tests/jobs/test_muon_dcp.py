@@ -1,4 +1,5 @@
-"""Sharded DCP checkpoints of Muon jobs (``moonrt.jobs.checkpoint.sharded`` with ``--optimizer muon``): each rank writes what it
+"""Sharded DCP checkpoints of Muon jobs (``moonrt.jobs.checkpoint.sharded`` with ``--optimizer muon``): each rank
+writes what it
 owns, ``to_single_file`` gives the gathered ``optimizer.state_dict()``, and a checkpoint resumes in another layout.
 
 - one process: k3_tiny and its Muon after one step (one Muon parameter without a gradient, so without state)
@@ -26,8 +27,8 @@ from typing import Any
 import pytest
 import torch
 from dist import dist_run
+from helpers import _close
 from test_checkpoint_dcp import _equal
-from test_pp_train import _close
 
 from moonrt.cli import main as cli
 from moonrt.jobs.checkpoint import sharded as checkpoint_dcp

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 import torch
 from dist import dist_run
-from test_pp_train import FLAGS, _assert_same_step, _ckpt, _close, _here, _launch, _metrics, _run
+from helpers import FLAGS, _assert_same_step, _ckpt, _close, _here, _launch, _metrics, _run
 
 from moonrt.jobs.checkpoint.sharded import read_marker, resolve
 from moonrt.scheduler.muon_plan import Unit, plan_units

@@ -15,151 +15,16 @@ resumes in one process for step 3.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import shutil
 import subprocess
-import sys
-import tempfile
-import time
 from pathlib import Path
-from typing import Any
 
 import pytest
-import torch
+from helpers import FLAGS, RTOL, _assert_same_step, _ckpt, _cli, _close, _launch, _metrics, _moonrt, _run
 
 from moonrt.config import ConfigError, ParallelConfig
 from moonrt.jobs.train.config import JobConfig
-
-FLAGS = ["--steps", "4", "--seed", "0", "--batch-size", "4", "--seq-len", "32", "--eval-every", "100", "--lr", "1e-3",
-         "--threads", "1", "--no-progress"]
-RTOL = 1e-5
-
-
-def _moonrt(*args: str) -> list[str]:
-    return [sys.executable, "-m", "moonrt.cli", *args]
-
-
-def _cli(args: list[str], capfd: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    """``moonrt ARGS`` in this process: the exit code ``python -m moonrt.cli`` exits with, and the stdout and stderr
-    it wrote (file-descriptor level). For bad input that ``moonrt train`` refuses before it starts a job (no
-    process group, no threads set: asserted), without the ~6 s of imports of a new process."""
-    from moonrt.cli import main
-
-    threads = torch.get_num_threads()
-    code = main(args)
-    out, err = capfd.readouterr()
-    assert not torch.distributed.is_initialized() and torch.get_num_threads() == threads, args
-    return code, out, err
-
-
-def _launch(n: int, *args: str) -> list[str]:
-    return _moonrt("launch", "-n", str(n), "--", *_moonrt(*args))
-
-
-def _here(*args: str) -> tuple[str, ...]:
-    """A ``moonrt ARGS`` run that :func:`_run` makes in this process (``moonrt.cli.main``) instead of a new one:
-    for the single-process runs a test resumes from or compares against (not what it tests), which would
-    otherwise each pay a new interpreter's ~6 s of imports (torch, torch._dynamo, numba), alone on one core
-    when nothing else runs beside them."""
-    return args
-
-
-def _main_here(cwd: Path, args: tuple[str, ...]) -> None:
-    """``moonrt ARGS`` in this process with ``cwd`` as the working directory; the torch thread count and RNG
-    state are this process's again afterwards (``moonrt train --threads`` sets the count, the job seeds torch),
-    and no process group is left (one process never joins one)."""
-    from moonrt.cli import main
-
-    threads, here = torch.get_num_threads(), os.getcwd()
-    try:
-        os.chdir(cwd)  # contextlib.chdir is Python 3.11+
-        with torch.random.fork_rng(devices=[]):
-            code = main(list(args))
-    finally:
-        os.chdir(here)
-        torch.set_num_threads(threads)
-    assert code == 0 and not torch.distributed.is_initialized(), (args, code)
-
-
-def _run(cwd: Path, cmds: dict[str, list[str] | tuple[str, ...]], timeout: float = 840) -> None:
-    """Every command of ``cmds`` at once in ``cwd``; each must exit 0. Lists are new processes; tuples
-    (:func:`_here`) run in this process, one after another, while the new processes run (their output goes to
-    files, so none blocks on a full pipe meanwhile)."""
-    with contextlib.ExitStack() as stack:
-        procs = {}
-        for k, c in cmds.items():
-            if isinstance(c, list):
-                out = stack.enter_context(tempfile.TemporaryFile("w+"))
-                procs[k] = (subprocess.Popen(c, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, text=True), out)
-        try:
-            for c in cmds.values():
-                if isinstance(c, tuple):
-                    _main_here(cwd, c)
-            deadline = time.monotonic() + timeout
-            for p, _ in procs.values():
-                p.wait(timeout=max(deadline - time.monotonic(), 1))
-        finally:  # a failure here leaves no job running on (moonrt launch stops its ranks on SIGTERM)
-            for p, _ in procs.values():
-                if p.poll() is None:
-                    p.terminate()
-                    try:
-                        p.wait(timeout=60)
-                    except subprocess.TimeoutExpired:
-                        p.kill()
-                        p.wait()
-        for k, (p, out) in procs.items():
-            out.seek(0)
-            assert p.returncode == 0, f"{k}:\n{out.read()[-4000:]}"
-
-
-def _metrics(path: Path) -> dict[int, dict[str, Any]]:
-    return {r["step"]: r for r in map(json.loads, path.read_text().splitlines())}
-
-
-def _ckpt(path: Path) -> dict[str, Any]:
-    """The run's newest checkpoint (multi-rank jobs write the sharded OUT/checkpoint/, one process checkpoint.pt)
-    in the single-process ``checkpoint.pt`` format."""
-    from moonrt.jobs.checkpoint.store import read_state
-
-    return read_state(path)
-
-
-def _close(a: Any, b: Any, where: str) -> None:
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            _close(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, list | tuple):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _close(x, y, f"{where}[{i}]")
-    elif isinstance(a, torch.Tensor):
-        assert a.shape == b.shape and a.dtype == b.dtype, where
-        if a.is_floating_point():
-            err = float((a.double() - b.double()).norm())
-            assert err <= RTOL * max(float(b.double().norm()), 1e-12), (where, err, float(b.double().norm()))
-        else:
-            assert torch.equal(a, b), where
-    else:
-        assert a == b, (where, a, b)
-
-
-def _assert_same_step(tmp_path: Path, name: str, ref: dict[str, Any], ref_ckpt: dict[str, Any],
-                      step: int = 2) -> dict[str, Any]:
-    """Run ``name``'s step ``step`` (``<name>.jsonl`` and ``<name>/``'s checkpoint) against the single process's
-    metrics ``ref`` and checkpoint ``ref_ckpt``: loss and grad norm, every parameter and optimizer tensor within
-    ``RTOL`` relative (normwise per tensor); returns the run's step record."""
-    got = _metrics(tmp_path / f"{name}.jsonl")[step]
-    assert abs(got["loss"] - ref["loss"]) <= RTOL * abs(ref["loss"]), (name, got["loss"], ref["loss"])
-    assert abs(got["grad_norm"] - ref["grad_norm"]) <= RTOL * ref["grad_norm"], (name, got["grad_norm"],
-                                                                                 ref["grad_norm"])
-    ck = _ckpt(tmp_path / name)
-    assert ck["step"] == step and list(ck["model"]) == list(ref_ckpt["model"]), name
-    _close(ck["model"], ref_ckpt["model"], f"{name}.model")
-    _close(ck["optimizer"], ref_ckpt["optimizer"], f"{name}.optimizer")
-    return got
 
 
 @pytest.mark.timeout(1500)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_pp_train import FLAGS, _assert_same_step, _ckpt, _cli, _close, _here, _launch, _metrics, _run
+from helpers import FLAGS, _assert_same_step, _ckpt, _cli, _close, _here, _launch, _metrics, _run
 
 
 def _adamw_bytes_per_rank(dp: int) -> int:

@@ -38,7 +38,8 @@ with ``--optimizer muon`` its AdamW-group parameters the same, its Muon paramete
 
 Which format a job writes (:func:`use_sharded`): multi-rank jobs with AdamW or Muon write DCP; a single process
 keeps writing ``OUT/checkpoint.pt`` (it holds everything anyway, and the one file is what other tools read); other
-optimizers would keep the gathered file. ``--resume`` takes the newer of the two (:func:`moonrt.jobs.checkpoint.store.resume_state`).
+optimizers would keep the gathered file. ``--resume`` takes the newer of the two
+(:func:`moonrt.jobs.checkpoint.store.resume_state`).
 """
 
 from __future__ import annotations

@@ -25,7 +25,8 @@ from moonrt.jobs.train.config import JobConfig
 
 def save_checkpoint(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, step: int,
                     job: JobConfig, rt: Parallelism | None = None) -> None:
-    """Atomically write ``{model, optimizer, step, config}`` (:func:`moonrt.jobs.checkpoint.single.save`); collective: every rank calls it.
+    """Atomically write ``{model, optimizer, step, config}`` (:func:`moonrt.jobs.checkpoint.single.save`);
+    collective: every rank calls it.
 
     A multi-rank AdamW or Muon job writes a sharded DCP checkpoint under ``path.parent / "checkpoint"`` instead
     (:mod:`moonrt.jobs.checkpoint.sharded`: every rank its own pieces, nothing gathered). Otherwise model and optimizer
@@ -38,8 +39,7 @@ def save_checkpoint(path: Path, model: torch.nn.Module, opt: torch.optim.Optimiz
     state = rt.full_state_dict(model, opt)
     if not rt.is_main:
         return
-    save(path, {"model": state["model"], "optimizer": state["optimizer"], "step": step,
-                           "config": to_dict(job)})
+    save(path, {"model": state["model"], "optimizer": state["optimizer"], "step": step, "config": to_dict(job)})
 
 
 def load_checkpoint(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer,
@@ -55,8 +55,7 @@ def load_checkpoint(path: Path, model: torch.nn.Module, opt: torch.optim.Optimiz
         rt.load_full_state_dict(model, opt, state)
     except (RuntimeError, KeyError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"checkpoint {str(path)!r}: does not fit this model and optimizer: "
-                                         f"{first}") from None
+        raise CheckpointError(f"checkpoint {str(path)!r}: does not fit this model and optimizer: {first}") from None
     return int(state["step"])
 
 

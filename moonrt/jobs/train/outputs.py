@@ -321,7 +321,8 @@ def _flat(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def _foreign_config(path: Path, job: JobConfig) -> str | None:
     """Why the existing ``path`` (``OUT/config.yaml``) is not this job's, or None when it is: a job config equal to
-    ``job`` in every field but :data:`moonrt.jobs.checkpoint.single.FREE_ON_RESUME` (where outputs go, layout, intervals)."""
+    ``job`` in every field but :data:`moonrt.jobs.checkpoint.single.FREE_ON_RESUME`
+    (where outputs go, layout, intervals)."""
     if path.is_symlink() or not path.is_file():
         return "a link or not a regular file"
     try:

@@ -170,7 +170,8 @@ class K3Model(nn.Module):
     def loss_sum(self, tokens: torch.Tensor, targets: torch.Tensor, ctx: AttentionContext = LOCAL,
                  packing: DocumentPacking | None = None) -> torch.Tensor:
         """Summed next-token cross-entropy (fp32 scalar) over all ``targets [B, T]`` except those equal to
-        -100 (torch's ``ignore_index``; a packed batch's cross-document targets, see :mod:`moonrt.models.k3.model.packing`).
+        -100 (torch's ``ignore_index``; a packed batch's cross-document targets, see
+        :mod:`moonrt.models.k3.model.packing`).
 
         Sum, not mean: a runtime divides by the *global* token count so the loss is the mean over
         every token of the global batch whatever the data/context split.
