@@ -1,0 +1,67 @@
+"""Per-token layers of the dense decoder: RMSNorm and the SwiGLU FFN (math in :mod:`moonrt.ops`)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moonrt.ops.glu import swiglu
+from moonrt.ops.rmsnorm import rms_norm
+
+
+class RMSNorm(nn.Module):
+    """``y = x / sqrt(mean(x^2) + eps) * weight`` over the last dim, fp32 math (fp64 stays), out in ``x``'s dtype.
+
+    Parameters: ``weight [dim]`` (init 1). One autograd node: :func:`moonrt.ops.rmsnorm.rms_norm`.
+    """
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        if not (isinstance(dim, int) and dim >= 1):
+            raise ValueError(f"RMSNorm: dim={dim!r}, expected an integer >= 1")
+        if not eps > 0:
+            raise ValueError(f"RMSNorm: eps={eps!r}, expected a positive number")
+        self.dim, self.eps = dim, float(eps)
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., dim]`` -> ``[..., dim]`` in ``x.dtype``."""
+        if x.shape[-1] != self.dim:
+            raise ValueError(f"RMSNorm: input last dimension {x.shape[-1]}, expected dim={self.dim}")
+        return rms_norm(x, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}"
+
+
+class SwiGLUFFN(nn.Module):
+    """``down(silu(gate(x)) * up(x))``, no biases; the activation in fp32 (:func:`moonrt.ops.glu.swiglu`, one
+    autograd node), cast back to ``x``'s dtype before ``down_proj``.
+
+    Parameters (``nn.Linear`` layout ``[out, in]``): ``gate_proj.weight [F, D]``, ``up_proj.weight [F, D]``,
+    ``down_proj.weight [D, F]``, each ~ N(0, ``init_std``). All three are whole Muon matrices (the default).
+    """
+
+    def __init__(self, dim: int, hidden: int, init_std: float) -> None:
+        super().__init__()
+        for name, value in (("dim", dim), ("hidden", hidden)):
+            if not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"SwiGLUFFN: {name}={value!r}, expected an integer >= 1")
+        self.dim, self.hidden = dim, hidden
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+        for lin in (self.gate_proj, self.up_proj, self.down_proj):
+            nn.init.normal_(lin.weight, std=init_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., D]`` -> ``[..., D]`` in ``x.dtype``."""
+        if x.shape[-1] != self.dim:
+            raise ValueError(f"SwiGLUFFN: input last dimension {x.shape[-1]}, expected dim={self.dim}")
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)).to(x.dtype))
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, hidden={self.hidden}"
+
+
+__all__ = ["RMSNorm", "SwiGLUFFN"]
