@@ -5,8 +5,9 @@ Like ``torchrun --standalone``: each rank is a fresh process with ``RANK``, ``WO
 reports free), ``GLOO_SOCKET_IFNAME`` = the loopback interface (unless set), plus
 ``MOONRT_DIST_TIMEOUT`` = ``--timeout``, which
 :func:`moonrt.cluster.env.init_distributed` uses as the timeout of the rendezvous and every
-collective unless the job's config sets one (``dist.timeout_s`` wins), ``MOONRT_JOB_ID`` (a random nonce per launch: the job identity every rank checks at the
-rendezvous, so a rank never joins another job that got the same port) and ``MOONRT_LAUNCHER_PID``;
+collective unless the job's config sets one (``dist.timeout_s`` wins), ``MOONRT_JOB_ID`` (a random
+nonce per launch: the job identity every rank checks at the rendezvous, so a rank never joins another
+job that got the same port) and ``MOONRT_LAUNCHER_PID``;
 torchrun's ``TORCHELASTIC_*`` variables (when the launcher itself runs in a torchrun worker) are not passed on.
 Numeric flags are range-checked before anything starts (one line naming the flag, exit 2).
 
