@@ -20,7 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "launch": ("moonrt.cluster.launch", "run N local ranks of a command (or --selftest), like torchrun"),
     "selftest": ("moonrt.jobs.selftest.cli",
                  "check and time the job's communication: collectives, MoonEP, KCP, remote"),
-    "sbatch": ("moonrt.cluster.sbatch", "write (and optionally submit) a SLURM batch script for a job"),
+    "sbatch": ("moonrt.jobs.train.sbatch", "write (and optionally submit) a SLURM batch script for a job"),
     "ep-sim": ("moonrt.jobs.ep_sim", "simulate expert placement (MoonEP, EPLB, none) on a routing workload"),
     "mem-plan": ("moonrt.jobs.mem_plan", "per-rank memory model and activation-policy plan for a budget (ILP)"),
     "pp-plan": ("moonrt.jobs.pp_plan",

@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import re
 import reprlib
 import tempfile
 import types
@@ -99,6 +100,15 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         args = get_args(tp)
         if value is None and type(None) in args:
             return None
+        inner_types = [a for a in args if a is not type(None)]
+        if len(inner_types) == 1:  # Optional[X]: X's own message ("expected a finite number"), "or null" added
+            try:
+                return _convert(inner_types[0], value, path)
+            except ConfigError as exc:
+                msg = str(exc)
+                if msg.startswith(f"{path} = "):
+                    raise ConfigError(f"{msg} or null") from None
+                raise
         errors = []
         for arg in args:
             if arg is type(None):
@@ -520,22 +530,48 @@ class ParallelConfig:
         return self.dp * self.pp * self.ep * self.cp
 
 
+DEFAULT_TIMEOUT_S = 300.0
+"""Collective / rendezvous timeout when neither the job config (``dist.timeout_s``) nor the launcher
+(``MOONRT_DIST_TIMEOUT``) gives one."""
+
+_HOST = re.compile(r"[\w.:%-]{1,255}", re.ASCII)
+"""An IP address (v4, v6 with ``%zone``) or host name: also one shell word, as ``moonrt sbatch`` writes it."""
+
+
 @dataclasses.dataclass(kw_only=True, slots=True)
 class DistConfig:
-    """How torch.distributed is initialized (see :mod:`moonrt.cluster.env`)."""
+    """How torch.distributed is initialized (:func:`moonrt.cluster.env.init_distributed`): a job's ``dist`` section.
+
+    A field left ``None`` takes the value the launcher passes to every rank in the environment (``moonrt launch``
+    and ``moonrt sbatch`` write it there), else the default; a value set here wins over the launcher's
+    (:func:`moonrt.cluster.env.resolve_dist_config`)."""
 
     backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """``auto``: nccl when CUDA is available, else gloo."""
-    timeout_s: float = 300.0
-    """Timeout of every collective and of rendezvous; a dead rank never hangs a job longer."""
+    """``auto``: the job's device decides (gloo on cpu, nccl on cuda); outside a job, nccl when CUDA is available,
+    else gloo."""
+    timeout_s: float | None = None
+    """Timeout in seconds of every collective and of the rendezvous: a dead rank never hangs a job longer. ``None``:
+    the launcher's ``MOONRT_DIST_TIMEOUT`` (``moonrt launch --timeout``, ``moonrt sbatch --timeout``), else
+    :data:`DEFAULT_TIMEOUT_S`."""
+    rdzv_host: str | None = None
+    """Address (or name) of the interface rank 0's rendezvous store listens on (``0.0.0.0``: every interface).
+    ``None``: the launcher's ``MOONRT_RDZV_HOST`` (``moonrt sbatch --rdzv-host``), else the address ``MASTER_ADDR``
+    resolves to on rank 0's host (:func:`moonrt.cluster.env.rendezvous_bind_host`)."""
 
     def validate(self) -> None:
-        check(math.isfinite(self.timeout_s) and 0 < self.timeout_s <= MAX_TIMEOUT_S, "timeout_s", self.timeout_s,
-              f"a positive number of seconds <= {MAX_TIMEOUT_S:g} (MAX_TIMEOUT_S, a week)")
+        check(self.backend in ("auto", "gloo", "nccl"), "backend", self.backend, "one of 'auto', 'gloo', 'nccl'")
+        t = self.timeout_s
+        check(t is None or (isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t)
+                            and 0 < t <= MAX_TIMEOUT_S), "timeout_s", t,
+              f"a positive number of seconds <= {MAX_TIMEOUT_S:g} (MAX_TIMEOUT_S, a week), or null (the launcher's)")
+        check(self.rdzv_host is None or (isinstance(self.rdzv_host, str) and bool(_HOST.fullmatch(self.rdzv_host))),
+              "rdzv_host", self.rdzv_host, "an IP address or host name of rank 0's interface (letters, digits, "
+              "'.', ':', '%', '_', '-'; 0.0.0.0: every interface), or null (the launcher's)")
 
 
 __all__ = [
     "ConfigError",
+    "DEFAULT_TIMEOUT_S",
     "DistConfig",
     "MAX_DEGREE",
     "MAX_SCHEDULE_CELLS",

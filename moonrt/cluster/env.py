@@ -25,9 +25,13 @@ launcher whose variables are present wins):
 
 A partially set environment (``RANK`` without ``WORLD_SIZE``, ``SLURM_PROCID`` outside an
 ``srun`` step, ...) is a :class:`ValueError` naming the missing variables. Every collective and
-the rendezvous itself are bounded by ``DistConfig.timeout_s`` (default: env
-``MOONRT_DIST_TIMEOUT``, which ``moonrt launch --timeout`` and ``moonrt sbatch`` set), so a dead
-rank never hangs a job.
+the rendezvous itself are bounded by a timeout, so a dead rank never hangs a job.
+
+**Where the settings come from** (:func:`resolve_dist_config`). The job's :class:`~moonrt.config.DistConfig`
+(``moonrt train``: the job config's ``dist`` section, ``--dist-timeout``) is passed to :func:`init_distributed`
+and wins; a field it leaves ``None`` takes the launcher's environment variable, the channel through which
+``moonrt launch --timeout`` and ``moonrt sbatch --timeout / --rdzv-host`` reach every rank
+(``MOONRT_DIST_TIMEOUT``, ``MOONRT_RDZV_HOST``), else the default (300 s; ``MASTER_ADDR``'s address).
 
 **Job identity.** A port can still be shared by two jobs (two SLURM jobs whose derived ports collide,
 a ``MASTER_PORT`` set twice): the store then holds ranks of both, which would form mixed process groups
@@ -76,13 +80,16 @@ from pathlib import Path
 from typing import Literal
 
 from moonrt.cluster.lifeline import watch_launcher
-from moonrt.config import ConfigError, DistConfig
+from moonrt.config import DEFAULT_TIMEOUT_S, ConfigError, DistConfig
+from moonrt.config import MAX_TIMEOUT_S as MAX_DIST_TIMEOUT_S
 
 TIMEOUT_ENV = "MOONRT_DIST_TIMEOUT"
-"""Default collective timeout in seconds when ``init_distributed`` gets no :class:`DistConfig`."""
+"""Collective timeout in seconds that a launcher passes to its ranks: used where the job's
+:class:`DistConfig` leaves ``timeout_s`` unset (:func:`resolve_dist_config`)."""
 
 RDZV_HOST_ENV = "MOONRT_RDZV_HOST"
-"""Address (or name) of the interface rank 0's rendezvous store listens on (see module doc)."""
+"""Address (or name) of the interface rank 0's rendezvous store listens on, as a launcher passes it (see module doc);
+``DistConfig.rdzv_host`` wins over it."""
 
 GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
 """gloo's choice of network interface; set to loopback for single-host jobs unless already set."""
@@ -102,8 +109,10 @@ IDENTITY_KEY = "moonrt/job_identity"
 """Key under which rank 0 publishes its job identity in its rendezvous store."""
 
 MAX_TIMEOUT_S = 1e8
-"""Largest timeout accepted (about 3 years): finite, and far inside what ``timedelta``, ``threading`` and torch's
-millisecond/nanosecond clocks represent (``inf`` or ``1e300`` overflow there)."""
+"""Largest duration a launcher accepts (``moonrt launch --max-time``, ``--stop-grace``; about 3 years): finite, and
+far inside what ``timedelta``, ``threading`` and torch's millisecond/nanosecond clocks represent (``inf`` or
+``1e300`` overflow there). A collective timeout is bounded tighter, by :data:`moonrt.config.MAX_TIMEOUT_S`
+(a week), wherever it comes from."""
 
 Source = Literal["torchrun", "slurm", "mpi", "single"]
 
@@ -352,33 +361,48 @@ def _port(env: Mapping[str, str], name: str) -> int:
 # Initialization
 
 
-def default_dist_config(environ: Mapping[str, str] = os.environ) -> DistConfig:
-    """``DistConfig()`` with ``timeout_s`` from env ``MOONRT_DIST_TIMEOUT`` when set."""
+def resolve_dist_config(cfg: DistConfig | None = None, environ: Mapping[str, str] = os.environ) -> DistConfig:
+    """``cfg`` (default ``DistConfig()``) with ``timeout_s`` set: the config's value when it has one, else the
+    launcher's ``MOONRT_DIST_TIMEOUT`` when set, else :data:`~moonrt.config.DEFAULT_TIMEOUT_S`. ``rdzv_host`` stays
+    as given (``None``: :func:`rendezvous_bind_host` reads ``MOONRT_RDZV_HOST`` at rendezvous time) and ``backend``
+    too (``auto`` is resolved by :func:`init_distributed`). A bad environment value is a :class:`ConfigError` naming
+    the variable, checked against the same bounds as ``DistConfig.timeout_s``; it is read only when needed."""
+    cfg = cfg if cfg is not None else DistConfig()
+    if cfg.timeout_s is not None:
+        return cfg
     raw = environ.get(TIMEOUT_ENV)
     if not raw:
-        return DistConfig()
-    expected = f"expected a positive number of seconds (finite, at most {MAX_TIMEOUT_S:g})"
+        return dataclasses.replace(cfg, timeout_s=DEFAULT_TIMEOUT_S)
+    expected = f"expected a positive number of seconds (finite, at most {MAX_DIST_TIMEOUT_S:g})"
     try:
         timeout = float(raw)
     except ValueError:
         raise ConfigError(f"{TIMEOUT_ENV} = {raw!r}: {expected}") from None
-    if not (math.isfinite(timeout) and 0 < timeout <= MAX_TIMEOUT_S):
+    if not (math.isfinite(timeout) and 0 < timeout <= MAX_DIST_TIMEOUT_S):
         raise ConfigError(f"{TIMEOUT_ENV} = {raw!r}: {expected}")
-    return DistConfig(timeout_s=timeout)
+    return dataclasses.replace(cfg, timeout_s=timeout)
+
+
+def default_dist_config(environ: Mapping[str, str] = os.environ) -> DistConfig:
+    """The settings of a process without a job config: ``DistConfig()`` resolved from the launcher's environment
+    (:func:`resolve_dist_config`)."""
+    return resolve_dist_config(None, environ)
 
 
 def init_distributed(cfg: DistConfig | None = None) -> Rendezvous:
     """Join this job's default process group; return where this process sits in it.
 
-    Backend: ``cfg.backend``; ``"auto"`` is nccl when CUDA is available (device = local rank),
-    else gloo. ``cfg.timeout_s`` bounds the rendezvous and every collective. Without ``cfg``,
-    :func:`default_dist_config` applies. Idempotent: if torch.distributed is already initialized
-    with the detected world size, nothing is done.
+    ``cfg``: the job's settings (``moonrt train`` passes its job config's ``dist``), resolved by
+    :func:`resolve_dist_config`: its own values win, a ``None`` field takes the launcher's environment variable.
+    Backend: ``cfg.backend``; ``"auto"`` is nccl when CUDA is available (device = local rank), else gloo (a job
+    resolves ``auto`` for its device before it calls this). ``cfg.timeout_s`` bounds the rendezvous and every
+    collective; ``cfg.rdzv_host`` is where rank 0's store listens. Idempotent: if torch.distributed is already
+    initialized with the detected world size, nothing is done.
     """
     import torch
     import torch.distributed as dist
 
-    cfg = cfg or default_dist_config()
+    cfg = resolve_dist_config(cfg)
     rdzv = detect_rendezvous()
     watch_launcher()
     if dist.is_initialized():
@@ -398,14 +422,15 @@ def init_distributed(cfg: DistConfig | None = None) -> Rendezvous:
     if rdzv.world_size == 1 and rdzv.master_port is None:
         store = dist.HashStore()
     elif rdzv.source == "mpi" and rdzv.master_port is None:
-        store, rdzv = _mpi_store(rdzv, timeout)
+        store, rdzv = _mpi_store(rdzv, timeout, cfg.rdzv_host)
     else:
         assert rdzv.master_addr is not None and rdzv.master_port is not None
         if uses_agent_store(rdzv):  # torchrun's agent serves the store on MASTER_PORT: every rank is its client
             store = dist.TCPStore(rdzv.master_addr, rdzv.master_port, rdzv.world_size, is_master=False,
                                   timeout=timeout)
         elif rdzv.rank == 0:
-            bind = rendezvous_bind_host(rdzv.master_addr, multi_node=_multi_node(os.environ, rdzv))
+            bind = rendezvous_bind_host(rdzv.master_addr, multi_node=_multi_node(os.environ, rdzv),
+                                        host=cfg.rdzv_host)
             store = master_store(bind, rdzv.master_port, rdzv.world_size, timeout, connect=rdzv.master_addr)
         else:
             store = dist.TCPStore(rdzv.master_addr, rdzv.master_port, rdzv.world_size, is_master=False,
@@ -442,13 +467,17 @@ def shutdown_distributed() -> None:
 
 
 def rendezvous_bind_host(master_addr: str, *, multi_node: bool | None,
-                         environ: Mapping[str, str] = os.environ) -> str:
-    """The one address rank 0's store binds (see module doc): ``MOONRT_RDZV_HOST`` if set, else the
-    address ``master_addr`` resolves to here (a non-loopback one if it has any).
+                         environ: Mapping[str, str] = os.environ, host: str | None = None) -> str:
+    """The one address rank 0's store binds (see module doc): ``host`` (the job's ``dist.rdzv_host``) if given,
+    else ``MOONRT_RDZV_HOST`` if set, else the address ``master_addr`` resolves to here (a non-loopback one if it
+    has any).
 
     ``multi_node``: whether the job spans several hosts (``None``: unknown). Raises ``ValueError``
     when a name cannot be resolved, or resolves only to loopback while ``multi_node`` is true.
     """
+    if host:
+        _resolve(host, "dist.rdzv_host")
+        return host
     explicit = environ.get(RDZV_HOST_ENV)
     if explicit:
         _resolve(explicit, RDZV_HOST_ENV)
@@ -460,8 +489,8 @@ def rendezvous_bind_host(master_addr: str, *, multi_node: bool | None,
     if multi_node:
         raise ValueError(
             f"MASTER_ADDR = {master_addr!r} resolves to the loopback address {ips[0]} on rank 0's host, which the "
-            f"other nodes of this multi-node job cannot reach: set {RDZV_HOST_ENV} (moonrt sbatch --rdzv-host) to "
-            "the address of the interface they reach this host through"
+            f"other nodes of this multi-node job cannot reach: set dist.rdzv_host in the job config (or "
+            f"{RDZV_HOST_ENV}: moonrt sbatch --rdzv-host) to the address of the interface they reach this host through"
         )
     return ips[0]
 
@@ -553,8 +582,9 @@ def _multi_node(env: Mapping[str, str], rdzv: Rendezvous) -> bool | None:
     return None
 
 
-def _mpi_store(rdzv: Rendezvous, timeout: timedelta):
-    """Rank 0 opens a TCPStore on a free port; (host, port) reaches the others via ``MPI_Bcast``."""
+def _mpi_store(rdzv: Rendezvous, timeout: timedelta, host: str | None = None):
+    """Rank 0 opens a TCPStore on a free port (on ``host``, the job's ``dist.rdzv_host``, when given); (host, port)
+    reaches the others via ``MPI_Bcast``."""
     import torch.distributed as dist
 
     try:
@@ -576,14 +606,14 @@ def _mpi_store(rdzv: Rendezvous, timeout: timedelta):
     answer: tuple[str, int] | str | None = None
     if rdzv.rank == 0:
         try:  # any error must reach every rank (through the broadcast), or they would wait forever
-            if os.environ.get(RDZV_HOST_ENV):
-                bind = rendezvous_bind_host("", multi_node=not one_host)
+            if host or os.environ.get(RDZV_HOST_ENV):
+                bind = rendezvous_bind_host("", multi_node=not one_host, host=host)
             elif one_host:
                 bind = "127.0.0.1"
             else:
                 bind = rendezvous_bind_host(hosts[0], multi_node=True)
             store = master_store(bind, 0, rdzv.world_size, timeout)
-            ip = ipaddress.ip_address(_resolve(bind, RDZV_HOST_ENV)[0])
+            ip = ipaddress.ip_address(_resolve(bind, "dist.rdzv_host" if host else RDZV_HOST_ENV)[0])
             answer = (_routable_host() if ip.is_unspecified else str(ip), store.port)
         except ValueError as exc:
             answer = str(exc)

@@ -5,8 +5,9 @@ Like ``torchrun --standalone``: each rank is a fresh process with ``RANK``, ``WO
 reports free), ``GLOO_SOCKET_IFNAME`` = the loopback interface (unless set), plus
 ``MOONRT_DIST_TIMEOUT`` = ``--timeout``, which
 :func:`moonrt.cluster.env.init_distributed` uses as the timeout of the rendezvous and every
-collective, ``MOONRT_JOB_ID`` (a random nonce per launch: the job identity every rank checks at the
-rendezvous, so a rank never joins another job that got the same port) and ``MOONRT_LAUNCHER_PID``;
+collective unless the job's config sets one (``dist.timeout_s`` wins), ``MOONRT_JOB_ID`` (a random
+nonce per launch: the job identity every rank checks at the rendezvous, so a rank never joins another
+job that got the same port) and ``MOONRT_LAUNCHER_PID``;
 torchrun's ``TORCHELASTIC_*`` variables (when the launcher itself runs in a torchrun worker) are not passed on.
 Numeric flags are range-checked before anything starts (one line naming the flag, exit 2).
 
@@ -70,6 +71,7 @@ from moonrt.cluster.env import (
 from moonrt.cluster.lifeline import LAUNCHER_PID_ENV, PR_SET_PDEATHSIG, libc_prctl
 from moonrt.cluster.local import describe_exit
 from moonrt.cluster.preempt import PREEMPTED_EXIT
+from moonrt.config import MAX_TIMEOUT_S as MAX_DIST_TIMEOUT_S
 
 STDERR_TAIL = 40
 """Lines of the failing rank's stderr repeated in the failure message."""
@@ -131,18 +133,20 @@ def check_launch_values(nprocs: object, timeout_s: object, max_time_s: object, s
                         flags: bool = False) -> None:
     """Raise ``ValueError`` naming the first bad value (its CLI flag when ``flags``): the number of ranks an integer
     in [1, :data:`MAX_NPROCS`], each duration finite, > 0 and at most :data:`~moonrt.cluster.env.MAX_TIMEOUT_S`
-    seconds (``inf`` would overflow ``timedelta`` and torch's clocks on every rank)."""
+    seconds (``inf`` would overflow ``timedelta`` and torch's clocks on every rank); the collective timeout at most
+    :data:`moonrt.config.MAX_TIMEOUT_S` (a week), which every rank checks it against."""
     if not (isinstance(nprocs, int) and not isinstance(nprocs, bool) and 1 <= nprocs <= MAX_NPROCS):
         raise ValueError(f"{'--nprocs' if flags else 'nprocs'} = {nprocs!r}: expected an integer >= 1"
                          f" and <= {MAX_NPROCS}")
-    for value, flag, name in ((timeout_s, "--timeout", "timeout"), (max_time_s, "--max-time", "max_time"),
-                              (stop_grace_s, "--stop-grace", "stop_grace")):
+    for value, flag, name, bound in ((timeout_s, "--timeout", "timeout", MAX_DIST_TIMEOUT_S),
+                                     (max_time_s, "--max-time", "max_time", MAX_TIMEOUT_S),
+                                     (stop_grace_s, "--stop-grace", "stop_grace", MAX_TIMEOUT_S)):
         if value is None and name == "max_time":
             continue
         if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-                and 0 < value <= MAX_TIMEOUT_S):
+                and 0 < value <= bound):
             raise ValueError(f"{flag if flags else name} = {value!r}: expected a positive number of seconds "
-                             f"(finite, at most {MAX_TIMEOUT_S:g})")
+                             f"(finite, at most {bound:g})")
 
 
 def _die_with_launcher(prctl: Callable[..., int], launcher: int) -> Callable[[], None]:

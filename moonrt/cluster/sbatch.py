@@ -5,10 +5,14 @@ the job through the SLURM path of :func:`moonrt.cluster.env.init_distributed` (r
 ``SLURM_PROCID``, world = ``SLURM_STEP_NUM_TASKS``, master = first node of the step, port from
 the job and step ids). ``--submit`` hands the script to ``sbatch`` and prints the job id.
 
-``--config FILE`` names the job's YAML config. It is read now so mistakes surface before the job
-queues: if it has a ``parallel`` section, its degrees must multiply to ``nodes x ntasks_per_node``;
-if it has a ``dist`` section, its ``timeout_s`` becomes the job's collective timeout. The command
-receives ``--config <absolute path>``.
+``--config FILE`` names the job's YAML config, read now with the schema ``moonrt train --config`` reads
+(the job layer passes its loader, :mod:`moonrt.jobs.train.sbatch`: the same keys, the same checks, the same
+messages), so mistakes surface before the job queues. Its ``parallel`` degrees must fill ``nodes x
+ntasks_per_node`` ranks as ``moonrt train`` will (equal, or ``dp`` 1 and a divisor: dp is inferred). Its ``dist``
+settings are the job's: ``dist.timeout_s`` and ``dist.rdzv_host``, when set, are what the script exports to
+every task (``MOONRT_DIST_TIMEOUT``, ``MOONRT_RDZV_HOST``; the ranks read the same values from the config,
+which wins there); ``--timeout`` / ``--rdzv-host`` fill what the config leaves ``null`` and must not contradict
+what it sets (one line naming both). The command receives ``--config <absolute path>``.
 
 The script is rendered by the pure function :func:`render_sbatch` from a :class:`SbatchJob`.
 Every value is validated before it is written: the ``#SBATCH`` values (job name, partition, time
@@ -45,11 +49,13 @@ import shlex
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable, Collection
 from pathlib import Path
+from typing import Any
 
 from moonrt.cluster.env import RDZV_HOST_ENV, TIMEOUT_ENV
 from moonrt.cluster.preempt import PREEMPTED_EXIT
-from moonrt.config import ConfigError, DistConfig, ParallelConfig, check, from_dict, read_yaml, write_new
+from moonrt.config import DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S, ConfigError, DistConfig, ParallelConfig, check, write_new
 
 FLAGS = {"command": "command", "nodes": "--nodes", "ntasks_per_node": "--ntasks-per-node",
          "cpus_per_task": "--cpus-per-task", "job_name": "--job-name", "partition": "--partition", "time": "--time",
@@ -113,8 +119,8 @@ class SbatchJob:
     log: str = "moonrt-%j.out"
     """Job output file (``%j`` = job id), relative to ``workdir``."""
     workdir: str = "."
-    timeout_s: float = 300.0
-    """Collective/rendezvous timeout of every task (``MOONRT_DIST_TIMEOUT``)."""
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    """Collective/rendezvous timeout of every task (``MOONRT_DIST_TIMEOUT``; a job config's ``dist.timeout_s``)."""
     rdzv_host: str | None = None
     """Address rank 0's rendezvous store binds (``MOONRT_RDZV_HOST``); ``None``: the first node's address."""
     requeue: bool = False
@@ -154,8 +160,9 @@ class SbatchJob:
                   name("rdzv_host"), self.rdzv_host, "an IP address or host name of rank 0's interface (0.0.0.0: all)")
         check(isinstance(self.workdir, str) and bool(self.workdir) and "\0" not in self.workdir, name("workdir"),
               self.workdir, "a directory path")
-        check(isinstance(self.timeout_s, (int, float)) and math.isfinite(self.timeout_s) and self.timeout_s > 0,
-              name("timeout_s"), self.timeout_s, "a positive number of seconds")
+        check(isinstance(self.timeout_s, (int, float)) and math.isfinite(self.timeout_s) and self.timeout_s > 0
+              and self.timeout_s <= MAX_TIMEOUT_S, name("timeout_s"), self.timeout_s,
+              f"a positive number of seconds <= {MAX_TIMEOUT_S:g} (a week, as DistConfig.timeout_s)")
         check(isinstance(self.requeue, bool), name("requeue"), self.requeue, "True or False")
         check(_is_int(self.signal_lead_s) and 1 <= self.signal_lead_s <= 65535, name("signal_lead_s"),
               self.signal_lead_s, "an integer number of seconds in [1, 65535] (SLURM's --signal range)")
@@ -249,23 +256,35 @@ def requeue_command(command: list[str]) -> list[str]:
     return [*command, *extra]
 
 
-def job_from_config(job: SbatchJob, config: Path) -> SbatchJob:
-    """Check the job's YAML config against the allocation; pass it to the command (see module doc)."""
-    data = read_yaml(config)  # bounded (size, depth, aliases, nodes); every failure is one ConfigError line
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {str(config)!r}: expected a mapping at the top level")
-    timeout_s = job.timeout_s
-    if "parallel" in data:
-        parallel = from_dict(ParallelConfig, data["parallel"])
-        if parallel.world_size != job.world_size:
-            raise ConfigError(
-                f"{config}: parallel = dp {parallel.dp} x pp {parallel.pp} x ep {parallel.ep} x cp {parallel.cp} = "
-                f"{parallel.world_size}: expected nodes {job.nodes} x ntasks_per_node {job.ntasks_per_node} = "
-                f"{job.world_size}"
-            )
-    if "dist" in data:
-        timeout_s = from_dict(DistConfig, data["dist"]).timeout_s
-    return dataclasses.replace(job, command=[*job.command, "--config", str(config.resolve())], timeout_s=timeout_s)
+def job_from_config(job: SbatchJob, config: Path, load: Callable[[Path], Any],
+                    given: Collection[str] = ()) -> SbatchJob:
+    """Check the job's YAML config against the allocation; take its ``dist`` settings; pass it to the command
+    (see module doc).
+
+    ``load``: the job layer's loader (``moonrt train``'s schema), returning a config with ``parallel``
+    (:class:`ParallelConfig`) and ``dist`` (:class:`DistConfig`); its :class:`ConfigError` names the file and the
+    field. ``given``: the fields of ``job`` the command line set (``timeout_s``, ``rdzv_host``): one that
+    contradicts the config is an error (the config wins in every rank)."""
+    cfg = load(config)
+    parallel: ParallelConfig = cfg.parallel
+    dist: DistConfig = cfg.dist
+    world = job.world_size
+    if parallel.world_size != world and not (parallel.dp == 1 and world % parallel.world_size == 0):
+        raise ConfigError(
+            f"{config}: parallel = dp {parallel.dp} x pp {parallel.pp} x ep {parallel.ep} x cp {parallel.cp} = "
+            f"{parallel.world_size}: expected nodes {job.nodes} x ntasks_per_node {job.ntasks_per_node} = "
+            f"{world} (or dp 1 and a divisor of it: dp is then inferred)"
+        )
+    changes: dict[str, Any] = {}
+    for field in ("timeout_s", "rdzv_host"):
+        value = getattr(dist, field)
+        if value is None:
+            continue
+        if field in given and getattr(job, field) != value:
+            raise ConfigError(f"{FLAGS[field]} = {getattr(job, field)!r}: expected the config's dist.{field} = "
+                              f"{value!r} ({config}; the job config wins in every rank), or no {FLAGS[field]}")
+        changes[field] = value
+    return dataclasses.replace(job, command=[*job.command, "--config", str(config.resolve())], **changes)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -282,10 +301,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--time", default=None, help="time limit, e.g. 01:00:00")
     parser.add_argument("--cpus-per-task", type=int, default=None)
     parser.add_argument("--log", default=None, help="job output file (default: <job-name>-%%j.out)")
-    parser.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds (default 300)")
+    parser.add_argument("--timeout", type=float, default=None, help="collective timeout in seconds (default: the "
+                        "config's dist.timeout_s, else 300)")
     parser.add_argument("--rdzv-host", default=None,
                         help="address of the interface rank 0's rendezvous store listens on (MOONRT_RDZV_HOST; "
-                             "default: the address the first node's name resolves to; 0.0.0.0: every interface)")
+                             "default: the config's dist.rdzv_host, else the address the first node's name resolves "
+                             "to; 0.0.0.0: every interface)")
     parser.add_argument("--requeue", action="store_true",
                         help="preemption: SIGUSR1 --signal-lead seconds before the time limit, forwarded to the "
                         f"tasks; requeue the job when they stop with exit code {PREEMPTED_EXIT} (a moonrt train "
@@ -295,7 +316,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- command and arguments run on every task")
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, load_config: Callable[[Path], Any]) -> int:
+    """``moonrt sbatch``; ``load_config`` reads ``--config`` (the job layer's schema: :func:`job_from_config`)."""
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
@@ -306,14 +328,15 @@ def run(args: argparse.Namespace) -> int:
         job = SbatchJob(command=command, nodes=args.nodes, ntasks_per_node=args.ntasks_per_node,
                         job_name=args.job_name, partition=args.partition, time=args.time,
                         cpus_per_task=args.cpus_per_task, log=args.log or f"{args.job_name}-%j.out",
-                        workdir=os.getcwd(), timeout_s=args.timeout,
+                        workdir=os.getcwd(), timeout_s=DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout,
                         rdzv_host=args.rdzv_host, requeue=args.requeue,
                         signal_lead_s=120 if args.signal_lead is None else args.signal_lead)
         if args.signal_lead is not None and not args.requeue:
             raise ConfigError(f"--signal-lead = {args.signal_lead}: expected together with --requeue")
         job.validate(flags=True)
         if args.config is not None:
-            job = job_from_config(job, args.config)
+            given = [f for f, v in (("timeout_s", args.timeout), ("rdzv_host", args.rdzv_host)) if v is not None]
+            job = job_from_config(job, args.config, load_config, given)
         text = render_sbatch(job)
     except ConfigError as exc:
         print(f"moonrt sbatch: {exc}", file=sys.stderr)

@@ -183,7 +183,8 @@ def test_rendezvous_bind_host():
     # an explicit choice wins, wildcard included (only when asked for)
     assert rendezvous_bind_host("127.0.0.1", multi_node=True, environ={"MOONRT_RDZV_HOST": "0.0.0.0"}) == "0.0.0.0"
     with pytest.raises(ValueError, match=r"MASTER_ADDR = '127.0.0.1' resolves to the loopback address 127.0.0.1 .* "
-                                         r"set MOONRT_RDZV_HOST \(moonrt sbatch --rdzv-host\)"):
+                                         r"set dist.rdzv_host in the job config \(or MOONRT_RDZV_HOST: moonrt "
+                                         r"sbatch --rdzv-host\)"):
         rendezvous_bind_host("127.0.0.1", multi_node=True, environ={})
     with pytest.raises(ValueError, match=r"MASTER_ADDR = 'no-such-host.invalid': cannot resolve"):
         rendezvous_bind_host("no-such-host.invalid", multi_node=None, environ={})

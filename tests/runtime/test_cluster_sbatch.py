@@ -10,6 +10,7 @@ import pytest
 from moonrt.cli import main as cli_main
 from moonrt.cluster.sbatch import SbatchJob, job_from_config, render_sbatch
 from moonrt.config import ConfigError
+from moonrt.jobs.train.sbatch import load_job
 
 
 def test_render_script():
@@ -32,28 +33,54 @@ def test_render_script():
 
 def test_config_is_checked_and_passed(tmp_path):
     cfg = tmp_path / "job.yaml"
-    cfg.write_text("parallel:\n  dp: 2\n  ep: 4\ndist:\n  timeout_s: 45\nmodel: anything\n")
-    job = job_from_config(SbatchJob(command=["prog"], nodes=2, ntasks_per_node=4), cfg)
+    cfg.write_text("parallel:\n  dp: 2\n  ep: 4\ndist:\n  timeout_s: 45\n  rdzv_host: 10.0.0.1\nmodel: k3_tiny\n")
+    job = job_from_config(SbatchJob(command=["prog"], nodes=2, ntasks_per_node=4), cfg, load_job)
     assert job.command == ["prog", "--config", str(cfg.resolve())]
-    assert job.timeout_s == 45
+    assert job.timeout_s == 45 and job.rdzv_host == "10.0.0.1"
     with pytest.raises(ConfigError, match=r"parallel = dp 2 x pp 1 x ep 4 x cp 1 = 8: expected nodes 1 x "
                                           r"ntasks_per_node 4 = 4"):
-        job_from_config(SbatchJob(command=["prog"], nodes=1, ntasks_per_node=4), cfg)
+        job_from_config(SbatchJob(command=["prog"], nodes=1, ntasks_per_node=4), cfg, load_job)
+    # a flag that agrees with the config is fine; one that contradicts it is refused (the config wins in the ranks)
+    same = SbatchJob(command=["prog"], nodes=2, ntasks_per_node=4, timeout_s=45)
+    assert job_from_config(same, cfg, load_job, given=["timeout_s"]).timeout_s == 45
+    with pytest.raises(ConfigError, match=r"--timeout = 60: expected the config's dist.timeout_s = 45.0 .*the job "
+                                          r"config wins in every rank\), or no --timeout"):
+        job_from_config(SbatchJob(command=["prog"], nodes=2, ntasks_per_node=4, timeout_s=60), cfg, load_job,
+                        given=["timeout_s"])
+    with pytest.raises(ConfigError, match=r"--rdzv-host = '10.0.0.2': expected the config's dist.rdzv_host = "
+                                          r"'10.0.0.1'"):
+        job_from_config(SbatchJob(command=["prog"], nodes=2, ntasks_per_node=4, rdzv_host="10.0.0.2"), cfg,
+                        load_job, given=["rdzv_host"])
+
+
+def test_config_without_dist_keeps_the_flags_and_infers_dp(tmp_path):
+    """A config that leaves dist.timeout_s null keeps --timeout; parallel without dp fills the allocation as
+    moonrt train does (dp = world / (pp x ep x cp))."""
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("parallel:\n  ep: 2\n")
+    job = job_from_config(SbatchJob(command=["prog"], nodes=2, ntasks_per_node=4, timeout_s=77), cfg, load_job,
+                          given=["timeout_s"])
+    assert job.timeout_s == 77 and job.rdzv_host is None
+    with pytest.raises(ConfigError, match=r"ep 2 x cp 1 = 2: expected nodes 1 x ntasks_per_node 3 = 3 \(or dp 1 "
+                                          r"and a divisor of it"):
+        job_from_config(SbatchJob(command=["prog"], nodes=1, ntasks_per_node=3), cfg, load_job)
 
 
 @pytest.mark.parametrize(
     ("text", "message"),
     [("parallel:\n  dp: 0\n", r"dp = 0: expected an integer >= 1"),
      ("parallel:\n  tp: 2\n", r"tp: unknown key in ParallelConfig"),
-     ("dist:\n  timeout_s: -1\n", r"timeout_s = -1.0: expected a positive number of seconds"),
+     ("dist:\n  timeout_s: -1\n", r"dist.timeout_s = -1.0: expected a positive number of seconds"),
+     ("dist:\n  port: 29500\n", r"dist.port: unknown key in DistConfig"),
+     ("model: anything\n", r"model = 'anything': expected one of"),
      ("parallel: [1, 2\n", r"malformed YAML"),
-     ("- 1\n", r"expected a mapping at the top level")],
+     ("- 1\n", r"<root> = \[1\]: expected a mapping of JobConfig fields")],
 )
 def test_bad_config(tmp_path, text, message):
     cfg = tmp_path / "bad.yaml"
     cfg.write_text(text)
     with pytest.raises(ConfigError, match=message):
-        job_from_config(SbatchJob(command=["prog"], nodes=1, ntasks_per_node=2), cfg)
+        job_from_config(SbatchJob(command=["prog"], nodes=1, ntasks_per_node=2), cfg, load_job)
 
 
 @pytest.mark.parametrize(
@@ -64,6 +91,7 @@ def test_bad_config(tmp_path, text, message):
      ({"job_name": "a b"}, r"job_name = 'a b': expected letters"),
      ({"timeout_s": 0}, r"timeout_s = 0: expected a positive number"),
      ({"timeout_s": float("inf")}, r"timeout_s = inf: expected a positive number"),
+     ({"timeout_s": 1e7}, r"timeout_s = 10000000.0: expected a positive number of seconds <= 604800"),
      ({"partition": "gpu\ntouch x"}, r"partition = 'gpu\\ntouch x': expected a partition name"),
      ({"time": "1:00; id"}, r"time = '1:00; id': expected a SLURM time limit"),
      ({"log": "out.log\nid"}, r"log = 'out.log\\nid': expected a file path"),

@@ -38,9 +38,10 @@ from moonrt.jobs.train.config import JobConfig
 KEYS = ("model", "optimizer", "step", "config")
 
 # Dotted job-config paths that may change on resume without an explicit override: where the outputs go,
-# how the work is laid out and stored (layout-independent checkpoints), how often eval and checkpoints happen.
+# how the work is laid out and stored (layout-independent checkpoints), how often eval and checkpoints happen,
+# how the ranks join (dist: backend, timeout, rendezvous) and the device (a different layout's numerics, like parallel).
 FREE_ON_RESUME = ("out_dir", "threads", "parallel", "memory_policy", "routing_trace", "optim.eval_every",
-                  "optim.eval_windows", "optim.checkpoint_every", "stop_signal", "gc_interval")
+                  "optim.eval_windows", "optim.checkpoint_every", "stop_signal", "gc_interval", "dist", "device")
 
 
 class CheckpointError(ValueError):

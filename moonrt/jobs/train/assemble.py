@@ -68,12 +68,15 @@ def parallel_runtime(job: JobConfig, progress: bool = False) -> Parallelism:
     from moonrt.cluster.env import init_distributed
     from moonrt.comm.cp_context import ContextParallel
     from moonrt.comm.mesh import ProcessMesh
+    from moonrt.jobs.train.device import resolve_job
 
     p = job.parallel
     if p.cp > job.optim.seq_len:  # before joining: every rank fails alike, none waits for the others
         raise ConfigError(f"parallel.cp (--cp) = {p.cp}: expected at most optim.seq_len (--seq-len) = "
                           f"{job.optim.seq_len} (each CP rank holds a slice of every sequence, uneven slices allowed)")
-    init_distributed()
+    # the job's dist (wins over the launcher's environment; backend for its device); a device that cannot run
+    # fails here, on every rank alike, before any rank waits at the rendezvous
+    init_distributed(resolve_job(job).dist)
     world = dist.get_world_size()
     if p.world_size != world and p.dp == 1:
         if world % p.world_size:

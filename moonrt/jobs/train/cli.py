@@ -66,6 +66,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "young-generation collection every N steps (gc_interval; default 50; 0 = automatic)")
     parser.add_argument("--memory-policy", help="activation memory policy YAML (memory_policy; moonrt.memory)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar or summary line")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where the job computes (device; default "
+                        "auto = cpu; cuda is refused until the CUDA train path exists)")
+    parser.add_argument("--dist-timeout", type=float, metavar="SECONDS", help="timeout of the rendezvous and every "
+                        "collective (dist.timeout_s; wins over moonrt launch/sbatch --timeout; default: theirs, else "
+                        "300)")
     parser.add_argument("--ep", type=int, help="expert-parallel degree: MoonEP over EP ranks, E/EP home experts "
                         "per rank (parallel.ep)")
     parser.add_argument("--routing-trace", help="write per-step, per-layer [R, E] routing counts to this .npz "
@@ -97,7 +102,7 @@ _OVERRIDES: dict[str, tuple[str, ...]] = {
     "pp": ("parallel", "pp"), "vpp": ("parallel", "vpp"), "microbatches": ("parallel", "microbatches"),
     "schedule": ("parallel", "schedule"), "attn_res_comm": ("parallel", "attn_res_comm"),
     "zero": ("parallel", "zero"), "signal": ("stop_signal",),
-    "gc_interval": ("gc_interval",),
+    "gc_interval": ("gc_interval",), "device": ("device",), "dist_timeout": ("dist", "timeout_s"),
 }
 
 

@@ -12,7 +12,7 @@ import math
 import os
 from typing import Any, Literal
 
-from moonrt.config import ConfigError, ParallelConfig, check
+from moonrt.config import ConfigError, DistConfig, ParallelConfig, check
 from moonrt.jobs.train import data
 from moonrt.models.k3.model.config import PRESETS, K3Config
 
@@ -156,6 +156,14 @@ class JobConfig:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    dist: DistConfig = dataclasses.field(default_factory=DistConfig)
+    """How the ranks join (backend, collective timeout, rendezvous address): wins over what the launcher passes in
+    the environment; ``null`` fields take the launcher's values (:func:`moonrt.cluster.env.resolve_dist_config`).
+    The run's ``config.yaml`` records the timeout and backend it used."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the job computes: ``cpu``; ``cuda`` (refused today: the CUDA train path is not implemented yet);
+    ``auto``: cpu until that path exists (:func:`moonrt.jobs.train.device.resolve_device`). The run's
+    ``config.yaml`` and start line record the device it used."""
     memory_policy: str | None = None
     """Path of an activation-memory policy YAML (applied by the activation manager when present)."""
     out_dir: str = "runs/train"
@@ -183,6 +191,9 @@ class JobConfig:
             signal_from_name(self.stop_signal, "stop_signal")
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        check(self.device in ("auto", "cpu", "cuda"), "device", self.device, "one of 'auto', 'cpu', 'cuda'")
+        check(not (self.device == "cpu" and self.dist.backend == "nccl"), "dist.backend", self.dist.backend,
+              "'gloo' or 'auto' with device 'cpu' (nccl reduces CUDA tensors only)")
         check(0 <= self.threads <= MAX_THREADS, "threads", self.threads,
               f"an integer in [0, {MAX_THREADS}] (0 = torch default; MAX_THREADS)")
         check(0 <= self.gc_interval <= MAX_COUNT, "gc_interval", self.gc_interval,

@@ -49,6 +49,7 @@ from moonrt.jobs.checkpoint.store import load_checkpoint, resume_state, save_che
 from moonrt.jobs.train import data, outputs
 from moonrt.jobs.train.assemble import build_model
 from moonrt.jobs.train.config import JobConfig, lr_at
+from moonrt.jobs.train.device import device_note, resolve_job
 from moonrt.jobs.train.optimizers import build_optimizer
 from moonrt.jobs.train.outputs import CHECKPOINT, CONFIG
 from moonrt.models.k3.model.packing import DocumentPacking
@@ -132,13 +133,16 @@ def train(job: JobConfig, rt: Parallelism | None = None, metrics_path: str | Non
     starts that run again, its moonrt metrics file trimmed to nothing instead of refused.
     """
     rt = rt or Parallelism()
+    requested = job.device
+    job = resolve_job(job)  # device and dist as this run uses them: what config.yaml records
+    note = device_note(requested, job.device)
     if not job.out_dir:
         raise ConfigError("out_dir (--out) = '': expected a directory path")
     if until is not None and until < 1:
         raise ConfigError(f"--until = {until}: expected an integer >= 1 (the step to stop after)")
     lock = outputs.lock_out_dir(Path(job.out_dir), create=not resume) if rt.is_main else contextlib.nullcontext()
     with StopSignal(stop_signals(job.stop_signal)) as preempt, lock:  # one run per --out, before anything is written
-        return _train(job, rt, metrics_path, resume, until, progress, resume_allow, preempt, requeued)
+        return _train(job, rt, metrics_path, resume, until, progress, resume_allow, preempt, requeued, note)
 
 
 class ManualGC:
@@ -164,7 +168,8 @@ class ManualGC:
 
 
 def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bool, until: int | None,
-           progress: bool, resume_allow: tuple[str, ...], preempt: StopSignal, requeued: bool) -> dict[str, float]:
+           progress: bool, resume_allow: tuple[str, ...], preempt: StopSignal, requeued: bool,
+           device: str) -> dict[str, float]:
     if job.threads:
         torch.set_num_threads(job.threads)
     cfg = job.optim
@@ -242,7 +247,8 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
     if rt.is_main and progress:
         print(f"moonrt train: {job.model if job.model_config is None else 'custom'} ({n_params / 1e6:.2f}M params, "
               f"pattern {mcfg.pattern}), corpus {corpus.description}: {len(corpus.train):,} train / "
-              f"{len(corpus.heldout):,} held-out tokens; {cfg.steps} steps x {global_tokens} tokens", flush=True)
+              f"{len(corpus.heldout):,} held-out tokens; {cfg.steps} steps x {global_tokens} tokens; device {device}",
+              flush=True)
         if resume:
             print(f"moonrt train: resumed from step {start} (checkpoint {str(src)!r})", flush=True)
     bar = tqdm(range(start, stop), initial=start, total=cfg.steps, disable=not (rt.is_main and progress),
