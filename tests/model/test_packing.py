@@ -18,7 +18,7 @@ from moonrt.models.k3.model.config import k3_tiny
 from moonrt.models.k3.model.kda_layer import KDACache, KDALayer
 from moonrt.models.k3.model.mla import GatedMLA
 from moonrt.models.k3.model.model import K3Model
-from moonrt.models.k3.model.packing import DocumentPacking
+from moonrt.parallel.packing import DocumentPacking
 from moonrt.parallel.context import AttentionContext
 
 # Two rows of 80 tokens: documents of 1 and 2 tokens (shorter than the conv kernel), one longer than a KDA

@@ -61,7 +61,7 @@ class DataConfig:
     pack_documents: bool = False
     """Tell the model where the documents in each window start (:func:`moonrt.jobs.train.data.packed_batch`): no token
     attends to, or carries KDA/conv state from, another document, and cross-document targets are not trained
-    (:mod:`moonrt.models.k3.model.packing`). The stdlib corpus's documents are its files; a user corpus needs ``eos_id``."""
+    (:mod:`moonrt.parallel.packing`). The stdlib corpus's documents are its files; a user corpus needs ``eos_id``."""
     eos_id: int | None = None
     """Token id (a byte value for a text corpus) that ends each document of a user corpus (with ``pack_documents``)."""
 

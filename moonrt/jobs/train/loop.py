@@ -51,7 +51,7 @@ from moonrt.jobs.train.assemble import build_model
 from moonrt.jobs.train.config import JobConfig, lr_at
 from moonrt.jobs.train.optimizers import build_optimizer
 from moonrt.jobs.train.outputs import CHECKPOINT, CONFIG
-from moonrt.models.k3.model.packing import DocumentPacking
+from moonrt.parallel.packing import DocumentPacking
 
 
 def evaluate(model: torch.nn.Module, windows: np.ndarray, batch_size: int, rt: Parallelism,
@@ -191,7 +191,7 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
     mcfg = job.model_cfg()
     corpus = data.load_corpus(job.data.corpus, job.data.token_dtype, mcfg.vocab_size, job.data.heldout_fraction,
                               job.data.eos_id)
-    pack = job.data.pack_documents  # documents kept apart (moonrt.models.k3.model.packing); job.py refuses --cp/--pp with it
+    pack = job.data.pack_documents  # documents kept apart (moonrt.parallel.packing); job.py refuses --cp/--pp with it
     if cfg.batch_size % rt.dp_size:
         raise ConfigError(f"optim.batch_size = {cfg.batch_size}: expected a multiple of the data-parallel size "
                           f"{rt.dp_size}")
