@@ -1,4 +1,4 @@
-"""``moonrt train``: train the K3 model (default: ``k3_tiny`` on the stdlib sources, bytes) -- the main job.
+"""``moonrt train``: train a registered model (default: ``k3_tiny`` on the stdlib sources, bytes) -- the main job.
 
 With no arguments it runs the embedded default :class:`JobConfig`: k3_tiny, byte tokenizer, the
 Python standard library's ``*.py`` files as corpus (:mod:`moonrt.jobs.train.data`), AdamW, linear warmup +
@@ -240,8 +240,9 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
     if metrics_path and rt.is_main:
         metrics = outputs.open_metrics(metrics_path, start if resume else (0 if restart else None))
     if rt.is_main and progress:
-        print(f"moonrt train: {job.model if job.model_config is None else 'custom'} ({n_params / 1e6:.2f}M params, "
-              f"pattern {mcfg.pattern}), corpus {corpus.description}: {len(corpus.train):,} train / "
+        shape = job.model_spec().describe(mcfg)
+        print(f"moonrt train: {job.model if job.model_config is None else 'custom'} ({n_params / 1e6:.2f}M params"
+              f"{', ' + shape if shape else ''}), corpus {corpus.description}: {len(corpus.train):,} train / "
               f"{len(corpus.heldout):,} held-out tokens; {cfg.steps} steps x {global_tokens} tokens", flush=True)
         if resume:
             print(f"moonrt train: resumed from step {start} (checkpoint {str(src)!r})", flush=True)
