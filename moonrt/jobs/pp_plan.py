@@ -199,10 +199,10 @@ def _fail(msg: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    table = presets()
-    if args.model not in table:
-        return _fail(f"--model = {args.model!r}: expected one of {', '.join(table)}")
-    spec = table[args.model]
+    registry = presets()
+    if args.model not in registry:
+        return _fail(f"--model = {args.model!r}: expected one of {', '.join(registry)}")
+    spec = registry[args.model]
     layout = spec.pipeline_layout(spec.presets[args.model]())
     layers = layout.num_layers if args.num_layers is None else args.num_layers
     block = layout.block_size if args.attn_res_block is None else args.attn_res_block
