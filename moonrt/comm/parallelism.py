@@ -131,7 +131,7 @@ class Parallelism:
 
         ``saved``: a reusable context manager entered around the forward (the activation manager) or None.
         The first part that runs the step wins (the pipeline); the default is one forward, one backward.
-        ``packing`` (packed documents, ``moonrt.models.k3.model.packing``) reaches the model on the default path only (the
+        ``packing`` (packed documents, ``moonrt.parallel.packing``) reaches the model on the default path only (the
         job config refuses packing with the parts that run the step); None calls ``loss_sum`` without it.
         """
         for part in self.parts:

@@ -57,22 +57,22 @@ class PipelineParallel(Part):
 
     # ---- assembly ------------------------------------------------------------------------------
     def parallelize(self, model: nn.Module) -> nn.Module:
-        cfg = model.config
-        if getattr(cfg, "tie_word_embeddings", False) and self.size > 1:
+        layout = model.pipeline_layout()  # moonrt.parallel.model.PipelineLayout
+        if layout.tied_embeddings and self.size > 1:
             raise ValueError("tie_word_embeddings = True: expected untied embeddings with pipeline parallelism "
                              "(the embedding and the LM head live on different ranks)")
-        if self.num_stages > cfg.num_hidden_layers:
+        if self.num_stages > layout.num_layers:
             raise ConfigError(f"parallel.pp x vpp = {self.size} x {self.schedule.vpp} = {self.num_stages} stages: "
-                              f"expected at most num_hidden_layers = {cfg.num_hidden_layers} (a stage runs at least "
-                              "one decoder layer)")
+                              f"expected at most the model's decoder layers, {layout.num_layers} (a stage runs at "
+                              "least one decoder layer)")
         self.full_names = [n for n, _ in model.named_parameters()]
         self.full_keys = list(model.state_dict().keys())
         ranges = model.stages(self.num_stages)
         last = self.num_stages - 1
-        self.plan = block_plan(ranges, cfg.attn_res_block_size, self.rank_of, self.mode)
+        self.plan = block_plan(ranges, layout.block_size, self.rank_of, self.mode)
         stage_mods = {s: model.stage_modules(ranges[s], s == 0, s == last) for s in range(self.num_stages)}
         keep = {n for s in self.my_stages for n in stage_mods[s]}
-        for name in model.stage_modules(range(cfg.num_hidden_layers), True, True):
+        for name in model.stage_modules(range(layout.num_layers), True, True):
             if name not in keep:
                 parent, _, child = name.rpartition(".")
                 (model.get_submodule(parent) if parent else model)._modules[child] = None
@@ -97,7 +97,7 @@ class PipelineParallel(Part):
         forward = tuple(tuple(Action("F", 0, self.schedule.chunk_of(st)) for st in range(self.num_stages)
                               if self.rank_of(st) == r) for r in range(self.size))
         self.eval_actions = lower(dataclasses.replace(self.schedule, actions=forward)).actions[self.rank]
-        self.width = cfg.hidden_size
+        self.width = layout.width
         self._named = dict(model.named_parameters())
         self.device = next(iter(self._named.values())).device  # collectives' tensors live here (NCCL: the GPU)
         return model

@@ -23,7 +23,8 @@ from moonrt.config import ParallelConfig, existing_outputs, schedule_cells_error
 from moonrt.memory.model_memory import JobLayout
 from moonrt.memory.plan import Hardware, plan_memory
 from moonrt.memory.plan_report import plan_json, plot, table
-from moonrt.models import ModelSpec, presets
+from moonrt.models import presets
+from moonrt.models.spec import ModelSpec
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -164,6 +165,10 @@ def run(args: argparse.Namespace) -> int:
     if bad:
         return _fail(bad)
     spec = models[args.model]
+    try:
+        memory = spec.memory_description()
+    except ValueError as exc:
+        return _fail(f"--model = {args.model!r}: {exc}")
     cfg = spec.presets[args.model]()
     dtype = args.dtype or default_dtype(spec, args.model)
     source = "--dtype" if args.dtype else "training dtype"
@@ -181,14 +186,14 @@ def run(args: argparse.Namespace) -> int:
             if args.probe_experts < cfg.num_experts_per_token + 1:
                 return _fail(f"--probe-experts = {args.probe_experts}: expected >= top-k + 1 "
                              f"({cfg.num_experts_per_token + 1})")
-            profile = spec.traced_memory_profile(cfg, torch.float32 if dtype == "fp32" else torch.bfloat16,
-                                                 layout.seq_len // par.cp, layout.micro_batch_size, par.cp,
-                                                 args.probe_tokens, args.probe_experts)
+            profile = memory.traced_memory_profile(cfg, torch.float32 if dtype == "fp32" else torch.bfloat16,
+                                                   layout.seq_len // par.cp, layout.micro_batch_size, par.cp,
+                                                   args.probe_tokens, args.probe_experts)
         else:
-            profile = spec.memory_profile(cfg, layout, args.attention)
+            profile = memory.memory_profile(cfg, layout, args.attention)
     except ValueError as exc:
         return _fail(str(exc))
-    sizes = spec.param_sizes(cfg)
+    sizes = memory.param_sizes(cfg)
     rc = 0
     out = Path(args.out) if args.out else None
     attention = "" if args.profile == "traced" else f", attention {args.attention or ('math' if ab == 4 else 'fused')}"
@@ -206,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
         print(table(p))
         if p.feasible:
             print("policy (rank 0):")
-            print(yaml.safe_dump(spec.memory_policy(p.ranks[0]), sort_keys=False).rstrip())
+            print(yaml.safe_dump(memory.memory_policy(p.ranks[0]), sort_keys=False).rstrip())
         else:
             rc = 1
         if out is not None:
@@ -217,8 +222,8 @@ def run(args: argparse.Namespace) -> int:
                 write_new(d / "plan.png", lambda f, p=p: plot(p, f), force=args.force)
                 if p.feasible:
                     for r in p.ranks:
-                        write_new(d / f"policy_rank{r.rank}.yaml", yaml.safe_dump(spec.memory_policy(r),
-                                                                                  sort_keys=False), force=args.force)
+                        write_new(d / f"policy_rank{r.rank}.yaml", yaml.safe_dump(memory.memory_policy(r),
+                                                                                    sort_keys=False), force=args.force)
             except OSError as exc:
                 return _fail(f"--out = {args.out!r}: cannot write {d}: {exc.strerror or exc}")
             print(f"wrote {d}/ (plan.json, plan.png{', policy_rank*.yaml' if p.feasible else ''})")

@@ -1,6 +1,7 @@
 """``moonrt pp-plan``: a pipeline schedule and its Block AttnRes traffic, without processes.
 
-A job: it takes the model's depth, AttnRes block size and width from a preset (:mod:`moonrt.models.k3.model.config`),
+A job: it takes the model's depth, AttnRes block size and width from a preset's pipeline layout (the registry,
+:mod:`moonrt.models`; :class:`moonrt.parallel.model.PipelineLayout`),
 builds the schedule (:mod:`moonrt.scheduler.pipeline`: generator, lowering, validator, unit-cost simulator)
 and the cache-based communication plan (:mod:`moonrt.scheduler.attnres_comm`) for an even contiguous split
 of the decoder layers into ``pp * vpp`` stages, and prints
@@ -26,14 +27,16 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from moonrt.config import existing_outputs, schedule_cells_error, write_new
-from moonrt.models.k3.model.config import MAX_LAYERS
+from moonrt.models import presets
+from moonrt.parallel.model import MAX_LAYERS
 from moonrt.scheduler.attnres_comm import even_layer_ranges, hop_plan
 from moonrt.scheduler.pipeline import ALIASES, SCHEDULES, SimResult, build_schedule, lower, simulate
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument
-    g("--model", default="k3", help="model preset: k3 or k3_tiny (depth, AttnRes block size, width; default k3)")
+    g("--model", default="k3", help="model preset: " + ", ".join(presets()) + " (depth, AttnRes block size, width; "
+      "default k3)")
     g("--pp", type=int, default=4, help="pipeline ranks (default 4)")
     g("--vpp", type=int, default=1, help="chunks (virtual stages) per rank: 1 for gpipe/1f1b, >= 2 for "
       "interleaved, 2 for zbv (default 1)")
@@ -196,14 +199,14 @@ def _fail(msg: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moonrt.models.k3.model.config import PRESETS
-
-    if args.model not in PRESETS:
-        return _fail(f"--model = {args.model!r}: expected one of {', '.join(PRESETS)}")
-    cfg = PRESETS[args.model]()
-    layers = cfg.num_hidden_layers if args.num_layers is None else args.num_layers
-    block = cfg.attn_res_block_size if args.attn_res_block is None else args.attn_res_block
-    hidden = cfg.hidden_size if args.hidden is None else args.hidden
+    registry = presets()
+    if args.model not in registry:
+        return _fail(f"--model = {args.model!r}: expected one of {', '.join(registry)}")
+    spec = registry[args.model]
+    layout = spec.pipeline_layout(spec.presets[args.model]())
+    layers = layout.num_layers if args.num_layers is None else args.num_layers
+    block = layout.block_size if args.attn_res_block is None else args.attn_res_block
+    hidden = layout.width if args.hidden is None else args.hidden
     for flag, v in (("--pp", args.pp), ("--vpp", args.vpp), ("--microbatches", args.microbatches),
                     ("--num-layers", layers), ("--attn-res-block", block), ("--seq-len", args.seq_len),
                     ("--micro-batch-size", args.micro_batch_size), ("--hidden", hidden)):

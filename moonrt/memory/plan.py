@@ -320,7 +320,7 @@ def plan_memory(cfg: Any, layout: JobLayout, sizes: ParamSizes, hw: Hardware, pr
     """Choose storage policies per rank and class under ``hw.budget_gib`` (see module docstring).
 
     ``cfg`` is read only through its structural fields (:func:`~moonrt.memory.model_memory.rank_models`);
-    ``sizes`` and ``profile`` describe the model (for K3: ``moonrt.models.K3.param_sizes`` /
+    ``sizes`` and ``profile`` describe the model (its ``ModelSpec.memory``: for K3 ``param_sizes`` /
     ``memory_profile``)."""
     if solver not in ("highs", "greedy"):
         raise ValueError(f"solver = {solver!r}: expected 'highs' or 'greedy'")

@@ -127,4 +127,5 @@ def test_more_stages_than_layers_is_a_clear_error(tmp_path: Path) -> None:
     out = subprocess.run(_launch(2, "train", *FLAGS, "--out", str(tmp_path / "o"), "--pp", "2", "--vpp", "5",
                                  "--microbatches", "2"), cwd=tmp_path, capture_output=True, text=True, timeout=280)
     assert out.returncode != 0
-    assert "parallel.pp x vpp = 2 x 5 = 10 stages: expected at most num_hidden_layers = 9" in out.stdout + out.stderr
+    want = "parallel.pp x vpp = 2 x 5 = 10 stages: expected at most the model's decoder layers, 9"
+    assert want in out.stdout + out.stderr

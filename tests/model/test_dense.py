@@ -30,10 +30,10 @@ from moonrt.config import ConfigError, from_dict, to_dict
 from moonrt.models.dense.model.config import PRESETS, DenseConfig, dense_tiny
 from moonrt.models.dense.model.model import DenseModel
 from moonrt.models.dense.model.params import count_params, stage_sizes
-from moonrt.models.k3.model.packing import DocumentPacking  # the packing record the dense model duck-types
 from moonrt.ops.muon import block_grid
 from moonrt.parallel.blocks import WHOLE, MatrixBlocks, matrix_blocks
 from moonrt.parallel.context import LOCAL, AttentionContext
+from moonrt.parallel.packing import DocumentPacking
 from moonrt.scheduler.attnres_comm import hop_plan
 from moonrt.scheduler.pipeline import Action, build_schedule
 

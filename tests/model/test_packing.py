@@ -1,4 +1,4 @@
-"""Document packing (moonrt/models/k3/model/packing.py): a packed batch's per-document outputs and gradients equal each
+"""Document packing (moonrt/parallel/packing.py): a packed batch's per-document outputs and gradients equal each
 document run alone, for the KDA layer, the MLA layer and the whole k3_tiny model; the unpacked run of the
 same rows does not (so the comparison sees a leak); bad packings and unsupported combinations fail clearly.
 
@@ -18,8 +18,8 @@ from moonrt.models.k3.model.config import k3_tiny
 from moonrt.models.k3.model.kda_layer import KDACache, KDALayer
 from moonrt.models.k3.model.mla import GatedMLA
 from moonrt.models.k3.model.model import K3Model
-from moonrt.models.k3.model.packing import DocumentPacking
 from moonrt.parallel.context import AttentionContext
+from moonrt.parallel.packing import DocumentPacking
 
 # Two rows of 80 tokens: documents of 1 and 2 tokens (shorter than the conv kernel), one longer than a KDA
 # chunk (64), and a row that is a single document.

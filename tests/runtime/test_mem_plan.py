@@ -14,18 +14,19 @@ from moonrt.memory.model_memory import GIB, JobLayout, Profile, rank_models
 from moonrt.memory.plan import Hardware, Plan, plan_memory
 from moonrt.memory.plan_report import table
 from moonrt.memory.policy import MemoryPolicy
-from moonrt.models import K3
 from moonrt.models.k3.memory import kernel_profile, policy_dict
 from moonrt.models.k3.model.config import k3, k3_tiny
+from moonrt.models.k3.spec import K3
 
-param_sizes = K3.param_sizes
+param_sizes = K3.memory.param_sizes
 K3_LONG = JobLayout(parallel=ParallelConfig(pp=16, vpp=2, ep=64, cp=64, microbatches=32, schedule="interleaved"),
                     seq_len=1 << 20, optim_bytes=8)
 
 
 def _plan(cfg: object, layout: JobLayout, hw: Hardware, profile: Profile | None = None, **kw: object) -> Plan:
     """:func:`plan` with K3's parameter sizes and (default) analytic profile from the model registry."""
-    return plan_memory(cfg, layout, param_sizes(cfg), hw, profile=profile or K3.memory_profile(cfg, layout), **kw)
+    profile = profile or K3.memory.memory_profile(cfg, layout)
+    return plan_memory(cfg, layout, param_sizes(cfg), hw, profile=profile, **kw)
 
 
 def test_in_flight_counts_per_rank():

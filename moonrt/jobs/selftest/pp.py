@@ -50,6 +50,7 @@ from moonrt.comm.pipeline import PipelineExecutor, StepStats
 from moonrt.comm.pp_cache import block_plan
 from moonrt.comm.pp_part import PipelineParallel
 from moonrt.jobs.selftest.common import EPS32, SuiteResult, byte_sizes, device, normwise_err, timed
+from moonrt.parallel.model import PipelineLayout
 from moonrt.scheduler.attnres_comm import hop_plan
 from moonrt.scheduler.pipeline import build_schedule
 
@@ -71,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class TinyConfig:
-    """What :class:`PipelineParallel` reads from ``model.config``."""
+    """The stand-in's shape (:meth:`TinyStack.pipeline_layout` gives it to :class:`PipelineParallel`)."""
 
     num_hidden_layers: int
     attn_res_block_size: int = BLOCK
@@ -111,6 +112,11 @@ class TinyStack(nn.Module):
         self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
         self.trace: dict[tuple[int, int], dict[str, Any]] | None = None
         self.where: tuple[int, int] = (-1, -1)
+
+    def pipeline_layout(self) -> PipelineLayout:
+        c = self.config
+        return PipelineLayout(num_layers=c.num_hidden_layers, width=c.hidden_size, block_size=c.attn_res_block_size,
+                              tied_embeddings=c.tie_word_embeddings)
 
     def stages(self, num_stages: int) -> list[range]:
         n = self.config.num_hidden_layers

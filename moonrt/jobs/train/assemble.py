@@ -7,7 +7,6 @@ from typing import Any
 
 import torch
 
-from moonrt import models
 from moonrt.comm.mesh import MeshLayout
 from moonrt.comm.parallelism import Parallelism, RoutingTrace
 from moonrt.config import ConfigError
@@ -16,13 +15,13 @@ from moonrt.parallel.context import LOCAL
 
 
 def build_model(job: JobConfig) -> torch.nn.Module:
-    """The job's model, built through its :class:`~moonrt.models.ModelSpec` (seeded with ``optim.seed``).
-
-    A custom ``model_config`` is a K3 config; a preset names its family in the registry."""
-    spec = models.K3 if job.model_config is not None else models.presets()[job.model]
+    """The job's model, built through its family's :class:`~moonrt.models.spec.ModelSpec` (seeded with
+    ``optim.seed``): ``model`` names the preset and so the family, ``model_config`` (when given) is that family's
+    config. The model is a :class:`moonrt.parallel.model.TrainableModel`."""
+    spec = job.model_spec()
     cfg = job.model_cfg()
     total = spec.param_count(cfg)
-    if total > MAX_PARAMS:  # e.g. the real k3 (2.78T): a planning config, never instantiated
+    if total > MAX_PARAMS:  # e.g. a released model's planning preset (K3: 2.78T), never instantiated
         raise ConfigError(f"model = {job.model if job.model_config is None else 'model_config'}: {total:,} parameters; "
                           f"expected at most {MAX_PARAMS:,} (moonrt train builds the whole model in one process)")
     torch.manual_seed(job.optim.seed)
@@ -38,11 +37,13 @@ def launched() -> bool:
 
 def routing_trace(job: JobConfig, **kwargs: Any) -> RoutingTrace:
     """The job's routing-trace recorder, the trace labelled with the job's model and its expert sizes (in the
-    training dtype, fp32) so that ``moonrt ep-sim --trace`` sizes its MB columns for this model, not K3's."""
-    from moonrt.scheduler.workload import expert_sizes
-
+    training dtype, fp32; :attr:`ModelSpec.expert_sizes <moonrt.models.spec.ModelSpec.expert_sizes>`) so that
+    ``moonrt ep-sim --trace`` sizes its MB columns for this model, not its defaults (a family without routed
+    experts: no sizes)."""
+    spec = job.model_spec()
     name = job.model if job.model_config is None else "custom"
-    return RoutingTrace(job.routing_trace, model=name, sizes=expert_sizes(job.model_cfg(), "fp32"), **kwargs)
+    sizes = spec.expert_sizes(job.model_cfg(), "fp32") if spec.expert_sizes is not None else None
+    return RoutingTrace(job.routing_trace, model=name, sizes=sizes, **kwargs)
 
 
 def parallel_runtime(job: JobConfig, progress: bool = False) -> Parallelism:

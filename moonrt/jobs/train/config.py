@@ -14,7 +14,8 @@ from typing import Any, Literal
 
 from moonrt.config import ConfigError, DistConfig, ParallelConfig, check
 from moonrt.jobs.train import data
-from moonrt.models.k3.model.config import PRESETS, K3Config
+from moonrt.models import DEFAULT_PRESET, presets
+from moonrt.models.spec import ModelSpec
 
 MAX_PARAMS = 5_000_000_000
 """Largest model (parameters, from the config) that ``moonrt train`` will instantiate."""
@@ -61,7 +62,7 @@ class DataConfig:
     pack_documents: bool = False
     """Tell the model where the documents in each window start (:func:`moonrt.jobs.train.data.packed_batch`): no token
     attends to, or carries KDA/conv state from, another document, and cross-document targets are not trained
-    (:mod:`moonrt.models.k3.model.packing`). The stdlib corpus's documents are its files; a user corpus needs ``eos_id``."""
+    (:mod:`moonrt.parallel.packing`). The stdlib corpus's documents are its files; a user corpus needs ``eos_id``."""
     eos_id: int | None = None
     """Token id (a byte value for a text corpus) that ends each document of a user corpus (with ``pack_documents``)."""
 
@@ -147,12 +148,16 @@ class OptimConfig:
 class JobConfig:
     """A whole training job (``moonrt train --config FILE``; every key optional)."""
 
-    model: str = "k3_tiny"
-    """A preset name of :data:`moonrt.models.k3.model.config.PRESETS` (ignored when ``model_config`` is given)."""
-    model_config: K3Config | None = None
-    """A full model config; overrides ``model``."""
+    model: str = DEFAULT_PRESET
+    """A preset name of any registered model family (:func:`moonrt.models.presets`); it selects the family whose
+    :class:`~moonrt.models.spec.ModelSpec` reads ``model_config`` and ``moe``."""
+    model_config: Any = None
+    """A full config of the family of ``model``, overriding the preset: in YAML a mapping of the family's config
+    fields (:attr:`ModelSpec.config_type`), read by :meth:`ModelSpec.config_from_dict` when the job is validated
+    (then an instance of it, written back out whole by ``to_dict``). None: the preset's config."""
     moe: dict[str, Any] | None = None
-    """LatentMoE options (Quantile Balancing estimator, ...), the fields of the MoE config class."""
+    """The family's MoE options (K3: LatentMoE's Quantile Balancing estimator, ...), read by
+    :meth:`ModelSpec.options_from_dict`; a family without options takes null."""
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
@@ -184,7 +189,16 @@ class JobConfig:
     records of an activation-manager step trigger one every few steps (benchmarks/RESULTS.md). 0: automatic."""
 
     def validate(self) -> None:
-        check(self.model in PRESETS, "model", self.model, "one of " + ", ".join(sorted(PRESETS)))
+        table = presets()
+        check(self.model in table, "model", self.model, "a registered model preset: one of " + ", ".join(table))
+        spec = table[self.model]
+        if self.model_config is not None and not isinstance(self.model_config, spec.config_type):
+            check(isinstance(self.model_config, dict), "model_config", self.model_config,
+                  f"a mapping of {spec.config_type.__name__} fields (model {self.model!r} is of family {spec.name!r})")
+            try:
+                self.model_config = spec.config_from_dict(self.model_config)
+            except ConfigError as exc:
+                raise ConfigError(f"model_config.{exc}") from None
         from moonrt.cluster.preempt import signal_from_name
 
         try:
@@ -208,15 +222,25 @@ class JobConfig:
                 degree = getattr(self.parallel, name)
                 check(degree == 1, "data.pack_documents", True,
                       f"false with parallel.{name} = {degree} (--{name}): {why}")
-        from moonrt.models.k3.model.moe import moe_config_from_dict
-
         try:
-            moe_config_from_dict(self.moe)
+            spec.options_from_dict(self.moe)
         except ConfigError as exc:
-            raise ConfigError(f"moe.{exc}") from None
+            raise ConfigError(str(exc) if str(exc).startswith("moe = ") else f"moe.{exc}") from None
 
-    def model_cfg(self) -> K3Config:
-        return self.model_config if self.model_config is not None else PRESETS[self.model]()
+    def model_spec(self) -> ModelSpec:
+        """The :class:`~moonrt.models.spec.ModelSpec` of ``model``'s family (ConfigError naming the presets)."""
+        table = presets()
+        check(self.model in table, "model", self.model, "a registered model preset: one of " + ", ".join(table))
+        return table[self.model]
+
+    def model_cfg(self) -> Any:
+        """The model's config: ``model_config`` read by the family's spec, else the preset's."""
+        spec = self.model_spec()
+        if self.model_config is None:
+            return spec.presets[self.model]()
+        if isinstance(self.model_config, dict):
+            return spec.config_from_dict(self.model_config)
+        return self.model_config
 
 
 def lr_at(step: int, cfg: OptimConfig) -> float:

@@ -24,7 +24,7 @@ Document packing (``data.pack_documents``, Megatron's ``reset_attention_mask`` /
 windows stay the same random cuts of the concatenated documents (so a window holds several documents, the
 first possibly a suffix), and :func:`packed_batch` also yields every token's document index, from the corpus's
 document starts (the stdlib corpus: its files; a user corpus: the token after each ``eos_id``, the EOS token
-ending its document). The model then keeps documents apart (:mod:`moonrt.models.k3.model.packing`), and
+ending its document). The model then keeps documents apart (:mod:`moonrt.parallel.packing`), and
 :func:`shard_packed` masks (:data:`IGNORE_INDEX`) each target that starts a new document: it would be predicted
 from the previous document's last token, which is no context for it. Megatron does the same with
 ``eod_mask_loss`` (the loss at an EOD input is dropped); torchtitan does not mask, but its documents carry

@@ -1,4 +1,4 @@
-"""``moonrt train``: train the K3 model (default: ``k3_tiny`` on the stdlib sources, bytes) -- the main job.
+"""``moonrt train``: train a registered model (default: ``k3_tiny`` on the stdlib sources, bytes) -- the main job.
 
 With no arguments it runs the embedded default :class:`JobConfig`: k3_tiny, byte tokenizer, the
 Python standard library's ``*.py`` files as corpus (:mod:`moonrt.jobs.train.data`), AdamW, linear warmup +
@@ -52,7 +52,7 @@ from moonrt.jobs.train.config import JobConfig, lr_at
 from moonrt.jobs.train.device import device_note, resolve_job
 from moonrt.jobs.train.optimizers import build_optimizer
 from moonrt.jobs.train.outputs import CHECKPOINT, CONFIG
-from moonrt.models.k3.model.packing import DocumentPacking
+from moonrt.parallel.packing import DocumentPacking
 
 
 def evaluate(model: torch.nn.Module, windows: np.ndarray, batch_size: int, rt: Parallelism,
@@ -123,7 +123,8 @@ def train(job: JobConfig, rt: Parallelism | None = None, metrics_path: str | Non
     ends normally). A second signal raises :class:`moonrt.cluster.preempt.Aborted` at once (the previous
     checkpoint stays intact: checkpoints are written atomically).
 
-    The main rank holds the lock on ``job.out_dir`` (:func:`moonrt.jobs.train.outputs.lock_out_dir`) from before anything is
+    The main rank holds the lock on ``job.out_dir`` (:func:`moonrt.jobs.train.outputs.lock_out_dir`) from before
+    anything is
     written until it returns: a second run into the same directory is a :class:`ConfigError`. A non-finite loss
     or gradient norm raises :class:`Diverged` on every rank before that step's optimizer update and before any
     save (its metrics line is written, non-finite values as ``null``).
@@ -196,7 +197,7 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
     mcfg = job.model_cfg()
     corpus = data.load_corpus(job.data.corpus, job.data.token_dtype, mcfg.vocab_size, job.data.heldout_fraction,
                               job.data.eos_id)
-    pack = job.data.pack_documents  # documents kept apart (moonrt.models.k3.model.packing); job.py refuses --cp/--pp with it
+    pack = job.data.pack_documents  # documents kept apart (moonrt.parallel.packing); job.py refuses --cp/--pp with it
     if cfg.batch_size % rt.dp_size:
         raise ConfigError(f"optim.batch_size = {cfg.batch_size}: expected a multiple of the data-parallel size "
                           f"{rt.dp_size}")
@@ -245,8 +246,9 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
     if metrics_path and rt.is_main:
         metrics = outputs.open_metrics(metrics_path, start if resume else (0 if restart else None))
     if rt.is_main and progress:
-        print(f"moonrt train: {job.model if job.model_config is None else 'custom'} ({n_params / 1e6:.2f}M params, "
-              f"pattern {mcfg.pattern}), corpus {corpus.description}: {len(corpus.train):,} train / "
+        shape = job.model_spec().describe(mcfg)
+        print(f"moonrt train: {job.model if job.model_config is None else 'custom'} ({n_params / 1e6:.2f}M params"
+              f"{', ' + shape if shape else ''}), corpus {corpus.description}: {len(corpus.train):,} train / "
               f"{len(corpus.heldout):,} held-out tokens; {cfg.steps} steps x {global_tokens} tokens; device {device}",
               flush=True)
         if resume:

@@ -1,7 +1,7 @@
 """The optimizers of ``moonrt train`` (job layer), built from the job's :class:`~moonrt.jobs.train.config.OptimConfig`.
 
-``optim.optimizer = adamw`` (default): torch's AdamW; matrices (dim >= 2, except the embedding) get
-weight decay, vectors and the embedding do not.
+``optim.optimizer = adamw`` (default): torch's AdamW; matrices (dim >= 2) get weight decay, vectors and the
+modules the model names in its :meth:`~moonrt.parallel.model.TrainableModel.param_groups` (the embedding) do not.
 
 ``optim.optimizer = muon``: one :class:`moonrt.ops.muon.Muon` object with two kinds of groups:
 
@@ -26,18 +26,27 @@ import torch
 from moonrt.jobs.train.config import OptimConfig
 from moonrt.ops.muon import Muon
 from moonrt.parallel.blocks import MatrixBlocks, matrix_blocks
+from moonrt.parallel.model import ParamGroups, default_param_groups
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
     """The job's optimizer over ``model``'s trainable parameters (see the module docstring)."""
     if cfg.optimizer == "muon":
         return build_muon(model, cfg)
+    groups = param_groups(model)
     decay, no_decay = [], []
     for name, p in model.named_parameters():
-        (decay if p.dim() >= 2 and not name.startswith("embed") else no_decay).append(p)
+        (decay if groups.decays(name, p.dim()) else no_decay).append(p)
     return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}],
                              lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
+
+
+def param_groups(model: torch.nn.Module) -> ParamGroups:
+    """The model's weight-decay groups (its ``param_groups()``; a model without one: every ``nn.Embedding`` is
+    exempt, :func:`~moonrt.parallel.model.default_param_groups`)."""
+    own = getattr(model, "param_groups", None)
+    return own() if callable(own) else default_param_groups(model)
 
 
 def muon_blocks(model: torch.nn.Module, cfg: OptimConfig) -> dict[str, MatrixBlocks]:
@@ -57,6 +66,7 @@ def muon_blocks(model: torch.nn.Module, cfg: OptimConfig) -> dict[str, MatrixBlo
 def build_muon(model: torch.nn.Module, cfg: OptimConfig) -> Muon:
     """Muon for the declared matrices, AdamW (same object, ``use_muon=False`` groups) for the rest."""
     blocks = muon_blocks(model, cfg)
+    groups = param_groups(model)
     muon, decay, no_decay, spec_of = [], [], [], {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -65,7 +75,7 @@ def build_muon(model: torch.nn.Module, cfg: OptimConfig) -> Muon:
             muon.append(p)
             spec_of[p] = blocks[name]
         else:
-            (decay if p.dim() >= 2 and not name.startswith("embed") else no_decay).append(p)
+            (decay if groups.decays(name, p.dim()) else no_decay).append(p)
     groups = [{"params": muon, "use_muon": True, "weight_decay": cfg.weight_decay},
               {"params": decay, "use_muon": False, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "use_muon": False, "weight_decay": 0.0}]

@@ -13,11 +13,7 @@ import math
 from typing import Literal
 
 from moonrt.config import check
-
-MAX_LAYERS = 4096
-"""Most decoder layers (``num_hidden_layers``): the parameter count, the planners and the layer pattern walk the
-layers one by one, so a typo of 10**9 would stall them before any size check; K3 has 93, the deepest published
-decoders a few hundred."""
+from moonrt.parallel.model import MAX_LAYERS, PipelineLayout  # MAX_LAYERS bounds num_hidden_layers
 
 
 def _positive_finite(obj: object, names: tuple[str, ...]) -> None:
@@ -129,6 +125,12 @@ class K3Config:
     def pattern(self) -> str:
         """Layer pattern as a string, one letter per layer: K (KDA) or M (MLA)."""
         return "".join("M" if t == "mla" else "K" for t in self.layer_types())
+
+    def pipeline_layout(self) -> PipelineLayout:
+        """The layer stack as the pipeline sees it: ``num_hidden_layers`` layers, streams of ``hidden_size``, AttnRes
+        blocks of ``attn_res_block_size`` layers, ``tie_word_embeddings``."""
+        return PipelineLayout(num_layers=self.num_hidden_layers, width=self.hidden_size,
+                              block_size=self.attn_res_block_size, tied_embeddings=self.tie_word_embeddings)
 
     @property
     def num_attn_res_blocks(self) -> int:

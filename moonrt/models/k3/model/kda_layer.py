@@ -12,7 +12,7 @@ Per token x (width D), with H heads of K = V = ``linear_attn_config.head_dim``::
 The layer never talks to process groups: the short conv's left context comes from ``ctx.conv_prefix`` and
 the KDA op from ``ctx.kda`` (moonrt/parallel/context.py), which context parallelism overrides (K3_SYSTEMS §7).
 
-Packed documents (``packing``, :mod:`moonrt.models.k3.model.packing`): the short conv takes no tap from an earlier
+Packed documents (``packing``, :mod:`moonrt.parallel.packing`): the short conv takes no tap from an earlier
 document and the KDA state restarts at each document start (``cu_seqlens`` over the flattened batch).
 """
 
@@ -26,11 +26,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from moonrt.models.k3.model.config import K3Config
-from moonrt.models.k3.model.packing import DocumentPacking
 from moonrt.ops.kda import MIN_LOG_DECAY
 from moonrt.ops.rmsnorm import rms_norm
 from moonrt.parallel.blocks import MatrixBlocks
 from moonrt.parallel.context import LOCAL, AttentionContext
+from moonrt.parallel.packing import DocumentPacking
 
 
 @dataclasses.dataclass(slots=True)

@@ -16,7 +16,7 @@ per token, the smallest thing that determines every key and value) goes through
 ``ctx.gather_sequence``; queries stay local and are masked causally by their global positions
 ``offset + arange(T)``. The module holds no process state.
 
-Packed documents (``packing``, :mod:`moonrt.models.k3.model.packing`): a block-diagonal causal mask, so a query
+Packed documents (``packing``, :mod:`moonrt.parallel.packing`): a block-diagonal causal mask, so a query
 attends only to earlier keys of its own document (NoPE: no positions to restart).
 """
 
@@ -28,9 +28,9 @@ from torch import nn
 
 from moonrt.models.k3.model.config import K3Config
 from moonrt.models.k3.model.norm import RMSNorm
-from moonrt.models.k3.model.packing import DocumentPacking
 from moonrt.parallel.blocks import MatrixBlocks
 from moonrt.parallel.context import LOCAL, AttentionContext
+from moonrt.parallel.packing import DocumentPacking
 
 
 class GatedMLA(nn.Module):

@@ -13,12 +13,14 @@ Module names are stable (memory policies and checkpoints match them): ``embed``,
 ``< first_k_dense_replace``) or ``layers.{l}.moe`` (LatentMoE), ``layers.{l}.ffn_norm``, ``attn_res``,
 ``norm``, ``lm_head``.
 
-Seams (the model holds no process groups): ``ctx`` (an :class:`AttentionContext`, context
+Seams (the model holds no process groups): :class:`K3Model` is a :class:`moonrt.parallel.model.TrainableModel`
+(loss, stage API, MoE routing hooks, optimizer groups); ``ctx`` (an :class:`AttentionContext`, context
 parallelism), each LatentMoE's ``dispatcher`` (expert parallelism), and the stage API
-:meth:`K3Model.embed` / :meth:`K3Model.run_layers` / :meth:`K3Model.head` with :meth:`K3Model.stages`
-for pipeline parallelism (stages cut between decoder layers; the :class:`AttnResState` crosses them).
+:meth:`K3Model.embed_tokens` / :meth:`K3Model.run_layers` / :meth:`K3Model.head` with :meth:`K3Model.stages`
+for pipeline parallelism (stages cut between decoder layers; the :class:`AttnResState` -- the protocol's
+``Stream``: AttnRes block representations and the open partial block -- crosses them).
 
-Packed documents: ``packing`` (:class:`moonrt.models.k3.model.packing.DocumentPacking`) goes to every attention
+Packed documents: ``packing`` (:class:`moonrt.parallel.packing.DocumentPacking`) goes to every attention
 sub-layer (KDA: per-document state and short conv; MLA: block-diagonal causal mask); all other parts are
 per token, so each document's logits are those of the document run alone.
 """
@@ -39,8 +41,9 @@ from moonrt.models.k3.model.kda_layer import KDALayer
 from moonrt.models.k3.model.mla import GatedMLA
 from moonrt.models.k3.model.moe import LatentMoE, MoEConfig
 from moonrt.models.k3.model.norm import RMSNorm
-from moonrt.models.k3.model.packing import DocumentPacking
 from moonrt.parallel.context import LOCAL, AttentionContext
+from moonrt.parallel.model import ParamGroups, PipelineLayout
+from moonrt.parallel.packing import DocumentPacking
 
 
 class DecoderLayer(nn.Module):
@@ -99,6 +102,10 @@ class K3Model(nn.Module):
             nn.init.normal_(self.lm_head.weight, std=config.initializer_range)
 
     # ---- pipeline-stage API ----------------------------------------------------------------------
+    def pipeline_layout(self) -> PipelineLayout:
+        """Depth, width and AttnRes block size (:meth:`K3Config.pipeline_layout`)."""
+        return self.config.pipeline_layout()
+
     def stages(self, num_stages: int, align_to_blocks: bool = False) -> list[range]:
         """Split the decoder layers into ``num_stages`` contiguous, near-equal layer ranges.
 
@@ -170,8 +177,7 @@ class K3Model(nn.Module):
     def loss_sum(self, tokens: torch.Tensor, targets: torch.Tensor, ctx: AttentionContext = LOCAL,
                  packing: DocumentPacking | None = None) -> torch.Tensor:
         """Summed next-token cross-entropy (fp32 scalar) over all ``targets [B, T]`` except those equal to
-        -100 (torch's ``ignore_index``; a packed batch's cross-document targets, see
-        :mod:`moonrt.models.k3.model.packing`).
+        -100 (torch's ``ignore_index``; a packed batch's cross-document targets, see :mod:`moonrt.parallel.packing`).
 
         Sum, not mean: a runtime divides by the *global* token count so the loss is the mean over
         every token of the global batch whatever the data/context split.
@@ -198,3 +204,8 @@ class K3Model(nn.Module):
         """Whether MoE forwards count toward routing statistics (off for eval and recomputation)."""
         for _, moe in self.moe_layers():
             moe.record_routing = enabled
+
+    # ---- optimizer groups ------------------------------------------------------------------------
+    def param_groups(self) -> ParamGroups:
+        """The token embedding takes no weight decay (a lookup table); the LM head does, like every matrix."""
+        return ParamGroups(no_weight_decay=("embed",))

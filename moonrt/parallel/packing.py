@@ -1,18 +1,19 @@
-"""Document packing: several documents in one ``[B, T]`` sequence batch, with no information crossing them.
+"""Document packing (a seam type): several documents in one ``[B, T]`` sequence batch, no information crossing them.
 
-A packed batch carries, next to its tokens, the document index of every token (:class:`DocumentPacking`).
-Every part of the K3 decoder that mixes tokens along time then respects the boundaries, so each document's
-outputs (and the gradients they send back) are those of the document run alone:
-
-- KDA (:mod:`moonrt.models.k3.model.kda_layer`): the recurrence runs with fla's ``cu_seqlens`` (the state restarts at
-  zero at each document start, :func:`moonrt.ops.kda.kda_chunk`), and the short causal convolution takes no
-  tap from an earlier document (:meth:`DocumentPacking.conv_valid`);
-- MLA (:mod:`moonrt.models.k3.model.mla`): a block-diagonal causal mask (:meth:`DocumentPacking.attention_mask`);
-- everything else (embedding, RMSNorm, Block AttnRes across depth, FFN/LatentMoE, LM head) is per token.
-  K3's MLA is NoPE and KDA uses no positions, so there are no position ids to restart.
+A packed batch carries, next to its tokens, the document index of every token (:class:`DocumentPacking`); the job
+builds it (:mod:`moonrt.jobs.train.data`) and passes it to :meth:`moonrt.parallel.model.TrainableModel.loss_sum`.
+The record is model-agnostic: every part of a model that mixes tokens along time must respect the boundaries, so
+each document's outputs (and the gradients they send back) are those of the document run alone. It offers what
+such parts need: fla's ``cu_seqlens`` for a recurrence that restarts at each document
+(:func:`moonrt.ops.kda.kda_chunk`), :meth:`DocumentPacking.conv_valid` for a short causal convolution,
+:meth:`DocumentPacking.attention_mask` (block-diagonal causal) for softmax attention, and ``positions`` (the
+position within the document) for a model with position ids. K3 uses the first three (KDA, its short conv, MLA;
+its MLA is NoPE, so there are no positions to restart); everything else of K3 is per token.
 
 The data layer (:mod:`moonrt.jobs.train.data`) masks the target of each document's last token when the next token
-starts another document (see :func:`moonrt.jobs.train.data.shard_packed`).
+starts another document (see :func:`moonrt.jobs.train.data.shard_packed`). Boundaries do not travel through
+context or pipeline parallelism (:meth:`DocumentPacking.check_context`; the job refuses ``--cp``/``--pp`` with
+packing).
 """
 
 from __future__ import annotations

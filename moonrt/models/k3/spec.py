@@ -1,0 +1,76 @@
+"""K3's registry record (:data:`K3`, a :class:`~moonrt.models.spec.ModelSpec`): config, presets, build, parameter
+count, pipeline layout, LatentMoE options, expert sizes and the memory description (:mod:`moonrt.models.k3.memory`,
+:mod:`moonrt.models.k3.memory_trace`).
+
+The functions import torch and the layer modules lazily, so looking K3 up (``moonrt mem-plan`` with the analytic
+profile, ``moonrt pp-plan``, a job's config check) stays light.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from moonrt.models.k3.model.config import PRESETS, K3Config
+from moonrt.models.spec import ModelMemory, ModelSpec
+
+
+def _build(cfg: K3Config, options: Mapping[str, Any] | None = None) -> Any:
+    from moonrt.models.k3.model.model import K3Model
+
+    return K3Model(cfg, _read_options(options))
+
+
+def _read_options(options: Mapping[str, Any] | None) -> Any:
+    """The job's ``moe:`` mapping -> :class:`~moonrt.models.k3.model.moe.MoEConfig` (None: its defaults)."""
+    from moonrt.models.k3.model.moe import moe_config_from_dict
+
+    return moe_config_from_dict(dict(options) if options is not None else None)
+
+
+def _param_count(cfg: K3Config) -> int:
+    from moonrt.models.k3.model.params import count_params
+
+    return count_params(cfg).total
+
+
+def _expert_sizes(cfg: K3Config, dtype: str) -> dict[str, int]:
+    from moonrt.scheduler.workload import expert_sizes
+
+    return expert_sizes(cfg, dtype)
+
+
+def _param_sizes(cfg: K3Config) -> Any:
+    from moonrt.models.k3.memory import param_sizes
+
+    return param_sizes(cfg)
+
+
+def _memory_profile(cfg: K3Config, layout: Any, sdpa: str | None = None) -> Any:
+    from moonrt.models.k3.memory import default_profile
+
+    return default_profile(cfg, layout, sdpa)
+
+
+def _traced_memory_profile(*args: Any, **kwargs: Any) -> Any:
+    from moonrt.models.k3.memory_trace import traced_profile_by_kind
+
+    return traced_profile_by_kind(*args, **kwargs)
+
+
+def _memory_policy(rank_plan: Any) -> dict:
+    from moonrt.models.k3.memory import policy_dict
+
+    return policy_dict(rank_plan)
+
+
+K3 = ModelSpec(
+    name="k3", config_type=K3Config, presets=PRESETS, build=_build, param_count=_param_count,
+    pipeline_layout=K3Config.pipeline_layout, describe=lambda cfg: f"pattern {cfg.pattern}",
+    read_options=_read_options, expert_sizes=_expert_sizes,
+    memory=ModelMemory(param_sizes=_param_sizes, memory_profile=_memory_profile,
+                       traced_memory_profile=_traced_memory_profile, memory_policy=_memory_policy),
+    train_dtype={"k3": "bf16", "k3_tiny": "fp32"})
+"""K3 trains in bf16 (the released weights and the target GPUs); ``k3_tiny`` in fp32, as ``moonrt train`` runs it."""
+
+__all__ = ["K3"]

@@ -1,0 +1,104 @@
+"""The record a model family registers (:class:`ModelSpec`, like torchtitan's ``ModelSpec``) and its optional memory
+description (:class:`ModelMemory`).
+
+A family's record lives in its own package (``moonrt/models/<family>/spec.py``) and is listed in the registry
+(:mod:`moonrt.models`). Jobs reach a family only through it: which config type a ``model_config`` mapping reads
+into, the presets, the build, the parameter count, the pipeline layout a planner needs without building the
+model, and optionally its model options (the job's ``moe:`` mapping), expert sizes for routing traces, and the
+memory description the memory planner uses. The model object a build returns is a
+:class:`moonrt.parallel.model.TrainableModel` (the runtime's side of the seam).
+
+Imports only the standard library and :mod:`moonrt.config`: looking a family up loads neither torch nor its layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from moonrt.config import ConfigError, from_dict
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModelMemory:
+    """What the memory planner (``moonrt mem-plan``) needs of a family, instead of importing the model. The planner
+    also reads the config's structural fields ``num_hidden_layers``, ``num_experts``, ``num_experts_per_token``,
+    ``hidden_size`` and ``routed_expert_hidden_size`` (:func:`moonrt.memory.plan.plan_memory`): a family with a
+    memory description has them."""
+
+    param_sizes: Callable[[Any], Any]
+    """``cfg`` -> :class:`~moonrt.memory.model_memory.ParamSizes` (parameters per decoder layer, embedding, head)."""
+    memory_profile: Callable[..., Any]
+    """``(cfg, layout, sdpa=None)`` -> analytic :class:`~moonrt.memory.model_memory.Profile` at a
+    :class:`~moonrt.memory.model_memory.JobLayout` (``sdpa``: ``"math"`` / ``"fused"``, None: by dtype)."""
+    traced_memory_profile: Callable[..., Any]
+    """``(cfg, dtype, seq_tokens, batch, cp, probe_tokens, max_experts)`` -> a Profile measured by running each
+    layer kind under the activation manager."""
+    memory_policy: Callable[[Any], dict]
+    """A :class:`~moonrt.memory.plan.RankPlan` -> the :class:`~moonrt.memory.policy.MemoryPolicy` YAML data of its
+    class choice, as rules on the model's module paths."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """One model family: what a job needs to read its config, build it and plan it.
+
+    Callables take the family's config object ``cfg`` (an instance of ``config_type``, a config dataclass of
+    :mod:`moonrt.config` with at least ``vocab_size``). Registering a family: one record in
+    :data:`moonrt.models.MODELS`.
+    """
+
+    name: str
+    """Family name (``"k3"``); the registry key."""
+    config_type: type
+    """The config dataclass a ``model_config`` mapping is read into (:meth:`config_from_dict`)."""
+    presets: Mapping[str, Callable[[], Any]]
+    """Preset name -> config factory (``moonrt train --model``, ``moonrt mem-plan --model``, ``moonrt pp-plan``).
+    Preset names are unique over all families."""
+    build: Callable[[Any, Mapping[str, Any] | None], Any]
+    """``build(cfg, options)`` -> a single-device :class:`~moonrt.parallel.model.TrainableModel` ``nn.Module``
+    (``options``: the job's ``moe:`` mapping, read by :attr:`read_options`; None for the defaults)."""
+    param_count: Callable[[Any], int]
+    """Total parameters of ``build(cfg)`` computed from the config alone (no instantiation)."""
+    pipeline_layout: Callable[[Any], Any]
+    """``cfg`` -> the :class:`~moonrt.parallel.model.PipelineLayout` its model's ``pipeline_layout()`` returns
+    (``moonrt pp-plan`` plans from it without building the model)."""
+    describe: Callable[[Any], str] = lambda cfg: ""
+    """``cfg`` -> a few words on its structure for the start line of ``moonrt train`` (K3: its layer pattern)."""
+    read_options: Callable[[Mapping[str, Any] | None], Any] | None = None
+    """The job's ``moe:`` mapping -> the family's checked options object (ConfigError naming the field); None: the
+    family takes no options (a non-null ``moe:`` is refused)."""
+    expert_sizes: Callable[[Any, str], dict[str, int]] | None = None
+    """``(cfg, dtype)`` -> the routed experts' sizes a routing trace records
+    (:data:`moonrt.scheduler.workload.SIZE_FIELDS`); None: no routed experts (a trace records no sizes)."""
+    memory: ModelMemory | None = None
+    """The memory planner's description; None: the family trains but ``moonrt mem-plan`` cannot plan it."""
+    train_dtype: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """Preset name -> the dtype (``"bf16"`` / ``"fp32"``) its parameters and activations are trained in, what a
+    memory plan assumes unless told otherwise (``moonrt mem-plan --dtype``); a preset not listed: ``"fp32"``."""
+
+    def config_from_dict(self, data: Mapping[str, Any]) -> Any:
+        """Read a ``model_config`` mapping into :attr:`config_type` (checked; ConfigError names the field)."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"<root> = {data!r}: expected a mapping of {self.config_type.__name__} fields")
+        return from_dict(self.config_type, dict(data))
+
+    def options_from_dict(self, data: Mapping[str, Any] | None) -> Any:
+        """The job's ``moe:`` mapping read by :attr:`read_options` (None: the defaults); ConfigError names the field,
+        or says that the family takes no options."""
+        if self.read_options is None:
+            if data:
+                raise ConfigError(f"moe = {data!r}: expected null (model family {self.name!r} takes no MoE options)")
+            return None
+        return self.read_options(data)
+
+    def memory_description(self) -> ModelMemory:
+        """:attr:`memory`, or ValueError naming the family when it has none."""
+        if self.memory is None:
+            raise ValueError(f"model family {self.name!r} has no memory description (ModelSpec.memory): the memory "
+                             "planner cannot plan it")
+        return self.memory
+
+
+__all__ = ["ModelMemory", "ModelSpec"]
