@@ -24,7 +24,13 @@ def _k3() -> ModelSpec:
     return K3
 
 
-MODELS: dict[str, Callable[[], ModelSpec]] = {"k3": _k3}
+def _dense() -> ModelSpec:
+    from moonrt.models.dense.spec import DENSE
+
+    return DENSE
+
+
+MODELS: dict[str, Callable[[], ModelSpec]] = {"k3": _k3, "dense": _dense}
 """Family name -> the loader of its :class:`~moonrt.models.spec.ModelSpec` (registry order). Registering a family
 is one entry here and a three-line loader above."""
 

@@ -17,14 +17,19 @@ from moonrt.models.spec import ModelSpec
 from moonrt.parallel.model import PipelineLayout
 
 
-def test_presets_resolve_to_the_k3_record():
-    assert list(models.presets()) == ["k3", "k3_tiny"]
-    assert models.families() == {"k3": K3} and models.family("k3") is K3
+def test_presets_resolve_to_their_family_record():
+    from moonrt.models.dense.model.config import dense_tiny
+    from moonrt.models.dense.spec import DENSE
+
+    assert list(models.presets()) == ["k3", "k3_tiny", "dense_tiny"]
+    assert models.families() == {"k3": K3, "dense": DENSE} and models.family("k3") is K3
     spec, cfg = models.from_preset("k3_tiny")
     assert spec is K3 and cfg == k3_tiny()
-    with pytest.raises(ValueError, match="model = 'nope': expected one of k3, k3_tiny"):
+    spec, cfg = models.from_preset("dense_tiny")
+    assert spec is DENSE and cfg == dense_tiny()
+    with pytest.raises(ValueError, match="model = 'nope': expected one of k3, k3_tiny, dense_tiny"):
         models.from_preset("nope")
-    with pytest.raises(ValueError, match="model family 'nope': expected one of k3"):
+    with pytest.raises(ValueError, match="model family 'nope': expected one of k3, dense"):
         models.family("nope")
 
 
@@ -72,7 +77,8 @@ def test_job_model_config_resolves_through_the_spec_and_round_trips():
     assert job.model_spec() is K3
     again = from_dict(JobConfig, to_dict(job))  # config.yaml of a run, or a checkpoint's stored config
     assert to_dict(again) == to_dict(job) and again.model_cfg() == job.model_cfg()
-    with pytest.raises(ConfigError, match=r"^model = 'gpt9': expected a registered model preset: one of k3, k3_tiny"):
+    want = r"^model = 'gpt9': expected a registered model preset: one of k3, k3_tiny, dense_tiny"
+    with pytest.raises(ConfigError, match=want):
         from_dict(JobConfig, {"model": "gpt9"})
     with pytest.raises(ConfigError, match=r"^model_config = 3: expected a mapping of K3Config fields"):
         from_dict(JobConfig, {"model_config": 3})

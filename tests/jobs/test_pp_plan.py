@@ -74,7 +74,7 @@ def test_compress():
     (["--vpp", "2", "--schedule", "1f1b"], "--vpp = 2: expected 1 for schedule '1f1b'"),
     (["--schedule", "dualpipe"], "--schedule = 'dualpipe': expected one of gpipe, 1f1b, interleaved, zb, zbv"),
     (["--model", "k3_tiny", "--pp", "10"], "--pp = 10: pp * vpp = 10 stages, expected <= --num-layers (9)"),
-    (["--model", "k2"], "--model = 'k2': expected one of k3, k3_tiny"),
+    (["--model", "k2"], "--model = 'k2': expected one of k3, k3_tiny, dense_tiny"),
     (["--pp", "0"], "--pp = 0: expected an integer >= 1"),
     (["--attn-res-block", "0"], "--attn-res-block = 0: expected an integer >= 1"),
     (["--dtype", "fp8"], "--dtype = 'fp8': expected bf16 or fp32"),

@@ -33,6 +33,7 @@ from moonrt.models.dense.model.params import count_params, stage_sizes
 from moonrt.ops.muon import block_grid
 from moonrt.parallel.blocks import WHOLE, MatrixBlocks, matrix_blocks
 from moonrt.parallel.context import LOCAL, AttentionContext
+from moonrt.parallel.model import PipelineLayout, TrainableModel, missing_members
 from moonrt.parallel.packing import DocumentPacking
 from moonrt.scheduler.attnres_comm import hop_plan
 from moonrt.scheduler.pipeline import Action, build_schedule
@@ -134,9 +135,10 @@ def test_preset_config_roundtrip_and_validation() -> None:
     cfg = PRESETS["dense_tiny"]()
     cfg.validate()
     assert (cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers) == (256, 128, 4)
-    assert cfg.attn_res_block_size == cfg.num_hidden_layers and not cfg.tie_word_embeddings
+    assert cfg.pipeline_layout() == PipelineLayout(num_layers=cfg.num_hidden_layers, width=cfg.hidden_size,
+                                                   block_size=cfg.num_hidden_layers)
+    assert not cfg.tie_word_embeddings
     assert from_dict(DenseConfig, to_dict(cfg)) == cfg
-    assert "attn_res_block_size" not in to_dict(cfg)  # a read-only property, not a field
     bad = [({"head_dim": 15}, "head_dim = 15: expected an even integer"),
            ({"num_hidden_layers": 0}, "num_hidden_layers = 0: expected an integer >= 1"),
            ({"rope_theta": -1.0}, "rope_theta = -1.0: expected a finite number > 1"),
@@ -242,7 +244,8 @@ def test_stages_compose_to_the_full_forward_and_backward() -> None:
     full = model(x)
     w = torch.randn_like(full)
     g_full = torch.autograd.grad((full * w).sum(), list(model.parameters()))
-    assert model.pipeline_layout() == (L, L, 48)
+    assert model.pipeline_layout() == PipelineLayout(num_layers=L, width=48, block_size=L)
+    assert isinstance(model, TrainableModel) and missing_members(model) == []
     for n in range(1, L + 1):
         ranges = model.stages(n)
         assert [i for r in ranges for i in r] == list(range(L))
@@ -284,8 +287,9 @@ def test_stages_compose_to_the_full_forward_and_backward() -> None:
 @pytest.mark.parametrize("mode", ["cached", "naive"])
 def test_real_pipeline_executor_in_one_process_equals_the_model(mode: str) -> None:
     """The runtime's PipelineExecutor with every stage on one rank (same-rank hops, no communication) and two
-    micro-batches: loss and gradients of the single-process model. Its block plan (from ``attn_res_block_size``)
-    matches the stream: block 0 from stage 0, block 1 closed by the last stage, a partial at every cut."""
+    micro-batches: loss and gradients of the single-process model. Its block plan (from
+    ``pipeline_layout().block_size``) matches the stream: block 0 from stage 0, block 1 closed by the last stage,
+    a partial at every cut."""
     model = _model()
     L = model.config.num_hidden_layers
     x, y = _tokens(4, 8), _tokens(4, 8, seed=3)
@@ -294,7 +298,7 @@ def test_real_pipeline_executor_in_one_process_equals_the_model(mode: str) -> No
     ref = ref_model.loss_sum(x, y) * scale
     ref.backward()
     ranges = model.stages(L)
-    plan = block_plan(ranges, model.config.attn_res_block_size, lambda s: 0, mode)
+    plan = block_plan(ranges, model.pipeline_layout().block_size, lambda s: 0, mode)
     assert plan.produced == ((0,), (), (1,)) and plan.partial_in == (False, True, True)
     actions = [Action("F", m, c) for m in range(2) for c in range(L)]
     actions += [Action("B", m, c) for m in range(2) for c in reversed(range(L))]
@@ -349,7 +353,7 @@ def test_pipeline_parallel_on_two_ranks_equals_the_model() -> None:
         # per micro-batch to the rank that lacks it, naive: on every cross-rank hop
         kind, vpp, m, mode = run
         sched = build_schedule(kind, 2, m, vpp)
-        plan = hop_plan(model.stages(sched.num_stages), model.config.attn_res_block_size, sched.rank_of, mode)
+        plan = hop_plan(model.stages(sched.num_stages), model.pipeline_layout().block_size, sched.rank_of, mode)
         assert all(ids in ((), (0,)) for ids in plan.sends)
         assert sum(results[rank][i]["blocks"] for rank in range(2)) == m * plan.total, run
         if mode == "cached":

@@ -12,10 +12,7 @@ import dataclasses
 import math
 
 from moonrt.config import check
-
-MAX_LAYERS = 4096
-"""Most decoder layers (``num_hidden_layers``): the parameter count walks no layers, but a typo of 10**9 would
-build a useless model list; the same bound as K3's."""
+from moonrt.parallel.model import MAX_LAYERS, PipelineLayout
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -58,16 +55,17 @@ class DenseConfig:
                   "a finite number > 1, or null for NoPE")
             check(self.head_dim % 2 == 0, "head_dim", self.head_dim, "an even integer (rotary pairs; rope_theta set)")
 
-    # ---- what the runtime reads (pp_part reads these three from ``model.config``) -------------
-    @property
-    def attn_res_block_size(self) -> int:
-        """The pipeline executor's block size: ``num_hidden_layers`` (read-only, not a field).
+    def pipeline_layout(self) -> PipelineLayout:
+        """The layer stack as the pipeline sees it (:class:`moonrt.parallel.model.PipelineLayout`): ``num_layers``
+        decoder layers of ``hidden_size`` width, the stream one block of ``num_hidden_layers`` layers.
 
-        The dense residual stream is carried as one AttnRes-style block that closes only after the last
-        layer (:class:`DenseStream`, ``stream.py`` of this package), so a stage cut inside the model carries
-        block 0 (the embedding) once per rank and the open partial sum: exactly what
+        The dense residual stream is carried as one AttnRes-style block that closes only after the last layer
+        (:class:`DenseStream`, ``stream.py`` of this package), so a stage cut inside the model carries block 0 (the
+        embedding) once per rank and the open partial sum: exactly what
         :func:`moonrt.scheduler.attnres_comm.hop_plan` plans for a block of this size."""
-        return self.num_hidden_layers
+        n = self.num_hidden_layers
+        return PipelineLayout(num_layers=n, width=self.hidden_size, block_size=n,
+                              tied_embeddings=self.tie_word_embeddings)
 
 
 def dense_tiny() -> DenseConfig:

@@ -15,21 +15,19 @@ Seams (the model holds no process groups): ``ctx`` (an ``AttentionContext``: con
 each attention's ``[k | v]``), and the stage API :meth:`DenseModel.embed_tokens` / :meth:`DenseModel.run_layers`
 / :meth:`DenseModel.head` with :meth:`DenseModel.stages`, :meth:`DenseModel.stage_modules` and
 :meth:`DenseModel.stream` for pipeline parallelism: the stream crossing stages has the executor's
-``blocks`` / ``partial`` shape, one block of ``num_hidden_layers`` layers (``config.attn_res_block_size``).
-The MoE surface the runtime calls (``moe_layers``, ``update_routing_bias``, ``routing_counts``,
-``set_record_routing``) is present and empty: the model has no experts.
+``blocks`` / ``partial`` shape, one block of ``num_hidden_layers`` layers (:meth:`DenseModel.pipeline_layout`).
+The MoE members of :class:`moonrt.parallel.model.TrainableModel` come from :class:`~moonrt.parallel.model.NoMoE`:
+the model has no experts.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from moonrt.parallel.context import LOCAL, AttentionContext
+from moonrt.parallel.model import NoMoE, ParamGroups, PipelineLayout, default_param_groups
 
 from .attention import CausalSelfAttention, Packing
 from .config import DenseConfig
@@ -54,7 +52,7 @@ class DenseLayer(nn.Module):
         state.add(self.ffn(self.ffn_norm(state.residual())))
 
 
-class DenseModel(nn.Module):
+class DenseModel(NoMoE, nn.Module):
     """The dense decoder-only language model (the baseline of K3 at equal width and vocabulary).
 
     Args:
@@ -77,12 +75,9 @@ class DenseModel(nn.Module):
             nn.init.normal_(self.lm_head.weight, std=config.initializer_range)
 
     # ---- pipeline-stage API ----------------------------------------------------------------------
-    def pipeline_layout(self) -> tuple[int, int, int]:
-        """``(num_layers, block_size, width)`` of the stream the pipeline executor moves: ``(L, L, D)``, one
-        block spanning every layer (what ``pp_part`` reads today as ``num_hidden_layers``,
-        ``attn_res_block_size`` and ``hidden_size`` of ``model.config``)."""
-        n = self.config.num_hidden_layers
-        return n, n, self.config.hidden_size
+    def pipeline_layout(self) -> PipelineLayout:
+        """Depth, stream width and block size (:meth:`DenseConfig.pipeline_layout`: one block of every layer)."""
+        return self.config.pipeline_layout()
 
     def stages(self, num_stages: int, align_to_blocks: bool = False) -> list[range]:
         """Split the decoder layers into ``num_stages`` contiguous, near-equal layer ranges (K3's rule).
@@ -161,21 +156,10 @@ class DenseModel(nn.Module):
         logits = self(tokens, ctx=ctx, packing=packing)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
 
-    # ---- MoE surface (none) ----------------------------------------------------------------------
-    def moe_layers(self) -> list[tuple[int, nn.Module]]:
-        """No MoE layers: ``[]``."""
-        return []
-
-    def update_routing_bias(self, all_reduce: Callable[[torch.Tensor], Any] | None = None) -> dict[int, Any]:
-        """No routers to balance: ``{}`` (``all_reduce`` is never called, so no collective is issued)."""
-        return {}
-
-    def routing_counts(self) -> dict[int, torch.Tensor]:
-        """No routed experts: ``{}``."""
-        return {}
-
-    def set_record_routing(self, enabled: bool) -> None:
-        """Nothing records routing; accepted for the runtime's eval / recompute toggles."""
+    # ---- optimizer groups ------------------------------------------------------------------------
+    def param_groups(self) -> ParamGroups:
+        """The token embedding takes no weight decay (:func:`moonrt.parallel.model.default_param_groups`)."""
+        return default_param_groups(self)
 
 
 __all__ = ["DenseLayer", "DenseModel"]
