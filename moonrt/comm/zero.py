@@ -65,7 +65,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moonrt.comm.parallelism import Part
+from moonrt.comm.mesh import Group
+from moonrt.comm.parallelism import GradNorm, Part
 from moonrt.config import ConfigError
 
 if TYPE_CHECKING:
@@ -154,10 +155,17 @@ class Zero1(Part):
         norm_group: the ranks whose shards together hold the whole model once (None: the default group).
     """
 
+    kind = "zero"
+    counts_every_rank = True
+
+    def wrap(self, inner: Part) -> None:
+        """The expert part (:func:`moonrt.comm.compose.compose`): which parameters are experts, their EP gather."""
+        self.ep = inner
+
     def __init__(self, dense: Any = None, experts: Any = None, *, ep: ExpertParallel | None = None,
                  norm_group: Any = None) -> None:
         if ep is not None and experts is None and _size_rank(None)[0] > 1:
-            raise ConfigError("Zero1: ep given without the experts' replica group (mesh group 'dp_cp')")
+            raise ConfigError(f"Zero1: ep given without the experts' replica group (mesh group {Group.DP_CP.value!r})")
         self.dense, self.experts, self.ep, self.norm_group = dense, experts, ep, norm_group
         self.buckets: list[_Bucket] = []
         self._inner: torch.optim.AdamW | None = None
@@ -171,7 +179,7 @@ class Zero1(Part):
     @classmethod
     def from_mesh(cls, mesh: ProcessMesh, ep: ExpertParallel | None = None) -> Zero1:
         """Dense parameters over ``dp_ep_cp``, experts over ``dp_cp``, norm over the default group."""
-        return cls(mesh.group("dp_ep_cp"), mesh.group("dp_cp"), ep=ep)
+        return cls(mesh.group(Group.DP_EP_CP), mesh.group(Group.DP_CP), ep=ep)
 
     # ---- layout ------------------------------------------------------------------------------------
     def _layout(self, model: nn.Module) -> list[_Bucket]:
@@ -254,22 +262,16 @@ class Zero1(Part):
                 p.grad = None
         return True
 
-    def clip_grad_norm(self, params: list[torch.Tensor], max_norm: float) -> float:
-        """Scale the shard gradients to global norm ``max_norm`` if above it; returns the norm (fp64 sum)."""
+    def grad_norm(self, params: list[torch.Tensor]) -> GradNorm:
+        """The shard gradients' squares (fp64) summed over ``norm_group`` (every rank: disjoint shards), the
+        pieces of :attr:`duplicates` left out; the clip scales the shards."""
         sq = torch.zeros((), dtype=torch.float64, device=self.buckets[0].grad_shard.device if self.buckets else None)
         for b in self.buckets:
             sq += b.grad_shard.double().pow(2).sum()
             for seg in b.segments:  # copies counted on another rank (pipeline: pseudo-queries)
                 if b.names[seg[0]] in self.duplicates:
                     sq -= b.view(b.grad_shard, seg).double().pow(2).sum()
-        if _size_rank(self.norm_group)[0] > 1:
-            dist.all_reduce(sq, group=self.norm_group)
-        total = float(sq.sqrt())
-        coef = max_norm / (total + 1e-6)
-        if coef < 1.0:
-            for b in self.buckets:
-                b.grad_shard.mul_(coef)
-        return total
+        return GradNorm([(sq, (self.norm_group,))], [b.grad_shard for b in self.buckets])
 
     def step(self, optim: torch.optim.Optimizer) -> bool:
         """AdamW on this rank's shard with ``optim``'s current hyperparameters, then all-gather the

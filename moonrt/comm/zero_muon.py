@@ -49,10 +49,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from moonrt.comm.parallelism import Part
+from moonrt.comm.mesh import Group
+from moonrt.comm.parallelism import GradNorm, Part
 from moonrt.comm.zero import _all_gather, _size_rank, every_rank, scatter_grads
 from moonrt.config import ConfigError
 from moonrt.ops.muon import (
@@ -143,10 +143,17 @@ class ZeroMuon(Part):
         norm_group: the ranks whose units together hold the whole model once (None: the default group).
     """
 
+    kind = "zero"
+    counts_every_rank = True
+
+    def wrap(self, inner: Part) -> None:
+        """The expert part (:func:`moonrt.comm.compose.compose`): which parameters are experts, their EP gather."""
+        self.ep = inner
+
     def __init__(self, dense: Any = None, experts: Any = None, *, assign: Callable[[nn.Module], dict[str, Blocking]],
                  ep: ExpertParallel | None = None, norm_group: Any = None) -> None:
         if ep is not None and experts is None and _size_rank(None)[0] > 1:
-            raise ConfigError("ZeroMuon: ep given without the experts' replica group (mesh group 'dp_cp')")
+            raise ConfigError(f"ZeroMuon: ep given without the experts' replica group (mesh group {Group.DP_CP.value!r})")
         self.dense, self.experts, self.assign, self.ep, self.norm_group = dense, experts, assign, ep, norm_group
         self.names: list[str] = []
         self.params: list[nn.Parameter] = []
@@ -167,7 +174,7 @@ class ZeroMuon(Part):
     def from_mesh(cls, mesh: ProcessMesh, *, assign: Callable[[nn.Module], dict[str, Blocking]],
                   ep: ExpertParallel | None = None) -> ZeroMuon:
         """Dense parameters over ``dp_ep_cp``, experts over ``dp_cp``, norm over the default group."""
-        return cls(mesh.group("dp_ep_cp"), mesh.group("dp_cp"), assign=assign, ep=ep)
+        return cls(mesh.group(Group.DP_EP_CP), mesh.group(Group.DP_CP), assign=assign, ep=ep)
 
     @property
     def mine(self) -> list[int]:
@@ -268,24 +275,17 @@ class ZeroMuon(Part):
             p.grad = None
         return True
 
-    def clip_grad_norm(self, params: list[torch.Tensor], max_norm: float) -> float:
-        """Scale the owned gradients to global norm ``max_norm`` if above (torch's rule); returns the norm.
-
-        Every rank of the job owns disjoint units (dense over ``dp_ep_cp`` at each stage, experts over ``dp_cp``
-        at each EP rank), so one fp64 sum over ``norm_group`` is the single-process norm; units of
-        :attr:`duplicates` are left out here (another pipeline rank counts them)."""
+    def grad_norm(self, params: list[torch.Tensor]) -> GradNorm:
+        """The owned gradients' squares (fp64) summed over ``norm_group``: every rank of the job owns disjoint units
+        (dense over ``dp_ep_cp`` at each stage, experts over ``dp_cp`` at each EP rank), so the sum is the
+        single-process norm; units of :attr:`duplicates` are left out (another pipeline rank counts them)."""
         sq = torch.zeros((), dtype=torch.float64, device=self.buckets[0].grad.device if self.buckets else None)
         for b in self.buckets:
             sq += b.grad.double().pow(2).sum()
             for u in b.mine:
                 if self.names[self.slots[u].param] in self.duplicates:
                     sq -= self._seg(b.grad, u).double().pow(2).sum()
-        if _size_rank(self.norm_group)[0] > 1:
-            dist.all_reduce(sq, group=self.norm_group)
-        norm = math.sqrt(max(float(sq), 0.0))
-        for b in self.buckets:
-            b.grad.mul_(min(1.0, max_norm / (norm + 1e-6)))
-        return norm
+        return GradNorm([(sq, (self.norm_group,))], [b.grad for b in self.buckets])
 
     def _check(self, optim: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
         """Parameter index -> its param group; the optimizer must be the job's Muon with this layout."""
