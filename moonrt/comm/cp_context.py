@@ -4,7 +4,7 @@ The model is single-device code that reaches other ranks' tokens only through th
 its :class:`~moonrt.parallel.context.AttentionContext` (``kda``, ``conv_prefix``, ``gather_sequence``).
 :class:`ContextParallel` overrides them with the differentiable collectives of
 :mod:`moonrt.comm.kcp` and :mod:`moonrt.comm.cp_ops` over one CP process group (the mesh's ``cp``
-group, innermost), so ``model(tokens_slice, ctx=ContextParallel(mesh.group("cp")))`` runs the
+group, innermost), so ``model(tokens_slice, ctx=ContextParallel(mesh.group(Group.CP)))`` runs the
 model on this rank's contiguous slice of every sequence (rank ``r`` owns ``[r*T//c, (r+1)*T//c)``,
 :meth:`ContextParallel.slice`).
 

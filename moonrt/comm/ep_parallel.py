@@ -11,7 +11,7 @@
 - :meth:`sync_grads`: routed-expert gradients are summed over the expert replicas (mesh group
   ``dp_cp``; slot copies already returned theirs to the home rank inside backward), every other
   gradient over the dense replicas (``dp_ep_cp``): one flat all-reduce per group.
-- :meth:`clip_grad_norm`: the global gradient norm counts replicated gradients once and adds the
+- :meth:`grad_norm`: the global gradient norm counts replicated gradients once and adds the
   expert shards of every EP rank, so clipping matches the single-process run.
 - :meth:`full_state_dict` / :meth:`load_full_state_dict`: layout-independent checkpoints. The
   saved state always has the single-process layout (every ``[E, ...]`` expert tensor whole, AdamW
@@ -37,9 +37,9 @@ from torch import nn
 
 from moonrt.comm.ep_alltoall import AllToAllDispatcher
 from moonrt.comm.ep_slots import SlotPool
-from moonrt.comm.mesh import ProcessMesh
+from moonrt.comm.mesh import Group, ProcessMesh
 from moonrt.comm.moonep_dispatch import MoonEPDispatcher
-from moonrt.comm.parallelism import Part
+from moonrt.comm.parallelism import GradNorm, Part
 from moonrt.config import ConfigError, ParallelConfig
 
 DispatcherKind = Literal["moonep", "alltoall"]
@@ -58,11 +58,13 @@ class ExpertParallel(Part):
         dispatcher: ``"moonep"`` or ``"alltoall"`` (the unbalanced baseline).
     """
 
+    kind = "expert"
+
     def __init__(self, parallel: ParallelConfig, *, capacity: int, mesh: ProcessMesh | None = None,
                  num_slots: int | None = None, dispatcher: DispatcherKind = "moonep") -> None:
         if dispatcher not in ("moonep", "alltoall"):
             raise ConfigError(f"dispatcher = {dispatcher!r}: expected 'moonep' or 'alltoall'")
-        self.parallel, self.capacity, self.num_slots, self.kind = parallel, capacity, num_slots, dispatcher
+        self.parallel, self.capacity, self.num_slots, self.dispatcher = parallel, capacity, num_slots, dispatcher
         if mesh is None and parallel.world_size > 1:
             if not dist.is_initialized():  # joining a job is the caller's (moonrt.cluster.env.init_distributed)
                 raise RuntimeError(f"ExpertParallel: parallel.ep = {parallel.ep} needs the default process group; "
@@ -71,8 +73,8 @@ class ExpertParallel(Part):
             mesh = ProcessMesh(parallel)
         self.mesh = mesh
         if mesh is not None:
-            self.ep_group = mesh.group("ep")
-            self.ep_rank, self.ep_size = mesh.rank("ep"), mesh.size("ep")
+            self.ep_group = mesh.group(Group.EP)
+            self.ep_rank, self.ep_size = mesh.rank(Group.EP), mesh.size(Group.EP)
             self.is_main = mesh.global_rank == 0
         else:
             self.ep_group, self.ep_rank, self.ep_size, self.is_main = None, 0, 1, True
@@ -85,7 +87,7 @@ class ExpertParallel(Part):
         """Shard every MoE layer's experts to this EP rank's home slice and install the dispatcher."""
         if self.ep_size == 1:
             return model
-        cls = MoonEPDispatcher if self.kind == "moonep" else AllToAllDispatcher
+        cls = MoonEPDispatcher if self.dispatcher == "moonep" else AllToAllDispatcher
         pools: dict[tuple, SlotPool] = {}  # one slot pool shared by every layer of the same expert shape
         for index, moe in model.moe_layers():
             E = moe.num_experts
@@ -99,7 +101,7 @@ class ExpertParallel(Part):
             if key not in pools:
                 pools[key] = SlotPool(*key)
             moe.dispatcher = cls(self.ep_group, self.capacity, moe.experts.latent, moe.top_k, E,
-                                 num_slots=self.num_slots, pool=pools[key] if self.kind == "moonep" else None)
+                                 num_slots=self.num_slots, pool=pools[key] if self.dispatcher == "moonep" else None)
             self.dispatchers[index] = moe.dispatcher
             for p in moe.experts.parameters():
                 self._expert_params.add(id(p))
@@ -120,7 +122,7 @@ class ExpertParallel(Part):
                 p.grad = torch.zeros_like(p)
         experts = [p for p in params if self.is_expert(p)]
         dense = [p for p in params if not self.is_expert(p)]
-        for group, members in (("dp_ep_cp", dense), ("dp_cp", experts)):
+        for group, members in ((Group.DP_EP_CP, dense), (Group.DP_CP, experts)):
             if members and self.mesh.size(group) > 1:
                 flat = torch.cat([p.grad.reshape(-1) for p in members])
                 dist.all_reduce(flat, group=self.mesh.group(group))
@@ -128,20 +130,14 @@ class ExpertParallel(Part):
                     p.grad.copy_(g.view_as(p.grad))
         return True
 
-    def clip_grad_norm(self, params: Iterable[torch.Tensor], max_norm: float) -> float:
-        """Clip to the global norm (replicated gradients once, expert shards of every EP rank); returns it."""
+    def grad_norm(self, params: Iterable[torch.Tensor]) -> GradNorm:
+        """The global norm's terms: replicated (dense) gradients once, as they are on every rank; the expert shards
+        summed over the EP group (each rank holds its home experts')."""
         grads = [(p, p.grad) for p in params if p.grad is not None]
         zero = torch.zeros((), dtype=torch.float64)
         dense = sum((g.double().pow(2).sum() for p, g in grads if not self.is_expert(p)), zero)
         expert = sum((g.double().pow(2).sum() for p, g in grads if self.is_expert(p)), zero.clone())
-        if self.ep_size > 1:
-            dist.all_reduce(expert, group=self.ep_group)
-        total = float((dense + expert).sqrt())
-        coef = max_norm / (total + 1e-6)
-        if coef < 1.0:
-            for _, g in grads:
-                g.mul_(coef)
-        return total
+        return GradNorm([(dense, ()), (expert, (self.ep_group,) if self.ep_size > 1 else ())], [g for _, g in grads])
 
     # ---- checkpoints -------------------------------------------------------------------------------
     def _sharded(self, model: nn.Module) -> list[tuple[str, nn.Parameter]]:

@@ -23,6 +23,9 @@ Named groups, each a set of ranks that differ only in the listed dimensions:
 ``dp_ep_cp``   dense-parameter replicas: gradient sync of non-expert weights, loss averaging
 =============  ==========================================================================
 
+Code names them by :class:`Group` (``Group.DP_CP``, a ``str`` equal to ``"dp_cp"``), never by bare strings;
+the mesh's methods accept either.
+
 :class:`MeshLayout` is pure rank arithmetic (no processes); :class:`ProcessMesh` creates the
 torch.distributed groups from it. Neither keeps module globals: pass the mesh where it is needed.
 """
@@ -30,6 +33,7 @@ torch.distributed groups from it. Neither keeps module globals: pass the mesh wh
 from __future__ import annotations
 
 import dataclasses
+import enum
 import itertools
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -42,7 +46,33 @@ if TYPE_CHECKING:
 DIMS: tuple[str, ...] = ("pp", "dp", "ep", "cp")
 """Mesh dimensions, outermost first."""
 
-GROUP_NAMES: tuple[str, ...] = ("pp", "dp", "ep", "cp", "dp_ep", "dp_cp", "ep_cp", "dp_ep_cp")
+
+
+class Group(str, enum.Enum):
+    """The mesh's named process groups (the table of the module docstring). A member is the ``str`` of its value
+    (``Group.DP_CP == "dp_cp"``, same hash, formats as ``dp_cp``), so dicts and messages keyed by name still work;
+    :attr:`dims` are the mesh dimensions its ranks differ in."""
+
+    PP = "pp"
+    DP = "dp"
+    EP = "ep"
+    CP = "cp"
+    DP_EP = "dp_ep"
+    DP_CP = "dp_cp"
+    EP_CP = "ep_cp"
+    DP_EP_CP = "dp_ep_cp"
+
+    __hash__ = str.__hash__
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+    @property
+    def dims(self) -> tuple[str, ...]:
+        return tuple(self.value.split("_"))
+
+
+GROUP_NAMES: tuple[str, ...] = tuple(g.value for g in Group)
+"""Every group name, in :class:`Group` order (the order :class:`ProcessMesh` creates them in)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -120,7 +150,7 @@ class MeshLayout:
     def _dims(name: str) -> tuple[str, ...]:
         if name not in GROUP_NAMES:
             raise ConfigError(f"group = {name!r}: expected one of {', '.join(GROUP_NAMES)}")
-        return tuple(name.split("_"))
+        return Group(name).dims
 
 
 class ProcessMesh:
@@ -149,7 +179,7 @@ class ProcessMesh:
         # same order, as ``new_group`` requires.
         self._owned: dict[tuple[int, ...], dist.ProcessGroup] = {}
         created: set[tuple[int, ...]] = set()
-        for name in GROUP_NAMES:
+        for name in Group:
             mine = tuple(self.layout.group_ranks(name, self.global_rank))
             self._ranks[name] = list(mine)
             for members in map(tuple, self.layout.all_groups(name)):

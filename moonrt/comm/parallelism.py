@@ -8,13 +8,13 @@ schedule there), :meth:`sync_grads`, :meth:`clip_grad_norm`, :meth:`step` (inste
 :meth:`load_sharded_state_dict` for sharded DCP checkpoints (each rank its own pieces), :meth:`close` at the end.
 A single-process job is this object with no parts and no replica group.
 
-Order of the parts (``moonrt.jobs.train.assemble.parallel_runtime``): the pipeline first (it runs the step, and it wraps
-the part that shards its stages further as ``inner`` for the norm and checkpoints), then ZeRO-1
-(:class:`moonrt.comm.zero.Zero1`: it owns the gradient sum, clip and update of every parameter, experts
-included), then expert parallelism. Parts whose :meth:`Part.sync_grads` returns False (the pipeline's sum of
-the pseudo-queries over its stages) run before the part that handles the sum. After :meth:`sync_grads`
-a part that handles it may have moved the gradients out of ``p.grad`` (ZeRO-1 keeps only its shard), so
-the loop reads gradients only through :meth:`clip_grad_norm` and :meth:`step`.
+Order of the parts: the table :data:`moonrt.comm.compose.COMPOSITION` (pipeline, ZeRO, experts, routing trace),
+applied by :func:`moonrt.comm.compose.compose`, which also links each wrapping part to the part it wraps; the
+assembly (``moonrt.jobs.train.assemble.parallel_runtime``) only builds the parts. Parts whose
+:meth:`Part.sync_grads` returns False (the pipeline's sum of the pseudo-queries over its stages) run before the
+part that handles the sum. After :meth:`sync_grads` a part that handles it may have moved the gradients out of
+``p.grad`` (ZeRO-1 keeps only its shard), so the loop reads gradients only through :meth:`clip_grad_norm` and
+:meth:`step`.
 
 A :class:`Part` is one parallel dimension's contribution (expert parallelism, the pipeline:
 :class:`moonrt.comm.pp_part.PipelineParallel`). Every method has a do-nothing default; for the verbs that one
@@ -23,12 +23,18 @@ wins (it returns True / a value instead of the default; likewise for running the
 :meth:`forward_backward` / :meth:`loss_sum`, and the optimizer update, :meth:`step`), otherwise the
 object's own replicated-data default runs: per-tensor all-reduce over the replica group, torch's
 global-norm clip, the module's own ``state_dict``.
+
+Gradient clipping is one function, :func:`clip_to_global_norm`: a part declares its :class:`GradNorm`
+(:meth:`Part.grad_norm`: fp64 squared sums of the gradient elements this rank counts, each with the groups to sum
+it over, and the tensors a clip scales), and the first part that declares one decides the norm; a wrapping part
+(the pipeline) builds its contribution from its inner part's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -41,8 +47,59 @@ from torch import nn
 from moonrt.parallel.context import LOCAL, AttentionContext
 
 
+@dataclasses.dataclass
+class GradNorm:
+    """A part's contribution to the global gradient norm (see :func:`clip_to_global_norm`).
+
+    ``terms``: ``(sq, groups)`` pairs, ``sq`` an fp64 scalar (the summed squares of the gradient elements this rank
+    counts: every element of the single-process gradient counted by exactly one rank after the sums), summed over
+    the ranks of each group of ``groups`` in turn (``()``: not summed; None in it: the default group).
+    ``grads``: the gradient tensors a clip scales in place.
+    """
+
+    terms: list[tuple[torch.Tensor, tuple[Any, ...]]]
+    grads: list[torch.Tensor]
+
+
+def clip_to_global_norm(norm: GradNorm, max_norm: float) -> float:
+    """The global gradient norm of ``norm``'s terms, and the clip of its gradients to ``max_norm`` (torch's rule:
+    scale by ``max_norm / (norm + 1e-6)`` when that is below 1); returns the norm.
+
+    Terms with the same ``groups`` are added first (in order), then each such sum is all-reduced over its groups in
+    turn (groups of one rank skipped) and the sums are added (in first-appearance order) to the squared norm.
+    """
+    sums: dict[tuple[Any, ...], torch.Tensor] = {}
+    for sq, groups in norm.terms:
+        sums[groups] = sums[groups] + sq if groups in sums else sq.clone()
+    total = torch.zeros((), dtype=torch.float64)
+    for groups, sq in sums.items():
+        for group in groups:
+            if dist.is_initialized() and dist.get_world_size(group) > 1:
+                dist.all_reduce(sq, group=group)
+        total = total + sq.cpu()
+    value = math.sqrt(max(float(total), 0.0))
+    coef = max_norm / (value + 1e-6)
+    if coef < 1.0:
+        for g in norm.grads:
+            g.mul_(coef)
+    return value
+
+
 class Part:
-    """One parallel dimension's hooks into the training loop (all defaults do nothing)."""
+    """One parallel dimension's hooks into the training loop (all defaults do nothing).
+
+    ``kind`` names its row of the composition table (:data:`moonrt.comm.compose.COMPOSITION`);
+    ``counts_every_rank`` declares that its :meth:`grad_norm` is already summed over every rank of the job (ZeRO:
+    disjoint shards): a wrapping part then names in the part's ``duplicates`` the parameters whose gradient another
+    rank counts, instead of adding a sum of its own.
+    """
+
+    kind: str = ""
+    counts_every_rank: bool = False
+
+    def wrap(self, inner: Part) -> None:
+        """Take ``inner`` as the part this one delegates to (set by :func:`moonrt.comm.compose.compose`)."""
+        self.inner = inner
 
     def parallelize(self, model: nn.Module) -> nn.Module:
         """Shard or wrap ``model`` for this dimension (once, before the optimizer is built)."""
@@ -64,9 +121,15 @@ class Part:
         """Sum every gradient over its replicas; True if this part did it (then no other sum runs)."""
         return False
 
-    def clip_grad_norm(self, params: list[torch.Tensor], max_norm: float) -> float | None:
-        """Clip to the global gradient norm and return it, or None to leave it to the default."""
+    def grad_norm(self, params: list[torch.Tensor]) -> GradNorm | None:
+        """This part's contribution to the global gradient norm (after :meth:`sync_grads`), or None."""
         return None
+
+    def clip_grad_norm(self, params: list[torch.Tensor], max_norm: float) -> float | None:
+        """Clip to the global gradient norm and return it, or None to leave it to the default: by default the one
+        clip, :func:`clip_to_global_norm`, of this part's :meth:`grad_norm`."""
+        norm = self.grad_norm(params)
+        return None if norm is None else clip_to_global_norm(norm, max_norm)
 
     def step(self, optim: torch.optim.Optimizer) -> bool:
         """Update the parameters from the synced, clipped gradients; True if this part did it (else
@@ -242,6 +305,8 @@ class RoutingTrace(Part):
     ``sizes``: the routing model's name and expert sizes (:func:`moonrt.scheduler.workload.expert_sizes`), stored in
     the trace so that ``ep-sim`` sizes its MB columns for this model.
     """
+
+    kind = "trace"
 
     def __init__(self, path: str | Path, *, is_main: bool = True, counts: Any = None, model: str | None = None,
                  sizes: dict[str, int] | None = None) -> None:

@@ -19,11 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moonrt.comm.parallelism import Part
+from moonrt.comm.parallelism import GradNorm, Part
 from moonrt.comm.pipeline import PipelineExecutor
 from moonrt.comm.pp_cache import block_plan
-from moonrt.comm.zero import Zero1
-from moonrt.comm.zero_muon import ZeroMuon
 from moonrt.config import ConfigError
 from moonrt.parallel.context import LOCAL, AttentionContext
 from moonrt.scheduler.pipeline import Action, Schedule, lower, validate
@@ -34,11 +32,14 @@ class PipelineParallel(Part):
 
     ``schedule`` is a :class:`moonrt.scheduler.pipeline.Schedule` of ``size`` ranks (compute-only or
     lowered; it is lowered and validated here), ``mode`` "cached" or "naive" (K3_SYSTEMS §9). ``inner``: a
-    part that shards this rank's stages further (expert parallelism, ZeRO-1): its gradient norm and its
-    single-process-layout state of the stages are what the pipeline combines over the pp group. A
-    :class:`~moonrt.comm.zero.Zero1` inner's norm is already global: the pipeline names the pseudo-queries it
-    does not own in ``inner.duplicates`` and returns that norm (see :mod:`moonrt.comm.zero`).
+    part that shards this rank's stages further (expert parallelism, ZeRO-1; set by
+    :func:`moonrt.comm.compose.compose`): its gradient-norm terms and its single-process-layout state of the
+    stages are what the pipeline combines over the pp group. An inner part that declares
+    :attr:`Part.counts_every_rank` (ZeRO) has a norm already global: the pipeline names the pseudo-queries it
+    does not own in ``inner.duplicates`` and takes that norm as it is.
     """
+
+    kind = "pipeline"
 
     def __init__(self, schedule: Schedule, *, group: Any, rank: int, mode: str = "cached",
                  inner: Part | None = None) -> None:
@@ -88,7 +89,7 @@ class PipelineParallel(Part):
                              "parameter of one stage, or of every rank (the AttnRes pseudo-queries)")
         self.owned = {n for n in mine if n not in self.shared or self.rank == min(
             r for r, names in enumerate(every) if n in names)}
-        if isinstance(self.inner, (Zero1, ZeroMuon)):  # its global norm counts each pseudo-query once
+        if self.inner is not None and self.inner.counts_every_rank:  # its global norm counts each pseudo-query once
             self.inner.duplicates = set(mine) - self.owned
         self.executor = PipelineExecutor(model, self.plan, self.schedule.actions[self.rank], rank=self.rank,
                                          rank_of=self.rank_of, stage_of=self.stage_of, group=self.group,
@@ -139,29 +140,27 @@ class PipelineParallel(Part):
             dist.all_reduce(p.grad, group=self.group)
         return False  # the data-parallel sum over the replicas still runs
 
-    def clip_grad_norm(self, params: list[torch.Tensor], max_norm: float) -> float | None:
-        if isinstance(self.inner, (Zero1, ZeroMuon)):  # its norm is over every rank already, and it clips its shards
-            return self.inner.clip_grad_norm(params, max_norm)
+    def grad_norm(self, params: list[torch.Tensor]) -> GradNorm:
+        """The global norm's terms: an inner part's that :attr:`Part.counts_every_rank` as they are; otherwise this
+        rank's stages' terms (the inner part's, or the owned gradients' squares) each summed over the pp group too,
+        a shared parameter (pseudo-query) counted on its lowest pp rank only."""
         named = self._named
+        if self.inner is not None and self.inner.counts_every_rank:  # over every rank already; it clips its shards
+            return self.inner.grad_norm(params)
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        if self.inner is not None:  # this rank's stages' norm from the inner part (no clipping), shared params once
-            sq += self.inner.clip_grad_norm(params, float("inf")) ** 2
+        if self.inner is not None:  # this rank's stages' terms from the inner part, shared params once
+            inner = self.inner.grad_norm(params)
             for n in set(named) - self.owned:
                 if named[n].grad is not None:
                     sq -= named[n].grad.double().pow(2).sum()
+            terms = [(t, (*groups, self.group)) for t, groups in inner.terms] + [(sq, (self.group,))]
         else:
             for n in self.owned:
                 g = named[n].grad
                 if g is not None:
                     sq += g.double().pow(2).sum()
-        dist.all_reduce(sq, group=self.group)
-        norm = float(sq.sqrt())
-        coef = min(1.0, max_norm / (norm + 1e-6))
-        if coef < 1.0:
-            for p in params:
-                if p.grad is not None:
-                    p.grad.detach().mul_(coef)
-        return norm
+            terms = [(sq, (self.group,))]
+        return GradNorm(terms, [p.grad.detach() for p in params if p.grad is not None])
 
     # ---- metrics -------------------------------------------------------------------------------
     def step_metrics(self, step: int, model: nn.Module, record: dict[str, Any]) -> None:

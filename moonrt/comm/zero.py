@@ -2,7 +2,8 @@
 
 :class:`Zero1` is a :class:`moonrt.comm.parallelism.Part`. Per step the loop calls
 :meth:`Zero1.sync_grads` (reduce-scatter), :meth:`Zero1.clip_grad_norm` (exact global norm from the
-shards) and :meth:`Zero1.step` (AdamW on this rank's shard, then all-gather of the updated shard)
+shards, the core's ``grad_norm``) and :meth:`Zero1.step` (AdamW on this rank's shard, then all-gather of the
+updated shard)
 *instead of* ``optimizer.step()``; :meth:`Zero1.full_state_dict` / :meth:`Zero1.load_full_state_dict`
 speak the single-process ``{"model", "optimizer"}`` layout, so a ZeRO checkpoint resumes in one
 process and a single-process checkpoint resumes under ZeRO; :meth:`Zero1.sharded_state_dict` gives DCP each
@@ -35,10 +36,11 @@ partition boundaries must move to block boundaries (greedy ownership of whole he
 shards padded to the largest owner), or the owner of a straddling block gathers its missing part
 first; the bucket bookkeeping here (``_Bucket.offsets``, ``segments``) is where that would change.
 
-Global-norm clipping is exact: every rank of the job owns a disjoint piece of every parameter it
-contributes to (dense pieces over ``dp_ep_cp`` at each stage, expert pieces over ``dp_cp`` at each
-EP rank), so the sum over *all* ranks of the squared shard gradients is the squared norm of the
-single-process gradient (one fp64 all-reduce over the default group).
+The buckets, collectives, norm contribution, Part plumbing and checkpoint frame are the shared core's
+(:mod:`moonrt.comm.zero_core`); this module is the AdamW strategy on it. Global-norm clipping is exact: every rank
+of the job owns a disjoint piece of every parameter it contributes to (dense pieces over ``dp_ep_cp`` at each
+stage, expert pieces over ``dp_cp`` at each EP rank), so the sum over *all* ranks of the squared shard gradients
+is the squared norm of the single-process gradient (one fp64 all-reduce over the default group).
 
 Composition with pipeline parallelism: each pipeline rank shards only its stages' parameters (the mesh
 groups ``dp_ep_cp`` / ``dp_cp`` lie inside one pp coordinate). The parameters every pp rank holds (the
@@ -59,37 +61,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from moonrt.comm.parallelism import Part
+from moonrt.comm.zero_core import ZeroCore, gather_shards, scatter_grads
 from moonrt.config import ConfigError
 
-if TYPE_CHECKING:
-    from moonrt.comm.ep_parallel import ExpertParallel
-    from moonrt.comm.mesh import ProcessMesh
-
 _MOMENTS = ("exp_avg", "exp_avg_sq")
-
-
-def _size_rank(group: Any) -> tuple[int, int]:
-    """``(size, rank)`` of ``group`` (None: the default group); ``(1, 0)`` without torch.distributed."""
-    if not dist.is_initialized():
-        return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
-
-
-def _reduce_scatter(out: torch.Tensor, flat: torch.Tensor, group: Any) -> None:
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    fn(out, flat, group=group)
-
-
-def _all_gather(out: torch.Tensor, shard: torch.Tensor, group: Any) -> None:
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, shard, group=group)
 
 
 @dataclasses.dataclass
@@ -144,48 +125,26 @@ class _Bucket:
         return self.params[i].detach().view(-1)[a - self.offsets[i]:b - self.offsets[i]]
 
 
-class Zero1(Part):
-    """ZeRO-1 data parallelism as a part of the job's parallelism object (see the module docstring).
+class Zero1(ZeroCore):
+    """ZeRO-1 data parallelism with AdamW on flat shards (see the module docstring; arguments:
+    :class:`~moonrt.comm.zero_core.ZeroCore`)."""
 
-    Args:
-        dense: group of the dense parameters' replicas (mesh ``dp_ep_cp``; None: the default group).
-        experts: group of the routed experts' replicas (mesh ``dp_cp``); needed when ``ep`` is given.
-        ep: the job's expert-parallel part (which parameters are experts; EP gather of checkpoints).
-        norm_group: the ranks whose shards together hold the whole model once (None: the default group).
-    """
-
-    def __init__(self, dense: Any = None, experts: Any = None, *, ep: ExpertParallel | None = None,
-                 norm_group: Any = None) -> None:
-        if ep is not None and experts is None and _size_rank(None)[0] > 1:
-            raise ConfigError("Zero1: ep given without the experts' replica group (mesh group 'dp_cp')")
-        self.dense, self.experts, self.ep, self.norm_group = dense, experts, ep, norm_group
+    def __init__(self, dense: Any = None, experts: Any = None, **kwargs: Any) -> None:
+        super().__init__(dense, experts, **kwargs)
         self.buckets: list[_Bucket] = []
         self._inner: torch.optim.AdamW | None = None
         self._outer: torch.optim.Optimizer | None = None
         self._seg_group: list[int] = []  # inner group index -> outer group index
         self._segs: list[tuple[_Bucket, tuple[int, int, int], torch.Tensor]] = []
-        self.duplicates: set[str] = set()
-        """Names of parameters whose (synced) gradient on this rank is a copy of another rank's that the norm
-        already counts (set by the pipeline part: the pseudo-queries on all pp ranks but one)."""
-
-    @classmethod
-    def from_mesh(cls, mesh: ProcessMesh, ep: ExpertParallel | None = None) -> Zero1:
-        """Dense parameters over ``dp_ep_cp``, experts over ``dp_cp``, norm over the default group."""
-        return cls(mesh.group("dp_ep_cp"), mesh.group("dp_cp"), ep=ep)
 
     # ---- layout ------------------------------------------------------------------------------------
     def _layout(self, model: nn.Module) -> list[_Bucket]:
         """Build the buckets once (after every part's ``parallelize``, which may replace parameters)."""
         if self.buckets:
             return self.buckets
-        groups: dict[tuple[str, torch.dtype], list[tuple[str, nn.Parameter]]] = {}
-        for name, p in model.named_parameters():
-            if p.requires_grad:
-                kind = "expert" if self.ep is not None and self.ep.is_expert(p) else "dense"
-                groups.setdefault((kind, p.dtype), []).append((name, p))
-        for (kind, dtype), members in groups.items():
-            group = self.experts if kind == "expert" else self.dense
-            size, rank = _size_rank(group)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        for kind, group, size, rank, idx in self.replica_buckets(named):
+            members, dtype = [named[i] for i in idx], named[idx[0]][1].dtype
             offsets, total = [], 0
             for _, p in members:
                 offsets.append(total)
@@ -205,7 +164,7 @@ class Zero1(Part):
                 had_grad=torch.zeros(len(members), dtype=torch.bool)))
         return self.buckets
 
-    def _bind(self, model: nn.Module | None, optim: torch.optim.Optimizer) -> None:
+    def _prepare(self, model: nn.Module | None, optim: torch.optim.Optimizer) -> None:
         """Build the inner AdamW over this rank's segments, in the outer optimizer's param groups.
 
         Rebinding (another optimizer object over the same parameters) keeps the state: it lives in
@@ -254,29 +213,21 @@ class Zero1(Part):
                 p.grad = None
         return True
 
-    def clip_grad_norm(self, params: list[torch.Tensor], max_norm: float) -> float:
-        """Scale the shard gradients to global norm ``max_norm`` if above it; returns the norm (fp64 sum)."""
-        sq = torch.zeros((), dtype=torch.float64, device=self.buckets[0].grad_shard.device if self.buckets else None)
-        for b in self.buckets:
-            sq += b.grad_shard.double().pow(2).sum()
-            for seg in b.segments:  # copies counted on another rank (pipeline: pseudo-queries)
-                if b.names[seg[0]] in self.duplicates:
-                    sq -= b.view(b.grad_shard, seg).double().pow(2).sum()
-        if _size_rank(self.norm_group)[0] > 1:
-            dist.all_reduce(sq, group=self.norm_group)
-        total = float(sq.sqrt())
-        coef = max_norm / (total + 1e-6)
-        if coef < 1.0:
-            for b in self.buckets:
-                b.grad_shard.mul_(coef)
-        return total
+    def _grad_shards(self) -> list[torch.Tensor]:
+        return [b.grad_shard for b in self.buckets]
+
+    def _owned_grads(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return ((b.names[seg[0]], b.view(b.grad_shard, seg)) for b in self.buckets for seg in b.segments)
+
+    def _trainable(self) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for b in self.buckets for n, p in zip(b.names, b.params)]
 
     def step(self, optim: torch.optim.Optimizer) -> bool:
         """AdamW on this rank's shard with ``optim``'s current hyperparameters, then all-gather the
         updated shards into the parameters. Called instead of ``optim.step()`` (whose state stays empty)."""
         if not self.buckets:
             raise RuntimeError("Zero1.step: call sync_grads(model) first (no gradients were reduced)")
-        self._bind(None, optim)
+        self._prepare(None, optim)
         for b, seg, view in self._segs:
             view.copy_(b.param_slice(seg))
             i = seg[0]
@@ -288,9 +239,7 @@ class Zero1(Part):
             self._inner.step()
         for b in self.buckets:
             b.steps += b.had_grad.double()
-            full = b.param_shard if b.size == 1 else b.param_shard.new_empty(b.size * b.shard)
-            if b.size > 1:
-                _all_gather(full, b.param_shard, b.group)
+            full = gather_shards(b.param_shard, b.group, b.size, copy=False)
             with torch.no_grad():
                 for p, off in zip(b.params, b.offsets):
                     p.copy_(full[off:off + p.numel()].view_as(p))
@@ -299,67 +248,32 @@ class Zero1(Part):
         return True
 
     # ---- checkpoints -------------------------------------------------------------------------------
-    def full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
-        """``{"model", "optimizer"}`` in the single-process layout (collective over every replica group).
+    def _put_state(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
+        """The moment shards all-gathered per bucket into whole ``[*p.shape]`` tensors, with the step counts."""
+        out = {}
+        for b in self.buckets:
+            full = {key: gather_shards(getattr(b, key), b.group, b.size, copy=False) for key in _MOMENTS}
+            for i, (p, off) in enumerate(zip(b.params, b.offsets)):
+                if b.steps[i] > 0:
+                    out[p] = {"step": torch.tensor(float(b.steps[i]))} | {
+                        k: full[k][off:off + p.numel()].view_as(p).clone() for k in _MOMENTS}
+        return out
 
-        The moment shards are all-gathered per bucket into whole ``[*p.shape]`` tensors and placed in
-        ``optim.state`` for the duration of the call (then the EP part, if any, gathers the experts over
-        the EP group, or ``optim.state_dict()`` is taken), then ``optim.state`` is emptied again.
-        """
-        self._bind(model, optim)
-        try:
-            for b in self.buckets:
-                full = {}
+    def _take_state(self, state: dict[Any, dict[str, torch.Tensor]]) -> None:
+        """AdamW moments sliced to this rank's shard, step counts per parameter."""
+        for b in self.buckets:
+            for key in _MOMENTS:
+                getattr(b, key).zero_()
+            for i, p in enumerate(b.params):
+                st = state.get(p, {})
+                b.steps[i] = float(st["step"]) if "step" in st else 0.0
+            for seg in b.segments:
+                i, a, c = seg
+                st = state.get(b.params[i], {})
                 for key in _MOMENTS:
-                    src = getattr(b, key)
-                    full[key] = src if b.size == 1 else src.new_empty(b.size * b.shard)
-                    if b.size > 1:
-                        _all_gather(full[key], src, b.group)
-                for i, (p, off) in enumerate(zip(b.params, b.offsets)):
-                    if b.steps[i] > 0:
-                        optim.state[p] = {"step": torch.tensor(float(b.steps[i]))} | {
-                            k: full[k][off:off + p.numel()].view_as(p).clone() for k in _MOMENTS}
-            if self.ep is not None:
-                return self.ep.full_state_dict(model, optim)
-            return {"model": model.state_dict(), "optimizer": optim.state_dict()}
-        finally:
-            optim.state.clear()
-
-    def load_full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, state: dict[str, Any]) -> bool:
-        """Load a single-process-layout state: parameters whole, AdamW moments sliced to this rank's shard.
-
-        ValueError (optimizer state unchanged) when a parameter's saved moment has the wrong shape.
-        """
-        if self.ep is not None:
-            self.ep.load_full_state_dict(model, optim, state)
-        else:
-            model.load_state_dict(state["model"])
-            optim.load_state_dict(state["optimizer"])
-        self._bind(model, optim)
-        try:
-            for b in self.buckets:
-                for i, p in enumerate(b.params):
-                    st = optim.state.get(p, {})
-                    for key in _MOMENTS:
-                        if key in st and st[key].shape != p.shape:
-                            raise ValueError(f"checkpoint optimizer state of {b.names[i]}: {key} shape "
-                                             f"{tuple(st[key].shape)}, expected {tuple(p.shape)}")
-            for b in self.buckets:
-                for key in _MOMENTS:
-                    getattr(b, key).zero_()
-                for i, p in enumerate(b.params):
-                    st = optim.state.get(p, {})
-                    b.steps[i] = float(st["step"]) if "step" in st else 0.0
-                for seg in b.segments:
-                    i, a, c = seg
-                    st = optim.state.get(b.params[i], {})
-                    for key in _MOMENTS:
-                        if key in st:
-                            lo = a - b.offsets[i]
-                            b.view(getattr(b, key), seg).copy_(st[key].reshape(-1)[lo:lo + c - a])
-        finally:
-            optim.state.clear()
-        return True
+                    if key in st:
+                        lo = a - b.offsets[i]
+                        b.view(getattr(b, key), seg).copy_(st[key].reshape(-1)[lo:lo + c - a])
 
     def sharded_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer,
                            save: bool = True) -> dict[str, Any]:
@@ -369,7 +283,7 @@ class Zero1(Part):
         under EP starts at row ``first`` of ``[E, ...]``); ``.step`` replicated (DCP writes one copy)."""
         from moonrt.comm.dcp_state import Shard, model_entries
 
-        self._bind(model, optim)
+        self._prepare(model, optim)
         shards = self.ep.shard_map(model) if self.ep is not None else {}
         out = model_entries(model, shards)
         for b in self.buckets:
@@ -401,35 +315,6 @@ class Zero1(Part):
         return {"optimizer_state": self.state_bytes(),
                 "grad_shard": sum(b.grad_shard.nbytes for b in self.buckets),
                 "param_shard": sum(b.param_shard.nbytes for b in self.buckets)}
-
-
-    def step_metrics(self, step: int, model: nn.Module, record: dict[str, Any]) -> None:
-        """``optimizer_state_bytes``: every rank's AdamW state bytes (:meth:`state_bytes`), in global rank order."""
-        device = self.buckets[0].exp_avg.device if self.buckets else None
-        record["optimizer_state_bytes"] = every_rank(self.state_bytes(), device)
-
-
-def scatter_grads(flat: torch.Tensor, out: torch.Tensor, flags: torch.Tensor, group: Any, size: int) -> torch.Tensor:
-    """The gradient tail of a sharded step: reduce-scatter (sum) ``flat [size * S]``, laid out in the owners'
-    order, into this rank's ``out [S]`` (a copy with one replica) and sum the ``[P]`` "had a gradient" flags over
-    ``group``; returns ``[P]`` bool, True where any replica produced that parameter's gradient."""
-    if size > 1:
-        _reduce_scatter(out, flat, group)
-        dist.all_reduce(flags, group=group)
-    else:
-        out.copy_(flat)
-    return flags > 0
-
-
-def every_rank(value: int, device: torch.device | None = None) -> list[int]:
-    """``value`` of every rank of the default group, in global rank order (one all-gather; ``[value]`` alone)."""
-    mine = torch.tensor([value], dtype=torch.int64, device=device)
-    world = _size_rank(None)[0]
-    if world == 1:
-        return [value]
-    rows = [torch.zeros_like(mine) for _ in range(world)]
-    dist.all_gather(rows, mine)
-    return [int(r) for r in rows]
 
 
 def _hyper(group: dict[str, Any]) -> dict[str, Any]:

@@ -14,7 +14,7 @@ row-major, units in index order), padded with zeros to ``S`` = the largest segme
 - :meth:`ZeroMuon.sync_grads`: every rank packs its full gradient into ``[n * S]`` in the owners' layout
   and one ``reduce_scatter_single`` (sum) leaves rank ``r`` the summed gradient of its own units ``[S]``
   (no whole-matrix gather); one all-reduce of ``[P]`` "had a gradient" flags (torch skips ``grad is None``);
-- :meth:`ZeroMuon.clip_grad_norm`: the global norm from the disjoint segments (one fp64 all-reduce);
+- the clip: the global norm from the disjoint segments (one fp64 all-reduce; the core's ``grad_norm``);
 - :meth:`ZeroMuon.step`: the owner runs the momentum, Newton-Schulz and update of its Muon blocks (the
   arithmetic of :class:`moonrt.ops.muon.Muon`, per block) and torch's AdamW on its AdamW parameters, writes
   the new values into ``[S]``, and one ``all_gather_single`` ``[S] -> [n * S]`` gives every rank every
@@ -26,7 +26,9 @@ single-process layout: gathered (:meth:`ZeroMuon.full_state_dict` gathers the se
 or sharded for DCP (:meth:`ZeroMuon.sharded_state_dict`: each owned block's momentum is a box of the parameter's
 single-process shape, rows or columns, several per parameter on one rank; owned AdamW moments flat ranges).
 
-Buckets (as :class:`moonrt.comm.zero.Zero1`'s): the units of parameters with the same replica group and dtype
+The buckets, collectives, norm contribution, Part plumbing and checkpoint frame are the shared core's
+(:mod:`moonrt.comm.zero_core`, as for :class:`moonrt.comm.zero.Zero1`); this module is the Muon strategy on it.
+Buckets: the units of parameters with the same replica group and dtype
 are planned, packed and reduced together. Dense parameters are replicated over ``dp_ep_cp`` (data, expert and
 context parallel ranks hold the same weight); routed experts under expert parallelism (pass the
 :class:`~moonrt.comm.ep_parallel.ExpertParallel` part as ``ep``; ZeroMuon comes *before* it in
@@ -45,15 +47,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from moonrt.comm.parallelism import Part
-from moonrt.comm.zero import _all_gather, _size_rank, every_rank, scatter_grads
+from moonrt.comm.zero_core import ZeroCore, gather_shards, scatter_grads
 from moonrt.config import ConfigError
 from moonrt.ops.muon import (
     NS_DTYPES,
@@ -70,8 +70,6 @@ from moonrt.scheduler.muon_plan import MuonPlan, Unit, plan_units
 
 if TYPE_CHECKING:
     from moonrt.comm.dcp_state import Shard
-    from moonrt.comm.ep_parallel import ExpertParallel
-    from moonrt.comm.mesh import ProcessMesh
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -131,23 +129,18 @@ def unit_layout(model: nn.Module, blocks: dict[str, Blocking]
     return named, units, raw
 
 
-class ZeroMuon(Part):
+class ZeroMuon(ZeroCore):
     """Muon + AdamW with unit ownership inside each parameter's replica group (see the module docstring).
 
-    Args:
-        dense: the replicas of the dense parameters (mesh ``dp_ep_cp``; None: the default group).
-        experts: the replicas of the routed experts (mesh ``dp_cp``); needed when ``ep`` is given.
-        assign: ``model -> {parameter name: blocking}`` of the parameters Muon updates (the job's
-            :func:`moonrt.jobs.train.optimizers.muon_blocks`); every other trainable parameter is AdamW.
-        ep: the job's expert-parallel part (which parameters are experts; EP gather of checkpoints).
-        norm_group: the ranks whose units together hold the whole model once (None: the default group).
+    Args: those of :class:`~moonrt.comm.zero_core.ZeroCore`, and ``assign``: ``model -> {parameter name:
+    blocking}`` of the parameters Muon updates (the job's :func:`moonrt.jobs.train.optimizers.muon_blocks`); every
+    other trainable parameter is AdamW.
     """
 
     def __init__(self, dense: Any = None, experts: Any = None, *, assign: Callable[[nn.Module], dict[str, Blocking]],
-                 ep: ExpertParallel | None = None, norm_group: Any = None) -> None:
-        if ep is not None and experts is None and _size_rank(None)[0] > 1:
-            raise ConfigError("ZeroMuon: ep given without the experts' replica group (mesh group 'dp_cp')")
-        self.dense, self.experts, self.assign, self.ep, self.norm_group = dense, experts, assign, ep, norm_group
+                 **kwargs: Any) -> None:
+        super().__init__(dense, experts, **kwargs)
+        self.assign = assign
         self.names: list[str] = []
         self.params: list[nn.Parameter] = []
         self.specs: list[Blocking | None] = []
@@ -159,15 +152,6 @@ class ZeroMuon(Part):
         self.steps = torch.zeros(0, dtype=torch.float64)
         """``[P]`` replicated: optimizer steps taken by each parameter (state exists when > 0)."""
         self.had_grad = torch.zeros(0, dtype=torch.bool)
-        self.duplicates: set[str] = set()
-        """Names of parameters whose (synced) gradient on this rank is a copy of another rank's that the norm
-        already counts (set by the pipeline part: the pseudo-queries on all pp ranks but one)."""
-
-    @classmethod
-    def from_mesh(cls, mesh: ProcessMesh, *, assign: Callable[[nn.Module], dict[str, Blocking]],
-                  ep: ExpertParallel | None = None) -> ZeroMuon:
-        """Dense parameters over ``dp_ep_cp``, experts over ``dp_cp``, norm over the default group."""
-        return cls(mesh.group("dp_ep_cp"), mesh.group("dp_cp"), assign=assign, ep=ep)
 
     @property
     def mine(self) -> list[int]:
@@ -181,20 +165,15 @@ class ZeroMuon(Part):
             return
         blocks = self.assign(model)
         named, units, raw = unit_layout(model, blocks)
-        keys: dict[tuple[str, torch.dtype], list[int]] = {}
-        for i, (name, p) in enumerate(named):
+        for name, p in named:
             self.names.append(name)
             self.params.append(p)
             self.is_muon.append(name in blocks)
             self.specs.append(blocks.get(name))
-            kind = "expert" if self.ep is not None and self.ep.is_expert(p) else "dense"
-            keys.setdefault((kind, p.dtype), []).append(i)
         slots: list[_Slot | None] = [None] * len(raw)
-        for (kind, dtype), params in keys.items():
-            member = set(params)
+        for kind, group, size, rank, params in self.replica_buckets(named):
+            member, dtype = set(params), self.params[params[0]].dtype
             ids = [u for u, r in enumerate(raw) if r[0] in member]
-            group = self.experts if kind == "expert" else self.dense
-            size, rank = _size_rank(group)
             plan = plan_units([units[u] for u in ids], size)
             for j, u in enumerate(ids):
                 slots[u] = _Slot(*raw[u], len(self.buckets), plan.owner[j], plan.offsets[j])
@@ -248,12 +227,7 @@ class ZeroMuon(Part):
     @staticmethod
     def _gather(b: _Bucket, mine: torch.Tensor) -> torch.Tensor:
         """``[S] -> [n * S]`` over the bucket's group (a copy with one replica)."""
-        full = torch.empty(b.size * b.plan.shard, dtype=mine.dtype, device=mine.device)
-        if b.size > 1:
-            _all_gather(full, mine, b.group)
-        else:
-            full.copy_(mine)
-        return full
+        return gather_shards(mine, b.group, b.size)
 
     # ---- per-step verbs ----------------------------------------------------------------------------
     def sync_grads(self, model: nn.Module) -> bool:
@@ -268,24 +242,19 @@ class ZeroMuon(Part):
             p.grad = None
         return True
 
-    def clip_grad_norm(self, params: list[torch.Tensor], max_norm: float) -> float:
-        """Scale the owned gradients to global norm ``max_norm`` if above (torch's rule); returns the norm.
+    def _grad_shards(self) -> list[torch.Tensor]:
+        return [b.grad for b in self.buckets]
 
-        Every rank of the job owns disjoint units (dense over ``dp_ep_cp`` at each stage, experts over ``dp_cp``
-        at each EP rank), so one fp64 sum over ``norm_group`` is the single-process norm; units of
-        :attr:`duplicates` are left out here (another pipeline rank counts them)."""
-        sq = torch.zeros((), dtype=torch.float64, device=self.buckets[0].grad.device if self.buckets else None)
-        for b in self.buckets:
-            sq += b.grad.double().pow(2).sum()
-            for u in b.mine:
-                if self.names[self.slots[u].param] in self.duplicates:
-                    sq -= self._seg(b.grad, u).double().pow(2).sum()
-        if _size_rank(self.norm_group)[0] > 1:
-            dist.all_reduce(sq, group=self.norm_group)
-        norm = math.sqrt(max(float(sq), 0.0))
-        for b in self.buckets:
-            b.grad.mul_(min(1.0, max_norm / (norm + 1e-6)))
-        return norm
+    def _owned_grads(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return ((self.names[self.slots[u].param], self._seg(b.grad, u)) for b in self.buckets for u in b.mine)
+
+    def _trainable(self) -> list[tuple[str, nn.Parameter]]:
+        return list(zip(self.names, self.params))
+
+    def _prepare(self, model: nn.Module | None, optim: torch.optim.Optimizer) -> None:
+        if model is not None:
+            self._layout(model)
+        self._check(optim)
 
     def _check(self, optim: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
         """Parameter index -> its param group; the optimizer must be the job's Muon with this layout."""
@@ -341,64 +310,37 @@ class ZeroMuon(Part):
                 self._seg(mine, u).copy_(st[k])
         return self._gather(b, mine)
 
-    def full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
-        """``{"model", "optimizer"}`` as the single-process :class:`Muon` would hold them (collective over every
-        bucket's group; then the EP part, if any, gathers the experts over the EP group)."""
-        self._layout(model)
-        self._check(optim)
+    def _put_state(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
+        """Every parameter's state as the single-process :class:`Muon` holds it (gathered per bucket)."""
         m1 = [torch.zeros_like(p) for p in self.params]
         m2 = [torch.zeros_like(p) for p in self.params]
         for b in self.buckets:
             self._unpack(b, self._gather_state(b, "exp_avg"), m1)
             self._unpack(b, self._gather_state(b, "exp_avg_sq"), m2)
-        try:
-            for i, p in enumerate(self.params):
-                if self.steps[i] <= 0:
-                    continue
-                if self.is_muon[i]:
-                    optim.state[p] = {"momentum_buffer": m1[i]}
-                else:
-                    optim.state[p] = {"step": torch.tensor(float(self.steps[i])), "exp_avg": m1[i], "exp_avg_sq": m2[i]}
-            if self.ep is not None:
-                return self.ep.full_state_dict(model, optim)
-            return {"model": model.state_dict(), "optimizer": optim.state_dict()}
-        finally:
-            optim.state.clear()
+        out = {}
+        for i, p in enumerate(self.params):
+            if self.steps[i] <= 0:
+                continue
+            if self.is_muon[i]:
+                out[p] = {"momentum_buffer": m1[i]}
+            else:
+                out[p] = {"step": torch.tensor(float(self.steps[i])), "exp_avg": m1[i], "exp_avg_sq": m2[i]}
+        return out
 
-    def load_full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, state: dict[str, Any]) -> bool:
-        """Load a single-process-layout state: parameters whole (the EP part, if any, keeps the home experts),
-        owned units' optimizer state sliced out.
-
-        ValueError (own state unchanged) when a saved state tensor has the wrong shape.
-        """
-        if self.ep is not None:
-            self.ep.load_full_state_dict(model, optim, state)
-        else:
-            model.load_state_dict(state["model"])
-            optim.load_state_dict(state["optimizer"])
-        self._layout(model)
-        self._check(optim)
-        try:
-            for i, p in enumerate(self.params):
-                for key, t in optim.state.get(p, {}).items():
-                    if key != "step" and t.shape != p.shape:
-                        raise ValueError(f"checkpoint optimizer state of {self.names[i]}: {key} shape "
-                                         f"{tuple(t.shape)}, expected {tuple(p.shape)}")
-            for i, p in enumerate(self.params):
-                st = optim.state.get(p, {})
-                self.steps[i] = float(st["step"]) if "step" in st else float("momentum_buffer" in st)
-            for u in self.state:
-                s = self.slots[u]
-                st = optim.state.get(self.params[s.param], {})
-                self.state[u] = self._fresh(s)
-                for key, t in self.state[u].items():
-                    if key == "step":
-                        t.fill_(self.steps[s.param])
-                    elif key in st:
-                        t.copy_(self._piece(st[key], s))
-        finally:
-            optim.state.clear()
-        return True
+    def _take_state(self, state: dict[Any, dict[str, torch.Tensor]]) -> None:
+        """Step counts per parameter, the owned units' state sliced out of the whole tensors."""
+        for i, p in enumerate(self.params):
+            st = state.get(p, {})
+            self.steps[i] = float(st["step"]) if "step" in st else float("momentum_buffer" in st)
+        for u in self.state:
+            s = self.slots[u]
+            st = state.get(self.params[s.param], {})
+            self.state[u] = self._fresh(s)
+            for key, t in self.state[u].items():
+                if key == "step":
+                    t.fill_(self.steps[s.param])
+                elif key in st:
+                    t.copy_(self._piece(st[key], s))
 
     def sharded_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer,
                            save: bool = True) -> dict[str, Any]:
@@ -411,8 +353,7 @@ class ZeroMuon(Part):
         buffer, bit for bit: ``Muon._muon_param`` starts an absent buffer as zeros)."""
         from moonrt.comm.dcp_state import MOMENTS, MOMENTUM, Boxes, flat_shard, model_entries
 
-        self._layout(model)
-        self._check(optim)
+        self._prepare(model, optim)
         shards = self.ep.shard_map(model) if self.ep is not None else {}
         out = model_entries(model, shards)
         boxes: dict[int, list[Shard]] = {}
@@ -455,10 +396,9 @@ class ZeroMuon(Part):
         return sum(4 * (b.size - 1) * b.plan.shard * b.grad.element_size() for b in self.buckets)
 
     def step_metrics(self, step: int, model: nn.Module, record: dict[str, Any]) -> None:
-        """``optimizer_state_bytes`` (every rank's, global rank order), ``optimizer_comm_bytes`` (this rank) and
-        ``muon_flops_imbalance`` (the worst bucket's largest owner FLOPs over the mean)."""
-        device = self.buckets[0].grad.device if self.buckets else None
-        record["optimizer_state_bytes"] = every_rank(self.state_bytes(), device)
+        """The core's ``optimizer_state_bytes``, ``optimizer_comm_bytes`` (this rank) and ``muon_flops_imbalance``
+        (the worst bucket's largest owner FLOPs over the mean)."""
+        super().step_metrics(step, model, record)
         record["optimizer_comm_bytes"] = self.comm_bytes()
         record["muon_flops_imbalance"] = max((b.plan.imbalance for b in self.buckets), default=1.0)
 

@@ -129,3 +129,40 @@ def test_step_runs_the_first_handling_part_else_the_optimizer() -> None:
     assert calls == ["a"] and torch.equal(p.detach(), torch.ones(3)), "the handling part replaces optim.step()"
     Parallelism(parts=[Part()]).step(opt)
     assert torch.equal(p.detach(), torch.full((3,), 0.5))
+
+
+def test_compose_orders_parts_by_the_table_and_links_what_each_wraps() -> None:
+    """``compose``: whatever order the assembly built the parts in, they come out in COMPOSITION's order and each
+    wrapping part holds the first present part of the kinds its row wraps; an unknown or repeated kind is an error."""
+    import pytest
+
+    from moonrt.comm.compose import COMPOSITION, compose
+
+    def make(kind: str) -> Part:
+        return type(f"P_{kind}", (Part,), {"kind": kind})()
+
+    pipe, zero, expert, trace = (make(k) for k in ("pipeline", "zero", "expert", "trace"))
+    assert [r.kind for r in COMPOSITION] == ["pipeline", "zero", "expert", "trace"]
+    assert compose([trace, expert, zero, pipe]) == [pipe, zero, expert, trace]
+    assert pipe.inner is zero and zero.inner is expert and not hasattr(expert, "inner")
+    pipe2, expert2 = make("pipeline"), make("expert")
+    assert compose([expert2, pipe2]) == [pipe2, expert2] and pipe2.inner is expert2
+    with pytest.raises(ValueError, match=r"kind = 'other': expected one of pipeline, zero, expert, trace"):
+        compose([make("other")])
+    with pytest.raises(ValueError, match=r"kind = 'zero': expected one part per kind"):
+        compose([make("zero"), make("zero")])
+
+
+def test_one_clip_sums_terms_per_group_and_scales_like_torch() -> None:
+    """``clip_to_global_norm`` in one process (groups of one rank: no sum): the norm is the square root of the
+    summed terms and the gradients are scaled by torch's rule (``max_norm / (norm + 1e-6)`` when below 1)."""
+    from moonrt.comm.parallelism import GradNorm, clip_to_global_norm
+
+    grads = [torch.full((3,), 2.0), torch.full((2, 2), 1.0)]
+    sq = [g.double().pow(2).sum() for g in grads]
+    norm = clip_to_global_norm(GradNorm([(sq[0], ()), (sq[1], (None,))], grads), 1.0)
+    assert norm == 4.0  # sqrt(12 + 4)
+    assert torch.equal(grads[0], torch.full((3,), 2.0 * (1.0 / (4.0 + 1e-6))))
+    same = [torch.full((3,), 2.0)]
+    assert clip_to_global_norm(GradNorm([(same[0].double().pow(2).sum(), ())], same), 10.0) == 12 ** 0.5
+    assert torch.equal(same[0], torch.full((3,), 2.0)), "below max_norm: untouched"

@@ -7,8 +7,9 @@ from typing import Any
 
 import torch
 
-from moonrt.comm.mesh import MeshLayout
-from moonrt.comm.parallelism import Parallelism, RoutingTrace
+from moonrt.comm.compose import compose
+from moonrt.comm.mesh import Group, MeshLayout
+from moonrt.comm.parallelism import Parallelism, Part, RoutingTrace
 from moonrt.config import ConfigError
 from moonrt.jobs.train.config import MAX_PARAMS, JobConfig
 from moonrt.parallel.context import LOCAL
@@ -57,12 +58,11 @@ def parallel_runtime(job: JobConfig, progress: bool = False) -> Parallelism:
 
     Batch rows are split over ``dp_ep`` (ranks that see different data), each sequence over ``cp``
     (:class:`moonrt.comm.cp_context.ContextParallel`: KCP, conv halo, MLA latent gather); gradients, router
-    statistics and scalars are summed over the replicas ``dp_ep_cp``. Parts:
+    statistics and scalars are summed over the replicas ``dp_ep_cp``. Parts built here:
     :class:`moonrt.comm.pp_part.PipelineParallel` when ``pp > 1`` (stages over the ``pp`` group),
     :class:`moonrt.comm.ep_parallel.ExpertParallel` when ``ep > 1``, a routing-trace recorder when asked for;
     :class:`moonrt.comm.zero.Zero1` when ``zero = 1`` (:class:`moonrt.comm.zero_muon.ZeroMuon` with ``optimizer =
-    muon``), after the pipeline and before EP (the pipeline's inner part then: see :mod:`moonrt.comm.zero` for the
-    composition).
+    muon``). Their order and which wraps which is the composition table's (:func:`moonrt.comm.compose.compose`).
     """
     import torch.distributed as dist
 
@@ -86,47 +86,43 @@ def parallel_runtime(job: JobConfig, progress: bool = False) -> Parallelism:
                               "is inferred)")
         p.dp = world // p.world_size
     mesh = ProcessMesh(p)
-    ctx = ContextParallel(mesh.group("cp")) if p.cp > 1 else LOCAL
-    rt = Parallelism(dp_rank=mesh.rank("dp_ep"), dp_size=mesh.size("dp_ep"), cp_rank=mesh.rank("cp"),
-                     cp_size=mesh.size("cp"), is_main=dist.get_rank() == 0, ctx=ctx, replicas=mesh.group("dp_ep_cp"))
-    counts = None
-    if p.pp > 1:  # the pipeline runs the step: it comes first
+    ctx = ContextParallel(mesh.group(Group.CP)) if p.cp > 1 else LOCAL
+    rt = Parallelism(dp_rank=mesh.rank(Group.DP_EP), dp_size=mesh.size(Group.DP_EP), cp_rank=mesh.rank(Group.CP),
+                     cp_size=mesh.size(Group.CP), is_main=dist.get_rank() == 0, ctx=ctx,
+                     replicas=mesh.group(Group.DP_EP_CP))
+    parts: list[Part] = []
+    counts = pipe = None
+    if p.pp > 1:  # the pipeline runs the step
         from moonrt.comm.pp_part import PipelineParallel
         from moonrt.scheduler.pipeline import build_schedule
 
         schedule = build_schedule(p.pipeline_schedule, p.pp, p.microbatches, p.vpp)
-        rt.parts.append(PipelineParallel(schedule, group=mesh.group("pp"), rank=mesh.rank("pp"),
-                                         mode=p.attn_res_comm))
-    ep = None
-    if p.ep > 1:  # MoonEP: shard experts, per-group grad sync, global-norm clip over the shards
+        pipe = PipelineParallel(schedule, group=mesh.group(Group.PP), rank=mesh.rank(Group.PP), mode=p.attn_res_comm)
+        parts.append(pipe)
+    if p.ep > 1:  # MoonEP: shard experts, per-group grad sync, global-norm terms over the shards
         from moonrt.comm.ep_parallel import ExpertParallel
 
         ep = ExpertParallel(p, mesh=mesh, capacity=job.optim.batch_size * job.optim.seq_len)
-        rt.parts.append(ep)
-        if p.pp > 1:  # the pipeline combines the expert shards' norm and checkpoint state over its stages
-            rt.parts[0].inner = ep
+        parts.append(ep)
         counts = ep.layer_counts
-    if p.zero:  # ZeRO-1 owns sync, clip, update and the state of every parameter: before EP, after the pipeline
+    if p.zero:  # ZeRO-1 owns sync, norm, update and the state of every parameter
         from moonrt.comm.zero import Zero1
         from moonrt.comm.zero_muon import ZeroMuon
         from moonrt.jobs.train.optimizers import muon_blocks
 
         if job.optim.optimizer == "muon":  # each Muon block / AdamW parameter owned whole by one replica
-            zero = ZeroMuon.from_mesh(mesh, assign=lambda model: muon_blocks(model, job.optim), ep=ep)
+            parts.append(ZeroMuon.from_mesh(mesh, assign=lambda model: muon_blocks(model, job.optim)))
         else:
-            zero = Zero1.from_mesh(mesh, ep=ep)
-        rt.parts.insert(1 if p.pp > 1 else 0, zero)
-        if p.pp > 1:  # runs after the pipeline's pseudo-query sum; the pipeline combines its state over stages
-            rt.parts[0].inner = zero
+            parts.append(Zero1.from_mesh(mesh))
     if job.routing_trace:
         if p.pp > 1:  # rank 0 holds only its own stages' MoE layers
             raise ConfigError(f"routing_trace (--routing-trace) = {job.routing_trace!r}: expected parallel.pp = 1 "
                               f"(got {p.pp}: each pipeline rank holds only its stages' MoE layers)")
-        rt.parts.append(routing_trace(job, is_main=rt.is_main, counts=counts))
+        parts.append(routing_trace(job, is_main=rt.is_main, counts=counts))
+    rt.parts = compose(parts)
     if progress:  # every rank reports what it uses, rank 0 prints the table
         import socket
 
-        pipe = rt.parts[0] if p.pp > 1 else None
         mine = {"coords": mesh.coords, "batch": rt.dp_rank, "stages": getattr(pipe, "my_stages", [0]),
                 "host": socket.gethostname()}
         rows: list[dict] = [{}] * world
@@ -136,12 +132,13 @@ def parallel_runtime(job: JobConfig, progress: bool = False) -> Parallelism:
     return rt
 
 
-_GROUP_ROLES: dict[str, str] = {
-    "pp": "pipeline send/recv", "dp_ep": "different batch rows", "ep": "MoonEP dispatch/combine",
-    "cp": "one sequence split: KCP, MLA", "dp_cp": "expert-parameter replicas: grad sum, ZeRO-1 shards",
-    "dp_ep_cp": "dense-parameter replicas: grad sum, ZeRO-1 shards, loss sum", "dp": "plain data-parallel replicas",
-    "ep_cp": "one replica of one pipeline stage",
+_GROUP_ROLES: dict[Group, str] = {
+    Group.PP: "pipeline send/recv", Group.DP_EP: "different batch rows", Group.EP: "MoonEP dispatch/combine",
+    Group.CP: "one sequence split: KCP, MLA", Group.DP_CP: "expert-parameter replicas: grad sum, ZeRO-1 shards",
+    Group.DP_EP_CP: "dense-parameter replicas: grad sum, ZeRO-1 shards, loss sum",
+    Group.DP: "plain data-parallel replicas", Group.EP_CP: "one replica of one pipeline stage",
 }
+"""What each group does, in the order :func:`layout_table` lists them."""
 
 
 def layout_table(layout: MeshLayout, rows: list[dict[str, Any]]) -> str:
@@ -158,14 +155,14 @@ def layout_table(layout: MeshLayout, rows: list[dict[str, Any]]) -> str:
             f"* {p.cp} + cp")
     width = max(len(str(layout.world_size - 1)), 4)
     lines = [head, f"  {'rank':>{width}}  pp  dp  ep  cp  batch  stages  host"]
-    shards = layout.group_size("dp_ep")
+    shards = layout.group_size(Group.DP_EP)
     for r, row in enumerate(rows):
         c = row["coords"]
         stages = ",".join(map(str, row["stages"]))
         lines.append(f"  {r:>{width}}  {c['pp']:>2}  {c['dp']:>2}  {c['ep']:>2}  {c['cp']:>2}  "
                      f"{row['batch']:>2}/{shards:<2}  {stages:<6}  {row['host']}")
     kinds: dict[tuple[tuple[int, ...], ...], list[str]] = {}
-    for name in ("pp", "dp_ep", "ep", "cp", "dp_cp", "dp_ep_cp", "dp", "ep_cp"):
+    for name in _GROUP_ROLES:
         if layout.group_size(name) > 1:
             kinds.setdefault(tuple(map(tuple, layout.all_groups(name))), []).append(name)
     lines.append("  groups:")
