@@ -2,8 +2,9 @@
 
 :func:`simulate` places every step and MoE layer of a workload with each policy and records rank balance, copied
 experts, prefetch and dispatch bytes and planner time; :func:`summarize` reduces that to per-policy means,
-:func:`format_table` / :func:`format_time_table` print it and :func:`plot` draws it. The command line (flags, memory
-estimate check, outputs) is the job layer's :mod:`moonrt.jobs.ep_sim`; what the columns mean is documented there.
+:func:`format_table` / :func:`format_time_table` print it, :func:`figure` draws it and :func:`plot` saves that.
+The command line (flags, memory estimate check, outputs) is the job layer's :mod:`moonrt.jobs.ep_sim`; what the
+columns mean is documented there.
 """
 
 from __future__ import annotations
@@ -201,36 +202,64 @@ def format_table(summary: dict, maxvio_mean: float, warmup: int = 0) -> str:
     return "\n".join(lines)
 
 
-def plot(res: dict, policies: list[str], path: Path | BinaryIO, title: str) -> None:
-    """PNG: rank balance per policy over steps; per-rank loads of step 0, layer 0 per policy."""
-    import matplotlib
+# One style per policy, shared by both panels of :func:`figure`. MoonEP and the EPLB oracle both sit near balance 1
+# and the mean load: MoonEP is a wide solid line under a dashed, marked oracle line, so either stays visible.
+POLICY_STYLE = {
+    "none": dict(color="#8c8c8c", ls="-", marker="o", lw=1.4, zorder=2),
+    "eplb": dict(color="#dd8452", ls="-", marker="s", lw=1.4, zorder=3),
+    "eplb-oracle": dict(color="#4c72b0", ls="--", marker="^", lw=1.4, zorder=5),
+    "moonep": dict(color="#c44e52", ls="-", marker="", lw=3.2, zorder=4, alpha=0.85),
+}
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.5))
+def _labels(series: dict[str, np.ndarray], policies: list[str]) -> dict[str, str]:
+    """Legend label per policy, naming an earlier policy whose series it equals (to 1e-9): ``"x (= y)"``."""
+    out = {}
+    for i, p in enumerate(policies):
+        same = [q for q in policies[:i] if series[q].shape == series[p].shape
+                and np.allclose(series[q], series[p], rtol=0, atol=1e-9)]
+        out[p] = f"{p} (= {same[0]})" if same else p
+    return out
+
+
+def figure(res: dict, policies: list[str], title: str):
+    """The ep-sim figure (a :class:`matplotlib.figure.Figure`, not saved): left, rank balance per step (mean over
+    layers) per policy; right, per-rank loads of the last step, layer 0 (``none`` as bars, the others as steps).
+    A policy has one :data:`POLICY_STYLE` colour and marker in both panels; a policy whose series equals an
+    earlier one's says so in its legend label (``eplb-oracle (= moonep)``)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(13, 4.8), layout="constrained")
+    a, b = fig.subplots(1, 2)
+    bal = {p: res[p]["balance"].mean(1) for p in policies}
+    lab = _labels(bal, policies)
     for p in policies:
-        bal = res[p]["balance"]
-        a.plot(np.arange(bal.shape[0]), bal.mean(1), marker=".", label=p)
-    a.axhline(1.0, color="k", lw=0.5)
+        st = POLICY_STYLE.get(p, {})
+        a.plot(np.arange(bal[p].shape[0]), bal[p], label=lab[p], markersize=4, **st)
+    a.axhline(1.0, color="k", lw=0.5, zorder=1)
     a.set_xlabel("step")
     a.set_ylabel("rank balance (max / mean, mean over layers)")
     a.set_title("rank balance per step")
-    a.legend()
+    a.legend(fontsize=9)
     R = res[policies[0]]["loads"].shape[0]
     x = np.arange(R)
+    loads = {p: res[p]["loads"] for p in policies}
+    lab = _labels(loads, policies)
     for p in policies:
-        loads = res[p]["loads"]
+        st = dict(POLICY_STYLE.get(p, {}))
         if p == "none":
-            b.bar(x, loads, width=0.9, color="0.75", label="none (before)")
+            b.bar(x, loads[p], width=0.9, color=st["color"], label=f"{lab[p]} (before)", zorder=1)
         else:
-            b.step(x, loads, where="mid", lw=1.4, label=p)
-    b.axhline(res[policies[0]]["loads"].mean(), color="k", lw=0.6, ls="--", label="mean")
+            b.step(x, loads[p], where="mid", label=lab[p], markersize=4, **st)
+    b.axhline(loads[policies[0]].mean(), color="k", lw=0.6, ls=":", label="mean", zorder=6)
     b.set_xlabel("rank")
     b.set_ylabel("assignments computed")
     b.set_title(f"per-rank load, last step ({res['maxvio'].shape[0] - 1}), layer 0")
-    b.legend(fontsize=8)
+    b.legend(fontsize=9)
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110, format="png")
-    plt.close(fig)
+    return fig
+
+
+def plot(res: dict, policies: list[str], path: Path | BinaryIO, title: str) -> None:
+    """:func:`figure` as PNG to ``path`` (a file name or an open binary file)."""
+    figure(res, policies, title).savefig(path, dpi=110, format="png")

@@ -9,7 +9,7 @@ import pytest
 
 from moonrt.cli import main
 from moonrt.scheduler import baselines as bl
-from moonrt.scheduler.sim import simulate, summarize
+from moonrt.scheduler.sim import POLICIES, figure, simulate, summarize
 from moonrt.scheduler.workload import load_trace, maxvio, sample_counts, save_trace, synthetic
 
 SMALL = ["--experts", "32", "--ranks", "4", "--top-k", "4", "--tokens", "64", "--steps", "4", "--layers", "2",
@@ -91,6 +91,43 @@ def test_cli_writes_table_json_png(tmp_path, capsys) -> None:
     assert set(doc["per_step"]) == {"none", "eplb", "eplb-oracle", "moonep"}
     png = (out / "ep_sim.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def _policy_artists(ax) -> dict:
+    """Policy name -> (rgb colour, marker or None for a bar, the artist) of one ep-sim panel, from legend labels."""
+    from matplotlib.colors import to_rgb
+
+    out = {}
+    for ln in ax.get_lines():
+        out[ln.get_label().split(" ")[0]] = (to_rgb(ln.get_color()), ln.get_marker(), ln)
+    for c in ax.containers:
+        out[c.get_label().split(" ")[0]] = (to_rgb(c.patches[0].get_facecolor()), None, c)
+    return out
+
+
+def test_figure_one_style_per_policy_oracle_not_hidden() -> None:
+    """ep_sim.png: each policy has one colour (and marker) in both panels, the policies' colours differ, the EPLB
+    oracle line differs from MoonEP's in style and is drawn over it; a curve equal to another's says so."""
+    wl = synthetic("zipf", num_experts=32, num_ranks=4, top_k=4, tokens_per_rank=64, steps=4, layers=2, seed=0)
+    pols = list(POLICIES)
+    res = simulate(wl, pols, progress=False)
+    fig = figure(res, pols, "title")
+    left, right = (_policy_artists(ax) for ax in fig.axes[:2])
+    assert set(pols) <= set(left) and set(pols) <= set(right)
+    for p in pols:
+        assert left[p][0] == right[p][0], p
+        if right[p][1] is not None:
+            assert left[p][1] == right[p][1], p
+    assert len({left[p][0] for p in pols}) == len(pols)
+    for side in (left, right):
+        o, m = side["eplb-oracle"][2], side["moonep"][2]
+        assert (o.get_linestyle(), o.get_marker(), o.get_linewidth()) != (m.get_linestyle(), m.get_marker(),
+                                                                            m.get_linewidth())
+        assert o.get_zorder() > m.get_zorder()
+    same = dict(res, moonep=res["eplb-oracle"])
+    fig = figure(same, pols, "title")
+    for ax in fig.axes[:2]:
+        assert "moonep (= eplb-oracle)" in [t.get_text() for t in ax.get_legend().get_texts()]
 
 
 def test_cli_on_trace_with_unequal_rank_totals(tmp_path, capsys) -> None:
