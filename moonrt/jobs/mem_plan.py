@@ -204,10 +204,11 @@ def run(args: argparse.Namespace) -> int:
             p = plan_memory(cfg, layout, sizes, hw, profile=profile, solver=args.solver)
         except ValueError as exc:
             return _fail(str(exc))
-        print(f"== {args.model} {dtype} ({source}): dp={par.dp} pp={par.pp} vpp={par.vpp} ep={par.ep} cp={par.cp} "
-              f"seq={layout.seq_len} mbs={layout.micro_batch_size} m={par.microbatches} {par.pipeline_schedule}; "
-              f"{layout.tokens()} tokens/rank/micro-batch; {args.profile} profile{attention}; budget {b:g} GiB "
-              f"(reserve {hw.reserve_gib:g} GiB)")
+        header = (f"{args.model} {dtype} ({source}): dp={par.dp} pp={par.pp} vpp={par.vpp} ep={par.ep} cp={par.cp} "
+                  f"seq={layout.seq_len} mbs={layout.micro_batch_size} m={par.microbatches} {par.pipeline_schedule}; "
+                  f"{layout.tokens()} tokens/rank/micro-batch; {args.profile} profile{attention}; budget {b:g} GiB "
+                  f"(reserve {hw.reserve_gib:g} GiB)")
+        print(f"== {header}")
         print(table(p))
         if p.feasible:
             print("policy (rank 0):")
@@ -219,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
             try:
                 d.mkdir(parents=True, exist_ok=True)
                 write_new(d / "plan.json", json.dumps(plan_json(p), indent=1, default=str), force=args.force)
-                write_new(d / "plan.png", lambda f, p=p: plot(p, f), force=args.force)
+                write_new(d / "plan.png", lambda f, p=p, h=header: plot(p, f, h), force=args.force)
                 if p.feasible:
                     for r in p.ranks:
                         write_new(d / f"policy_rank{r.rank}.yaml", yaml.safe_dump(memory.memory_policy(r),

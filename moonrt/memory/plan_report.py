@@ -1,9 +1,11 @@
 """Outputs of a memory plan (:class:`~moonrt.memory.plan.Plan`): the per-rank table ``moonrt mem-plan``
-prints, its JSON form and a stacked-bar plot per rank with the budget line (all in GiB)."""
+prints, its JSON form and a figure: per rank, device memory stacked by term under the budget line, and the memory
+offloaded to host, disk or a peer (all in GiB)."""
 
 from __future__ import annotations
 
 import dataclasses
+import textwrap
 from pathlib import Path
 from typing import BinaryIO
 
@@ -34,30 +36,77 @@ def plan_json(p: Plan) -> dict:
     return d
 
 
-def plot(p: Plan, path: str | Path | BinaryIO) -> None:
-    """Stacked bars per rank (device memory by term) with the budget line, as PNG to ``path`` (a file name, or an
-    open binary file: what :func:`moonrt.config.write_new` hands its writer)."""
-    import matplotlib
+# Device terms stacked per rank, bottom to top, with their legend names.
+DEVICE_TERMS = {"params": "params", "grads": "grads", "optimizer": "optimizer states",
+                "slot_pool": "MoonEP slot pool", "comm_buffers": "comm buffers", "activations": "activations",
+                "remote_in": "remote in (a peer's offload)"}
+# Memory a rank's plan puts off its device: hatched bars in the lower panel.
+OFFLOAD_TERMS = {"host": ("host (offloaded activations)", "//"), "disk": ("disk (offloaded activations)", "xx"),
+                 "remote_out": ("remote out (on the peer's device)", "..")}
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    terms = ["params", "grads", "optimizer", "slot_pool", "comm_buffers"]
-    fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(p.ranks) + 3), 4))
+def _wrap(text: str, chars: int) -> str:
+    """``text`` wrapped at ``; `` and spaces into lines of at most ``chars`` characters (a longer word stays)."""
+    return "\n".join(textwrap.wrap(text, chars, break_long_words=False, break_on_hyphens=False))
+
+
+def figure(p: Plan, header: str = ""):
+    """The plan as a :class:`matplotlib.figure.Figure` (not saved), all in GiB. Upper panel: per rank, device memory
+    stacked by term (:data:`DEVICE_TERMS`), the budget line and, for a plan that does not fit, the minimum budget;
+    its y-limit covers every bar and both lines. Lower panel: per rank, the memory moved off the device
+    (:data:`OFFLOAD_TERMS`: host always, disk and remote where used), hatched. ``header`` (the job's layout line)
+    and the plan's message are wrapped to the figure width; legends sit right of the panels."""
+    from matplotlib.figure import Figure
+
+    n = len(p.ranks)
+    width = min(20.0, max(9.0, 0.42 * n + 5.0))
+    fig = Figure(figsize=(width, 7.0), layout="constrained")
+    dev, off = fig.subplots(2, 1, sharex=True, height_ratios=(3, 1.4))
     xs = [r.rank for r in p.ranks]
-    bottom = [0.0] * len(xs)
-    for t in terms + ["activations", "remote_in"]:
+    bottom = [0.0] * n
+    for t, name in DEVICE_TERMS.items():
         vals = [(r.static[t] if t in r.static else getattr(r, t)) / GIB for r in p.ranks]
-        ax.bar(xs, vals, bottom=bottom, label=t)
+        dev.bar(xs, vals, bottom=bottom, width=0.8, label=name)
         bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.axhline(p.budget_gib, color="k", linestyle="--", label=f"budget {p.budget_gib:.0f} GiB")
-    ax.set_xlabel("pipeline rank")
-    ax.set_ylabel("GiB")
-    ax.set_title(p.message[:90])
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100, format="png")
-    plt.close(fig)
+    top = max([*bottom, p.budget_gib])
+    dev.axhline(p.budget_gib, color="k", ls="--", lw=1.2, label=f"budget {p.budget_gib:g} GiB")
+    if not p.feasible and p.min_budget_gib:
+        dev.axhline(p.min_budget_gib, color="#c44e52", ls=":", lw=1.5,
+                    label=f"minimum budget {p.min_budget_gib:.1f} GiB")
+        top = max(top, p.min_budget_gib)
+    dev.set_ylim(0, top * 1.08)
+    dev.set_ylabel("device GiB")
+    dev.set_title(_wrap(p.message, int(width * 10)), fontsize=10, loc="left")
+    handles, labels = dev.get_legend_handles_labels()  # the lines, then the stack top first, as drawn
+    order = [i for i, h in enumerate(handles) if not hasattr(h, "patches")]
+    order += [i for i, h in enumerate(handles) if hasattr(h, "patches")][::-1]
+    dev.legend([handles[i] for i in order], [labels[i] for i in order], fontsize=9, loc="upper left",
+               bbox_to_anchor=(1.01, 1.0))
+    bottom = [0.0] * n
+    for t, (name, hatch) in OFFLOAD_TERMS.items():
+        vals = [getattr(r, t) / GIB for r in p.ranks]
+        if t != "host" and not any(vals):  # host always (an empty tier says "nothing offloaded"); others if used
+            continue
+        off.bar(xs, vals, bottom=bottom, width=0.8, label=name, hatch=hatch, facecolor="white",
+                edgecolor={"host": "#4c72b0", "disk": "#8172b3", "remote_out": "#937860"}[t])
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    off.set_ylim(0, max(1.0, max(bottom, default=0.0)) * 1.12)
+    if not any(bottom):
+        off.text(0.5, 0.5, "nothing moved off the device", transform=off.transAxes, ha="center", va="center",
+                 fontsize=10, color="0.4")
+    off.set_ylabel("off-device GiB")
+    off.set_xlabel("pipeline rank")
+    off.set_xticks(xs)
+    off.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    if header:
+        fig.suptitle(_wrap(header, int(width * 9)), fontsize=10)
+    return fig
 
 
-__all__ = ["plan_json", "plot", "table"]
+def plot(p: Plan, path: str | Path | BinaryIO, header: str = "") -> None:
+    """:func:`figure` as PNG to ``path`` (a file name, or an open binary file: what :func:`moonrt.config.write_new`
+    hands its writer)."""
+    figure(p, header).savefig(path, dpi=100, format="png")
+
+
+__all__ = ["DEVICE_TERMS", "OFFLOAD_TERMS", "figure", "plan_json", "plot", "table"]

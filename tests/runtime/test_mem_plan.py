@@ -11,8 +11,8 @@ import yaml
 
 from moonrt.config import ParallelConfig, from_dict
 from moonrt.memory.model_memory import GIB, JobLayout, Profile, rank_models
-from moonrt.memory.plan import Hardware, Plan, plan_memory
-from moonrt.memory.plan_report import table
+from moonrt.memory.plan import Hardware, Plan, RankPlan, plan_memory
+from moonrt.memory.plan_report import figure, table
 from moonrt.memory.policy import MemoryPolicy
 from moonrt.models.k3.memory import kernel_profile, policy_dict
 from moonrt.models.k3.model.config import k3, k3_tiny
@@ -125,3 +125,39 @@ def test_policy_yaml_loads_and_matches_k3_tiny_modules(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # every pattern names a real module or region
         ActivationManager(K3Model(cfg), pol).close()
+
+
+def _rank(rank: int, act_gib: float, host_gib: float) -> RankPlan:
+    static = {k: 2.0 * GIB for k in ("params", "grads", "optimizer", "slot_pool", "comm_buffers")}
+    return RankPlan(rank, (rank,), static, 4 * act_gib * GIB, act_gib * GIB, host_gib * GIB, 0.0, 0.0, 0.0, {}, 0.0,
+                    1.0, 1, 1.0)
+
+
+def test_plan_figure_covers_bars_wraps_titles_draws_host():
+    """plan.png: the y-limit covers the tallest bar (over the budget) and both budget lines; the header and message
+    are wrapped so every line is inside the figure; host bytes per rank are drawn (hatched) in their own panel."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    ranks = tuple(_rank(r, act, host) for r, (act, host) in enumerate([(30, 0), (95, 40), (60, 150), (10, 5)]))
+    msg = ("does not fit 80 GiB: minimum budget 110.0 GiB (table: the plan at that budget); on rank 1 the largest "
+           "term is activations (95.0 GiB)")
+    p = Plan(False, "highs", 0.1, 80.0, ranks, 110.0, "activations", msg)
+    header = "k3 bf16 (training dtype): " + " ".join(f"field{i}={i}" for i in range(40))
+    fig = figure(p, header)
+    FigureCanvasAgg(fig).draw()
+    dev, off = fig.axes[:2]
+    tops = [b.get_y() + b.get_height() for c in dev.containers for b in c.patches]
+    assert max(tops) == pytest.approx(105.0)  # 5 static terms of 2 GiB + 95 GiB of activations
+    assert dev.get_ylim()[1] >= max(*tops, 80.0, 110.0)
+    width = fig.bbox.width
+    for t in (fig._suptitle, dev._left_title):
+        assert t.get_text() and "\n" in t.get_text()  # too long for one line at this width: wrapped
+        assert max(len(line) for line in t.get_text().splitlines()) <= 120
+        box = t.get_window_extent()
+        assert box.x0 >= 0 and box.x1 <= width, t.get_text()
+    host = [c for c in off.containers if c.get_label().startswith("host")]
+    assert len(host) == 1 and [b.get_height() for b in host[0].patches] == [0, 40, 150, 5]
+    assert host[0].patches[0].get_hatch()
+    assert off.get_ylim()[1] >= 150
+    for ax in (dev, off):
+        assert all(t.get_fontsize() >= 9 for t in ax.get_legend().get_texts())
