@@ -161,36 +161,92 @@ def table(d: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(sim: SimResult, path: Path | BinaryIO) -> None:
-    """PNG timeline: one row per rank, compute actions as bars coloured by op, labelled with the micro-batch."""
-    import matplotlib
+OP_COLORS = {"F": "#4C72B0", "B": "#DD8452", "I": "#C44E52", "W": "#55A868"}
+OP_NAMES = {"F": "F forward", "B": "B backward", "I": "I input-grad backward", "W": "W weight-grad backward"}
+# Timeline layout, inches at DPI: the figure is at most MAX_WIDTH_IN wide and MAX_HEIGHT_IN tall; time wraps into
+# rows of panels so one unit of time gets UNIT_IN where that fits; a box is labelled (LABEL_PT, micro-batch number)
+# only where the label fits inside it.
+DPI = 110
+MAX_WIDTH_IN, MAX_HEIGHT_IN, UNIT_IN, LABEL_PT = 16.0, 30.0, 0.2, 7.0
+_DIGIT_EM = 0.64  # DejaVu Sans digit advance / font size (a label's width estimate, a little over the true 0.636)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    colors = {"F": "#4C72B0", "B": "#DD8452", "I": "#C44E52", "W": "#55A868"}
+def _label_fits(width_pt: float, height_pt: float, text: str) -> bool:
+    return width_pt >= len(text) * _DIGIT_EM * LABEL_PT + 2.0 and height_pt >= 1.25 * LABEL_PT
+
+
+def timeline_figure(sim: SimResult):
+    """PNG-ready timeline of ``sim`` (a :class:`matplotlib.figure.Figure`, not saved): per rank its compute actions
+    as boxes coloured by op (odd chunks lighter), labelled with the micro-batch where the label fits the box.
+
+    Size adapts to the schedule: width ``min(MAX_WIDTH_IN, ...)`` at ``UNIT_IN`` per unit of time; a longer
+    makespan wraps into rows of panels (each all ranks over one time window) as far as ``MAX_HEIGHT_IN`` allows,
+    and past that the boxes shrink and lose their labels. Rank rows are 0.26 in (less beyond 46 ranks, and
+    then every k-th rank is named). A legend names the ops present."""
+    import math
+
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
     sch = sim.schedule
-    fig, ax = plt.subplots(figsize=(max(6.0, sim.makespan * 0.25), 0.5 * sch.pp + 1.2))
-    for r, slots in enumerate(sim.timelines):
-        for sl in slots:
-            op = sl.action.op
-            if op not in colors:
-                continue
-            ax.barh(r, sl.end - sl.start, left=sl.start, color=colors[op], edgecolor="white",
-                    alpha=1.0 if sl.action.chunk % 2 == 0 else 0.65)
-            ax.text((sl.start + sl.end) / 2, r, str(sl.action.microbatch), ha="center", va="center", fontsize=6,
-                    color="white")
-    ax.set_yticks(range(sch.pp))
-    ax.set_yticklabels([f"rank {r}" for r in range(sch.pp)])
-    ax.invert_yaxis()
-    ax.set_xlabel("time (unit costs)")
-    ax.set_title(f"{sch.kind} pp={sch.pp} vpp={sch.vpp} m={sch.microbatches}: bubble {sim.bubble_fraction:.3f}"
-                 + (" (odd chunks lighter)" if sch.vpp > 1 else ""), loc="left", fontsize=9)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-    ax.legend(handles, list(colors), loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=7, ncol=4, frameon=False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120, format="png")
-    plt.close(fig)
+    pp, span = sch.pp, max(sim.makespan, 1.0)
+    rank_in = min(0.26, 12.0 / pp)
+    panel_in = pp * rank_in + 0.45  # one time row: the rank rows and its tick labels
+    head_in, left_in, right_in = 0.9, 0.75, 0.25
+    plot_w = MAX_WIDTH_IN - left_in - right_in
+    want_rows = math.ceil(span * UNIT_IN / plot_w)
+    rows = max(1, min(want_rows, int((MAX_HEIGHT_IN - head_in) // panel_in)))
+    window = span / rows
+    if rows == 1 and span * UNIT_IN < plot_w:
+        plot_w = max(5.0, span * UNIT_IN)
+    width, height = plot_w + left_in + right_in, head_in + rows * panel_in
+    fig = Figure(figsize=(width, height), dpi=DPI)
+    fig.subplots_adjust(left=left_in / width, right=1 - right_in / width, top=1 - (head_in - 0.15) / height,
+                        bottom=0.45 / height, hspace=0.45 / panel_in)
+    axes = fig.subplots(rows, 1, squeeze=False)[:, 0]
+    unit_pt, rank_pt = plot_w / window * 72, rank_in * 72
+    edge = 0.4 if unit_pt >= 3 else 0.0
+    step = max(1, math.ceil(pp / 32))
+    labelled = 0
+    for k, ax in enumerate(axes):
+        lo, hi = k * window, (k + 1) * window
+        boxes: dict[tuple[int, str, int], list[tuple[float, float]]] = {}
+        for r, slots in enumerate(sim.timelines):
+            for sl in slots:
+                op = sl.action.op
+                if op not in OP_COLORS or sl.end <= lo or sl.start >= hi:
+                    continue
+                boxes.setdefault((r, op, sl.action.chunk % 2), []).append((sl.start, sl.end - sl.start))
+                a, b = max(sl.start, lo), min(sl.end, hi)
+                text = str(sl.action.microbatch)
+                if _label_fits((b - a) * unit_pt, rank_pt, text):
+                    ax.text((a + b) / 2, r, text, ha="center", va="center", fontsize=LABEL_PT, color="white",
+                            clip_on=True)
+                    labelled += 1
+        for (r, op, odd), segs in boxes.items():
+            ax.broken_barh(segs, (r - 0.42, 0.84), facecolors=OP_COLORS[op], alpha=0.6 if odd else 1.0,
+                           edgecolors="white", linewidths=edge, antialiaseds=edge > 0)
+        ax.set_xlim(lo, hi)
+        ax.set_ylim(pp - 0.5, -0.5)
+        ax.set_yticks(range(0, pp, step), [f"rank {r}" for r in range(0, pp, step)], fontsize=8)
+        ax.tick_params(axis="x", labelsize=8)
+    axes[-1].set_xlabel("time (unit costs: F = I = W = 1, B = 2)", fontsize=9)
+    ops = [op for op in OP_COLORS if any(sl.action.op == op for t in sim.timelines for sl in t)]
+    handles = [Patch(color=OP_COLORS[op], label=OP_NAMES[op]) for op in ops]
+    if sch.vpp > 1:
+        handles.append(Patch(facecolor=OP_COLORS[ops[0]], alpha=0.6, label="odd chunk: lighter"))
+    fig.legend(handles=handles, loc="upper right", bbox_to_anchor=(1 - right_in / width, 1 - 0.05 / height),
+               ncol=len(handles), fontsize=8, frameon=False)
+    title = (f"{sch.kind} pp={pp} vpp={sch.vpp} m={sch.microbatches}: bubble {sim.bubble_fraction:.3f}, makespan "
+             f"{sim.makespan:g}" + (f", {rows} rows of {window:g} units" if rows > 1 else "")
+             + ("" if labelled else "; boxes too narrow to label"))
+    fig.text(left_in / width, 1 - 0.55 / height, title, fontsize=10, ha="left", va="bottom")
+    return fig
+
+
+def plot(sim: SimResult, path: Path | BinaryIO) -> None:
+    """:func:`timeline_figure` as PNG to ``path`` (a file name or an open binary file)."""
+    timeline_figure(sim).savefig(path, dpi=DPI, format="png")
 
 
 def _fail(msg: str) -> int:
@@ -269,4 +325,4 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["add_arguments", "compress", "plan_dict", "plot", "run", "table"]
+__all__ = ["add_arguments", "compress", "plan_dict", "plot", "run", "table", "timeline_figure"]

@@ -1,5 +1,6 @@
 """``moonrt pp-plan``: the JSON equals the closed forms in an aligned layout, the PNG is
-written, and bad input is one line on stderr with exit 2."""
+written with a size bounded for any schedule and labels that fit their boxes, and bad input is one line on stderr
+with exit 2."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 import pytest
 
 from moonrt.cli import main
-from moonrt.jobs.pp_plan import compress
+from moonrt.jobs.pp_plan import LABEL_PT, MAX_HEIGHT_IN, MAX_WIDTH_IN, compress, plan_dict, timeline_figure
 
 
 @pytest.mark.parametrize("p,v,n_p,b,kind", [(4, 2, 2, 3, "interleaved"), (2, 3, 1, 4, "interleaved"),
@@ -58,6 +59,62 @@ def test_unaligned_k3_tiny_and_png(tmp_path, capsys):
     assert d["blocks"] == {"naive_total": 5, "cached_total": 2, "naive_max_hop": 2, "cached_max_hop": 1}
     png = (out / "timeline.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 2000
+
+
+def _drawn(sim):
+    """The timeline figure of ``sim``, drawn (text extents known), and its box labels per panel."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    fig = timeline_figure(sim)
+    FigureCanvasAgg(fig).draw()
+    return fig, [ax.texts for ax in fig.axes]
+
+
+def _assert_readable(fig, labels) -> None:
+    """Every text is >= LABEL_PT (tick labels, legend, title >= 8 pt); box labels of one rank row do not overlap and
+    stay inside their panel."""
+    from matplotlib.text import Text
+
+    texts = [t for t in fig.findobj(Text) if t.get_text() and t.get_visible()]
+    assert texts and min(t.get_fontsize() for t in texts) >= LABEL_PT
+    assert all(t.get_fontsize() >= 8 for t in texts if not any(t in row for row in labels))
+    for ax, row in zip(fig.axes, labels):
+        panel = ax.get_window_extent()
+        by_rank: dict[float, list] = {}
+        for t in row:
+            by_rank.setdefault(t.get_position()[1], []).append(t.get_window_extent())
+        for boxes in by_rank.values():
+            boxes.sort(key=lambda b: b.x0)
+            assert all(b.x0 >= panel.x0 - 0.5 and b.x1 <= panel.x1 + 0.5 for b in boxes)
+            assert all(a.x1 <= b.x0 for a, b in zip(boxes, boxes[1:]))
+
+
+def test_timeline_small_labels_every_action():
+    _, sim = plan_dict(8, 4, 2, 2, 4, "interleaved", 1.0)
+    fig, labels = _drawn(sim)
+    compute = [sl for t in sim.timelines for sl in t if sl.action.op in ("F", "B", "I", "W")]
+    assert len(fig.axes) == 1 and len(labels[0]) == len(compute)
+    assert sorted(int(t.get_text()) for t in labels[0]) == sorted(sl.action.microbatch for sl in compute)
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert legend[:2] == ["F forward", "B backward"]
+    _assert_readable(fig, labels)
+
+
+def test_timeline_wraps_long_schedule_into_rows():
+    _, sim = plan_dict(8, 4, 4, 2, 24, "interleaved", 1.0)  # makespan ~ 100 units: longer than one row
+    fig, labels = _drawn(sim)
+    w, h = fig.get_size_inches()
+    assert len(fig.axes) >= 2 and w <= MAX_WIDTH_IN and h <= MAX_HEIGHT_IN
+    assert all(row for row in labels)  # every row of time is labelled
+    _assert_readable(fig, labels)
+
+
+def test_timeline_size_bounded_for_large_schedule():
+    _, sim = plan_dict(64, 4, 32, 1, 256, "1f1b", 1.0)  # makespan ~ 830 units, 32 ranks: 3 rows at most
+    fig = timeline_figure(sim)
+    w, h = fig.get_size_inches() * fig.dpi
+    assert w <= MAX_WIDTH_IN * fig.dpi and h <= MAX_HEIGHT_IN * fig.dpi and w * h <= 2000 * 3500
+    assert len(fig.axes) > 1  # wrapped into rows of time, not one strip
 
 
 def test_compress():
