@@ -60,7 +60,9 @@ def figure(p: Plan, header: str = ""):
 
     n = len(p.ranks)
     width = min(20.0, max(9.0, 0.42 * n + 5.0))
-    fig = Figure(figsize=(width, 7.0), layout="constrained")
+    head, title = _wrap(header, int(width * 9)), _wrap(p.message, int(width * 10))
+    lines = (head.count("\n") + 1 if head else 0) + title.count("\n") + 1
+    fig = Figure(figsize=(width, 6.6 + 0.2 * lines), layout="constrained")  # panels keep their height
     dev, off = fig.subplots(2, 1, sharex=True, height_ratios=(3, 1.4))
     xs = [r.rank for r in p.ranks]
     bottom = [0.0] * n
@@ -76,7 +78,7 @@ def figure(p: Plan, header: str = ""):
         top = max(top, p.min_budget_gib)
     dev.set_ylim(0, top * 1.08)
     dev.set_ylabel("device GiB")
-    dev.set_title(_wrap(p.message, int(width * 10)), fontsize=10, loc="left")
+    dev.set_title(title, fontsize=10, loc="left")
     handles, labels = dev.get_legend_handles_labels()  # the lines, then the stack top first, as drawn
     order = [i for i, h in enumerate(handles) if not hasattr(h, "patches")]
     order += [i for i, h in enumerate(handles) if hasattr(h, "patches")][::-1]
@@ -98,8 +100,8 @@ def figure(p: Plan, header: str = ""):
     off.set_xlabel("pipeline rank")
     off.set_xticks(xs)
     off.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    if header:
-        fig.suptitle(_wrap(header, int(width * 9)), fontsize=10)
+    if head:
+        fig.suptitle(head, fontsize=10)
     return fig
 
 
