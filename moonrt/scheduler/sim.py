@@ -225,8 +225,8 @@ def _labels(series: dict[str, np.ndarray], policies: list[str]) -> dict[str, str
 def figure(res: dict, policies: list[str], title: str):
     """The ep-sim figure (a :class:`matplotlib.figure.Figure`, not saved): left, rank balance per step (mean over
     layers) per policy; right, per-rank loads of the last step, layer 0 (``none`` as bars, the others as steps).
-    A policy has one :data:`POLICY_STYLE` colour and marker in both panels; a policy whose series equals an
-    earlier one's says so in its legend label (``eplb-oracle (= moonep)``)."""
+    A policy has one :data:`POLICY_STYLE` colour and marker (on about 16-24 points) in both panels; a policy whose
+    series equals an earlier one's says so in its legend label (``eplb-oracle (= moonep)``)."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(13, 4.8), layout="constrained")
@@ -235,7 +235,8 @@ def figure(res: dict, policies: list[str], title: str):
     lab = _labels(bal, policies)
     for p in policies:
         st = POLICY_STYLE.get(p, {})
-        a.plot(np.arange(bal[p].shape[0]), bal[p], label=lab[p], markersize=4, **st)
+        a.plot(np.arange(bal[p].shape[0]), bal[p], label=lab[p], markersize=4,
+               markevery=max(1, bal[p].shape[0] // 24), **st)
     a.axhline(1.0, color="k", lw=0.5, zorder=1)
     a.set_xlabel("step")
     a.set_ylabel("rank balance (max / mean, mean over layers)")
@@ -250,7 +251,7 @@ def figure(res: dict, policies: list[str], title: str):
         if p == "none":
             b.bar(x, loads[p], width=0.9, color=st["color"], label=f"{lab[p]} (before)", zorder=1)
         else:
-            b.step(x, loads[p], where="mid", label=lab[p], markersize=4, **st)
+            b.step(x, loads[p], where="mid", label=lab[p], markersize=4, markevery=max(1, R // 16), **st)
     b.axhline(loads[policies[0]].mean(), color="k", lw=0.6, ls=":", label="mean", zorder=6)
     b.set_xlabel("rank")
     b.set_ylabel("assignments computed")
