@@ -59,7 +59,7 @@ def parse_set(text: str) -> Override:
     if not eq or not _KEY.fullmatch(key):
         raise ConfigError(f"--set {show(text)}: expected KEY=VALUE with KEY a dotted field path such as optim.lr or "
                           "parallel.ep")
-    return Override(tuple(key.split(".")), parse_yaml(value, f"--set {key}"), text)
+    return Override(tuple(key.split(".")), parse_yaml(value, f"--set {key} value"), text)
 
 
 def _accepts(tp: Any, kind: type) -> bool:
