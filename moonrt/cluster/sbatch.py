@@ -14,6 +14,10 @@ every task (``MOONRT_DIST_TIMEOUT``, ``MOONRT_RDZV_HOST``; the ranks read the sa
 which wins there); ``--timeout`` / ``--rdzv-host`` fill what the config leaves ``null`` and must not contradict
 what it sets (one line naming both). The command receives ``--config <absolute path>``.
 
+``--gpus-per-node``, ``--account``, ``--qos``, ``--mem`` (SLURM sizes: ``64G``, ``500M``, ``0``) and raw
+``--sbatch-line '#SBATCH --option[=value]'`` lines (repeatable; one value of shell-safe characters, not an option the
+script writes itself: :data:`WRITTEN_OPTIONS`) add ``#SBATCH`` directives, all before the script's first command.
+
 The script is rendered by the pure function :func:`render_sbatch` from a :class:`SbatchJob`.
 Every value is validated before it is written: the ``#SBATCH`` values (job name, partition, time
 limit, log path) must consist of characters that need no shell quoting (letters, digits and

@@ -26,7 +26,6 @@ import math
 import sys
 import tempfile
 from pathlib import Path
-
 from typing import Any
 
 from moonrt.config import ConfigError, ParallelConfig, existing_outputs, schedule_cells_error, write_new

@@ -174,6 +174,9 @@ def test_sbatch_set_is_checked_and_passed(tmp_path: Path, capsys, monkeypatch) -
     assert "parallel.epp (--set): unknown key in ParallelConfig" in capsys.readouterr().err
     assert cli_main(["sbatch", "--nodes", "1", "--ntasks-per-node", "2", "--set", "parallel.ep=2", "--", "prog"]) == 2
     assert "--set parallel.ep=2: expected together with --config" in capsys.readouterr().err
+    assert cli_main(["sbatch", "--nodes", "1", "--ntasks-per-node", "2", "--config", str(cfg), "--requeue", "--set",
+                     "stop_signal=USR2", "--", "prog"]) == 2
+    assert "--set stop_signal=USR2: expected stop_signal USR1 with --requeue" in capsys.readouterr().err
 
 
 def test_sbatch_directives_render() -> None:

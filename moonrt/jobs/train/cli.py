@@ -1,6 +1,11 @@
 """``moonrt train`` command line (job layer): flags, the job config they override, and the run that maps
 outcomes to exit codes. The loop itself is :func:`moonrt.jobs.train.loop.train`.
 
+The job config is layered (:func:`job_from_args`): the embedded default < ``--config`` < each ``--set KEY=VALUE``
+< the dedicated flags; a flag and a ``--set`` of one field must agree (:mod:`moonrt.jobs.train.overrides`).
+``--help`` lists the flags in sections (:data:`GROUPS`) and imports no torch: the training machinery is imported
+by :func:`run`.
+
 Exit codes: 0 done (or nothing to do); 1 diverged (a non-finite loss or gradient norm: the run stops before that
 step's update and any save, one line on stderr); 2 bad input (one line on stderr: also an output that is not this
 run's, an ``--out`` another run holds, a full disk);

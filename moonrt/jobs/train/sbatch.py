@@ -15,8 +15,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from moonrt.cluster import sbatch
+from moonrt.config import ConfigError
 from moonrt.jobs.train.config import JobConfig
-from moonrt.jobs.train.overrides import SET_HELP, job_config
+from moonrt.jobs.train.overrides import SET_HELP, job_config, parse_set
 
 
 def load_job(path: Path, sets: Sequence[str] = ()) -> JobConfig:
@@ -36,5 +37,13 @@ def run(args: argparse.Namespace) -> int:
     if sets and args.config is None:
         print(f"moonrt sbatch: --set {sets[0]}: expected together with --config (the overrides apply to the job "
               "config sbatch checks and passes on)", file=sys.stderr)
+        return 2
+    try:
+        for o in map(parse_set, sets):  # --requeue appends --signal USR1 to a train command: a --set must agree
+            if args.requeue and o.path == ("stop_signal",) and str(o.value).upper().removeprefix("SIG") != "USR1":
+                raise ConfigError(f"--set {o.text}: expected stop_signal USR1 with --requeue (the script forwards "
+                                  "SIGUSR1 to the tasks), or no stop_signal --set")
+    except ConfigError as exc:
+        print(f"moonrt sbatch: {exc}", file=sys.stderr)
         return 2
     return sbatch.run(args, lambda path: load_job(path, sets), [w for s in sets for w in ("--set", s)])
