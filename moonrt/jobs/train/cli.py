@@ -40,10 +40,10 @@ GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
                                   "grad_accum")),
     "parallel layout": ("", ("ep", "cp", "pp", "vpp", "microbatches", "schedule", "zero", "attn_res_comm")),
     "memory": ("", ("memory_policy", "gc_interval")),
-    "outputs & checkpoints": ("", ("out", "metrics", "routing_trace", "resume", "resume_if_exists",
-                                   "resume_allow_changes")),
+    "outputs & checkpoints": ("", ("out", "metrics", "tensorboard", "peak_tflops", "routing_trace", "resume",
+                                   "resume_if_exists", "resume_allow_changes")),
     "distributed & device": ("", ("device", "dist_timeout", "threads")),
-    "run control": ("", ("until", "signal", "no_progress")),
+    "run control": ("", ("until", "signal", "no_progress", "log_every")),
 }
 """``moonrt train --help`` sections: title -> (description, argparse dests). A flag whose dest is in no group
 stays in argparse's plain options list (the test of the groups refuses that)."""
