@@ -45,18 +45,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _stop_signal_arg(argv: list[str]) -> str | None:
     """The stop signal a ``moonrt train`` command line names, found without parsing it: ``--signal`` (the last one,
-    as argparse takes it), else the ``stop_signal`` of its ``--config`` file; None when neither names one. Bad values
-    are the real parse's to report."""
-    found, config = None, None
+    as argparse takes it), else the last ``--set stop_signal=NAME``, else the ``stop_signal`` of its ``--config``
+    file (the job config's precedence); None when none names one. Bad values are the real parse's to report."""
+    found, config, setting = None, None, None
     for i, arg in enumerate(argv):
-        for flag in ("--signal", "--config"):
+        for flag in ("--signal", "--config", "--set"):
             if arg == flag and i + 1 < len(argv):
                 value = argv[i + 1]
             elif arg.startswith(flag + "="):
                 value = arg[len(flag) + 1:]
             else:
                 continue
-            found, config = (value, config) if flag == "--signal" else (found, value)
+            if flag == "--signal":
+                found = value
+            elif flag == "--config":
+                config = value
+            elif value.partition("=")[0].strip() == "stop_signal":
+                setting = value.partition("=")[2].strip().strip("'\"")
+    found = found if found is not None else setting
     if found is None and config is not None and os.path.isfile(config):
         from moonrt.config import ConfigError, read_yaml
 

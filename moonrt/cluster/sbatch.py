@@ -14,6 +14,10 @@ every task (``MOONRT_DIST_TIMEOUT``, ``MOONRT_RDZV_HOST``; the ranks read the sa
 which wins there); ``--timeout`` / ``--rdzv-host`` fill what the config leaves ``null`` and must not contradict
 what it sets (one line naming both). The command receives ``--config <absolute path>``.
 
+``--gpus-per-node``, ``--account``, ``--qos``, ``--mem`` (SLURM sizes: ``64G``, ``500M``, ``0``) and raw
+``--sbatch-line '#SBATCH --option[=value]'`` lines (repeatable; one value of shell-safe characters, not an option the
+script writes itself: :data:`WRITTEN_OPTIONS`) add ``#SBATCH`` directives, all before the script's first command.
+
 The script is rendered by the pure function :func:`render_sbatch` from a :class:`SbatchJob`.
 Every value is validated before it is written: the ``#SBATCH`` values (job name, partition, time
 limit, log path) must consist of characters that need no shell quoting (letters, digits and
@@ -49,7 +53,7 @@ import shlex
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +64,9 @@ from moonrt.config import DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S, ConfigError, DistCon
 FLAGS = {"command": "command", "nodes": "--nodes", "ntasks_per_node": "--ntasks-per-node",
          "cpus_per_task": "--cpus-per-task", "job_name": "--job-name", "partition": "--partition", "time": "--time",
          "log": "--log", "workdir": "working directory", "timeout_s": "--timeout",
-         "rdzv_host": "--rdzv-host", "requeue": "--requeue", "signal_lead_s": "--signal-lead"}
+         "rdzv_host": "--rdzv-host", "requeue": "--requeue", "signal_lead_s": "--signal-lead",
+         "gpus_per_node": "--gpus-per-node", "account": "--account", "qos": "--qos", "mem": "--mem",
+         "sbatch_lines": "--sbatch-line"}
 """Each :class:`SbatchJob` field's name on the ``moonrt sbatch`` command line (for error messages)."""
 
 _SAFE = re.compile(r"[\w@%+=:,./-]+", re.ASCII)
@@ -68,6 +74,24 @@ _SAFE = re.compile(r"[\w@%+=:,./-]+", re.ASCII)
 _PARTITION = re.compile(r"[\w.-]+(,[\w.-]+)*", re.ASCII)
 _TIME = re.compile(r"(?P<d>\d{1,5})-(?P<h>\d{1,2})(?::(?P<m>\d{1,2})(?::(?P<s>\d{1,2}))?)?"
                    r"|(?P<a>\d{1,8})(?::(?P<b>\d{1,2})(?::(?P<c>\d{1,2}))?)?", re.ASCII)
+_NAME = re.compile(r"[\w.-]+", re.ASCII)
+"""An account or QOS name: letters, digits, '_', '.', '-'."""
+_MEM = re.compile(r"(0|[1-9]\d{0,11})[KMGT]?", re.ASCII)
+"""SLURM's ``--mem``: an integer (MB by default; 0: all of each node's memory), optionally with a K, M, G, T unit."""
+_SBATCH_LINE = re.compile(r"#SBATCH --(?P<opt>[A-Za-z][A-Za-z0-9-]*)(?:[= ][\w@%+=:,./-]+)?", re.ASCII)
+"""A raw ``--sbatch-line``: ``#SBATCH --option`` with at most one value of shell-safe characters (:data:`_SAFE`),
+joined by ``=`` or one space: no quotes, no whitespace inside, no newline, nothing ``sbatch`` or bash could read as
+more than one option."""
+MAX_GPUS_PER_NODE = 1024
+"""Largest ``--gpus-per-node``: a bound far above any node (8 to 16 GPUs), so that a typo is refused here."""
+WRITTEN_OPTIONS = {"job-name": "--job-name", "nodes": "--nodes", "ntasks-per-node": "--ntasks-per-node",
+                   "ntasks": "--nodes x --ntasks-per-node", "output": "--log", "partition": "--partition",
+                   "time": "--time", "cpus-per-task": "--cpus-per-task", "signal": "--requeue", "requeue": "--requeue",
+                   "open-mode": "--requeue", "gpus-per-node": "--gpus-per-node", "account": "--account",
+                   "qos": "--qos", "mem": "--mem"}
+"""``#SBATCH`` options the script writes itself (or that its ``srun`` line fixes) -> the ``moonrt sbatch`` flag that
+sets them: a ``--sbatch-line`` naming one is refused (two values of one option, or a task count that contradicts the
+rank layout)."""
 TIME_FORMATS = ("a SLURM time limit: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS (minutes and seconds < 60 after "
                 "the first field, hours < 24 after a day part), 0 or UNLIMITED")
 
@@ -127,6 +151,17 @@ class SbatchJob:
     """Preemption support: SIGUSR1 ahead of the time limit, forwarded to the step; requeue on exit code 75."""
     signal_lead_s: int = 120
     """With ``requeue``: seconds before the time limit at which SLURM sends SIGUSR1 (``--signal=B:USR1@...``)."""
+    gpus_per_node: int | None = None
+    """``#SBATCH --gpus-per-node``; ``None``: not written (the partition's default)."""
+    account: str | None = None
+    """``#SBATCH --account`` (charged account)."""
+    qos: str | None = None
+    """``#SBATCH --qos`` (quality of service)."""
+    mem: str | None = None
+    """``#SBATCH --mem`` per node, SLURM syntax: ``64G``, ``500M``, ``0`` (all of the node's memory)."""
+    sbatch_lines: list[str] = dataclasses.field(default_factory=list)
+    """Raw ``#SBATCH --option[=value]`` lines written after the others (:data:`_SBATCH_LINE`; not an option in
+    :data:`WRITTEN_OPTIONS`)."""
 
     def validate(self, *, flags: bool = False) -> None:
         """Raise :class:`ConfigError` naming the first bad field (its CLI flag when ``flags``)."""
@@ -166,6 +201,25 @@ class SbatchJob:
         check(isinstance(self.requeue, bool), name("requeue"), self.requeue, "True or False")
         check(_is_int(self.signal_lead_s) and 1 <= self.signal_lead_s <= 65535, name("signal_lead_s"),
               self.signal_lead_s, "an integer number of seconds in [1, 65535] (SLURM's --signal range)")
+        check(self.gpus_per_node is None or (_is_int(self.gpus_per_node)
+                                             and 1 <= self.gpus_per_node <= MAX_GPUS_PER_NODE),
+              name("gpus_per_node"), self.gpus_per_node, f"an integer in [1, {MAX_GPUS_PER_NODE}] (MAX_GPUS_PER_NODE)")
+        for field in ("account", "qos"):
+            value = getattr(self, field)
+            check(value is None or (isinstance(value, str) and bool(_NAME.fullmatch(value))), name(field), value,
+                  "a SLURM name of letters, digits, '_', '.', '-'")
+        check(self.mem is None or (isinstance(self.mem, str) and bool(_MEM.fullmatch(self.mem))), name("mem"),
+              self.mem, "a SLURM memory size: an integer of MB, or with a unit K, M, G, T (64G, 500M; 0: all of the "
+              "node's memory)")
+        check(isinstance(self.sbatch_lines, (list, tuple)), name("sbatch_lines"), self.sbatch_lines, "a list of lines")
+        for line in self.sbatch_lines:
+            m = _SBATCH_LINE.fullmatch(line) if isinstance(line, str) else None
+            check(m is not None, name("sbatch_lines"), line, "'#SBATCH --option' or '#SBATCH --option=value', the "
+                  "value of letters, digits and '_ @ % + = : , . / -' (no spaces, quotes, newlines or shell "
+                  "metacharacters)")
+            opt = m.group("opt") if m else ""
+            check(opt not in WRITTEN_OPTIONS, name("sbatch_lines"), line,
+                  f"an option the script does not write itself (moonrt sbatch {WRITTEN_OPTIONS.get(opt)} sets it)")
         if self.requeue and seconds is not None:  # SLURM would signal before (or as) the job starts
             check(self.signal_lead_s < seconds, name("signal_lead_s"), self.signal_lead_s,
                   f"fewer seconds than the time limit {name('time')} = {self.time!r} ({seconds} s)")
@@ -192,8 +246,17 @@ def render_sbatch(job: SbatchJob) -> str:
         lines.append(f"#SBATCH --time={shlex.quote(job.time)}")
     if job.cpus_per_task:
         lines.append(f"#SBATCH --cpus-per-task={job.cpus_per_task}")
+    if job.gpus_per_node:
+        lines.append(f"#SBATCH --gpus-per-node={job.gpus_per_node}")
+    if job.account:
+        lines.append(f"#SBATCH --account={shlex.quote(job.account)}")
+    if job.qos:
+        lines.append(f"#SBATCH --qos={shlex.quote(job.qos)}")
+    if job.mem:
+        lines.append(f"#SBATCH --mem={job.mem}")
     if job.requeue:
         lines += [f"#SBATCH --signal=B:USR1@{job.signal_lead_s}", "#SBATCH --requeue", "#SBATCH --open-mode=append"]
+    lines += job.sbatch_lines  # validated: one '#SBATCH --option[=value]' each, after moonrt's own
     srun = f"srun --kill-on-bad-exit=1 --ntasks={job.world_size} --ntasks-per-node={job.ntasks_per_node} \\"
     lines += [
         "# written by `moonrt sbatch`: one task per rank; each joins through the SLURM path of",
@@ -257,14 +320,15 @@ def requeue_command(command: list[str]) -> list[str]:
 
 
 def job_from_config(job: SbatchJob, config: Path, load: Callable[[Path], Any],
-                    given: Collection[str] = ()) -> SbatchJob:
+                    given: Collection[str] = (), config_args: Sequence[str] = ()) -> SbatchJob:
     """Check the job's YAML config against the allocation; take its ``dist`` settings; pass it to the command
     (see module doc).
 
     ``load``: the job layer's loader (``moonrt train``'s schema), returning a config with ``parallel``
     (:class:`ParallelConfig`) and ``dist`` (:class:`DistConfig`); its :class:`ConfigError` names the file and the
     field. ``given``: the fields of ``job`` the command line set (``timeout_s``, ``rdzv_host``): one that
-    contradicts the config is an error (the config wins in every rank)."""
+    contradicts the config is an error (the config wins in every rank). ``config_args``: passed to the command after
+    ``--config <path>`` (the job layer's ``--set`` overrides, which ``load`` has applied)."""
     cfg = load(config)
     parallel: ParallelConfig = cfg.parallel
     dist: DistConfig = cfg.dist
@@ -284,7 +348,8 @@ def job_from_config(job: SbatchJob, config: Path, load: Callable[[Path], Any],
             raise ConfigError(f"{FLAGS[field]} = {getattr(job, field)!r}: expected the config's dist.{field} = "
                               f"{value!r} ({config}; the job config wins in every rank), or no {FLAGS[field]}")
         changes[field] = value
-    return dataclasses.replace(job, command=[*job.command, "--config", str(config.resolve())], **changes)
+    command = [*job.command, "--config", str(config.resolve()), *config_args]
+    return dataclasses.replace(job, command=command, **changes)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -300,6 +365,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--partition", default=None)
     parser.add_argument("--time", default=None, help="time limit, e.g. 01:00:00")
     parser.add_argument("--cpus-per-task", type=int, default=None)
+    parser.add_argument("--gpus-per-node", type=int, default=None, metavar="N",
+                        help=f"#SBATCH --gpus-per-node (1 to {MAX_GPUS_PER_NODE})")
+    parser.add_argument("--account", default=None, metavar="A", help="#SBATCH --account: the account charged")
+    parser.add_argument("--qos", default=None, metavar="Q", help="#SBATCH --qos: quality of service")
+    parser.add_argument("--mem", default=None, metavar="SIZE", help="#SBATCH --mem per node, SLURM syntax: 64G, "
+                        "500M, 0 (all of the node's memory)")
+    parser.add_argument("--sbatch-line", action="append", default=[], metavar="LINE",
+                        help="raw '#SBATCH --option[=value]' line written after moonrt's own (repeatable; one "
+                        "shell-safe value, not an option the script writes itself), e.g. '#SBATCH --exclusive'")
     parser.add_argument("--log", default=None, help="job output file (default: <job-name>-%%j.out)")
     parser.add_argument("--timeout", type=float, default=None, help="collective timeout in seconds (default: the "
                         "config's dist.timeout_s, else 300)")
@@ -316,8 +390,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- command and arguments run on every task")
 
 
-def run(args: argparse.Namespace, load_config: Callable[[Path], Any]) -> int:
-    """``moonrt sbatch``; ``load_config`` reads ``--config`` (the job layer's schema: :func:`job_from_config`)."""
+def run(args: argparse.Namespace, load_config: Callable[[Path], Any], config_args: Sequence[str] = ()) -> int:
+    """``moonrt sbatch``; ``load_config`` reads ``--config`` (the job layer's schema: :func:`job_from_config`),
+    ``config_args`` follow ``--config <path>`` on the command (the job layer's overrides; they need ``--config``)."""
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
@@ -330,13 +405,15 @@ def run(args: argparse.Namespace, load_config: Callable[[Path], Any]) -> int:
                         cpus_per_task=args.cpus_per_task, log=args.log or f"{args.job_name}-%j.out",
                         workdir=os.getcwd(), timeout_s=DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout,
                         rdzv_host=args.rdzv_host, requeue=args.requeue,
-                        signal_lead_s=120 if args.signal_lead is None else args.signal_lead)
+                        signal_lead_s=120 if args.signal_lead is None else args.signal_lead,
+                        gpus_per_node=args.gpus_per_node, account=args.account, qos=args.qos, mem=args.mem,
+                        sbatch_lines=list(args.sbatch_line))
         if args.signal_lead is not None and not args.requeue:
             raise ConfigError(f"--signal-lead = {args.signal_lead}: expected together with --requeue")
         job.validate(flags=True)
         if args.config is not None:
             given = [f for f, v in (("timeout_s", args.timeout), ("rdzv_host", args.rdzv_host)) if v is not None]
-            job = job_from_config(job, args.config, load_config, given)
+            job = job_from_config(job, args.config, load_config, given, config_args)
         text = render_sbatch(job)
     except ConfigError as exc:
         print(f"moonrt sbatch: {exc}", file=sys.stderr)

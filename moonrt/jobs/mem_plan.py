@@ -8,6 +8,14 @@ and what was expected, exit 2 (an unwritable ``--out`` included, and output file
 created exclusively, never through a symlink, replaced only with ``--force``). Exit 1 when a budget does not fit;
 ``--out`` then holds that budget's ``plan.json`` and ``plan.png`` (the plan at the minimum budget) but no policy
 YAML, and the output says so with the minimum budget.
+
+``--config JOB.yaml`` (and ``--set KEY=VALUE``, as ``moonrt train`` reads them: :mod:`moonrt.jobs.train.overrides`)
+plans a ``moonrt train`` job: its model (preset, or ``model_config`` over it), its parallel layout (dp, pp, vpp,
+ep, cp, microbatches, schedule: ``auto`` resolved as the job resolves it), ``optim.seq_len``, the sequences per
+micro-batch (``optim.batch_size / (dp x ep x microbatches)``: the rows each data-parallel rank's micro-batch
+holds, :class:`~moonrt.comm.parallelism.Parallelism`'s ``dp_size`` spans dp x ep) and ``optim.optimizer``. Every
+flag given explicitly wins over the job (``--model`` then plans that preset's config); without ``--config`` the
+flags' defaults are K3's production layout.
 """
 
 from __future__ import annotations
@@ -18,13 +26,19 @@ import math
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
-from moonrt.config import ParallelConfig, existing_outputs, schedule_cells_error, write_new
+from moonrt.config import ConfigError, ParallelConfig, existing_outputs, schedule_cells_error, write_new
 from moonrt.memory.model_memory import JobLayout
 from moonrt.memory.plan import Hardware, plan_memory
 from moonrt.memory.plan_report import plan_json, plot, table
 from moonrt.models import presets
 from moonrt.models.spec import ModelSpec
+
+DEFAULTS: dict[str, Any] = {"model": "k3", "dp": 1, "pp": 16, "vpp": 2, "ep": 64, "cp": 64, "micro_batch_size": 1,
+                            "seq_len": 1048576, "microbatches": 32, "schedule": "interleaved", "optimizer": "muon"}
+"""The layout flags' values when neither the command line nor a ``--config`` job gives them (K3's production
+layout); the flags default to None so that an explicit one is told apart from the job's value."""
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -50,22 +64,26 @@ updates (embedding, LM head, norms, router: ~0.1% of K3's parameters) are counte
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument
-    g("--model", default="k3", help="model preset: k3 (the released 2.8T config) or k3_tiny (default: k3)")
-    g("--dp", type=int, default=1, help="data-parallel replicas (ZeRO-1 shards optimizer states over dp*ep*cp; "
+    g("--config", default=None, help="plan a moonrt train job config YAML: its model, parallel layout, seq_len, "
+      "micro-batch rows and optimizer (the flags below win when given)")
+    g("--set", action="append", default=[], metavar="KEY=VALUE", help="with --config: override one job config "
+      "field, as moonrt train --set (repeatable)")
+    g("--model", default=None, help="model preset: k3 (the released 2.8T config) or k3_tiny (default: k3)")
+    g("--dp", type=int, default=None, help="data-parallel replicas (ZeRO-1 shards optimizer states over dp*ep*cp; "
       "default 1)")
-    g("--pp", type=int, default=16, help="pipeline-parallel ranks (default 16)")
-    g("--vpp", type=int, default=2, help="virtual stages (model chunks) per pipeline rank; >= 2 for "
+    g("--pp", type=int, default=None, help="pipeline-parallel ranks (default 16)")
+    g("--vpp", type=int, default=None, help="virtual stages (model chunks) per pipeline rank; >= 2 for "
       "--schedule interleaved, 1 otherwise (default 2)")
-    g("--ep", type=int, default=64, help="expert-parallel ranks, a divisor of num_experts (default 64)")
-    g("--cp", type=int, default=64, help="context-parallel ranks splitting each sequence; divides --seq-len "
+    g("--ep", type=int, default=None, help="expert-parallel ranks, a divisor of num_experts (default 64)")
+    g("--cp", type=int, default=None, help="context-parallel ranks splitting each sequence; divides --seq-len "
       "(default 64)")
-    g("--micro-batch-size", type=int, default=1, help="sequences per micro-batch (default 1)")
-    g("--seq-len", type=int, default=1048576, help="tokens per sequence before the CP split (default 1048576)")
-    g("--microbatches", type=int, default=32, help="micro-batches per step (interleaved: a multiple of --pp; "
+    g("--micro-batch-size", type=int, default=None, help="sequences per micro-batch (default 1)")
+    g("--seq-len", type=int, default=None, help="tokens per sequence before the CP split (default 1048576)")
+    g("--microbatches", type=int, default=None, help="micro-batches per step (interleaved: a multiple of --pp; "
       "default 32)")
-    g("--schedule", default="interleaved", choices=["1f1b", "interleaved", "gpipe"],
+    g("--schedule", default=None, choices=["1f1b", "interleaved", "gpipe"],
       help="pipeline schedule whose in-flight micro-batches set the activation peak (default interleaved)")
-    g("--optimizer", choices=sorted(OPTIM_STATE_BYTES), default="muon",
+    g("--optimizer", choices=sorted(OPTIM_STATE_BYTES), default=None,
       help="optimizer whose state ZeRO-1 shards: muon (fp32 master + momentum, 8 bytes per parameter; K3's) or "
       "adamw (fp32 master + two moments, 12); default muon")
     g("--optim-bytes", type=int, default=None, help="optimizer-state bytes per parameter, sharded ZeRO-1 "
@@ -155,12 +173,52 @@ def _check_args(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _from_job(args: argparse.Namespace) -> tuple[Any, str]:
+    """Fill the layout flags left None from the ``--config`` job (then :data:`DEFAULTS`); return the model config
+    to plan (the job's ``model_config`` unless ``--model`` is given; None: the preset's) and where the model came
+    from, for messages. ConfigError naming the job field or the flag."""
+    if args.config is None:
+        if args.set:
+            raise ConfigError(f"--set {args.set[0]}: expected together with --config (a moonrt train job config)")
+        for name, value in DEFAULTS.items():
+            if getattr(args, name) is None:
+                setattr(args, name, value)
+        return None, "--model"
+    from moonrt.jobs.train.overrides import job_config
+
+    job = job_config(args.config, args.set)
+    par = job.parallel
+    schedule = par.pipeline_schedule
+    if args.schedule is None and schedule not in ("1f1b", "interleaved", "gpipe"):
+        raise ConfigError(f"parallel.schedule = {par.schedule!r} ({args.config}): expected 1f1b, interleaved or gpipe "
+                          "(the schedules mem-plan models), or give --schedule")
+    rows = job.optim.batch_size
+    replicas = (args.dp or par.dp) * (args.ep or par.ep) * (args.microbatches or par.microbatches)
+    if args.micro_batch_size is None and rows % replicas:
+        raise ConfigError(f"optim.batch_size = {rows} ({args.config}): expected a multiple of dp x ep x microbatches "
+                          f"= {replicas} (the rows of one micro-batch per rank), or give --micro-batch-size")
+    job_values = {"model": job.model, "dp": par.dp, "pp": par.pp, "vpp": par.vpp, "ep": par.ep, "cp": par.cp,
+                  "micro_batch_size": max(1, rows // replicas), "seq_len": job.optim.seq_len,
+                  "microbatches": par.microbatches, "schedule": schedule, "optimizer": job.optim.optimizer}
+    model_given = args.model is not None
+    for name, value in job_values.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if model_given:
+        return None, "--model"
+    return (job.model_cfg() if job.model_config is not None else None), f"model ({args.config})"
+
+
 def run(args: argparse.Namespace) -> int:
     import yaml
 
+    try:
+        job_cfg, model_source = _from_job(args)
+    except ConfigError as exc:
+        return _fail(str(exc))
     models = presets()
     if args.model not in models:
-        return _fail(f"--model = {args.model!r}: expected one of {', '.join(models)}")
+        return _fail(f"{model_source} = {args.model!r}: expected one of {', '.join(models)}")
     bad = _check_args(args)
     if bad:
         return _fail(bad)
@@ -168,8 +226,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         memory = spec.memory_description()
     except ValueError as exc:
-        return _fail(f"--model = {args.model!r}: {exc}")
-    cfg = spec.presets[args.model]()
+        return _fail(f"{model_source} = {args.model!r}: {exc}")
+    cfg = job_cfg if job_cfg is not None else spec.presets[args.model]()
     dtype = args.dtype or default_dtype(spec, args.model)
     source = "--dtype" if args.dtype else "training dtype"
     ab = dtype_bytes(dtype)

@@ -72,7 +72,7 @@ def test_config_without_dist_keeps_the_flags_and_infers_dp(tmp_path):
      ("parallel:\n  tp: 2\n", r"tp: unknown key in ParallelConfig"),
      ("dist:\n  timeout_s: -1\n", r"dist.timeout_s = -1.0: expected a positive number of seconds"),
      ("dist:\n  port: 29500\n", r"dist.port: unknown key in DistConfig"),
-     ("model: anything\n", r"model = 'anything': expected one of"),
+     ("model: anything\n", r"model = 'anything': expected a registered model preset: one of"),
      ("parallel: [1, 2\n", r"malformed YAML"),
      ("- 1\n", r"<root> = \[1\]: expected a mapping of JobConfig fields")],
 )

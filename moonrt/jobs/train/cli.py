@@ -1,6 +1,11 @@
 """``moonrt train`` command line (job layer): flags, the job config they override, and the run that maps
 outcomes to exit codes. The loop itself is :func:`moonrt.jobs.train.loop.train`.
 
+The job config is layered (:func:`job_from_args`): the embedded default < ``--config`` < each ``--set KEY=VALUE``
+< the dedicated flags; a flag and a ``--set`` of one field must agree (:mod:`moonrt.jobs.train.overrides`).
+``--help`` lists the flags in sections (:data:`GROUPS`) and imports no torch: the training machinery is imported
+by :func:`run`.
+
 Exit codes: 0 done (or nothing to do); 1 diverged (a non-finite loss or gradient norm: the run stops before that
 step's update and any save, one line on stderr); 2 bad input (one line on stderr: also an output that is not this
 run's, an ``--out`` another run holds, a full disk);
@@ -16,20 +21,58 @@ import argparse
 import math
 import sys
 from pathlib import Path
+from typing import Any
 
-from moonrt.cluster.env import shutdown_distributed
 from moonrt.cluster.preempt import PREEMPTED_EXIT, Aborted
-from moonrt.comm.parallelism import Parallelism
-from moonrt.config import ConfigError, from_dict, load_yaml, to_dict
-from moonrt.jobs.train.assemble import launched, parallel_runtime, routing_trace
+from moonrt.config import ConfigError
 from moonrt.jobs.train.config import JobConfig
-from moonrt.jobs.train.loop import Diverged, NothingToDo, Preempted, train
-from moonrt.jobs.train.outputs import has_checkpoint
+from moonrt.jobs.train.overrides import SET_HELP, job_config
 from moonrt.models import presets
+
+# This module is imported for ``moonrt train --help``: nothing above imports torch (the registry is lazy, the job
+# config torch-free); the training machinery is imported in run(). tests/jobs/test_cli_overrides.py checks it.
+
+GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "job config": ("precedence, lowest first: the embedded default < --config < --set (in order) < the dedicated "
+                   "flags below; a --set and a flag naming one field must agree", ("config", "set")),
+    "model & data": ("", ("model", "corpus", "token_dtype", "pack_documents", "eos_id")),
+    "optimizer & schedule": ("", ("steps", "seed", "batch_size", "seq_len", "lr", "optimizer", "eval_every",
+                                  "grad_accum")),
+    "parallel layout": ("", ("ep", "cp", "pp", "vpp", "microbatches", "schedule", "zero", "attn_res_comm")),
+    "memory": ("", ("memory_policy", "gc_interval")),
+    "outputs & checkpoints": ("", ("out", "metrics", "tensorboard", "peak_tflops", "routing_trace", "resume",
+                                   "resume_if_exists", "resume_allow_changes")),
+    "distributed & device": ("", ("device", "dist_timeout", "threads")),
+    "run control": ("", ("until", "signal", "no_progress", "log_every")),
+}
+"""``moonrt train --help`` sections: title -> (description, argparse dests). A flag whose dest is in no group
+stays in argparse's plain options list (the test of the groups refuses that)."""
+
+
+class _Grouped:
+    """An argparse parser whose ``add_argument`` files each flag under its :data:`GROUPS` section (by dest); every
+    other attribute is the parser's."""
+
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        self._parser = parser
+        self._group_of = {}
+        for title, (desc, dests) in GROUPS.items():
+            group = parser.add_argument_group(title, desc or None)
+            self._group_of.update(dict.fromkeys(dests, group))
+
+    def add_argument(self, *names: str, **kwargs: Any) -> argparse.Action:
+        dest = kwargs.get("dest") or next((n for n in names if n.startswith("--")), names[0]).lstrip("-")
+        target = self._group_of.get(dest.replace("-", "_"), self._parser)
+        return target.add_argument(*names, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._parser, name)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser = _Grouped(parser)  # type: ignore[assignment]  # each flag into its --help section (GROUPS)
     parser.add_argument("--config", help="job config YAML (a JobConfig; all keys optional)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help=SET_HELP)
     parser.add_argument("--steps", type=int, help="optimizer steps (optim.steps)")
     parser.add_argument("--seed", type=int, help="data order and init seed (optim.seed)")
     parser.add_argument("--batch-size", type=int, help="sequences per global batch (optim.batch_size)")
@@ -107,28 +150,20 @@ _OVERRIDES: dict[str, tuple[str, ...]] = {
 
 
 def job_from_args(args: argparse.Namespace) -> JobConfig:
-    """The job config: ``--config`` (or the default), then command-line overrides (:data:`_OVERRIDES`)."""
-    raw = to_dict(load_yaml(JobConfig, args.config)) if args.config else to_dict(JobConfig())
-    for dest, path in _OVERRIDES.items():
-        value = getattr(args, dest)
-        if value is None:
-            continue
-        node = raw
-        for key in path[:-1]:
-            node = node[key]
-        node[path[-1]] = value
-    try:
-        return from_dict(JobConfig, raw)
-    except ConfigError as exc:  # name the flag beside the field it set: "optim.lr (--lr) = inf: expected ..."
-        msg = str(exc)
-        for dest, path in _OVERRIDES.items():
-            field = ".".join(path)
-            if getattr(args, dest) is not None and msg.startswith(f"{field} = "):
-                raise ConfigError(f"{field} (--{dest.replace('_', '-')}){msg[len(field):]}") from None
-        raise
+    """The job config: ``--config`` (or the default), then every ``--set``, then the dedicated flags
+    (:data:`_OVERRIDES`); :func:`moonrt.jobs.train.overrides.job_config` (the precedence, the messages)."""
+    flags = {path: (f"--{dest.replace('_', '-')}", getattr(args, dest)) for dest, path in _OVERRIDES.items()
+             if getattr(args, dest) is not None}
+    return job_config(args.config, getattr(args, "set", None) or (), flags)
 
 
 def run(args: argparse.Namespace) -> int:
+    from moonrt.cluster.env import shutdown_distributed
+    from moonrt.comm.parallelism import Parallelism
+    from moonrt.jobs.train.assemble import launched, parallel_runtime, routing_trace
+    from moonrt.jobs.train.loop import Diverged, NothingToDo, Preempted, train
+    from moonrt.jobs.train.outputs import has_checkpoint
+
     allow = tuple(f.strip() for f in args.resume_allow_changes.split(",") if f.strip())
     try:
         if allow and not (args.resume or args.resume_if_exists):
