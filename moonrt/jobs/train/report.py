@@ -142,10 +142,8 @@ class TensorBoard:
             if isinstance(value, (int, float)) and math.isfinite(value):
                 self.writer.add_scalar(tag, value, record["step"])
 
-    def flush(self) -> None:
-        self.writer.flush()
-
     def close(self) -> None:
+        """Flush and close (also on a stop signal or divergence: the loop closes it in ``finally``)."""
         self.writer.close()
 
 
