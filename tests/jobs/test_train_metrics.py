@@ -173,6 +173,42 @@ def test_grad_accum_step_equals_the_plain_step(tmp_path: Path, single_process_st
         _assert_same_step(tmp_path, name, ref, ref_ckpt)
 
 
+def test_accumulate_runs_n_micro_steps_whose_gradients_sum_to_the_whole_batchs() -> None:
+    """The loop's micro-steps (``loop._accumulate``) on dense_tiny: ``n`` forwards of ``B / n`` consecutive rows
+    each, and the accumulated gradient and loss equal one backward of the whole batch (fp32 order: 1e-5)."""
+    import numpy as np
+    import torch
+
+    from moonrt.comm.parallelism import Part
+    from moonrt.jobs.train.assemble import build_model
+    from moonrt.jobs.train.loop import _accumulate
+
+    class Rows(Part):
+        def __init__(self) -> None:
+            self.seen: list[list[int]] = []
+
+        def forward_backward(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, scale: float,
+                             ctx: object = None, saved: object = None) -> None:
+            self.seen.append(x[:, 0].tolist())
+            return None  # the default path runs the forward and backward
+
+    torch.manual_seed(0)
+    model = build_model(from_dict(JobConfig, {"model": "dense_tiny"}))
+    tokens = np.random.default_rng(0).integers(0, 256, size=(4, 17))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    grads, losses = {}, {}
+    for n in (1, 2, 4):
+        part = Rows()
+        model.zero_grad(set_to_none=True)
+        losses[n] = float(_accumulate(model, Parallelism(parts=[part]), x, y, None, n, 1.0 / y.size, None))
+        grads[n] = [p.grad.clone() for p in model.parameters()]
+        assert part.seen == [x[i * 4 // n:(i + 1) * 4 // n, 0].tolist() for i in range(n)], (n, part.seen)
+    for n in (2, 4):
+        assert losses[n] == pytest.approx(losses[1], rel=1e-6)
+        for a, b in zip(grads[n], grads[1]):
+            assert float((a - b).norm()) <= 1e-5 * max(float(b.norm()), 1e-12)
+
+
 def test_grad_accum_must_divide_the_per_rank_batch(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     code, out, err = _cli(_tiny(tmp_path, "o", "--grad-accum", "3"), capfd)
     assert code == 2 and "optim.grad_accum (--grad-accum) = 3: expected a divisor of batch_size 2" in err, err
