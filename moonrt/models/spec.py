@@ -72,6 +72,10 @@ class ModelSpec:
     expert_sizes: Callable[[Any, str], dict[str, int]] | None = None
     """``(cfg, dtype)`` -> the routed experts' sizes a routing trace records
     (:data:`moonrt.scheduler.workload.SIZE_FIELDS`); None: no routed experts (a trace records no sizes)."""
+    flops_per_token: Callable[[Any, int], int] | None = None
+    """``(cfg, seq_len)`` -> training FLOPs (forward + backward) per token of a ``seq_len``-token sequence, the
+    model FLOPs of MFU (PaLM / Megatron estimate: ``6 x`` active parameters plus the attention products); None:
+    the family does not say (``moonrt train`` records no ``model_tflops_per_s`` / ``mfu``)."""
     memory: ModelMemory | None = None
     """The memory planner's description; None: the family trains but ``moonrt mem-plan`` cannot plan it."""
     train_dtype: Mapping[str, str] = dataclasses.field(default_factory=dict)

@@ -43,7 +43,9 @@ def _summary(out: str) -> str:
     return lines[0]
 
 
-def test_until_before_the_first_eval_evaluates_at_the_stop_step(tmp_path: Path, capsys) -> None:
+def test_until_before_the_first_eval_evaluates_at_the_stop_step(tmp_path: Path, capsys, monkeypatch) -> None:
+    for stream in (sys.stdout, sys.stderr):  # a terminal: the tqdm bar (else plain lines, test_train_metrics)
+        monkeypatch.setattr(stream, "isatty", lambda: True)
     metrics = tmp_path / "m.jsonl"
     assert main(_train(tmp_path, "run", "--steps", "4", "--until", "2", "--eval-every", "3",
                        "--metrics", str(metrics))) == 0

@@ -131,6 +131,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "gradients sharded over each parameter's data-parallel replicas) (parallel.zero)")
     parser.add_argument("--attn-res-comm", help="AttnRes blocks between PP ranks: cached (only blocks the receiver "
                         "lacks) or naive (every completed block) (parallel.attn_res_comm)")
+    # step accumulation and what a run reports (optim.grad_accum, log.*)
+    parser.add_argument("--grad-accum", type=int, metavar="N", help="micro-steps per optimizer step on each rank: "
+                        "gradients accumulated, one sync/clip/update per step (optim.grad_accum; default 1; not with "
+                        "--pp)")
+    parser.add_argument("--log-every", type=int, metavar="N", help="steps between plain progress lines when the "
+                        "output is not a terminal, e.g. SLURM logs (log.log_every; default 10)")
+    parser.add_argument("--tensorboard", metavar="DIR", help="write TensorBoard scalars (loss, lr, grad_norm, "
+                        "eval_loss, tokens_per_s, mfu) to DIR, new or empty (log.tensorboard; needs tensorboard)")
+    parser.add_argument("--peak-tflops", type=float, help="one device's peak TFLOP/s: metrics record mfu "
+                        "(log.peak_tflops; without it only model_tflops_per_s)")
 
 
 # Command-line flag (argparse dest) -> path of the JobConfig field it overrides.
@@ -146,6 +156,8 @@ _OVERRIDES: dict[str, tuple[str, ...]] = {
     "schedule": ("parallel", "schedule"), "attn_res_comm": ("parallel", "attn_res_comm"),
     "zero": ("parallel", "zero"), "signal": ("stop_signal",),
     "gc_interval": ("gc_interval",), "device": ("device",), "dist_timeout": ("dist", "timeout_s"),
+    "grad_accum": ("optim", "grad_accum"), "log_every": ("log", "log_every"), "tensorboard": ("log", "tensorboard"),
+    "peak_tflops": ("log", "peak_tflops"),
 }
 
 

@@ -95,6 +95,11 @@ class OptimConfig:
     beta2: float = 0.95
     grad_clip: float = 1.0
     seed: int = 0
+    grad_accum: int = 1
+    """Micro-steps per optimizer step on each rank: the rank's rows of the global batch are split into this many
+    equal micro-batches, each run forward and backward with gradients accumulated, then one gradient sum, clip and
+    update (the same step as 1 up to fp32 summation order). Must divide the per-rank batch; not with ``--pp`` (the
+    pipeline has its own micro-batches, ``parallel.microbatches``)."""
     eval_every: int = 50
     eval_windows: int = 32
     """Held-out windows of ``seq_len`` tokens per eval (the same windows every time)."""
@@ -117,7 +122,7 @@ class OptimConfig:
     """Modules (dotted-name prefixes) whose matrices AdamW updates under ``optimizer: muon`` (the LM head)."""
 
     def validate(self) -> None:
-        for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_windows", "checkpoint_every"):
+        for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_every", "eval_windows", "checkpoint_every"):
             value = getattr(self, name)
             check(value >= 1, name, value, "an integer >= 1")
             check(value <= MAX_COUNT, name, value, f"an integer <= {MAX_COUNT} (int64)")
@@ -132,6 +137,8 @@ class OptimConfig:
         _finite(self, "beta2", 0 <= self.beta2 < 1, "in [0, 1)")
         _finite(self, "grad_clip", self.grad_clip > 0, "> 0 (max global grad norm)")
         _finite(self, "muon_momentum", 0 <= self.muon_momentum < 1, "in [0, 1)")
+        check(self.batch_size % self.grad_accum == 0, "grad_accum", self.grad_accum,
+              f"a divisor of batch_size {self.batch_size} (each rank splits its rows into grad_accum micro-batches)")
         # One step's global batch is built whole on every rank (data.global_batch): batch_size x (seq_len + 1) int64
         # tokens, the least a step allocates; an eval, eval_windows x (seq_len + 1). Refused here, before anything is
         # allocated, when that alone exceeds this host's physical memory.
@@ -142,6 +149,30 @@ class OptimConfig:
             check(phys is None or need <= phys, name, rows,
                   f"{name} x (seq_len + 1) x 8 bytes (the int64 tokens of one {what}, {rows} x {self.seq_len + 1} x 8 "
                   f"= {need} bytes) <= this host's physical memory ({phys} bytes)")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class LogConfig:
+    """What a run reports besides its metrics file (:mod:`moonrt.jobs.train.report`); free to change on resume."""
+
+    log_every: int = 10
+    """Steps between the plain progress lines printed when the output is not a terminal (SLURM logs), instead of
+    the tqdm bar; the eval lines and the summary always print (rank 0)."""
+    tensorboard: str | None = None
+    """Directory for TensorBoard scalar events (loss, lr, grad_norm, eval_loss, tokens_per_s, mfu), written by rank
+    0; needs the ``tensorboard`` package (``pip install 'moonrt[tensorboard]'``). A fresh run creates it (it must
+    not exist); a resume appends to it (events after the checkpoint's step are purged when read)."""
+    peak_tflops: float | None = None
+    """Peak dense throughput of one device (1e12 FLOP/s, e.g. 989 for an H100 in bf16): the metrics' ``mfu`` is
+    the model FLOP rate over ``peak_tflops`` x the number of processes. None: no ``mfu`` (``model_tflops_per_s``
+    is still recorded)."""
+
+    def validate(self) -> None:
+        check(1 <= self.log_every <= MAX_COUNT, "log_every", self.log_every, f"an integer in [1, {MAX_COUNT}]")
+        check(self.tensorboard is None or (isinstance(self.tensorboard, str) and self.tensorboard != ""),
+              "tensorboard", self.tensorboard, "a directory path or null")
+        if self.peak_tflops is not None:
+            _finite(self, "peak_tflops", self.peak_tflops > 0, "> 0 (TFLOP/s of one device), or null")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -161,6 +192,7 @@ class JobConfig:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    log: LogConfig = dataclasses.field(default_factory=LogConfig)
     dist: DistConfig = dataclasses.field(default_factory=DistConfig)
     """How the ranks join (backend, collective timeout, rendezvous address): wins over what the launcher passes in
     the environment; ``null`` fields take the launcher's values (:func:`moonrt.cluster.env.resolve_dist_config`).
@@ -216,6 +248,12 @@ class JobConfig:
             vocab = self.model_cfg().vocab_size
             check(self.data.eos_id < vocab, "data.eos_id", self.data.eos_id, f"a token id < the model's vocab_size "
                   f"({vocab})")
+        if self.optim.grad_accum > 1:
+            check(self.parallel.pp == 1, "optim.grad_accum", self.optim.grad_accum,
+                  f"1 with parallel.pp = {self.parallel.pp} (--pp): the pipeline splits each step into its own "
+                  "micro-batches (parallel.microbatches, --microbatches)")
+            check(self.routing_trace is None, "optim.grad_accum", self.optim.grad_accum,
+                  "1 with routing_trace (--routing-trace): a trace records one forward's routing per step")
         if self.data.pack_documents:  # document boundaries reach the model only on the default (non-part) path
             for name, why in (("cp", "KCP and the MLA all-gather carry no document boundaries"),
                               ("pp", "pipeline stages carry no document boundaries")):

@@ -3,9 +3,10 @@
 With no arguments it runs the embedded default :class:`JobConfig`: k3_tiny, byte tokenizer, the
 Python standard library's ``*.py`` files as corpus (:mod:`moonrt.jobs.train.data`), AdamW, linear warmup +
 cosine decay, gradient clipping, Quantile Balancing bias updates after every step, a tqdm bar with
-loss and tokens/s, periodic held-out eval (and one at the stop step of ``--until`` when this process ran none),
-and a summary of the steps this process ran (a resumed run says so at start: ``resumed from step N``) comparing the
-final eval loss with the held-out unigram entropy (nats/token).
+loss and tokens/s on a terminal (plain lines every ``log.log_every`` steps otherwise, :mod:`moonrt.jobs.train.report`),
+periodic held-out eval (and one at the stop step of ``--until`` when this process ran none), and a summary of the
+steps this process ran (a resumed run says so at start: ``resumed from step N``) comparing the final eval loss
+with the held-out unigram entropy (nats/token).
 
 Exactness contract (what later parallel runs are compared against):
 
@@ -20,7 +21,9 @@ Exactness contract (what later parallel runs are compared against):
   (one process) or written by every rank as its own pieces into a sharded DCP directory (multi-rank jobs,
   :mod:`moonrt.jobs.checkpoint.sharded`), and sharded again on load, so a checkpoint of ``--ep 2`` resumes in one
   process, ``--ep 2`` or ``--ep 4``;
-- only rank 0 writes metrics, checkpoints and the progress bar.
+- only rank 0 writes metrics, checkpoints, TensorBoard events and the progress output;
+- ``optim.grad_accum`` micro-steps per step change only the fp32 summation order of the gradients (one sync,
+  clip and update per step).
 
 Parallel behaviour comes from one :class:`moonrt.comm.parallelism.Parallelism` object (its parts: the
 pipeline, which runs each step's micro-batches through its schedule, expert parallelism, the routing-trace
@@ -38,7 +41,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import yaml
-from tqdm import tqdm
 
 from moonrt.cluster.preempt import StopSignal, stop_signals
 from moonrt.comm.parallelism import Parallelism
@@ -46,7 +48,7 @@ from moonrt.config import ConfigError, load_yaml, to_dict
 from moonrt.jobs.checkpoint import sharded as checkpoint_dcp
 from moonrt.jobs.checkpoint import single as checkpoint
 from moonrt.jobs.checkpoint.store import load_checkpoint, resume_state, save_checkpoint
-from moonrt.jobs.train import data, outputs
+from moonrt.jobs.train import data, outputs, report
 from moonrt.jobs.train.assemble import build_model
 from moonrt.jobs.train.config import JobConfig, lr_at
 from moonrt.jobs.train.device import device_note, resolve_job
@@ -146,6 +148,23 @@ def train(job: JobConfig, rt: Parallelism | None = None, metrics_path: str | Non
         return _train(job, rt, metrics_path, resume, until, progress, resume_allow, preempt, requeued, note)
 
 
+def _accumulate(model: torch.nn.Module, rt: Parallelism, x: np.ndarray, y: np.ndarray, docs: np.ndarray | None,
+                n: int, scale: float, saved: object) -> torch.Tensor:
+    """Forward and backward of this rank's rows ``x``/``y`` ``[B_r, T]`` (``docs [B_r, T]``: packed documents) in
+    ``n`` micro-steps of ``B_r / n`` consecutive rows (``optim.grad_accum``): each back-propagates its summed token
+    loss times ``scale`` (1 / the global batch's target count), so ``p.grad`` accumulates the gradient of the
+    whole step's loss, and nothing is synced in between (:meth:`Parallelism.sync_grads` runs once after). Returns
+    the step's scaled loss on this rank (the micro-steps' sum), detached."""
+    rows = len(x) // n
+    total = None
+    for i in range(n):
+        part = slice(i * rows, (i + 1) * rows)
+        packing = None if docs is None else DocumentPacking.from_doc_ids(torch.from_numpy(docs[part]))
+        loss = rt.forward_backward(model, torch.from_numpy(x[part]), torch.from_numpy(y[part]), scale, saved, packing)
+        total = loss if total is None else total + loss
+    return total
+
+
 class ManualGC:
     """Python's automatic garbage collection off from construction to :meth:`close` (``interval`` > 0);
     :meth:`tick` runs a young-generation collection (``gc.collect(1)``: the objects made since the last one, cycles
@@ -176,6 +195,7 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
     cfg = job.optim
     out = Path(job.out_dir)
     ckpt = out / CHECKPOINT
+    report.check_tensorboard(job.log.tensorboard)  # every rank, before any output: the package may be missing
     state = None
     stored = None  # the job config of the checkpoint a resume continues
     start = 0
@@ -202,6 +222,10 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
         raise ConfigError(f"optim.batch_size = {cfg.batch_size}: expected a multiple of the data-parallel size "
                           f"{rt.dp_size}")
     m = job.parallel.microbatches
+    if (cfg.batch_size // rt.dp_size) % cfg.grad_accum:
+        raise ConfigError(f"optim.grad_accum (--grad-accum) = {cfg.grad_accum}: expected a divisor of the per-rank "
+                          f"batch {cfg.batch_size // rt.dp_size} (optim.batch_size {cfg.batch_size} / data-parallel "
+                          f"size {rt.dp_size})")
     if (cfg.batch_size // rt.dp_size) % m:
         raise ConfigError(f"parallel.microbatches (--microbatches) = {m}: expected a divisor of the per-replica "
                           f"batch {cfg.batch_size // rt.dp_size} (optim.batch_size {cfg.batch_size} / data-parallel "
@@ -242,19 +266,20 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
         heldout = data.eval_windows(corpus.heldout, cfg.eval_windows, cfg.seq_len)
     baseline = data.unigram_entropy(corpus.heldout, corpus.vocab_size)
     global_tokens = cfg.batch_size * cfg.seq_len
-    metrics = None
+    spec = job.model_spec()
+    flops = None if spec.flops_per_token is None else spec.flops_per_token(mcfg, cfg.seq_len)
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    metrics = tb = None
     if metrics_path and rt.is_main:
         metrics = outputs.open_metrics(metrics_path, start if resume else (0 if restart else None))
-    if rt.is_main and progress:
-        shape = job.model_spec().describe(mcfg)
-        print(f"moonrt train: {job.model if job.model_config is None else 'custom'} ({n_params / 1e6:.2f}M params"
-              f"{', ' + shape if shape else ''}), corpus {corpus.description}: {len(corpus.train):,} train / "
-              f"{len(corpus.heldout):,} held-out tokens; {cfg.steps} steps x {global_tokens} tokens; device {device}",
-              flush=True)
-        if resume:
-            print(f"moonrt train: resumed from step {start} (checkpoint {str(src)!r})", flush=True)
-    bar = tqdm(range(start, stop), initial=start, total=cfg.steps, disable=not (rt.is_main and progress),
-               dynamic_ncols=True, desc="train")
+    console = report.Console(rt.is_main, progress, start, stop, cfg.steps, job.log.log_every)
+    shape = spec.describe(mcfg)
+    console.line(f"moonrt train: {job.model if job.model_config is None else 'custom'} ({n_params / 1e6:.2f}M params"
+                 f"{', ' + shape if shape else ''}), corpus {corpus.description}: {len(corpus.train):,} train / "
+                 f"{len(corpus.heldout):,} held-out tokens; {cfg.steps} steps x {global_tokens} tokens; device "
+                 f"{device}")
+    if resume:
+        console.line(f"moonrt train: resumed from step {start} (checkpoint {str(src)!r})")
     model.train()
     losses: list[float] = []
     eval_loss, eval_step = math.nan, None  # the last held-out eval of this process and its step
@@ -263,36 +288,39 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
     done, saved = start, (start if resume else None)  # last completed step, last checkpointed step
     gc_control = ManualGC(job.gc_interval)
     try:
+        if job.log.tensorboard is not None and rt.is_main:
+            tb = report.TensorBoard(job.log.tensorboard, start if resume else (0 if restart else None))
         stopped = rt.any_flag(preempt.requested)  # a signal during start-up: stop before the first step
-        for step in bar:
+        for step in range(start, stop):
             if stopped:
                 break
             t0 = time.perf_counter()
             lr = lr_at(step, cfg)
             for group in opt.param_groups:
                 group["lr"] = lr
-            packing, targets = None, global_tokens  # targets: the loss's denominator (tokens it counts)
+            d, targets = None, global_tokens  # d: packed documents; targets: the loss's denominator (tokens it counts)
             if pack:
                 batch, docs = data.packed_batch(corpus.train, corpus.train_docs, cfg.seed, step, cfg.batch_size,
                                                 cfg.seq_len)
                 x, y, d = data.shard_packed(batch, docs, rt.dp_rank, rt.dp_size)
-                packing, targets = DocumentPacking.from_doc_ids(torch.from_numpy(d)), data.packed_targets(docs)
+                targets = data.packed_targets(docs)
             else:
                 batch = data.global_batch(corpus.train, cfg.seed, step, cfg.batch_size, cfg.seq_len)
                 x, y = data.shard(batch, rt.dp_rank, rt.dp_size, rt.cp_rank, rt.cp_size)
             if cp_log is not None:
                 rt.ctx.new_step()
             opt.zero_grad(set_to_none=True)
-            loss = rt.forward_backward(model, torch.from_numpy(x), torch.from_numpy(y), 1.0 / targets, mgr, packing)
-            rt.sync_grads(model)
+            loss = _accumulate(model, rt, x, y, d, cfg.grad_accum, 1.0 / targets, mgr)
+            rt.sync_grads(model)  # once per step, of the gradients of all micro-steps
             grad_norm = rt.clip_grad_norm(model.parameters(), cfg.grad_clip)
             loss_value = rt.sum_scalar(float(loss.detach()))
             # both global: the ranks agree without a vote (a non-finite loss on any rank makes the sum non-finite)
             if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
                 if metrics is not None:
                     metrics.write({"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
-                                   "tokens_per_s": global_tokens / (time.perf_counter() - t0),
-                                   "tokens": (step + 1) * global_tokens, "diverged": True})
+                                   "tokens": (step + 1) * global_tokens, "diverged": True}
+                                  | report.rate_fields(global_tokens, time.perf_counter() - t0, t_start, flops,
+                                                       job.log.peak_tflops, world, job.device))
                 if saved is None:
                     last = "no checkpoint was written"
                 else:
@@ -307,7 +335,8 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
             tokens_done += global_tokens
             losses.append(loss_value)
             record = {"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
-                      "tokens_per_s": global_tokens / dt, "tokens": (step + 1) * global_tokens}
+                      "tokens": (step + 1) * global_tokens}
+            record |= report.rate_fields(global_tokens, dt, t_start, flops, job.log.peak_tflops, world, job.device)
             if cp_log is not None:
                 cp_bytes = cp_log.by_layer()
                 record["cp_bytes_sent"] = sum(r["fwd_sent"] + r["bwd_sent"] for r in cp_bytes.values())
@@ -322,13 +351,13 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
                 eval_loss, eval_step = evaluate(model, heldout, cfg.batch_size, rt, heldout_docs), step + 1
                 stopped = done < stop and rt.any_flag(preempt.requested)
                 record["eval_loss"] = eval_loss
-                if rt.is_main and progress:
-                    bar.write(f"step {step + 1}: train loss {loss_value:.3f}, eval loss {eval_loss:.3f} nats/token "
-                              f"(unigram entropy {baseline:.3f})")
+                console.line(f"step {step + 1}: train loss {loss_value:.3f}, eval loss {eval_loss:.3f} nats/token "
+                             f"(unigram entropy {baseline:.3f})")
             if metrics is not None:
                 metrics.write(record)
-            shown = {"loss": f"{loss_value:.3f}"} | ({} if eval_step is None else {"eval": f"{eval_loss:.3f}"})
-            bar.set_postfix(shown | {"tok_s": f"{global_tokens / dt:,.0f}"})  # no eval field before the first eval
+            if tb is not None:
+                tb.write(record)
+            console.step(record, None if eval_step is None else eval_loss)
             if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == stop or stopped:
                 save_checkpoint(ckpt, model, opt, step + 1, job, rt)
                 saved = step + 1
@@ -344,9 +373,11 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
             raise ConfigError(f"{what}: cannot write ({exc.strerror or exc})") from None
     finally:
         gc_control.close()
-        bar.close()
+        console.close()
         if metrics is not None:
             metrics.close()
+        if tb is not None:
+            tb.close()
         if mgr is not None:
             if rt.is_main and progress:
                 print(mgr.accounting.summary(), flush=True)
@@ -359,7 +390,7 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
                "train_loss": float(np.mean(losses[-10:])) if losses else math.nan,
                "final_eval_loss": eval_loss, "eval_step": eval_step, "unigram_entropy": baseline,
                "tokens_per_s": tokens_done / wall if wall > 0 else math.nan, "wall_s": wall, "params": n_params}
-    if rt.is_main and progress:
+    if rt.is_main:  # with --no-progress too: the summary always prints
         ran = f"{stop} steps" if start == 0 else f"steps {start + 1}-{stop}: {stop - start} steps"
         at = "" if eval_step == stop else f" (step {eval_step})"
         print(f"summary: {ran} in {wall:.0f} s ({summary['tokens_per_s']:,.0f} tokens/s); "

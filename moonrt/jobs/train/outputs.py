@@ -16,6 +16,9 @@ Safe by default (nothing a user owns is overwritten, nothing is written through 
   atomic replace, so after a kill and resume every step appears exactly once, but only when it is a moonrt
   metrics file (:func:`check_metrics`: every line a step record, steps increasing, only the last line possibly
   cut by a kill); any other file is refused and left untouched.
+- **TensorBoard** (``--tensorboard DIR``, :func:`check_tensorboard_dir`): a fresh run takes a new or empty
+  directory (it creates it); a resume (or a restart of this job) one that holds only TensorBoard event files;
+  anything else is refused, nothing in it touched. Event files are new files per process (time, host, pid).
 - **Whose directory** (:func:`check_outputs`, before step 1): a fresh run refuses a checkpoint, a ``config.yaml``
   that is not its job's, an existing metrics file or routing trace; an interrupted first sharded save
   (``checkpoint/`` without a committed step) counts as no checkpoint when ``config.yaml`` is this job's
@@ -50,6 +53,8 @@ CONFIG = "config.yaml"
 LOCK = ".moonrt.lock"
 _PID = re.compile(r"^\d{0,10}\n?$")
 METRICS_KEYS = ("step", "loss", "lr", "tokens_per_s", "tokens")
+TB_EVENTS = "events.out.tfevents."
+"""Name prefix of TensorBoard event files (the only entries a resumed run's ``--tensorboard`` directory may hold)."""
 """Keys every record of a moonrt metrics file holds (:func:`check_metrics`)."""
 
 
@@ -337,6 +342,31 @@ def _foreign_config(path: Path, job: JobConfig) -> str | None:
     return f"differs in {'; '.join(diffs)}" if diffs else None
 
 
+def check_tensorboard_dir(directory: str, continuing: bool) -> None:
+    """Create (if missing) the TensorBoard directory ``directory`` of a run and check that it is the run's to
+    write: an empty directory for a fresh run, one holding only event files (:data:`TB_EVENTS`) when
+    ``continuing`` (a resume, or a restart of this job); never a link. :class:`ConfigError` naming the flag."""
+    what = f"log.tensorboard (--tensorboard) = {directory!r}"
+    path = Path(directory)
+    try:
+        if path.is_symlink() or (path.exists() and not path.is_dir()):
+            raise ConfigError(f"{what}: not a directory (a link or a file); expected a new directory")
+        path.mkdir(parents=True, exist_ok=True)
+        entries = sorted(os.listdir(path))
+    except OSError as exc:
+        raise ConfigError(f"{what}: expected a writable directory ({_reason(exc)})") from None
+    if continuing:
+        other = [e for e in entries if not (e.startswith(TB_EVENTS) and (path / e).is_file()
+                                            and not (path / e).is_symlink())]
+        if other:
+            raise ConfigError(f"{what}: holds {other[0]!r}, not a TensorBoard event file; expected this run's "
+                              "TensorBoard directory or a new one")
+    elif entries:
+        raise ConfigError(f"{what}: not empty (holds {entries[0]!r}); expected a new or empty directory (or --resume "
+                          "to continue the run that wrote it)")
+    probe_dir(path, "log.tensorboard (--tensorboard)")
+
+
 def _same_file(a: str, b: str) -> bool:
     return os.path.abspath(a) == os.path.abspath(b)
 
@@ -397,4 +427,6 @@ def check_outputs(job: JobConfig, metrics_path: str | None, resume: bool, stored
                 raise ConfigError(f"{field}: file exists and is not this run's trace; expected a new path (or, with "
                                   "--resume, the trace this run wrote)")
         probe_dir(t.parent, "routing_trace (--routing-trace) directory")
+    if job.log.tensorboard is not None:
+        check_tensorboard_dir(job.log.tensorboard, resume or restart)
     return restart

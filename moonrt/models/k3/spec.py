@@ -34,6 +34,12 @@ def _param_count(cfg: K3Config) -> int:
     return count_params(cfg).total
 
 
+def _flops_per_token(cfg: K3Config, seq_len: int) -> int:
+    from moonrt.models.k3.model.params import flops_per_token
+
+    return flops_per_token(cfg, seq_len)
+
+
 def _expert_sizes(cfg: K3Config, dtype: str) -> dict[str, int]:
     from moonrt.scheduler.workload import expert_sizes
 
@@ -67,7 +73,7 @@ def _memory_policy(rank_plan: Any) -> dict:
 K3 = ModelSpec(
     name="k3", config_type=K3Config, presets=PRESETS, build=_build, param_count=_param_count,
     pipeline_layout=K3Config.pipeline_layout, describe=lambda cfg: f"pattern {cfg.pattern}",
-    read_options=_read_options, expert_sizes=_expert_sizes,
+    read_options=_read_options, expert_sizes=_expert_sizes, flops_per_token=_flops_per_token,
     memory=ModelMemory(param_sizes=_param_sizes, memory_profile=_memory_profile,
                        traced_memory_profile=_traced_memory_profile, memory_policy=_memory_policy),
     train_dtype={"k3": "bf16", "k3_tiny": "fp32"})

@@ -2,6 +2,8 @@
 
 **Active per token** follows K3's convention (its ``params.py``): every parameter except the input embedding
 table (a lookup, no matmul); with tied embeddings the table is the LM head and counts once, as active.
+
+**Model FLOPs per token** (:func:`flops_per_token`): PaLM's ``6 N + 12 L H Q T`` (N active parameters).
 """
 
 from __future__ import annotations
@@ -55,6 +57,17 @@ def count_params(c: DenseConfig) -> ParamCounts:
                        per_layer=per_layer)
 
 
+def flops_per_token(c: DenseConfig, seq_len: int) -> int:
+    """Training FLOPs (forward + backward, 2 per multiply-add, backward 2x forward) per token at ``seq_len``:
+    PaLM's estimate (appendix B) ``6 N + 12 L H Q T`` with ``N`` the active parameters (:func:`count_params`),
+    ``L`` layers, ``H`` heads of width ``Q`` (``head_dim``) and ``T = seq_len``: ``6 N`` for every weight's
+    multiply-add forward and two backward, ``12 L H Q T`` for the score and value products of softmax attention
+    (``2 T H Q`` each forward, times 3; PaLM's non-causal convention: every query against all ``T`` keys).
+    Element-wise work (norms, softmax, SwiGLU's product, rotary) is not counted."""
+    attn = 12 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * seq_len
+    return 6 * count_params(c).active + attn
+
+
 def stage_sizes(c: DenseConfig) -> dict[str, object]:
     """The fields of the memory planner's ``ParamSizes`` (built by the job layer, which may import the planner):
     ``layers`` ``[L]`` (attention + FFN + 2 norms each), ``expert`` ``[L]`` zeros (no routed experts), ``embed``
@@ -66,4 +79,4 @@ def stage_sizes(c: DenseConfig) -> dict[str, object]:
             "lm_head": c.hidden_size + counts.by_part["lm_head"]}
 
 
-__all__ = ["ParamCounts", "attention_params", "count_params", "ffn_params", "stage_sizes"]
+__all__ = ["ParamCounts", "attention_params", "count_params", "ffn_params", "flops_per_token", "stage_sizes"]

@@ -14,6 +14,10 @@ without instantiating it: 2.78T total, ~104.2B active.
   With tied embeddings the table is the LM head and counts once, as active.
 
 Router selection biases are buffers (no gradient), not parameters, and are not counted.
+
+**Model FLOPs per token** (:func:`flops_per_token`, what MFU divides by the hardware peak) follow the PaLM /
+Megatron estimate: ``6 x active`` for the matmuls of forward and backward, plus the attention products that no
+parameter counts (below).
 """
 
 from __future__ import annotations
@@ -104,3 +108,25 @@ def count_params(c: K3Config) -> ParamCounts:
     inactive_routed = n_moe * (c.num_experts - c.num_experts_per_token) * routed_expert_params(c)
     inactive_embed = embed if not c.tie_word_embeddings else 0
     return ParamCounts(total=total, active=total - inactive_routed - inactive_embed, by_part=parts)
+
+
+def flops_per_token(c: K3Config, seq_len: int) -> int:
+    """Training FLOPs (forward + backward, 2 per multiply-add, backward 2x forward) per token at ``seq_len``.
+
+    ``6 x active`` (every active weight in one multiply-add forward, two backward: PaLM appendix B, Megatron's
+    ``6N``) plus the attention products no parameter counts, forward ``F`` times 3:
+
+    - MLA (softmax over the context, PaLM's non-causal convention: every query against all ``T`` keys):
+      ``F = 2 T H (dk + dv)`` with ``dk = qk_nope_head_dim + qk_rope_head_dim``, ``dv = v_head_dim``; for
+      ``dk = dv = Q`` this is PaLM's ``12 L H Q T`` term;
+    - KDA (K3_SYSTEMS §2.1, the recurrent form's three ``K x V`` products per head: ``S^T k``, the rank-one
+      update ``k (v - S^T k)^T``, the read ``S^T q``): ``F = 6 H K V``, independent of ``T``.
+
+    Element-wise work (norms, gates, decay, softmax, the conv) is not counted, as in the estimates cited.
+    """
+    la = c.linear_attn_config
+    types = c.layer_types()
+    dk, dv = c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim
+    mla = types.count("mla") * 2 * seq_len * c.num_attention_heads * (dk + dv)
+    kda = types.count("kda") * 6 * la.num_heads * la.head_dim * la.head_dim
+    return 6 * count_params(c).active + 3 * (mla + kda)

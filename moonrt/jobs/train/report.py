@@ -1,0 +1,150 @@
+"""What ``moonrt train`` reports while it runs, besides checkpoints: the per-step throughput and memory fields of
+its metrics records, the console (a tqdm bar on a terminal, plain lines otherwise), and TensorBoard scalars.
+
+- :func:`rate_fields`: ``time`` (UNIX seconds of the record), ``elapsed_s`` (since this process's loop started),
+  ``tokens_per_s``, ``model_tflops_per_s`` (model FLOPs from the family's
+  :attr:`~moonrt.models.spec.ModelSpec.flops_per_token`, the PaLM / Megatron ``6 N`` + attention estimate, times
+  the global tokens per second), ``mfu`` (that over ``log.peak_tflops`` x the number of processes; only with a
+  peak) and ``peak_mem_bytes`` (:func:`peak_memory_bytes`).
+- :class:`Console`: rank 0's output. On a terminal (stdout and stderr both TTYs) the tqdm bar; otherwise (SLURM
+  logs, pipes) no ``\\r`` at all: one plain line every ``log.log_every`` steps and at the last step.
+  ``--no-progress`` hides the bar and those lines only: the start line, the eval lines and the summary always
+  print on rank 0.
+- :class:`TensorBoard`: scalar events (``train/loss``, ``train/lr``, ``train/grad_norm``, ``train/tokens_per_s``,
+  ``train/mfu``, ``eval/loss``) written by rank 0 with ``torch.utils.tensorboard.SummaryWriter`` when the optional
+  ``tensorboard`` package is installed (imported lazily; :func:`check_tensorboard` names the missing package).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from moonrt.config import ConfigError
+
+TB_SCALARS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
+              "tokens_per_s": "train/tokens_per_s", "mfu": "train/mfu", "eval_loss": "eval/loss"}
+"""Metrics record key -> TensorBoard tag (the scalars :class:`TensorBoard` writes, when the record has them)."""
+
+
+def peak_memory_bytes(device: str) -> int:
+    """This process's peak memory in bytes: on ``cuda`` the peak of ``torch.cuda.max_memory_allocated`` (tensors
+    only); otherwise the peak resident set size of the process (``resource.getrusage(RUSAGE_SELF).ru_maxrss``: all
+    of its memory, Python and libraries included, since it started; KiB on Linux, bytes on macOS)."""
+    if device == "cuda":
+        import torch
+
+        return int(torch.cuda.max_memory_allocated())
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def rate_fields(tokens: int, dt: float, t_start: float, flops_per_token: int | None, peak_tflops: float | None,
+                world: int, device: str) -> dict[str, Any]:
+    """The time, throughput and memory fields of one step's record: ``tokens`` global tokens in ``dt`` seconds,
+    ``t_start`` the ``time.perf_counter()`` the loop started at, ``flops_per_token`` the model's (None: no
+    FLOP fields), ``peak_tflops`` one device's peak (None: no ``mfu``), ``world`` processes."""
+    rate = tokens / dt if dt > 0 else math.nan
+    out: dict[str, Any] = {"time": time.time(), "elapsed_s": time.perf_counter() - t_start, "tokens_per_s": rate}
+    if flops_per_token is not None:
+        out["model_tflops_per_s"] = flops_per_token * rate / 1e12
+        if peak_tflops is not None:
+            out["mfu"] = out["model_tflops_per_s"] / (peak_tflops * world)
+    out["peak_mem_bytes"] = peak_memory_bytes(device)
+    return out
+
+
+class Console:
+    """Rank 0's console output of the loop (nothing on other ranks: ``main`` False).
+
+    ``progress`` (not ``--no-progress``): the bar (``tty``, default: stdout and stderr are both terminals) or the
+    plain step lines every ``log_every`` steps and at ``stop``. :meth:`line` (start, eval, summary lines) prints
+    whatever ``progress`` says, above the bar when there is one."""
+
+    def __init__(self, main: bool, progress: bool, start: int, stop: int, total: int, log_every: int,
+                 tty: bool | None = None) -> None:
+        if tty is None:
+            tty = sys.stdout.isatty() and sys.stderr.isatty()
+        self.main, self.stop, self.total, self.log_every = main, stop, total, log_every
+        self.lines = main and progress and not tty
+        self.bar = tqdm(initial=start, total=total, dynamic_ncols=True, desc="train") if main and progress and tty \
+            else None
+
+    def line(self, text: str) -> None:
+        if not self.main:
+            return
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def step(self, record: dict[str, Any], eval_loss: float | None) -> None:
+        """After step ``record["step"]``: the bar's postfix (no eval field before the first eval) or a plain line."""
+        step = record["step"]
+        if self.bar is not None:
+            shown = {"loss": f"{record['loss']:.3f}"} | ({} if eval_loss is None else {"eval": f"{eval_loss:.3f}"})
+            self.bar.set_postfix(shown | {"tok_s": f"{record['tokens_per_s']:,.0f}"}, refresh=False)
+            self.bar.update(1)
+        elif self.lines and (step % self.log_every == 0 or step == self.stop):
+            parts = [f"step {step}/{self.total}", f"loss {record['loss']:.4f}", f"lr {record['lr']:.3g}",
+                     f"grad norm {record['grad_norm']:.3g}", f"{record['tokens_per_s']:,.0f} tok/s"]
+            if "model_tflops_per_s" in record:
+                parts.append(f"{record['model_tflops_per_s']:.4g} TFLOP/s")
+            if "mfu" in record:
+                parts.append(f"mfu {100 * record['mfu']:.2f}%")
+            parts.append(f"peak mem {record['peak_mem_bytes'] / 2**30:.2f} GiB")
+            print("train: " + ", ".join(parts), flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def check_tensorboard(directory: str | None) -> None:
+    """ConfigError (one line) when ``directory`` is set and the ``tensorboard`` package is missing (every rank
+    checks, so all of them stop before step 1)."""
+    if directory is not None and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError(f"log.tensorboard (--tensorboard) = {directory!r}: needs the tensorboard package, which is "
+                          "not installed; expected pip install tensorboard (or moonrt[tensorboard]), or no "
+                          "--tensorboard")
+
+
+class TensorBoard:
+    """Scalar events of one run in ``directory`` (rank 0 only), via ``torch.utils.tensorboard.SummaryWriter``.
+
+    The directory is checked before step 1 (:func:`moonrt.jobs.train.outputs.check_tensorboard_dir`: a fresh run
+    creates it, so never writes beside another run's events); ``resume_step`` (a resume or restart of this run):
+    the events of the steps after it that a killed run wrote are purged when read (``purge_step``), so every step
+    appears once. Event files are named by time, host and pid: a resume adds one, never rewrites one."""
+
+    def __init__(self, directory: str, resume_step: int | None) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.directory = Path(directory)
+        try:
+            self.writer = SummaryWriter(log_dir=str(self.directory),
+                                        purge_step=None if resume_step is None else resume_step + 1)
+        except OSError as exc:
+            raise ConfigError(f"log.tensorboard (--tensorboard) = {directory!r}: cannot write "
+                              f"({exc.strerror or exc})") from None
+
+    def write(self, record: dict[str, Any]) -> None:
+        """The record's scalars of :data:`TB_SCALARS` at global step ``record["step"]`` (non-finite ones skipped)."""
+        for key, tag in TB_SCALARS.items():
+            value = record.get(key)
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                self.writer.add_scalar(tag, value, record["step"])
+
+    def close(self) -> None:
+        """Flush and close (also on a stop signal or divergence: the loop closes it in ``finally``)."""
+        self.writer.close()
+
+
+__all__ = ["Console", "TB_SCALARS", "TensorBoard", "check_tensorboard", "peak_memory_bytes", "rate_fields"]
