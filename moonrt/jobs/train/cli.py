@@ -108,7 +108,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gc-interval", type=int, help="Python garbage collection: off in the training loop, one "
                         "young-generation collection every N steps (gc_interval; default 50; 0 = automatic)")
     parser.add_argument("--memory-policy", help="activation memory policy YAML (memory_policy; moonrt.memory)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar or periodic step lines (the start, eval and summary lines still print)")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bar or periodic step lines (the start, eval and summary lines still print)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where the job computes (device; default "
                         "auto = cpu; cuda is refused until the CUDA train path exists)")
     parser.add_argument("--dist-timeout", type=float, metavar="SECONDS", help="timeout of the rendezvous and every "
