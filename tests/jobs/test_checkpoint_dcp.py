@@ -207,6 +207,7 @@ def _check_other_layouts(tmp_path: Path, got: dict[str, dict[str, Any]]) -> None
         _close(ck["model"], ref_ckpt["model"], f"{name}.model")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_ep2_zero1_on_4_ranks_saves_sharded_and_resumes_in_any_layout(tmp_path: Path) -> None:
     layout = ["--ep", "2", "--zero", "1"]  # dp 2 inferred: experts sharded over ep, moments over dp
@@ -232,6 +233,7 @@ def test_ep2_zero1_on_4_ranks_saves_sharded_and_resumes_in_any_layout(tmp_path: 
     _check_other_layouts(tmp_path, got)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_pp2_on_2_ranks_saves_sharded_and_resumes_in_one_process_and_under_ep(tmp_path: Path) -> None:
     layout = ["--pp", "2", "--microbatches", "2"]

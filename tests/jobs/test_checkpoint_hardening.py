@@ -277,6 +277,7 @@ def _two_ranks_load_a_damaged_shard(rank: int, world: int, root: str) -> dict[st
     return {"files": files, "error": error}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_every_rank_of_a_load_refuses_a_damaged_shard(tmp_path: Path) -> None:
     got = dist_run(_two_ranks_load_a_damaged_shard, 2, str(tmp_path / "checkpoint"), timeout=240)

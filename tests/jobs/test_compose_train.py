@@ -49,6 +49,7 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(3000)
 def test_composed_layouts_resume_a_single_process_checkpoint_and_match_it(tmp_path: Path) -> None:
     _run(tmp_path, {"base": _here("train", *FLAGS, "--until", "1", "--out", "base")})
@@ -121,6 +122,7 @@ def _expected_coords(rank: int, pp: int, dp: int, ep: int, cp: int) -> tuple[int
     raise AssertionError(rank)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_train_prints_the_layout_once_in_the_mesh_rank_order(tmp_path: Path) -> None:
     """``--pp 2 --ep 2`` on 4 ranks (dp 1) with progress on: rank 0 prints one table, every rank's coordinates
@@ -156,6 +158,7 @@ def test_train_prints_the_layout_once_in_the_mesh_rank_order(tmp_path: Path) -> 
     # more sequence slices than tokens (uneven slices are allowed: --cp 3 of 32 tokens runs)
     (4, ["--cp", "4", "--seq-len", "3"], "parallel.cp (--cp) = 4: expected at most optim.seq_len (--seq-len) = 3"),
 ])
+@pytest.mark.slow
 def test_degrees_that_do_not_divide_the_world_or_the_model_are_one_clear_line(tmp_path: Path, n: int,
                                                                                flags: list[str], message: str) -> None:
     out = subprocess.run(_launch(n, "train", *FLAGS, "--out", "o", *flags), cwd=tmp_path, capture_output=True,

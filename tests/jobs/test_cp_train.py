@@ -33,6 +33,7 @@ def _moonrt(*args: str) -> list[str]:
     return [sys.executable, "-m", "moonrt.cli", *args]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_cp2_training_matches_single_process_loss_curve(tmp_path: Path) -> None:
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"

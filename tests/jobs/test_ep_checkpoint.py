@@ -53,6 +53,7 @@ def _ckpt(path: Path) -> dict[str, Any]:
     return read_state(path)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_ep_checkpoint_resumes_in_ep_and_in_a_single_process(tmp_path: Path) -> None:
     # one process runs in this one (test_pp_train._here: no new interpreter)

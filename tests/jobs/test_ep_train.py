@@ -36,6 +36,7 @@ def _moonrt(*args: str) -> list[str]:
     return [sys.executable, "-m", "moonrt.cli", *args]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_ep_training_matches_single_process_loss_curve(tmp_path: Path) -> None:
     flags = FLAGS

@@ -58,6 +58,7 @@ def test_analytic_matches_traced_per_class_k3_tiny():
     _check(_compare(k3_tiny(), 1000))
 
 
+@pytest.mark.slow
 def test_analytic_matches_traced_per_class_k3_widths():
     _check(_compare(k3_widths(), 17))
 

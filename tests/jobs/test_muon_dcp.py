@@ -212,6 +212,7 @@ def _ranks(rank: int, world: int, tmp: Path) -> dict[str, Any] | None:
     return got if rank == 0 else {"columns": got["columns"], "boxes": got["boxes"]}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_two_ranks_save_sharded_muon_and_resume_across_layouts(tmp_path: Path) -> None:
     # every layout in forked gloo processes at one thread (the single process too: world 1 is one process)

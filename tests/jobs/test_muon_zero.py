@@ -134,6 +134,7 @@ def _state_bytes(optimizer: dict[str, Any]) -> tuple[int, int]:
     return full, sum(len(g["params"]) for g in optimizer["param_groups"])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(3000)
 def test_train_zero1_muon_resumes_a_single_process_checkpoint_and_matches_it(tmp_path: Path) -> None:
     flags = [*FLAGS, "--optimizer", "muon"]

@@ -112,6 +112,7 @@ def test_cli_packed_run_and_refusals(tmp_path: Path, capsys) -> None:
         from_dict(JobConfig, {"data": {"corpus": corpus, "pack_documents": True, "eos_id": -1}})
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_data_parallel_packed_step_equals_single_process(tmp_path: Path) -> None:
     """dp 2 (2 gloo ranks, a row each) and ep 2 (MoonEP: the packed rows' tokens dispatched to other ranks' experts)

@@ -27,6 +27,7 @@ from moonrt.config import ConfigError, ParallelConfig
 from moonrt.jobs.train.config import JobConfig
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_pp_resumes_a_single_process_checkpoint_and_matches_it(tmp_path: Path, single_process_steps: Path) -> None:
     shared = single_process_steps
@@ -63,6 +64,7 @@ def test_pp_resumes_a_single_process_checkpoint_and_matches_it(tmp_path: Path, s
     _close(_ckpt(tmp_path / "from_pp2")["model"], _ckpt(tmp_path / "single3")["model"], "step3.model")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_pp2_ep2_resumes_a_single_process_checkpoint_and_matches_it(tmp_path: Path,
                                                                    single_process_steps: Path) -> None:
@@ -76,6 +78,7 @@ def test_pp2_ep2_resumes_a_single_process_checkpoint_and_matches_it(tmp_path: Pa
     assert len(got["ep_rows"]) == 2 and len(got["pp_blocks_sent"]) == 2, got  # both parts ran
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_pp2_cp2_with_a_memory_policy_matches_the_single_process(tmp_path: Path) -> None:
     """``--pp 2 --cp 2`` on 4 ranks with an activation-memory policy (MoE recompute): KCP inside each stage

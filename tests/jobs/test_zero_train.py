@@ -35,6 +35,7 @@ def _adamw_bytes_per_rank(dp: int) -> int:
     return 2 * 4 * -(-total // dp) + 8 * len(params)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_zero1_resumes_a_single_process_checkpoint_and_matches_it(tmp_path: Path, single_process_steps: Path) -> None:
     shared = single_process_steps  # base (step 1) and the single process's step 2, as in test_pp_train

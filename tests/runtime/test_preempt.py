@@ -147,6 +147,7 @@ def reference2(workdir: Path) -> Callable[[], Path]:
         proc.wait()
 
 
+@pytest.mark.slow
 def test_usr1_single_process_saves_the_last_step_and_resumes_bit_identically(workdir: Path) -> None:
     cfg, run, ref = workdir / "job.yaml", workdir / "usr1", workdir / "ref1"
     reference = _start([*MOONRT, *_train(cfg, ref)], workdir)
@@ -163,6 +164,7 @@ def test_usr1_single_process_saves_the_last_step_and_resumes_bit_identically(wor
     _assert_same_run(run, ref)
 
 
+@pytest.mark.slow
 def test_sigterm_to_launch_two_ranks_agree_save_and_resume(workdir: Path, reference2: Callable[[], Path]) -> None:
     cfg, run = workdir / "job.yaml", workdir / "term2"
     job = _start([*MOONRT, "launch", "-n", "2", "--timeout", "120", "--", *MOONRT, *_train(cfg, run)], workdir)
@@ -361,6 +363,7 @@ def _wait_state(job_id: str, pred: Callable[[dict[str, str]], bool], what: str, 
         time.sleep(0.2)
 
 
+@pytest.mark.slow
 @pytest.mark.slurm
 def test_slurm_requeue_resumes_and_matches(workdir: Path, reference2: Callable[[], Path]) -> None:
     for tool in ("sbatch", "scontrol", "scancel", "sinfo"):

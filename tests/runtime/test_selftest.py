@@ -33,6 +33,7 @@ def _launch(world: int, args: list[str], env: dict[str, str] | None = None) -> s
     return subprocess.run(cmd, env={**clean_env(), **(env or {})}, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_suite_passes_and_reports(world: int, tmp_path) -> None:
     report = tmp_path / "report.json"
@@ -99,6 +100,7 @@ def test_every_suite_passes_and_reports(world: int, tmp_path) -> None:
     assert sched["interleaved", "cached"]["blocks_per_step"] < sched["interleaved", "naive"]["blocks_per_step"]
 
 
+@pytest.mark.slow
 def test_corrupted_dispatch_fails_naming_the_rank_and_check(tmp_path) -> None:
     """Rank 2's received expert rows are perturbed: its rows checks fail (both dispatchers), nobody else's."""
     report = tmp_path / "report.json"
@@ -116,6 +118,7 @@ def test_corrupted_dispatch_fails_naming_the_rank_and_check(tmp_path) -> None:
     assert rep["ranks"][2]["checks"]["ep/moonep/32x16x2x64/F8/maxvio=4/rows"]["first_bad_rows"] == [0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,bad", [(2, 1), (4, 2)])
 def test_corrupted_pipeline_hops_fail_naming_the_rank(world: int, bad: int, tmp_path) -> None:
     """Rank ``bad``'s executor receives are perturbed: its hop payload and received-block checks fail

@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 from dist import dist_run
 from test_cluster_report import LAUNCHER_VARS, clean_env
 
@@ -62,6 +63,7 @@ def test_ep_with_no_shape_that_fits_is_skipped_not_passed() -> None:
     assert err == line, err
 
 
+@pytest.mark.slow
 def test_launch_three_ranks_kcp_ep_reports_ep_skipped() -> None:
     """The issue's command: kcp runs and passes on 3 ranks, no default EP shape fits 3 ranks; the job passes on
     kcp's checks alone, and its summary says ep was skipped and why."""

@@ -36,6 +36,7 @@ def slurm() -> None:
         cluster_unavailable(f"no usable SLURM node (sinfo: {res.stdout.strip() or res.stderr.strip()!r})")
 
 
+@pytest.mark.slow
 def test_srun_four_tasks(slurm, tmp_path):
     report = tmp_path / "report.json"
     cmd = ["timeout", "180", "srun", "-n", "4", "-I60", "--kill-on-bad-exit=1", *SELFTEST, "--report", str(report)]
@@ -46,6 +47,7 @@ def test_srun_four_tasks(slurm, tmp_path):
     verify_selftest_report(report, 4, "slurm")
 
 
+@pytest.mark.slow
 def test_srun_selftest_ep_and_kcp(slurm, tmp_path):
     """``srun -n 4 moonrt selftest --suite ep,kcp``: MoonEP / all-to-all and KCP checked on every task."""
     report = tmp_path / "report.json"
@@ -66,6 +68,7 @@ def test_srun_selftest_ep_and_kcp(slurm, tmp_path):
         assert all(c["ok"] for c in rank["checks"].values())
 
 
+@pytest.mark.slow
 def test_sbatch_script_from_moonrt_sbatch(slurm, tmp_path):
     report, script, log = tmp_path / "report.json", tmp_path / "job.sbatch", tmp_path / "job.log"
     write = [sys.executable, "-m", "moonrt.cli", "sbatch", "--nodes", "1", "--ntasks-per-node", "4",

@@ -218,6 +218,7 @@ def test_zero1_matches_single_process_adamw(dp: int) -> None:
     assert all(o["norms"] == out[0]["norms"] for o in out), "every rank reports the same global norm"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_zero1_with_expert_parallel_dp2_ep2() -> None:
     out = dist_run(_parity, 4, 2, 2, timeout=540)
