@@ -29,12 +29,11 @@ from pathlib import Path
 
 import torch
 
-from moonrt.comm.zero_muon import unit_layout
 from moonrt.jobs.train.assemble import build_model
 from moonrt.jobs.train.config import JobConfig, OptimConfig
 from moonrt.jobs.train.optimizers import muon_blocks
 from moonrt.ops.muon import block_grid, ns_flops, to_blocks, zeropower_via_newtonschulz
-from moonrt.scheduler.muon_plan import plan_units
+from moonrt.scheduler.muon_plan import plan_units, unit_layout
 
 
 def _time(fn, repeats: int, device: str) -> float:

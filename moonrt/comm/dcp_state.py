@@ -9,7 +9,7 @@ it):
   (expert weights under EP: rows ``[first, first + E/R)`` of the stacked ``[E, ...]`` tensor).
 - ``optimizer.<name>.exp_avg`` / ``.exp_avg_sq``: the AdamW moments of parameter ``<name>``, **flattened**
   to ``[numel]`` of the single-process parameter, so that every layout's piece is one contiguous range:
-  an EP rank's experts, a ZeRO-1 owner's piece of its flat bucket (``moonrt.comm.zero._Bucket``), or both.
+  an EP rank's experts, a ZeRO-1 owner's piece of its flat bucket (``moonrt.comm.zero_core.Slot``), or both.
   ``optimizer.<name>.step``: the parameter's AdamW step count, a 0-d float64 tensor (0: no state yet).
 - ``optimizer.<name>.momentum_buffer``: the momentum of a parameter in a ``use_muon`` group of
   :class:`moonrt.ops.muon.Muon`, with the parameter's **single-process shape** (not flattened: a Muon block
@@ -53,6 +53,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
 )
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, TensorWriteData, WriteItem, WriteItemType
+
+from moonrt.ops.muon import Blocking, block_grid
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 MOMENTUM = "momentum_buffer"
@@ -141,6 +143,23 @@ def entry_bytes(obj: Any) -> int:
 def flat_shard(local: torch.Tensor, numel: int, start: int) -> Shard:
     """Elements ``[start, start + local.numel())`` of a flattened ``[numel]`` tensor (``local`` viewed 1-D)."""
     return Shard(local.reshape(-1), (numel,), (start,))
+
+
+def block_box(buf: torch.Tensor, local_shape: torch.Size, spec: Blocking | None, k: int, shape: tuple[int, ...],
+              first: int = 0) -> Shard:
+    """Block ``k`` (``block_view``'s numbering) of a parameter of this rank's shape ``local_shape`` as a box of its
+    single-process ``shape``: ``buf [a, b]`` viewed ``[1, ..., 1, a, b]`` at the block's stack index, row or
+    column offset, shifted by ``first`` rows along dim 0 (EP: the rank's first home expert)."""
+    stack, heads, a, b = block_grid(local_shape, spec)
+    sd = spec.stack_dims if spec is not None else 0
+    s, h = divmod(k, heads)
+    index = []
+    for n in reversed(local_shape[:sd]):  # the stack index s over the stacked dims, row-major
+        s, i = divmod(s, n)
+        index.insert(0, i)
+    offsets = index + ([h * a, 0] if heads == 1 or spec.axis == 0 else [0, h * b])
+    offsets[0] += first
+    return Shard(buf.view(*([1] * sd), a, b), tuple(shape), tuple(offsets))
 
 
 def _local(obj: Any) -> Any:
@@ -393,5 +412,5 @@ def finish_local_load(model: nn.Module, optim: torch.optim.Optimizer, state: dic
 
 
 __all__ = ["MOMENTS", "MOMENTUM", "Boxes", "SafeReader", "SafeWriter", "Shard", "ShardLoadPlanner", "ShardSavePlanner",
-           "entry_bytes", "finish_local_load", "flat_shard", "local_state", "model_entries", "optim_entries",
-           "check_storage_paths", "read_metadata_safely"]
+           "block_box", "entry_bytes", "finish_local_load", "flat_shard", "local_state", "model_entries",
+           "optim_entries", "check_storage_paths", "read_metadata_safely"]

@@ -17,7 +17,9 @@ import dataclasses
 import heapq
 from collections.abc import Sequence
 
-from moonrt.ops.muon import NS_STEPS, ns_flops
+from torch import nn
+
+from moonrt.ops.muon import NS_STEPS, Blocking, block_grid, ns_flops
 
 MUON_ELEMENTWISE_FLOPS = 8
 """Per element of a Muon block outside Newton-Schulz: momentum lerp, Nesterov lerp, decay and update."""
@@ -96,3 +98,21 @@ def plan_units(units: Sequence[Unit], ranks: int, ns_steps: int = NS_STEPS) -> M
         fill[r] += units[i].numel
     return MuonPlan(ranks=ranks, owner=tuple(owner), load=tuple(load), sizes=tuple(sizes),
                     units=tuple(tuple(m) for m in mine), offsets=tuple(offsets))
+
+
+def unit_layout(model: nn.Module, blocks: dict[str, Blocking | None]
+                ) -> tuple[list[tuple[str, nn.Parameter]], list[Unit], list[tuple[int, int, int, int]]]:
+    """The trainable parameters, their units (Muon blocks of ``blocks``' parameters, whole AdamW parameters
+    otherwise) and per unit ``(parameter index, block index or -1, rows, cols)``, in ``named_parameters`` order."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    units: list[Unit] = []
+    raw: list[tuple[int, int, int, int]] = []
+    for i, (name, p) in enumerate(named):
+        if name in blocks:
+            stack, heads, a, b = block_grid(p.shape, blocks[name])
+            units += [Unit(a, b)] * (stack * heads)
+            raw += [(i, k, a, b) for k in range(stack * heads)]
+        else:
+            units.append(Unit(p.numel(), 1, muon=False))
+            raw.append((i, -1, p.numel(), 1))
+    return named, units, raw

@@ -17,8 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from moonrt.comm.dcp_state import Boxes, SafeReader, Shard, ShardLoadPlanner, ShardSavePlanner
-from moonrt.comm.zero_muon import block_box
+from moonrt.comm.dcp_state import Boxes, SafeReader, Shard, ShardLoadPlanner, ShardSavePlanner, block_box
 from moonrt.parallel.blocks import MatrixBlocks
 
 

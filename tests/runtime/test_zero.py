@@ -148,20 +148,24 @@ def _parity(rank: int, world: int, ep: int, steps: int) -> dict[str, Any]:
 
     # optimizer bytes: each bucket's moments fall as 1/replicas (dense: dp x ep, experts: dp) up to the
     # padding; the [P] step counts are the only replicated state
-    for b in zero.buckets:
+    pads = []
+    for b, f in zip(zero.buckets, zero.flat):
         assert b.size == (world if b.kind == "dense" else world // ep)
-        assert (b.exp_avg.nbytes + b.exp_avg_sq.nbytes) * b.size == 2 * 4 * (b.numel + b.padding)
-        assert 0 <= b.padding < b.size
+        numel = sum(zero.params[i].numel() for i in b.params)
+        pads.append(b.size * b.shard - numel)
+        assert (f["exp_avg"].nbytes + f["exp_avg_sq"].nbytes) * b.size == 2 * 4 * (numel + pads[-1])
+        assert 0 <= pads[-1] < b.size
     unsharded = sum(v.nbytes for st in ref_opt.state.values() for k, v in st.items() if k != "step")
-    moments = sum(b.exp_avg.nbytes + b.exp_avg_sq.nbytes for b in zero.buckets)
-    pad = sum(b.padding for b in zero.buckets)
+    moments = sum(f["exp_avg"].nbytes + f["exp_avg_sq"].nbytes for f in zero.flat)
+    pad = sum(pads)
     if ep == 1:
         assert moments * world == unsharded + 2 * 4 * pad and 0 < pad < world
     else:  # experts are already split over ep: the rank holds 1/(dp*ep) of all moments, plus padding
         assert moments * world <= unsharded + 2 * 4 * world * (pad + 1)
     state_bytes = zero.state_bytes()
     assert state_bytes - moments == 8 * len(list(model.parameters()))
-    split = [b.names[i] for b in zero.buckets for i in range(len(b.params)) if len(b.owners(i)) >= 2]
+    owners = [{s.owner for s in zero.slots if s.param == i} for i in range(len(zero.params))]
+    split = [zero.names[i] for i in range(len(zero.params)) if len(owners[i]) >= 2]
     assert split, "some parameter straddles two owners"
 
     # checkpoint layout: the single-process AdamW state_dict, within the clip-coefficient rounding
