@@ -78,6 +78,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any
     return root, {"model": model.state_dict(), "optimizer": opt.state_dict()}
 
 
+@pytest.mark.slow
 def test_one_process_round_trip_is_bit_identical(saved: tuple[Path, dict[str, Any]]) -> None:
     from moonrt.jobs.train.assemble import build_model
     from moonrt.jobs.train.optimizers import build_optimizer

@@ -243,6 +243,7 @@ def _plan(path: Path) -> dict:
     return plan
 
 
+@pytest.mark.slow
 def test_mem_plan_config_equals_the_flags(tmp_path: Path) -> None:
     cfg = tmp_path / "job.yaml"
     cfg.write_text("parallel: {pp: 2, ep: 2}\n")

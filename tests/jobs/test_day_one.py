@@ -103,6 +103,7 @@ _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTE
                   "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("sig", "flags"), [(signal.SIGUSR1, ("--signal", "USR1")), (signal.SIGTERM, ())])
 def test_stop_signal_while_torch_is_imported_stops_at_step_0(tmp_path: Path, sig: signal.Signals,
                                                              flags: tuple[str, ...]) -> None:

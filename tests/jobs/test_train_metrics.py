@@ -157,6 +157,7 @@ def test_no_progress_keeps_the_eval_lines_and_the_summary(tmp_path: Path, capsys
     assert sum(line.startswith("summary: ") for line in lines) == 1, out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_grad_accum_step_equals_the_plain_step(tmp_path: Path, single_process_steps: Path) -> None:
     shared = single_process_steps  # base (k3_tiny, step 1) and the single process's step 2

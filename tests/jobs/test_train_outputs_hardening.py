@@ -188,6 +188,7 @@ def test_a_torn_first_sharded_save_of_this_run_starts_fresh_on_requeue(tmp_path:
     assert checkpoint.load(tmp_path / "run" / CHECKPOINT)["step"] == 5
 
 
+@pytest.mark.slow
 def test_two_ranks_requeued_after_a_torn_first_save_commit_and_clear_it(tmp_path: Path) -> None:
     """The SLURM case end to end: ``moonrt launch -n 2 ... --resume-if-exists`` on a torn first sharded save of
     the same job trains from step 1, and its first commit removes the stale ``.tmp``."""
@@ -249,6 +250,7 @@ def test_divergence_after_a_checkpoint_keeps_it_unchanged(tmp_path: Path, capsys
     assert all(torch.isfinite(t).all() for t in state["model"].values() if t.is_floating_point())
 
 
+@pytest.mark.slow
 def test_two_ranks_agree_on_divergence_and_save_nothing(tmp_path: Path) -> None:
     """2 ranks (dp 2, sharded checkpoints): the loss summed and the norm global, both ranks stop at the same step
     before the update; no checkpoint directory, exit 1 through ``moonrt launch``, one diverged line (rank 0)."""

@@ -30,6 +30,7 @@ def _saves(fn):  # (result, non-parameter tensors autograd saved while fn ran)
     return out, saved
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("act", ["situ", "silu"])
 def test_glu_node_equals_the_composed_expression_and_saves_two_tensors(act: str) -> None:
     gen = torch.Generator().manual_seed(0)
@@ -92,6 +93,7 @@ def _experts(gen, G, F_, H, dtype):
             for shape in ((F_, H), (F_, H), (H, F_))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("act", ["situ", "silu"])
 def test_grouped_node_equals_the_per_expert_loop(act: str) -> None:
     """Empty segments, padding rows before and after the segments, float64: output and every gradient equal

@@ -207,6 +207,7 @@ def _assert_no_mixed_group(out: dict[str, tuple[int | None, str, str]]) -> None:
             assert groups, f"{tag} exited 0 without a group"
 
 
+@pytest.mark.slow
 def test_jobs_whose_ids_collided_form_their_own_groups(tmp_path):
     """SLURM job ids 5 and 1250 + 5 used to derive the same port: job 5's rank 0 and job 1255's rank 1 formed a
     group (and the other two another), all four exiting 0."""
@@ -216,6 +217,7 @@ def test_jobs_whose_ids_collided_form_their_own_groups(tmp_path):
         assert code == 0, f"{tag}: exit {code}\n{stderr[-3000:]}"
 
 
+@pytest.mark.slow
 def test_jobs_on_one_port_are_refused_by_the_identity_check(tmp_path):
     """Two jobs that still meet on one port (here forced by MASTER_PORT): a rank that reaches the other job's
     store refuses to join it, in one line naming both jobs."""

@@ -58,6 +58,7 @@ def _cp_rank(rank: int, world: int, states: dict, cases: list[tuple[int, torch.T
 
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_cp_kda_and_mla_layers_match_single_process(world: int) -> None:
     layers = _layers()

@@ -55,6 +55,7 @@ def _run(args: list[str], timeout: float = 180) -> subprocess.CompletedProcess:
     return subprocess.run([*LAUNCH, *args], env=clean_env(), capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_selftest_four_ranks(tmp_path):
     report = tmp_path / "report.json"
     res = _run(["-n", "4", "--timeout", "60", "--selftest", "--", "--suite", "collectives", "--sizes", "4K,64K",
@@ -81,6 +82,7 @@ def test_rank_killed_mid_collective_is_named_within_the_timeout(tmp_path):
     assert ended - killed_at < timeout  # the launcher noticed before any collective timeout had to fire
 
 
+@pytest.mark.slow
 def test_raising_rank_is_blamed_not_the_peers_it_broke(tmp_path):
     prog = tmp_path / "victim.py"
     prog.write_text(VICTIM)

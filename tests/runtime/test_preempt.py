@@ -243,6 +243,7 @@ def test_stop_points_in_process(workdir: Path, tmp_path: Path, where: str, stop_
     assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == list(range(1, 7))
 
 
+@pytest.mark.slow
 def test_launch_kills_ranks_that_do_not_stop_within_the_grace(tmp_path: Path) -> None:
     code = ("import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
             "open(f'ready{os.environ[\"RANK\"]}', 'w').close(); time.sleep(120)")

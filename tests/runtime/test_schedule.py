@@ -30,6 +30,7 @@ def _buildable(kind: str, p: int, v: int, m: int) -> bool:
     return not ((kind == "interleaved" or (kind == "zb" and v > 1)) and m % p)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("p", range(1, 9))
 def test_grid_generators_validate_simulate(p):
     """Every generator on P 1-8, V 1-4, M P..4P: each compute action exactly once, lowered order valid,

@@ -49,6 +49,7 @@ def test_selftest_under_torchrun_standalone(tmp_path: Path) -> None:
     assert "Address already in use" not in res.stderr
 
 
+@pytest.mark.slow
 def test_train_ep2_under_torchrun_c10d(tmp_path: Path) -> None:
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(400)))

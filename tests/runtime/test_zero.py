@@ -214,6 +214,7 @@ def _parity(rank: int, world: int, ep: int, steps: int) -> dict[str, Any]:
     return {"norms": norms, "pad": pad, "split": split, "state_bytes": state_bytes}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("dp", [2, 4])
 def test_zero1_matches_single_process_adamw(dp: int) -> None:
