@@ -135,6 +135,7 @@ def test_tensorboard_without_the_package_is_a_one_line_error(tmp_path: Path, mon
     assert not (tmp_path / "o" / "checkpoint.pt").exists()
 
 
+@pytest.mark.slow
 def test_output_to_a_pipe_has_plain_lines_and_no_carriage_return(tmp_path: Path) -> None:
     res = subprocess.run(_moonrt(*_tiny(tmp_path, "o", "--log-every", "3", "--peak-tflops", "1")), cwd=tmp_path,
                          capture_output=True, text=True, timeout=600)

@@ -176,6 +176,7 @@ def _torn_first_save(tmp_path: Path, out: str, *job_flags: str) -> Path:
     return torn
 
 
+@pytest.mark.slow
 def test_a_torn_first_sharded_save_of_this_run_starts_fresh_on_requeue(tmp_path: Path, capsys) -> None:
     torn = _torn_first_save(tmp_path, "run")
     capsys.readouterr()
@@ -297,6 +298,7 @@ def test_a_second_run_into_a_locked_out_dir_is_refused_and_writes_nothing(tmp_pa
     assert checkpoint.load(out / CHECKPOINT)["step"] == 2
 
 
+@pytest.mark.slow
 def test_a_killed_runs_lock_is_released_and_the_requeued_job_starts_again(tmp_path: Path, capsys) -> None:
     """Two processes: while a run holds ``--out`` (stopped, not dead) a second one is refused naming its pid;
     after ``kill -9`` (no checkpoint yet) ``--resume-if-exists`` takes the directory and its metrics over."""

@@ -165,6 +165,7 @@ def test_timeout_from_environment():
             default_dist_config({"MOONRT_DIST_TIMEOUT": bad})
 
 
+@pytest.mark.slow
 def test_single_process_selftest_and_partial_environment_in_a_real_process():
     """init_distributed for real: a plain process is a 1-rank job; a partial environment fails clearly."""
     cmd = [sys.executable, "-m", "moonrt.cli", "selftest", "--suite", "collectives", "--sizes", "4K", "--iters", "1"]

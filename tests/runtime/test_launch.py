@@ -69,6 +69,7 @@ def test_selftest_four_ranks(tmp_path):
     verify_selftest_report(report, 4, "torchrun")
 
 
+@pytest.mark.slow
 def test_rank_killed_mid_collective_is_named_within_the_timeout(tmp_path):
     prog = tmp_path / "victim.py"
     prog.write_text(VICTIM)
@@ -92,6 +93,7 @@ def test_raising_rank_is_blamed_not_the_peers_it_broke(tmp_path):
     assert "RuntimeError: rank one gave up" in res.stderr.split("--- rank 1 stderr")[1]
 
 
+@pytest.mark.slow
 def test_rank_that_exits_early_is_reported(tmp_path):
     prog = tmp_path / "victim.py"
     prog.write_text(VICTIM)

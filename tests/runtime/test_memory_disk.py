@@ -127,6 +127,7 @@ def _open_files_under(pid: int, directory: Path) -> list[str]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=lambda s: s.name)
 def test_no_file_left_after_signal(tmp_path, sig):
     directory = tmp_path / "offload"

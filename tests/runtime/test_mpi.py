@@ -39,6 +39,7 @@ def _mpiexec() -> str:
     return exe
 
 
+@pytest.mark.slow
 def test_mpiexec_four_ranks_all_reduce_and_all_to_all(tmp_path):
     mpiexec = _mpiexec()
     report = tmp_path / "report.json"

@@ -151,6 +151,7 @@ def _check_blocks(results: list[list[dict[str, Any]]], runs: list[tuple[str, str
                 assert r["peak_storages"] == r["peak_blocks"], runs[i]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_two_rank_pipeline_equals_single_process() -> None:
     results = dist_run(_pp_rank, 2, RUNS_2, timeout=540)
@@ -158,6 +159,7 @@ def test_two_rank_pipeline_equals_single_process() -> None:
     _check_blocks(results, RUNS_2, 2)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_four_rank_pipeline_equals_single_process() -> None:
     results = dist_run(_pp_rank, 4, RUNS_4, timeout=540)
@@ -188,6 +190,7 @@ def _dying_rank(rank: int, world: int, port: int, dead: int, out: str) -> None:
     Path(out, f"rank{rank}.txt").write_text(msg)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_rank_that_dies_mid_schedule_is_named_by_every_rank(tmp_path: Any) -> None:
     """The last of 3 ranks exits during its first backward: rank 1 loses it directly, rank 0 loses rank 1

@@ -180,6 +180,7 @@ def test_sigterm_to_launch_two_ranks_agree_save_and_resume(workdir: Path, refere
     _assert_same_run(run, reference2())
 
 
+@pytest.mark.slow
 def test_second_signal_aborts_and_keeps_the_previous_checkpoint(workdir: Path) -> None:
     run = workdir / "abort"
     cfg = workdir / "every.yaml"
@@ -220,6 +221,7 @@ class _SignalSelf(Part):
             self._kill()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("where", "stop_step", "evaluated"), [("start-up", 0, False), ("eval", 2, True),
                                                                ("step", 3, False)])
 def test_stop_points_in_process(workdir: Path, tmp_path: Path, where: str, stop_step: int, evaluated: bool) -> None:
