@@ -25,13 +25,16 @@ from moonrt.comm.pp_cache import block_plan
 from moonrt.config import ConfigError
 from moonrt.parallel.context import LOCAL, AttentionContext
 from moonrt.scheduler.pipeline import Action, Schedule, lower, validate
+from moonrt.scheduler.pipeline_p2p import check_nccl_order, p2p_groups
 
 
 class PipelineParallel(Part):
     """This rank's pipeline: ``group`` (the pp group), ``rank``/``size`` in it, the schedule and AttnRes mode.
 
     ``schedule`` is a :class:`moonrt.scheduler.pipeline.Schedule` of ``size`` ranks (compute-only or
-    lowered; it is lowered and validated here), ``mode`` "cached" or "naive" (K3_SYSTEMS §9). ``inner``: a
+    lowered; it is lowered and validated here, and its sends and receives grouped into ``batch_isend_irecv`` calls
+    by :func:`moonrt.scheduler.pipeline_p2p.p2p_groups`, an order proven deadlock-free under NCCL's rules by
+    :func:`~moonrt.scheduler.pipeline_p2p.check_nccl_order`), ``mode`` "cached" or "naive" (K3_SYSTEMS §9). ``inner``: a
     part that shards this rank's stages further (expert parallelism, ZeRO-1; set by
     :func:`moonrt.comm.compose.compose`): its gradient-norm terms and its single-process-layout state of the
     stages are what the pipeline combines over the pp group. An inner part that declares
@@ -44,6 +47,8 @@ class PipelineParallel(Part):
     def __init__(self, schedule: Schedule, *, group: Any, rank: int, mode: str = "cached",
                  inner: Part | None = None) -> None:
         self.schedule = validate(lower(schedule))
+        self.items = p2p_groups(self.schedule)
+        check_nccl_order(self.schedule, self.items)
         self.group, self.rank, self.mode = group, rank, mode
         self.inner = inner
         self.size = schedule.pp
@@ -91,13 +96,13 @@ class PipelineParallel(Part):
             r for r, names in enumerate(every) if n in names)}
         if self.inner is not None and self.inner.counts_every_rank:  # its global norm counts each pseudo-query once
             self.inner.duplicates = set(mine) - self.owned
-        self.executor = PipelineExecutor(model, self.plan, self.schedule.actions[self.rank], rank=self.rank,
+        self.executor = PipelineExecutor(model, self.plan, self.items[self.rank], rank=self.rank,
                                          rank_of=self.rank_of, stage_of=self.stage_of, group=self.group,
                                          params_of=lambda s: self.stage_params[s])
         # eval: one forward of the whole batch through every stage in order
         forward = tuple(tuple(Action("F", 0, self.schedule.chunk_of(st)) for st in range(self.num_stages)
                               if self.rank_of(st) == r) for r in range(self.size))
-        self.eval_actions = lower(dataclasses.replace(self.schedule, actions=forward)).actions[self.rank]
+        self.eval_actions = p2p_groups(lower(dataclasses.replace(self.schedule, actions=forward)))[self.rank]
         self.width = layout.width
         self._named = dict(model.named_parameters())
         self.device = next(iter(self._named.values())).device  # collectives' tensors live here (NCCL: the GPU)
