@@ -39,14 +39,16 @@ class PipelineParallel(Part):
     :func:`moonrt.comm.compose.compose`): its gradient-norm terms and its single-process-layout state of the
     stages are what the pipeline combines over the pp group. An inner part that declares
     :attr:`Part.counts_every_rank` (ZeRO) has a norm already global: the pipeline names the pseudo-queries it
-    does not own in ``inner.duplicates`` and takes that norm as it is.
+    does not own in ``inner.duplicates`` and takes that norm as it is. ``objects``: the gloo group over the same
+    ranks that the object collectives use (:meth:`moonrt.comm.mesh.ProcessMesh.cpu_group`; default ``group``).
     """
 
     kind = "pipeline"
 
     def __init__(self, schedule: Schedule, *, group: Any, rank: int, mode: str = "cached",
-                 inner: Part | None = None) -> None:
+                 inner: Part | None = None, objects: Any = None) -> None:
         self.schedule = validate(lower(schedule))
+        self.objects = group if objects is None else objects
         self.items = p2p_groups(self.schedule)
         check_nccl_order(self.schedule, self.items)
         self.group, self.rank, self.mode = group, rank, mode
@@ -86,7 +88,7 @@ class PipelineParallel(Part):
                              for s in self.my_stages}
         mine = [n for n, _ in model.named_parameters()]
         every = [None] * self.size
-        dist.all_gather_object(every, mine, group=self.group)
+        dist.all_gather_object(every, mine, group=self.objects)
         self.shared = [n for n in mine if sum(n in names for names in every) > 1]
         partial = [n for n in self.shared if not all(n in names for names in every)]
         if partial:  # its gradient sum would need a group of its own
@@ -193,7 +195,7 @@ class PipelineParallel(Part):
         name_of = {id(p): n for n, p in model.named_parameters()}
         mine = [[name_of[id(p)] for p in g["params"]] for g in optim.param_groups]
         every: list[Any] = [None] * self.size
-        dist.all_gather_object(every, mine, group=self.group)
+        dist.all_gather_object(every, mine, group=self.objects)
         order = {n: i for i, n in enumerate(self.full_names)}
         return [sorted({n for names in every for n in names[g]}, key=order.__getitem__) for g in range(len(mine))]
 
@@ -207,7 +209,7 @@ class PipelineParallel(Part):
         mine = {"model": {k: v.detach().clone() for k, v in local_model.items()},
                 "optim": {names[i]: st for i, st in local["state"].items()}}
         every: list[Any] = [None] * self.size if self.rank == 0 else None
-        dist.gather_object(mine, every, dst=dist.get_global_rank(self.group, 0), group=self.group)
+        dist.gather_object(mine, every, dst=dist.get_global_rank(self.objects, 0), group=self.objects)
         if self.rank != 0:
             return {"model": {}, "optimizer": {}}
         merged: dict[str, Any] = {}
