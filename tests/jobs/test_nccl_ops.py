@@ -77,6 +77,7 @@ def layouts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return dist_run(_train, 2, tmp, timeout=600)[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_issues_only_nccl_correct_calls(layouts: dict[str, Any], name: str) -> None:
     """The layout's step, eval and checkpoint (and resume) pass rules (a) and (b), and its point-to-point went out in
@@ -107,6 +108,7 @@ def _doc_rows() -> list[tuple[set[str], set[str]]]:
     return rows
 
 
+@pytest.mark.slow
 def test_doc_table_names_every_recorded_call(layouts: dict[str, Any]) -> None:
     """Every (call, group) the layout runs record has a row in the documented table: the call and one of the names
     the group has in the mesh (``world`` for the default group, ``cpu`` / ``cpu_pp`` for the CPU groups)."""
