@@ -34,6 +34,10 @@ LAYOUTS: dict[str, list[str]] = {
 """Two-rank layouts (interleaved with the cached AttnRes hops, 1F1B with the naive ones, MoonEP with its slot pool
 and prefetch, KCP with the conv halo and the MLA gather, both ZeRO-1 strategies) and their flags."""
 
+COMPOSITE: dict[str, list[str]] = {"--pp 2 --ep 2": ["--pp", "2", "--ep", "2", "--microbatches", "2"]}
+"""Four-rank layouts: the pipeline's batches interleaved with MoonEP's all-to-alls inside the stages (two
+communicators on one rank's timeline)."""
+
 RESUMED = "--ep 2"
 """The layout that also resumes from its checkpoint (the load side of the sharded format)."""
 
@@ -47,8 +51,8 @@ def _corpus(tmp: Path) -> Path:
     return path
 
 
-def _train(rank: int, world: int, tmp: Path) -> dict[str, Any]:
-    """Every layout of :data:`LAYOUTS` on this rank, one after another on the group ``dist_run`` made (the launcher's
+def _train(rank: int, world: int, tmp: Path, layouts: dict[str, list[str]]) -> dict[str, Any]:
+    """Every layout of ``layouts`` on this rank, one after another on the group ``dist_run`` made (the launcher's
     variables point ``moonrt train`` at it; leaving it is skipped until the last one ran)."""
     import moonrt.cluster.env as env
     from moonrt.cli import main
@@ -58,7 +62,7 @@ def _train(rank: int, world: int, tmp: Path) -> dict[str, Any]:
     leave, env.shutdown_distributed = env.shutdown_distributed, lambda: None
     out: dict[str, Any] = {}
     try:
-        for name, extra in LAYOUTS.items():
+        for name, extra in layouts.items():
             run = tmp / re.sub(r"\W+", "_", name)
             flags = [*FLAGS, "--corpus", str(_corpus(tmp)), "--out", str(run), *extra]
             with collective_check("cpu") as found:
@@ -74,11 +78,11 @@ def _train(rank: int, world: int, tmp: Path) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("nccl")
-    return dist_run(_train, 2, tmp, timeout=600)[0]
+    return dist_run(_train, 2, tmp, LAYOUTS, timeout=600)[0] | dist_run(_train, 4, tmp, COMPOSITE, timeout=600)[0]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", [*LAYOUTS, *COMPOSITE])
 def test_layout_issues_only_nccl_correct_calls(layouts: dict[str, Any], name: str) -> None:
     """The layout's step, eval and checkpoint (and resume) pass rules (a) and (b), and its point-to-point went out in
     batches (the pipeline's hops, the conv halo)."""
