@@ -50,6 +50,17 @@ SANCTIONED: dict[tuple[str, str], str] = {
     ("models/k3/model/moe.py", "update_bias"): "the step's routing statistics (summed counts, maxvio) are read on the "
                                                "host once per step for the metrics",
     ("comm/parallelism.py", "step_metrics"): "the routing trace's counts are written with numpy on the host",
+    ("ops/muon.py", "step_count"): "optimizer step counts live on the host, as in torch's optimizers without "
+                                   "capturable/fused (Optimizer.load_state_dict keeps them there too)",
+    ("comm/zero_core.py", "_host_counts"): "ZeRO's per-parameter step counts and had-a-gradient flags: host "
+                                           "bookkeeping the step reads as Python numbers",
+    ("comm/zero_core.py", "scatter_grads"): "the reduced had-a-gradient flags come to the host once per bucket and "
+                                            "step, for that bookkeeping",
+    ("jobs/checkpoint/sharded.py", "read_full"): "a checkpoint read whole into host memory (single-process layout, a "
+                                                 "conversion tool: no model involved)",
+    ("scheduler/placement.py", "conv"): "a plan's placement is made on the host (the planners run there)",
+    ("memory/backends.py", "put"): "the host and disk tiers copy saved tensors to the host by design (the disk "
+                                   "tier writes their bytes with pwrite)",
 }
 """``(file under moonrt/, function)`` -> why a host tensor or copy made directly in that function is by design.
 Globs allowed (fnmatch); ``"*"`` as the function: the whole file. A comprehension is judged as the function it is
