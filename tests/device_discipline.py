@@ -59,6 +59,7 @@ SANCTIONED: dict[tuple[str, str], str] = {
     ("jobs/checkpoint/sharded.py", "read_full"): "a checkpoint read whole into host memory (single-process layout, a "
                                                  "conversion tool: no model involved)",
     ("scheduler/placement.py", "conv"): "a plan's placement is made on the host (the planners run there)",
+    ("jobs/checkpoint/store.py", "_on_host"): "a checkpoint file holds the single-process state on the host",
     ("memory/backends.py", "put"): "the host and disk tiers copy saved tensors to the host by design (the disk "
                                    "tier writes their bytes with pwrite)",
 }
