@@ -19,6 +19,9 @@ with the reason), like ``tests/test_import_direction.py``'s table of allowed imp
 not flagged. The one spelling the checker cannot see is ``torch.device("cpu")`` built in moonrt code and passed as a
 device: :func:`literal_host_devices` finds those in the source.
 
+A factory without ``device=`` is flagged at a sanctioned site too (host work says ``device="cpu"``); only the
+functions of :data:`SCOPES` (the model's build on the host, moved whole right after) are exempt from that.
+
 Violations are collected, not raised (a raise inside a forward may be caught by the code under test); the caller
 asserts the list is empty. :data:`CHECKERS` is the list of per-layout checkers a layout run enters around its step
 (``tests/jobs/test_layout_checks.py``): each a factory ``(device) -> context manager`` whose ``__enter__`` returns a
@@ -60,8 +63,11 @@ SANCTIONED: dict[tuple[str, str], str] = {
                                                  "conversion tool: no model involved)",
     ("scheduler/placement.py", "conv"): "a plan's placement is made on the host (the planners run there)",
     ("jobs/checkpoint/store.py", "_on_host"): "a checkpoint file holds the single-process state on the host",
-    ("memory/backends.py", "put"): "the host and disk tiers copy saved tensors to the host by design (the disk "
-                                   "tier writes their bytes with pwrite)",
+    ("memory/backends.py", "put"): "the disk tier writes saved tensors' bytes from the host with pwrite",
+    ("memory/backends.py", "get"): "the disk tier reads saved tensors' bytes into the host with pread",
+    ("ops/fp8.py", "_quantize_rows"): "the FP8 codec's numba branch, taken for CPU tensors only, works on numpy views",
+    ("ops/fp8.py", "_dequantize_rows"): "the FP8 codec's numba branch, taken for CPU tensors only, works on numpy "
+                                        "views",
 }
 """``(file under moonrt/, function)`` -> why a host tensor or copy made directly in that function is by design.
 Globs allowed (fnmatch); ``"*"`` as the function: the whole file. A comprehension is judged as the function it is
@@ -184,12 +190,12 @@ def _to_target(args: tuple, kwargs: dict) -> torch.device | str | None:
 class DisciplineMode(TorchFunctionMode):
     """Records each placement off ``device`` issued from a moonrt frame (see the module docstring)."""
 
-    def __init__(self, device: str | torch.device) -> None:
+    def __init__(self, device: str | torch.device, parent: DisciplineMode | None = None) -> None:
         super().__init__()
         self.device = torch.device(device)
-        self.found: list[Violation] = []
-        self.hits: set[tuple[str, str]] = set()
-        self._lock = threading.Lock()
+        self.found: list[Violation] = [] if parent is None else parent.found
+        self.hits: set[tuple[str, str]] = set() if parent is None else parent.hits
+        self._lock = threading.Lock() if parent is None else parent._lock
 
     def _bad_device(self, dev: torch.device | str | None) -> str | None:
         if dev is None:
@@ -203,11 +209,13 @@ class DisciplineMode(TorchFunctionMode):
             return f"device {dev} (the job's is {self.device})"
         return None
 
-    def record(self, site: tuple[str, int, str, Any] | None, what: str) -> None:
+    def record(self, site: tuple[str, int, str, Any] | None, what: str, implicit: bool = False) -> None:
+        """Record ``what`` at ``site`` unless the site is sanctioned (an ``implicit`` placement, a factory without a
+        device, only inside a :data:`SCOPES` function: host work must say it is host work)."""
         if site is None:
             return
         rel, line, function, frame = site
-        why = _sanctioned(rel, function)
+        why = None if implicit else _sanctioned(rel, function)
         if why is None and _in_scope(frame) is not None:
             return
         with self._lock:
@@ -220,7 +228,7 @@ class DisciplineMode(TorchFunctionMode):
         name = getattr(func, "__name__", repr(func))
         if func in FACTORIES:
             if "device" not in kwargs or kwargs["device"] is None:
-                self.record(_site(), f"torch.{name} without device=")
+                self.record(_site(), f"torch.{name} without device=", implicit=True)
             elif (bad := self._bad_device(_device_of(kwargs["device"]))) is not None:
                 self.record(_site(), f"torch.{name} on {bad}")
         elif func in LIKE:
@@ -241,20 +249,26 @@ class DisciplineMode(TorchFunctionMode):
 @contextlib.contextmanager
 def device_discipline(device: str | torch.device, require_hits: bool = False) -> Iterator[list[Violation]]:
     """Check device discipline while active (see the module docstring); yields the list of violations, filled as
-    they happen. ``torch.from_numpy`` is wrapped for the duration (the torch function mode does not see it)."""
+    they happen. ``torch.from_numpy`` is wrapped for the duration (the torch function mode does not see it). A torch
+    function mode is per thread: every thread started while the checker is active (the activation manager's copy and
+    prefetch workers) runs under its own mode that records into the same list."""
     mode = DisciplineMode(device)
-    real = torch.from_numpy
+    real, run = torch.from_numpy, threading.Thread.run
 
     def from_numpy(array: Any) -> torch.Tensor:
         mode.record(_site(), "torch.from_numpy (a host tensor)")
         return real(array)
 
-    torch.from_numpy = from_numpy
+    def checked_run(thread: threading.Thread) -> None:
+        with DisciplineMode(device, parent=mode):
+            run(thread)
+
+    torch.from_numpy, threading.Thread.run = from_numpy, checked_run
     try:
         with mode:
             yield mode.found
     finally:
-        torch.from_numpy = real
+        torch.from_numpy, threading.Thread.run = real, run
 
 
 def literal_host_devices() -> list[str]:
