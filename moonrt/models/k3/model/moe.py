@@ -203,7 +203,7 @@ class LatentMoE(nn.Module):
         self.shared_experts = nn.ModuleList(shared_expert(config) for _ in range(config.num_shared_experts))
         self.dispatcher: Dispatcher = LocalDispatcher(E)
         self.record_routing = True
-        # routing counts on the model's device (buffers: moved with it; not checkpointed)
+        # routing counts on the model's device (buffers: moved with it; not checkpointed), updated in place
         self.register_buffer("last_counts", torch.zeros(E, dtype=torch.int64), persistent=False)
         self.register_buffer("step_counts", torch.zeros(E, dtype=torch.int64), persistent=False)
         self._histogram: MarginHistogram | None = None
@@ -246,10 +246,10 @@ class LatentMoE(nn.Module):
     def _record(self, topk_ids: torch.Tensor, scores: torch.Tensor) -> None:
         with torch.no_grad():
             counts = torch.bincount(topk_ids.reshape(-1), minlength=self.num_experts)
-            self.last_counts = counts
+            self.last_counts.copy_(counts)
             if not self.record_routing:
                 return
-            self.step_counts = self.step_counts + counts
+            self.step_counts.add_(counts)
             mc = self.moe_config
             if not (self.training and mc.qb_enabled):
                 return
@@ -307,7 +307,7 @@ class LatentMoE(nn.Module):
                             bias=self.router.bias.detach().clone())
 
     def _reset_stats(self) -> None:
-        self.step_counts = torch.zeros(self.num_experts, dtype=torch.int64, device=self.step_counts.device)
+        self.step_counts.zero_()
         self._margins = []
         if self._histogram is not None:
             self._histogram.reset()
