@@ -6,8 +6,9 @@ issued *directly* from a moonrt source file (the calling frame, after torch's ow
 a factory that torch code calls, e.g. an optimizer's step counter, is torch's business):
 
 - a factory (``torch.zeros``, ``arange``, ``tensor``, ``as_tensor``, ``randn``, ...) without ``device=``: on CUDA it
-  would land on the CPU; ``torch.from_numpy`` (always a CPU tensor; wrapped while the checker is active, the torch
-  function mode does not see it) counts as one;
+  would land on the CPU;
+- ``torch.from_numpy`` (always a host tensor; wrapped while the checker is active: the torch function mode does not
+  see it);
 - a factory, ``*_like`` / ``new_*`` call or ``.to()`` with a device other than the job's, or with the device spelled
   as the string ``"cpu"`` (an explicit host placement; the job's device reaches code as a ``torch.device``, the
   runtime's ``Parallelism.device`` or a tensor's ``.device``);
@@ -20,7 +21,8 @@ not flagged. The one spelling the checker cannot see is ``torch.device("cpu")`` 
 device: :func:`literal_host_devices` finds those in the source.
 
 A factory without ``device=`` is flagged at a sanctioned site too (host work says ``device="cpu"``); only the
-functions of :data:`SCOPES` (the model's build on the host, moved whole right after) are exempt from that.
+functions of :data:`SCOPES` (the model's build on the host, moved whole right after) are exempt from that. (A tensor
+a module keeps outside its parameters and buffers would not move with it: module state lives in buffers.)
 
 Violations are collected, not raised (a raise inside a forward may be caught by the code under test); the caller
 asserts the list is empty. :data:`CHECKERS` is the list of per-layout checkers a layout run enters around its step
