@@ -65,6 +65,7 @@ SANCTIONED: dict[tuple[str, str], str] = {
                                                  "conversion tool: no model involved)",
     ("scheduler/placement.py", "conv"): "a plan's placement is made on the host (the planners run there)",
     ("jobs/checkpoint/store.py", "_on_host"): "a checkpoint file holds the single-process state on the host",
+    ("memory/backends.py", "_take"): "the host tier's (pinned) host buffers, the destination of its offload copies",
     ("memory/backends.py", "put"): "the disk tier writes saved tensors' bytes from the host with pwrite",
     ("memory/backends.py", "get"): "the disk tier reads saved tensors' bytes into the host with pread",
     ("ops/fp8.py", "_quantize_rows"): "the FP8 codec's numba branch, taken for CPU tensors only, works on numpy views",

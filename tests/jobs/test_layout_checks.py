@@ -60,10 +60,6 @@ OWNED: dict[str, tuple[str, tuple[str, ...]]] = {
                "host layouts), comm/ep_parallel.py grad_norm (torch.zeros without device), comm/moonep_dispatch.py "
                "(place: .numpy(); dispatch: torch.zeros/empty without device, .cpu())",
                ("moonrt/comm/ep_layout.py", "moonrt/comm/ep_parallel.py", "moonrt/comm/moonep_dispatch.py")),
-    "policy host": ("memdev (memory/): moonrt/memory/backends.py _take: the host tier's buffer is torch.empty without "
-                    "device= (host by design: say device='cpu')", ("moonrt/memory/backends.py",)),
-    "policy disk": ("memdev (memory/): moonrt/memory/backends.py get: the disk tier's read buffer is torch.empty "
-                    "without device= (host by design: say device='cpu')", ("moonrt/memory/backends.py",)),
 }
 """Layouts whose remaining violations are in files another branch of issue 30 owns -> (who and where, those files):
 the case is a strict xfail until that branch's fix merges; :func:`test_owned_layouts_fail_only_in_the_owners_files`
@@ -220,6 +216,7 @@ HOST_DEVICE_SPELLED = {
     "moonrt/comm/parallelism.py": "Parallelism.device's default: a one-process runtime before the job binds it",
     "moonrt/comm/mesh.py": "the default group's gloo backend looked up by device (its timeout), no tensor made",
     "moonrt/jobs/selftest/common.py": "the self-test suites' device under gloo",
+    "moonrt/memory/remote.py": "channel_device: a gloo remote-offload channel's tensors live on the host",
 }
 """Files that spell ``torch.device("cpu")`` -> why (the checker cannot tell it from the job's device on the CPU)."""
 
