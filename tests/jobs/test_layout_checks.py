@@ -74,8 +74,9 @@ def _corpus(tmp: Path) -> Path:
     return path
 
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-"""Where the one-process layouts run (the two-rank ones run on the CPU: ``dist_run``'s ranks join a gloo group)."""
+DEVICE = "cuda" if os.environ.get("MOONRT_TEST_DEVICE") == "cuda" and torch.cuda.is_available() else "cpu"
+"""Where the one-process layouts run: the CPU, or CUDA under ``MOONRT_TEST_DEVICE=cuda`` (``tests/conftest.py``); the
+two-rank ones run on the CPU (``dist_run``'s ranks join a gloo group)."""
 
 
 def _layout_runs(tmp: Path, name: str, extra: list[str], device: str = DEVICE) -> dict[str, list[str]]:
