@@ -54,7 +54,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, TensorWriteData, WriteItem, WriteItemType
 
-from moonrt.ops.muon import Blocking, block_grid
+from moonrt.ops.muon import Blocking, block_grid, step_count
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 MOMENTUM = "momentum_buffer"
@@ -377,15 +377,14 @@ def optim_entries(model: nn.Module, optim: torch.optim.Optimizer,
                 buf = buf if buf is not None else torch.zeros_like(p)
                 out[f"optimizer.{name}.{MOMENTUM}"] = (Shard(buf, shape, (first,) + (0,) * (p.dim() - 1))
                                                        if id(p) in shards else buf)
-                out[f"optimizer.{name}.step"] = torch.tensor(float(MOMENTUM in st), dtype=torch.float64)
+                out[f"optimizer.{name}.step"] = step_count(float(MOMENTUM in st), torch.float64)
                 continue
             row = p[0].numel() if p.dim() else 1
             for key in MOMENTS:
                 buf = st.get(key)
                 out[f"optimizer.{name}.{key}"] = flat_shard(buf if buf is not None else torch.zeros_like(p),
                                                             math.prod(shape), first * row)
-            out[f"optimizer.{name}.step"] = torch.tensor(float(st["step"]) if "step" in st else 0.0,
-                                                         dtype=torch.float64)
+            out[f"optimizer.{name}.step"] = step_count(float(st["step"]) if "step" in st else 0.0, torch.float64)
     return out
 
 
@@ -394,9 +393,6 @@ def finish_local_load(model: nn.Module, optim: torch.optim.Optimizer, state: dic
     moments / momentum buffers and step counts into ``optim.state`` (a parameter with step 0 gets no state, as in
     torch and :class:`moonrt.ops.muon.Muon`)."""
     name_of = {id(p): n for n, p in model.named_parameters()}
-    from torch.optim.optimizer import _get_scalar_dtype
-
-    scalar = _get_scalar_dtype()
     for group in optim.param_groups:
         for p in group["params"]:
             name = name_of[id(p)]
@@ -408,7 +404,7 @@ def finish_local_load(model: nn.Module, optim: torch.optim.Optimizer, state: dic
                 optim.state[p] = {MOMENTUM: _local(state[f"optimizer.{name}.{MOMENTUM}"]).view_as(p)}
                 continue
             moments = {k: _local(state[f"optimizer.{name}.{k}"]).view_as(p) for k in MOMENTS}
-            optim.state[p] = {"step": torch.tensor(step, dtype=scalar), **moments}
+            optim.state[p] = {"step": step_count(step), **moments}
 
 
 __all__ = ["MOMENTS", "MOMENTUM", "Boxes", "SafeReader", "SafeWriter", "Shard", "ShardLoadPlanner", "ShardSavePlanner",

@@ -71,13 +71,13 @@ def clip_to_global_norm(norm: GradNorm, max_norm: float) -> float:
     sums: dict[tuple[Any, ...], torch.Tensor] = {}
     for sq, groups in norm.terms:
         sums[groups] = sums[groups] + sq if groups in sums else sq.clone()
-    total = torch.zeros((), dtype=torch.float64)
+    total = 0.0
     for groups, sq in sums.items():
         for group in groups:
             if dist.is_initialized() and dist.get_world_size(group) > 1:
                 dist.all_reduce(sq, group=group)
-        total = total + sq.cpu()
-    value = math.sqrt(max(float(total), 0.0))
+        total += float(sq)  # fp64 on the host: the same additions in the same order as fp64 tensors
+    value = math.sqrt(max(total, 0.0))
     coef = max_norm / (value + 1e-6)
     if coef < 1.0:
         for g in norm.grads:
@@ -170,7 +170,8 @@ class Parallelism:
     ``dp_rank``/``dp_size`` index the ranks that see different batch rows, ``cp_rank``/``cp_size`` the
     slices of one sequence; ``ctx`` is the attention context the model's attention layers use;
     ``replicas`` is the group over which gradients, router statistics and scalars are summed (None: one
-    process).
+    process). ``device`` is where this rank computes (``moonrt.jobs.train.device.bind_device``): the model, the
+    batches and every tensor the runtime makes (the scalars it sums, its buffers) live there.
     """
 
     dp_rank: int = 0
@@ -184,6 +185,7 @@ class Parallelism:
     """The gloo group host metadata and objects travel over (:meth:`moonrt.comm.mesh.ProcessMesh.cpu_group`: object
     collectives, DCP's planning); None: the default group."""
     parts: list[Part] = dataclasses.field(default_factory=list)
+    device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
 
     def parallelize(self, model: nn.Module) -> nn.Module:
         for part in self.parts:
@@ -247,7 +249,7 @@ class Parallelism:
         """Sum a float over the ranks that saw different tokens (fp64)."""
         if self.replicas is None:
             return x
-        return float(self.sum_stats(torch.tensor([x], dtype=torch.float64)))
+        return float(self.sum_stats(torch.tensor([x], dtype=torch.float64, device=self.device)))
 
     def any_flag(self, flag: bool) -> bool:
         """True on every rank when ``flag`` is True on any rank of the job: one int all-reduce MAX over the
@@ -255,7 +257,7 @@ class Parallelism:
         on the step a stop signal takes effect). One process: ``flag``."""
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return flag
-        t = torch.tensor([int(flag)], dtype=torch.int32)
+        t = torch.tensor([int(flag)], dtype=torch.int32, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
 
@@ -328,7 +330,7 @@ class RoutingTrace(Part):
     def step_metrics(self, step: int, model: nn.Module, record: dict[str, Any]) -> None:
         counts = self.counts(model)
         if counts:
-            self.steps.append(torch.stack(counts).numpy())
+            self.steps.append(torch.stack(counts).cpu().numpy())  # the trace is written with numpy
 
     def close(self) -> None:
         if not (self.is_main and self.steps):

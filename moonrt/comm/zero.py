@@ -25,6 +25,7 @@ from torch import nn
 
 from moonrt.comm.zero_core import Slot, ZeroCore, gather_shards
 from moonrt.config import ConfigError
+from moonrt.ops.muon import step_count
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -100,7 +101,7 @@ class Zero1(ZeroCore):
             self._inner = torch.optim.AdamW([{**_hyper(optim.param_groups[gi]), "params": inner_groups[gi]}
                                              for gi in self._seg_group])
             for _, u, view in self._views:  # the moments are views of the flat [S] buffers
-                self._inner.state[view] = {"step": torch.tensor(0.0), **self._unit_state(u)}
+                self._inner.state[view] = {"step": step_count(), **self._unit_state(u)}
         self._outer = optim
 
     def step(self, optim: torch.optim.Optimizer) -> bool:

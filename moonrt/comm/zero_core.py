@@ -58,7 +58,7 @@ from torch import nn
 from moonrt.comm.mesh import Group
 from moonrt.comm.parallelism import GradNorm, Part
 from moonrt.config import ConfigError
-from moonrt.ops.muon import Blocking, block_view
+from moonrt.ops.muon import Blocking, block_view, step_count
 
 if TYPE_CHECKING:
     from moonrt.comm.dcp_state import Shard
@@ -95,13 +95,20 @@ def gather_shards(shard: torch.Tensor, group: Any, size: int, copy: bool = True)
 def scatter_grads(flat: torch.Tensor, out: torch.Tensor, flags: torch.Tensor, group: Any, size: int) -> torch.Tensor:
     """The gradient tail of a sharded step: reduce-scatter (sum) ``flat [size * S]``, laid out in the owners'
     order, into this rank's ``out [S]`` (a copy with one replica) and sum the ``[P]`` "had a gradient" flags over
-    ``group``; returns ``[P]`` bool, True where any replica produced that parameter's gradient."""
+    ``group`` (``flags`` on the device of ``out``: the collectives' device); returns ``[P]`` bool on the host (the
+    step bookkeeping reads it per parameter), True where any replica produced that parameter's gradient."""
     if size > 1:
         reduce_scatter(out, flat, group)
         dist.all_reduce(flags, group=group)
     else:
         out.copy_(flat)
-    return flags > 0
+    return (flags > 0).cpu()
+
+
+def _host_counts(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[n]`` fp64 step counts and ``[n]`` bool had-a-gradient flags, zero, on the host: per-parameter bookkeeping
+    that the step reads as Python numbers (one host copy of the flags per bucket and step, none per parameter)."""
+    return torch.zeros(n, dtype=torch.float64, device="cpu"), torch.zeros(n, dtype=torch.bool, device="cpu")
 
 
 def every_rank(value: int, device: torch.device | None = None) -> list[int]:
@@ -187,9 +194,9 @@ class ZeroCore(Part):
         self.bucket_of: list[int] = []
         """Unit id -> index of its bucket."""
         self.buckets: list[Bucket] = []
-        self.steps = torch.zeros(0, dtype=torch.float64)
-        """``[P]`` replicated: optimizer steps taken by each parameter (state exists when > 0)."""
-        self.had_grad = torch.zeros(0, dtype=torch.bool)
+        self.steps, self.had_grad = _host_counts(0)
+        """``[P]`` replicated, on the host: optimizer steps taken by each parameter (state exists when > 0), and
+        whether it had a gradient in the last step."""
 
     @classmethod
     def from_mesh(cls, mesh: ProcessMesh, ep: ExpertParallel | None = None, **kwargs: Any) -> ZeroCore:
@@ -251,8 +258,7 @@ class ZeroCore(Part):
             p = self.params[members[0]]
             self.buckets.append(Bucket(kind, group, size, rank, members, owned, shard,
                                        torch.zeros(shard, dtype=p.dtype, device=p.device), imbalance))
-        self.steps = torch.zeros(len(self.params), dtype=torch.float64)
-        self.had_grad = torch.zeros(len(self.params), dtype=torch.bool)
+        self.steps, self.had_grad = _host_counts(len(self.params))
         self._reset_state()
         return self.buckets
 
@@ -306,7 +312,8 @@ class ZeroCore(Part):
     def sync_grads(self, model: nn.Module) -> bool:
         """Reduce-scatter (sum) every gradient into its owners' segments, per bucket; frees ``p.grad``."""
         for b in self._layout(model):
-            flags = torch.tensor([self.params[i].grad is not None for i in b.params], dtype=torch.float32)
+            flags = torch.tensor([self.params[i].grad is not None for i in b.params], dtype=torch.float32,
+                                 device=b.grad.device)
             flat = self._pack(b, [p.grad for p in self.params])
             self.had_grad[b.params] = scatter_grads(flat, b.grad, flags, b.group, b.size)
             del flat
@@ -352,7 +359,7 @@ class ZeroCore(Part):
             if self.steps[i] > 0:
                 m1, m2 = (whole[key][i] for key in MOMENTS)
                 out[p] = ({MOMENTUM: m1} if i in self.blocks else
-                          {"step": torch.tensor(float(self.steps[i])), MOMENTS[0]: m1, MOMENTS[1]: m2})
+                          {"step": step_count(self.steps[i]), MOMENTS[0]: m1, MOMENTS[1]: m2})
         return out
 
     def _take_state(self, state: dict[Any, dict[str, torch.Tensor]]) -> None:

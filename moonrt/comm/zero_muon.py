@@ -37,6 +37,7 @@ from moonrt.ops.muon import (
     adamw_update,
     adjusted_lr,
     momentum_update,
+    step_count,
     zeropower_via_newtonschulz,
 )
 from moonrt.scheduler.muon_plan import Unit, plan_units, unit_layout
@@ -85,7 +86,7 @@ class ZeroMuon(ZeroCore):
         p = self.params[s.param]
         if s.block >= 0:
             return {"momentum_buffer": torch.zeros(s.shape, dtype=p.dtype, device=p.device)}
-        return {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+        return {"step": step_count(), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
 
     def _unit_state(self, u: int) -> dict[str, torch.Tensor]:
         return self.state[u]

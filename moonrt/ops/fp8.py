@@ -31,7 +31,7 @@ def _lut(device: torch.device) -> torch.Tensor:
     numba loop does the lookup and the scale in one pass: ~3x faster than ``index_select`` + ``mul_``)."""
     lut = _LUTS.get(device)
     if lut is None:
-        lut = _LUTS[device] = torch.arange(256, dtype=torch.uint8).view(E4M3).float().to(device)
+        lut = _LUTS[device] = torch.arange(256, dtype=torch.uint8, device=device).view(E4M3).float()
     return lut
 
 
@@ -58,8 +58,8 @@ def _quantize_rows(x2: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Te
     x2 = x2.contiguous()
     nb = -(-n // block)
     if x2.device.type == "cpu":  # one fused pass (numba, no GIL), bitwise the torch path below
-        payload = torch.empty(m, nb * block, dtype=torch.uint8)
-        scales = torch.empty(m, nb, dtype=torch.float32)
+        payload = torch.empty(m, nb * block, dtype=torch.uint8, device=x2.device)
+        scales = torch.empty(m, nb, dtype=torch.float32, device=x2.device)
         if _quantize_cpu(x2.numpy(), payload.numpy(), scales.numpy(), block, np.float32(_MIN_NORMAL_AMAX)):
             amax = _tile_amax(x2, block)
             _quantize_small_tiles(x2, block, amax, (amax > 0) & (amax < _MIN_NORMAL_AMAX), payload.view(E4M3), scales)
@@ -273,7 +273,7 @@ def _dequantize_rows(payload: torch.Tensor, scales: torch.Tensor, n: int) -> tor
     block = width // nb
     codes = payload.view(torch.uint8)
     if payload.device.type == "cpu":  # one fused pass (numba, no GIL): table lookup times the tile's scale
-        x = torch.empty(m, n, dtype=torch.float32)
+        x = torch.empty(m, n, dtype=torch.float32, device=payload.device)
         if m * n:
             _decode_cpu(codes.numpy(), scales.float().numpy(), _lut(payload.device).numpy(), x.numpy(), block)
         return x

@@ -146,6 +146,16 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, a: int, b: int) -> float:
     raise ValueError(f"adjust_lr_fn = {adjust_lr_fn!r}: expected one of {', '.join(ADJUST_LR_FNS)}")
 
 
+def step_count(value: float = 0.0, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An optimizer's per-parameter step count as torch's optimizers keep it without ``capturable``/``fused``: a
+    0-dim tensor on the host, whatever device the parameter is on (the update reads it as a number, and
+    ``Optimizer.load_state_dict`` leaves ``step`` on the host). ``dtype``: torch's scalar dtype by default (fp32, fp64
+    under an fp64 default dtype)."""
+    from torch.optim.optimizer import _get_scalar_dtype
+
+    return torch.tensor(float(value), dtype=dtype or _get_scalar_dtype(), device="cpu")
+
+
 def momentum_update(grad: torch.Tensor, buf: torch.Tensor, momentum: float, nesterov: bool) -> torch.Tensor:
     """Update ``buf`` in place (``lerp(buf, grad, 1 - momentum)``) and return the direction to orthogonalize."""
     buf.lerp_(grad, 1 - momentum)
@@ -235,7 +245,7 @@ class Muon(torch.optim.Optimizer):
                 continue
             state = self.state[p]
             if not state:
-                state["step"] = torch.tensor(0.0)
+                state["step"] = step_count()
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             params.append(p)

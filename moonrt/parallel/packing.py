@@ -68,8 +68,9 @@ class DocumentPacking:
         totals = {sum(row) for row in lengths}
         if not lengths or len(totals) != 1 or any(n < 1 for row in lengths for n in row) or totals == {0}:
             raise ValueError(f"lengths = {lengths}: expected rows of positive lengths with one common sum T >= 1")
-        rows = [torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row)) for row in lengths]
-        return cls.from_doc_ids(torch.stack(rows).to(device))
+        rows = [torch.repeat_interleave(torch.arange(len(row), device=device), torch.tensor(row, device=device))
+                for row in lengths]
+        return cls.from_doc_ids(torch.stack(rows))
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -14,10 +14,10 @@ from test_train_hardening import _corpus
 from moonrt.cli import main
 from moonrt.cluster.env import resolve_dist_config
 from moonrt.config import ConfigError, DistConfig, from_dict
-from moonrt.jobs.train import assemble
+from moonrt.jobs.train import assemble, device
 from moonrt.jobs.train import cli as train_cli
 from moonrt.jobs.train.config import JobConfig
-from moonrt.jobs.train.device import resolve_device, resolve_job
+from moonrt.jobs.train.device import bind_device, resolve_device, resolve_job
 
 SHARED = """\
 model: k3_tiny
@@ -40,13 +40,36 @@ def _train_args(*argv: str) -> argparse.Namespace:
 def test_device_resolution() -> None:
     assert resolve_device("cpu", cuda=False) == resolve_device("cpu", cuda=True) == "cpu"
     assert resolve_device("auto", cuda=False) == "cpu"
-    assert resolve_device("auto", cuda=True) == "cpu"  # until the CUDA train path exists: said in the start line
+    assert resolve_device("auto", cuda=True) == resolve_device("cuda", cuda=True) == "cuda"
     with pytest.raises(ConfigError, match=r"^device \(--device\) = 'cuda': CUDA is not available here .*expected "
                                           r"'cpu' or 'auto'$"):
         resolve_device("cuda", cuda=False)
-    with pytest.raises(ConfigError, match=r"^device \(--device\) = 'cuda': the CUDA train path is not implemented "
-                                          r"yet .*expected 'cpu' or 'auto'$"):
-        resolve_device("cuda", cuda=True)
+
+
+def test_backend_follows_the_device() -> None:
+    """auto: gloo on cpu, nccl on cuda; nccl on cpu refused; gloo on cuda allowed for one process (no group), refused
+    for a multi-rank job (its collectives reduce GPU tensors)."""
+    gloo = from_dict(JobConfig, {"dist": {"backend": "gloo"}})
+    assert resolve_job(JobConfig(), {}, cuda=True).dist.backend == "nccl"
+    assert resolve_job(JobConfig(), {}, cuda=False).dist.backend == "gloo"
+    assert resolve_job(gloo, {}, cuda=True).device == "cuda"
+    with pytest.raises(ConfigError, match=r"^dist.backend = 'gloo': expected 'nccl' or 'auto' with device 'auto' in a "
+                                          r"multi-rank job \(runs on cuda"):
+        resolve_job(gloo, {}, cuda=True, multi_rank=True)
+    assert resolve_job(gloo, {}, cuda=False, multi_rank=True).dist.backend == "gloo"
+
+
+def test_bind_device_is_the_local_rank_gpu(monkeypatch) -> None:
+    """cuda: ``cuda:LOCAL_RANK`` (modulo the GPUs seen) made current before the group is joined; cpu: the CPU."""
+    import torch
+
+    current = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    env = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "5", "MASTER_ADDR": "h", "MASTER_PORT": "29500"}
+    assert bind_device("cuda", env) == torch.device("cuda", 1) and current == [1]
+    assert bind_device("cpu", env) == torch.device("cpu") and current == [1]
+    assert bind_device("cuda", {}) == torch.device("cuda", 0) and current == [1, 0]  # one process: local rank 0
 
 
 @pytest.mark.parametrize(
@@ -78,7 +101,7 @@ def test_dist_precedence_config_then_launcher_then_default() -> None:
     assert (job.device, job.dist.backend, job.dist.timeout_s, job.dist.rdzv_host) == ("cpu", "gloo", 60.0, None)
     with pytest.raises(ConfigError, match=r"^dist.backend = 'nccl': expected 'gloo' or 'auto' with device 'auto' "
                                           r"\(runs on cpu"):
-        resolve_job(from_dict(JobConfig, {"dist": {"backend": "nccl"}}), env, cuda=True)
+        resolve_job(from_dict(JobConfig, {"dist": {"backend": "nccl"}}), env, cuda=False)
 
 
 def test_flags_set_device_and_dist_timeout(tmp_path: Path) -> None:
@@ -105,6 +128,7 @@ def test_parallel_runtime_passes_the_jobs_dist_to_init_distributed(monkeypatch) 
         raise Joined
 
     monkeypatch.setattr(env, "init_distributed", fake_init)
+    monkeypatch.setattr(device, "cuda_available", lambda: False)  # a machine without CUDA, on a GPU node too
     monkeypatch.setenv("MOONRT_DIST_TIMEOUT", "60")
     with pytest.raises(Joined):
         assemble.parallel_runtime(from_dict(JobConfig, {"dist": {"timeout_s": 20}}))
@@ -116,7 +140,8 @@ def test_parallel_runtime_passes_the_jobs_dist_to_init_distributed(monkeypatch) 
     assert len(seen) == 2
 
 
-def test_cuda_request_is_one_line_and_exit_2(tmp_path: Path, capsys) -> None:
+def test_cuda_request_is_one_line_and_exit_2(tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setattr(device, "cuda_available", lambda: False)  # a machine without CUDA, on a GPU node too
     code = main(["train", "--device", "cuda", "--out", str(tmp_path / "run"), "--no-progress"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
@@ -125,6 +150,8 @@ def test_cuda_request_is_one_line_and_exit_2(tmp_path: Path, capsys) -> None:
 
 
 def test_run_records_resolved_device_and_dist(tmp_path: Path, capsys, monkeypatch) -> None:
+    """``auto`` without CUDA runs on the CPU; the start line and config.yaml name the device it used."""
+    monkeypatch.setattr(device, "cuda_available", lambda: False)  # a machine without CUDA, on a GPU node too
     monkeypatch.setenv("MOONRT_DIST_TIMEOUT", "77")
     out = tmp_path / "run"
     assert main(["train", "--corpus", str(_corpus(tmp_path)), "--batch-size", "2", "--seq-len", "16", "--steps", "1",
@@ -135,6 +162,17 @@ def test_run_records_resolved_device_and_dist(tmp_path: Path, capsys, monkeypatc
     rec = yaml.safe_load((out / "config.yaml").read_text())
     assert rec["device"] == "cpu"
     assert rec["dist"] == {"backend": "gloo", "timeout_s": 77.0, "rdzv_host": None}
+
+
+@pytest.mark.skipif(not device.cuda_available(), reason="needs a CUDA device")
+def test_auto_trains_on_the_gpu(tmp_path: Path, capsys) -> None:
+    """Where CUDA is available ``auto`` trains on ``cuda:0`` (one process): the start line and config.yaml say so."""
+    out = tmp_path / "run"
+    assert main(["train", "--corpus", str(_corpus(tmp_path)), "--batch-size", "2", "--seq-len", "16", "--steps", "1",
+                 "--out", str(out)]) == 0
+    start = [line for line in capsys.readouterr().out.splitlines() if line.startswith("moonrt train: k3_tiny (")]
+    assert len(start) == 1 and start[0].endswith("; device cuda:0"), start
+    assert yaml.safe_load((out / "config.yaml").read_text())["device"] == "cuda"
 
 
 def test_one_yaml_for_train_and_sbatch(tmp_path: Path, capsys, monkeypatch) -> None:

@@ -69,7 +69,7 @@ from moonrt.comm.parallelism import Parallelism
 from moonrt.config import from_dict, to_dict, umask
 from moonrt.jobs.checkpoint.single import CheckpointError
 from moonrt.jobs.train.config import JobConfig
-from moonrt.ops.muon import Muon
+from moonrt.ops.muon import Muon, step_count
 
 # torch.distributed.checkpoint (and moonrt.comm.dcp_state, built on it) is imported by the functions that read or
 # write a DCP checkpoint, not here: it costs ~1.5 s per process (it imports torch.distributed.tensor and sympy),
@@ -526,7 +526,8 @@ def read_full(step_dir: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, 
         bad = [k for k, m in md.state_dict_metadata.items() if not isinstance(m, TensorStorageMetadata)]
         if bad:
             raise ValueError(f"entry {bad[0]!r} is a pickled object, expected a tensor")
-        out = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in md.state_dict_metadata.items()}
+        out = {k: torch.empty(m.size, dtype=m.properties.dtype, device="cpu")  # the file's state, on the host
+               for k, m in md.state_dict_metadata.items()}
         with _quiet(False):
             dcp.load(out, storage_reader=SafeReader(step_dir), planner=ShardLoadPlanner(), no_dist=True)
     except (Exception, CheckpointException) as exc:
@@ -564,7 +565,7 @@ def to_single_file(step_dir: str | Path) -> dict[str, Any]:
                 if step > 0 and group.get("use_muon", False):  # Muon: the buffer, no step count
                     state[i] = {MOMENTUM: flat[f"optimizer.{n}.{MOMENTUM}"].view(p.shape)}
                 elif step > 0:
-                    state[i] = {"step": torch.tensor(step)} | {
+                    state[i] = {"step": step_count(step)} | {
                         k: flat[f"optimizer.{n}.{k}"].view(p.shape) for k in MOMENTS}
                 ids.append(i)
                 i += 1

@@ -39,7 +39,20 @@ def save_checkpoint(path: Path, model: torch.nn.Module, opt: torch.optim.Optimiz
     state = rt.full_state_dict(model, opt)
     if not rt.is_main:
         return
-    save(path, {"model": state["model"], "optimizer": state["optimizer"], "step": step, "config": to_dict(job)})
+    save(path, {"model": _on_host(state["model"]), "optimizer": _on_host(state["optimizer"]), "step": step,
+                "config": to_dict(job)})
+
+
+def _on_host(value: Any) -> Any:
+    """``value`` with every tensor in it (nested dicts, lists, tuples) on the host: a checkpoint file holds the
+    single-process state on the CPU whatever device the job ran on (the CPU's own tensors are not copied)."""
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, dict):
+        return {k: _on_host(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_on_host(v) for v in value)
+    return value
 
 
 def load_checkpoint(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer,

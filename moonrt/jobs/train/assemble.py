@@ -50,7 +50,9 @@ def routing_trace(job: JobConfig, **kwargs: Any) -> RoutingTrace:
 def parallel_runtime(job: JobConfig, progress: bool = False) -> Parallelism:
     """This rank's :class:`Parallelism` in a multi-rank job (``moonrt launch``, torchrun, SLURM or MPI).
 
-    Joins the default group (:func:`moonrt.cluster.env.init_distributed`); ``parallel.dp`` is raised to fill the
+    Binds this rank's device (:func:`moonrt.jobs.train.device.bind_device`: ``cuda:LOCAL_RANK`` on CUDA, the
+    runtime's :attr:`Parallelism.device`), then joins the default group (:func:`moonrt.cluster.env.init_distributed`;
+    a multi-rank CUDA job on gloo is refused); ``parallel.dp`` is raised to fill the
     world when the other degrees divide it (ConfigError naming the degrees and the world otherwise). Any product
     of ``pp x dp x ep x cp`` composes; the mesh's rank order (:mod:`moonrt.comm.mesh`) decides the groups. With
     ``progress``, rank 0 prints the layout once (:func:`layout_table`: every rank's coordinates, its batch shard
@@ -70,7 +72,7 @@ def parallel_runtime(job: JobConfig, progress: bool = False) -> Parallelism:
     from moonrt.cluster.env import init_distributed
     from moonrt.comm.cp_context import ContextParallel
     from moonrt.comm.mesh import ProcessMesh
-    from moonrt.jobs.train.device import resolve_job
+    from moonrt.jobs.train.device import bind_device, resolve_job
 
     p = job.parallel
     if p.cp > job.optim.seq_len:  # before joining: every rank fails alike, none waits for the others
@@ -78,7 +80,9 @@ def parallel_runtime(job: JobConfig, progress: bool = False) -> Parallelism:
                           f"{job.optim.seq_len} (each CP rank holds a slice of every sequence, uneven slices allowed)")
     # the job's dist (wins over the launcher's environment; backend for its device); a device that cannot run
     # fails here, on every rank alike, before any rank waits at the rendezvous
-    init_distributed(resolve_job(job).dist)
+    resolved = resolve_job(job, multi_rank=True)
+    device = bind_device(resolved.device)  # cuda:LOCAL_RANK current before the group exists: NCCL binds that GPU
+    init_distributed(resolved.dist)
     world = dist.get_world_size()
     if p.world_size != world and p.dp == 1:
         if world % p.world_size:
@@ -90,7 +94,7 @@ def parallel_runtime(job: JobConfig, progress: bool = False) -> Parallelism:
     ctx = ContextParallel(mesh.group(Group.CP)) if p.cp > 1 else LOCAL
     rt = Parallelism(dp_rank=mesh.rank(Group.DP_EP), dp_size=mesh.size(Group.DP_EP), cp_rank=mesh.rank(Group.CP),
                      cp_size=mesh.size(Group.CP), is_main=dist.get_rank() == 0, ctx=ctx,
-                     replicas=mesh.group(Group.DP_EP_CP))
+                     replicas=mesh.group(Group.DP_EP_CP), device=device)
     rt.cpu_group = mesh.cpu_group()  # objects and metadata: gloo whatever carries the tensors
     parts: list[Part] = []
     counts = pipe = None

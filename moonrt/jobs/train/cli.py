@@ -111,7 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bar or periodic step lines (the start, eval and summary lines still print)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where the job computes (device; default "
-                        "auto = cpu; cuda is refused until the CUDA train path exists)")
+                        "auto = cuda where CUDA is available, else cpu; each rank on cuda:LOCAL_RANK)")
     parser.add_argument("--dist-timeout", type=float, metavar="SECONDS", help="timeout of the rendezvous and every "
                         "collective (dist.timeout_s; wins over moonrt launch/sbatch --timeout; default: theirs, else "
                         "300)")

@@ -198,9 +198,9 @@ class JobConfig:
     the environment; ``null`` fields take the launcher's values (:func:`moonrt.cluster.env.resolve_dist_config`).
     The run's ``config.yaml`` records the timeout and backend it used."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    """Where the job computes: ``cpu``; ``cuda`` (refused today: the CUDA train path is not implemented yet);
-    ``auto``: cpu until that path exists (:func:`moonrt.jobs.train.device.resolve_device`). The run's
-    ``config.yaml`` and start line record the device it used."""
+    """Where the job computes: ``cpu``; ``cuda`` (each rank on ``cuda:LOCAL_RANK``; refused where torch sees no CUDA
+    device); ``auto``: cuda where CUDA is available, else cpu (:func:`moonrt.jobs.train.device.resolve_device`). The
+    run's ``config.yaml`` and start line record the device it used."""
     memory_policy: str | None = None
     """Path of an activation-memory policy YAML (applied by the activation manager when present)."""
     out_dir: str = "runs/train"

@@ -1,11 +1,15 @@
 """Where a ``moonrt train`` job computes and how its ranks join (job layer): ``JobConfig.device`` and
-``JobConfig.dist`` resolved for this process before anything is built.
+``JobConfig.dist`` resolved for this process before anything is built, and the one place the job's device becomes
+a ``torch.device``.
 
-:func:`resolve_device`: ``cpu`` runs; ``cuda`` is refused with one line (no CUDA here, or the CUDA train path, which
-a later issue adds, is not implemented yet); ``auto`` is cpu until that path exists. :func:`resolve_job`: the job
-with its device and ``dist`` resolved (the launcher's timeout where the config leaves it ``null``, ``backend: auto``
-made the device's backend), what the run records in ``config.yaml`` and passes to
-:func:`moonrt.cluster.env.init_distributed`.
+:func:`resolve_device`: ``cpu`` runs on the CPU; ``cuda`` runs on the GPU where torch sees one and is refused with one
+line otherwise; ``auto`` is cuda where CUDA is available, else cpu. :func:`resolve_job`: the job with its device and
+``dist`` resolved (the launcher's timeout where the config leaves it ``null``, ``backend: auto`` made the device's
+backend), what the run records in ``config.yaml`` and passes to :func:`moonrt.cluster.env.init_distributed`.
+:func:`bind_device`: the ``torch.device`` this rank computes on (``cuda:LOCAL_RANK``, made current before the process
+group is joined so that NCCL binds that GPU); the runtime carries it as
+:attr:`moonrt.comm.parallelism.Parallelism.device`, and every tensor the runtime, the model and the data path create
+lives there. :func:`host_tensor` is where the data path's numpy batches become tensors on that device.
 """
 
 from __future__ import annotations
@@ -14,56 +18,72 @@ import dataclasses
 import os
 from collections.abc import Mapping
 
-from moonrt.cluster.env import resolve_dist_config
+import numpy as np
+import torch
+
+from moonrt.cluster.env import detect_rendezvous, resolve_dist_config
 from moonrt.config import ConfigError, check
 from moonrt.jobs.train.config import JobConfig
 
-DEVICES = ("cpu",)
-"""Devices the train path runs on today."""
+DEVICES = ("cpu", "cuda")
+"""Devices the train path runs on."""
 
 
 def cuda_available() -> bool:
     """Whether torch sees a usable CUDA device in this process."""
-    import torch
-
     return torch.cuda.is_available()
 
 
 def resolve_device(requested: str, cuda: bool | None = None) -> str:
-    """The device a job that asks for ``requested`` (``JobConfig.device``) runs on: ``"cpu"``, or a
+    """The device a job that asks for ``requested`` (``JobConfig.device``) runs on: ``"cpu"`` or ``"cuda"``, or a
     :class:`ConfigError` naming the field and what is accepted. ``cuda``: whether CUDA is available (default: ask
-    torch). ``auto`` is cpu, also where CUDA is available, until the CUDA train path exists."""
+    torch). ``auto`` is cuda where CUDA is available, else cpu; ``cuda`` without CUDA is refused."""
     check(requested in ("auto", "cpu", "cuda"), "device", requested, "one of 'auto', 'cpu', 'cuda'")
-    if requested != "cuda":
+    if requested == "cpu":
         return "cpu"
     if cuda is None:
         cuda = cuda_available()
-    if not cuda:
-        import torch
-
-        why = "torch was built without CUDA" if torch.version.cuda is None else "torch sees no CUDA device"
-        raise ConfigError(f"device (--device) = 'cuda': CUDA is not available here ({why}); expected 'cpu' or "
-                          "'auto'")
-    raise ConfigError("device (--device) = 'cuda': the CUDA train path is not implemented yet (moonrt train runs "
-                      "on the CPU today); expected 'cpu' or 'auto'")
+    if cuda:
+        return "cuda"
+    if requested == "auto":
+        return "cpu"
+    why = "torch was built without CUDA" if torch.version.cuda is None else "torch sees no CUDA device"
+    raise ConfigError(f"device (--device) = 'cuda': CUDA is not available here ({why}); expected 'cpu' or 'auto'")
 
 
-def device_note(requested: str, device: str, cuda: bool | None = None) -> str:
-    """How the start line names the device: ``cpu``, with why when ``auto`` chose it although CUDA is here."""
-    if requested == "auto" and device == "cpu" and (cuda_available() if cuda is None else cuda):
-        return "cpu (auto: CUDA is available, but the CUDA train path is not implemented yet)"
-    return device
+def bind_device(device: str, environ: Mapping[str, str] = os.environ) -> torch.device:
+    """The ``torch.device`` of this rank for the resolved ``device`` (``"cpu"`` or ``"cuda"``): the CPU, or
+    ``cuda:LOCAL_RANK`` (the launcher's local rank, :func:`moonrt.cluster.env.detect_rendezvous`; modulo the GPUs
+    this process sees), which it makes torch's current device: called before the process group is joined, so that
+    NCCL and the object collectives use this rank's GPU."""
+    if device == "cpu":
+        return torch.device("cpu")
+    index = detect_rendezvous(environ).local_rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
-def resolve_job(job: JobConfig, environ: Mapping[str, str] = os.environ, cuda: bool | None = None) -> JobConfig:
+def host_tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """The numpy ``array`` (the data path's token windows, document ids) as a tensor on ``device``: the one place
+    the data path makes a tensor from host memory (shared with ``array`` on the CPU, copied to the GPU on CUDA)."""
+    return torch.from_numpy(array).to(device)
+
+
+def resolve_job(job: JobConfig, environ: Mapping[str, str] = os.environ, cuda: bool | None = None,
+                multi_rank: bool = False) -> JobConfig:
     """A copy of ``job`` with ``device`` resolved (:func:`resolve_device`) and ``dist`` resolved for it:
     ``timeout_s`` the config's, else the launcher's ``MOONRT_DIST_TIMEOUT``, else 300 s
-    (:func:`moonrt.cluster.env.resolve_dist_config`); ``backend: auto`` gloo on cpu (nccl would be CUDA's);
-    ``nccl`` on cpu refused. ``rdzv_host`` stays as given (``null``: the launcher's, read at rendezvous time)."""
+    (:func:`moonrt.cluster.env.resolve_dist_config`); ``backend: auto`` gloo on cpu, nccl on cuda; ``nccl`` on cpu
+    refused; ``gloo`` on cuda refused for a ``multi_rank`` job (every tensor of the job lives on the GPU and gloo
+    reduces CPU tensors: moonrt does not stage collectives through the host), allowed for one process (it joins no
+    group). ``rdzv_host`` stays as given (``null``: the launcher's, read at rendezvous time)."""
     device = resolve_device(job.device, cuda)
     dist = resolve_dist_config(job.dist, environ)
     if dist.backend == "auto":
         dist = dataclasses.replace(dist, backend="gloo" if device == "cpu" else "nccl")
     check(not (device == "cpu" and dist.backend == "nccl"), "dist.backend", dist.backend,
           f"'gloo' or 'auto' with device {job.device!r} (runs on cpu; nccl reduces CUDA tensors only)")
+    check(not (multi_rank and device == "cuda" and dist.backend == "gloo"), "dist.backend", dist.backend,
+          f"'nccl' or 'auto' with device {job.device!r} in a multi-rank job (runs on cuda: every collective reduces "
+          "GPU tensors; gloo reduces CPU tensors)")
     return dataclasses.replace(job, device=device, dist=dist)

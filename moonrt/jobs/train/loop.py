@@ -51,7 +51,7 @@ from moonrt.jobs.checkpoint.store import load_checkpoint, resume_state, save_che
 from moonrt.jobs.train import data, outputs, report
 from moonrt.jobs.train.assemble import build_model
 from moonrt.jobs.train.config import JobConfig, lr_at
-from moonrt.jobs.train.device import device_note, resolve_job
+from moonrt.jobs.train.device import bind_device, host_tensor, resolve_job
 from moonrt.jobs.train.optimizers import build_optimizer
 from moonrt.jobs.train.outputs import CHECKPOINT, CONFIG
 from moonrt.parallel.packing import DocumentPacking
@@ -69,12 +69,13 @@ def evaluate(model: torch.nn.Module, windows: np.ndarray, batch_size: int, rt: P
         for i in range(0, len(windows), batch_size):
             if docs is not None:
                 x, y, d = data.shard_packed(windows[i:i + batch_size], docs[i:i + batch_size])
-                packing = DocumentPacking.from_doc_ids(torch.from_numpy(d))
-                total += float(rt.loss_sum(model, torch.from_numpy(x), torch.from_numpy(y), packing=packing))
+                packing = DocumentPacking.from_doc_ids(host_tensor(d, rt.device))
+                total += float(rt.loss_sum(model, host_tensor(x, rt.device), host_tensor(y, rt.device),
+                                           packing=packing))
                 count += data.packed_targets(docs[i:i + batch_size])
                 continue
             x, y = data.shard(windows[i:i + batch_size], 0, 1, rt.cp_rank, rt.cp_size)
-            total += float(rt.loss_sum(model, torch.from_numpy(x), torch.from_numpy(y)))
+            total += float(rt.loss_sum(model, host_tensor(x, rt.device), host_tensor(y, rt.device)))
             count += y.size
     model.set_record_routing(True)
     model.train(was_training)
@@ -136,9 +137,10 @@ def train(job: JobConfig, rt: Parallelism | None = None, metrics_path: str | Non
     starts that run again, its moonrt metrics file trimmed to nothing instead of refused.
     """
     rt = rt or Parallelism()
-    requested = job.device
     job = resolve_job(job)  # device and dist as this run uses them: what config.yaml records
-    note = device_note(requested, job.device)
+    if rt.device.type != job.device:  # one process (a multi-rank runtime is bound in parallel_runtime)
+        rt.device = bind_device(job.device)
+    note = str(rt.device)
     if not job.out_dir:
         raise ConfigError("out_dir (--out) = '': expected a directory path")
     if until is not None and until < 1:
@@ -159,8 +161,9 @@ def _accumulate(model: torch.nn.Module, rt: Parallelism, x: np.ndarray, y: np.nd
     total = None
     for i in range(n):
         part = slice(i * rows, (i + 1) * rows)
-        packing = None if docs is None else DocumentPacking.from_doc_ids(torch.from_numpy(docs[part]))
-        loss = rt.forward_backward(model, torch.from_numpy(x[part]), torch.from_numpy(y[part]), scale, saved, packing)
+        packing = None if docs is None else DocumentPacking.from_doc_ids(host_tensor(docs[part], rt.device))
+        loss = rt.forward_backward(model, host_tensor(x[part], rt.device), host_tensor(y[part], rt.device), scale,
+                                   saved, packing)
         total = loss if total is None else total + loss
     return total
 
@@ -230,7 +233,7 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
         raise ConfigError(f"parallel.microbatches (--microbatches) = {m}: expected a divisor of the per-replica "
                           f"batch {cfg.batch_size // rt.dp_size} (optim.batch_size {cfg.batch_size} / data-parallel "
                           f"size {rt.dp_size})")
-    model = build_model(job)
+    model = build_model(job).to(rt.device)  # built on the host, moved whole (parameters, buffers) before the parts
     n_params = sum(p.numel() for p in model.parameters())  # the whole model, before parts shard or prune it
     model = rt.parallelize(model)
     cp_log = getattr(rt.ctx, "log", None)  # ContextParallel's CP byte records per layer (K3_SYSTEMS §7)

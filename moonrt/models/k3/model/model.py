@@ -198,7 +198,7 @@ class K3Model(nn.Module):
 
     def routing_counts(self) -> dict[int, torch.Tensor]:
         """Per MoE layer, tokens routed to each expert ``[E]`` int64 in the last forward (k per token)."""
-        return {i: moe.last_counts for i, moe in self.moe_layers()}
+        return {i: moe.last_counts.clone() for i, moe in self.moe_layers()}
 
     def set_record_routing(self, enabled: bool) -> None:
         """Whether MoE forwards count toward routing statistics (off for eval and recomputation)."""

@@ -203,8 +203,9 @@ class LatentMoE(nn.Module):
         self.shared_experts = nn.ModuleList(shared_expert(config) for _ in range(config.num_shared_experts))
         self.dispatcher: Dispatcher = LocalDispatcher(E)
         self.record_routing = True
-        self.last_counts = torch.zeros(E, dtype=torch.int64)
-        self.step_counts = torch.zeros(E, dtype=torch.int64)
+        # routing counts on the model's device (buffers: moved with it; not checkpointed), updated in place
+        self.register_buffer("last_counts", torch.zeros(E, dtype=torch.int64), persistent=False)
+        self.register_buffer("step_counts", torch.zeros(E, dtype=torch.int64), persistent=False)
         self._histogram: MarginHistogram | None = None
         self._margins: list[torch.Tensor] = []
 
@@ -244,11 +245,11 @@ class LatentMoE(nn.Module):
     # ---- Quantile Balancing ---------------------------------------------------------------------
     def _record(self, topk_ids: torch.Tensor, scores: torch.Tensor) -> None:
         with torch.no_grad():
-            counts = torch.bincount(topk_ids.reshape(-1), minlength=self.num_experts).cpu()
-            self.last_counts = counts
+            counts = torch.bincount(topk_ids.reshape(-1), minlength=self.num_experts)
+            self.last_counts.copy_(counts)
             if not self.record_routing:
                 return
-            self.step_counts = self.step_counts + counts
+            self.step_counts.add_(counts)
             mc = self.moe_config
             if not (self.training and mc.qb_enabled):
                 return
@@ -286,12 +287,12 @@ class LatentMoE(nn.Module):
                                        device=self.router.bias.device)
             packed = torch.cat([hist.counts, local.to(hist.counts.device).unsqueeze(1)], dim=1)
             packed = _reduce(packed, all_reduce)
-            counts = packed[:, -1].cpu()
+            counts = packed[:, -1].cpu()  # the step's statistics (maxvio) are read on the host
             hist.counts.copy_(packed[:, :-1])
             if hist.num_tokens > 0:
                 new_bias = hist.bias(self.top_k)
         else:
-            packed = torch.cat([local, torch.ones(1, dtype=torch.int64)]).to(self.router.bias.device)
+            packed = torch.cat([local, torch.ones(1, dtype=torch.int64, device=local.device)])
             packed = _reduce(packed, all_reduce)
             counts, ranks = packed[:-1].cpu(), int(packed[-1])
             if mc.qb_enabled and self._margins:
@@ -306,7 +307,7 @@ class LatentMoE(nn.Module):
                             bias=self.router.bias.detach().clone())
 
     def _reset_stats(self) -> None:
-        self.step_counts = torch.zeros(self.num_experts, dtype=torch.int64)
+        self.step_counts.zero_()
         self._margins = []
         if self._histogram is not None:
             self._histogram.reset()
