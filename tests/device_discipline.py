@@ -63,6 +63,10 @@ SANCTIONED: dict[tuple[str, str], str] = {
                                             "step, for that bookkeeping",
     ("jobs/checkpoint/sharded.py", "read_full"): "a checkpoint read whole into host memory (single-process layout, a "
                                                  "conversion tool: no model involved)",
+    ("comm/moonep_dispatch.py", "dispatch"): "MoonEP plans on the host: the step's routing counts are copied there "
+                                              "once per MoE layer (the planner is numba/numpy; a device planner is "
+                                              "issue 34's)",
+    ("comm/moonep_dispatch.py", "place"): "the plan's placement is computed by the host planner from numpy counts",
     ("scheduler/placement.py", "conv"): "a plan's placement is made on the host (the planners run there)",
     ("jobs/checkpoint/store.py", "_on_host"): "a checkpoint file holds the single-process state on the host",
     ("memory/backends.py", "_take"): "the host tier's (pinned) host buffers, the destination of its offload copies",
@@ -287,6 +291,15 @@ def literal_host_devices() -> list[str]:
     return hits
 
 
-CHECKERS: list[Callable[[torch.device | str], Any]] = [device_discipline]
+def _collective_check(device: torch.device | str) -> Any:
+    from collective_check import collective_check
+
+    return collective_check(device)
+
+
+_collective_check.__name__ = "collective_check"
+
+CHECKERS: list[Callable[[torch.device | str], Any]] = [device_discipline, _collective_check]
 """The checkers a layout run enters around its step (each ``(device) -> context manager`` yielding its violation
-list); the collective recorder joins this list."""
+list): the device discipline and the NCCL-op check (:mod:`collective_check`: its findings also keep every rank's
+recorded calls, ``.calls``)."""

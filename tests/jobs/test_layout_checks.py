@@ -50,20 +50,16 @@ MULTI: dict[str, list[str]] = {
     "--ep 2": ["--ep", "2"],
     "--cp 2": ["--cp", "2"],
     "--pp 2 --vpp 2": ["--pp", "2", "--vpp", "2", "--microbatches", "4"],
+    "--pp 2 naive": ["--pp", "2", "--microbatches", "2", "--attn-res-comm", "naive"],
     "--zero 1": ["--zero", "1"],
     "--optimizer muon --zero 1": ["--optimizer", "muon", "--zero", "1"],
 }
 """Two-rank layouts: the flags each adds to :data:`FLAGS`."""
 
-OWNED: dict[str, tuple[str, tuple[str, ...]]] = {
-    "--ep 2": ("ncclcomm (MoonEP files): moonrt/comm/ep_layout.py (build_layout, build_weight_layout, segment_table: "
-               "host layouts), comm/ep_parallel.py grad_norm (torch.zeros without device), comm/moonep_dispatch.py "
-               "(place: .numpy(); dispatch: torch.zeros/empty without device, .cpu())",
-               ("moonrt/comm/ep_layout.py", "moonrt/comm/ep_parallel.py", "moonrt/comm/moonep_dispatch.py")),
-}
-"""Layouts whose remaining violations are in files another branch of issue 30 owns -> (who and where, those files):
-the case is a strict xfail until that branch's fix merges; :func:`test_owned_layouts_fail_only_in_the_owners_files`
-holds everything else in them to the rule meanwhile."""
+OWNED: dict[str, tuple[str, tuple[str, ...]]] = {}
+"""Layouts whose remaining violations are in files a not yet merged branch owns -> (who and where, those files):
+the case is a strict xfail until that fix merges; :func:`test_owned_layouts_fail_only_in_the_owners_files` holds
+everything else in them to the rule meanwhile (empty: every layout holds everywhere)."""
 
 
 def _corpus(tmp: Path) -> Path:
@@ -77,6 +73,10 @@ def _corpus(tmp: Path) -> Path:
 DEVICE = "cuda" if os.environ.get("MOONRT_TEST_DEVICE") == "cuda" and torch.cuda.is_available() else "cpu"
 """Where the one-process layouts run: the CPU, or CUDA under ``MOONRT_TEST_DEVICE=cuda`` (``tests/conftest.py``); the
 two-rank ones run on the CPU (``dist_run``'s ranks join a gloo group)."""
+
+
+CALLS: dict[str, list[Any]] = {}
+"""Layout -> the collective recorder's calls (every rank's) of its run, in this process (one entry per run)."""
 
 
 def _layout_runs(tmp: Path, name: str, extra: list[str], device: str = DEVICE) -> dict[str, list[str]]:
@@ -98,6 +98,7 @@ def _layout_runs(tmp: Path, name: str, extra: list[str], device: str = DEVICE) -
         except BaseException:  # noqa: BLE001 (reported as this layout's failure; the other layouts still run)
             found["error"] = [traceback.format_exc()]
     found |= {k: [str(v) for v in vs] for k, vs in lists.items()}
+    CALLS.setdefault(name, []).append(lists.get("collective_check", None) and lists["collective_check"].calls)
     return found
 
 
@@ -115,7 +116,8 @@ def _ranks(rank: int, world: int, tmp: Path) -> dict[str, dict[str, list[str]]]:
                       MASTER_PORT="1")  # init_distributed finds the group joined: no rendezvous
     leave, env.shutdown_distributed = env.shutdown_distributed, lambda: None
     try:
-        return {name: _layout_runs(tmp, name, extra, "cpu") for name, extra in MULTI.items()}
+        found = {name: _layout_runs(tmp, name, extra, "cpu") for name, extra in MULTI.items()}
+        return found | ({"calls": {name: CALLS[name] for name in MULTI}} if rank == 0 else {})
     finally:
         env.shutdown_distributed = leave
 
@@ -134,6 +136,8 @@ def layout_violations(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dic
         torch.set_num_threads(threads)
     assert not torch.distributed.is_initialized()
     ranks = dist_run(_ranks, 2, tmp, timeout=600)
+    CALLS.update(ranks[0].pop("calls"))
+    ranks[1].pop("calls", None)
     for name in MULTI:  # every rank's findings, each said with its rank
         got[name] = {k: [f"rank {r}: {v}" for r, found in enumerate(ranks) for v in found[name].get(k, [])]
                      for k in set().union(*(found[name] for found in ranks))}
@@ -164,6 +168,15 @@ def test_owned_layouts_fail_only_in_the_owners_files(layout_violations: dict[str
         assert "error" not in found, found["error"][0]
         others = [v for vs in found.values() for v in vs if not any(f"{f}:" in v for f in files)]
         assert not others, f"{layout}:\n" + "\n".join(sorted(set(others)))
+
+
+@pytest.mark.timeout(900)
+def test_doc_table_names_every_recorded_call(layout_violations: dict[str, dict[str, list[str]]]) -> None:
+    """Every (call, group) the layout runs recorded has a row in docs/ARCHITECTURE.md's collectives table."""
+    from test_nccl_ops import missing_doc_rows
+
+    assert set(CALLS) >= set(MULTI)
+    assert not missing_doc_rows(c for runs in CALLS.values() for c in runs if c)
 
 
 # ---- the checker itself ---------------------------------------------------------------------------------------------
