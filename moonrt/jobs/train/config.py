@@ -176,6 +176,24 @@ class LogConfig:
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
+class PrecisionConfig:
+    """Mixed precision (:class:`moonrt.comm.parallelism.Precision`: torch's native AMP).
+
+    Parameters, master weights, gradients and optimizer moments are fp32 whatever ``compute`` is: the parameters
+    are the master weights (held by the optimizer, by each ZeRO-1 shard for its range, and stored by checkpoints),
+    gradients arrive in fp32 on them, so accumulation and the gradient sums over ranks are fp32. ``compute: bf16``
+    runs every forward (and eval) under ``torch.autocast(<device type>, dtype=torch.bfloat16)`` with the numerics
+    rule's fp32 islands (KDA states, AttnRes softmax, router logits and top-k, the loss, KCP summaries); free to
+    change on resume (fp32 <-> bf16: the checkpoint is the same fp32 state)."""
+
+    compute: Literal["fp32", "bf16"] = "fp32"
+    """Forward compute dtype (``--dtype``): ``fp32`` (no autocast) or ``bf16`` (autocast, fp32 master weights)."""
+
+    def validate(self) -> None:
+        check(self.compute in ("fp32", "bf16"), "compute", self.compute, "one of 'fp32', 'bf16'")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
 class JobConfig:
     """A whole training job (``moonrt train --config FILE``; every key optional)."""
 
@@ -197,6 +215,8 @@ class JobConfig:
     """How the ranks join (backend, collective timeout, rendezvous address): wins over what the launcher passes in
     the environment; ``null`` fields take the launcher's values (:func:`moonrt.cluster.env.resolve_dist_config`).
     The run's ``config.yaml`` records the timeout and backend it used."""
+    precision: PrecisionConfig = dataclasses.field(default_factory=PrecisionConfig)
+    """Forward compute dtype (``--dtype``); parameters, gradients and optimizer states stay fp32."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the job computes: ``cpu``; ``cuda`` (refused today: the CUDA train path is not implemented yet);
     ``auto``: cpu until that path exists (:func:`moonrt.jobs.train.device.resolve_device`). The run's
