@@ -78,6 +78,21 @@ def fp32_island(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def no_autocast(fn: F) -> F:
+    """Decorate ``fn`` to run with autocast off (:func:`autocast_off`), its arguments as given: for code that
+    already chooses its dtypes explicitly (a custom autograd function's forward or backward that casts to fp32
+    itself), which an enclosing autocast region would otherwise round to bf16 at every matmul."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not autocast_active():
+            return fn(*args, **kwargs)
+        with autocast_off():
+            return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
 @fp32_island
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Summed next-token cross-entropy of ``logits [..., V]`` against ``targets [...]`` int64, skipping targets
@@ -87,4 +102,5 @@ def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
                                              reduction="sum")
 
 
-__all__ = ["DEVICE_TYPES", "at_least_fp32", "autocast_active", "autocast_off", "fp32_island", "token_loss_sum"]
+__all__ = ["DEVICE_TYPES", "at_least_fp32", "autocast_active", "autocast_off", "fp32_island", "no_autocast",
+           "token_loss_sum"]
