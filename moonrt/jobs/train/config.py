@@ -301,6 +301,43 @@ class JobConfig:
         return self.model_config
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class TrainStateBytes:
+    """Persistent bytes per parameter of a training job's state (one replica, before ZeRO-1 sharding)."""
+
+    param: int
+    """The parameter itself: fp32, and it is the master weight (no separate master copy)."""
+    grad: int
+    """Its gradient (fp32: autograd casts each gradient to its parameter's dtype)."""
+    optim: int
+    """The optimizer's state for it (fp32 moments)."""
+
+    @property
+    def total(self) -> int:
+        return self.param + self.grad + self.optim
+
+
+OPTIM_MOMENT_BYTES = {"adamw": 2 * 4, "muon": 4}
+"""Optimizer state bytes per parameter: AdamW's two fp32 moments (``exp_avg``, ``exp_avg_sq``), Muon's one fp32
+momentum (``moonrt.ops.muon``; the few non-matrix parameters it leaves to AdamW, embedding, norms, router, LM head,
+are counted at Muon's 4 bytes)."""
+
+
+def train_state_bytes(compute: str, optimizer: str) -> TrainStateBytes:
+    """Bytes per parameter that a ``moonrt train`` job with ``precision.compute = compute`` and ``optim.optimizer =
+    optimizer`` keeps between steps: the one definition ``moonrt train`` holds (tested against a step's live tensors)
+    and ``moonrt mem-plan`` plans with.
+
+    The layout is torch AMP's (:class:`PrecisionConfig`), the same for ``fp32`` and ``bf16``: fp32 parameters (the
+    master weights), fp32 gradients, fp32 optimizer moments: 16 bytes for AdamW, 12 for Muon. Megatron's bf16 layout
+    (bf16 parameters, fp32 gradients, an fp32 main copy and moments: 18 for AdamW) is not what moonrt trains. The
+    bf16 weight copies autocast makes for its matmuls are transient: made in a layer's forward, held by autograd
+    until that layer's backward, freed after; they are activations of the step, not train state."""
+    check(compute in ("fp32", "bf16"), "precision.compute", compute, "one of 'fp32', 'bf16'")
+    check(optimizer in OPTIM_MOMENT_BYTES, "optim.optimizer", optimizer, "one of " + ", ".join(OPTIM_MOMENT_BYTES))
+    return TrainStateBytes(param=4, grad=4, optim=OPTIM_MOMENT_BYTES[optimizer])
+
+
 def lr_at(step: int, cfg: OptimConfig) -> float:
     """Learning rate of optimizer step ``step`` (0-based): linear warmup, then cosine to ``min_lr_ratio``."""
     if step < cfg.warmup_steps:
