@@ -5,7 +5,7 @@ A ``--dtype bf16`` job (:class:`moonrt.comm.parallelism.Precision`) runs every f
 ``MixedPrecisionPolicy`` uses it without sharding: the parameters stay fp32 (they are the master weights), autocast
 runs matmuls, linears and einsums in bf16 on bf16 copies of them and gradients land in fp32 on the fp32 parameters.
 
-Some computations must not be rounded to bf16 (the numerics rule, K3_SYSTEMS §9): the KDA state chain, the
+Some computations must not be rounded to bf16 (the numerics rule, K3_SYSTEMS §11): the KDA state chain, the
 AttnRes softmax, the router's logits and top-k, the loss and the KCP state summaries. Each runs inside
 :func:`fp32_island` (a decorator) or :func:`autocast_off` (a context): autocast is off on every device type, so an
 op there runs in its inputs' dtype, and :func:`at_least_fp32` lifts the inputs to fp32 without ever narrowing a
