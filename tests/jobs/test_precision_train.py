@@ -130,8 +130,8 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
 
 def _bf16_ops_per_forward() -> int:
     """R: the ops that round a result to bf16 in one forward of k3_tiny under the job's autocast region (counted with
-    a TorchFunctionMode: every torch call whose floating result is bf16). Every path through the forward passes
-    through at most R of them."""
+    a TorchFunctionMode: every torch call whose result is a new bf16 tensor; views round nothing). Every path through
+    the forward passes through at most R of them."""
     sys.path.insert(0, str(Path(__file__).parents[1] / "model"))
     from test_precision_islands import Calls
 
@@ -146,7 +146,7 @@ def _bf16_ops_per_forward() -> int:
 
         def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
             out = func(*args, **(kwargs or {}))
-            self.n += isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16
+            self.n += isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16 and not out._is_view()
             return out
 
     model = build_model(JobConfig())
@@ -187,12 +187,17 @@ def test_bf16_layouts_match_the_single_process_step(tmp_path: Path) -> None:
     ``S = sqrt(v_2 / bc2) + eps`` (bias corrections ``bc1 = 1 - b1^2``, ``bc2 = 1 - b2^2``) the update ``M / S``
     changes by at most ``(1 - b1) delta / bc1 / S_lo + (|M| + (1 - b1) delta / bc1) (S_hi - S_lo) / S_lo^2`` and the
     parameter by lr times that, plus fp32 rounding: of the update's own arithmetic (2^-20 |M| / S_lo: 16 roundings of
-    2^-24) and of the new parameter (two roundings of 2^-24 |p_2| in each run: 2^-22 |p_2|). This bound is loose at
-    k3_tiny (R is in the tens, so eps_G is of order 1 and delta as large as the gradient: the bound allows nearly
-    any update of the right magnitude); it is asserted, and so is a discriminating check: every layout's parameters
-    are at least 10x closer (global norm of the step-2 parameter difference) to the bf16 single process than the
-    fp32 single process resumed from the same checkpoint is (whose gradient differs by a bf16 rounding at every
-    op, where the layouts' differ only where a rounding flips), and its loss at least 10x closer.
+    2^-24) and of the new parameter (two roundings of 2^-24 |p_2| in each run: 2^-22 |p_2|).
+
+    This bound is vacuous at k3_tiny: R = 284 (its forward makes that many new bf16 results), so eps_G ~ 4.4, the
+    loss bound ~2.2 relative and delta larger than the gradient; the parameter bound allows nearly any update of the
+    right magnitude (worst-case rounding analysis of a deep network is that loose). It is asserted, and so is a
+    discriminating check: every layout's parameters are at least 4x closer (global norm of the step-2 parameter
+    difference) to the bf16 single process than the fp32 single process resumed from the same checkpoint is (whose
+    gradient differs by a bf16 rounding at every op, where the layouts' differ only where a rounding flips), and its
+    loss at least 4x closer. Measured here: ``--ep 2 --zero 1`` ~85x closer in parameters with the same loss,
+    ``--pp 2 --cp 2`` ~11x and ~190x. The router biases (buffers that Quantile Balancing moves by whole steps when
+    a token's expert choice flips) are not compared.
     """
     from moonrt.jobs.train.assemble import build_model
     from moonrt.jobs.train.config import JobConfig, OptimConfig, lr_at
@@ -249,6 +254,6 @@ def test_bf16_layouts_match_the_single_process_step(tmp_path: Path) -> None:
             assert ck["model"][n].dtype == torch.float32, (name, n)
             excess = (p - p_ref).abs() - (bounds[n] + 2.0 ** -22 * p_ref.abs())
             assert float(excess.max()) <= 0, (name, n, float(excess.max()))
-        assert gap(ck) <= 0.1 * fp32_gap, (name, gap(ck), fp32_gap)
-        assert abs(got["loss"] - ref["loss"]) <= 0.1 * abs(fp32_m["loss"] - ref["loss"]), (name, got["loss"],
-                                                                                          ref["loss"], fp32_m["loss"])
+        assert gap(ck) <= 0.25 * fp32_gap, (name, gap(ck), fp32_gap)
+        assert abs(got["loss"] - ref["loss"]) <= 0.25 * abs(fp32_m["loss"] - ref["loss"]), (name, got["loss"],
+                                                                                           ref["loss"], fp32_m["loss"])
