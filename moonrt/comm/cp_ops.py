@@ -8,7 +8,8 @@ dimension (``cp``, innermost) carries all three.
 Collectives here, each an autograd function whose backward sends the gradient the other way:
 
 - :func:`halo_exchange`: the previous rank's last ``width`` tokens (the causal short-conv halo);
-  backward returns the halo's gradient to the previous rank (point-to-point, both directions).
+  backward returns the halo's gradient to the previous rank (point-to-point, both directions, each rank's
+  send and receive in one ``batch_isend_irecv``).
 - :func:`gather_prefix`: all-gather of a per-token tensor (the MLA latent), returning every token up
   to the end of this rank's slice; backward is a reduce-scatter (sum) of the gathered gradient.
 
@@ -206,12 +207,17 @@ def require_split(what: str, lengths: list[int], minimum: int = 1) -> None:
 
 def _p2p(send: torch.Tensor | None, dst: int | None, recv: torch.Tensor | None, src: int | None,
          group: ProcessGroup | None) -> None:
-    works = []
+    """One ``batch_isend_irecv`` of this rank's send (to group rank ``dst``) and receive (from ``src``), waited on.
+
+    The halo is a chain (every rank sends to the next and receives from the previous), so each link's two ranks
+    meet in their one group per call: the order NCCL needs (its point-to-point ignores tags and runs in issue
+    order per communicator)."""
+    ops = []
     if recv is not None:
-        works.append(dist.irecv(recv, group=group, group_src=src))
+        ops.append(dist.P2POp(dist.irecv, recv, group=group, group_peer=src))
     if send is not None:
-        works.append(dist.isend(send.contiguous(), group=group, group_dst=dst))
-    for w in works:
+        ops.append(dist.P2POp(dist.isend, send.contiguous(), group=group, group_peer=dst))
+    for w in dist.batch_isend_irecv(ops) if ops else []:
         w.wait()
 
 

@@ -1,6 +1,7 @@
 """Expert-parallel layout math: where each token-expert assignment and each copied expert goes (K3_SYSTEMS §6.3).
 
-Pure index arithmetic shared by both EP dispatchers (no collectives, no autograd). Given the
+Pure index arithmetic shared by both EP dispatchers (no collectives, no autograd), on the device of the
+routing counts (the dispatchers pass host tensors: the splits become Python lists). Given the
 ``[R, E]`` routing counts of the whole EP group and a placement (``alloc [E, R]``: assignments of
 expert e computed on rank r; ``copies [R, B]``: expert held in each slot; see
 :class:`moonrt.scheduler.placement.Placement`), every rank computes its own send and receive layout
@@ -59,8 +60,8 @@ def segment_table(alloc: torch.Tensor, copies: torch.Tensor) -> torch.Tensor:
     """
     num_experts, world = alloc.shape
     per_rank = num_experts // world
-    seg = torch.full((world, num_experts), -1, dtype=torch.int64)
-    experts = torch.arange(num_experts)
+    seg = torch.full((world, num_experts), -1, dtype=torch.int64, device=copies.device)
+    experts = torch.arange(num_experts, device=copies.device)
     seg[experts // per_rank, experts] = experts
     d, j = (copies >= 0).nonzero(as_tuple=True)
     seg[d, copies[d, j]] = num_experts + j
@@ -80,9 +81,9 @@ def build_layout(
     world, num_experts = counts.shape
     s, k = topk_ids.shape
     num_segments = num_experts + copies.shape[1]
-    counts = counts.to(torch.int64).cpu()
-    alloc = alloc.to(torch.int64).cpu()
-    copies = copies.to(torch.int64).cpu()
+    counts = counts.to(torch.int64)
+    alloc = alloc.to(counts.device, torch.int64)
+    copies = copies.to(counts.device, torch.int64)
     seg = segment_table(alloc, copies)
     off = counts.cumsum(0) - counts  # [R, E]: first global position of each source rank's block
     cut = alloc.cumsum(1)  # [E, R]: end of each destination's range
@@ -99,23 +100,24 @@ def build_layout(
 
     # Send side: in (expert, position) order this rank's assignments of expert e go to destinations
     # 0..R-1 in turn, n_send[d, e] each (its block of e's global order meets d's range in that order).
-    flat = topk_ids.reshape(-1).cpu()
+    flat = topk_ids.reshape(-1).to(counts.device)
     order = torch.argsort(flat, stable=True)
     dst = torch.empty_like(flat)
-    dst[order] = torch.repeat_interleave(torch.arange(world).repeat(num_experts), n_send.t().reshape(-1))
+    dst[order] = torch.repeat_interleave(torch.arange(world, device=flat.device).repeat(num_experts),
+                                         n_send.t().reshape(-1))
     key = dst * num_segments + seg[dst, flat]
     send_perm = torch.argsort(key, stable=True)
     send_splits = torch.bincount(dst, minlength=world)
 
     # Receive side: each source's chunk is sorted by segment; regroup segment-major.
     mine = seg[rank] >= 0
-    per_seg = torch.zeros(world, num_segments, dtype=torch.int64)
+    per_seg = torch.zeros(world, num_segments, dtype=torch.int64, device=counts.device)
     per_seg[:, seg[rank, mine]] = n_recv[:, mine]
-    seg_ids = torch.arange(num_segments).repeat(world)
+    seg_ids = torch.arange(num_segments, device=counts.device).repeat(world)
     seg_of_recv = torch.repeat_interleave(seg_ids, per_seg.reshape(-1))
     recv_perm = torch.argsort(seg_of_recv, stable=True)
     rows = int(per_seg.sum())
-    cu = torch.zeros(num_segments + 1, dtype=torch.int64)
+    cu = torch.zeros(num_segments + 1, dtype=torch.int64, device=counts.device)
     cu[1:] = per_seg.sum(0).cumsum(0)
     return EPLayout(
         rank=rank, world_size=world, tokens=s, top_k=k, rows=rows,
@@ -144,14 +146,14 @@ class WeightLayout:
 
 def build_weight_layout(copies: torch.Tensor, num_experts: int, rank: int) -> WeightLayout:
     """From ``copies [R, B]`` (expert per slot, -1 empty), this rank's weight send/receive layout."""
-    copies = copies.to(torch.int64).cpu()
+    copies = copies.to(torch.int64)
     world, num_slots = copies.shape
     per_rank = num_experts // world
     home = torch.where(copies >= 0, copies // per_rank, -1)  # [R, B]
     send_d, send_j = (home == rank).nonzero(as_tuple=True)  # row-major: ordered by (d, j)
     send_local = copies[send_d, send_j] - rank * per_rank
     mine = home[rank]
-    slots = torch.arange(num_slots)
+    slots = torch.arange(num_slots, device=copies.device)
     recv_slot = torch.cat([slots[mine == h] for h in range(world)])
     return WeightLayout(
         send_local=send_local, recv_slot=recv_slot,

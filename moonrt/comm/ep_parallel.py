@@ -81,10 +81,13 @@ class ExpertParallel(Part):
         self.dispatchers: dict[int, MoonEPDispatcher] = {}
         self._expert_params: set[int] = set()
         self._expert_slices: dict[int, tuple[int, int, int]] = {}  # id(param) -> (first, num_local, E)
+        self.device: torch.device | None = None
+        """Where the model's parameters live (set by :meth:`parallelize`): the norm's scalars are made there."""
 
     # ---- model -------------------------------------------------------------------------------------
     def parallelize(self, model: nn.Module) -> nn.Module:
         """Shard every MoE layer's experts to this EP rank's home slice and install the dispatcher."""
+        self.device = next(iter(model.parameters())).device
         if self.ep_size == 1:
             return model
         cls = MoonEPDispatcher if self.dispatcher == "moonep" else AllToAllDispatcher
@@ -134,7 +137,7 @@ class ExpertParallel(Part):
         """The global norm's terms: replicated (dense) gradients once, as they are on every rank; the expert shards
         summed over the EP group (each rank holds its home experts')."""
         grads = [(p, p.grad) for p in params if p.grad is not None]
-        zero = torch.zeros((), dtype=torch.float64)
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
         dense = sum((g.double().pow(2).sum() for p, g in grads if not self.is_expert(p)), zero)
         expert = sum((g.double().pow(2).sum() for p, g in grads if self.is_expert(p)), zero.clone())
         return GradNorm([(dense, ()), (expert, (self.ep_group,) if self.ep_size > 1 else ())], [g for _, g in grads])

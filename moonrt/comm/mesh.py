@@ -26,6 +26,13 @@ Named groups, each a set of ranks that differ only in the listed dimensions:
 Code names them by :class:`Group` (``Group.DP_CP``, a ``str`` equal to ``"dp_cp"``), never by bare strings;
 the mesh's methods accept either.
 
+CPU groups (:meth:`ProcessMesh.cpu_group`): host metadata and pickled objects (``all_gather_object``,
+``gather_object``, ``broadcast_object_list``, DCP's planning) travel over gloo, whatever carries the tensors. When
+the default group is gloo (a CPU job) the CPU group of the world is the default group and that of a named group
+the group itself: no extra group. Otherwise (NCCL, whose collectives take only CUDA tensors and whose object
+collectives would stage every object through the GPU) the mesh creates one gloo group over the world and one per
+partition of each kind in :data:`CPU_GROUPS`, the named groups the runtime runs object collectives on.
+
 :class:`MeshLayout` is pure rank arithmetic (no processes); :class:`ProcessMesh` creates the
 torch.distributed groups from it. Neither keeps module globals: pass the mesh where it is needed.
 """
@@ -73,6 +80,10 @@ class Group(str, enum.Enum):
 
 GROUP_NAMES: tuple[str, ...] = tuple(g.value for g in Group)
 """Every group name, in :class:`Group` order (the order :class:`ProcessMesh` creates them in)."""
+
+CPU_GROUPS: tuple[Group, ...] = (Group.PP,)
+"""Named groups with a CPU group of their own (:meth:`ProcessMesh.cpu_group`): the pipeline's object collectives
+(parameter names, the single-process-layout state gathered onto pipeline rank 0) run over ``pp``."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -191,15 +202,53 @@ class ProcessMesh:
                     if members == mine:
                         self._owned[members] = group
             self._groups[name] = dist.group.WORLD if len(mine) == self.layout.world_size else self._owned[mine]
+        self.backend = default_backend()
+        """The default group's backend; not ``gloo``: the mesh made gloo groups for metadata and objects."""
+        self._cpu: dict[str | None, dist.ProcessGroup] = {}
+        self._cpu_owned: list[dist.ProcessGroup] = []
+        if self.backend == "gloo":
+            self._cpu[None] = dist.group.WORLD
+            for name in CPU_GROUPS:
+                self._cpu[name] = self._groups[name]
+        else:
+            self._cpu[None] = dist.new_group(list(range(self.layout.world_size)), backend="gloo", **kwargs)
+            self._cpu_owned.append(self._cpu[None])
+            made: set[tuple[int, ...]] = set()
+            for name in CPU_GROUPS:
+                mine = tuple(self._ranks[name])
+                for members in map(tuple, self.layout.all_groups(name)):
+                    if len(members) == self.layout.world_size:
+                        group = self._cpu[None]
+                    elif members in made:
+                        continue
+                    else:
+                        made.add(members)
+                        group = dist.new_group(list(members), backend="gloo", **kwargs)
+                        self._cpu_owned.append(group)
+                    if members == mine:
+                        self._cpu[name] = group
 
     def destroy(self) -> None:
         """Destroy the groups this mesh created (not the default group); the mesh is unusable after."""
         import torch.distributed as dist
 
-        for group in self._owned.values():
+        for group in [*self._owned.values(), *self._cpu_owned]:
             dist.destroy_process_group(group)
         self._owned.clear()
         self._groups.clear()
+        self._cpu_owned.clear()
+        self._cpu.clear()
+
+    def cpu_group(self, name: str | None = None) -> dist.ProcessGroup:
+        """The gloo group for host metadata and objects over the world (``name`` None) or over this rank's group
+        ``name`` (one of :data:`CPU_GROUPS`); see the module docstring for when it is a group of its own."""
+        if name is not None:
+            MeshLayout._dims(name)
+            if name not in CPU_GROUPS:
+                raise ConfigError(f"cpu_group({name!r}): expected one of {', '.join(CPU_GROUPS)} or None (the world)")
+        if name not in self._cpu:
+            raise RuntimeError(f"cpu_group {name!r}: this ProcessMesh was destroyed")
+        return self._cpu[name]
 
     @property
     def parallel(self) -> ParallelConfig:
@@ -222,6 +271,13 @@ class ProcessMesh:
 
     def size(self, name: str) -> int:
         return self.layout.group_size(name)
+
+
+def default_backend() -> str:
+    """The default group's backend name (``gloo``, ``nccl``, or a per-device list such as ``cpu:gloo,cuda:nccl``)."""
+    import torch.distributed as dist
+
+    return str(dist.get_backend())
 
 
 def _default_group_timeout() -> timedelta | None:

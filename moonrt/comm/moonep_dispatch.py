@@ -4,9 +4,10 @@ One :class:`MoonEPDispatcher` per EP group, DeepEP style: sized once from ``(cap
 top_k, num_experts, num_slots)``, verbs in pairs (``dispatch`` returns a :class:`EPHandle` that
 ``prefetch_weights`` and ``combine`` consume). Per MoE layer call (§6.3):
 
-1. every rank validates its input and all-gathers one int64 row ``[status, s, counts[E]]``: the
-   ``[R, E]`` routing counts plus an error flag, so bad input on one rank raises a ValueError on
-   *every* rank instead of leaving the others blocked in the next collective;
+1. every rank validates its input and all-gathers one int64 row ``[status, s, counts[E]]`` (on the
+   data's device, over the EP group): the ``[R, E]`` routing counts plus an error flag, so bad input on
+   one rank raises a ValueError on *every* rank instead of leaving the others blocked in the next
+   collective; the table and this rank's top-k ids are copied to the host once;
 2. every rank runs the same deterministic planner (:func:`moonrt.scheduler.moonep.plan`) and
    computes its own send/receive layout locally (:mod:`moonrt.comm.ep_layout`);
 3. one all-to-all moves tokens (and their top-k weights) into expert-grouped rows. Rank d receives
@@ -209,17 +210,19 @@ class MoonEPDispatcher:
         except Exception as exc:  # never skip the all-gather below: the other ranks would hang in it
             code, message = 1, f"{type(exc).__name__}: {exc}"
         E, R = self.num_experts, self.world_size
-        row = torch.zeros(2 + E, dtype=torch.int64)
+        device = x.device if isinstance(x, torch.Tensor) else None  # the EP group's tensors live with the data
+        row = torch.zeros(2 + E, dtype=torch.int64, device=device)
         row[0] = code
         if code == 0:
             row[1] = x.shape[0]
-            row[2:] = torch.bincount(topk_ids.reshape(-1).cpu(), minlength=E)
+            row[2:] = torch.bincount(topk_ids.reshape(-1), minlength=E)
         if R > 1:
-            table = torch.empty(R * (2 + E), dtype=torch.int64)
+            table = torch.empty(R * (2 + E), dtype=torch.int64, device=row.device)
             dist.all_gather_single(table, row, group=self.group)
             table = table.view(R, 2 + E)
         else:
             table = row.view(1, 2 + E)
+        table = table.cpu()  # the planner and the transport layout are host code: one copy of the counts
         if code:
             raise ValueError(f"MoonEP dispatch (EP rank {self.rank}): {message}")
         if bool((table[:, 0] != 0).any()):
@@ -231,7 +234,7 @@ class MoonEPDispatcher:
         sizes = table[:, 1]
         total = int(sizes.sum()) if bool((sizes != sizes[0]).any()) else None
         plan, placement = self.place(counts, total)
-        layout = build_layout(topk_ids, counts, placement.alloc, placement.copies, self.rank)
+        layout = build_layout(topk_ids.cpu(), counts, placement.alloc, placement.copies, self.rank)
         if layout.rows != int(placement.capacity[self.rank]):
             raise RuntimeError(f"MoonEP layout has {layout.rows} rows, plan capacity is "
                                f"{int(placement.capacity[self.rank])}: planner and layout disagree")

@@ -227,6 +227,9 @@ class Parallelism:
     is_main: bool = True
     ctx: AttentionContext = LOCAL
     replicas: Any = None
+    cpu_group: Any = None
+    """The gloo group host metadata and objects travel over (:meth:`moonrt.comm.mesh.ProcessMesh.cpu_group`: object
+    collectives, DCP's planning); None: the default group."""
     parts: list[Part] = dataclasses.field(default_factory=list)
     precision: Precision = dataclasses.field(default_factory=lambda: Precision())
 

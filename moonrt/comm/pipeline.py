@@ -9,11 +9,16 @@ single-process global-batch mean). The runtime reaches the model only through it
 Actions (the schedule IR of :mod:`moonrt.scheduler.pipeline`): ``F`` forward, ``B`` full backward, ``I``
 input-gradient backward (``torch.autograd.backward(inputs=<the stage's received tensors>,
 retain_graph=True)``), ``W`` weight-gradient backward (``inputs=<the stage's parameters>``), and
-``SEND_F`` / ``RECV_F`` / ``SEND_B`` / ``RECV_B``. A ``RECV`` blocks until its tensors arrived; a
-``SEND`` is an ``isend`` whose handle is kept with its buffers and waited on before they are released
-(completed sends are reaped after every action; the rest at the backward that frees the buffers, and
-at the end of the step). Every tensor of a hop has its own tag, unique per (stage, micro-batch,
-direction, tensor index) within a step.
+``SEND_F`` / ``RECV_F`` / ``SEND_B`` / ``RECV_B``. Communication goes out in
+:class:`~moonrt.scheduler.pipeline_p2p.P2PGroup` s (:func:`moonrt.scheduler.pipeline_p2p.p2p_groups`), each one
+``dist.batch_isend_irecv`` of all its sends and receives, which is what NCCL needs (tags ignored, one stream per
+communicator: a send and a receive between two ranks that wait on each other must be in one group; the groups'
+order is proven deadlock-free there); a bare communication action in the list is a group of its own. A receive is
+posted with its group and waited on right before the compute action that reads it (``recv_wait_s``); a send's
+handle is kept with its buffers and waited on before they are released (completed sends are reaped after every
+action; the rest at the backward that frees the buffers, and at the end of the step). Every tensor of a hop has its
+own tag, unique per (stage, micro-batch, direction, tensor index) within a step (gloo matches by tag; NCCL pairs a
+pair's operations in order, which the grouping makes the same pairs).
 
 AttnRes (K3_SYSTEMS §9): a forward hop ``s -> s+1`` carries the blocks of the hop plan (``sends[s]``), then
 the open partial block when one is open at the cut; the backward hop carries the accumulated gradient
@@ -36,6 +41,8 @@ from torch import nn
 from moonrt.comm.pp_cache import BlockCache, BlockPlan
 from moonrt.ops.precision import token_loss_sum
 from moonrt.parallel.context import LOCAL, AttentionContext
+from moonrt.scheduler.pipeline_ir import COMM_OPS
+from moonrt.scheduler.pipeline_p2p import P2PGroup
 
 
 class PipelineError(RuntimeError):
@@ -64,13 +71,39 @@ class StepStats:
     bytes_sent_bwd: int = 0
     hops: dict[int, int] = dataclasses.field(default_factory=dict)  # stage s -> blocks sent on hop s -> s+1
     recv_wait_s: float = 0.0
-    """Seconds blocked in RECV_F / RECV_B (the rank's measured idle time: bubble plus transfer)."""
+    """Seconds blocked waiting for received tensors (the rank's measured idle time: bubble plus transfer)."""
     wall_s: float = 0.0
     """Seconds of the whole action list."""
 
 
+class _Handle:
+    """Completion of one operation of a ``batch_isend_irecv``: its own work where the backend returns one per
+    operation (gloo), else every work of the group (NCCL coalesces a group into one)."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+
+@dataclasses.dataclass
+class _Posted:
+    """A posted receive: its buffers (filled once ``handle`` completes), the peer and what it is for."""
+
+    bufs: list[torch.Tensor]
+    handle: _Handle
+    src: int
+    what: str
+
+
 class PipelineExecutor:
-    """Runs ``actions`` (this rank's lowered list) of ``schedule`` over the pp ``group``.
+    """Runs ``actions`` (this rank's list: compute actions and :class:`P2PGroup` s from
+    :func:`moonrt.scheduler.pipeline_p2p.p2p_groups`, or a lowered list) of a schedule over the pp ``group``.
 
     ``plan`` is the :class:`BlockPlan` of the stages; ``rank_of(stage)`` the pipeline rank (index in
     ``group``) that runs a stage; ``stage_of(chunk)`` this rank's global stage of a local chunk;
@@ -114,24 +147,34 @@ class PipelineExecutor:
         self.out_grad: dict[tuple[int, int], torch.Tensor | None] = {}
         self.in_grad: dict[tuple[int, int], torch.Tensor | None] = {}
         self.saved: dict[tuple[int, int], _Saved] = {}
-        self.pending: list[tuple[Any, Any, int]] = []  # (isend work, its buffer, peer)
+        self.pending: list[tuple[Any, Any, int]] = []  # (send handle, its buffer, peer)
+        self.posted: dict[tuple[str, int, int], _Posted] = {}  # (RECV op, stage, micro-batch) -> posted receive
         self.device = xs[0].device
         self.loss = torch.zeros((), dtype=torch.float32, device=self.device)
         t_start = time.perf_counter()
-        for a in self.actions:
-            s = self.stage_of(a.chunk)
+        for item in self.actions:
+            group = item.actions if isinstance(item, P2PGroup) else (item,) if item.op in COMM_OPS else None
             try:
-                getattr(self, "_" + a.op.lower())(s, a.microbatch)
+                if group is not None:
+                    self._issue(group)
+                else:
+                    s = self.stage_of(item.chunk)
+                    self._arrive(item.op, s, item.microbatch)
+                    getattr(self, "_" + item.op.lower())(s, item.microbatch)
             except (RuntimeError, ValueError) as exc:
                 if isinstance(exc, PipelineError):
                     raise
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
-                raise PipelineError(f"pipeline rank {self.rank}: {a.op} of stage {s}, micro-batch {a.microbatch} "
-                                    f"failed: {first}") from exc
+                what = (f"{item.label()}" if group is not None else
+                        f"{item.op} of stage {self.stage_of(item.chunk)}, micro-batch {item.microbatch}")
+                raise PipelineError(f"pipeline rank {self.rank}: {what} failed: {first}") from exc
             self.pending = [p for p in self.pending if not p[0].is_completed()]
         for w, _, peer in self.pending:
             self._wait(w, "a send", peer)
         self.pending = []
+        if self.posted:
+            raise PipelineError(f"pipeline rank {self.rank}: step ended with receives nothing read "
+                                f"({sorted(self.posted)}): the action list is incomplete")
         self.stats.wall_s = time.perf_counter() - t_start
         if forward_only:
             self.saved, self.caches = {}, {}
@@ -189,29 +232,95 @@ class PipelineExecutor:
     def _global(self, pp_rank: int) -> int:
         return dist.get_global_rank(self.group, pp_rank) if self.group is not None else pp_rank
 
-    def _send(self, tensors: list[torch.Tensor], stage: int, mb: int, backward: bool, dst: int) -> list[Any]:
-        works = []
-        for i, t in enumerate(tensors):
-            t = t.detach().contiguous()
-            w = dist.isend(t, self._global(dst), group=self.group, tag=self._tag(stage, mb, backward, i))
-            works.append((w, t, dst))
-            nbytes = t.numel() * t.element_size()
-            if backward:
-                self.stats.bytes_sent_bwd += nbytes
-            else:
-                self.stats.bytes_sent += nbytes
-        self.pending.extend(works)
-        return works
+    def _exchange(self, sends: list[tuple[list[torch.Tensor], int, int, bool, int]],
+                  recvs: list[tuple[int, int, int, bool, int, str]]) -> tuple[list[list[Any]], list[_Posted]]:
+        """One ``batch_isend_irecv`` of every tensor of ``sends`` (``(tensors, hop stage, micro-batch, backward,
+        dst)``) and of ``recvs`` (``(n, hop stage, micro-batch, backward, src, what)``: ``n`` fresh buffers of the
+        stream's shape and dtype on this step's device). The hop stage is the sending stage, so a send and its
+        receive have the same tags. Returns per send its ``(handle, tensor, dst)`` triples (also kept in
+        ``pending``), per receive its :class:`_Posted` (wait with :meth:`_recv_wait`)."""
+        ops: list[dist.P2POp] = []
+        sent: list[list[Any]] = []
+        for tensors, stage, mb, backward, dst in sends:
+            row = []
+            for i, t in enumerate(tensors):
+                t = t.detach().contiguous()
+                ops.append(dist.P2POp(dist.isend, t, self._global(dst), self.group, self._tag(stage, mb, backward, i)))
+                row.append((t, dst))
+                nbytes = t.numel() * t.element_size()
+                if backward:
+                    self.stats.bytes_sent_bwd += nbytes
+                else:
+                    self.stats.bytes_sent += nbytes
+            sent.append(row)
+        got: list[list[torch.Tensor]] = []
+        for n, stage, mb, backward, src, _ in recvs:
+            bufs = [torch.empty(self.shape, dtype=self.dtype, device=self.device) for _ in range(n)]
+            ops += [dist.P2POp(dist.irecv, b, self._global(src), self.group, self._tag(stage, mb, backward, i))
+                    for i, b in enumerate(bufs)]
+            got.append(bufs)
+        works = list(dist.batch_isend_irecv(ops)) if ops else []
+        per_op = len(works) == len(ops)
+        handles = iter([_Handle([w]) for w in works] if per_op else [_Handle(works)] * len(ops))
+        sends_out = [[(next(handles), t, dst) for t, dst in row] for row in sent]
+        for row in sends_out:
+            self.pending.extend(row)
+        posted = []
+        for (_, _, _, _, src, what), bufs in zip(recvs, got):
+            mine = [next(handles) for _ in bufs]
+            posted.append(_Posted(bufs, _Handle([w for h in mine for w in h.works] if per_op else works), src, what))
+        return sends_out, posted
 
-    def _recv(self, n: int, stage: int, mb: int, backward: bool, src: int, what: str) -> list[torch.Tensor]:
-        bufs = [torch.empty(self.shape, dtype=self.dtype, device=self.device) for _ in range(n)]
-        works = [dist.irecv(b, self._global(src), group=self.group, tag=self._tag(stage, mb, backward, i))
-                 for i, b in enumerate(bufs)]
+    def _recv_wait(self, posted: _Posted) -> list[torch.Tensor]:
+        """Wait for a posted receive; its buffers."""
         t0 = time.perf_counter()
-        for w in works:
-            self._wait(w, what, src)
+        self._wait(posted.handle, posted.what, posted.src)
         self.stats.recv_wait_s += time.perf_counter() - t0
-        return bufs
+        return posted.bufs
+
+    def _issue(self, group: tuple[Any, ...]) -> None:
+        """Post one group of communication actions (one ``batch_isend_irecv``)."""
+        sends, senders, recvs, keys = [], [], [], []
+        for a in group:
+            s, mb = self.stage_of(a.chunk), a.microbatch
+            if a.op == "SEND_F":
+                sends.append((self._send_f_tensors(s, mb), s, mb, False, self.rank_of(s + 1)))
+                senders.append((a.op, s, mb))
+            elif a.op == "SEND_B":
+                sends.append((self._send_b_tensors(s, mb), s - 1, mb, True, self.rank_of(s - 1)))
+                senders.append((a.op, s, mb))
+            elif a.op == "RECV_F":
+                recvs.append((len(self.plan.sends[s - 1]) + int(self.plan.partial_in[s]), s - 1, mb, False,
+                              self.rank_of(s - 1), f"{a.op} of stage {s}, micro-batch {mb}"))
+                keys.append((a.op, s, mb))
+            else:
+                recvs.append((len(self.plan.sends[s]) + int(self.plan.partial_in[s + 1]), s, mb, True,
+                              self.rank_of(s + 1), f"{a.op} of stage {s}, micro-batch {mb}"))
+                keys.append((a.op, s, mb))
+        sent, posted = self._exchange(sends, recvs)
+        for (op, s, mb), row in zip(senders, sent):
+            if op == "SEND_F":  # waited on before the backward of (s, mb) frees what it sent
+                self.saved[(s, mb)].sends = row
+            else:  # the gradients sent are held by the send until it completes
+                self._drop_introduced(s, mb)
+        for key, p in zip(keys, posted):
+            if key in self.posted:
+                raise RuntimeError(f"{key[0]} of stage {key[1]}, micro-batch {key[2]} posted twice")
+            self.posted[key] = p
+
+    def _arrive(self, op: str, s: int, mb: int) -> None:
+        """Before compute ``op`` of (stage ``s``, ``mb``): wait for the receive it reads (posted earlier) and put it
+        in place."""
+        if op == "F" and s > 0 and self.rank_of(s - 1) != self.rank:
+            self._recv_f(s, mb, self._recv_wait(self._take("RECV_F", s, mb)))
+        elif op in ("B", "I") and s < self.last and self.rank_of(s + 1) != self.rank:
+            self._recv_b(s, mb, self._recv_wait(self._take("RECV_B", s, mb)))
+
+    def _take(self, op: str, s: int, mb: int) -> _Posted:
+        posted = self.posted.pop((op, s, mb), None)
+        if posted is None:
+            raise RuntimeError(f"its {op} was not posted before it (the action list lacks it)")
+        return posted
 
     # ---- compute -------------------------------------------------------------------------------
     def _f(self, s: int, mb: int) -> None:
@@ -341,42 +450,37 @@ class PipelineExecutor:
         if not cache.data:
             self.caches.pop(key, None)
 
-    # ---- communication -------------------------------------------------------------------------
-    def _send_f(self, s: int, mb: int) -> None:
+    # ---- communication: what a hop carries ----------------------------------------------------------
+    def _send_f_tensors(self, s: int, mb: int) -> list[torch.Tensor]:
         sv = self.saved[(s, mb)]
         cache = self._cache(s, mb)
         ids = self.plan.sends[s]
         tensors = [cache.data[b] for b in ids]
         if self.plan.partial_in[s + 1]:
             tensors.append(sv.partial_out)
-        sv.sends = self._send(tensors, s, mb, False, self.rank_of(s + 1))
         self.stats.blocks_sent += len(ids)
         self.stats.hops[s] = self.stats.hops.get(s, 0) + len(ids)
+        return tensors
 
-    def _recv_f(self, s: int, mb: int) -> None:
+    def _recv_f(self, s: int, mb: int, bufs: list[torch.Tensor]) -> None:
         ids = self.plan.sends[s - 1]
-        n = len(ids) + int(self.plan.partial_in[s])
-        bufs = self._recv(n, s - 1, mb, False, self.rank_of(s - 1), f"RECV_F of stage {s}, micro-batch {mb}")
         cache = self._cache(s, mb)
         for b, t in zip(ids, bufs):
             cache.put(b, t)
         if self.plan.partial_in[s]:
             self.fwd_in[(s, mb)] = bufs[-1].requires_grad_(True)
 
-    def _send_b(self, s: int, mb: int) -> None:
+    def _send_b_tensors(self, s: int, mb: int) -> list[torch.Tensor]:
         cache = self._cache(s, mb)
         ids = self.plan.sends[s - 1]
         tensors = [cache.grad_or_zeros(b) for b in ids]
         if self.plan.partial_in[s]:
             g = self.in_grad.pop((s, mb))
             tensors.append(g if g is not None else torch.zeros(self.shape, dtype=self.dtype, device=self.device))
-        self._send(tensors, s - 1, mb, True, self.rank_of(s - 1))
-        self._drop_introduced(s, mb)
+        return tensors
 
-    def _recv_b(self, s: int, mb: int) -> None:
+    def _recv_b(self, s: int, mb: int, bufs: list[torch.Tensor]) -> None:
         ids = self.plan.sends[s]
-        n = len(ids) + int(self.plan.partial_in[s + 1])
-        bufs = self._recv(n, s, mb, True, self.rank_of(s + 1), f"RECV_B of stage {s}, micro-batch {mb}")
         cache = self._cache(s, mb)
         for b, g in zip(ids, bufs):
             cache.add_grad(b, g)

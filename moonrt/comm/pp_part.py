@@ -25,25 +25,32 @@ from moonrt.comm.pp_cache import block_plan
 from moonrt.config import ConfigError
 from moonrt.parallel.context import LOCAL, AttentionContext
 from moonrt.scheduler.pipeline import Action, Schedule, lower, validate
+from moonrt.scheduler.pipeline_p2p import check_nccl_order, p2p_groups
 
 
 class PipelineParallel(Part):
     """This rank's pipeline: ``group`` (the pp group), ``rank``/``size`` in it, the schedule and AttnRes mode.
 
     ``schedule`` is a :class:`moonrt.scheduler.pipeline.Schedule` of ``size`` ranks (compute-only or
-    lowered; it is lowered and validated here), ``mode`` "cached" or "naive" (K3_SYSTEMS §9). ``inner``: a
+    lowered; it is lowered and validated here, and its sends and receives grouped into ``batch_isend_irecv`` calls
+    by :func:`moonrt.scheduler.pipeline_p2p.p2p_groups`, an order proven deadlock-free under NCCL's rules by
+    :func:`~moonrt.scheduler.pipeline_p2p.check_nccl_order`), ``mode`` "cached" or "naive" (K3_SYSTEMS §9). ``inner``: a
     part that shards this rank's stages further (expert parallelism, ZeRO-1; set by
     :func:`moonrt.comm.compose.compose`): its gradient-norm terms and its single-process-layout state of the
     stages are what the pipeline combines over the pp group. An inner part that declares
     :attr:`Part.counts_every_rank` (ZeRO) has a norm already global: the pipeline names the pseudo-queries it
-    does not own in ``inner.duplicates`` and takes that norm as it is.
+    does not own in ``inner.duplicates`` and takes that norm as it is. ``objects``: the gloo group over the same
+    ranks that the object collectives use (:meth:`moonrt.comm.mesh.ProcessMesh.cpu_group`; default ``group``).
     """
 
     kind = "pipeline"
 
     def __init__(self, schedule: Schedule, *, group: Any, rank: int, mode: str = "cached",
-                 inner: Part | None = None) -> None:
+                 inner: Part | None = None, objects: Any = None) -> None:
         self.schedule = validate(lower(schedule))
+        self.objects = group if objects is None else objects
+        self.items = p2p_groups(self.schedule)
+        check_nccl_order(self.schedule, self.items)
         self.group, self.rank, self.mode = group, rank, mode
         self.inner = inner
         self.size = schedule.pp
@@ -81,7 +88,7 @@ class PipelineParallel(Part):
                              for s in self.my_stages}
         mine = [n for n, _ in model.named_parameters()]
         every = [None] * self.size
-        dist.all_gather_object(every, mine, group=self.group)
+        dist.all_gather_object(every, mine, group=self.objects)
         self.shared = [n for n in mine if sum(n in names for names in every) > 1]
         partial = [n for n in self.shared if not all(n in names for names in every)]
         if partial:  # its gradient sum would need a group of its own
@@ -91,13 +98,13 @@ class PipelineParallel(Part):
             r for r, names in enumerate(every) if n in names)}
         if self.inner is not None and self.inner.counts_every_rank:  # its global norm counts each pseudo-query once
             self.inner.duplicates = set(mine) - self.owned
-        self.executor = PipelineExecutor(model, self.plan, self.schedule.actions[self.rank], rank=self.rank,
+        self.executor = PipelineExecutor(model, self.plan, self.items[self.rank], rank=self.rank,
                                          rank_of=self.rank_of, stage_of=self.stage_of, group=self.group,
                                          params_of=lambda s: self.stage_params[s])
         # eval: one forward of the whole batch through every stage in order
         forward = tuple(tuple(Action("F", 0, self.schedule.chunk_of(st)) for st in range(self.num_stages)
                               if self.rank_of(st) == r) for r in range(self.size))
-        self.eval_actions = lower(dataclasses.replace(self.schedule, actions=forward)).actions[self.rank]
+        self.eval_actions = p2p_groups(lower(dataclasses.replace(self.schedule, actions=forward)))[self.rank]
         self.width = layout.width
         self._named = dict(model.named_parameters())
         self.device = next(iter(self._named.values())).device  # collectives' tensors live here (NCCL: the GPU)
@@ -188,7 +195,7 @@ class PipelineParallel(Part):
         name_of = {id(p): n for n, p in model.named_parameters()}
         mine = [[name_of[id(p)] for p in g["params"]] for g in optim.param_groups]
         every: list[Any] = [None] * self.size
-        dist.all_gather_object(every, mine, group=self.group)
+        dist.all_gather_object(every, mine, group=self.objects)
         order = {n: i for i, n in enumerate(self.full_names)}
         return [sorted({n for names in every for n in names[g]}, key=order.__getitem__) for g in range(len(mine))]
 
@@ -202,7 +209,7 @@ class PipelineParallel(Part):
         mine = {"model": {k: v.detach().clone() for k, v in local_model.items()},
                 "optim": {names[i]: st for i, st in local["state"].items()}}
         every: list[Any] = [None] * self.size if self.rank == 0 else None
-        dist.gather_object(mine, every, dst=dist.get_global_rank(self.group, 0), group=self.group)
+        dist.gather_object(mine, every, dst=dist.get_global_rank(self.objects, 0), group=self.objects)
         if self.rank != 0:
             return {"model": {}, "optimizer": {}}
         merged: dict[str, Any] = {}

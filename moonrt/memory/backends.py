@@ -2,11 +2,12 @@
 
 Two layers:
 
-- A **store** keeps a flat byte tensor somewhere and gives it back: :class:`KeepStore` (the compute
-  device), :class:`HostStore` (host memory; pinned and copied on a side CUDA stream when CUDA is
-  present, a plain copy otherwise), :class:`DiskStore` (one unnamed file per process in the policy's
-  ``disk_path`` directory, its capacity reserved up front, the NVMe tier) and :class:`RemoteStore` (another rank's
-  memory through :mod:`moonrt.memory.remote`).
+- A **store** keeps a flat byte tensor somewhere and gives it back on the device it came from:
+  :class:`KeepStore` (the compute device), :class:`HostStore` (host memory; from a CUDA source pinned and
+  copied on a dedicated copy stream with events, :mod:`.copy_streams`; from a CPU source the same calls,
+  synchronous), :class:`DiskStore` (one unnamed file per process in the policy's ``disk_path`` directory,
+  its capacity reserved up front, the NVMe tier) and :class:`RemoteStore` (another rank's memory through
+  :mod:`moonrt.memory.remote`).
 - A **codec** turns a tensor into the byte tensors handed to the store: :class:`RawCodec` (bytes
   as they are) or :class:`FP8Codec` (block-wise E4M3 payload + fp32 scales, :mod:`.fp8`).
 
@@ -28,6 +29,7 @@ from typing import Any, Protocol
 import torch
 
 from moonrt.config import ConfigError
+from moonrt.memory.copy_streams import SYNC, CudaStreams, Streams, pin_host
 from moonrt.ops import fp8
 
 TIERS = ("device", "host", "disk", "remote")
@@ -99,51 +101,71 @@ class KeepStore:
 
 
 class HostStore:
-    """Host memory. With CUDA: pinned buffers and a dedicated copy stream (events order the copies
-    against the compute stream). Without CUDA: a plain copy into a separate host buffer.
+    """Host memory: the bytes copied into a host buffer, brought back to the source's device by ``get``.
 
-    Freed buffers go to a pool keyed by byte size and are reused by later ``put`` calls of the same
-    size (the saved tensors of a training step repeat every step), so a steady-state step allocates no
-    host memory: no allocator calls, no page faults on fresh pages, no pinned registration. Without
-    CUDA, ``get`` hands out the buffer itself (zero copy); a buffer is only pooled again once no tensor
-    outside the pool references its storage. :meth:`trim` releases the pool.
+    Copies follow the copy-stream protocol of :mod:`moonrt.memory.copy_streams`: from a CUDA source into a
+    pinned buffer (:func:`~moonrt.memory.copy_streams.pin_host`) on the device's dedicated copy stream, with an
+    event the restore waits on, so the compute stream is not blocked; from a CPU source the same calls run
+    synchronously (:data:`~moonrt.memory.copy_streams.SYNC`) into a pageable buffer. ``streams`` replaces the
+    per-device choice (a stand-in that records the protocol, in the tests).
+
+    Freed buffers go to a pool keyed by byte size and pinning and are reused by later ``put`` calls of the same
+    size (the saved tensors of a training step repeat every step), so a steady-state step allocates no host
+    memory: no allocator calls, no page faults on fresh pages, no pinned registration. A buffer freed after an
+    asynchronous copy carries an event recorded on the copy stream at ``free``; the ``put`` that reuses it makes
+    the copy stream wait on it first. For a CPU target, ``get`` hands out the buffer itself (zero copy); a buffer
+    is only pooled again once no tensor outside the pool references its storage. :meth:`trim` releases the pool.
     """
 
     tier = "host"
 
-    def __init__(self) -> None:
-        self._cuda = torch.cuda.is_available()
-        self._stream = torch.cuda.Stream() if self._cuda else None
-        self.prefetch = self._cuda  # without CUDA, host memory is the compute memory: get is free
-        self._pool: dict[int, list[torch.Tensor]] = {}
+    def __init__(self, streams: Streams | None = None) -> None:
+        self._streams = streams
+        self._cuda: CudaStreams | None = None
+        # without CUDA (or a stand-in), host memory is the compute memory: get is free, nothing to start early
+        self.prefetch = torch.cuda.is_available() or (streams is not None and not streams.synchronous)
+        self._pool: dict[tuple[int, bool], list[tuple[torch.Tensor, Any]]] = {}
         self._lock = threading.Lock()
         self.pooled_bytes = 0
         self.reused = 0
 
-    def _take(self, n: int, pinned: bool) -> torch.Tensor:
+    def streams_for(self, device: torch.device) -> Streams:
+        """The streams a copy from or to ``device`` runs on: the injected ones, CUDA's for a CUDA device, else
+        the synchronous :data:`~moonrt.memory.copy_streams.SYNC`."""
+        if self._streams is not None:
+            return self._streams
+        if device.type == "cuda":
+            if self._cuda is None:
+                self._cuda = CudaStreams()
+            return self._cuda
+        return SYNC
+
+    def _take(self, n: int, pinned: bool) -> tuple[torch.Tensor, Any]:
+        """A host buffer of ``n`` bytes (pooled, with the event its last copy's reads end at, or new)."""
         with self._lock:
-            free = self._pool.get(n)
+            free = self._pool.get((n, pinned))
             if free:
                 self.pooled_bytes -= n
                 self.reused += 1
                 return free.pop()
-        return torch.empty(n, dtype=torch.uint8, pin_memory=pinned)
+        return torch.empty(n, dtype=torch.uint8, device="cpu", pin_memory=pinned), None
 
     def put(self, data: torch.Tensor) -> Any:
-        n = data.numel()
-        if data.device.type == "cuda":
-            assert self._stream is not None
-            buf = self._take(n, pinned=True)
-            self._stream.wait_stream(torch.cuda.current_stream(data.device))
-            with torch.cuda.stream(self._stream):
-                buf.copy_(data, non_blocking=True)
-                data.record_stream(self._stream)
-                event = torch.cuda.Event()
-                event.record(self._stream)
-            return buf, event
-        buf = self._take(n, pinned=False)
-        buf.copy_(data)
-        return buf  # without CUDA the record is the buffer (no tuple kept alive per saved tensor)
+        device = data.device
+        streams = self.streams_for(device)
+        buf, ready = self._take(data.numel(), pin_host(device))
+        copy = streams.copy_stream(device)
+        copy.wait_stream(streams.current_stream(device))  # the source's producer was issued before this put
+        if ready is not None:  # a reused buffer: its last reads (a restore) end first
+            copy.wait_event(ready)
+        with streams.use(copy):
+            streams.copy_(buf, data)
+            streams.record_stream(data, copy)
+            event = streams.new_event()
+            event.record(copy)
+        if streams.synchronous:
+            return buf  # the record is the buffer (no tuple kept alive per saved tensor)
+        return buf, event, device
 
     batched = True
     """Whether :meth:`put_many` exists: the manager then copies a layer's saves of CPU tensors in one call."""
@@ -152,7 +174,7 @@ class HostStore:
 
     def put_many(self, datas: list[torch.Tensor], sizes: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Copy several CPU ``[sizes[i]]`` uint8 tensors into one pooled host buffer, each part at a multiple
-        of :data:`ALIGN` bytes, with one ``torch._foreach_copy_`` call (bitwise copies).
+        of :data:`ALIGN` bytes, with one ``torch._foreach_copy_`` call (bitwise copies, synchronous).
 
         Returns ``(buffer [total] uint8, [view_i [sizes[i]] of buffer])``; free the buffer with :meth:`free`
         once no view is needed (the views alias it: it is pooled again only when none is left).
@@ -165,35 +187,43 @@ class HostStore:
             split.append(n)
             split.append(pad)
             total += n + pad
-        buf = self._take(total, pinned=False)
+        buf, _ = self._take(total, pinned=False)  # pageable buffers were only ever read synchronously
         views = list(buf.split(split)[::2])
         torch._foreach_copy_(views, datas)
         return buf, views
 
     def get(self, record: Any, device: torch.device) -> torch.Tensor:
+        """The bytes on ``device`` (the source's): a synchronous record's buffer itself on the host; else copied
+        on the copy stream after the offload's event, the compute stream ordered after the copy."""
         if record.__class__ is not tuple:
-            return record
-        buf, event = record
-        if device.type == "cuda":
-            assert self._stream is not None
-            with torch.cuda.stream(self._stream):
-                self._stream.wait_event(event)
-                out = buf.to(device, non_blocking=True)
-            torch.cuda.current_stream(device).wait_stream(self._stream)
-            out.record_stream(torch.cuda.current_stream(device))
-            return out
-        return buf
+            return record if device.type == "cpu" else SYNC.to(record, device)
+        buf, event, _ = record
+        streams = self.streams_for(device)
+        copy = streams.copy_stream(device)
+        with streams.use(copy):
+            copy.wait_event(event)  # the offload's bytes are in ``buf``
+            out = streams.to(buf, device)
+        compute = streams.current_stream(device)
+        compute.wait_stream(copy)
+        streams.record_stream(out, compute)
+        return out
 
     def free(self, record: Any) -> None:
-        buf = record[0] if record.__class__ is tuple else record
+        if record.__class__ is tuple:
+            buf, _, device = record
+            pinned = pin_host(device)
+            streams = self.streams_for(device)
+            ready = streams.new_event()  # after every copy issued so far on the copy stream: the restore's too
+            ready.record(streams.copy_stream(device))
+        else:
+            buf, ready, pinned = record, None, False
         # reusable when nothing but ``buf`` holds the storage (a CPU ``get`` hands out aliasing views; the
-        # storage object made for the query holds one more reference). CUDA: the next copy into a pooled
-        # pinned buffer is queued on the same copy stream as the reads from it, so it runs after them.
+        # storage object made for the query holds one more reference)
         if _USE_COUNT is None or _USE_COUNT(buf.untyped_storage()._cdata) > 2:
             return
         n = buf.numel()
         with self._lock:
-            self._pool.setdefault(n, []).append(buf)
+            self._pool.setdefault((n, pinned), []).append((buf, ready))
             self.pooled_bytes += n
 
     def trim(self) -> None:
@@ -318,7 +348,8 @@ class DiskStore:
         with self._lock:
             off = self._alloc(n)
         try:
-            _pwrite_all(self._fd, memoryview(data.cpu().contiguous().numpy()).cast("B"), off)
+            # the disk tier's host copy (from a device source: one synchronous device -> host copy)
+            _pwrite_all(self._fd, memoryview(data.to("cpu").contiguous().numpy()).cast("B"), off)
         except OSError as exc:
             self.free((off, n))
             if exc.errno in _NO_SPACE:
@@ -328,7 +359,7 @@ class DiskStore:
 
     def get(self, record: Any, device: torch.device) -> torch.Tensor:
         off, n = record
-        out = torch.empty(n, dtype=torch.uint8)
+        out = torch.empty(n, dtype=torch.uint8, device="cpu")
         buf = memoryview(out.numpy())
         done = 0
         while done < n:
@@ -341,7 +372,7 @@ class DiskStore:
             if got == 0:
                 raise OSError(errno.EIO, f"disk tier: short read from the offload file in {self.directory}")
             done += got
-        return out.to(device)
+        return out.to(device)  # back on the device the bytes came from
 
     def free(self, record: Any) -> None:
         off, n = record
@@ -367,7 +398,8 @@ class DiskStore:
 
 
 class RemoteStore:
-    """Another rank's memory, through a :class:`moonrt.memory.remote.RemoteClient`."""
+    """Another rank's memory, through a :class:`moonrt.memory.remote.RemoteClient` (bytes travel on the channel's
+    device, :func:`moonrt.memory.remote.channel_device`; ``get`` returns them on the device they came from)."""
 
     batched = False
     tier = "remote"

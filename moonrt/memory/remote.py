@@ -11,6 +11,11 @@ the job's other traffic):
   peer -> owner; ``FREE`` drops a key; ``STOP`` ends the service loop. Both sides post matching
   send/recv in the same order, so the exchange cannot deadlock; every wait has a timeout, after
   which a :class:`TimeoutError` names the operation and peer (no silent hang).
+- Every message is one ``dist.batch_isend_irecv`` group of one op, posted in the same per-pair order on both
+  sides (NCCL runs point-to-point only as such groups; gloo accepts them too). The bytes travel on the
+  channel's device (:func:`channel_device`: the current CUDA device for an NCCL group, else the host), so an
+  NCCL channel moves device memory without a host copy; :class:`~moonrt.memory.backends.RemoteStore` brings
+  them back to the device they came from.
 - Frees requested while autograd releases saved tensors (a finalizer, possibly on another thread)
   are queued and flushed with the next request or :meth:`RemoteClient.flush`.
 
@@ -30,9 +35,27 @@ PUT, GET, FREE, STOP = 1, 2, 3, 4
 _HEADER = 8
 
 
-def make_channel_group(owner: int, peer: int) -> dist.ProcessGroup:
-    """A gloo group of ranks ``{owner, peer}`` for the channel (collective over the whole job)."""
-    return dist.new_group(sorted({owner, peer}), backend="gloo")
+def make_channel_group(owner: int, peer: int, backend: str = "gloo") -> dist.ProcessGroup:
+    """A group of ranks ``{owner, peer}`` for the channel (collective over the whole job); ``backend``
+    ``"gloo"`` (host memory) or ``"nccl"`` (device memory)."""
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"remote offload channel backend = {backend!r}: expected 'gloo' or 'nccl'")
+    return dist.new_group(sorted({owner, peer}), backend=backend)
+
+
+def channel_device(group: dist.ProcessGroup | None) -> torch.device:
+    """The device the channel's tensors live on: the current CUDA device for an NCCL group, else the host."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _p2p(op: object, tensor: torch.Tensor, peer: int, group: dist.ProcessGroup | None, timeout_s: float,
+         what: str) -> None:
+    """One message as a ``batch_isend_irecv`` group of one op (``op``: ``dist.isend`` / ``dist.irecv``), waited
+    for with a timeout."""
+    for work in dist.batch_isend_irecv([dist.P2POp(op, tensor, peer, group=group)]):
+        _wait(work, timeout_s, what)
 
 
 def _wait(work: dist.Work, timeout_s: float, what: str) -> None:
@@ -50,6 +73,7 @@ class RemoteClient:
     def __init__(self, peer: int, group: dist.ProcessGroup | None = None, timeout_s: float = 60.0) -> None:
         self.peer = peer
         self.group = group
+        self.device = channel_device(group)
         self.timeout_s = timeout_s
         self._lock = threading.RLock()
         self._next = 0
@@ -59,9 +83,8 @@ class RemoteClient:
         self.received_bytes = 0
 
     def _header(self, op: int, key: int, n: int) -> None:
-        h = torch.zeros(_HEADER, dtype=torch.int64)
-        h[0], h[1], h[2] = op, key, n
-        _wait(dist.isend(h, self.peer, group=self.group), self.timeout_s, f"header op={op} to rank {self.peer}")
+        h = torch.tensor([op, key, n] + [0] * (_HEADER - 3), dtype=torch.int64, device=self.device)
+        _p2p(dist.isend, h, self.peer, self.group, self.timeout_s, f"header op={op} to rank {self.peer}")
 
     def _flush_locked(self) -> None:
         with self._pending_lock:
@@ -71,23 +94,24 @@ class RemoteClient:
 
     def put(self, data: torch.Tensor) -> int:
         """Send ``[n]`` uint8 ``data`` to the peer; returns the key to fetch it with."""
-        data = data.cpu().contiguous()
+        data = data.to(self.device).contiguous()  # a host copy only when a device tensor goes over gloo
         with self._lock:
             self._flush_locked()
             key = self._next
             self._next += 1
             self._header(PUT, key, data.numel())
-            _wait(dist.isend(data, self.peer, group=self.group), self.timeout_s, f"PUT {key} to rank {self.peer}")
+            _p2p(dist.isend, data, self.peer, self.group, self.timeout_s, f"PUT {key} to rank {self.peer}")
             self.sent_bytes += data.numel()
         return key
 
     def get(self, key: int, n: int) -> torch.Tensor:
-        """``[n]`` uint8: the bytes stored under ``key`` (they stay on the peer until :meth:`free`)."""
-        out = torch.empty(n, dtype=torch.uint8)
+        """``[n]`` uint8 on the channel's device: the bytes stored under ``key`` (they stay on the peer until
+        :meth:`free`)."""
+        out = torch.empty(n, dtype=torch.uint8, device=self.device)
         with self._lock:
             self._flush_locked()
             self._header(GET, key, n)
-            _wait(dist.irecv(out, self.peer, group=self.group), self.timeout_s, f"GET {key} from rank {self.peer}")
+            _p2p(dist.irecv, out, self.peer, self.group, self.timeout_s, f"GET {key} from rank {self.peer}")
             self.received_bytes += n
         return out
 
@@ -118,6 +142,7 @@ class RemoteServer:
                  idle_timeout_s: float = 600.0) -> None:
         self.owner = owner
         self.group = group
+        self.device = channel_device(group)
         self.timeout_s = timeout_s
         self.idle_timeout_s = idle_timeout_s
         self.store: dict[int, torch.Tensor] = {}
@@ -129,21 +154,21 @@ class RemoteServer:
 
     def serve(self) -> None:
         """Run the service loop until STOP (raises TimeoutError when the owner goes silent)."""
-        h = torch.zeros(_HEADER, dtype=torch.int64)
+        h = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
         while True:
-            _wait(dist.irecv(h, self.owner, group=self.group), self.idle_timeout_s, f"header from rank {self.owner}")
-            op, key, n = int(h[0]), int(h[1]), int(h[2])
+            _p2p(dist.irecv, h, self.owner, self.group, self.idle_timeout_s, f"header from rank {self.owner}")
+            op, key, n = h[:3].tolist()
             self.requests += 1
             if op == PUT:
-                buf = torch.empty(n, dtype=torch.uint8)
-                _wait(dist.irecv(buf, self.owner, group=self.group), self.timeout_s, f"PUT {key} payload")
+                buf = torch.empty(n, dtype=torch.uint8, device=self.device)
+                _p2p(dist.irecv, buf, self.owner, self.group, self.timeout_s, f"PUT {key} payload")
                 self.store[key] = buf
                 self.held_bytes += n
                 self.peak_bytes = max(self.peak_bytes, self.held_bytes)
             elif op == GET:
                 if key not in self.store:
                     raise ValueError(f"remote offload: GET of unknown key {key} from rank {self.owner}")
-                _wait(dist.isend(self.store[key], self.owner, group=self.group), self.timeout_s, f"GET {key} reply")
+                _p2p(dist.isend, self.store[key], self.owner, self.group, self.timeout_s, f"GET {key} reply")
             elif op == FREE:
                 buf = self.store.pop(key, None)
                 if buf is not None:
@@ -175,4 +200,4 @@ class RemoteServer:
             raise self.error
 
 
-__all__ = ["RemoteClient", "RemoteServer", "make_channel_group"]
+__all__ = ["RemoteClient", "RemoteServer", "channel_device", "make_channel_group"]

@@ -3,8 +3,9 @@
 Pure data shared by the pipeline executor and the memory planner (K3_SYSTEMS §8-§10).
 :func:`build_schedule` returns a compute-only :class:`Schedule` (IR: :mod:`.pipeline_ir`); :func:`lower`
 inserts the sends and receives, :func:`validate` proves the result deadlock-free under the executor's
-semantics and :func:`simulate` times it (:mod:`.pipeline_sim`). :func:`in_flight`, which the memory
-planner uses, reads the simulator's peak live counts.
+semantics and :func:`simulate` times it (:mod:`.pipeline_sim`); :mod:`.pipeline_p2p` groups the sends and
+receives into the ``batch_isend_irecv`` calls the executor issues, in an order NCCL completes.
+:func:`in_flight`, which the memory planner uses, reads the simulator's peak live counts.
 
 Schedules (``pp`` ranks, ``vpp`` chunks per rank, ``m`` micro-batches; rank r):
 

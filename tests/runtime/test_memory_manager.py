@@ -37,10 +37,10 @@ class Stack(nn.Module):
         return x
 
 
-def _run(policy: MemoryPolicy | None, dtype=torch.float32, seed: int = 0):
+def _run(policy: MemoryPolicy | None, dtype=torch.float32, seed: int = 0, device: torch.device | str = "cpu"):
     torch.manual_seed(seed)
-    model = Stack().to(dtype)
-    x = torch.randn(4, 16, 128, dtype=dtype, requires_grad=True)
+    model = Stack().to(dtype).to(device)
+    x = torch.randn(4, 16, 128, dtype=dtype).to(device).requires_grad_()
     if policy is None:
         loss = model(x).float().square().mean()
         loss.backward()
@@ -67,11 +67,11 @@ def _policy(**kw) -> MemoryPolicy:
     {"default": "keep", "rules": [{"match": "layers.1", "policy": "recompute"}]},  # spans a whole layer
     {"default": "host", "rules": [{"match": "layers.0.ffn", "policy": "disk"}], "disk_capacity_mib": 64},
 ])
-def test_exact_policies_match_keep_everything(spec):
-    ref, _ = _run(None)
-    got, acc = _run(_policy(**spec))
+def test_exact_policies_match_keep_everything(spec, device):
+    ref, _ = _run(None, device=device)
+    got, acc = _run(_policy(**spec), device=device)
     for a, b in zip(got, ref):
-        assert torch.equal(a, b)
+        assert a.device == b.device and torch.equal(a, b)
     assert acc.live == {"device": 0, "host": 0, "disk": 0, "remote": 0}  # all released after backward
 
 
@@ -111,11 +111,11 @@ def test_fp8_gradients_within_bound_and_bytes_drop(dtype, lo, hi):
     assert lo < ratio < hi, ratio
 
 
-def test_fp8_then_host_composition():
-    ref, _ = _run(_policy(default="fp8"))
-    got, acc = _run(_policy(default="fp8+host"))
+def test_fp8_then_host_composition(device):
+    ref, _ = _run(_policy(default="fp8"), device=device)
+    got, acc = _run(_policy(default="fp8+host"), device=device)
     for a, b in zip(got, ref):
-        assert torch.equal(a, b)  # same quantization, only the tier differs
+        assert a.device == b.device and torch.equal(a, b)  # same quantization, only the tier differs
     assert acc.peak["device"] == 0 and acc.peak["host"] > 0
 
 

@@ -108,3 +108,43 @@ def test_wrong_degrees_on_real_ranks():
 def test_destroyed_mesh_is_unusable():
     msgs = dist_run(_destroyed, 2, timeout=60)
     assert all("destroyed" in m for m in msgs), msgs
+
+
+def _cpu_groups(rank: int, world: int) -> dict:
+    """The CPU groups of a pp 2 x dp 2 mesh on a gloo job, and as an NCCL job builds them (``default_backend``
+    reporting nccl: the mesh makes gloo groups of its own)."""
+    import moonrt.comm.mesh as mesh_mod
+
+    out = {}
+    gloo = ProcessMesh(ParallelConfig(pp=2, dp=2))
+    out["gloo"] = (gloo.cpu_group() is dist.group.WORLD, gloo.cpu_group("pp") is gloo.group("pp"))
+    try:
+        gloo.cpu_group("ep")
+    except ConfigError as exc:
+        out["ep"] = str(exc)
+    gloo.destroy()
+    real, mesh_mod.default_backend = mesh_mod.default_backend, lambda: "nccl"
+    try:
+        nccl = ProcessMesh(ParallelConfig(pp=2, dp=2))
+    finally:
+        mesh_mod.default_backend = real
+    world_cpu, pp_cpu = nccl.cpu_group(), nccl.cpu_group("pp")
+    mine = [1 << rank]
+    rows: list = [None] * dist.get_world_size(pp_cpu)
+    dist.all_gather_object(rows, mine, group=pp_cpu)
+    out["nccl"] = (world_cpu is not dist.group.WORLD, pp_cpu is not nccl.group("pp"), dist.get_backend(world_cpu),
+                   dist.get_backend(pp_cpu), dist.get_process_group_ranks(world_cpu),
+                   dist.get_process_group_ranks(pp_cpu), sum(r[0] for r in rows))
+    nccl.destroy()
+    return out
+
+
+@pytest.mark.slow
+def test_the_mesh_owns_cpu_groups_only_where_the_default_backend_is_not_gloo():
+    """On gloo the CPU groups are the default group and the pp group themselves; as an NCCL job the mesh makes gloo
+    groups over the world and over each pipeline, and objects travel over them; a group without one is refused."""
+    for rank, got in enumerate(dist_run(_cpu_groups, 4, timeout=120)):
+        assert got["gloo"] == (True, True)
+        assert "cpu_group('ep')" in got["ep"] and "expected one of pp" in got["ep"]
+        pp_members = MeshLayout(4, ParallelConfig(pp=2, dp=2)).group_ranks("pp", rank)
+        assert got["nccl"] == (True, True, "gloo", "gloo", [0, 1, 2, 3], pp_members, sum(1 << m for m in pp_members))

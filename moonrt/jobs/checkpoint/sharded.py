@@ -16,6 +16,9 @@ AdamW moments flattened to ``[numel]``: ZeRO-1 owners write their flat ranges) a
 with ``--optimizer muon`` its AdamW-group parameters the same, its Muon parameters ``optimizer.<name>.momentum_buffer``
 (the parameter's shape: ZeRO-Muon owners write their blocks as boxes, rows or columns) and ``.step`` (> 0: has state).
 
+- **Host agreement over the CPU group**: the barrier, DCP's planning (its object collectives), the gathered write
+  results and the commit verdict travel over ``Parallelism.cpu_group`` (the mesh's gloo group), whatever backend
+  carries the tensors.
 - **Every rank writes what it owns**: ``Parallelism.sharded_state_dict`` hands DCP views of this rank's
   parameters and optimizer shards; nothing is gathered (``moonrt.json`` records the bytes each rank passed).
 - **Atomic**: ranks write into ``step-N.tmp``; after DCP's collective finish (``.metadata`` written), rank 0
@@ -229,13 +232,14 @@ def save_sharded(root: Path, model: torch.nn.Module, opt: torch.optim.Optimizer,
         if tmp.is_symlink():  # planted: DCP would write through it into the directory it names
             tmp.unlink()
         shutil.rmtree(tmp, ignore_errors=True)
+    group = rt.cpu_group  # host-side agreement and DCP's planning: gloo objects, whatever carries the tensors
     if multi:
-        dist.barrier()
+        dist.barrier(group=group)
     planner = ShardSavePlanner()
     try:
         with _quiet(multi):
             dcp.save(state, storage_writer=SafeWriter(tmp, thread_count=1, sync_files=True),
-                     planner=planner, no_dist=not multi)
+                     planner=planner, process_group=group, no_dist=not multi)
     except (Exception, CheckpointException) as exc:  # DCP re-raises every rank's failure on every rank
         if rt.is_main:  # every rank is past its writes (DCP gathered their results): remove this save's files
             shutil.rmtree(tmp, ignore_errors=True)
@@ -247,8 +251,8 @@ def save_sharded(root: Path, model: torch.nn.Module, opt: torch.optim.Optimizer,
                   for it in planner.plan.items if it.tensor_data is not None)  # this rank's chunks after dedup
     row = [*mine, int(written), {f.name: file_sum(f) for f in sorted(tmp.glob(f"__{rank}_*.distcp"))}]
     rows: list[Any] = [None] * dist.get_world_size() if multi else [row]
-    if multi:  # small Python lists: no device to pick (NCCL's tensors live on the GPU)
-        dist.all_gather_object(rows, row)
+    if multi:  # small Python lists, over the CPU group
+        dist.all_gather_object(rows, row, group=group)
     failed: list[str | None] = [None]
     if rt.is_main:
         try:
@@ -259,7 +263,7 @@ def save_sharded(root: Path, model: torch.nn.Module, opt: torch.optim.Optimizer,
                    else f"{tmp}: {exc.strerror if isinstance(exc, OSError) and exc.strerror else _reason(exc)}")
             failed = [f"checkpoint write failed: {why}"]
     if multi:  # every rank learns whether rank 0 committed
-        dist.broadcast_object_list(failed, src=0)
+        dist.broadcast_object_list(failed, src=0, group=group)
     if failed[0] is not None:
         raise CheckpointError(failed[0])
     return final
@@ -460,14 +464,14 @@ def verify(step_dir: str | Path) -> int | None:
     return len(marker["files"]) if "files" in marker else None
 
 
-def _check(step_dir: Path, marker: dict[str, Any], multi: bool) -> None:
+def _check(step_dir: Path, marker: dict[str, Any], multi: bool, group: Any = None) -> None:
     """:func:`_problems` before a load; ``multi``: the data files shared among the ranks of the job (collective:
-    every rank raises the same first problem)."""
+    every rank raises the same first problem; the verdicts gathered over ``group``, the job's CPU group)."""
     part = (dist.get_rank(), dist.get_world_size()) if multi else (0, 1)
     mine = _problems(step_dir, marker, part)
     rows: list[Any] = [None] * part[1] if multi else [mine]
     if multi:
-        dist.all_gather_object(rows, mine)
+        dist.all_gather_object(rows, mine, group=group)
     bad = [p for r in rows for p in r]
     if bad:
         raise CheckpointError(f"checkpoint {str(step_dir)!r}: {bad[0]}")
@@ -489,11 +493,12 @@ def load_sharded(step_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimi
     if len(groups) != len(opt.param_groups):
         raise CheckpointError(f"checkpoint {str(step_dir)!r}: {len(groups)} optimizer param groups; this optimizer "
                               f"has {len(opt.param_groups)} (another optimizer?)")
-    _check(step_dir, marker, _multi())
+    _check(step_dir, marker, _multi(), rt.cpu_group)
     state = rt.sharded_state_dict(model, opt, save=False)
     try:
         with _quiet(_multi()):
-            dcp.load(state, storage_reader=SafeReader(step_dir), planner=ShardLoadPlanner(), no_dist=not _multi())
+            dcp.load(state, storage_reader=SafeReader(step_dir), planner=ShardLoadPlanner(),
+                     process_group=rt.cpu_group, no_dist=not _multi())
     except (Exception, CheckpointException) as exc:
         raise CheckpointError(f"checkpoint {str(step_dir)!r}: does not fit this model and optimizer: "
                               f"{_reason(exc)}") from None

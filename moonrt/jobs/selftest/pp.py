@@ -178,7 +178,7 @@ def _traced(ex: PipelineExecutor, model: TinyStack) -> None:
 
 def _corrupt(ex: PipelineExecutor) -> None:
     """Every received tensor gets +1 on its first element, as a broken transport would."""
-    recv: Callable[..., list[torch.Tensor]] = ex._recv
+    recv: Callable[..., list[torch.Tensor]] = ex._recv_wait
 
     def corrupted(*args: Any) -> list[torch.Tensor]:
         bufs = recv(*args)
@@ -187,7 +187,7 @@ def _corrupt(ex: PipelineExecutor) -> None:
                 b.view(-1)[0] += 1
         return bufs
 
-    ex._recv = corrupted
+    ex._recv_wait = corrupted
 
 
 # ---------------------------------------------------------------------------------------------
@@ -201,15 +201,19 @@ def _payload(src: int, n: int, backward: bool, dev: torch.device) -> torch.Tenso
 
 def _round_trip(ex: PipelineExecutor, rank: int, world: int, fwd: torch.Tensor,
                 bwd: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Forward hop ``r -> r+1`` then backward hop ``r+1 -> r`` on every link; returns what arrived (or None)."""
+    """Forward hop ``r -> r+1`` then backward hop ``r+1 -> r`` on every link; returns what arrived (or None).
+
+    Two ``batch_isend_irecv`` groups per rank, as the executor issues them: (send forward, receive forward), then
+    (send backward, receive backward); each link's two ranks meet in the same group, in the same order (NCCL)."""
     got_f = got_b = None
-    if rank + 1 < world:
-        ex._send([fwd], rank, 0, False, rank + 1)
+    _, recv = ex._exchange([([fwd], rank, 0, False, rank + 1)] if rank + 1 < world else [],
+                           [(1, rank - 1, 0, False, rank - 1, "RECV_F of the hop check")] if rank > 0 else [])
     if rank > 0:
-        got_f = ex._recv(1, rank - 1, 0, False, rank - 1, "RECV_F of the hop check")[0]
-        ex._send([bwd], rank - 1, 0, True, rank - 1)
+        got_f = ex._recv_wait(recv[0])[0]
+    _, recv = ex._exchange([([bwd], rank - 1, 0, True, rank - 1)] if rank > 0 else [],
+                           [(1, rank, 0, True, rank + 1, "RECV_B of the hop check")] if rank + 1 < world else [])
     if rank + 1 < world:
-        got_b = ex._recv(1, rank, 0, True, rank + 1, "RECV_B of the hop check")[0]
+        got_b = ex._recv_wait(recv[0])[0]
     for w, _, peer in ex.pending:
         ex._wait(w, "a send of the hop check", peer)
     ex.pending = []

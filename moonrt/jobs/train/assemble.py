@@ -54,7 +54,8 @@ def parallel_runtime(job: JobConfig, progress: bool = False) -> Parallelism:
     world when the other degrees divide it (ConfigError naming the degrees and the world otherwise). Any product
     of ``pp x dp x ep x cp`` composes; the mesh's rank order (:mod:`moonrt.comm.mesh`) decides the groups. With
     ``progress``, rank 0 prints the layout once (:func:`layout_table`: every rank's coordinates, its batch shard
-    and pipeline stages, and the groups; gathered from the ranks with one ``all_gather_object``).
+    and pipeline stages, and the groups; gathered from the ranks with one ``all_gather_object`` over the mesh's CPU
+    group).
 
     Batch rows are split over ``dp_ep`` (ranks that see different data), each sequence over ``cp``
     (:class:`moonrt.comm.cp_context.ContextParallel`: KCP, conv halo, MLA latent gather); gradients, router
@@ -90,6 +91,7 @@ def parallel_runtime(job: JobConfig, progress: bool = False) -> Parallelism:
     rt = Parallelism(dp_rank=mesh.rank(Group.DP_EP), dp_size=mesh.size(Group.DP_EP), cp_rank=mesh.rank(Group.CP),
                      cp_size=mesh.size(Group.CP), is_main=dist.get_rank() == 0, ctx=ctx,
                      replicas=mesh.group(Group.DP_EP_CP))
+    rt.cpu_group = mesh.cpu_group()  # objects and metadata: gloo whatever carries the tensors
     parts: list[Part] = []
     counts = pipe = None
     if p.pp > 1:  # the pipeline runs the step
@@ -97,7 +99,8 @@ def parallel_runtime(job: JobConfig, progress: bool = False) -> Parallelism:
         from moonrt.scheduler.pipeline import build_schedule
 
         schedule = build_schedule(p.pipeline_schedule, p.pp, p.microbatches, p.vpp)
-        pipe = PipelineParallel(schedule, group=mesh.group(Group.PP), rank=mesh.rank(Group.PP), mode=p.attn_res_comm)
+        pipe = PipelineParallel(schedule, group=mesh.group(Group.PP), rank=mesh.rank(Group.PP), mode=p.attn_res_comm,
+                                objects=mesh.cpu_group(Group.PP))
         parts.append(pipe)
     if p.ep > 1:  # MoonEP: shard experts, per-group grad sync, global-norm terms over the shards
         from moonrt.comm.ep_parallel import ExpertParallel
@@ -126,7 +129,7 @@ def parallel_runtime(job: JobConfig, progress: bool = False) -> Parallelism:
         mine = {"coords": mesh.coords, "batch": rt.dp_rank, "stages": getattr(pipe, "my_stages", [0]),
                 "host": socket.gethostname()}
         rows: list[dict] = [{}] * world
-        dist.all_gather_object(rows, mine)
+        dist.all_gather_object(rows, mine, group=rt.cpu_group)
         if rt.is_main:
             print(layout_table(mesh.layout, rows), flush=True)
     return rt
