@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from moonrt.comm.ep_layout import EPLayout, WeightLayout
+from moonrt.ops.precision import no_autocast
 
 
 def _all_to_all(
@@ -105,6 +106,7 @@ class _Dispatch(torch.autograd.Function):
 
 class _Combine(torch.autograd.Function):
     @staticmethod
+    @no_autocast  # the weighted sum of the k expert outputs is fp32 (einsum would round to bf16 under autocast)
     def forward(ctx, y, weights, layout, group, refill, *deps):  # type: ignore[override]
         s, k = layout.tokens, layout.top_k
         ctx.num_deps, ctx.refill = len(deps), refill
@@ -115,6 +117,7 @@ class _Combine(torch.autograd.Function):
         return out
 
     @staticmethod
+    @no_autocast
     def backward(ctx, grad_out):  # type: ignore[override]
         y_a, weights = ctx.saved_tensors
         if ctx.refill is not None:  # the expert backward of this layer reads the shared slot pool next

@@ -44,6 +44,7 @@ from moonrt.comm.cp_ops import (
     require_same,
     require_split,
 )
+from moonrt.ops.precision import fp32_island
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -117,6 +118,7 @@ class _KCP(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
+    @fp32_island  # its backward may run inside an autocast region (the pipeline's schedule): kept fp32
     def backward(ctx: Any, d_o: torch.Tensor, d_final: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         group, rank, size, record, V = ctx.meta
         if ctx.graph is None:
@@ -161,6 +163,7 @@ class _KCP(torch.autograd.Function):
         return (*result, *(None,) * 10)
 
 
+@fp32_island
 def kcp_kda(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -163,6 +163,53 @@ class Part:
         """Release buffers and write final outputs (once, after the last step)."""
 
 
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""The compute dtypes a job may name (``precision.compute``, ``--dtype``) and their torch dtypes."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """The job's mixed precision: torch's native AMP (``torch.autocast``), as torchtitan's FSDP2
+    ``MixedPrecisionPolicy`` without the sharding.
+
+    ``compute``: a key of :data:`COMPUTE_DTYPES`; ``device_type``: the job's device type (``cpu``, ``cuda``).
+    Parameters are fp32 whatever ``compute`` is: they are the master weights the optimizer (and each ZeRO-1 shard)
+    updates and the checkpoints store, so a bf16 checkpoint and an fp32 one are the same kind of file. With
+    ``bf16`` every forward runs under ``torch.autocast(device_type, dtype=torch.bfloat16)``: matmuls, linears and
+    einsums compute in bf16 on bf16 copies of the fp32 weights (made once per autocast region, autocast's weight
+    cache), everything else in its inputs' dtype; the numerics rule's fp32 islands turn autocast off
+    (:mod:`moonrt.ops.precision`). Gradients reach the fp32 parameters in fp32 (autograd casts a gradient back to
+    its input's dtype), so accumulation over micro-steps, the gradient sums over ranks, the clip and the update are
+    fp32, as in an fp32 job.
+
+    Backward: the default step runs only the forward under autocast and calls ``backward()`` outside it (the usage
+    torch recommends). A part that runs its own schedule (the pipeline: forward and backward of each micro-batch
+    interleaved) runs it whole inside the region; that is equivalent, because autograd runs every backward op in
+    the dtypes its forward op saw and autocast casts only at the forward op's entry (a bf16 matmul's gradient
+    is a bf16 matmul either way; the cast nodes' backward casts back to fp32), and the custom autograd functions
+    whose backward does math decorate it with :func:`moonrt.ops.precision.fp32_island` (or disable autocast).
+    """
+
+    compute: str = "fp32"
+    device_type: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.compute not in COMPUTE_DTYPES:
+            raise ValueError(f"precision.compute = {self.compute!r}: expected one of {', '.join(COMPUTE_DTYPES)}")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype (:data:`COMPUTE_DTYPES`)."""
+        return COMPUTE_DTYPES[self.compute]
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """``torch.autocast(device_type, dtype=bfloat16)`` for ``bf16``; a null context for ``fp32`` (no autocast:
+        an fp32 job is the same code as before mixed precision existed)."""
+        if self.compute == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device_type, dtype=self.dtype)
+
+
 @dataclasses.dataclass
 class Parallelism:
     """This rank's place in the job and the parts acting on it (see the module docstring).
@@ -186,6 +233,11 @@ class Parallelism:
     collectives, DCP's planning); None: the default group."""
     parts: list[Part] = dataclasses.field(default_factory=list)
     device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
+    precision: Precision = dataclasses.field(default_factory=lambda: Precision())
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The region every forward of the job runs in (:meth:`Precision.autocast`)."""
+        return self.precision.autocast()
 
     def parallelize(self, model: nn.Module) -> nn.Module:
         for part in self.parts:
@@ -203,21 +255,23 @@ class Parallelism:
         job config refuses packing with the parts that run the step); None calls ``loss_sum`` without it.
         """
         for part in self.parts:
-            loss = part.forward_backward(model, x, y, scale, self.ctx, saved)
+            with self.autocast():  # a part's own backward runs inside it too (see Precision)
+                loss = part.forward_backward(model, x, y, scale, self.ctx, saved)
             if loss is not None:
                 return loss
-        with saved if saved is not None else contextlib.nullcontext():
+        with saved if saved is not None else contextlib.nullcontext(), self.autocast():
             loss = model.loss_sum(x, y, ctx=self.ctx, **({} if packing is None else {"packing": packing})) * scale
         loss.backward()
         return loss.detach()
 
     def loss_sum(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, packing: Any = None) -> torch.Tensor:
         """Summed token loss of ``x``/``y`` ``[B, T]`` without gradients (call under ``torch.no_grad``)."""
-        for part in self.parts:
-            loss = part.loss_sum(model, x, y, self.ctx)
-            if loss is not None:
-                return loss
-        return model.loss_sum(x, y, ctx=self.ctx, **({} if packing is None else {"packing": packing}))
+        with self.autocast():
+            for part in self.parts:
+                loss = part.loss_sum(model, x, y, self.ctx)
+                if loss is not None:
+                    return loss
+            return model.loss_sum(x, y, ctx=self.ctx, **({} if packing is None else {"packing": packing}))
 
     def sync_grads(self, model: nn.Module) -> None:
         if any(part.sync_grads(model) for part in self.parts) or self.replicas is None:

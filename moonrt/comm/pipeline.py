@@ -36,10 +36,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from moonrt.comm.pp_cache import BlockCache, BlockPlan
+from moonrt.ops.precision import token_loss_sum
 from moonrt.parallel.context import LOCAL, AttentionContext
 from moonrt.scheduler.pipeline_ir import COMM_OPS
 from moonrt.scheduler.pipeline_p2p import P2PGroup
@@ -349,8 +349,7 @@ class PipelineExecutor:
                 logits = model.head(state)
                 if self.keep_outputs:
                     self.outputs[mb] = logits.detach()
-                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), self.ys[mb].reshape(-1),
-                                       reduction="sum") * self.scale
+                loss = token_loss_sum(logits, self.ys[mb]) * self.scale  # fp32 under bf16 autocast
                 self.loss = self.loss + loss.detach().float()
         self._note_peak(s, mb)
         self.saved[(s, mb)] = _Saved(leaves, partial_in, state.partial, produced, loss)

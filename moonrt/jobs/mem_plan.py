@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from moonrt.config import ConfigError, ParallelConfig, existing_outputs, schedule_cells_error, write_new
+from moonrt.jobs.train.config import OPTIM_MOMENT_BYTES, train_state_bytes
 from moonrt.memory.model_memory import JobLayout
 from moonrt.memory.plan import Hardware, plan_memory
 from moonrt.memory.plan_report import plan_json, plot, table
@@ -56,10 +57,12 @@ def default_dtype(spec: ModelSpec, preset: str) -> str:
     return spec.train_dtype.get(preset, "fp32")
 
 
-OPTIM_STATE_BYTES = {"muon": 4 + 4, "adamw": 4 + 2 * 4}
-"""Persistent optimizer bytes per parameter: an fp32 master copy plus Muon's one fp32 momentum
-(``moonrt.ops.muon``) or AdamW's two fp32 moments. Under ``muon`` the few non-matrix parameters that AdamW
-updates (embedding, LM head, norms, router: ~0.1% of K3's parameters) are counted at Muon's 8 bytes."""
+OPTIM_STATE_BYTES = dict(OPTIM_MOMENT_BYTES)
+"""Persistent optimizer bytes per parameter (:data:`moonrt.jobs.train.config.OPTIM_MOMENT_BYTES`): Muon's one fp32
+momentum or AdamW's two fp32 moments; no master copy, the fp32 parameters are the master weights
+(:func:`moonrt.jobs.train.config.train_state_bytes`, torch AMP's layout, which ``moonrt train --dtype bf16`` holds).
+Under ``muon`` the few non-matrix parameters that AdamW updates (embedding, LM head, norms, router: ~0.1% of K3's
+parameters) are counted at Muon's 4 bytes."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,15 +87,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g("--schedule", default=None, choices=["1f1b", "interleaved", "gpipe"],
       help="pipeline schedule whose in-flight micro-batches set the activation peak (default interleaved)")
     g("--optimizer", choices=sorted(OPTIM_STATE_BYTES), default=None,
-      help="optimizer whose state ZeRO-1 shards: muon (fp32 master + momentum, 8 bytes per parameter; K3's) or "
-      "adamw (fp32 master + two moments, 12); default muon")
+      help="optimizer whose state ZeRO-1 shards: muon (fp32 momentum, 4 bytes per parameter; K3's) or "
+      "adamw (two fp32 moments, 8); default muon (the fp32 parameters are the master weights)")
     g("--optim-bytes", type=int, default=None, help="optimizer-state bytes per parameter, sharded ZeRO-1 "
       "(default: --optimizer's)")
     g("--shard-grads", action="store_true",
       help="fp32 gradients sharded like the optimizer states (K3_SYSTEMS §10), else full per rank")
     g("--dtype", choices=["bf16", "fp32"], default=None,
-      help="training dtype of activations and parameters (default: the model's training dtype, printed in the "
-      "plan header: bf16 for k3, fp32 for k3_tiny)")
+      help="compute dtype of the activations (default: the model's training dtype, printed in the plan header: bf16 "
+      "for k3, fp32 for k3_tiny); parameters, gradients and optimizer states are fp32 in both (moonrt train's AMP "
+      "layout)")
     g("--profile", choices=["analytic", "traced"], default="analytic",
       help="activation profile: analytic (per-term formulas of moonrt's K3 layers, docs/MEMORY_MODEL.md) or "
       "traced (build each layer kind at the model's widths, measure a few tokens under the activation manager, "
@@ -233,9 +237,10 @@ def run(args: argparse.Namespace) -> int:
     ab = dtype_bytes(dtype)
     par = ParallelConfig(dp=args.dp, pp=args.pp, vpp=args.vpp, ep=args.ep, cp=args.cp, schedule=args.schedule,
                          microbatches=args.microbatches)
+    state = train_state_bytes(dtype, args.optimizer)  # what moonrt train holds per parameter (one definition)
     layout = JobLayout(parallel=par, micro_batch_size=args.micro_batch_size, seq_len=args.seq_len,
-                       optim_bytes=OPTIM_STATE_BYTES[args.optimizer] if args.optim_bytes is None else args.optim_bytes,
-                       shard_grads=args.shard_grads, act_bytes=ab, param_bytes=ab)
+                       optim_bytes=state.optim if args.optim_bytes is None else args.optim_bytes,
+                       shard_grads=args.shard_grads, act_bytes=ab, param_bytes=state.param, grad_bytes=state.grad)
     try:
         layout.check(cfg.num_hidden_layers, cfg.num_experts)
         if args.profile == "traced":

@@ -28,6 +28,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from moonrt.ops.glu import Activation, glu_activation, glu_parts
+from moonrt.ops.precision import no_autocast
 
 StackedWeight = torch.Tensor | Sequence[torch.Tensor | None]
 """One expert tensor for every segment: a ``[G, ...]`` stack, or a length-G sequence of per-expert
@@ -150,6 +151,7 @@ class _GroupedGLU(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
+    @no_autocast  # its matmuls pick their dtype (at least fp32) also when backward runs in an autocast region
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, h, d_a, d_c, *flat = ctx.saved_tensors
         bounds = ctx.bounds

@@ -48,6 +48,7 @@ from moonrt.ops.kda_terms import (
     chunk_terms,
     chunk_transitions,
 )
+from moonrt.ops.precision import fp32_island
 
 
 def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -77,6 +78,7 @@ def _check_inputs(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, g: t
                          f"[{B}, {H}, {K}, {V}]")
 
 
+@fp32_island
 def kda_recurrent(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -131,6 +133,7 @@ def _check_decay(g: torch.Tensor) -> None:
                              "(K3's gate gives > -5); use kda_recurrent for stronger decays")
 
 
+@fp32_island
 def kda_chunk(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -255,6 +258,7 @@ def _kda_chunk_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     return o, S_T
 
 
+@fp32_island
 def kda_state_grad(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -301,6 +305,7 @@ def kda_state_grad(
         return chunk_state_grad(*chunks, dS, scale=scale)
 
 
+@fp32_island
 def kda_transition(
     k: torch.Tensor,
     v: torch.Tensor,

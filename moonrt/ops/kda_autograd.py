@@ -33,6 +33,7 @@ from moonrt.ops.kda_terms import (
     chunk_terms_with_factors,
     chunk_transitions,
 )
+from moonrt.ops.precision import fp32_island
 
 CHUNK_GROUP_ELEMS = 1 << 18
 """Chunks are processed in groups of about this many ``[C, K]`` elements (1 MiB in fp32), so each group's
@@ -95,6 +96,7 @@ class ChunkKDA(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
+    @fp32_island  # its backward may run inside an autocast region (the pipeline's schedule): kept fp32
     def backward(ctx: Any, dO: torch.Tensor, d_final: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, g, beta, S_in = ctx.saved_tensors
         starts, scale = ctx.starts, ctx.scale
@@ -145,6 +147,7 @@ def _reverse_state_pass(P: torch.Tensor, M: torch.Tensor, carry: torch.Tensor, f
     return carry
 
 
+@fp32_island
 def chunk_state_grad(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, dO: torch.Tensor,
                      d_final: torch.Tensor, *, scale: float) -> torch.Tensor:
     """Gradient of the entering state of one sequence, only (the state path of :class:`ChunkKDA`'s backward).

@@ -144,13 +144,13 @@ def test_numeric_flags_refused_naming_the_field(tmp_path, capsys, flags, message
 # ---- 3. mem-plan plans in the model's training dtype -------------------------------------------------------------
 
 def test_mem_plan_k3_defaults_plan_in_bf16_on_any_machine(capsys):
-    """K3 trains in bf16: with the default flags, 80 GiB needs 109.2 GiB and 141 GiB fits (the README's figures),
-    not the planning machine's dtype (fp32 on a CPU: 188.5 GiB)."""
+    """K3 trains in bf16: with the default flags, 80 GiB needs 121.4 GiB and 141 GiB fits (the README's figures),
+    not the planning machine's dtype (fp32 on a CPU: 188.3 GiB)."""
     assert main(["mem-plan"]) == 1  # 80 GiB does not fit
     out = capsys.readouterr().out
     headers = [line for line in out.splitlines() if line.startswith("== ")]
     assert len(headers) == 2 and all(h.startswith("== k3 bf16 (training dtype): ") for h in headers), headers
-    assert "does not fit 80 GiB: minimum budget 109.2 GiB" in out and "fits 141 GiB" in out
+    assert "does not fit 80 GiB: minimum budget 121.4 GiB" in out and "fits 141 GiB" in out
     assert main(["mem-plan", "--dtype", "fp32", "--budget-gib", "141"]) == 1
     assert "== k3 fp32 (--dtype): " in capsys.readouterr().out
 

@@ -1,5 +1,6 @@
-"""``moonrt mem-plan --optimizer muon|adamw``: ZeRO-1 optimizer bytes are Muon's (master + momentum, 8 per
-parameter) or AdamW's (master + two moments, 12); ``--optim-bytes`` still overrides."""
+"""``moonrt mem-plan --optimizer muon|adamw``: ZeRO-1 optimizer bytes are Muon's (one fp32 momentum, 4 per
+parameter) or AdamW's (two fp32 moments, 8; the fp32 parameters are the master weights); ``--optim-bytes`` still
+overrides."""
 
 from __future__ import annotations
 
@@ -21,10 +22,10 @@ def _optimizer_bytes(tmp_path: Path, name: str, *extra: str) -> list[float]:
     return [r["static"]["optimizer"] for r in plan["ranks"]]
 
 
-def test_muon_state_bytes_are_two_thirds_of_adamw(tmp_path: Path, capsys) -> None:
-    assert OPTIM_STATE_BYTES == {"muon": 8, "adamw": 12}
+def test_muon_state_bytes_are_half_of_adamw(tmp_path: Path, capsys) -> None:
+    assert OPTIM_STATE_BYTES == {"muon": 4, "adamw": 8}
     muon = _optimizer_bytes(tmp_path, "muon", "--optimizer", "muon")
     adamw = _optimizer_bytes(tmp_path, "adamw", "--optimizer", "adamw")
     assert muon == _optimizer_bytes(tmp_path, "default")  # K3 trains with Muon: the default
-    assert all(m > 0 and a == 1.5 * m for m, a in zip(muon, adamw)), (muon, adamw)
-    assert _optimizer_bytes(tmp_path, "explicit", "--optimizer", "adamw", "--optim-bytes", "8") == muon
+    assert all(m > 0 and a == 2 * m for m, a in zip(muon, adamw)), (muon, adamw)
+    assert _optimizer_bytes(tmp_path, "explicit", "--optimizer", "adamw", "--optim-bytes", "4") == muon

@@ -40,10 +40,12 @@ KEYS = ("model", "optimizer", "step", "config")
 # Dotted job-config paths that may change on resume without an explicit override: where the outputs go,
 # how the work is laid out and stored (layout-independent checkpoints; grad_accum's micro-steps), how often eval and
 # checkpoints happen, how the ranks join (dist: backend, timeout, rendezvous), the device (a different layout's
-# numerics, like parallel) and what the run reports (log: progress lines, TensorBoard, the peak for MFU).
+# numerics, like parallel), the compute precision (precision: a checkpoint holds the fp32 master weights and fp32
+# moments whatever the run computed in, so fp32 <-> bf16 resumes the same state) and what the run reports (log:
+# progress lines, TensorBoard, the peak for MFU).
 FREE_ON_RESUME = ("out_dir", "threads", "parallel", "memory_policy", "routing_trace", "optim.eval_every",
                   "optim.eval_windows", "optim.checkpoint_every", "optim.grad_accum", "stop_signal", "gc_interval",
-                  "dist", "device", "log")
+                  "dist", "device", "precision", "log")
 
 
 class CheckpointError(ValueError):

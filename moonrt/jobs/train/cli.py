@@ -42,7 +42,7 @@ GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
     "memory": ("", ("memory_policy", "gc_interval")),
     "outputs & checkpoints": ("", ("out", "metrics", "tensorboard", "peak_tflops", "routing_trace", "resume",
                                    "resume_if_exists", "resume_allow_changes")),
-    "distributed & device": ("", ("device", "dist_timeout", "threads")),
+    "distributed & device": ("", ("device", "dtype", "dist_timeout", "threads")),
     "run control": ("", ("until", "signal", "no_progress", "log_every")),
 }
 """``moonrt train --help`` sections: title -> (description, argparse dests). A flag whose dest is in no group
@@ -112,6 +112,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="no progress bar or periodic step lines (the start, eval and summary lines still print)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where the job computes (device; default "
                         "auto = cuda where CUDA is available, else cpu; each rank on cuda:LOCAL_RANK)")
+    parser.add_argument("--dtype", help="forward compute dtype: fp32 or bf16 (autocast; parameters, gradients and "
+                        "optimizer states stay fp32) (precision.compute; default fp32)")
     parser.add_argument("--dist-timeout", type=float, metavar="SECONDS", help="timeout of the rendezvous and every "
                         "collective (dist.timeout_s; wins over moonrt launch/sbatch --timeout; default: theirs, else "
                         "300)")
@@ -156,7 +158,8 @@ _OVERRIDES: dict[str, tuple[str, ...]] = {
     "pp": ("parallel", "pp"), "vpp": ("parallel", "vpp"), "microbatches": ("parallel", "microbatches"),
     "schedule": ("parallel", "schedule"), "attn_res_comm": ("parallel", "attn_res_comm"),
     "zero": ("parallel", "zero"), "signal": ("stop_signal",),
-    "gc_interval": ("gc_interval",), "device": ("device",), "dist_timeout": ("dist", "timeout_s"),
+    "gc_interval": ("gc_interval",), "device": ("device",), "dtype": ("precision", "compute"),
+    "dist_timeout": ("dist", "timeout_s"),
     "grad_accum": ("optim", "grad_accum"), "log_every": ("log", "log_every"), "tensorboard": ("log", "tensorboard"),
     "peak_tflops": ("log", "peak_tflops"),
 }

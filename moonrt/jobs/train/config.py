@@ -176,6 +176,24 @@ class LogConfig:
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
+class PrecisionConfig:
+    """Mixed precision (:class:`moonrt.comm.parallelism.Precision`: torch's native AMP).
+
+    Parameters, master weights, gradients and optimizer moments are fp32 whatever ``compute`` is: the parameters
+    are the master weights (held by the optimizer, by each ZeRO-1 shard for its range, and stored by checkpoints),
+    gradients arrive in fp32 on them, so accumulation and the gradient sums over ranks are fp32. ``compute: bf16``
+    runs every forward (and eval) under ``torch.autocast(<device type>, dtype=torch.bfloat16)`` with the numerics
+    rule's fp32 islands (KDA states, AttnRes softmax, router logits and top-k, the loss, KCP summaries); free to
+    change on resume (fp32 <-> bf16: the checkpoint is the same fp32 state)."""
+
+    compute: Literal["fp32", "bf16"] = "fp32"
+    """Forward compute dtype (``--dtype``): ``fp32`` (no autocast) or ``bf16`` (autocast, fp32 master weights)."""
+
+    def validate(self) -> None:
+        check(self.compute in ("fp32", "bf16"), "compute", self.compute, "one of 'fp32', 'bf16'")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
 class JobConfig:
     """A whole training job (``moonrt train --config FILE``; every key optional)."""
 
@@ -197,6 +215,8 @@ class JobConfig:
     """How the ranks join (backend, collective timeout, rendezvous address): wins over what the launcher passes in
     the environment; ``null`` fields take the launcher's values (:func:`moonrt.cluster.env.resolve_dist_config`).
     The run's ``config.yaml`` records the timeout and backend it used."""
+    precision: PrecisionConfig = dataclasses.field(default_factory=PrecisionConfig)
+    """Forward compute dtype (``--dtype``); parameters, gradients and optimizer states stay fp32."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the job computes: ``cpu``; ``cuda`` (each rank on ``cuda:LOCAL_RANK``; refused where torch sees no CUDA
     device); ``auto``: cuda where CUDA is available, else cpu (:func:`moonrt.jobs.train.device.resolve_device`). The
@@ -279,6 +299,43 @@ class JobConfig:
         if isinstance(self.model_config, dict):
             return spec.config_from_dict(self.model_config)
         return self.model_config
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TrainStateBytes:
+    """Persistent bytes per parameter of a training job's state (one replica, before ZeRO-1 sharding)."""
+
+    param: int
+    """The parameter itself: fp32, and it is the master weight (no separate master copy)."""
+    grad: int
+    """Its gradient (fp32: autograd casts each gradient to its parameter's dtype)."""
+    optim: int
+    """The optimizer's state for it (fp32 moments)."""
+
+    @property
+    def total(self) -> int:
+        return self.param + self.grad + self.optim
+
+
+OPTIM_MOMENT_BYTES = {"adamw": 2 * 4, "muon": 4}
+"""Optimizer state bytes per parameter: AdamW's two fp32 moments (``exp_avg``, ``exp_avg_sq``), Muon's one fp32
+momentum (``moonrt.ops.muon``; the few non-matrix parameters it leaves to AdamW, embedding, norms, router, LM head,
+are counted at Muon's 4 bytes)."""
+
+
+def train_state_bytes(compute: str, optimizer: str) -> TrainStateBytes:
+    """Bytes per parameter that a ``moonrt train`` job with ``precision.compute = compute`` and ``optim.optimizer =
+    optimizer`` keeps between steps: the one definition ``moonrt train`` holds (tested against a step's live tensors)
+    and ``moonrt mem-plan`` plans with.
+
+    The layout is torch AMP's (:class:`PrecisionConfig`), the same for ``fp32`` and ``bf16``: fp32 parameters (the
+    master weights), fp32 gradients, fp32 optimizer moments: 16 bytes for AdamW, 12 for Muon. Megatron's bf16 layout
+    (bf16 parameters, fp32 gradients, an fp32 main copy and moments: 18 for AdamW) is not what moonrt trains. The
+    bf16 weight copies autocast makes for its matmuls are transient: made in a layer's forward, held by autograd
+    until that layer's backward, freed after; they are activations of the step, not train state."""
+    check(compute in ("fp32", "bf16"), "precision.compute", compute, "one of 'fp32', 'bf16'")
+    check(optimizer in OPTIM_MOMENT_BYTES, "optim.optimizer", optimizer, "one of " + ", ".join(OPTIM_MOMENT_BYTES))
+    return TrainStateBytes(param=4, grad=4, optim=OPTIM_MOMENT_BYTES[optimizer])
 
 
 def lr_at(step: int, cfg: OptimConfig) -> float:

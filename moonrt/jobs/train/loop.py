@@ -43,7 +43,7 @@ import torch
 import yaml
 
 from moonrt.cluster.preempt import StopSignal, stop_signals
-from moonrt.comm.parallelism import Parallelism
+from moonrt.comm.parallelism import Parallelism, Precision
 from moonrt.config import ConfigError, load_yaml, to_dict
 from moonrt.jobs.checkpoint import sharded as checkpoint_dcp
 from moonrt.jobs.checkpoint import single as checkpoint
@@ -195,6 +195,7 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
            device: str) -> dict[str, float]:
     if job.threads:
         torch.set_num_threads(job.threads)
+    rt.precision = Precision(job.precision.compute, torch.device(job.device).type)  # every forward's autocast region
     cfg = job.optim
     out = Path(job.out_dir)
     ckpt = out / CHECKPOINT

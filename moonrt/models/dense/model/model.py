@@ -23,9 +23,9 @@ the model has no experts.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from moonrt.ops.precision import token_loss_sum
 from moonrt.parallel.context import LOCAL, AttentionContext
 from moonrt.parallel.model import NoMoE, ParamGroups, PipelineLayout, default_param_groups
 
@@ -154,7 +154,7 @@ class DenseModel(NoMoE, nn.Module):
         """Summed next-token cross-entropy (fp32 scalar) over all ``targets [B, T]`` except those equal to -100
         (torch's ``ignore_index``). Sum, not mean: the runtime divides by the global token count."""
         logits = self(tokens, ctx=ctx, packing=packing)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
+        return token_loss_sum(logits, targets)  # fp32 even under a bf16 autocast region (the loss island)
 
     # ---- optimizer groups ------------------------------------------------------------------------
     def param_groups(self) -> ParamGroups:

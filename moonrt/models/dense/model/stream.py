@@ -36,7 +36,11 @@ class DenseStream:
     partial: torch.Tensor | None = None
 
     def add(self, out: torch.Tensor) -> None:
-        """Accumulate one sub-layer output ``[B, T, D]`` into the partial sum."""
+        """Accumulate one sub-layer output ``[B, T, D]`` into the partial sum in the stream's dtype: the embedding's,
+        or the output's if wider. Under a bf16 autocast region the sub-layers return bf16 and the embedding is fp32
+        (fp32 parameters), so the stream stays fp32, as type promotion keeps torchtitan's ``h = x + attn(x)``; the
+        pipeline's receive buffers are allocated in it."""
+        out = out.to(torch.promote_types(out.dtype, self.blocks[0].dtype))
         self.partial = out if self.partial is None else self.partial + out
 
     def close_block(self) -> None:

@@ -37,6 +37,8 @@ import dataclasses
 import torch
 from torch import nn
 
+from moonrt.ops.precision import fp32_island
+
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype AttnRes scores and mixes in: fp32 for bf16/fp16/fp32 sources, fp64 for fp64 sources.
@@ -53,6 +55,7 @@ def rms_keys(v: torch.Tensor, eps: float) -> torch.Tensor:
     return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
 
 
+@fp32_island
 def mix(query: torch.Tensor, sources: list[torch.Tensor], eps: float) -> torch.Tensor:
     """Direct AttnRes mix (Eq. 8-9).
 
@@ -83,6 +86,7 @@ class OnlineSoftmax:
     acc: torch.Tensor
 
 
+@fp32_island
 def inter_block_pass(queries: torch.Tensor, finished: list[torch.Tensor], eps: float) -> OnlineSoftmax:
     """Phase 1: score the N finished blocks for all Q queries of a block in one batched pass.
 
@@ -97,6 +101,7 @@ def inter_block_pass(queries: torch.Tensor, finished: list[torch.Tensor], eps: f
     return OnlineSoftmax(m=m, l=p.sum(1), acc=torch.einsum("qnbt,nbtd->qbtd", p, v))
 
 
+@fp32_island
 def merge_partial(state: OnlineSoftmax, index: int, partial: torch.Tensor | None, query: torch.Tensor,
                   eps: float) -> torch.Tensor:
     """Phase 2: merge the intra-block partial sum into query ``index``'s phase-1 state (online softmax).
@@ -129,7 +134,11 @@ class AttnResState:
     inter: OnlineSoftmax | None = None
 
     def add(self, out: torch.Tensor) -> None:
-        """Accumulate one sub-layer output ``[B, T, D]`` into the partial block."""
+        """Accumulate one sub-layer output ``[B, T, D]`` into the partial block in the stream's dtype: the embedding's,
+        or the output's if wider. Under a bf16 autocast region the sub-layers return bf16 and the embedding is fp32
+        (fp32 parameters), so the stream stays fp32, as type promotion keeps torchtitan's ``h = x + attn(x)``; the
+        pipeline's receive buffers are allocated in it."""
+        out = out.to(torch.promote_types(out.dtype, self.blocks[0].dtype))
         self.partial = out if self.partial is None else self.partial + out
 
     def close_block(self) -> None:

@@ -31,7 +31,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moonrt.models.k3.model.attnres import AttnResState, BlockAttnRes
@@ -41,6 +40,7 @@ from moonrt.models.k3.model.kda_layer import KDALayer
 from moonrt.models.k3.model.mla import GatedMLA
 from moonrt.models.k3.model.moe import LatentMoE, MoEConfig
 from moonrt.models.k3.model.norm import RMSNorm
+from moonrt.ops.precision import token_loss_sum
 from moonrt.parallel.context import LOCAL, AttentionContext
 from moonrt.parallel.model import ParamGroups, PipelineLayout
 from moonrt.parallel.packing import DocumentPacking
@@ -183,7 +183,7 @@ class K3Model(nn.Module):
         every token of the global batch whatever the data/context split.
         """
         logits = self(tokens, ctx=ctx, packing=packing)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
+        return token_loss_sum(logits, targets)  # fp32 even under a bf16 autocast region (the loss island)
 
     # ---- MoE routing -----------------------------------------------------------------------------
     def moe_layers(self) -> list[tuple[int, nn.Module]]:

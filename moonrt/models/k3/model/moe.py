@@ -32,6 +32,7 @@ from moonrt.models.k3.model.config import K3Config
 from moonrt.models.k3.model.ffn import shared_expert
 from moonrt.models.k3.model.norm import RMSNorm
 from moonrt.ops.grouped import grouped_glu_experts
+from moonrt.ops.precision import fp32_island
 from moonrt.parallel.blocks import MatrixBlocks
 from moonrt.parallel.dispatch import Dispatcher, ExpertWeights, LocalDispatcher
 
@@ -76,6 +77,7 @@ class Router(nn.Module):
         nn.init.normal_(self.weight, std=0.02)
         self.register_buffer("bias", torch.zeros(num_experts, dtype=torch.float32))
 
+    @fp32_island  # router logits, sigmoid and top-k in fp32 under a bf16 autocast region
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x [N, D]`` -> ``(topk_ids [N, k] int64, topk_weights [N, k] fp32, scores [N, E] fp32)``
         (fp64 for fp64 input).
