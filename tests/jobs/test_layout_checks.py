@@ -3,9 +3,9 @@ resumed step of every layout, run with every checker of :data:`device_discipline
 (the device-discipline checker: no tensor placed off the job's device from moonrt code; the collective recorder
 joins the list), so each layout's step is paid for once whatever the number of checkers.
 
-Layouts: one process (plain, each activation-memory policy: keep, fp8, host, disk, recompute; packed documents) in
-this process; ``--ep 2``, ``--cp 2``, ``--pp 2 --vpp 2``, ``--zero 1`` and ``--optimizer muon --zero 1`` on the same
-two gloo ranks, one after another (one ``dist_run``: the ranks keep their process group across the runs). The runs
+Layouts: one process (plain, each activation-memory policy: keep, fp8, host, disk, recompute; packed documents;
+``--dtype bf16``) in this process; ``--ep 2``, ``--cp 2``, ``--pp 2 --vpp 2``, ``--pp 2`` with the naive AttnRes
+hops, ``--zero 1``, ``--optimizer muon --zero 1`` and ``--pp 2 --dtype bf16`` on the same two gloo ranks, one after another (one ``dist_run``: the ranks keep their process group across the runs). The runs
 happen once per session (:func:`layout_violations`); each layout is its own test case over their results.
 
 The checker itself is tested here too: a ``torch.zeros(n)`` without a device and an explicit host copy planted in a
@@ -43,7 +43,7 @@ POLICIES = {
 
 SINGLE: dict[str, list[str]] = {"one process": []} | {
     f"policy {name}": ["--memory-policy", "{tmp}/" + f"{name}.yaml"] for name in POLICIES} | {
-    "packing": ["--pack-documents", "--eos-id", str(EOS)]}
+    "packing": ["--pack-documents", "--eos-id", str(EOS)], "bf16": ["--dtype", "bf16"]}
 """One-process layouts: the flags each adds to :data:`FLAGS` (``{tmp}``: the run's directory)."""
 
 MULTI: dict[str, list[str]] = {
@@ -53,6 +53,7 @@ MULTI: dict[str, list[str]] = {
     "--pp 2 naive": ["--pp", "2", "--microbatches", "2", "--attn-res-comm", "naive"],
     "--zero 1": ["--zero", "1"],
     "--optimizer muon --zero 1": ["--optimizer", "muon", "--zero", "1"],
+    "--pp 2 bf16": ["--pp", "2", "--microbatches", "2", "--dtype", "bf16"],
 }
 """Two-rank layouts: the flags each adds to :data:`FLAGS`."""
 
