@@ -50,7 +50,10 @@ class JobLayout:
     param_bytes: int = 2
     grad_bytes: int = 4
     optim_bytes: int = 12
-    """fp32 master + two moments per parameter (AdamW; Muon needs 8)."""
+    """Train-state bytes per parameter: held parameters, gradients, optimizer state (sharded by ZeRO-1). These
+    defaults are Megatron's bf16 layout (bf16 parameters, fp32 gradients, fp32 main copy + two AdamW moments), kept
+    for planning such jobs; ``moonrt mem-plan`` plans ``moonrt train``'s own AMP layout instead (4 / 4 / 8 for
+    AdamW, 4 / 4 / 4 for Muon: ``moonrt.jobs.train.config.train_state_bytes``)."""
     shard_grads: bool = False
     """fp32 gradients sharded like the optimizer states (reduce-scattered per bucket), else full per rank."""
     dp_bucket_mib: float = 512.0
