@@ -8,7 +8,9 @@ Per token ``x [D]``:
   rotary embedding; it is a key slice shared by all heads;
 - keys and values per head from the latent: ``[k_nope | v] = W_kvb c`` (``kv_lora_rank -> H * (nope + v)``),
   ``k_h = [k_nope_h | k_r]``;
-- causal softmax attention per head with scale ``(nope + rope) ** -0.5``, computed and output in fp32;
+- causal softmax attention per head with scale ``(nope + rope) ** -0.5``, computed in at least fp32
+  (under ``--dtype bf16`` torch's SDPA is on autocast's bf16 list: bf16 inputs, softmax accumulated in fp32, as
+  FlashAttention does);
 - full-rank sigmoid output gate ``o = sigmoid(W_g x) * o~`` (``D -> H * v``), then ``W_o`` (``H * v -> D``).
 
 Context parallelism: the latent ``[RMSNorm(c) | k_r]`` (``kv_lora_rank + qk_rope_head_dim`` values
