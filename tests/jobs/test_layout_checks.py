@@ -1,12 +1,13 @@
 """Per-layout checks of ``moonrt train`` (issue 30 item 3): one training step, one held-out eval, a checkpoint and a
 resumed step of every layout, run with every checker of :data:`device_discipline.CHECKERS` active in every rank
-(the device-discipline checker: no tensor placed off the job's device from moonrt code; the collective recorder
-joins the list), so each layout's step is paid for once whatever the number of checkers.
+(the device-discipline checker: no tensor placed off the job's device from moonrt code; the NCCL-op check,
+tests/collective_check.py), so each layout's step is paid for once whatever the number of checkers.
 
 Layouts: one process (plain, each activation-memory policy: keep, fp8, host, disk, recompute; packed documents;
 ``--dtype bf16``) in this process; ``--ep 2``, ``--cp 2``, ``--pp 2 --vpp 2``, ``--pp 2`` with the naive AttnRes
-hops, ``--zero 1``, ``--optimizer muon --zero 1`` and ``--pp 2 --dtype bf16`` on the same two gloo ranks, one after another (one ``dist_run``: the ranks keep their process group across the runs). The runs
-happen once per session (:func:`layout_violations`); each layout is its own test case over their results.
+hops, ``--zero 1``, ``--optimizer muon --zero 1`` and ``--pp 2 --dtype bf16`` on the same two gloo ranks, one after
+another (one ``dist_run``: the ranks keep their process group across the runs). The runs happen once per session
+(:func:`layout_violations`); each layout is its own test case over their results.
 
 The checker itself is tested here too: a ``torch.zeros(n)`` without a device and an explicit host copy planted in a
 moonrt frame are caught, a sanctioned site and code outside moonrt are not.
