@@ -75,7 +75,8 @@ def test_bf16_resumes_bitwise_and_resumes_as_fp32_and_back(tmp_path: Path) -> No
     assert {t.dtype for t in whole["model"].values() if t.is_floating_point()} == {torch.float32}  # master weights
     # precision may change on resume; the resumed runs record (and ran) the new one
     for name, compute in (("as_fp32", "fp32"), ("as_bf16", "bf16")):
-        assert yaml.safe_load((tmp_path / name / "config.yaml").read_text())["precision"] == {"compute": compute}
+        recorded = yaml.safe_load((tmp_path / name / "config.yaml").read_text())["precision"]
+        assert recorded == {"compute": compute, "reduce": "fp32"}
         assert _ckpt(tmp_path / name)["step"] == 2
     # the fp32 continuation of the bf16 checkpoint computed in fp32: its step-2 loss is not the bf16 one
     assert _metrics(tmp_path / "as_fp32.jsonl")[2]["loss"] != m_whole[2]["loss"]
