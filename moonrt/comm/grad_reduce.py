@@ -33,7 +33,10 @@ REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 def all_reduce_grad(grad: torch.Tensor, group: Any, dtype: torch.dtype = torch.float32) -> None:
     """Sum ``grad`` in place over ``group`` (None: the default group), sent and summed in ``dtype``: ``grad``'s own
-    dtype sums it directly; another dtype sums a cast copy and writes the result back into ``grad``."""
+    dtype sums it directly; another dtype sums a cast copy and writes the result back into ``grad``. A group of one
+    rank sums nothing: ``grad`` is left as it is (no cast, no rounding)."""
+    if dist.get_world_size(group) == 1:
+        return
     if dtype == grad.dtype:
         dist.all_reduce(grad, group=group)
         return
@@ -45,7 +48,11 @@ def all_reduce_grad(grad: torch.Tensor, group: Any, dtype: torch.dtype = torch.f
 def reduce_scatter_grad(out: torch.Tensor, flat: torch.Tensor, group: Any, dtype: torch.dtype = torch.float32) -> None:
     """Sum ``flat [n * S]`` over the ``n`` ranks of ``group`` and leave this rank's ``[S]`` piece of the sum in
     ``out``, sent and summed in ``dtype`` (``flat``'s own dtype: directly into ``out``; another dtype: a cast copy of
-    ``flat`` is reduce-scattered into a ``dtype`` buffer that is then copied into ``out``)."""
+    ``flat`` is reduce-scattered into a ``dtype`` buffer that is then copied into ``out``). A group of one rank:
+    ``out`` is ``flat``, copied as it is."""
+    if dist.get_world_size(group) == 1:
+        out.copy_(flat)
+        return
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     if dtype == flat.dtype and dtype == out.dtype:
         fn(out, flat, group=group)

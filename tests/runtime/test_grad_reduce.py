@@ -3,9 +3,11 @@
 - the helpers on 2 gloo ranks: with fp32 they are the plain collective bit for bit; with bf16 the result is exactly
   what gloo's bf16 sum of two ranks gives, ``bf16(bf16(a) + bf16(b))`` (the two bf16 values added in fp32, the
   sum rounded to bf16: torch's CPU ``bfloat16 + bfloat16`` does the same), and within :data:`BOUND` of the fp32 sum;
-- one bf16-compute training step's gradients on 2 ranks (plain data parallel, ``--zero 1``, ``--ep 2``) synced
-  through :meth:`Parallelism.sync_grads` with ``reduce = fp32`` and ``bf16``: within the same bound elementwise, not
-  all equal (the option changes the wire dtype), and every summed bf16 element bf16-representable;
+- one bf16-compute training step's gradients on 2 ranks (plain data parallel, ``--zero 1``, ``--ep 2``, ``--pp 2``)
+  synced through :meth:`Parallelism.sync_grads` with ``reduce = fp32`` and ``bf16``: within the same bound
+  elementwise, not all equal (the option changes the wire dtype), every summed bf16 element bf16-representable, and
+  every gradient no sum touched (a replica group of one rank: ``--ep 2``'s experts, ``--pp 2``'s stage weights)
+  equal to the fp32 run's, unrounded;
 - a checkpoint resumes with another reduce dtype (``precision`` is free on resume).
 
 **The bound.** Two ranks, fp32 ``a``, ``b``; bf16 keeps 8 significant bits, so round to nearest has relative error
@@ -99,8 +101,8 @@ def _synced(rank: int, world: int, parallel: dict[str, int]) -> dict[str, Any]:
     rt.forward_backward(model, rows[:, :-1], rows[:, 1:], 1.0 / (4 * 32))
     params = list(model.parameters())
     local = [None if p.grad is None else p.grad.clone() for p in params]
-    zero = next((part for part in rt.parts if part.kind == "zero"), None)
-    ep = next((part for part in rt.parts if part.kind == "expert"), None)
+    kinds = {part.kind: part for part in rt.parts}
+    zero, ep, pipe = kinds.get("zero"), kinds.get("expert"), kinds.get("pipeline")
 
     def sync(grads: list[torch.Tensor | None], reduce: str) -> list[torch.Tensor]:
         for p, g in zip(params, grads):
@@ -113,14 +115,19 @@ def _synced(rank: int, world: int, parallel: dict[str, int]) -> dict[str, Any]:
 
     out = {"fp32": sync(local, "fp32"), "bf16": sync(local, "bf16"),
            "mag": sync([None if g is None else g.abs() for g in local], "fp32")}
-    # which synced tensors were summed over 2 ranks (--ep 2 on 2 ranks: the experts' replica group is one rank)
-    out["summed"] = [zero is not None or ep is None or not ep.is_expert(p) for p in params if p.grad is not None]
+    # which synced tensors were summed over 2 ranks: --ep 2 on 2 ranks, the dense ones (the experts' replica group is
+    # one rank); --pp 2, the pseudo-queries shared by the stages (the replica group is one rank)
     if zero is not None:
         out["summed"] = [b.size > 1 for b in zero.buckets]
+    else:
+        summed = {n for n, p in model.named_parameters()
+                  if (ep is None or not ep.is_expert(p)) and (pipe is None or n in pipe.shared)}
+        out["summed"] = [n in summed for n, p in model.named_parameters() if p.grad is not None]
     return out
 
 
-@pytest.mark.parametrize("parallel", [{"dp": 2}, {"dp": 2, "zero": 1}, {"ep": 2}], ids=["dp", "zero1", "ep2"])
+@pytest.mark.parametrize("parallel", [{"dp": 2}, {"dp": 2, "zero": 1}, {"ep": 2}, {"pp": 2}],
+                         ids=["dp", "zero1", "ep2", "pp2"])
 def test_bf16_reduce_of_a_training_steps_gradients_is_within_the_bound_of_fp32(parallel: dict[str, int]) -> None:
     for rank, got in enumerate(dist_run(_synced, 2, parallel, timeout=300)):
         assert len(got["fp32"]) == len(got["bf16"]) == len(got["mag"]) == len(got["summed"]) > 0
