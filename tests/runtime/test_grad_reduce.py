@@ -8,7 +8,8 @@
   elementwise, not all equal (the option changes the wire dtype), every summed bf16 element bf16-representable, and
   every gradient no sum touched (a replica group of one rank: ``--ep 2``'s experts, ``--pp 2``'s stage weights)
   equal to the fp32 run's, unrounded;
-- a checkpoint resumes with another reduce dtype (``precision`` is free on resume).
+- a checkpoint resumes with another reduce dtype (``precision`` is free on resume), and ``--reduce-dtype`` reaches
+  the training loop's runtime.
 
 **The bound.** Two ranks, fp32 ``a``, ``b``; bf16 keeps 8 significant bits, so round to nearest has relative error
 at most ``u = 2^-8``. The bf16 path: ``x = bf16(a) = a(1 + d1)``, ``y = bf16(b) = b(1 + d2)``, ``|d1|, |d2| <= u``;
@@ -22,7 +23,9 @@ check is ``|w - r| <= BOUND (1 + 2^-23) m``.)
 
 from __future__ import annotations
 
+import argparse
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -104,17 +107,21 @@ def _synced(rank: int, world: int, parallel: dict[str, int]) -> dict[str, Any]:
     kinds = {part.kind: part for part in rt.parts}
     zero, ep, pipe = kinds.get("zero"), kinds.get("expert"), kinds.get("pipeline")
 
+    comm: dict[str, int] = {}
+
     def sync(grads: list[torch.Tensor | None], reduce: str) -> list[torch.Tensor]:
         for p, g in zip(params, grads):
             p.grad = None if g is None else g.clone()
         rt.precision = Precision("bf16", "cpu", reduce)
         rt.sync_grads(model)
         if zero is not None:
+            comm[reduce] = zero.comm_bytes()
             return [b.grad.clone() for b in zero.buckets]
         return [p.grad.clone() for p in params if p.grad is not None]
 
     out = {"fp32": sync(local, "fp32"), "bf16": sync(local, "bf16"),
            "mag": sync([None if g is None else g.abs() for g in local], "fp32")}
+    out["comm"] = comm
     # which synced tensors were summed over 2 ranks: --ep 2 on 2 ranks, the dense ones (the experts' replica group is
     # one rank); --pp 2, the pseudo-queries shared by the stages (the replica group is one rank)
     if zero is not None:
@@ -141,6 +148,8 @@ def test_bf16_reduce_of_a_training_steps_gradients_is_within_the_bound_of_fp32(p
             else:  # not summed (one replica): untouched by the reduce dtype
                 assert torch.equal(g16, g32), (rank, parallel)
         assert not all(torch.equal(a, b) for a, b in zip(got["fp32"], got["bf16"])), (rank, parallel)
+        if "zero" in parallel:  # ZeRO's comm bytes: the reduce-scatter at 2 bytes, the all-gather at 4 (was 4 + 4)
+            assert got["comm"]["fp32"] > 0 and got["comm"]["bf16"] * 8 == got["comm"]["fp32"] * 6, got["comm"]
 
 
 def test_resume_may_change_the_reduce_dtype() -> None:
@@ -154,3 +163,18 @@ def test_resume_may_change_the_reduce_dtype() -> None:
     older = to_dict(JobConfig())
     del older["precision"]["reduce"]  # a checkpoint written before precision.reduce existed
     check_resume(older, bf16, step=1)
+
+
+def test_reduce_dtype_flag_reaches_the_runtime(tmp_path: Path) -> None:
+    """``--reduce-dtype bf16`` is the training loop's :attr:`Parallelism.precision` (one single-process step)."""
+    from moonrt.comm.parallelism import Parallelism
+    from moonrt.jobs.train import cli as train_cli
+    from moonrt.jobs.train.loop import train
+
+    parser = argparse.ArgumentParser()
+    train_cli.add_arguments(parser)
+    args = parser.parse_args(["--reduce-dtype", "bf16", "--steps", "1", "--batch-size", "2", "--seq-len", "16",
+                              "--eval-every", "100", "--out", str(tmp_path / "run"), "--device", "cpu"])
+    rt = Parallelism()
+    train(train_cli.job_from_args(args), rt=rt, progress=False)
+    assert rt.precision == Precision("fp32", "cpu", "bf16")
