@@ -92,10 +92,11 @@ def gather_shards(shard: torch.Tensor, group: Any, size: int, copy: bool = True)
 def scatter_grads(flat: torch.Tensor, out: torch.Tensor, flags: torch.Tensor, group: Any, size: int,
                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The gradient tail of a sharded step: reduce-scatter (sum) ``flat [size * S]``, laid out in the owners'
-    order, into this rank's ``out [S]``, sent and summed in ``dtype`` (:func:`moonrt.comm.grad_reduce.
-    reduce_scatter_grad`; a copy with one replica) and sum the ``[P]`` "had a gradient" flags (fp32) over
-    ``group`` (``flags`` on the device of ``out``: the collectives' device); returns ``[P]`` bool on the host (the
-    step bookkeeping reads it per parameter), True where any replica produced that parameter's gradient."""
+    order, into this rank's ``out [S]``, sent and summed in ``dtype``
+    (:func:`moonrt.comm.grad_reduce.reduce_scatter_grad`; a copy with one replica) and sum the ``[P]`` "had a
+    gradient" flags (fp32) over ``group`` (``flags`` on the device of ``out``: the collectives' device); returns
+    ``[P]`` bool on the host (the step bookkeeping reads it per parameter), True where any replica produced that
+    parameter's gradient."""
     if size > 1:
         reduce_scatter_grad(out, flat, group, dtype)
         dist.all_reduce(flags, group=group)
