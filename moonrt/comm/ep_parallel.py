@@ -10,7 +10,8 @@
   ``moonrt.models.k3.model``.
 - :meth:`sync_grads`: routed-expert gradients are summed over the expert replicas (mesh group
   ``dp_cp``; slot copies already returned theirs to the home rank inside backward), every other
-  gradient over the dense replicas (``dp_ep_cp``): one flat all-reduce per group.
+  gradient over the dense replicas (``dp_ep_cp``): one flat all-reduce per group, in the job's reduce dtype
+  (:mod:`moonrt.comm.grad_reduce`).
 - :meth:`grad_norm`: the global gradient norm counts replicated gradients once and adds the
   expert shards of every EP rank, so clipping matches the single-process run.
 - :meth:`full_state_dict` / :meth:`load_full_state_dict`: layout-independent checkpoints. The
@@ -37,6 +38,7 @@ from torch import nn
 
 from moonrt.comm.ep_alltoall import AllToAllDispatcher
 from moonrt.comm.ep_slots import SlotPool
+from moonrt.comm.grad_reduce import all_reduce_grad
 from moonrt.comm.mesh import Group, ProcessMesh
 from moonrt.comm.moonep_dispatch import MoonEPDispatcher
 from moonrt.comm.parallelism import GradNorm, Part
@@ -115,8 +117,9 @@ class ExpertParallel(Part):
     def is_expert(self, p: torch.Tensor) -> bool:
         return id(p) in self._expert_params
 
-    def sync_grads(self, model: nn.Module) -> bool:
-        """Sum gradients over replicas: experts over ``dp_cp``, everything else over ``dp_ep_cp``."""
+    def sync_grads(self, model: nn.Module, reduce_dtype: torch.dtype = torch.float32) -> bool:
+        """Sum gradients over replicas in ``reduce_dtype``: experts over ``dp_cp``, everything else over
+        ``dp_ep_cp``."""
         if self.mesh is None:
             return True
         params = [p for p in model.parameters() if p.requires_grad]
@@ -128,7 +131,7 @@ class ExpertParallel(Part):
         for group, members in ((Group.DP_EP_CP, dense), (Group.DP_CP, experts)):
             if members and self.mesh.size(group) > 1:
                 flat = torch.cat([p.grad.reshape(-1) for p in members])
-                dist.all_reduce(flat, group=self.mesh.group(group))
+                all_reduce_grad(flat, self.mesh.group(group), reduce_dtype)
                 for p, g in zip(members, flat.split([p.numel() for p in members])):
                     p.grad.copy_(g.view_as(p.grad))
         return True

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moonrt.comm.grad_reduce import REDUCE_DTYPES, all_reduce_grad
 from moonrt.parallel.context import LOCAL, AttentionContext
 
 
@@ -117,8 +118,10 @@ class Part:
         """Summed token loss of ``x``/``y`` without gradients (eval), or None for the default."""
         return None
 
-    def sync_grads(self, model: nn.Module) -> bool:
-        """Sum every gradient over its replicas; True if this part did it (then no other sum runs)."""
+    def sync_grads(self, model: nn.Module, reduce_dtype: torch.dtype = torch.float32) -> bool:
+        """Sum every gradient over its replicas, sent and summed in ``reduce_dtype`` (the job's
+        :attr:`Precision.reduce_dtype`: through :mod:`moonrt.comm.grad_reduce`); True if this part did it (then no
+        other sum runs)."""
         return False
 
     def grad_norm(self, params: list[torch.Tensor]) -> GradNorm | None:
@@ -179,8 +182,12 @@ class Precision:
     einsums compute in bf16 on bf16 copies of the fp32 weights (made once per autocast region, autocast's weight
     cache), everything else in its inputs' dtype; the numerics rule's fp32 islands turn autocast off
     (:mod:`moonrt.ops.precision`). Gradients reach the fp32 parameters in fp32 (autograd casts a gradient back to
-    its input's dtype), so accumulation over micro-steps, the gradient sums over ranks, the clip and the update are
-    fp32, as in an fp32 job.
+    its input's dtype), so accumulation over micro-steps, the clip and the update are fp32, as in an fp32 job.
+
+    ``reduce``: a key of :data:`moonrt.comm.grad_reduce.REDUCE_DTYPES`, the dtype every gradient sum over ranks is
+    sent and summed in (:mod:`moonrt.comm.grad_reduce`): ``fp32`` (the default: fp32 gradients summed as they are)
+    or ``bf16`` (cast to bf16, summed in bf16 arithmetic by the collective, written back into the fp32 gradient or
+    shard), independent of ``compute``.
 
     Backward: the default step runs only the forward under autocast and calls ``backward()`` outside it (the usage
     torch recommends). A part that runs its own schedule (the pipeline: forward and backward of each micro-batch
@@ -192,15 +199,23 @@ class Precision:
 
     compute: str = "fp32"
     device_type: str = "cpu"
+    reduce: str = "fp32"
 
     def __post_init__(self) -> None:
         if self.compute not in COMPUTE_DTYPES:
             raise ValueError(f"precision.compute = {self.compute!r}: expected one of {', '.join(COMPUTE_DTYPES)}")
+        if self.reduce not in REDUCE_DTYPES:
+            raise ValueError(f"precision.reduce = {self.reduce!r}: expected one of {', '.join(REDUCE_DTYPES)}")
 
     @property
     def dtype(self) -> torch.dtype:
         """The compute dtype (:data:`COMPUTE_DTYPES`)."""
         return COMPUTE_DTYPES[self.compute]
+
+    @property
+    def reduce_dtype(self) -> torch.dtype:
+        """The dtype gradients are summed over ranks in (:data:`moonrt.comm.grad_reduce.REDUCE_DTYPES`)."""
+        return REDUCE_DTYPES[self.reduce]
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """``torch.autocast(device_type, dtype=bfloat16)`` for ``bf16``; a null context for ``fp32`` (no autocast:
@@ -274,11 +289,14 @@ class Parallelism:
             return model.loss_sum(x, y, ctx=self.ctx, **({} if packing is None else {"packing": packing}))
 
     def sync_grads(self, model: nn.Module) -> None:
-        if any(part.sync_grads(model) for part in self.parts) or self.replicas is None:
+        """Sum every gradient over its replicas in :attr:`Precision.reduce_dtype`: the first part that handles it,
+        else one all-reduce per gradient over ``replicas`` (:func:`moonrt.comm.grad_reduce.all_reduce_grad`)."""
+        dtype = self.precision.reduce_dtype
+        if any(part.sync_grads(model, dtype) for part in self.parts) or self.replicas is None:
             return
         for p in model.parameters():
             if p.grad is not None:
-                dist.all_reduce(p.grad, group=self.replicas)
+                all_reduce_grad(p.grad, self.replicas, dtype)
 
     def clip_grad_norm(self, params: Iterable[torch.Tensor], max_norm: float) -> float:
         params = list(params)

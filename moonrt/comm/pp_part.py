@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moonrt.comm.grad_reduce import all_reduce_grad
 from moonrt.comm.parallelism import GradNorm, Part
 from moonrt.comm.pipeline import PipelineExecutor
 from moonrt.comm.pp_cache import block_plan
@@ -138,13 +139,15 @@ class PipelineParallel(Part):
         return next(p for p in model.parameters() if p.is_floating_point()).dtype
 
     # ---- gradients -----------------------------------------------------------------------------
-    def sync_grads(self, model: nn.Module) -> bool:
+    def sync_grads(self, model: nn.Module, reduce_dtype: torch.dtype = torch.float32) -> bool:
+        """Sum the pseudo-query gradients over the pp group in ``reduce_dtype``; the data-parallel sum is the next
+        part's (or the default's)."""
         params = dict(model.named_parameters())
         for n in self.shared:
             p = params[n]
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=self.group)
+            all_reduce_grad(p.grad, self.group, reduce_dtype)
         return False  # the data-parallel sum over the replicas still runs
 
     def grad_norm(self, params: list[torch.Tensor]) -> GradNorm:

@@ -9,7 +9,8 @@ of the bucket's ``n`` ranks: a piece of a parameter (a flat element range, the w
 Muon block of it) at an offset in its owner's **segment**. Rank ``r``'s segment is its units in order, padded with
 zeros to ``S`` (the largest segment), so a bucket's packed ``[n * S]`` tensor is every rank's segment in rank order.
 Per step and bucket there is one ``reduce_scatter_single`` (sum) of the packed gradient ``[n * S] -> [S]`` (each
-owner receives the summed gradient of its units, no whole-matrix gather), one ``all_gather_single`` ``[S] -> [n *
+owner receives the summed gradient of its units, no whole-matrix gather; sent and summed in the job's reduce dtype,
+:mod:`moonrt.comm.grad_reduce`, into the fp32 shard), one ``all_gather_single`` ``[S] -> [n *
 S]`` of the updated units, unpacked into every parameter, and one small all-reduce of ``[P]`` "had a gradient"
 flags (``P`` parameters: one no rank produced a gradient for is skipped exactly as torch skips ``grad is None``).
 Gloo implements both bucketed collectives; on torch versions without the ``*_single`` names the ``*_tensor``
@@ -55,6 +56,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moonrt.comm.grad_reduce import reduce_scatter_grad
 from moonrt.comm.mesh import Group
 from moonrt.comm.parallelism import GradNorm, Part
 from moonrt.config import ConfigError
@@ -73,11 +75,6 @@ def size_rank(group: Any) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def reduce_scatter(out: torch.Tensor, flat: torch.Tensor, group: Any) -> None:
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    fn(out, flat, group=group)
-
-
 def all_gather(out: torch.Tensor, shard: torch.Tensor, group: Any) -> None:
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     fn(out, shard, group=group)
@@ -92,13 +89,16 @@ def gather_shards(shard: torch.Tensor, group: Any, size: int, copy: bool = True)
     return full
 
 
-def scatter_grads(flat: torch.Tensor, out: torch.Tensor, flags: torch.Tensor, group: Any, size: int) -> torch.Tensor:
+def scatter_grads(flat: torch.Tensor, out: torch.Tensor, flags: torch.Tensor, group: Any, size: int,
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The gradient tail of a sharded step: reduce-scatter (sum) ``flat [size * S]``, laid out in the owners'
-    order, into this rank's ``out [S]`` (a copy with one replica) and sum the ``[P]`` "had a gradient" flags over
-    ``group`` (``flags`` on the device of ``out``: the collectives' device); returns ``[P]`` bool on the host (the
-    step bookkeeping reads it per parameter), True where any replica produced that parameter's gradient."""
+    order, into this rank's ``out [S]``, sent and summed in ``dtype``
+    (:func:`moonrt.comm.grad_reduce.reduce_scatter_grad`; a copy with one replica) and sum the ``[P]`` "had a
+    gradient" flags (fp32) over ``group`` (``flags`` on the device of ``out``: the collectives' device); returns
+    ``[P]`` bool on the host (the step bookkeeping reads it per parameter), True where any replica produced that
+    parameter's gradient."""
     if size > 1:
-        reduce_scatter(out, flat, group)
+        reduce_scatter_grad(out, flat, group, dtype)
         dist.all_reduce(flags, group=group)
     else:
         out.copy_(flat)
@@ -194,6 +194,8 @@ class ZeroCore(Part):
         self.bucket_of: list[int] = []
         """Unit id -> index of its bucket."""
         self.buckets: list[Bucket] = []
+        self.reduce_dtype = torch.float32
+        """The dtype the last :meth:`sync_grads` summed gradients in (its wire dtype; :meth:`comm_bytes`)."""
         self.steps, self.had_grad = _host_counts(0)
         """``[P]`` replicated, on the host: optimizer steps taken by each parameter (state exists when > 0), and
         whether it had a gradient in the last step."""
@@ -309,13 +311,15 @@ class ZeroCore(Part):
                 dst.copy_(full[r * b.shard + s.offset:][:s.numel].view(dst.shape))
 
     # ---- per-step verbs ----------------------------------------------------------------------------
-    def sync_grads(self, model: nn.Module) -> bool:
-        """Reduce-scatter (sum) every gradient into its owners' segments, per bucket; frees ``p.grad``."""
+    def sync_grads(self, model: nn.Module, reduce_dtype: torch.dtype = torch.float32) -> bool:
+        """Reduce-scatter (sum, in ``reduce_dtype``) every gradient into its owners' segments, per bucket; frees
+        ``p.grad``."""
+        self.reduce_dtype = reduce_dtype
         for b in self._layout(model):
             flags = torch.tensor([self.params[i].grad is not None for i in b.params], dtype=torch.float32,
                                  device=b.grad.device)
             flat = self._pack(b, [p.grad for p in self.params])
-            self.had_grad[b.params] = scatter_grads(flat, b.grad, flags, b.group, b.size)
+            self.had_grad[b.params] = scatter_grads(flat, b.grad, flags, b.group, b.size, reduce_dtype)
             del flat
         for p in self.params:
             p.grad = None
@@ -341,8 +345,10 @@ class ZeroCore(Part):
 
     def comm_bytes(self) -> int:
         """Bytes one rank sends and receives per step in the bucketed collectives (ring: ``(n-1) * S`` elements
-        each way for the reduce-scatter and again for the all-gather, per bucket)."""
-        return sum(4 * (b.size - 1) * b.shard * b.grad.element_size() for b in self.buckets)
+        each way for the reduce-scatter, in :attr:`reduce_dtype`, and again for the all-gather, in the parameters'
+        dtype, per bucket)."""
+        wire = self.reduce_dtype.itemsize
+        return sum(2 * (b.size - 1) * b.shard * (wire + b.grad.element_size()) for b in self.buckets)
 
     # ---- checkpoints in the single-process layout ----------------------------------------------------
     def _put_state(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:

@@ -1,6 +1,7 @@
 """``moonrt train --dtype bf16`` (issue 30 item 2): bf16 autocast compute with fp32 master weights.
 
-- ``--dtype fp16`` (or any other value) is one line naming the flag and the accepted values, exit 2;
+- ``--dtype fp16`` (or any other value), likewise ``--reduce-dtype``, is one line naming the flag and the accepted
+  values, exit 2;
 - a bf16 run resumes bit-identically (step 1, resume, steps 2-3 equal steps 1-3 in one run: every parameter and
   optimizer tensor bitwise), a bf16 checkpoint resumes as fp32 and an fp32 one as bf16 (the config check lets
   ``precision`` change: both hold the same fp32 state);
@@ -26,11 +27,13 @@ from helpers import FLAGS, _ckpt, _cli, _here, _launch, _metrics, _run
 BF16 = ["--dtype", "bf16"]
 
 
-def test_dtype_other_than_fp32_or_bf16_is_one_line_exit_2(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("flag,field", [("--dtype", "compute"), ("--reduce-dtype", "reduce")])
+def test_dtype_other_than_fp32_or_bf16_is_one_line_exit_2(tmp_path: Path, capfd: pytest.CaptureFixture[str],
+                                                           flag: str, field: str) -> None:
     for bad in ("fp16", "float16", "bfloat16"):
-        code, out, err = _cli(["train", "--dtype", bad, "--out", str(tmp_path / "run"), "--no-progress"], capfd)
+        code, out, err = _cli(["train", flag, bad, "--out", str(tmp_path / "run"), "--no-progress"], capfd)
         assert code == 2 and out == "" and err.count("\n") == 1, (bad, code, out, err)
-        assert err == f"moonrt train: error: precision.compute (--dtype) = '{bad}': expected one of 'fp32', " \
+        assert err == f"moonrt train: error: precision.{field} ({flag}) = '{bad}': expected one of 'fp32', " \
                       "'bf16'\n", err
     assert not (tmp_path / "run").exists()
 
@@ -72,7 +75,8 @@ def test_bf16_resumes_bitwise_and_resumes_as_fp32_and_back(tmp_path: Path) -> No
     assert {t.dtype for t in whole["model"].values() if t.is_floating_point()} == {torch.float32}  # master weights
     # precision may change on resume; the resumed runs record (and ran) the new one
     for name, compute in (("as_fp32", "fp32"), ("as_bf16", "bf16")):
-        assert yaml.safe_load((tmp_path / name / "config.yaml").read_text())["precision"] == {"compute": compute}
+        recorded = yaml.safe_load((tmp_path / name / "config.yaml").read_text())["precision"]
+        assert recorded == {"compute": compute, "reduce": "fp32"}
         assert _ckpt(tmp_path / name)["step"] == 2
     # the fp32 continuation of the bf16 checkpoint computed in fp32: its step-2 loss is not the bf16 one
     assert _metrics(tmp_path / "as_fp32.jsonl")[2]["loss"] != m_whole[2]["loss"]

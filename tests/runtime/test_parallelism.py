@@ -35,7 +35,7 @@ def test_first_part_that_handles_a_verb_wins_and_hooks_run_in_order() -> None:
     calls: list[str] = []
 
     class Owner(Part):
-        def sync_grads(self, model: nn.Module) -> bool:
+        def sync_grads(self, model: nn.Module, reduce_dtype: torch.dtype = torch.float32) -> bool:
             calls.append("owner.sync")
             return True
 
@@ -47,7 +47,7 @@ def test_first_part_that_handles_a_verb_wins_and_hooks_run_in_order() -> None:
             record["owner"] = step
 
     class Later(Part):
-        def sync_grads(self, model: nn.Module) -> bool:
+        def sync_grads(self, model: nn.Module, reduce_dtype: torch.dtype = torch.float32) -> bool:
             calls.append("later.sync")
             return True
 

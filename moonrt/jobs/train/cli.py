@@ -114,6 +114,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "auto = cuda where CUDA is available, else cpu; each rank on cuda:LOCAL_RANK)")
     parser.add_argument("--dtype", help="forward compute dtype: fp32 or bf16 (autocast; parameters, gradients and "
                         "optimizer states stay fp32) (precision.compute; default fp32)")
+    parser.add_argument("--reduce-dtype", help="dtype the gradient sums over ranks are sent and summed in: fp32 or "
+                        "bf16 (bf16 arithmetic in the collective, written back into the fp32 gradients) "
+                        "(precision.reduce; default fp32)")
     parser.add_argument("--dist-timeout", type=float, metavar="SECONDS", help="timeout of the rendezvous and every "
                         "collective (dist.timeout_s; wins over moonrt launch/sbatch --timeout; default: theirs, else "
                         "300)")
@@ -159,6 +162,7 @@ _OVERRIDES: dict[str, tuple[str, ...]] = {
     "schedule": ("parallel", "schedule"), "attn_res_comm": ("parallel", "attn_res_comm"),
     "zero": ("parallel", "zero"), "signal": ("stop_signal",),
     "gc_interval": ("gc_interval",), "device": ("device",), "dtype": ("precision", "compute"),
+    "reduce_dtype": ("precision", "reduce"),
     "dist_timeout": ("dist", "timeout_s"),
     "grad_accum": ("optim", "grad_accum"), "log_every": ("log", "log_every"), "tensorboard": ("log", "tensorboard"),
     "peak_tflops": ("log", "peak_tflops"),

@@ -181,16 +181,23 @@ class PrecisionConfig:
 
     Parameters, master weights, gradients and optimizer moments are fp32 whatever ``compute`` is: the parameters
     are the master weights (held by the optimizer, by each ZeRO-1 shard for its range, and stored by checkpoints),
-    gradients arrive in fp32 on them, so accumulation and the gradient sums over ranks are fp32. ``compute: bf16``
-    runs every forward (and eval) under ``torch.autocast(<device type>, dtype=torch.bfloat16)`` with the numerics
-    rule's fp32 islands (KDA states, AttnRes softmax, router logits and top-k, the loss, KCP summaries); free to
-    change on resume (fp32 <-> bf16: the checkpoint is the same fp32 state)."""
+    gradients arrive in fp32 on them, so accumulation is fp32. ``compute: bf16`` runs every forward (and eval) under
+    ``torch.autocast(<device type>, dtype=torch.bfloat16)`` with the numerics rule's fp32 islands (KDA states,
+    AttnRes softmax, router logits and top-k, the loss, KCP summaries). ``reduce`` is the dtype the gradient sums
+    over ranks are sent and summed in (:mod:`moonrt.comm.grad_reduce`). Both are free to change on resume (the
+    checkpoint is the same fp32 state)."""
 
     compute: Literal["fp32", "bf16"] = "fp32"
     """Forward compute dtype (``--dtype``): ``fp32`` (no autocast) or ``bf16`` (autocast, fp32 master weights)."""
+    reduce: Literal["fp32", "bf16"] = "fp32"
+    """Gradient reduce dtype (``--reduce-dtype``; Megatron's ``--grad-reduce-in-bf16``): ``fp32`` (the fp32
+    gradients summed as they are) or ``bf16`` (each gradient sum over ranks sends bf16 and sums in bf16 arithmetic,
+    as NCCL does, then the result is written back into the fp32 gradient or ZeRO-1 shard: half the wire bytes, up
+    to one bf16 rounding per input and per addition). One process: nothing is summed, no effect."""
 
     def validate(self) -> None:
         check(self.compute in ("fp32", "bf16"), "compute", self.compute, "one of 'fp32', 'bf16'")
+        check(self.reduce in ("fp32", "bf16"), "reduce", self.reduce, "one of 'fp32', 'bf16'")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -216,7 +223,8 @@ class JobConfig:
     the environment; ``null`` fields take the launcher's values (:func:`moonrt.cluster.env.resolve_dist_config`).
     The run's ``config.yaml`` records the timeout and backend it used."""
     precision: PrecisionConfig = dataclasses.field(default_factory=PrecisionConfig)
-    """Forward compute dtype (``--dtype``); parameters, gradients and optimizer states stay fp32."""
+    """Forward compute dtype (``--dtype``) and gradient reduce dtype (``--reduce-dtype``); parameters, gradients and
+    optimizer states stay fp32."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the job computes: ``cpu``; ``cuda`` (each rank on ``cuda:LOCAL_RANK``; refused where torch sees no CUDA
     device); ``auto``: cuda where CUDA is available, else cpu (:func:`moonrt.jobs.train.device.resolve_device`). The

@@ -195,7 +195,8 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
            device: str) -> dict[str, float]:
     if job.threads:
         torch.set_num_threads(job.threads)
-    rt.precision = Precision(job.precision.compute, torch.device(job.device).type)  # every forward's autocast region
+    # every forward's autocast region, and the dtype of the gradient sums over ranks
+    rt.precision = Precision(job.precision.compute, torch.device(job.device).type, job.precision.reduce)
     cfg = job.optim
     out = Path(job.out_dir)
     ckpt = out / CHECKPOINT
