@@ -8,7 +8,8 @@ Steps, in order (``--dry-run`` prints each with its exact command and exits 0 wi
 2. ``baseline``: this run's measured bf16 GEMM rate and host <-> device copy bandwidth, pinned and pageable;
    every later figure is also given as a ratio to these.
 3. ``tests``: the CPU suite's device-parametrized tests (those taking the ``device`` fixture of
-   ``tests/conftest.py``) with ``MOONRT_TEST_DEVICE=cuda``, so each runs on cpu and on cuda.
+   ``tests/conftest.py``, the per-layout device-discipline and NCCL-op checks, the CUDA-only train test) with
+   ``MOONRT_TEST_DEVICE=cuda``, so each runs on cpu and on cuda.
 4. ``fp8``, 5. ``offload``, 6. ``moonep``: the FP8 codec, the host offload tier and the torch MoonEP planner on
    CUDA (:mod:`probes`).
 7. ``train_k3_tiny``, 8. ``train_k3_100m``: ``moonrt train --device cuda --dtype bf16`` for ``--steps`` steps of
@@ -62,9 +63,12 @@ class Step:
 
 
 def device_test_files(root: Path = ROOT) -> list[str]:
-    """Test files (relative to ``root``) with a test function taking the ``device`` fixture."""
-    pat = re.compile(r"^def test_\w+\([^)]*\bdevice\b", re.M)
-    return sorted(str(p.relative_to(root)) for p in (root / "tests").rglob("test_*.py") if pat.search(p.read_text()))
+    """Test files (relative to ``root``) that run on CUDA there: a test function taking the ``device`` fixture, a
+    module reading ``MOONRT_TEST_DEVICE`` itself (the per-layout device-discipline and NCCL-op checks), or a test
+    skipped here for want of a CUDA device (not this check's own tests, which expect a machine without CUDA)."""
+    pat = re.compile(r"^def test_\w+\([^)]*\bdevice\b|MOONRT_TEST_DEVICE|reason=\"needs a CUDA device\"", re.M)
+    return sorted(str(p.relative_to(root)) for p in (root / "tests").rglob("test_*.py")
+                  if p.name != "test_gpu_check.py" and pat.search(p.read_text()))
 
 
 def plan(out: Path, py: str, steps: int) -> list[Step]:
@@ -82,7 +86,7 @@ def plan(out: Path, py: str, steps: int) -> list[Step]:
         Step("baseline", [*probe, "baseline", "--json", str(s / "baseline.json")], 90,
              what="bf16 GEMM TFLOP/s; host<->device GB/s pinned and pageable"),
         Step("tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--basetemp", str(s / "pytest-tmp"),
-                       "--junitxml", str(s / "tests.xml"), *tests], 150, env={"MOONRT_TEST_DEVICE": "cuda"},
+                       "--junitxml", str(s / "tests.xml"), *tests], 240, env={"MOONRT_TEST_DEVICE": "cuda"},
              what=f"device-parametrized tests on cpu and cuda ({len(tests)} files)", outputs=[s / "pytest-tmp"]),
         Step("fp8", [*probe, "fp8", "--json", str(s / "fp8.json")], 60, what="FP8 codec on CUDA: bytes, GB/s"),
         Step("offload", [*probe, "offload", "--json", str(s / "offload.json")], 60,
