@@ -42,7 +42,7 @@ GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
     "memory": ("", ("memory_policy", "gc_interval")),
     "outputs & checkpoints": ("", ("out", "metrics", "tensorboard", "peak_tflops", "routing_trace", "resume",
                                    "resume_if_exists", "resume_allow_changes")),
-    "distributed & device": ("", ("device", "dtype", "dist_timeout", "threads")),
+    "distributed & device": ("", ("device", "dtype", "reduce_dtype", "dist_timeout", "threads")),
     "run control": ("", ("until", "signal", "no_progress", "log_every")),
 }
 """``moonrt train --help`` sections: title -> (description, argparse dests). A flag whose dest is in no group
