@@ -31,13 +31,20 @@ REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 """The dtypes a job may sum gradients in (``precision.reduce``, ``--reduce-dtype``) and their torch dtypes."""
 
 
+def _narrower(dtype: torch.dtype, grad: torch.dtype) -> bool:
+    """Whether summing in ``dtype`` rounds gradients of dtype ``grad``: only a reduce dtype narrower than fp32
+    (bf16) is a cast; the default fp32 sums every gradient in its own dtype (fp64 gradients of a float64 reference
+    run stay fp64, never rounded to fp32)."""
+    return dtype != torch.float32 and torch.finfo(dtype).bits < torch.finfo(grad).bits
+
+
 def all_reduce_grad(grad: torch.Tensor, group: Any, dtype: torch.dtype = torch.float32) -> None:
     """Sum ``grad`` in place over ``group`` (None: the default group), sent and summed in ``dtype``: ``grad``'s own
-    dtype sums it directly; another dtype sums a cast copy and writes the result back into ``grad``. A group of one
-    rank sums nothing: ``grad`` is left as it is (no cast, no rounding)."""
+    dtype, or a wider one, sums it directly; a narrower dtype sums a cast copy and writes the result back into
+    ``grad``. A group of one rank sums nothing: ``grad`` is left as it is (no cast, no rounding)."""
     if dist.get_world_size(group) == 1:
         return
-    if dtype == grad.dtype:
+    if not _narrower(dtype, grad.dtype):
         dist.all_reduce(grad, group=group)
         return
     wire = grad.to(dtype)
@@ -54,7 +61,7 @@ def reduce_scatter_grad(out: torch.Tensor, flat: torch.Tensor, group: Any, dtype
         out.copy_(flat)
         return
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    if dtype == flat.dtype and dtype == out.dtype:
+    if flat.dtype == out.dtype and not _narrower(dtype, flat.dtype):
         fn(out, flat, group=group)
         return
     wire = torch.empty_like(out, dtype=dtype)

@@ -62,6 +62,11 @@ def _helpers(rank: int, world: int) -> dict[str, torch.Tensor]:
         out[f"rs_{name}"] = shard
     out["rs_plain"] = torch.empty(N // world)
     dist.reduce_scatter_tensor(out["rs_plain"], x.clone())
+    wide = x.double() / 3  # an fp64 gradient (a float64 reference run) under the default fp32 reduce
+    out["fp64"] = wide.clone()
+    all_reduce_grad(out["fp64"], None, torch.float32)
+    out["rs_fp64"] = torch.empty(N // world, dtype=torch.float64)
+    reduce_scatter_grad(out["rs_fp64"], wide.clone(), None, torch.float32)
     return out
 
 
@@ -74,6 +79,8 @@ def test_helpers_fp32_is_the_plain_collective_and_bf16_is_gloos_bf16_sum() -> No
         rows = slice(rank * half, (rank + 1) * half)
         for key in ("plain", "fp32", "bf16", "rs_plain", "rs_fp32", "rs_bf16"):
             assert got[key].dtype == torch.float32, key  # the result lands in the fp32 gradient / shard
+        wide = a.double() / 3 + b.double() / 3  # the default fp32 never rounds fp64 gradients: summed in fp64
+        assert torch.equal(got["fp64"], wide) and torch.equal(got["rs_fp64"], wide[rows])
         assert torch.equal(got["fp32"], got["plain"]) and torch.equal(got["rs_fp32"], got["rs_plain"])
         assert torch.equal(got["plain"], a + b)
         assert torch.equal(got["bf16"], bf16_sum) and torch.equal(got["rs_bf16"], bf16_sum[rows])
