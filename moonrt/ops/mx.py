@@ -29,8 +29,9 @@ NaN whatever its codes. Elements are divided by ``X`` (``floor``/``ceil``/``even
 smallest normal fp32 ``2^-126`` for the byte 0, as torchao does) or multiplied by ``2^(127 - s)`` (``rceil``; by
 1 for the byte 0, by ``2^-127`` for the byte 254, as torchao does), clamped to ``+-max_elem`` (saturating: an inf
 element becomes the largest finite code with its sign) and rounded to nearest, ties to even. Signed zeros keep
-their sign. A NaN element becomes the format's NaN code in FP8 (``0x7F``, sign kept) and, as E2M1 has no NaN, the
-code 0 in FP4 (torchao writes a payload-dependent bit pattern there; the block decodes to NaN either way).
+their sign. A NaN element becomes the format's NaN code in FP8 (``0x7F``, sign kept) and, as E2M1 has no NaN, a
+zero code in FP4 (0, or 8 for a NaN with the sign bit set; torchao writes a payload-dependent bit pattern there);
+its block has the NaN scale and decodes to NaN either way.
 
 Against torchao 0.18 (CPU, eager) this is bitwise the same scales and codes (tests/ops/test_mx.py) except: FP4
 codes of NaN elements (above), and ``rceil`` where torchao's eager fallback takes ``ceil(torch.log2(q))`` of the
@@ -152,7 +153,7 @@ def _fp4_codes(y: torch.Tensor) -> torch.Tensor:
 
     On ``[0, 2)`` the grid step is 0.5, on ``[2, 4)`` 1, on ``[4, 6]`` 2; ``torch.round`` (ties to even) of the
     value in grid steps picks the code with the even mantissa bit at a tie, since within each range the step index
-    and the code have the same parity (codes 0..3, then 4, 5, 6, 7 for 2, 3, 4, 6). NaN -> 0.
+    and the code have the same parity (codes 0..3, then 4, 5, 6, 7 for 2, 3, 4, 6). NaN -> +-0 (by its sign bit).
     """
     a = y.abs()
     low = torch.round(a * 2)  # steps of 0.5: index = code for a < 2 (4 -> 2.0, code 4)
