@@ -68,6 +68,10 @@ _FP8 = {"mxfp8_e4m3": torch.float8_e4m3fn, "mxfp8_e5m2": torch.float8_e5m2}
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 """The E2M1 value of each 4-bit code (the spec's table: sign, 2 exponent bits with bias 1, 1 mantissa bit)."""
 
+# midpoints of neighbouring E2M1 magnitudes; those whose tie goes up (to codes 2, 4, 6) as the fp32 just below
+_FP4_MIDPOINTS = tuple(m if i % 2 == 0 else float(torch.nextafter(torch.tensor(m), torch.tensor(0.0)))
+                       for i, m in enumerate((0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)))
+
 
 @dataclasses.dataclass(frozen=True)
 class MXQuantized:
@@ -151,16 +155,13 @@ def _scale_bytes(amax: torch.Tensor, fmt: str, mode: str) -> torch.Tensor:
 def _fp4_codes(y: torch.Tensor) -> torch.Tensor:
     """E2M1 codes (uint8, 0..15) of fp32 ``y`` already clamped to ``[-6, 6]``: round to nearest, ties to even.
 
-    On ``[0, 2)`` the grid step is 0.5, on ``[2, 4)`` 1, on ``[4, 6]`` 2; ``torch.round`` (ties to even) of the
-    value in grid steps picks the code with the even mantissa bit at a tie, since within each range the step index
-    and the code have the same parity (codes 0..3, then 4, 5, 6, 7 for 2, 3, 4, 6). NaN -> +-0 (by its sign bit).
+    The magnitude's code is its bucket among the midpoints of neighbouring values (``torch.bucketize``, a value
+    equal to a boundary goes to the lower bucket): a midpoint whose lower neighbour has the even code is a boundary
+    as is, one whose upper neighbour has it is replaced by the next fp32 below it, so the tie goes up. NaN -> +-0
+    (by its sign bit).
     """
-    a = y.abs()
-    low = torch.round(a * 2)  # steps of 0.5: index = code for a < 2 (4 -> 2.0, code 4)
-    mid = torch.round(a)  # 2, 3, 4 -> codes 4, 5, 6
-    high = torch.round(a * 0.5)  # 2, 3 -> 4.0, 6.0 -> codes 6, 7
-    code = torch.where(a < 2, low, torch.where(a < 4, mid + 2, high + 4))
-    code = torch.where(torch.isnan(y), 0, code).to(torch.uint8)
+    mids = torch.tensor(_FP4_MIDPOINTS, dtype=torch.float32, device=y.device)
+    code = torch.bucketize(torch.nan_to_num(y.abs(), nan=0.0), mids).to(torch.uint8)
     return code | (torch.signbit(y).to(torch.uint8) << 3)
 
 
@@ -174,7 +175,7 @@ def quantize(x: torch.Tensor, format: str, *, axis: int = -1, block: int = 32, s
     axis = _check(x, format, axis, block, scale_mode)
     mbits, emax, max_elem = _SPEC[format]
     shape = x.shape
-    xm = x.movedim(axis, -1).to(torch.float32)
+    xm = x.movedim(axis, -1).to(torch.float32).contiguous()
     moved = xm.shape
     xb = xm.reshape(*moved[:-1], moved[-1] // block, block)
     amax = xb.abs().amax(dim=-1, keepdim=True)
