@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import torch
+from machine import wall_times
 
 from moonrt.jobs.train.assemble import build_model
 from moonrt.jobs.train.config import JobConfig, OptimConfig
@@ -38,17 +39,7 @@ from moonrt.scheduler.muon_plan import plan_units, unit_layout
 
 def _time(fn, repeats: int, device: str) -> float:
     """Median wall seconds of ``fn()`` over ``repeats`` runs after one warm-up."""
-    fn()
-    out = []
-    for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out)
+    return statistics.median(wall_times(fn, repeats, device))
 
 
 def machine() -> dict:

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import torch
-from machine import cpu_model
+from machine import cpu_model, wall_times
 
 from moonrt.ops import mx
 
@@ -32,17 +32,7 @@ from moonrt.ops import mx
 def _time(fn, repeats: int, device: str) -> float:
     """Fastest wall seconds of ``fn()`` over ``repeats`` runs after one warm-up (on a shared, loaded CPU the
     fastest run is the least disturbed one; the median moves with the other jobs' load)."""
-    fn()
-    out = []
-    for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        out.append(time.perf_counter() - t0)
-    return min(out)
+    return min(wall_times(fn, repeats, device))
 
 
 def _machine() -> dict:
