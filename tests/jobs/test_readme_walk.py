@@ -1,0 +1,222 @@
+"""The README walked as a new user walks it (issue 36): every command of every ``bash`` block, in the README's order,
+in one fresh directory, so the README cannot drift from the code again.
+
+What the walk changes, all listed here and nothing else:
+
+- **Size.** Every ``moonrt train`` runs ``--steps 2`` (``--until N`` -> ``--until 1``: the README's stop-and-resume
+  pair still stops after step 1 and resumes to step 2); every self-test runs its smallest sizes (:data:`SELFTEST_SMALL`)
+  and SLURM steps ``srun -n N`` run 2 tasks. Layouts keep their rank counts (``launch -n 8 ... --pp 2 --ep 2 --zero 1``
+  still runs 8 ranks: the layout is what the line documents).
+- **Notation.** ``[--json]`` (optional flags) runs with the flag; ``hf|moonrt`` (alternatives) runs the first.
+- **The user's own files** the README assumes (:func:`_user_files`): ``book.txt`` (a text), ``tokens.bin`` (uint16
+  ids below the custom config's vocabulary), ``train.py`` (a program joining its job with
+  ``moonrt.cluster.init_distributed`` and checking an all-reduce), ``job.yaml`` (the repo's ``configs/k3_tiny.yaml``),
+  and each ``yaml`` block whose first line names its file (``# policy.yaml -- ...``); the repo's ``configs/`` are
+  copied in, as a clone has them.
+- **Not run** (:data:`NOT_RUN`, each with its reason; every entry must match a README command, so the table cannot go
+  stale): the install commands (this test runs inside that install) and the test command itself, and the
+  ``moonrt sbatch --submit`` of a 2-node job (this machine's SLURM has one node).
+
+SLURM lines need the single-node SLURM of ``.ci/slurm-ci.sh``: they are skipped with the reason where it is absent,
+and fail instead under ``MOONRT_REQUIRE_CLUSTER=1`` (CI).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+from runtime.test_cluster_report import clean_env, cluster_unavailable
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+TIMEOUT_S = 300
+
+NOT_RUN = {
+    "python3 -m venv .venv": "installs moonrt: this test runs inside that install",
+    ".venv/bin/pip install -q -e .": "installs moonrt: this test runs inside that install",
+    ".venv/bin/pip install -q -e '.[test,mpi]'": "installs moonrt: this test runs inside that install",
+    ".venv/bin/ruff check .": "the README's test command: it is running this test",
+    ".venv/bin/python -m pytest -q": "the README's test command: it is running this test",
+    "moonrt sbatch --nodes 2 --ntasks-per-node 4 --config job.yaml --submit -- python train.py":
+        "submits a 2-node job; this machine's SLURM has one node",
+}
+"""Commands shown but not run, with the reason (keys are the commands as the README writes them)."""
+
+EXIT_CODES = {
+    ".venv/bin/moonrt mem-plan": (1, "does not fit 80 GiB"),
+    ".venv/bin/moonrt mem-plan --shard-grads --budget-gib 80 --out runs/mem-plan": (1, "80 GiB does not fit"),
+}
+"""Commands whose documented outcome is a non-zero exit (mem-plan: exit 1 when a budget does not fit), with the
+exit code and a phrase the output must hold."""
+
+SELFTEST_SMALL = ["--sizes", "4K", "--iters", "1", "--ep-shapes", "32x16x2x64", "--ep-maxvio", "0,16", "--ep-ffn", "8",
+                  "--kcp-tokens", "64", "--kcp-shape", "1x2x8x12", "--pp-sizes", "1K", "--remote-sizes", "4K"]
+"""The self-test's smallest sizes (one of each kind), appended to every self-test the README runs."""
+
+
+@dataclass(frozen=True)
+class Command:
+    """One shell command of a README ``bash`` block (a ``&&`` chain is split into its commands)."""
+    line: int    # README line where it starts
+    text: str    # as written (continuations joined, comment dropped)
+    argv: tuple[str, ...]
+
+
+def readme_commands(text: str) -> list[Command]:
+    """Every command of every ```` ```bash ```` block, in order."""
+    out: list[Command] = []
+    lines = text.splitlines()
+    i, in_bash = 0, False
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("```"):
+            in_bash = not in_bash and line.strip() == "```bash"
+            i += 1
+            continue
+        if not in_bash or not line.strip():
+            i += 1
+            continue
+        start = i
+        while line.rstrip().endswith("\\"):
+            i += 1
+            line = line.rstrip()[:-1] + " " + lines[i].strip()
+        tokens = shlex.split(line, comments=True)
+        i += 1
+        chain: list[str] = []
+        for tok in [*tokens, "&&"]:
+            if tok == "&&":
+                if chain:
+                    out.append(Command(start + 1, shlex.join(chain), tuple(chain)))
+                chain = []
+            else:
+                chain.append(tok)
+    return out
+
+
+def _is(argv: tuple[str, ...] | list[str], *words: str) -> bool:
+    """``argv`` runs ``moonrt WORDS...`` (as ``moonrt``, ``.venv/bin/moonrt`` or ``python -m moonrt.cli``)."""
+    return any(Path(a).name == "moonrt" and list(argv[i + 1:i + 1 + len(words)]) == list(words)
+               for i, a in enumerate(argv))
+
+
+def walk_argv(argv: tuple[str, ...]) -> list[str]:
+    """The command the walk runs for a README command (module docstring: size and notation, nothing else)."""
+    out: list[str] = []
+    for a in argv:
+        a = a.removeprefix("[").removesuffix("]")
+        if "|" in a and not a.startswith("-"):
+            a = a.split("|")[0]
+        out.append(a)
+    train = _is(out, "train")
+    if train:
+        for flag, small in (("--steps", "2"), ("--until", "1")):
+            for j, a in enumerate(out[:-1]):
+                if a == flag:
+                    out[j + 1] = small
+        if "--steps" not in out:
+            out += ["--steps", "2"]
+    if out[0] == "srun":
+        out[out.index("-n") + 1] = "2"
+    if "--selftest" in out or _is(out, "selftest") or "moonrt.jobs.selftest" in out:
+        if "--selftest" in out and "--" not in out:
+            out.append("--")
+        out += SELFTEST_SMALL
+    return out
+
+
+def _user_files(here: Path, text: str) -> None:
+    """The files the README assumes a user has (module docstring)."""
+    shutil.copytree(ROOT / "configs", here / "configs")
+    (here / ".venv").symlink_to(Path(sys.executable).parent.parent)
+    rng = np.random.default_rng(0)
+    words = ["the", "model", "routes", "each", "token", "to", "two", "experts", "and", "a", "shared", "one"]
+    (here / "book.txt").write_text("\n".join(" ".join(rng.choice(words, 12)) + "." for _ in range(3000)))
+    rng.integers(0, 1024, 200_000).astype(np.uint16).tofile(here / "tokens.bin")
+    shutil.copy(ROOT / "configs" / "k3_tiny.yaml", here / "job.yaml")
+    (here / "train.py").write_text(
+        "import torch, torch.distributed as dist\n"
+        "from moonrt.cluster import init_distributed\n"
+        "r = init_distributed()\n"
+        "x = torch.tensor([float(r.rank + 1)])\n"
+        "dist.all_reduce(x)\n"
+        "assert x.item() == r.world_size * (r.world_size + 1) / 2, x\n"
+        "print(f'rank {r.rank} of {r.world_size}: all_reduce ok')\n"
+        "dist.destroy_process_group()\n")
+    for block in re.findall(r"```yaml\n(.*?)```", text, flags=re.S):
+        name = re.match(r"#\s*(\S+\.ya?ml)\s", block)
+        if name:
+            (here / name.group(1)).write_text(block)
+
+
+def _slurm_ready() -> str | None:
+    """None when a SLURM node can take a step, else why not."""
+    for tool in ("srun", "sinfo"):
+        if shutil.which(tool) is None:
+            return f"SLURM command {tool!r} not found (start one with .ci/slurm-ci.sh)"
+    res = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=30)
+    if res.returncode != 0 or not any(s.rstrip("*~#") in ("idle", "mix", "alloc") for s in res.stdout.split()):
+        return f"no usable SLURM node (sinfo: {res.stdout.strip() or res.stderr.strip()!r})"
+    return None
+
+
+def test_the_walk_covers_every_command_and_its_rules_hold() -> None:
+    """Every not-run entry names a README command; the size rules do what the docstring says."""
+    cmds = readme_commands(README.read_text())
+    texts = [c.text for c in cmds]
+    for key in [*NOT_RUN, *EXIT_CODES]:
+        assert key in texts, f"NOT_RUN / EXIT_CODES entry {key!r} matches no README command"
+    ran = [c for c in cmds if c.text not in NOT_RUN]
+    assert sum(_is(c.argv, "train") for c in ran) >= 20, "fewer train commands than the README has: parser broken?"
+    pair = next(c for c in ran if "--until" in c.argv)
+    small = walk_argv(pair.argv)
+    assert small[small.index("--steps") + 1] == "2" and small[small.index("--until") + 1] == "1", small
+    assert walk_argv(("moonrt", "launch", "-n", "2", "--", "moonrt", "train", "--pp", "2"))[-2:] == ["--steps", "2"]
+    assert walk_argv(("moonrt", "train"))[-2:] == ["--steps", "2"]
+    assert walk_argv(("moonrt", "checkpoint", "export", "runs/a", "w.st", "[--names", "hf|moonrt]")) == \
+        ["moonrt", "checkpoint", "export", "runs/a", "w.st", "--names", "hf"]
+    assert walk_argv(("srun", "-n", "16", "moonrt", "selftest"))[:3] == ["srun", "-n", "2"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_every_readme_command_runs_in_order(tmp_path: Path) -> None:
+    text = README.read_text()
+    here = tmp_path / "walk"
+    here.mkdir()
+    _user_files(here, text)
+    env = {**clean_env(), "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "MOONRT_DIST_TIMEOUT": "120"}
+    slurm = None
+    timings: list[tuple[float, str]] = []
+    for cmd in readme_commands(text):
+        if cmd.text in NOT_RUN:
+            continue
+        argv = walk_argv(cmd.argv)
+        if argv[0] == "srun":
+            slurm = slurm or _slurm_ready() or "ready"
+            if slurm != "ready":
+                cluster_unavailable(f"README line {cmd.line} runs srun: {slurm}")
+            argv = ["timeout", "240", *argv[:1], "-I60", "--kill-on-bad-exit=1", *argv[1:]]
+        t0 = time.perf_counter()
+        res = subprocess.run(argv, cwd=here, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+        timings.append((time.perf_counter() - t0, cmd.text))
+        print(f"{timings[-1][0]:6.1f} s  README line {cmd.line}: {cmd.text}", flush=True)
+        rc, phrase = EXIT_CODES.get(cmd.text, (0, ""))
+        assert res.returncode == rc and phrase in res.stdout + res.stderr, (
+            f"README line {cmd.line}: {cmd.text}\nran: {shlex.join(argv)}\nexit {res.returncode}, expected {rc}"
+            f"{f' and {phrase!r} in the output' if phrase else ''}\n"
+            f"stdout:\n{res.stdout[-3000:]}\nstderr:\n{res.stderr[-3000:]}")
+    # what the walk made is what the README says it makes
+    assert (here / "runs" / "a").is_dir() and (here / "w.safetensors").is_file()
+    assert (here / "routing.npz").is_file() and (here / "selftest.json").is_file()
+    print(f"{len(timings)} commands in {sum(t for t, _ in timings):.0f} s")
