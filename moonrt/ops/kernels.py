@@ -97,7 +97,7 @@ class KernelRegistry:
 
     def __init__(self) -> None:
         self._table: dict[str, dict[str, Backend]] = {op: {} for op in OPS}
-        self._cache: dict[tuple[str, str, str], Callable[..., Any]] = {}
+        self._cache: dict[tuple[str, str, str], Callable[..., Any]] = {}  # (op, choice, device type)
 
     def register(self, op: str, name: str, target: str | Callable[..., Any], *, devices: tuple[str, ...] | None = None,
                  requires: str | None = None) -> None:
@@ -157,12 +157,14 @@ class KernelRegistry:
     def resolve(self, op: str, choice: str, device: torch.device | str) -> Callable[..., Any]:
         """The function that runs ``op`` for ``choice`` on ``device`` (imported on first use, then cached)."""
         dev = device.type if isinstance(device, torch.device) else torch.device(device).type
-        cached = self._cache.get((op, choice, dev))
+        # (Triton on CPU tensors is allowed only while Triton's interpreter is on: part of the key)
+        key = (op, choice, dev if choice != "triton" or dev != "cpu" else f"cpu:{os.environ.get('TRITON_INTERPRET')}")
+        cached = self._cache.get(key)
         if cached is not None:
             return cached
         backend = self.choose(op, choice, dev)
         fn = _load(backend, choice)
-        self._cache[(op, choice, dev)] = fn
+        self._cache[key] = fn
         return fn
 
 
