@@ -183,3 +183,14 @@ def test_train_override_reaches_the_chosen_backend(tmp_path: Path, capsys) -> No
     assert recorded["kernels"] == {"kda": "torch", "fp8": "torch"}
     used = set(calls)
     assert used == {"kda_chunk:torch", "fp8_quantize:torch", "fp8_dequantize:torch"}, used
+
+
+def test_ci_installs_and_requires_the_pinned_triton() -> None:
+    """The test extra pins the Triton the install hint names, and CI makes a missing Triton a failure."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+
+    root = Path(__file__).resolve().parents[2]
+    extra = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
+    pins = [d for d in extra if d.startswith("triton")]
+    assert pins == [kernels.TRITON_INSTALL.split("'")[1]]
+    assert "\nexport MOONRT_REQUIRE_TRITON=1\n" in (root / ".ci" / "run").read_text()
