@@ -105,6 +105,43 @@ def test_choice_reaches_the_backend_at_each_call_site() -> None:
     assert torch.equal(p.view(torch.uint8), pn.view(torch.uint8)) and torch.equal(s, sn) and torch.equal(z, z2)
 
 
+def _kcp_rank(rank: int, world: int, x: dict[str, torch.Tensor]) -> dict:
+    """KCP through ``ContextParallel(kda_kernel="torch")`` on this rank's slice, every KDA piece recorded."""
+    from moonrt.comm.cp_context import ContextParallel
+    from moonrt.comm.cp_ops import slice_bounds
+
+    calls: list[str] = []
+    with contextlib.ExitStack() as stack:
+        for op in kernels.FAMILIES["kda"]:
+            for name in ("torch", "numba"):
+                stack.enter_context(REGISTRY.swapped(op, name, _recorder(calls, f"{op}:{name}", getattr(kda, op)),
+                                                     devices=None if name == "torch" else ("cpu",)))
+        a, b = slice_bounds(x["q"].shape[1], world, rank)
+        leaves = {n: x[n][:, a:b].clone().requires_grad_(True) for n in ("q", "k", "v", "g", "beta")}
+        o, _ = ContextParallel(None, kda_kernel="torch").kda(**leaves)
+        (o * x["do"][:, a:b]).sum().backward()
+    return {"calls": sorted(set(calls)), "o": o.detach(), "dq": leaves["q"].grad}
+
+
+def test_kcp_runs_the_chosen_backend_on_two_ranks() -> None:
+    """``ContextParallel(kda_kernel=...)`` -> ``kcp_kda(kernel=...)``: the chunk, the transition summary and the
+    state gradient all run the chosen backend on every rank, and the result is the single-process one."""
+    from dist import dist_run
+    from numerics import rel_l2
+
+    x = _kda_inputs(T=40, seed=4)
+    x["do"] = torch.randn_like(x["v"])
+    got = dist_run(_kcp_rank, 2, x, timeout=240)
+    leaves = {n: x[n].clone().requires_grad_(True) for n in ("q", "k", "v", "g", "beta")}
+    o, _ = kda.kda_chunk(**leaves)
+    (o * x["do"]).sum().backward()
+    want = ["kda_chunk:torch", "kda_state_grad:torch", "kda_transition:torch"]
+    assert [r["calls"] for r in got] == [want, want]
+    # KCP on fp32 vs single-process fp32: tests/runtime/test_kcp.py's bound (relative RMS 1e-5)
+    assert rel_l2(torch.cat([r["o"] for r in got], dim=1), o) <= 1e-5
+    assert rel_l2(torch.cat([r["dq"] for r in got], dim=1), leaves["q"].grad) <= 1e-5
+
+
 def test_errors_are_one_clear_line(monkeypatch) -> None:
     cpu = torch.device("cpu")
     with pytest.raises(ValueError, match=r"^kernels\.kda = 'cuda': expected one of auto, torch, numba, triton$"):
