@@ -217,7 +217,7 @@ REGISTRY = default_registry()
 in by each caller)."""
 
 
-def kernel(op: str, choice: str = "auto", device: torch.device | str = "cpu") -> Callable[..., Any]:
+def kernel(op: str, choice: str, device: torch.device | str) -> Callable[..., Any]:
     """``REGISTRY.resolve(op, choice, device)``: the function that runs ``op`` (module docstring)."""
     return REGISTRY.resolve(op, choice, device)
 
