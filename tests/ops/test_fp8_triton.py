@@ -7,6 +7,8 @@ interpreter runs each program in numpy."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -126,3 +128,47 @@ def test_public_api_through_the_registry(ft, dev) -> None:
                                kernel="triton")
     assert torch.equal(outs[0].cpu(), fp8.dequantize(rp, rs, x.shape, x.dtype)) and torch.equal(outs[1].cpu(),
                                                                                               outs[0][0].cpu())
+
+
+_COMPILE = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from moonrt.ops import fp8_triton as ft
+sig = {"quantize": (ft._quantize_kernel, {"x_ptr": "*fp32", "payload_ptr": "*u8", "scales_ptr": "*fp32", "M": "i32",
+                                          "N": "i32", "NB": "i32", "min_amax": "fp32"}),
+       "dequantize": (ft._dequantize_kernel, {"codes_ptr": "*u8", "scales_ptr": "*fp32", "lut_ptr": "*fp32",
+                                              "out_ptr": "*fp32", "M": "i32", "N": "i32", "NB": "i32",
+                                              "code_stride": "i32", "scale_stride": "i32"})}
+out = {}
+for name, (fn, s) in sig.items():
+    const = {"BLOCK": 48, "BLOCK_P2": 64, "TILES": 8}
+    src = ASTSource(fn, signature={**s, **{k: "constexpr" for k in const}}, constexprs=const)
+    out[name] = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+json.dump(out, sys.stdout)
+"""
+
+
+def test_kernels_compile_for_a_gpu_with_ieee_arithmetic(triton_kernels) -> None:
+    """What the interpreter cannot show: compiled for sm_90 (no GPU needed; Triton ships ptxas), the kernels use only
+    IEEE-rounded fp32 arithmetic, the condition for the GPU's bits to be the interpreter's: divisions ``div.rn``
+    (no approximate ``div.full`` / ``rcp.approx``), no fused multiply-add (the products are rounded before the sum
+    of 2^14), no flush of subnormals to zero."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ptx = json.loads(r.stdout)
+    for name, text in ptx.items():
+        ops = set(re.findall(r"\b(?:div|rcp|sqrt|fma|mad|mul|add|cvt|ex2)\.[a-z0-9.]+", text))
+        assert not [o for o in ops if ".ftz" in o or ".approx" in o or ".full" in o], (name, sorted(ops))
+        assert not [o for o in ops if o.startswith(("fma.", "mad.")) and ("f32" in o or "f64" in o)], (name, ops)
+        if name == "quantize":
+            assert {"div.rn.f32", "div.rn.f64", "mul.f32", "add.f32"} <= ops, sorted(ops)
