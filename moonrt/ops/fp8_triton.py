@@ -20,7 +20,7 @@ out likewise: a NaN scale gives the scale, else a NaN code keeps the table's NaN
 default NaN.
 
 Divisions use ``tl.math.div_rn`` (Triton's ``/`` on fp32 may lower to an approximate division). The kernels run on
-CUDA tensors, or on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` before this module is imported),
+CUDA tensors, or on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` before triton is first imported),
 which is how CI checks them bit for bit against the CPU codec.
 """
 

@@ -25,6 +25,8 @@ Backends are registered as ``"module:function"`` paths and imported on first use
 Triton backend is chosen. Each failure is one line naming the config key, the choice and what to do: a backend the
 op lacks or that cannot run on the device (``ValueError``), Triton not installed or a backend module missing from
 this install (:class:`KernelUnavailable`). Resolved callables are cached per ``(op, choice, device type)``.
+Importing this module does not import torch (the train CLI catches :class:`KernelUnavailable` and stays torch-free
+for ``--help``).
 
 Known limitation of the KDA ``torch`` backend on CPU: :mod:`moonrt.ops.kda` itself runs its graph-free elementwise
 passes in numba on CPU tensors (``kda_terms._use_fused``), so on CPU ``torch`` and ``numba`` are the same code until
@@ -44,9 +46,10 @@ import importlib
 import importlib.util
 import os
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 FAMILIES: dict[str, tuple[str, ...]] = {
     "kda": ("kda_chunk", "kda_transition", "kda_state_grad"),
@@ -137,7 +140,7 @@ class KernelRegistry:
         key = f"kernels.{OPS[op]}"
         if choice not in CHOICES:
             raise ValueError(f"{key} = {choice!r}: expected one of {', '.join(CHOICES)}")
-        dev = torch.device(device).type
+        dev = _device_type(device)
         table = self._table[op]
         if choice == "auto":
             name = {"cuda": "triton", "cpu": "numba" if "numba" in table else "torch"}.get(dev, "torch")
@@ -156,7 +159,7 @@ class KernelRegistry:
 
     def resolve(self, op: str, choice: str, device: torch.device | str) -> Callable[..., Any]:
         """The function that runs ``op`` for ``choice`` on ``device`` (imported on first use, then cached)."""
-        dev = device.type if isinstance(device, torch.device) else torch.device(device).type
+        dev = _device_type(device)
         # (Triton on CPU tensors is allowed only while Triton's interpreter is on: part of the key)
         key = (op, choice, dev if choice != "triton" or dev != "cpu" else f"cpu:{os.environ.get('TRITON_INTERPRET')}")
         cached = self._cache.get(key)
@@ -166,6 +169,17 @@ class KernelRegistry:
         fn = _load(backend, choice)
         self._cache[key] = fn
         return fn
+
+
+def _device_type(device: torch.device | str) -> str:
+    """``torch.device(device).type`` (torch imported only for a string that is not a plain device type)."""
+    if not isinstance(device, str):
+        return device.type
+    if device.isalpha():
+        return device
+    import torch
+
+    return torch.device(device).type
 
 
 def _load(backend: Backend, choice: str) -> Callable[..., Any]:

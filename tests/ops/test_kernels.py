@@ -231,3 +231,24 @@ def test_ci_installs_and_requires_the_pinned_triton() -> None:
     pins = [d for d in extra if d.startswith("triton")]
     assert pins == [kernels.TRITON_INSTALL.split("'")[1]]
     assert "\nexport MOONRT_REQUIRE_TRITON=1\n" in (root / ".ci" / "run").read_text()
+
+
+def test_train_cli_unusable_backend_is_one_line_exit_2(tmp_path: Path, capsys) -> None:
+    """A backend that cannot run here ends ``moonrt train`` with one line and exit 2, not a traceback: Triton on CPU
+    tensors (no interpreter), and a backend whose module is missing (as Triton's would be: KernelUnavailable)."""
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("abcdefgh" * 500)
+    base = ["train", "--steps", "1", "--batch-size", "2", "--seq-len", "16", "--corpus", str(corpus), "--no-progress",
+            "--set", "optim.eval_windows=1"]
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(pytest.MonkeyPatch.context()).delenv("TRITON_INTERPRET", raising=False)
+        assert cli_main([*base, "--out", str(tmp_path / "a"), "--set", "kernels.kda=triton"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("moonrt train: error: kernels.kda = 'triton': the triton backend of kda_chunk runs on "
+                              "cuda tensors, got cpu tensors") and "\n" not in err, err
+        stack.enter_context(REGISTRY.swapped("kda_chunk", "numba", "moonrt.ops.no_such_kernels:kda_chunk",
+                                             devices=("cpu",)))
+        assert cli_main([*base, "--out", str(tmp_path / "b")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("moonrt train: error: kernels.kda = 'auto': the numba backend of kda_chunk is "
+                              "moonrt.ops.no_such_kernels:kda_chunk, but module") and "\n" not in err, err
