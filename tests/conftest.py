@@ -3,17 +3,25 @@ fixture run on every device :envvar:`MOONRT_TEST_DEVICE` lends."""
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+import importlib.util
 import os
 import sys
+import types
 from pathlib import Path
-
-import pytest
-import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
+from typing import NoReturn
 
 TEST_DEVICE_ENV = "MOONRT_TEST_DEVICE"
 """``MOONRT_TEST_DEVICE=cuda`` runs the tests that take the ``device`` fixture on CUDA too (benchmarks/gpu/check.sh)."""
+
+if os.environ.get(TEST_DEVICE_ENV) != "cuda":  # Triton kernels under its interpreter (fixture triton_kernels)
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
 
 
 def _test_devices() -> list[str]:
@@ -28,3 +36,47 @@ def device(request: pytest.FixtureRequest) -> torch.device:
     """The device a device-parametrized test runs on: ``cpu``, and ``cuda`` when ``MOONRT_TEST_DEVICE=cuda`` and
     CUDA is present."""
     return torch.device(request.param)
+
+
+
+REQUIRE_TRITON_ENV = "MOONRT_REQUIRE_TRITON"
+"""``MOONRT_REQUIRE_TRITON=1`` (``.ci/run``): a test that needs Triton fails where it is missing instead of skipping."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonKernels:
+    """What the ``triton_kernels`` fixture gives a test: ``load(name)`` imports a Triton kernel module (e.g.
+    ``moonrt.ops.fp8_triton``) whose kernels then run on ``device``."""
+
+    device: torch.device
+    """``cpu`` (Triton's interpreter: kernels run on CPU tensors), or ``cuda`` with ``MOONRT_TEST_DEVICE=cuda``."""
+
+    def load(self, name: str) -> types.ModuleType:
+        return importlib.import_module(name)
+
+
+def _triton_missing(reason: str) -> NoReturn:
+    """Skip with ``reason``; under ``MOONRT_REQUIRE_TRITON=1`` (CI) fail instead."""
+    if os.environ.get(REQUIRE_TRITON_ENV) == "1":
+        pytest.fail(f"{REQUIRE_TRITON_ENV}=1 but {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def triton_kernels() -> TritonKernels:
+    """Triton for a test: skip with the reason where it is not installed (fail under ``MOONRT_REQUIRE_TRITON=1``).
+
+    Without ``MOONRT_TEST_DEVICE=cuda`` the kernels run under Triton's interpreter on CPU tensors:
+    ``TRITON_INTERPRET=1`` is set when this conftest is imported (the top of this file), because ``@triton.jit``
+    decides at decoration time, for Triton's own library functions (``tl.max``, ...) too, which are decorated when
+    anything first imports triton (torch may, during other tests). It only changes how Triton kernels run. With
+    ``MOONRT_TEST_DEVICE=cuda`` on a CUDA machine the kernels run compiled on the GPU.
+    """
+    if importlib.util.find_spec("triton") is None:
+        _triton_missing("triton is not installed (pip install -e '.[test]' installs triton==3.8.0)")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return TritonKernels(torch.device("cpu"))
+    if "cuda" in _test_devices():
+        return TritonKernels(torch.device("cuda"))
+    _triton_missing(f"TRITON_INTERPRET = {os.environ.get('TRITON_INTERPRET')!r} and no CUDA device under test: "
+                    "Triton kernels need one of them")

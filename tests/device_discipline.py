@@ -72,9 +72,10 @@ SANCTIONED: dict[tuple[str, str], str] = {
     ("memory/backends.py", "_take"): "the host tier's (pinned) host buffers, the destination of its offload copies",
     ("memory/backends.py", "put"): "the disk tier writes saved tensors' bytes from the host with pwrite",
     ("memory/backends.py", "get"): "the disk tier reads saved tensors' bytes into the host with pread",
-    ("ops/fp8.py", "_quantize_rows"): "the FP8 codec's numba branch, taken for CPU tensors only, works on numpy views",
-    ("ops/fp8.py", "_dequantize_rows"): "the FP8 codec's numba branch, taken for CPU tensors only, works on numpy "
-                                        "views",
+    ("ops/fp8.py", "quantize_rows_numba"): "the FP8 codec's numba backend, chosen for CPU tensors only, works on "
+                                           "numpy views",
+    ("ops/fp8.py", "dequantize_rows_numba"): "the FP8 codec's numba backend, chosen for CPU tensors only, works on "
+                                             "numpy views",
 }
 """``(file under moonrt/, function)`` -> why a host tensor or copy made directly in that function is by design.
 Globs allowed (fnmatch); ``"*"`` as the function: the whole file. A comprehension is judged as the function it is

@@ -44,11 +44,13 @@ class ContextParallel(AttentionContext):
         group: the CP process group (``None``: the default group). Every rank of it must run the
             same model on its slice of the same sequences, calling the methods in the same order.
         chunk_size: chunk length of the local chunked KDA.
+        kda_kernel: the KDA backend of the local pieces (``kernels.kda``: auto, torch, numba, triton).
     """
 
-    def __init__(self, group: ProcessGroup | None, *, chunk_size: int = 64) -> None:
+    def __init__(self, group: ProcessGroup | None, *, chunk_size: int = 64, kda_kernel: str = "auto") -> None:
         if not dist.is_initialized():
             raise RuntimeError("ContextParallel needs torch.distributed initialized (moonrt.cluster.init_distributed)")
+        super().__init__(kda_kernel=kda_kernel)
         self.group = group
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
@@ -121,7 +123,7 @@ class ContextParallel(AttentionContext):
         """
         return kcp_kda(q, k, v, g, beta, self.group, scale=scale, initial_state=initial_state,
                        output_final_state=output_final_state, chunk_size=self.chunk_size,
-                       record=self._record("kcp"))
+                       record=self._record("kcp"), kernel=self.kda_kernel)
 
     def conv_prefix(self, x: torch.Tensor, width: int) -> torch.Tensor:
         """The previous rank's last ``width`` pre-conv tokens (the short-conv halo, zeros on CP rank 0).

@@ -25,8 +25,9 @@ Backward (the transposed chain)
 Per KDA layer and rank this moves ``B * H * K * (K + V) * 4`` bytes in each pass, independent of
 the sequence length. The local math is :mod:`moonrt.ops.kda` (``kda_chunk``, ``kda_transition``,
 ``kda_state_grad``): this runtime module reaches it through keyword seams ``chunk_fn`` /
-``transition_fn`` / ``state_grad_fn`` whose default is imported lazily, so a device kernel with the
-same contract can be swapped in (a ``chunk_fn`` without a ``state_grad_fn``: step 1 asks autograd).
+``transition_fn`` / ``state_grad_fn`` whose default is the kernel registry's backend for the tensors' device
+(:mod:`moonrt.ops.kernels`, the choice passed as ``kernel``), so a device kernel with the same contract runs
+each piece (a ``chunk_fn`` without a ``state_grad_fn``: step 1 asks autograd).
 """
 
 from __future__ import annotations
@@ -56,12 +57,16 @@ StateGradFn = Callable[..., torch.Tensor]
 _META = ("B", "T", "H", "K", "V", "dtype", "init", "final")
 
 
-def _default_fns() -> tuple[ChunkFn, TransitionFn, StateGradFn, float, Callable[[object], int]]:
-    """The ops layer's chunked KDA, its segment transition, its state-only gradient, the smallest log-decay
-    they accept, and its chunk-size check."""
-    from moonrt.ops.kda import MIN_LOG_DECAY, check_chunk_size, kda_chunk, kda_state_grad, kda_transition
+def _default_fns(kernel: str, device: torch.device) -> tuple[ChunkFn, TransitionFn, StateGradFn, float,
+                                                             Callable[[object], int]]:
+    """The ops layer's chunked KDA, its segment transition and its state-only gradient from the kernel registry
+    (:mod:`moonrt.ops.kernels`: the backend ``kernel`` picks for ``device``), the smallest log-decay they accept,
+    and the chunk-size check."""
+    from moonrt.ops.kda import MIN_LOG_DECAY, check_chunk_size
+    from moonrt.ops.kernels import kernel as resolve
 
-    return kda_chunk, kda_transition, kda_state_grad, MIN_LOG_DECAY, check_chunk_size
+    return (resolve("kda_chunk", kernel, device), resolve("kda_transition", kernel, device),
+            resolve("kda_state_grad", kernel, device), MIN_LOG_DECAY, check_chunk_size)
 
 
 def _all_gather(x: torch.Tensor, group: ProcessGroup | None, size: int) -> list[torch.Tensor]:
@@ -180,6 +185,7 @@ def kcp_kda(
     chunk_fn: ChunkFn | None = None,
     transition_fn: TransitionFn | None = None,
     state_grad_fn: StateGradFn | None = None,
+    kernel: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Context-parallel KDA over ``group`` (KCP, K3_SYSTEMS §7); the contract of ``kda_chunk`` per slice.
 
@@ -204,6 +210,8 @@ def kcp_kda(
         state_grad_fn: the entering-state gradient of ``chunk_fn`` alone (backward step 1), with the contract
             of ``moonrt.ops.kda.kda_state_grad``; default: that one with the default ``chunk_fn``, and for a
             custom ``chunk_fn`` without one, autograd through ``chunk_fn``'s graph asked for that gradient only.
+        kernel: the backend of the default local kernels (``kernels.kda``: auto, torch, numba, triton;
+            :mod:`moonrt.ops.kernels`; ``auto`` follows the device of ``k``).
 
     Returns:
         ``o [B, T_r, H, V]`` in v's dtype (this slice's outputs), and ``S_T [B, H, K, V]`` fp32 on the
@@ -216,7 +224,7 @@ def kcp_kda(
     what = "kcp_kda"
     rank = dist.get_rank(group)
     size = dist.get_world_size(group)
-    default_chunk, default_transition, default_state_grad, min_log_decay, check_chunk = _default_fns()
+    default_chunk, default_transition, default_state_grad, min_log_decay, check_chunk = _default_fns(kernel, k.device)
     if state_grad_fn is None and chunk_fn is None:
         state_grad_fn = default_state_grad
     chunk_fn = chunk_fn or default_chunk

@@ -436,10 +436,11 @@ class Packed:
 class Backend:
     """``codec + store``: ``pack(t) -> Packed``, ``unpack(Packed) -> t`` (bitwise equal unless FP8)."""
 
-    def __init__(self, store: Store, use_fp8: bool = False, block: int = 128) -> None:
+    def __init__(self, store: Store, use_fp8: bool = False, block: int = 128, kernel: str = "auto") -> None:
         self.store = store
         self.use_fp8 = use_fp8
         self.block = block
+        self.kernel = kernel  # the FP8 codec's backend (kernels.fp8; moonrt.ops.kernels)
         self.name = ("fp8+" if use_fp8 else "") + ("keep" if store.tier == "device" else store.tier)
         if self.name == "fp8+keep":
             self.name = "fp8"
@@ -455,7 +456,8 @@ class Backend:
         """Store ``t`` (any shape/dtype, contiguous or not). Raw codec: the bytes of ``t``."""
         with torch.no_grad():
             if self.quantizes(t):
-                return self.store_quantized(tuple(t.shape), t.dtype, t.device, *fp8.quantize(t, self.block))
+                return self.store_quantized(tuple(t.shape), t.dtype, t.device,
+                                            *fp8.quantize(t, self.block, kernel=self.kernel))
             else:
                 datas = [as_bytes(t) if self.store.tier != "device" else t.detach()]  # detach: no grad_fn cycle
                 meta = ("raw", tuple(t.shape), t.dtype)
@@ -486,7 +488,8 @@ class Backend:
     def decode(self, packed: Packed, parts: list[torch.Tensor]) -> torch.Tensor:
         """Rebuild the tensor from fetched parts."""
         if packed.meta[0] == "fp8":
-            return fp8.dequantize(*self.quantized_parts(packed, parts), packed.meta[1], packed.meta[2])
+            return fp8.dequantize(*self.quantized_parts(packed, parts), packed.meta[1], packed.meta[2],
+                                  kernel=self.kernel)
         _, shape, dtype = packed.meta
         if self.store.tier == "device":
             return parts[0]
@@ -500,14 +503,15 @@ class Backend:
             self.store.free(p)
 
 
-def make_backend(policy: str, stores: dict[str, Store], block: int = 128) -> Backend:
-    """The backend of a storage policy (not ``recompute``) over the given stores (by store name)."""
+def make_backend(policy: str, stores: dict[str, Store], block: int = 128, kernel: str = "auto") -> Backend:
+    """The backend of a storage policy (not ``recompute``) over the given stores (by store name); ``kernel``: the
+    FP8 codec's backend (:mod:`moonrt.ops.kernels`)."""
     use_fp8, store = parse_policy(policy)
     if store == "recompute":
         raise ValueError("policy = 'recompute' has no storage backend; the manager checkpoints it")
     if store not in stores:
         raise ValueError(f"policy = {policy!r}: no {store!r} store configured (have {', '.join(sorted(stores))})")
-    return Backend(stores[store], use_fp8=use_fp8, block=block)
+    return Backend(stores[store], use_fp8=use_fp8, block=block, kernel=kernel)
 
 
 __all__ = [

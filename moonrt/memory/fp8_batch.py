@@ -59,6 +59,7 @@ class Fp8BatchMixin:
     _pending: dict[str, _Batch]
     _decodable: dict[int, list[_Batch | None]]
     _copier: ThreadPoolExecutor | None
+    _fp8_kernel: str
 
     def _flush(self, policy: str) -> None:
         """Quantize the pending FP8 batch of ``policy`` in one call and store every entry (caller holds the lock)."""
@@ -87,7 +88,7 @@ class Fp8BatchMixin:
                 e.packed = Packed([None, None], meta, raw.device, {"device": m * nb * block + 4 * m * nb})
                 e.raw = None
         else:
-            quantized = fp8.quantize_many(raws, backend.block)
+            quantized = fp8.quantize_many(raws, backend.block, kernel=backend.kernel)
             for e, (payload, scales) in zip(todo, quantized):
                 raw = e.raw
                 e.packed = backend.store_quantized(tuple(raw.shape), raw.dtype, raw.device, payload, scales)
@@ -102,7 +103,8 @@ class Fp8BatchMixin:
             logical = math.prod(meta[1]) * meta[2].itemsize
             pack_tier(region, label, tier, logical, nbytes, dt)
         if on_thread:  # submitted last: the forward's thread then returns to compute (GIL released) at once
-            batch.future = self._copier.submit(fp8.quantize_many, raws, backend.block)  # type: ignore[union-attr]
+            batch.future = self._copier.submit(fp8.quantize_many, raws, backend.block,  # type: ignore[union-attr]
+                                               kernel=backend.kernel)
 
     def _flush_all(self) -> None:
         if self._pending:
@@ -139,7 +141,7 @@ class Fp8BatchMixin:
         for e in todo:
             payload, scales = e.backend.quantized_parts(e.packed, self._parts(e))
             items.append((payload, scales, e.packed.meta[1], e.packed.meta[2]))
-        outs = fp8.dequantize_many(items)
+        outs = fp8.dequantize_many(items, kernel=self._fp8_kernel)
         with self._lock:
             for e, out in zip(todo, outs):
                 if e.refs > 0:  # (on the copy thread, an entry may have been released meanwhile)

@@ -63,6 +63,7 @@ from moonrt.memory.policy import MemoryPolicy
 from moonrt.memory.recompute import RecomputeMixin
 from moonrt.memory.regions import RegionsMixin, _Frame, _generalize, layer_key
 from moonrt.memory.saved_hooks import SavedTensorsMixin, _top_hooks
+from moonrt.ops.kernels import check_choice
 
 LOCAL_RANKS_ENV = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE")
 """Where launchers put the number of ranks on this node (torchrun / ``moonrt launch``, Open MPI, MPICH, SLURM)."""
@@ -95,13 +96,16 @@ class ActivationManager(RegionsMixin, RecomputeMixin, SavedTensorsMixin, Fp8Batc
             the forward (backward waits for them), as a CUDA copy stream would. ``None`` (the default): on
             when this process has a CPU its compute threads leave idle (:func:`idle_cpu`), where it hides
             the copy (benchmarks/RESULTS.md); without one the thread would only compete with the forward.
+        fp8_kernel: the FP8 codec's backend for the ``fp8`` tiers (``kernels.fp8``: auto, torch, numba, triton;
+            :mod:`moonrt.ops.kernels`); every backend stores the same bits.
     """
 
     def __init__(self, model: torch.nn.Module, policy: MemoryPolicy | None = None, remote: Any = None,
                  fp8_batch_bytes: int = 64 * 2**20, keep_accounting: str = "first",
-                 copy_batch_bytes: int = 64 * 2**20, copy_thread: bool | None = None) -> None:
+                 copy_batch_bytes: int = 64 * 2**20, copy_thread: bool | None = None, fp8_kernel: str = "auto") -> None:
         if keep_accounting not in ("first", "every"):
             raise ValueError(f"keep_accounting = {keep_accounting!r}: expected 'first' or 'every'")
+        self._fp8_kernel = check_choice("fp8", fp8_kernel)  # the FP8 codec's backend (kernels.fp8)
         self.model = model
         self.policy = policy or MemoryPolicy()
         self.policy.validate()

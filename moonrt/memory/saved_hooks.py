@@ -51,6 +51,7 @@ class SavedTensorsMixin:
     _lock: threading.RLock
     _stores: dict[str, Any]
     _backends: dict[str, Backend]
+    _fp8_kernel: str
     _keep: dict[int, _KeepEntry]
     _entries: dict[Any, _Entry]
     _pending: dict[str, _Batch]
@@ -107,7 +108,7 @@ class SavedTensorsMixin:
     def _backend(self, policy: str) -> Backend:
         b = self._backends.get(policy)
         if b is None:
-            b = self._backends[policy] = make_backend(policy, self._stores, self.policy.fp8_block)
+            b = self._backends[policy] = make_backend(policy, self._stores, self.policy.fp8_block, self._fp8_kernel)
         return b
 
     def _pack(self, t: torch.Tensor) -> Any:

@@ -5,4 +5,5 @@ reference).
 
 These modules import only torch / numpy / numba and ``moonrt.ops`` itself (no ranks, no process
 groups, no model classes), so the model, the runtime and the benchmarks all share one copy
-(``tests/test_import_direction.py`` enforces it)."""
+(``tests/test_import_direction.py`` enforces it). The Triton kernels (``*_triton``) import Triton too; they are
+reached only through the kernel-backend registry (``kernels``), which imports a backend when it is chosen."""

@@ -13,6 +13,10 @@ and subnormal spacing 2^-9), plus a few fp32 ulps. A tile whose ``amax / 448`` i
 (``amax < 448 * 2^-126``, about 5.3e-36; subnormal inputs included) gets the power-of-two scale
 ``2^k >= 2^-149`` with ``amax / 2^k`` in ``(224, 448]`` instead, so the bound holds there too (and zeros
 stay zero) where ``448 / amax`` would overflow.
+
+The row codec has three backends with the same bits (:mod:`moonrt.ops.kernels`, ops ``fp8_quantize`` /
+``fp8_dequantize``): torch ops (any device), one numba pass (CPU) and Triton (:mod:`moonrt.ops.fp8_triton`, CUDA);
+``kernel=`` picks one (``auto``: by the tensors' device).
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 from numba import njit
+
+from moonrt.ops import kernels
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = float(torch.finfo(E4M3).max)  # 448.0
@@ -47,28 +53,35 @@ def _check(x: torch.Tensor, block: int, name: str = "quantize") -> None:
         raise ValueError(f"{name}: x.shape = {tuple(x.shape)}: expected a non-empty last dimension")
 
 
-def _quantize_rows(x2: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The codec on ``[M, N]`` rows: ``payload [M, nb * block]`` E4M3 (zero past ``N``), ``scales [M, nb]``.
+def _quantize_rows(x2: torch.Tensor, block: int, kernel: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """The codec on ``[M, N]`` rows: ``payload [M, nb * block]`` E4M3 (zero past ``N``), ``scales [M, nb]``, by the
+    backend ``kernel`` picks for ``x2``'s device (:mod:`moonrt.ops.kernels`, op ``fp8_quantize``: ``auto`` is numba
+    on CPU, Triton on CUDA); every backend gives the same bits.
 
     Works on the unpadded data (no padded fp32 copy): a tile's amax and its scaled values do not depend on
     the zero padding, and padding encodes to the E4M3 zero the buffer starts with, so the result is
     bitwise that of scaling the zero-padded tiles (the formula in the module docstring).
     """
+    x2 = x2.contiguous()
+    return kernels.kernel("fp8_quantize", kernel, x2.device)(x2, block)
+
+
+def quantize_rows_numba(x2: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_quantize_rows` in one fused numba pass (CPU tensors; no GIL), bitwise :func:`quantize_rows_torch`."""
     m, n = x2.shape
     x2 = x2.contiguous()
     nb = -(-n // block)
-    if x2.device.type == "cpu":  # one fused pass (numba, no GIL), bitwise the torch path below
-        payload = torch.empty(m, nb * block, dtype=torch.uint8, device=x2.device)
-        scales = torch.empty(m, nb, dtype=torch.float32, device=x2.device)
-        if _quantize_cpu(x2.numpy(), payload.numpy(), scales.numpy(), block, np.float32(_MIN_NORMAL_AMAX)):
-            amax = _tile_amax(x2, block)
-            _quantize_small_tiles(x2, block, amax, (amax > 0) & (amax < _MIN_NORMAL_AMAX), payload.view(E4M3), scales)
-        return payload.view(E4M3), scales
-    return _quantize_rows_torch(x2, block)
+    payload = torch.empty(m, nb * block, dtype=torch.uint8, device=x2.device)
+    scales = torch.empty(m, nb, dtype=torch.float32, device=x2.device)
+    if _quantize_cpu(x2.numpy(), payload.numpy(), scales.numpy(), block, np.float32(_MIN_NORMAL_AMAX)):
+        amax = _tile_amax(x2, block)
+        _quantize_small_tiles(x2, block, amax, (amax > 0) & (amax < _MIN_NORMAL_AMAX), payload.view(E4M3), scales)
+    return payload.view(E4M3), scales
 
 
-def _quantize_rows_torch(x2: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_quantize_rows` in torch ops (any device; contiguous ``x2``)."""
+def quantize_rows_torch(x2: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_quantize_rows` in torch ops (any device; the reference)."""
+    x2 = x2.contiguous()
     m, n = x2.shape
     nb = -(-n // block)
     full = n // block
@@ -204,12 +217,14 @@ def _quantize_small_tiles(x2: torch.Tensor, block: int, amax: torch.Tensor, smal
     payload[rows] = torch.where(keep, payload[rows].view(torch.uint8), enc.view(torch.uint8)).view(E4M3)
 
 
-def quantize(x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(x: torch.Tensor, block: int = 128, *, kernel: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x`` block-wise to FP8 E4M3.
 
     Args:
         x: ``[..., N]`` floating tensor (any float dtype), N >= 1.
         block: tile length along the last dimension.
+        kernel: the backend (``kernels.fp8``: auto, torch, numba, triton; :mod:`moonrt.ops.kernels`); all give the
+            same bits.
 
     Returns:
         payload: ``[M, nb * block]`` ``float8_e4m3fn``, ``M = x.numel() // N``, ``nb = ceil(N / block)``;
@@ -220,7 +235,7 @@ def quantize(x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Ten
     if x.dim() == 0:
         x = x.reshape(1)
     n = x.shape[-1]
-    return _quantize_rows(x.detach().reshape(-1, n).float(), block)
+    return _quantize_rows(x.detach().reshape(-1, n).float(), block, kernel)
 
 
 BATCH_ALONE_BYTES = 1 << 20
@@ -228,7 +243,8 @@ BATCH_ALONE_BYTES = 1 << 20
 overhead is already negligible; concatenating them would only add a copy)."""
 
 
-def quantize_many(xs: list[torch.Tensor], block: int = 128) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def quantize_many(xs: list[torch.Tensor], block: int = 128, *, kernel: str = "auto"
+                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """:func:`quantize` of several tensors in one batched call per row width (bitwise the same results).
 
     Tensors with the same last dimension ``N`` (any leading shape, any float dtype) are concatenated as
@@ -238,6 +254,7 @@ def quantize_many(xs: list[torch.Tensor], block: int = 128) -> list[tuple[torch.
     Args:
         xs: floating tensors ``[..., N_i]`` on one device.
         block: tile length.
+        kernel: the backend, as in :func:`quantize`.
 
     Returns:
         ``[(payload_i [M_i, nb_i * block] E4M3, scales_i [M_i, nb_i] fp32)]`` in the order of ``xs``
@@ -257,7 +274,7 @@ def quantize_many(xs: list[torch.Tensor], block: int = 128) -> list[tuple[torch.
     for idx in groups.values():
         parts = [rows[i] for i in idx]
         cat = (parts[0] if len(parts) == 1 else torch.cat(parts)).float()  # float promotion is exact
-        payload, scales = _quantize_rows(cat, block)
+        payload, scales = _quantize_rows(cat, block, kernel)
         off = 0
         for i in idx:
             m = rows[i].shape[0]
@@ -266,17 +283,30 @@ def quantize_many(xs: list[torch.Tensor], block: int = 128) -> list[tuple[torch.
     return out
 
 
-def _dequantize_rows(payload: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
-    """``[M, nb * block]`` E4M3 + ``[M, nb]`` scales -> ``[M, N]`` fp32 (contiguous; padding dropped)."""
+def _dequantize_rows(payload: torch.Tensor, scales: torch.Tensor, n: int, kernel: str = "auto") -> torch.Tensor:
+    """``[M, nb * block]`` E4M3 + ``[M, nb]`` scales -> ``[M, N]`` fp32 (contiguous; padding dropped), by the backend
+    ``kernel`` picks for the payload's device (:mod:`moonrt.ops.kernels`, op ``fp8_dequantize``); every backend gives
+    the same bits."""
+    return kernels.kernel("fp8_dequantize", kernel, payload.device)(payload, scales, n)
+
+
+def dequantize_rows_numba(payload: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
+    """:func:`_dequantize_rows` in one fused numba pass (CPU tensors; no GIL): table lookup times the tile's scale."""
+    m, width = payload.shape
+    block = width // scales.shape[-1]
+    x = torch.empty(m, n, dtype=torch.float32, device=payload.device)
+    if m * n:
+        _decode_cpu(payload.view(torch.uint8).numpy(), scales.float().numpy(), _lut(payload.device).numpy(), x.numpy(),
+                    block)
+    return x
+
+
+def dequantize_rows_torch(payload: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
+    """:func:`_dequantize_rows` in torch ops (any device; the reference)."""
     m, width = payload.shape
     nb = scales.shape[-1]
     block = width // nb
     codes = payload.view(torch.uint8)
-    if payload.device.type == "cpu":  # one fused pass (numba, no GIL): table lookup times the tile's scale
-        x = torch.empty(m, n, dtype=torch.float32, device=payload.device)
-        if m * n:
-            _decode_cpu(codes.numpy(), scales.float().numpy(), _lut(payload.device).numpy(), x.numpy(), block)
-        return x
     x = _lut(payload.device).index_select(0, codes[:, :n].to(torch.int32).reshape(-1)).view(m, n)
     full = n // block
     if full:
@@ -301,7 +331,7 @@ def _decode_cpu(codes: np.ndarray, scales: np.ndarray, lut: np.ndarray, out: np.
 
 
 def dequantize(payload: torch.Tensor, scales: torch.Tensor, shape: torch.Size | tuple[int, ...],
-               dtype: torch.dtype) -> torch.Tensor:
+               dtype: torch.dtype, *, kernel: str = "auto") -> torch.Tensor:
     """Inverse of :func:`quantize`.
 
     Args:
@@ -309,6 +339,7 @@ def dequantize(payload: torch.Tensor, scales: torch.Tensor, shape: torch.Size | 
         scales: ``[M, nb]`` fp32 from :func:`quantize`.
         shape: the original shape ``[..., N]`` (padding past ``N`` is dropped).
         dtype: dtype of the result.
+        kernel: the backend, as in :func:`quantize`.
 
     Returns:
         ``[shape]`` tensor of ``dtype`` on ``payload``'s device (contiguous).
@@ -319,7 +350,7 @@ def dequantize(payload: torch.Tensor, scales: torch.Tensor, shape: torch.Size | 
         raise ValueError(f"dequantize: payload {tuple(payload.shape)} and scales {tuple(scales.shape)} do not match")
     shape = tuple(shape)
     n = shape[-1] if shape else 1
-    return _dequantize_rows(payload, scales, n).to(dtype).reshape(shape)
+    return _dequantize_rows(payload, scales, n, kernel).to(dtype).reshape(shape)
 
 
 def _stacked(ts: list[torch.Tensor]) -> torch.Tensor:
@@ -339,13 +370,14 @@ def _stacked(ts: list[torch.Tensor]) -> torch.Tensor:
     return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (rows, width), (width, 1))
 
 
-def dequantize_many(items: list[tuple[torch.Tensor, torch.Tensor, tuple[int, ...], torch.dtype]]
-                    ) -> list[torch.Tensor]:
+def dequantize_many(items: list[tuple[torch.Tensor, torch.Tensor, tuple[int, ...], torch.dtype]], *,
+                    kernel: str = "auto") -> list[torch.Tensor]:
     """:func:`dequantize` of several tensors, one batched decode per (payload width, scale count, N)
     (bitwise the same results).
 
     Args:
         items: ``[(payload_i [M_i, nb * block], scales_i [M_i, nb], shape_i [..., N], dtype_i)]``.
+        kernel: the backend, as in :func:`quantize`.
 
     Returns:
         ``[shape_i]`` tensors of ``dtype_i`` (views of one decoded buffer per group when its dtype is fp32).
@@ -361,9 +393,9 @@ def dequantize_many(items: list[tuple[torch.Tensor, torch.Tensor, tuple[int, ...
     for (_, _, n), idx in groups.items():
         if len(idx) == 1:
             p, s, shape, dtype = items[idx[0]]
-            out[idx[0]] = _dequantize_rows(p, s, n).to(dtype).reshape(tuple(shape))
+            out[idx[0]] = _dequantize_rows(p, s, n, kernel).to(dtype).reshape(tuple(shape))
             continue
-        x = _dequantize_rows(_stacked([items[i][0] for i in idx]), _stacked([items[i][1] for i in idx]), n)
+        x = _dequantize_rows(_stacked([items[i][0] for i in idx]), _stacked([items[i][1] for i in idx]), n, kernel)
         off = 0
         for i in idx:
             _, s, shape, dtype = items[i]

@@ -13,7 +13,20 @@ import torch
 
 
 class AttentionContext:
-    """Single-device attention context (the whole sequence is local)."""
+    """Single-device attention context (the whole sequence is local).
+
+    Args:
+        kda_kernel: the KDA backend (``kernels.kda`` of a job: auto, torch, numba, triton;
+            :mod:`moonrt.ops.kernels`), passed to every KDA call made through this context.
+    """
+
+    kda_kernel: str = "auto"
+    """The KDA backend (a subclass that does not call ``__init__`` keeps ``auto``)."""
+
+    def __init__(self, *, kda_kernel: str = "auto") -> None:
+        from moonrt.ops.kernels import check_choice
+
+        self.kda_kernel = check_choice("kda", kda_kernel)
 
     def kda(
         self,
@@ -34,8 +47,9 @@ class AttentionContext:
         A context-parallel override runs KCP (K3_SYSTEMS §7): the state entering this rank's slice
         is the merged state of all earlier ranks.
         """
-        from moonrt.ops.kda import kda_chunk
+        from moonrt.ops.kernels import kernel
 
+        kda_chunk = kernel("kda_chunk", self.kda_kernel, q.device)
         return kda_chunk(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                          output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
@@ -59,4 +73,4 @@ class AttentionContext:
 
 
 LOCAL = AttentionContext()
-"""The default (stateless) single-device context."""
+"""The default single-device context (``kda_kernel`` auto)."""

@@ -253,6 +253,6 @@ def test_cpu_quantize_bitwise_equals_torch_ops():
             x[2, 0] = float("nan")
             x[3, -1] = float("inf")
         p, s = fp8._quantize_rows(x, 128)
-        rp, rs = fp8._quantize_rows_torch(x, 128)
+        rp, rs = fp8.quantize_rows_torch(x, 128)
         assert torch.equal(_bits(p), _bits(rp)), (m, n)
         assert torch.equal(_bits(s), _bits(rs)), (m, n)

@@ -45,7 +45,7 @@ KEYS = ("model", "optimizer", "step", "config")
 # progress lines, TensorBoard, the peak for MFU).
 FREE_ON_RESUME = ("out_dir", "threads", "parallel", "memory_policy", "routing_trace", "optim.eval_every",
                   "optim.eval_windows", "optim.checkpoint_every", "optim.grad_accum", "stop_signal", "gc_interval",
-                  "dist", "device", "precision", "log")
+                  "dist", "device", "precision", "log", "kernels")
 
 
 class CheckpointError(ValueError):

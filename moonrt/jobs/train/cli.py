@@ -28,8 +28,9 @@ from moonrt.config import ConfigError
 from moonrt.jobs.train.config import JobConfig
 from moonrt.jobs.train.overrides import SET_HELP, job_config
 from moonrt.models import presets
+from moonrt.ops.kernels import KernelUnavailable
 
-# This module is imported for ``moonrt train --help``: nothing above imports torch (the registry is lazy, the job
+# This module is imported for ``moonrt train --help``: nothing above imports torch (the registries are lazy, the job
 # config torch-free); the training machinery is imported in run(). tests/jobs/test_cli_overrides.py checks it.
 
 GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -214,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
     except Aborted as exc:
         print(f"moonrt train: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
-    except (ConfigError, ValueError) as exc:
+    except (ConfigError, ValueError, KernelUnavailable) as exc:  # KernelUnavailable: e.g. Triton not installed
         print(f"moonrt train: error: {exc}", file=sys.stderr, flush=True)
         return 2
     finally:

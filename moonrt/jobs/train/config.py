@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from moonrt.config import ConfigError, DistConfig, ParallelConfig, check
 from moonrt.jobs.train import data
@@ -200,6 +200,30 @@ class PrecisionConfig:
         check(self.reduce in ("fp32", "bf16"), "reduce", self.reduce, "one of 'fp32', 'bf16'")
 
 
+KernelChoice = Literal["auto", "torch", "numba", "triton"]
+"""A ``kernels`` field: the backend of an op family (:data:`moonrt.ops.kernels.CHOICES`, tested equal)."""
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class KernelsConfig:
+    """Which kernel backend runs each op family (:mod:`moonrt.ops.kernels`): ``auto`` follows the tensors' device
+    (CPU: numba where the op has one, else torch; CUDA: triton), ``torch`` / ``numba`` / ``triton`` force one (a
+    backend that cannot run on the job's device fails at its first call, one line). Free to change on resume (every
+    backend computes the same function; FP8's bit for bit)."""
+
+    kda: KernelChoice = "auto"
+    """KDA: the chunked forward and backward (``kda_chunk``) and KCP's summaries (``kda_transition``,
+    ``kda_state_grad``), through the attention context (:class:`moonrt.parallel.context.AttentionContext`)."""
+    fp8: KernelChoice = "auto"
+    """The FP8 block codec of the activation manager's ``fp8`` tiers (``fp8_quantize``, ``fp8_dequantize``)."""
+
+    def validate(self) -> None:
+        choices = get_args(KernelChoice)  # (moonrt.ops.kernels.CHOICES; this module stays torch-free)
+        for name in ("kda", "fp8"):
+            value = getattr(self, name)
+            check(value in choices, name, value, "one of " + ", ".join(repr(c) for c in choices))
+
+
 @dataclasses.dataclass(kw_only=True, slots=True)
 class JobConfig:
     """A whole training job (``moonrt train --config FILE``; every key optional)."""
@@ -229,6 +253,9 @@ class JobConfig:
     """Where the job computes: ``cpu``; ``cuda`` (each rank on ``cuda:LOCAL_RANK``; refused where torch sees no CUDA
     device); ``auto``: cuda where CUDA is available, else cpu (:func:`moonrt.jobs.train.device.resolve_device`). The
     run's ``config.yaml`` and start line record the device it used."""
+    kernels: KernelsConfig = dataclasses.field(default_factory=KernelsConfig)
+    """Kernel backend per op family (``kernels: {kda: auto, fp8: auto}``; ``--set kernels.kda=torch``); the run's
+    ``config.yaml`` records the choice."""
     memory_policy: str | None = None
     """Path of an activation-memory policy YAML (applied by the activation manager when present)."""
     out_dir: str = "runs/train"

@@ -54,6 +54,7 @@ from moonrt.jobs.train.config import JobConfig, lr_at
 from moonrt.jobs.train.device import bind_device, host_tensor, resolve_job
 from moonrt.jobs.train.optimizers import build_optimizer
 from moonrt.jobs.train.outputs import CHECKPOINT, CONFIG
+from moonrt.parallel.context import LOCAL, AttentionContext
 from moonrt.parallel.packing import DocumentPacking
 
 
@@ -197,6 +198,8 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
         torch.set_num_threads(job.threads)
     # every forward's autocast region, and the dtype of the gradient sums over ranks
     rt.precision = Precision(job.precision.compute, torch.device(job.device).type, job.precision.reduce)
+    if rt.ctx is LOCAL:  # the job's KDA backend (kernels.kda) reaches every KDA call through the context
+        rt.ctx = AttentionContext(kda_kernel=job.kernels.kda)
     cfg = job.optim
     out = Path(job.out_dir)
     ckpt = out / CHECKPOINT
@@ -257,7 +260,7 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
             raise ConfigError(f"memory_policy (--memory-policy) = {job.memory_policy!r}: uses {', '.join(remote)}, "
                               "which moonrt train does not support (remote offload needs a peer rank serving each "
                               "owner: moonrt.memory.remote); expected keep, recompute, fp8, host or disk tiers")
-        mgr = ActivationManager(model, policy)
+        mgr = ActivationManager(model, policy, fp8_kernel=job.kernels.fp8)
     if rt.is_main:  # a fresh run's new config.yaml is created exclusively; this run's own is replaced whole
         config = out / CONFIG
         outputs.write_file(config, yaml.safe_dump(to_dict(job), sort_keys=False).encode(), "out_dir (--out)",
