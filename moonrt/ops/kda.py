@@ -26,11 +26,16 @@ pass, then batched per-chunk gradients; :mod:`moonrt.ops.kda_autograd`); without
 work runs in numba (:mod:`moonrt.ops.kda_numba`). :func:`kda_transition` under autograd runs the plain torch
 terms (differentiable).
 
-Numerics: all state arithmetic is in fp32 (fp64 if the inputs are fp64). In-chunk decays are applied
-through 32-token sub-tiles with a midpoint reference (§2.2), so every factor in a matmul operand lies within
-``e^(16 * 5) = e^80`` for per-token log-decays >= -5 (K3's gate range). Cumulative log-decays are summed in
-fp64 (and their gradient reverse-summed in fp64) and exponentials of large exponents are taken in fp64 and
-rounded once, so results keep fp32 precision (~1e-7 relative against an fp64 reference).
+Numerics: all state arithmetic is in fp32 (fp64 if the inputs are fp64). Any log-decay ``g <= 0`` is accepted
+(``-inf`` too; NaN raises ValueError naming g): the chunk form first clamps each per-token log-decay at
+:func:`log_decay_floor` (fp32: -20, fp64: -40; ``exp`` of the floor is below the dtype's resolution, so the clamp
+changes results by less than one rounding, and the clamped entries get a zero gradient whose true value is below
+the same bound). In-chunk decays are applied through sub-tiles with a midpoint reference (§2.2) whose length
+follows the data (:func:`sub_tile`): 32 tokens for per-token log-decays >= -5 (K3's gate range, the fast path),
+fewer for stronger decays (8 at the fp32 floor, 4 at fp64's), so every factor in a matmul operand lies within
+``e^80``. Cumulative log-decays are summed in fp64 (and their gradient reverse-summed in fp64) and exponentials of
+large exponents are taken in fp64 and rounded once, so results keep fp32 precision (~1e-7 relative against an
+fp64 reference) and fp64 runs equal the recurrence to ~1e-13.
 """
 
 from __future__ import annotations
@@ -47,6 +52,9 @@ from moonrt.ops.kda_terms import (
     check_chunk_size,
     chunk_terms,
     chunk_transitions,
+    clamp_log_decay,
+    log_decay_floor,
+    sub_tile,
 )
 from moonrt.ops.precision import fp32_island
 
@@ -126,11 +134,11 @@ def kda_recurrent(
 
 
 def _check_decay(g: torch.Tensor) -> None:
+    """Any log-decay is accepted (``-inf`` too); NaN is refused, naming g."""
     if g.numel():
         lo = float(g.detach().min())
-        if not lo >= MIN_LOG_DECAY:  # also catches NaN
-            raise ValueError(f"g.min() = {lo}: the chunk form expects per-token log-decays >= {MIN_LOG_DECAY} "
-                             "(K3's gate gives > -5); use kda_recurrent for stronger decays")
+        if not lo >= MIN_LOG_DECAY:  # NaN
+            raise ValueError(f"g.min() = {lo}: expected per-token log-decays <= 0 (no NaN)")
 
 
 @fp32_island
@@ -152,7 +160,8 @@ def kda_chunk(
     Args:
         q, k: ``[B, T, H, K]`` queries and keys (used as given).
         v: ``[B, T, H, V]`` values.
-        g: ``[B, T, H, K]`` log-decay in ``[-5, 0]`` per token (K3's gate range; see :data:`MIN_LOG_DECAY`).
+        g: ``[B, T, H, K]`` log-decay ``<= 0`` per token, any magnitude (``-inf``: a full reset; see the module
+            docstring's numerics for the clamp at :func:`log_decay_floor`).
         beta: ``[B, T, H]`` write strength.
         scale: query scale, default ``K ** -0.5``.
         initial_state: ``[B, H, K, V]`` fp32 state before token 0 (zeros if None); ``[N, H, K, V]`` with
@@ -334,6 +343,7 @@ def kda_transition(
     if T == 0:
         eye = torch.eye(K, dtype=dtype, device=k.device).expand(B, H, K, K).clone()
         return eye, k.new_zeros(B, H, K, V, dtype=dtype)
+    g, _ = clamp_log_decay(g.to(dtype))  # differentiable clamp (a change below the dtype's resolution)
     kc, vc, gc = (_to_chunks(t, chunk_size, dtype) for t in (k, v, g))  # [N, B, H, C, *]
     terms = chunk_terms(kc, vc, gc, _to_chunks(beta, chunk_size, dtype))
     M_c, E_c = chunk_transitions(terms)  # [N, B, H, K, K], [N, B, H, K, V]
@@ -345,4 +355,5 @@ def kda_transition(
 
 
 __all__ = ["ChunkTerms", "check_chunk_size", "chunk_terms", "chunk_transitions", "kda_chunk", "kda_recurrent",
-           "kda_state_grad", "kda_transition", "LOG_FLOOR", "MIN_LOG_DECAY", "SUB_TILE"]
+           "kda_state_grad", "kda_transition", "log_decay_floor", "sub_tile", "LOG_FLOOR", "MIN_LOG_DECAY",
+           "SUB_TILE"]
