@@ -21,8 +21,8 @@ def _leaves(HV: int, seed: int) -> dict[str, torch.Tensor]:
                 beta=rn(B, T, HV), A_log=0.3 * rn(HV), dt_bias=0.5 * rn(HV * K), initial_state=rn(B, HV, K, V))
 
 
-def _outside(x: dict[str, torch.Tensor], opts: dict[str, object]) -> tuple[dict, dict]:
-    """The options applied by hand: plain kda_recurrent inputs and the state layout maps."""
+def _outside(x: dict[str, torch.Tensor], opts: dict[str, object]) -> dict[str, torch.Tensor]:
+    """The options applied by hand: plain kda_recurrent inputs (the state layout is mapped by the caller)."""
     q, k, g, beta, S0 = x["q"], x["k"], x["g"], x["beta"], x["initial_state"]
     HV = x["v"].shape[2]
     if opts.get("use_qk_l2norm_in_kernel"):
@@ -31,7 +31,7 @@ def _outside(x: dict[str, torch.Tensor], opts: dict[str, object]) -> tuple[dict,
     q, k = q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)  # value head j -> qk j // G
     if opts.get("use_gate_in_kernel"):
         z = g + x["dt_bias"].view(HV, K)
-        a = x["A_log"].exp().view(HV, 1)
+        a = x["A_log"].exp().view(HV, 1) if opts.get("A_log", True) is not None else 1.0  # A_log=None: exp(0)
         lb = opts.get("lower_bound")
         g = -a * F.softplus(z) if lb is None else lb * torch.sigmoid(a * z)
     else:
@@ -40,7 +40,7 @@ def _outside(x: dict[str, torch.Tensor], opts: dict[str, object]) -> tuple[dict,
         beta = (2.0 if opts.get("allow_neg_eigval") else 1.0) * torch.sigmoid(beta)
     else:
         beta = torch.sigmoid(beta)
-    return dict(q=q, k=k, v=x["v"], g=g, beta=beta, initial_state=S0), {}
+    return dict(q=q, k=k, v=x["v"], g=g, beta=beta, initial_state=S0)
 
 
 def _op_inputs(x: dict[str, torch.Tensor], opts: dict[str, object]) -> dict[str, object]:
@@ -50,7 +50,9 @@ def _op_inputs(x: dict[str, torch.Tensor], opts: dict[str, object]) -> dict[str,
     S0 = x["initial_state"].transpose(-1, -2) if opts.get("state_v_first") else x["initial_state"]
     kw: dict[str, object] = dict(q=x["q"], k=x["k"], v=x["v"], g=g, beta=beta, initial_state=S0, **opts)
     if opts.get("use_gate_in_kernel"):
-        kw.update(A_log=x["A_log"], dt_bias=x["dt_bias"])
+        kw.update(dt_bias=x["dt_bias"])
+        if "A_log" not in opts:
+            kw.update(A_log=x["A_log"])
     return kw
 
 
@@ -61,6 +63,7 @@ OPTIONS = {
     "gate": {"use_gate_in_kernel": True},
     "gate_lower_bound": {"use_gate_in_kernel": True, "lower_bound": -5.0, "safe_gate": True},
     "gate_lower_bound_strong": {"use_gate_in_kernel": True, "lower_bound": -60.0},
+    "gate_lower_bound_no_A_log": {"use_gate_in_kernel": True, "lower_bound": -3.0, "A_log": None},
     "beta_sigmoid": {"use_beta_sigmoid_in_kernel": True},
     "neg_eigval": {"use_beta_sigmoid_in_kernel": True, "allow_neg_eigval": True},
     "state_v_first": {"state_v_first": True},
@@ -84,7 +87,7 @@ def test_option_equals_the_computation_outside_the_op(name: str, fn) -> None:
                                                                                      dtype=torch.float64)
     ((o * w_o).sum() + (S * w_s).sum()).backward()
     ref_leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
-    plain, _ = _outside(ref_leaves, opts)
+    plain = _outside(ref_leaves, opts)
     o_r, S_r = kda_recurrent(**plain, output_final_state=True)
     if opts.get("state_v_first"):
         S_r = S_r.transpose(-1, -2)
@@ -105,7 +108,7 @@ def test_gva_with_cu_seqlens_and_all_options() -> None:
     cu = torch.tensor([0, 30, 30, 70])
     x["initial_state"] = torch.randn(3, 2 * H, K, V, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
     o, S = kda_chunk(**_op_inputs(x, opts), output_final_state=True, cu_seqlens=cu, chunk_size=16)
-    plain, _ = _outside(x, opts)
+    plain = _outside(x, opts)
     for i, (a, b) in enumerate(((0, 30), (30, 30), (30, 70))):
         o_i, S_i = kda_recurrent(**{n: t[:, a:b] for n, t in plain.items() if n != "initial_state"},
                                  initial_state=plain["initial_state"][i : i + 1], output_final_state=True)
