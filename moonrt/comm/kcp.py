@@ -195,7 +195,7 @@ def kcp_kda(
     Args:
         q, k: ``[B, T_r, H, K]`` queries and keys of this slice (used as given).
         v: ``[B, T_r, H, V]`` values.
-        g: ``[B, T_r, H, K]`` log-decay (<= 0, >= -10 for the chunk form).
+        g: ``[B, T_r, H, K]`` log-decay (<= 0, any magnitude; NaN refused).
         beta: ``[B, T_r, H]`` write strength.
         group: the CP process group (``None``: the default group).
         scale: query scale, default ``K ** -0.5``.
@@ -272,7 +272,7 @@ def _local_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
     if g.numel():
         lo = float(g.detach().min())
         if not lo >= min_log_decay:  # also NaN: checked here so the other ranks do not wait in the all-gather
-            return f"g.min() = {lo}: expected per-token log-decays >= {min_log_decay} (the chunked form's bound)"
+            return f"g.min() = {lo}: expected per-token log-decays <= 0 and >= {min_log_decay}, not NaN"
     if initial_state is not None:
         if rank != 0:
             return "initial_state given on a CP rank other than 0: expected it on CP rank 0 only (the sequence start)"

@@ -6,8 +6,14 @@ implementations can be swapped when called with keywords:
 - ``q, k [B, T, H, K]``, ``v [B, T, H, V]``: used as given (L2 normalization is the layer's job);
 - ``g [B, T, H, K]``: per-token, per-channel log-decay (<= 0), ``alpha_t = exp(g_t)``;
 - ``beta [B, T, H]``: write strength; ``scale`` defaults to ``K ** -0.5``;
-- ``initial_state [B, H, K, V]`` (fp32); returns ``(o [B, T, H, V] in v's dtype, final_state [B, H, K, V]
-  fp32 or None)``;
+- ``initial_state [B, H, K, V]`` (fp32); returns ``(o [B, T, H, V] in q's dtype (fla's), final_state
+  [B, H, K, V] fp32 or None)``;
+- fla's keyword options (:mod:`moonrt.ops.kda_fla`): grouped value heads (``v, g, beta`` and the states with
+  ``HV`` heads, a multiple of q and k's ``H``), ``use_qk_l2norm_in_kernel``, ``use_gate_in_kernel`` with
+  ``A_log``, ``dt_bias`` and ``lower_bound`` (``safe_gate`` accepted), ``use_beta_sigmoid_in_kernel`` /
+  ``allow_neg_eigval``, ``state_v_first`` (states ``[N, HV, V, K]``), so a ``chunk_kda`` / ``fused_recurrent_kda``
+  call switches by changing the import; options fla has and moonrt does not (``cp_context``,
+  ``return_intermediate_states``, ...) raise Python's TypeError naming them;
 - everything after the five tensors is keyword-only: fla's positional order differs (its 9th argument is
   ``use_qk_l2norm_in_kernel``, moonrt's was ``chunk_size``), so a peer-style positional call raises TypeError
   instead of silently running with other options. ``chunk_size`` is checked (:func:`check_chunk_size`).
@@ -26,18 +32,26 @@ pass, then batched per-chunk gradients; :mod:`moonrt.ops.kda_autograd`); without
 work runs in numba (:mod:`moonrt.ops.kda_numba`). :func:`kda_transition` under autograd runs the plain torch
 terms (differentiable).
 
-Numerics: all state arithmetic is in fp32 (fp64 if the inputs are fp64). In-chunk decays are applied
-through 32-token sub-tiles with a midpoint reference (§2.2), so every factor in a matmul operand lies within
-``e^(16 * 5) = e^80`` for per-token log-decays >= -5 (K3's gate range). Cumulative log-decays are summed in
-fp64 (and their gradient reverse-summed in fp64) and exponentials of large exponents are taken in fp64 and
-rounded once, so results keep fp32 precision (~1e-7 relative against an fp64 reference).
+Numerics: all state arithmetic is in fp32 (fp64 if the inputs are fp64). Any log-decay ``g <= 0`` is accepted
+(``-inf`` too; NaN raises ValueError naming g): the chunk form first clamps each per-token log-decay at
+:func:`log_decay_floor` (fp32: -20, fp64: -40; ``exp`` of the floor is below the dtype's resolution, so the clamp
+changes results by less than one rounding, and the clamped entries get a zero gradient whose true value is below
+the same bound). In-chunk decays are applied through sub-tiles with a midpoint reference (§2.2) whose length
+follows the data (:func:`sub_tile`): 32 tokens for per-token log-decays >= -5 (K3's gate range, the fast path),
+fewer for stronger decays (8 at the fp32 floor, 4 at fp64's), so every factor in a matmul operand lies within
+``e^80``. Cumulative log-decays are summed in fp64 (and their gradient reverse-summed in fp64) and exponentials of
+large exponents are taken in fp64 and rounded once, so results keep fp32 precision (~1e-7 relative against an
+fp64 reference) and fp64 runs equal the recurrence to ~1e-13.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from moonrt.ops.kda_autograd import ChunkKDA, chunk_state_grad
+from moonrt.ops.kda_fla import FlaOptions, apply_options
 from moonrt.ops.kda_terms import (
     LOG_FLOOR,
     MIN_LOG_DECAY,
@@ -47,6 +61,9 @@ from moonrt.ops.kda_terms import (
     check_chunk_size,
     chunk_terms,
     chunk_transitions,
+    clamp_log_decay,
+    log_decay_floor,
+    sub_tile,
 )
 from moonrt.ops.precision import fp32_island
 
@@ -89,6 +106,15 @@ def kda_recurrent(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    lower_bound: float | None = None,
+    safe_gate: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token-by-token KDA (K3_SYSTEMS §2.1), the reference. Differentiable through autograd.
 
@@ -100,10 +126,19 @@ def kda_recurrent(
         scale: query scale, default ``K ** -0.5``.
         initial_state: ``[B, H, K, V]`` fp32 state before token 0 (zeros if None).
         output_final_state: also return the state after the last token.
+        use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate,
+        use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first: fla's options (all off by default), applied as
+            the same computation on the inputs / states (:mod:`moonrt.ops.kda_fla`); with grouped value heads
+            (``v, g, beta, initial_state`` with ``HV`` heads, a multiple of q and k's ``H``) o and the states have
+            ``HV`` heads.
 
     Returns:
-        ``o [B, T, H, V]`` in v's dtype, and ``S_T [B, H, K, V]`` fp32 (fp64 for fp64 inputs) or None.
+        ``o [B, T, H, V]`` in q's dtype, and ``S_T [B, H, K, V]`` fp32 (fp64 for fp64 inputs) or None.
     """
+    out_dtype = q.dtype
+    opt = FlaOptions(use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate,
+                     use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first)
+    (q, k, v, g, beta), initial_state, final = _apply(q, k, v, g, beta, initial_state, opt)
     _check_inputs(q, k, v, g, beta, initial_state)
     B, T, H, K = k.shape
     V = v.shape[-1]
@@ -119,18 +154,18 @@ def kda_recurrent(
         S = S + (b_t * k_t)[..., None] * err[:, :, None, :]  # delta correction
         outs.append(torch.einsum("bhkv,bhk->bhv", S, q[:, t] * scale))  # read
     o = torch.stack(outs, dim=1) if outs else v.new_zeros(B, 0, H, V)
-    return o.to(v.dtype), (S if output_final_state else None)
+    return o.to(out_dtype), final(S) if output_final_state else None
 
 
 # ---- chunk form (building blocks: moonrt.ops.kda_terms; kernel and its backward: moonrt.ops.kda_autograd) ----
 
 
 def _check_decay(g: torch.Tensor) -> None:
+    """Any log-decay is accepted (``-inf`` too); NaN is refused, naming g."""
     if g.numel():
         lo = float(g.detach().min())
-        if not lo >= MIN_LOG_DECAY:  # also catches NaN
-            raise ValueError(f"g.min() = {lo}: the chunk form expects per-token log-decays >= {MIN_LOG_DECAY} "
-                             "(K3's gate gives > -5); use kda_recurrent for stronger decays")
+        if not lo >= MIN_LOG_DECAY:  # NaN
+            raise ValueError(f"g.min() = {lo}: expected per-token log-decays <= 0 (no NaN)")
 
 
 @fp32_island
@@ -146,13 +181,23 @@ def kda_chunk(
     output_final_state: bool = False,
     chunk_size: int = 64,
     cu_seqlens: torch.Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    lower_bound: float | None = None,
+    safe_gate: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunkwise-parallel KDA (K3_SYSTEMS §2.3): same contract and results as :func:`kda_recurrent`.
 
     Args:
         q, k: ``[B, T, H, K]`` queries and keys (used as given).
         v: ``[B, T, H, V]`` values.
-        g: ``[B, T, H, K]`` log-decay in ``[-5, 0]`` per token (K3's gate range; see :data:`MIN_LOG_DECAY`).
+        g: ``[B, T, H, K]`` log-decay ``<= 0`` per token, any magnitude (``-inf``: a full reset; see the module
+            docstring's numerics for the clamp at :func:`log_decay_floor`).
         beta: ``[B, T, H]`` write strength.
         scale: query scale, default ``K ** -0.5``.
         initial_state: ``[B, H, K, V]`` fp32 state before token 0 (zeros if None); ``[N, H, K, V]`` with
@@ -166,12 +211,21 @@ def kda_chunk(
             sequence i is tokens ``cu_seqlens[i]:cu_seqlens[i + 1]``, the state starts from its own initial state
             at each boundary and nothing crosses it. Each sequence is padded to whole chunks, so results equal
             separate calls per sequence.
+        use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate,
+        use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first: fla's options (all off by default), applied as
+            the same computation on the inputs / states (:mod:`moonrt.ops.kda_fla`); with grouped value heads
+            (``v, g, beta, initial_state`` with ``HV`` heads, a multiple of q and k's ``H``) o and the states have
+            ``HV`` heads.
 
     Returns:
-        ``o [B, T, H, V]`` in v's dtype, and ``S_T [B, H, K, V]`` (``[N, H, K, V]`` with ``cu_seqlens``) fp32
-        (fp64 for fp64 inputs) or None.
+        ``o [B, T, H, V]`` in q's dtype (fla's), and ``S_T [B, H, K, V]`` (``[N, H, K, V]`` with ``cu_seqlens``)
+        fp32 (fp64 for fp64 inputs) or None.
     """
     chunk_size = check_chunk_size(chunk_size)
+    out_dtype = q.dtype
+    opt = FlaOptions(use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate,
+                     use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first)
+    (q, k, v, g, beta), initial_state, final = _apply(q, k, v, g, beta, initial_state, opt)
     _check_inputs(q, k, v, g, beta, initial_state if cu_seqlens is None else None)
     _check_decay(g)
     B, T, H, K = k.shape
@@ -179,19 +233,38 @@ def kda_chunk(
     scale = K ** -0.5 if scale is None else scale
     dtype = _compute_dtype(q, k, v, g, beta)
     if cu_seqlens is not None:
-        return _kda_chunk_varlen(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                                 output_final_state=output_final_state, chunk_size=chunk_size,
-                                 cu_seqlens=cu_seqlens, dtype=dtype)
+        o, S_T = _kda_chunk_varlen(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                   output_final_state=output_final_state, chunk_size=chunk_size,
+                                   cu_seqlens=cu_seqlens, dtype=dtype, out_dtype=out_dtype)
+        return o, final(S_T)
     S = k.new_zeros(B, H, K, V, dtype=dtype) if initial_state is None else initial_state.to(dtype)
     if T == 0:
-        return v.new_zeros(B, 0, H, V), (S if output_final_state else None)
+        return v.new_zeros(B, 0, H, V, dtype=out_dtype), (final(S) if output_final_state else None)
     C = _chunk_len(T, chunk_size)
     chunks = [_to_chunks(t, C, dtype) for t in (q, k, v, g, beta)]  # [N, B, H, C, *]
     O, S = ChunkKDA.apply(*chunks, S[None], starts=(0,), scale=scale)
     S = S[0]
     N = O.shape[0]
-    o = O.permute(1, 0, 3, 2, 4).reshape(B, N * C, H, V)[:, :T].to(v.dtype)
-    return o, (S if output_final_state else None)
+    o = O.permute(1, 0, 3, 2, 4).reshape(B, N * C, H, V)[:, :T].to(out_dtype)
+    return o, (final(S) if output_final_state else None)
+
+
+_StateMap = Callable[[torch.Tensor | None], torch.Tensor | None]
+
+
+def _apply(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+           initial_state: torch.Tensor | None, opt: FlaOptions) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None,
+                                                                         _StateMap]:
+    """fla's options applied to the inputs (:func:`moonrt.ops.kda_fla.apply_options`); the plain call (no option,
+    as many value heads as query heads) passes through untouched."""
+    plain = opt.is_default() and not (v.dim() == 4 and k.dim() == 4 and v.shape[2] != k.shape[2])
+    if plain:
+        return (q, k, v, g, beta), initial_state, _identity
+    return apply_options(q, k, v, g, beta, initial_state, opt, _compute_dtype(q, k, v, g, beta))
+
+
+def _identity(S: torch.Tensor | None) -> torch.Tensor | None:
+    return S
 
 
 def _chunk_len(T: int, chunk_size: int) -> int:
@@ -217,7 +290,8 @@ def _check_cu_seqlens(cu_seqlens: torch.Tensor, B: int, T: int) -> list[int]:
 
 def _kda_chunk_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
                       scale: float, initial_state: torch.Tensor | None, output_final_state: bool, chunk_size: int,
-                      cu_seqlens: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      cu_seqlens: torch.Tensor, dtype: torch.dtype,
+                      out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`kda_chunk` with ``cu_seqlens``: each sequence padded to whole chunks, all chunks of all sequences
     through the same batched chunk terms, the state pass reset at each sequence's first chunk."""
     B, T, H, K = k.shape
@@ -235,7 +309,7 @@ def _kda_chunk_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     NC = sum(n_chunks)
     finals_out: list[torch.Tensor | None] = [None if n else S0[i : i + 1] for i, n in enumerate(n_chunks)]
     if NC == 0:
-        return v.new_zeros(1, 0, H, V), (torch.cat(finals_out) if output_final_state else None)  # type: ignore[arg-type]
+        return v.new_zeros(1, 0, H, V, dtype=out_dtype), (torch.cat(finals_out) if output_final_state else None)  # type: ignore[arg-type]
     dev = k.device
     starts = torch.tensor(cu[:-1], device=dev)
     seq_of = torch.repeat_interleave(torch.arange(n_seq, device=dev), torch.tensor(lens, device=dev))
@@ -253,7 +327,7 @@ def _kda_chunk_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
                                starts=tuple(firsts[i] for i in live), scale=scale)
     for j, i in enumerate(live):
         finals_out[i] = S_live[j]
-    o = O[:, 0].transpose(1, 2).reshape(NC * C, H, V).index_select(0, pos)[None].to(v.dtype)
+    o = O[:, 0].transpose(1, 2).reshape(NC * C, H, V).index_select(0, pos)[None].to(out_dtype)
     S_T = torch.cat(finals_out) if output_final_state else None  # type: ignore[arg-type]
     return o, S_T
 
@@ -334,6 +408,7 @@ def kda_transition(
     if T == 0:
         eye = torch.eye(K, dtype=dtype, device=k.device).expand(B, H, K, K).clone()
         return eye, k.new_zeros(B, H, K, V, dtype=dtype)
+    g, _ = clamp_log_decay(g.to(dtype))  # differentiable clamp (a change below the dtype's resolution)
     kc, vc, gc = (_to_chunks(t, chunk_size, dtype) for t in (k, v, g))  # [N, B, H, C, *]
     terms = chunk_terms(kc, vc, gc, _to_chunks(beta, chunk_size, dtype))
     M_c, E_c = chunk_transitions(terms)  # [N, B, H, K, K], [N, B, H, K, V]
@@ -345,4 +420,5 @@ def kda_transition(
 
 
 __all__ = ["ChunkTerms", "check_chunk_size", "chunk_terms", "chunk_transitions", "kda_chunk", "kda_recurrent",
-           "kda_state_grad", "kda_transition", "LOG_FLOOR", "MIN_LOG_DECAY", "SUB_TILE"]
+           "kda_state_grad", "kda_transition", "log_decay_floor", "sub_tile", "LOG_FLOOR", "MIN_LOG_DECAY",
+           "SUB_TILE"]

@@ -32,6 +32,7 @@ from moonrt.ops.kda_terms import (
     chunk_terms,
     chunk_terms_with_factors,
     chunk_transitions,
+    clamp_log_decay,
 )
 from moonrt.ops.precision import fp32_island
 
@@ -76,6 +77,7 @@ class ChunkKDA(torch.autograd.Function):
                 S0: torch.Tensor, starts: tuple[int, ...], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         N, B, H, C, K = k.shape
         V = v.shape[-1]
+        g, clamped = clamp_log_decay(g)  # below the floor: a decay under the dtype's resolution (no gradient)
         resets = {f: S0[j] for j, f in enumerate(starts)}
         lasts = _lasts(starts, N)
         O = v.new_empty(N, B, H, C, V)
@@ -91,7 +93,7 @@ class ChunkKDA(torch.autograd.Function):
             torch.baddbmm(torch.bmm(terms.Qg.view(-1, C, K), Si), terms.A_qk.view(-1, C, C), V_tilde,
                           out=O[sl].view(-1, C, V))  # (5)
         ctx.save_for_backward(q, k, v, g, beta, S_in)
-        ctx.starts, ctx.scale, ctx.n_seq = starts, scale, S0.shape[0]
+        ctx.starts, ctx.scale, ctx.n_seq, ctx.clamped = starts, scale, S0.shape[0], clamped
         return O, torch.stack(finals)  # type: ignore[arg-type]
 
     @staticmethod
@@ -120,6 +122,8 @@ class ChunkKDA(torch.autograd.Function):
             out = _chunk_grads(terms, fac, q[sl], k[sl], v[sl], beta[sl], S_in[sl], dS_out, dOg, dOA, scale)
             for grad, part in zip(grads, out):
                 grad[sl] = part
+        if ctx.clamped is not None:
+            grads[3].masked_fill_(ctx.clamped, 0.0)  # the clamp's gradient
         need = ctx.needs_input_grad
         return (*(gr if need[i] else None for i, gr in enumerate(grads)), dS0 if need[5] else None, None, None)
 
@@ -160,6 +164,7 @@ def chunk_state_grad(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: to
     """
     N, B, H, C, K = k.shape
     V = dO.shape[-1]
+    g, _ = clamp_log_decay(g)
     v0 = k[..., :0]  # the values only enter U = T v, which the state gradient does not read: a zero-width view
     dS0 = dO.new_empty(1, B, H, K, V)
     carry = d_final.to(dO.dtype).reshape(B * H, K, V)

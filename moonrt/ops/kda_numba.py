@@ -11,7 +11,8 @@ with the columns of sub-tile j; blocks are stored in the order ``(0, 0), (1, 0),
 factor ``h_c`` of a block multiply to ``exp(G_r - G_c)``:
 
 - diagonal ``(i, i)``: ``f_r = exp(G_r - m_i)``, ``h_c = exp(m_i - G_c)``, m_i = G at the sub-tile's midpoint
-  ``i sub + max(sub / 2 - 1, 0)``; ``|G_r - m_i| <= 5 sub / 2 = 80`` for log-decays >= -5 (:data:`MIN_LOG_DECAY`);
+  ``i sub + max(sub / 2 - 1, 0)``; ``|G_r - m_i| <= span(sub) max|g| <= 80``, the caller choosing ``sub`` so
+  (:func:`moonrt.ops.kda_terms.sub_tile`: 32 tokens and ``16 * 5`` for log-decays >= -5);
 - off-diagonal ``(i, j < i)``: ``b_i`` = G at the last token before sub-tile i, ``f_r = exp(G_r - b_i) <= 1``,
   ``h_c = exp(b_i - G_c) <= 1``, both clamped from below at ``e^LOG_FLOOR``.
 
@@ -152,7 +153,7 @@ def tile_operands(g, k, q, v, beta, scale, sub, has_q, want_factors,  # pragma: 
                 arg[i * K + d] = x if x > lo else lo
                 x = G[C - 1, d] - x
                 arg[(n_sub + i) * K + d] = x if x > lo else lo
-                arg[(2 * n_sub + i) * K + d] = G[m, d] - G[b, d] if i > 0 else 0.0  # in [-80, 0]
+                arg[(2 * n_sub + i) * K + d] = G[m, d] - G[b, d] if i > 0 else 0.0  # <= 0 (decaying)
             for j in range(i):
                 mj = j * sub + mid
                 o = (3 * n_sub + i * (i - 1) // 2 + j) * K

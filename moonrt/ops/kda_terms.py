@@ -8,10 +8,12 @@ numba passes (:mod:`moonrt.ops.kda_numba`) around batched matmuls; when an input
 two equal (fp64: 1e-12, fp32: 1e-6 relative).
 
 Numerics: all state arithmetic is in fp32 (fp64 if the inputs are fp64). In-chunk decays are applied through
-32-token sub-tiles with a midpoint reference (§2.2), so every factor in a matmul operand lies within
-``e^(16 * 5) = e^80`` for per-token log-decays >= -5 (K3's gate range). Cumulative log-decays are summed in fp64
-and exponentials of large exponents are taken in fp64 and rounded once, so results keep fp32 precision (~1e-7
-relative against an fp64 reference).
+sub-tiles with a midpoint reference (§2.2), so every factor in a matmul operand lies within ``e^80``
+(:data:`FACTOR_LOG_RANGE`): 32-token sub-tiles while every per-token log-decay is >= -5 (K3's gate range, the
+fast path), shorter ones (:func:`sub_tile`) for stronger decays, which the callers first clamp at
+:func:`log_decay_floor` (a change below the compute dtype's resolution). Cumulative log-decays are summed in
+fp64 and exponentials of large exponents are taken in fp64 and rounded once, so results keep fp32 precision
+(~1e-7 relative against an fp64 reference).
 """
 from __future__ import annotations
 
@@ -26,9 +28,37 @@ SUB_TILE = 32
 """Rows per sub-tile for the in-chunk decay factorization (K3_SYSTEMS §2.2). 32 rather than 16: the batched
 intra-chunk matmuls then have 64 rows (q and k rows of a sub-tile), which CPU BLAS runs several times faster."""
 
-MIN_LOG_DECAY = -5.0
-"""Smallest per-token log-decay the chunk form accepts (K3's gate bound, §2.2): the factors taken relative to
-a sub-tile midpoint then stay within e^(16 * 5) = e^80 < 3.4e38 (fp32 max)."""
+MIN_LOG_DECAY = float("-inf")
+"""Smallest per-token log-decay the chunk form accepts: any (``-inf`` included, a full reset); only NaN is refused.
+Kept as a name for callers that validate a gate bound against it (the model layer, KCP)."""
+
+FACTOR_LOG_RANGE = 80.0
+"""Bound on the exponent of every in-chunk decay factor that enters a matmul operand: ``e^80 < 3.4e38`` (fp32
+max, ``e^88.7``) and ``e^-80`` above fp32's smallest normal (``e^-87.3``). The sub-tile length is chosen so that
+``|G_r - m_i| <= FACTOR_LOG_RANGE`` (:func:`sub_tile`); decaying factors are clamped at ``-FACTOR_LOG_RANGE``
+(:data:`LOG_FLOOR`)."""
+
+_LOG_DECAY_FLOOR = {torch.float32: -20.0, torch.float64: -40.0}
+
+
+def log_decay_floor(dtype: torch.dtype) -> float:
+    """Per-token log-decay floor for compute dtype ``dtype``: the chunk form clamps ``g`` here first.
+
+    ``exp(floor)`` is far below the dtype's resolution (fp32: ``e^-20 = 2.1e-9`` vs eps ``1.2e-7``; fp64:
+    ``e^-40 = 4.2e-18`` vs eps ``2.2e-16``), so the clamp changes a decay ``alpha_t = exp(g_t) < exp(floor)`` by
+    less than ``exp(floor)`` absolute: the state it multiplies is kept to below one rounding of the result, and
+    its gradient (``alpha_t`` times O(1) data, zero through the clamp) likewise. With the floor, the sub-tile
+    (:func:`sub_tile`) stays >= 8 tokens (fp32) or >= 4 tokens (fp64)."""
+    return _LOG_DECAY_FLOOR.get(dtype, _LOG_DECAY_FLOOR[torch.float32])
+
+
+def clamp_log_decay(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``g`` clamped at :func:`log_decay_floor` of its dtype, and the mask of the clamped entries (None, and ``g``
+    itself, when no entry is below the floor; a new tensor otherwise). Differentiable (torch's clamp)."""
+    floor = log_decay_floor(g.dtype)
+    if not g.numel() or float(g.detach().min()) >= floor:
+        return g, None
+    return g.clamp(min=floor), g.detach() < floor
 
 LOG_FLOOR = -80.0
 """Exponents of decaying factors (exponent <= 0) are clamped from below at this value before ``exp``: fp32 ``exp``
@@ -82,10 +112,32 @@ def check_chunk_size(chunk_size: object) -> int:
     return c
 
 
-def _sub_tile(chunk_size: int) -> int:
-    """Sub-tile length of a chunk of ``chunk_size`` tokens (validated by :func:`check_chunk_size`)."""
+def _span(sub: int) -> int:
+    """Most tokens between a sub-tile's reference row ``max(sub / 2 - 1, 0)`` and any of its rows."""
+    mid = max(sub // 2 - 1, 0)
+    return max(sub - 1 - mid, mid)
+
+
+def sub_tile(chunk_size: int, extent: float = 5.0) -> int:
+    """Sub-tile length for chunks of ``chunk_size`` tokens (validated by :func:`check_chunk_size`) whose per-token
+    log-decays are within ``[-extent, extent]``: the longest divisor ``sub <= SUB_TILE`` of the chunk with
+    ``span(sub) * extent <= FACTOR_LOG_RANGE`` (span: the most tokens between a row and the sub-tile's midpoint
+    reference, ``sub / 2`` for even ``sub``), so every diagonal-block factor ``exp(+-(G_r - m_i))`` stays within
+    ``e^80``. ``extent <= 5`` (K3's gate range): 32 (the fast path); fp32's clamp floor 20: 8; fp64's 40: 4; a
+    1-token sub-tile has no in-tile factor at all (any extent)."""
     c = check_chunk_size(chunk_size)
-    return c if c <= SUB_TILE else SUB_TILE
+    for sub in range(min(c, SUB_TILE), 1, -1):
+        if c % sub == 0 and _span(sub) * extent <= FACTOR_LOG_RANGE:
+            return sub
+    return 1
+
+
+def _data_sub_tile(C: int, g: torch.Tensor) -> int:
+    """:func:`sub_tile` for the log-decays ``g`` (their largest magnitude)."""
+    if not g.numel():
+        return sub_tile(C)
+    lo, hi = torch.aminmax(g.detach())
+    return sub_tile(C, max(-float(lo), float(hi), 0.0))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -162,15 +214,16 @@ def chunk_terms_with_factors(
     scale: float = 1.0,
 ) -> tuple[ChunkTerms, TileFactors]:
     """:func:`chunk_terms` and the :class:`TileFactors` it computed on the way (same arguments)."""
+    sub = _data_sub_tile(k.shape[-2], g)
     if _use_fused(k, v, g, beta, q):
-        terms, fac = _chunk_terms_fused(k, v, g, beta, q, scale, factors=True)
+        terms, fac = _chunk_terms_fused(k, v, g, beta, q, scale, factors=True, sub=sub)
         assert fac is not None
         return terms, fac
-    return _chunk_terms_autograd(k, v, g, beta, q, scale)
+    return _chunk_terms_autograd(k, v, g, beta, q, scale, sub)
 
 
 def _chunk_terms_fused(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, q: torch.Tensor | None,
-                       scale: float, factors: bool) -> tuple[ChunkTerms, TileFactors | None]:
+                       scale: float, factors: bool, sub: int) -> tuple[ChunkTerms, TileFactors | None]:
     """:func:`chunk_terms` without a graph: the elementwise work in two numba passes
     (:func:`moonrt.ops.kda_numba.tile_operands` before the block matmul, :func:`~moonrt.ops.kda_numba.assemble_blocks`
     after it), the matmuls batched over all chunks ``p`` of ``[N, B, H]``: all sub-tile blocks in one ``bmm``, the
@@ -179,7 +232,6 @@ def _chunk_terms_fused(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: 
     N, B, H, C, K = k.shape
     V = v.shape[-1]
     P = N * B * H
-    sub = _sub_tile(C)
     n_sub = C // sub
     nb = kda_numba.n_blocks(n_sub)
     R = sub if q is None else 2 * sub
@@ -237,11 +289,10 @@ def _chunk_terms_fused(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: 
 
 
 def _chunk_terms_autograd(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                          q: torch.Tensor | None, scale: float) -> tuple[ChunkTerms, TileFactors]:
+                          q: torch.Tensor | None, scale: float, sub: int) -> tuple[ChunkTerms, TileFactors]:
     """:func:`chunk_terms_with_factors` in plain torch, differentiable (the path with a graph)."""
     dtype = k.dtype
     N, B, H, C, K = k.shape
-    sub = _sub_tile(C)
     n_sub = C // sub
     tiles = (N, B, H, n_sub, sub)
     # [N, B, H, C, K] in fp64; cumsum(dtype=) (no separate cast) only without a graph: its backward runs in fp32
@@ -315,17 +366,20 @@ def chunk_terms(
     Args:
         k: ``[N, B, H, C, K]`` keys, chunked (see :func:`_to_chunks`), compute dtype.
         v: ``[N, B, H, C, V]`` values.
-        g: ``[N, B, H, C, K]`` per-token log-decay (>= :data:`MIN_LOG_DECAY`).
+        g: ``[N, B, H, C, K]`` per-token log-decay, finite (any magnitude: the sub-tile follows it; the ops clamp
+            it at :func:`log_decay_floor` first, which keeps sub-tiles long).
         beta: ``[N, B, H, C]`` write strength.
         q: ``[N, B, H, C, K]`` queries, or None when only the state transition is needed (keyword-only, as
             ``scale``).
         scale: query scale.
 
-    In-chunk decays ``exp(G_r - G_c)`` (c <= r) enter the matmuls factored through sub-tiles of :data:`SUB_TILE`
-    tokens (§2.2), with every factor in fp32 range and no exponent below :data:`LOG_FLOOR`:
+    In-chunk decays ``exp(G_r - G_c)`` (c <= r) enter the matmuls factored through sub-tiles of ``sub`` tokens
+    (§2.2; :func:`sub_tile` of the largest ``|g|`` in this call: :data:`SUB_TILE` for log-decays >= -5, fewer for
+    stronger ones), with every factor in fp32 range and no exponent below :data:`LOG_FLOOR`:
 
     - diagonal blocks (r, c in sub-tile i): row r is scaled by ``exp(G_r - m_i)`` and column c by
-      ``exp(m_i - G_c)``, m_i the sub-tile's midpoint; both within ``e^(16 * 5) = e^80`` for log-decays >= -5;
+      ``exp(m_i - G_c)``, m_i the sub-tile's midpoint; both within ``e^(span(sub) max|g|) <= e^80``
+      (``e^(16 * 5)`` for 32-token sub-tiles and log-decays >= -5);
     - off-diagonal blocks (r in sub-tile i, c before it): reference ``b_i = G`` at the last token before sub-tile
       i, row factor ``exp(G_r - b_i) <= 1`` and column factor ``exp(b_i - G_c) <= 1``, both decaying and clamped
       at :data:`LOG_FLOOR` (a dropped product is below ``e^-80``).
@@ -337,9 +391,10 @@ def chunk_terms(
     Without a graph (no input requires grad, CPU fp32/fp64) this runs :func:`_chunk_terms_fused` and returns
     ``T = None`` (the forward reads only W and U, computed as ``[W | U] = (I + L)^-1 Diag(beta) [exp(G) K | V]``).
     """
+    sub = _data_sub_tile(k.shape[-2], g)
     if _use_fused(k, v, g, beta, q):
-        return _chunk_terms_fused(k, v, g, beta, q, scale, factors=False)[0]
-    return _chunk_terms_autograd(k, v, g, beta, q, scale)[0]
+        return _chunk_terms_fused(k, v, g, beta, q, scale, factors=False, sub=sub)[0]
+    return _chunk_terms_autograd(k, v, g, beta, q, scale, sub)[0]
 
 
 def chunk_transitions(terms: ChunkTerms) -> tuple[torch.Tensor, torch.Tensor]:

@@ -203,7 +203,7 @@ def test_empty_sequence() -> None:
         ({"g": torch.zeros(1, 8, 2, 3)}, "g.shape"),
         ({"beta": torch.zeros(1, 8, 2, 1)}, "beta.shape"),
         ({"initial_state": torch.zeros(1, 2, 4, 5)}, "initial_state.shape"),
-        ({"g": torch.full((1, 8, 2, 4), -5.5)}, "g.min"),
+        ({"g": torch.full((1, 8, 2, 4), float("nan"))}, "g.min"),
     ],
 )
 def test_bad_input_is_rejected(override: dict[str, torch.Tensor], match: str) -> None:
