@@ -6,10 +6,12 @@ The activation (SiTU-GLU or SwiGLU, K3_SYSTEMS §5.2) is :func:`moonrt.ops.glu.g
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from moonrt.models.k3.model.config import K3Config
 from moonrt.ops.glu import Activation, glu_activation
+from moonrt.ops.qat import QATScheme
 
 
 class GLUFFN(nn.Module):
@@ -21,6 +23,10 @@ class GLUFFN(nn.Module):
     Parameters (``nn.Linear`` layout ``[out, in]``): ``gate_proj.weight [hidden, dim]``,
     ``up_proj.weight [hidden, dim]``, ``down_proj.weight [dim, hidden]``.
     The activation is computed in fp32 and cast back to the input dtype before ``down_proj``.
+
+    ``qat`` (a plain attribute, None until :meth:`moonrt.models.k3.model.model.K3Model.enable_qat` sets it on the
+    shared experts): the three projections read MXFP4 fake-quantized weights and MXFP8 fake-quantized inputs
+    (``x`` for gate / up, the GLU output for down), straight-through gradients (:mod:`moonrt.ops.qat`).
     """
 
     def __init__(self, dim: int, hidden: int, act: Activation = "situ", beta: float = 4.0,
@@ -35,6 +41,7 @@ class GLUFFN(nn.Module):
             raise ValueError(f"GLUFFN: beta={beta!r}, linear_beta={linear_beta!r}, expected positive numbers")
         self.dim, self.hidden, self.act = dim, hidden, act
         self.beta, self.linear_beta = float(beta), float(linear_beta)
+        self.qat: QATScheme | None = None
         self.gate_proj = nn.Linear(dim, hidden, bias=False)
         self.up_proj = nn.Linear(dim, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, dim, bias=False)
@@ -46,8 +53,14 @@ class GLUFFN(nn.Module):
         """``x [..., dim]`` -> ``[..., dim]`` in ``x``'s dtype."""
         if x.shape[-1] != self.dim:
             raise ValueError(f"GLUFFN: input last dimension {x.shape[-1]}, expected dim={self.dim}")
-        h = glu_activation(self.gate_proj(x), self.up_proj(x), self.act, self.beta, self.linear_beta)
-        return self.down_proj(h.to(x.dtype))
+        q = self.qat
+        if q is None:
+            h = glu_activation(self.gate_proj(x), self.up_proj(x), self.act, self.beta, self.linear_beta)
+            return self.down_proj(h.to(x.dtype))
+        xq = q.act(x)
+        h = glu_activation(F.linear(xq, q.weight(self.gate_proj.weight)), F.linear(xq, q.weight(self.up_proj.weight)),
+                           self.act, self.beta, self.linear_beta)
+        return F.linear(q.act(h.to(x.dtype)), q.weight(self.down_proj.weight))
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, hidden={self.hidden}, act={self.act!r}, betas=({self.beta}, {self.linear_beta})"
