@@ -123,11 +123,27 @@ def _quantized_operands(x: torch.Tensor, bounds: list[int], ws: list[Sequence[to
                         ) -> tuple[torch.Tensor, list[list[torch.Tensor | None]]]:
     """``x`` fake-quantized to the activation format and every used segment's weights to the weight format (no
     autograd: the values the QAT GEMMs read)."""
+    return fake_quantize_values(x, qat.act_format, qat.block, qat.scale_mode), _quantized_weights(bounds, ws, qat)
+
+
+def _quantized_weights(bounds: list[int], ws: Sequence[Sequence[torch.Tensor | None]], qat: QATScheme
+                       ) -> list[list[torch.Tensor | None]]:
+    """Every used segment's weights fake-quantized to the weight format (others as given; no autograd). A weight that
+    is expert ``j`` of a stack (a ``[G, ...]`` tensor's ``select(0, j)``: the stacked parameters and their unbind) is
+    read from the stack quantized once (bitwise the same: every block lies in one row of one expert)."""
     used = {i for i in range(len(bounds) - 1) if bounds[i + 1] > bounds[i]}
-    xq = fake_quantize_values(x, qat.act_format, qat.block, qat.scale_mode)
-    wq = [[fake_quantize_values(w, qat.weight_format, qat.block, qat.scale_mode) if i in used and w is not None
-           else w for i, w in enumerate(per)] for per in ws]
-    return xq, wq
+    stacks: dict[int, torch.Tensor] = {}
+
+    def quantized(w: torch.Tensor) -> torch.Tensor:
+        base = w._base
+        if (base is not None and base.dim() == w.dim() + 1 and base.shape[1:] == w.shape and base.is_contiguous()
+                and w.is_contiguous() and (w.storage_offset() - base.storage_offset()) % base.stride(0) == 0):
+            if id(base) not in stacks:
+                stacks[id(base)] = fake_quantize_values(base, qat.weight_format, qat.block, qat.scale_mode)
+            return stacks[id(base)][(w.storage_offset() - base.storage_offset()) // base.stride(0)]
+        return fake_quantize_values(w, qat.weight_format, qat.block, qat.scale_mode)
+
+    return [[quantized(w) if i in used and w is not None else w for i, w in enumerate(per)] for per in ws]
 
 
 def _grouped_forward(x: torch.Tensor, bounds: list[int], ws: list[Sequence[torch.Tensor | None]], act: Activation,
@@ -166,8 +182,9 @@ def _grouped_forward(x: torch.Tensor, bounds: list[int], ws: list[Sequence[torch
 class _GroupedGLU(torch.autograd.Function):
     """:func:`grouped_glu_experts` as one node: ``forward(x, bounds, act, beta, linear_beta, qat, *weights)`` with
     the ``3 G`` per-segment weights flattened (gates, ups, downs; None for a segment that has none). With ``qat``
-    it saves the fake-quantized ``x`` and weights in place of the originals: the backward's products are the
-    straight-through ones."""
+    it saves the fake-quantized ``x`` and GLU output in place of the originals (the same sizes) and the weights as
+    given (parameters: no copy), quantizing them again in backward: the products are the straight-through ones,
+    and no layer holds a quantized weight copy from its forward to its backward (only one layer's, transiently)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, bounds: list[int], act: Activation, beta: float, linear_beta: float,
@@ -176,9 +193,9 @@ class _GroupedGLU(torch.autograd.Function):
         ws = [flat[j * groups:(j + 1) * groups] for j in range(3)]
         if qat is not None:
             x, ws = _quantized_operands(x, bounds, ws, qat)
-            flat = tuple(w for per in ws for w in per)
         out, h, d_a, d_c = _grouped_forward(x, bounds, ws, act, beta, linear_beta, derivatives=True, qat=qat)
-        ctx.bounds = bounds
+        del ws
+        ctx.bounds, ctx.qat = bounds, qat
         ctx.save_for_backward(x, h, d_a, d_c, *flat)
         return out
 
@@ -189,6 +206,9 @@ class _GroupedGLU(torch.autograd.Function):
         x, h, d_a, d_c, *flat = ctx.saved_tensors
         bounds = ctx.bounds
         groups = len(bounds) - 1
+        if ctx.qat is not None:  # the weights the forward multiplied (bitwise: the same quantizer)
+            flat = [w for per in _quantized_weights(bounds, [flat[j * groups:(j + 1) * groups] for j in range(3)],
+                                                    ctx.qat) for w in per]
         need = ctx.needs_input_grad
         d_flat: list[torch.Tensor | None] = [None] * (3 * groups)
         d_x = None

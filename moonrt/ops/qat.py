@@ -100,6 +100,55 @@ def fake_quantize(x: torch.Tensor, format: str, block: int = 32, scale_mode: str
     return fake_quantize_values(x, format, block, scale_mode)
 
 
+def qat_linear(x: torch.Tensor, w: torch.Tensor, scheme: QATScheme) -> torch.Tensor:
+    """``F.linear(scheme.act(x), scheme.weight(w))``: ``x [..., in]``, ``w [out, in]`` (``nn.Linear`` layout) ->
+    ``[..., out]``, straight-through gradients to ``x`` and ``w``. One node that saves the quantized input (in the
+    compute dtype, as a linear saves its input) and ``w`` itself, and quantizes ``w`` again in backward: no
+    quantized weight copy lives from a layer's forward to its backward. Compute dtype: the autocast dtype inside an
+    autocast region (both operands cast to it, as ``F.linear`` under autocast; MXFP4 and MXFP8 values are exact in
+    bf16), else ``promote(x.dtype, w.dtype)``; returned in it."""
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        return _QATLinear.apply(x, w, scheme)
+    with torch.no_grad():
+        return _QATLinear.compute(x, w, scheme)[0]
+
+
+class _QATLinear(torch.autograd.Function):
+    """:func:`qat_linear` as one node: ``forward(x, w, scheme)``."""
+
+    @staticmethod
+    def compute(x: torch.Tensor, w: torch.Tensor, scheme: QATScheme) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(output, quantized input in the compute dtype)``."""
+        dev = x.device.type
+        dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else torch.promote_types(x.dtype, w.dtype)
+        xq = fake_quantize_values(x, scheme.act_format, scheme.block, scheme.scale_mode).to(dt)
+        wq = fake_quantize_values(w, scheme.weight_format, scheme.block, scheme.scale_mode).to(dt)
+        with torch.autocast(dev, enabled=False):
+            return torch.nn.functional.linear(xq, wq), xq
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, scheme: QATScheme) -> torch.Tensor:
+        y, xq = _QATLinear.compute(x, w, scheme)
+        ctx.save_for_backward(xq, w)
+        ctx.scheme, ctx.x_dtype = scheme, x.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        xq, w = ctx.saved_tensors
+        q: QATScheme = ctx.scheme
+        dt = xq.dtype
+        g = grad.to(dt)
+        d_x = d_w = None
+        with torch.autocast(grad.device.type, enabled=False):
+            if ctx.needs_input_grad[0]:
+                wq = fake_quantize_values(w, q.weight_format, q.block, q.scale_mode).to(dt)
+                d_x = (g @ wq).to(ctx.x_dtype)
+            if ctx.needs_input_grad[1]:
+                d_w = (g.reshape(-1, g.shape[-1]).t() @ xq.reshape(-1, xq.shape[-1])).to(w.dtype)
+        return d_x, d_w, None
+
+
 class _FakeQuantize(torch.autograd.Function):
     """``forward(x, format, block, scale_mode)``: the fake-quantized values; ``backward``: the gradient as it is."""
 
@@ -112,4 +161,4 @@ class _FakeQuantize(torch.autograd.Function):
         return grad, None, None, None
 
 
-__all__ = ["QAT_FORMATS", "QATScheme", "fake_quantize", "fake_quantize_values", "scheme_for"]
+__all__ = ["QAT_FORMATS", "QATScheme", "fake_quantize", "fake_quantize_values", "qat_linear", "scheme_for"]

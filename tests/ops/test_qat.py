@@ -95,6 +95,21 @@ def test_shared_expert_ffn_under_qat():
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     got.sum().backward()  # straight through: the fp32 master weights get gradients
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in ffn.parameters())
+    # gradients: the composed autograd ops on STE fake-quantized operands
+    x2 = x.detach().requires_grad_()
+    ws = [ffn.gate_proj.weight, ffn.up_proj.weight, ffn.down_proj.weight]
+    ref = [w.detach().requires_grad_() for w in ws]
+    xq = q.act(x2)
+    h = glu_activation(xq @ q.weight(ref[0]).t(), xq @ q.weight(ref[1]).t(), "situ")
+    (q.act(h) @ q.weight(ref[2]).t()).sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-7)
+    for w, r in zip(ws, ref):
+        torch.testing.assert_close(w.grad, r.grad, rtol=1e-5, atol=1e-7)
+    # bf16 autocast: the same fake-quantized operands, the products in bf16
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y16 = ffn(x.detach())
+    assert y16.dtype == torch.bfloat16
+    torch.testing.assert_close(y16.float(), want, rtol=0.05, atol=0.02)
 
 
 def test_bad_qat_input_is_one_clear_error():
@@ -109,3 +124,26 @@ def test_bad_qat_input_is_one_clear_error():
         grouped_glu_experts(torch.randn(4, 64), torch.tensor([0, 4]), torch.randn(1, 56, 64), torch.randn(1, 56, 64),
                             torch.randn(1, 64, 56), qat=QATScheme())
     assert scheme_for("none") is None
+
+
+def test_grouped_qat_node_saves_no_quantized_weight_copy():
+    """The grouped node and the shared-expert linears save the parameters themselves and quantize them again in
+    backward (no quantized copy held from a layer's forward to its backward)."""
+    gen = torch.Generator().manual_seed(5)
+    ws = [(torch.randn(2, 32, 64, generator=gen) * 0.1).requires_grad_() for _ in range(2)]
+    ws.append((torch.randn(2, 64, 32, generator=gen) * 0.1).requires_grad_())
+    x = torch.randn(8, 64, generator=gen, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        grouped_glu_experts(x, torch.tensor([0, 3, 8]), *ws, qat=QATScheme())
+    params = {w.untyped_storage().data_ptr() for w in ws}
+    weight_sized = [t for t in saved if t.dim() >= 2 and t.shape[-2:] in ((32, 64), (64, 32))]
+    assert weight_sized and all(t.untyped_storage().data_ptr() in params for t in weight_sized)
+    ffn = GLUFFN(64, 32, init_std=0.1)
+    ffn.qat = QATScheme()
+    saved.clear()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        ffn(torch.randn(4, 64, requires_grad=True))
+    params = {p.untyped_storage().data_ptr() for p in ffn.parameters()}
+    weight_sized = [t for t in saved if t.shape in ((32, 64), (64, 32))]
+    assert len(weight_sized) == 3 and all(t.untyped_storage().data_ptr() in params for t in weight_sized)

@@ -6,12 +6,11 @@ The activation (SiTU-GLU or SwiGLU, K3_SYSTEMS §5.2) is :func:`moonrt.ops.glu.g
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moonrt.models.k3.model.config import K3Config
 from moonrt.ops.glu import Activation, glu_activation
-from moonrt.ops.qat import QATScheme
+from moonrt.ops.qat import QATScheme, qat_linear
 
 
 class GLUFFN(nn.Module):
@@ -26,7 +25,8 @@ class GLUFFN(nn.Module):
 
     ``qat`` (a plain attribute, None until :meth:`moonrt.models.k3.model.model.K3Model.enable_qat` sets it on the
     shared experts): the three projections read MXFP4 fake-quantized weights and MXFP8 fake-quantized inputs
-    (``x`` for gate / up, the GLU output for down), straight-through gradients (:mod:`moonrt.ops.qat`).
+    (``x`` for gate / up, the GLU output for down), straight-through gradients, no weight copy saved
+    (:func:`moonrt.ops.qat.qat_linear`).
     """
 
     def __init__(self, dim: int, hidden: int, act: Activation = "situ", beta: float = 4.0,
@@ -57,10 +57,9 @@ class GLUFFN(nn.Module):
         if q is None:
             h = glu_activation(self.gate_proj(x), self.up_proj(x), self.act, self.beta, self.linear_beta)
             return self.down_proj(h.to(x.dtype))
-        xq = q.act(x)
-        h = glu_activation(F.linear(xq, q.weight(self.gate_proj.weight)), F.linear(xq, q.weight(self.up_proj.weight)),
+        h = glu_activation(qat_linear(x, self.gate_proj.weight, q), qat_linear(x, self.up_proj.weight, q),
                            self.act, self.beta, self.linear_beta)
-        return F.linear(q.act(h.to(x.dtype)), q.weight(self.down_proj.weight))
+        return qat_linear(h.to(x.dtype), self.down_proj.weight, q)
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, hidden={self.hidden}, act={self.act!r}, betas=({self.beta}, {self.linear_beta})"
