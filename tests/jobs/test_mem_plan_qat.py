@@ -57,3 +57,13 @@ def test_planner_counts_the_largest_layer_of_fake_quantized_weights_per_rank() -
 def test_bad_qat_plan_is_one_line(flags: list[str], message: str, capfd: pytest.CaptureFixture[str]) -> None:
     code, _, err = _cli(["mem-plan", *flags], capfd)
     assert code == 2 and err.strip().splitlines() == [f"mem-plan: {message}"], err
+
+
+def test_a_qat_job_config_plans_with_its_qat(tmp_path, capfd: pytest.CaptureFixture[str]) -> None:
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("qat: mxfp4\nqat_block: 8\n")
+    code, out, err = _cli(["mem-plan", "--config", str(cfg), "--budget-gib", "4"], capfd)
+    assert code == 0, err
+    assert "== QAT mxfp4 (block 8): k3_tiny, 1,720,320 of 3,223,000 parameters quantized" in out, out
+    header = next(line for line in out.splitlines() if line.split()[:2] == ["rank", "layers"])
+    assert "qat" in header.split(), header
