@@ -372,12 +372,38 @@ def _target(flag: str, value: str, src: Path, force: bool, pt_ok: bool) -> str |
     return None
 
 
+def packed_names(name: str) -> tuple[str, str]:
+    """``(packed name, scale name)`` of exported tensor ``name`` (:mod:`moonrt.jobs.checkpoint.mxfp4`)."""
+    if name.endswith(".weight"):
+        return name + "_packed", name + "_scale"
+    return name + ".weight_packed", name + ".weight_scale"
+
+
+def pack_mxfp4(tensors: dict[str, Any], back: dict[str, str], quantized: set[str], scheme: Any
+               ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Replace every export tensor whose moonrt name (``back[name]``, an expert index ``[e]`` dropped) is in
+    ``quantized`` by its packed MXFP4 codes and E8M0 scales (``scheme``: a :class:`moonrt.ops.qat.QATScheme`, its
+    :meth:`~moonrt.ops.qat.QATScheme.quantize_weight`, what the QAT forward decodes); returns the new tensors and
+    the ``moonrt_mxfp4`` metadata (names, dtypes and layout: :mod:`moonrt.jobs.checkpoint.mxfp4`)."""
+    out: dict[str, Any] = {}
+    table: dict[str, list[Any]] = {}
+    for name, t in tensors.items():
+        if re.sub(r"\[\d+\]$", "", back[name]) not in quantized:
+            out[name] = t
+            continue
+        scheme.check_axis(t.shape[-1], name)
+        q = scheme.quantize_weight(t.float())
+        p, s = packed_names(name)
+        out[p], out[s] = q.codes, q.scales
+        table[name] = [p, s, list(t.shape)]
+    return out, {"block": scheme.block, "scale_mode": scheme.scale_mode, "element": "e2m1", "tensors": table}
+
+
 def _pack_mxfp4(tensors: dict[str, Any], back: dict[str, str], config: dict[str, Any]
                 ) -> tuple[dict[str, Any], dict[str, Any]] | str:
     """``export --mxfp4``: the tensors with the declared quantizable weights packed and the ``moonrt_mxfp4``
-    metadata (:func:`moonrt.jobs.checkpoint.mxfp4.pack`), or why not (one line)."""
+    metadata (:func:`pack_mxfp4`), or why not (one line)."""
     from moonrt.config import ConfigError, from_dict
-    from moonrt.jobs.checkpoint.mxfp4 import pack
     from moonrt.jobs.train.config import JobConfig
     from moonrt.ops.qat import QATScheme
 
@@ -387,7 +413,7 @@ def _pack_mxfp4(tensors: dict[str, Any], back: dict[str, str], config: dict[str,
         if spec.qat_weights is None:
             return (f"--mxfp4: model {job.model!r} (family {spec.name!r}) declares no quantizable layers; expected a "
                     "checkpoint of a model with them (K3)")
-        return pack(tensors, back, set(spec.qat_weights(job.model_cfg())), QATScheme(block=job.qat_block))
+        return pack_mxfp4(tensors, back, set(spec.qat_weights(job.model_cfg())), QATScheme(block=job.qat_block))
     except (ConfigError, ValueError) as exc:
         return f"--mxfp4: {exc}"
 

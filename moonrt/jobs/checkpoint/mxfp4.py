@@ -1,5 +1,5 @@
-"""Packed MXFP4 export of a checkpoint (``moonrt checkpoint export --mxfp4``) and its loader for evaluation (issue 33
-item 3).
+"""Packed MXFP4 export of a checkpoint (``moonrt checkpoint export --mxfp4``, written by
+:func:`moonrt.jobs.checkpoint.cli.pack_mxfp4`) and its loader for evaluation (issue 33 item 3).
 
 The weights the model family declares quantizable (:attr:`moonrt.models.spec.ModelSpec.qat_weights`; K3: the routed
 and shared experts of every MoE layer) are written as the MXFP4 codes and scales that QAT's forward decodes
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -35,31 +34,6 @@ import torch
 
 from moonrt.ops import mx
 from moonrt.ops.qat import QATScheme
-
-
-def packed_names(name: str) -> tuple[str, str]:
-    """``(packed name, scale name)`` of exported tensor ``name`` (module docstring)."""
-    if name.endswith(".weight"):
-        return name + "_packed", name + "_scale"
-    return name + ".weight_packed", name + ".weight_scale"
-
-
-def pack(tensors: dict[str, torch.Tensor], back: dict[str, str], quantized: set[str], scheme: QATScheme
-         ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Replace every export tensor whose moonrt name (``back[name]``, an expert index ``[e]`` dropped) is in
-    ``quantized`` by its packed codes and scales; returns the new tensors and the ``moonrt_mxfp4`` metadata."""
-    out: dict[str, torch.Tensor] = {}
-    table: dict[str, list[Any]] = {}
-    for name, t in tensors.items():
-        if re.sub(r"\[\d+\]$", "", back[name]) not in quantized:
-            out[name] = t
-            continue
-        scheme.check_axis(t.shape[-1], name)
-        q = scheme.quantize_weight(t.float())
-        p, s = packed_names(name)
-        out[p], out[s] = q.codes, q.scales
-        table[name] = [p, s, list(t.shape)]
-    return out, {"block": scheme.block, "scale_mode": scheme.scale_mode, "element": "e2m1", "tensors": table}
 
 
 def decode(packed: torch.Tensor, scales: torch.Tensor, shape: list[int] | tuple[int, ...], block: int) -> torch.Tensor:
@@ -122,4 +96,4 @@ def eval_model(path: str | Path) -> tuple[torch.nn.Module, Any]:
     return model, job
 
 
-__all__ = ["Exported", "decode", "eval_model", "load", "pack", "packed_names"]
+__all__ = ["Exported", "decode", "eval_model", "load"]
