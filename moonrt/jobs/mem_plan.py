@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -93,6 +94,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       "(default: --optimizer's)")
     g("--shard-grads", action="store_true",
       help="fp32 gradients sharded like the optimizer states (K3_SYSTEMS §10), else full per rank")
+    g("--qat", choices=["none", "mxfp4"], default=None,
+      help="quantization-aware training (moonrt train --qat): mxfp4 counts the fake-quantized weight copies per rank "
+      "(qat_fake_quant) and prints the MXFP4 export size of the model's quantizable weights (default: the job's, "
+      "else none)")
+    g("--qat-block", type=int, default=None, help="elements per MX scale of the export size (default: the job's "
+      "qat_block, else 32)")
     g("--dtype", choices=["bf16", "fp32"], default=None,
       help="compute dtype of the activations (default: the model's training dtype, printed in the plan header: bf16 "
       "for k3, fp32 for k3_tiny); parameters, gradients and optimizer states are fp32 in both (moonrt train's AMP "
@@ -184,6 +191,8 @@ def _from_job(args: argparse.Namespace) -> tuple[Any, str]:
     if args.config is None:
         if args.set:
             raise ConfigError(f"--set {args.set[0]}: expected together with --config (a moonrt train job config)")
+        args.qat = args.qat or "none"
+        args.qat_block = 32 if args.qat_block is None else args.qat_block
         for name, value in DEFAULTS.items():
             if getattr(args, name) is None:
                 setattr(args, name, value)
@@ -204,6 +213,8 @@ def _from_job(args: argparse.Namespace) -> tuple[Any, str]:
     job_values = {"model": job.model, "dp": par.dp, "pp": par.pp, "vpp": par.vpp, "ep": par.ep, "cp": par.cp,
                   "micro_batch_size": max(1, rows // replicas), "seq_len": job.optim.seq_len,
                   "microbatches": par.microbatches, "schedule": schedule, "optimizer": job.optim.optimizer}
+    args.qat = args.qat or job.qat
+    args.qat_block = job.qat_block if args.qat_block is None else args.qat_block
     model_given = args.model is not None
     for name, value in job_values.items():
         if getattr(args, name) is None:
@@ -211,6 +222,52 @@ def _from_job(args: argparse.Namespace) -> tuple[Any, str]:
     if model_given:
         return None, "--model"
     return (job.model_cfg() if job.model_config is not None else None), f"model ({args.config})"
+
+
+QAT_COPY_BYTES = 4
+"""Bytes per element of a fake-quantized weight copy under QAT: the fp32 values of the MXFP4 weights (the fp32
+parameters are the master weights, counted as ``params``)."""
+
+
+def qat_summary(spec: ModelSpec, cfg: Any, block: int) -> dict[str, Any]:
+    """What ``--qat mxfp4`` adds to a model, from its family's declared quantizable weights
+    (:attr:`ModelSpec.qat_weights`): per group of weights (layer indices as ``*``) the parameters, MXFP4 code bytes
+    (half a byte each) and E8M0 scale bytes (one per ``block``), and the export size: packed weights plus every other
+    parameter in bf16 (the release) and in fp32 (``moonrt checkpoint export --mxfp4`` as written). ValueError: the
+    family declares none, or ``block`` is not even or does not divide a reduction axis."""
+    if spec.qat_weights is None:
+        raise ValueError(f"model family {spec.name!r} declares no quantizable layers")
+    if block < 2 or block % 2:
+        raise ValueError(f"qat block = {block}: expected an even integer >= 2")
+    groups: dict[str, dict[str, int]] = {}
+    for name, shape in spec.qat_weights(cfg).items():
+        if shape[-1] % block:
+            raise ValueError(f"qat block = {block}: expected a divisor of every quantized reduction axis; {name} "
+                             f"{list(shape)} has {shape[-1]}")
+        n = math.prod(shape)
+        key = ".".join(re.sub(r"\.\d+(?=\.|$)", ".*", name).split(".")[:4])
+        g = groups.setdefault(key, {"params": 0, "codes": 0, "scales": 0})
+        g["params"] += n
+        g["codes"] += n // 2
+        g["scales"] += n // block
+    quantized = sum(g["params"] for g in groups.values())
+    packed = sum(g["codes"] + g["scales"] for g in groups.values())
+    total = spec.param_count(cfg)
+    return {"block": block, "groups": groups, "params": total, "quantized": quantized, "packed_bytes": packed,
+            "export_bytes_bf16_rest": packed + 2 * (total - quantized),
+            "export_bytes_fp32_rest": packed + 4 * (total - quantized)}
+
+
+def qat_table(q: dict[str, Any], model: str) -> str:
+    """:func:`qat_summary` as the lines ``mem-plan --qat mxfp4`` prints (GB = 1e9 bytes)."""
+    lines = [f"== QAT mxfp4 (block {q['block']}): {model}, {q['quantized']:,} of {q['params']:,} parameters quantized",
+             f"  {'weights':<40} {'params':>20} {'codes GB':>10} {'scales GB':>10}"]
+    for key, g in q["groups"].items():
+        lines.append(f"  {key:<40} {g['params']:>20,} {g['codes'] / 1e9:>10.3f} {g['scales'] / 1e9:>10.3f}")
+    lines.append(f"  export: packed {q['packed_bytes'] / 1e9:.3f} GB + other parameters in bf16 = "
+                 f"{q['export_bytes_bf16_rest'] / 1e9:.3f} GB (fp32, as moonrt checkpoint export writes them: "
+                 f"{q['export_bytes_fp32_rest'] / 1e9:.3f} GB)")
+    return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -227,11 +284,19 @@ def run(args: argparse.Namespace) -> int:
     if bad:
         return _fail(bad)
     spec = models[args.model]
+    cfg = job_cfg if job_cfg is not None else spec.presets[args.model]()
+    qat = None
+    if args.qat != "none":
+        try:
+            qat = qat_summary(spec, cfg, args.qat_block)
+        except ValueError as exc:
+            return _fail(f"--qat = {args.qat!r}: {exc}")
     try:
         memory = spec.memory_description()
     except ValueError as exc:
         return _fail(f"{model_source} = {args.model!r}: {exc}")
-    cfg = job_cfg if job_cfg is not None else spec.presets[args.model]()
+    if qat is not None:
+        print(qat_table(qat, args.model))
     dtype = args.dtype or default_dtype(spec, args.model)
     source = "--dtype" if args.dtype else "training dtype"
     ab = dtype_bytes(dtype)
@@ -240,7 +305,8 @@ def run(args: argparse.Namespace) -> int:
     state = train_state_bytes(dtype, args.optimizer)  # what moonrt train holds per parameter (one definition)
     layout = JobLayout(parallel=par, micro_batch_size=args.micro_batch_size, seq_len=args.seq_len,
                        optim_bytes=state.optim if args.optim_bytes is None else args.optim_bytes,
-                       shard_grads=args.shard_grads, act_bytes=ab, param_bytes=state.param, grad_bytes=state.grad)
+                       shard_grads=args.shard_grads, act_bytes=ab, param_bytes=state.param, grad_bytes=state.grad,
+                       qat_bytes=QAT_COPY_BYTES if qat else 0)
     try:
         layout.check(cfg.num_hidden_layers, cfg.num_experts)
         if args.profile == "traced":
@@ -299,4 +365,4 @@ def run(args: argparse.Namespace) -> int:
     return rc
 
 
-__all__ = ["add_arguments", "default_dtype", "dtype_bytes", "run"]
+__all__ = ["add_arguments", "default_dtype", "dtype_bytes", "qat_summary", "qat_table", "run"]

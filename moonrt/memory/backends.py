@@ -8,10 +8,12 @@ Two layers:
   synchronous), :class:`DiskStore` (one unnamed file per process in the policy's ``disk_path`` directory,
   its capacity reserved up front, the NVMe tier) and :class:`RemoteStore` (another rank's memory through
   :mod:`moonrt.memory.remote`).
-- A **codec** turns a tensor into the byte tensors handed to the store: :class:`RawCodec` (bytes
-  as they are) or :class:`FP8Codec` (block-wise E4M3 payload + fp32 scales, :mod:`.fp8`).
+- A **codec** turns a tensor into the byte tensors handed to the store: raw (bytes as they are), ``fp8``
+  (1x128 block-wise E4M3 payload + fp32 scales, :mod:`moonrt.ops.fp8`, quantized per layer batch) or ``mxfp8``
+  (OCP MXFP8: E4M3 codes with one E8M0 scale byte per 32 elements along the last axis, ``floor`` scales,
+  :mod:`moonrt.ops.mx`, quantized at the save: the format QAT's activations use, 33 bytes per 32 elements).
 
-A :class:`Backend` is ``codec + store``; compositions are spelled ``"fp8+host"``, ``"fp8+remote"``...
+A :class:`Backend` is ``codec + store``; compositions are spelled ``"fp8+host"``, ``"mxfp8+host"``...
 (:func:`parse_policy`). Recompute is not a backend: the manager runs it as non-reentrant
 checkpointing. Every record knows its bytes per tier so the accounting can report them.
 """
@@ -30,25 +32,36 @@ import torch
 
 from moonrt.config import ConfigError
 from moonrt.memory.copy_streams import SYNC, CudaStreams, Streams, pin_host
-from moonrt.ops import fp8
+from moonrt.ops import fp8, mx
 
 TIERS = ("device", "host", "disk", "remote")
 STORE_NAMES = ("keep", "host", "disk", "remote")
-POLICIES = ("keep", "recompute", "fp8", "host", "disk", "remote", "fp8+host", "fp8+disk", "fp8+remote")
+POLICIES = ("keep", "recompute", "fp8", "host", "disk", "remote", "fp8+host", "fp8+disk", "fp8+remote", "mxfp8",
+            "mxfp8+host")
 """Every policy name the manager and the planner accept."""
+
+MX_BLOCK = 32
+"""Elements per E8M0 scale of the ``mxfp8`` codec (the OCP MX block), along a saved tensor's last axis."""
+
+
+def policy_codec(name: str) -> str:
+    """``"raw"``, ``"fp8"`` or ``"mxfp8"``: the codec of a policy name of :data:`POLICIES`."""
+    head = name.split("+")[0]
+    return head if head in ("fp8", "mxfp8") else "raw"
 
 
 def parse_policy(name: str, field: str = "policy") -> tuple[bool, str]:
-    """``"fp8+host"`` -> ``(True, "host")``; ``"recompute"`` -> ``(False, "recompute")``.
+    """``"fp8+host"`` -> ``(True, "host")``; ``"recompute"`` -> ``(False, "recompute")``; the ``mxfp8`` policies
+    -> ``(False, store)`` (their codec: :func:`policy_codec`).
 
     Raises ValueError naming ``field``, the value and the known policies.
     """
     if name not in POLICIES:
         raise ValueError(f"{field} = {name!r}: unknown policy; expected one of {', '.join(POLICIES)}")
-    if name == "fp8":
-        return True, "keep"
-    if name.startswith("fp8+"):
-        return True, name[4:]
+    if name in ("fp8", "mxfp8"):
+        return name == "fp8", "keep"
+    if name.startswith(("fp8+", "mxfp8+")):
+        return name.startswith("fp8+"), name.split("+", 1)[1]
     return False, name
 
 
@@ -436,26 +449,40 @@ class Packed:
 class Backend:
     """``codec + store``: ``pack(t) -> Packed``, ``unpack(Packed) -> t`` (bitwise equal unless FP8)."""
 
-    def __init__(self, store: Store, use_fp8: bool = False, block: int = 128, kernel: str = "auto") -> None:
+    def __init__(self, store: Store, use_fp8: bool = False, block: int = 128, use_mx: bool = False,
+                 kernel: str = "auto") -> None:
         self.store = store
         self.use_fp8 = use_fp8
+        self.use_mx = use_mx and not use_fp8
         self.block = block
         self.kernel = kernel  # the FP8 codec's backend (kernels.fp8; moonrt.ops.kernels)
-        self.name = ("fp8+" if use_fp8 else "") + ("keep" if store.tier == "device" else store.tier)
-        if self.name == "fp8+keep":
-            self.name = "fp8"
+        codec = "fp8+" if use_fp8 else ("mxfp8+" if self.use_mx else "")
+        self.name = codec + ("keep" if store.tier == "device" else store.tier)
+        if self.name in ("fp8+keep", "mxfp8+keep"):
+            self.name = self.name[:-5]
 
     def quantizes(self, t: torch.Tensor) -> bool:
         """FP8 applies to floating tensors wider than one byte whose tiles are smaller than the raw
-        bytes (a ``[N, 1]`` statistic padded to 128-wide tiles would grow, so it stays raw)."""
-        if not (self.use_fp8 and t.is_floating_point() and t.element_size() > 1 and t.dim() >= 1 and t.numel() > 0):
+        bytes (a ``[N, 1]`` statistic padded to 128-wide tiles would grow, so it stays raw); MXFP8 to floating
+        tensors wider than one byte whose last axis is a multiple of :data:`MX_BLOCK` (others stay raw)."""
+        if not ((self.use_fp8 or self.use_mx) and t.is_floating_point() and t.element_size() > 1 and t.dim() >= 1
+                and t.numel() > 0):
             return False
+        if self.use_mx:
+            return t.shape[-1] % MX_BLOCK == 0
         return fp8.stored_bytes(t.shape, self.block) < t.numel() * t.element_size()
 
     def pack(self, t: torch.Tensor) -> Packed:
         """Store ``t`` (any shape/dtype, contiguous or not). Raw codec: the bytes of ``t``."""
         with torch.no_grad():
-            if self.quantizes(t):
+            if self.use_mx and self.quantizes(t):
+                q = mx.quantize(t, "mxfp8_e4m3", axis=-1, block=MX_BLOCK, scale_mode="floor")
+                meta = ("mxfp8", tuple(t.shape), t.dtype)
+                datas = [q.codes, q.scales]
+                if self.store.tier == "device":
+                    return Packed(datas, meta, t.device, {"device": q.nbytes})
+                datas = [as_bytes(d) for d in datas]
+            elif self.quantizes(t):
                 return self.store_quantized(tuple(t.shape), t.dtype, t.device,
                                             *fp8.quantize(t, self.block, kernel=self.kernel))
             else:
@@ -490,6 +517,12 @@ class Backend:
         if packed.meta[0] == "fp8":
             return fp8.dequantize(*self.quantized_parts(packed, parts), packed.meta[1], packed.meta[2],
                                   kernel=self.kernel)
+        if packed.meta[0] == "mxfp8":
+            _, shape, dtype = packed.meta
+            scales = shape[:-1] + (shape[-1] // MX_BLOCK,)
+            q = mx.MXQuantized(parts[0].view(shape), parts[1].view(scales), "mxfp8_e4m3", len(shape) - 1, MX_BLOCK,
+                               torch.Size(shape))
+            return q.dequantize(dtype)
         _, shape, dtype = packed.meta
         if self.store.tier == "device":
             return parts[0]
@@ -511,7 +544,8 @@ def make_backend(policy: str, stores: dict[str, Store], block: int = 128, kernel
         raise ValueError("policy = 'recompute' has no storage backend; the manager checkpoints it")
     if store not in stores:
         raise ValueError(f"policy = {policy!r}: no {store!r} store configured (have {', '.join(sorted(stores))})")
-    return Backend(stores[store], use_fp8=use_fp8, block=block, kernel=kernel)
+    return Backend(stores[store], use_fp8=use_fp8, block=block, use_mx=policy_codec(policy) == "mxfp8",
+                   kernel=kernel)
 
 
 __all__ = [
@@ -519,6 +553,7 @@ __all__ = [
     "DiskStore",
     "HostStore",
     "KeepStore",
+    "MX_BLOCK",
     "POLICIES",
     "Packed",
     "RemoteStore",
@@ -528,5 +563,6 @@ __all__ = [
     "as_bytes",
     "make_backend",
     "parse_policy",
+    "policy_codec",
     "storage_bytes",
 ]

@@ -54,6 +54,13 @@ class JobLayout:
     defaults are Megatron's bf16 layout (bf16 parameters, fp32 gradients, fp32 main copy + two AdamW moments), kept
     for planning such jobs; ``moonrt mem-plan`` plans ``moonrt train``'s own AMP layout instead (4 / 4 / 8 for
     AdamW, 4 / 4 / 4 for Muon: ``moonrt.jobs.train.config.train_state_bytes``)."""
+    qat_bytes: int = 0
+    """Quantization-aware training (``moonrt mem-plan --qat mxfp4``): bytes per element of a fake-quantized weight
+    copy (4: the fp32 values of the MXFP4 weights; 0: no QAT). The master weights are the parameters (``param_bytes``,
+    no second copy). The QAT nodes (the routed experts' grouped GEMM, the shared experts' ``qat_linear``) save the
+    parameters and quantize them again in backward, so only one layer's copies exist at a time: the rank's largest
+    layer's quantized weights, ``static["qat_fake_quant"]``. (The quantized inputs they save replace the inputs a
+    plain layer saves: the same bytes, counted in the activations.)"""
     shard_grads: bool = False
     """fp32 gradients sharded like the optimizer states (reduce-scattered per bucket), else full per rank."""
     dp_bucket_mib: float = 512.0
@@ -102,6 +109,11 @@ class ParamSizes:
     """The input embedding (held by the first stage; read by lookup, so not counted as compute)."""
     lm_head: int
     """What the last stage holds after the last decoder layer (final norms, output projection)."""
+    qat_layers: tuple[int, ...] = ()
+    """[L] parameters of ``layers[i]`` that quantization-aware training fake-quantizes (K3: the shared experts);
+    empty: none."""
+    qat_experts: bool = False
+    """Whether quantization-aware training fake-quantizes the routed experts (K3: yes)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -261,6 +273,11 @@ def rank_models(cfg: Any, layout: JobLayout, sizes: ParamSizes, profile: Profile
             "comm_buffers": comm,
         }
         chunks_peak, mb_peak = in_flight(sched, r)
+        if layout.qat_bytes:
+            mine = [i for rng in chunks for i in rng]
+            static["qat_fake_quant"] = float(layout.qat_bytes * max(
+                ((E // ep) * sizes.expert[i] if sizes.qat_experts else 0) + (sizes.qat_layers[i] if sizes.qat_layers
+                                                                            else 0) for i in mine))
         compute = 3 * 2 * active * T * par.microbatches / (tflops * 1e12)
         out.append(RankModel(r, tuple(i for rng in chunks for i in rng), static, tuple(chunk_classes),
                              _live_points(sched, r), chunks_peak, mb_peak, compute))

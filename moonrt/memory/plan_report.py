@@ -15,13 +15,15 @@ from moonrt.memory.plan import Plan
 
 def table(p: Plan) -> str:
     """Per-rank breakdown in GiB."""
-    cols = ["rank", "layers", "inflight", "params", "grads", "optim", "slots", "comm", "act(keep)", "act", "remote_in",
-            "total", "host", "remote_out", "added_ms"]
+    qat = any("qat_fake_quant" in r.static for r in p.ranks)  # --qat: the fake-quantized weight copies
+    cols = ["rank", "layers", "inflight", "params", "grads", "optim", "slots", "comm", *(["qat"] if qat else []),
+            "act(keep)", "act", "remote_in", "total", "host", "remote_out", "added_ms"]
+    terms = ("params", "grads", "optimizer", "slot_pool", "comm_buffers", *(("qat_fake_quant",) if qat else ()))
     lines = [" ".join(f"{c:>10}" for c in cols)]
     for r in p.ranks:
         s = r.static
         vals = [str(r.rank), f"{len(r.layers)}", f"{r.in_flight_microbatches:.2f}",
-                *(f"{s[k] / GIB:.2f}" for k in ("params", "grads", "optimizer", "slot_pool", "comm_buffers")),
+                *(f"{s[k] / GIB:.2f}" for k in terms),
                 f"{r.activations_keep / GIB:.2f}", f"{r.activations / GIB:.2f}", f"{r.remote_in / GIB:.2f}",
                 f"{r.total / GIB:.2f}", f"{r.host / GIB:.2f}", f"{r.remote_out / GIB:.2f}", f"{r.added_s * 1e3:.1f}"]
         lines.append(" ".join(f"{v:>10}" for v in vals))
@@ -38,7 +40,8 @@ def plan_json(p: Plan) -> dict:
 
 # Device terms stacked per rank, bottom to top, with their legend names.
 DEVICE_TERMS = {"params": "params", "grads": "grads", "optimizer": "optimizer states",
-                "slot_pool": "MoonEP slot pool", "comm_buffers": "comm buffers", "activations": "activations",
+                "slot_pool": "MoonEP slot pool", "comm_buffers": "comm buffers",
+                "qat_fake_quant": "QAT fake-quantized weights", "activations": "activations",
                 "remote_in": "remote in (a peer's offload)"}
 # Memory a rank's plan puts off its device: hatched bars in the lower panel.
 OFFLOAD_TERMS = {"host": ("host (offloaded activations)", "//"), "disk": ("disk (offloaded activations)", "xx"),
@@ -67,6 +70,8 @@ def figure(p: Plan, header: str = ""):
     xs = [r.rank for r in p.ranks]
     bottom = [0.0] * n
     for t, name in DEVICE_TERMS.items():
+        if t == "qat_fake_quant" and not any(t in r.static for r in p.ranks):
+            continue
         vals = [(r.static[t] if t in r.static else getattr(r, t)) / GIB for r in p.ranks]
         dev.bar(xs, vals, bottom=bottom, width=0.8, label=name)
         bottom = [b + v for b, v in zip(bottom, vals)]

@@ -14,6 +14,10 @@ rules, the first listed wins; otherwise ``default`` applies::
     moe_dispatch_only: ["layers.*.moe"]      # checkpoint LatentMoE.routed: save the dispatch input only
     attnres_checkpoint: ["layers.*.attn_res"]
 
+Quantizing policies: ``fp8`` (1x128 E4M3 tiles with fp32 scales, batched per layer) and ``mxfp8`` (OCP MXFP8:
+E4M3 with one E8M0 scale per 32 elements along the last axis, QAT's activation format; a tensor whose last axis is
+not a multiple of 32 is kept as it is), each alone (device) or ``+host`` (``fp8`` also ``+disk``, ``+remote``).
+
 ``recompute`` rules and the two options wrap the matching modules in non-reentrant checkpointing
 (only their inputs are saved; the forward is replayed in backward). A rule on a parent module
 spans all layers inside it. ``moe_dispatch_only`` on a module with a ``routed(z, topk_ids,

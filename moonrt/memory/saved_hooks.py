@@ -144,10 +144,11 @@ class SavedTensorsMixin:
         region = frame.region
         backend = self._backends.get(policy) or self._backend(policy)
         fp8 = backend.use_fp8 and backend.quantizes(t)
+        mxq = backend.use_mx and backend.quantizes(t)
         view = (t.dtype, t.shape, t.stride(), t.storage_offset())  # Size and stride() are tuples already
-        key = (policy, sptr, view) if fp8 else (policy, sptr)
+        key = (policy, sptr, view) if fp8 or mxq else (policy, sptr)
         store = backend.store
-        batched = not fp8 and store.batched and t.is_cpu
+        batched = not (fp8 or mxq) and store.batched and t.is_cpu
         with self._lock:  # one critical section per save: the dedupe lookup and, for a batched copy, the insert
             entry = self._entries.get(key)
             if entry is not None and entry.weak is not None and _expired(entry.weak):
@@ -206,6 +207,16 @@ class SavedTensorsMixin:
                 if batch.nbytes >= self._fp8_batch_bytes:
                     self._flush(policy)
             self.accounting.pack_s += time.perf_counter() - t0
+            return _Handle(entry, view, None, self._release_fn)
+        if mxq:  # MXFP8: quantized now, one entry per view (as FP8)
+            packed = backend.pack(t)
+            entry = _Entry(backend, packed, layer, key, storage._weak_ref())
+            entry.refs = 1
+            entry.region = (region, label)
+            with self._lock:
+                self._entries[entry.key] = entry
+            self.accounting.on_pack_tier(region, label, store.tier, t.numel() * t.element_size(),
+                                         packed.tier_bytes[store.tier], time.perf_counter() - t0)
             return _Handle(entry, view, None, self._release_fn)
         if store.tier == "device":
             packed = backend.pack(t)  # keeps the tensor itself; bytes counted by storage
@@ -341,7 +352,7 @@ class SavedTensorsMixin:
             return out
         self._start_prefetch(entry.layer - 1)
         packed = entry.packed
-        if packed.meta[0] == "fp8":
+        if packed.meta[0] in ("fp8", "mxfp8"):
             batch = entry.batch
             if batch is not None:
                 if batch.future is not None:

@@ -78,6 +78,11 @@ class ModelSpec:
     the family does not say (``moonrt train`` records no ``model_tflops_per_s`` / ``mfu``)."""
     memory: ModelMemory | None = None
     """The memory planner's description; None: the family trains but ``moonrt mem-plan`` cannot plan it."""
+    qat_weights: Callable[[Any], dict[str, tuple[int, ...]]] | None = None
+    """``cfg`` -> parameter name -> shape of every weight that quantization-aware training fake-quantizes
+    (``moonrt train --qat``) and ``moonrt checkpoint export --mxfp4`` packs, in the unsharded model, the GEMM's
+    reduction axis last; the model's ``enable_qat(scheme)`` quantizes exactly these. None: the family declares no
+    quantizable layers (``--qat`` other than ``none`` is refused)."""
     train_dtype: Mapping[str, str] = dataclasses.field(default_factory=dict)
     """Preset name -> the dtype (``"bf16"`` / ``"fp32"``) its parameters and activations are trained in, what a
     memory plan assumes unless told otherwise (``moonrt mem-plan --dtype``); a preset not listed: ``"fp32"``."""

@@ -29,6 +29,7 @@ from torch.autograd.function import once_differentiable
 
 from moonrt.ops.glu import Activation, glu_activation, glu_parts
 from moonrt.ops.precision import no_autocast
+from moonrt.ops.qat import QATScheme, fake_quantize_values
 
 StackedWeight = torch.Tensor | Sequence[torch.Tensor | None]
 """One expert tensor for every segment: a ``[G, ...]`` stack, or a length-G sequence of per-expert
@@ -61,7 +62,7 @@ def _per_segment(w: StackedWeight, groups: int, name: str) -> Sequence[torch.Ten
 
 def grouped_glu_experts(x: torch.Tensor, cu_seqlens: torch.Tensor, w_gate: StackedWeight, w_up: StackedWeight,
                         w_down: StackedWeight, act: Activation = "situ", beta: float = 4.0,
-                        linear_beta: float = 25.0) -> torch.Tensor:
+                        linear_beta: float = 25.0, qat: QATScheme | None = None) -> torch.Tensor:
     """Grouped expert compute: rows ``x [rows, H]`` grouped by ``cu_seqlens [G + 1]`` (int64,
     non-decreasing, within ``[0, rows]``); rows ``cu[i]:cu[i + 1]`` run through expert ``i``:
     ``glu_expert(rows, w_gate[i], w_up[i], w_down[i])``.
@@ -77,6 +78,13 @@ def grouped_glu_experts(x: torch.Tensor, cu_seqlens: torch.Tensor, w_gate: Stack
     the GLU output and its two derivative factors (``[n, F]`` each, ``n = cu[G] - cu[0]``) and the weights:
     four activations however many experts, where a loop of per-expert autograd ops saves seven per expert
     (and fp32 copies of bf16 weights).
+
+    ``qat`` (:class:`moonrt.ops.qat.QATScheme`): quantization-aware training. Every GEMM reads fake-quantized
+    operands: the weights in ``qat.weight_format`` (MXFP4) and its inputs, ``x`` and the GLU output, in
+    ``qat.act_format`` (MXFP8), all blocked along the GEMM's reduction axis (``H`` for gate / up, ``F`` for
+    down), with straight-through gradients (the weight gradients are the products with the quantized inputs,
+    the input gradients flow through the quantizers unchanged). The node then saves the quantized ``x``, GLU
+    output and weights instead of the originals (the same sizes).
     """
     bounds = cu_seqlens.tolist()
     rows = x.shape[0]
@@ -100,17 +108,51 @@ def grouped_glu_experts(x: torch.Tensor, cu_seqlens: torch.Tensor, w_gate: Stack
             raise ValueError(f"segment {i}: expert weights {tuple(g.shape)}, {tuple(u.shape)}, {tuple(d.shape)}; "
                              f"expected [{hidden}, {x.shape[1]}], [{hidden}, {x.shape[1]}], [{x.shape[1]}, {hidden}] "
                              f"(the F of the first expert used)")
+    if qat is not None and hidden is not None:
+        qat.check_axis(x.shape[1], "the experts' gate / up projections (H)")
+        qat.check_axis(hidden, "the experts' down projection (F)")
     flat = [w for per in ws for w in per]
     if torch.is_grad_enabled() and (x.requires_grad or any(w is not None and w.requires_grad for w in flat)):
-        return _GroupedGLU.apply(x, bounds, act, float(beta), float(linear_beta), *flat)
-    return _grouped_forward(x, bounds, ws, act, beta, linear_beta, derivatives=False)[0]
+        return _GroupedGLU.apply(x, bounds, act, float(beta), float(linear_beta), qat, *flat)
+    if qat is not None:
+        x, ws = _quantized_operands(x, bounds, ws, qat)
+    return _grouped_forward(x, bounds, ws, act, beta, linear_beta, derivatives=False, qat=qat)[0]
+
+
+def _quantized_operands(x: torch.Tensor, bounds: list[int], ws: list[Sequence[torch.Tensor | None]], qat: QATScheme
+                        ) -> tuple[torch.Tensor, list[list[torch.Tensor | None]]]:
+    """``x`` fake-quantized to the activation format and every used segment's weights to the weight format (no
+    autograd: the values the QAT GEMMs read)."""
+    return fake_quantize_values(x, qat.act_format, qat.block, qat.scale_mode), _quantized_weights(bounds, ws, qat)
+
+
+def _quantized_weights(bounds: list[int], ws: Sequence[Sequence[torch.Tensor | None]], qat: QATScheme
+                       ) -> list[list[torch.Tensor | None]]:
+    """Every used segment's weights fake-quantized to the weight format (others as given; no autograd). A weight that
+    is expert ``j`` of a stack (a ``[G, ...]`` tensor's ``select(0, j)``: the stacked parameters and their unbind) is
+    read from the stack quantized once (bitwise the same: every block lies in one row of one expert)."""
+    used = {i for i in range(len(bounds) - 1) if bounds[i + 1] > bounds[i]}
+    stacks: dict[int, torch.Tensor] = {}
+
+    def quantized(w: torch.Tensor) -> torch.Tensor:
+        base = w._base
+        if (base is not None and base.dim() == w.dim() + 1 and base.shape[1:] == w.shape and base.is_contiguous()
+                and w.is_contiguous() and (w.storage_offset() - base.storage_offset()) % base.stride(0) == 0):
+            if id(base) not in stacks:
+                stacks[id(base)] = fake_quantize_values(base, qat.weight_format, qat.block, qat.scale_mode)
+            return stacks[id(base)][(w.storage_offset() - base.storage_offset()) // base.stride(0)]
+        return fake_quantize_values(w, qat.weight_format, qat.block, qat.scale_mode)
+
+    return [[quantized(w) if i in used and w is not None else w for i, w in enumerate(per)] for per in ws]
 
 
 def _grouped_forward(x: torch.Tensor, bounds: list[int], ws: list[Sequence[torch.Tensor | None]], act: Activation,
-                     beta: float, linear_beta: float, derivatives: bool
+                     beta: float, linear_beta: float, derivatives: bool, qat: QATScheme | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """The output ``[rows, H]`` and, over rows ``cu[0]:cu[G]``, the GLU output and its factors ``dA``, ``dC``
-    (the factors None without ``derivatives``; all three None when no row is routed)."""
+    (the factors None without ``derivatives``; all three None when no row is routed). With ``qat``, ``x`` and
+    ``ws`` are already fake-quantized (:func:`_quantized_operands`) and the GLU output is fake-quantized to the
+    activation format before the down matmul (the returned GLU output is the quantized one)."""
     dt = torch.promote_types(x.dtype, torch.float32)
     rows, width = x.shape
     lo, hi = bounds[0], bounds[-1]
@@ -128,6 +170,8 @@ def _grouped_forward(x: torch.Tensor, bounds: list[int], ws: list[Sequence[torch
             torch.mm(xi, ws[0][i].to(dt).t(), out=gate[a:b])  # type: ignore[union-attr]
             torch.mm(xi, ws[1][i].to(dt).t(), out=up[a:b])  # type: ignore[union-attr]
         h, d_a, d_c = glu_parts(gate, up, act, beta, linear_beta, derivatives)
+        if qat is not None:
+            h = fake_quantize_values(h, qat.act_format, qat.block, qat.scale_mode)
         out = (x.new_zeros if lo > 0 or hi < rows else x.new_empty)(rows, width, dtype=dt)
         for i in segs:
             a, b = bounds[i], bounds[i + 1]
@@ -136,16 +180,22 @@ def _grouped_forward(x: torch.Tensor, bounds: list[int], ws: list[Sequence[torch
 
 
 class _GroupedGLU(torch.autograd.Function):
-    """:func:`grouped_glu_experts` as one node: ``forward(x, bounds, act, beta, linear_beta, *weights)`` with the
-    ``3 G`` per-segment weights flattened (gates, ups, downs; None for a segment that has none)."""
+    """:func:`grouped_glu_experts` as one node: ``forward(x, bounds, act, beta, linear_beta, qat, *weights)`` with
+    the ``3 G`` per-segment weights flattened (gates, ups, downs; None for a segment that has none). With ``qat``
+    it saves the fake-quantized ``x`` and GLU output in place of the originals (the same sizes) and the weights as
+    given (parameters: no copy), quantizing them again in backward: the products are the straight-through ones,
+    and no layer holds a quantized weight copy from its forward to its backward (only one layer's, transiently)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, bounds: list[int], act: Activation, beta: float, linear_beta: float,
-                *flat: torch.Tensor | None) -> torch.Tensor:
+                qat: QATScheme | None, *flat: torch.Tensor | None) -> torch.Tensor:
         groups = len(bounds) - 1
         ws = [flat[j * groups:(j + 1) * groups] for j in range(3)]
-        out, h, d_a, d_c = _grouped_forward(x, bounds, ws, act, beta, linear_beta, derivatives=True)
-        ctx.bounds = bounds
+        if qat is not None:
+            x, ws = _quantized_operands(x, bounds, ws, qat)
+        out, h, d_a, d_c = _grouped_forward(x, bounds, ws, act, beta, linear_beta, derivatives=True, qat=qat)
+        del ws
+        ctx.bounds, ctx.qat = bounds, qat
         ctx.save_for_backward(x, h, d_a, d_c, *flat)
         return out
 
@@ -156,11 +206,14 @@ class _GroupedGLU(torch.autograd.Function):
         x, h, d_a, d_c, *flat = ctx.saved_tensors
         bounds = ctx.bounds
         groups = len(bounds) - 1
+        if ctx.qat is not None:  # the weights the forward multiplied (bitwise: the same quantizer)
+            flat = [w for per in _quantized_weights(bounds, [flat[j * groups:(j + 1) * groups] for j in range(3)],
+                                                    ctx.qat) for w in per]
         need = ctx.needs_input_grad
         d_flat: list[torch.Tensor | None] = [None] * (3 * groups)
         d_x = None
         if h is None:  # no routed row: the output was all zeros
-            return (torch.zeros_like(x) if need[0] else None), None, None, None, None, *d_flat
+            return (torch.zeros_like(x) if need[0] else None), None, None, None, None, None, *d_flat
         dt = h.dtype
         lo = bounds[0]
         xs = x.to(dt)
@@ -171,7 +224,7 @@ class _GroupedGLU(torch.autograd.Function):
             a, b = bounds[i], bounds[i + 1]
             w_down = flat[2 * groups + i]
             torch.mm(g[a:b], w_down.to(dt), out=d_h[a - lo:b - lo])  # type: ignore[union-attr]
-            if need[5 + 2 * groups + i]:
+            if need[6 + 2 * groups + i]:
                 d_flat[2 * groups + i] = (g[a:b].t() @ h[a - lo:b - lo]).to(w_down.dtype)  # type: ignore[union-attr]
         d_gate = d_h * d_a
         d_up = d_h.mul_(d_c)
@@ -181,14 +234,14 @@ class _GroupedGLU(torch.autograd.Function):
             a, b = bounds[i], bounds[i + 1]
             w_gate, w_up = flat[i], flat[groups + i]
             dg, du, xi = d_gate[a - lo:b - lo], d_up[a - lo:b - lo], xs[a:b]
-            if need[5 + i]:
+            if need[6 + i]:
                 d_flat[i] = (dg.t() @ xi).to(w_gate.dtype)  # type: ignore[union-attr]
-            if need[5 + groups + i]:
+            if need[6 + groups + i]:
                 d_flat[groups + i] = (du.t() @ xi).to(w_up.dtype)  # type: ignore[union-attr]
             if d_x is not None:
                 torch.mm(dg, w_gate.to(dt), out=d_x[a:b])  # type: ignore[union-attr]
                 d_x[a:b].addmm_(du, w_up.to(dt))  # type: ignore[union-attr]
-        return (d_x.to(x.dtype) if d_x is not None else None), None, None, None, None, *d_flat
+        return (d_x.to(x.dtype) if d_x is not None else None), None, None, None, None, None, *d_flat
 
 
 def moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate: torch.Tensor,

@@ -155,13 +155,16 @@ def _scale_bytes(amax: torch.Tensor, fmt: str, mode: str) -> torch.Tensor:
 def _fp4_codes(y: torch.Tensor) -> torch.Tensor:
     """E2M1 codes (uint8, 0..15) of fp32 ``y`` already clamped to ``[-6, 6]``: round to nearest, ties to even.
 
-    The magnitude's code is its bucket among the midpoints of neighbouring values (``torch.bucketize``, a value
-    equal to a boundary goes to the lower bucket): a midpoint whose lower neighbour has the even code is a boundary
-    as is, one whose upper neighbour has it is replaced by the next fp32 below it, so the tie goes up. NaN -> +-0
-    (by its sign bit).
+    The magnitude's code is its bucket among the midpoints of neighbouring values: the number of midpoints strictly
+    below it (a value equal to a boundary goes to the lower bucket, as ``torch.bucketize`` counts; seven compares
+    and adds, several times faster on the CPU than ``bucketize``'s per-element search): a midpoint whose lower
+    neighbour has the even code is a boundary as is, one whose upper neighbour has it is replaced by the next fp32
+    below it, so the tie goes up. NaN -> +-0 (by its sign bit).
     """
-    mids = torch.tensor(_FP4_MIDPOINTS, dtype=torch.float32, device=y.device)
-    code = torch.bucketize(torch.nan_to_num(y.abs(), nan=0.0), mids).to(torch.uint8)
+    a = torch.nan_to_num(y.abs(), nan=0.0)
+    code = torch.zeros(a.shape, dtype=torch.uint8, device=a.device)
+    for m in _FP4_MIDPOINTS:
+        code += a > m
     return code | (torch.signbit(y).to(torch.uint8) << 3)
 
 

@@ -9,7 +9,7 @@
   checksums: "not verified"), a ``.pt`` file's zip records against their CRC-32s.
   A missing ``OUT/checkpoint`` of a run that wrote ``OUT/checkpoint.pt`` (one process) is one line naming that
   file (give ``OUT`` or the file; ``convert`` writes the sharded format).
-- ``moonrt checkpoint export DIR FILE [--names hf|moonrt] [--force]``: the model weights as one single-process
+- ``moonrt checkpoint export DIR FILE [--names hf|moonrt] [--mxfp4] [--force]``: the model weights as one single-process
   ``safetensors`` file (no optimizer state), for use outside moonrt. DIR: as ``info``'s PATH (a run directory:
   the checkpoint ``--resume`` takes). FILE must be new (``--force`` replaces a
   user's file); a run's checkpoint is never written (the source, any ``checkpoint.pt``, a path inside a sharded
@@ -39,7 +39,8 @@
   ``norm`` -- the routed experts act on the latent width L, not the hidden size --, the shared experts, the
   AttnRes queries). The file's ``__metadata__`` holds ``moonrt_names`` (JSON: every exported name -> its moonrt
   name, experts as ``name[e]``), the step and the model config, so :func:`from_hf` maps it back.
-  ``--names moonrt`` writes the moonrt names and stacked experts unchanged.
+  ``--names moonrt`` writes the moonrt names and stacked experts unchanged. ``--mxfp4``: the weights QAT quantizes
+  as packed MXFP4 codes and E8M0 scales (names, dtypes and the loader: :mod:`moonrt.jobs.checkpoint.mxfp4`).
 - ``moonrt checkpoint convert SRC DST [--force]``: ``checkpoint.pt`` -> a sharded directory (DST a new or empty
   directory, used as the ``OUT/checkpoint`` root; written in one process) or a sharded directory -> a ``.pt``
   file (DST new; ``--force`` replaces an existing one, never a ``checkpoint.pt`` or a file inside a sharded
@@ -146,6 +147,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     exp.add_argument("--names", choices=("hf", "moonrt"), default="hf",
                      help="hf: HF-style names where they exist, experts one tensor each (default); moonrt: as stored")
     exp.add_argument("--force", action="store_true", help="replace an existing FILE (never a run's checkpoint)")
+    exp.add_argument("--mxfp4", action="store_true", help="the weights QAT quantizes (the model's declared layers, "
+                     "K3: the experts) as packed MXFP4 codes (<name>.weight_packed, uint8, two a byte) and E8M0 "
+                     "scales (<name>.weight_scale, uint8) of the job's qat_block, decoding bitwise to the QAT "
+                     "forward's weights (moonrt.jobs.checkpoint.mxfp4)")
     conv = sub.add_parser("convert", help="checkpoint.pt -> sharded directory, or sharded directory -> checkpoint.pt")
     conv.add_argument("src", metavar="SRC", help="a checkpoint.pt file, or OUT/checkpoint / a step-N directory")
     conv.add_argument("dst", metavar="DST", help="a new or empty directory to write the sharded checkpoint into "
@@ -367,6 +372,52 @@ def _target(flag: str, value: str, src: Path, force: bool, pt_ok: bool) -> str |
     return None
 
 
+def packed_names(name: str) -> tuple[str, str]:
+    """``(packed name, scale name)`` of exported tensor ``name`` (:mod:`moonrt.jobs.checkpoint.mxfp4`)."""
+    if name.endswith(".weight"):
+        return name + "_packed", name + "_scale"
+    return name + ".weight_packed", name + ".weight_scale"
+
+
+def pack_mxfp4(tensors: dict[str, Any], back: dict[str, str], quantized: set[str], scheme: Any
+               ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Replace every export tensor whose moonrt name (``back[name]``, an expert index ``[e]`` dropped) is in
+    ``quantized`` by its packed MXFP4 codes and E8M0 scales (``scheme``: a :class:`moonrt.ops.qat.QATScheme`, its
+    :meth:`~moonrt.ops.qat.QATScheme.quantize_weight`, what the QAT forward decodes); returns the new tensors and
+    the ``moonrt_mxfp4`` metadata (names, dtypes and layout: :mod:`moonrt.jobs.checkpoint.mxfp4`)."""
+    out: dict[str, Any] = {}
+    table: dict[str, list[Any]] = {}
+    for name, t in tensors.items():
+        if re.sub(r"\[\d+\]$", "", back[name]) not in quantized:
+            out[name] = t
+            continue
+        scheme.check_axis(t.shape[-1], name)
+        q = scheme.quantize_weight(t.float())
+        p, s = packed_names(name)
+        out[p], out[s] = q.codes, q.scales
+        table[name] = [p, s, list(t.shape)]
+    return out, {"block": scheme.block, "scale_mode": scheme.scale_mode, "element": "e2m1", "tensors": table}
+
+
+def _pack_mxfp4(tensors: dict[str, Any], back: dict[str, str], config: dict[str, Any]
+                ) -> tuple[dict[str, Any], dict[str, Any]] | str:
+    """``export --mxfp4``: the tensors with the declared quantizable weights packed and the ``moonrt_mxfp4``
+    metadata (:func:`pack_mxfp4`), or why not (one line)."""
+    from moonrt.config import ConfigError, from_dict
+    from moonrt.jobs.train.config import JobConfig
+    from moonrt.ops.qat import QATScheme
+
+    try:
+        job = from_dict(JobConfig, {**config, "qat": "none"})  # the block is checked against the tensors below
+        spec = job.model_spec()
+        if spec.qat_weights is None:
+            return (f"--mxfp4: model {job.model!r} (family {spec.name!r}) declares no quantizable layers; expected a "
+                    "checkpoint of a model with them (K3)")
+        return pack_mxfp4(tensors, back, set(spec.qat_weights(job.model_cfg())), QATScheme(block=job.qat_block))
+    except (ConfigError, ValueError) as exc:
+        return f"--mxfp4: {exc}"
+
+
 def _export(args: argparse.Namespace) -> int:
     from safetensors.torch import save
 
@@ -384,6 +435,11 @@ def _export(args: argparse.Namespace) -> int:
         tensors, back = {k: v.contiguous() for k, v in model.items()}, {k: k for k in model}
     meta = {"format": "pt", "moonrt_step": str(step), "moonrt_names": json.dumps(back),
             "moonrt_config": json.dumps(config)}
+    if args.mxfp4:
+        packed = _pack_mxfp4(tensors, back, config)
+        if isinstance(packed, str):
+            return _fail(packed)
+        tensors, meta["moonrt_mxfp4"] = packed[0], json.dumps(packed[1])
     data = save(tensors, metadata=meta)
     fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent)  # a new file of ours
     try:
@@ -399,7 +455,7 @@ def _export(args: argparse.Namespace) -> int:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
     print(f"wrote {out}: {len(tensors)} tensors, {_mb(sum(t.numel() * t.element_size() for t in tensors.values()))} "
-          f"(step {step} from {src}, {args.names} names)")
+          f"(step {step} from {src}, {args.names} names{', MXFP4 packed experts' if args.mxfp4 else ''})")
     return 0
 
 

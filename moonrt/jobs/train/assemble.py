@@ -18,7 +18,8 @@ from moonrt.parallel.context import LOCAL
 def build_model(job: JobConfig) -> torch.nn.Module:
     """The job's model, built through its family's :class:`~moonrt.models.spec.ModelSpec` (seeded with
     ``optim.seed``): ``model`` names the preset and so the family, ``model_config`` (when given) is that family's
-    config. The model is a :class:`moonrt.parallel.model.TrainableModel`."""
+    config; with ``qat`` the layers its family declares fake-quantize (``enable_qat``). The model is a
+    :class:`moonrt.parallel.model.TrainableModel`."""
     spec = job.model_spec()
     cfg = job.model_cfg()
     total = spec.param_count(cfg)
@@ -26,7 +27,12 @@ def build_model(job: JobConfig) -> torch.nn.Module:
         raise ConfigError(f"model = {job.model if job.model_config is None else 'model_config'}: {total:,} parameters; "
                           f"expected at most {MAX_PARAMS:,} (moonrt train builds the whole model in one process)")
     torch.manual_seed(job.optim.seed)
-    return spec.build(cfg, job.moe)
+    model = spec.build(cfg, job.moe)
+    if job.qat != "none":  # validated: the family declares quantizable layers, qat_block divides their axes
+        from moonrt.ops.qat import scheme_for
+
+        model.enable_qat(scheme_for(job.qat, job.qat_block))
+    return model
 
 
 def launched() -> bool:

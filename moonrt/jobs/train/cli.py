@@ -41,6 +41,7 @@ GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
                                   "grad_accum")),
     "parallel layout": ("", ("ep", "cp", "pp", "vpp", "microbatches", "schedule", "zero", "attn_res_comm")),
     "memory": ("", ("memory_policy", "gc_interval")),
+    "quantization-aware training": ("", ("qat", "qat_block")),
     "outputs & checkpoints": ("", ("out", "metrics", "tensorboard", "peak_tflops", "routing_trace", "resume",
                                    "resume_if_exists", "resume_allow_changes")),
     "distributed & device": ("", ("device", "dtype", "reduce_dtype", "dist_timeout", "threads")),
@@ -108,6 +109,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, help="torch threads per process, 0 = torch default (threads)")
     parser.add_argument("--gc-interval", type=int, help="Python garbage collection: off in the training loop, one "
                         "young-generation collection every N steps (gc_interval; default 50; 0 = automatic)")
+    parser.add_argument("--qat", help="quantization-aware training: none or mxfp4 (MXFP4 weights, MXFP8 inputs of "
+                        "the model's quantizable layers, K3: the experts; straight-through gradients) (qat)")
+    parser.add_argument("--qat-block", type=int, help="elements per MX scale along the reduction axis, must divide "
+                        "it (qat_block; default 32, k3_tiny: 8)")
     parser.add_argument("--memory-policy", help="activation memory policy YAML (memory_policy; moonrt.memory)")
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bar or periodic step lines (the start, eval and summary lines still print)")
@@ -167,6 +172,7 @@ _OVERRIDES: dict[str, tuple[str, ...]] = {
     "dist_timeout": ("dist", "timeout_s"),
     "grad_accum": ("optim", "grad_accum"), "log_every": ("log", "log_every"), "tensorboard": ("log", "tensorboard"),
     "peak_tflops": ("log", "peak_tflops"),
+    "qat": ("qat",), "qat_block": ("qat_block",),
 }
 
 

@@ -31,6 +31,10 @@ MAX_SEED = 2**63 - 1
 ``numpy.random.default_rng([seed, step])`` (any integer >= 0); int64's range, so it also fits every int64 that
 records it."""
 
+QAT_FORMATS = ("none", "mxfp4")
+"""Values of :attr:`JobConfig.qat` (:data:`moonrt.ops.qat.QAT_FORMATS`; repeated here so the job config stays
+torch-free)."""
+
 MAX_COUNT = 2**63 - 1
 """Largest step count or interval (int64: what a step counter in a checkpoint or tensor can hold)."""
 
@@ -275,6 +279,15 @@ class JobConfig:
     ``--manual-gc`` do: a full collection scans every live Python object (~370k for k3_tiny) and the saved-tensor
     records of an activation-manager step trigger one every few steps (benchmarks/RESULTS.md). 0: automatic."""
 
+    qat: str = "none"
+    """Quantization-aware training (``--qat``): ``none``, or ``mxfp4``: the layers the model family declares
+    (:attr:`ModelSpec.qat_weights`; K3: routed and shared experts) compute with MXFP4 (E2M1, E8M0 ``floor`` scales)
+    fake-quantized weights and MXFP8 (E4M3) fake-quantized inputs, straight-through gradients to the fp32 master
+    weights (:mod:`moonrt.ops.qat`)."""
+    qat_block: int = 32
+    """Elements per MX scale along each quantized GEMM's reduction axis (``--qat-block``; the OCP spec's 32). Must
+    divide every quantized reduction axis (``k3_tiny``'s expert FFN width is 56: use 8)."""
+
     def validate(self) -> None:
         table = presets()
         check(self.model in table, "model", self.model, "a registered model preset: one of " + ", ".join(table))
@@ -315,10 +328,24 @@ class JobConfig:
                 degree = getattr(self.parallel, name)
                 check(degree == 1, "data.pack_documents", True,
                       f"false with parallel.{name} = {degree} (--{name}): {why}")
+        self._validate_qat(spec)
         try:
             spec.options_from_dict(self.moe)
         except ConfigError as exc:
             raise ConfigError(str(exc) if str(exc).startswith("moe = ") else f"moe.{exc}") from None
+
+    def _validate_qat(self, spec: ModelSpec) -> None:
+        check(self.qat in QAT_FORMATS, "qat", self.qat, "one of " + ", ".join(QAT_FORMATS))
+        check(isinstance(self.qat_block, int) and not isinstance(self.qat_block, bool) and self.qat_block >= 2
+              and self.qat_block % 2 == 0, "qat_block", self.qat_block,
+              "an even integer >= 2 (mxfp4 packs two codes a byte)")
+        if self.qat == "none":
+            return
+        check(spec.qat_weights is not None, "qat", self.qat,
+              f"'none' for model {self.model!r}: its family {spec.name!r} declares no quantizable layers")
+        for name, shape in spec.qat_weights(self.model_cfg()).items():  # type: ignore[misc]
+            check(shape[-1] % self.qat_block == 0, "qat_block", self.qat_block,
+                  f"a divisor of every quantized reduction axis; {name} {list(shape)} has {shape[-1]}")
 
     def model_spec(self) -> ModelSpec:
         """The :class:`~moonrt.models.spec.ModelSpec` of ``model``'s family (ConfigError naming the presets)."""

@@ -209,7 +209,10 @@ def param_sizes(cfg: K3Config) -> ParamSizes:
     return ParamSizes(
         layers=tuple(attn[t] + 4 * D + (moe if cfg.is_moe_layer(i) else ffn) for i, t in enumerate(types)),
         expert=tuple(expert if cfg.is_moe_layer(i) else 0 for i in range(len(types))),
-        embed=cfg.vocab_size * D, lm_head=0 if cfg.tie_word_embeddings else cfg.vocab_size * D + 2 * D)
+        embed=cfg.vocab_size * D, lm_head=0 if cfg.tie_word_embeddings else cfg.vocab_size * D + 2 * D,
+        qat_layers=tuple(cfg.num_shared_experts * mp.glu_params(D, cfg.moe_intermediate_size)
+                         if cfg.is_moe_layer(i) else 0 for i in range(len(types))),
+        qat_experts=True)  # what moonrt.models.k3.spec.qat_weights declares: shared and routed experts
 
 
 def _fp8_lin(elems: float, width: int, act_bytes: int) -> float:

@@ -70,13 +70,35 @@ def _memory_policy(rank_plan: Any) -> dict:
     return policy_dict(rank_plan)
 
 
+def qat_weights(cfg: K3Config) -> dict[str, tuple[int, ...]]:
+    """The weights K3's quantization-aware training fake-quantizes to MXFP4 (and the export packs): in every
+    LatentMoE layer the routed experts' ``w_gate [E, F, L]``, ``w_up [E, F, L]``, ``w_down [E, L, F]`` and each
+    shared expert's ``gate_proj / up_proj [F, D]``, ``down_proj [D, F]`` (``F = moe_intermediate_size``).
+
+    The release ships the routed experts in MXFP4 (K3_SYSTEMS §1; 98% of the parameters); the shared experts run
+    the same GLU GEMMs on every token and are quantized too, so a deployment may run every expert GEMM in MXFP4
+    (issue 33). Attention, the latent down/up projections, the router (its top-k choice is sensitive to small
+    logit changes), the dense first-layer FFN, embedding and LM head stay in high precision, as released."""
+    E, L, D, F = cfg.num_experts, cfg.routed_expert_hidden_size, cfg.hidden_size, cfg.moe_intermediate_size
+    out: dict[str, tuple[int, ...]] = {}
+    for i in range(cfg.num_hidden_layers):
+        if not cfg.is_moe_layer(i):
+            continue
+        p = f"layers.{i}.moe."
+        out.update({p + "experts.w_gate": (E, F, L), p + "experts.w_up": (E, F, L), p + "experts.w_down": (E, L, F)})
+        for j in range(cfg.num_shared_experts):
+            q = f"{p}shared_experts.{j}."
+            out.update({q + "gate_proj.weight": (F, D), q + "up_proj.weight": (F, D), q + "down_proj.weight": (D, F)})
+    return out
+
+
 K3 = ModelSpec(
     name="k3", config_type=K3Config, presets=PRESETS, build=_build, param_count=_param_count,
     pipeline_layout=K3Config.pipeline_layout, describe=lambda cfg: f"pattern {cfg.pattern}",
     read_options=_read_options, expert_sizes=_expert_sizes, flops_per_token=_flops_per_token,
     memory=ModelMemory(param_sizes=_param_sizes, memory_profile=_memory_profile,
                        traced_memory_profile=_traced_memory_profile, memory_policy=_memory_policy),
-    train_dtype={"k3": "bf16", "k3_tiny": "fp32"})
+    qat_weights=qat_weights, train_dtype={"k3": "bf16", "k3_tiny": "fp32"})
 """K3 trains in bf16 (the released weights and the target GPUs); ``k3_tiny`` in fp32, as ``moonrt train`` runs it."""
 
-__all__ = ["K3"]
+__all__ = ["K3", "qat_weights"]

@@ -10,6 +10,7 @@ from torch import nn
 
 from moonrt.models.k3.model.config import K3Config
 from moonrt.ops.glu import Activation, glu_activation
+from moonrt.ops.qat import QATScheme, qat_linear
 
 
 class GLUFFN(nn.Module):
@@ -21,6 +22,11 @@ class GLUFFN(nn.Module):
     Parameters (``nn.Linear`` layout ``[out, in]``): ``gate_proj.weight [hidden, dim]``,
     ``up_proj.weight [hidden, dim]``, ``down_proj.weight [dim, hidden]``.
     The activation is computed in fp32 and cast back to the input dtype before ``down_proj``.
+
+    ``qat`` (a plain attribute, None until :meth:`moonrt.models.k3.model.model.K3Model.enable_qat` sets it on the
+    shared experts): the three projections read MXFP4 fake-quantized weights and MXFP8 fake-quantized inputs
+    (``x`` for gate / up, the GLU output for down), straight-through gradients, no weight copy saved
+    (:func:`moonrt.ops.qat.qat_linear`).
     """
 
     def __init__(self, dim: int, hidden: int, act: Activation = "situ", beta: float = 4.0,
@@ -35,6 +41,7 @@ class GLUFFN(nn.Module):
             raise ValueError(f"GLUFFN: beta={beta!r}, linear_beta={linear_beta!r}, expected positive numbers")
         self.dim, self.hidden, self.act = dim, hidden, act
         self.beta, self.linear_beta = float(beta), float(linear_beta)
+        self.qat: QATScheme | None = None
         self.gate_proj = nn.Linear(dim, hidden, bias=False)
         self.up_proj = nn.Linear(dim, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, dim, bias=False)
@@ -46,8 +53,13 @@ class GLUFFN(nn.Module):
         """``x [..., dim]`` -> ``[..., dim]`` in ``x``'s dtype."""
         if x.shape[-1] != self.dim:
             raise ValueError(f"GLUFFN: input last dimension {x.shape[-1]}, expected dim={self.dim}")
-        h = glu_activation(self.gate_proj(x), self.up_proj(x), self.act, self.beta, self.linear_beta)
-        return self.down_proj(h.to(x.dtype))
+        q = self.qat
+        if q is None:
+            h = glu_activation(self.gate_proj(x), self.up_proj(x), self.act, self.beta, self.linear_beta)
+            return self.down_proj(h.to(x.dtype))
+        h = glu_activation(qat_linear(x, self.gate_proj.weight, q), qat_linear(x, self.up_proj.weight, q),
+                           self.act, self.beta, self.linear_beta)
+        return qat_linear(h.to(x.dtype), self.down_proj.weight, q)
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, hidden={self.hidden}, act={self.act!r}, betas=({self.beta}, {self.linear_beta})"

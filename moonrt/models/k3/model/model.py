@@ -41,6 +41,7 @@ from moonrt.models.k3.model.mla import GatedMLA
 from moonrt.models.k3.model.moe import LatentMoE, MoEConfig
 from moonrt.models.k3.model.norm import RMSNorm
 from moonrt.ops.precision import token_loss_sum
+from moonrt.ops.qat import QATScheme
 from moonrt.parallel.context import LOCAL, AttentionContext
 from moonrt.parallel.model import ParamGroups, PipelineLayout
 from moonrt.parallel.packing import DocumentPacking
@@ -204,6 +205,27 @@ class K3Model(nn.Module):
         """Whether MoE forwards count toward routing statistics (off for eval and recomputation)."""
         for _, moe in self.moe_layers():
             moe.record_routing = enabled
+
+    # ---- quantization-aware training ------------------------------------------------------------------
+    def enable_qat(self, scheme: QATScheme | None) -> list[str]:
+        """Quantization-aware training (K3_SYSTEMS §1; :mod:`moonrt.ops.qat`): from the next forward, the routed
+        and shared experts of every MoE layer held here compute with ``scheme``'s fake-quantized weights (MXFP4)
+        and inputs (MXFP8), straight-through gradients to the fp32 parameters; None switches it off. Which layers
+        and why: :func:`moonrt.models.k3.spec.qat_weights`. Returns the names of the quantized parameters (a
+        pipeline rank: those of its stages). ValueError if ``block`` does not divide a quantized reduction axis."""
+        if scheme is not None:
+            c = self.config
+            scheme.check_axis(c.routed_expert_hidden_size, "the routed experts' gate / up (routed_expert_hidden_size)")
+            scheme.check_axis(c.moe_intermediate_size, "the experts' down projections (moe_intermediate_size)")
+            scheme.check_axis(c.hidden_size, "the shared experts' gate / up (hidden_size)")
+        names = []
+        for i, moe in self.moe_layers():
+            moe.experts.qat = scheme
+            names += [f"layers.{i}.moe.experts.{w}" for w in ("w_gate", "w_up", "w_down")]
+            for j, expert in enumerate(moe.shared_experts):
+                expert.qat = scheme
+                names += [f"layers.{i}.moe.shared_experts.{j}.{w}_proj.weight" for w in ("gate", "up", "down")]
+        return names
 
     # ---- optimizer groups ------------------------------------------------------------------------
     def param_groups(self) -> ParamGroups:

@@ -33,6 +33,7 @@ from moonrt.models.k3.model.ffn import shared_expert
 from moonrt.models.k3.model.norm import RMSNorm
 from moonrt.ops.grouped import grouped_glu_experts
 from moonrt.ops.precision import fp32_island
+from moonrt.ops.qat import QATScheme
 from moonrt.parallel.blocks import MatrixBlocks
 from moonrt.parallel.dispatch import Dispatcher, ExpertWeights, LocalDispatcher
 
@@ -98,6 +99,9 @@ class RoutedExperts(nn.Module):
     Parameters: ``w_gate [E_local, F, L]``, ``w_up [E_local, F, L]``, ``w_down [E_local, L, F]``;
     local expert ``i`` is global expert ``first_expert + i``. Holds all ``E`` experts until
     :meth:`shard` keeps only an EP rank's home slice.
+
+    ``qat`` (plain attribute, None until :meth:`moonrt.models.k3.model.model.K3Model.enable_qat`): the grouped
+    GEMMs read MXFP4 weights and MXFP8 inputs (:func:`moonrt.ops.grouped.grouped_glu_experts`).
     """
 
     def __init__(self, num_experts: int, latent: int, hidden: int, act: str = "situ", beta: float = 4.0,
@@ -106,6 +110,7 @@ class RoutedExperts(nn.Module):
         self.num_experts, self.latent, self.hidden = num_experts, latent, hidden
         self.act, self.beta, self.linear_beta = act, float(beta), float(linear_beta)
         self.first_expert = 0
+        self.qat: QATScheme | None = None
         self.w_gate = nn.Parameter(torch.randn(num_experts, hidden, latent) * init_std)
         self.w_up = nn.Parameter(torch.randn(num_experts, hidden, latent) * init_std)
         self.w_down = nn.Parameter(torch.randn(num_experts, latent, hidden) * init_std)
@@ -159,7 +164,7 @@ class RoutedExperts(nn.Module):
                 for slot, w in zip(per_segment, weights):
                     slot[i] = w
         return grouped_glu_experts(x, cu_seqlens, *per_segment, act=self.act, beta=self.beta,
-                                   linear_beta=self.linear_beta)
+                                   linear_beta=self.linear_beta, qat=self.qat)
 
 
 # ---- the layer -------------------------------------------------------------------------------------
