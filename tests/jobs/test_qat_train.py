@@ -35,7 +35,7 @@ def test_qat_quantizes_exactly_the_declared_weights() -> None:
 @pytest.mark.parametrize(("flags", "message"), [
     (["--qat", "int4"], "qat (--qat) = 'int4': expected one of none, mxfp4"),
     (["--qat", "mxfp4"], "qat_block = 32: expected a divisor of every quantized reduction axis; "
-                         "layers.1.moe.experts.w_down [16, 64, 56] has 56"),
+                         "layers.1.moe.experts.w_down [16, 64, 56] has 56 (--qat-block 8 fits this model)"),
     (["--qat", "mxfp4", "--model", "dense_tiny"], "qat (--qat) = 'mxfp4': expected 'none' for model 'dense_tiny': "
                                                   "its family 'dense' declares no quantizable layers"),
     (["--qat", "mxfp4", "--qat-block", "7"], "qat_block (--qat-block) = 7: expected an even integer >= 2 "

@@ -343,9 +343,13 @@ class JobConfig:
             return
         check(spec.qat_weights is not None, "qat", self.qat,
               f"'none' for model {self.model!r}: its family {spec.name!r} declares no quantizable layers")
-        for name, shape in spec.qat_weights(self.model_cfg()).items():  # type: ignore[misc]
+        shapes = spec.qat_weights(self.model_cfg())  # type: ignore[misc]
+        common = math.gcd(*(shape[-1] for shape in shapes.values()))
+        fits = max((b for b in (32, 16, 8, 4, 2) if common % b == 0), default=None)
+        hint = f" (--qat-block {fits} fits this model)" if fits else ""
+        for name, shape in shapes.items():
             check(shape[-1] % self.qat_block == 0, "qat_block", self.qat_block,
-                  f"a divisor of every quantized reduction axis; {name} {list(shape)} has {shape[-1]}")
+                  f"a divisor of every quantized reduction axis; {name} {list(shape)} has {shape[-1]}{hint}")
 
     def model_spec(self) -> ModelSpec:
         """The :class:`~moonrt.models.spec.ModelSpec` of ``model``'s family (ConfigError naming the presets)."""
