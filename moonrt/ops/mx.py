@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 
 FORMATS = ("mxfp4", "mxfp8_e4m3", "mxfp8_e5m2")
@@ -69,7 +70,7 @@ FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2
 """The E2M1 value of each 4-bit code (the spec's table: sign, 2 exponent bits with bias 1, 1 mantissa bit)."""
 
 # midpoints of neighbouring E2M1 magnitudes; those whose tie goes up (to codes 2, 4, 6) as the fp32 just below
-_FP4_MIDPOINTS = tuple(m if i % 2 == 0 else float(torch.nextafter(torch.tensor(m), torch.tensor(0.0)))
+_FP4_MIDPOINTS = tuple(m if i % 2 == 0 else float(np.nextafter(np.float32(m), np.float32(0.0)))
                        for i, m in enumerate((0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)))
 
 
