@@ -15,10 +15,13 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels then 
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from dist import dist_run  # noqa: E402
 from numerics import F64_RTOL, rel_l2  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed (the Triton KDA kernels need it)")
 
+from moonrt.comm.cp_ops import slice_bounds  # noqa: E402
+from moonrt.comm.kcp import kcp_kda  # noqa: E402
 from moonrt.ops import kda as cpu  # noqa: E402
 from moonrt.ops import kda_triton as kt  # noqa: E402
 
@@ -164,3 +167,43 @@ def test_empty_sequence_and_bad_input() -> None:
     bad = dict(inputs, g=inputs["g"].clone().index_fill_(1, torch.tensor([3]), float("nan")))
     with pytest.raises(ValueError, match="g: max"):
         kt.kda_chunk(**bad)
+
+
+def _kcp_triton_rank(rank: int, world: int, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One rank of KCP with the Triton kernels in all three seams (chunk, transition, state gradient)."""
+    os.environ["TRITON_INTERPRET"] = "1"  # the kernels module is imported in this process, after this line
+    a, b = slice_bounds(x["q"].shape[1], world, rank)
+    leaves = {n: x[n][:, a:b].clone().requires_grad_(True) for n in ("q", "k", "v", "g", "beta")}
+    h0 = x["initial_state"].clone().requires_grad_(True) if rank == 0 else None
+    o, s = kcp_kda(**leaves, group=None, initial_state=h0, output_final_state=True, chunk_fn=kt.kda_chunk,
+                   transition_fn=kt.kda_transition, state_grad_fn=kt.kda_state_grad)
+    loss = (o * x["w_o"][:, a:b]).sum() + ((s * x["w_s"]).sum() if rank == world - 1 else 0.0)
+    loss.backward()
+    out = {"o": o.detach(), **{f"d{n}": t.grad for n, t in leaves.items()}}
+    if s is not None:
+        out["s"] = s.detach()
+    if h0 is not None:
+        out["dinitial_state"] = h0.grad
+    return out
+
+
+def test_kcp_two_ranks_with_triton_kernels_equal_single_process() -> None:
+    """kcp_kda on 2 gloo ranks with the Triton chunk, transition and state-gradient kernels equals single-process
+    kda_chunk: outputs, final state and every gradient (incl. the initial state's), each within the fp32
+    bound of the same function twice (2 * FP32_TOL). Long memory, so the state crossing ranks matters."""
+    x = make_inputs(B=1, T=128, H=1, K=16, V=16, seed=17, decay="weak")
+    gen = torch.Generator().manual_seed(18)
+    x["w_o"] = torch.randn(x["v"].shape, generator=gen)
+    x["w_s"] = torch.randn(x["initial_state"].shape, generator=gen)
+    got = dist_run(_kcp_triton_rank, 2, x, timeout=240)
+    leaves = {n: x[n].clone().requires_grad_(True) for n in ("q", "k", "v", "g", "beta", "initial_state")}
+    o, s = cpu.kda_chunk(**leaves, output_final_state=True)
+    ((o * x["w_o"]).sum() + (s * x["w_s"]).sum()).backward()
+    assert rel_l2(torch.cat([r["o"] for r in got], 1), o.detach()) <= 2 * FP32_TOL
+    assert rel_l2(got[1]["s"], s.detach()) <= 2 * FP32_TOL
+    for n in ("q", "k", "v", "g", "beta"):
+        assert rel_l2(torch.cat([r[f"d{n}"] for r in got], 1), leaves[n].grad) <= 2 * FP32_TOL, n
+    assert rel_l2(got[0]["dinitial_state"], leaves["initial_state"].grad) <= 2 * FP32_TOL
+    # the state entering rank 1 matters: rank 1 from zero differs
+    o_zero, _ = cpu.kda_chunk(*(x[n][:, 64:] for n in ("q", "k", "v", "g", "beta")))
+    assert rel_l2(o_zero, o.detach()[:, 64:]) > 1e-2
