@@ -32,12 +32,13 @@ BF16_TOL = 2.0 ** -8 + FP32_TOL  # one rounding (unit roundoff 2^-8) of each bf1
 def make_inputs(B: int, T: int, H: int, K: int, V: int, seed: int, dtype: torch.dtype = torch.float32,
                 decay: str = "k3") -> dict[str, torch.Tensor]:
     """Unit-norm q, k; beta in (0, 1); g = -5 sigmoid(N(0, 1)) ("k3", the strong-decay case of the issue),
-    -0.05 sigmoid(N(0, 1)) ("weak": long memory, so M and far states matter), or down to -60 ("beyond")."""
+    -0.05 sigmoid(N(0, 1)) ("weak": long memory, so M and far states matter), or down to -15 / -60 ("beyond15",
+    "beyond": past K3's gate)."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
     k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
     v = torch.randn(B, T, H, V, generator=gen)
-    g_min = {"k3": -5.0, "weak": -0.05, "beyond": -60.0}[decay]
+    g_min = {"k3": -5.0, "weak": -0.05, "beyond15": -15.0, "beyond": -60.0}[decay]
     g = g_min * torch.sigmoid(torch.randn(B, T, H, K, generator=gen))
     beta = torch.sigmoid(torch.randn(B, T, H, generator=gen))
     S0 = torch.randn(B, H, K, V, generator=gen)
@@ -127,11 +128,22 @@ def test_varlen_with_empty_and_single_token_sequences(dtype: torch.dtype) -> Non
         assert rel_l2(grads[name], leaf.grad) <= tol, (name, rel_l2(grads[name], leaf.grad))
 
 
-def test_decays_beyond_the_k3_gate_equal_the_recurrence_float64() -> None:
-    """Per-token log-decays down to -60: the sub-tile shrinks (to 1 here) and the result stays the recurrence's."""
-    inputs = make_inputs(B=1, T=40, H=1, K=16, V=16, seed=11, dtype=torch.float64, decay="beyond")
-    assert float(inputs["g"].min()) < -30 and kt.sub_tile_for(60.0, 64) == 1
-    assert_close(run_with_grads(kt.kda_chunk, inputs, True, seed=11), reference(inputs, True, seed=11), F64_RTOL)
+@pytest.mark.parametrize(("decay", "sub"), [("beyond15", 4), ("beyond", 1)])
+def test_decays_beyond_the_k3_gate_match_fp64_recurrence(decay: str, sub: int) -> None:
+    """Per-token log-decays down to -15 / -60 in fp32: the sub-tile shrinks (to 4 / 1 rows; with 16 the in-block
+    factors e^(8 |g|) overflow fp32 and the results are NaN) and outputs and every gradient keep the fp32 bound."""
+    inputs = make_inputs(B=1, T=40, H=1, K=16, V=16, seed=11, decay=decay)
+    g_absmax = float(inputs["g"].abs().max())
+    assert g_absmax > 5 and kt.sub_tile_for(g_absmax, 64) == sub
+    assert_close(run_with_grads(kt.kda_chunk, inputs, True, seed=11), reference(inputs, True, seed=11), FP32_TOL)
+
+
+@pytest.mark.parametrize("chunk_size", [16, 128])
+def test_other_chunk_sizes_float64(chunk_size: int) -> None:
+    """One sub-tile per chunk (16) and eight (128), several chunks and a tail: the recurrence's results."""
+    inputs = make_inputs(B=1, T=150 if chunk_size == 128 else 40, H=1, K=16, V=16, seed=12, dtype=torch.float64)
+    got = run_with_grads(kt.kda_chunk, inputs, True, seed=12, chunk_size=chunk_size)
+    assert_close(got, reference(inputs, True, seed=12), F64_RTOL)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
