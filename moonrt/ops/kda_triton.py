@@ -333,6 +333,9 @@ def kda_transition(
     C = _chunk_len(chunk_size)
     _check_inputs(None, k, v, g, beta, None)
     _check_device(k, v, g, beta)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (k, v, g, beta)):
+        raise RuntimeError("kda_triton.kda_transition has no backward: call it under torch.no_grad() (as KCP does) "
+                           "or use moonrt.ops.kda.kda_transition for a differentiable M, S_ext")
     B, T, H, K = k.shape
     V = v.shape[-1]
     dtype = _compute_dtype(k, v, g, beta)

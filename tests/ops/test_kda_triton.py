@@ -167,7 +167,7 @@ def test_kcp_summaries_equal_the_cpu_ones(dtype: torch.dtype) -> None:
         assert rel_l2(got, ref) <= tol
 
 
-def test_empty_sequence_and_bad_input() -> None:
+def test_empty_sequence_and_bad_input(monkeypatch: pytest.MonkeyPatch) -> None:
     inputs = make_inputs(B=1, T=0, H=1, K=16, V=16, seed=1)
     o, S = kt.kda_chunk(**inputs, output_final_state=True)
     assert o.shape == (1, 0, 1, 16) and torch.equal(S, inputs["initial_state"])
@@ -179,6 +179,14 @@ def test_empty_sequence_and_bad_input() -> None:
     bad = dict(inputs, g=inputs["g"].clone().index_fill_(1, torch.tensor([3]), float("nan")))
     with pytest.raises(ValueError, match="g: max"):
         kt.kda_chunk(**bad)
+    with pytest.raises(TypeError, match="chunk_size"):
+        kt.kda_chunk(**inputs, chunk_size=True)
+    assert kt.kda_chunk(**inputs)[1] is None
+    with pytest.raises(RuntimeError, match="no backward"):
+        kt.kda_transition(*(inputs[n].requires_grad_() for n in ("k", "v", "g", "beta")))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        kt.kda_chunk(**inputs)
 
 
 def _kcp_triton_rank(rank: int, world: int, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
