@@ -154,9 +154,15 @@ def _terms(p: _Plan, q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, g
     if p.NC:
         _kernels().chunk_terms_kernel[(p.NC, p.H)](
             q if has_q else k, k, v, g, beta, p.chunk_bos, p.chunk_len, t.W, t.U, t.Kg, t.Qg, t.A_qk, t.A_kk,
-            t.T_inv, t.decay, float(scale), p.H, p.K, p.V, C=p.C, BK=p.BK, BV=p.BV, SUB=p.SUB, HAS_Q=has_q,
-            DT=p.tl_dtype())
+            t.T_inv, t.decay, _scalar(scale, p, k.device), p.H, p.K, p.V, C=p.C, BK=p.BK, BV=p.BV, SUB=p.SUB,
+            HAS_Q=has_q, DT=p.tl_dtype())
     return t
+
+
+def _scalar(x: float, p: _Plan, device: torch.device) -> torch.Tensor:
+    """``x`` as a one-element tensor in the compute dtype: a kernel's Python float argument is an fp32 scalar, which
+    would round the query scale of an fp64 run."""
+    return torch.full((1,), x, dtype=p.dtype, device=device)
 
 
 def _placeholder(x: torch.Tensor) -> torch.Tensor:
@@ -218,8 +224,8 @@ class _ChunkKDA(torch.autograd.Function):
         if p.NC:
             _kernels().chunk_grads_kernel[(p.NC, p.H)](
                 q, k, v, g, beta, p.chunk_bos, p.chunk_len, terms.W, terms.U, terms.Kg, terms.Qg, terms.A_qk,
-                terms.A_kk, terms.T_inv, terms.decay, S_in, dS_out, dO.contiguous(), *grads, float(ctx.scale),
-                p.H, p.K, p.V, C=p.C, BK=p.BK, BV=p.BV, SUB=p.SUB, DT=p.tl_dtype())
+                terms.A_kk, terms.T_inv, terms.decay, S_in, dS_out, dO.contiguous(), *grads,
+                _scalar(ctx.scale, p, q.device), p.H, p.K, p.V, C=p.C, BK=p.BK, BV=p.BV, SUB=p.SUB, DT=p.tl_dtype())
         need = ctx.needs_input_grad
         dS0 = dS0.to(ctx.s0_dtype) if ctx.s0_dtype is not None and need[5] else None
         return (*(gr if need[i] else None for i, gr in enumerate(grads)), dS0, None, None)

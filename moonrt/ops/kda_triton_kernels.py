@@ -141,7 +141,8 @@ def _unit_lower_inverse(L, r, C: tl.constexpr, DT: tl.constexpr):
 
 @triton.jit
 def _chunk_inputs(q, k, g, beta, bos, ln, h, H, K, r, dk, scale, DT: tl.constexpr):
-    """A chunk's ``k``, ``scale q``, ``beta`` (DT) and fp64 in-chunk inclusive cumulative log-decay ``G``."""
+    """A chunk's ``k``, ``scale q``, ``beta`` (DT) and fp64 in-chunk inclusive cumulative log-decay ``G``. ``scale``
+    is loaded from a one-element DT tensor by the caller (a Python float argument would be an fp32 scalar)."""
     kk = _load_chunk(k, bos, ln, h, H, K, r, dk, DT)
     qs = _load_chunk(q, bos, ln, h, H, K, r, dk, DT) * scale
     G = tl.cumsum(_load_chunk(g, bos, ln, h, H, K, r, dk, tl.float64), axis=0)
@@ -164,7 +165,7 @@ def chunk_terms_kernel(q, k, v, g, beta, chunk_bos, chunk_len, W, U, Kg, Qg, A_q
     r = tl.arange(0, C)
     dk = tl.arange(0, BK)
     dv = tl.arange(0, BV)
-    kk, qs, G, bb = _chunk_inputs(q, k, g, beta, bos, ln, h, H, K, r, dk, scale, DT)
+    kk, qs, G, bb = _chunk_inputs(q, k, g, beta, bos, ln, h, H, K, r, dk, tl.load(scale).to(DT), DT)
     vv = _load_chunk(v, bos, ln, h, H, V, r, dv, DT)
     A = _decayed_products(kk, kk, G, r, C, SUB, DT)
     Ti = _unit_lower_inverse(A * bb[:, None], r, C, DT)
@@ -320,7 +321,7 @@ def chunk_grads_kernel(q, k, v, g, beta, chunk_bos, chunk_len, W, U, Kg, Qg, A_q
     dv = tl.arange(0, BV)
     rows = r[:, None]
     cols = r[None, :]
-    kk, qs, G, bb = _chunk_inputs(q, k, g, beta, bos, ln, h, H, K, r, dk, scale, DT)
+    kk, qs, G, bb = _chunk_inputs(q, k, g, beta, bos, ln, h, H, K, r, dk, tl.load(scale).to(DT), DT)
     vv = _load_chunk(v, bos, ln, h, H, V, r, dv, DT)
     dOn = _load_chunk(dO, bos, ln, h, H, V, r, dv, DT)
     base = n * H + h
@@ -369,7 +370,7 @@ def chunk_grads_kernel(q, k, v, g, beta, chunk_bos, chunk_len, W, U, Kg, Qg, A_q
     last = tl.sum(dKgKg, axis=0) + d_dec.to(f64) * dec.to(f64)
     dG = tl.where(rows == C - 1, dG + last[None, :], dG)
     dG = tl.cumsum(dG, axis=0, reverse=True)
-    _store_chunk(dq, dqs * scale, bos, ln, h, H, K, r, dk)
+    _store_chunk(dq, dqs * tl.load(scale).to(DT), bos, ln, h, H, K, r, dk)
     _store_chunk(dk_, dkk, bos, ln, h, H, K, r, dk)
     _store_chunk(dv_, dvv, bos, ln, h, H, V, r, dv)
     _store_chunk(dg, dG.to(DT), bos, ln, h, H, K, r, dk)  # via DT: no direct fp64 -> bf16 cast
