@@ -13,8 +13,9 @@ Triton) run the chunk form of §2.3 on token-major tensors with all sequences pa
 
 State arithmetic is fp32 for fp32 and bf16 inputs, fp64 for fp64 inputs; outputs and input gradients come back in
 their tensors' dtypes. Every ``tl.dot`` runs with ``input_precision="ieee"`` (no TF32). Per-token log-decays may be
-any finite value: the sub-tile of the in-chunk decay factorization (:func:`sub_tile_for`) shrinks with the largest
-``|g|`` so that no factor exceeds ``e^(SUB/2 |g|max) <= e^40``; decaying factors are clamped at ``e^-80``.
+any value <= 0 including -inf (clamped at :data:`G_FLOOR`, below which every decay factor is 0): the sub-tile of
+the in-chunk decay factorization (:func:`sub_tile_for`) shrinks with the largest ``|g|`` so that no factor exceeds
+``e^(SUB/2 |g|max) <= e^40``; decaying factors are clamped at ``e^-80``.
 
 CPU tensors run through Triton's interpreter (``TRITON_INTERPRET=1`` set before Triton is imported): that is how
 the tests check these kernels without a GPU.
@@ -36,6 +37,11 @@ from moonrt.ops.precision import fp32_island
 MAX_HALF_TILE_NATS = 40.0
 """Largest exponent of a diagonal-block factor ``exp(+-(G_r - m))`` (m the sub-tile midpoint): ``SUB/2 * |g|max``
 is kept at or below this, so products of two factors stay below ``e^80 < 3.4e38`` (fp32 max)."""
+
+G_FLOOR = -1000.0
+"""Per-token log-decays are clamped from below here in the kernels (so -inf, e.g. a mask, is accepted): ``exp(-1000)``
+is 0 in fp32 and fp64 alike, so the clamp changes no decay factor, and cumulative sums of clamped values stay finite
+(``G_r - G_c`` of two -inf sums would be NaN)."""
 
 MAX_SUB_TILE = 16
 """Sub-tile rows for K3's gate range (|g| <= 5: 8 * 5 = 40 nats)."""
@@ -76,12 +82,13 @@ def sub_tile_for(g_absmax: float, C: int) -> int:
 
 
 def _decay_absmax(g: torch.Tensor) -> float:
+    """``max |g|`` after the kernels' clamp at :data:`G_FLOOR` (one host sync); ValueError for NaN or +inf."""
     if not g.numel():
         return 0.0
-    m = float(g.detach().abs().max())
-    if not m < float("inf"):  # also NaN
-        raise ValueError(f"g: max |g| = {m}: expected finite log-decays")
-    return m
+    lo, hi = (float(x) for x in torch.aminmax(g.detach()))
+    if not (hi < float("inf") and lo == lo):  # NaN fails lo == lo (and aminmax propagates it)
+        raise ValueError(f"g: min {lo}, max {hi}: expected log-decays in [-inf, 0] (no NaN, no +inf)")
+    return max(abs(hi), min(-lo, -G_FLOOR))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -248,7 +255,8 @@ def kda_chunk(
     """Chunked KDA in Triton with a hand-written backward: the contract of :func:`moonrt.ops.kda.kda_chunk`.
 
     Args:
-        q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g: ``[B, T, H, K]`` finite log-decays (<= 0); beta: ``[B, T, H]``.
+        q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g: ``[B, T, H, K]`` log-decays (<= 0, -inf allowed); beta:
+            ``[B, T, H]``.
         scale: query scale, default ``K ** -0.5``.
         initial_state: ``[B, H, K, V]`` (``[N, H, K, V]`` with ``cu_seqlens``) or None (zeros).
         output_final_state: also return the state after the last token of each sequence.

@@ -23,6 +23,9 @@ import triton.language as tl
 LOG_FLOOR = tl.constexpr(-80.0)
 """Exponents of decaying factors are clamped from below here (as :data:`moonrt.ops.kda_terms.LOG_FLOOR`)."""
 
+G_FLOOR = tl.constexpr(-1000.0)
+"""Per-token log-decays are clamped from below here (:data:`moonrt.ops.kda_triton.G_FLOOR`: ``exp(-1000) = 0``)."""
+
 IEEE = tl.constexpr("ieee")
 """``tl.dot``'s input precision for every product: full fp32 (a GPU would otherwise round fp32 operands to TF32)."""
 
@@ -145,7 +148,7 @@ def _chunk_inputs(q, k, g, beta, bos, ln, h, H, K, r, dk, scale, DT: tl.constexp
     is loaded from a one-element DT tensor by the caller (a Python float argument would be an fp32 scalar)."""
     kk = _load_chunk(k, bos, ln, h, H, K, r, dk, DT)
     qs = _load_chunk(q, bos, ln, h, H, K, r, dk, DT) * scale
-    G = tl.cumsum(_load_chunk(g, bos, ln, h, H, K, r, dk, tl.float64), axis=0)
+    G = tl.cumsum(tl.maximum(_load_chunk(g, bos, ln, h, H, K, r, dk, tl.float64), G_FLOOR), axis=0)
     bb = tl.load(beta + (bos + r) * H + h, mask=r < ln, other=0.0).to(DT)
     return kk, qs, G, bb
 

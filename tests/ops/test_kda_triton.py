@@ -138,6 +138,21 @@ def test_decays_beyond_the_k3_gate_match_fp64_recurrence(decay: str, sub: int) -
     assert_close(run_with_grads(kt.kda_chunk, inputs, True, seed=11), reference(inputs, True, seed=11), FP32_TOL)
 
 
+def test_infinite_and_masking_decays_match_fp64_recurrence() -> None:
+    """Log-decays of -inf and -1000 (fla's varlen masks) on some tokens and channels: the state rows they hit are
+    reset, exactly as in the recurrence; fp32 outputs and every gradient within the fp32 bound."""
+    inputs = make_inputs(B=1, T=70, H=1, K=16, V=16, seed=19)
+    g = inputs["g"]
+    g[0, 10, 0, :4] = float("-inf")
+    g[0, 40, 0] = -1000.0
+    g[0, 66, 0, 3:9] = float("-inf")
+    assert kt.sub_tile_for(kt._decay_absmax(g), 64) == 1
+    got = run_with_grads(kt.kda_chunk, inputs, True, seed=19)
+    ref = reference(inputs, True, seed=19)
+    assert all(torch.isfinite(t).all() for t in (got[0], got[1], *got[2].values()))
+    assert_close(got, ref, FP32_TOL)
+
+
 @pytest.mark.parametrize("chunk_size", [16, 128])
 def test_other_chunk_sizes_float64(chunk_size: int) -> None:
     """One sub-tile per chunk (16) and eight (128), several chunks and a tail: the recurrence's results."""
@@ -177,7 +192,7 @@ def test_empty_sequence_and_bad_input(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="chunk_size = 48"):
         kt.kda_chunk(**inputs, chunk_size=48)
     bad = dict(inputs, g=inputs["g"].clone().index_fill_(1, torch.tensor([3]), float("nan")))
-    with pytest.raises(ValueError, match="g: max"):
+    with pytest.raises(ValueError, match="g: min"):
         kt.kda_chunk(**bad)
     with pytest.raises(TypeError, match="chunk_size"):
         kt.kda_chunk(**inputs, chunk_size=True)
