@@ -46,7 +46,15 @@ is 0 in fp32 and fp64 alike, so the clamp changes no decay factor, and cumulativ
 MAX_SUB_TILE = 16
 """Sub-tile rows for K3's gate range (|g| <= 5: 8 * 5 = 40 nats)."""
 
+STATE_V_BLOCK = 64
+"""Value columns per program of the state passes (their columns are independent): bounds the tiles of one program
+(shared memory of the fp32 dots) for V = 128 heads and adds programs to a sequential pass."""
+
 _TRITON_CHUNKS = (16, 32, 64, 128)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def _kernels() -> ModuleType:
@@ -182,10 +190,11 @@ def _state_fwd(p: _Plan, t: _Terms, S0: torch.Tensor | None, O: torch.Tensor | N
     dev = t.W.device
     S_in = torch.empty(max(p.NC, 1) if store_s_in else 1, p.H, p.K, p.V, dtype=p.dtype, device=dev)
     S_final = torch.empty(p.NS, p.H, p.K, p.V, dtype=p.dtype, device=dev)
-    _kernels().state_fwd_kernel[(p.NS, p.H)](
+    bv = min(p.BV, STATE_V_BLOCK)
+    _kernels().state_fwd_kernel[(p.NS, p.H, triton_cdiv(p.V, bv))](
         t.W, t.U, t.Kg, t.Qg, t.A_qk, t.decay, S_final if S0 is None else S0.contiguous(), S_in,
         _placeholder(O) if O is not None else S_in, S_final, p.seq_chunk0, p.chunk_bos, p.chunk_len, p.H, p.K, p.V,
-        C=p.C, BK=p.BK, BV=p.BV, HAS_S0=S0 is not None, HAS_Q=O is not None, STORE_S_IN=store_s_in,
+        C=p.C, BK=p.BK, BV=bv, HAS_S0=S0 is not None, HAS_Q=O is not None, STORE_S_IN=store_s_in,
         DT=p.tl_dtype())
     return S_in, S_final
 
@@ -195,10 +204,11 @@ def _state_bwd(p: _Plan, t: _Terms, dO: torch.Tensor, d_final: torch.Tensor | No
     dev = t.W.device
     dS0 = torch.empty(p.NS, p.H, p.K, p.V, dtype=p.dtype, device=dev)
     dS_out = torch.empty(max(p.NC, 1) if store_ds_out else 1, p.H, p.K, p.V, dtype=p.dtype, device=dev)
-    _kernels().state_bwd_kernel[(p.NS, p.H)](
+    bv = min(p.BV, STATE_V_BLOCK)
+    _kernels().state_bwd_kernel[(p.NS, p.H, triton_cdiv(p.V, bv))](
         t.W, t.Kg, t.Qg, t.A_qk, t.decay, _placeholder(dO.contiguous()),
         dS0 if d_final is None else d_final.contiguous(), dS0, dS_out, p.seq_chunk0, p.chunk_bos, p.chunk_len,
-        p.H, p.K, p.V, C=p.C, BK=p.BK, BV=p.BV, HAS_D_FINAL=d_final is not None, STORE_DS_OUT=store_ds_out,
+        p.H, p.K, p.V, C=p.C, BK=p.BK, BV=bv, HAS_D_FINAL=d_final is not None, STORE_DS_OUT=store_ds_out,
         DT=p.tl_dtype())
     return dS0, dS_out
 

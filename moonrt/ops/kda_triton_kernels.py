@@ -202,7 +202,8 @@ def _load_tile(ptr, base, R, D, r, d):
 def state_fwd_kernel(W, U, Kg, Qg, A_qk, decay, S0, S_in, O, S_final, seq_chunk0, chunk_bos, chunk_len,
                      H, K, V, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_S0: tl.constexpr,
                      HAS_Q: tl.constexpr, STORE_S_IN: tl.constexpr, DT: tl.constexpr):
-    """The inter-chunk state pass of one sequence and head (grid ``(NS, H)``), in DT: per chunk, store the entering
+    """The inter-chunk state pass of one sequence, head and block of BV value columns (grid ``(NS, H, cdiv(V, BV))``:
+    the columns of S are independent), in DT: per chunk, store the entering
     state ``S_n`` (``STORE_S_IN``), ``V~ = U - W S_n``, with ``HAS_Q`` the outputs ``O = Qg S_n + A_qk V~``, then
     ``S_{n+1} = Diag(decay) S_n + Kg^T V~``. Writes the state after the sequence to ``S_final``."""
     s = tl.program_id(0).to(tl.int64)
@@ -211,7 +212,7 @@ def state_fwd_kernel(W, U, Kg, Qg, A_qk, decay, S0, S_in, O, S_final, seq_chunk0
     c1 = tl.load(seq_chunk0 + s + 1)
     r = tl.arange(0, C)
     dk = tl.arange(0, BK)
-    dv = tl.arange(0, BV)
+    dv = tl.program_id(2) * BV + tl.arange(0, BV)  # this program's block of value columns
     os_, ms = _tile_offsets((s * H + h) * K * V, K, V, dk, dv)
     S = tl.zeros([BK, BV], dtype=DT)
     if HAS_S0:
@@ -272,8 +273,9 @@ def transition_kernel(W, U, Kg, decay, M_out, S_out, seq_chunk0, H, K, V, C: tl.
 def state_bwd_kernel(W, Kg, Qg, A_qk, decay, dO, d_final, dS0, dS_out, seq_chunk0, chunk_bos, chunk_len,
                      H, K, V, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_D_FINAL: tl.constexpr,
                      STORE_DS_OUT: tl.constexpr, DT: tl.constexpr):
-    """The reverse state pass of one sequence and head (grid ``(NS, H)``): from the final-state gradient, per chunk
-    from the last, store the gradient of the state leaving it (``STORE_DS_OUT``), then
+    """The reverse state pass of one sequence, head and block of BV value columns (grid ``(NS, H, cdiv(V, BV))``):
+    from the final-state gradient, per chunk from the last, store the gradient of the state leaving it
+    (``STORE_DS_OUT``), then
     ``dS_n = M_n^T dS_{n+1} + P_n = Diag(decay) dS_{n+1} + Qg^T dO - W^T (A_qk^T dO + Kg dS_{n+1})``. Writes the
     gradient of the state entering the sequence to ``dS0``."""
     s = tl.program_id(0).to(tl.int64)
@@ -282,7 +284,7 @@ def state_bwd_kernel(W, Kg, Qg, A_qk, decay, dO, d_final, dS0, dS_out, seq_chunk
     c1 = tl.load(seq_chunk0 + s + 1)
     r = tl.arange(0, C)
     dk = tl.arange(0, BK)
-    dv = tl.arange(0, BV)
+    dv = tl.program_id(2) * BV + tl.arange(0, BV)  # this program's block of value columns
     os_, ms = _tile_offsets((s * H + h) * K * V, K, V, dk, dv)
     dS = tl.zeros([BK, BV], dtype=DT)
     if HAS_D_FINAL:

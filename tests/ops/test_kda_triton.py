@@ -99,12 +99,14 @@ def test_bf16_inputs_fp32_state() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_varlen_with_empty_and_single_token_sequences(dtype: torch.dtype) -> None:
+def test_varlen_with_empty_and_single_token_sequences(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     """cu_seqlens with an empty sequence (its final state is its initial state, its state gradient the final-state
-    one), a length-1 sequence and a tail chunk: equal to the recurrence run per sequence, outputs and gradients."""
+    one), a length-1 sequence and a tail chunk: equal to the recurrence run per sequence, outputs and gradients.
+    The state passes split V = 32 into blocks of 16 columns (separate programs)."""
+    monkeypatch.setattr(kt, "STATE_V_BLOCK", 16)
     lens = [0, 1, 70, 0, 21]
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
-    T, H, K, V = sum(lens), 2, 16, 16
+    T, H, K, V = sum(lens), 2, 16, 32
     inputs = make_inputs(B=1, T=T, H=H, K=K, V=V, seed=7, dtype=dtype, decay="weak")
     inputs["initial_state"] = torch.randn(len(lens), H, K, V, generator=torch.Generator().manual_seed(8)).to(dtype)
     o, S, grads = run_with_grads(kt.kda_chunk, inputs, True, seed=7, cu_seqlens=cu)
