@@ -50,6 +50,11 @@ STATE_V_BLOCK = 64
 """Value columns per program of the state passes (their columns are independent): bounds the tiles of one program
 (shared memory of the fp32 dots) for V = 128 heads and adds programs to a sequential pass."""
 
+STATE_PASS_STAGES = 1
+"""Software-pipelining stages of the sequential chunk loops: Triton's default (3 on sm_90) buffers each chunk's
+tiles three times in shared memory; AOT-compiled for sm_90 at K = V = 128 (value block 64) the forward pass needed
+288 KiB (over the 227 KiB a block may use) with 3 stages and 48 KiB with 1."""
+
 _TRITON_CHUNKS = (16, 32, 64, 128)
 
 
@@ -195,7 +200,7 @@ def _state_fwd(p: _Plan, t: _Terms, S0: torch.Tensor | None, O: torch.Tensor | N
         t.W, t.U, t.Kg, t.Qg, t.A_qk, t.decay, S_final if S0 is None else S0.contiguous(), S_in,
         _placeholder(O) if O is not None else S_in, S_final, p.seq_chunk0, p.chunk_bos, p.chunk_len, p.H, p.K, p.V,
         C=p.C, BK=p.BK, BV=bv, HAS_S0=S0 is not None, HAS_Q=O is not None, STORE_S_IN=store_s_in,
-        DT=p.tl_dtype())
+        DT=p.tl_dtype(), num_stages=STATE_PASS_STAGES)
     return S_in, S_final
 
 
@@ -209,7 +214,7 @@ def _state_bwd(p: _Plan, t: _Terms, dO: torch.Tensor, d_final: torch.Tensor | No
         t.W, t.Kg, t.Qg, t.A_qk, t.decay, _placeholder(dO.contiguous()),
         dS0 if d_final is None else d_final.contiguous(), dS0, dS_out, p.seq_chunk0, p.chunk_bos, p.chunk_len,
         p.H, p.K, p.V, C=p.C, BK=p.BK, BV=bv, HAS_D_FINAL=d_final is not None, STORE_DS_OUT=store_ds_out,
-        DT=p.tl_dtype())
+        DT=p.tl_dtype(), num_stages=STATE_PASS_STAGES)
     return dS0, dS_out
 
 
@@ -371,7 +376,7 @@ def kda_transition(
         S = torch.empty(B, H, K, V, dtype=dtype, device=k.device)
         _kernels().transition_kernel[(B, H)](
             terms.W, terms.U, terms.Kg, terms.decay, M, S, plan.seq_chunk0, H, K, V, C=C, BK=plan.BK, BV=plan.BV,
-            DT=plan.tl_dtype())
+            DT=plan.tl_dtype(), num_stages=STATE_PASS_STAGES)
     return M, S
 
 
