@@ -1,0 +1,246 @@
+"""Triton KDA kernels (moonrt.ops.kda_triton) under Triton's interpreter on CPU tensors: forward, final state and
+every input gradient against the fp64 recurrence (K3_SYSTEMS §2.1); KCP's summaries against the CPU ones.
+
+Tolerances: fp32 runs are held to the CPU chunk kernel's bound (1e-5 relative RMS against fp64, tests/ops/test_kda.py);
+fp64 runs to ``F64_RTOL`` (mathematical equality); bf16 runs to one bf16 rounding of the stored result (2^-8
+relative per element) plus the fp32 bound, with a loss whose output weights are bf16-exact so the output gradient
+is not rounded. Shapes are small (the interpreter runs each program in numpy).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels then run on CPU tensors
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from dist import dist_run  # noqa: E402
+from numerics import F64_RTOL, rel_l2  # noqa: E402
+
+pytest.importorskip("triton", reason="triton is not installed (the Triton KDA kernels need it)")
+
+from moonrt.comm.cp_ops import slice_bounds  # noqa: E402
+from moonrt.comm.kcp import kcp_kda  # noqa: E402
+from moonrt.ops import kda as cpu  # noqa: E402
+from moonrt.ops import kda_triton as kt  # noqa: E402
+
+FP32_TOL = 1e-5  # the CPU chunk kernel's bound against fp64 (tests/ops/test_kda.py)
+BF16_TOL = 2.0 ** -8 + FP32_TOL  # one rounding (unit roundoff 2^-8) of each bf16 result, on fp32 arithmetic
+
+
+def make_inputs(B: int, T: int, H: int, K: int, V: int, seed: int, dtype: torch.dtype = torch.float32,
+                decay: str = "k3") -> dict[str, torch.Tensor]:
+    """Unit-norm q, k; beta in (0, 1); g = -5 sigmoid(N(0, 1)) ("k3", the strong-decay case of the issue),
+    -0.05 sigmoid(N(0, 1)) ("weak": long memory, so M and far states matter), or down to -15 / -60 ("beyond15",
+    "beyond": past K3's gate)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    v = torch.randn(B, T, H, V, generator=gen)
+    g_min = {"k3": -5.0, "weak": -0.05, "beyond15": -15.0, "beyond": -60.0}[decay]
+    g = g_min * torch.sigmoid(torch.randn(B, T, H, K, generator=gen))
+    beta = torch.sigmoid(torch.randn(B, T, H, generator=gen))
+    S0 = torch.randn(B, H, K, V, generator=gen)
+    return {n: t.to(dtype) for n, t in dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=S0).items()}
+
+
+def run_with_grads(fn, inputs: dict[str, torch.Tensor], use_state: bool, seed: int, **kw):
+    """Outputs, final state and the gradients of all inputs for a fixed random loss whose weights are bf16-exact
+    (the output gradient is the same in every dtype)."""
+    leaves = {n: t.clone().requires_grad_() for n, t in inputs.items() if use_state or n != "initial_state"}
+    o, S = fn(**leaves, output_final_state=True, **kw)
+    gen = torch.Generator().manual_seed(seed + 1)
+    w_o = torch.randn(o.shape, generator=gen).to(torch.bfloat16).double()
+    w_s = torch.randn(S.shape, generator=gen).double()
+    loss = (o.double() * w_o).sum() + (S.double() * w_s).sum()
+    loss.backward()
+    return o.detach(), S.detach(), {n: t.grad for n, t in leaves.items()}
+
+
+def reference(inputs: dict[str, torch.Tensor], use_state: bool, seed: int, **kw):
+    """The fp64 recurrence on the same (rounded) input values."""
+    return run_with_grads(cpu.kda_recurrent, {n: t.double() for n, t in inputs.items()}, use_state, seed, **kw)
+
+
+def assert_close(got, ref, tol: float) -> None:
+    o, S, grads = got
+    o_r, S_r, grads_r = ref
+    assert rel_l2(o, o_r) <= tol, ("o", rel_l2(o, o_r))
+    assert rel_l2(S, S_r) <= tol, ("final state", rel_l2(S, S_r))
+    assert set(grads) == set(grads_r)
+    for name in grads_r:
+        assert rel_l2(grads[name], grads_r[name]) <= tol, (name, rel_l2(grads[name], grads_r[name]))
+
+
+@pytest.mark.parametrize(("B", "T", "decay", "use_state"), [
+    (2, 128, "k3", False),  # fixed length, two full chunks per sequence, K3's strong decays
+    (1, 100, "weak", True),  # T % chunk != 0, an initial state carried over long memory
+])
+def test_fp32_matches_fp64_recurrence(B: int, T: int, decay: str, use_state: bool) -> None:
+    inputs = make_inputs(B=B, T=T, H=2, K=32, V=16, seed=T, decay=decay)
+    got = run_with_grads(kt.kda_chunk, inputs, use_state, seed=T)
+    assert got[0].dtype == torch.float32 and got[1].dtype == torch.float32
+    assert_close(got, reference(inputs, use_state, seed=T), FP32_TOL)
+
+
+def test_bf16_inputs_fp32_state() -> None:
+    """bf16 inputs: the state stays fp32 (final state within the fp32 bound of the fp64 run on the same bf16 values);
+    outputs and gradients come back in bf16, each within one bf16 rounding."""
+    inputs = make_inputs(B=1, T=80, H=2, K=32, V=32, seed=5, dtype=torch.bfloat16)
+    o, S, grads = run_with_grads(kt.kda_chunk, inputs, True, seed=5)
+    o_r, S_r, grads_r = reference(inputs, True, seed=5)
+    assert o.dtype == torch.bfloat16 and S.dtype == torch.float32
+    assert rel_l2(o, o_r) <= BF16_TOL
+    assert rel_l2(S, S_r) <= FP32_TOL
+    for name in grads_r:
+        assert grads[name].dtype == inputs[name].dtype, name
+        assert rel_l2(grads[name], grads_r[name]) <= BF16_TOL, (name, rel_l2(grads[name], grads_r[name]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_varlen_with_empty_and_single_token_sequences(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """cu_seqlens with an empty sequence (its final state is its initial state, its state gradient the final-state
+    one), a length-1 sequence and a tail chunk: equal to the recurrence run per sequence, outputs and gradients.
+    The state passes split V = 32 into blocks of 16 columns (separate programs)."""
+    monkeypatch.setattr(kt, "STATE_V_BLOCK", 16)
+    lens = [0, 1, 70, 0, 21]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    T, H, K, V = sum(lens), 2, 16, 32
+    inputs = make_inputs(B=1, T=T, H=H, K=K, V=V, seed=7, dtype=dtype, decay="weak")
+    inputs["initial_state"] = torch.randn(len(lens), H, K, V, generator=torch.Generator().manual_seed(8)).to(dtype)
+    o, S, grads = run_with_grads(kt.kda_chunk, inputs, True, seed=7, cu_seqlens=cu)
+    # reference: the same loss, the recurrence per sequence (fp64)
+    leaves = {n: t.double().requires_grad_() for n, t in inputs.items()}
+    outs, finals = [], []
+    for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        o_i, S_i = cpu.kda_recurrent(*(leaves[n][:, a:b] for n in ("q", "k", "v", "g", "beta")),
+                                     initial_state=leaves["initial_state"][i : i + 1], output_final_state=True)
+        outs.append(o_i)
+        finals.append(S_i)
+    o_r, S_r = torch.cat(outs, dim=1), torch.cat(finals)
+    gen = torch.Generator().manual_seed(8)
+    w_o = torch.randn(o_r.shape, generator=gen).to(torch.bfloat16).double()
+    w_s = torch.randn(S_r.shape, generator=gen).double()
+    ((o_r * w_o).sum() + (S_r * w_s).sum()).backward()
+    tol = F64_RTOL if dtype == torch.float64 else FP32_TOL
+    assert S.shape == (len(lens), H, K, V)
+    assert rel_l2(o, o_r) <= tol and rel_l2(S, S_r) <= tol
+    for name, leaf in leaves.items():
+        assert rel_l2(grads[name], leaf.grad) <= tol, (name, rel_l2(grads[name], leaf.grad))
+
+
+@pytest.mark.parametrize(("decay", "sub"), [("beyond15", 4), ("beyond", 1)])
+def test_decays_beyond_the_k3_gate_match_fp64_recurrence(decay: str, sub: int) -> None:
+    """Per-token log-decays down to -15 / -60 in fp32: the sub-tile shrinks (to 4 / 1 rows; with 16 the in-block
+    factors e^(8 |g|) overflow fp32 and the results are NaN) and outputs and every gradient keep the fp32 bound."""
+    inputs = make_inputs(B=1, T=40, H=1, K=16, V=16, seed=11, decay=decay)
+    g_absmax = float(inputs["g"].abs().max())
+    assert g_absmax > 5 and kt.sub_tile_for(g_absmax, 64) == sub
+    assert_close(run_with_grads(kt.kda_chunk, inputs, True, seed=11), reference(inputs, True, seed=11), FP32_TOL)
+
+
+def test_infinite_and_masking_decays_match_fp64_recurrence() -> None:
+    """Log-decays of -inf and -1000 (fla's varlen masks) on some tokens and channels: the state rows they hit are
+    reset, exactly as in the recurrence; fp32 outputs and every gradient within the fp32 bound."""
+    inputs = make_inputs(B=1, T=70, H=1, K=16, V=16, seed=19)
+    g = inputs["g"]
+    g[0, 10, 0, :4] = float("-inf")
+    g[0, 40, 0] = -1000.0
+    g[0, 66, 0, 3:9] = float("-inf")
+    assert kt.sub_tile_for(kt._decay_absmax(g), 64) == 1
+    got = run_with_grads(kt.kda_chunk, inputs, True, seed=19)
+    ref = reference(inputs, True, seed=19)
+    assert all(torch.isfinite(t).all() for t in (got[0], got[1], *got[2].values()))
+    assert_close(got, ref, FP32_TOL)
+
+
+@pytest.mark.parametrize("chunk_size", [16, 128])
+def test_other_chunk_sizes_float64(chunk_size: int) -> None:
+    """One sub-tile per chunk (16) and eight (128), several chunks and a tail: the recurrence's results."""
+    inputs = make_inputs(B=1, T=150 if chunk_size == 128 else 40, H=1, K=16, V=16, seed=12, dtype=torch.float64)
+    got = run_with_grads(kt.kda_chunk, inputs, True, seed=12, chunk_size=chunk_size)
+    assert_close(got, reference(inputs, True, seed=12), F64_RTOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_kcp_summaries_equal_the_cpu_ones(dtype: torch.dtype) -> None:
+    """kda_transition (M, S_ext) and kda_state_grad (with and without a final-state gradient) equal the CPU ops, on a
+    segment of several chunks with a tail and decays weak enough that M and the final-state path are O(1)."""
+    inputs = make_inputs(B=2, T=150, H=2, K=32, V=16, seed=13, dtype=dtype, decay="weak")
+    q, k, v, g, beta = (inputs[n] for n in ("q", "k", "v", "g", "beta"))
+    tol = F64_RTOL if dtype == torch.float64 else 2 * FP32_TOL  # two fp32 results, each within FP32_TOL
+    M, S_ext = kt.kda_transition(k, v, g, beta)
+    M_r, S_r = cpu.kda_transition(k, v, g, beta)
+    assert M.dtype == S_ext.dtype == M_r.dtype and float(M_r.norm()) > 1e-3
+    assert rel_l2(M, M_r) <= tol and rel_l2(S_ext, S_r) <= tol
+    gen = torch.Generator().manual_seed(14)
+    d_o = torch.randn(v.shape, generator=gen).to(dtype)
+    d_final = torch.randn(2, 2, 32, 16, generator=gen).to(dtype)
+    for df in (d_final, None):
+        got = kt.kda_state_grad(q, k, v, g, beta, d_o, d_final=df)
+        ref = cpu.kda_state_grad(q, k, v, g, beta, d_o, d_final=df)
+        assert got.shape == ref.shape and got.dtype == ref.dtype
+        assert rel_l2(got, ref) <= tol
+
+
+def test_empty_sequence_and_bad_input(monkeypatch: pytest.MonkeyPatch) -> None:
+    inputs = make_inputs(B=1, T=0, H=1, K=16, V=16, seed=1)
+    o, S = kt.kda_chunk(**inputs, output_final_state=True)
+    assert o.shape == (1, 0, 1, 16) and torch.equal(S, inputs["initial_state"])
+    M, S_ext = kt.kda_transition(*(inputs[n] for n in ("k", "v", "g", "beta")))
+    assert torch.equal(M[0, 0], torch.eye(16)) and not S_ext.any()
+    inputs = make_inputs(B=1, T=8, H=1, K=16, V=16, seed=1)
+    with pytest.raises(ValueError, match="chunk_size = 48"):
+        kt.kda_chunk(**inputs, chunk_size=48)
+    bad = dict(inputs, g=inputs["g"].clone().index_fill_(1, torch.tensor([3]), float("nan")))
+    with pytest.raises(ValueError, match="g: min"):
+        kt.kda_chunk(**bad)
+    with pytest.raises(TypeError, match="chunk_size"):
+        kt.kda_chunk(**inputs, chunk_size=True)
+    assert kt.kda_chunk(**inputs)[1] is None
+    with pytest.raises(RuntimeError, match="no backward"):
+        kt.kda_transition(*(inputs[n].requires_grad_() for n in ("k", "v", "g", "beta")))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        kt.kda_chunk(**inputs)
+
+
+def _kcp_triton_rank(rank: int, world: int, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One rank of KCP with the Triton kernels in all three seams (chunk, transition, state gradient)."""
+    os.environ["TRITON_INTERPRET"] = "1"  # the kernels module is imported in this process, after this line
+    a, b = slice_bounds(x["q"].shape[1], world, rank)
+    leaves = {n: x[n][:, a:b].clone().requires_grad_(True) for n in ("q", "k", "v", "g", "beta")}
+    h0 = x["initial_state"].clone().requires_grad_(True) if rank == 0 else None
+    o, s = kcp_kda(**leaves, group=None, initial_state=h0, output_final_state=True, chunk_fn=kt.kda_chunk,
+                   transition_fn=kt.kda_transition, state_grad_fn=kt.kda_state_grad)
+    loss = (o * x["w_o"][:, a:b]).sum() + ((s * x["w_s"]).sum() if rank == world - 1 else 0.0)
+    loss.backward()
+    out = {"o": o.detach(), **{f"d{n}": t.grad for n, t in leaves.items()}}
+    if s is not None:
+        out["s"] = s.detach()
+    if h0 is not None:
+        out["dinitial_state"] = h0.grad
+    return out
+
+
+def test_kcp_two_ranks_with_triton_kernels_equal_single_process() -> None:
+    """kcp_kda on 2 gloo ranks with the Triton chunk, transition and state-gradient kernels equals single-process
+    kda_chunk: outputs, final state and every gradient (incl. the initial state's), each within the fp32
+    bound of the same function twice (2 * FP32_TOL). Long memory, so the state crossing ranks matters."""
+    x = make_inputs(B=1, T=128, H=1, K=16, V=16, seed=17, decay="weak")
+    gen = torch.Generator().manual_seed(18)
+    x["w_o"] = torch.randn(x["v"].shape, generator=gen)
+    x["w_s"] = torch.randn(x["initial_state"].shape, generator=gen)
+    got = dist_run(_kcp_triton_rank, 2, x, timeout=240)
+    leaves = {n: x[n].clone().requires_grad_(True) for n in ("q", "k", "v", "g", "beta", "initial_state")}
+    o, s = cpu.kda_chunk(**leaves, output_final_state=True)
+    ((o * x["w_o"]).sum() + (s * x["w_s"]).sum()).backward()
+    assert rel_l2(torch.cat([r["o"] for r in got], 1), o.detach()) <= 2 * FP32_TOL
+    assert rel_l2(got[1]["s"], s.detach()) <= 2 * FP32_TOL
+    for n in ("q", "k", "v", "g", "beta"):
+        assert rel_l2(torch.cat([r[f"d{n}"] for r in got], 1), leaves[n].grad) <= 2 * FP32_TOL, n
+    assert rel_l2(got[0]["dinitial_state"], leaves["initial_state"].grad) <= 2 * FP32_TOL
+    # the state entering rank 1 matters: rank 1 from zero differs
+    o_zero, _ = cpu.kda_chunk(*(x[n][:, 64:] for n in ("q", "k", "v", "g", "beta")))
+    assert rel_l2(o_zero, o.detach()[:, 64:]) > 1e-2
