@@ -202,9 +202,9 @@ def test_fp8_quantized_on_the_copy_thread_bitwise(monkeypatch):
     threads: list[str] = []
     inner = fp8.quantize_many
 
-    def spy(xs, block=128):
+    def spy(xs, block=128, **kw):
         threads.append(threading.current_thread().name)
-        return inner(xs, block)
+        return inner(xs, block, **kw)
 
     monkeypatch.setattr(fp8, "quantize_many", spy)
     got, bg = _run_mgr(_policy(default="fp8"), copy_thread=True)
@@ -218,7 +218,7 @@ def test_fp8_quantized_on_the_copy_thread_bitwise(monkeypatch):
     bg.close()
     inline.close()
 
-    def fail(xs, block=128):
+    def fail(xs, block=128, **kw):
         raise RuntimeError("quantize failed (test)")
 
     monkeypatch.setattr(fp8, "quantize_many", fail)
@@ -257,9 +257,9 @@ def test_fp8_decoded_ahead_on_the_copy_thread_bitwise(monkeypatch):
     threads: list[str] = []
     inner = fp8.dequantize_many
 
-    def spy(items):
+    def spy(items, **kw):
         threads.append(threading.current_thread().name)
-        return inner(items)
+        return inner(items, **kw)
 
     monkeypatch.setattr(fp8, "dequantize_many", spy)
     got, bg = _run_mgr(_policy(default="fp8"), copy_thread=True)
@@ -280,10 +280,10 @@ def test_fp8_decoded_ahead_on_the_copy_thread_bitwise(monkeypatch):
     bg.close()
     inline.close()
 
-    def fail_on_thread(items):
+    def fail_on_thread(items, **kw):
         if threading.current_thread().name.startswith("moonrt-host-copy"):
             raise RuntimeError("decode failed (test)")
-        return inner(items)
+        return inner(items, **kw)
 
     monkeypatch.setattr(fp8, "dequantize_many", fail_on_thread)
     torch.manual_seed(0)
@@ -347,13 +347,13 @@ def test_fp8_view_saved_four_times_decodes_once(monkeypatch, copy_thread):
     decoded: list[int] = []
     inner_many, inner_one = fp8.dequantize_many, backends.fp8.dequantize
 
-    def many(items):
+    def many(items, **kw):
         decoded.extend(int(p.shape[0]) for p, _, _, _ in items)
-        return inner_many(items)
+        return inner_many(items, **kw)
 
-    def one(payload, scales, shape, dtype):
+    def one(payload, scales, shape, dtype, **kw):
         decoded.append(int(payload.shape[0]))
-        return inner_one(payload, scales, shape, dtype)
+        return inner_one(payload, scales, shape, dtype, **kw)
 
     monkeypatch.setattr(fp8, "dequantize_many", many)
     monkeypatch.setattr(backends.fp8, "dequantize", one)
