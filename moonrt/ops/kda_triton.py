@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-from moonrt.ops.kda import _check_cu_seqlens, _check_inputs, _compute_dtype
+from moonrt.ops.kda import _apply, _check_cu_seqlens, _check_inputs, _compute_dtype
+from moonrt.ops.kda_fla import FlaOptions
 from moonrt.ops.kda_terms import check_chunk_size
 from moonrt.ops.precision import fp32_island
 
@@ -220,7 +221,8 @@ def _state_bwd(p: _Plan, t: _Terms, dO: torch.Tensor, d_final: torch.Tensor | No
 
 class _ChunkKDA(torch.autograd.Function):
     """Chunked KDA on token-major ``q, k, g [T, H, K]``, ``v [T, H, V]``, ``beta [T, H]`` packed sequences (``plan``);
-    ``S0 [NS, H, K, V]`` or None. Returns ``O [T, H, V]`` (v's dtype) and the final states ``[NS, H, K, V]``."""
+    ``S0 [NS, H, K, V]`` or None. Returns ``O [T, H, V]`` (v's dtype; kda_chunk casts it to q's) and the final
+    states ``[NS, H, K, V]``."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -266,8 +268,19 @@ def kda_chunk(
     output_final_state: bool = False,
     chunk_size: int = 64,
     cu_seqlens: torch.Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    lower_bound: float | None = None,
+    safe_gate: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Chunked KDA in Triton with a hand-written backward: the contract of :func:`moonrt.ops.kda.kda_chunk`.
+    """Chunked KDA in Triton with a hand-written backward: the contract of :func:`moonrt.ops.kda.kda_chunk`,
+    fla's keyword options included (applied to the inputs and states as the CPU op applies them,
+    :mod:`moonrt.ops.kda_fla`: grouped value heads, in-kernel q/k L2 norm, gate, beta options, ``state_v_first``).
 
     Args:
         q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g: ``[B, T, H, K]`` log-decays (<= 0, -inf allowed); beta:
@@ -279,10 +292,15 @@ def kda_chunk(
         cu_seqlens: ``[N + 1]`` offsets of N sequences packed along T (B = 1), as in ``kda_chunk``.
 
     Returns:
-        ``o [B, T, H, V]`` in v's dtype and the final state ``[B, H, K, V]`` (``[N, H, K, V]``) in fp32 (fp64 for
-        fp64 inputs) or None. Differentiable in q, k, v, g, beta and initial_state.
+        ``o [B, T, H, V]`` in q's dtype (fla's) and the final state ``[B, H, K, V]`` (``[N, H, K, V]``) in fp32
+        (fp64 for fp64 inputs) or None. Differentiable in q, k, v, g, beta and initial_state (and ``A_log``,
+        ``dt_bias`` with the in-kernel gate).
     """
     C = _chunk_len(chunk_size)
+    out_dtype = q.dtype
+    opt = FlaOptions(use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate,
+                     use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first)
+    (q, k, v, g, beta), initial_state, final = _apply(q, k, v, g, beta, initial_state, opt)
     _check_inputs(q, k, v, g, beta, initial_state if cu_seqlens is None else None)
     _check_device(q, k, v, g, beta, initial_state)
     B, T, H, K = k.shape
@@ -300,10 +318,10 @@ def kda_chunk(
     plan = _make_plan(lens, C, H, K, V, g, dtype)
     flat = (x.reshape(B * T, H, x.shape[-1]) for x in (q, k, v, g))
     O, S = _ChunkKDA.apply(*flat, beta.reshape(B * T, H), initial_state, plan, float(scale))
-    o = O.view(B, T, H, V)
+    o = O.view(B, T, H, V).to(out_dtype)
     if not output_final_state:
         return o, None
-    return o, (S.view(B, H, K, V) if cu_seqlens is None else S)
+    return o, final(S.view(B, H, K, V) if cu_seqlens is None else S)
 
 
 @fp32_island
