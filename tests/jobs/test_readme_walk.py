@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from runtime.test_cluster_report import clean_env, cluster_unavailable
+from runtime.test_cluster_report import clean_env, require_slurm
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -158,17 +158,6 @@ def _user_files(here: Path, text: str) -> None:
             (here / name.group(1)).write_text(block)
 
 
-def _slurm_ready() -> str | None:
-    """None when a SLURM node can take a step, else why not."""
-    for tool in ("srun", "sinfo"):
-        if shutil.which(tool) is None:
-            return f"SLURM command {tool!r} not found (start one with .ci/slurm-ci.sh)"
-    res = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=30)
-    if res.returncode != 0 or not any(s.rstrip("*~#") in ("idle", "mix", "alloc") for s in res.stdout.split()):
-        return f"no usable SLURM node (sinfo: {res.stdout.strip() or res.stderr.strip()!r})"
-    return None
-
-
 def test_the_walk_covers_every_command_and_its_rules_hold() -> None:
     """Every not-run entry names a README command; the size rules do what the docstring says."""
     cmds = readme_commands(README.read_text())
@@ -196,16 +185,13 @@ def test_every_readme_command_runs_in_order(tmp_path: Path) -> None:
     _user_files(here, text)
     env = {**clean_env(), "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
            "MOONRT_DIST_TIMEOUT": "120"}
-    slurm = None
     timings: list[tuple[float, str]] = []
     for cmd in readme_commands(text):
         if cmd.text in NOT_RUN:
             continue
         argv = walk_argv(cmd.argv)
         if argv[0] == "srun":
-            slurm = slurm or _slurm_ready() or "ready"
-            if slurm != "ready":
-                cluster_unavailable(f"README line {cmd.line} runs srun: {slurm}")
+            require_slurm("srun", "sinfo")
             argv = ["timeout", "240", *argv[:1], "-I60", "--kill-on-bad-exit=1", *argv[1:]]
         t0 = time.perf_counter()
         res = subprocess.run(argv, cwd=here, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)

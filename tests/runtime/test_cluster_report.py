@@ -10,6 +10,8 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import shutil
+import subprocess
 import textwrap
 from pathlib import Path
 
@@ -31,6 +33,20 @@ def cluster_unavailable(reason: str) -> None:
     if os.environ.get("MOONRT_REQUIRE_CLUSTER") == "1":
         pytest.fail(f"MOONRT_REQUIRE_CLUSTER=1 but {reason}", pytrace=False)
     pytest.skip(reason)
+
+
+def require_slurm(*tools: str) -> None:
+    """A SLURM that can take a step: the ``tools`` on PATH and a usable node; otherwise :func:`cluster_unavailable`
+    with the reason."""
+    for tool in tools:
+        if shutil.which(tool) is None:
+            cluster_unavailable(f"SLURM command {tool!r} not found (start one with .ci/slurm-ci.sh)")
+    try:
+        res = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        cluster_unavailable("sinfo did not answer in 30 s (slurmctld down?)")
+    if res.returncode != 0 or not any(s.rstrip("*~#") in ("idle", "mix", "alloc") for s in res.stdout.split()):
+        cluster_unavailable(f"no usable SLURM node (sinfo: {res.stdout.strip() or res.stderr.strip()!r})")
 
 
 def expected_outputs(rank: int, world: int) -> dict[str, list[float]]:

@@ -16,7 +16,6 @@ import io
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -26,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_cluster_report import clean_env, cluster_unavailable
+from test_cluster_report import clean_env, require_slurm
 
 from moonrt.cluster.launch import launch
 from moonrt.cluster.preempt import PREEMPTED_EXIT
@@ -369,12 +368,7 @@ def _wait_state(job_id: str, pred: Callable[[dict[str, str]], bool], what: str, 
 @pytest.mark.slow
 @pytest.mark.slurm
 def test_slurm_requeue_resumes_and_matches(workdir: Path, reference2: Callable[[], Path]) -> None:
-    for tool in ("sbatch", "scontrol", "scancel", "sinfo"):
-        if shutil.which(tool) is None:
-            cluster_unavailable(f"SLURM command {tool!r} not found (start one with ../shared/tools/slurm-ci.sh)")
-    res = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=30)
-    if res.returncode != 0 or not any(s.rstrip("*~#") in ("idle", "mix", "alloc") for s in res.stdout.split()):
-        cluster_unavailable(f"no usable SLURM node (sinfo: {res.stdout.strip() or res.stderr.strip()!r})")
+    require_slurm("sbatch", "scontrol", "scancel", "sinfo")
     run, log = workdir / "slurm", workdir / "slurm.log"
     submit = [*MOONRT, "sbatch", "--nodes", "1", "--ntasks-per-node", "2", "--requeue", "--timeout", "120",
               "--job-name", "moonrt-requeue", "--log", str(log), "--output", str(workdir / "requeue.sbatch"),

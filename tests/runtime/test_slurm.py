@@ -8,13 +8,12 @@ Skips where SLURM is not running; fails instead under MOONRT_REQUIRE_CLUSTER=1 (
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import time
 
 import pytest
-from test_cluster_report import clean_env, cluster_unavailable, verify_selftest_report
+from test_cluster_report import clean_env, require_slurm, verify_selftest_report
 
 pytestmark = pytest.mark.slurm
 
@@ -24,16 +23,7 @@ SELFTEST = [sys.executable, "-m", "moonrt.jobs.selftest", "--suite", "collective
 
 @pytest.fixture(scope="module")
 def slurm() -> None:
-    for tool in ("srun", "sbatch", "sinfo"):
-        if shutil.which(tool) is None:
-            cluster_unavailable(f"SLURM command {tool!r} not found (start one with .ci/slurm-ci.sh)")
-    try:
-        res = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=30)
-    except subprocess.TimeoutExpired:
-        cluster_unavailable("sinfo did not answer in 30 s (slurmctld down?)")
-    states = res.stdout.split()
-    if res.returncode != 0 or not any(s.rstrip("*~#") in ("idle", "mix", "alloc") for s in states):
-        cluster_unavailable(f"no usable SLURM node (sinfo: {res.stdout.strip() or res.stderr.strip()!r})")
+    require_slurm("srun", "sbatch", "sinfo")
 
 
 @pytest.mark.slow
