@@ -9,7 +9,6 @@ is not rounded. Shapes are small (the interpreter runs each program in numpy).
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels then run on CPU tensors
@@ -19,15 +18,13 @@ import torch  # noqa: E402
 from dist import dist_run  # noqa: E402
 from numerics import F64_RTOL, rel_l2  # noqa: E402
 
-if importlib.util.find_spec("triton") is None:  # CI (MOONRT_REQUIRE_TRITON=1) fails instead of skipping
-    if os.environ.get("MOONRT_REQUIRE_TRITON") == "1":
-        raise RuntimeError("MOONRT_REQUIRE_TRITON=1 but triton is not installed (the Triton KDA kernels need it)")
-    pytest.skip("triton is not installed (the Triton KDA kernels need it)", allow_module_level=True)
-
 from moonrt.comm.cp_ops import slice_bounds  # noqa: E402
 from moonrt.comm.kcp import kcp_kda  # noqa: E402
 from moonrt.ops import kda as cpu  # noqa: E402
 from moonrt.ops import kda_triton as kt  # noqa: E402
+
+# the conftest fixture: skip where Triton is missing, fail instead under MOONRT_REQUIRE_TRITON=1 (CI)
+pytestmark = pytest.mark.usefixtures("triton_kernels")
 
 FP32_TOL = 1e-5  # the CPU chunk kernel's bound against fp64 (tests/ops/test_kda.py)
 BF16_TOL = 2.0 ** -8 + FP32_TOL  # one rounding (unit roundoff 2^-8) of each bf16 result, on fp32 arithmetic
