@@ -237,13 +237,11 @@ def qat_summary(spec: ModelSpec, cfg: Any, block: int) -> dict[str, Any]:
     family declares none, or ``block`` is not even or does not divide a reduction axis."""
     if spec.qat_weights is None:
         raise ValueError(f"model family {spec.name!r} declares no quantizable layers")
-    if block < 2 or block % 2:
-        raise ValueError(f"qat block = {block}: expected an even integer >= 2")
+    problem = spec.qat_block_problem(cfg, block, flag="--qat-block")
+    if problem:
+        raise ValueError(f"qat block = {block}: expected {problem}")
     groups: dict[str, dict[str, int]] = {}
     for name, shape in spec.qat_weights(cfg).items():
-        if shape[-1] % block:
-            raise ValueError(f"qat block = {block}: expected a divisor of every quantized reduction axis; {name} "
-                             f"{list(shape)} has {shape[-1]}")
         n = math.prod(shape)
         key = ".".join(re.sub(r"\.\d+(?=\.|$)", ".*", name).split(".")[:4])
         g = groups.setdefault(key, {"params": 0, "codes": 0, "scales": 0})

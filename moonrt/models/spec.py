@@ -14,6 +14,7 @@ Imports only the standard library and :mod:`moonrt.config`: looking a family up 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -101,6 +102,26 @@ class ModelSpec:
                 raise ConfigError(f"moe = {data!r}: expected null (model family {self.name!r} takes no MoE options)")
             return None
         return self.read_options(data)
+
+    def qat_block_problem(self, cfg: Any, block: Any, *, flag: str = "block") -> str | None:
+        """None when ``block`` (elements per MX scale) can quantize every weight of :attr:`qat_weights` for ``cfg``;
+        otherwise the expected value as the clause of a one-line error (``"<field> = <block>: expected ..."``; the
+        caller names its field). ``cfg`` None: only the block's own form is checked; ``flag`` names the knob in the
+        hint of a block that fits. The one check of ``moonrt train --qat-block`` and ``moonrt mem-plan --qat-block``."""
+        if not isinstance(block, int) or isinstance(block, bool) or block < 2 or block % 2:
+            return "an even integer >= 2 (mxfp4 packs two codes a byte)"
+        if cfg is None:
+            return None
+        if self.qat_weights is None:
+            return f"none: model family {self.name!r} declares no quantizable layers"
+        shapes = self.qat_weights(cfg)
+        common = math.gcd(*(shape[-1] for shape in shapes.values()))
+        fits = max((b for b in (32, 16, 8, 4, 2) if common % b == 0), default=None)
+        hint = f" ({flag} {fits} fits this model)" if fits else ""
+        for name, shape in shapes.items():
+            if shape[-1] % block:
+                return (f"a divisor of every quantized reduction axis; {name} {list(shape)} has {shape[-1]}{hint}")
+        return None
 
     def memory_description(self) -> ModelMemory:
         """:attr:`memory`, or ValueError naming the family when it has none."""

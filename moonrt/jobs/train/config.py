@@ -336,20 +336,11 @@ class JobConfig:
 
     def _validate_qat(self, spec: ModelSpec) -> None:
         check(self.qat in QAT_FORMATS, "qat", self.qat, "one of " + ", ".join(QAT_FORMATS))
-        check(isinstance(self.qat_block, int) and not isinstance(self.qat_block, bool) and self.qat_block >= 2
-              and self.qat_block % 2 == 0, "qat_block", self.qat_block,
-              "an even integer >= 2 (mxfp4 packs two codes a byte)")
-        if self.qat == "none":
-            return
-        check(spec.qat_weights is not None, "qat", self.qat,
+        check(self.qat == "none" or spec.qat_weights is not None, "qat", self.qat,
               f"'none' for model {self.model!r}: its family {spec.name!r} declares no quantizable layers")
-        shapes = spec.qat_weights(self.model_cfg())  # type: ignore[misc]
-        common = math.gcd(*(shape[-1] for shape in shapes.values()))
-        fits = max((b for b in (32, 16, 8, 4, 2) if common % b == 0), default=None)
-        hint = f" (--qat-block {fits} fits this model)" if fits else ""
-        for name, shape in shapes.items():
-            check(shape[-1] % self.qat_block == 0, "qat_block", self.qat_block,
-                  f"a divisor of every quantized reduction axis; {name} {list(shape)} has {shape[-1]}{hint}")
+        problem = spec.qat_block_problem(None if self.qat == "none" else self.model_cfg(), self.qat_block,
+                                         flag="--qat-block")
+        check(problem is None, "qat_block", self.qat_block, problem or "")
 
     def model_spec(self) -> ModelSpec:
         """The :class:`~moonrt.models.spec.ModelSpec` of ``model``'s family (ConfigError naming the presets)."""
