@@ -15,6 +15,7 @@ import math
 import pytest
 import torch
 from dist import dist_run
+from kda_terms_check import fused_and_autograd_terms
 from numerics import assert_equal_f64, assert_near_reference, growth
 
 import moonrt.ops.kda_terms as kda_terms
@@ -211,21 +212,12 @@ def test_fused_terms_equal_the_autograd_path_at_strong_decay(C: int, dtype: torc
     for g in (x["g"].clamp(min=log_decay_floor(dtype)), torch.where(x["g"] < -50, -1000.0, x["g"])):
         ch = {n: kda_terms._to_chunks(x[n] if n != "g" else g, C, dtype) for n in NAMES}
         assert kda_terms._data_sub_tile(C, ch["g"]) in (1, 4, 8)
-        fused = kda_terms.chunk_terms_with_factors(ch["k"], ch["v"], ch["g"], ch["beta"], q=ch["q"], scale=0.3)
-        grad = {n: t.clone().requires_grad_() for n, t in ch.items()}
-        ref = kda_terms.chunk_terms_with_factors(grad["k"], grad["v"], grad["g"], grad["beta"], q=grad["q"],
-                                                 scale=0.3)
-        for part_f, part_r in zip(fused, ref):
-            for field in part_f.__dataclass_fields__:
-                a, b = getattr(part_f, field), getattr(part_r, field)
-                if field == "WU" or (a is None and b is None):
-                    continue
-                for ai, bi in zip(a, b) if isinstance(a, list) else [(a, b)]:
-                    assert ai.shape == bi.shape, field
-                    if dtype == torch.float64:
-                        assert_equal_f64(ai, bi.detach(), field)
-                    else:
-                        assert_near_reference(ai, bi.detach().double(), 2 * growth((16, C)), field)
+        for field, a, b in fused_and_autograd_terms(ch):
+            assert a.shape == b.shape, field
+            if dtype == torch.float64:
+                assert_equal_f64(a, b, field)
+            else:
+                assert_near_reference(a, b.double(), 2 * growth((16, C)), field)
 
 
 def _kcp_rank(rank: int, world: int, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
