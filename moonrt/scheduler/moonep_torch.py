@@ -45,37 +45,36 @@ def _slots(counts: torch.Tensor, num_slots: int | None, total_tokens: int | None
     return B
 
 
-def _finish(alloc: torch.Tensor, cap: torch.Tensor, B: int) -> MoonEPPlan:
-    """Slot policy, copies, donors and cut points from ``alloc [E, R]`` (as ``moonep._finish_core``).
-
-    A rank with more than B foreign experts keeps the B with the most assignments (ties: larger
-    expert id); the others' assignments go back to their home rank."""
-    E, R = alloc.shape
-    G = E // R
-    dev = alloc.device
-    ranks = torch.arange(R, device=dev)
-    eids = torch.arange(E, device=dev)
-    at_home = (eids // G)[None, :] == ranks[:, None]  # [R, E]
-    work = alloc.T  # [R, E]
-    foreign = (work > 0) & ~at_home
+def _finish(alloc3: torch.Tensor, cap: torch.Tensor, B: int) -> MoonEPPlan:
+    """Slot policy, copies, donors and cut points from ``alloc3 [R, G, R]`` (group h's expert i computed
+    on rank u), as ``moonep._finish_core``: a rank with more than B foreign experts keeps the B with the
+    most assignments (ties: larger expert id); the others' assignments go back to their home rank.
+    Works on each rank's ``[G]`` share of its one donor group, never on ``[R, E]``."""
+    R, G, _ = alloc3.shape
+    dev = alloc3.device
+    top, donor = alloc3.sum(1).fill_diagonal_(0).max(0)  # every rank receives from at most one group
+    has = top > 0
+    dc = donor * has  # the donor, 0 where none
+    by_rank = alloc3.permute(0, 2, 1)  # [h, u, G] view
+    seg = by_rank[dc, torch.arange(R, device=dev)] * has[:, None]  # [R, G]: rank u's share of its donor group
+    gi = torch.arange(G, device=dev)
     if B < G:
-        key = torch.where(foreign, work * E + eids, -1)  # distinct per row among foreign experts
         if B > 0:
-            kth = torch.topk(key, B, dim=1).values[:, B - 1:]
-            keep = foreign & (key >= kth)
+            key = torch.where(seg > 0, seg * G + gi, -1)  # distinct per row among held experts
+            kept = torch.where(key >= torch.topk(key, B, dim=1).values[:, B - 1:], seg, 0)
         else:
-            keep = torch.zeros_like(foreign)
-        back = torch.where(foreign & ~keep, work, 0).sum(0)  # [E] assignments sent home
-        work = torch.where(foreign & ~keep, 0, work) + at_home * back
-        alloc = work.T
-        foreign = keep
-    key = torch.where(foreign, eids, E)
-    key = torch.sort(key, dim=1).values[:, : min(B, E)]
-    if B > E:
-        key = torch.cat([key, torch.full((R, B - E), E, dtype=torch.int64, device=dev)], dim=1)
-    copies = torch.where(key == E, -1, key)
-    donor = torch.where(copies[:, :1] >= 0, copies[:, :1] // G, -1).reshape(R) if B > 0 else \
-        torch.full((R,), -1, dtype=torch.int64, device=dev)
+            kept = torch.zeros_like(seg)
+            has = torch.zeros_like(has)
+        drop = seg - kept
+        by_rank.index_put_((dc, torch.arange(R, device=dev)), -drop, accumulate=True)
+        by_rank.index_put_((dc, dc), drop, accumulate=True)  # computed at home
+        seg = kept
+    donor = torch.where(has, donor, -1)
+    ids = torch.sort(torch.where(seg > 0, gi + dc[:, None] * G, R * G), dim=1).values[:, : min(B, G)]
+    copies = torch.where(ids == R * G, -1, ids)
+    if B > G:
+        copies = torch.nn.functional.pad(copies, (0, B - G), value=-1)
+    alloc = alloc3.view(R * G, R)
     cuts = torch.nn.functional.pad(torch.cumsum(alloc, dim=1), (1, 0))
     capacity = cap if B >= G else alloc.sum(0)
     return MoonEPPlan(alloc=alloc, copies=copies, capacity=capacity, cuts=cuts, donor=donor, num_slots=B, target=cap)
@@ -102,43 +101,39 @@ def plan_device(counts: torch.Tensor, num_slots: int | None = None, total_tokens
     R, E = counts.shape
     G = E // R
     dev = counts.device
-    load = counts.to(torch.int64).sum(0)  # [E]
-    total = load.sum()
-    ranks = torch.arange(R, device=dev)
-    cap = total // R + (ranks < total % R).to(torch.int64)  # [R]
-    load_RG = load.view(R, G)
-    bal = load_RG.sum(1) - cap  # [R]
-    # Group balance on a line. Donor positions: surplus descending, ties smaller rank, non-donors last
-    # (their surplus is 0); receiver positions likewise by deficit. Keys are distinct.
-    sur_def = torch.stack([bal.clamp_min(0), (-bal).clamp_min(0)])  # [2, R]
-    order = torch.sort(sur_def * R + (R - 1 - ranks), dim=1, descending=True).indices  # [2, R]
-    amount = torch.gather(sur_def, 1, order)  # [2, R]: surpluses by donor position, deficits by receiver position
-    ends = torch.cumsum(amount, dim=1)  # P_k (inclusive) and c_j
-    d_ord, r_ord = order[0], order[1]
-    P, c = ends[0].contiguous(), ends[1].contiguous()
-    k = torch.searchsorted(P, c - amount[1], right=True).clamp_max(R - 1)  # donor position of each receiver
-    c0 = torch.nn.functional.pad(c, (1, 0))  # receiver boundaries, 0 included
-    X = torch.gather(c0, 0, torch.searchsorted(c0, P))  # first boundary at or after P_k
-    over = (X - P)[:-1]  # overshoot of donor position k, repaid by position k + 1
-    # quota[h, u] (flat h * R + u): receivers from their donor, overshooting donors from the next donor.
-    flat = torch.cat([d_ord[k] * R + r_ord, d_ord[1:] * R + d_ord[:-1]])
-    quota = torch.zeros(R * R, dtype=torch.int64, device=dev).index_add_(0, flat, torch.cat([amount[1], over]))
-    quota = quota.view(R, R)
-    quota = quota + torch.diag(load_RG.sum(1) - quota.sum(1))  # the home rank takes the rest of its group
-    # North-west corner per group: receivers (quota desc, ties smaller rank, home last) x experts
-    # (load desc, ties larger id); alloc[h*G + i, u] = overlap of their intervals on the group's line.
-    ukey = torch.where(torch.eye(R, dtype=torch.bool, device=dev), -1, quota * R + (R - 1 - ranks))
-    ekey = load_RG * G + torch.arange(G, device=dev)
-    u_ord = torch.sort(ukey, dim=1, descending=True).indices
-    e_ord = torch.sort(ekey, dim=1, descending=True).indices
-    u_len = torch.gather(quota, 1, u_ord)
-    e_len = torch.gather(load_RG, 1, e_ord)
-    u_end = torch.empty_like(quota).scatter_(1, u_ord, torch.cumsum(u_len, 1))  # back to rank order
-    e_end = torch.empty_like(load_RG).scatter_(1, e_ord, torch.cumsum(e_len, 1))
-    u_start, e_start = u_end - quota, e_end - load_RG
-    alloc = (torch.minimum(e_end[:, :, None], u_end[:, None, :])
-             - torch.maximum(e_start[:, :, None], u_start[:, None, :])).clamp_min(0)  # [R, G, R]
-    return _finish(alloc.reshape(E, R), cap, B)
+    load_RG = counts.sum(0, dtype=torch.int64).view(R, G)  # [group h, expert i]
+    group = load_RG.sum(1)  # [R]
+    tie = torch.arange(R - 1, -1, -1, device=dev)  # larger for smaller ranks
+    cap = (group.sum() + tie) // R  # floor(total / R), the first total % R ranks one more (§6.1)
+    bal = group - cap
+    # Group balance on a line. Row 0: donor positions (surplus descending, ties smaller rank, then the
+    # non-donors with 0); row 1: receiver positions by deficit likewise. Keys are distinct.
+    amount = torch.stack([bal, -bal]).clamp_min_(0)  # [2, R] by rank
+    order = torch.sort(amount * R + tie, dim=1, descending=True).indices
+    amount = torch.gather(amount, 1, order)  # [2, R] by position
+    ends = torch.cumsum(amount, 1)
+    d_ord, r_ord, P, c = order[0], order[1], ends[0], ends[1]
+    k = torch.searchsorted(P[:-1], c - amount[1], right=True)  # donor position serving receiver j
+    over = torch.gather(c, 0, torch.searchsorted(c, P)) - P  # donor k's overshoot (first boundary >= P_k)
+    # quota[h, u]: receivers from their donor, an overshooting donor from the next donor (0 elsewhere).
+    rows = torch.cat([d_ord[k], d_ord[1:]])
+    cols = torch.cat([r_ord, d_ord[:-1]])
+    quota = torch.zeros(R, R, dtype=torch.int64, device=dev).index_put_(
+        (rows, cols), torch.cat([amount[1], over[:-1]]), accumulate=True)
+    # North-west corner per group: receivers (quota descending, ties smaller rank) then the home rank
+    # (the rest) and experts (load descending, ties larger id) tile the group's line; the merged
+    # boundaries cut it into at most R + G - 1 pieces, each one (expert, rank) cell of alloc.
+    u_ord = torch.sort((quota * R + tie).fill_diagonal_(-1), dim=1, descending=True).indices  # home last
+    e_ord = torch.sort(load_RG * G + torch.arange(G, device=dev), dim=1, descending=True).indices
+    u_end = torch.cumsum(torch.gather(quota, 1, u_ord[:, :-1]), 1)  # [R, R-1] receivers; home up to the group load
+    e_end = torch.cumsum(torch.gather(load_RG, 1, e_ord), 1)  # [R, G]
+    ends = torch.sort(torch.cat([u_end, e_end], 1), dim=1).values  # [R, R + G - 1]
+    starts = torch.nn.functional.pad(ends[:, :-1], (1, 0))
+    u = torch.gather(u_ord, 1, torch.searchsorted(u_end, starts, right=True))
+    i = torch.gather(e_ord, 1, torch.searchsorted(e_end, starts, right=True).clamp_max_(G - 1))
+    h = torch.arange(R, device=dev)[:, None]
+    alloc3 = torch.zeros(R, G, R, dtype=torch.int64, device=dev).index_put_((h, i, u), ends - starts, accumulate=True)
+    return _finish(alloc3, cap, B)
 
 
 def plan_torch(counts: torch.Tensor, num_slots: int | None = None, total_tokens: int | None = None,
@@ -179,7 +174,7 @@ def plan_torch(counts: torch.Tensor, num_slots: int | None = None, total_tokens:
         rem.index_put_((groups, e), -m, accumulate=True)
         alloc3.index_put_((groups, e, u), m, accumulate=True)
     alloc3[groups, :, groups] += rem  # the rest stays home (advanced index [R] x : x [R] -> [R, G])
-    return _finish(alloc3.reshape(E, R), cap, B)
+    return _finish(alloc3, cap, B)
 
 
 def send_split_torch(counts: torch.Tensor, cuts: torch.Tensor, src: int) -> torch.Tensor:
