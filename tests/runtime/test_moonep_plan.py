@@ -272,3 +272,31 @@ def test_torch_planner_never_reads_device_data_on_the_host() -> None:
             assert p.alloc.device.type == "meta" and p.alloc.shape == (32, 8)
             assert p.copies.shape == (8, B) and p.cuts.shape == (32, 9) and p.capacity.shape == (8,)
             assert send_split_torch(counts, p.cuts, 3).shape == (32, 8)
+
+
+def _aten_ops(fn) -> list[str]:
+    """Top-level aten ops that ``fn`` runs on CPU, view-only ops left out (no kernel). The profiler's
+    legacy CPU backend: the same op events as ``torch.profiler`` without its seconds-long Kineto start."""
+    views = {"aten::view", "aten::select", "aten::slice", "aten::unsqueeze", "aten::permute", "aten::alias",
+             "aten::reshape", "aten::as_strided", "aten::expand", "aten::diagonal", "aten::t", "aten::transpose"}
+    with torch.autograd.profiler.profile(use_kineto=False) as prof:
+        fn()
+    names = [e.name for e in prof.function_events if e.name.startswith("aten::")
+             and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
+    return [n for n in names if n not in views]
+
+
+def test_device_planner_op_count_is_fixed() -> None:
+    """plan_device runs the same short sequence of ops (a bounded number of kernels on a GPU) whatever E
+    and R are; plan_torch's count grows with R and E/R (issue 34 item 5)."""
+    rng = np.random.default_rng(0)
+    seen: dict[bool, set[tuple[str, ...]]] = {True: set(), False: set()}
+    for R, G in ((2, 2), (8, 8), (64, 14), (16, 128)):
+        counts = torch.from_numpy(make_counts(rng, R, G, "lognormal"))
+        for B in (G, 1):
+            ops = _aten_ops(lambda c=counts, b=B: plan_device(c, num_slots=b, validate=False))
+            assert len(ops) <= 85, (R, G, B, len(ops))
+            seen[B >= G].add(tuple(ops))
+    assert len(seen[True]) == 1 and len(seen[False]) == 1, "the op sequence depends on E or R"
+    counts = torch.from_numpy(make_counts(rng, 16, 8, "lognormal"))
+    assert len(_aten_ops(lambda: plan_torch(counts, validate=False))) > 10 * (2 * 16 + 8)
