@@ -31,8 +31,8 @@ Algorithm (the constructive proof of §6.2):
    (ties: larger id) tile another; ``alloc[e, u]`` is the overlap of expert e's and receiver u's
    intervals.
 
-It needs somewhat more copies than the greedy (about 20% at E=896, R=64; see
-``benchmarks/bench_moonep_device.py``) and gives identical plans on every device.
+It needs somewhat more copies than the greedy (10-24% at E=896, R=64 and E=2,050; see
+``benchmarks/bench_moonep_device.py``), which is why the greedy stays the default.
 
 *Fewer slots than copies* (``num_slots = B < E/R`` and some rank needs more than B copies): each
 such rank keeps the B copies with the most assignments (ties: larger expert id); the assignments of

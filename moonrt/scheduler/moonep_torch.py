@@ -5,9 +5,10 @@ so that a GPU run plans on the GPU without a host synchronization per layer (§6
 synchronization per layer"). Plans are identical to :func:`moonrt.scheduler.moonep.plan` with the
 same ``method`` (tested on many random cases and on the adversarial corpus).
 
-* :func:`plan_device` (``method="prefix"``): the closed form, a fixed sequence of about 50 vectorized
-  torch ops whatever E and R are (sorts, cumulative sums, ``searchsorted``, one ``[R, G, R]``
-  interval overlap), so on a GPU a bounded number of kernel launches per plan.
+* :func:`plan_device` (``method="prefix"``): the closed form, a fixed sequence of 69 vectorized
+  torch ops (82 with the slot policy; view ops not counted) whatever E and R are: sorts, cumulative
+  sums and ``searchsorted`` on ``[R, R + E/R]`` or smaller, one ``[E, R]`` scatter and cumulative
+  sum; on a GPU, a bounded number of kernel launches per plan.
 * :func:`plan_torch` (``method="greedy"``): the greedy rounds, ``R - 1`` masked rounds for group
   balance and ``R - 1 + G`` steps for the hottest-first split (each productive step zeroes a
   receiver's quota or an expert's remainder); about ``10 * (2R + G)`` small ops per plan.
