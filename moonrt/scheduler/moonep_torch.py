@@ -5,8 +5,8 @@ so that a GPU run plans on the GPU without a host synchronization per layer (§6
 synchronization per layer"). Plans are identical to :func:`moonrt.scheduler.moonep.plan` with the
 same ``method`` (tested on many random cases and on the adversarial corpus).
 
-* :func:`plan_device` (``method="prefix"``): the closed form, a fixed sequence of 69 vectorized
-  torch ops (82 with the slot policy; view ops not counted) whatever E and R are: sorts, cumulative
+* :func:`plan_device` (``method="prefix"``): the closed form, a fixed sequence of 67 vectorized
+  torch ops (80 with the slot policy; view ops not counted) whatever E and R are: sorts, cumulative
   sums and ``searchsorted`` on ``[R, R + E/R]`` or smaller, one ``[E, R]`` scatter and cumulative
   sum; on a GPU, a bounded number of kernel launches per plan.
 * :func:`plan_torch` (``method="greedy"``): the greedy rounds, ``R - 1`` masked rounds for group
@@ -15,6 +15,8 @@ same ``method`` (tested on many random cases and on the adversarial corpus).
 """
 
 from __future__ import annotations
+
+import numbers
 
 import torch
 
@@ -41,19 +43,20 @@ def _slots(counts: torch.Tensor, num_slots: int | None, total_tokens: int | None
     if R < 1 or E % R != 0:
         raise ValueError(f"counts: E={E} experts is not divisible by R={R} ranks")
     B = E // R if num_slots is None else num_slots
-    if isinstance(B, bool) or not isinstance(B, int) or B < 0:
+    if isinstance(B, bool) or not isinstance(B, numbers.Integral) or B < 0:
         raise ValueError(f"num_slots: {num_slots!r}, expected an integer >= 0 (default E/R = {E // R})")
-    return B
+    return int(B)
 
 
-def _finish(alloc3: torch.Tensor, cap: torch.Tensor, B: int) -> MoonEPPlan:
+def _finish(alloc3: torch.Tensor, quota: torch.Tensor, cap: torch.Tensor, B: int) -> MoonEPPlan:
     """Slot policy, copies, donors and cut points from ``alloc3 [R, G, R]`` (group h's expert i computed
     on rank u), as ``moonep._finish_core``: a rank with more than B foreign experts keeps the B with the
     most assignments (ties: larger expert id); the others' assignments go back to their home rank.
-    Works on each rank's ``[G]`` share of its one donor group, never on ``[R, E]``."""
+    ``quota [R, R]``: group h's assignments computed on rank u != h (zero diagonal). Works on each
+    rank's ``[G]`` share of its one donor group, never on ``[R, E]`` (but for the cut points)."""
     R, G, _ = alloc3.shape
     dev = alloc3.device
-    top, donor = alloc3.sum(1).fill_diagonal_(0).max(0)  # every rank receives from at most one group
+    top, donor = quota.max(0)  # every rank receives from at most one group
     has = top > 0
     dc = donor * has  # the donor, 0 where none
     by_rank = alloc3.permute(0, 2, 1)  # [h, u, G] view
@@ -134,7 +137,7 @@ def plan_device(counts: torch.Tensor, num_slots: int | None = None, total_tokens
     i = torch.gather(e_ord, 1, torch.searchsorted(e_end, starts, right=True).clamp_max_(G - 1))
     h = torch.arange(R, device=dev)[:, None]
     alloc3 = torch.zeros(R, G, R, dtype=torch.int64, device=dev).index_put_((h, i, u), ends - starts, accumulate=True)
-    return _finish(alloc3, cap, B)
+    return _finish(alloc3, quota, cap, B)
 
 
 def plan_torch(counts: torch.Tensor, num_slots: int | None = None, total_tokens: int | None = None,
@@ -164,6 +167,7 @@ def plan_torch(counts: torch.Tensor, num_slots: int | None = None, total_tokens:
         bal.index_put_((h,), -m, accumulate=True)
         bal.index_put_((u,), m, accumulate=True)
 
+    given = quota.clone()  # the split below consumes quota
     alloc3 = torch.zeros(R, G, R, dtype=torch.int64, device=dev)  # [group h, expert i, dest u]
     rem = load.view(R, G).clone()
     groups = ranks
@@ -175,7 +179,7 @@ def plan_torch(counts: torch.Tensor, num_slots: int | None = None, total_tokens:
         rem.index_put_((groups, e), -m, accumulate=True)
         alloc3.index_put_((groups, e, u), m, accumulate=True)
     alloc3[groups, :, groups] += rem  # the rest stays home (advanced index [R] x : x [R] -> [R, G])
-    return _finish(alloc3, cap, B)
+    return _finish(alloc3, given, cap, B)
 
 
 def send_split_torch(counts: torch.Tensor, cuts: torch.Tensor, src: int) -> torch.Tensor:
