@@ -5,8 +5,8 @@ so that a GPU run plans on the GPU without a host synchronization per layer (§6
 synchronization per layer"). Plans are identical to :func:`moonrt.scheduler.moonep.plan` with the
 same ``method`` (tested on many random cases and on the adversarial corpus).
 
-* :func:`plan_device` (``method="prefix"``): the closed form, a fixed sequence of 67 vectorized
-  torch ops (80 with the slot policy; view ops not counted) whatever E and R are: sorts, cumulative
+* :func:`plan_device` (``method="prefix"``): the closed form, a fixed sequence of 64 vectorized
+  torch ops (76 with the slot policy; view ops not counted) whatever E and R are: sorts, cumulative
   sums and ``searchsorted`` on ``[R, R + E/R]`` or smaller, one ``[E, R]`` scatter and cumulative
   sum; on a GPU, a bounded number of kernel launches per plan.
 * :func:`plan_torch` (``method="greedy"``): the greedy rounds, ``R - 1`` masked rounds for group
@@ -48,20 +48,20 @@ def _slots(counts: torch.Tensor, num_slots: int | None, total_tokens: int | None
     return int(B)
 
 
-def _finish(alloc3: torch.Tensor, quota: torch.Tensor, cap: torch.Tensor, B: int) -> MoonEPPlan:
+def _finish(alloc3: torch.Tensor, quota: torch.Tensor, cap: torch.Tensor, B: int, ranks: torch.Tensor,
+            gi: torch.Tensor) -> MoonEPPlan:
     """Slot policy, copies, donors and cut points from ``alloc3 [R, G, R]`` (group h's expert i computed
     on rank u), as ``moonep._finish_core``: a rank with more than B foreign experts keeps the B with the
     most assignments (ties: larger expert id); the others' assignments go back to their home rank.
     ``quota [R, R]``: group h's assignments computed on rank u != h (zero diagonal). Works on each
-    rank's ``[G]`` share of its one donor group, never on ``[R, E]`` (but for the cut points)."""
+    rank's ``[G]`` share of its one donor group, never on ``[R, E]`` (but for the cut points).
+    ``ranks``, ``gi``: ``arange(R)``, ``arange(G)`` on the device."""
     R, G, _ = alloc3.shape
-    dev = alloc3.device
     top, donor = quota.max(0)  # every rank receives from at most one group
     has = top > 0
     dc = donor * has  # the donor, 0 where none
     by_rank = alloc3.permute(0, 2, 1)  # [h, u, G] view
-    seg = by_rank[dc, torch.arange(R, device=dev)] * has[:, None]  # [R, G]: rank u's share of its donor group
-    gi = torch.arange(G, device=dev)
+    seg = by_rank[dc, ranks] * has[:, None]  # [R, G]: rank u's share of its donor group
     if B < G:
         if B > 0:
             key = torch.where(seg > 0, seg * G + gi, -1)  # distinct per row among held experts
@@ -70,7 +70,7 @@ def _finish(alloc3: torch.Tensor, quota: torch.Tensor, cap: torch.Tensor, B: int
             kept = torch.zeros_like(seg)
             has = torch.zeros_like(has)
         drop = seg - kept
-        by_rank.index_put_((dc, torch.arange(R, device=dev)), -drop, accumulate=True)
+        by_rank.index_put_((dc, ranks), -drop, accumulate=True)
         by_rank.index_put_((dc, dc), drop, accumulate=True)  # computed at home
         seg = kept
     donor = torch.where(has, donor, -1)
@@ -128,16 +128,18 @@ def plan_device(counts: torch.Tensor, num_slots: int | None = None, total_tokens
     # (the rest) and experts (load descending, ties larger id) tile the group's line; the merged
     # boundaries cut it into at most R + G - 1 pieces, each one (expert, rank) cell of alloc.
     u_ord = torch.sort((quota * R + tie).fill_diagonal_(-1), dim=1, descending=True).indices  # home last
-    e_ord = torch.sort(load_RG * G + torch.arange(G, device=dev), dim=1, descending=True).indices
+    gi = torch.arange(G, device=dev)
+    e_ord = torch.sort(load_RG * G + gi, dim=1, descending=True).indices
     u_end = torch.cumsum(torch.gather(quota, 1, u_ord[:, :-1]), 1)  # [R, R-1] receivers; home up to the group load
-    e_end = torch.cumsum(torch.gather(load_RG, 1, e_ord), 1)  # [R, G]
-    ends = torch.sort(torch.cat([u_end, e_end], 1), dim=1).values  # [R, R + G - 1]
+    e_end = torch.cumsum(torch.gather(load_RG, 1, e_ord[:, :-1]), 1)  # [R, G-1]; the last end is the group load
+    ends = torch.sort(torch.cat([u_end, e_end, group[:, None]], 1), dim=1).values  # [R, R + G - 1]
     starts = torch.nn.functional.pad(ends[:, :-1], (1, 0))
     u = torch.gather(u_ord, 1, torch.searchsorted(u_end, starts, right=True))
-    i = torch.gather(e_ord, 1, torch.searchsorted(e_end, starts, right=True).clamp_max_(G - 1))
-    h = torch.arange(R, device=dev)[:, None]
-    alloc3 = torch.zeros(R, G, R, dtype=torch.int64, device=dev).index_put_((h, i, u), ends - starts, accumulate=True)
-    return _finish(alloc3, quota, cap, B)
+    i = torch.gather(e_ord, 1, torch.searchsorted(e_end, starts, right=True))
+    ranks = torch.arange(R, device=dev)
+    alloc3 = torch.zeros(R, G, R, dtype=torch.int64, device=dev).index_put_(
+        (ranks[:, None], i, u), ends - starts, accumulate=True)
+    return _finish(alloc3, quota, cap, B, ranks, gi)
 
 
 def plan_torch(counts: torch.Tensor, num_slots: int | None = None, total_tokens: int | None = None,
@@ -179,7 +181,7 @@ def plan_torch(counts: torch.Tensor, num_slots: int | None = None, total_tokens:
         rem.index_put_((groups, e), -m, accumulate=True)
         alloc3.index_put_((groups, e, u), m, accumulate=True)
     alloc3[groups, :, groups] += rem  # the rest stays home (advanced index [R] x : x [R] -> [R, G])
-    return _finish(alloc3, given, cap, B)
+    return _finish(alloc3, given, cap, B, ranks, torch.arange(G, device=dev))
 
 
 def send_split_torch(counts: torch.Tensor, cuts: torch.Tensor, src: int) -> torch.Tensor:
