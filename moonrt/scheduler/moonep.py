@@ -16,9 +16,34 @@ Algorithm (the constructive proof of §6.2):
    assignments (ties: larger expert id) and move ``min(quota, remaining)``. Whatever is left of
    the group stays on its home rank.
 
+``method="prefix"`` is a closed form of the same construction (same guarantees, no step loop), which
+:func:`moonrt.scheduler.moonep_torch.plan_device` computes in a fixed number of vectorized torch ops:
+
+1. *Group balance on a line.* Donors (``bal > 0``) in order of surplus (largest first, ties: smaller
+   rank) tile ``[0, T)`` with their surpluses, ``T`` the total surplus; receivers (``bal < 0``) in
+   order of deficit (largest first, ties: smaller rank) tile ``[0, T)`` with their deficits. A
+   receiver takes its whole deficit from the donor whose interval contains the receiver's start.
+   A donor whose last receiver runs past the donor's end overshoots by that amount and is repaid
+   by the next donor in order (which owns that point of the line). Every rank receives from at most
+   one group; a donor never gives more than its load (the overshoot is less than a deficit <= CAP).
+2. *North-west corner split.* Per donor group, receivers in order of quota (largest first, ties:
+   smaller rank) then the home rank (the rest) tile one line, the group's experts hottest first
+   (ties: larger id) tile another; ``alloc[e, u]`` is the overlap of expert e's and receiver u's
+   intervals.
+
+It needs somewhat more copies than the greedy (10-24% at E=896, R=64 and E=2,050; see
+``benchmarks/bench_moonep_device.py``), which is why the greedy stays the default.
+
+*Fewer slots than copies* (``num_slots = B < E/R`` and some rank needs more than B copies): each
+such rank keeps the B copies with the most assignments (ties: larger expert id); the assignments of
+its other copies are computed on their experts' home rank. The balance is then no longer exact:
+``plan.capacity`` is the work each rank really computes, ``plan.target`` the balanced target of
+§6.1, ``plan.imbalance()`` their difference (zero on every rank whenever B copies suffice, which
+E/R always do).
+
 Everything is integer arithmetic with explicit tie-breaks, so every rank computes the identical
-plan from the same all-gathered counts. :mod:`moonrt.scheduler.moonep_torch` is the same algorithm
-in torch (runs on the device of the counts, no host synchronization) and gives identical plans.
+plan from the same all-gathered counts. :mod:`moonrt.scheduler.moonep_torch` has both methods in
+torch (on the device of the counts, no host synchronization) with identical plans.
 
 Data movement (§6.3): per expert ``e``, its assignments are ordered by (source rank, position in
 the source's token order); ``plan.cuts[e]`` cuts that order into destination ranks ``0..R-1``:
@@ -36,7 +61,10 @@ from numba import njit
 
 from moonrt.scheduler.placement import Placement
 
-__all__ = ["MoonEPPlan", "plan", "send_split", "transfer_matrix", "validate_counts", "capacities"]
+__all__ = ["METHODS", "MoonEPPlan", "plan", "send_split", "transfer_matrix", "validate_counts", "capacities"]
+
+
+METHODS = ("greedy", "prefix")
 
 
 @dataclass(frozen=True)
@@ -45,11 +73,13 @@ class MoonEPPlan(Placement):
     ``copies``, ``capacity``) plus the planner's bookkeeping. Arrays are numpy (from :func:`plan`)
     or torch tensors on the counts' device (from :func:`moonrt.scheduler.moonep_torch.plan_torch`).
 
-    Attributes (besides those of :class:`Placement`; here ``capacity`` is the balanced target of §6.1):
+    Attributes (besides those of :class:`Placement`; ``capacity`` is the work each rank computes,
+    ``alloc.sum(0)``, equal to ``target`` unless too few slots forced copies home):
         cuts: ``[E, R + 1]`` int64. Per-expert cut points over destination ranks: the exclusive
             cumulative sum of ``alloc[e]``; ``cuts[e, 0] = 0``, ``cuts[e, R] = load[e]``.
         donor: ``[R]`` int64. The home rank whose experts fill rank ``r``'s slots (-1: none).
         num_slots: B, slots per rank.
+        target: ``[R]`` int64. The balanced target of §6.1 (floor/ceil of total / R).
 
     In numpy plans ``alloc`` and ``cuts`` are views of one ``[E, 2R + 1]`` buffer (row stride
     ``2R + 1``, not C-contiguous); use ``np.ascontiguousarray`` where a dense copy is needed.
@@ -58,12 +88,18 @@ class MoonEPPlan(Placement):
     cuts: Any
     donor: Any
     num_slots: int
+    target: Any
+
+    def imbalance(self) -> Any:
+        """``[R]`` int64: ``capacity - target``, the work over (+) or under (-) the balanced target;
+        all zero unless ``num_slots`` was too small for exact balance."""
+        return self.capacity - self.target
 
     def to_numpy(self) -> MoonEPPlan:
         """The same plan with numpy arrays (a no-op for numpy plans)."""
         conv = lambda a: a.detach().cpu().numpy() if hasattr(a, "detach") else np.asarray(a)
         return MoonEPPlan(conv(self.alloc), conv(self.copies), conv(self.capacity), conv(self.cuts),
-                          conv(self.donor), self.num_slots)
+                          conv(self.donor), self.num_slots, conv(self.target))
 
 
 def capacities(total: int, num_ranks: int) -> np.ndarray:
@@ -117,9 +153,9 @@ def validate_counts(counts: Any, num_slots: int | None, total_tokens: int | None
 
 
 @njit(cache=True)
-def _plan_core(load: np.ndarray, cap: np.ndarray, R: int, G: int) -> tuple[np.ndarray, ...]:  # pragma: no cover
-    """Numba kernel of §6.2. load [E] int64, cap [R] int64 -> (buf [E, 2R + 1] = [alloc | cuts],
-    donor [R], slots [R, G]), all int64; ``slots`` holds each rank's copied experts ascending, -1 padded."""
+def _plan_core(load: np.ndarray, cap: np.ndarray, R: int, G: int) -> np.ndarray:  # pragma: no cover
+    """Numba kernel of §6.2 (greedy). load [E] int64, cap [R] int64 -> buf [E, 2R + 1] int64 with
+    ``alloc`` in columns ``[0, R)`` (the cut columns are filled by :func:`_finish_core`)."""
     E = R * G
     bal = np.empty(R, np.int64)
     for h in range(R):
@@ -128,7 +164,6 @@ def _plan_core(load: np.ndarray, cap: np.ndarray, R: int, G: int) -> tuple[np.nd
             s += load[h * G + i]
         bal[h] = s - cap[h]
     quota = np.zeros((R, R), np.int64)  # quota[h, u]: assignments of group h computed on u
-    donor = np.full(R, -1, np.int64)
     for _ in range(R - 1):
         h = 0
         u = 0
@@ -143,7 +178,6 @@ def _plan_core(load: np.ndarray, cap: np.ndarray, R: int, G: int) -> tuple[np.nd
         quota[h, u] += m
         bal[u] = 0
         bal[h] -= m
-        donor[u] = h
     # alloc and cuts share one buffer [E, 2R + 1]: one allocation per plan instead of two keeps
     # glibc from trimming and re-faulting the heap on every call (5-10x faster when planning in a loop).
     buf = np.zeros((E, 2 * R + 1), np.int64)
@@ -175,26 +209,143 @@ def _plan_core(load: np.ndarray, cap: np.ndarray, R: int, G: int) -> tuple[np.nd
             rem[e] -= m
         for i in range(G):
             alloc[h * G + i, h] += rem[i]
-    # Slot table: rank r's copies all come from group donor[r]; ascending expert ids.
-    slots = np.full((R, G), -1, np.int64)
+    return buf
+
+
+@njit(cache=True)
+def _prefix_core(load: np.ndarray, cap: np.ndarray, R: int, G: int) -> np.ndarray:  # pragma: no cover
+    """Numba kernel of the closed form (``method="prefix"``, module docstring). Same in/out as
+    :func:`_plan_core`. Written as two-pointer sweeps; ``moonep_torch.plan_device`` is its vectorized twin."""
+    E = R * G
+    bal = np.empty(R, np.int64)
+    for h in range(R):
+        s = 0
+        for i in range(G):
+            s += load[h * G + i]
+        bal[h] = s - cap[h]
+    # Donors: surplus descending, ties smaller rank; receivers: deficit descending, ties smaller rank.
+    # The keys are distinct, so any sort gives the same order.
+    dkey = np.empty(R, np.int64)
+    rkey = np.empty(R, np.int64)
+    nd = 0
+    nr = 0
     for r in range(R):
-        h = donor[r]
-        if h >= 0:
-            n = 0
-            for i in range(G):
-                if alloc[h * G + i, r] > 0:
-                    slots[r, n] = h * G + i
-                    n += 1
+        if bal[r] > 0:
+            dkey[nd] = -(bal[r] * R + (R - 1 - r))
+            nd += 1
+        elif bal[r] < 0:
+            rkey[nr] = -(-bal[r] * R + (R - 1 - r))
+            nr += 1
+    dord = np.argsort(dkey[:nd])
+    rord = np.argsort(rkey[:nr])
+    dr = np.empty(nd, np.int64)
+    rr = np.empty(nr, np.int64)
+    for j in range(nd):
+        dr[j] = (R - 1) - ((-dkey[dord[j]]) % R)
+    for j in range(nr):
+        rr[j] = (R - 1) - ((-rkey[rord[j]]) % R)
+    quota = np.zeros((R, R), np.int64)
+    k = 0
+    P = bal[dr[0]] if nd > 0 else 0  # end of donor k's interval
+    c = 0  # start of receiver j's interval
+    for j in range(nr):
+        while c >= P:  # the donor whose interval [P_{k-1}, P_k) holds c
+            k += 1
+            P += bal[dr[k]]
+        quota[dr[k], rr[j]] += -bal[rr[j]]
+        c += -bal[rr[j]]
+    # Overshoot of donor k: first receiver boundary at or after P_k, minus P_k; the next donor repays it.
+    P = 0
+    c = 0
+    j = 0
+    for k in range(nd - 1):
+        P += bal[dr[k]]
+        while c < P:
+            c += -bal[rr[j]]
+            j += 1
+        if c > P:
+            quota[dr[k + 1], dr[k]] += c - P
+    # North-west corner per group: receivers (quota desc, ties smaller rank) then home; experts hottest first.
+    buf = np.zeros((E, 2 * R + 1), np.int64)
+    ekey = np.empty(G, np.int64)
+    ukey = np.empty(R, np.int64)
+    for h in range(R):
+        given = 0
+        for u in range(R):
+            given += quota[h, u]
+            ukey[u] = -(quota[h, u] * R + (R - 1 - u))
+        ukey[h] = 1  # the home rank takes the rest, after every receiver
+        for i in range(G):
+            ekey[i] = -(load[h * G + i] * G + i)
+        uord = np.argsort(ukey)
+        eord = np.argsort(ekey)
+        a = 0  # walk the two lines together
+        b = 0
+        ua = 0
+        ea = 0
+        while a < R and b < G:
+            u = uord[a]
+            i = eord[b]
+            ulen = quota[h, u] if u != h else load[h * G:(h + 1) * G].sum() - given
+            ue = ua + ulen
+            ee = ea + load[h * G + i]
+            m = min(ue, ee) - max(ua, ea)
+            if m > 0:
+                buf[h * G + i, u] += m
+            if ue <= ee:
+                a += 1
+                ua = ue
+            else:
+                b += 1
+                ea = ee
+    return buf
+
+
+@njit(cache=True)
+def _finish_core(buf: np.ndarray, R: int, G: int, B: int) -> tuple[np.ndarray, np.ndarray]:  # pragma: no cover
+    """Slot policy, donors, slot table and cut points on ``buf [E, 2R + 1]`` (alloc | cuts), in place.
+
+    A rank with more than ``B`` foreign experts keeps the B with the most assignments (ties: larger
+    expert id) and sends the others' assignments back to their home rank. Returns ``(donor [R],
+    slots [R, G])``: each rank's copied experts ascending, -1 padded; donor -1 where none."""
+    E = R * G
+    alloc = buf[:, :R]
+    slots = np.full((R, G), -1, np.int64)
+    donor = np.full(R, -1, np.int64)
+    key = np.empty(G, np.int64)
+    for r in range(R):
+        h = -1
+        n = 0
+        for e in range(E):
+            if alloc[e, r] > 0 and e // G != r:
+                h = e // G
+                key[n] = -(alloc[e, r] * E + e)
+                n += 1
+        if n > B:
+            keep = np.sort(key[:n])[B - 1] if B > 0 else -(2**62)
+            for e in range(h * G, (h + 1) * G):
+                if alloc[e, r] > 0 and -(alloc[e, r] * E + e) > keep:
+                    alloc[e, h] += alloc[e, r]
+                    alloc[e, r] = 0
+            n = B
+        if n > 0:
+            donor[r] = h
+            m = 0
+            for e in range(h * G, (h + 1) * G):
+                if alloc[e, r] > 0:
+                    slots[r, m] = e
+                    m += 1
     cuts = buf[:, R:]
     for e in range(E):
         acc = 0
         for r in range(R):
             acc += alloc[e, r]
             cuts[e, r + 1] = acc
-    return buf, donor, slots
+    return donor, slots
 
 
-def plan(counts: Any, num_slots: int | None = None, total_tokens: int | None = None) -> MoonEPPlan:
+def plan(counts: Any, num_slots: int | None = None, total_tokens: int | None = None,
+         method: str = "greedy") -> MoonEPPlan:
     """Plan one MoE layer's expert placement with exact per-rank balance (K3_SYSTEMS §6.2).
 
     Args:
@@ -202,32 +353,35 @@ def plan(counts: Any, num_slots: int | None = None, total_tokens: int | None = N
             that source rank ``r`` routes to expert ``e``. Every rank must have the same total
             (``s * k``) unless ``total_tokens`` is given.
         num_slots: B, prefetch slots per rank; default ``E // R`` (the bound of §6.2 that always
-            suffices). With fewer slots the plan is returned only if it fits.
+            suffices). With fewer slots than a rank needs, that rank keeps its B hottest copies and
+            the rest of their assignments are computed on the experts' home ranks (module
+            docstring); ``plan.imbalance()`` reports the resulting deviation from exact balance.
         total_tokens: tokens over all ranks (``sum_r s_r``); allows per-rank totals to differ.
             Targets become ``floor(total_tokens * k / R)``, the first ``(total_tokens * k) % R``
             ranks one more (§6.1), with ``k = counts.sum() / total_tokens`` (must be an integer).
+        method: ``"greedy"`` (§6.2's rounds, fewest copies) or ``"prefix"`` (its closed form, the
+            plan :func:`moonrt.scheduler.moonep_torch.plan_device` computes on the device).
 
     Returns:
         A :class:`MoonEPPlan` with numpy arrays. Deterministic: identical counts give identical plans.
 
     Raises:
         ValueError: bad shapes/dtypes, negative counts, E not divisible by R, unequal per-rank
-            totals without ``total_tokens``, or ``num_slots`` too small for this routing.
+            totals without ``total_tokens``, or an unknown ``method``.
     """
+    if method not in METHODS:
+        raise ValueError(f"method: {method!r}, expected one of {METHODS}")
     arr, B, total = validate_counts(counts, num_slots, total_tokens)
     R, E = arr.shape
     G = E // R
     cap = capacities(total, R)
     load = arr.sum(0)
-    buf, donor, slots = _plan_core(load, cap, R, G)
+    buf = (_plan_core if method == "greedy" else _prefix_core)(load, cap, R, G)
+    donor, slots = _finish_core(buf, R, G, B)
     alloc, cuts = buf[:, :R], buf[:, R:]
-    need = (slots >= 0).sum(1)
-    if B < G and int(need.max()) > B:
-        r = int(np.argmax(need))
-        raise ValueError(f"num_slots: {B} slots per rank are too few for exact balance with these counts: rank {r} "
-                         f"needs {int(need[r])} copies (E/R = {G} always suffices)")
     copies = slots[:, :B] if B <= G else np.pad(slots, ((0, 0), (0, B - G)), constant_values=-1)
-    return MoonEPPlan(alloc=alloc, copies=copies, capacity=cap, cuts=cuts, donor=donor, num_slots=B)
+    work = cap if B >= G else alloc.sum(0)
+    return MoonEPPlan(alloc=alloc, copies=copies, capacity=work, cuts=cuts, donor=donor, num_slots=B, target=cap)
 
 
 def send_split(counts: Any, cuts: Any, src: int) -> np.ndarray:

@@ -1,23 +1,28 @@
-"""MoonEP planner in torch: the algorithm of :mod:`moonrt.scheduler.moonep` on the counts' device.
+"""MoonEP planners in torch: the algorithms of :mod:`moonrt.scheduler.moonep` on the counts' device.
 
-Same integer algorithm and tie-breaks as the numba planner (K3_SYSTEMS §6.2), written with a
-fixed number of tensor steps and no ``.item()`` in the planning loop, so that a GPU run plans on
-the GPU without a host synchronization per layer (§6.1: "no host synchronization per layer").
-The plans are identical to :func:`moonrt.scheduler.moonep.plan` (tested on many random cases).
+Same integer algorithms and tie-breaks as the numba planner (K3_SYSTEMS §6.2), with no ``.item()``,
+so that a GPU run plans on the GPU without a host synchronization per layer (§6.1: "no host
+synchronization per layer"). Plans are identical to :func:`moonrt.scheduler.moonep.plan` with the
+same ``method`` (tested on many random cases and on the adversarial corpus).
 
-* Group balance: ``R - 1`` masked rounds (a round with no surplus left moves nothing).
-* Hottest-first split, all donor groups at once: state ``quota [R, R]`` (group h -> receiver u) and
-  ``rem [R, G]``; ``R - 1 + G`` steps bound the work of every group (each productive step zeroes a
-  receiver's quota or an expert's remainder; a group has at most ``R - 1`` receivers and G experts).
+* :func:`plan_device` (``method="prefix"``): the closed form, a fixed sequence of 64 vectorized
+  torch ops (76 with the slot policy; view ops not counted) whatever E and R are: sorts, cumulative
+  sums and ``searchsorted`` on ``[R, R + E/R]`` or smaller, one ``[E, R]`` scatter and cumulative
+  sum; on a GPU, a bounded number of kernel launches per plan.
+* :func:`plan_torch` (``method="greedy"``): the greedy rounds, ``R - 1`` masked rounds for group
+  balance and ``R - 1 + G`` steps for the hottest-first split (each productive step zeroes a
+  receiver's quota or an expert's remainder); about ``10 * (2R + G)`` small ops per plan.
 """
 
 from __future__ import annotations
+
+import numbers
 
 import torch
 
 from moonrt.scheduler.moonep import MoonEPPlan, validate_counts
 
-__all__ = ["plan_torch", "send_split_torch"]
+__all__ = ["plan_device", "plan_torch", "send_split_torch"]
 
 
 def _check(counts: torch.Tensor, num_slots: int | None, total_tokens: int | None) -> int:
@@ -28,32 +33,124 @@ def _check(counts: torch.Tensor, num_slots: int | None, total_tokens: int | None
     return B
 
 
-def plan_torch(counts: torch.Tensor, num_slots: int | None = None, total_tokens: int | None = None,
-               validate: bool = True) -> MoonEPPlan:
-    """Plan one MoE layer on ``counts.device``; identical to :func:`moonrt.scheduler.moonep.plan`.
+def _slots(counts: torch.Tensor, num_slots: int | None, total_tokens: int | None, validate: bool) -> int:
+    """B after the input checks (all of them with ``validate``, else the shape checks only: no sync)."""
+    if not isinstance(counts, torch.Tensor) or counts.dim() != 2:
+        _check(counts, num_slots, total_tokens)  # raises with the standard message
+    R, E = counts.shape
+    if validate:
+        return _check(counts, num_slots, total_tokens)
+    if R < 1 or E % R != 0:
+        raise ValueError(f"counts: E={E} experts is not divisible by R={R} ranks")
+    B = E // R if num_slots is None else num_slots
+    if isinstance(B, bool) or not isinstance(B, numbers.Integral) or B < 0:
+        raise ValueError(f"num_slots: {num_slots!r}, expected an integer >= 0 (default E/R = {E // R})")
+    return int(B)
+
+
+def _finish(alloc3: torch.Tensor, quota: torch.Tensor, cap: torch.Tensor, B: int, ranks: torch.Tensor,
+            gi: torch.Tensor) -> MoonEPPlan:
+    """Slot policy, copies, donors and cut points from ``alloc3 [R, G, R]`` (group h's expert i computed
+    on rank u), as ``moonep._finish_core``: a rank with more than B foreign experts keeps the B with the
+    most assignments (ties: larger expert id); the others' assignments go back to their home rank.
+    ``quota [R, R]``: group h's assignments computed on rank u != h (zero diagonal). Works on each
+    rank's ``[G]`` share of its one donor group, never on ``[R, E]`` (but for the cut points).
+    ``ranks``, ``gi``: ``arange(R)``, ``arange(G)`` on the device."""
+    R, G, _ = alloc3.shape
+    top, donor = quota.max(0)  # every rank receives from at most one group
+    has = top > 0
+    dc = donor * has  # the donor, 0 where none
+    by_rank = alloc3.permute(0, 2, 1)  # [h, u, G] view
+    seg = by_rank[dc, ranks] * has[:, None]  # [R, G]: rank u's share of its donor group
+    if B < G:
+        if B > 0:
+            key = torch.where(seg > 0, seg * G + gi, -1)  # distinct per row among held experts
+            kept = torch.where(key >= torch.topk(key, B, dim=1).values[:, B - 1:], seg, 0)
+        else:
+            kept = torch.zeros_like(seg)
+            has = torch.zeros_like(has)
+        drop = seg - kept
+        by_rank.index_put_((dc, ranks), -drop, accumulate=True)
+        by_rank.index_put_((dc, dc), drop, accumulate=True)  # computed at home
+        seg = kept
+    donor = torch.where(has, donor, -1)
+    ids = torch.sort(torch.where(seg > 0, gi + dc[:, None] * G, R * G), dim=1).values[:, : min(B, G)]
+    copies = torch.where(ids == R * G, -1, ids)
+    if B > G:
+        copies = torch.nn.functional.pad(copies, (0, B - G), value=-1)
+    alloc = alloc3.view(R * G, R)
+    cuts = torch.nn.functional.pad(torch.cumsum(alloc, dim=1), (1, 0))
+    capacity = cap if B >= G else alloc.sum(0)
+    return MoonEPPlan(alloc=alloc, copies=copies, capacity=capacity, cuts=cuts, donor=donor, num_slots=B, target=cap)
+
+
+def plan_device(counts: torch.Tensor, num_slots: int | None = None, total_tokens: int | None = None,
+                validate: bool = True) -> MoonEPPlan:
+    """Plan one MoE layer on ``counts.device`` in a fixed number of vectorized ops; identical to
+    ``moonep.plan(counts, num_slots, total_tokens, method="prefix")``.
 
     Args:
         counts: ``[R, E]`` integer tensor, ``counts[r, e]`` = assignments source rank ``r`` routes
             to expert ``e`` (the all-gathered router counts).
-        num_slots: B, slots per rank (default ``E // R``).
-        total_tokens: tokens over all ranks, allows unequal per-rank totals (§6.1); see ``plan``.
-        validate: run the input checks (one device synchronization). With ``validate=False`` and
-            ``num_slots >= E // R`` the whole plan is computed without a host synchronization;
-            the caller then guarantees well-formed counts (equal per-rank totals unless
-            ``total_tokens`` is given).
+        num_slots: B, slots per rank (default ``E // R``); fewer than a rank needs: ``moonep.plan``.
+        total_tokens: tokens over all ranks, allows unequal per-rank totals (§6.1); see ``moonep.plan``.
+        validate: run the input checks (one device synchronization). With ``validate=False`` the
+            whole plan is computed without a host synchronization and with a number of ops that
+            depends on neither E nor R; the caller then guarantees well-formed counts.
 
     Returns:
         :class:`MoonEPPlan` whose arrays are int64 tensors on ``counts.device``.
     """
-    if not isinstance(counts, torch.Tensor) or counts.dim() != 2:
-        _check(counts, num_slots, total_tokens)  # raises with the standard message
+    B = _slots(counts, num_slots, total_tokens, validate)
     R, E = counts.shape
-    if validate or (num_slots is not None and num_slots < E // max(R, 1)):
-        B = _check(counts, num_slots, total_tokens)
-    else:
-        if E % R != 0:
-            raise ValueError(f"counts: E={E} experts is not divisible by R={R} ranks")
-        B = E // R if num_slots is None else int(num_slots)
+    G = E // R
+    dev = counts.device
+    load_RG = counts.sum(0, dtype=torch.int64).view(R, G)  # [group h, expert i]
+    group = load_RG.sum(1)  # [R]
+    tie = torch.arange(R - 1, -1, -1, device=dev)  # larger for smaller ranks
+    cap = (group.sum() + tie) // R  # floor(total / R), the first total % R ranks one more (§6.1)
+    bal = group - cap
+    # Group balance on a line. Row 0: donor positions (surplus descending, ties smaller rank, then the
+    # non-donors with 0); row 1: receiver positions by deficit likewise. Keys are distinct.
+    amount = torch.stack([bal, -bal]).clamp_min_(0)  # [2, R] by rank
+    order = torch.sort(amount * R + tie, dim=1, descending=True).indices
+    amount = torch.gather(amount, 1, order)  # [2, R] by position
+    ends = torch.cumsum(amount, 1)
+    d_ord, r_ord, P, c = order[0], order[1], ends[0], ends[1]
+    k = torch.searchsorted(P[:-1], c - amount[1], right=True)  # donor position serving receiver j
+    over = torch.gather(c, 0, torch.searchsorted(c, P)) - P  # donor k's overshoot (first boundary >= P_k)
+    # quota[h, u]: receivers from their donor, an overshooting donor from the next donor (0 elsewhere).
+    rows = torch.cat([d_ord[k], d_ord[1:]])
+    cols = torch.cat([r_ord, d_ord[:-1]])
+    quota = torch.zeros(R, R, dtype=torch.int64, device=dev).index_put_(
+        (rows, cols), torch.cat([amount[1], over[:-1]]), accumulate=True)
+    # North-west corner per group: receivers (quota descending, ties smaller rank) then the home rank
+    # (the rest) and experts (load descending, ties larger id) tile the group's line; the merged
+    # boundaries cut it into at most R + G - 1 pieces, each one (expert, rank) cell of alloc.
+    u_ord = torch.sort((quota * R + tie).fill_diagonal_(-1), dim=1, descending=True).indices  # home last
+    gi = torch.arange(G, device=dev)
+    e_ord = torch.sort(load_RG * G + gi, dim=1, descending=True).indices
+    u_end = torch.cumsum(torch.gather(quota, 1, u_ord[:, :-1]), 1)  # [R, R-1] receivers; home up to the group load
+    e_end = torch.cumsum(torch.gather(load_RG, 1, e_ord[:, :-1]), 1)  # [R, G-1]; the last end is the group load
+    ends = torch.sort(torch.cat([u_end, e_end, group[:, None]], 1), dim=1).values  # [R, R + G - 1]
+    starts = torch.nn.functional.pad(ends[:, :-1], (1, 0))
+    u = torch.gather(u_ord, 1, torch.searchsorted(u_end, starts, right=True))
+    i = torch.gather(e_ord, 1, torch.searchsorted(e_end, starts, right=True))
+    ranks = torch.arange(R, device=dev)
+    alloc3 = torch.zeros(R, G, R, dtype=torch.int64, device=dev).index_put_(
+        (ranks[:, None], i, u), ends - starts, accumulate=True)
+    return _finish(alloc3, quota, cap, B, ranks, gi)
+
+
+def plan_torch(counts: torch.Tensor, num_slots: int | None = None, total_tokens: int | None = None,
+               validate: bool = True) -> MoonEPPlan:
+    """Plan one MoE layer on ``counts.device`` with the greedy rounds; identical to
+    :func:`moonrt.scheduler.moonep.plan` (``method="greedy"``). Arguments as :func:`plan_device`.
+
+    Its op count grows with R and E/R (see the module docstring); :func:`plan_device` is the
+    fixed-op-count planner for devices."""
+    B = _slots(counts, num_slots, total_tokens, validate)
+    R, E = counts.shape
     G = E // R
     dev = counts.device
     c = counts.to(torch.int64)
@@ -63,17 +160,16 @@ def plan_torch(counts: torch.Tensor, num_slots: int | None = None, total_tokens:
     cap = total // R + (ranks < total % R).to(torch.int64)  # [R]
     bal = load.view(R, G).sum(1) - cap  # [R]
     quota = torch.zeros(R, R, dtype=torch.int64, device=dev)
-    donor = torch.full((R,), -1, dtype=torch.int64, device=dev)
     for _ in range(R - 1):
         # One-element index tensors keep indexing on the device (a 0-d index may be read on the host).
         h = torch.argmax(bal).reshape(1)  # first maximum: smaller rank on ties
         u = torch.argmin(bal).reshape(1)
         m = torch.where(bal.index_select(0, h) > 0, -bal.index_select(0, u), 0)
         quota.index_put_((h, u), m, accumulate=True)
-        donor.index_put_((u,), torch.where(m > 0, h, donor.index_select(0, u)))
         bal.index_put_((h,), -m, accumulate=True)
         bal.index_put_((u,), m, accumulate=True)
 
+    given = quota.clone()  # the split below consumes quota
     alloc3 = torch.zeros(R, G, R, dtype=torch.int64, device=dev)  # [group h, expert i, dest u]
     rem = load.view(R, G).clone()
     groups = ranks
@@ -85,24 +181,7 @@ def plan_torch(counts: torch.Tensor, num_slots: int | None = None, total_tokens:
         rem.index_put_((groups, e), -m, accumulate=True)
         alloc3.index_put_((groups, e, u), m, accumulate=True)
     alloc3[groups, :, groups] += rem  # the rest stays home (advanced index [R] x : x [R] -> [R, G])
-    alloc = alloc3.reshape(E, R)
-
-    home = torch.arange(E, device=dev) // G
-    foreign = (alloc.T > 0) & (home[None, :] != ranks[:, None])  # [R, E]
-    key = torch.where(foreign, torch.arange(E, device=dev)[None, :], E)
-    key = torch.sort(key, dim=1).values[:, : min(B, E)]
-    if B > E:
-        key = torch.cat([key, torch.full((R, B - E), E, dtype=torch.int64, device=dev)], dim=1)
-    copies = torch.where(key == E, -1, key)
-    if B < G:
-        need = foreign.sum(1)
-        if int(need.max()) > B:
-            r = int(torch.argmax(need))
-            raise ValueError(f"num_slots: {B} slots per rank are too few for exact balance with these counts: "
-                             f"rank {r} needs {int(need[r])} copies (E/R = {G} always suffices)")
-    cuts = torch.zeros(E, R + 1, dtype=torch.int64, device=dev)
-    cuts[:, 1:] = torch.cumsum(alloc, dim=1)
-    return MoonEPPlan(alloc=alloc, copies=copies, capacity=cap, cuts=cuts, donor=donor, num_slots=B)
+    return _finish(alloc3, given, cap, B, ranks, torch.arange(G, device=dev))
 
 
 def send_split_torch(counts: torch.Tensor, cuts: torch.Tensor, src: int) -> torch.Tensor:
