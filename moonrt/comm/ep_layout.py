@@ -162,3 +162,79 @@ def build_weight_layout(copies: torch.Tensor, num_experts: int, rank: int) -> We
         num_slots=num_slots, filled=mine >= 0,
     )
 
+
+
+# ---- one row per (token, destination rank) --------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DedupLayout:
+    """Token rows of one dispatch sent once per (token, destination rank) (K3_SYSTEMS §6.3, MoonEP).
+
+    The :class:`EPLayout` still says where every assignment goes and stays the unit of the static
+    shapes (rank d computes exactly ``layout.rows`` assignment rows); this layout says how the token
+    *activations* travel: a token whose k assignments land on m distinct ranks is sent m times, not k.
+
+    Send side: ``pair_token [pairs_sent]`` (token of each sent row, ordered by (destination, token)),
+    ``pair_send_splits`` (rows to each peer), ``assign_pair [s*k]`` (index of the sent row of each
+    assignment ``t * k + j``, counted inside its destination's chunk: the metadata the receiver needs).
+    Receive side: ``pair_recv_splits`` (rows from each peer, ordered by (source, source's order)),
+    ``expand [rows]`` (received row of each expert row: expert rows are ``received[expand]``).
+    ``pairs_sent <= s * k`` and ``pairs_recv <= rows``; both are routing dependent (internal buffers only).
+    """
+
+    pair_token: torch.Tensor
+    pair_send_splits: list[int]
+    pair_recv_splits: list[int]
+    expand: torch.Tensor
+
+    @property
+    def pairs_sent(self) -> int:
+        return int(self.pair_token.shape[0])
+
+    @property
+    def pairs_recv(self) -> int:
+        return int(self.expand.max()) + 1 if self.expand.numel() else 0
+
+
+def assignment_destinations(layout: EPLayout) -> torch.Tensor:
+    """``dst [s*k]`` int64: the rank that computes each assignment ``t * k + j`` under ``layout``."""
+    world = layout.world_size
+    dst = torch.empty(layout.tokens * layout.top_k, dtype=torch.int64, device=layout.send_perm.device)
+    ranks = torch.arange(world, device=dst.device)
+    dst[layout.send_perm] = torch.repeat_interleave(
+        ranks, torch.as_tensor(layout.send_splits, dtype=torch.int64, device=dst.device))
+    return dst
+
+
+def dedup_send_side(layout: EPLayout) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    """Distinct (destination, token) pairs of this rank: ``(pair_token, pair_send_splits, meta)``.
+
+    ``meta [s*k]`` is in send-buffer order (``layout.send_perm``): for each sent assignment, the index
+    of its token's row inside the chunk going to the same destination (what the receiver gets with
+    the assignment, to find the row; MoonEP's "repeated destination is encoded, not re-sent").
+    """
+    s, k, world = layout.tokens, layout.top_k, layout.world_size
+    dst = assignment_destinations(layout)
+    tok = torch.arange(s, device=dst.device).repeat_interleave(k)
+    keys, inverse = torch.unique(dst * max(s, 1) + tok, sorted=True, return_inverse=True)
+    pair_dst = keys // max(s, 1)
+    splits = torch.bincount(pair_dst, minlength=world)
+    first = torch.cumsum(splits, 0) - splits  # first pair row of each destination's chunk
+    local = inverse - first[dst]
+    return keys % max(s, 1), splits.tolist(), local.index_select(0, layout.send_perm)
+
+
+def dedup_recv_side(layout: EPLayout, meta_recv: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+    """From the metadata received with the assignments (``meta_recv [rows]``, receive-buffer order:
+    chunks by source rank), ``(pair_recv_splits, expand [rows])`` in expert-row order."""
+    world = layout.world_size
+    dev = meta_recv.device
+    src = torch.repeat_interleave(torch.arange(world, device=dev),
+                                  torch.as_tensor(layout.recv_splits, dtype=torch.int64, device=dev))
+    per_src = torch.zeros(world, dtype=torch.int64, device=dev)
+    if meta_recv.numel():  # rows of a chunk are numbered 0..n-1 and each has an assignment: n = max + 1
+        per_src.scatter_reduce_(0, src, meta_recv + 1, reduce="amax")
+    first = torch.cumsum(per_src, 0) - per_src
+    pair_of_buffer = first[src] + meta_recv
+    return per_src.tolist(), pair_of_buffer.index_select(0, layout.recv_perm)

@@ -10,9 +10,14 @@ top_k, num_experts, num_slots)``, verbs in pairs (``dispatch`` returns a :class:
    collective; the table and this rank's top-k ids are copied to the host once;
 2. every rank runs the same deterministic planner (:func:`moonrt.scheduler.moonep.plan`) and
    computes its own send/receive layout locally (:mod:`moonrt.comm.ep_layout`);
-3. one all-to-all moves tokens (and their top-k weights) into expert-grouped rows. Rank d receives
-   exactly ``plan.capacity[d]`` rows (``s * k`` when every rank passes the same s), whatever the
-   routing: the output shape depends only on s;
+3. all-to-alls move tokens (and their top-k weights) into expert-grouped rows. Rank d computes
+   exactly ``plan.capacity[d]`` rows, one per assignment (``s * k`` when every rank passes the same
+   s), whatever the routing: the output shape depends only on s. With ``dedup`` (the default) a
+   token travels once per destination rank, however many of its k assignments land there: one
+   int64 per assignment tells the receiver which token row it uses, the receiver expands the rows
+   (and, in combine, sums them back into one row per token before the return trip); the router
+   weights travel per assignment. Without it, one token row per assignment. Repeated experts in a
+   token's top-k are valid: each is an assignment of its own;
 4. ``prefetch_weights`` copies the planned experts' weights from their home ranks into the slot
    rows (from one :class:`SlotPool` that all layers may share); their gradients flow back to the
    home rank's parameter;
@@ -30,8 +35,14 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from moonrt.comm.ep_collectives import combine_tokens, dispatch_tokens
-from moonrt.comm.ep_layout import EPLayout, WeightLayout, build_layout, build_weight_layout
+from moonrt.comm.ep_collectives import (
+    build_dedup,
+    combine_tokens,
+    combine_tokens_dedup,
+    dispatch_tokens,
+    dispatch_tokens_dedup,
+)
+from moonrt.comm.ep_layout import DedupLayout, EPLayout, WeightLayout, build_layout, build_weight_layout
 from moonrt.comm.ep_slots import SlotPool, SlotRefill, fetch_slot_weights
 from moonrt.scheduler.placement import Placement
 
@@ -39,7 +50,6 @@ _ERRORS = {
     1: "x / topk_ids / topk_weights shapes or dtypes",
     2: "s larger than the configured capacity",
     3: "topk ids out of range",
-    4: "duplicate experts in one token's top-k",
 }
 
 
@@ -50,6 +60,11 @@ class EPHandle:
     ``plan``: the :class:`~moonrt.scheduler.placement.Placement` of this call (MoonEP: the planner's ``MoonEPPlan``).
     ``counts [R, E]`` int64: the all-gathered routing counts. ``topk_weights [s, k]``: this rank's
     router weights (combine applies them). ``layout`` / ``weight_layout``: this rank's transport.
+
+    Rows and assignments: every expert row is one token-expert assignment (``rows`` of them, the
+    static ``plan.capacity[rank]``). With ``dedup`` set, the rows of one (source token, this rank)
+    were received as one transfer row and expanded: ``dedup.expand[row]`` is that transfer row,
+    ``dedup.pairs_recv <= rows`` of them came in, ``dedup.pairs_sent <= s * k`` went out.
     """
 
     plan: object
@@ -58,6 +73,9 @@ class EPHandle:
     layout: EPLayout
     weight_layout: WeightLayout
     rank: int
+    dedup: DedupLayout | None = None
+    row_weights: torch.Tensor | None = None
+    """``[rows]`` router weight of each row (the dispatch's ``recv_weights``; dedup's weighted combine uses it)."""
     deps: list[torch.Tensor] = dataclasses.field(default_factory=list)
     """The dispatched rows and prefetched slots, passed to combine to fix the backward order."""
     refill: list[SlotRefill] = dataclasses.field(default_factory=list)
@@ -93,17 +111,24 @@ class EPCounters:
     the entry for itself is a local copy). ``weight_bytes_sent [R]``: expert-weight bytes sent to
     each peer by ``prefetch_weights``. ``rows_computed``: rows received by the last dispatch.
     ``experts_prefetched``: slots filled, summed over calls. ``calls``: dispatches.
+    ``rows_sent [R]``: token rows dispatch sent to each peer (one per (token, peer) with dedup, one
+    per assignment without); ``assignments_sent [R]``: assignments sent to each peer. Token bytes
+    count the activations (dispatch and combine), the router weight of each assignment and, with
+    dedup, its 8-byte row index.
     """
 
     token_bytes_sent: list[int]
     weight_bytes_sent: list[int]
+    rows_sent: list[int] = dataclasses.field(default_factory=list)
+    assignments_sent: list[int] = dataclasses.field(default_factory=list)
     rows_computed: int = 0
     experts_prefetched: int = 0
     calls: int = 0
 
     @classmethod
     def zeros(cls, world: int) -> EPCounters:
-        return cls(token_bytes_sent=[0] * world, weight_bytes_sent=[0] * world)
+        return cls(token_bytes_sent=[0] * world, weight_bytes_sent=[0] * world, rows_sent=[0] * world,
+                   assignments_sent=[0] * world)
 
 
 class MoonEPDispatcher:
@@ -118,10 +143,12 @@ class MoonEPDispatcher:
         num_experts: E, divisible by the group size R.
         num_slots: B, prefetch slots per rank (default E/R, which always suffices, §6.2).
         pool: optional :class:`SlotPool` shared with other layers' dispatchers.
+        dedup: send a token once per destination rank (default) instead of once per assignment.
     """
 
     def __init__(self, group: dist.ProcessGroup | None, capacity: int, hidden: int, top_k: int,
-                 num_experts: int, num_slots: int | None = None, *, pool: SlotPool | None = None) -> None:
+                 num_experts: int, num_slots: int | None = None, *, pool: SlotPool | None = None,
+                 dedup: bool = True) -> None:
         self.group = group
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
@@ -139,7 +166,9 @@ class MoonEPDispatcher:
         self.num_slots = self.experts_per_rank if num_slots is None else num_slots
         if isinstance(self.num_slots, bool) or not isinstance(self.num_slots, int) or self.num_slots < 0:
             raise ValueError(f"num_slots = {num_slots!r}: expected an integer >= 0")
-        self.pool = pool
+        if not isinstance(dedup, bool):
+            raise ValueError(f"dedup = {dedup!r}: expected True or False")
+        self.pool, self.dedup = pool, dedup
         self.counters = EPCounters.zeros(self.world_size)
         self.last_counts: torch.Tensor | None = None
         """``[R, E]`` int64 routing counts of the last dispatch (routing traces, metrics)."""
@@ -176,13 +205,6 @@ class MoonEPDispatcher:
         if s and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= E):
             bad = topk_ids[(topk_ids < 0) | (topk_ids >= E)][0]
             return 3, f"topk_ids: value {int(bad)} out of range, expected expert ids in [0, {E})"
-        if s and k > 1:
-            srt = topk_ids.sort(dim=1).values
-            dup = (srt[:, 1:] == srt[:, :-1]).any(1)
-            if bool(dup.any()):
-                t = int(dup.nonzero()[0])
-                return 4, (f"topk_ids: token {t} lists expert {topk_ids[t].tolist()} with a duplicate, "
-                           "expected k distinct experts per token")
         return 0, ""
 
     def dispatch(
@@ -192,7 +214,8 @@ class MoonEPDispatcher:
 
         Args:
             x: ``[s, H]`` float, this rank's tokens (``s <= capacity``).
-            topk_ids: ``[s, k]`` int64, distinct expert ids in ``[0, E)`` per token.
+            topk_ids: ``[s, k]`` int64, expert ids in ``[0, E)`` (a token may list an expert twice:
+                two assignments, both computed and both weighted).
             topk_weights: ``[s, k]`` float, router weights (applied by :meth:`combine`).
 
         Returns:
@@ -239,13 +262,21 @@ class MoonEPDispatcher:
             raise RuntimeError(f"MoonEP layout has {layout.rows} rows, plan capacity is "
                                f"{int(placement.capacity[self.rank])}: planner and layout disagree")
         wlayout = build_weight_layout(placement.copies, E, self.rank)
-        recv_x, recv_w = dispatch_tokens(x, topk_weights, layout, self.group)
+        dd = build_dedup(layout, self.group, device) if self.dedup else None
+        if dd is None:
+            recv_x, recv_w = dispatch_tokens(x, topk_weights, layout, self.group)
+        else:
+            recv_x, recv_w = dispatch_tokens_dedup(x, topk_weights, layout, dd, self.group)
         handle = EPHandle(plan=plan, counts=counts, topk_weights=topk_weights, layout=layout,
-                          weight_layout=wlayout, rank=self.rank)
+                          weight_layout=wlayout, rank=self.rank, dedup=dd, row_weights=recv_w)
         handle.deps.append(recv_x)
         row_bytes = self.hidden * x.element_size()
-        for d, n in enumerate(layout.send_splits):
-            self.counters.token_bytes_sent[d] += n * (row_bytes + topk_weights.element_size())
+        rows_sent = layout.send_splits if dd is None else dd.pair_send_splits
+        per_assignment = topk_weights.element_size() + (0 if dd is None else 8)
+        for d, (n, a) in enumerate(zip(rows_sent, layout.send_splits)):
+            self.counters.token_bytes_sent[d] += n * row_bytes + a * per_assignment
+            self.counters.rows_sent[d] += n
+            self.counters.assignments_sent[d] += a
         self.counters.rows_computed = layout.rows
         self.last_counts, self.last_rows = counts, placement.capacity
         self.counters.calls += 1
@@ -299,15 +330,25 @@ class MoonEPDispatcher:
                 ``recv_weights``).
 
         Returns:
-            ``[s, H]``: ``out[t] = sum_j w[t, j] * y[row(t, j)]``, summed in fp32 with j ascending.
+            ``[s, H]``: ``out[t] = sum_j w[t, j] * y[row(t, j)]``, summed in fp32 with j ascending
+            (with dedup: each destination sums its rows of t in fp32 and returns one row in
+            ``y.dtype``, the source sums those in fp32).
         """
         if y.dim() != 2 or y.shape[0] != handle.layout.rows:
             raise ValueError(f"y: shape {tuple(y.shape)}, expected [rows = {handle.layout.rows}, H]")
-        w = handle.topk_weights if weighted else torch.ones_like(handle.topk_weights)
         refill = handle.refill[0] if handle.refill else None
-        out = combine_tokens(y, w, handle.layout, self.group, deps=tuple(handle.deps), refill=refill)
+        if handle.dedup is None:
+            w = handle.topk_weights if weighted else torch.ones_like(handle.topk_weights)
+            out = combine_tokens(y, w, handle.layout, self.group, deps=tuple(handle.deps), refill=refill)
+            back = handle.layout.recv_splits
+        else:  # weight the rows here (fp32), sum each token's rows, send one row per token back
+            acc = torch.promote_types(y.dtype, torch.float32)
+            yw = y.to(acc) * handle.row_weights.to(acc).unsqueeze(1) if weighted else y
+            out = combine_tokens_dedup(yw, handle.layout, handle.dedup, self.group, deps=tuple(handle.deps),
+                                       refill=refill, dtype=y.dtype)
+            back = handle.dedup.pair_recv_splits
         row_bytes = y.shape[1] * y.element_size()
-        for d, n in enumerate(handle.layout.recv_splits):
+        for d, n in enumerate(back):
             self.counters.token_bytes_sent[d] += n * row_bytes
         return out
 
