@@ -220,11 +220,15 @@ class _DedupCombine(torch.autograd.Function):
     def forward(ctx, y, layout, dd, group, refill, dtype, *deps):  # type: ignore[override]
         ctx.layout, ctx.dd, ctx.group, ctx.refill, ctx.num_deps = layout, dd, group, refill, len(deps)
         ctx.dtype = y.dtype
+        ctx.save_for_backward(*deps[:1])
         return _rows_to_pairs(y, layout, dd, group, dtype)
 
     @staticmethod
     @no_autocast
     def backward(ctx, grad_out):  # type: ignore[override]
+        # Unpack first: under activation recomputation (non-reentrant checkpoint) that replays this layer's
+        # forward, whose prefetch rewrites the shared slot pool; the refill below must come after it.
+        ctx.saved_tensors  # noqa: B018
         if ctx.refill is not None:  # the expert backward of this layer reads the shared slot pool next
             ctx.refill()
         grad_y = _pairs_to_rows(grad_out, ctx.layout, ctx.dd, ctx.group).to(ctx.dtype)

@@ -238,3 +238,56 @@ def dedup_recv_side(layout: EPLayout, meta_recv: torch.Tensor) -> tuple[list[int
     first = torch.cumsum(per_src, 0) - per_src
     pair_of_buffer = first[src] + meta_recv
     return per_src.tolist(), pair_of_buffer.index_select(0, layout.recv_perm)
+
+
+# ---- segments padded for grouped GEMMs ------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PaddedLayout:
+    """Expert rows with every segment padded to a multiple of ``token_padding`` (K3_SYSTEMS §6.3).
+
+    ``cu_seqlens [G + 1]``: padded segment bounds (each a multiple of ``token_padding``); segment i
+    holds its real rows first, then zero fill up to ``cu_seqlens[i + 1]``. ``row_index [rows]``:
+    padded position of each unpadded row. ``pad_ranges [n, 2]``: the zero-fill ``[start, end)``
+    ranges (segment tails, then the tail after the last segment up to ``padded_rows``).
+    ``padded_rows``: the static row count, :func:`padded_rows` of the unpadded count.
+    """
+
+    token_padding: int
+    padded_rows: int
+    cu_seqlens: torch.Tensor
+    row_index: torch.Tensor
+    pad_ranges: torch.Tensor
+
+
+def padded_rows(rows: int, max_segments: int, token_padding: int) -> int:
+    """Static padded row count: ``rows`` real rows in at most ``max_segments`` non-empty segments, each
+    rounded up to a multiple of ``token_padding``, fit in ``rows + min(max_segments, rows) * (p - 1)``
+    rows, itself rounded up to a multiple of ``p`` (it depends on ``rows`` only, not on the routing)."""
+    p = token_padding
+    bound = rows + min(max_segments, rows) * (p - 1)
+    return -(-bound // p) * p
+
+
+def build_padded(cu_seqlens: torch.Tensor, max_segments: int, token_padding: int) -> PaddedLayout:
+    """Pad the segments of ``cu_seqlens [G + 1]`` (unpadded, from 0) to multiples of ``token_padding``."""
+    p = token_padding
+    cu = cu_seqlens.to(torch.int64)
+    sizes = cu[1:] - cu[:-1]
+    padded = (sizes + p - 1) // p * p
+    cu_pad = torch.zeros_like(cu)
+    cu_pad[1:] = padded.cumsum(0)
+    rows = int(cu[-1])
+    total = padded_rows(rows, max_segments, p)
+    if int(cu_pad[-1]) > total:
+        raise ValueError(f"cu_seqlens: {int((sizes > 0).sum())} non-empty segments, expected at most "
+                         f"max_segments = {max_segments}")
+    seg = torch.repeat_interleave(torch.arange(sizes.shape[0], device=cu.device), sizes)
+    row_index = torch.arange(rows, device=cu.device) - cu[:-1][seg] + cu_pad[:-1][seg]
+    starts, ends = cu_pad[:-1] + sizes, cu_pad[1:]
+    keep = ends > starts
+    tail = torch.tensor([[int(cu_pad[-1]), total]], dtype=torch.int64, device=cu.device)
+    ranges = torch.cat([torch.stack([starts[keep], ends[keep]], 1), tail[tail[:, 1] > tail[:, 0]]])
+    return PaddedLayout(token_padding=p, padded_rows=total, cu_seqlens=cu_pad, row_index=row_index,
+                        pad_ranges=ranges)

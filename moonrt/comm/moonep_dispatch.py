@@ -17,7 +17,10 @@ top_k, num_experts, num_slots)``, verbs in pairs (``dispatch`` returns a :class:
    int64 per assignment tells the receiver which token row it uses, the receiver expands the rows
    (and, in combine, sums them back into one row per token before the return trip); the router
    weights travel per assignment. Without it, one token row per assignment. Repeated experts in a
-   token's top-k are valid: each is an assignment of its own;
+   token's top-k are valid: each is an assignment of its own. With ``token_padding`` p > 1 every
+   segment is padded with zero rows to a multiple of p for grouped GEMMs (``handle.padding``: the
+   padded bounds, the zero-fill ranges, and a static ``padded_rows``); combine reads only the real
+   rows, so whatever the expert compute writes into the padding never reaches the output or a gradient;
 4. ``prefetch_weights`` copies the planned experts' weights from their home ranks into the slot
    rows (from one :class:`SlotPool` that all layers may share); their gradients flow back to the
    home rank's parameter;
@@ -42,7 +45,15 @@ from moonrt.comm.ep_collectives import (
     dispatch_tokens,
     dispatch_tokens_dedup,
 )
-from moonrt.comm.ep_layout import DedupLayout, EPLayout, WeightLayout, build_layout, build_weight_layout
+from moonrt.comm.ep_layout import (
+    DedupLayout,
+    EPLayout,
+    PaddedLayout,
+    WeightLayout,
+    build_layout,
+    build_padded,
+    build_weight_layout,
+)
 from moonrt.comm.ep_slots import SlotPool, SlotRefill, fetch_slot_weights
 from moonrt.scheduler.placement import Placement
 
@@ -74,6 +85,9 @@ class EPHandle:
     weight_layout: WeightLayout
     rank: int
     dedup: DedupLayout | None = None
+    padding: PaddedLayout | None = None
+    """Set when ``token_padding > 1``: dispatch's rows are ``padding.padded_rows``, real row r sits at
+    ``padding.row_index[r]``, ``padding.pad_ranges`` are zero fill."""
     row_weights: torch.Tensor | None = None
     """``[rows]`` router weight of each row (the dispatch's ``recv_weights``; dedup's weighted combine uses it)."""
     deps: list[torch.Tensor] = dataclasses.field(default_factory=list)
@@ -83,24 +97,34 @@ class EPHandle:
 
     @property
     def rows(self) -> int:
-        """Rows this rank computes (= ``plan.capacity[rank]``)."""
+        """Assignment rows this rank computes (= ``plan.capacity[rank]``), padding excluded."""
         return self.layout.rows
+
+    @property
+    def out_rows(self) -> int:
+        """Rows of dispatch's output and combine's input: ``padding.padded_rows``, else :attr:`rows`."""
+        return self.layout.rows if self.padding is None else self.padding.padded_rows
+
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        """``[E + B + 1]`` int64 segment bounds over dispatch's output rows (padded if ``padding``)."""
+        return self.layout.cu_seqlens if self.padding is None else self.padding.cu_seqlens
 
     def home_cu_seqlens(self) -> torch.Tensor:
         """``[E/R + 1]`` int64: segment bounds of this rank's home experts (rows ``[0, home_rows)``)."""
         E = self.counts.shape[1]
         per_rank = E // self.counts.shape[0]
-        return self.layout.cu_seqlens[self.rank * per_rank:(self.rank + 1) * per_rank + 1]
+        return self.cu_seqlens[self.rank * per_rank:(self.rank + 1) * per_rank + 1]
 
     def slot_cu_seqlens(self) -> torch.Tensor:
         """``[B + 1]`` int64: segment bounds of the slots, relative to ``home_rows``."""
         E = self.counts.shape[1]
-        return self.layout.cu_seqlens[E:] - self.layout.cu_seqlens[E]
+        return self.cu_seqlens[E:] - self.cu_seqlens[E]
 
     @property
     def home_rows(self) -> int:
-        """Rows ``[0, home_rows)`` belong to home experts; ``[home_rows, rows)`` to the slots."""
-        return int(self.layout.cu_seqlens[self.counts.shape[1]])
+        """Rows ``[0, home_rows)`` belong to home experts; ``[home_rows, out_rows)`` to the slots (and padding)."""
+        return int(self.cu_seqlens[self.counts.shape[1]])
 
 
 @dataclasses.dataclass(slots=True)
@@ -144,11 +168,12 @@ class MoonEPDispatcher:
         num_slots: B, prefetch slots per rank (default E/R, which always suffices, §6.2).
         pool: optional :class:`SlotPool` shared with other layers' dispatchers.
         dedup: send a token once per destination rank (default) instead of once per assignment.
+        token_padding: pad every segment to a multiple of this many rows (1: no padding).
     """
 
     def __init__(self, group: dist.ProcessGroup | None, capacity: int, hidden: int, top_k: int,
                  num_experts: int, num_slots: int | None = None, *, pool: SlotPool | None = None,
-                 dedup: bool = True) -> None:
+                 dedup: bool = True, token_padding: int = 1) -> None:
         self.group = group
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
@@ -168,7 +193,9 @@ class MoonEPDispatcher:
             raise ValueError(f"num_slots = {num_slots!r}: expected an integer >= 0")
         if not isinstance(dedup, bool):
             raise ValueError(f"dedup = {dedup!r}: expected True or False")
-        self.pool, self.dedup = pool, dedup
+        if isinstance(token_padding, bool) or not isinstance(token_padding, int) or token_padding < 1:
+            raise ValueError(f"token_padding = {token_padding!r}: expected an integer >= 1")
+        self.pool, self.dedup, self.token_padding = pool, dedup, token_padding
         self.counters = EPCounters.zeros(self.world_size)
         self.last_counts: torch.Tensor | None = None
         """``[R, E]`` int64 routing counts of the last dispatch (routing traces, metrics)."""
@@ -219,7 +246,9 @@ class MoonEPDispatcher:
             topk_weights: ``[s, k]`` float, router weights (applied by :meth:`combine`).
 
         Returns:
-            ``recv_x [rows, H]``: the assignments this rank computes, grouped by segment.
+            ``recv_x [rows, H]``: the assignments this rank computes, grouped by segment (with
+            ``token_padding`` p > 1: ``[handle.out_rows, H]``, each segment followed by zero rows up to a
+            multiple of p, ``recv_weights`` 0 there; ``handle.padding.pad_ranges`` lists them).
             ``recv_weights [rows]``: their router weights (for kernels that fold the weight into the
             expert; then call ``combine(..., weighted=False)``).
             ``cu_seqlens [E+B+1]`` int64 (CPU): segment i spans ``cu_seqlens[i]:cu_seqlens[i+1]``;
@@ -267,8 +296,14 @@ class MoonEPDispatcher:
             recv_x, recv_w = dispatch_tokens(x, topk_weights, layout, self.group)
         else:
             recv_x, recv_w = dispatch_tokens_dedup(x, topk_weights, layout, dd, self.group)
+        row_weights, pad = recv_w, None
+        if self.token_padding > 1:  # zero rows after every segment; combine reads only the real rows
+            pad = build_padded(layout.cu_seqlens, self.experts_per_rank + self.num_slots, self.token_padding)
+            idx = pad.row_index.to(recv_x.device)
+            recv_x = recv_x.new_zeros(pad.padded_rows, recv_x.shape[1]).index_copy(0, idx, recv_x)
+            recv_w = recv_w.new_zeros(pad.padded_rows).index_copy(0, idx, recv_w)
         handle = EPHandle(plan=plan, counts=counts, topk_weights=topk_weights, layout=layout,
-                          weight_layout=wlayout, rank=self.rank, dedup=dd, row_weights=recv_w)
+                          weight_layout=wlayout, rank=self.rank, dedup=dd, padding=pad, row_weights=row_weights)
         handle.deps.append(recv_x)
         row_bytes = self.hidden * x.element_size()
         rows_sent = layout.send_splits if dd is None else dd.pair_send_splits
@@ -280,7 +315,7 @@ class MoonEPDispatcher:
         self.counters.rows_computed = layout.rows
         self.last_counts, self.last_rows = counts, placement.capacity
         self.counters.calls += 1
-        return recv_x, recv_w, layout.cu_seqlens, handle
+        return recv_x, recv_w, handle.cu_seqlens, handle
 
     def prefetch_weights(self, handle: EPHandle, expert_weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """Fill the slot rows with copies of the planned experts' weights, point-to-point from home ranks.
@@ -334,8 +369,10 @@ class MoonEPDispatcher:
             (with dedup: each destination sums its rows of t in fp32 and returns one row in
             ``y.dtype``, the source sums those in fp32).
         """
-        if y.dim() != 2 or y.shape[0] != handle.layout.rows:
-            raise ValueError(f"y: shape {tuple(y.shape)}, expected [rows = {handle.layout.rows}, H]")
+        if y.dim() != 2 or y.shape[0] != handle.out_rows:
+            raise ValueError(f"y: shape {tuple(y.shape)}, expected [rows = {handle.out_rows}, H]")
+        if handle.padding is not None:  # the real rows only: padding never reaches the output or a gradient
+            y = y.index_select(0, handle.padding.row_index.to(y.device))
         refill = handle.refill[0] if handle.refill else None
         if handle.dedup is None:
             w = handle.topk_weights if weighted else torch.ones_like(handle.topk_weights)

@@ -12,6 +12,7 @@ import torch
 from dist import dist_run
 
 from moonrt.comm.ep_alltoall import AllToAllDispatcher
+from moonrt.comm.ep_layout import padded_rows
 from moonrt.comm.ep_ref import rows_reference
 from moonrt.comm.ep_slots import SlotPool
 from moonrt.comm.moonep_dispatch import MoonEPDispatcher
@@ -54,12 +55,14 @@ def make_problem(world: int, s: int | tuple[int, ...], k: int, routing: str, see
     return {"xs": xs, "ids": ids, "ws": ws, "experts": experts, "gouts": gouts}
 
 
-def _rank_fn(rank: int, world: int, s: int, k: int, routing: str, baseline: bool, dedup: bool) -> dict:
+def _rank_fn(rank: int, world: int, s: int, k: int, routing: str, baseline: bool, dedup: bool,
+             padding: int = 1) -> dict:
     torch.manual_seed(0)
     p = make_problem(world, s, k, routing)
     per = E // world
     cls = AllToAllDispatcher if baseline else MoonEPDispatcher
-    disp = cls(None, capacity=s if isinstance(s, int) else max(s), hidden=H, top_k=k, num_experts=E, dedup=dedup)
+    disp = cls(None, capacity=s if isinstance(s, int) else max(s), hidden=H, top_k=k, num_experts=E, dedup=dedup,
+               token_padding=padding)
     x = p["xs"][rank].clone().requires_grad_()
     w = p["ws"][rank].clone().requires_grad_()
     home = [t[rank * per:(rank + 1) * per].clone().requires_grad_() for t in p["experts"]]
@@ -67,15 +70,32 @@ def _rank_fn(rank: int, world: int, s: int, k: int, routing: str, baseline: bool
     slots = disp.prefetch_weights(handle, home)
     y_home = grouped_glu_experts(recv_x[: handle.home_rows], handle.home_cu_seqlens(), *home)
     y_slot = grouped_glu_experts(recv_x[handle.home_rows:], handle.slot_cu_seqlens(), *slots)
-    out = disp.combine(torch.cat([y_home, y_slot]), handle)
+    y = torch.cat([y_home, y_slot])
+    real = torch.arange(handle.rows)
+    if padding > 1:
+        pad = handle.padding
+        assert bool((cu % padding == 0).all()) and recv_x.shape[0] == handle.out_rows == pad.padded_rows
+        assert handle.out_rows == padded_rows(handle.rows, E // world + disp.num_slots, padding)
+        mask = torch.zeros(handle.out_rows, dtype=torch.bool)
+        for a, b in pad.pad_ranges.tolist():
+            mask[a:b] = True
+        assert int(mask.sum()) == handle.out_rows - handle.rows and not bool(mask[pad.row_index].any())
+        assert not bool(recv_x[mask].any()) and not bool(recv_w[mask].any()), "padding rows must be zero"
+        # whatever the expert compute leaves in the padding (here: a function of every expert weight)
+        # must reach neither the output nor any gradient
+        y = y + mask.unsqueeze(1) * (1e3 * sum(t.sum() for t in home + list(slots)))
+        real = pad.row_index
+    out = disp.combine(y, handle)
     (out * p["gouts"][rank]).sum().backward()
     # recv_weights is differentiable too: its gradient must reach topk_weights.
     w2 = p["ws"][rank].clone().requires_grad_()
     _, recv_w2, _, _ = disp.dispatch(x.detach(), p["ids"][rank], w2)
-    (recv_w2 * torch.arange(recv_w2.shape[0], dtype=torch.float32)).sum().backward()
+    (recv_w2[real] * torch.arange(real.shape[0], dtype=torch.float32)).sum().backward()
+    cu_real = handle.layout.cu_seqlens
     return {
         "out": out.detach(), "gx": x.grad, "gw": w.grad, "gexperts": [t.grad for t in home],
-        "recv_x": recv_x.detach(), "recv_w": recv_w.detach(), "cu": cu.tolist(), "rows": handle.rows,
+        "recv_x": recv_x[real].detach(), "recv_w": recv_w[real].detach(), "cu": cu_real.tolist(),
+        "rows": handle.rows,
         "alloc": torch.as_tensor(handle.plan.alloc), "copies": torch.as_tensor(handle.plan.copies),
         "capacity": [int(c) for c in handle.plan.capacity], "gw2": w2.grad,
         "counters": disp.counters,
@@ -83,8 +103,8 @@ def _rank_fn(rank: int, world: int, s: int, k: int, routing: str, baseline: bool
 
 
 def _check(world: int, s: int | tuple[int, ...], k: int, routing: str, baseline: bool = False,
-           dedup: bool = True) -> list[dict]:
-    res = dist_run(_rank_fn, world, s, k, routing, baseline, dedup, timeout=120)
+           dedup: bool = True, padding: int = 1) -> list[dict]:
+    res = dist_run(_rank_fn, world, s, k, routing, baseline, dedup, padding, timeout=120)
     p = make_problem(world, s, k, routing)
     xs = [x.clone().requires_grad_() for x in p["xs"]]
     ws = [w.clone().requires_grad_() for w in p["ws"]]
@@ -162,6 +182,13 @@ def test_moonep_matches_reference(world: int, routing: str, k: int, dedup: bool)
         assert bool((copies[1:] >= 0).any(1).all()) and bool((copies[0] < 0).all())
         assert sum(r["counters"].experts_prefetched for r in res) == int((copies >= 0).sum())
         assert res[1]["counters"].weight_bytes_sent[0] == 0 < res[0]["counters"].weight_bytes_sent[1]
+
+
+@pytest.mark.parametrize("dedup", [True, False])
+def test_token_padding_matches_reference(dedup: bool) -> None:
+    """Segments padded to multiples of 4 (zero fill, static padded row count): same outputs, gradients and
+    real rows as without padding, even with the padding rows of the expert output set to garbage."""
+    _check(4, s=6, k=3, routing="repeated", dedup=dedup, padding=4)
 
 
 def test_alltoall_baseline_matches_reference() -> None:
