@@ -501,7 +501,8 @@ class ParallelConfig:
     trip); ``false``: one row per token-expert assignment."""
     token_padding: int = 1
     """Expert parallelism: pad every expert segment of the dispatched rows with zero rows to a multiple of this
-    (aligned grouped GEMMs); 1 = no padding. Padding rows never reach the output or a gradient."""
+    (aligned grouped GEMMs); 1 = no padding. Padding rows never reach the output or a gradient. Both fields act
+    only with ``ep > 1`` (one process has no dispatcher to configure)."""
     zero: int = 0
     """ZeRO stage of data parallelism: 0 replicates the AdamW states on every replica, 1 shards them (and the
     reduced gradients) over each parameter's replicas (:class:`moonrt.comm.zero.Zero1`); with one replica a no-op."""

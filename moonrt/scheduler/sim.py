@@ -225,6 +225,12 @@ def format_table(summary: dict, maxvio_mean: float, warmup: int = 0) -> str:
                      f"{v['token_MB_per_layer_step']:>10.1f} {v['plan_ms_median']:>9.3f}")
     lines.append(f"balance = max rank load / mean (mean and worst over steps >= {warmup} x layers); "
                  "MB per layer-step; tokens = dispatch bytes between ranks; plan ms = median per layer plan")
+    m = summary.get("moonep", {})
+    if "token_rows_per_layer_step_dedup" in m:
+        lines.append(f"moonep, one row per (token, destination rank) (parallel.ep_dedup, modelled from counts): "
+                     f"{m['token_rows_per_layer_step_dedup']:.0f} rows / {m['token_MB_per_layer_step_dedup']:.1f} MB "
+                     f"per layer-step vs {m['token_rows_per_layer_step']:.0f} / {m['token_MB_per_layer_step']:.1f} "
+                     "per assignment")
     return "\n".join(lines)
 
 
