@@ -12,7 +12,7 @@ import torch
 from dist import dist_run
 
 from moonrt.comm.ep_alltoall import AllToAllDispatcher
-from moonrt.comm.ep_layout import padded_rows
+from moonrt.comm.ep_layout import assignment_destinations, padded_rows
 from moonrt.comm.ep_ref import rows_reference
 from moonrt.comm.ep_slots import SlotPool
 from moonrt.comm.moonep_dispatch import MoonEPDispatcher
@@ -285,3 +285,30 @@ def test_bf16_tokens_keep_fp32_router_weights() -> None:
         # each row's gradient w * 1 is a bf16 row; the k rows are summed in fp32, then rounded once
         want_gx = r["w"].bfloat16().float().sum(1, keepdim=True).expand(-1, H).bfloat16()
         assert torch.equal(r["gx"], want_gx)
+
+
+def _bf16_dedup_fn(rank: int, world: int) -> dict:
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(6, H, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:3] for _ in range(6)])
+    w = torch.rand(6, 3, generator=g) + 0.1
+    disp = MoonEPDispatcher(None, 6, H, 3, E)
+    recv_x, _, _, h = disp.dispatch(x, ids, w)
+    return {"x": x, "w": w, "out": disp.combine(recv_x, h), "dst": assignment_destinations(h.layout).view(6, 3)}
+
+
+def test_bf16_dedup_rounds_once_per_destination() -> None:
+    """With dedup a destination sums a token's weighted rows in fp32 and returns one bf16 row; the source sums
+    those in fp32 and rounds once more: elementwise within u * (sum_d |partial_d| + |out|) of the fp32 sum
+    (u = 2^-8, bf16's unit roundoff; plus fp32 summation error), where a per-assignment combine rounds once."""
+    u = 2.0 ** -8
+    for r in dist_run(_bf16_dedup_fn, 2, timeout=60):
+        x32 = r["x"].float()
+        ref = (x32.unsqueeze(1) * r["w"].unsqueeze(2)).sum(1)
+        bound = ref.abs().clone()
+        for t in range(6):
+            for d in r["dst"][t].unique().tolist():
+                sel = r["dst"][t] == d
+                bound[t] += (x32[t] * r["w"][t, sel].sum()).abs()
+        bound = u * bound + 1e-5 * (x32.abs().unsqueeze(1) * r["w"].unsqueeze(2)).sum(1)
+        assert bool(((r["out"].float() - ref).abs() <= bound).all())
