@@ -495,6 +495,14 @@ class ParallelConfig:
     attn_res_comm: Literal["cached", "naive"] = "cached"
     """Block AttnRes traffic between pipeline ranks (K3_SYSTEMS §9): ``cached`` sends each rank only the
     blocks it does not hold yet, ``naive`` every completed block on every hop."""
+    ep_dedup: bool = True
+    """Expert parallelism (MoonEP, K3_SYSTEMS §6.3): send a token once per destination rank, however many of its
+    top-k experts that rank computes (the receiver expands it, and sums the rows back before combine's return
+    trip); ``false``: one row per token-expert assignment."""
+    token_padding: int = 1
+    """Expert parallelism: pad every expert segment of the dispatched rows with zero rows to a multiple of this
+    (aligned grouped GEMMs); 1 = no padding. Padding rows never reach the output or a gradient. Both fields act
+    only with ``ep > 1`` (one process has no dispatcher to configure)."""
     zero: int = 0
     """ZeRO stage of data parallelism: 0 replicates the AdamW states on every replica, 1 shards them (and the
     reduced gradients) over each parameter's replicas (:class:`moonrt.comm.zero.Zero1`); with one replica a no-op."""
@@ -504,6 +512,9 @@ class ParallelConfig:
             value = getattr(self, name)
             check(isinstance(value, int) and value >= 1, name, value, "an integer >= 1")
             check(value <= MAX_DEGREE, name, value, f"an integer <= {MAX_DEGREE} (MAX_DEGREE)")
+        check(isinstance(self.ep_dedup, bool), "ep_dedup", self.ep_dedup, "true or false")
+        check(isinstance(self.token_padding, int) and not isinstance(self.token_padding, bool)
+              and self.token_padding >= 1, "token_padding", self.token_padding, "an integer >= 1")
         check(self.zero in (0, 1) and not isinstance(self.zero, bool), "zero", self.zero,
               "0 (replicated optimizer states) or 1 (ZeRO-1: sharded over the data-parallel replicas)")
         check(self.attn_res_comm in ("cached", "naive"), "attn_res_comm", self.attn_res_comm, "cached or naive")

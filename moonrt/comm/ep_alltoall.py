@@ -28,8 +28,10 @@ class AllToAllDispatcher(MoonEPDispatcher):
     """
 
     def __init__(self, group: dist.ProcessGroup | None, capacity: int, hidden: int, top_k: int,
-                 num_experts: int, num_slots: int | None = None, *, pool: SlotPool | None = None) -> None:
-        super().__init__(group, capacity, hidden, top_k, num_experts, num_slots=0, pool=None)
+                 num_experts: int, num_slots: int | None = None, *, pool: SlotPool | None = None,
+                 dedup: bool = True, token_padding: int = 1) -> None:
+        super().__init__(group, capacity, hidden, top_k, num_experts, num_slots=0, pool=None, dedup=dedup,
+                         token_padding=token_padding)
 
     def place(self, counts: torch.Tensor, total_tokens: int | None) -> tuple[object, Placement]:
         """The no-redundancy policy's placement for ``counts [R, E]`` (every assignment on its

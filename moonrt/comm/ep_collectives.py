@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from moonrt.comm.ep_layout import EPLayout, WeightLayout
+from moonrt.comm.ep_layout import DedupLayout, EPLayout, WeightLayout, dedup_recv_side, dedup_send_side
 from moonrt.ops.precision import no_autocast
 
 
@@ -159,3 +159,103 @@ def combine_tokens(
     backward (K3_SYSTEMS §6.3), before the expert backward reads them.
     """
     return _Combine.apply(y, weights, layout, group, refill, *deps)
+
+
+# ---- one row per (token, destination rank) --------------------------------------------------------
+
+
+def build_dedup(layout: EPLayout, group: dist.ProcessGroup | None, device: torch.device | None = None) -> DedupLayout:
+    """This rank's :class:`~moonrt.comm.ep_layout.DedupLayout`: one all-to-all of int64 metadata (one per
+    assignment, under ``layout``'s splits) on ``device`` (the data's: the EP group's backend), so every
+    receiver learns which of its assignment rows share a token. Host tensors are returned."""
+    pair_token, send_splits, meta = dedup_send_side(layout)
+    recv = _all_to_all(layout.rows, meta.to(device), layout.recv_splits, layout.send_splits, group).cpu()
+    recv_splits, expand = dedup_recv_side(layout, recv)
+    return DedupLayout(pair_token=pair_token, pair_send_splits=send_splits, pair_recv_splits=recv_splits,
+                       expand=expand)
+
+
+def _pairs_to_rows(values: torch.Tensor, layout: EPLayout, dd: DedupLayout,
+                   group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Per-token values ``[s, C]`` -> expert rows ``[rows, C]``, one transfer per (token, destination)."""
+    send = values.index_select(0, dd.pair_token.to(values.device))
+    recv = _all_to_all(sum(dd.pair_recv_splits), send, dd.pair_recv_splits, dd.pair_send_splits, group)
+    return recv.index_select(0, dd.expand.to(values.device))
+
+
+def _rows_to_pairs(rows: torch.Tensor, layout: EPLayout, dd: DedupLayout, group: dist.ProcessGroup | None,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """Adjoint of :func:`_pairs_to_rows`: expert rows ``[rows, C]`` -> per-token sums ``[s, C]``.
+
+    Rows of one (token, destination) are summed on the destination in fp32 (at least) and sent once,
+    rounded to ``dtype``; the source sums its token's destinations in fp32 and rounds to ``dtype``."""
+    acc = torch.promote_types(rows.dtype, torch.float32)
+    pairs = rows.new_zeros(sum(dd.pair_recv_splits), rows.shape[1], dtype=acc)
+    pairs.index_add_(0, dd.expand.to(rows.device), rows.to(acc))
+    back = _all_to_all(dd.pairs_sent, pairs.to(dtype), dd.pair_send_splits, dd.pair_recv_splits, group)
+    out = rows.new_zeros(layout.tokens, rows.shape[1], dtype=acc)
+    out.index_add_(0, dd.pair_token.to(rows.device), back.to(acc))
+    return out.to(dtype)
+
+
+class _DedupDispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weights, layout, dd, group):  # type: ignore[override]
+        ctx.layout, ctx.dd, ctx.group = layout, dd, group
+        rows_x = _pairs_to_rows(x, layout, dd, group)
+        rows_w = to_rows(weights.reshape(-1, 1), layout, group).squeeze(1)  # weights stay per assignment
+        return rows_x, rows_w
+
+    @staticmethod
+    def backward(ctx, grad_x, grad_w):  # type: ignore[override]
+        layout, dd, group = ctx.layout, ctx.dd, ctx.group
+        gx = _rows_to_pairs(grad_x, layout, dd, group, grad_x.dtype)
+        gw = from_rows(grad_w.unsqueeze(1), layout, group).view(layout.tokens, layout.top_k)
+        return gx, gw, None, None, None
+
+
+class _DedupCombine(torch.autograd.Function):
+    @staticmethod
+    @no_autocast
+    def forward(ctx, y, layout, dd, group, refill, dtype, *deps):  # type: ignore[override]
+        ctx.layout, ctx.dd, ctx.group, ctx.refill, ctx.num_deps = layout, dd, group, refill, len(deps)
+        ctx.dtype = y.dtype
+        ctx.save_for_backward(*deps[:1])
+        return _rows_to_pairs(y, layout, dd, group, dtype)
+
+    @staticmethod
+    @no_autocast
+    def backward(ctx, grad_out):  # type: ignore[override]
+        # Unpack first: under activation recomputation (non-reentrant checkpoint) that replays this layer's
+        # forward, whose prefetch rewrites the shared slot pool; the refill below must come after it.
+        ctx.saved_tensors  # noqa: B018
+        if ctx.refill is not None:  # the expert backward of this layer reads the shared slot pool next
+            ctx.refill()
+        grad_y = _pairs_to_rows(grad_out, ctx.layout, ctx.dd, ctx.group).to(ctx.dtype)
+        return (grad_y, None, None, None, None, None) + (None,) * ctx.num_deps
+
+
+def dispatch_tokens_dedup(
+    x: torch.Tensor, weights: torch.Tensor, layout: EPLayout, dd: DedupLayout, group: dist.ProcessGroup | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`dispatch_tokens` sending each token once per destination rank (``dd``): the same
+    ``(rows [rows, H], row_weights [rows])``. Two all-to-alls: the token rows (``dd``'s pairs) and
+    the router weights (one per assignment). Backward: each destination sums its rows of a token in
+    fp32 and returns one row per token (rounded to the gradient's dtype); the source sums them in fp32."""
+    return _DedupDispatch.apply(x, weights, layout, dd, group)
+
+
+def combine_tokens_dedup(
+    y: torch.Tensor, layout: EPLayout, dd: DedupLayout, group: dist.ProcessGroup | None,
+    deps: tuple[torch.Tensor, ...] = (), refill: Callable[[], None] | None = None, dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Unweighted combine with one return row per (token, destination): ``out[t] = sum of t's rows``.
+
+    Each destination sums a token's rows in fp32 and sends the sum once, rounded to ``dtype`` (default
+    ``y.dtype``; the output's dtype and the wire's, the gradient travels in it too); the
+    source sums its destinations' rows in fp32 and rounds once more (for fp32 / fp64 ``y`` that equals
+    the per-assignment combine up to summation order; bf16 adds one rounding per destination).
+    Weighting, if any, is done on the rows before (the dispatcher multiplies by its ``row_weights``).
+    ``deps`` / ``refill``: as :func:`combine_tokens`.
+    """
+    return _DedupCombine.apply(y, layout, dd, group, refill, y.dtype if dtype is None else dtype, *deps)

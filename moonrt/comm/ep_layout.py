@@ -162,3 +162,132 @@ def build_weight_layout(copies: torch.Tensor, num_experts: int, rank: int) -> We
         num_slots=num_slots, filled=mine >= 0,
     )
 
+
+
+# ---- one row per (token, destination rank) --------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DedupLayout:
+    """Token rows of one dispatch sent once per (token, destination rank) (K3_SYSTEMS §6.3, MoonEP).
+
+    The :class:`EPLayout` still says where every assignment goes and stays the unit of the static
+    shapes (rank d computes exactly ``layout.rows`` assignment rows); this layout says how the token
+    *activations* travel: a token whose k assignments land on m distinct ranks is sent m times, not k.
+
+    Send side: ``pair_token [pairs_sent]`` (token of each sent row, ordered by (destination, token)),
+    ``pair_send_splits`` (rows to each peer), ``assign_pair [s*k]`` (index of the sent row of each
+    assignment ``t * k + j``, counted inside its destination's chunk: the metadata the receiver needs).
+    Receive side: ``pair_recv_splits`` (rows from each peer, ordered by (source, source's order)),
+    ``expand [rows]`` (received row of each expert row: expert rows are ``received[expand]``).
+    ``pairs_sent <= s * k`` and ``pairs_recv <= rows``; both are routing dependent (internal buffers only).
+    """
+
+    pair_token: torch.Tensor
+    pair_send_splits: list[int]
+    pair_recv_splits: list[int]
+    expand: torch.Tensor
+
+    @property
+    def pairs_sent(self) -> int:
+        return int(self.pair_token.shape[0])
+
+    @property
+    def pairs_recv(self) -> int:
+        return int(self.expand.max()) + 1 if self.expand.numel() else 0
+
+
+def assignment_destinations(layout: EPLayout) -> torch.Tensor:
+    """``dst [s*k]`` int64: the rank that computes each assignment ``t * k + j`` under ``layout``."""
+    world = layout.world_size
+    dst = torch.empty(layout.tokens * layout.top_k, dtype=torch.int64, device=layout.send_perm.device)
+    ranks = torch.arange(world, device=dst.device)
+    dst[layout.send_perm] = torch.repeat_interleave(
+        ranks, torch.as_tensor(layout.send_splits, dtype=torch.int64, device=dst.device))
+    return dst
+
+
+def dedup_send_side(layout: EPLayout) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    """Distinct (destination, token) pairs of this rank: ``(pair_token, pair_send_splits, meta)``.
+
+    ``meta [s*k]`` is in send-buffer order (``layout.send_perm``): for each sent assignment, the index
+    of its token's row inside the chunk going to the same destination (what the receiver gets with
+    the assignment, to find the row; MoonEP's "repeated destination is encoded, not re-sent").
+    """
+    s, k, world = layout.tokens, layout.top_k, layout.world_size
+    dst = assignment_destinations(layout)
+    tok = torch.arange(s, device=dst.device).repeat_interleave(k)
+    keys, inverse = torch.unique(dst * max(s, 1) + tok, sorted=True, return_inverse=True)
+    pair_dst = keys // max(s, 1)
+    splits = torch.bincount(pair_dst, minlength=world)
+    first = torch.cumsum(splits, 0) - splits  # first pair row of each destination's chunk
+    local = inverse - first[dst]
+    return keys % max(s, 1), splits.tolist(), local.index_select(0, layout.send_perm)
+
+
+def dedup_recv_side(layout: EPLayout, meta_recv: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+    """From the metadata received with the assignments (``meta_recv [rows]``, receive-buffer order:
+    chunks by source rank), ``(pair_recv_splits, expand [rows])`` in expert-row order."""
+    world = layout.world_size
+    dev = meta_recv.device
+    src = torch.repeat_interleave(torch.arange(world, device=dev),
+                                  torch.as_tensor(layout.recv_splits, dtype=torch.int64, device=dev))
+    per_src = torch.zeros(world, dtype=torch.int64, device=dev)
+    if meta_recv.numel():  # rows of a chunk are numbered 0..n-1 and each has an assignment: n = max + 1
+        per_src.scatter_reduce_(0, src, meta_recv + 1, reduce="amax")
+    first = torch.cumsum(per_src, 0) - per_src
+    pair_of_buffer = first[src] + meta_recv
+    return per_src.tolist(), pair_of_buffer.index_select(0, layout.recv_perm)
+
+
+# ---- segments padded for grouped GEMMs ------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PaddedLayout:
+    """Expert rows with every segment padded to a multiple of ``token_padding`` (K3_SYSTEMS §6.3).
+
+    ``cu_seqlens [G + 1]``: padded segment bounds (each a multiple of ``token_padding``); segment i
+    holds its real rows first, then zero fill up to ``cu_seqlens[i + 1]``. ``row_index [rows]``:
+    padded position of each unpadded row. ``pad_ranges [n, 2]``: the zero-fill ``[start, end)``
+    ranges (segment tails, then the tail after the last segment up to ``padded_rows``).
+    ``padded_rows``: the static row count, :func:`padded_rows` of the unpadded count.
+    """
+
+    token_padding: int
+    padded_rows: int
+    cu_seqlens: torch.Tensor
+    row_index: torch.Tensor
+    pad_ranges: torch.Tensor
+
+
+def padded_rows(rows: int, max_segments: int, token_padding: int) -> int:
+    """Static padded row count: ``rows`` real rows in at most ``max_segments`` non-empty segments, each
+    rounded up to a multiple of ``token_padding``, fit in ``rows + min(max_segments, rows) * (p - 1)``
+    rows, itself rounded up to a multiple of ``p`` (it depends on ``rows`` only, not on the routing)."""
+    p = token_padding
+    bound = rows + min(max_segments, rows) * (p - 1)
+    return -(-bound // p) * p
+
+
+def build_padded(cu_seqlens: torch.Tensor, max_segments: int, token_padding: int) -> PaddedLayout:
+    """Pad the segments of ``cu_seqlens [G + 1]`` (unpadded, from 0) to multiples of ``token_padding``."""
+    p = token_padding
+    cu = cu_seqlens.to(torch.int64)
+    sizes = cu[1:] - cu[:-1]
+    padded = (sizes + p - 1) // p * p
+    cu_pad = torch.zeros_like(cu)
+    cu_pad[1:] = padded.cumsum(0)
+    rows = int(cu[-1])
+    total = padded_rows(rows, max_segments, p)
+    if int(cu_pad[-1]) > total:
+        raise ValueError(f"cu_seqlens: {int((sizes > 0).sum())} non-empty segments, expected at most "
+                         f"max_segments = {max_segments}")
+    seg = torch.repeat_interleave(torch.arange(sizes.shape[0], device=cu.device), sizes)
+    row_index = torch.arange(rows, device=cu.device) - cu[:-1][seg] + cu_pad[:-1][seg]
+    starts, ends = cu_pad[:-1] + sizes, cu_pad[1:]
+    keep = ends > starts
+    tail = torch.tensor([[int(cu_pad[-1]), total]], dtype=torch.int64, device=cu.device)
+    ranges = torch.cat([torch.stack([starts[keep], ends[keep]], 1), tail[tail[:, 1] > tail[:, 0]]])
+    return PaddedLayout(token_padding=p, padded_rows=total, cu_seqlens=cu_pad, row_index=row_index,
+                        pad_ranges=ranges)

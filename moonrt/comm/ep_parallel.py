@@ -20,8 +20,8 @@
   it back to the home experts, so a checkpoint of ``--ep 2`` resumes in one process or ``--ep 4``.
   :meth:`sharded_state_dict`: the same names for DCP, each rank writing only its home experts' rows.
 - :meth:`step_metrics`: per-step metrics (rows each EP rank computed, rows the hottest rank would
-  compute without balancing); :meth:`layer_counts` gives the group-wide ``[R, E]`` routing counts a
-  :class:`moonrt.comm.parallelism.RoutingTrace` records.
+  compute without balancing, token rows and bytes this rank sent to other EP ranks); :meth:`layer_counts`
+  gives the group-wide ``[R, E]`` routing counts a :class:`moonrt.comm.parallelism.RoutingTrace` records.
 
 It is a :class:`moonrt.comm.parallelism.Part` of the job's :class:`~moonrt.comm.parallelism.Parallelism`.
 With a world size of 1 nothing is sharded.
@@ -83,6 +83,7 @@ class ExpertParallel(Part):
         self.dispatchers: dict[int, MoonEPDispatcher] = {}
         self._expert_params: set[int] = set()
         self._expert_slices: dict[int, tuple[int, int, int]] = {}  # id(param) -> (first, num_local, E)
+        self._sent = (0, 0, 0)  # (token rows, assignments, token bytes) sent to other EP ranks, at the last step
         self.device: torch.device | None = None
         """Where the model's parameters live (set by :meth:`parallelize`): the norm's scalars are made there."""
 
@@ -106,7 +107,8 @@ class ExpertParallel(Part):
             if key not in pools:
                 pools[key] = SlotPool(*key)
             moe.dispatcher = cls(self.ep_group, self.capacity, moe.experts.latent, moe.top_k, E,
-                                 num_slots=self.num_slots, pool=pools[key] if self.dispatcher == "moonep" else None)
+                                 num_slots=self.num_slots, pool=pools[key] if self.dispatcher == "moonep" else None,
+                                 dedup=self.parallel.ep_dedup, token_padding=self.parallel.token_padding)
             self.dispatchers[index] = moe.dispatcher
             for p in moe.experts.parameters():
                 self._expert_params.add(id(p))
@@ -251,6 +253,14 @@ class ExpertParallel(Part):
         rows = [int(d.last_rows.max()) for d in self.dispatchers.values()]
         record["ep_rows_max"] = max(rows)
         record["ep_rows_unbalanced_max"] = max(home)
+        # this rank's dispatch traffic to the other EP ranks since the last step (forward dispatches and combines,
+        # replays included; backward mirrors it): token rows (one per (token, rank) with ep_dedup), assignments, bytes
+        peers = [d for d in range(self.ep_size) if d != self.ep_rank]
+        sent = tuple(sum(sum(getattr(disp.counters, key)[d] for d in peers) for disp in self.dispatchers.values())
+                     for key in ("rows_sent", "assignments_sent", "token_bytes_sent"))
+        delta = [now - before for now, before in zip(sent, self._sent)]
+        self._sent = sent
+        record["ep_token_rows_sent"], record["ep_assignments_sent"], record["ep_token_bytes_sent"] = delta
 
 
 def _optim_index(optim: torch.optim.Optimizer) -> dict[int, int]:

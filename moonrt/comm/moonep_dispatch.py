@@ -10,9 +10,17 @@ top_k, num_experts, num_slots)``, verbs in pairs (``dispatch`` returns a :class:
    collective; the table and this rank's top-k ids are copied to the host once;
 2. every rank runs the same deterministic planner (:func:`moonrt.scheduler.moonep.plan`) and
    computes its own send/receive layout locally (:mod:`moonrt.comm.ep_layout`);
-3. one all-to-all moves tokens (and their top-k weights) into expert-grouped rows. Rank d receives
-   exactly ``plan.capacity[d]`` rows (``s * k`` when every rank passes the same s), whatever the
-   routing: the output shape depends only on s;
+3. all-to-alls move tokens (and their top-k weights) into expert-grouped rows. Rank d computes
+   exactly ``plan.capacity[d]`` rows, one per assignment (``s * k`` when every rank passes the same
+   s), whatever the routing: the output shape depends only on s. With ``dedup`` (the default) a
+   token travels once per destination rank, however many of its k assignments land there: one
+   int64 per assignment tells the receiver which token row it uses, the receiver expands the rows
+   (and, in combine, sums them back into one row per token before the return trip); the router
+   weights travel per assignment. Without it, one token row per assignment. Repeated experts in a
+   token's top-k are valid: each is an assignment of its own. With ``token_padding`` p > 1 every
+   segment is padded with zero rows to a multiple of p for grouped GEMMs (``handle.padding``: the
+   padded bounds, the zero-fill ranges, and a static ``padded_rows``); combine reads only the real
+   rows, so whatever the expert compute writes into the padding never reaches the output or a gradient;
 4. ``prefetch_weights`` copies the planned experts' weights from their home ranks into the slot
    rows (from one :class:`SlotPool` that all layers may share); their gradients flow back to the
    home rank's parameter;
@@ -30,8 +38,22 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from moonrt.comm.ep_collectives import combine_tokens, dispatch_tokens
-from moonrt.comm.ep_layout import EPLayout, WeightLayout, build_layout, build_weight_layout
+from moonrt.comm.ep_collectives import (
+    build_dedup,
+    combine_tokens,
+    combine_tokens_dedup,
+    dispatch_tokens,
+    dispatch_tokens_dedup,
+)
+from moonrt.comm.ep_layout import (
+    DedupLayout,
+    EPLayout,
+    PaddedLayout,
+    WeightLayout,
+    build_layout,
+    build_padded,
+    build_weight_layout,
+)
 from moonrt.comm.ep_slots import SlotPool, SlotRefill, fetch_slot_weights
 from moonrt.scheduler.placement import Placement
 
@@ -39,7 +61,6 @@ _ERRORS = {
     1: "x / topk_ids / topk_weights shapes or dtypes",
     2: "s larger than the configured capacity",
     3: "topk ids out of range",
-    4: "duplicate experts in one token's top-k",
 }
 
 
@@ -50,6 +71,11 @@ class EPHandle:
     ``plan``: the :class:`~moonrt.scheduler.placement.Placement` of this call (MoonEP: the planner's ``MoonEPPlan``).
     ``counts [R, E]`` int64: the all-gathered routing counts. ``topk_weights [s, k]``: this rank's
     router weights (combine applies them). ``layout`` / ``weight_layout``: this rank's transport.
+
+    Rows and assignments: every expert row is one token-expert assignment (``rows`` of them, the
+    static ``plan.capacity[rank]``). With ``dedup`` set, the rows of one (source token, this rank)
+    were received as one transfer row and expanded: ``dedup.expand[row]`` is that transfer row,
+    ``dedup.pairs_recv <= rows`` of them came in, ``dedup.pairs_sent <= s * k`` went out.
     """
 
     plan: object
@@ -58,6 +84,12 @@ class EPHandle:
     layout: EPLayout
     weight_layout: WeightLayout
     rank: int
+    dedup: DedupLayout | None = None
+    padding: PaddedLayout | None = None
+    """Set when ``token_padding > 1``: dispatch's rows are ``padding.padded_rows``, real row r sits at
+    ``padding.row_index[r]``, ``padding.pad_ranges`` are zero fill."""
+    row_weights: torch.Tensor | None = None
+    """``[rows]`` router weight of each row (the dispatch's ``recv_weights``; dedup's weighted combine uses it)."""
     deps: list[torch.Tensor] = dataclasses.field(default_factory=list)
     """The dispatched rows and prefetched slots, passed to combine to fix the backward order."""
     refill: list[SlotRefill] = dataclasses.field(default_factory=list)
@@ -65,24 +97,34 @@ class EPHandle:
 
     @property
     def rows(self) -> int:
-        """Rows this rank computes (= ``plan.capacity[rank]``)."""
+        """Assignment rows this rank computes (= ``plan.capacity[rank]``), padding excluded."""
         return self.layout.rows
+
+    @property
+    def out_rows(self) -> int:
+        """Rows of dispatch's output and combine's input: ``padding.padded_rows``, else :attr:`rows`."""
+        return self.layout.rows if self.padding is None else self.padding.padded_rows
+
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        """``[E + B + 1]`` int64 segment bounds over dispatch's output rows (padded if ``padding``)."""
+        return self.layout.cu_seqlens if self.padding is None else self.padding.cu_seqlens
 
     def home_cu_seqlens(self) -> torch.Tensor:
         """``[E/R + 1]`` int64: segment bounds of this rank's home experts (rows ``[0, home_rows)``)."""
         E = self.counts.shape[1]
         per_rank = E // self.counts.shape[0]
-        return self.layout.cu_seqlens[self.rank * per_rank:(self.rank + 1) * per_rank + 1]
+        return self.cu_seqlens[self.rank * per_rank:(self.rank + 1) * per_rank + 1]
 
     def slot_cu_seqlens(self) -> torch.Tensor:
         """``[B + 1]`` int64: segment bounds of the slots, relative to ``home_rows``."""
         E = self.counts.shape[1]
-        return self.layout.cu_seqlens[E:] - self.layout.cu_seqlens[E]
+        return self.cu_seqlens[E:] - self.cu_seqlens[E]
 
     @property
     def home_rows(self) -> int:
-        """Rows ``[0, home_rows)`` belong to home experts; ``[home_rows, rows)`` to the slots."""
-        return int(self.layout.cu_seqlens[self.counts.shape[1]])
+        """Rows ``[0, home_rows)`` belong to home experts; ``[home_rows, out_rows)`` to the slots (and padding)."""
+        return int(self.cu_seqlens[self.counts.shape[1]])
 
 
 @dataclasses.dataclass(slots=True)
@@ -93,17 +135,24 @@ class EPCounters:
     the entry for itself is a local copy). ``weight_bytes_sent [R]``: expert-weight bytes sent to
     each peer by ``prefetch_weights``. ``rows_computed``: rows received by the last dispatch.
     ``experts_prefetched``: slots filled, summed over calls. ``calls``: dispatches.
+    ``rows_sent [R]``: token rows dispatch sent to each peer (one per (token, peer) with dedup, one
+    per assignment without); ``assignments_sent [R]``: assignments sent to each peer. Token bytes
+    count the activations (dispatch and combine), the router weight of each assignment and, with
+    dedup, its 8-byte row index.
     """
 
     token_bytes_sent: list[int]
     weight_bytes_sent: list[int]
+    rows_sent: list[int] = dataclasses.field(default_factory=list)
+    assignments_sent: list[int] = dataclasses.field(default_factory=list)
     rows_computed: int = 0
     experts_prefetched: int = 0
     calls: int = 0
 
     @classmethod
     def zeros(cls, world: int) -> EPCounters:
-        return cls(token_bytes_sent=[0] * world, weight_bytes_sent=[0] * world)
+        return cls(token_bytes_sent=[0] * world, weight_bytes_sent=[0] * world, rows_sent=[0] * world,
+                   assignments_sent=[0] * world)
 
 
 class MoonEPDispatcher:
@@ -118,10 +167,13 @@ class MoonEPDispatcher:
         num_experts: E, divisible by the group size R.
         num_slots: B, prefetch slots per rank (default E/R, which always suffices, §6.2).
         pool: optional :class:`SlotPool` shared with other layers' dispatchers.
+        dedup: send a token once per destination rank (default) instead of once per assignment.
+        token_padding: pad every segment to a multiple of this many rows (1: no padding).
     """
 
     def __init__(self, group: dist.ProcessGroup | None, capacity: int, hidden: int, top_k: int,
-                 num_experts: int, num_slots: int | None = None, *, pool: SlotPool | None = None) -> None:
+                 num_experts: int, num_slots: int | None = None, *, pool: SlotPool | None = None,
+                 dedup: bool = True, token_padding: int = 1) -> None:
         self.group = group
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
@@ -139,7 +191,11 @@ class MoonEPDispatcher:
         self.num_slots = self.experts_per_rank if num_slots is None else num_slots
         if isinstance(self.num_slots, bool) or not isinstance(self.num_slots, int) or self.num_slots < 0:
             raise ValueError(f"num_slots = {num_slots!r}: expected an integer >= 0")
-        self.pool = pool
+        if not isinstance(dedup, bool):
+            raise ValueError(f"dedup = {dedup!r}: expected True or False")
+        if isinstance(token_padding, bool) or not isinstance(token_padding, int) or token_padding < 1:
+            raise ValueError(f"token_padding = {token_padding!r}: expected an integer >= 1")
+        self.pool, self.dedup, self.token_padding = pool, dedup, token_padding
         self.counters = EPCounters.zeros(self.world_size)
         self.last_counts: torch.Tensor | None = None
         """``[R, E]`` int64 routing counts of the last dispatch (routing traces, metrics)."""
@@ -176,13 +232,6 @@ class MoonEPDispatcher:
         if s and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= E):
             bad = topk_ids[(topk_ids < 0) | (topk_ids >= E)][0]
             return 3, f"topk_ids: value {int(bad)} out of range, expected expert ids in [0, {E})"
-        if s and k > 1:
-            srt = topk_ids.sort(dim=1).values
-            dup = (srt[:, 1:] == srt[:, :-1]).any(1)
-            if bool(dup.any()):
-                t = int(dup.nonzero()[0])
-                return 4, (f"topk_ids: token {t} lists expert {topk_ids[t].tolist()} with a duplicate, "
-                           "expected k distinct experts per token")
         return 0, ""
 
     def dispatch(
@@ -192,11 +241,14 @@ class MoonEPDispatcher:
 
         Args:
             x: ``[s, H]`` float, this rank's tokens (``s <= capacity``).
-            topk_ids: ``[s, k]`` int64, distinct expert ids in ``[0, E)`` per token.
+            topk_ids: ``[s, k]`` int64, expert ids in ``[0, E)`` (a token may list an expert twice:
+                two assignments, both computed and both weighted).
             topk_weights: ``[s, k]`` float, router weights (applied by :meth:`combine`).
 
         Returns:
-            ``recv_x [rows, H]``: the assignments this rank computes, grouped by segment.
+            ``recv_x [rows, H]``: the assignments this rank computes, grouped by segment (with
+            ``token_padding`` p > 1: ``[handle.out_rows, H]``, each segment followed by zero rows up to a
+            multiple of p, ``recv_weights`` 0 there; ``handle.padding.pad_ranges`` lists them).
             ``recv_weights [rows]``: their router weights (for kernels that fold the weight into the
             expert; then call ``combine(..., weighted=False)``).
             ``cu_seqlens [E+B+1]`` int64 (CPU): segment i spans ``cu_seqlens[i]:cu_seqlens[i+1]``;
@@ -239,17 +291,31 @@ class MoonEPDispatcher:
             raise RuntimeError(f"MoonEP layout has {layout.rows} rows, plan capacity is "
                                f"{int(placement.capacity[self.rank])}: planner and layout disagree")
         wlayout = build_weight_layout(placement.copies, E, self.rank)
-        recv_x, recv_w = dispatch_tokens(x, topk_weights, layout, self.group)
+        dd = build_dedup(layout, self.group, device) if self.dedup else None
+        if dd is None:
+            recv_x, recv_w = dispatch_tokens(x, topk_weights, layout, self.group)
+        else:
+            recv_x, recv_w = dispatch_tokens_dedup(x, topk_weights, layout, dd, self.group)
+        row_weights, pad = recv_w, None
+        if self.token_padding > 1:  # zero rows after every segment; combine reads only the real rows
+            pad = build_padded(layout.cu_seqlens, self.experts_per_rank + self.num_slots, self.token_padding)
+            idx = pad.row_index.to(recv_x.device)
+            recv_x = recv_x.new_zeros(pad.padded_rows, recv_x.shape[1]).index_copy(0, idx, recv_x)
+            recv_w = recv_w.new_zeros(pad.padded_rows).index_copy(0, idx, recv_w)
         handle = EPHandle(plan=plan, counts=counts, topk_weights=topk_weights, layout=layout,
-                          weight_layout=wlayout, rank=self.rank)
+                          weight_layout=wlayout, rank=self.rank, dedup=dd, padding=pad, row_weights=row_weights)
         handle.deps.append(recv_x)
         row_bytes = self.hidden * x.element_size()
-        for d, n in enumerate(layout.send_splits):
-            self.counters.token_bytes_sent[d] += n * (row_bytes + topk_weights.element_size())
+        rows_sent = layout.send_splits if dd is None else dd.pair_send_splits
+        per_assignment = topk_weights.element_size() + (0 if dd is None else 8)
+        for d, (n, a) in enumerate(zip(rows_sent, layout.send_splits)):
+            self.counters.token_bytes_sent[d] += n * row_bytes + a * per_assignment
+            self.counters.rows_sent[d] += n
+            self.counters.assignments_sent[d] += a
         self.counters.rows_computed = layout.rows
         self.last_counts, self.last_rows = counts, placement.capacity
         self.counters.calls += 1
-        return recv_x, recv_w, layout.cu_seqlens, handle
+        return recv_x, recv_w, handle.cu_seqlens, handle
 
     def prefetch_weights(self, handle: EPHandle, expert_weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """Fill the slot rows with copies of the planned experts' weights, point-to-point from home ranks.
@@ -299,15 +365,27 @@ class MoonEPDispatcher:
                 ``recv_weights``).
 
         Returns:
-            ``[s, H]``: ``out[t] = sum_j w[t, j] * y[row(t, j)]``, summed in fp32 with j ascending.
+            ``[s, H]``: ``out[t] = sum_j w[t, j] * y[row(t, j)]``, summed in fp32 with j ascending
+            (with dedup: each destination sums its rows of t in fp32 and returns one row in
+            ``y.dtype``, the source sums those in fp32).
         """
-        if y.dim() != 2 or y.shape[0] != handle.layout.rows:
-            raise ValueError(f"y: shape {tuple(y.shape)}, expected [rows = {handle.layout.rows}, H]")
-        w = handle.topk_weights if weighted else torch.ones_like(handle.topk_weights)
+        if y.dim() != 2 or y.shape[0] != handle.out_rows:
+            raise ValueError(f"y: shape {tuple(y.shape)}, expected [rows = {handle.out_rows}, H]")
+        if handle.padding is not None:  # the real rows only: padding never reaches the output or a gradient
+            y = y.index_select(0, handle.padding.row_index.to(y.device))
         refill = handle.refill[0] if handle.refill else None
-        out = combine_tokens(y, w, handle.layout, self.group, deps=tuple(handle.deps), refill=refill)
+        if handle.dedup is None:
+            w = handle.topk_weights if weighted else torch.ones_like(handle.topk_weights)
+            out = combine_tokens(y, w, handle.layout, self.group, deps=tuple(handle.deps), refill=refill)
+            back = handle.layout.recv_splits
+        else:  # weight the rows here (fp32), sum each token's rows, send one row per token back
+            acc = torch.promote_types(y.dtype, torch.float32)
+            yw = y.to(acc) * handle.row_weights.to(acc).unsqueeze(1) if weighted else y
+            out = combine_tokens_dedup(yw, handle.layout, handle.dedup, self.group, deps=tuple(handle.deps),
+                                       refill=refill, dtype=y.dtype)
+            back = handle.dedup.pair_recv_splits
         row_bytes = y.shape[1] * y.element_size()
-        for d, n in enumerate(handle.layout.recv_splits):
+        for d, n in enumerate(back):
             self.counters.token_bytes_sent[d] += n * row_bytes
         return out
 

@@ -9,7 +9,9 @@ layer's token-expert assignments on the R EP ranks and we measure:
 * copied experts per rank (mean / max): MoonEP's occupied slots; EPLB's redundant replicas;
 * expert-weight bytes to prefetch: MoonEP fetches every copied expert per layer-step; EPLB moves the
   replicas that change place at a re-plan; no redundancy fetches nothing;
-* token bytes moved between ranks by dispatch (one direction; combine moves as much back);
+* token bytes moved between ranks by dispatch (one direction; combine moves as much back); for MoonEP also
+  the rows and bytes with one row per (token, destination rank) (``parallel.ep_dedup``, modelled from the counts
+  by :func:`moonrt.scheduler.sim.dedup_rows`: a line under the table, ``token_*_dedup`` in ``summary.json``);
 * planner time per layer.
 
 Policies: ``none`` (contiguous home placement), ``eplb`` (DeepSeek EPLB re-planned every

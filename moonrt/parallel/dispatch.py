@@ -37,7 +37,8 @@ class Dispatcher(Protocol):
     expert rows this rank computes, ``G`` segments (``G = E`` for :class:`LocalDispatcher`;
     ``G = E + B`` for MoonEP: segment ``i < E`` is expert ``i`` (only home experts non-empty),
     segment ``E + j`` is prefetch slot ``j``). Rows outside every segment (padding) must be
-    ignored by :meth:`combine`.
+    ignored by :meth:`combine`; so must the zero rows a dispatcher may append to a segment to align
+    it for grouped GEMMs (MoonEP's ``token_padding``: the expert computes them, combine drops them).
 
     LatentMoE calls, per forward: ``dispatch`` on the latent ``z``, ``segment_weights``, the grouped
     expert compute (``RoutedExperts.forward`` of :mod:`moonrt.models.k3.model.moe`), multiplies rows by

@@ -30,6 +30,21 @@ K3_LATENT = 3584
 K3_EXPERT_PARAMS = 3 * 3584 * 3072
 
 
+def dedup_rows(tm: np.ndarray, top_k: int) -> np.ndarray:
+    """Expected token rows ``[R_src, R_dst]`` when each token is sent once per destination rank (MoonEP dedup).
+
+    ``tm [R_src, R_dst]``: assignments each source sends to each destination (:func:`transfer_matrix`). A
+    count-only model (a workload holds counts, not tokens): source r's ``s_r = tm[r].sum() / k`` tokens
+    each draw their k destinations independently with probabilities ``q = tm[r] / (s_r k)``, so a token
+    reaches d at least once with probability ``1 - (1 - q_d)^k`` and ``s_r (1 - (1 - q_d)^k)`` rows go
+    to d. Never more than ``tm`` (equal when k = 1); ``benchmarks/bench_moonep_dedup.py`` compares it with
+    the exact count of sampled token routings."""
+    tm = np.asarray(tm, dtype=np.float64)
+    s = tm.sum(1, keepdims=True) / top_k
+    q = np.divide(tm, s * top_k, out=np.zeros_like(tm), where=s > 0)
+    return np.minimum(s * (1.0 - (1.0 - q) ** top_k), tm)
+
+
 def simulate(wl: WorkloadLike, policies: list[str], *, num_slots: int | None = None, eplb_every: int = 4,
              eplb_alpha: float = 0.2, eplb_redundant: int | None = None, token_bytes: int = 2 * K3_LATENT,
              expert_bytes: int = 2 * K3_EXPERT_PARAMS, progress: bool = True, hardware: HardwareProfile | None = None,
@@ -43,7 +58,9 @@ def simulate(wl: WorkloadLike, policies: list[str], *, num_slots: int | None = N
 
     Returns a dict: ``maxvio [steps, layers]``, and per policy ``balance``, ``copies_mean``,
     ``copies_max``, ``prefetch_bytes``, ``token_bytes``, ``plan_s`` (each ``[steps, layers]``
-    float64) and ``loads`` (``[R]`` rank loads of the last step, layer 0). With ``hardware``, per
+    float64; for ``moonep`` also ``token_rows`` (assignments sent between ranks), ``token_rows_dedup`` and
+    ``token_bytes_dedup`` (one row per (token, destination), :func:`dedup_rows`)) and ``loads`` (``[R]``
+    rank loads of the last step, layer 0). With ``hardware``, per
     policy also ``time_<phase>`` ``[steps, layers]`` seconds for the phases of
     :func:`moonrt.scheduler.steptime.layer_time` and ``time_total``.
     """
@@ -56,7 +73,8 @@ def simulate(wl: WorkloadLike, policies: list[str], *, num_slots: int | None = N
         keys += tuple(f"time_{k}" for k in (*PHASES, "total"))
     out: dict = {"maxvio": np.zeros((T, L))}
     for p in policies:
-        out[p] = {k: np.zeros((T, L)) for k in keys}
+        out[p] = {k: np.zeros((T, L)) for k in keys + (("token_rows", "token_rows_dedup", "token_bytes_dedup")
+                                                        if p == "moonep" else ())}
     home = bl.no_redundancy(E, R)
     ema = [bl.MovingAverage(eplb_alpha) for _ in range(L)]
     # EPLB placements per layer; before any history, EPLB plans from a uniform prediction.
@@ -85,6 +103,10 @@ def simulate(wl: WorkloadLike, policies: list[str], *, num_slots: int | None = N
                     rec["prefetch_bytes"][t, l] = ncp.sum() * expert_bytes
                     tm = transfer_matrix(counts, pl.cuts)
                     rec["token_bytes"][t, l] = (tm.sum() - np.trace(tm)) * token_bytes
+                    dd = dedup_rows(tm, wl.top_k)
+                    rec["token_rows"][t, l] = tm.sum() - np.trace(tm)
+                    rec["token_rows_dedup"][t, l] = dd.sum() - np.trace(dd)
+                    rec["token_bytes_dedup"][t, l] = rec["token_rows_dedup"][t, l] * token_bytes
                     if hardware is not None:
                         traffic = moonep_traffic(counts, pl, rec["plan_s"][t, l])
                 else:
@@ -163,6 +185,10 @@ def summarize(res: dict, policies: list[str], warmup: int = 0) -> dict:
             "token_MB_per_layer_step": float(r["token_bytes"].mean() / 1e6),
             "plan_ms_median": float(np.median(planned) * 1e3) if planned.size else 0.0,
         }
+        if "token_rows_dedup" in r:  # one row per (token, destination rank): the ep-sim model (dedup_rows)
+            s[p]["token_rows_per_layer_step"] = float(r["token_rows"].mean())
+            s[p]["token_rows_per_layer_step_dedup"] = float(r["token_rows_dedup"].mean())
+            s[p]["token_MB_per_layer_step_dedup"] = float(r["token_bytes_dedup"].mean() / 1e6)
         if "time_total" in r:
             s[p]["layer_ms"] = {k: float(r[f"time_{k}"].mean() * 1e3) for k in (*PHASES, "total")}
             s[p]["layer_ms_worst"] = float(r["time_total"].max() * 1e3)
@@ -199,6 +225,12 @@ def format_table(summary: dict, maxvio_mean: float, warmup: int = 0) -> str:
                      f"{v['token_MB_per_layer_step']:>10.1f} {v['plan_ms_median']:>9.3f}")
     lines.append(f"balance = max rank load / mean (mean and worst over steps >= {warmup} x layers); "
                  "MB per layer-step; tokens = dispatch bytes between ranks; plan ms = median per layer plan")
+    m = summary.get("moonep", {})
+    if "token_rows_per_layer_step_dedup" in m:
+        lines.append(f"moonep, one row per (token, destination rank) (parallel.ep_dedup, modelled from counts): "
+                     f"{m['token_rows_per_layer_step_dedup']:.0f} rows / {m['token_MB_per_layer_step_dedup']:.1f} MB "
+                     f"per layer-step vs {m['token_rows_per_layer_step']:.0f} / {m['token_MB_per_layer_step']:.1f} "
+                     "per assignment")
     return "\n".join(lines)
 
 

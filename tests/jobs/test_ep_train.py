@@ -63,6 +63,8 @@ def test_ep_training_matches_single_process_loss_curve(tmp_path: Path) -> None:
             assert abs(x["loss"] - y["loss"]) <= 1e-4 * abs(x["loss"]), (n, x["step"], x["loss"], y["loss"])
             assert y["ep_rows"] == [BATCH * SEQ // n * k] * n, "every EP rank computes exactly s*k rows"
             assert y["ep_rows_max"] == BATCH * SEQ // n * k <= y["ep_rows_unbalanced_max"]
+            # parallel.ep_dedup (default on): at most one token row per assignment
+            assert 0 < y["ep_token_rows_sent"] <= y["ep_assignments_sent"] < y["ep_token_bytes_sent"]
         assert abs(ref[-1]["eval_loss"] - got[-1]["eval_loss"]) <= 1e-4 * ref[-1]["eval_loss"]
         tn = load_trace(tmp_path / f"t{n}.npz")
         assert tn.counts.shape == (STEPS, num_moe, n, cfg.num_experts) and tn.top_k == k

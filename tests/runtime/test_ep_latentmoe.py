@@ -36,9 +36,9 @@ def _setup(routing: str, world: int) -> tuple[OneLayer, torch.Tensor, torch.Tens
     return model, x, gout
 
 
-def _rank_fn(rank: int, world: int, routing: str) -> dict:
+def _rank_fn(rank: int, world: int, routing: str, parallel: dict) -> dict:
     model, x, gout = _setup(routing, world)
-    ep = ExpertParallel(ParallelConfig(ep=world), capacity=B * T)
+    ep = ExpertParallel(ParallelConfig(ep=world, **parallel), capacity=B * T)
     ep.parallelize(model)
     xs = x[rank * B:(rank + 1) * B].clone().requires_grad_()
     out = model.moe(xs)
@@ -51,9 +51,12 @@ def _rank_fn(rank: int, world: int, routing: str) -> dict:
             "prefetched": disp.counters.experts_prefetched}
 
 
-@pytest.mark.parametrize("world,routing", [(2, "random"), (2, "one_expert"), (4, "rank_unused"), (4, "one_expert")])
-def test_latentmoe_moonep_matches_single_process(world: int, routing: str) -> None:
-    res = dist_run(_rank_fn, world, routing, timeout=120)
+@pytest.mark.parametrize("world,routing,parallel", [
+    (2, "random", {}), (2, "one_expert", {}), (4, "rank_unused", {}), (4, "one_expert", {}),
+    (4, "random", {"token_padding": 8}), (2, "random", {"ep_dedup": False}),
+])
+def test_latentmoe_moonep_matches_single_process(world: int, routing: str, parallel: dict) -> None:
+    res = dist_run(_rank_fn, world, routing, parallel, timeout=120)
     model, x, gout = _setup(routing, world)
     x = x.clone().requires_grad_()
     out = model.moe(x)

@@ -9,7 +9,8 @@ import pytest
 
 from moonrt.cli import main
 from moonrt.scheduler import baselines as bl
-from moonrt.scheduler.sim import POLICIES, figure, simulate, summarize
+from moonrt.scheduler.moonep import plan, transfer_matrix
+from moonrt.scheduler.sim import POLICIES, dedup_rows, figure, simulate, summarize
 from moonrt.scheduler.workload import load_trace, maxvio, sample_counts, save_trace, synthetic
 
 SMALL = ["--experts", "32", "--ranks", "4", "--top-k", "4", "--tokens", "64", "--steps", "4", "--layers", "2",
@@ -79,6 +80,25 @@ def test_simulate_metrics_match_direct_computation() -> None:
     assert (res["moonep"]["prefetch_bytes"] == res["moonep"]["copies_mean"] * 4).all()
     s = summarize(res, ["none", "moonep"], warmup=1)
     assert s["moonep"]["balance_max"] == 1.0 and s["none"]["balance_mean"] > 1.0
+    # dedup model: one row per (token, destination) never exceeds one per assignment, bytes = rows * token_bytes
+    rec = res["moonep"]
+    assert (rec["token_rows_dedup"] <= rec["token_rows"]).all() and (rec["token_rows_dedup"] > 0).all()
+    np.testing.assert_array_equal(rec["token_rows"], rec["token_bytes"])
+    np.testing.assert_array_equal(rec["token_rows_dedup"], rec["token_bytes_dedup"])
+    tm = transfer_matrix(wl.counts[3, 1], plan(wl.counts[3, 1]).cuts)
+    dd = dedup_rows(tm, 4)
+    assert rec["token_rows_dedup"][3, 1] == pytest.approx(dd.sum() - np.trace(dd))
+    assert s["moonep"]["token_rows_per_layer_step_dedup"] < s["moonep"]["token_rows_per_layer_step"]
+
+
+def test_dedup_rows_model() -> None:
+    """The count-only dedup model: ``s (1 - (1 - q)^k)`` rows per (source, destination) with independent draws."""
+    s, k = 10, 4
+    np.testing.assert_allclose(dedup_rows(np.array([[s * k, 0], [0, s * k]]), k), [[s, 0], [0, s]])  # all on one rank
+    uniform = np.full((1, 4), s * k / 4)
+    np.testing.assert_allclose(dedup_rows(uniform, k), s * (1 - (3 / 4) ** k))
+    tm = np.array([[5, 3], [0, 8]])
+    np.testing.assert_array_equal(dedup_rows(tm, 1), tm)  # k = 1: nothing to merge
 
 
 def test_cli_writes_table_json_png(tmp_path, capsys) -> None:

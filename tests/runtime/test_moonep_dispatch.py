@@ -12,6 +12,7 @@ import torch
 from dist import dist_run
 
 from moonrt.comm.ep_alltoall import AllToAllDispatcher
+from moonrt.comm.ep_layout import assignment_destinations, padded_rows
 from moonrt.comm.ep_ref import rows_reference
 from moonrt.comm.ep_slots import SlotPool
 from moonrt.comm.moonep_dispatch import MoonEPDispatcher
@@ -36,6 +37,12 @@ def make_problem(world: int, s: int | tuple[int, ...], k: int, routing: str, see
         elif routing == "one_expert":  # every token picks expert 0 (and, for k > 1, others of rank 0's group)
             rest = [torch.randperm(E // world - 1, generator=g)[: k - 1] + 1 for _ in range(s)]
             ids.append(torch.stack([torch.cat([torch.zeros(1, dtype=torch.int64), r]) for r in rest]))
+        elif routing == "skewed":  # most picks on rank 0's experts: tokens share destinations
+            bias = torch.tensor([8.0] * (E // world) + [1.0] * (E - E // world))
+            ids.append(torch.stack([torch.multinomial(bias, k, generator=g) for _ in range(s)]))
+        elif routing == "repeated":  # with replacement: a token may list an expert more than once
+            bias = torch.tensor([8.0] * (E // world) + [1.0] * (E - E // world))
+            ids.append(torch.multinomial(bias, s * k, replacement=True, generator=g).view(s, k))
         elif routing == "rank_unused":  # the last rank's home experts are never chosen
             allowed = E - E // world
             ids.append(torch.stack([torch.randperm(allowed, generator=g)[:k] for _ in range(s)]))
@@ -48,12 +55,14 @@ def make_problem(world: int, s: int | tuple[int, ...], k: int, routing: str, see
     return {"xs": xs, "ids": ids, "ws": ws, "experts": experts, "gouts": gouts}
 
 
-def _rank_fn(rank: int, world: int, s: int, k: int, routing: str, baseline: bool) -> dict:
+def _rank_fn(rank: int, world: int, s: int, k: int, routing: str, baseline: bool, dedup: bool,
+             padding: int = 1) -> dict:
     torch.manual_seed(0)
     p = make_problem(world, s, k, routing)
     per = E // world
     cls = AllToAllDispatcher if baseline else MoonEPDispatcher
-    disp = cls(None, capacity=s if isinstance(s, int) else max(s), hidden=H, top_k=k, num_experts=E)
+    disp = cls(None, capacity=s if isinstance(s, int) else max(s), hidden=H, top_k=k, num_experts=E, dedup=dedup,
+               token_padding=padding)
     x = p["xs"][rank].clone().requires_grad_()
     w = p["ws"][rank].clone().requires_grad_()
     home = [t[rank * per:(rank + 1) * per].clone().requires_grad_() for t in p["experts"]]
@@ -61,23 +70,41 @@ def _rank_fn(rank: int, world: int, s: int, k: int, routing: str, baseline: bool
     slots = disp.prefetch_weights(handle, home)
     y_home = grouped_glu_experts(recv_x[: handle.home_rows], handle.home_cu_seqlens(), *home)
     y_slot = grouped_glu_experts(recv_x[handle.home_rows:], handle.slot_cu_seqlens(), *slots)
-    out = disp.combine(torch.cat([y_home, y_slot]), handle)
+    y = torch.cat([y_home, y_slot])
+    real = torch.arange(handle.rows)
+    if padding > 1:
+        pad = handle.padding
+        assert bool((cu % padding == 0).all()) and recv_x.shape[0] == handle.out_rows == pad.padded_rows
+        assert handle.out_rows == padded_rows(handle.rows, E // world + disp.num_slots, padding)
+        mask = torch.zeros(handle.out_rows, dtype=torch.bool)
+        for a, b in pad.pad_ranges.tolist():
+            mask[a:b] = True
+        assert int(mask.sum()) == handle.out_rows - handle.rows and not bool(mask[pad.row_index].any())
+        assert not bool(recv_x[mask].any()) and not bool(recv_w[mask].any()), "padding rows must be zero"
+        # whatever the expert compute leaves in the padding (here: a function of every expert weight)
+        # must reach neither the output nor any gradient
+        y = y + mask.unsqueeze(1) * (1e3 * sum(t.sum() for t in home + list(slots)))
+        real = pad.row_index
+    out = disp.combine(y, handle)
     (out * p["gouts"][rank]).sum().backward()
     # recv_weights is differentiable too: its gradient must reach topk_weights.
     w2 = p["ws"][rank].clone().requires_grad_()
     _, recv_w2, _, _ = disp.dispatch(x.detach(), p["ids"][rank], w2)
-    (recv_w2 * torch.arange(recv_w2.shape[0], dtype=torch.float32)).sum().backward()
+    (recv_w2[real] * torch.arange(real.shape[0], dtype=torch.float32)).sum().backward()
+    cu_real = handle.layout.cu_seqlens
     return {
         "out": out.detach(), "gx": x.grad, "gw": w.grad, "gexperts": [t.grad for t in home],
-        "recv_x": recv_x.detach(), "recv_w": recv_w.detach(), "cu": cu.tolist(), "rows": handle.rows,
+        "recv_x": recv_x[real].detach(), "recv_w": recv_w[real].detach(), "cu": cu_real.tolist(),
+        "rows": handle.rows,
         "alloc": torch.as_tensor(handle.plan.alloc), "copies": torch.as_tensor(handle.plan.copies),
         "capacity": [int(c) for c in handle.plan.capacity], "gw2": w2.grad,
         "counters": disp.counters,
     }
 
 
-def _check(world: int, s: int | tuple[int, ...], k: int, routing: str, baseline: bool = False) -> list[dict]:
-    res = dist_run(_rank_fn, world, s, k, routing, baseline, timeout=120)
+def _check(world: int, s: int | tuple[int, ...], k: int, routing: str, baseline: bool = False,
+           dedup: bool = True, padding: int = 1) -> list[dict]:
+    res = dist_run(_rank_fn, world, s, k, routing, baseline, dedup, padding, timeout=120)
     p = make_problem(world, s, k, routing)
     xs = [x.clone().requires_grad_() for x in p["xs"]]
     ws = [w.clone().requires_grad_() for w in p["ws"]]
@@ -87,7 +114,7 @@ def _check(world: int, s: int | tuple[int, ...], k: int, routing: str, baseline:
 
     def close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
         err = (a - b).norm() / b.norm().clamp_min(1e-30)
-        assert err <= 1e-5, f"{what}: relative error {err:.2e}"
+        assert err <= 1e-6, f"{what}: relative error {err:.2e}"
 
     for r, got in enumerate(res):
         close(got["out"], outs[r].detach(), f"rank {r} output")
@@ -115,14 +142,20 @@ def _check(world: int, s: int | tuple[int, ...], k: int, routing: str, baseline:
                 if src == r:
                     res_r[t, j] = i
         assert torch.equal(got["gw2"], res_r)
-    # counters: dispatch sends H fp32 + the weight per row to the row's rank, combine sends H fp32 back
-    # (two forward dispatches ran: the main one and the recv_weights one)
+    # counters: dispatch sends H fp32 per token row (one per assignment, or with dedup one per distinct
+    # (token, destination) pair) + the weight (and with dedup an int64 row index) per assignment;
+    # combine sends H fp32 per token row back (two forward dispatches ran: the main one and the recv_weights one)
     rows_of = [rows_reference(p["ids"], res[0]["alloc"], res[0]["copies"], d)[0] for d in range(world)]
     for r in range(world):
         for d in range(world):
             to_d = sum(src == r for src, _, _ in rows_of[d])
-            from_d = sum(src == d for src, _, _ in rows_of[r])
-            assert res[r]["counters"].token_bytes_sent[d] == 2 * to_d * (H * 4 + 4) + from_d * H * 4
+            pairs_to_d = len({t for src, t, _ in rows_of[d] if src == r}) if dedup else to_d
+            pairs_from_d = len({t for src, t, _ in rows_of[r] if src == d}) if dedup else \
+                sum(src == d for src, _, _ in rows_of[r])
+            c = res[r]["counters"]
+            assert c.rows_sent[d] == 2 * pairs_to_d and c.assignments_sent[d] == 2 * to_d
+            per_assignment = 4 + (8 if dedup else 0)
+            assert c.token_bytes_sent[d] == 2 * (pairs_to_d * H * 4 + to_d * per_assignment) + pairs_from_d * H * 4
     for i, t in enumerate(experts):
         got = torch.cat([res[r]["gexperts"][i] for r in range(world)])
         assert got.shape == t.shape
@@ -134,12 +167,16 @@ def _check(world: int, s: int | tuple[int, ...], k: int, routing: str, baseline:
     return res
 
 
-@pytest.mark.parametrize("world,routing,k", [
-    (2, "random", 2), (2, "one_expert", 1), (2, "rank_unused", 2),
-    (4, "random", 2), (4, "one_expert", 2), (4, "rank_unused", 3),
+@pytest.mark.parametrize("world,routing,k,dedup", [
+    (2, "random", 2, True), (2, "one_expert", 1, True), (2, "rank_unused", 2, False),
+    (4, "random", 2, False), (4, "one_expert", 2, True), (4, "rank_unused", 3, True),
+    (4, "skewed", 4, True), (4, "repeated", 4, True), (4, "repeated", 3, False),
 ])
-def test_moonep_matches_reference(world: int, routing: str, k: int) -> None:
-    res = _check(world, s=6, k=k, routing=routing)
+def test_moonep_matches_reference(world: int, routing: str, k: int, dedup: bool) -> None:
+    """Outputs and gradients equal the reference; with dedup, rows sent = distinct (token, destination) pairs."""
+    res = _check(world, s=6, k=k, routing=routing, dedup=dedup)
+    if routing == "skewed":  # tokens share destinations: dedup sends strictly fewer rows than assignments
+        assert sum(sum(r["counters"].rows_sent) for r in res) < sum(sum(r["counters"].assignments_sent) for r in res)
     if routing == "one_expert":  # rank 0 homes every chosen expert: all other ranks compute copies of them
         copies = res[0]["copies"]
         assert bool((copies[1:] >= 0).any(1).all()) and bool((copies[0] < 0).all())
@@ -147,8 +184,15 @@ def test_moonep_matches_reference(world: int, routing: str, k: int) -> None:
         assert res[1]["counters"].weight_bytes_sent[0] == 0 < res[0]["counters"].weight_bytes_sent[1]
 
 
+@pytest.mark.parametrize("dedup", [True, False])
+def test_token_padding_matches_reference(dedup: bool) -> None:
+    """Segments padded to multiples of 4 (zero fill, static padded row count): same outputs, gradients and
+    real rows as without padding, even with the padding rows of the expert output set to garbage."""
+    _check(4, s=6, k=3, routing="repeated", dedup=dedup, padding=4)
+
+
 def test_alltoall_baseline_matches_reference() -> None:
-    res = _check(2, s=6, k=2, routing="one_expert", baseline=True)
+    res = _check(2, s=6, k=2, routing="one_expert", baseline=True, dedup=False)
     # unbalanced: rank 0 homes the hot experts and computes every assignment
     assert res[0]["rows"] == 2 * 6 * 2 and res[1]["rows"] == 0
 
@@ -222,7 +266,7 @@ def _bf16_fn(rank: int, world: int) -> dict:
     x = torch.randn(6, H, generator=g).bfloat16().requires_grad_()
     ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(6)])
     w = (torch.rand(6, 2, generator=g) + 0.1).requires_grad_()
-    disp = MoonEPDispatcher(None, 6, H, 2, E)
+    disp = MoonEPDispatcher(None, 6, H, 2, E, dedup=False)  # one rounding: per-assignment combine (dedup adds one)
     recv_x, recv_w, _, h = disp.dispatch(x, ids, w)
     out = disp.combine(recv_x, h)
     (out.float().sum() + recv_w.sum()).backward()
@@ -241,3 +285,30 @@ def test_bf16_tokens_keep_fp32_router_weights() -> None:
         # each row's gradient w * 1 is a bf16 row; the k rows are summed in fp32, then rounded once
         want_gx = r["w"].bfloat16().float().sum(1, keepdim=True).expand(-1, H).bfloat16()
         assert torch.equal(r["gx"], want_gx)
+
+
+def _bf16_dedup_fn(rank: int, world: int) -> dict:
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(6, H, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:3] for _ in range(6)])
+    w = torch.rand(6, 3, generator=g) + 0.1
+    disp = MoonEPDispatcher(None, 6, H, 3, E)
+    recv_x, _, _, h = disp.dispatch(x, ids, w)
+    return {"x": x, "w": w, "out": disp.combine(recv_x, h), "dst": assignment_destinations(h.layout).view(6, 3)}
+
+
+def test_bf16_dedup_rounds_once_per_destination() -> None:
+    """With dedup a destination sums a token's weighted rows in fp32 and returns one bf16 row; the source sums
+    those in fp32 and rounds once more: elementwise within u * (sum_d |partial_d| + |out|) of the fp32 sum
+    (u = 2^-8, bf16's unit roundoff; plus fp32 summation error), where a per-assignment combine rounds once."""
+    u = 2.0 ** -8
+    for r in dist_run(_bf16_dedup_fn, 2, timeout=60):
+        x32 = r["x"].float()
+        ref = (x32.unsqueeze(1) * r["w"].unsqueeze(2)).sum(1)
+        bound = ref.abs().clone()
+        for t in range(6):
+            for d in r["dst"][t].unique().tolist():
+                sel = r["dst"][t] == d
+                bound[t] += (x32[t] * r["w"][t, sel].sum()).abs()
+        bound = u * bound + 1e-5 * (x32.abs().unsqueeze(1) * r["w"].unsqueeze(2)).sum(1)
+        assert bool(((r["out"].float() - ref).abs() <= bound).all())

@@ -27,8 +27,6 @@ def _one_case(rank: int, case: str) -> tuple[str, int]:
             bad_ids[2, 1] = E
         elif case == "negative":
             bad_ids[0, 0] = -1
-        elif case == "duplicate":
-            bad_ids[3, 1] = bad_ids[3, 0]
         elif case == "too_many_tokens":
             bad_x = torch.randn(S + 1, H, generator=g)
             bad_ids = torch.cat([ids, ids[:1]])
@@ -50,7 +48,6 @@ def _one_case(rank: int, case: str) -> tuple[str, int]:
 CASES = {
     "out_of_range": "out of range, expected expert ids in [0, 8)",
     "negative": "value -1 out of range",
-    "duplicate": "duplicate",
     "too_many_tokens": "s = 5 tokens, expected s <= capacity = 4",
     "wrong_dtype": "topk_ids: shape (4, 2) dtype torch.int32, expected int64",
 }
