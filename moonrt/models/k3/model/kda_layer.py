@@ -27,6 +27,7 @@ from torch import nn
 
 from moonrt.models.k3.model.config import K3Config
 from moonrt.ops.kda import MIN_LOG_DECAY
+from moonrt.ops.precision import at_least_fp32
 from moonrt.ops.rmsnorm import rms_norm
 from moonrt.parallel.blocks import MatrixBlocks
 from moonrt.parallel.context import LOCAL, AttentionContext
@@ -43,18 +44,21 @@ class KDACache:
     conv: torch.Tensor
     """``[B, kernel - 1, 2*H*K + H*V]``: the last pre-conv q|k|v projections (the short conv's left context)."""
     state: torch.Tensor
-    """``[B, H, K, V]`` fp32: the KDA state S after the last token seen."""
+    """``[B, H, K, V]`` in ``promote(dtype, float32)`` (fp32; fp64 for an fp64 model): the KDA state S after the
+    last token seen."""
     tokens: int = 0
     """Tokens consumed so far."""
 
     @classmethod
     def empty(cls, config: K3Config, batch_size: int, device: torch.device | str | None = None,
               dtype: torch.dtype = torch.float32) -> KDACache:
-        """A cache for a fresh sequence: zero conv context (causal padding) and zero state."""
+        """A cache for a fresh sequence: zero conv context (causal padding, ``dtype``) and zero state (``dtype``
+        promoted to at least fp32: pass the model's dtype, e.g. ``torch.float64`` for an fp64 model)."""
         lac = config.linear_attn_config
         H, K = lac.num_heads, lac.head_dim
         conv = torch.zeros(batch_size, lac.short_conv_kernel_size - 1, 3 * H * K, device=device, dtype=dtype)
-        return cls(conv=conv, state=torch.zeros(batch_size, H, K, K, device=device, dtype=torch.float32))
+        state_dtype = torch.promote_types(dtype, torch.float32)
+        return cls(conv=conv, state=torch.zeros(batch_size, H, K, K, device=device, dtype=state_dtype))
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -131,14 +135,15 @@ class KDALayer(nn.Module):
 
     # ---- pieces -----------------------------------------------------------------------------------------
     def gate(self, x: torch.Tensor) -> torch.Tensor:
-        """Log-decay ``g [B, T, H, K]`` fp32 in ``(gate_lower_bound, 0)`` from ``x [B, T, D]`` (K3_SYSTEMS §2.2).
+        """Log-decay ``g [B, T, H, K]`` in ``(gate_lower_bound, 0)`` from ``x [B, T, D]`` (K3_SYSTEMS §2.2), in
+        ``promote(dtype, float32)`` of its inputs: fp32 for bf16/fp32, fp64 for an fp64 model.
 
         (In fp32 a saturated sigmoid reaches the closed bounds exactly.)
         """
         B, T, _ = x.shape
-        f = self.f_b_proj(self.f_a_proj(x)).float()  # [B, T, H*K]
-        A = self.A_log.float().exp().repeat_interleave(self.head_dim)  # [H*K]
-        g = self.gate_lower_bound * torch.sigmoid(A * (f + self.dt_bias.float()))
+        f = at_least_fp32(self.f_b_proj(self.f_a_proj(x)))  # [B, T, H*K]
+        A = at_least_fp32(self.A_log).exp().repeat_interleave(self.head_dim)  # [H*K]
+        g = self.gate_lower_bound * torch.sigmoid(A * (f + at_least_fp32(self.dt_bias)))
         return g.view(B, T, self.num_heads, self.head_dim)
 
     def _short_conv(self, x: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
@@ -166,8 +171,10 @@ class KDALayer(nn.Module):
         state_shape = (B, self.num_heads, self.head_dim, self.head_dim)
         if tuple(cache.state.shape) != state_shape:
             raise ValueError(f"cache.state.shape = {tuple(cache.state.shape)}: expected {state_shape}")
-        if cache.state.dtype != torch.float32:
-            raise ValueError(f"cache.state.dtype = {cache.state.dtype}: expected torch.float32")
+        state_dtype = torch.promote_types(x.dtype, torch.float32)
+        if cache.state.dtype != state_dtype:
+            raise ValueError(f"cache.state.dtype = {cache.state.dtype}: expected {state_dtype} (promote(x.dtype, "
+                             f"float32); KDACache.empty(..., dtype=x.dtype))")
 
     def forward(self, x: torch.Tensor, ctx: AttentionContext = LOCAL, cache: KDACache | None = None,
                 packing: DocumentPacking | None = None) -> torch.Tensor:
@@ -201,8 +208,8 @@ class KDALayer(nn.Module):
         q = l2_normalize(q.reshape(B, T, H, K))
         k = l2_normalize(k.reshape(B, T, H, K))
         v = v.reshape(B, T, H, K)
-        beta = torch.sigmoid(self.b_proj(x).float())  # [B, T, H]
-        g = self.gate(x)  # [B, T, H, K] fp32
+        beta = torch.sigmoid(at_least_fp32(self.b_proj(x)))  # [B, T, H]
+        g = self.gate(x)  # [B, T, H, K] fp32 (fp64 for an fp64 model)
         if packing is not None:  # the rows laid end to end: [1, B*T, ...], documents at cu_seqlens
             flat = [t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, beta)]
             o, S = ctx.kda(*flat, cu_seqlens=packing.cu_seqlens)
@@ -214,11 +221,11 @@ class KDALayer(nn.Module):
             tail = torch.cat([cache.conv.to(pre.dtype), pre], dim=1)[:, -(self.kernel_size - 1):] \
                 if self.kernel_size > 1 else cache.conv
             cache.conv = tail.detach().to(cache.conv.dtype)
-            cache.state = S.detach().float()
+            cache.state = at_least_fp32(S.detach())
             cache.tokens += T
-        o = o.float()
-        o = rms_norm(o, self.o_norm_weight, self.eps)  # per head, fp32; one autograd node (saves o and its rsqrt)
-        o = o * torch.sigmoid(self.g_proj(x).float().view(B, T, H, K))
+        o = at_least_fp32(o)
+        o = rms_norm(o, self.o_norm_weight, self.eps)  # per head, fp32 (fp64 stays); one autograd node
+        o = o * torch.sigmoid(at_least_fp32(self.g_proj(x)).view(B, T, H, K))
         return self.o_proj(o.reshape(B, T, self.value_dim).to(x.dtype))
 
 
