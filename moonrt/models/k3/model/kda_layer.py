@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moonrt.models.k3.model.config import K3Config
+from moonrt.models.k3.model.config import DT_BIAS_INITS, K3Config
 from moonrt.ops.kda import MIN_LOG_DECAY
 from moonrt.ops.precision import at_least_fp32
 from moonrt.ops.rmsnorm import rms_norm
@@ -100,6 +100,8 @@ class KDALayer(nn.Module):
         if not MIN_LOG_DECAY <= self.gate_lower_bound < 0:
             raise ValueError(f"linear_attn_config.gate_lower_bound = {self.gate_lower_bound}: expected a value in "
                              f"[{MIN_LOG_DECAY}, 0) (the chunked KDA kernel's decay range, K3_SYSTEMS §2.2)")
+        if config.kda_dt_bias_init not in DT_BIAS_INITS:
+            raise ValueError(f"kda_dt_bias_init = {config.kda_dt_bias_init!r}: expected one of {DT_BIAS_INITS}")
         if not lac.use_full_rank_gate:
             raise ValueError("linear_attn_config.use_full_rank_gate = False: expected True (K3's KDA output gate "
                              "is one full-rank D -> H*V projection)")
@@ -114,11 +116,15 @@ class KDALayer(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
-        """Linear weights ~ N(0, initializer_range); conv as ``nn.Conv1d``; A_log, dt_bias as Kimi Linear.
+        """Linear weights ~ N(0, initializer_range); conv as ``nn.Conv1d``; A_log as Kimi Linear; dt_bias by
+        ``config.kda_dt_bias_init`` (the K3 report specifies none of these, K3_SYSTEMS §12).
 
         Kimi Linear (fla) draws ``A = exp(A_log) ~ U(1, 16)`` per head and ``dt ~ logU(1e-3, 1e-1)`` per channel,
-        starting at the decay ``g = -A * dt``. Here ``dt_bias`` is solved so K3's sigmoid gate starts at the same
-        decay: ``g_min * sigmoid(A * dt_bias) = -A * dt`` (clamped to 0.9 * |g_min|).
+        starting at the decay ``g = -A * dt``. ``kimi_linear`` (default): ``dt_bias`` is solved so K3's sigmoid gate
+        starts at the same decay, ``g_min * sigmoid(A * dt_bias) = -A * dt`` (clamped to 0.9 * |g_min|), so
+        ``g0`` lies in [-1.6, -0.001] (a memory of ~1 to ~1000 tokens). ``zero``: ``dt_bias = 0``, so every channel
+        starts at ``g0 = g_min / 2`` (-2.5 for K3: ``alpha = 0.08`` per token). Both draw the same random numbers
+        (the other parameters do not depend on the option).
         """
         std = self.config.initializer_range
         for lin in (self.qkv_proj, self.b_proj, self.f_a_proj, self.f_b_proj, self.g_proj, self.o_proj):
@@ -130,7 +136,10 @@ class KDALayer(nn.Module):
         lo, hi = math.log(1e-3), math.log(1e-1)
         dt = torch.exp(torch.empty(self.key_dim).uniform_(lo, hi, generator=generator))
         g0 = (-A.repeat_interleave(self.head_dim) * dt).clamp(min=0.9 * self.gate_lower_bound)
-        self.dt_bias.copy_(torch.logit(g0 / self.gate_lower_bound) / A.repeat_interleave(self.head_dim))
+        if self.config.kda_dt_bias_init == "zero":
+            self.dt_bias.zero_()
+        else:
+            self.dt_bias.copy_(torch.logit(g0 / self.gate_lower_bound) / A.repeat_interleave(self.head_dim))
         self.o_norm_weight.fill_(1.0)
 
     # ---- pieces -----------------------------------------------------------------------------------------
