@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from dist import dist_run
 from dtype_record import DtypeRecorder
 from numerics import assert_equal_f64, assert_near_reference, growth
 
+from moonrt.comm.moonep_dispatch import MoonEPDispatcher
 from moonrt.models.k3.model.config import k3_tiny
 from moonrt.models.k3.model.kda_layer import KDACache, KDALayer
 from moonrt.models.k3.model.model import K3Model
@@ -203,3 +205,29 @@ def test_fp64_forward_equals_the_layer_references() -> None:
         assert (a is None) == (b is None), name
         if a is not None:
             assert_near_reference(a, b, _backward_growth(model, tokens.shape[1]), f"d {name}")
+
+
+def _ep_fp64_fn(rank: int, world: int) -> dict:
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(6, 12, generator=g, dtype=F64).requires_grad_()
+    ids = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(6)])
+    w = (torch.rand(6, 2, generator=g, dtype=F64) + 0.1).requires_grad_()
+    disp = MoonEPDispatcher(None, 6, 12, 2, 8)
+    with DtypeRecorder(expect=F64) as rec:
+        recv_x, recv_w, _, h = disp.dispatch(x, ids, w)
+        out = disp.combine(recv_x, h)
+        (out.sum() + recv_w.sum()).backward()
+    return {"x": x.detach(), "w": w.detach(), "out": out.detach(), "gx": x.grad, "gw": w.grad,
+            "narrower": rec.narrower_than(F64)}
+
+
+def test_fp64_expert_parallel_dispatch_and_combine() -> None:
+    """Under expert parallelism (MoonEP on 2 gloo ranks) an fp64 model's tokens and router weights are dispatched,
+    weighted and combined in fp64, forward and backward (the combine computes in fp32 only for bf16 / fp32)."""
+    for r in dist_run(_ep_fp64_fn, 2, timeout=60):
+        assert r["narrower"] == [], r["narrower"]
+        x, w = r["x"], r["w"]
+        assert_equal_f64(r["out"], (x.unsqueeze(1) * w.unsqueeze(2)).sum(1), "combined output")
+        assert_equal_f64(r["gw"], x.sum(1, keepdim=True).expand(-1, 2) + 1, "d router weights")
+        assert_equal_f64(r["gx"], w.sum(1, keepdim=True).expand(-1, x.shape[1]), "d tokens")
+
