@@ -15,6 +15,8 @@ from dtype_record import DtypeRecorder
 from numerics import assert_equal_f64, assert_near_reference, growth
 
 from moonrt.comm.moonep_dispatch import MoonEPDispatcher
+from moonrt.models.dense.model.config import dense_tiny
+from moonrt.models.dense.model.model import DenseModel
 from moonrt.models.k3.model.config import k3_tiny
 from moonrt.models.k3.model.kda_layer import KDACache, KDALayer
 from moonrt.models.k3.model.model import K3Model
@@ -160,20 +162,30 @@ def test_fp64_model_runs_every_op_in_fp64() -> None:
     an fp64 model: no op reads or writes a floating tensor of any dtype but float64 (and the decoding equals the
     full-sequence forward to float64 rounding)."""
     model = _fp64_model()
-    tokens = torch.randint(0, model.config.vocab_size, (2, 12))
+    tokens = torch.randint(0, model.config.vocab_size, (1, 8))
     kda = model.layers[0].attn
     with DtypeRecorder(expect=F64) as rec:
-        logits = model(tokens)
-        model.loss_sum(tokens, torch.roll(tokens, -1, 1)).backward()
-        model(tokens, two_phase=True)
+        loss = model.loss_sum(tokens, torch.roll(tokens, -1, 1))
+        loss.backward()
+        logits = model(tokens, two_phase=True)
         cache = KDACache.empty(model.config, 2, dtype=F64)
         x = torch.randn(2, 4, model.config.hidden_size, dtype=F64)
         with torch.no_grad():
             steps = torch.cat([kda(x[:, t:t + 1], cache=cache) for t in range(x.shape[1])], dim=1)
-    assert logits.dtype == F64 and cache.state.dtype == F64
+    assert loss.dtype == logits.dtype == cache.state.dtype == F64
     with torch.no_grad():
         assert_equal_f64(steps, kda(x), "fp64 cached decoding vs the full sequence")
     assert rec.dtypes == {F64}, "non-fp64 ops in an fp64 model:\n" + "\n".join(rec.narrower_than(F64))
+
+
+def test_fp64_dense_model_runs_every_op_in_fp64() -> None:
+    """The dense model (same cast rule, ``promote(x, fp32)``) in fp64: forward and backward all fp64."""
+    torch.manual_seed(0)
+    model = DenseModel(dense_tiny()).to(F64)
+    tokens = torch.randint(0, model.config.vocab_size, (2, 8))
+    with DtypeRecorder(expect=F64) as rec:
+        model.loss_sum(tokens, tokens).backward()
+    assert rec.dtypes == {F64}, "non-fp64 ops in an fp64 dense model:\n" + "\n".join(rec.narrower_than(F64))
 
 
 def _backward_growth(model: K3Model, t: int) -> int:
