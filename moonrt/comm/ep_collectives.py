@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from moonrt.comm.ep_layout import DedupLayout, EPLayout, WeightLayout, dedup_recv_side, dedup_send_side
-from moonrt.ops.precision import no_autocast
+from moonrt.ops.precision import at_least_fp32, no_autocast
 
 
 def _all_to_all(
@@ -101,17 +101,23 @@ class _Dispatch(torch.autograd.Function):
         else:
             gx_a = from_rows(grad_x, layout, group).view(s, k, -1)
             gw = from_rows(grad_w.unsqueeze(1), layout, group).view(s, k)
-        return gx_a.float().sum(1).to(grad_x.dtype), gw, None, None
+        return at_least_fp32(gx_a).sum(1).to(grad_x.dtype), gw, None, None
+
+
+def _compute_dtype(a: torch.Tensor, b: torch.Tensor) -> torch.dtype:
+    """The combine's arithmetic dtype: fp32 for bf16 / fp32 operands, fp64 when either is fp64 (never narrowed)."""
+    return torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
 
 
 class _Combine(torch.autograd.Function):
     @staticmethod
-    @no_autocast  # the weighted sum of the k expert outputs is fp32 (einsum would round to bf16 under autocast)
+    @no_autocast  # the weighted sum of the k expert outputs in fp32 or fp64 (einsum would round to bf16 in autocast)
     def forward(ctx, y, weights, layout, group, refill, *deps):  # type: ignore[override]
         s, k = layout.tokens, layout.top_k
         ctx.num_deps, ctx.refill = len(deps), refill
         y_a = from_rows(y, layout, group).view(s, k, y.shape[1])
-        out = torch.einsum("skh,sk->sh", y_a.float(), weights.float()).to(y.dtype)
+        dt = _compute_dtype(y, weights)
+        out = torch.einsum("skh,sk->sh", y_a.to(dt), weights.to(dt)).to(y.dtype)
         ctx.save_for_backward(y_a, weights)
         ctx.layout, ctx.group = layout, group
         return out
@@ -123,10 +129,11 @@ class _Combine(torch.autograd.Function):
         if ctx.refill is not None:  # the expert backward of this layer reads the shared slot pool next
             ctx.refill()
         s, k = ctx.layout.tokens, ctx.layout.top_k
-        g32 = grad_out.float()
-        g_ya = (g32.unsqueeze(1) * weights.float().unsqueeze(2)).to(y_a.dtype).reshape(s * k, -1)
+        dt = _compute_dtype(grad_out, weights)
+        g32 = grad_out.to(dt)
+        g_ya = (g32.unsqueeze(1) * weights.to(dt).unsqueeze(2)).to(y_a.dtype).reshape(s * k, -1)
         grad_y = to_rows(g_ya, ctx.layout, ctx.group)
-        grad_w = torch.einsum("sh,skh->sk", g32, y_a.float()).to(weights.dtype)
+        grad_w = torch.einsum("sh,skh->sk", g32, y_a.to(dt)).to(weights.dtype)
         return (grad_y, grad_w, None, None, None) + (None,) * ctx.num_deps
 
 

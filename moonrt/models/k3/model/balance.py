@@ -27,6 +27,8 @@ from collections.abc import Callable
 
 import torch
 
+from moonrt.ops.precision import at_least_fp32
+
 AllReduce = Callable[[torch.Tensor], torch.Tensor | None]
 """Sums a tensor across data-parallel ranks in place (like ``dist.all_reduce``); may return it."""
 
@@ -109,7 +111,7 @@ def qb_bias_exact(scores: torch.Tensor, bias: torch.Tensor, k: int, center: bool
 def expert_loads(scores: torch.Tensor, bias: torch.Tensor, k: int) -> torch.Tensor:
     """Tokens per expert ``[n]`` int64 when routing top-k on ``scores [m, n] + bias [n]``."""
     _check_scores(scores, bias, k)
-    ids = torch.topk(scores.float() + bias.float(), k, dim=-1).indices
+    ids = torch.topk(at_least_fp32(scores) + at_least_fp32(bias), k, dim=-1).indices
     return torch.bincount(ids.reshape(-1), minlength=scores.shape[1])
 
 
@@ -159,7 +161,7 @@ class MarginHistogram:
         if margins.dim() != 2 or margins.shape[1] != self.num_experts:
             raise ValueError(f"margins: shape {tuple(margins.shape)}, expected [m, {self.num_experts}]")
         with torch.no_grad():
-            idx = torch.floor((margins.float() - self.lo) / self.bin_width).long().clamp_(0, self.bins - 1)
+            idx = torch.floor((at_least_fp32(margins) - self.lo) / self.bin_width).long().clamp_(0, self.bins - 1)
             flat = idx + torch.arange(self.num_experts, device=idx.device) * self.bins
             hist = torch.bincount(flat.reshape(-1), minlength=self.num_experts * self.bins)
             self.counts += hist.view(self.num_experts, self.bins).to(self.counts.device)

@@ -15,6 +15,9 @@ from typing import Literal
 from moonrt.config import check
 from moonrt.parallel.model import MAX_LAYERS, PipelineLayout  # MAX_LAYERS bounds num_hidden_layers
 
+DT_BIAS_INITS = ("kimi_linear", "zero")
+"""The values of :attr:`K3Config.kda_dt_bias_init`."""
+
 
 def _positive_finite(obj: object, names: tuple[str, ...]) -> None:
     for name in names:
@@ -86,6 +89,10 @@ class K3Config:
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
+    kda_dt_bias_init: Literal["kimi_linear", "zero"] = "kimi_linear"
+    """moonrt's own field (not in the released ``config.json``): how KDA's ``dt_bias`` starts (K3_SYSTEMS §12; the
+    report does not say). ``kimi_linear``: solved so the initial decay is Kimi Linear's ``-A dt``, ``dt ~
+    logU(1e-3, 1e-1)`` (``g0`` in [-1.6, -0.001]); ``zero``: ``dt_bias = 0``, ``g0 = gate_lower_bound / 2``."""
 
     def validate(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank",
@@ -110,6 +117,8 @@ class K3Config:
         check(not bad, "linear_attn_config.full_attn_layers", self.linear_attn_config.full_attn_layers,
               f"1-indexed layer numbers in [1, {self.num_hidden_layers}]")
         check(self.mla_use_nope, "mla_use_nope", self.mla_use_nope, "true (K3 MLA carries no rotary)")
+        check(self.kda_dt_bias_init in DT_BIAS_INITS, "kda_dt_bias_init", self.kda_dt_bias_init,
+              f"one of {', '.join(DT_BIAS_INITS)}")
 
     # ---- derived structure -------------------------------------------------------------------
     def layer_types(self) -> list[str]:

@@ -25,8 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moonrt.models.k3.model.config import K3Config
+from moonrt.models.k3.model.config import DT_BIAS_INITS, K3Config
 from moonrt.ops.kda import MIN_LOG_DECAY
+from moonrt.ops.precision import at_least_fp32
 from moonrt.ops.rmsnorm import rms_norm
 from moonrt.parallel.blocks import MatrixBlocks
 from moonrt.parallel.context import LOCAL, AttentionContext
@@ -43,18 +44,21 @@ class KDACache:
     conv: torch.Tensor
     """``[B, kernel - 1, 2*H*K + H*V]``: the last pre-conv q|k|v projections (the short conv's left context)."""
     state: torch.Tensor
-    """``[B, H, K, V]`` fp32: the KDA state S after the last token seen."""
+    """``[B, H, K, V]`` in ``promote(dtype, float32)`` (fp32; fp64 for an fp64 model): the KDA state S after the
+    last token seen."""
     tokens: int = 0
     """Tokens consumed so far."""
 
     @classmethod
     def empty(cls, config: K3Config, batch_size: int, device: torch.device | str | None = None,
               dtype: torch.dtype = torch.float32) -> KDACache:
-        """A cache for a fresh sequence: zero conv context (causal padding) and zero state."""
+        """A cache for a fresh sequence: zero conv context (causal padding, ``dtype``) and zero state (``dtype``
+        promoted to at least fp32: pass the model's dtype, e.g. ``torch.float64`` for an fp64 model)."""
         lac = config.linear_attn_config
         H, K = lac.num_heads, lac.head_dim
         conv = torch.zeros(batch_size, lac.short_conv_kernel_size - 1, 3 * H * K, device=device, dtype=dtype)
-        return cls(conv=conv, state=torch.zeros(batch_size, H, K, K, device=device, dtype=torch.float32))
+        state_dtype = torch.promote_types(dtype, torch.float32)
+        return cls(conv=conv, state=torch.zeros(batch_size, H, K, K, device=device, dtype=state_dtype))
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -96,6 +100,8 @@ class KDALayer(nn.Module):
         if not MIN_LOG_DECAY <= self.gate_lower_bound < 0:
             raise ValueError(f"linear_attn_config.gate_lower_bound = {self.gate_lower_bound}: expected a value in "
                              f"[{MIN_LOG_DECAY}, 0) (the chunked KDA kernel's decay range, K3_SYSTEMS §2.2)")
+        if config.kda_dt_bias_init not in DT_BIAS_INITS:
+            raise ValueError(f"kda_dt_bias_init = {config.kda_dt_bias_init!r}: expected one of {DT_BIAS_INITS}")
         if not lac.use_full_rank_gate:
             raise ValueError("linear_attn_config.use_full_rank_gate = False: expected True (K3's KDA output gate "
                              "is one full-rank D -> H*V projection)")
@@ -110,11 +116,15 @@ class KDALayer(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
-        """Linear weights ~ N(0, initializer_range); conv as ``nn.Conv1d``; A_log, dt_bias as Kimi Linear.
+        """Linear weights ~ N(0, initializer_range); conv as ``nn.Conv1d``; A_log as Kimi Linear; dt_bias by
+        ``config.kda_dt_bias_init`` (the K3 report specifies none of these, K3_SYSTEMS §12).
 
         Kimi Linear (fla) draws ``A = exp(A_log) ~ U(1, 16)`` per head and ``dt ~ logU(1e-3, 1e-1)`` per channel,
-        starting at the decay ``g = -A * dt``. Here ``dt_bias`` is solved so K3's sigmoid gate starts at the same
-        decay: ``g_min * sigmoid(A * dt_bias) = -A * dt`` (clamped to 0.9 * |g_min|).
+        starting at the decay ``g = -A * dt``. ``kimi_linear`` (default): ``dt_bias`` is solved so K3's sigmoid gate
+        starts at the same decay, ``g_min * sigmoid(A * dt_bias) = -A * dt`` (clamped to 0.9 * |g_min|), so
+        ``g0`` lies in [-1.6, -0.001] (a memory of ~1 to ~1000 tokens). ``zero``: ``dt_bias = 0``, so every channel
+        starts at ``g0 = g_min / 2`` (-2.5 for K3: ``alpha = 0.08`` per token). Both draw the same random numbers
+        (the other parameters do not depend on the option).
         """
         std = self.config.initializer_range
         for lin in (self.qkv_proj, self.b_proj, self.f_a_proj, self.f_b_proj, self.g_proj, self.o_proj):
@@ -126,19 +136,23 @@ class KDALayer(nn.Module):
         lo, hi = math.log(1e-3), math.log(1e-1)
         dt = torch.exp(torch.empty(self.key_dim).uniform_(lo, hi, generator=generator))
         g0 = (-A.repeat_interleave(self.head_dim) * dt).clamp(min=0.9 * self.gate_lower_bound)
-        self.dt_bias.copy_(torch.logit(g0 / self.gate_lower_bound) / A.repeat_interleave(self.head_dim))
+        if self.config.kda_dt_bias_init == "zero":
+            self.dt_bias.zero_()
+        else:
+            self.dt_bias.copy_(torch.logit(g0 / self.gate_lower_bound) / A.repeat_interleave(self.head_dim))
         self.o_norm_weight.fill_(1.0)
 
     # ---- pieces -----------------------------------------------------------------------------------------
     def gate(self, x: torch.Tensor) -> torch.Tensor:
-        """Log-decay ``g [B, T, H, K]`` fp32 in ``(gate_lower_bound, 0)`` from ``x [B, T, D]`` (K3_SYSTEMS §2.2).
+        """Log-decay ``g [B, T, H, K]`` in ``(gate_lower_bound, 0)`` from ``x [B, T, D]`` (K3_SYSTEMS §2.2), in
+        ``promote(dtype, float32)`` of its inputs: fp32 for bf16/fp32, fp64 for an fp64 model.
 
         (In fp32 a saturated sigmoid reaches the closed bounds exactly.)
         """
         B, T, _ = x.shape
-        f = self.f_b_proj(self.f_a_proj(x)).float()  # [B, T, H*K]
-        A = self.A_log.float().exp().repeat_interleave(self.head_dim)  # [H*K]
-        g = self.gate_lower_bound * torch.sigmoid(A * (f + self.dt_bias.float()))
+        f = at_least_fp32(self.f_b_proj(self.f_a_proj(x)))  # [B, T, H*K]
+        A = at_least_fp32(self.A_log).exp().repeat_interleave(self.head_dim)  # [H*K]
+        g = self.gate_lower_bound * torch.sigmoid(A * (f + at_least_fp32(self.dt_bias)))
         return g.view(B, T, self.num_heads, self.head_dim)
 
     def _short_conv(self, x: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
@@ -166,8 +180,10 @@ class KDALayer(nn.Module):
         state_shape = (B, self.num_heads, self.head_dim, self.head_dim)
         if tuple(cache.state.shape) != state_shape:
             raise ValueError(f"cache.state.shape = {tuple(cache.state.shape)}: expected {state_shape}")
-        if cache.state.dtype != torch.float32:
-            raise ValueError(f"cache.state.dtype = {cache.state.dtype}: expected torch.float32")
+        state_dtype = torch.promote_types(x.dtype, torch.float32)
+        if cache.state.dtype != state_dtype:
+            raise ValueError(f"cache.state.dtype = {cache.state.dtype}: expected {state_dtype} (promote(x.dtype, "
+                             f"float32); KDACache.empty(..., dtype=x.dtype))")
 
     def forward(self, x: torch.Tensor, ctx: AttentionContext = LOCAL, cache: KDACache | None = None,
                 packing: DocumentPacking | None = None) -> torch.Tensor:
@@ -201,8 +217,8 @@ class KDALayer(nn.Module):
         q = l2_normalize(q.reshape(B, T, H, K))
         k = l2_normalize(k.reshape(B, T, H, K))
         v = v.reshape(B, T, H, K)
-        beta = torch.sigmoid(self.b_proj(x).float())  # [B, T, H]
-        g = self.gate(x)  # [B, T, H, K] fp32
+        beta = torch.sigmoid(at_least_fp32(self.b_proj(x)))  # [B, T, H]
+        g = self.gate(x)  # [B, T, H, K] fp32 (fp64 for an fp64 model)
         if packing is not None:  # the rows laid end to end: [1, B*T, ...], documents at cu_seqlens
             flat = [t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, beta)]
             o, S = ctx.kda(*flat, cu_seqlens=packing.cu_seqlens)
@@ -214,11 +230,11 @@ class KDALayer(nn.Module):
             tail = torch.cat([cache.conv.to(pre.dtype), pre], dim=1)[:, -(self.kernel_size - 1):] \
                 if self.kernel_size > 1 else cache.conv
             cache.conv = tail.detach().to(cache.conv.dtype)
-            cache.state = S.detach().float()
+            cache.state = at_least_fp32(S.detach())
             cache.tokens += T
-        o = o.float()
-        o = rms_norm(o, self.o_norm_weight, self.eps)  # per head, fp32; one autograd node (saves o and its rsqrt)
-        o = o * torch.sigmoid(self.g_proj(x).float().view(B, T, H, K))
+        o = at_least_fp32(o)
+        o = rms_norm(o, self.o_norm_weight, self.eps)  # per head, fp32 (fp64 stays); one autograd node
+        o = o * torch.sigmoid(at_least_fp32(self.g_proj(x)).view(B, T, H, K))
         return self.o_proj(o.reshape(B, T, self.value_dim).to(x.dtype))
 
 

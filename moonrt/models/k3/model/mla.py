@@ -30,6 +30,7 @@ from torch import nn
 
 from moonrt.models.k3.model.config import K3Config
 from moonrt.models.k3.model.norm import RMSNorm
+from moonrt.ops.precision import at_least_fp32
 from moonrt.parallel.blocks import MatrixBlocks
 from moonrt.parallel.context import LOCAL, AttentionContext
 from moonrt.parallel.packing import DocumentPacking
@@ -124,10 +125,10 @@ class GatedMLA(nn.Module):
         if packing is not None:
             mask = packing.attention_mask()  # [B, 1, T, T]: causal within each document
         o = F.scaled_dot_product_attention(
-            q.float().transpose(1, 2), k.float().transpose(1, 2), v.float().transpose(1, 2),
+            at_least_fp32(q).transpose(1, 2), at_least_fp32(k).transpose(1, 2), at_least_fp32(v).transpose(1, 2),
             attn_mask=mask, scale=self.scale,
-        )  # [B, H, T, V] fp32
+        )  # [B, H, T, V] fp32 (fp64 for an fp64 model)
         o = o.transpose(1, 2).reshape(b, t, self.num_heads * self.v_dim)
         if self.g_proj is not None:
-            o = torch.sigmoid(self.g_proj(x).float()) * o
+            o = torch.sigmoid(at_least_fp32(self.g_proj(x))) * o
         return self.o_proj(o.to(x.dtype))

@@ -6,7 +6,8 @@ Layer ``l`` (0-indexed) is a :class:`DecoderLayer` with two sub-layers, each fed
     h = AttnRes_{2l}(blocks, partial);     partial += attn(attn_norm(h))     KDA or gated MLA
     h = AttnRes_{2l+1}(blocks, partial);   partial += ffn(ffn_norm(h))       dense GLU FFN or LatentMoE
 
-then ``final = AttnRes_final(all blocks)``, ``logits = lm_head(norm(final))`` in fp32.
+then ``final = AttnRes_final(all blocks)``, ``logits = lm_head(norm(final))`` in fp32
+(``promote(dtype, float32)``: an fp64 model computes in fp64 throughout).
 
 Module names are stable (memory policies and checkpoints match them): ``embed``, ``layers.{l}.attn``
 (a ``KDALayer`` or :class:`GatedMLA`), ``layers.{l}.attn_norm``, ``layers.{l}.ffn`` (dense, layers
@@ -40,7 +41,7 @@ from moonrt.models.k3.model.kda_layer import KDALayer
 from moonrt.models.k3.model.mla import GatedMLA
 from moonrt.models.k3.model.moe import LatentMoE, MoEConfig
 from moonrt.models.k3.model.norm import RMSNorm
-from moonrt.ops.precision import token_loss_sum
+from moonrt.ops.precision import at_least_fp32, token_loss_sum
 from moonrt.ops.qat import QATScheme
 from moonrt.parallel.context import LOCAL, AttentionContext
 from moonrt.parallel.model import ParamGroups, PipelineLayout
@@ -157,13 +158,14 @@ class K3Model(nn.Module):
         return state
 
     def head(self, state: AttnResState) -> torch.Tensor:
-        """Final AttnRes aggregation, norm and LM head: ``logits [B, T, vocab]`` fp32."""
-        return self.lm_head(self.norm(self.attn_res.final(state))).float()
+        """Final AttnRes aggregation, norm and LM head: ``logits [B, T, vocab]`` fp32 (fp64 for an fp64 model)."""
+        return at_least_fp32(self.lm_head(self.norm(self.attn_res.final(state))))
 
     # ---- whole model -----------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, ctx: AttentionContext = LOCAL, two_phase: bool = False,
                 packing: DocumentPacking | None = None) -> torch.Tensor:
-        """``tokens [B, T]`` int64 (this rank's sequence slice under CP) -> ``logits [B, T, vocab]`` fp32.
+        """``tokens [B, T]`` int64 (this rank's sequence slice under CP) -> ``logits [B, T, vocab]`` fp32 (fp64 for an
+        fp64 model).
 
         ``two_phase`` computes AttnRes in its two-phase inference form (same result to fp32 rounding).
         ``packing``: the documents packed in the rows (single-device context); no token sees another document.
