@@ -41,6 +41,13 @@
   name, experts as ``name[e]``), the step and the model config, so :func:`from_hf` maps it back.
   ``--names moonrt`` writes the moonrt names and stacked experts unchanged. ``--mxfp4``: the weights QAT quantizes
   as packed MXFP4 codes and E8M0 scales (names, dtypes and the loader: :mod:`moonrt.jobs.checkpoint.mxfp4`).
+- ``moonrt checkpoint export DIR OUT --format hf [--mxfp4] [--multimodal] [--max-shard-size 5GB]``: the released
+  Kimi K3 Hugging Face layout (K3 checkpoints): ``config.json`` in the released schema, safetensors shards of at
+  most ``--max-shard-size`` bytes and ``model.safetensors.index.json`` in the new or empty directory OUT, every
+  tensor under its released name and shape in the checkpoint's dtype (:mod:`moonrt.models.k3.hf_adapter`,
+  :mod:`moonrt.jobs.checkpoint.hf`); ``--mxfp4``: the routed experts as ``weight_packed`` / ``weight_scale``
+  pairs with the job's ``qat_block`` (the release's scope: routed experts only) and the config's
+  ``quantization_config``. ``moonrt train --init-from OUT`` reads it back.
 - ``moonrt checkpoint convert SRC DST [--force]``: ``checkpoint.pt`` -> a sharded directory (DST a new or empty
   directory, used as the ``OUT/checkpoint`` root; written in one process) or a sharded directory -> a ``.pt``
   file (DST new; ``--force`` replaces an existing one, never a ``checkpoint.pt`` or a file inside a sharded
@@ -143,10 +150,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     exp = sub.add_parser("export", help="model weights as one single-process safetensors file")
     exp.add_argument("dir", metavar="DIR", help="a run directory OUT (the checkpoint --resume takes), "
                      "OUT/checkpoint (newest committed step), a step-N directory, or a checkpoint.pt file")
-    exp.add_argument("file", metavar="FILE", help="the .safetensors file to write (a new file; see --force)")
+    exp.add_argument("file", metavar="FILE", help="the .safetensors file to write (a new file; see --force); with "
+                     "--format hf a new or empty directory")
     exp.add_argument("--names", choices=("hf", "moonrt"), default="hf",
                      help="hf: HF-style names where they exist, experts one tensor each (default); moonrt: as stored")
     exp.add_argument("--force", action="store_true", help="replace an existing FILE (never a run's checkpoint)")
+    exp.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
+                     help="safetensors: one file FILE (default); hf: the released Kimi K3 Hugging Face layout in the "
+                     "new or empty directory FILE (config.json, shards, model.safetensors.index.json; K3 models)")
+    exp.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                     help="--format hf: the most bytes a shard holds (5GB, 200MB, ...; a larger tensor gets its own)")
+    exp.add_argument("--multimodal", action="store_true", help="--format hf: the release's multimodal form (text "
+                     "keys prefixed language_model., config.json's text_config inside a kimi_k3 wrapper)")
     exp.add_argument("--mxfp4", action="store_true", help="the weights QAT quantizes (the model's declared layers, "
                      "K3: the experts) as packed MXFP4 codes (<name>.weight_packed, uint8, two a byte) and E8M0 "
                      "scales (<name>.weight_scale, uint8) of the job's qat_block, decoding bitwise to the QAT "
@@ -418,8 +433,49 @@ def _pack_mxfp4(tensors: dict[str, Any], back: dict[str, str], config: dict[str,
         return f"--mxfp4: {exc}"
 
 
+def _export_hf(args: argparse.Namespace) -> int:
+    """``export --format hf``: the released Kimi K3 layout (:mod:`moonrt.jobs.checkpoint.hf`) in a new or empty
+    directory; ``--mxfp4`` packs the routed experts (the release's scope) with the job's ``qat_block``."""
+    from moonrt.config import ConfigError, from_dict
+    from moonrt.jobs.checkpoint.hf import export_dir, parse_size
+    from moonrt.jobs.train.config import JobConfig
+
+    out = Path(args.file)
+    src, state = _export_source(args.dir)
+    if args.names != "hf":
+        return _fail("--names moonrt: expected the default (hf) with --format hf (the released names)")
+    if out.exists() and not out.is_dir():
+        return _fail(f"FILE = {args.file!r}: is a file; expected a new or empty directory with --format hf")
+    if out.is_dir() and (held := sorted(d.name for d in out.iterdir())):
+        return _fail(f"FILE = {args.file!r}: not empty (holds {held[:5]}{' ...' if len(held) > 5 else ''}); "
+                     "--format hf writes only into a new or empty directory")
+    if why := _own_checkpoint(out, src):
+        return _fail(f"FILE = {args.file!r}: {why}; a run's checkpoint is never overwritten")
+    if not out.parent.is_dir():
+        return _fail(f"FILE = {args.file!r}: expected a directory path in an existing directory")
+    try:
+        max_bytes = parse_size(args.max_shard_size)
+        model, step, config = _model_state(src, state)
+        job = from_dict(JobConfig, {**config, "qat": "none"})
+        if job.model_spec().name != "k3":
+            return _fail(f"--format hf: model {job.model!r} (family {job.model_spec().name!r}); expected a K3 "
+                         "checkpoint (the released Kimi K3 layout)")
+        out.mkdir(exist_ok=True)
+        files, n, size = export_dir(out, model, job.model_cfg(), mxfp4_block=job.qat_block if args.mxfp4 else None,
+                                    multimodal=args.multimodal, max_shard_bytes=max_bytes,
+                                    metadata={"moonrt_step": str(step)})
+    except (ConfigError, ValueError, KeyError) as exc:
+        return _fail(str(exc).strip("'\""))
+    print(f"wrote {out}: {n} tensors in {len(files)} shards, {_mb(size)} (step {step} from {src}, the released "
+          f"Kimi K3 layout{', MXFP4 routed experts' if args.mxfp4 else ''})")
+    return 0
+
+
 def _export(args: argparse.Namespace) -> int:
     from safetensors.torch import save
+
+    if args.format == "hf":
+        return _export_hf(args)
 
     from moonrt.config import umask
     from moonrt.jobs.checkpoint.single import publish
