@@ -135,3 +135,8 @@ def test_export_format_hf_mxfp4_and_refusals(run: Path, capfd: pytest.CaptureFix
         assert torch.equal(state[k], want), k
     code, _, err = _cli(["checkpoint", "export", str(run / "a"), str(out), "--format", "hf"], capfd)
     assert code == 2 and "not empty" in err
+    code, _, err = _cli(["checkpoint", "export", str(run / "a"), str(run / "bad"), "--format", "hf",
+                         "--max-shard-size", "5XB"], capfd)
+    assert code == 2 and err.strip() == ("moonrt checkpoint: --max-shard-size = '5XB': expected a size such as 5GB, "
+                                         "200MB or 1000 (bytes)"), err
+    assert not [p for p in run.iterdir() if p.name.startswith("bad")]

@@ -436,7 +436,9 @@ def _pack_mxfp4(tensors: dict[str, Any], back: dict[str, str], config: dict[str,
 def _export_hf(args: argparse.Namespace) -> int:
     """``export --format hf``: the released Kimi K3 layout (:mod:`moonrt.jobs.checkpoint.hf`) in a new or empty
     directory; ``--mxfp4`` packs the routed experts (the release's scope) with the job's ``qat_block``."""
-    from moonrt.config import ConfigError, from_dict
+    import shutil
+
+    from moonrt.config import ConfigError, from_dict, umask
     from moonrt.jobs.checkpoint.hf import export_dir, parse_size
     from moonrt.jobs.train.config import JobConfig
 
@@ -460,10 +462,18 @@ def _export_hf(args: argparse.Namespace) -> int:
         if job.model_spec().name != "k3":
             return _fail(f"--format hf: model {job.model!r} (family {job.model_spec().name!r}); expected a K3 "
                          "checkpoint (the released Kimi K3 layout)")
-        out.mkdir(exist_ok=True)
-        files, n, size = export_dir(out, model, job.model_cfg(), mxfp4_block=job.qat_block if args.mxfp4 else None,
-                                    multimodal=args.multimodal, max_shard_bytes=max_bytes,
-                                    metadata={"moonrt_step": str(step)})
+        tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent))  # renamed when whole
+        try:
+            os.chmod(tmp, 0o777 & ~umask())  # the mode mkdir would give, not mkdtemp's 0700
+            files, n, size = export_dir(tmp, model, job.model_cfg(), mxfp4_block=job.qat_block if args.mxfp4
+                                        else None, multimodal=args.multimodal, max_shard_bytes=max_bytes,
+                                        metadata={"moonrt_step": str(step)})
+            if out.is_dir():
+                out.rmdir()  # empty (checked above); a file appearing meanwhile makes this fail, nothing replaced
+            tmp.rename(out)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp)
     except (ConfigError, ValueError, KeyError) as exc:
         return _fail(str(exc).strip("'\""))
     print(f"wrote {out}: {n} tensors in {len(files)} shards, {_mb(size)} (step {step} from {src}, the released "
