@@ -297,6 +297,8 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
                  f"{device}")
     if resume:
         console.line(f"moonrt train: resumed from step {start} (checkpoint {str(src)!r})")
+    elif job.init_from is not None:
+        console.line(f"moonrt train: initial weights from {job.init_from!r} (the released Kimi K3 layout)")
     model.train()
     losses: list[float] = []
     eval_loss, eval_step = math.nan, None  # the last held-out eval of this process and its step
