@@ -174,9 +174,12 @@ def test_import_is_strict():
         hf_adapter.from_hf(missing, cfg)
     with pytest.raises(ValueError, match=r"unexpected key 'model\.layers\.9\.mlp_res_norm\.weight'"):
         hf_adapter.from_hf({**out, "model.layers.9.mlp_res_norm.weight": torch.ones(128)}, cfg)
-    bad = {**out, "model.layers.1.self_attn.A_log": torch.zeros(48)}
+    a_log = out["model.layers.1.self_attn.A_log"]
+    bad = {**out, "model.layers.1.self_attn.A_log": torch.cat([a_log, torch.ones(44)])}
     with pytest.raises(ValueError, match=r"A_log: shape \(48,\): expected \(4,\)"):
         hf_adapter.from_hf(bad, cfg)
+    padded = {**out, "model.layers.1.self_attn.A_log": torch.cat([a_log, torch.zeros(44)])}  # zero padding: read
+    assert torch.equal(hf_adapter.from_hf(padded, cfg)["layers.1.attn.A_log"], a_log)
     with pytest.raises(ValueError, match="unexpected key 'lm_head.weight' .*without the prefix"):
         hf_adapter.from_hf(out, cfg, hf_adapter.MULTIMODAL_PREFIX)
 

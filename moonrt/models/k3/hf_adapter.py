@@ -52,6 +52,11 @@ ones written here). The release counts these 2 * num_hidden_layers + 1 norms as 
 1,340,416 more than moonrt). Layer 0's ``self_attention_res_*`` pair is a placeholder in both: its sub-layer
 has one source (the embedding), so no query is read (moonrt keeps ``queries[0]`` for the same reason).
 
+KDA's ``A_log`` is one value per head ``[H]`` (what the released modeling code allocates and reads); public
+readers of the released checkpoint describe its stored ``A_log`` as a longer zero-padded buffer of which only the
+first H entries are read, so :func:`from_hf` also accepts ``[P]``, ``P > H``, when entries ``H:`` are all zero
+(anything else there is a shape error); :func:`to_hf` writes ``[H]``.
+
 Packed MXFP4 experts (the release's routed experts): ``<name>.weight_packed`` (uint8 ``[rows, cols / 2]``, two
 E2M1 codes a byte, element ``2j`` in the low nibble) and ``<name>.weight_scale`` (uint8 E8M0 ``[rows, cols /
 block]``, ``2^(s - 127)``) in place of ``<name>.weight``; :func:`from_hf` decodes them (:func:`decode_mxfp4`) in
@@ -341,7 +346,10 @@ def from_hf(tensors: Mapping[str, torch.Tensor], cfg: K3Config, prefix: str = ""
     if extra := sorted(set(have) - set(want)):
         raise ValueError(f"unexpected key {prefix + extra[0]!r} ({len(extra)} keys this config does not have)")
     for k, shape in want.items():
-        if tuple(have[k].shape) != shape:
+        t = have[k]
+        if k.endswith(".self_attn.A_log") and t.dim() == 1 and t.shape[0] > shape[0] and not t[shape[0]:].any():
+            have[k] = t[: shape[0]]  # a zero-padded per-head buffer (module docstring): the first H entries are read
+        elif tuple(t.shape) != shape:
             raise ValueError(f"{prefix + k}: shape {tuple(have[k].shape)}: expected {shape} (from the config)")
 
     def fold(p: str) -> torch.Tensor:  # the AttnRes pair -> moonrt's pseudo-query proj * norm
