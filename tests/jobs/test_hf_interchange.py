@@ -140,3 +140,28 @@ def test_export_format_hf_mxfp4_and_refusals(run: Path, capfd: pytest.CaptureFix
     assert code == 2 and err.strip() == ("moonrt checkpoint: --max-shard-size = '5XB': expected a size such as 5GB, "
                                          "200MB or 1000 (bytes)"), err
     assert not [p for p in run.iterdir() if p.name.startswith("bad")]
+
+
+def test_export_release_dtypes(run: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """``--release-dtypes``: BF16 except the release's F32 tensors; reading back gives the checkpoint rounded to them
+    (the packed experts from the fp32 values)."""
+    out = run / "hf_bf16"
+    code, _, err = _cli(["checkpoint", "export", str(run / "a"), str(out), "--format", "hf", "--release-dtypes",
+                         "--mxfp4"], capfd)
+    assert code == 0, err
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    tensors = hf.read_tensors(out)
+    f32 = ("conv1d.weight", "A_log", "dt_bias", "o_norm.weight", "e_score_correction_bias")
+    for k, t in tensors.items():
+        packed = k.endswith(("_packed", "_scale"))
+        assert t.dtype == (torch.uint8 if packed else torch.float32 if k.endswith(f32) else torch.bfloat16), k
+    state, _, _ = hf.load_state(out)
+    model = _ckpt(run / "a")["model"]
+    for k, v in model.items():
+        if ".experts.w_" in k:
+            want = fake_quantize_values(v, "mxfp4", 8)
+        elif k.endswith(("conv_weight", "A_log", "dt_bias", "o_norm_weight", "router.bias")):
+            want = v
+        else:
+            want = v.to(torch.bfloat16)
+        assert torch.equal(state[k], want), k

@@ -93,6 +93,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "new or empty directory FILE (config.json, shards, model.safetensors.index.json; K3 models)")
     exp.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
                      help="--format hf: the most bytes a shard holds (5GB, 200MB, ...; a larger tensor gets its own)")
+    exp.add_argument("--release-dtypes", action="store_true", help="--format hf: BF16 tensors as the release stores "
+                     "them (F32: the short convs, A_log, dt_bias, KDA o_norm, router biases); default: the "
+                     "checkpoint's fp32, which reads back bitwise")
     exp.add_argument("--multimodal", action="store_true", help="--format hf: the release's multimodal form (text "
                      "keys prefixed language_model., config.json's text_config inside a kimi_k3 wrapper)")
     exp.add_argument("--mxfp4", action="store_true", help="the weights QAT quantizes (the model's declared layers, "
@@ -400,7 +403,7 @@ def _export_hf(args: argparse.Namespace) -> int:
             os.chmod(tmp, 0o777 & ~umask())  # the mode mkdir would give, not mkdtemp's 0700
             files, n, size = export_dir(tmp, model, job.model_cfg(), mxfp4_block=job.qat_block if args.mxfp4
                                         else None, multimodal=args.multimodal, max_shard_bytes=max_bytes,
-                                        metadata={"moonrt_step": str(step)})
+                                        metadata={"moonrt_step": str(step)}, release_dtypes=args.release_dtypes)
             if out.is_dir():
                 out.rmdir()  # empty (checked above); a file appearing meanwhile makes this fail, nothing replaced
             tmp.rename(out)

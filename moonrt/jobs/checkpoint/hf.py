@@ -127,16 +127,20 @@ def load_state(src: str | Path) -> tuple[dict[str, torch.Tensor], hf_config.HFCo
 
 def export_dir(out: Path, state: Mapping[str, torch.Tensor], cfg: K3Config, *, mxfp4_block: int | None = None,
                multimodal: bool = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-               metadata: dict[str, str] | None = None) -> tuple[list[str], int, int]:
+               metadata: dict[str, str] | None = None, release_dtypes: bool = False) -> tuple[list[str], int, int]:
     """Write moonrt state dict ``state`` of ``cfg`` into the empty directory ``out`` in the released layout
-    (``mxfp4_block``: routed experts packed in MXFP4 with that block; ``multimodal``: the ``language_model.``
-    prefix and the ``kimi_k3`` wrapper config). Returns ``(shard files, tensor count, bytes)``."""
+    (``mxfp4_block``: routed experts packed in MXFP4 with that block, from the state's values; ``multimodal``:
+    the ``language_model.`` prefix and the ``kimi_k3`` wrapper config; ``release_dtypes``: BF16 / F32 as the
+    release stores each tensor, :func:`moonrt.models.k3.hf_adapter.release_dtypes`, else the state's dtypes).
+    Returns ``(shard files, tensor count, bytes)``."""
     prefix = hf_adapter.MULTIMODAL_PREFIX if multimodal else ""
     tensors = hf_adapter.to_hf(state, cfg, prefix)
     dtypes = {t.dtype for t in tensors.values()}
     dtype = str(next(iter(dtypes))).removeprefix("torch.") if len(dtypes) == 1 else "float32"
     if mxfp4_block is not None:
         tensors = hf_adapter.pack_mxfp4(tensors, mxfp4_block)
+    if release_dtypes:
+        tensors, dtype = hf_adapter.release_dtypes(tensors), "bfloat16"
     doc = hf_config.to_json(cfg, dtype=dtype, mxfp4_block=mxfp4_block, wrapper={} if multimodal else None)
     files = write_dir(out, tensors, doc, max_shard_bytes, metadata)
     return files, len(tensors), sum(t.numel() * t.element_size() for t in tensors.values())

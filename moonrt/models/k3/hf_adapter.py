@@ -309,6 +309,17 @@ def pack_mxfp4(tensors: Mapping[str, torch.Tensor], block: int = 32, scale_mode:
     return out
 
 
+def release_dtypes(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` in the dtypes the release stores: F32 for :data:`RELEASE_FP32_SUFFIXES`, BF16 for every other
+    floating tensor (packed MXFP4 pairs, uint8, unchanged)."""
+    def cast(name: str, t: torch.Tensor) -> torch.Tensor:
+        if not t.is_floating_point():
+            return t
+        return t.to(torch.float32 if name.endswith(RELEASE_FP32_SUFFIXES) else torch.bfloat16)
+
+    return {k: cast(k, v) for k, v in tensors.items()}
+
+
 # ---- released -> moonrt --------------------------------------------------------------------------------------
 def split_prefix(names: Iterable[str]) -> tuple[str, list[str]]:
     """``(prefix, skipped)``: the text-key prefix of a released key set (``""`` or :data:`MULTIMODAL_PREFIX`) and
@@ -391,5 +402,5 @@ def from_hf(tensors: Mapping[str, torch.Tensor], cfg: K3Config, prefix: str = ""
 
 
 __all__ = ["MULTIMODAL_PREFIX", "RELEASED_KEY_PATTERNS", "RELEASE_FP32_SUFFIXES", "ROUTED_EXPERT", "VISION_PREFIXES",
-           "decode_mxfp4", "from_hf", "key_pattern", "pack_mxfp4", "released_shapes", "split_prefix", "to_hf",
-           "unpack"]
+           "decode_mxfp4", "from_hf", "key_pattern", "pack_mxfp4", "release_dtypes", "released_shapes", "split_prefix",
+           "to_hf", "unpack"]
