@@ -41,10 +41,11 @@
   name, experts as ``name[e]``), the step and the model config, so :func:`from_hf` maps it back.
   ``--names moonrt`` writes the moonrt names and stacked experts unchanged. ``--mxfp4``: the weights QAT quantizes
   as packed MXFP4 codes and E8M0 scales (names, dtypes and the loader: :mod:`moonrt.jobs.checkpoint.mxfp4`).
-- ``moonrt checkpoint export DIR OUT --format hf [--mxfp4] [--multimodal] [--max-shard-size 5GB]``: the released
-  Kimi K3 Hugging Face layout (K3 checkpoints): ``config.json`` in the released schema, safetensors shards of at
-  most ``--max-shard-size`` bytes and ``model.safetensors.index.json`` in the new or empty directory OUT, every
-  tensor under its released name and shape in the checkpoint's dtype (:mod:`moonrt.models.k3.hf_adapter`,
+- ``moonrt checkpoint export DIR OUT --format hf [--mxfp4] [--multimodal] [--release-dtypes] [--max-shard-size 5GB]``:
+  the released Kimi K3 Hugging Face layout (K3 checkpoints): ``config.json`` in the released schema,
+  safetensors shards of at most ``--max-shard-size`` bytes and ``model.safetensors.index.json`` in the new or
+  empty directory OUT, every tensor under its released name and shape in the checkpoint's dtype
+  (``--release-dtypes``: BF16, F32 where the release keeps F32) (:mod:`moonrt.models.k3.hf_adapter`,
   :mod:`moonrt.jobs.checkpoint.hf`); ``--mxfp4``: the routed experts as ``weight_packed`` / ``weight_scale``
   pairs with the job's ``qat_block`` (the release's scope: routed experts only) and the config's
   ``quantization_config``. ``moonrt train --init-from OUT`` reads it back.
