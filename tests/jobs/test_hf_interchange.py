@@ -165,3 +165,15 @@ def test_export_release_dtypes(run: Path, capfd: pytest.CaptureFixture[str]) -> 
         else:
             want = v.to(torch.bfloat16)
         assert torch.equal(state[k], want), k
+
+
+def test_init_from_refusals(run: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _cli(["train", "--init-from", str(run / "nowhere"), "--out", str(run / "x")], capfd)
+    assert code == 2 and "init_from (--init-from) = " in err and "no config.json" in err, err
+    code, _, err = _cli(["train", "--init-from", str(run / "w0"), "--out", str(run / "x"), "--model", "dense_tiny"],
+                        capfd)
+    assert code == 2 and "family 'dense'" in err, err
+    code, _, err = _cli(["train", "--init-from", str(run / "w0"), "--out", str(run / "x"), "--set",
+                         "model_config.hidden_size=64"], capfd)
+    assert code == 2 and "model_config.hidden_size = 64: expected 128" in err, err
+    assert not (run / "x").exists()

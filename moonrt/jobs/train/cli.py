@@ -200,6 +200,11 @@ def run(args: argparse.Namespace) -> int:
         if allow and not (args.resume or args.resume_if_exists):
             raise ConfigError("--resume-allow-changes: expected together with --resume")
         job = job_from_args(args)
+        if job.init_from is not None:  # its config.json is the model before the layout is checked and built
+            from moonrt.jobs.checkpoint.hf import job_init
+
+            job_init(job, load=False)
+            job.validate()
         resume = args.resume or (args.resume_if_exists and bool(job.out_dir) and has_checkpoint(Path(job.out_dir)))
         if job.parallel.world_size != 1 or launched():
             rt = parallel_runtime(job, progress=not args.no_progress)
