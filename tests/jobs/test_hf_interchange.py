@@ -56,6 +56,12 @@ def test_fixture_directory_imports_strictly_to_the_same_logits(tmp_path: Path, m
     fresh = K3Model(k3_tiny()).eval()
     fresh.load_state_dict(state, strict=True)
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    if multimodal:
+        job = from_dict(JobConfig, {"init_from": str(tmp_path)})
+        assert hf.job_init(job)[1] == (
+            f"initial weights from {str(tmp_path)!r} (the released Kimi K3 layout"
+            f"{', MXFP4 experts decoded' if block else ''}); 2 vision tensors skipped (mm_projector, vision_tower: "
+            "moonrt's K3 is the text model)") and job.model_config == k3_tiny()
     if multimodal and block is None:
         return  # the same state as the text-only case (asserted above); its logits are that case's
     tokens = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(2))

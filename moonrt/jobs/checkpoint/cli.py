@@ -412,7 +412,10 @@ def _export_hf(args: argparse.Namespace) -> int:
             if tmp.exists():
                 shutil.rmtree(tmp)
     except (ConfigError, ValueError, KeyError) as exc:
-        return _fail(str(exc).strip("'\""))
+        msg = str(exc).strip("'\"")
+        if "MXFP4 block" in msg:
+            msg = f"--mxfp4: {msg} (the checkpoint's qat_block; a k3_tiny job takes --qat-block 8)"
+        return _fail(msg)
     print(f"wrote {out}: {n} tensors in {len(files)} shards, {_mb(size)} (step {step} from {src}, the released "
           f"Kimi K3 layout{', MXFP4 routed experts' if args.mxfp4 else ''})")
     return 0

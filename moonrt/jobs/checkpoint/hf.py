@@ -150,11 +150,12 @@ __all__ = ["CONFIG", "DEFAULT_SHARD_BYTES", "INDEX", "export_dir", "load_state",
            "shard_plan", "write_dir"]
 
 
-def job_init(job: Any, load: bool = True) -> dict[str, torch.Tensor] | None:
+def job_init(job: Any, load: bool = True) -> tuple[dict[str, torch.Tensor] | None, str]:
     """``init_from`` of a training job (a :class:`moonrt.jobs.train.config.JobConfig`): sets the job's
     ``model_config`` to the directory's config when the job gives none (ConfigError if the job's ``model`` is not
     a K3 preset, or if a given ``model_config`` differs, naming the first differing field) and, with ``load``,
-    returns the moonrt state dict to start from (None without)."""
+    returns the moonrt state dict to start from (None without) and a note on what was read (tensors, packed
+    experts decoded, vision tensors skipped)."""
     import dataclasses
 
     src = Path(job.init_from)
@@ -175,5 +176,11 @@ def job_init(job: Any, load: bool = True) -> dict[str, torch.Tensor] | None:
             raise ConfigError(f"model_config.{field} = {getattr(mine, field)!r}: expected {getattr(cfg, field)!r}, "
                               f"the value in {str(src / CONFIG)!r} (init_from)")
     if not load:
-        return None
-    return load_state(src)[0]
+        return None, ""
+    state, read, skipped = load_state(src)
+    packed = ", MXFP4 experts decoded" if read.mxfp4_block else ""
+    note = f"initial weights from {str(src)!r} (the released Kimi K3 layout{packed})"
+    if skipped:
+        note += (f"; {len(skipped)} vision tensors skipped ({', '.join(sorted({k.split('.')[0] for k in skipped}))}: "
+                 "moonrt's K3 is the text model)")
+    return state, note

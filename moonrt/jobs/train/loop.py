@@ -208,11 +208,11 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
     stored = None  # the job config of the checkpoint a resume continues
     start = 0
     src = ckpt  # what --resume loads: the newer of OUT/checkpoint.pt and the sharded OUT/checkpoint/
-    init_state = None  # --init-from: the weights of a released-layout HF directory (its config: the model's)
+    init_state, init_note = None, ""  # --init-from: the weights of a released-layout HF directory
     if job.init_from is not None:
         from moonrt.jobs.checkpoint.hf import job_init
 
-        init_state = job_init(job, load=not resume)
+        init_state, init_note = job_init(job, load=not resume)
     if resume:
         src, state = resume_state(out)
         start, stored = state["step"], state["config"]
@@ -297,8 +297,8 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
                  f"{device}")
     if resume:
         console.line(f"moonrt train: resumed from step {start} (checkpoint {str(src)!r})")
-    elif job.init_from is not None:
-        console.line(f"moonrt train: initial weights from {job.init_from!r} (the released Kimi K3 layout)")
+    elif init_note:
+        console.line(f"moonrt train: {init_note}")
     model.train()
     losses: list[float] = []
     eval_loss, eval_step = math.nan, None  # the last held-out eval of this process and its step
