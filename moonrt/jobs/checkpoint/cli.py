@@ -41,6 +41,14 @@
   name, experts as ``name[e]``), the step and the model config, so :func:`from_hf` maps it back.
   ``--names moonrt`` writes the moonrt names and stacked experts unchanged. ``--mxfp4``: the weights QAT quantizes
   as packed MXFP4 codes and E8M0 scales (names, dtypes and the loader: :mod:`moonrt.jobs.checkpoint.mxfp4`).
+- ``moonrt checkpoint export DIR OUT --format hf [--mxfp4] [--multimodal] [--release-dtypes] [--max-shard-size 5GB]``:
+  the released Kimi K3 Hugging Face layout (K3 checkpoints): ``config.json`` in the released schema,
+  safetensors shards of at most ``--max-shard-size`` bytes and ``model.safetensors.index.json`` in the new or
+  empty directory OUT, every tensor under its released name and shape in the checkpoint's dtype
+  (``--release-dtypes``: BF16, F32 where the release keeps F32) (:mod:`moonrt.models.k3.hf_adapter`,
+  :mod:`moonrt.jobs.checkpoint.hf`); ``--mxfp4``: the routed experts as ``weight_packed`` / ``weight_scale``
+  pairs with the job's ``qat_block`` (the release's scope: routed experts only) and the config's
+  ``quantization_config``. ``moonrt train --init-from OUT`` reads it back.
 - ``moonrt checkpoint convert SRC DST [--force]``: ``checkpoint.pt`` -> a sharded directory (DST a new or empty
   directory, used as the ``OUT/checkpoint`` root; written in one process) or a sharded directory -> a ``.pt``
   file (DST new; ``--force`` replaces an existing one, never a ``checkpoint.pt`` or a file inside a sharded
@@ -62,74 +70,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-HF_RULES: list[tuple[str, str]] = [
-    (r"embed\.weight", "model.embed_tokens.weight"),
-    (r"norm\.weight", "model.norm.weight"),
-    (r"lm_head\.weight", "lm_head.weight"),
-    (r"layers\.(\d+)\.attn_norm\.weight", r"model.layers.\1.input_layernorm.weight"),
-    (r"layers\.(\d+)\.ffn_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
-    (r"layers\.(\d+)\.ffn\.(gate_proj|up_proj|down_proj)\.weight", r"model.layers.\1.mlp.\2.weight"),
-    (r"layers\.(\d+)\.attn\.(q_a_proj|q_b_proj|kv_b_proj)\.weight", r"model.layers.\1.self_attn.\2.weight"),
-    (r"layers\.(\d+)\.attn\.kv_a_proj\.weight", r"model.layers.\1.self_attn.kv_a_proj_with_mqa.weight"),
-    (r"layers\.(\d+)\.attn\.q_a_norm\.weight", r"model.layers.\1.self_attn.q_a_layernorm.weight"),
-    (r"layers\.(\d+)\.attn\.kv_a_norm\.weight", r"model.layers.\1.self_attn.kv_a_layernorm.weight"),
-    (r"layers\.(\d+)\.moe\.router\.weight", r"model.layers.\1.mlp.gate.weight"),
-    (r"layers\.(\d+)\.moe\.router\.bias", r"model.layers.\1.mlp.gate.e_score_correction_bias"),
-]
-"""``(moonrt regex, HF replacement)``, matched against the whole name; first match wins."""
-
-_EXPERTS = re.compile(r"layers\.(\d+)\.moe\.experts\.w_(gate|up|down)")
-_MLA_O = re.compile(r"layers\.(\d+)\.attn\.o_proj\.weight")
-
-
-def hf_names(model: dict[str, Any]) -> dict[str, str]:
-    """``moonrt name -> HF name`` for every non-expert tensor of a single-process ``model.state_dict()``
-    (unmapped names map to themselves); MLA's ``o_proj`` only in layers that are MLA (``kv_b_proj`` present)."""
-    out = {}
-    for name in model:
-        new = name
-        for pat, rep in HF_RULES:
-            if re.fullmatch(pat, name):
-                new = re.sub(pat, rep, name)
-                break
-        m = _MLA_O.fullmatch(name)
-        if m and f"layers.{m.group(1)}.attn.kv_b_proj.weight" in model:
-            new = f"model.layers.{m.group(1)}.self_attn.o_proj.weight"
-        out[name] = new
-    return out
-
-
-def to_hf(model: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
-    """The export tensors (HF names where :data:`HF_RULES` has one, experts one tensor per expert) and
-    ``exported name -> moonrt name`` (``w_gate[e]`` for expert ``e`` of a stacked tensor)."""
-    names = hf_names(model)
-    tensors, back = {}, {}
-    for name, t in model.items():
-        m = _EXPERTS.fullmatch(name)
-        if m:
-            for e in range(t.shape[0]):
-                key = f"model.layers.{m.group(1)}.mlp.experts.{e}.{m.group(2)}_proj.weight"
-                tensors[key], back[key] = t[e].contiguous(), f"{name}[{e}]"
-        else:
-            tensors[names[name]], back[names[name]] = t.contiguous(), name
-    return tensors, back
-
-
-def from_hf(tensors: dict[str, Any], back: dict[str, str]) -> dict[str, Any]:
-    """Invert :func:`to_hf`: moonrt names, experts stacked again ``[E, ...]`` in expert order."""
-    import torch
-
-    out: dict[str, Any] = {}
-    stacks: dict[str, dict[int, Any]] = {}
-    for key, t in tensors.items():
-        m = re.fullmatch(r"(.+)\[(\d+)\]", back[key])
-        if m:
-            stacks.setdefault(m.group(1), {})[int(m.group(2))] = t
-        else:
-            out[back[key]] = t
-    for name, parts in stacks.items():
-        out[name] = torch.stack([parts[e] for e in range(len(parts))])
-    return out
+from moonrt.models.k3.export_names import HF_RULES, from_hf, hf_names, to_hf  # noqa: F401 (re-exported)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -143,10 +84,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     exp = sub.add_parser("export", help="model weights as one single-process safetensors file")
     exp.add_argument("dir", metavar="DIR", help="a run directory OUT (the checkpoint --resume takes), "
                      "OUT/checkpoint (newest committed step), a step-N directory, or a checkpoint.pt file")
-    exp.add_argument("file", metavar="FILE", help="the .safetensors file to write (a new file; see --force)")
+    exp.add_argument("file", metavar="FILE", help="the .safetensors file to write (a new file; see --force); with "
+                     "--format hf a new or empty directory")
     exp.add_argument("--names", choices=("hf", "moonrt"), default="hf",
                      help="hf: HF-style names where they exist, experts one tensor each (default); moonrt: as stored")
     exp.add_argument("--force", action="store_true", help="replace an existing FILE (never a run's checkpoint)")
+    exp.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
+                     help="safetensors: one file FILE (default); hf: the released Kimi K3 Hugging Face layout in the "
+                     "new or empty directory FILE (config.json, shards, model.safetensors.index.json; K3 models)")
+    exp.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                     help="--format hf: the most bytes a shard holds (5GB, 200MB, ...; a larger tensor gets its own)")
+    exp.add_argument("--release-dtypes", action="store_true", help="--format hf: BF16 tensors as the release stores "
+                     "them (F32: the short convs, A_log, dt_bias, KDA o_norm, router biases); default: the "
+                     "checkpoint's fp32, which reads back bitwise")
+    exp.add_argument("--multimodal", action="store_true", help="--format hf: the release's multimodal form (text "
+                     "keys prefixed language_model., config.json's text_config inside a kimi_k3 wrapper)")
     exp.add_argument("--mxfp4", action="store_true", help="the weights QAT quantizes (the model's declared layers, "
                      "K3: the experts) as packed MXFP4 codes (<name>.weight_packed, uint8, two a byte) and E8M0 "
                      "scales (<name>.weight_scale, uint8) of the job's qat_block, decoding bitwise to the QAT "
@@ -418,8 +370,62 @@ def _pack_mxfp4(tensors: dict[str, Any], back: dict[str, str], config: dict[str,
         return f"--mxfp4: {exc}"
 
 
+def _export_hf(args: argparse.Namespace) -> int:
+    """``export --format hf``: the released Kimi K3 layout (:mod:`moonrt.jobs.checkpoint.hf`) in a new or empty
+    directory; ``--mxfp4`` packs the routed experts (the release's scope) with the job's ``qat_block``."""
+    import shutil
+
+    from moonrt.config import ConfigError, from_dict, umask
+    from moonrt.jobs.checkpoint.hf import export_dir, parse_size
+    from moonrt.jobs.train.config import JobConfig
+
+    out = Path(args.file)
+    src, state = _export_source(args.dir)
+    if args.names != "hf":
+        return _fail("--names moonrt: expected the default (hf) with --format hf (the released names)")
+    if out.exists() and not out.is_dir():
+        return _fail(f"FILE = {args.file!r}: is a file; expected a new or empty directory with --format hf")
+    if out.is_dir() and (held := sorted(d.name for d in out.iterdir())):
+        return _fail(f"FILE = {args.file!r}: not empty (holds {held[:5]}{' ...' if len(held) > 5 else ''}); "
+                     "--format hf writes only into a new or empty directory")
+    if why := _own_checkpoint(out, src):
+        return _fail(f"FILE = {args.file!r}: {why}; a run's checkpoint is never overwritten")
+    if not out.parent.is_dir():
+        return _fail(f"FILE = {args.file!r}: expected a directory path in an existing directory")
+    try:
+        max_bytes = parse_size(args.max_shard_size)
+        model, step, config = _model_state(src, state)
+        job = from_dict(JobConfig, {**config, "qat": "none"})
+        if job.model_spec().name != "k3":
+            return _fail(f"--format hf: model {job.model!r} (family {job.model_spec().name!r}); expected a K3 "
+                         "checkpoint (the released Kimi K3 layout)")
+        tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent))  # renamed when whole
+        try:
+            os.chmod(tmp, 0o777 & ~umask())  # the mode mkdir would give, not mkdtemp's 0700
+            files, n, size = export_dir(tmp, model, job.model_cfg(), mxfp4_block=job.qat_block if args.mxfp4
+                                        else None, multimodal=args.multimodal, max_shard_bytes=max_bytes,
+                                        metadata={"moonrt_step": str(step)}, release_dtypes=args.release_dtypes)
+            if out.is_dir():
+                out.rmdir()  # empty (checked above); a file appearing meanwhile makes this fail, nothing replaced
+            tmp.rename(out)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+    except (ConfigError, ValueError, KeyError) as exc:
+        msg = str(exc).strip("'\"")
+        if "MXFP4 block" in msg:
+            msg = f"--mxfp4: {msg} (the checkpoint's qat_block; a k3_tiny job takes --qat-block 8)"
+        return _fail(msg)
+    print(f"wrote {out}: {n} tensors in {len(files)} shards, {_mb(size)} (step {step} from {src}, the released "
+          f"Kimi K3 layout{', MXFP4 routed experts' if args.mxfp4 else ''})")
+    return 0
+
+
 def _export(args: argparse.Namespace) -> int:
     from safetensors.torch import save
+
+    if args.format == "hf":
+        return _export_hf(args)
 
     from moonrt.config import umask
     from moonrt.jobs.checkpoint.single import publish

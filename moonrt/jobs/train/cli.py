@@ -43,7 +43,7 @@ GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
     "memory": ("", ("memory_policy", "gc_interval")),
     "quantization-aware training": ("", ("qat", "qat_block")),
     "outputs & checkpoints": ("", ("out", "metrics", "tensorboard", "peak_tflops", "routing_trace", "resume",
-                                   "resume_if_exists", "resume_allow_changes")),
+                                   "resume_if_exists", "resume_allow_changes", "init_from")),
     "distributed & device": ("", ("device", "dtype", "reduce_dtype", "dist_timeout", "threads")),
     "run control": ("", ("until", "signal", "no_progress", "log_every")),
 }
@@ -93,6 +93,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "document, for --pack-documents with --corpus (data.eos_id)")
     parser.add_argument("--out", help="output dir for checkpoints and config.yaml (out_dir); one run at a time "
                         "(OUT/.moonrt.lock)")
+    parser.add_argument("--init-from", metavar="HF_DIR", help="start from the weights of a Kimi K3 Hugging Face "
+                        "directory in the released layout (config.json, safetensors shards and "
+                        "model.safetensors.index.json; packed MXFP4 experts decoded); its config.json gives the "
+                        "model config unless the job sets model_config (init_from)")
     parser.add_argument("--metrics", help="write JSON lines {step, loss, lr, tokens_per_s, ...} to this file")
     parser.add_argument("--resume", action="store_true", help="continue from OUT's newest checkpoint, "
                         "OUT/checkpoint.pt or the sharded OUT/checkpoint/ (the job config must match the "
@@ -172,7 +176,7 @@ _OVERRIDES: dict[str, tuple[str, ...]] = {
     "dist_timeout": ("dist", "timeout_s"),
     "grad_accum": ("optim", "grad_accum"), "log_every": ("log", "log_every"), "tensorboard": ("log", "tensorboard"),
     "peak_tflops": ("log", "peak_tflops"),
-    "qat": ("qat",), "qat_block": ("qat_block",),
+    "qat": ("qat",), "qat_block": ("qat_block",), "init_from": ("init_from",),
 }
 
 
@@ -196,6 +200,11 @@ def run(args: argparse.Namespace) -> int:
         if allow and not (args.resume or args.resume_if_exists):
             raise ConfigError("--resume-allow-changes: expected together with --resume")
         job = job_from_args(args)
+        if job.init_from is not None:  # its config.json is the model before the layout is checked and built
+            from moonrt.jobs.checkpoint.hf import job_init
+
+            job_init(job, load=False)
+            job.validate()
         resume = args.resume or (args.resume_if_exists and bool(job.out_dir) and has_checkpoint(Path(job.out_dir)))
         if job.parallel.world_size != 1 or launched():
             rt = parallel_runtime(job, progress=not args.no_progress)

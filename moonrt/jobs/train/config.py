@@ -279,6 +279,12 @@ class JobConfig:
     ``--manual-gc`` do: a full collection scans every live Python object (~370k for k3_tiny) and the saved-tensor
     records of an activation-manager step trigger one every few steps (benchmarks/RESULTS.md). 0: automatic."""
 
+    init_from: str | None = None
+    """A Kimi K3 Hugging Face directory in the released layout (``--init-from``; :mod:`moonrt.jobs.checkpoint.hf`)
+    whose weights the model starts from (a fresh run; ``--resume`` continues from its checkpoint instead). Its
+    ``config.json`` is the model config when ``model_config`` is null (the job's ``model`` must be a K3 preset);
+    a ``model_config`` given must equal it."""
+
     qat: str = "none"
     """Quantization-aware training (``--qat``): ``none``, or ``mxfp4``: the layers the model family declares
     (:attr:`ModelSpec.qat_weights`; K3: routed and shared experts) compute with MXFP4 (E2M1, E8M0 ``floor`` scales)

@@ -208,6 +208,11 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
     stored = None  # the job config of the checkpoint a resume continues
     start = 0
     src = ckpt  # what --resume loads: the newer of OUT/checkpoint.pt and the sharded OUT/checkpoint/
+    init_state, init_note = None, ""  # --init-from: the weights of a released-layout HF directory
+    if job.init_from is not None:
+        from moonrt.jobs.checkpoint.hf import job_init
+
+        init_state, init_note = job_init(job, load=not resume)
     if resume:
         src, state = resume_state(out)
         start, stored = state["step"], state["config"]
@@ -238,7 +243,11 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
         raise ConfigError(f"parallel.microbatches (--microbatches) = {m}: expected a divisor of the per-replica "
                           f"batch {cfg.batch_size // rt.dp_size} (optim.batch_size {cfg.batch_size} / data-parallel "
                           f"size {rt.dp_size})")
-    model = build_model(job).to(rt.device)  # built on the host, moved whole (parameters, buffers) before the parts
+    model = build_model(job)
+    if init_state is not None:
+        model.load_state_dict(init_state, strict=True)
+        del init_state
+    model = model.to(rt.device)  # built on the host, moved whole (parameters, buffers) before the parts
     n_params = sum(p.numel() for p in model.parameters())  # the whole model, before parts shard or prune it
     model = rt.parallelize(model)
     cp_log = getattr(rt.ctx, "log", None)  # ContextParallel's CP byte records per layer (K3_SYSTEMS §7)
@@ -288,6 +297,8 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
                  f"{device}")
     if resume:
         console.line(f"moonrt train: resumed from step {start} (checkpoint {str(src)!r})")
+    elif init_note:
+        console.line(f"moonrt train: {init_note}")
     model.train()
     losses: list[float] = []
     eval_loss, eval_step = math.nan, None  # the last held-out eval of this process and its step
