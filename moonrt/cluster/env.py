@@ -61,9 +61,11 @@ can read and write the job's keys) binds every interface when it creates its own
   spans several nodes is an error asking for ``MOONRT_RDZV_HOST``, not a silent hang;
 - MPI: loopback when every rank runs on one host, else the address rank 0's host name resolves to.
 
-When the rendezvous is on loopback (a single-host job), gloo's own listening sockets are put on
-the loopback interface too (``GLOO_SOCKET_IFNAME``, unless set): by default gloo binds whatever
-the host name resolves to, which may be a LAN address.
+gloo's own listening sockets (``GLOO_SOCKET_IFNAME``, unless set: :func:`set_gloo_interface`) are on the
+interface this host reaches the master address through: the loopback interface when the rendezvous is on
+loopback (a single-host job), else the interface the kernel routes ``MASTER_ADDR`` through (on rank 0's host,
+the one carrying that address). By default gloo binds whatever the host name resolves to, which may be a LAN
+address on a single-host job, or loopback on every node of a multi-node one.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ import math
 import os
 import re
 import socket
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Literal
@@ -437,8 +439,8 @@ def init_distributed(cfg: DistConfig | None = None) -> Rendezvous:
                                   timeout=timeout)
         # a port known in advance may be another job's too (the MPI path's port is private to the job)
         check_job_identity(store, rdzv)
-    if backend == "gloo" and rdzv.master_addr is not None and _is_loopback(rdzv.master_addr):
-        os.environ.setdefault(GLOO_IFNAME_ENV, loopback_interface())
+    if backend == "gloo" and rdzv.master_addr is not None:
+        set_gloo_interface(rdzv.master_addr)
     dist.init_process_group(backend, store=store, rank=rdzv.rank, world_size=rdzv.world_size, timeout=timeout)
     return rdzv
 
@@ -547,6 +549,67 @@ def loopback_interface() -> str:
     return "lo0" if "lo0" in names else "lo"
 
 
+def set_gloo_interface(master_addr: str, environ: MutableMapping[str, str] = os.environ) -> str | None:
+    """Set ``GLOO_SOCKET_IFNAME`` (unless set already) to the interface this host reaches ``master_addr`` through:
+    the loopback interface for a single-host job, else the one the kernel routes the master's address through (on
+    rank 0's own host: the interface that carries that address), so that gloo's listening sockets are on the network
+    the job's nodes share and on nothing else. By default gloo binds whatever the host name resolves to, which may
+    be another network's address, or loopback on every node (Debian's ``127.0.1.1`` entry). Returns the value in
+    effect (``None``: unset, the route unknown)."""
+    if environ.get(GLOO_IFNAME_ENV):
+        return environ[GLOO_IFNAME_ENV]
+    name = loopback_interface() if _is_loopback(master_addr) else route_interface(master_addr)
+    if name is not None:
+        environ[GLOO_IFNAME_ENV] = name
+    return name
+
+
+def route_interface(host: str) -> str | None:
+    """Name of the network interface whose address this host uses to reach ``host`` (``None``: unresolvable, no
+    route, or the source address is on no interface). A UDP ``connect`` only asks the kernel for the route and
+    source address; no packet is sent."""
+    try:
+        ip = _resolve(host, "host")[0]
+    except ValueError:
+        return None
+    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((ip, 9))
+            source = s.getsockname()[0].split("%")[0]
+    except OSError:
+        return None
+    return interface_of(source)
+
+
+def interface_of(ip: str) -> str | None:
+    """The interface (of this network namespace) that carries address ``ip``, ``None`` if none does (Linux:
+    ``SIOCGIFADDR`` for IPv4, ``/proc/net/if_inet6`` for IPv6)."""
+    addr = ipaddress.ip_address(ip)
+    if addr.version == 6:
+        try:
+            lines = Path("/proc/net/if_inet6").read_text().splitlines()
+        except OSError:
+            return None
+        for line in lines:
+            fields = line.split()
+            if len(fields) >= 6 and ipaddress.ip_address(bytes.fromhex(fields[0])) == addr:
+                return fields[5]
+        return None
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                res = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+            except OSError:
+                continue  # no IPv4 address on it
+            if socket.inet_ntoa(res[20:24]) == ip:
+                return name
+    return None
+
+
 def _resolve(host: str, what: str) -> list[str]:
     """Distinct IP addresses of ``host`` in resolver order; ``ValueError`` naming ``what`` if none."""
     try:
@@ -621,8 +684,7 @@ def _mpi_store(rdzv: Rendezvous, timeout: timedelta, host: str | None = None):
     if isinstance(answer, str):
         raise ValueError(answer if rdzv.rank == 0 else f"rank 0 could not open the rendezvous store: {answer}")
     addr, port = answer
-    if _is_loopback(addr):
-        os.environ.setdefault(GLOO_IFNAME_ENV, loopback_interface())
+    set_gloo_interface(addr)
     if store is None:
         store = dist.TCPStore(addr, port, rdzv.world_size, is_master=False, timeout=timeout)
     return store, dataclasses.replace(rdzv, master_addr=addr, master_port=port)
