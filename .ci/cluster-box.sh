@@ -8,11 +8,13 @@
 #   this host   10.213.77.254 (on the bridge: the login node, where sbatch/squeue/scancel run with SLURM_CONF)
 # Its own munged (own key and socket), its own slurm.conf; nothing listens in this host's namespace, so the
 # default SLURM ports do not clash with slurm-ci.sh's daemons. Nothing but these addresses is ever contacted.
-# usage: cluster-box.sh start|stop|status|env
+# usage: cluster-box.sh start|stop|status|env|exec NODE COMMAND...|restart-node NODE
 #   start: idempotent (a running box is stopped first); prints the logs and fails when a node is not up in 30 s
 #   stop: kills every process in the box's namespaces, removes the namespaces, the bridge, /etc/netns/mrtbox-*
 #         and its munged; exactly what start made, nothing else
 #   env: the line to eval in a shell that talks to the box (export SLURM_CONF=...)
+#   exec node1 COMMAND...: run COMMAND on node1 (its namespace, host name and /etc/hosts), e.g. a moonrt launch
+#   restart-node node2: after a test killed every process of node2: its slurmd again, the node back in service
 set -euo pipefail
 S=${BOX_DIR:-/var/spool/moonrt-box}
 NODES=${BOX_NODES:-2}
@@ -173,5 +175,24 @@ status)
   SLURM_CONF=$CONF sinfo -N; SLURM_CONF=$CONF squeue ;;
 env)
   echo "export SLURM_CONF=$CONF" ;;
-*) echo "usage: $0 start|stop|status|env" >&2; exit 2 ;;
+exec)
+  node=${2:-}; shift 2 || true
+  [[ "$node" =~ ^node[1-4]$ ]] && [ -e "/run/netns/mrtbox-n${node#node}" ] \
+    || { echo "cluster-box.sh exec: node '$node' is not a running node of the box" >&2; exit 2; }
+  [ $# -gt 0 ] || { echo "cluster-box.sh exec $node: no command" >&2; exit 2; }
+  in_box "mrtbox-n${node#node}" "$node" "$@" ;;
+restart-node)
+  node=${2:-}
+  [[ "$node" =~ ^node[1-4]$ ]] && [ -e "/run/netns/mrtbox-n${node#node}" ] \
+    || { echo "cluster-box.sh restart-node: node '$node' is not a node of the box" >&2; exit 2; }
+  pids=$(ip netns pids "mrtbox-n${node#node}")
+  [ -n "$pids" ] && kill -KILL $pids 2>/dev/null || true
+  in_box "mrtbox-n${node#node}" "$node" slurmd -f "$CONF" -N "$node"
+  SLURM_CONF=$CONF scontrol update NodeName="$node" State=RESUME 2>/dev/null || true
+  for _ in $(seq 60); do
+    SLURM_CONF=$CONF sinfo -h -N -n "$node" -o %t | grep -qE '^(idle|mix|alloc)$' && exit 0
+    sleep 0.5
+  done
+  echo "cluster-box.sh: $node did not come back in 30 s" >&2; logs; exit 1 ;;
+*) echo "usage: $0 start|stop|status|env|exec NODE COMMAND...|restart-node NODE" >&2; exit 2 ;;
 esac

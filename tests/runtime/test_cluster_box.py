@@ -16,14 +16,16 @@ from __future__ import annotations
 import ipaddress
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 from jobs.helpers import FLAGS, _assert_same_step, _ckpt, _here, _main_here, _metrics, _run
-from runtime.test_cluster_report import clean_env, cluster_unavailable
+from runtime.test_cluster_report import clean_env, cluster_unavailable, verify_selftest_report
 
 ROOT = Path(__file__).resolve().parents[2]
 BOX_CONF = Path(os.environ.get("MOONRT_BOX_CONF", "/var/spool/moonrt-box/slurm.conf"))
@@ -184,3 +186,150 @@ def test_two_node_ep_pp_job_matches_one_process_and_listens_only_on_the_box(box:
     ref = _metrics(tmp_path / "single.jsonl")[2]
     _assert_same_step(tmp_path, "multi", ref, _ckpt(tmp_path / "single"))
     assert_only_on_the_box(watch.seen)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# moonrt launch --nnodes 2: one launcher per node, started in the node's namespace (cluster-box.sh exec)
+
+BOX = ["bash", str(ROOT / ".ci" / "cluster-box.sh")]
+SELFTEST_SMALL = ["--sizes", "4K", "--iters", "1", "--ep-shapes", "32x16x2x64", "--ep-maxvio", "0,16", "--ep-ffn", "8"]
+
+
+def on_node(node: str, args: list[str], cwd: Path, env: dict[str, str], log: Path) -> subprocess.Popen:
+    """``moonrt ARGS`` on ``node`` (its namespace, host name and /etc/hosts), output to ``log``."""
+    with open(log, "w") as out:
+        return subprocess.Popen([*BOX, "exec", node, sys.executable, "-m", "moonrt.cli", *args], cwd=cwd, env=env,
+                                stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def launch_args(node_rank: int, rdzv_id: str, port: int, timeout: float = 60) -> list[str]:
+    return ["launch", "-n", "2", "--nnodes", "2", "--node-rank", str(node_rank), "--master-addr", "node1",
+            "--master-port", str(port), "--rdzv-id", rdzv_id, "--timeout", f"{timeout:g}"]
+
+
+def wait_all(procs: dict[str, subprocess.Popen], logs: dict[str, Path], timeout: float = JOB_TIMEOUT_S) -> dict:
+    codes = {}
+    deadline = time.monotonic() + timeout
+    try:
+        for k, p in procs.items():
+            codes[k] = p.wait(timeout=max(deadline - time.monotonic(), 1))
+    except subprocess.TimeoutExpired:
+        pytest.fail("launchers still running after "
+                    f"{timeout} s:\n" + "\n".join(f"--- {k}\n{_tail(log)}" for k, log in logs.items()))
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    return codes
+
+
+def test_selftest_across_two_nodes_with_launch_nnodes(box: dict[str, str], tmp_path: Path) -> None:
+    """``moonrt launch --nnodes 2`` on node1 and node2: 4 ranks, collectives and MoonEP checked across the nodes."""
+    logs = {n: tmp_path / f"{n}.log" for n in NODES}
+    tail = ["--selftest", "--", "--suite", "collectives,ep", *SELFTEST_SMALL]
+    procs = {"node1": on_node("node1", [*launch_args(0, "selftest", 29510), *tail, "--report", "r.json"], tmp_path,
+                              box, logs["node1"]),
+             "node2": on_node("node2", [*launch_args(1, "selftest", 29510), *tail], tmp_path, box, logs["node2"])}
+    codes = wait_all(procs, logs)
+    assert codes == {"node1": 0, "node2": 0}, "\n".join(_tail(log) for log in logs.values())
+    report = verify_selftest_report(tmp_path / "r.json", 4, "torchrun")
+    assert [r["local_rank"] for r in report["ranks"]] == [0, 1, 0, 1]
+    assert "[rank 2]" in logs["node2"].read_text() and "[rank 2]" not in logs["node1"].read_text()
+
+
+def test_a_rank_of_another_job_cannot_join(box: dict[str, str], tmp_path: Path) -> None:
+    """Node 2 of job B reaches job A's store (same master address and port): its ranks refuse to join, naming both
+    jobs; job A's own node 2 then joins and the job runs."""
+    logs = {k: tmp_path / f"{k}.log" for k in ("a1", "b2", "a2")}
+    tail = ["--selftest", "--", "--suite", "collectives", "--sizes", "4K", "--iters", "1"]
+    a1 = on_node("node1", [*launch_args(0, "job-a", 29520), *tail], tmp_path, box, logs["a1"])
+    b2 = on_node("node2", [*launch_args(1, "job-b", 29520), *tail], tmp_path, box, logs["b2"])
+    codes = wait_all({"b2": b2}, logs)
+    text = logs["b2"].read_text()
+    assert codes["b2"] != 0, text
+    assert ("belongs to moonrt launch job job-a, but this process (rank 2) belongs to moonrt launch job job-b" in text
+            or "(rank 3) belongs to moonrt launch job job-b" in text), text
+    a2 = on_node("node2", [*launch_args(1, "job-a", 29520), *tail], tmp_path, box, logs["a2"])
+    codes = wait_all({"a1": a1, "a2": a2}, logs)
+    assert codes == {"a1": 0, "a2": 0}, "\n".join(_tail(log) for log in logs.values())
+
+
+def test_a_node_killed_mid_step_is_named_and_leaves_no_orphans(box: dict[str, str], tmp_path: Path) -> None:
+    """A 2-node ``--ep 2 --pp 2`` training job; every process of node2's namespace is killed (its launcher, ranks and
+    slurmd: the node is gone) after the first step: node1's launcher ends the job within the collective timeout,
+    naming node2's ranks, and nothing of the job is left on node1."""
+    logs = {n: tmp_path / f"{n}.log" for n in NODES}
+    train = ["--", sys.executable, "-m", "moonrt.cli", "train", *FLAGS, "--steps", "500",
+             "--out", "run", "--metrics", "run.jsonl", "--ep", "2", "--pp", "2"]
+    procs = {n: on_node(n, [*launch_args(i, "kill-node", 29530, timeout=30), *train], tmp_path, box, logs[n])
+             for i, n in enumerate(NODES)}
+    try:
+        deadline = time.monotonic() + 120
+        metrics = tmp_path / "run.jsonl"
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs.values()), \
+                "\n".join(_tail(log) for log in logs.values())
+            time.sleep(0.2)
+        killed = namespace_pids("mrtbox-n2")
+        for pid in killed:
+            os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        code = procs["node1"].wait(timeout=120)
+        took = time.monotonic() - t0
+        text = logs["node1"].read_text()
+        assert code != 0, text
+        assert "lost the connection to ranks [2, 3] on node2 (10.213.77.12)" in text, text[-4000:]
+        assert took < 30 + 15, (took, text[-4000:])  # the collective timeout, plus the launcher's stop grace
+        left = {pid: _comm(pid) for pid in namespace_pids("mrtbox-n1")}
+        assert set(left.values()) <= {"slurmd"}, f"left on node1 after the job: {left}"
+    finally:
+        wait_all(procs, logs, timeout=60)
+        subprocess.run([*BOX, "restart-node", "node2"], check=True, timeout=120)
+
+
+def namespace_pids(ns: str) -> list[int]:
+    res = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30, check=True)
+    return [int(p) for p in res.stdout.split()]
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "(gone)"
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--nnodes", "2", "--node-rank", "0", "--rdzv-id", "j"], "--master-addr = None: expected the address or host "
+     "name of node 0's host (with --nnodes = 2)"),
+    (["--nnodes", "2", "--node-rank", "2", "--master-addr", "node1", "--rdzv-id", "j"],
+     "--node-rank = 2: expected an integer in [0, 2) (--nnodes = 2)"),
+    (["--nnodes", "2", "--master-addr", "node1"],
+     "--rdzv-id = None: expected a job id shared by every node's launcher"),
+    (["--master-addr", "node1"], "--master-addr = 'node1': expected only with --nnodes > 1"),
+    (["--nnodes", "0"], "--nnodes = 0: expected an integer >= 1"),
+    (["--nnodes", "2", "--master-addr", "node1", "--rdzv-id", "j", "--master-port", "70000"],
+     "--master-port = 70000: expected a TCP port in 1..65535"),
+])
+def test_launch_nnodes_bad_input(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Runs anywhere: one line naming the flag, exit 2, before anything starts."""
+    from moonrt.cli import main
+
+    assert main(["launch", "-n", "2", *argv, "--", "true"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_describe_lost_peers_names_the_ranks_of_the_address_gloo_reports() -> None:
+    """Runs anywhere: gloo's "closed by peer [addr]:port" -> that host's ranks; this rank's own host is not named."""
+    from moonrt.cluster.env import describe_lost_peers
+
+    peers = {0: ("node1", "10.0.0.1"), 1: ("node1", "10.0.0.1"), 2: ("node2", "10.0.0.2"), 3: ("node2", "10.0.0.2")}
+    text = "RuntimeError: [pair.cc:553] Connection closed by peer [10.0.0.2]:40587. This is typically caused by"
+    assert describe_lost_peers(text, peers, me=0).startswith(
+        "moonrt: lost the connection to ranks [2, 3] on node2 (10.0.0.2): ")
+    assert describe_lost_peers("Connection reset by peer [::ffff:10.0.0.2]:1", peers, me=1).startswith(
+        "moonrt: lost the connection to ranks [2, 3] on node2")
+    assert describe_lost_peers(text, peers, me=2) is None  # its own host: the launcher names the failed rank
+    assert describe_lost_peers("some other error", peers, me=0) is None
