@@ -6,6 +6,13 @@ namespace, address, host name and ``/etc/hosts`` on a private bridge; issue 35).
   the helpers of ``tests/jobs/test_pp_train.py``); while it runs, ``ss`` inside each node's namespace shows every
   socket the ranks listen on bound to that node's bridge address or to loopback, never a wildcard, and nothing at
   all (SLURM's own daemons included) on an address outside the bridge or loopback.
+- ``moonrt launch --nnodes 2`` (one launcher per node, in the node's namespace: ``cluster-box.sh exec``): the
+  self-test's collectives and MoonEP across the nodes; a launcher of another job (another ``--rdzv-id``) reaching the
+  same master port is refused with a line naming both jobs, and the real job still runs; every process of node2's
+  namespace killed mid-step (the node is gone): node1's launcher ends the job within the collective timeout, its
+  ranks name node2's ranks, nothing of the job is left on node1.
+- Preemption: ``scancel --signal=USR1 --batch`` on a 2-node ``moonrt sbatch --requeue`` job: saves, the step exits
+  75, the job is requeued and resumes on both nodes bit-identically to an uninterrupted run.
 
 The tests skip where the box is not running (with the command that starts it) and fail instead under
 ``MOONRT_REQUIRE_CLUSTER=1`` (CI, whose ``.ci/run`` starts the box).
@@ -15,6 +22,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -26,6 +34,8 @@ from pathlib import Path
 import pytest
 from jobs.helpers import FLAGS, _assert_same_step, _ckpt, _here, _main_here, _metrics, _run
 from runtime.test_cluster_report import clean_env, cluster_unavailable, verify_selftest_report
+
+from moonrt.cluster.preempt import PREEMPTED_EXIT
 
 ROOT = Path(__file__).resolve().parents[2]
 BOX_CONF = Path(os.environ.get("MOONRT_BOX_CONF", "/var/spool/moonrt-box/slurm.conf"))
@@ -164,6 +174,7 @@ def test_gloo_interface_follows_the_route_to_the_master() -> None:
     assert set_gloo_interface("no-such-host.invalid", env) is None and env == {}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_two_node_ep_pp_job_matches_one_process_and_listens_only_on_the_box(box: dict[str, str],
                                                                              tmp_path: Path) -> None:
@@ -255,6 +266,7 @@ def test_a_rank_of_another_job_cannot_join(box: dict[str, str], tmp_path: Path) 
     assert codes == {"a1": 0, "a2": 0}, "\n".join(_tail(log) for log in logs.values())
 
 
+@pytest.mark.slow
 def test_a_node_killed_mid_step_is_named_and_leaves_no_orphans(box: dict[str, str], tmp_path: Path) -> None:
     """A 2-node ``--ep 2 --pp 2`` training job; every process of node2's namespace is killed (its launcher, ranks and
     slurmd: the node is gone) after the first step: node1's launcher ends the job within the collective timeout,
@@ -333,3 +345,66 @@ def test_describe_lost_peers_names_the_ranks_of_the_address_gloo_reports() -> No
         "moonrt: lost the connection to ranks [2, 3] on node2")
     assert describe_lost_peers(text, peers, me=2) is None  # its own host: the launcher names the failed rank
     assert describe_lost_peers("some other error", peers, me=0) is None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# preemption of a 2-node SLURM job
+
+
+def job_state(job_id: str, env: dict[str, str]) -> dict[str, str]:
+    res = subprocess.run(["scontrol", "show", "job", job_id], env=env, capture_output=True, text=True, timeout=30)
+    return dict(re.findall(r"(\w+)=(\S*)", res.stdout))
+
+
+def wait_state(job_id: str, env: dict[str, str], pred, what: str, log: Path, timeout: float = 180) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        state = job_state(job_id, env)
+        if pred(state):
+            return state
+        assert state.get("JobState") not in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"), f"{state}\n{_tail(log)}"
+        assert time.monotonic() < deadline, f"job {job_id}: not {what} after {timeout} s: {state}\n{_tail(log)}"
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_node_job_preempted_with_usr1_saves_exits_75_requeues_and_resumes_bit_identically(
+        box: dict[str, str], tmp_path: Path) -> None:
+    """``moonrt sbatch -N 2 --ntasks-per-node 1 --requeue``: ``scancel --signal=USR1 --batch`` after step 2; each
+    node's rank finishes its step, the job checkpoints and its step exits 75; the job is requeued, resumes on the
+    two nodes and ends with the losses, gradient norms, parameters and optimizer state of an uninterrupted 2-rank
+    run (``moonrt launch -n 2`` on this host, started at the same time): bit-identical."""
+    from test_preempt import MOONRT, STEPS, _assert_same_run, _config, _finish, _train, _wait_for_step
+
+    cfg = _config(tmp_path)
+    run, ref, log = tmp_path / "run", tmp_path / "ref", tmp_path / "requeue.log"
+    _main_here(tmp_path, ("sbatch", "-N", "2", "--ntasks-per-node", "1", "--requeue", "--timeout", "120",
+                          "--job-name", "box-requeue", "--log", str(log), "--output", "requeue.sbatch", "--",
+                          *MOONRT, *_train(cfg, run)))
+    reference = subprocess.Popen([*MOONRT, "launch", "-n", "2", "--timeout", "120", "--", *MOONRT,
+                                  *_train(cfg, ref)], cwd=tmp_path, env=box, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    res = subprocess.run(["sbatch", "--parsable", "requeue.sbatch"], cwd=tmp_path, env=box, capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    job_id = res.stdout.strip().split(";")[0]
+    try:
+        _wait_for_step(run, 2, lambda: job_state(job_id, box).get("JobState") in ("PENDING", "RUNNING"))
+        subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=box, check=True, timeout=30)
+        wait_state(job_id, box, lambda s: s.get("Restarts") == "1" and s.get("JobState") == "PENDING", "requeued",
+                   log)
+        # eligible ~2 minutes after a requeue: now + 3 s (not now: test_preempt.test_slurm_requeue_resumes_and_matches)
+        subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now+3"], env=box, check=True, timeout=30)
+        state = wait_state(job_id, box, lambda s: s.get("JobState") == "COMPLETED", "completed", log)
+    finally:
+        subprocess.run(["scancel", job_id], env=box, capture_output=True, timeout=30)
+    text = log.read_text()
+    assert state["NodeList"] == "node[1-2]", state
+    step = int(re.search(r"stopped by SIGUSR1 after step (\d+) of", text).group(1))
+    assert 2 <= step < STEPS, text[-4000:]
+    assert re.search(rf"job step stopped \(exit {PREEMPTED_EXIT}\) after the stop signal: requeueing job {job_id} "
+                     r"\(restart 0\)", text), text[-4000:]
+    code, out = _finish(reference)
+    assert code == 0, out[-4000:]
+    _assert_same_run(run, ref)
