@@ -208,9 +208,13 @@ SELFTEST_SMALL = ["--sizes", "4K", "--iters", "1", "--ep-shapes", "32x16x2x64", 
 
 def on_node(node: str, args: list[str], cwd: Path, env: dict[str, str], log: Path) -> subprocess.Popen:
     """``moonrt ARGS`` on ``node`` (its namespace, host name and /etc/hosts), output to ``log``."""
+    return on_node_argv(node, [sys.executable, "-m", "moonrt.cli", *args], cwd, env, log)
+
+
+def on_node_argv(node: str, argv: list[str], cwd: Path, env: dict[str, str], log: Path) -> subprocess.Popen:
     with open(log, "w") as out:
-        return subprocess.Popen([*BOX, "exec", node, sys.executable, "-m", "moonrt.cli", *args], cwd=cwd, env=env,
-                                stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        return subprocess.Popen([*BOX, "exec", node, *argv], cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
 
 
 def launch_args(node_rank: int, rdzv_id: str, port: int, timeout: float = 60) -> list[str]:
@@ -408,3 +412,24 @@ def test_two_node_job_preempted_with_usr1_saves_exits_75_requeues_and_resumes_bi
     code, out = _finish(reference)
     assert code == 0, out[-4000:]
     _assert_same_run(run, ref)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# mpiexec (MPICH's Hydra) with a host list across the two nodes
+
+
+def test_mpiexec_with_a_host_list_across_two_nodes(box: dict[str, str], tmp_path: Path) -> None:
+    """``mpiexec -launcher ssh -launcher-exec .ci/box-ssh -hosts node1,node2 -ppn 2 -n 4`` started on node1: Hydra
+    starts node2's proxy through the box's ssh stand-in; the 4 ranks join through the MPI path (rank 0's store on
+    node1's bridge address, sent through MPI) and the self-test's collectives are right on every rank."""
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    if not mpiexec.exists():
+        cluster_unavailable(f"no mpiexec beside {sys.executable} (pip install moonrt[mpi]: mpi4py and mpich)")
+    log = tmp_path / "mpi.log"
+    proc = on_node_argv("node1", ["timeout", "180", str(mpiexec), "-launcher", "ssh", "-launcher-exec",
+                                  str(ROOT / ".ci" / "box-ssh"), "-hosts", "node1,node2", "-ppn", "2", "-n", "4",
+                                  sys.executable, "-m", "moonrt.cli", "selftest", "--suite", "collectives", "--sizes",
+                                  "4K", "--iters", "1", "--report", "r.json"], tmp_path, box, log)
+    codes = wait_all({"mpiexec": proc}, {"mpiexec": log})
+    assert codes["mpiexec"] == 0, _tail(log)
+    verify_selftest_report(tmp_path / "r.json", 4, "mpi")
