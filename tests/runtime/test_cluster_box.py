@@ -11,6 +11,8 @@ namespace, address, host name and ``/etc/hosts`` on a private bridge; issue 35).
   same master port is refused with a line naming both jobs, and the real job still runs; every process of node2's
   namespace killed mid-step (the node is gone): node1's launcher ends the job within the collective timeout, its
   ranks name node2's ranks, nothing of the job is left on node1.
+- ``mpiexec`` (Hydra) with a host list across the nodes (``.ci/box-ssh`` as its ssh); ``torchrun --nnodes 2`` with
+  ``moonrt train``.
 - Preemption: ``scancel --signal=USR1 --batch`` on a 2-node ``moonrt sbatch --requeue`` job: saves, the step exits
   75, the job is requeued and resumes on both nodes bit-identically to an uninterrupted run.
 
@@ -433,3 +435,22 @@ def test_mpiexec_with_a_host_list_across_two_nodes(box: dict[str, str], tmp_path
     codes = wait_all({"mpiexec": proc}, {"mpiexec": log})
     assert codes["mpiexec"] == 0, _tail(log)
     verify_selftest_report(tmp_path / "r.json", 4, "mpi")
+
+
+@pytest.mark.slow
+def test_torchrun_nnodes_2_runs_moonrt_train_across_two_nodes(box: dict[str, str], tmp_path: Path) -> None:
+    """``torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint node1:PORT`` on each node, running
+    ``moonrt train --ep 2``: the ranks are clients of torchrun's agent store; one step trains, rank 0 (on node1)
+    writes the metrics. (torchrun's agent store listens on every interface of node1: README, *Running on several
+    nodes*; only ``moonrt launch``/``moonrt sbatch``/MPI bind one address.)"""
+    torchrun = Path(sys.executable).parent / "torchrun"
+    if not torchrun.exists():
+        cluster_unavailable(f"no torchrun beside {sys.executable}")
+    logs = {n: tmp_path / f"{n}.log" for n in NODES}
+    argv = [str(torchrun), "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+            "node1:29540", "--rdzv-id", "torchrun-box", "-m", "moonrt.cli", "train", *FLAGS, "--until", "1",
+            "--out", "run", "--metrics", "run.jsonl", "--ep", "2", "--dist-timeout", "60"]
+    procs = {n: on_node_argv(n, ["timeout", "180", *argv], tmp_path, box, logs[n]) for n in NODES}
+    codes = wait_all(procs, logs)
+    assert codes == {"node1": 0, "node2": 0}, "\n".join(_tail(log) for log in logs.values())
+    assert list(_metrics(tmp_path / "run.jsonl")) == [1]
