@@ -60,7 +60,10 @@ in_box() {  # in_box NS HOSTNAME COMMAND...: run COMMAND in the namespace under 
 case "${1:-}" in
 start)
   [ "$(id -u)" = 0 ] || { echo "cluster-box.sh: needs root (network namespaces)" >&2; exit 1; }
-  for t in slurmctld slurmd munged ip unshare; do
+  if ! command -v ip >/dev/null || ! command -v ss >/dev/null; then   # iproute2: the box's network and the tests' ss
+    command -v apt-get >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 >/dev/null || true
+  fi
+  for t in slurmctld slurmd munged ip ss nsenter unshare; do
     command -v "$t" >/dev/null || { echo "cluster-box.sh: $t not found (bash .ci/slurm-ci.sh install)" >&2; exit 1; }
   done
   if [ -e "$S/up" ] || ip link show "$BR" >/dev/null 2>&1 || ip netns list | grep -q '^mrtbox-'; then

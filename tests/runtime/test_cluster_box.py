@@ -47,9 +47,6 @@ BRIDGE = ipaddress.ip_network("10.213.77.0/24")
 START = "start it with `sudo bash .ci/cluster-box.sh start` (.ci/run does)"
 JOB_TIMEOUT_S = 240
 
-pytestmark = [pytest.mark.slurm]
-
-
 def box_env() -> dict[str, str]:
     """An environment talking to the box's slurmctld, whose jobs run this checkout's moonrt."""
     env = clean_env()
@@ -176,6 +173,7 @@ def test_gloo_interface_follows_the_route_to_the_master() -> None:
     assert set_gloo_interface("no-such-host.invalid", env) is None and env == {}
 
 
+@pytest.mark.slurm
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_two_node_ep_pp_job_matches_one_process_and_listens_only_on_the_box(box: dict[str, str],
@@ -241,6 +239,7 @@ def wait_all(procs: dict[str, subprocess.Popen], logs: dict[str, Path], timeout:
     return codes
 
 
+@pytest.mark.slurm
 def test_selftest_across_two_nodes_with_launch_nnodes(box: dict[str, str], tmp_path: Path) -> None:
     """``moonrt launch --nnodes 2`` on node1 and node2: 4 ranks, collectives and MoonEP checked across the nodes;
     rank 0's store listens on the master address only, every rank's sockets on its node's address or loopback."""
@@ -259,6 +258,7 @@ def test_selftest_across_two_nodes_with_launch_nnodes(box: dict[str, str], tmp_p
     assert any(port == 29510 and addr == "10.213.77.11" for addr, port, _ in watch.seen["node1"]), watch.seen
 
 
+@pytest.mark.slurm
 def test_a_rank_of_another_job_cannot_join(box: dict[str, str], tmp_path: Path) -> None:
     """Node 2 of job B reaches job A's store (same master address and port): its ranks refuse to join, naming both
     jobs; job A's own node 2 then joins and the job runs."""
@@ -276,6 +276,7 @@ def test_a_rank_of_another_job_cannot_join(box: dict[str, str], tmp_path: Path) 
     assert codes == {"a1": 0, "a2": 0}, "\n".join(_tail(log) for log in logs.values())
 
 
+@pytest.mark.slurm
 @pytest.mark.slow
 def test_a_node_killed_mid_step_is_named_and_leaves_no_orphans(box: dict[str, str], tmp_path: Path) -> None:
     """A 2-node ``--ep 2 --pp 2`` training job; every process of node2's namespace is killed (its launcher, ranks and
@@ -377,6 +378,7 @@ def wait_state(job_id: str, env: dict[str, str], pred, what: str, log: Path, tim
         time.sleep(0.2)
 
 
+@pytest.mark.slurm
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_two_node_job_preempted_with_usr1_saves_exits_75_requeues_and_resumes_bit_identically(
@@ -427,6 +429,7 @@ def test_two_node_job_preempted_with_usr1_saves_exits_75_requeues_and_resumes_bi
 # mpiexec (MPICH's Hydra) with a host list across the two nodes
 
 
+@pytest.mark.slurm
 def test_mpiexec_with_a_host_list_across_two_nodes(box: dict[str, str], tmp_path: Path) -> None:
     """``mpiexec -launcher ssh -launcher-exec .ci/box-ssh -hosts node1,node2 -ppn 2 -n 4`` started on node1: Hydra
     starts node2's proxy through the box's ssh stand-in; the 4 ranks join through the MPI path (rank 0's store on
@@ -444,6 +447,7 @@ def test_mpiexec_with_a_host_list_across_two_nodes(box: dict[str, str], tmp_path
     verify_selftest_report(tmp_path / "r.json", 4, "mpi")
 
 
+@pytest.mark.slurm
 @pytest.mark.slow
 def test_torchrun_nnodes_2_runs_moonrt_train_across_two_nodes(box: dict[str, str], tmp_path: Path) -> None:
     """``torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint node1:PORT`` on each node, running
