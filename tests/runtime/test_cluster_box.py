@@ -303,7 +303,7 @@ def test_a_node_killed_mid_step_is_named_and_leaves_no_orphans(box: dict[str, st
         text = logs["node1"].read_text()
         assert code != 0, text
         assert "lost the connection to ranks [2, 3] on node2 (10.213.77.12)" in text, text[-4000:]
-        assert took < 30 + 15, (took, text[-4000:])  # the collective timeout, plus the launcher's stop grace
+        assert took < 30, (took, text[-4000:])  # noticed before any collective timeout (--timeout 30) had to fire
         left = {pid: _comm(pid) for pid in namespace_pids("mrtbox-n1")}
         assert set(left.values()) <= {"slurmd"}, f"left on node1 after the job: {left}"
     finally:
