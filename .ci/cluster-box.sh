@@ -172,6 +172,10 @@ stop)
     rm -f "$S/munge/munged.pid"
   fi
   rm -f "$S/up"
+  # what must be gone now: say what is not, and fail
+  left=$(ip netns list | awk '/^mrtbox-/{print "namespace " $1}'; ip link show "$BR" >/dev/null 2>&1 && echo "bridge $BR"
+         ls -d /etc/netns/mrtbox-* 2>/dev/null; pgrep -af "(slurmctld|slurmd|munged) .*$S" | sed 's/^/process /' || true)
+  if [ -n "$left" ]; then echo "cluster-box.sh stop: left behind:" >&2; echo "$left" >&2; exit 1; fi
   ;;
 status)
   ip netns list | grep '^mrtbox-' || { echo "cluster-box.sh: not running"; exit 3; }
