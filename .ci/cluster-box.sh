@@ -108,6 +108,7 @@ TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
+SchedulerParameters=bf_interval=2
 ReturnToService=2
 StateSaveLocation=$S/ctld
 SlurmdSpoolDir=$S/d/%n
