@@ -10,7 +10,8 @@ namespace, address, host name and ``/etc/hosts`` on a private bridge; issue 35).
   self-test's collectives and MoonEP across the nodes; a launcher of another job (another ``--rdzv-id``) reaching the
   same master port is refused with a line naming both jobs, and the real job still runs; every process of node2's
   namespace killed mid-step (the node is gone): node1's launcher ends the job within the collective timeout, its
-  ranks name node2's ranks, nothing of the job is left on node1.
+  ranks name node2's ranks, nothing of the job is left on node1; the same for a ``moonrt sbatch`` job, whose node2
+  (slurmd included) dies: SLURM declares it dead, ends the step and requeues the job.
 - ``mpiexec`` (Hydra) with a host list across the nodes (``.ci/box-ssh`` as its ssh); ``torchrun --nnodes 2`` with
   ``moonrt train``.
 - Preemption: ``scancel --signal=USR1 --batch`` on a 2-node ``moonrt sbatch --requeue`` job: saves, the step exits
@@ -465,3 +466,44 @@ def test_torchrun_nnodes_2_runs_moonrt_train_across_two_nodes(box: dict[str, str
     codes = wait_all(procs, logs)
     assert codes == {"node1": 0, "node2": 0}, "\n".join(_tail(log) for log in logs.values())
     assert list(_metrics(tmp_path / "run.jsonl")) == [1]
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_node_of_a_slurm_job_killed_mid_step_is_named_and_leaves_no_orphans(box: dict[str, str],
+                                                                               tmp_path: Path) -> None:
+    """The SLURM form of the dead node: a 2-node x 2-rank ``moonrt sbatch`` training job; every process of node2's
+    namespace (slurmd, slurmstepd, ranks) killed after the first step. node1's ranks fail at once naming node2's ranks
+    in the job's log; SLURM declares the node dead after its SlurmdTimeout, ends the step and requeues the job
+    (``JobRequeue``'s default; cancelled here); nothing of the job is left on node1."""
+    log = tmp_path / "kill.log"
+    _main_here(tmp_path, ("sbatch", "-N", "2", "--ntasks-per-node", "2", "--timeout", "30", "--job-name", "box-kill",
+                          "--log", "kill.log", "--output", "kill.sbatch", "--", sys.executable, "-m", "moonrt.cli",
+                          "train", *FLAGS, "--steps", "500", "--out", "run", "--metrics", "run.jsonl", "--ep", "2",
+                          "--pp", "2"))
+    res = subprocess.run(["sbatch", "--parsable", "kill.sbatch"], cwd=tmp_path, env=box, capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    job_id = res.stdout.strip().split(";")[0]
+    try:
+        deadline = time.monotonic() + 120
+        metrics = tmp_path / "run.jsonl"
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+            assert time.monotonic() < deadline, _tail(log)
+            assert job_state(job_id, box).get("JobState") in ("PENDING", "CONFIGURING", "RUNNING"), _tail(log)
+            time.sleep(0.2)
+        for pid in namespace_pids("mrtbox-n2"):
+            os.kill(pid, signal.SIGKILL)
+        state = wait_state(job_id, box, lambda s: s.get("JobState") != "RUNNING", "ended", log, timeout=120)
+        text = log.read_text()
+        assert "lost the connection to ranks [2, 3] on node2 (10.213.77.12)" in text, text[-4000:]
+        assert "Node failure on node2" in text or state.get("Reason") == "NodeDown" or "NODE FAILURE" in text, \
+            (state, text[-4000:])
+        deadline = time.monotonic() + 30  # slurmstepd's own cleanup (KillWait 5 s) may still be running
+        while set((left := {pid: _comm(pid) for pid in namespace_pids("mrtbox-n1")}).values()) - {"slurmd"}:
+            assert time.monotonic() < deadline, f"left on node1 after the job: {left}"
+            time.sleep(0.2)
+    finally:
+        subprocess.run(["scancel", job_id], env=box, capture_output=True, timeout=30)
+        subprocess.run([*BOX, "restart-node", "node2"], check=True, timeout=120)
