@@ -61,9 +61,11 @@ can read and write the job's keys) binds every interface when it creates its own
   spans several nodes is an error asking for ``MOONRT_RDZV_HOST``, not a silent hang;
 - MPI: loopback when every rank runs on one host, else the address rank 0's host name resolves to.
 
-When the rendezvous is on loopback (a single-host job), gloo's own listening sockets are put on
-the loopback interface too (``GLOO_SOCKET_IFNAME``, unless set): by default gloo binds whatever
-the host name resolves to, which may be a LAN address.
+gloo's own listening sockets (``GLOO_SOCKET_IFNAME``, unless set: :func:`set_gloo_interface`) are on the
+interface this host reaches the master address through: the loopback interface when the rendezvous is on
+loopback (a single-host job), else the interface the kernel routes ``MASTER_ADDR`` through (on rank 0's host,
+the one carrying that address). By default gloo binds whatever the host name resolves to, which may be a LAN
+address on a single-host job, or loopback on every node of a multi-node one.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ import math
 import os
 import re
 import socket
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Literal
@@ -437,9 +439,13 @@ def init_distributed(cfg: DistConfig | None = None) -> Rendezvous:
                                   timeout=timeout)
         # a port known in advance may be another job's too (the MPI path's port is private to the job)
         check_job_identity(store, rdzv)
-    if backend == "gloo" and rdzv.master_addr is not None and _is_loopback(rdzv.master_addr):
-        os.environ.setdefault(GLOO_IFNAME_ENV, loopback_interface())
+    if backend == "gloo" and rdzv.master_addr is not None:
+        set_gloo_interface(rdzv.master_addr)
+    if rdzv.world_size > 1:
+        _publish_peer(store, rdzv)
     dist.init_process_group(backend, store=store, rank=rdzv.rank, world_size=rdzv.world_size, timeout=timeout)
+    if rdzv.world_size > 1:
+        _read_peers(store, rdzv)
     return rdzv
 
 
@@ -547,6 +553,142 @@ def loopback_interface() -> str:
     return "lo0" if "lo0" in names else "lo"
 
 
+def set_gloo_interface(master_addr: str, environ: MutableMapping[str, str] = os.environ) -> str | None:
+    """Set ``GLOO_SOCKET_IFNAME`` (unless set already) to the interface this host reaches ``master_addr`` through:
+    the loopback interface for a single-host job, else the one the kernel routes the master's address through (on
+    rank 0's own host: the interface that carries that address), so that gloo's listening sockets are on the network
+    the job's nodes share and on nothing else. By default gloo binds whatever the host name resolves to, which may
+    be another network's address, or loopback on every node (Debian's ``127.0.1.1`` entry). Returns the value in
+    effect (``None``: unset, the route unknown)."""
+    if environ.get(GLOO_IFNAME_ENV):
+        return environ[GLOO_IFNAME_ENV]
+    name = loopback_interface() if _is_loopback(master_addr) else route_interface(master_addr)
+    if name is not None:
+        environ[GLOO_IFNAME_ENV] = name
+    return name
+
+
+def route_interface(host: str) -> str | None:
+    """Name of the network interface whose address this host uses to reach ``host`` (``None``: unresolvable, no
+    route, or the source address is on no interface)."""
+    source = route_source(host)
+    return None if source is None else interface_of(source)
+
+
+def route_source(host: str) -> str | None:
+    """The address this host's packets to ``host`` leave from (the kernel's route choice; ``None``: unresolvable or
+    no route). A UDP ``connect`` only asks the kernel for the route and source address; no packet is sent."""
+    try:
+        ip = _resolve(host, "host")[0]
+    except ValueError:
+        return None
+    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((ip, 9))
+            return s.getsockname()[0].split("%")[0]
+    except OSError:
+        return None
+
+
+PEER_KEY = "moonrt/peer/"
+"""Store key prefix under which each rank publishes ``"<host name> <address>"`` at the rendezvous."""
+MAX_PEER_TABLE = 1024
+"""Largest world whose ranks read every rank's host at the rendezvous (one store read of ``world`` keys per rank)."""
+_PEERS: dict[int, tuple[str, str]] = {}
+_GLOO_PEER = re.compile(r"(?:closed|reset) by peer \[([0-9A-Fa-f.:]+)\]:\d+")
+
+
+def _publish_peer(store, rdzv: Rendezvous) -> None:
+    """Before the group forms: this rank's host name and the address it reaches the master from (its gloo address)."""
+    if rdzv.world_size <= MAX_PEER_TABLE and rdzv.master_addr is not None:
+        store.set(f"{PEER_KEY}{rdzv.rank}", f"{socket.gethostname()} {route_source(rdzv.master_addr) or '?'}")
+
+
+def _read_peers(store, rdzv: Rendezvous) -> None:
+    """After the group formed (every rank had published): keep the table of where each rank runs, and make an
+    uncaught exception that reports a lost peer name that peer's ranks (:func:`describe_lost_peers`)."""
+    if rdzv.world_size > MAX_PEER_TABLE or rdzv.master_addr is None:
+        return
+    import sys
+
+    keys = [f"{PEER_KEY}{r}" for r in range(rdzv.world_size)]
+    values = store.multi_get(keys) if hasattr(store, "multi_get") else [store.get(k) for k in keys]
+    _PEERS.clear()
+    for r, v in enumerate(values):
+        host, _, addr = v.decode(errors="replace").partition(" ")
+        _PEERS[r] = (host, addr)
+    hook = sys.excepthook
+    if getattr(hook, "_moonrt_lost_peers", False):
+        return
+
+    def excepthook(exc_type, exc, tb) -> None:
+        hook(exc_type, exc, tb)
+        texts, seen = [], exc
+        while seen is not None and len(texts) < 10:
+            texts.append(str(seen))
+            seen = seen.__cause__ or seen.__context__
+        note = describe_lost_peers("\n".join(texts), me=rdzv.rank)
+        if note:
+            print(note, file=sys.stderr, flush=True)
+
+    excepthook._moonrt_lost_peers = True  # type: ignore[attr-defined]
+    sys.excepthook = excepthook
+
+
+def describe_lost_peers(text: str, peers: Mapping[int, tuple[str, str]] | None = None, *, me: int | None = None
+                        ) -> str | None:
+    """A line naming the ranks and host of each peer address that gloo reports gone in ``text`` ("Connection closed
+    by peer [10.0.0.12]:40587": a dead node, killed ranks), from ``peers`` (rank -> (host name, address); default:
+    the table read at the rendezvous); ``None`` when ``text`` names no such peer, or only this rank's (``me``) own
+    host (a single-host job: the launcher names the failed rank itself)."""
+    peers = _PEERS if peers is None else peers
+    mine = peers.get(me, ("", ""))[1] if me is not None else None
+    lost = []
+    for raw in dict.fromkeys(_GLOO_PEER.findall(text)):
+        try:
+            ip = ipaddress.ip_address(raw)
+        except ValueError:
+            continue
+        ip = getattr(ip, "ipv4_mapped", None) or ip
+        ranks = [r for r, (_, addr) in sorted(peers.items()) if addr == str(ip)]
+        if ranks and str(ip) != mine:
+            host = peers[ranks[0]][0]
+            lost.append(f"ranks {ranks} on {host} ({ip})" if len(ranks) > 1 else f"rank {ranks[0]} on {host} ({ip})")
+    if not lost:
+        return None
+    return (f"moonrt: lost the connection to {'; '.join(lost)}: that host's ranks died or were killed (a dead node?); "
+            "their own logs tell why")
+
+
+def interface_of(ip: str) -> str | None:
+    """The interface (of this network namespace) that carries address ``ip``, ``None`` if none does (Linux:
+    ``SIOCGIFADDR`` for IPv4, ``/proc/net/if_inet6`` for IPv6)."""
+    addr = ipaddress.ip_address(ip)
+    if addr.version == 6:
+        try:
+            lines = Path("/proc/net/if_inet6").read_text().splitlines()
+        except OSError:
+            return None
+        for line in lines:
+            fields = line.split()
+            if len(fields) >= 6 and ipaddress.ip_address(bytes.fromhex(fields[0])) == addr:
+                return fields[5]
+        return None
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                res = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+            except OSError:
+                continue  # no IPv4 address on it
+            if socket.inet_ntoa(res[20:24]) == ip:
+                return name
+    return None
+
+
 def _resolve(host: str, what: str) -> list[str]:
     """Distinct IP addresses of ``host`` in resolver order; ``ValueError`` naming ``what`` if none."""
     try:
@@ -621,8 +763,7 @@ def _mpi_store(rdzv: Rendezvous, timeout: timedelta, host: str | None = None):
     if isinstance(answer, str):
         raise ValueError(answer if rdzv.rank == 0 else f"rank 0 could not open the rendezvous store: {answer}")
     addr, port = answer
-    if _is_loopback(addr):
-        os.environ.setdefault(GLOO_IFNAME_ENV, loopback_interface())
+    set_gloo_interface(addr)
     if store is None:
         store = dist.TCPStore(addr, port, rdzv.world_size, is_master=False, timeout=timeout)
     return store, dataclasses.replace(rdzv, master_addr=addr, master_port=port)

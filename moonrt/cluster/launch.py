@@ -1,4 +1,5 @@
-"""``moonrt launch -n N [--timeout S] [--max-time S] (--selftest | -- command ...)``: N local ranks.
+"""``moonrt launch -n N [--nnodes M --node-rank R --master-addr A [--master-port P] --rdzv-id ID] [--timeout S]
+[--max-time S] (--selftest | -- command ...)``: N local ranks (of N x M).
 
 Like ``torchrun --standalone``: each rank is a fresh process with ``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1`` and ``MASTER_PORT`` (a port the OS
@@ -23,6 +24,18 @@ Everything the job listens on is on loopback: rank 0's rendezvous store binds
 127.0.0.1 only (see :mod:`moonrt.cluster.env`), gloo's sockets the loopback interface. Each line a
 rank prints is echoed with a ``[rank r]`` prefix (stdout to stdout, stderr to stderr).
 
+**Several nodes** (torchrun's flags and meaning, static rendezvous): run one ``moonrt launch`` per node with the same
+``-n`` (ranks per node), ``--nnodes M``, ``--master-addr A`` (an address or name of node 0's host, where rank 0's
+store listens: :func:`moonrt.cluster.env.rendezvous_bind_host` binds exactly that address, never a wildcard),
+``--master-port P`` (default 29500, torchrun's) and ``--rdzv-id ID`` (the same job id on every node: the job identity
+each rank checks at the rendezvous, so a launcher of another job that reaches this port is refused with a line naming
+both), and ``--node-rank R`` in [0, M). Node R's local rank r is global rank R x N + r (``RANK``, ``WORLD_SIZE`` =
+N x M, ``LOCAL_RANK`` = r, ``LOCAL_WORLD_SIZE`` = N, ``GROUP_RANK`` = R, ``NODE_RANK`` = R). ``GLOO_SOCKET_IFNAME``
+is passed on only when set; otherwise each rank puts gloo on the interface it reaches the master address through
+(:func:`moonrt.cluster.env.set_gloo_interface`). Each launcher supervises its own node's ranks as above; when another
+node dies, its peers' collectives fail and the ranks name the lost ranks and their host
+(:func:`moonrt.cluster.env.describe_lost_peers`). Prefixes and messages use global ranks.
+
 Failure: as soon as one rank exits non-zero or is killed, the others are stopped (SIGTERM, then
 SIGKILL after a grace period; each rank runs in its own process group so its children go too) and
 the launcher exits non-zero with a message that names the first failing rank and shows the tail
@@ -46,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import math
 import os
 import queue
@@ -90,10 +104,25 @@ STOPS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 """Received signals that start the ``--stop-grace`` wait (the others are only forwarded)."""
 MAX_NPROCS = 1024
 """Most local ranks one launch starts."""
+MAX_NNODES = 65536
+"""Most nodes of one multi-node launch."""
+MASTER_PORT = 29500
+"""Default ``--master-port`` of a multi-node launch (torchrun's)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-n", "--nprocs", type=int, required=True, help="number of local ranks")
+    parser.add_argument("-n", "--nprocs", "--nproc-per-node", type=int, required=True,
+                        help="number of local ranks (per node)")
+    parser.add_argument("--nnodes", type=int, default=1, help="number of nodes, one launcher each (default 1)")
+    parser.add_argument("--node-rank", type=int, default=0, help="this node's rank in [0, --nnodes) (default 0)")
+    parser.add_argument("--master-addr", default=None,
+                        help="with --nnodes > 1: address or name of node 0's host; rank 0's store listens on exactly "
+                        "that address")
+    parser.add_argument("--master-port", type=int, default=None,
+                        help=f"with --nnodes > 1: rank 0's store port (default {MASTER_PORT})")
+    parser.add_argument("--rdzv-id", default=None,
+                        help="with --nnodes > 1: a job id, the same on every node (the identity ranks check at the "
+                        "rendezvous)")
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="rendezvous/collective timeout in seconds passed to every rank (default 300)")
     parser.add_argument("--max-time", type=float, default=None,
@@ -118,12 +147,14 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         check_launch_values(args.nprocs, args.timeout, args.max_time, args.stop_grace, flags=True)
+        nodes = check_nodes(args.nnodes, args.node_rank, args.master_addr, args.master_port, args.rdzv_id,
+                            flags=True)
     except ValueError as exc:
         print(f"moonrt launch: {exc}", file=sys.stderr)
         return 2
     try:  # launch() forwards SIGTERM/SIGINT/SIGHUP (scancel, Ctrl-C, a closed terminal) to the ranks
         return launch(command, args.nprocs, timeout_s=args.timeout, max_time_s=args.max_time,
-                      stop_grace_s=args.stop_grace)
+                      stop_grace_s=args.stop_grace, nodes=nodes)
     except ValueError as exc:
         print(f"moonrt launch: {exc}", file=sys.stderr)
         return 2
@@ -147,6 +178,49 @@ def check_launch_values(nprocs: object, timeout_s: object, max_time_s: object, s
                 and 0 < value <= bound):
             raise ValueError(f"{flag if flags else name} = {value!r}: expected a positive number of seconds "
                              f"(finite, at most {bound:g})")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Nodes:
+    """Where one launcher of a multi-node launch sits (module doc, *Several nodes*)."""
+
+    nnodes: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+    rdzv_id: str
+
+
+def check_nodes(nnodes: object, node_rank: object, master_addr: object, master_port: object, rdzv_id: object, *,
+                flags: bool = False) -> Nodes | None:
+    """The multi-node settings (``None`` for a single-node launch, where the others must be unset); ``ValueError``
+    naming the first bad value (its CLI flag when ``flags``)."""
+    def name(flag: str) -> str:
+        return flag if flags else flag.removeprefix("--").replace("-", "_")
+
+    def is_int(v: object) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if not (is_int(nnodes) and 1 <= nnodes <= MAX_NNODES):
+        raise ValueError(f"{name('--nnodes')} = {nnodes!r}: expected an integer >= 1 and <= {MAX_NNODES}")
+    if not (is_int(node_rank) and 0 <= node_rank < nnodes):
+        raise ValueError(f"{name('--node-rank')} = {node_rank!r}: expected an integer in [0, {nnodes}) "
+                         f"({name('--nnodes')} = {nnodes})")
+    if master_port is not None and not (is_int(master_port) and 1 <= master_port <= 65535):
+        raise ValueError(f"{name('--master-port')} = {master_port!r}: expected a TCP port in 1..65535")
+    if nnodes == 1:
+        for value, flag in ((master_addr, "--master-addr"), (master_port, "--master-port"), (rdzv_id, "--rdzv-id")):
+            if value is not None:
+                raise ValueError(f"{name(flag)} = {value!r}: expected only with {name('--nnodes')} > 1 (a single "
+                                 "node's launch rendezvouses on 127.0.0.1 and a port the OS reports free)")
+        return None
+    if not (isinstance(master_addr, str) and re.fullmatch(r"[\w.:%-]+", master_addr, re.ASCII)):
+        raise ValueError(f"{name('--master-addr')} = {master_addr!r}: expected the address or host name of node 0's "
+                         f"host (with {name('--nnodes')} = {nnodes})")
+    if not (isinstance(rdzv_id, str) and re.fullmatch(r"[\w.:@+-]{1,128}", rdzv_id, re.ASCII)):
+        raise ValueError(f"{name('--rdzv-id')} = {rdzv_id!r}: expected a job id shared by every node's launcher (1 to "
+                         f"128 letters, digits, '_ . : @ + -'; with {name('--nnodes')} = {nnodes})")
+    return Nodes(nnodes, node_rank, master_addr, MASTER_PORT if master_port is None else master_port, rdzv_id)
 
 
 def _die_with_launcher(prctl: Callable[..., int], launcher: int) -> Callable[[], None]:
@@ -202,26 +276,33 @@ def launch(
     stdout: IO[str] | None = None,
     stderr: IO[str] | None = None,
     stop_grace_s: float = STOP_GRACE_S,
+    nodes: Nodes | None = None,
 ) -> int:
     """Run ``command`` on ``nprocs`` local ranks; return 0, or non-zero after reporting the failing rank.
 
     ``stdout``/``stderr`` (default: this process's) receive the prefixed rank output and the
     launcher's own messages. Called in the main thread, it forwards signals to the ranks (module docstring).
+    ``nodes``: this launcher's place in a multi-node launch (:func:`check_nodes`); ``None``: a single node.
     """
     with _Received() as received:
-        return _launch(command, nprocs, timeout_s, max_time_s, stdout, stderr, stop_grace_s, received)
+        return _launch(command, nprocs, timeout_s, max_time_s, stdout, stderr, stop_grace_s, received, nodes)
 
 
 def _launch(command: list[str], nprocs: int, timeout_s: float, max_time_s: float | None, stdout: IO[str] | None,
-            stderr: IO[str] | None, stop_grace_s: float, received: _Received) -> int:
+            stderr: IO[str] | None, stop_grace_s: float, received: _Received, nodes: Nodes | None = None) -> int:
     check_launch_values(nprocs, timeout_s, max_time_s, stop_grace_s)
     out = stdout or sys.stdout
     err = stderr or sys.stderr
-    port = free_port()
-    job_id = secrets.token_hex(16)
     prctl = libc_prctl()
     preexec = None if prctl is None else _die_with_launcher(prctl, os.getpid())
-    gloo_ifname = os.environ.get(GLOO_IFNAME_ENV) or loopback_interface()
+    if nodes is None:
+        base, world, addr, port, job_id = 0, nprocs, "127.0.0.1", free_port(), secrets.token_hex(16)
+        node_env = {GLOO_IFNAME_ENV: os.environ.get(GLOO_IFNAME_ENV) or loopback_interface()}
+    else:  # GLOO_SOCKET_IFNAME passes through when set; else each rank takes the route to the master's interface
+        base, world = nodes.node_rank * nprocs, nodes.nnodes * nprocs
+        addr, port, job_id = nodes.master_addr, nodes.master_port, nodes.rdzv_id
+        node_env = {"GROUP_RANK": str(nodes.node_rank), "NODE_RANK": str(nodes.node_rank)}
+    g = _Global(base)
     lock = threading.Lock()
     tails = [collections.deque(maxlen=STDERR_TAIL) for _ in range(nprocs)]
     exits: queue.Queue[tuple[int, int]] = queue.Queue()
@@ -234,10 +315,10 @@ def _launch(command: list[str], nprocs: int, timeout_s: float, max_time_s: float
                 # torchrun's worker variables, when moonrt launch itself runs in one: this job is not torchrun's
                 # (TORCHELASTIC_USE_AGENT_STORE would make rank 0 wait for a store torchrun serves elsewhere)
                 **{k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")},
-                "RANK": str(r), "WORLD_SIZE": str(nprocs), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(nprocs),
-                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), TIMEOUT_ENV: repr(float(timeout_s)),
-                "PYTHONUNBUFFERED": "1", GLOO_IFNAME_ENV: gloo_ifname, JOB_ID_ENV: job_id,
-                LAUNCHER_PID_ENV: str(os.getpid()),
+                "RANK": str(base + r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r),
+                "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": addr, "MASTER_PORT": str(port),
+                TIMEOUT_ENV: repr(float(timeout_s)), "PYTHONUNBUFFERED": "1", JOB_ID_ENV: job_id,
+                LAUNCHER_PID_ENV: str(os.getpid()), **node_env,
             }
             try:
                 p = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -247,7 +328,8 @@ def _launch(command: list[str], nprocs: int, timeout_s: float, max_time_s: float
                 raise ValueError(f"cannot start {command[0]!r}: {exc.strerror}") from None
             procs.append(p)
             for stream, sink, tail in ((p.stdout, out, None), (p.stderr, err, tails[r])):
-                t = threading.Thread(target=_pump, args=(stream, sink, f"[rank {r}] ", lock, tail), daemon=True)
+                t = threading.Thread(target=_pump, args=(stream, sink, f"[rank {base + r}] ", lock, tail),
+                                     daemon=True)
                 t.start()
                 readers.append(t)
             threading.Thread(target=lambda r=r, p=p: exits.put((r, p.wait())), daemon=True).start()
@@ -271,10 +353,10 @@ def _launch(command: list[str], nprocs: int, timeout_s: float, max_time_s: float
                 _join(readers)
                 with lock:
                     if now >= max_deadline:
-                        err.write(f"moonrt launch: ranks {running} of {nprocs} still running after --max-time "
+                        err.write(f"moonrt launch: ranks {g(running)} of {world} still running after --max-time "
                                   f"{max_time_s:g} s; stopped them\n")
                     else:
-                        err.write(f"moonrt launch: ranks {running} of {nprocs} still running --stop-grace "
+                        err.write(f"moonrt launch: ranks {g(running)} of {world} still running --stop-grace "
                                   f"{stop_grace_s:g} s after {signal.Signals(stop_sig).name}; stopped them\n")
                     err.flush()
                 if now >= max_deadline:
@@ -295,7 +377,7 @@ def _launch(command: list[str], nprocs: int, timeout_s: float, max_time_s: float
                 with lock:
                     how = f"after {signal.Signals(stop_sig).name} " if stop_sig is not None else ""
                     codes = sorted(set(done.values()))
-                    err.write(f"moonrt launch: {nprocs} ranks exited {how}with "
+                    err.write(f"moonrt launch: {g.these(nprocs)} exited {how}with "
                               + ", ".join(describe_exit(c) for c in codes)
                               + (f" ({PREEMPTED_EXIT}: stopped at a step boundary and checkpointed)"
                                  if PREEMPTED_EXIT in codes else "") + "\n")
@@ -313,20 +395,20 @@ def _launch(command: list[str], nprocs: int, timeout_s: float, max_time_s: float
             if hung:
                 how = "stopped by a signal, e.g. SIGSTOP" if frozen else "still running, silent"
                 err.write(
-                    f"moonrt launch: {_ranks(hung)} of {nprocs} stopped making progress ({how}): rank {failed} "
-                    f"timed out waiting after --timeout {timeout_s:g} s ({describe_exit(code)}, pid "
-                    f"{procs[failed].pid}); stopped ranks {stopped}\n"
-                    + "".join(f"--- rank {r} stderr (last {STDERR_TAIL} lines) ---\n" + "".join(tails[r])
+                    f"moonrt launch: {_ranks(g(hung))} of {world} stopped making progress ({how}): rank "
+                    f"{g(failed)} timed out waiting after --timeout {timeout_s:g} s ({describe_exit(code)}, pid "
+                    f"{procs[failed].pid}); stopped ranks {g(stopped)}\n"
+                    + "".join(f"--- rank {g(r)} stderr (last {STDERR_TAIL} lines) ---\n" + "".join(tails[r])
                               for r in (*hung, failed) if tails[r] or r == failed)
                     + "--- end ---\n"
                 )
                 err.flush()
                 return code
             err.write(
-                f"moonrt launch: rank {failed} of {nprocs} failed: {describe_exit(code)} (pid {procs[failed].pid})"
-                + (f"; stopped ranks {stopped}" if stopped else "")
-                + (f"; ranks {early} had already exited with code 0 (early exit?)" if early else "")
-                + f"\n--- rank {failed} stderr (last {STDERR_TAIL} lines) ---\n"
+                f"moonrt launch: rank {g(failed)} of {world} failed: {describe_exit(code)} (pid {procs[failed].pid})"
+                + (f"; stopped ranks {g(stopped)}" if stopped else "")
+                + (f"; ranks {g(early)} had already exited with code 0 (early exit?)" if early else "")
+                + f"\n--- rank {g(failed)} stderr (last {STDERR_TAIL} lines) ---\n"
                 + "".join(tails[failed])
                 + "--- end ---\n"
             )
@@ -337,6 +419,19 @@ def _launch(command: list[str], nprocs: int, timeout_s: float, max_time_s: float
         raise
 
 
+
+
+class _Global:
+    """Local rank index (or list of them) -> global rank(s) of this node (``base`` = node rank x ranks per node)."""
+
+    def __init__(self, base: int) -> None:
+        self.base = base
+
+    def __call__(self, ranks):
+        return [self.base + r for r in ranks] if isinstance(ranks, list) else self.base + ranks
+
+    def these(self, n: int) -> str:
+        return f"{n} ranks" if self.base == 0 else f"{n} ranks ({self.base}..{self.base + n - 1})"
 
 
 def _job_code(codes: list[int | None]) -> int:

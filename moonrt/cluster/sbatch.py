@@ -353,7 +353,7 @@ def job_from_config(job: SbatchJob, config: Path, load: Callable[[Path], Any],
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nodes", type=int, required=True, help="number of nodes")
+    parser.add_argument("-N", "--nodes", type=int, required=True, help="number of nodes (sbatch's -N)")
     parser.add_argument("--ntasks-per-node", type=int, required=True, help="ranks per node")
     parser.add_argument("--config", type=Path, default=None, help="job config YAML (checked, passed as --config)")
     parser.add_argument("--submit", action="store_true", help="submit with sbatch and print the job id")

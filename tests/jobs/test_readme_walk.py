@@ -15,7 +15,9 @@ What the walk changes, all listed here and nothing else:
   copied in, as a clone has them.
 - **Not run** (:data:`NOT_RUN`, each with its reason; every entry must match a README command, so the table cannot go
   stale): the install commands (this test runs inside that install) and the test command itself, and the
-  ``moonrt sbatch --submit`` of a 2-node job (this machine's SLURM has one node).
+  ``moonrt sbatch --submit`` of a 2-node job (this machine's SLURM has one node), and the lines of *Running on
+  several nodes*, each one node's part of a 2-node job (run across the cluster in a box by
+  ``tests/runtime/test_cluster_box.py``).
 
 SLURM lines need the single-node SLURM of ``.ci/slurm-ci.sh``: they are skipped with the reason where it is absent,
 and fail instead under ``MOONRT_REQUIRE_CLUSTER=1`` (CI).
@@ -49,6 +51,16 @@ NOT_RUN = {
     ".venv/bin/python -m pytest -q": "the README's test command: it is running this test",
     "moonrt sbatch --nodes 2 --ntasks-per-node 4 --config job.yaml --submit -- python train.py":
         "submits a 2-node job; this machine's SLURM has one node",
+    **{cmd: "one node of a 2-node job at 10.0.0.1 / node1,node2: this machine is one host (these launchers run across "
+            "the 2 nodes of .ci/cluster-box.sh in tests/runtime/test_cluster_box.py)" for cmd in (
+        "moonrt launch -n 8 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --rdzv-id run42 -- moonrt train --config "
+        "job.yaml",
+        "moonrt launch -n 8 --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --rdzv-id run42 -- moonrt train --config "
+        "job.yaml",
+        "torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint 10.0.0.1:29500 --rdzv-id run42 "
+        "--no-python moonrt train --config job.yaml",
+        "moonrt sbatch -N 2 --ntasks-per-node 8 --requeue --config job.yaml --submit -- moonrt train",
+        "mpiexec -hosts node1,node2 -ppn 8 -n 16 python -m moonrt.jobs.selftest --suite collectives,ep")},
 }
 """Commands shown but not run, with the reason (keys are the commands as the README writes them)."""
 
