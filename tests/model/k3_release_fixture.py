@@ -202,6 +202,7 @@ def text_config_of(cfg: Any) -> dict[str, Any]:
     import dataclasses
 
     text = dataclasses.asdict(cfg)
+    text.pop("kda_dt_bias_init", None)  # moonrt's own init option: the release has no such field
     full = text["linear_attn_config"]["full_attn_layers"]
     text["linear_attn_config"]["kda_layers"] = [i for i in range(1, cfg.num_hidden_layers + 1) if i not in full]
     text.update(model_type="kimi_linear", architectures=["KimiLinearForCausalLM"], dtype="float32",

@@ -4,7 +4,8 @@ The released file is multimodal: ``{"model_type": "kimi_k3", ..., "text_config":
 fields in ``text_config`` (``model_type`` ``kimi_linear``, ``architectures`` ``["KimiLinearForCausalLM"]``); a
 text-only export writes those fields at the top level (what ``KimiLinearForCausalLM`` reads). Fields:
 
-- :class:`~moonrt.models.k3.model.config.K3Config`'s own fields (same names), plus ``linear_attn_config.kda_layers``
+- :class:`~moonrt.models.k3.model.config.K3Config`'s own fields (same names; not :data:`MOONRT_ONLY`, moonrt's
+  initialization choices, which describe no released tensor), plus ``linear_attn_config.kda_layers``
   (the 1-indexed complement of ``full_attn_layers``);
 - fields whose released value is the only one moonrt's K3 computes (:data:`FIXED`): ``num_key_value_heads`` (=
   ``num_attention_heads``), ``moe_renormalize``, ``moe_router_activation_func``, ``use_grouped_topk``,
@@ -78,11 +79,18 @@ class HFConfig:
     dtype: str | None = None
 
 
+MOONRT_ONLY = frozenset({"kda_dt_bias_init"})
+"""K3Config fields that are moonrt's own initialization options: not written (a released checkpoint's weights are
+already initialized), and the default when read."""
+
+
 def text_fields(cfg: K3Config, dtype: str = "bfloat16", mxfp4_block: int | None = None) -> dict[str, Any]:
     """The released ``text_config`` of ``cfg`` (every released field, in the released names)."""
     lac = cfg.linear_attn_config
     out: dict[str, Any] = {"model_type": TEXT_MODEL_TYPE, "architectures": list(TEXT_ARCHITECTURES), "dtype": dtype}
     for f in dataclasses.fields(K3Config):
+        if f.name in MOONRT_ONLY:
+            continue
         value = getattr(cfg, f.name)
         if f.name == "linear_attn_config":
             full = sorted(lac.full_attn_layers)
@@ -183,5 +191,6 @@ def read_config(path: str | Path) -> HFConfig:
     return from_json(doc)
 
 
-__all__ = ["FIXED", "HFConfig", "MXFP4_IGNORE", "from_json", "quantization_config", "read_config", "text_fields",
+__all__ = ["FIXED", "HFConfig", "MOONRT_ONLY", "MXFP4_IGNORE", "from_json", "quantization_config", "read_config",
+           "text_fields",
            "to_json", "write_config"]
