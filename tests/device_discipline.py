@@ -66,6 +66,9 @@ SANCTIONED: dict[tuple[str, str], str] = {
     ("comm/moonep_dispatch.py", "dispatch"): "MoonEP plans on the host: the step's routing counts are copied there "
                                               "once per MoE layer (the planner is numba/numpy; a device planner is "
                                               "issue 34's)",
+    ("comm/ep_collectives.py", "build_dedup"): "the dedup layout (which received rows share a token) is built on "
+                                               "the host beside the plan's layout: the per-assignment metadata "
+                                               "comes there once per MoE layer",
     ("comm/moonep_dispatch.py", "place"): "the plan's placement is computed by the host planner from numpy counts",
     ("scheduler/placement.py", "conv"): "a plan's placement is made on the host (the planners run there)",
     ("jobs/checkpoint/store.py", "_on_host"): "a checkpoint file holds the single-process state on the host",
