@@ -153,16 +153,23 @@ def validate_counts(counts: Any, num_slots: int | None, total_tokens: int | None
 
 
 @njit(cache=True)
-def _plan_core(load: np.ndarray, cap: np.ndarray, R: int, G: int) -> np.ndarray:  # pragma: no cover
-    """Numba kernel of §6.2 (greedy). load [E] int64, cap [R] int64 -> buf [E, 2R + 1] int64 with
-    ``alloc`` in columns ``[0, R)`` (the cut columns are filled by :func:`_finish_core`)."""
-    E = R * G
+def _group_balance(load: np.ndarray, cap: np.ndarray, R: int, G: int) -> np.ndarray:  # pragma: no cover
+    """Each home group's surplus over its rank's capacity: ``sum(load[h*G:(h+1)*G]) - cap[h]`` (int64 [R])."""
     bal = np.empty(R, np.int64)
     for h in range(R):
         s = 0
         for i in range(G):
             s += load[h * G + i]
         bal[h] = s - cap[h]
+    return bal
+
+
+@njit(cache=True)
+def _plan_core(load: np.ndarray, cap: np.ndarray, R: int, G: int) -> np.ndarray:  # pragma: no cover
+    """Numba kernel of §6.2 (greedy). load [E] int64, cap [R] int64 -> buf [E, 2R + 1] int64 with
+    ``alloc`` in columns ``[0, R)`` (the cut columns are filled by :func:`_finish_core`)."""
+    E = R * G
+    bal = _group_balance(load, cap, R, G)
     quota = np.zeros((R, R), np.int64)  # quota[h, u]: assignments of group h computed on u
     for _ in range(R - 1):
         h = 0
@@ -217,12 +224,7 @@ def _prefix_core(load: np.ndarray, cap: np.ndarray, R: int, G: int) -> np.ndarra
     """Numba kernel of the closed form (``method="prefix"``, module docstring). Same in/out as
     :func:`_plan_core`. Written as two-pointer sweeps; ``moonep_torch.plan_device`` is its vectorized twin."""
     E = R * G
-    bal = np.empty(R, np.int64)
-    for h in range(R):
-        s = 0
-        for i in range(G):
-            s += load[h * G + i]
-        bal[h] = s - cap[h]
+    bal = _group_balance(load, cap, R, G)
     # Donors: surplus descending, ties smaller rank; receivers: deficit descending, ties smaller rank.
     # The keys are distinct, so any sort gives the same order.
     dkey = np.empty(R, np.int64)
