@@ -63,13 +63,18 @@ SANCTIONED: dict[tuple[str, str], str] = {
                                             "step, for that bookkeeping",
     ("jobs/checkpoint/sharded.py", "read_full"): "a checkpoint read whole into host memory (single-process layout, a "
                                                  "conversion tool: no model involved)",
-    ("comm/moonep_dispatch.py", "dispatch"): "MoonEP plans on the host: the step's routing counts are copied there "
-                                              "once per MoE layer (the planner is numba/numpy; a device planner is "
-                                              "issue 34's)",
+    ("comm/moonep_dispatch.py", "dispatch"): "the routing table and the plan (made on the counts' device) come to "
+                                              "the host in one copy per MoE layer: the transport layout and the "
+                                              "all-to-all split sizes (NCCL takes them as host lists) are host data",
+    ("scheduler/moonep_torch.py", "to_host"): "that one copy per MoE layer: the table and the device-made plan in a "
+                                              "single device-to-host transfer (see dispatch)",
+    ("ops/moonep_greedy.py", "greedy_numba"): "the numba backend runs on CPU tensors only (the registry refuses it "
+                                              "elsewhere): .numpy() / from_numpy share memory, nothing is copied",
     ("comm/ep_collectives.py", "build_dedup"): "the dedup layout (which received rows share a token) is built on "
                                                "the host beside the plan's layout: the per-assignment metadata "
                                                "comes there once per MoE layer",
-    ("comm/moonep_dispatch.py", "place"): "the plan's placement is computed by the host planner from numpy counts",
+    ("comm/moonep_dispatch.py", "place"): "the all-to-all baseline's placement is computed on the host from the "
+                                          "counts' host copy",
     ("scheduler/placement.py", "conv"): "a plan's placement is made on the host (the planners run there)",
     ("jobs/checkpoint/store.py", "_on_host"): "a checkpoint file holds the single-process state on the host",
     ("memory/backends.py", "_take"): "the host tier's (pinned) host buffers, the destination of its offload copies",

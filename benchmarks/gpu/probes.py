@@ -11,8 +11,9 @@ per probe, written exclusively to ``--json PATH``.
   not blocked), bit-exact round trips for fp32 / bf16 / fp64 and strided tensors.
 - ``moonep``: the torch MoonEP planner (:func:`moonrt.scheduler.moonep_torch.plan_torch`) at K3's shape (E=896,
   R=64, k=16, 4096 tokens per rank) on CUDA vs the numba planner and the torch planner on CPU: median ms per
-  layer, plans identical; and the fixed-op planner ``plan_device`` on CUDA (median ms, identical to
-  ``plan(method="prefix")``, planned under ``torch.cuda.set_sync_debug_mode("error")``: no host sync).
+  layer, plans identical; the device planner ``plan_device`` on CUDA (the greedy's Triton backend: median ms,
+  identical to ``plan()``, planned under ``torch.cuda.set_sync_debug_mode("error")``: no host sync) and the closed
+  form ``plan_prefix`` likewise (identical to ``plan(method="prefix")``).
 
 Run one: ``python benchmarks/gpu/probes.py baseline --json OUT.json`` (needs CUDA except ``preflight``).
 """
@@ -206,13 +207,14 @@ def moonep(device: str = "cuda", steps: int = 2) -> dict[str, Any]:
     import torch
 
     from moonrt.scheduler.moonep import plan
-    from moonrt.scheduler.moonep_torch import plan_device, plan_torch
+    from moonrt.scheduler.moonep_torch import plan_device, plan_prefix, plan_torch
     from moonrt.scheduler.workload import synthetic
 
     wl = synthetic("lognormal", steps=steps, layers=2, seed=0)  # K3: E=896, R=64, k=16, 4096 tokens per rank
     counts = [wl.counts[t, l] for t in range(steps) for l in range(2)]
     dev = torch.device(device)
-    gpu, gpu_fixed, cpu_torch, cpu_numba, same, same_fixed = [], [], [], [], True, True
+    gpu, gpu_fixed, gpu_prefix, cpu_torch, cpu_numba = [], [], [], [], []
+    same, same_fixed, same_prefix = True, True, True
     plan(counts[0])  # numba compile outside the timing
     for c in counts:
         ct = torch.from_numpy(np.ascontiguousarray(c))
@@ -220,19 +222,25 @@ def moonep(device: str = "cuda", steps: int = 2) -> dict[str, Any]:
         gpu.append(_timed(lambda cg=cg: plan_torch(cg, validate=False), repeat=20, warmup=3, cuda=dev.type == "cuda"))
         gpu_fixed.append(_timed(lambda cg=cg: plan_device(cg, validate=False), repeat=20, warmup=3,
                                 cuda=dev.type == "cuda"))
-        if dev.type == "cuda":  # any host synchronization inside the fixed-op planner raises here
+        gpu_prefix.append(_timed(lambda cg=cg: plan_prefix(cg, validate=False), repeat=20, warmup=3,
+                                 cuda=dev.type == "cuda"))
+        if dev.type == "cuda":  # any host synchronization inside the device planners raises here
             torch.cuda.set_sync_debug_mode("error")
             try:
                 fixed = plan_device(cg, validate=False)
+                closed = plan_prefix(cg, validate=False)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         else:
             fixed = plan_device(cg, validate=False)
-        ref_fixed = plan(c, method="prefix")
-        same_fixed = same_fixed and all(np.array_equal(getattr(ref_fixed, f), getattr(fixed.to_numpy(), f))
-                                        for f in ("alloc", "copies", "capacity", "cuts", "donor"))
+            closed = plan_prefix(cg, validate=False)
+        fields = ("alloc", "copies", "capacity", "cuts", "donor")
+        ref_closed = plan(c, method="prefix")
+        same_prefix = same_prefix and all(np.array_equal(getattr(ref_closed, f), getattr(closed.to_numpy(), f))
+                                          for f in fields)
         t0 = time.perf_counter()
         ref = plan(c)
+        same_fixed = same_fixed and all(np.array_equal(getattr(ref, f), getattr(fixed.to_numpy(), f)) for f in fields)
         cpu_numba.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         plan_torch(ct, validate=False)
@@ -244,7 +252,8 @@ def moonep(device: str = "cuda", steps: int = 2) -> dict[str, Any]:
     return {"device": str(dev), "E": E, "R": R, "layers_timed": len(counts), "torch_threads": torch.get_num_threads(),
             "device_torch_ms": statistics.median(gpu) * 1e3, "cpu_torch_ms": statistics.median(cpu_torch) * 1e3,
             "cpu_numba_ms": statistics.median(cpu_numba) * 1e3, "plans_identical": same,
-            "device_plan_device_ms": statistics.median(gpu_fixed) * 1e3, "plan_device_identical": same_fixed}
+            "device_plan_device_ms": statistics.median(gpu_fixed) * 1e3, "plan_device_identical": same_fixed,
+            "device_plan_prefix_ms": statistics.median(gpu_prefix) * 1e3, "plan_prefix_identical": same_prefix}
 
 
 PROBES: dict[str, Callable[[], dict[str, Any]]] = {

@@ -33,6 +33,10 @@ class AllToAllDispatcher(MoonEPDispatcher):
         super().__init__(group, capacity, hidden, top_k, num_experts, num_slots=0, pool=None, dedup=dedup,
                          token_padding=token_padding)
 
+    def plan_on_device(self, counts: torch.Tensor) -> None:
+        """The no-redundancy placement is made on the host (:meth:`place`)."""
+        return None
+
     def place(self, counts: torch.Tensor, total_tokens: int | None) -> tuple[object, Placement]:
         """The no-redundancy policy's placement for ``counts [R, E]`` (every assignment on its
         expert's home rank, no slots; ``capacity[r]`` = load of rank r's home experts)."""

@@ -58,15 +58,17 @@ class ExpertParallel(Part):
             and the world has more than one rank).
         num_slots: B per rank (default E/R).
         dispatcher: ``"moonep"`` or ``"alltoall"`` (the unbalanced baseline).
+        kernels: backend of MoonEP's planner (a job's ``kernels.moonep``; :class:`MoonEPDispatcher`).
     """
 
     kind = "expert"
 
     def __init__(self, parallel: ParallelConfig, *, capacity: int, mesh: ProcessMesh | None = None,
-                 num_slots: int | None = None, dispatcher: DispatcherKind = "moonep") -> None:
+                 num_slots: int | None = None, dispatcher: DispatcherKind = "moonep", kernels: str = "auto") -> None:
         if dispatcher not in ("moonep", "alltoall"):
             raise ConfigError(f"dispatcher = {dispatcher!r}: expected 'moonep' or 'alltoall'")
         self.parallel, self.capacity, self.num_slots, self.dispatcher = parallel, capacity, num_slots, dispatcher
+        self.kernels = kernels
         if mesh is None and parallel.world_size > 1:
             if not dist.is_initialized():  # joining a job is the caller's (moonrt.cluster.env.init_distributed)
                 raise RuntimeError(f"ExpertParallel: parallel.ep = {parallel.ep} needs the default process group; "
@@ -108,7 +110,8 @@ class ExpertParallel(Part):
                 pools[key] = SlotPool(*key)
             moe.dispatcher = cls(self.ep_group, self.capacity, moe.experts.latent, moe.top_k, E,
                                  num_slots=self.num_slots, pool=pools[key] if self.dispatcher == "moonep" else None,
-                                 dedup=self.parallel.ep_dedup, token_padding=self.parallel.token_padding)
+                                 dedup=self.parallel.ep_dedup, token_padding=self.parallel.token_padding,
+                                 kernels=self.kernels)
             self.dispatchers[index] = moe.dispatcher
             for p in moe.experts.parameters():
                 self._expert_params.add(id(p))

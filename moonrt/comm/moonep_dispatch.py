@@ -7,9 +7,12 @@ top_k, num_experts, num_slots)``, verbs in pairs (``dispatch`` returns a :class:
 1. every rank validates its input and all-gathers one int64 row ``[status, s, counts[E]]`` (on the
    data's device, over the EP group): the ``[R, E]`` routing counts plus an error flag, so bad input on
    one rank raises a ValueError on *every* rank instead of leaving the others blocked in the next
-   collective; the table and this rank's top-k ids are copied to the host once;
-2. every rank runs the same deterministic planner (:func:`moonrt.scheduler.moonep.plan`) and
-   computes its own send/receive layout locally (:mod:`moonrt.comm.ep_layout`);
+   collective (a rank that fails contributes a row of zeros, which the planner handles like any counts);
+2. every rank runs the same deterministic planner (the greedy of :func:`moonrt.scheduler.moonep.plan`, computed by
+   :func:`moonrt.scheduler.moonep_torch.plan_device` on the counts' device before anything is copied: on CUDA the
+   kernel registry's Triton backend, on CPU its numba one; config ``kernels.moonep``), the table and the plan come
+   to the host in one copy (the layout and NCCL's all-to-all split sizes are host data: that copy is the one
+   synchronization per layer), and every rank computes its own send/receive layout (:mod:`moonrt.comm.ep_layout`);
 3. all-to-alls move tokens (and their top-k weights) into expert-grouped rows. Rank d computes
    exactly ``plan.capacity[d]`` rows, one per assignment (``s * k`` when every rank passes the same
    s), whatever the routing: the output shape depends only on s. With ``dedup`` (the default) a
@@ -55,6 +58,9 @@ from moonrt.comm.ep_layout import (
     build_weight_layout,
 )
 from moonrt.comm.ep_slots import SlotPool, SlotRefill, fetch_slot_weights
+from moonrt.ops.kernels import check_choice
+from moonrt.scheduler.moonep import MoonEPPlan, plan
+from moonrt.scheduler.moonep_torch import plan_device, to_host
 from moonrt.scheduler.placement import Placement
 
 _ERRORS = {
@@ -169,11 +175,13 @@ class MoonEPDispatcher:
         pool: optional :class:`SlotPool` shared with other layers' dispatchers.
         dedup: send a token once per destination rank (default) instead of once per assignment.
         token_padding: pad every segment to a multiple of this many rows (1: no padding).
+        kernels: backend of the greedy planner (``kernels.moonep`` of :mod:`moonrt.ops.kernels`: ``auto`` = Triton
+            on CUDA, numba on CPU; ``torch``, ``numba``, ``triton``). Every backend gives the same plan.
     """
 
     def __init__(self, group: dist.ProcessGroup | None, capacity: int, hidden: int, top_k: int,
                  num_experts: int, num_slots: int | None = None, *, pool: SlotPool | None = None,
-                 dedup: bool = True, token_padding: int = 1) -> None:
+                 dedup: bool = True, token_padding: int = 1, kernels: str = "auto") -> None:
         self.group = group
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
@@ -196,6 +204,7 @@ class MoonEPDispatcher:
         if isinstance(token_padding, bool) or not isinstance(token_padding, int) or token_padding < 1:
             raise ValueError(f"token_padding = {token_padding!r}: expected an integer >= 1")
         self.pool, self.dedup, self.token_padding = pool, dedup, token_padding
+        self.kernels = check_choice("moonep", kernels)
         self.counters = EPCounters.zeros(self.world_size)
         self.last_counts: torch.Tensor | None = None
         """``[R, E]`` int64 routing counts of the last dispatch (routing traces, metrics)."""
@@ -208,11 +217,16 @@ class MoonEPDispatcher:
         return self.num_experts + self.num_slots
 
     # ---- planning ---------------------------------------------------------------------------------
-    def place(self, counts: torch.Tensor, total_tokens: int | None) -> tuple[object, Placement]:
-        """Run the MoonEP planner on the all-gathered ``counts [R, E]``; returns ``(plan, placement)``
-        (the planner's ``MoonEPPlan`` and the same placement as dense int64 CPU tensors)."""
-        from moonrt.scheduler.moonep import plan
+    def plan_on_device(self, counts: torch.Tensor) -> MoonEPPlan | None:
+        """The MoonEP plan of the all-gathered ``counts [R, E]`` computed on their device without a host
+        synchronization (``moonep.plan``'s greedy, bit for bit; the kernel backend ``self.kernels``), or None for a
+        policy that plans on the host (:meth:`place`)."""
+        return plan_device(counts, num_slots=self.num_slots, validate=False, kernels=self.kernels)
 
+    def place(self, counts: torch.Tensor, total_tokens: int | None) -> tuple[object, Placement]:
+        """Run the MoonEP planner on the host copy of ``counts [R, E]``; returns ``(plan, placement)``
+        (the planner's ``MoonEPPlan`` and the same placement as dense int64 CPU tensors). Used where
+        :meth:`plan_on_device` returns None."""
         p = plan(counts.numpy(), num_slots=self.num_slots, total_tokens=total_tokens)
         return p, p.to_torch()
 
@@ -274,7 +288,11 @@ class MoonEPDispatcher:
             table = table.view(R, 2 + E)
         else:
             table = row.view(1, 2 + E)
-        table = table.cpu()  # the planner and the transport layout are host code: one copy of the counts
+        on_device = self.plan_on_device(table[:, 2:])
+        if on_device is None:
+            table = table.cpu()  # the planner and the transport layout are host code: one copy of the counts
+        else:  # the plan was made where the counts are; it and the table come to the host in one copy
+            on_device, (table,) = to_host(on_device, table)
         if code:
             raise ValueError(f"MoonEP dispatch (EP rank {self.rank}): {message}")
         if bool((table[:, 0] != 0).any()):
@@ -285,7 +303,10 @@ class MoonEPDispatcher:
         counts = table[:, 2:].contiguous()
         sizes = table[:, 1]
         total = int(sizes.sum()) if bool((sizes != sizes[0]).any()) else None
-        plan, placement = self.place(counts, total)
+        if on_device is None:
+            plan, placement = self.place(counts, total)
+        else:
+            plan, placement = on_device, on_device.to_torch()
         layout = build_layout(topk_ids.cpu(), counts, placement.alloc, placement.copies, self.rank)
         if layout.rows != int(placement.capacity[self.rank]):
             raise RuntimeError(f"MoonEP layout has {layout.rows} rows, plan capacity is "

@@ -12,6 +12,8 @@ op                            family  contract
 ``fp8_quantize``              fp8     ``(x2 [M, N] fp32 contiguous, block) -> (payload [M, nb * block] E4M3,
                                       scales [M, nb] fp32)``: the row codec of :mod:`moonrt.ops.fp8`
 ``fp8_dequantize``            fp8     ``(payload [M, nb * block] E4M3, scales [M, nb] fp32, n) -> [M, n] fp32``
+``moonep_greedy``             moonep  ``(load [R, G] int64, cap [R] int64) -> alloc3 [R, G, R] int64``: MoonEP's
+                                      greedy placement (:mod:`moonrt.ops.moonep_greedy`), every backend bit-equal
 ============================  ======  ==========================================================================
 
 Backends: ``torch`` (torch ops, any device: the reference), ``numba`` (CPU only; where a numba pass exists) and
@@ -54,6 +56,7 @@ if TYPE_CHECKING:
 FAMILIES: dict[str, tuple[str, ...]] = {
     "kda": ("kda_chunk", "kda_transition", "kda_state_grad"),
     "fp8": ("fp8_quantize", "fp8_dequantize"),
+    "moonep": ("moonep_greedy",),
 }
 """Config key (``kernels.<family>``) -> the ops it chooses the backend of."""
 
@@ -223,6 +226,10 @@ def default_registry() -> KernelRegistry:
                  requires="numba")
     reg.register("fp8_dequantize", "triton", "moonrt.ops.fp8_triton:dequantize_rows", devices=("cuda",),
                  requires="triton")
+    reg.register("moonep_greedy", "torch", "moonrt.ops.moonep_greedy:greedy_torch")
+    reg.register("moonep_greedy", "numba", "moonrt.ops.moonep_greedy:greedy_numba", devices=("cpu",),
+                 requires="numba")
+    reg.register("moonep_greedy", "triton", "moonrt.ops.moonep_triton:greedy", devices=("cuda",), requires="triton")
     return reg
 
 

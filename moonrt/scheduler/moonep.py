@@ -4,7 +4,9 @@ Implements K3_SYSTEMS §6.1-§6.3 (K3 report §5.2.1). Notation: R EP ranks, E r
 ``G = E // R`` experts per home group (rank ``h`` is home to experts ``[h*G, (h+1)*G)``), ``B``
 prefetch slots per rank (default ``G``).
 
-Algorithm (the constructive proof of §6.2):
+Algorithm (the constructive proof of §6.2; the kernel op ``moonep_greedy`` of :mod:`moonrt.ops.moonep_greedy`, whose
+numba backend this planner runs and whose Triton backend :func:`moonrt.scheduler.moonep_torch.plan_device` runs on
+a GPU):
 
 1. *Group balance.* ``bal[h] = load(group h) - capacity[h]``. While some ``bal > 0``: donor
    ``h = argmax bal`` (ties: smaller rank), receiver ``u = argmin bal`` (ties: smaller rank);
@@ -17,7 +19,7 @@ Algorithm (the constructive proof of §6.2):
    the group stays on its home rank.
 
 ``method="prefix"`` is a closed form of the same construction (same guarantees, no step loop), which
-:func:`moonrt.scheduler.moonep_torch.plan_device` computes in a fixed number of vectorized torch ops:
+:func:`moonrt.scheduler.moonep_torch.plan_prefix` computes in a fixed number of vectorized torch ops:
 
 1. *Group balance on a line.* Donors (``bal > 0``) in order of surplus (largest first, ties: smaller
    rank) tile ``[0, T)`` with their surpluses, ``T`` the total surplus; receivers (``bal < 0``) in
@@ -32,7 +34,7 @@ Algorithm (the constructive proof of §6.2):
    intervals.
 
 It needs somewhat more copies than the greedy (10-24% at E=896, R=64 and E=2,050; see
-``benchmarks/bench_moonep_device.py``), which is why the greedy stays the default.
+``benchmarks/bench_moonep_device.py``), which is why the greedy is the default, on every device.
 
 *Fewer slots than copies* (``num_slots = B < E/R`` and some rank needs more than B copies): each
 such rank keeps the B copies with the most assignments (ties: larger expert id); the assignments of
@@ -42,8 +44,9 @@ its other copies are computed on their experts' home rank. The balance is then n
 E/R always do).
 
 Everything is integer arithmetic with explicit tie-breaks, so every rank computes the identical
-plan from the same all-gathered counts. :mod:`moonrt.scheduler.moonep_torch` has both methods in
-torch (on the device of the counts, no host synchronization) with identical plans.
+plan from the same all-gathered counts. :mod:`moonrt.scheduler.moonep_torch` plans on the counts' device (no host
+synchronization) with identical plans: the greedy through the kernel registry (Triton on CUDA, numba on CPU, or
+torch ops), the closed form in vectorized torch ops.
 
 Data movement (§6.3): per expert ``e``, its assignments are ordered by (source rank, position in
 the source's token order); ``plan.cuts[e]`` cuts that order into destination ranks ``0..R-1``:
@@ -59,6 +62,7 @@ from typing import Any
 import numpy as np
 from numba import njit
 
+from moonrt.ops.moonep_greedy import group_balance, plan_core
 from moonrt.scheduler.placement import Placement
 
 __all__ = ["METHODS", "MoonEPPlan", "plan", "send_split", "transfer_matrix", "validate_counts", "capacities"]
@@ -153,78 +157,12 @@ def validate_counts(counts: Any, num_slots: int | None, total_tokens: int | None
 
 
 @njit(cache=True)
-def _group_balance(load: np.ndarray, cap: np.ndarray, R: int, G: int) -> np.ndarray:  # pragma: no cover
-    """Each home group's surplus over its rank's capacity: ``sum(load[h*G:(h+1)*G]) - cap[h]`` (int64 [R])."""
-    bal = np.empty(R, np.int64)
-    for h in range(R):
-        s = 0
-        for i in range(G):
-            s += load[h * G + i]
-        bal[h] = s - cap[h]
-    return bal
-
-
-@njit(cache=True)
-def _plan_core(load: np.ndarray, cap: np.ndarray, R: int, G: int) -> np.ndarray:  # pragma: no cover
-    """Numba kernel of §6.2 (greedy). load [E] int64, cap [R] int64 -> buf [E, 2R + 1] int64 with
-    ``alloc`` in columns ``[0, R)`` (the cut columns are filled by :func:`_finish_core`)."""
-    E = R * G
-    bal = _group_balance(load, cap, R, G)
-    quota = np.zeros((R, R), np.int64)  # quota[h, u]: assignments of group h computed on u
-    for _ in range(R - 1):
-        h = 0
-        u = 0
-        for r in range(1, R):
-            if bal[r] > bal[h]:
-                h = r
-            if bal[r] < bal[u]:
-                u = r
-        if bal[h] <= 0:
-            break
-        m = -bal[u]
-        quota[h, u] += m
-        bal[u] = 0
-        bal[h] -= m
-    # alloc and cuts share one buffer [E, 2R + 1]: one allocation per plan instead of two keeps
-    # glibc from trimming and re-faulting the heap on every call (5-10x faster when planning in a loop).
-    buf = np.zeros((E, 2 * R + 1), np.int64)
-    alloc = buf[:, :R]
-    rem = np.empty(G, np.int64)
-    q = np.empty(R, np.int64)
-    for h in range(R):
-        for i in range(G):
-            rem[i] = load[h * G + i]
-        any_quota = False
-        for r in range(R):
-            q[r] = quota[h, r]
-            if q[r] > 0:
-                any_quota = True
-        while any_quota:
-            u = 0
-            for r in range(1, R):
-                if q[r] > q[u]:
-                    u = r
-            if q[u] == 0:
-                break
-            e = G - 1
-            for i in range(G - 2, -1, -1):
-                if rem[i] > rem[e]:
-                    e = i
-            m = min(q[u], rem[e])
-            alloc[h * G + e, u] += m
-            q[u] -= m
-            rem[e] -= m
-        for i in range(G):
-            alloc[h * G + i, h] += rem[i]
-    return buf
-
-
-@njit(cache=True)
 def _prefix_core(load: np.ndarray, cap: np.ndarray, R: int, G: int) -> np.ndarray:  # pragma: no cover
-    """Numba kernel of the closed form (``method="prefix"``, module docstring). Same in/out as
-    :func:`_plan_core`. Written as two-pointer sweeps; ``moonep_torch.plan_device`` is its vectorized twin."""
+    """Numba kernel of the closed form (``method="prefix"``, module docstring). Same in/out as the greedy's
+    :func:`moonrt.ops.moonep_greedy.plan_core`. Written as two-pointer sweeps; ``moonep_torch.plan_prefix`` is its
+    vectorized twin."""
     E = R * G
-    bal = _group_balance(load, cap, R, G)
+    bal = group_balance(load, cap, R, G)
     # Donors: surplus descending, ties smaller rank; receivers: deficit descending, ties smaller rank.
     # The keys are distinct, so any sort gives the same order.
     dkey = np.empty(R, np.int64)
@@ -362,7 +300,7 @@ def plan(counts: Any, num_slots: int | None = None, total_tokens: int | None = N
             Targets become ``floor(total_tokens * k / R)``, the first ``(total_tokens * k) % R``
             ranks one more (§6.1), with ``k = counts.sum() / total_tokens`` (must be an integer).
         method: ``"greedy"`` (§6.2's rounds, fewest copies) or ``"prefix"`` (its closed form, the
-            plan :func:`moonrt.scheduler.moonep_torch.plan_device` computes on the device).
+            plan :func:`moonrt.scheduler.moonep_torch.plan_prefix` computes in vectorized torch ops).
 
     Returns:
         A :class:`MoonEPPlan` with numpy arrays. Deterministic: identical counts give identical plans.
@@ -378,7 +316,7 @@ def plan(counts: Any, num_slots: int | None = None, total_tokens: int | None = N
     G = E // R
     cap = capacities(total, R)
     load = arr.sum(0)
-    buf = (_plan_core if method == "greedy" else _prefix_core)(load, cap, R, G)
+    buf = (plan_core if method == "greedy" else _prefix_core)(load, cap, R, G)
     donor, slots = _finish_core(buf, R, G, B)
     alloc, cuts = buf[:, :R], buf[:, R:]
     copies = slots[:, :B] if B <= G else np.pad(slots, ((0, 0), (0, B - G)), constant_values=-1)

@@ -1,28 +1,35 @@
-"""MoonEP planners in torch: the algorithms of :mod:`moonrt.scheduler.moonep` on the counts' device.
+"""MoonEP planners on the counts' device: the algorithms of :mod:`moonrt.scheduler.moonep` without a host sync.
 
 Same integer algorithms and tie-breaks as the numba planner (K3_SYSTEMS §6.2), with no ``.item()``,
 so that a GPU run plans on the GPU without a host synchronization per layer (§6.1: "no host
 synchronization per layer"). Plans are identical to :func:`moonrt.scheduler.moonep.plan` with the
 same ``method`` (tested on many random cases and on the adversarial corpus).
 
-* :func:`plan_device` (``method="prefix"``): the closed form, a fixed sequence of 64 vectorized
-  torch ops (76 with the slot policy; view ops not counted) whatever E and R are: sorts, cumulative
-  sums and ``searchsorted`` on ``[R, R + E/R]`` or smaller, one ``[E, R]`` scatter and cumulative
-  sum; on a GPU, a bounded number of kernel launches per plan.
-* :func:`plan_torch` (``method="greedy"``): the greedy rounds, ``R - 1`` masked rounds for group
-  balance and ``R - 1 + G`` steps for the hottest-first split (each productive step zeroes a
-  receiver's quota or an expert's remainder); about ``10 * (2R + G)`` small ops per plan.
+* :func:`plan_device` (``method="greedy"``, the default plan): the greedy placement through the kernel registry's
+  op ``moonep_greedy`` (:mod:`moonrt.ops.kernels`, config ``kernels.moonep``): on CUDA its Triton backend (two
+  launches, :mod:`moonrt.ops.moonep_triton`), on CPU its numba backend (one compiled call), or torch ops anywhere;
+  then the slot policy, copies and cut points in a fixed sequence of vectorized torch ops. A bounded number of ops
+  per plan whatever E and R are, except with the ``torch`` backend (below).
+* :func:`plan_torch`: :func:`plan_device` with the ``torch`` backend, the greedy rounds in torch ops: ``R - 1``
+  masked rounds for group balance and ``R - 1 + G`` steps for the hottest-first split (each productive step zeroes
+  a receiver's quota or an expert's remainder); about ``10 * (2R + G)`` small ops per plan.
+* :func:`plan_prefix` (``method="prefix"``): the closed form, a fixed sequence of 64 vectorized torch ops (76 with
+  the slot policy; view ops not counted) whatever E and R are: sorts, cumulative sums and ``searchsorted`` on
+  ``[R, R + E/R]`` or smaller, one ``[E, R]`` scatter and cumulative sum. It costs 10-24% more copies than the
+  greedy (``benchmarks/bench_moonep_device.py``).
 """
 
 from __future__ import annotations
 
 import numbers
 
+import numpy as np
 import torch
 
+from moonrt.ops.kernels import check_choice, kernel
 from moonrt.scheduler.moonep import MoonEPPlan, validate_counts
 
-__all__ = ["plan_device", "plan_torch", "send_split_torch"]
+__all__ = ["plan_device", "plan_prefix", "plan_torch", "send_split_torch", "to_host"]
 
 
 def _check(counts: torch.Tensor, num_slots: int | None, total_tokens: int | None) -> int:
@@ -84,10 +91,56 @@ def _finish(alloc3: torch.Tensor, quota: torch.Tensor, cap: torch.Tensor, B: int
     return MoonEPPlan(alloc=alloc, copies=copies, capacity=capacity, cuts=cuts, donor=donor, num_slots=B, target=cap)
 
 
+def _targets(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(load [R, G], cap [R])`` int64 on the counts' device: per home group and expert, the assignments over all
+    sources, and each rank's target (floor(total / R), the first ``total % R`` ranks one more, §6.1)."""
+    R, E = counts.shape
+    load = counts.sum(0, dtype=torch.int64).view(R, E // R)
+    tie = torch.arange(R - 1, -1, -1, device=counts.device)  # larger for smaller ranks
+    return load, (load.sum() + tie) // R
+
+
 def plan_device(counts: torch.Tensor, num_slots: int | None = None, total_tokens: int | None = None,
+                validate: bool = True, kernels: str = "auto") -> MoonEPPlan:
+    """Plan one MoE layer on ``counts.device``; identical to ``moonep.plan(counts, num_slots, total_tokens)`` (the
+    greedy, the default plan).
+
+    Args:
+        counts: ``[R, E]`` integer tensor, ``counts[r, e]`` = assignments source rank ``r`` routes
+            to expert ``e`` (the all-gathered router counts).
+        num_slots: B, slots per rank (default ``E // R``); fewer than a rank needs: ``moonep.plan``.
+        total_tokens: tokens over all ranks, allows unequal per-rank totals (§6.1); see ``moonep.plan``.
+        validate: run the input checks (one device synchronization). With ``validate=False`` the
+            whole plan is computed without a host synchronization; the caller then guarantees
+            well-formed counts.
+        kernels: backend of the greedy (``kernels.moonep``: ``auto`` = Triton on CUDA, numba on CPU; ``torch``,
+            ``numba``, ``triton``), :mod:`moonrt.ops.kernels`.
+
+    Returns:
+        :class:`MoonEPPlan` whose arrays are int64 tensors on ``counts.device``.
+    """
+    check_choice("moonep", kernels)
+    B = _slots(counts, num_slots, total_tokens, validate)
+    R, E = counts.shape
+    G = E // R
+    dev = counts.device
+    load, cap = _targets(counts)
+    alloc3 = kernel("moonep_greedy", kernels, dev)(load, cap)
+    given = alloc3.sum(1).fill_diagonal_(0)  # [h, u]: group h's assignments computed on u != h
+    return _finish(alloc3, given, cap, B, torch.arange(R, device=dev), torch.arange(G, device=dev))
+
+
+def plan_torch(counts: torch.Tensor, num_slots: int | None = None, total_tokens: int | None = None,
+               validate: bool = True) -> MoonEPPlan:
+    """:func:`plan_device` with the ``torch`` backend of the greedy (torch ops on any device, no host sync; its op
+    count grows with R and E/R, see the module docstring)."""
+    return plan_device(counts, num_slots, total_tokens, validate, kernels="torch")
+
+
+def plan_prefix(counts: torch.Tensor, num_slots: int | None = None, total_tokens: int | None = None,
                 validate: bool = True) -> MoonEPPlan:
-    """Plan one MoE layer on ``counts.device`` in a fixed number of vectorized ops; identical to
-    ``moonep.plan(counts, num_slots, total_tokens, method="prefix")``.
+    """Plan one MoE layer on ``counts.device`` with the closed form in a fixed number of vectorized torch ops;
+    identical to ``moonep.plan(counts, num_slots, total_tokens, method="prefix")``.
 
     Args:
         counts: ``[R, E]`` integer tensor, ``counts[r, e]`` = assignments source rank ``r`` routes
@@ -142,48 +195,6 @@ def plan_device(counts: torch.Tensor, num_slots: int | None = None, total_tokens
     return _finish(alloc3, quota, cap, B, ranks, gi)
 
 
-def plan_torch(counts: torch.Tensor, num_slots: int | None = None, total_tokens: int | None = None,
-               validate: bool = True) -> MoonEPPlan:
-    """Plan one MoE layer on ``counts.device`` with the greedy rounds; identical to
-    :func:`moonrt.scheduler.moonep.plan` (``method="greedy"``). Arguments as :func:`plan_device`.
-
-    Its op count grows with R and E/R (see the module docstring); :func:`plan_device` is the
-    fixed-op-count planner for devices."""
-    B = _slots(counts, num_slots, total_tokens, validate)
-    R, E = counts.shape
-    G = E // R
-    dev = counts.device
-    c = counts.to(torch.int64)
-    load = c.sum(0)  # [E]
-    total = load.sum()
-    ranks = torch.arange(R, device=dev)
-    cap = total // R + (ranks < total % R).to(torch.int64)  # [R]
-    bal = load.view(R, G).sum(1) - cap  # [R]
-    quota = torch.zeros(R, R, dtype=torch.int64, device=dev)
-    for _ in range(R - 1):
-        # One-element index tensors keep indexing on the device (a 0-d index may be read on the host).
-        h = torch.argmax(bal).reshape(1)  # first maximum: smaller rank on ties
-        u = torch.argmin(bal).reshape(1)
-        m = torch.where(bal.index_select(0, h) > 0, -bal.index_select(0, u), 0)
-        quota.index_put_((h, u), m, accumulate=True)
-        bal.index_put_((h,), -m, accumulate=True)
-        bal.index_put_((u,), m, accumulate=True)
-
-    given = quota.clone()  # the split below consumes quota
-    alloc3 = torch.zeros(R, G, R, dtype=torch.int64, device=dev)  # [group h, expert i, dest u]
-    rem = load.view(R, G).clone()
-    groups = ranks
-    for _ in range(R - 1 + G):
-        u = torch.argmax(quota, dim=1)  # [R] receiver with the largest quota, smaller rank on ties
-        e = G - 1 - torch.argmax(rem.flip(1), dim=1)  # [R] hottest expert, larger id on ties
-        m = torch.minimum(quota[groups, u], rem[groups, e])
-        quota.index_put_((groups, u), -m, accumulate=True)
-        rem.index_put_((groups, e), -m, accumulate=True)
-        alloc3.index_put_((groups, e, u), m, accumulate=True)
-    alloc3[groups, :, groups] += rem  # the rest stays home (advanced index [R] x : x [R] -> [R, G])
-    return _finish(alloc3, given, cap, B, ranks, torch.arange(G, device=dev))
-
-
 def send_split_torch(counts: torch.Tensor, cuts: torch.Tensor, src: int) -> torch.Tensor:
     """``[E, R]`` int64 on ``counts.device``: source ``src``'s assignments to expert ``e`` sent to rank ``d``.
 
@@ -197,3 +208,18 @@ def send_split_torch(counts: torch.Tensor, cuts: torch.Tensor, src: int) -> torc
     lo = torch.maximum(cuts[:, :-1], lo_src[:, None])
     hi = torch.minimum(cuts[:, 1:], hi_src[:, None])
     return (hi - lo).clamp_min(0)
+
+
+def to_host(plan: MoonEPPlan, *tensors: torch.Tensor) -> tuple[MoonEPPlan, list[torch.Tensor]]:
+    """``plan`` (int64 tensors on a device) and ``tensors`` (int64) on the host in one device-to-host copy: the plan
+    with numpy arrays (cut points recomputed from ``alloc`` there) and the tensors as CPU tensors of their shapes.
+    The EP dispatcher's one synchronization per MoE layer (the transport layout is host code)."""
+    parts = [plan.alloc, plan.copies, plan.capacity, plan.donor, plan.target, *tensors]
+    flat = torch.cat([t.reshape(-1).to(torch.int64) for t in parts]).cpu()
+    out = list(torch.split(flat, [t.numel() for t in parts]))
+    out = [o.view(t.shape) for o, t in zip(out, parts)]
+    alloc, copies, capacity, donor, target = (o.numpy() for o in out[:5])
+    cuts = np.zeros((alloc.shape[0], alloc.shape[1] + 1), np.int64)
+    np.cumsum(alloc, axis=1, out=cuts[:, 1:])
+    return MoonEPPlan(alloc=alloc, copies=copies, capacity=capacity, cuts=cuts, donor=donor,
+                      num_slots=plan.num_slots, target=target), out[5:]

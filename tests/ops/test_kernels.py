@@ -217,7 +217,7 @@ def test_train_override_reaches_the_chosen_backend(tmp_path: Path, capsys) -> No
                        "--set", "kernels.fp8=torch", "--set", "optim.eval_windows=1"])
         assert rc == 0, capsys.readouterr().err
     recorded = yaml.safe_load((out / "config.yaml").read_text())
-    assert recorded["kernels"] == {"kda": "torch", "fp8": "torch"}
+    assert recorded["kernels"] == {"kda": "torch", "fp8": "torch", "moonep": "auto"}
     used = set(calls)
     assert used == {"kda_chunk:torch", "fp8_quantize:torch", "fp8_dequantize:torch"}, used
 

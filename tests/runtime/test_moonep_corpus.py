@@ -1,7 +1,8 @@
 """A fixed corpus of MoonEP-style adversarial routings (issue 34 item 6), each checked for every
 planner invariant (K3_SYSTEMS §6.1-§6.3) by all four planners: ``plan`` with the greedy rounds and
-with the closed form (numba), and their torch twins ``plan_torch`` / ``plan_device`` (identical
-plans required), at B = E/R (exact balance), B = 1 and B = 0 (the fewer-slots policy, checked
+with the closed form (numba), and their device twins ``plan_torch`` / ``plan_device`` (the greedy; plan_device
+through its numba and its Triton backend, the latter under Triton's interpreter) / ``plan_prefix`` (identical plans
+required), at B = E/R (exact balance), B = 1 and B = 0 (the fewer-slots policy, checked
 against a loop reference of that policy); plus the policy end to end through the dispatcher.
 """
 
@@ -15,7 +16,7 @@ from dist import dist_run
 from moonrt.comm.moonep_dispatch import MoonEPDispatcher
 from moonrt.ops.grouped import grouped_glu_experts, moe_reference
 from moonrt.scheduler.moonep import capacities, plan, send_split, transfer_matrix
-from moonrt.scheduler.moonep_torch import plan_device, plan_torch
+from moonrt.scheduler.moonep_torch import plan_device, plan_prefix, plan_torch
 
 
 def _ids(name: str) -> tuple[list[np.ndarray], int]:
@@ -135,27 +136,44 @@ def test_corpus_invariants_all_planners(name: str) -> None:
     R, E = counts.shape
     G = E // R
     ct = torch.from_numpy(counts)
-    for method, twin in (("greedy", plan_torch), ("prefix", plan_device)):
+    twins = {"greedy": (plan_torch, plan_device), "prefix": (plan_prefix,)}
+    for method in ("greedy", "prefix"):
         full = plan(counts, total_tokens=tokens, method=method)
         for B in sorted({G, 1, 0, G + 2}):
             p = plan(counts, num_slots=B, total_tokens=tokens, method=method)
             check_invariants(counts, p, B, tokens, full)
-            q = twin(ct, num_slots=B, total_tokens=tokens).to_numpy()  # bit-identical on the device path
-            for f in ("alloc", "copies", "capacity", "cuts", "donor", "target"):
-                np.testing.assert_array_equal(getattr(q, f), getattr(p, f), err_msg=f"{name} {method} B={B} {f}")
-            q = twin(ct, num_slots=B, total_tokens=tokens, validate=False).to_numpy()
-            np.testing.assert_array_equal(q.alloc, p.alloc)
+            for twin in twins[method]:
+                q = twin(ct, num_slots=B, total_tokens=tokens).to_numpy()  # bit-identical on the device path
+                for f in ("alloc", "copies", "capacity", "cuts", "donor", "target"):
+                    np.testing.assert_array_equal(getattr(q, f), getattr(p, f), err_msg=f"{name} {method} B={B} {f}")
+                q = twin(ct, num_slots=B, total_tokens=tokens, validate=False).to_numpy()
+                np.testing.assert_array_equal(q.alloc, p.alloc)
     if name in ("balanced", "all_local", "all_remote"):
         assert plan(counts).num_copies() == 0 and plan(counts, method="prefix").num_copies() == 0
     if name == "all_remote":
         assert np.trace(transfer_matrix(counts, plan(counts).cuts)) == 0
 
 
+@pytest.mark.parametrize("name", CASES)
+def test_corpus_triton_greedy_equals_plan(name: str, triton_kernels) -> None:
+    """plan_device with the Triton backend of the greedy (on CUDA, or under Triton's interpreter) equals plan()
+    field by field on every corpus case and slot count."""
+    counts, tokens = corpus_case(name)
+    G = counts.shape[1] // counts.shape[0]
+    ct = torch.from_numpy(counts).to(triton_kernels.device)
+    for B in sorted({G, 1, 0}):
+        p = plan(counts, num_slots=B, total_tokens=tokens)
+        q = plan_device(ct, num_slots=B, total_tokens=tokens, validate=False, kernels="triton").to_numpy()
+        for f in ("alloc", "copies", "capacity", "cuts", "donor", "target"):
+            np.testing.assert_array_equal(getattr(q, f), getattr(p, f), err_msg=f"{name} B={B} {f}")
+
+
 # --------------------------------------------------------------------- the policy through the dispatcher
 H, F = 6, 5
 
 
-def _policy_rank(rank: int, world: int, E: int, ids_all: list[torch.Tensor], num_slots: int) -> dict:
+def _policy_rank(rank: int, world: int, E: int, ids_all: list[torch.Tensor], num_slots: int | None,
+                 kernels: str = "auto") -> dict:
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn(i.shape[0], H, generator=g) for i in ids_all]
     ws = [torch.rand(*i.shape, generator=g) + 0.1 for i in ids_all]
@@ -163,7 +181,7 @@ def _policy_rank(rank: int, world: int, E: int, ids_all: list[torch.Tensor], num
     gout = [torch.randn(x.shape[0], H, generator=g) for x in xs][rank]
     per = E // world
     disp = MoonEPDispatcher(None, capacity=xs[rank].shape[0], hidden=H, top_k=ids_all[0].shape[1], num_experts=E,
-                            num_slots=num_slots)
+                            num_slots=num_slots, kernels=kernels)
     x = xs[rank].clone().requires_grad_()
     home = [t[rank * per:(rank + 1) * per].clone().requires_grad_() for t in experts]
     recv_x, _, _, handle = disp.dispatch(x, ids_all[rank], ws[rank])
@@ -173,7 +191,40 @@ def _policy_rank(rank: int, world: int, E: int, ids_all: list[torch.Tensor], num
     out = disp.combine(y, handle)
     (out * gout).sum().backward()
     return {"out": out.detach(), "gx": x.grad, "gexperts": [t.grad for t in home], "rows": handle.rows,
-            "imbalance": [int(v) for v in handle.plan.imbalance()]}
+            "imbalance": [int(v) for v in handle.plan.imbalance()], "alloc": np.asarray(handle.plan.alloc).copy()}
+
+
+def _dispatch_reference(E: int, ids_all: list[torch.Tensor], res: list[dict]) -> None:
+    """Every rank's dispatch/combine output and gradients equal the single-process MoE reference."""
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(i.shape[0], H, generator=g).requires_grad_() for i in ids_all]
+    ws = [torch.rand(*i.shape, generator=g) + 0.1 for i in ids_all]
+    experts = [t.requires_grad_() for t in (torch.randn(E, F, H, generator=g), torch.randn(E, F, H, generator=g),
+                                            torch.randn(E, H, F, generator=g))]
+    gouts = [torch.randn(x.shape[0], H, generator=g) for x in xs]
+    outs = [moe_reference(x, i, w, *experts) for x, i, w in zip(xs, ids_all, ws)]
+    sum((o * go).sum() for o, go in zip(outs, gouts)).backward()
+    per = E // len(ids_all)
+    for r, got in enumerate(res):
+        torch.testing.assert_close(got["out"], outs[r].detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got["gx"], xs[r].grad, rtol=1e-5, atol=1e-6)
+        for gt, ref in zip(got["gexperts"], experts):
+            torch.testing.assert_close(gt, ref.grad[r * per:(r + 1) * per], rtol=1e-5, atol=1e-6)
+
+
+def test_dispatcher_plans_with_the_triton_backend(triton_kernels) -> None:
+    """``kernels="triton"`` (the GPU default; here Triton's interpreter in each of 4 gloo ranks): the dispatcher's
+    plan is ``moonep.plan``'s on every rank, and outputs and gradients equal the reference (corpus case
+    partial_s_8)."""
+    ids, E = _ids("partial_s_8")
+    ids_all = [torch.from_numpy(i).to(torch.int64) for i in ids]
+    res = dist_run(_policy_rank, 4, E, ids_all, None, "triton", timeout=180)
+    counts, tokens = corpus_case("partial_s_8")
+    want = plan(counts, total_tokens=tokens)
+    assert want.num_copies() > 0  # the case moves work: the plan matters
+    for got in res:
+        np.testing.assert_array_equal(got["alloc"], want.alloc)
+    _dispatch_reference(E, ids_all, res)
 
 
 def test_too_few_slots_through_the_dispatcher() -> None:

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from moonrt.scheduler.moonep import MoonEPPlan, plan, send_split, transfer_matrix
-from moonrt.scheduler.moonep_torch import plan_device, plan_torch, send_split_torch
+from moonrt.scheduler.moonep_torch import plan_device, plan_prefix, plan_torch, send_split_torch
 
 MODES = ["lognormal", "zipf", "uniform", "one_expert", "empty_home", "one_rank_group", "zeros"]
 
@@ -162,10 +162,10 @@ def test_torch_counts_input() -> None:
     np.testing.assert_array_equal(a.alloc, b.alloc)
 
 
-@pytest.mark.parametrize("method,planner", [("greedy", plan_torch), ("prefix", plan_device)])
+@pytest.mark.parametrize("method,planner", [("greedy", plan_torch), ("greedy", plan_device), ("prefix", plan_prefix)])
 def test_torch_planner_identical(method, planner) -> None:
-    """plan_torch == plan(method="greedy") and plan_device == plan(method="prefix"), field by field, on
-    many random and adversarial cases, B from 0 (slot policy) to E/R + 2."""
+    """plan_torch and plan_device (numba backend on CPU) == plan(method="greedy"), plan_prefix ==
+    plan(method="prefix"), field by field, on many random and adversarial cases, B from 0 (slot policy) to E/R + 2."""
     rng = np.random.default_rng(0)
     for i in range(150):
         R = int(rng.choice([1, 2, 3, 4, 8]))
@@ -200,7 +200,8 @@ def test_torch_planner_without_validation_matches() -> None:
 
 # ----------------------------------------------------------------------------------------- bad input
 PLANNERS = [plan, lambda c, **kw: plan(c, method="prefix", **kw), lambda c, **kw: plan_torch(torch.as_tensor(c), **kw),
-            lambda c, **kw: plan_device(torch.as_tensor(c), **kw)]
+            lambda c, **kw: plan_device(torch.as_tensor(c), **kw),
+            lambda c, **kw: plan_prefix(torch.as_tensor(c), **kw)]
 
 
 @pytest.mark.parametrize("planner", PLANNERS)
@@ -266,7 +267,7 @@ def test_torch_planner_never_reads_device_data_on_the_host() -> None:
     """On the meta device any host read of tensor data fails, so a full plan there proves that the
     torch planner (validate=False, B >= E/R) needs no host synchronization (K3_SYSTEMS §6.1)."""
     counts = torch.ones(8, 32, dtype=torch.int64, device="meta")
-    for planner in (plan_torch, plan_device):
+    for planner in (plan_torch, plan_device, plan_prefix):  # plan_device on meta: the torch backend
         for B in (4, 2):  # B < E/R runs the slot policy, still without a host read
             p = planner(counts, num_slots=B, validate=False)
             assert p.alloc.device.type == "meta" and p.alloc.shape == (32, 8)
@@ -287,16 +288,18 @@ def _aten_ops(fn) -> list[str]:
 
 
 def test_device_planner_op_count_is_fixed() -> None:
-    """plan_device runs the same short sequence of ops (a bounded number of kernels on a GPU) whatever E
-    and R are; plan_torch's count grows with R and E/R (issue 34 item 5)."""
+    """plan_device (the greedy through the kernel registry: one numba call on CPU, two Triton launches on CUDA)
+    and plan_prefix run the same short sequence of torch ops (a bounded number of kernels on a GPU) whatever E and
+    R are; plan_torch's count grows with R and E/R (issue 34 item 5)."""
     rng = np.random.default_rng(0)
-    seen: dict[bool, set[tuple[str, ...]]] = {True: set(), False: set()}
-    for R, G in ((2, 2), (8, 8), (64, 14), (16, 128)):
-        counts = torch.from_numpy(make_counts(rng, R, G, "lognormal"))
-        for B in (G, 1):
-            ops = _aten_ops(lambda c=counts, b=B: plan_device(c, num_slots=b, validate=False))
-            assert len(ops) <= 76, (R, G, B, len(ops))
-            seen[B >= G].add(tuple(ops))
-    assert len(seen[True]) == 1 and len(seen[False]) == 1, "the op sequence depends on E or R"
+    for planner, full_slots, few_slots in ((plan_device, 36, 48), (plan_prefix, 64, 76)):
+        seen: dict[bool, set[tuple[str, ...]]] = {True: set(), False: set()}
+        for R, G in ((2, 2), (8, 8), (64, 14), (16, 128)):
+            counts = torch.from_numpy(make_counts(rng, R, G, "lognormal"))
+            for B in (G, 1):
+                ops = _aten_ops(lambda c=counts, b=B, f=planner: f(c, num_slots=b, validate=False))
+                assert len(ops) <= (full_slots if B >= G else few_slots), (planner.__name__, R, G, B, len(ops))
+                seen[B >= G].add(tuple(ops))
+        assert len(seen[True]) == 1 and len(seen[False]) == 1, f"{planner.__name__}: the op sequence depends on E or R"
     counts = torch.from_numpy(make_counts(rng, 16, 8, "lognormal"))
     assert len(_aten_ops(lambda: plan_torch(counts, validate=False))) > 10 * (2 * 16 + 8)

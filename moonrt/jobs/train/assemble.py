@@ -116,7 +116,8 @@ def parallel_runtime(job: JobConfig, progress: bool = False) -> Parallelism:
     if p.ep > 1:  # MoonEP: shard experts, per-group grad sync, global-norm terms over the shards
         from moonrt.comm.ep_parallel import ExpertParallel
 
-        ep = ExpertParallel(p, mesh=mesh, capacity=job.optim.batch_size * job.optim.seq_len)
+        ep = ExpertParallel(p, mesh=mesh, capacity=job.optim.batch_size * job.optim.seq_len,
+                            kernels=job.kernels.moonep)
         parts.append(ep)
         counts = ep.layer_counts
     if p.zero:  # ZeRO-1 owns sync, norm, update and the state of every parameter

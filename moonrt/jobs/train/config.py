@@ -220,10 +220,14 @@ class KernelsConfig:
     ``kda_state_grad``), through the attention context (:class:`moonrt.parallel.context.AttentionContext`)."""
     fp8: KernelChoice = "auto"
     """The FP8 block codec of the activation manager's ``fp8`` tiers (``fp8_quantize``, ``fp8_dequantize``)."""
+    moonep: KernelChoice = "auto"
+    """MoonEP's greedy planner (``moonep_greedy``), run by every EP dispatcher on the routing counts' device: Triton
+    on CUDA (no host synchronization before the one copy the transport needs), numba on CPU; every backend gives the
+    same plan."""
 
     def validate(self) -> None:
         choices = get_args(KernelChoice)  # (moonrt.ops.kernels.CHOICES; this module stays torch-free)
-        for name in ("kda", "fp8"):
+        for name in ("kda", "fp8", "moonep"):
             value = getattr(self, name)
             check(value in choices, name, value, "one of " + ", ".join(repr(c) for c in choices))
 
