@@ -15,7 +15,9 @@ top_k, num_experts, num_slots)``, verbs in pairs (``dispatch`` returns a :class:
    synchronization per layer), and every rank computes its own send/receive layout (:mod:`moonrt.comm.ep_layout`);
 3. all-to-alls move tokens (and their top-k weights) into expert-grouped rows. Rank d computes
    exactly ``plan.capacity[d]`` rows, one per assignment (``s * k`` when every rank passes the same
-   s), whatever the routing: the output shape depends only on s. With ``dedup`` (the default) a
+   s), whatever the routing: the output shape depends only on s. That holds for ``num_slots >= E/R``
+   (the default); with fewer slots a rank that needed more copies computes fewer rows and its donor's
+   home rank more (``plan.imbalance()``), so the row counts then follow the routing. With ``dedup`` (the default) a
    token travels once per destination rank, however many of its k assignments land there: one
    int64 per assignment tells the receiver which token row it uses, the receiver expands the rows
    (and, in combine, sums them back into one row per token before the return trip); the router
