@@ -567,7 +567,7 @@ class DistConfig:
     rdzv_host: str | None = None
     """Address (or name) of the interface rank 0's rendezvous store listens on (``0.0.0.0``: every interface).
     ``None``: the launcher's ``MOONRT_RDZV_HOST`` (``moonrt sbatch --rdzv-host``), else the address ``MASTER_ADDR``
-    resolves to on rank 0's host (:func:`moonrt.cluster.env.rendezvous_bind_host`)."""
+    resolves to on rank 0's host (:func:`moonrt.cluster.store.rendezvous_bind_host`)."""
 
     def validate(self) -> None:
         check(self.backend in ("auto", "gloo", "nccl"), "backend", self.backend, "one of 'auto', 'gloo', 'nccl'")
