@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
-from moonrt.cluster.env import Rendezvous, detect_rendezvous, init_distributed, parse_hostlist
+from moonrt.cluster.detect import Rendezvous, detect_rendezvous, parse_hostlist
+from moonrt.cluster.env import init_distributed
 
 __all__ = ["Rendezvous", "detect_rendezvous", "init_distributed", "parse_hostlist"]

@@ -21,20 +21,20 @@ checkpoints are written atomically, so the last committed one stays valid for a 
 rank starts itself are not covered on Linux unless they watch their own parent.)
 
 Everything the job listens on is on loopback: rank 0's rendezvous store binds
-127.0.0.1 only (see :mod:`moonrt.cluster.env`), gloo's sockets the loopback interface. Each line a
+127.0.0.1 only (see :mod:`moonrt.cluster.store`), gloo's sockets the loopback interface. Each line a
 rank prints is echoed with a ``[rank r]`` prefix (stdout to stdout, stderr to stderr).
 
 **Several nodes** (torchrun's flags and meaning, static rendezvous): run one ``moonrt launch`` per node with the same
 ``-n`` (ranks per node), ``--nnodes M``, ``--master-addr A`` (an address or name of node 0's host, where rank 0's
-store listens: :func:`moonrt.cluster.env.rendezvous_bind_host` binds exactly that address, never a wildcard),
+store listens: :func:`moonrt.cluster.store.rendezvous_bind_host` binds exactly that address, never a wildcard),
 ``--master-port P`` (default 29500, torchrun's) and ``--rdzv-id ID`` (the same job id on every node: the job identity
 each rank checks at the rendezvous, so a launcher of another job that reaches this port is refused with a line naming
 both), and ``--node-rank R`` in [0, M). Node R's local rank r is global rank R x N + r (``RANK``, ``WORLD_SIZE`` =
 N x M, ``LOCAL_RANK`` = r, ``LOCAL_WORLD_SIZE`` = N, ``GROUP_RANK`` = R, ``NODE_RANK`` = R). ``GLOO_SOCKET_IFNAME``
 is passed on only when set; otherwise each rank puts gloo on the interface it reaches the master address through
-(:func:`moonrt.cluster.env.set_gloo_interface`). Each launcher supervises its own node's ranks as above; when another
-node dies, its peers' collectives fail and the ranks name the lost ranks and their host
-(:func:`moonrt.cluster.env.describe_lost_peers`). Prefixes and messages use global ranks.
+(:func:`moonrt.cluster.network.set_gloo_interface`). Each launcher supervises its own node's ranks as above; when
+another node dies, its peers' collectives fail and the ranks name the lost ranks and their host
+(:func:`moonrt.cluster.peers.describe_lost_peers`). Prefixes and messages use global ranks.
 
 Failure: as soon as one rank exits non-zero or is killed, the others are stopped (SIGTERM, then
 SIGKILL after a grace period; each rank runs in its own process group so its children go too) and
@@ -74,17 +74,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-from moonrt.cluster.env import (
-    GLOO_IFNAME_ENV,
-    JOB_ID_ENV,
-    MAX_TIMEOUT_S,
-    TIMEOUT_ENV,
-    free_port,
-    loopback_interface,
-)
+from moonrt.cluster.env import MAX_TIMEOUT_S, TIMEOUT_ENV
 from moonrt.cluster.lifeline import LAUNCHER_PID_ENV, PR_SET_PDEATHSIG, libc_prctl
 from moonrt.cluster.local import describe_exit
+from moonrt.cluster.network import GLOO_IFNAME_ENV, free_port, loopback_interface
 from moonrt.cluster.preempt import PREEMPTED_EXIT
+from moonrt.cluster.store import JOB_ID_ENV
 from moonrt.config import MAX_TIMEOUT_S as MAX_DIST_TIMEOUT_S
 
 STDERR_TAIL = 40

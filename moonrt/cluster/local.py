@@ -32,7 +32,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from moonrt.cluster.env import GLOO_IFNAME_ENV, loopback_interface, master_store
+from moonrt.cluster.network import GLOO_IFNAME_ENV, loopback_interface
+from moonrt.cluster.store import master_store
 
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "numpy", "moonrt.cluster.rank_preload"]
 

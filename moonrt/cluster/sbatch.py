@@ -57,8 +57,9 @@ from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
-from moonrt.cluster.env import RDZV_HOST_ENV, TIMEOUT_ENV
+from moonrt.cluster.env import TIMEOUT_ENV
 from moonrt.cluster.preempt import PREEMPTED_EXIT
+from moonrt.cluster.store import RDZV_HOST_ENV
 from moonrt.config import DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S, ConfigError, DistConfig, ParallelConfig, check, write_new
 
 FLAGS = {"command": "command", "nodes": "--nodes", "ntasks_per_node": "--ntasks-per-node",

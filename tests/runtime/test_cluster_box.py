@@ -162,7 +162,7 @@ def _tail(log: Path) -> str:
 
 def test_gloo_interface_follows_the_route_to_the_master() -> None:
     """Runs anywhere: loopback for a loopback master, a value already set is kept, an unroutable name sets nothing."""
-    from moonrt.cluster.env import interface_of, loopback_interface, route_interface, set_gloo_interface
+    from moonrt.cluster.network import interface_of, loopback_interface, route_interface, set_gloo_interface
 
     lo = loopback_interface()
     assert interface_of("127.0.0.1") == lo and route_interface("127.0.0.1") == lo
@@ -347,7 +347,7 @@ def test_launch_nnodes_bad_input(argv: list[str], message: str, capsys: pytest.C
 
 def test_describe_lost_peers_names_the_ranks_of_the_address_gloo_reports() -> None:
     """Runs anywhere: gloo's "closed by peer [addr]:port" -> that host's ranks; this rank's own host is not named."""
-    from moonrt.cluster.env import describe_lost_peers
+    from moonrt.cluster.peers import describe_lost_peers
 
     peers = {0: ("node1", "10.0.0.1"), 1: ("node1", "10.0.0.1"), 2: ("node2", "10.0.0.2"), 3: ("node2", "10.0.0.2")}
     text = "RuntimeError: [pair.cc:553] Connection closed by peer [10.0.0.2]:40587. This is typically caused by"

@@ -10,17 +10,16 @@ from datetime import timedelta
 import pytest
 from test_cluster_report import clean_env, listening_sockets
 
-from moonrt.cluster.env import (
+from moonrt.cluster.detect import (
     SLURM_PORT_BASE,
     Rendezvous,
     _multi_node,
-    default_dist_config,
     detect_rendezvous,
-    master_store,
     parse_hostlist,
-    rendezvous_bind_host,
     slurm_port,
 )
+from moonrt.cluster.env import default_dist_config
+from moonrt.cluster.store import master_store, rendezvous_bind_host
 from moonrt.config import ConfigError
 
 TORCHRUN = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "node7", "MASTER_PORT": "29400"}

@@ -17,7 +17,8 @@ import pytest
 from test_cluster_report import clean_env
 
 from moonrt.cli import main as cli_main
-from moonrt.cluster.env import default_dist_config, slurm_port
+from moonrt.cluster.detect import slurm_port
+from moonrt.cluster.env import default_dist_config
 from moonrt.cluster.launch import launch
 from moonrt.config import ConfigError
 
@@ -221,7 +222,7 @@ def test_jobs_whose_ids_collided_form_their_own_groups(tmp_path):
 def test_jobs_on_one_port_are_refused_by_the_identity_check(tmp_path):
     """Two jobs that still meet on one port (here forced by MASTER_PORT): a rank that reaches the other job's
     store refuses to join it, in one line naming both jobs."""
-    from moonrt.cluster.env import free_port
+    from moonrt.cluster.network import free_port
 
     out = _two_jobs(tmp_path, MASTER_PORT=str(free_port()))
     _assert_no_mixed_group(out)
@@ -233,7 +234,7 @@ def test_jobs_on_one_port_are_refused_by_the_identity_check(tmp_path):
 
 
 def test_job_identity_and_ports():
-    from moonrt.cluster.env import JOB_ID_ENV, job_identity
+    from moonrt.cluster.store import JOB_ID_ENV, job_identity
 
     slurm = {"SLURM_JOB_ID": "5", "SLURM_STEP_ID": "0"}
     assert job_identity(slurm) == "SLURM job 5 step 0"

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from test_cluster_report import clean_env
 
-from moonrt.cluster import env as env_mod
-from moonrt.cluster.env import free_port
+from moonrt.cluster import detect
 from moonrt.cluster.launch import launch
+from moonrt.cluster.network import free_port
 from moonrt.jobs.checkpoint import sharded as checkpoint_dcp
 
 TORCHRUN = Path(sys.executable).with_name("torchrun")
@@ -70,19 +70,19 @@ def test_only_torchruns_workers_use_the_agent_store() -> None:
     """torchrun's workers (``TORCHELASTIC_USE_AGENT_STORE=True``, as torch 2.13's torchrun sets for every rendezvous
     backend) connect to its store; the same ``RANK``/``MASTER_*`` set by hand or by ``moonrt launch`` do not."""
     base = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
-    rdzv = env_mod.detect_rendezvous(base)
-    assert not env_mod.uses_agent_store(rdzv, base)
-    assert env_mod.uses_agent_store(rdzv, {**base, env_mod.AGENT_STORE_ENV: "True"})
-    assert not env_mod.uses_agent_store(rdzv, {**base, env_mod.AGENT_STORE_ENV: "False"})
+    rdzv = detect.detect_rendezvous(base)
+    assert not detect.uses_agent_store(rdzv, base)
+    assert detect.uses_agent_store(rdzv, {**base, detect.AGENT_STORE_ENV: "True"})
+    assert not detect.uses_agent_store(rdzv, {**base, detect.AGENT_STORE_ENV: "False"})
     slurm = {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_LOCALID": "0", "SLURM_JOB_ID": "7",
-             "SLURM_STEP_NODELIST": "localhost", env_mod.AGENT_STORE_ENV: "True"}
-    assert not env_mod.uses_agent_store(env_mod.detect_rendezvous(slurm), slurm)
+             "SLURM_STEP_NODELIST": "localhost", detect.AGENT_STORE_ENV: "True"}
+    assert not detect.uses_agent_store(detect.detect_rendezvous(slurm), slurm)
 
 
 def test_moonrt_launch_inside_a_torchrun_worker_is_its_own_job(monkeypatch) -> None:
     """``moonrt launch`` run from a torchrun worker does not pass torchrun's variables on: its ranks would wait for
     a store torchrun serves elsewhere (and name torchrun's run as their job)."""
-    for k, v in {env_mod.AGENT_STORE_ENV: "True", "TORCHELASTIC_RUN_ID": "outer", "TORCHELASTIC_RESTART_COUNT": "0"
+    for k, v in {detect.AGENT_STORE_ENV: "True", "TORCHELASTIC_RUN_ID": "outer", "TORCHELASTIC_RESTART_COUNT": "0"
                  }.items():
         monkeypatch.setenv(k, v)
     code = "import os; print('elastic', sorted(k for k in os.environ if k.startswith('TORCHELASTIC_')))"

@@ -195,7 +195,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from moonrt.cluster.env import detect_rendezvous, init_distributed, shutdown_distributed
+    from moonrt.cluster.detect import detect_rendezvous
+    from moonrt.cluster.env import init_distributed, shutdown_distributed
     from moonrt.jobs.selftest.ep import corruption, validate
 
     try:  # argument combinations and the test hook, before joining (every rank exits 2 alike)

@@ -37,7 +37,7 @@ def build_model(job: JobConfig) -> torch.nn.Module:
 
 def launched() -> bool:
     """True when a launcher (moonrt launch, torchrun, SLURM, MPI) started this process as one rank of several."""
-    from moonrt.cluster.env import detect_rendezvous
+    from moonrt.cluster.detect import detect_rendezvous
 
     return detect_rendezvous().world_size > 1
 

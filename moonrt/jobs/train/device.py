@@ -21,7 +21,8 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from moonrt.cluster.env import detect_rendezvous, resolve_dist_config
+from moonrt.cluster.detect import detect_rendezvous
+from moonrt.cluster.env import resolve_dist_config
 from moonrt.config import ConfigError, check
 from moonrt.jobs.train.config import JobConfig
 
@@ -53,7 +54,7 @@ def resolve_device(requested: str, cuda: bool | None = None) -> str:
 
 def bind_device(device: str, environ: Mapping[str, str] = os.environ) -> torch.device:
     """The ``torch.device`` of this rank for the resolved ``device`` (``"cpu"`` or ``"cuda"``): the CPU, or
-    ``cuda:LOCAL_RANK`` (the launcher's local rank, :func:`moonrt.cluster.env.detect_rendezvous`; modulo the GPUs
+    ``cuda:LOCAL_RANK`` (the launcher's local rank, :func:`moonrt.cluster.detect.detect_rendezvous`; modulo the GPUs
     this process sees), which it makes torch's current device: called before the process group is joined, so that
     NCCL and the object collectives use this rank's GPU."""
     if device == "cpu":
