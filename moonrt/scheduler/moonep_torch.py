@@ -139,20 +139,9 @@ def plan_torch(counts: torch.Tensor, num_slots: int | None = None, total_tokens:
 
 def plan_prefix(counts: torch.Tensor, num_slots: int | None = None, total_tokens: int | None = None,
                 validate: bool = True) -> MoonEPPlan:
-    """Plan one MoE layer on ``counts.device`` with the closed form in a fixed number of vectorized torch ops;
-    identical to ``moonep.plan(counts, num_slots, total_tokens, method="prefix")``.
-
-    Args:
-        counts: ``[R, E]`` integer tensor, ``counts[r, e]`` = assignments source rank ``r`` routes
-            to expert ``e`` (the all-gathered router counts).
-        num_slots: B, slots per rank (default ``E // R``); fewer than a rank needs: ``moonep.plan``.
-        total_tokens: tokens over all ranks, allows unequal per-rank totals (§6.1); see ``moonep.plan``.
-        validate: run the input checks (one device synchronization). With ``validate=False`` the
-            whole plan is computed without a host synchronization and with a number of ops that
-            depends on neither E nor R; the caller then guarantees well-formed counts.
-
-    Returns:
-        :class:`MoonEPPlan` whose arrays are int64 tensors on ``counts.device``.
+    """Plan one MoE layer on ``counts.device`` with the closed form in a fixed number of vectorized torch ops (with
+    ``validate=False`` no host synchronization, the same ops whatever E and R are); identical to
+    ``moonep.plan(counts, num_slots, total_tokens, method="prefix")``. Arguments and result as :func:`plan_device`.
     """
     B = _slots(counts, num_slots, total_tokens, validate)
     R, E = counts.shape
