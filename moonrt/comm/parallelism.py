@@ -327,11 +327,16 @@ class Parallelism:
         """True on every rank when ``flag`` is True on any rank of the job: one int all-reduce MAX over the
         default group (collective: every rank calls it at the same point, e.g. a step boundary, so all agree
         on the step a stop signal takes effect). One process: ``flag``."""
+        return bool(self.max_ints([int(flag)])[0])
+
+    def max_ints(self, values: list[int]) -> list[int]:
+        """Each of ``values`` maximized over every rank of the job in one int64 all-reduce MAX over the default
+        group (collective, like :meth:`any_flag`). One process: ``values``."""
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return flag
-        t = torch.tensor([int(flag)], dtype=torch.int32, device=self.device)
+            return list(values)
+        t = torch.tensor(values, dtype=torch.int64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
+        return [int(v) for v in t.tolist()]
 
     def full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
         for part in self.parts:

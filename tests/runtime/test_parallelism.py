@@ -166,3 +166,19 @@ def test_one_clip_sums_terms_per_group_and_scales_like_torch() -> None:
     same = [torch.full((3,), 2.0)]
     assert clip_to_global_norm(GradNorm([(same[0].double().pow(2).sum(), ())], same), 10.0) == 12 ** 0.5
     assert torch.equal(same[0], torch.full((3,), 2.0)), "below max_norm: untouched"
+
+
+def _max_ints_rank(rank: int, world: int) -> tuple[list[int], bool, bool]:
+    rt = Parallelism()
+    big = (1 << 40) + rank  # int64: peak memory in bytes does not fit int32
+    return rt.max_ints([rank, 7 - rank, big]), rt.any_flag(rank == 2), rt.any_flag(False)
+
+
+def test_max_ints_and_any_flag_agree_on_every_rank() -> None:
+    """One all-reduce MAX of several int64 values (the loop's stop vote and the largest peak memory of the ranks):
+    every rank gets the elementwise maximum; any_flag is its one-value case."""
+    from dist import dist_run
+
+    res = dist_run(_max_ints_rank, 3)
+    assert all(r == ([2, 7, (1 << 40) + 2], True, False) for r in res), res
+    assert Parallelism().max_ints([3, -1]) == [3, -1]  # one process: the values themselves

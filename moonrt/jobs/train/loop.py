@@ -363,7 +363,9 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
                 record["maxvio"] = max(s.maxvio for s in stats.values())
             rt.step_metrics(step, model, record)
             done = step + 1
-            stopped = done < stop and rt.any_flag(preempt.requested)  # the ranks agree on the stop step
+            # one all-reduce MAX: the ranks agree on the stop step, and the record holds the largest peak memory
+            flag, record["peak_mem_bytes"] = rt.max_ints([int(preempt.requested), record["peak_mem_bytes"]])
+            stopped = done < stop and bool(flag)
             # eval every eval_every steps, at the last step, and at the stop step (--until) if none ran yet
             if not stopped and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps
                                 or (step + 1 == stop and eval_step is None)):

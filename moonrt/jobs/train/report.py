@@ -5,7 +5,7 @@ its metrics records, the console (a tqdm bar on a terminal, plain lines otherwis
   ``tokens_per_s``, ``model_tflops_per_s`` (model FLOPs from the family's
   :attr:`~moonrt.models.spec.ModelSpec.flops_per_token`, the PaLM / Megatron ``6 N`` + attention estimate, times
   the global tokens per second), ``mfu`` (that over ``log.peak_tflops`` x the number of processes; only with a
-  peak) and ``peak_mem_bytes`` (:func:`peak_memory_bytes`).
+  peak) and ``peak_mem_bytes`` (:func:`peak_memory_bytes`; the loop replaces it by the largest over the ranks).
 - :class:`Console`: rank 0's output. On a terminal (stdout and stderr both TTYs) the tqdm bar; otherwise (SLURM
   logs, pipes) no ``\\r`` at all: one plain line every ``log.log_every`` steps and at the last step.
   ``--no-progress`` hides the bar and those lines only: the start line, the eval lines and the summary always
