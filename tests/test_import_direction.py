@@ -219,8 +219,8 @@ def test_checker_catches_forbidden_imports_in_a_synthetic_tree(tmp_path: Path) -
     (real / "moonrt" / "comm").mkdir(parents=True)
     src = (PKG_ROOT / "comm" / "kcp.py").read_text()
     (real / "moonrt" / "comm" / "kcp.py").write_text(src.replace(
-        "from moonrt.ops.kda import MIN_LOG_DECAY", "from moonrt.models.k3.model.kda_layer import KDALayer\n"
-        "    from moonrt.ops.kda import MIN_LOG_DECAY"))
+        "from moonrt.ops.kda import check_chunk_size", "from moonrt.models.k3.model.kda_layer import KDALayer\n"
+        "    from moonrt.ops.kda import check_chunk_size"))
     assert [(a, b) for a, b, _ in violations(real)] == [("moonrt.comm.kcp", "moonrt.models.k3.model.kda_layer")]
 
 

@@ -45,6 +45,7 @@ from moonrt.comm.cp_ops import (
     require_same,
     require_split,
 )
+from moonrt.ops.kda_contract import decay_error, inputs_error
 from moonrt.ops.precision import fp32_island
 
 if TYPE_CHECKING:
@@ -57,16 +58,15 @@ StateGradFn = Callable[..., torch.Tensor]
 _META = ("B", "T", "H", "K", "V", "dtype", "init", "final")
 
 
-def _default_fns(kernel: str, device: torch.device) -> tuple[ChunkFn, TransitionFn, StateGradFn, float,
+def _default_fns(kernel: str, device: torch.device) -> tuple[ChunkFn, TransitionFn, StateGradFn,
                                                              Callable[[object], int]]:
     """The ops layer's chunked KDA, its segment transition and its state-only gradient from the kernel registry
-    (:mod:`moonrt.ops.kernels`: the backend ``kernel`` picks for ``device``), the smallest log-decay they accept,
-    and the chunk-size check."""
-    from moonrt.ops.kda import MIN_LOG_DECAY, check_chunk_size
+    (:mod:`moonrt.ops.kernels`: the backend ``kernel`` picks for ``device``), and the chunk-size check."""
+    from moonrt.ops.kda import check_chunk_size
     from moonrt.ops.kernels import kernel as resolve
 
     return (resolve("kda_chunk", kernel, device), resolve("kda_transition", kernel, device),
-            resolve("kda_state_grad", kernel, device), MIN_LOG_DECAY, check_chunk_size)
+            resolve("kda_state_grad", kernel, device), check_chunk_size)
 
 
 def _all_gather(x: torch.Tensor, group: ProcessGroup | None, size: int) -> list[torch.Tensor]:
@@ -224,7 +224,7 @@ def kcp_kda(
     what = "kcp_kda"
     rank = dist.get_rank(group)
     size = dist.get_world_size(group)
-    default_chunk, default_transition, default_state_grad, min_log_decay, check_chunk = _default_fns(kernel, k.device)
+    default_chunk, default_transition, default_state_grad, check_chunk = _default_fns(kernel, k.device)
     if state_grad_fn is None and chunk_fn is None:
         state_grad_fn = default_state_grad
     chunk_fn = chunk_fn or default_chunk
@@ -233,7 +233,7 @@ def kcp_kda(
         chunk_size, error = check_chunk(chunk_size), None
     except (TypeError, ValueError) as exc:  # raised on every rank by the metadata exchange (no hang)
         error = str(exc)
-    error = error or _local_error(q, k, v, g, beta, initial_state, rank, min_log_decay)
+    error = error or _local_error(q, k, v, g, beta, initial_state, rank)
     values = None
     if error is None:
         B, T, H, K = k.shape
@@ -251,32 +251,21 @@ def kcp_kda(
 
 
 def _local_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                 initial_state: torch.Tensor | None, rank: int, min_log_decay: float) -> str | None:
-    """This rank's input problems as a message (None when fine); raised on every rank by the metadata exchange."""
-    if k.dim() != 4:
-        return f"k.shape = {tuple(k.shape)}: expected [B, T, H, K]"
-    B, T, H, K = k.shape
-    if q.shape != k.shape:
-        return f"q.shape = {tuple(q.shape)}: expected k's shape {tuple(k.shape)} [B, T, H, K]"
-    if g.shape != k.shape:
-        return f"g.shape = {tuple(g.shape)}: expected k's shape {tuple(k.shape)} [B, T, H, K]"
-    if v.dim() != 4 or v.shape[:3] != (B, T, H):
-        return f"v.shape = {tuple(v.shape)}: expected [B, T, H, V] = [{B}, {T}, {H}, V]"
-    if beta.shape != (B, T, H):
-        return f"beta.shape = {tuple(beta.shape)}: expected [B, T, H] = [{B}, {T}, {H}]"
+                 initial_state: torch.Tensor | None, rank: int) -> str | None:
+    """This rank's input problems as a message (None when fine); raised on every rank by the metadata exchange.
+    The shapes and the log-decays are the ops' contract (:mod:`moonrt.ops.kda_contract`), checked here before the
+    all-gather so that the other ranks do not wait in it."""
+    error = inputs_error(q, k, v, g, beta, None)
+    if error is not None:
+        return error
     if len({q.dtype, k.dtype, v.dtype}) != 1:
         return f"q, k, v dtypes = {q.dtype}, {k.dtype}, {v.dtype}: expected one dtype"
     bad = [(n, t.dtype) for n, t in zip("q k v g beta".split(), (q, k, v, g, beta)) if dtype_code(t.dtype) < 0]
     if bad:
         return f"{bad[0][0]}.dtype = {bad[0][1]}: expected a floating dtype (float32, bfloat16, float16, float64)"
-    if g.numel():
-        lo = float(g.detach().min())
-        if not lo >= min_log_decay:  # also NaN: checked here so the other ranks do not wait in the all-gather
-            return f"g.min() = {lo}: expected per-token log-decays <= 0 and >= {min_log_decay}, not NaN"
-    if initial_state is not None:
-        if rank != 0:
-            return "initial_state given on a CP rank other than 0: expected it on CP rank 0 only (the sequence start)"
-        if initial_state.shape != (B, H, K, v.shape[-1]):
-            return (f"initial_state.shape = {tuple(initial_state.shape)}: expected [B, H, K, V] = "
-                    f"[{B}, {H}, {K}, {v.shape[-1]}]")
-    return None
+    error = decay_error(g)
+    if error is not None:
+        return error
+    if initial_state is not None and rank != 0:
+        return "initial_state given on a CP rank other than 0: expected it on CP rank 0 only (the sequence start)"
+    return inputs_error(None, k, v, g, beta, initial_state)

@@ -46,15 +46,23 @@ fp64 reference) and fp64 runs equal the recurrence to ~1e-13.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from moonrt.ops.kda_autograd import ChunkKDA, chunk_state_grad
-from moonrt.ops.kda_fla import FlaOptions, apply_options
+from moonrt.ops.kda_contract import (
+    MIN_LOG_DECAY,
+    KdaCall,
+    check_cu_seqlens,
+    check_decay,
+    check_inputs,
+    check_sequence_states,
+    check_state_grad_inputs,
+    compute_dtype,
+    prepare_call,
+)
+from moonrt.ops.kda_fla import FlaOptions
 from moonrt.ops.kda_terms import (
     LOG_FLOOR,
-    MIN_LOG_DECAY,
     SUB_TILE,
     ChunkTerms,
     _to_chunks,
@@ -66,33 +74,6 @@ from moonrt.ops.kda_terms import (
     sub_tile,
 )
 from moonrt.ops.precision import fp32_island
-
-
-def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    dtype = torch.float32
-    for t in tensors:
-        dtype = torch.promote_types(dtype, t.dtype)
-    return dtype
-
-
-def _check_inputs(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                  initial_state: torch.Tensor | None) -> None:
-    """Raise ValueError naming the argument, its shape and the expected shape."""
-    if k.dim() != 4:
-        raise ValueError(f"k.shape = {tuple(k.shape)}: expected [B, T, H, K] (4 dims)")
-    B, T, H, K = k.shape
-    if q is not None and q.shape != k.shape:
-        raise ValueError(f"q.shape = {tuple(q.shape)}: expected k's shape {tuple(k.shape)} [B, T, H, K]")
-    if v.dim() != 4 or v.shape[:3] != (B, T, H):
-        raise ValueError(f"v.shape = {tuple(v.shape)}: expected [B, T, H, V] = [{B}, {T}, {H}, V]")
-    if g.shape != k.shape:
-        raise ValueError(f"g.shape = {tuple(g.shape)}: expected k's shape {tuple(k.shape)} [B, T, H, K]")
-    if beta.shape != (B, T, H):
-        raise ValueError(f"beta.shape = {tuple(beta.shape)}: expected [B, T, H] = [{B}, {T}, {H}]")
-    V = v.shape[-1]
-    if initial_state is not None and initial_state.shape != (B, H, K, V):
-        raise ValueError(f"initial_state.shape = {tuple(initial_state.shape)}: expected [B, H, K, V] = "
-                         f"[{B}, {H}, {K}, {V}]")
 
 
 @fp32_island
@@ -135,17 +116,13 @@ def kda_recurrent(
     Returns:
         ``o [B, T, H, V]`` in q's dtype, and ``S_T [B, H, K, V]`` fp32 (fp64 for fp64 inputs) or None.
     """
-    out_dtype = q.dtype
-    opt = FlaOptions(use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate,
-                     use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first)
-    (q, k, v, g, beta), initial_state, final = _apply(q, k, v, g, beta, initial_state, opt)
-    _check_inputs(q, k, v, g, beta, initial_state)
-    B, T, H, K = k.shape
-    V = v.shape[-1]
-    scale = K ** -0.5 if scale is None else scale
-    dtype = _compute_dtype(q, k, v, g, beta)
-    q, k, v, g, beta = (t.to(dtype) for t in (q, k, v, g, beta))
-    S = k.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(dtype)
+    call = prepare_call(q, k, v, g, beta, FlaOptions(
+        use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate,
+        use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first), scale=scale, initial_state=initial_state)
+    B, T, H, K, V = call.dims
+    scale, dtype = call.scale, call.dtype
+    q, k, v, g, beta = (t.to(dtype) for t in call.tensors)
+    S = k.new_zeros(B, H, K, V) if call.initial_state is None else call.initial_state.to(dtype)
     outs = []
     for t in range(T):
         k_t, b_t = k[:, t], beta[:, t, :, None]  # [B, H, K], [B, H, 1]
@@ -154,18 +131,10 @@ def kda_recurrent(
         S = S + (b_t * k_t)[..., None] * err[:, :, None, :]  # delta correction
         outs.append(torch.einsum("bhkv,bhk->bhv", S, q[:, t] * scale))  # read
     o = torch.stack(outs, dim=1) if outs else v.new_zeros(B, 0, H, V)
-    return o.to(out_dtype), final(S) if output_final_state else None
+    return o.to(call.out_dtype), call.final(S) if output_final_state else None
 
 
 # ---- chunk form (building blocks: moonrt.ops.kda_terms; kernel and its backward: moonrt.ops.kda_autograd) ----
-
-
-def _check_decay(g: torch.Tensor) -> None:
-    """Any log-decay is accepted (``-inf`` too); NaN is refused, naming g."""
-    if g.numel():
-        lo = float(g.detach().min())
-        if not lo >= MIN_LOG_DECAY:  # NaN
-            raise ValueError(f"g.min() = {lo}: expected per-token log-decays <= 0 (no NaN)")
 
 
 @fp32_island
@@ -222,49 +191,27 @@ def kda_chunk(
         fp32 (fp64 for fp64 inputs) or None.
     """
     chunk_size = check_chunk_size(chunk_size)
-    out_dtype = q.dtype
-    opt = FlaOptions(use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate,
-                     use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first)
-    (q, k, v, g, beta), initial_state, final = _apply(q, k, v, g, beta, initial_state, opt)
-    _check_inputs(q, k, v, g, beta, initial_state if cu_seqlens is None else None)
-    _check_decay(g)
-    B, T, H, K = k.shape
-    V = v.shape[-1]
-    scale = K ** -0.5 if scale is None else scale
-    dtype = _compute_dtype(q, k, v, g, beta)
+    call = prepare_call(q, k, v, g, beta, FlaOptions(
+        use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate,
+        use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first), scale=scale, initial_state=initial_state,
+        per_sequence_state=cu_seqlens is not None)
+    check_decay(call.g)
     if cu_seqlens is not None:
-        o, S_T = _kda_chunk_varlen(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                                   output_final_state=output_final_state, chunk_size=chunk_size,
-                                   cu_seqlens=cu_seqlens, dtype=dtype, out_dtype=out_dtype)
-        return o, final(S_T)
-    S = k.new_zeros(B, H, K, V, dtype=dtype) if initial_state is None else initial_state.to(dtype)
+        o, S_T = _kda_chunk_varlen(call, output_final_state=output_final_state, chunk_size=chunk_size,
+                                   cu_seqlens=cu_seqlens)
+        return o, call.final(S_T)
+    B, T, H, K, V = call.dims
+    dtype, final = call.dtype, call.final
+    S = call.k.new_zeros(B, H, K, V, dtype=dtype) if call.initial_state is None else call.initial_state.to(dtype)
     if T == 0:
-        return v.new_zeros(B, 0, H, V, dtype=out_dtype), (final(S) if output_final_state else None)
+        return call.v.new_zeros(B, 0, H, V, dtype=call.out_dtype), (final(S) if output_final_state else None)
     C = _chunk_len(T, chunk_size)
-    chunks = [_to_chunks(t, C, dtype) for t in (q, k, v, g, beta)]  # [N, B, H, C, *]
-    O, S = ChunkKDA.apply(*chunks, S[None], starts=(0,), scale=scale)
+    chunks = [_to_chunks(t, C, dtype) for t in call.tensors]  # [N, B, H, C, *]
+    O, S = ChunkKDA.apply(*chunks, S[None], starts=(0,), scale=call.scale)
     S = S[0]
     N = O.shape[0]
-    o = O.permute(1, 0, 3, 2, 4).reshape(B, N * C, H, V)[:, :T].to(out_dtype)
+    o = O.permute(1, 0, 3, 2, 4).reshape(B, N * C, H, V)[:, :T].to(call.out_dtype)
     return o, (final(S) if output_final_state else None)
-
-
-_StateMap = Callable[[torch.Tensor | None], torch.Tensor | None]
-
-
-def _apply(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-           initial_state: torch.Tensor | None, opt: FlaOptions) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None,
-                                                                         _StateMap]:
-    """fla's options applied to the inputs (:func:`moonrt.ops.kda_fla.apply_options`); the plain call (no option,
-    as many value heads as query heads) passes through untouched."""
-    plain = opt.is_default() and not (v.dim() == 4 and k.dim() == 4 and v.shape[2] != k.shape[2])
-    if plain:
-        return (q, k, v, g, beta), initial_state, _identity
-    return apply_options(q, k, v, g, beta, initial_state, opt, _compute_dtype(q, k, v, g, beta))
-
-
-def _identity(S: torch.Tensor | None) -> torch.Tensor | None:
-    return S
 
 
 def _chunk_len(T: int, chunk_size: int) -> int:
@@ -273,34 +220,16 @@ def _chunk_len(T: int, chunk_size: int) -> int:
     return max(1, min(chunk_size, T if T <= SUB_TILE else -(-T // SUB_TILE) * SUB_TILE))
 
 
-def _check_cu_seqlens(cu_seqlens: torch.Tensor, B: int, T: int) -> list[int]:
-    """Validate fla-style offsets; return them as a list. One-line ValueError naming the problem otherwise."""
-    if B != 1:
-        raise ValueError(f"q.shape[0] = {B}: cu_seqlens packs sequences along T and expects batch size 1")
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 \
-            or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex:
-        what = (f"shape {tuple(cu_seqlens.shape)}, dtype {cu_seqlens.dtype}" if isinstance(cu_seqlens, torch.Tensor)
-                else type(cu_seqlens).__name__)
-        raise ValueError(f"cu_seqlens: {what}: expected a 1-d integer tensor [N + 1] with N >= 1")
-    cu = [int(x) for x in cu_seqlens.tolist()]
-    if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
-        raise ValueError(f"cu_seqlens = {cu}: expected non-decreasing offsets from 0 to T = {T}")
-    return cu
-
-
-def _kda_chunk_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
-                      scale: float, initial_state: torch.Tensor | None, output_final_state: bool, chunk_size: int,
-                      cu_seqlens: torch.Tensor, dtype: torch.dtype,
-                      out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _kda_chunk_varlen(call: KdaCall, *, output_final_state: bool, chunk_size: int,
+                      cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`kda_chunk` with ``cu_seqlens``: each sequence padded to whole chunks, all chunks of all sequences
     through the same batched chunk terms, the state pass reset at each sequence's first chunk."""
-    B, T, H, K = k.shape
-    V = v.shape[-1]
-    cu = _check_cu_seqlens(cu_seqlens, B, T)
+    q, k, v, g, beta = call.tensors
+    B, T, H, K, V = call.dims
+    initial_state, dtype, out_dtype = call.initial_state, call.dtype, call.out_dtype
+    cu = check_cu_seqlens(cu_seqlens, B, T)
     n_seq = len(cu) - 1
-    if initial_state is not None and initial_state.shape != (n_seq, H, K, V):
-        raise ValueError(f"initial_state.shape = {tuple(initial_state.shape)}: expected [N, H, K, V] = "
-                         f"[{n_seq}, {H}, {K}, {V}] (one state per sequence of cu_seqlens)")
+    check_sequence_states(initial_state, n_seq, H, K, V)
     S0 = k.new_zeros(n_seq, H, K, V, dtype=dtype) if initial_state is None else initial_state.to(dtype)
     lens = [b - a for a, b in zip(cu, cu[1:])]
     C = _chunk_len(max(lens), chunk_size)
@@ -324,7 +253,7 @@ def _kda_chunk_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
 
     live = [i for i, n in enumerate(n_chunks) if n]  # sequences with tokens; an empty one ends in its S0
     O, S_live = ChunkKDA.apply(*(chunked(t) for t in (q, k, v, g, beta)), S0[live][:, None],
-                               starts=tuple(firsts[i] for i in live), scale=scale)
+                               starts=tuple(firsts[i] for i in live), scale=call.scale)
     for j, i in enumerate(live):
         finals_out[i] = S_live[j]
     o = O[:, 0].transpose(1, 2).reshape(NC * C, H, V).index_select(0, pos)[None].to(out_dtype)
@@ -360,16 +289,10 @@ def kda_state_grad(
         :func:`kda_chunk` call. No graph.
     """
     chunk_size = check_chunk_size(chunk_size)
-    _check_inputs(q, k, v, g, beta, None)
-    _check_decay(g)
-    B, T, H, K = k.shape
-    V = v.shape[-1]
-    if d_o.shape != v.shape:
-        raise ValueError(f"d_o.shape = {tuple(d_o.shape)}: expected v's shape {tuple(v.shape)} [B, T, H, V]")
-    if d_final is not None and d_final.shape != (B, H, K, V):
-        raise ValueError(f"d_final.shape = {tuple(d_final.shape)}: expected [B, H, K, V] = [{B}, {H}, {K}, {V}]")
+    B, T, H, K, V = check_state_grad_inputs(q, k, v, g, beta, d_o, d_final)
+    check_decay(g)
     scale = K ** -0.5 if scale is None else scale
-    dtype = _compute_dtype(q, k, v, g, beta)
+    dtype = compute_dtype(q, k, v, g, beta)
     dS = k.new_zeros(B, H, K, V, dtype=dtype) if d_final is None else d_final.detach().to(dtype)
     if T == 0:
         return dS.clone()
@@ -400,11 +323,9 @@ def kda_transition(
         fp64 inputs). Differentiable.
     """
     chunk_size = check_chunk_size(chunk_size)
-    _check_inputs(None, k, v, g, beta, None)
-    _check_decay(g)
-    B, T, H, K = k.shape
-    V = v.shape[-1]
-    dtype = _compute_dtype(k, v, g, beta)
+    B, T, H, K, V = check_inputs(None, k, v, g, beta, None)
+    check_decay(g)
+    dtype = compute_dtype(k, v, g, beta)
     if T == 0:
         eye = torch.eye(K, dtype=dtype, device=k.device).expand(B, H, K, K).clone()
         return eye, k.new_zeros(B, H, K, V, dtype=dtype)

@@ -28,10 +28,6 @@ SUB_TILE = 32
 """Rows per sub-tile for the in-chunk decay factorization (K3_SYSTEMS §2.2). 32 rather than 16: the batched
 intra-chunk matmuls then have 64 rows (q and k rows of a sub-tile), which CPU BLAS runs several times faster."""
 
-MIN_LOG_DECAY = float("-inf")
-"""Smallest per-token log-decay the chunk form accepts: any (``-inf`` included, a full reset); only NaN is refused.
-Kept as a name for callers that validate a gate bound against it (the model layer, KCP)."""
-
 FACTOR_LOG_RANGE = 80.0
 """Bound on the exponent of every in-chunk decay factor that enters a matmul operand: ``e^80 < 3.4e38`` (fp32
 max, ``e^88.7``) and ``e^-80`` above fp32's smallest normal (``e^-87.3``). The sub-tile length is chosen so that

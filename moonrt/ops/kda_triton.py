@@ -30,7 +30,14 @@ from typing import Any
 
 import torch
 
-from moonrt.ops.kda import _apply, _check_cu_seqlens, _check_inputs, _compute_dtype
+from moonrt.ops.kda_contract import (
+    check_cu_seqlens,
+    check_inputs,
+    check_sequence_states,
+    check_state_grad_inputs,
+    compute_dtype,
+    prepare_call,
+)
 from moonrt.ops.kda_fla import FlaOptions
 from moonrt.ops.kda_terms import check_chunk_size
 from moonrt.ops.precision import fp32_island
@@ -297,31 +304,26 @@ def kda_chunk(
         ``dt_bias`` with the in-kernel gate).
     """
     C = _chunk_len(chunk_size)
-    out_dtype = q.dtype
-    opt = FlaOptions(use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate,
-                     use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first)
-    (q, k, v, g, beta), initial_state, final = _apply(q, k, v, g, beta, initial_state, opt)
-    _check_inputs(q, k, v, g, beta, initial_state if cu_seqlens is None else None)
-    _check_device(q, k, v, g, beta, initial_state)
-    B, T, H, K = k.shape
-    V = v.shape[-1]
-    scale = K ** -0.5 if scale is None else scale
-    dtype = _compute_dtype(q, k, v, g, beta)
+    call = prepare_call(q, k, v, g, beta, FlaOptions(
+        use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate,
+        use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first), scale=scale, initial_state=initial_state,
+        per_sequence_state=cu_seqlens is not None)
+    q, k, v, g, beta = call.tensors
+    _check_device(q, k, v, g, beta, call.initial_state)
+    B, T, H, K, V = call.dims
     if cu_seqlens is None:
         lens = [T] * B
     else:
-        cu = _check_cu_seqlens(cu_seqlens, B, T)
+        cu = check_cu_seqlens(cu_seqlens, B, T)
         lens = [b - a for a, b in zip(cu, cu[1:])]
-        if initial_state is not None and initial_state.shape != (len(lens), H, K, V):
-            raise ValueError(f"initial_state.shape = {tuple(initial_state.shape)}: expected [N, H, K, V] = "
-                             f"[{len(lens)}, {H}, {K}, {V}] (one state per sequence of cu_seqlens)")
-    plan = _make_plan(lens, C, H, K, V, g, dtype)
+        check_sequence_states(call.initial_state, len(lens), H, K, V)
+    plan = _make_plan(lens, C, H, K, V, g, call.dtype)
     flat = (x.reshape(B * T, H, x.shape[-1]) for x in (q, k, v, g))
-    O, S = _ChunkKDA.apply(*flat, beta.reshape(B * T, H), initial_state, plan, float(scale))
-    o = O.view(B, T, H, V).to(out_dtype)
+    O, S = _ChunkKDA.apply(*flat, beta.reshape(B * T, H), call.initial_state, plan, float(call.scale))
+    o = O.view(B, T, H, V).to(call.out_dtype)
     if not output_final_state:
         return o, None
-    return o, final(S.view(B, H, K, V) if cu_seqlens is None else S)
+    return o, call.final(S.view(B, H, K, V) if cu_seqlens is None else S)
 
 
 @fp32_island
@@ -343,16 +345,10 @@ def kda_state_grad(
     Returns ``dS_in [B, H, K, V]`` fp32 (fp64 for fp64 inputs). No graph.
     """
     C = _chunk_len(chunk_size)
-    _check_inputs(q, k, v, g, beta, None)
+    B, T, H, K, V = check_state_grad_inputs(q, k, v, g, beta, d_o, d_final)
     _check_device(q, k, v, g, beta, d_o, d_final)
-    B, T, H, K = k.shape
-    V = v.shape[-1]
-    if d_o.shape != v.shape:
-        raise ValueError(f"d_o.shape = {tuple(d_o.shape)}: expected v's shape {tuple(v.shape)} [B, T, H, V]")
-    if d_final is not None and d_final.shape != (B, H, K, V):
-        raise ValueError(f"d_final.shape = {tuple(d_final.shape)}: expected [B, H, K, V] = [{B}, {H}, {K}, {V}]")
     scale = K ** -0.5 if scale is None else scale
-    dtype = _compute_dtype(q, k, v, g, beta)
+    dtype = compute_dtype(q, k, v, g, beta)
     plan = _make_plan([T] * B, C, H, K, V, g, dtype)
     with torch.no_grad():
         q2, k2, v2, g2, d2 = (x.detach().reshape(B * T, H, x.shape[-1]).contiguous() for x in (q, k, v, g, d_o))
@@ -378,14 +374,12 @@ def kda_transition(
     under ``torch.no_grad``; the differentiable form is :func:`moonrt.ops.kda.kda_transition`).
     """
     C = _chunk_len(chunk_size)
-    _check_inputs(None, k, v, g, beta, None)
+    B, T, H, K, V = check_inputs(None, k, v, g, beta, None)
     _check_device(k, v, g, beta)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (k, v, g, beta)):
         raise RuntimeError("kda_triton.kda_transition has no backward: call it under torch.no_grad() (as KCP does) "
                            "or use moonrt.ops.kda.kda_transition for a differentiable M, S_ext")
-    B, T, H, K = k.shape
-    V = v.shape[-1]
-    dtype = _compute_dtype(k, v, g, beta)
+    dtype = compute_dtype(k, v, g, beta)
     plan = _make_plan([T] * B, C, H, K, V, g, dtype)
     with torch.no_grad():
         k2, v2, g2 = (x.detach().reshape(B * T, H, x.shape[-1]).contiguous() for x in (k, v, g))

@@ -87,6 +87,18 @@ def _decayed_products(a, kk, G, r, C: tl.constexpr, SUB: tl.constexpr, DT: tl.co
 
 
 @triton.jit
+def _block_products_bwd(dA_k, dA_q, blk, kk, qs, row_f, col_f):
+    """One factored block of :func:`_decayed_products` (entries ``blk``, ``A = (a row_f) (k col_f)^T``) backward, for
+    ``A_kk`` (rows k) and ``A_qk`` (rows qs): its ``(dk_row, dqs_row, dk_col)`` terms, each multiplied by its factor."""
+    dk_b = tl.where(blk, dA_k, 0.0)
+    dq_b = tl.where(blk, dA_q, 0.0)
+    k_col = kk * col_f
+    return (tl.dot(dk_b, k_col, input_precision=IEEE) * row_f, tl.dot(dq_b, k_col, input_precision=IEEE) * row_f,
+            (tl.dot(tl.trans(dk_b), kk * row_f, input_precision=IEEE)
+             + tl.dot(tl.trans(dq_b), qs * row_f, input_precision=IEEE)) * col_f)
+
+
+@triton.jit
 def _decayed_products_bwd(dA_k, dA_q, kk, qs, G, r, C: tl.constexpr, SUB: tl.constexpr, DT: tl.constexpr):
     """Backward of :func:`_decayed_products` for ``A_kk`` (rows k) and the strictly lower ``A_qk`` (rows qs) given
     their gradients (zero outside c < r): ``(dk_row, dqs_row, dk_col)`` ``[C, BK]`` each, already multiplied by its
@@ -100,24 +112,17 @@ def _decayed_products_bwd(dA_k, dA_q, kk, qs, G, r, C: tl.constexpr, SUB: tl.con
         x_pos = (G - _midpoints(G, r, C, SUB)).to(DT)
         e_pos = tl.exp(x_pos)
         e_neg = tl.exp(-x_pos)
-        same = rows // SUB == cols // SUB
-        dk_d = tl.where(same, dA_k, 0.0)
-        dq_d = tl.where(same, dA_q, 0.0)
-        k_col = kk * e_neg
-        dk_row += tl.dot(dk_d, k_col, input_precision=IEEE) * e_pos
-        dq_row += tl.dot(dq_d, k_col, input_precision=IEEE) * e_pos
-        dk_col += (tl.dot(tl.trans(dk_d), kk * e_pos, input_precision=IEEE)
-                   + tl.dot(tl.trans(dq_d), qs * e_pos, input_precision=IEEE)) * e_neg
+        d_kr, d_qr, d_kc = _block_products_bwd(dA_k, dA_q, rows // SUB == cols // SUB, kk, qs, e_pos, e_neg)
+        dk_row += d_kr
+        dq_row += d_qr
+        dk_col += d_kc
     for i in range(1, C // SUB):
         row_f, col_f = _offdiag_factors(G, r, i, SUB, DT)
-        blk = (rows // SUB == i) & (cols < i * SUB)
-        dk_o = tl.where(blk, dA_k, 0.0)
-        dq_o = tl.where(blk, dA_q, 0.0)
-        k_col = kk * col_f
-        dk_row += tl.dot(dk_o, k_col, input_precision=IEEE) * row_f
-        dq_row += tl.dot(dq_o, k_col, input_precision=IEEE) * row_f
-        dk_col += (tl.dot(tl.trans(dk_o), kk * row_f, input_precision=IEEE)
-                   + tl.dot(tl.trans(dq_o), qs * row_f, input_precision=IEEE)) * col_f
+        d_kr, d_qr, d_kc = _block_products_bwd(dA_k, dA_q, (rows // SUB == i) & (cols < i * SUB), kk, qs, row_f,
+                                               col_f)
+        dk_row += d_kr
+        dq_row += d_qr
+        dk_col += d_kc
     return dk_row, dq_row, dk_col
 
 
@@ -154,6 +159,63 @@ def _chunk_inputs(q, k, g, beta, bos, ln, h, H, K, r, dk, scale, DT: tl.constexp
 
 
 @triton.jit
+def _chunk_program(chunk_bos, chunk_len):
+    """``(n, h, bos, ln)`` of a per-chunk program (grid ``(NC, H)``): its chunk, head, first token and token count."""
+    n = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    return n, h, tl.load(chunk_bos + n), tl.load(chunk_len + n)
+
+
+@triton.jit
+def _sequence_program(seq_chunk0):
+    """``(s, h, c0, c1)`` of a per-sequence program (grid ``(NS, H, ...)``): its sequence and head, and the sequence's
+    chunks ``c0 .. c1 - 1``."""
+    s = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    return s, h, tl.load(seq_chunk0 + s), tl.load(seq_chunk0 + s + 1)
+
+
+@triton.jit
+def _value_block(BV: tl.constexpr):
+    """This program's block of BV value columns (program id 2): the columns of a state are independent."""
+    return tl.program_id(2) * BV + tl.arange(0, BV)
+
+
+@triton.jit
+def _state_pass_start(S_init, s, h, H, K, V, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                      HAS_INIT: tl.constexpr, DT: tl.constexpr):
+    """Start of a per-sequence state pass over this program's block of value columns: the index vectors ``r``
+    (chunk rows), ``dk`` (key rows), ``dv`` (:func:`_value_block`), the offsets and mask of the sequence's state tile,
+    and the ``[BK, BV]`` state entering the pass (loaded from ``S_init`` with ``HAS_INIT``, else zeros)."""
+    r = tl.arange(0, C)
+    dk = tl.arange(0, BK)
+    dv = _value_block(BV)
+    os_, ms = _tile_offsets((s * H + h) * K * V, K, V, dk, dv)
+    S = tl.zeros([BK, BV], dtype=DT)
+    if HAS_INIT:
+        S = tl.load(S_init + os_, mask=ms, other=0.0).to(DT)
+    return r, dk, dv, os_, ms, S
+
+
+@triton.jit
+def _transition_tiles(W, Kg, decay, base, C: tl.constexpr, K, ck, mk, dk):
+    """Chunk ``base``'s ``W [C, BK]``, ``Kg^T [BK, C]`` and ``decay [BK]``: its transition is
+    ``M_n X = Diag(decay) X - Kg^T (W X)``."""
+    Wn = tl.load(W + base * C * K + ck, mask=mk, other=0.0)
+    KgT = tl.trans(tl.load(Kg + base * C * K + ck, mask=mk, other=0.0))
+    dec = tl.load(decay + base * K + dk, mask=dk < K, other=0.0)
+    return Wn, KgT, dec
+
+
+@triton.jit
+def _state_step(S, U, base, Wn, KgT, dec, C: tl.constexpr, V, cv, mv):
+    """One chunk of the forward state pass: ``(S_{n+1}, V~)`` with ``V~ = U - W S_n`` and
+    ``S_{n+1} = Diag(decay) S_n + Kg^T V~`` (the tiles of :func:`_transition_tiles`)."""
+    Vt = tl.load(U + base * C * V + cv, mask=mv, other=0.0) - tl.dot(Wn, S, input_precision=IEEE)
+    return dec[:, None] * S + tl.dot(KgT, Vt, input_precision=IEEE), Vt
+
+
+@triton.jit
 def chunk_terms_kernel(q, k, v, g, beta, chunk_bos, chunk_len, W, U, Kg, Qg, A_qk, A_kk, T_inv, decay, scale,
                        H, K, V, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SUB: tl.constexpr,
                        HAS_Q: tl.constexpr, DT: tl.constexpr):
@@ -161,10 +223,7 @@ def chunk_terms_kernel(q, k, v, g, beta, chunk_bos, chunk_len, W, U, Kg, Qg, A_q
     transform ``T_inv = (I + Diag(beta) A_kk)^-1``, ``W = T_inv Diag(beta) exp(G) K``, ``U = T_inv Diag(beta) V``,
     ``Kg = exp(G_C - G) K``, ``decay = exp(G_C)`` and with ``HAS_Q`` ``Qg = scale Q exp(G)`` and ``A_qk`` (lower,
     exact diagonal ``scale q_r . k_r``)."""
-    n = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
-    bos = tl.load(chunk_bos + n)
-    ln = tl.load(chunk_len + n)
+    n, h, bos, ln = _chunk_program(chunk_bos, chunk_len)
     r = tl.arange(0, C)
     dk = tl.arange(0, BK)
     dv = tl.arange(0, BV)
@@ -206,17 +265,8 @@ def state_fwd_kernel(W, U, Kg, Qg, A_qk, decay, S0, S_in, O, S_final, seq_chunk0
     the columns of S are independent), in DT: per chunk, store the entering
     state ``S_n`` (``STORE_S_IN``), ``V~ = U - W S_n``, with ``HAS_Q`` the outputs ``O = Qg S_n + A_qk V~``, then
     ``S_{n+1} = Diag(decay) S_n + Kg^T V~``. Writes the state after the sequence to ``S_final``."""
-    s = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
-    c0 = tl.load(seq_chunk0 + s)
-    c1 = tl.load(seq_chunk0 + s + 1)
-    r = tl.arange(0, C)
-    dk = tl.arange(0, BK)
-    dv = tl.program_id(2) * BV + tl.arange(0, BV)  # this program's block of value columns
-    os_, ms = _tile_offsets((s * H + h) * K * V, K, V, dk, dv)
-    S = tl.zeros([BK, BV], dtype=DT)
-    if HAS_S0:
-        S = tl.load(S0 + os_, mask=ms, other=0.0).to(DT)
+    s, h, c0, c1 = _sequence_program(seq_chunk0)
+    r, dk, dv, os_, ms, S = _state_pass_start(S0, s, h, H, K, V, C, BK, BV, HAS_S0, DT)
     ck, mk = _tile_offsets(0, C, K, r, dk)  # offsets inside one chunk's tiles (the loop adds the chunk's base)
     cv, mv = _tile_offsets(0, C, V, r, dv)
     cc, mc = _tile_offsets(0, C, C, r, r)
@@ -225,17 +275,15 @@ def state_fwd_kernel(W, U, Kg, Qg, A_qk, decay, S0, S_in, O, S_final, seq_chunk0
         base = n * H + h
         if STORE_S_IN:
             tl.store(S_in + base * K * V + sv, S, mask=ms)
-        Wn = tl.load(W + base * C * K + ck, mask=mk, other=0.0)
-        Vt = tl.load(U + base * C * V + cv, mask=mv, other=0.0) - tl.dot(Wn, S, input_precision=IEEE)
+        Wn, KgT, dec = _transition_tiles(W, Kg, decay, base, C, K, ck, mk, dk)
+        S_next, Vt = _state_step(S, U, base, Wn, KgT, dec, C, V, cv, mv)
         if HAS_Q:
             o = (tl.dot(tl.load(Qg + base * C * K + ck, mask=mk, other=0.0), S, input_precision=IEEE)
                  + tl.dot(tl.load(A_qk + base * C * C + cc, mask=mc, other=0.0), Vt, input_precision=IEEE))
             bos = tl.load(chunk_bos + n)
             mo = (r[:, None] < tl.load(chunk_len + n)) & (dv[None, :] < V)
             tl.store(O + ((bos + r[:, None]) * H + h) * V + dv[None, :], o.to(O.dtype.element_ty), mask=mo)
-        dec = tl.load(decay + base * K + dk, mask=dk < K, other=0.0)
-        KgT = tl.trans(tl.load(Kg + base * C * K + ck, mask=mk, other=0.0))
-        S = dec[:, None] * S + tl.dot(KgT, Vt, input_precision=IEEE)
+        S = S_next
     tl.store(S_final + os_, S, mask=ms)
 
 
@@ -244,10 +292,7 @@ def transition_kernel(W, U, Kg, decay, M_out, S_out, seq_chunk0, H, K, V, C: tl.
                       BV: tl.constexpr, DT: tl.constexpr):
     """Affine map of one segment and head (grid ``(NS, H)``), K3_SYSTEMS §2.4: ``M = prod_n M_n`` (later chunks on
     the left) with ``M_n X = Diag(decay) X - Kg^T (W X)``, and ``S_ext`` the state after the segment from zero."""
-    s = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
-    c0 = tl.load(seq_chunk0 + s)
-    c1 = tl.load(seq_chunk0 + s + 1)
+    s, h, c0, c1 = _sequence_program(seq_chunk0)
     r = tl.arange(0, C)
     dk = tl.arange(0, BK)
     dv = tl.arange(0, BV)
@@ -257,12 +302,9 @@ def transition_kernel(W, U, Kg, decay, M_out, S_out, seq_chunk0, H, K, V, C: tl.
     cv, mv = _tile_offsets(0, C, V, r, dv)
     for n in range(c0, c1):
         base = n * H + h
-        Wn = tl.load(W + base * C * K + ck, mask=mk, other=0.0)
-        KgT = tl.trans(tl.load(Kg + base * C * K + ck, mask=mk, other=0.0))
-        dec = tl.load(decay + base * K + dk, mask=dk < K, other=0.0)
+        Wn, KgT, dec = _transition_tiles(W, Kg, decay, base, C, K, ck, mk, dk)
         M = dec[:, None] * M - tl.dot(KgT, tl.dot(Wn, M, input_precision=IEEE), input_precision=IEEE)
-        Vt = tl.load(U + base * C * V + cv, mask=mv, other=0.0) - tl.dot(Wn, S, input_precision=IEEE)
-        S = dec[:, None] * S + tl.dot(KgT, Vt, input_precision=IEEE)
+        S, _ = _state_step(S, U, base, Wn, KgT, dec, C, V, cv, mv)
     om, mm = _tile_offsets((s * H + h) * K * K, K, K, dk, dk)
     tl.store(M_out + om, M, mask=mm)
     os_, ms = _tile_offsets((s * H + h) * K * V, K, V, dk, dv)
@@ -278,17 +320,8 @@ def state_bwd_kernel(W, Kg, Qg, A_qk, decay, dO, d_final, dS0, dS_out, seq_chunk
     (``STORE_DS_OUT``), then
     ``dS_n = M_n^T dS_{n+1} + P_n = Diag(decay) dS_{n+1} + Qg^T dO - W^T (A_qk^T dO + Kg dS_{n+1})``. Writes the
     gradient of the state entering the sequence to ``dS0``."""
-    s = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
-    c0 = tl.load(seq_chunk0 + s)
-    c1 = tl.load(seq_chunk0 + s + 1)
-    r = tl.arange(0, C)
-    dk = tl.arange(0, BK)
-    dv = tl.program_id(2) * BV + tl.arange(0, BV)  # this program's block of value columns
-    os_, ms = _tile_offsets((s * H + h) * K * V, K, V, dk, dv)
-    dS = tl.zeros([BK, BV], dtype=DT)
-    if HAS_D_FINAL:
-        dS = tl.load(d_final + os_, mask=ms, other=0.0).to(DT)
+    s, h, c0, c1 = _sequence_program(seq_chunk0)
+    r, dk, dv, os_, ms, dS = _state_pass_start(d_final, s, h, H, K, V, C, BK, BV, HAS_D_FINAL, DT)
     ck, mk = _tile_offsets(0, C, K, r, dk)
     cc, mc = _tile_offsets(0, C, C, r, r)
     sv, _ = _tile_offsets(0, K, V, dk, dv)
@@ -317,10 +350,7 @@ def chunk_grads_kernel(q, k, v, g, beta, chunk_bos, chunk_len, W, U, Kg, Qg, A_q
     """Input gradients of one chunk and head (grid ``(NC, H)``) given the output gradient ``dO``, the entering state
     ``S_n`` and the gradient ``dS_{n+1}`` of the leaving one: the transposes of :func:`chunk_terms_kernel` and of
     the outputs ``O = Qg S_n + A_qk V~``, ``S_{n+1} = Diag(decay) S_n + Kg^T V~``, ``V~ = U - W S_n``."""
-    n = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
-    bos = tl.load(chunk_bos + n)
-    ln = tl.load(chunk_len + n)
+    n, h, bos, ln = _chunk_program(chunk_bos, chunk_len)
     r = tl.arange(0, C)
     dk = tl.arange(0, BK)
     dv = tl.arange(0, BV)

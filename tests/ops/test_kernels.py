@@ -73,7 +73,7 @@ def test_auto_picks_triton_on_cuda_tensors() -> None:
     with REGISTRY.swapped("kda_chunk", "triton", _recorder(calls, "c"), devices=("cuda",)), \
             REGISTRY.swapped("kda_transition", "triton", _recorder(calls, "t"), devices=("cuda",)), \
             REGISTRY.swapped("kda_state_grad", "triton", _recorder(calls, "s"), devices=("cuda",)):
-        chunk, transition, state_grad, _, _ = kcp._default_fns("auto", CUDA)
+        chunk, transition, state_grad, _ = kcp._default_fns("auto", CUDA)
         assert (chunk(), transition(), state_grad()) == ("c", "t", "s")
         cpu_chunk, *_ = kcp._default_fns("auto", torch.device("cpu"))
         assert cpu_chunk is kda.kda_chunk

@@ -1,4 +1,5 @@
-"""Per-token layers of the dense decoder: RMSNorm and the SwiGLU FFN (math in :mod:`moonrt.ops`)."""
+"""Per-token layers of the dense decoder: RMSNorm (:class:`moonrt.ops.rmsnorm.RMSNorm`, shared with K3) and the SwiGLU
+FFN (math in :mod:`moonrt.ops`)."""
 
 from __future__ import annotations
 
@@ -6,32 +7,7 @@ import torch
 from torch import nn
 
 from moonrt.ops.glu import swiglu
-from moonrt.ops.rmsnorm import rms_norm
-
-
-class RMSNorm(nn.Module):
-    """``y = x / sqrt(mean(x^2) + eps) * weight`` over the last dim, fp32 math (fp64 stays), out in ``x``'s dtype.
-
-    Parameters: ``weight [dim]`` (init 1). One autograd node: :func:`moonrt.ops.rmsnorm.rms_norm`.
-    """
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        if not (isinstance(dim, int) and dim >= 1):
-            raise ValueError(f"RMSNorm: dim={dim!r}, expected an integer >= 1")
-        if not eps > 0:
-            raise ValueError(f"RMSNorm: eps={eps!r}, expected a positive number")
-        self.dim, self.eps = dim, float(eps)
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [..., dim]`` -> ``[..., dim]`` in ``x.dtype``."""
-        if x.shape[-1] != self.dim:
-            raise ValueError(f"RMSNorm: input last dimension {x.shape[-1]}, expected dim={self.dim}")
-        return rms_norm(x, self.weight, self.eps)
-
-    def extra_repr(self) -> str:
-        return f"{self.dim}, eps={self.eps}"
+from moonrt.ops.rmsnorm import RMSNorm
 
 
 class SwiGLUFFN(nn.Module):

@@ -22,36 +22,18 @@ import dataclasses
 
 import torch
 
+from moonrt.parallel.decoder import BlockStream
+
 
 @dataclasses.dataclass
-class DenseStream:
-    """The residual stream between decoder layers and across pipeline stages.
+class DenseStream(BlockStream):
+    """The residual stream between decoder layers and across pipeline stages (:class:`BlockStream`: ``add``,
+    ``close_block`` and ``sources`` are its).
 
     ``blocks``: ``[e]`` (the embedding ``[B, T, D]``) while the block is open; ``[e, s]`` after the last
     layer closed it (``s`` the sum of every sub-layer output). ``partial``: the running sum ``[B, T, D]``
     of the sub-layer outputs so far, None before the first sub-layer and after the close.
     """
-
-    blocks: list[torch.Tensor]
-    partial: torch.Tensor | None = None
-
-    def add(self, out: torch.Tensor) -> None:
-        """Accumulate one sub-layer output ``[B, T, D]`` into the partial sum in the stream's dtype: the embedding's,
-        or the output's if wider. Under a bf16 autocast region the sub-layers return bf16 and the embedding is fp32
-        (fp32 parameters), so the stream stays fp32, as type promotion keeps torchtitan's ``h = x + attn(x)``; the
-        pipeline's receive buffers are allocated in it."""
-        out = out.to(torch.promote_types(out.dtype, self.blocks[0].dtype))
-        self.partial = out if self.partial is None else self.partial + out
-
-    def close_block(self) -> None:
-        """After the last decoder layer: the partial sum becomes finished block 1."""
-        if self.partial is not None:
-            self.blocks.append(self.partial)
-        self.partial = None
-
-    def sources(self) -> list[torch.Tensor]:
-        """Finished blocks then the open partial (the executor's and AttnRes's vocabulary)."""
-        return self.blocks + ([self.partial] if self.partial is not None else [])
 
     def residual(self) -> torch.Tensor:
         """The residual ``[B, T, D]``: the sum of :meth:`sources` left to right (``e`` or ``e + partial``).

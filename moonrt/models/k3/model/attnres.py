@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from moonrt.ops.precision import fp32_island
+from moonrt.parallel.decoder import BlockStream
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -121,35 +122,20 @@ def merge_partial(state: OnlineSoftmax, index: int, partial: torch.Tensor | None
 
 
 @dataclasses.dataclass
-class AttnResState:
-    """The residual stream between decoder layers: what a pipeline stage boundary carries.
+class AttnResState(BlockStream):
+    """The residual stream between decoder layers: what a pipeline stage boundary carries (:class:`BlockStream`).
 
     ``blocks``: finished block representations ``[B, T, D]`` (``blocks[0]`` is the embedding);
     ``partial``: the running sum ``[B, T, D]`` of the current block's sub-layer outputs, or None at a
     block boundary; ``inter``: the phase-1 state of the current block in two-phase mode (else None).
     """
 
-    blocks: list[torch.Tensor]
-    partial: torch.Tensor | None = None
     inter: OnlineSoftmax | None = None
 
-    def add(self, out: torch.Tensor) -> None:
-        """Accumulate one sub-layer output ``[B, T, D]`` into the partial block in the stream's dtype: the embedding's,
-        or the output's if wider. Under a bf16 autocast region the sub-layers return bf16 and the embedding is fp32
-        (fp32 parameters), so the stream stays fp32, as type promotion keeps torchtitan's ``h = x + attn(x)``; the
-        pipeline's receive buffers are allocated in it."""
-        out = out.to(torch.promote_types(out.dtype, self.blocks[0].dtype))
-        self.partial = out if self.partial is None else self.partial + out
-
     def close_block(self) -> None:
-        """End of a block: the partial sum becomes a finished block representation."""
-        if self.partial is not None:
-            self.blocks.append(self.partial)
-        self.partial = None
+        """End of a block: the partial sum becomes a finished block representation; the phase-1 state ends."""
+        super().close_block()
         self.inter = None
-
-    def sources(self) -> list[torch.Tensor]:
-        return self.blocks + ([self.partial] if self.partial is not None else [])
 
 
 class BlockAttnRes(nn.Module):

@@ -44,6 +44,7 @@ from moonrt.models.k3.model.norm import RMSNorm
 from moonrt.ops.precision import at_least_fp32, token_loss_sum
 from moonrt.ops.qat import QATScheme
 from moonrt.parallel.context import LOCAL, AttentionContext
+from moonrt.parallel.decoder import check_tokens, lm_head, token_embedding
 from moonrt.parallel.model import ParamGroups, PipelineLayout
 from moonrt.parallel.packing import DocumentPacking
 
@@ -92,16 +93,11 @@ class K3Model(nn.Module):
         super().__init__()
         self.config = config
         d = config.hidden_size
-        self.embed = nn.Embedding(config.vocab_size, d)
-        nn.init.normal_(self.embed.weight, std=config.initializer_range)
+        self.embed = token_embedding(config.vocab_size, d, config.initializer_range)
         self.layers = nn.ModuleList(DecoderLayer(config, i, moe_config) for i in range(config.num_hidden_layers))
         self.attn_res = BlockAttnRes(d, config.num_hidden_layers, config.attn_res_block_size, config.rms_norm_eps)
         self.norm = RMSNorm(d, config.rms_norm_eps)
-        self.lm_head = nn.Linear(d, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.embed.weight
-        else:
-            nn.init.normal_(self.lm_head.weight, std=config.initializer_range)
+        self.lm_head = lm_head(self.embed, config.tie_word_embeddings, config.initializer_range)
 
     # ---- pipeline-stage API ----------------------------------------------------------------------
     def pipeline_layout(self) -> PipelineLayout:
@@ -139,11 +135,7 @@ class K3Model(nn.Module):
 
     def embed_tokens(self, tokens: torch.Tensor) -> AttnResState:
         """``tokens [B, T]`` int64 -> the initial stream (block 0 = token embedding ``[B, T, D]``)."""
-        if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"tokens: shape {tuple(tokens.shape)} dtype {tokens.dtype}: expected [B, T] int64")
-        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size):
-            raise ValueError(f"tokens: ids in [{int(tokens.min())}, {int(tokens.max())}]: expected "
-                             f"[0, vocab_size = {self.config.vocab_size})")
+        check_tokens(tokens, self.config.vocab_size)
         return AttnResState(blocks=[self.embed(tokens)])
 
     def run_layers(self, state: AttnResState, layers: range, ctx: AttentionContext = LOCAL,
