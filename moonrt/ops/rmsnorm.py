@@ -6,8 +6,8 @@ and recomputes the normed ``x * r`` in backward, as fused norm kernels do (Kimi 
 K3_SYSTEMS §8). Composed from torch ops, autograd would also save an fp32 copy of the input (bf16 runs), the
 normed tensor and an fp32 copy of the weight. The forward is the composed expression in the same order
 (bitwise); gradients equal autograd's of the composed form up to rounding (tests: fp64 gradcheck and
-equality, fp32 within a bound of the ``D``-long reductions). :class:`RMSNorm` is the module every model's norms
-use: the ``weight`` parameter and its checks around :func:`rms_norm`.
+equality, fp32 within a bound of the ``D``-long reductions). The module every model's norms use (the
+``weight`` parameter and its checks around :func:`rms_norm`) is :class:`moonrt.parallel.decoder.RMSNorm`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 from torch.autograd.function import once_differentiable
 
 
@@ -52,33 +51,3 @@ class _RMSNorm(torch.autograd.Function):
             dy = g * weight.to(dt)  # d/dx [x r] = r (dy - y mean(dy y)), r = (mean(x^2) + eps)^(-1/2)
             d_x = (r * (dy - y * (dy * y).mean(dim=-1, keepdim=True))).to(x.dtype)
         return d_x, d_weight, None
-
-
-class RMSNorm(nn.Module):
-    """``y = x / sqrt(mean(x^2) + eps) * weight`` over the last dimension (:func:`rms_norm`: fp32 math whatever the
-    input dtype, fp64 stays fp64, out in ``x``'s dtype; one autograd node).
-
-    Args:
-        dim: size of the last dimension of the input, an integer >= 1.
-        eps: added to the mean square before the reciprocal square root, > 0.
-
-    Parameters: ``weight [dim]`` (init 1), kept in whatever dtype the module is cast to.
-    """
-
-    def __init__(self, dim: int, eps: float = 1e-5) -> None:
-        super().__init__()
-        if not (isinstance(dim, int) and dim >= 1):
-            raise ValueError(f"RMSNorm: dim={dim!r}, expected an integer >= 1")
-        if not eps > 0:
-            raise ValueError(f"RMSNorm: eps={eps!r}, expected a positive number")
-        self.dim, self.eps = dim, float(eps)
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [..., dim]`` any float dtype -> ``[..., dim]`` in ``x.dtype``."""
-        if x.shape[-1] != self.dim:
-            raise ValueError(f"RMSNorm: input last dimension {x.shape[-1]}, expected dim={self.dim}")
-        return rms_norm(x, self.weight, self.eps)
-
-    def extra_repr(self) -> str:
-        return f"{self.dim}, eps={self.eps}"

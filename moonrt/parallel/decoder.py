@@ -10,6 +10,7 @@ pipeline stage takes in, what crosses a stage boundary, what the last stage's he
   partial block in the stream's dtype, :meth:`~BlockStream.close_block` finishes it, :meth:`~BlockStream.sources`
   lists both. The dense residual stream (one block, a plain sum: ``moonrt.models.dense.model.stream``) and K3's
   Block AttnRes state (``moonrt.models.k3.model.attnres``) extend it with how they read it.
+- :class:`RMSNorm`: the norm module of every model (the ``weight`` around :func:`moonrt.ops.rmsnorm.rms_norm`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import dataclasses
 
 import torch
 from torch import nn
+
+from moonrt.ops.rmsnorm import rms_norm
 
 
 def check_tokens(tokens: torch.Tensor, vocab_size: int) -> None:
@@ -79,3 +82,33 @@ class BlockStream:
 
 
 __all__ = ["BlockStream", "check_tokens", "lm_head", "token_embedding"]
+
+
+class RMSNorm(nn.Module):
+    """``y = x / sqrt(mean(x^2) + eps) * weight`` over the last dimension (:func:`rms_norm`: fp32 math whatever the
+    input dtype, fp64 stays fp64, out in ``x``'s dtype; one autograd node).
+
+    Args:
+        dim: size of the last dimension of the input, an integer >= 1.
+        eps: added to the mean square before the reciprocal square root, > 0.
+
+    Parameters: ``weight [dim]`` (init 1), kept in whatever dtype the module is cast to.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        if not (isinstance(dim, int) and dim >= 1):
+            raise ValueError(f"RMSNorm: dim={dim!r}, expected an integer >= 1")
+        if not eps > 0:
+            raise ValueError(f"RMSNorm: eps={eps!r}, expected a positive number")
+        self.dim, self.eps = dim, float(eps)
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., dim]`` any float dtype -> ``[..., dim]`` in ``x.dtype``."""
+        if x.shape[-1] != self.dim:
+            raise ValueError(f"RMSNorm: input last dimension {x.shape[-1]}, expected dim={self.dim}")
+        return rms_norm(x, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}"

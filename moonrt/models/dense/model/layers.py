@@ -1,4 +1,4 @@
-"""Per-token layers of the dense decoder: RMSNorm (:class:`moonrt.ops.rmsnorm.RMSNorm`, shared with K3) and the SwiGLU
+"""Per-token layers of the dense decoder: RMSNorm (:class:`moonrt.parallel.decoder.RMSNorm`, shared with K3) and the SwiGLU
 FFN (math in :mod:`moonrt.ops`)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from moonrt.ops.glu import swiglu
-from moonrt.ops.rmsnorm import RMSNorm
+from moonrt.parallel.decoder import RMSNorm
 
 
 class SwiGLUFFN(nn.Module):
