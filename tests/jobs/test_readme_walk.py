@@ -4,7 +4,9 @@ in one fresh directory, so the README cannot drift from the code again.
 What the walk changes, all listed here and nothing else:
 
 - **Size.** Every ``moonrt train`` runs ``--steps 2`` (``--until N`` -> ``--until 1``: the README's stop-and-resume
-  pair still stops after step 1 and resumes to step 2); every self-test runs its smallest sizes (:data:`SELFTEST_SMALL`)
+  pair still stops after step 1 and resumes to step 2) and its final eval reads one default batch of held-out windows
+  (``--set optim.eval_windows=8``, not 32: every data-parallel replica evaluates all of them, and 32 were ~40% of a
+  two-step run); every self-test runs its smallest sizes (:data:`SELFTEST_SMALL`)
   and SLURM steps ``srun -n N`` run 2 tasks. Layouts keep their rank counts (``launch -n 8 ... --pp 2 --ep 2 --zero 1``
   still runs 8 ranks: the layout is what the line documents).
 - **Notation.** ``[--json]`` (optional flags) runs with the flag; ``hf|moonrt`` (alternatives) runs the first.
@@ -78,6 +80,9 @@ EXIT_CODES = {
 """Commands whose documented outcome is a non-zero exit (mem-plan: exit 1 when a budget does not fit), with the
 exit code and a phrase the output must hold."""
 
+EVAL_WINDOWS = "optim.eval_windows=8"
+"""The eval size of every walked ``moonrt train`` (module docstring)."""
+
 SELFTEST_SMALL = ["--sizes", "4K", "--iters", "1", "--ep-shapes", "32x16x2x64", "--ep-maxvio", "0,16", "--ep-ffn", "8",
                   "--kcp-tokens", "64", "--kcp-shape", "1x2x8x12", "--pp-sizes", "1K", "--remote-sizes", "4K"]
 """The self-test's smallest sizes (one of each kind), appended to every self-test the README runs."""
@@ -144,6 +149,8 @@ def walk_argv(argv: tuple[str, ...]) -> list[str]:
                     out[j + 1] = small
         if "--steps" not in out:
             out += ["--steps", "2"]
+        if not any(a.startswith("optim.eval_windows=") for a in out):
+            out += ["--set", EVAL_WINDOWS]
     if out[0] == "srun":
         out[out.index("-n") + 1] = "2"
     if "--selftest" in out or _is(out, "selftest") or "moonrt.jobs.selftest" in out:
@@ -188,8 +195,9 @@ def test_the_walk_covers_every_command_and_its_rules_hold() -> None:
     pair = next(c for c in ran if "--until" in c.argv)
     small = walk_argv(pair.argv)
     assert small[small.index("--steps") + 1] == "2" and small[small.index("--until") + 1] == "1", small
-    assert walk_argv(("moonrt", "launch", "-n", "2", "--", "moonrt", "train", "--pp", "2"))[-2:] == ["--steps", "2"]
-    assert walk_argv(("moonrt", "train"))[-2:] == ["--steps", "2"]
+    assert walk_argv(("moonrt", "launch", "-n", "2", "--", "moonrt", "train", "--pp", "2"))[-4:] == \
+        ["--steps", "2", "--set", EVAL_WINDOWS]
+    assert walk_argv(("moonrt", "train"))[-4:] == ["--steps", "2", "--set", EVAL_WINDOWS]
     assert walk_argv(("moonrt", "checkpoint", "export", "runs/a", "w.st", "[--names", "hf|moonrt]")) == \
         ["moonrt", "checkpoint", "export", "runs/a", "w.st", "--names", "hf"]
     assert walk_argv(("srun", "-n", "16", "moonrt", "selftest"))[:3] == ["srun", "-n", "2"]
