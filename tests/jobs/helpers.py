@@ -24,6 +24,10 @@ import torch
 FLAGS = ["--steps", "4", "--seed", "0", "--batch-size", "4", "--seq-len", "32", "--eval-every", "100", "--lr", "1e-3",
          "--threads", "1", "--no-progress"]
 RTOL = 1e-5
+EVAL_SMALL = ["--set", "optim.eval_windows=4"]
+"""For runs whose eval (each run's last step) no assertion reads: one batch of ``FLAGS``' 4 rows instead of the
+default 32 windows, which every data-parallel replica evaluates whole (~40% of a two-step run). Layouts' evals are
+compared in ``test_pp_train.py``, ``test_ep_train.py`` and ``test_cp_train.py``."""
 
 
 def _moonrt(*args: str) -> list[str]:
@@ -45,6 +49,14 @@ def _cli(args: list[str], capfd: pytest.CaptureFixture[str]) -> tuple[int, str, 
 
 def _launch(n: int, *args: str) -> list[str]:
     return _moonrt("launch", "-n", str(n), "--", *_moonrt(*args))
+
+
+def _ranks(n: int, *args: str) -> list[str]:
+    """``moonrt ARGS`` on ``n`` local gloo ranks forked from one process that imported torch once
+    (``tests/forkrun.py``), with the environment ``moonrt launch -n N`` gives its ranks: for the tests whose property
+    is a layout's result, not the launcher (that :func:`_launch` keeps testing), without ``n - 1`` new interpreters'
+    ~3-5 s of imports each on 2 cores."""
+    return [sys.executable, str(Path(__file__).resolve().parents[1] / "forkrun.py"), "ranks", str(n), "--", *args]
 
 
 def _here(*args: str) -> tuple[str, ...]:

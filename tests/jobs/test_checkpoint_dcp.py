@@ -7,7 +7,7 @@ round-trips through ``safetensors`` (HF names mapped back equal the model's stat
 commit marker, a ``.tmp`` directory) is refused and an interrupted save leaves the previous one loadable; a
 ``.metadata`` pickle holding code is refused before it runs; a checkpoint of another model is a clear error.
 
-Multi-rank (``moonrt train`` under ``moonrt launch``, gloo, teacher-forced like ``tests/jobs/test_pp_train.py``):
+Multi-rank (``moonrt train`` on gloo ranks, ``helpers._ranks``, teacher-forced like ``tests/jobs/test_pp_train.py``):
 a layout saves at step 2, copies resume for step 3 in the same layout (bit-identical to the same layout's
 uninterrupted run), in one process and in another layout. Those differ from the same layout only by fp32
 summation order (different reduction trees over ranks, micro-batches and half-batches: ~1e-7 relative per
@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import FLAGS, RTOL, _close, _here, _launch, _metrics, _run
+from helpers import EVAL_SMALL, FLAGS, RTOL, _close, _here, _metrics, _ranks, _run
 
 from moonrt.cli import main as cli
 from moonrt.jobs.checkpoint import sharded as checkpoint_dcp
@@ -180,6 +180,10 @@ def test_a_checkpoint_of_another_model_is_a_clear_error(tmp_path: Path) -> None:
 # ---- multi-rank: save in one layout, resume in others ---------------------------------------------------
 
 
+JOB = [*FLAGS, *EVAL_SMALL]
+"""The job every multi-rank run here takes (its eval is read by no assertion: ``helpers.EVAL_SMALL``)."""
+
+
 def _optimizer_bytes(state: dict[str, Any]) -> int:
     """Bytes of the whole AdamW state of a single-process checkpoint (both moments and the step counts)."""
     return sum(t.numel() * t.element_size() for st in state["optimizer"]["state"].values() for t in st.values())
@@ -193,8 +197,8 @@ def _resume_everywhere(tmp_path: Path, base: str, same: tuple[int, list[str]],
     cmds = {}
     for name, (n, flags) in runs.items():
         shutil.copytree(tmp_path / base, tmp_path / name)
-        args = ("train", *FLAGS, "--resume", "--until", "3", "--out", name, "--metrics", f"{name}.jsonl", *flags)
-        cmds[name] = _launch(n, *args) if n > 1 else _here(*args)  # one process: in this one (no new interpreter)
+        args = ("train", *JOB, "--resume", "--until", "3", "--out", name, "--metrics", f"{name}.jsonl", *flags)
+        cmds[name] = _ranks(n, *args) if n > 1 else _here(*args)  # one process: in this one (no new interpreter)
     _run(tmp_path, cmds, timeout=1700)
     return {name: _metrics(tmp_path / f"{name}.jsonl")[3] for name in runs}
 
@@ -212,8 +216,8 @@ def _check_other_layouts(tmp_path: Path, got: dict[str, dict[str, Any]]) -> None
 @pytest.mark.timeout(1800)
 def test_ep2_zero1_on_4_ranks_saves_sharded_and_resumes_in_any_layout(tmp_path: Path) -> None:
     layout = ["--ep", "2", "--zero", "1"]  # dp 2 inferred: experts sharded over ep, moments over dp
-    _run(tmp_path, {"base": _launch(4, "train", *FLAGS, "--until", "2", "--out", "base", *layout),
-                    "straight": _launch(4, "train", *FLAGS, "--until", "3", "--out", "straight", "--metrics",
+    _run(tmp_path, {"base": _ranks(4, "train", *JOB, "--until", "2", "--out", "base", *layout),
+                    "straight": _ranks(4, "train", *JOB, "--until", "3", "--out", "straight", "--metrics",
                                         "straight.jsonl", *layout)}, timeout=1700)
     assert not (tmp_path / "base" / "checkpoint.pt").exists()
     marker = checkpoint_dcp.read_marker(checkpoint_dcp.resolve(tmp_path / "base" / "checkpoint"))
@@ -238,7 +242,7 @@ def test_ep2_zero1_on_4_ranks_saves_sharded_and_resumes_in_any_layout(tmp_path: 
 @pytest.mark.timeout(1800)
 def test_pp2_on_2_ranks_saves_sharded_and_resumes_in_one_process_and_under_ep(tmp_path: Path) -> None:
     layout = ["--pp", "2", "--microbatches", "2"]
-    _run(tmp_path, {"base": _launch(2, "train", *FLAGS, "--until", "2", "--out", "base", *layout)}, timeout=1700)
+    _run(tmp_path, {"base": _ranks(2, "train", *JOB, "--until", "2", "--out", "base", *layout)}, timeout=1700)
     marker = checkpoint_dcp.read_marker(checkpoint_dcp.resolve(tmp_path / "base" / "checkpoint"))
     assert marker["layout"]["pp"] == 2 and marker["layout"]["world"] == 2
     assert sum(r["written_bytes"] for r in marker["ranks"]) == marker["bytes"], marker["ranks"]

@@ -32,14 +32,17 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import RTOL, _assert_same_step, _ckpt, _close, _here, _launch, _metrics, _run
+from helpers import RTOL, _assert_same_step, _ckpt, _close, _here, _launch, _metrics, _ranks, _run
 from test_zero_train import _adamw_bytes_per_rank
 
 from moonrt.jobs.checkpoint import sharded as checkpoint_dcp
 from moonrt.jobs.checkpoint import store
 
 FLAGS = ["--steps", "4", "--seed", "0", "--batch-size", "8", "--seq-len", "32", "--eval-every", "100", "--lr", "1e-3",
-         "--threads", "1", "--no-progress"]
+         "--threads", "1", "--no-progress", "--set", "optim.eval_windows=8"]
+"""The job every run here takes. Its eval (at each run's last step; not compared here: layouts' evals are compared
+in ``tests/jobs/test_pp_train.py``, ``test_ep_train.py`` and ``test_cp_train.py``) is one batch of 8 held-out
+windows, not the default 32: every data-parallel replica evaluates all windows, and 32 are ~40% of a two-step run."""
 
 LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "ep2_zero1": (4, ["--ep", "2", "--zero", "1"]),
@@ -56,7 +59,7 @@ def test_composed_layouts_resume_a_single_process_checkpoint_and_match_it(tmp_pa
     common = ("train", *FLAGS, "--resume", "--until", "2")
     runs = {"single": _here(*common, "--out", "single", "--metrics", "single.jsonl")}
     for name, (n, flags) in LAYOUTS.items():
-        runs[name] = _launch(n, *common, "--out", name, "--metrics", f"{name}.jsonl", *flags)
+        runs[name] = _ranks(n, *common, "--out", name, "--metrics", f"{name}.jsonl", *flags)
     for name in runs:
         shutil.copytree(tmp_path / "base", tmp_path / name)
     _run(tmp_path, runs, timeout=2900)
@@ -99,7 +102,7 @@ def _resume_the_8_rank_sharded_checkpoint_elsewhere(tmp_path: Path) -> None:
     for name, (n, src, flags) in runs.items():
         shutil.copytree(tmp_path / src, tmp_path / name)
         args = (*common, "--out", name, "--metrics", f"{name}.jsonl", *flags)
-        cmds[name] = _launch(n, *args) if n > 1 else _here(*args)  # one process: in this one (no new interpreter)
+        cmds[name] = _ranks(n, *args) if n > 1 else _here(*args)  # one process: in this one (no new interpreter)
     _run(tmp_path, cmds, timeout=2900)
     ref, ref_ckpt = _metrics(tmp_path / "single3.jsonl")[3], _ckpt(tmp_path / "single3")
     for name in runs:

@@ -1,4 +1,4 @@
-"""``moonrt train --cp 2`` under ``moonrt launch -n 2`` trains like the single process (K3_SYSTEMS §7), and so
+"""``moonrt train --cp 2`` on 2 ranks (``helpers._ranks``) trains like the single process (K3_SYSTEMS §7), and so
 does ``--ep 2 --cp 2`` on 4 ranks (CP composed with MoonEP).
 
 Both runs see the same global batch every step (the batch is a function of seed and step); with CP each
@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import _here, _run
+from helpers import _here, _ranks, _run
 
 from moonrt.models.k3.model.config import k3_tiny
 
@@ -41,11 +41,9 @@ def test_cp2_training_matches_single_process_loss_curve(tmp_path: Path) -> None:
     config.write_text("optim:\n  routing_bias_update: false\n")
     flags = [*FLAGS, "--config", str(config)]
     single = _here("train", *flags, "--metrics", str(a), "--out", str(tmp_path / "ra"))  # the reference: here
-    cp = _moonrt("launch", "-n", "2", "--", *_moonrt("train", "--cp", "2", *flags, "--metrics", str(b),
-                                                      "--out", str(tmp_path / "rb")))
+    cp = _ranks(2, "train", "--cp", "2", *flags, "--metrics", str(b), "--out", str(tmp_path / "rb"))
     c = tmp_path / "c.jsonl"  # CP composed with MoonEP: 4 ranks = ep 2 x cp 2 (batch rows over EP, sequences over CP)
-    ep_cp = _moonrt("launch", "-n", "4", "--", *_moonrt("train", "--ep", "2", "--cp", "2", *flags, "--metrics", str(c),
-                                                         "--out", str(tmp_path / "rc")))
+    ep_cp = _ranks(4, "train", "--ep", "2", "--cp", "2", *flags, "--metrics", str(c), "--out", str(tmp_path / "rc"))
     _run(tmp_path, {"single": single, "cp2": cp, "ep2_cp2": ep_cp}, timeout=540)
     ra = [json.loads(line) for line in a.read_text().splitlines()]
     rb = [json.loads(line) for line in b.read_text().splitlines()]

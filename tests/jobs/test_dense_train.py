@@ -20,7 +20,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import _assert_same_step, _ckpt, _here, _launch, _metrics, _run
+from helpers import _assert_same_step, _ckpt, _here, _metrics, _ranks, _run
 
 DENSE = ["--model", "dense_tiny", "--steps", "4", "--seed", "0", "--batch-size", "4", "--seq-len", "32",
          "--eval-every", "100", "--lr", "1e-3", "--threads", "1", "--no-progress"]
@@ -44,9 +44,9 @@ def test_dense_layouts_resume_the_single_process_checkpoint_and_match_it(tmp_pat
     _run(tmp_path, {"base": _here("train", *DENSE, "--until", "1", "--out", "base")})
     common = ("train", *DENSE, "--resume", "--until", "2")
     runs = {"single": _here(*common, "--out", "single", "--metrics", "single.jsonl"),
-            "pp2": _launch(2, *common, "--out", "pp2", "--metrics", "pp2.jsonl", "--pp", "2", "--microbatches", "2"),
-            "zero_dp2": _launch(2, *common, "--out", "zero_dp2", "--metrics", "zero_dp2.jsonl", "--zero", "1"),
-            "cp2": _launch(2, *common, "--out", "cp2", "--metrics", "cp2.jsonl", "--cp", "2")}
+            "pp2": _ranks(2, *common, "--out", "pp2", "--metrics", "pp2.jsonl", "--pp", "2", "--microbatches", "2"),
+            "zero_dp2": _ranks(2, *common, "--out", "zero_dp2", "--metrics", "zero_dp2.jsonl", "--zero", "1"),
+            "cp2": _ranks(2, *common, "--out", "cp2", "--metrics", "cp2.jsonl", "--cp", "2")}
     for name in runs:
         shutil.copytree(tmp_path / "base", tmp_path / name)
     _run(tmp_path, runs, timeout=1700)

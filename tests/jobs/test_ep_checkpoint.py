@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 from dist import dist_run
-from helpers import _here, _run
+from helpers import _here, _ranks, _run
 
 from moonrt.models.k3.model.config import k3_tiny
 
@@ -33,7 +33,7 @@ def _train(out: str, metrics: str, ep: int, *extra: str) -> list[str]:
     cmd = [sys.executable, "-m", "moonrt.cli", "train", *FLAGS, "--out", out, "--metrics", metrics, *extra]
     if ep == 1:
         return cmd
-    return [sys.executable, "-m", "moonrt.cli", "launch", "-n", str(ep), "--", *cmd[:4], "--ep", str(ep), *cmd[4:]]
+    return _ranks(ep, *cmd[3:4], "--ep", str(ep), *cmd[4:])
 
 
 def _run_all(cwd: Path, cmds: list[list[str] | tuple[str, ...]]) -> None:

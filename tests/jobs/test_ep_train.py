@@ -1,4 +1,4 @@
-"""``moonrt train --ep N`` under ``moonrt launch -n N`` trains like the single process (K3_SYSTEMS §6).
+"""``moonrt train --ep N`` on N ranks (``helpers._ranks``) trains like the single process (K3_SYSTEMS §6).
 
 Both runs see the same global batch every step (a function of seed and step); with ``--ep N`` each rank
 trains on 1/N of the batch rows, holds E/N home experts, and MoonEP moves the latent activations (and
@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import _here, _run
+from helpers import _here, _ranks, _run
 
 from moonrt.models.k3.model.config import k3_tiny
 from moonrt.scheduler.workload import load_trace
@@ -44,9 +44,8 @@ def test_ep_training_matches_single_process_loss_curve(tmp_path: Path) -> None:
     runs: dict[int, Any] = {1: _here("train", *flags, "--metrics", "m1.jsonl", "--out", "r1", "--routing-trace",
                                      "t1.npz")}
     for n in (2, 4):
-        runs[n] = _moonrt("launch", "-n", str(n), "--", *_moonrt(
-            "train", "--ep", str(n), *flags, "--metrics", f"m{n}.jsonl", "--out", f"r{n}", "--routing-trace",
-            f"t{n}.npz"))
+        runs[n] = _ranks(n, "train", "--ep", str(n), *flags, "--metrics", f"m{n}.jsonl", "--out", f"r{n}",
+                         "--routing-trace", f"t{n}.npz")
     _run(tmp_path, {f"--ep {n}": cmd for n, cmd in runs.items()}, timeout=840)
     metrics = {n: [json.loads(line) for line in (tmp_path / f"m{n}.jsonl").read_text().splitlines()] for n in runs}
     ref = metrics[1]

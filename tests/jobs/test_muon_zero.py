@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 import torch
 from dist import dist_run
-from helpers import FLAGS, _assert_same_step, _ckpt, _close, _here, _launch, _metrics, _run
+from helpers import EVAL_SMALL, FLAGS, _assert_same_step, _ckpt, _close, _here, _metrics, _ranks, _run
 
 from moonrt.jobs.checkpoint.sharded import read_marker, resolve
 from moonrt.scheduler.muon_plan import Unit, plan_units
@@ -137,7 +137,7 @@ def _state_bytes(optimizer: dict[str, Any]) -> tuple[int, int]:
 @pytest.mark.slow
 @pytest.mark.timeout(3000)
 def test_train_zero1_muon_resumes_a_single_process_checkpoint_and_matches_it(tmp_path: Path) -> None:
-    flags = [*FLAGS, "--optimizer", "muon"]
+    flags = [*FLAGS, *EVAL_SMALL, "--optimizer", "muon"]
     _run(tmp_path, {"base": _here("train", *flags, "--until", "1", "--out", "base")})
     common = ("train", *flags, "--resume", "--until", "2")
     layouts = {"zero_dp2": (2, ["--zero", "1"]),
@@ -147,7 +147,7 @@ def test_train_zero1_muon_resumes_a_single_process_checkpoint_and_matches_it(tmp
                "zero_pp2": (4, ["--zero", "1", "--pp", "2", "--microbatches", "2"])}  # pp 2 x dp 2
     runs = {"single": _here(*common, "--out", "single", "--metrics", "single.jsonl")}
     for name, (n, extra) in layouts.items():
-        runs[name] = _launch(n, *common, "--out", name, "--metrics", f"{name}.jsonl", *extra)
+        runs[name] = _ranks(n, *common, "--out", name, "--metrics", f"{name}.jsonl", *extra)
     for name in runs:
         shutil.copytree(tmp_path / "base", tmp_path / name)
     _run(tmp_path, runs, timeout=2800)

@@ -119,14 +119,14 @@ def test_data_parallel_packed_step_equals_single_process(tmp_path: Path) -> None
     take the same first step as one process: the loss is divided by the global count of unmasked targets on every
     rank. Tolerance as tests/jobs/test_zero_train.py (two half-batch
     backwards summed vs one, fp64 vs fp32 clip norm: ~1e-6 relative)."""
-    from helpers import RTOL, _here, _launch, _metrics, _run
+    from helpers import RTOL, _here, _metrics, _ranks, _run
 
     corpus = str(_corpus(tmp_path))
     flags = ("train", "--steps", "2", "--until", "1", "--batch-size", "2", "--seq-len", "64", "--threads", "1",
              "--no-progress", "--corpus", corpus, "--pack-documents", "--eos-id", str(EOS))
     _run(tmp_path, {"single": _here(*flags, "--out", "single", "--metrics", "single.jsonl"),  # the reference
-                    "dp2": _launch(2, *flags, "--out", "dp2", "--metrics", "dp2.jsonl"),
-                    "ep2": _launch(2, *flags, "--out", "ep2", "--metrics", "ep2.jsonl", "--ep", "2")}, timeout=1700)
+                    "dp2": _ranks(2, *flags, "--out", "dp2", "--metrics", "dp2.jsonl"),
+                    "ep2": _ranks(2, *flags, "--out", "ep2", "--metrics", "ep2.jsonl", "--ep", "2")}, timeout=1700)
     ref = _metrics(tmp_path / "single.jsonl")[1]
     for name in ("dp2", "ep2"):
         got = _metrics(tmp_path / f"{name}.jsonl")[1]

@@ -21,7 +21,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import FLAGS, RTOL, _assert_same_step, _ckpt, _cli, _close, _launch, _metrics, _moonrt, _run
+from helpers import FLAGS, RTOL, _assert_same_step, _ckpt, _cli, _close, _launch, _metrics, _moonrt, _ranks, _run
 
 from moonrt.config import ConfigError, ParallelConfig
 from moonrt.jobs.train.config import JobConfig
@@ -31,10 +31,10 @@ from moonrt.jobs.train.config import JobConfig
 @pytest.mark.timeout(1500)
 def test_pp_resumes_a_single_process_checkpoint_and_matches_it(tmp_path: Path, single_process_steps: Path) -> None:
     shared = single_process_steps
-    runs = {"pp2": _launch(2, "train", *FLAGS, "--resume", "--until", "2", "--out", "pp2", "--metrics", "pp2.jsonl",
-                           "--pp", "2", "--microbatches", "2"),
-            "pp2v2": _launch(2, "train", *FLAGS, "--resume", "--until", "2", "--out", "pp2v2", "--metrics",
-                             "pp2v2.jsonl", "--pp", "2", "--vpp", "2", "--microbatches", "4")}
+    runs = {"pp2": _ranks(2, "train", *FLAGS, "--resume", "--until", "2", "--out", "pp2", "--metrics", "pp2.jsonl",
+                          "--pp", "2", "--microbatches", "2"),
+            "pp2v2": _ranks(2, "train", *FLAGS, "--resume", "--until", "2", "--out", "pp2v2", "--metrics",
+                            "pp2v2.jsonl", "--pp", "2", "--vpp", "2", "--microbatches", "4")}
     for name in runs:
         shutil.copytree(shared / "base", tmp_path / name)
     _run(tmp_path, runs)
@@ -72,8 +72,8 @@ def test_pp2_ep2_resumes_a_single_process_checkpoint_and_matches_it(tmp_path: Pa
     gradient norm and checkpoint state over its stages."""
     shared = single_process_steps
     shutil.copytree(shared / "base", tmp_path / "ppep")
-    _run(tmp_path, {"ppep": _launch(4, "train", *FLAGS, "--resume", "--until", "2", "--out", "ppep", "--metrics",
-                                    "ppep.jsonl", "--pp", "2", "--ep", "2", "--microbatches", "2")})
+    _run(tmp_path, {"ppep": _ranks(4, "train", *FLAGS, "--resume", "--until", "2", "--out", "ppep", "--metrics",
+                                   "ppep.jsonl", "--pp", "2", "--ep", "2", "--microbatches", "2")})
     got = _assert_same_step(tmp_path, "ppep", _metrics(shared / "single.jsonl")[2], _ckpt(shared / "single"))
     assert len(got["ep_rows"]) == 2 and len(got["pp_blocks_sent"]) == 2, got  # both parts ran
 
@@ -90,8 +90,8 @@ def test_pp2_cp2_with_a_memory_policy_matches_the_single_process(tmp_path: Path)
     policy.write_text("default: keep\nrules:\n  - {match: 'layers.*.moe', policy: recompute}\n")
     flags = [*FLAGS, "--until", "1", "--eval-every", "1", "--memory-policy", str(policy)]
     _run(tmp_path, {"single": _moonrt("train", *flags, "--out", "single", "--metrics", "single.jsonl"),
-                    "ppcp": _launch(4, "train", *flags, "--out", "ppcp", "--metrics", "ppcp.jsonl", "--pp", "2",
-                                    "--cp", "2", "--microbatches", "2")})
+                    "ppcp": _ranks(4, "train", *flags, "--out", "ppcp", "--metrics", "ppcp.jsonl", "--pp", "2",
+                                   "--cp", "2", "--microbatches", "2")})
     ref, got = _metrics(tmp_path / "single.jsonl")[1], _metrics(tmp_path / "ppcp.jsonl")[1]
     for key in ("loss", "grad_norm", "eval_loss"):
         assert abs(got[key] - ref[key]) <= RTOL * abs(ref[key]), (key, got[key], ref[key])

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import FLAGS, _ckpt, _cli, _here, _launch, _metrics, _run
+from helpers import FLAGS, _ckpt, _cli, _here, _metrics, _ranks, _run
 
 BF16 = ["--dtype", "bf16"]
 
@@ -213,7 +213,7 @@ def test_bf16_layouts_match_the_single_process_step(tmp_path: Path) -> None:
         "single": _here(*common, *BF16, "--out", "single", "--metrics", "single.jsonl"),
         "fp32": _here(*common, "--out", "fp32", "--metrics", "fp32.jsonl")}
     for name, (n, flags) in LAYOUTS.items():
-        runs[name] = _launch(n, *common, *BF16, "--out", name, "--metrics", f"{name}.jsonl", *flags)
+        runs[name] = _ranks(n, *common, *BF16, "--out", name, "--metrics", f"{name}.jsonl", *flags)
     for name in runs:
         shutil.copytree(tmp_path / "base", tmp_path / name)
     _run(tmp_path, runs, timeout=1100)

@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import FLAGS, _assert_same_step, _ckpt, _cli, _here, _launch, _metrics, _run
+from helpers import FLAGS, _assert_same_step, _ckpt, _cli, _here, _metrics, _ranks, _run
 
 from moonrt.config import ConfigError
 from moonrt.jobs.train.assemble import build_model
@@ -55,8 +55,8 @@ def test_qat_under_ep2_and_pp2_resumes_the_single_process_checkpoint_and_matches
     _run(tmp_path, {"base": _here("train", *FLAGS, *QAT, "--until", "1", "--out", "base")})
     common = ("train", *FLAGS, *QAT, "--resume", "--until", "2")
     runs = {"single": _here(*common, "--out", "single", "--metrics", "single.jsonl"),
-            "ep2": _launch(2, *common, "--out", "ep2", "--metrics", "ep2.jsonl", "--ep", "2"),
-            "pp2": _launch(2, *common, "--out", "pp2", "--metrics", "pp2.jsonl", "--pp", "2", "--microbatches", "2")}
+            "ep2": _ranks(2, *common, "--out", "ep2", "--metrics", "ep2.jsonl", "--ep", "2"),
+            "pp2": _ranks(2, *common, "--out", "pp2", "--metrics", "pp2.jsonl", "--pp", "2", "--microbatches", "2")}
     for name in runs:
         shutil.copytree(tmp_path / "base", tmp_path / name)
     _run(tmp_path, runs)

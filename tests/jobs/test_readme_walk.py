@@ -4,7 +4,9 @@ in one fresh directory, so the README cannot drift from the code again.
 What the walk changes, all listed here and nothing else:
 
 - **Size.** Every ``moonrt train`` runs ``--steps 2`` (``--until N`` -> ``--until 1``: the README's stop-and-resume
-  pair still stops after step 1 and resumes to step 2); every self-test runs its smallest sizes (:data:`SELFTEST_SMALL`)
+  pair still stops after step 1 and resumes to step 2) and its final eval reads one default batch of held-out windows
+  (``--set optim.eval_windows=8``, not 32: every data-parallel replica evaluates all of them, and 32 were ~40% of a
+  two-step run); every self-test runs its smallest sizes (:data:`SELFTEST_SMALL`)
   and SLURM steps ``srun -n N`` run 2 tasks. Layouts keep their rank counts (``launch -n 8 ... --pp 2 --ep 2 --zero 1``
   still runs 8 ranks: the layout is what the line documents).
 - **Notation.** ``[--json]`` (optional flags) runs with the flag; ``hf|moonrt`` (alternatives) runs the first.
@@ -13,6 +15,12 @@ What the walk changes, all listed here and nothing else:
   ``moonrt.cluster.init_distributed`` and checking an all-reduce), ``job.yaml`` (the repo's ``configs/k3_tiny.yaml``),
   and each ``yaml`` block whose first line names its file (``# policy.yaml -- ...``); the repo's ``configs/`` are
   copied in, as a clone has them.
+- **Start-up.** The README's first command runs the installed ``.venv/bin/moonrt`` console script in a new
+  interpreter; every later one-process ``moonrt ...`` command runs ``moonrt.cli.main`` (what that script runs) with
+  the same arguments, working directory and environment in a process forked from one that imported torch once
+  (``tests/forkrun.py``: each command still imports moonrt itself; ~3-4 s of imports saved per command on 2 cores).
+  Every other program (``srun``, ``torchrun``, ``python ...``) and every rank a ``moonrt launch`` starts is a new
+  process, as the README runs it.
 - **Not run** (:data:`NOT_RUN`, each with its reason; every entry must match a README command, so the table cannot go
   stale): the install commands (this test runs inside that install) and the test command itself, and the
   ``moonrt sbatch --submit`` of a 2-node job (this machine's SLURM has one node), and the lines of *Running on
@@ -37,6 +45,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from forkrun import Server
 from runtime.test_cluster_report import clean_env, require_slurm
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,6 +79,9 @@ EXIT_CODES = {
 }
 """Commands whose documented outcome is a non-zero exit (mem-plan: exit 1 when a budget does not fit), with the
 exit code and a phrase the output must hold."""
+
+EVAL_WINDOWS = "optim.eval_windows=8"
+"""The eval size of every walked ``moonrt train`` (module docstring)."""
 
 SELFTEST_SMALL = ["--sizes", "4K", "--iters", "1", "--ep-shapes", "32x16x2x64", "--ep-maxvio", "0,16", "--ep-ffn", "8",
                   "--kcp-tokens", "64", "--kcp-shape", "1x2x8x12", "--pp-sizes", "1K", "--remote-sizes", "4K"]
@@ -137,6 +149,8 @@ def walk_argv(argv: tuple[str, ...]) -> list[str]:
                     out[j + 1] = small
         if "--steps" not in out:
             out += ["--steps", "2"]
+        if not any(a.startswith("optim.eval_windows=") for a in out):
+            out += ["--set", EVAL_WINDOWS]
     if out[0] == "srun":
         out[out.index("-n") + 1] = "2"
     if "--selftest" in out or _is(out, "selftest") or "moonrt.jobs.selftest" in out:
@@ -181,8 +195,9 @@ def test_the_walk_covers_every_command_and_its_rules_hold() -> None:
     pair = next(c for c in ran if "--until" in c.argv)
     small = walk_argv(pair.argv)
     assert small[small.index("--steps") + 1] == "2" and small[small.index("--until") + 1] == "1", small
-    assert walk_argv(("moonrt", "launch", "-n", "2", "--", "moonrt", "train", "--pp", "2"))[-2:] == ["--steps", "2"]
-    assert walk_argv(("moonrt", "train"))[-2:] == ["--steps", "2"]
+    assert walk_argv(("moonrt", "launch", "-n", "2", "--", "moonrt", "train", "--pp", "2"))[-4:] == \
+        ["--steps", "2", "--set", EVAL_WINDOWS]
+    assert walk_argv(("moonrt", "train"))[-4:] == ["--steps", "2", "--set", EVAL_WINDOWS]
     assert walk_argv(("moonrt", "checkpoint", "export", "runs/a", "w.st", "[--names", "hf|moonrt]")) == \
         ["moonrt", "checkpoint", "export", "runs/a", "w.st", "--names", "hf"]
     assert walk_argv(("srun", "-n", "16", "moonrt", "selftest"))[:3] == ["srun", "-n", "2"]
@@ -198,22 +213,33 @@ def test_every_readme_command_runs_in_order(tmp_path: Path) -> None:
     env = {**clean_env(), "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
            "MOONRT_DIST_TIMEOUT": "120"}
     timings: list[tuple[float, str]] = []
-    for cmd in readme_commands(text):
-        if cmd.text in NOT_RUN:
-            continue
-        argv = walk_argv(cmd.argv)
-        if argv[0] == "srun":
-            require_slurm("srun", "sinfo")
-            argv = ["timeout", "240", *argv[:1], "-I60", "--kill-on-bad-exit=1", *argv[1:]]
-        t0 = time.perf_counter()
-        res = subprocess.run(argv, cwd=here, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-        timings.append((time.perf_counter() - t0, cmd.text))
-        print(f"{timings[-1][0]:6.1f} s  README line {cmd.line}: {cmd.text}", flush=True)
-        rc, phrase = EXIT_CODES.get(cmd.text, (0, ""))
-        assert res.returncode == rc and phrase in res.stdout + res.stderr, (
-            f"README line {cmd.line}: {cmd.text}\nran: {shlex.join(argv)}\nexit {res.returncode}, expected {rc}"
-            f"{f' and {phrase!r} in the output' if phrase else ''}\n"
-            f"stdout:\n{res.stdout[-3000:]}\nstderr:\n{res.stderr[-3000:]}")
+    server, script_ran = Server(env), False
+    try:
+        for cmd in readme_commands(text):
+            if cmd.text in NOT_RUN:
+                continue
+            argv = walk_argv(cmd.argv)
+            if argv[0] == "srun":
+                require_slurm("srun", "sinfo")
+                argv = ["timeout", "240", *argv[:1], "-I60", "--kill-on-bad-exit=1", *argv[1:]]
+            forked = Path(argv[0]).name == "moonrt" and script_ran  # the first one runs the console script itself
+            script_ran = script_ran or Path(argv[0]).name == "moonrt"
+            t0 = time.perf_counter()
+            if forked:
+                code, stdout, stderr = server.run(argv[1:], here, TIMEOUT_S)
+            else:
+                res = subprocess.run(argv, cwd=here, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+                code, stdout, stderr = res.returncode, res.stdout, res.stderr
+            timings.append((time.perf_counter() - t0, cmd.text))
+            print(f"{timings[-1][0]:6.1f} s  README line {cmd.line}{' (forked)' if forked else ''}: {cmd.text}",
+                  flush=True)
+            rc, phrase = EXIT_CODES.get(cmd.text, (0, ""))
+            assert code == rc and phrase in stdout + stderr, (
+                f"README line {cmd.line}: {cmd.text}\nran: {shlex.join(argv)}\nexit {code}, expected {rc}"
+                f"{f' and {phrase!r} in the output' if phrase else ''}\n"
+                f"stdout:\n{stdout[-3000:]}\nstderr:\n{stderr[-3000:]}")
+    finally:
+        server.close()
     # what the walk made is what the README says it makes
     assert (here / "runs" / "a").is_dir() and (here / "w.safetensors").is_file()
     assert (here / "routing.npz").is_file() and (here / "selftest.json").is_file()

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import FLAGS, _assert_same_step, _ckpt, _cli, _here, _launch, _metrics, _moonrt, _run
+from helpers import FLAGS, _assert_same_step, _ckpt, _cli, _here, _metrics, _moonrt, _ranks, _run
 
 from moonrt.cli import main
 from moonrt.comm.parallelism import Parallelism
@@ -165,8 +165,8 @@ def test_grad_accum_step_equals_the_plain_step(tmp_path: Path, single_process_st
     common = ("train", *FLAGS, "--resume", "--until", "2")
     runs = {"accum2": _here(*common, "--out", "accum2", "--metrics", "accum2.jsonl", "--grad-accum", "2"),
             "accum4": _here(*common, "--out", "accum4", "--metrics", "accum4.jsonl", "--grad-accum", "4"),
-            "zero_dp2_accum2": _launch(2, *common, "--out", "zero_dp2_accum2", "--metrics", "zero_dp2_accum2.jsonl",
-                                       "--zero", "1", "--grad-accum", "2")}
+            "zero_dp2_accum2": _ranks(2, *common, "--out", "zero_dp2_accum2", "--metrics", "zero_dp2_accum2.jsonl",
+                                      "--zero", "1", "--grad-accum", "2")}
     for name in runs:
         shutil.copytree(shared / "base", tmp_path / name)
     _run(tmp_path, runs, timeout=1100)

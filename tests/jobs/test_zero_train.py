@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import FLAGS, _assert_same_step, _ckpt, _cli, _close, _here, _launch, _metrics, _run
+from helpers import FLAGS, _assert_same_step, _ckpt, _cli, _close, _here, _metrics, _ranks, _run
 
 
 def _adamw_bytes_per_rank(dp: int) -> int:
@@ -41,9 +41,9 @@ def test_zero1_resumes_a_single_process_checkpoint_and_matches_it(tmp_path: Path
     shared = single_process_steps  # base (step 1) and the single process's step 2, as in test_pp_train
     common = ("train", *FLAGS, "--resume", "--until", "2")
     runs = {"zero_one_process": _here(*common, "--out", "zero_one_process", "--zero", "1"),  # in this process
-            "zero_dp2": _launch(2, *common, "--out", "zero_dp2", "--metrics", "zero_dp2.jsonl", "--zero", "1"),
-            "zero_pp2_dp2": _launch(4, *common, "--out", "zero_pp2_dp2", "--metrics", "zero_pp2_dp2.jsonl",
-                                    "--pp", "2", "--microbatches", "2", "--zero", "1")}
+            "zero_dp2": _ranks(2, *common, "--out", "zero_dp2", "--metrics", "zero_dp2.jsonl", "--zero", "1"),
+            "zero_pp2_dp2": _ranks(4, *common, "--out", "zero_pp2_dp2", "--metrics", "zero_pp2_dp2.jsonl",
+                                   "--pp", "2", "--microbatches", "2", "--zero", "1")}
     for name in runs:
         shutil.copytree(shared / "base", tmp_path / name)
     _run(tmp_path, runs, timeout=1700)
