@@ -1,5 +1,5 @@
-"""Per-token layers of the dense decoder: RMSNorm (:class:`moonrt.parallel.decoder.RMSNorm`, shared with K3) and the SwiGLU
-FFN (math in :mod:`moonrt.ops`)."""
+"""Per-token layers of the dense decoder: RMSNorm (:class:`moonrt.parallel.decoder.RMSNorm`, shared with K3) and the
+SwiGLU FFN (math in :mod:`moonrt.ops`)."""
 
 from __future__ import annotations
 
