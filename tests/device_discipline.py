@@ -63,11 +63,12 @@ SANCTIONED: dict[tuple[str, str], str] = {
                                             "step, for that bookkeeping",
     ("jobs/checkpoint/sharded.py", "read_full"): "a checkpoint read whole into host memory (single-process layout, a "
                                                  "conversion tool: no model involved)",
-    ("comm/moonep_dispatch.py", "dispatch"): "the routing table and the plan (made on the counts' device) come to "
-                                              "the host in one copy per MoE layer: the transport layout and the "
-                                              "all-to-all split sizes (NCCL takes them as host lists) are host data",
-    ("scheduler/moonep_torch.py", "to_host"): "that one copy per MoE layer: the table and the device-made plan in a "
-                                              "single device-to-host transfer (see dispatch)",
+    ("comm/moonep_dispatch.py", "dispatch"): "the routing table, the plan (made on the counts' device) and the "
+                                              "top-k ids come to the host in one copy per MoE layer: the transport "
+                                              "layout and the all-to-all split sizes (NCCL takes them as host lists) "
+                                              "are host data",
+    ("scheduler/moonep_torch.py", "to_host"): "that one copy per MoE layer: the table, the device-made plan and the "
+                                              "top-k ids in a single device-to-host transfer (see dispatch)",
     ("ops/moonep_greedy.py", "greedy_numba"): "the numba backend runs on CPU tensors only (the registry refuses it "
                                               "elsewhere): .numpy() / from_numpy share memory, nothing is copied",
     ("comm/ep_collectives.py", "build_dedup"): "the dedup layout (which received rows share a token) is built on "

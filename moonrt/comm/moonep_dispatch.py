@@ -10,9 +10,10 @@ top_k, num_experts, num_slots)``, verbs in pairs (``dispatch`` returns a :class:
    collective (a rank that fails contributes a row of zeros, which the planner handles like any counts);
 2. every rank runs the same deterministic planner (the greedy of :func:`moonrt.scheduler.moonep.plan`, computed by
    :func:`moonrt.scheduler.moonep_torch.plan_device` on the counts' device before anything is copied: on CUDA the
-   kernel registry's Triton backend, on CPU its numba one; config ``kernels.moonep``), the table and the plan come
-   to the host in one copy (the layout and NCCL's all-to-all split sizes are host data: that copy is the one
-   synchronization per layer), and every rank computes its own send/receive layout (:mod:`moonrt.comm.ep_layout`);
+   kernel registry's Triton backend, on CPU its numba one; config ``kernels.moonep``), the table, the plan and this
+   rank's top-k ids come to the host in one copy (the layout and NCCL's all-to-all split sizes are host data: that
+   copy is the one synchronization per layer), and every rank computes its own send/receive layout
+   (:mod:`moonrt.comm.ep_layout`);
 3. all-to-alls move tokens (and their top-k weights) into expert-grouped rows. Rank d computes
    exactly ``plan.capacity[d]`` rows, one per assignment (``s * k`` when every rank passes the same
    s), whatever the routing: the output shape depends only on s. That holds for ``num_slots >= E/R``
@@ -291,9 +292,12 @@ class MoonEPDispatcher:
         else:
             table = row.view(1, 2 + E)
         on_device = self.plan_on_device(table[:, 2:])
+        ids_host = None
         if on_device is None:
             table = table.cpu()  # the planner and the transport layout are host code: one copy of the counts
-        else:  # the plan was made where the counts are; it and the table come to the host in one copy
+        elif code == 0 and topk_ids.device == table.device:  # plan, table and top-k ids come over in one copy
+            on_device, (table, ids_host) = to_host(on_device, table, topk_ids)
+        else:
             on_device, (table,) = to_host(on_device, table)
         if code:
             raise ValueError(f"MoonEP dispatch (EP rank {self.rank}): {message}")
@@ -309,7 +313,8 @@ class MoonEPDispatcher:
             plan, placement = self.place(counts, total)
         else:
             plan, placement = on_device, on_device.to_torch()
-        layout = build_layout(topk_ids.cpu(), counts, placement.alloc, placement.copies, self.rank)
+        ids_host = topk_ids.cpu() if ids_host is None else ids_host
+        layout = build_layout(ids_host, counts, placement.alloc, placement.copies, self.rank)
         if layout.rows != int(placement.capacity[self.rank]):
             raise RuntimeError(f"MoonEP layout has {layout.rows} rows, plan capacity is "
                                f"{int(placement.capacity[self.rank])}: planner and layout disagree")
