@@ -21,7 +21,9 @@ PEER_KEY = "moonrt/peer/"
 MAX_PEER_TABLE = 1024
 """Largest world whose ranks read every rank's host at the rendezvous (one store read of ``world`` keys per rank)."""
 _PEERS: dict[int, tuple[str, str]] = {}
-_GLOO_PEER = re.compile(r"(?:closed|reset) by peer \[([0-9A-Fa-f.:]+)\]:\d+")
+_GLOO_PEER = re.compile(r"(?:(?:closed|reset) by peer|(?:Read|Write) error) \[([0-9A-Fa-f.:]+)\]:\d+")
+"""gloo's forms of a lost connection: "Connection closed by peer [addr]:port" (an orderly close, e.g. a killed
+process's socket) and "Read error [addr]:port: Connection reset by peer" (a reset, e.g. a whole node gone)."""
 
 
 def _publish_peer(store, rdzv: Rendezvous) -> None:
@@ -64,7 +66,8 @@ def _read_peers(store, rdzv: Rendezvous) -> None:
 def describe_lost_peers(text: str, peers: Mapping[int, tuple[str, str]] | None = None, *, me: int | None = None
                         ) -> str | None:
     """A line naming the ranks and host of each peer address that gloo reports gone in ``text`` ("Connection closed
-    by peer [10.0.0.12]:40587": a dead node, killed ranks), from ``peers`` (rank -> (host name, address); default:
+    by peer [10.0.0.12]:40587", "Read error [10.0.0.12]:40587: Connection reset by peer": a dead node, killed
+    ranks), from ``peers`` (rank -> (host name, address); default:
     the table read at the rendezvous); ``None`` when ``text`` names no such peer, or only this rank's (``me``) own
     host (a single-host job: the launcher names the failed rank itself)."""
     peers = _PEERS if peers is None else peers

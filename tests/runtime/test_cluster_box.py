@@ -346,7 +346,8 @@ def test_launch_nnodes_bad_input(argv: list[str], message: str, capsys: pytest.C
 
 
 def test_describe_lost_peers_names_the_ranks_of_the_address_gloo_reports() -> None:
-    """Runs anywhere: gloo's "closed by peer [addr]:port" -> that host's ranks; this rank's own host is not named."""
+    """Runs anywhere: gloo's "closed by peer [addr]:port" and "Read error [addr]:port: ... reset by peer" -> that
+    host's ranks; this rank's own host is not named."""
     from moonrt.cluster.peers import describe_lost_peers
 
     peers = {0: ("node1", "10.0.0.1"), 1: ("node1", "10.0.0.1"), 2: ("node2", "10.0.0.2"), 3: ("node2", "10.0.0.2")}
@@ -357,6 +358,9 @@ def test_describe_lost_peers_names_the_ranks_of_the_address_gloo_reports() -> No
         "moonrt: lost the connection to ranks [2, 3] on node2")
     assert describe_lost_peers(text, peers, me=2) is None  # its own host: the launcher names the failed rank
     assert describe_lost_peers("some other error", peers, me=0) is None
+    # the reset form (seen when a whole node's namespace was killed): address before the reason
+    reset = "[pair.cc:537] Read error [10.0.0.2]:58549: Connection reset by peer. This is typically caused by"
+    assert describe_lost_peers(reset, peers, me=0).startswith("moonrt: lost the connection to ranks [2, 3] on node2")
 
 
 # ---------------------------------------------------------------------------------------------------------------
