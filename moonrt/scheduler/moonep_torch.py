@@ -91,13 +91,14 @@ def _finish(alloc3: torch.Tensor, quota: torch.Tensor, cap: torch.Tensor, B: int
     return MoonEPPlan(alloc=alloc, copies=copies, capacity=capacity, cuts=cuts, donor=donor, num_slots=B, target=cap)
 
 
-def _targets(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(load [R, G], cap [R])`` int64 on the counts' device: per home group and expert, the assignments over all
-    sources, and each rank's target (floor(total / R), the first ``total % R`` ranks one more, §6.1)."""
+def _targets(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(load [R, G], cap [R], tie [R])`` int64 on the counts' device: per home group and expert, the assignments
+    over all sources; each rank's target (floor(total / R), the first ``total % R`` ranks one more, §6.1); and
+    ``R - 1 - rank``, the tie-break key that is larger for smaller ranks."""
     R, E = counts.shape
     load = counts.sum(0, dtype=torch.int64).view(R, E // R)
-    tie = torch.arange(R - 1, -1, -1, device=counts.device)  # larger for smaller ranks
-    return load, (load.sum() + tie) // R
+    tie = torch.arange(R - 1, -1, -1, device=counts.device)
+    return load, (load.sum() + tie) // R, tie
 
 
 def plan_device(counts: torch.Tensor, num_slots: int | None = None, total_tokens: int | None = None,
@@ -124,7 +125,7 @@ def plan_device(counts: torch.Tensor, num_slots: int | None = None, total_tokens
     R, E = counts.shape
     G = E // R
     dev = counts.device
-    load, cap = _targets(counts)
+    load, cap, _ = _targets(counts)
     alloc3 = kernel("moonep_greedy", kernels, dev)(load, cap)
     given = alloc3.sum(1).fill_diagonal_(0)  # [h, u]: group h's assignments computed on u != h
     return _finish(alloc3, given, cap, B, torch.arange(R, device=dev), torch.arange(G, device=dev))
@@ -147,10 +148,8 @@ def plan_prefix(counts: torch.Tensor, num_slots: int | None = None, total_tokens
     R, E = counts.shape
     G = E // R
     dev = counts.device
-    load_RG = counts.sum(0, dtype=torch.int64).view(R, G)  # [group h, expert i]
+    load_RG, cap, tie = _targets(counts)  # [group h, expert i], targets, tie-break key
     group = load_RG.sum(1)  # [R]
-    tie = torch.arange(R - 1, -1, -1, device=dev)  # larger for smaller ranks
-    cap = (group.sum() + tie) // R  # floor(total / R), the first total % R ranks one more (§6.1)
     bal = group - cap
     # Group balance on a line. Row 0: donor positions (surplus descending, ties smaller rank, then the
     # non-donors with 0); row 1: receiver positions by deficit likewise. Keys are distinct.
