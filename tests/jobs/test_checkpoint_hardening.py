@@ -21,7 +21,6 @@ import json
 import os
 import pickle
 import shutil
-import subprocess
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from typing import Any
 import pytest
 import torch
 from dist import dist_run
+from mounts import small_tmpfs
 
 from moonrt.cli import main as cli
 from moonrt.comm.parallelism import Parallelism
@@ -351,15 +351,12 @@ def _save_two_ranks_on_a_full_disk(rank: int, world: int, root: str, mode: str) 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", ["patched", "tmpfs"])
 def test_no_space_during_a_two_rank_save_keeps_the_previous_step(tmp_path: Path, mode: str) -> None:
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    if mode == "tmpfs":
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)], capture_output=True,
-                              text=True)
-        if done.returncode != 0:
-            pytest.skip(f"cannot mount a 2 MiB tmpfs here ({done.stderr.strip() or done.returncode}): the "
-                        "'patched' case covers ENOSPC with a writer that fails")
-    try:
+    with contextlib.ExitStack() as stack:
+        if mode == "tmpfs":
+            disk = stack.enter_context(small_tmpfs(tmp_path / "disk", "2m"))
+        else:
+            disk = tmp_path / "disk"
+            disk.mkdir()
         root = disk / "checkpoint"
         got = dist_run(_save_two_ranks_on_a_full_disk, 2, str(root), mode, timeout=240)
         for r in got:
@@ -369,9 +366,6 @@ def test_no_space_during_a_two_rank_save_keeps_the_previous_step(tmp_path: Path,
         model, opt = _linear(5, 128)
         assert checkpoint_dcp.load_sharded(root, model, opt) == 1
         assert torch.equal(model.weight, ref.weight)
-    finally:
-        if mode == "tmpfs":
-            subprocess.run(["umount", str(disk)], check=False)
 
 
 def test_a_symlink_planted_at_the_save_directory_is_not_written_through(tmp_path: Path) -> None:

@@ -58,12 +58,6 @@ MULTI: dict[str, list[str]] = {
 }
 """Two-rank layouts: the flags each adds to :data:`FLAGS`."""
 
-OWNED: dict[str, tuple[str, tuple[str, ...]]] = {}
-"""Layouts whose remaining violations are in files a not yet merged branch owns -> (who and where, those files):
-the case is a strict xfail until that fix merges; :func:`test_owned_layouts_fail_only_in_the_owners_files` holds
-everything else in them to the rule meanwhile (empty: every layout holds everywhere)."""
-
-
 def _corpus(tmp: Path) -> Path:
     path = tmp / "docs.txt"
     if not path.exists():
@@ -146,13 +140,9 @@ def layout_violations(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dic
     return got
 
 
-def _case(name: str) -> Any:
-    marks = [pytest.mark.xfail(strict=True, reason=OWNED[name][0])] if name in OWNED else []
-    return pytest.param(name, marks=marks, id=name)
-
-
+@pytest.mark.slow  # the session fixture runs 8 one-process and 7 two-rank layouts (minutes): not the fast lane
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("layout", [_case(n) for n in (*SINGLE, *MULTI)])
+@pytest.mark.parametrize("layout", [*SINGLE, *MULTI])
 def test_layout_passes_every_checker(layout: str, layout_violations: dict[str, dict[str, list[str]]]) -> None:
     """One step, an eval, a checkpoint and a resumed step of the layout: every checker found nothing."""
     found = layout_violations[layout]
@@ -162,16 +152,7 @@ def test_layout_passes_every_checker(layout: str, layout_violations: dict[str, d
         assert not violations, f"{layout}: {checker}:\n" + "\n".join(sorted(set(violations)))
 
 
-@pytest.mark.timeout(900)
-def test_owned_layouts_fail_only_in_the_owners_files(layout_violations: dict[str, dict[str, list[str]]]) -> None:
-    """A layout marked xfail for another branch's files runs, and finds nothing anywhere else."""
-    for layout, (_, files) in OWNED.items():
-        found = layout_violations[layout]
-        assert "error" not in found, found["error"][0]
-        others = [v for vs in found.values() for v in vs if not any(f"{f}:" in v for f in files)]
-        assert not others, f"{layout}:\n" + "\n".join(sorted(set(others)))
-
-
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_doc_table_names_every_recorded_call(layout_violations: dict[str, dict[str, list[str]]]) -> None:
     """Every (call, group) the layout runs recorded has a row in docs/ARCHITECTURE.md's collectives table."""

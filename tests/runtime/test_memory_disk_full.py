@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from mounts import small_tmpfs
 from test_memory_disk import _open_files_under
 from torch import nn
 
@@ -52,22 +53,9 @@ def _train_args(tmp_path: Path, disk_path: Path) -> list[str]:
 
 @pytest.fixture
 def small_fs(tmp_path: Path):
-    """A 256 KiB tmpfs (a real full filesystem); skipped where mounting is not permitted."""
-    if not sys.platform.startswith("linux") or shutil.which("mount") is None:
-        pytest.skip("needs Linux mount(8) for a small tmpfs")
-    if os.geteuid() != 0:
-        pytest.skip("needs root to mount a small tmpfs")
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k,mode=0700", "tmpfs", str(mnt)],
-                         capture_output=True, text=True)
-    if res.returncode != 0:
-        pytest.skip(f"mount -t tmpfs not permitted here: {res.stderr.strip() or res.returncode}")
-    try:
+    """A 256 KiB tmpfs (a real full filesystem): :func:`mounts.small_tmpfs`."""
+    with small_tmpfs(tmp_path / "small", "256k") as mnt:
         yield mnt
-    finally:
-        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
 def test_train_on_a_full_filesystem_is_one_line_not_sigbus(tmp_path: Path, small_fs: Path) -> None:
