@@ -3,11 +3,29 @@ abbreviation rules; jobs without a launcher identity kept apart; ranks under tor
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+import time
 from pathlib import Path
 
 import pytest
+from test_cluster_report import clean_env
 
 from moonrt.cli import main as cli_main
+from moonrt.cluster.network import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _wait_for(predicate, deadline_s: float = 120.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + deadline_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} not reached within {deadline_s:g} s")
+        time.sleep(0.1)
+
 
 # ---------------------------------------------------------------------------------------------
 # 3. sbatch: rank count bound, options sbatch reads as one the script writes
@@ -88,3 +106,119 @@ def test_sbatch_line_keeps_sbatchs_other_options(line, tmp_path, capsys):
     """``--gpus`` is an option of its own (an exact name wins over an abbreviation), not ``--gpus-per-node``."""
     assert cli_main(_sbatch(tmp_path, "--sbatch-line", line)) == 0, capsys.readouterr().err
     assert line in (tmp_path / "job.sbatch").read_text().splitlines()
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Jobs without a launcher identity (plain RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT) kept apart
+
+PLAIN_JOIN = textwrap.dedent("""
+    import json, os, sys, time
+    here = sys.argv[1]
+    import torch.distributed as dist
+    from moonrt.cluster.env import init_distributed
+    tag = os.environ["JOB_TAG"] + "-" + os.environ["RANK"]
+    try:
+        init_distributed()
+    except ValueError as exc:
+        print(f"moonrt test: {exc}", file=sys.stderr)
+        sys.exit(2)
+    open(os.path.join(here, "joined-" + tag), "w").close()
+    while not os.path.exists(os.path.join(here, "release")):
+        time.sleep(0.1)
+    ids = [None] * dist.get_world_size()
+    dist.all_gather_object(ids, os.environ["JOB_TAG"])
+    print("GROUP " + json.dumps(ids), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+""")
+
+
+def _plain_rank(prog: Path, here: Path, job: str, rank: int, port: int) -> subprocess.Popen:
+    """A rank started as a hand-written script starts it: only RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT."""
+    env = {k: v for k, v in clean_env().items() if k != "MOONRT_JOB_ID" and not k.startswith("TORCHELASTIC_")}
+    env.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), JOB_TAG=job,
+               MOONRT_DIST_TIMEOUT="60", PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]))
+    return subprocess.Popen([sys.executable, str(prog), str(here)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow
+def test_a_second_job_without_identity_on_one_port_is_refused_naming_the_clash(tmp_path):
+    """Job A (2 ranks, plain variables) has formed its group; job B, started the same way on the same port, used
+    to join A's store (two unnamed jobs compared equal): B's rank 1 took A's rank slot. Now each of B's ranks fails
+    in one line naming the clash, and A runs on, unaffected."""
+    prog = tmp_path / "join.py"
+    prog.write_text(PLAIN_JOIN)
+    port = free_port()
+    procs = {f"A-{r}": _plain_rank(prog, tmp_path, "A", r, port) for r in range(2)}
+    try:
+        _wait_for(lambda: all((tmp_path / f"joined-{t}").exists() or p.poll() is not None for t, p in procs.items()),
+                  what="job A's group formed")
+        assert all(p.poll() is None for p in procs.values()), {t: p.communicate() for t, p in procs.items()}
+        for r in range(2):
+            procs[f"B-{r}"] = _plain_rank(prog, tmp_path, "B", r, port)
+        for r in range(2):
+            p = procs[f"B-{r}"]
+            try:
+                _, err = p.communicate(timeout=50)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"job B's rank {r} still running 50 s after it started (joined job A's store?)")
+            lines = [ln for ln in err.splitlines() if f"another job is using MASTER_ADDR:MASTER_PORT = 127.0.0.1:{port}"
+                     in ln]
+            assert p.returncode == 2 and len(lines) == 1, f"B-{r}: exit {p.returncode}\n{err[-3000:]}"
+            assert not (tmp_path / f"joined-B-{r}").exists()
+        (tmp_path / "release").touch()
+        for r in range(2):
+            out, err = procs[f"A-{r}"].communicate(timeout=60)
+            assert procs[f"A-{r}"].returncode == 0, err[-3000:]
+            assert 'GROUP ["A", "A"]' in out.splitlines(), out
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def test_identity_check_without_a_launcher_identity(tmp_path):
+    """In one process, with real stores: rank 0 publishes a nonce; each rank slot is claimed once; a second rank 0,
+    or a second process for one rank, is refused naming the clash; named jobs are checked as before (a torchrun
+    worker restarted into the agent's store rejoins)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from moonrt.cluster.detect import Rendezvous
+    from moonrt.cluster.store import check_job_identity, master_store
+
+    store = master_store("127.0.0.1", 0, 2, timedelta(seconds=10))
+    port = store.port
+    client = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timedelta(seconds=10))
+    where = f"another job is using MASTER_ADDR:MASTER_PORT = 127.0.0.1:{port}: "
+
+    def rdzv(rank: int) -> Rendezvous:
+        return Rendezvous(rank, 2, rank, "127.0.0.1", port, "torchrun")
+
+    check_job_identity(store, rdzv(0), {})
+    assert store.get("moonrt/job_identity").decode().startswith("a job without a launcher identity")
+    check_job_identity(client, rdzv(1), {})  # the job's own rank 1 claims its slot
+    with pytest.raises(ValueError) as exc:  # another job's rank 1 (a fresh claim) on the same port
+        check_job_identity(client, rdzv(1), {})
+    assert str(exc.value).startswith(where + "rank 1 of the job there (a job without a launcher identity"), exc.value
+    assert f"has joined already (pid {os.getpid()} on " in str(exc.value), exc.value
+    with pytest.raises(ValueError, match="^" + where + r"its rank 0 \(a job without a launcher identity.*nonce"):
+        check_job_identity(client, rdzv(0), {})  # a second rank 0 that reached this store
+    with pytest.raises(ValueError, match="belongs to a job without a launcher identity.*but this process .rank 1. "
+                                         "belongs to SLURM job 7 step 0"):
+        check_job_identity(client, rdzv(1), {"SLURM_JOB_ID": "7"})
+    with pytest.raises(ValueError, match=where + ".*Address already in use"):
+        master_store("127.0.0.1", port, 2, timedelta(seconds=10), connect="127.0.0.1")  # a second rank 0's bind
+
+    agent = master_store("127.0.0.1", 0, 2, timedelta(seconds=10))
+    named = {"TORCHELASTIC_RUN_ID": "r1"}
+    other = Rendezvous(1, 2, 1, "127.0.0.1", agent.port, "torchrun")
+    check_job_identity(agent, Rendezvous(0, 2, 0, "127.0.0.1", agent.port, "torchrun"), named)
+    check_job_identity(agent, other, named)
+    check_job_identity(agent, other, named)  # a restarted worker of the same run: no slot to claim
+    with pytest.raises(ValueError, match="belongs to torchrun run r1, but this process .rank 1. belongs to a job "
+                                         "without a launcher identity"):
+        check_job_identity(agent, other, {})
