@@ -1,30 +1,24 @@
-"""Issue 45, cluster part: `moonrt sbatch` sizes bounded and `--sbatch-line` compared after SLURM's own option
-abbreviation rules; jobs without a launcher identity kept apart; ranks under torchrun die with its agent."""
+"""Issue 45, cluster part: ranks under torchrun die with its agent; jobs without a launcher identity kept apart;
+`moonrt sbatch` sizes bounded and `--sbatch-line` compared after SLURM's own option abbreviation rules."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
+from test_cluster_hardening import _gone, _wait_for
 from test_cluster_report import clean_env
 
 from moonrt.cli import main as cli_main
 from moonrt.cluster.network import free_port
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _wait_for(predicate, deadline_s: float = 120.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + deadline_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what} not reached within {deadline_s:g} s")
-        time.sleep(0.1)
+TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,3 +216,120 @@ def test_identity_check_without_a_launcher_identity(tmp_path):
     with pytest.raises(ValueError, match="belongs to torchrun run r1, but this process .rank 1. belongs to a job "
                                          "without a launcher identity"):
         check_job_identity(agent, other, {})
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Ranks die with torchrun's agent
+
+
+def _children(pid: int) -> list[int]:
+    """Pids of the live processes whose parent is ``pid`` (from /proc)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        fields = text[text.rindex(")") + 2:].split()
+        if int(fields[1]) == pid and fields[0] not in "ZX":
+            out.append(int(stat.parent.name))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not TORCHRUN.exists(), reason=f"no torchrun beside {sys.executable}")
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc to find torchrun's workers")
+def test_ranks_die_with_a_killed_torchrun(tmp_path):
+    """``kill -9`` of torchrun used to leave both ranks of a ``moonrt train`` training on, unsupervised, holding the
+    ``--out`` lock. Now each rank dies with its agent (the parent-death signal, or the watchdog), and the lock is
+    free for the next run."""
+    from moonrt.jobs.train.outputs import lock_out_dir
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(400)))
+    out, metrics = tmp_path / "run", tmp_path / "metrics.jsonl"
+    env = {k: v for k, v in clean_env().items() if k != "MOONRT_JOB_ID" and not k.startswith("TORCHELASTIC_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    agent = subprocess.Popen([str(TORCHRUN), "--standalone", "--nproc-per-node", "2", "--no-python", sys.executable,
+                              "-m", "moonrt.cli", "train", "--steps", "100000", "--corpus", str(corpus),
+                              "--batch-size", "2", "--seq-len", "16", "--no-progress", "--out", str(out),
+                              "--metrics", str(metrics)],
+                             cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    ranks: list[int] = []
+    try:
+        _wait_for(lambda: (metrics.exists() and metrics.read_text().count("\n") >= 1) or agent.poll() is not None,
+                  240, "the first metrics line of the torchrun job")
+        assert agent.poll() is None, agent.communicate()[1][-4000:]
+        ranks = _children(agent.pid)
+        assert len(ranks) == 2, ranks
+        agent.kill()  # SIGKILL: torchrun cannot stop its workers
+        agent.wait(timeout=30)
+        _wait_for(lambda: all(_gone(pid) for pid in ranks), 20, "both ranks gone within 20 s of torchrun's kill -9")
+        with lock_out_dir(out, create=False):  # a new run can take --out
+            pass
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+        for pid in ranks:
+            try:
+                os.killpg(pid, signal.SIGKILL)  # torchrun starts each worker in a session of its own
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+AGENT_CHILD = textwrap.dedent("""
+    import os, sys, time
+    from moonrt.cluster import lifeline
+    if sys.argv[1] == "watchdog":  # no prctl (macOS, BSD): the thread watches the agent instead
+        lifeline.libc_prctl = lambda: None
+    lifeline.watch_launcher(poll_s=0.1)
+    print(os.getpid(), lifeline.parent_death_signal(), flush=True)
+    while True:
+        time.sleep(0.2)
+""")
+AGENT = textwrap.dedent("""
+    import os, subprocess, sys, time
+    env = {k: v for k, v in os.environ.items() if k != "MOONRT_LAUNCHER_PID"}
+    env["TORCHELASTIC_RUN_ID"] = "test-run"  # what torchrun's agent gives each worker, which it starts like this
+    child = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], env=env, stdout=subprocess.PIPE,
+                             text=True, start_new_session=True)
+    print(child.stdout.readline().strip(), flush=True)
+    time.sleep(3600)
+""")
+
+
+@pytest.mark.parametrize(("how", "pdeathsig"), [("prctl", int(signal.SIGKILL)), ("watchdog", 0)])
+def test_torchrun_worker_dies_with_its_agent(how, pdeathsig):
+    """A stand-in agent (no torch) starts a worker as torchrun does; kill -9 of the agent ends the worker, through the
+    parent-death signal the worker set itself, or, without prctl, through the watchdog thread."""
+    env = {k: v for k, v in clean_env().items() if not k.startswith("TORCHELASTIC_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    agent = subprocess.Popen([sys.executable, "-c", AGENT, AGENT_CHILD, how], env=env, stdout=subprocess.PIPE,
+                             text=True)
+    pid = None
+    try:
+        pid_s, sig = agent.stdout.readline().split()
+        pid = int(pid_s)
+        assert int(sig) == pdeathsig
+        assert not _gone(pid)
+        agent.kill()
+        agent.wait(timeout=30)
+        _wait_for(lambda: _gone(pid), 20, "the worker gone after its agent's kill -9")
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_only_torchrun_workers_bind_to_their_parent():
+    from moonrt.cluster.lifeline import die_with_agent
+
+    assert die_with_agent({}) is None
+    assert die_with_agent({"TORCHELASTIC_RUN_ID": "r", "MOONRT_LAUNCHER_PID": "1234"}) is None  # moonrt launch's rank
