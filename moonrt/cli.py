@@ -93,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     name, rest = argv[0], argv[1:]
+    from moonrt.cluster.lifeline import die_with_agent
+
+    die_with_agent()  # a torchrun worker dies with torchrun's agent, bound before torch loads (lifeline module doc)
     if name != "train":
         return _run(name, rest)
     from moonrt.cluster.preempt import Aborted, disarm_early

@@ -25,7 +25,8 @@ and wins; a field it leaves ``None`` takes the launcher's environment variable, 
 (Linux ``PR_SET_PDEATHSIG``); it also passes its pid in ``MOONRT_LAUNCHER_PID``, and where no parent-death
 signal is set (no ``prctl``: macOS, BSD) :func:`init_distributed` starts
 :func:`moonrt.cluster.lifeline.watch_launcher`, a thread that kills the rank (and its process group) once the
-launcher is gone.
+launcher is gone. A torchrun worker dies with torchrun's agent the same way: it sets the parent-death signal itself
+(:func:`moonrt.cluster.lifeline.die_with_agent`), or the thread watches the agent.
 """
 
 from __future__ import annotations

@@ -16,7 +16,9 @@ what it sets (one line naming both). The command receives ``--config <absolute p
 
 ``--gpus-per-node``, ``--account``, ``--qos``, ``--mem`` (SLURM sizes: ``64G``, ``500M``, ``0``) and raw
 ``--sbatch-line '#SBATCH --option[=value]'`` lines (repeatable; one value of shell-safe characters, not an option the
-script writes itself: :data:`WRITTEN_OPTIONS`) add ``#SBATCH`` directives, all before the script's first command.
+script writes itself: :data:`WRITTEN_OPTIONS`, nor an alias or abbreviation sbatch reads as one, ``--sig`` for
+``--signal``: :func:`written_options`) add ``#SBATCH`` directives, all before the script's first command.
+``--nodes`` x ``--ntasks-per-node`` is at most :data:`MAX_RANKS` (65,536) ranks.
 
 The script is rendered by the pure function :func:`render_sbatch` from a :class:`SbatchJob`.
 Every value is validated before it is written: the ``#SBATCH`` values (job name, partition, time
@@ -79,10 +81,12 @@ _NAME = re.compile(r"[\w.-]+", re.ASCII)
 """An account or QOS name: letters, digits, '_', '.', '-'."""
 _MEM = re.compile(r"(0|[1-9]\d{0,11})[KMGT]?", re.ASCII)
 """SLURM's ``--mem``: an integer (MB by default; 0: all of each node's memory), optionally with a K, M, G, T unit."""
-_SBATCH_LINE = re.compile(r"#SBATCH --(?P<opt>[A-Za-z][A-Za-z0-9-]*)(?:[= ][\w@%+=:,./-]+)?", re.ASCII)
+_SBATCH_LINE = re.compile(r"#SBATCH --(?P<opt>[A-Za-z][A-Za-z0-9-]*)(?:(?P<sep>[= ])(?P<value>[\w@%+=:,./-]+))?",
+                          re.ASCII)
 """A raw ``--sbatch-line``: ``#SBATCH --option`` with at most one value of shell-safe characters (:data:`_SAFE`),
 joined by ``=`` or one space: no quotes, no whitespace inside, no newline, nothing ``sbatch`` or bash could read as
-more than one option."""
+more than one option (a value after a space must not start with ``-``: after an option that takes no value, or an
+optional one, sbatch would read it as an option: ``--hold --nodes=4``)."""
 MAX_GPUS_PER_NODE = 1024
 """Largest ``--gpus-per-node``: a bound far above any node (8 to 16 GPUs), so that a typo is refused here."""
 WRITTEN_OPTIONS = {"job-name": "--job-name", "nodes": "--nodes", "ntasks-per-node": "--ntasks-per-node",
@@ -92,7 +96,17 @@ WRITTEN_OPTIONS = {"job-name": "--job-name", "nodes": "--nodes", "ntasks-per-nod
                    "qos": "--qos", "mem": "--mem"}
 """``#SBATCH`` options the script writes itself (or that its ``srun`` line fixes) -> the ``moonrt sbatch`` flag that
 sets them: a ``--sbatch-line`` naming one is refused (two values of one option, or a task count that contradicts the
-rank layout)."""
+rank layout), also under another name sbatch reads as one of them (:func:`written_options`)."""
+SBATCH_ALIASES = {"tasks-per-node": "ntasks-per-node"}
+"""sbatch's other long names of a written option (the same option in SLURM's table, ``src/common/slurm_opt.c``,
+unchanged from 20.02 to 25.x)."""
+SBATCH_EXACT_PREFIXES = frozenset({"gpus"})
+"""sbatch options of their own whose names are proper prefixes of a written option's (``--gpus`` is not
+``--gpus-per-node``): an exact name wins over an abbreviation in ``getopt_long`` (SLURM's table, as above)."""
+MAX_RANKS = 65536
+"""Largest ``--nodes`` x ``--ntasks-per-node``: 64 Ki ranks, far above any job moonrt runs (K3's report: thousands
+of GPUs) and far below what would overflow SLURM's task counts, so that a typo (``--nodes 100000000``) is refused
+here rather than queued."""
 TIME_FORMATS = ("a SLURM time limit: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS (minutes and seconds < 60 after "
                 "the first field, hours < 24 after a day part), 0 or UNLIMITED")
 
@@ -122,6 +136,20 @@ def slurm_seconds(value: str) -> int | None:
     if not all(bounded):
         raise ValueError(f"time limit {value!r}: a field out of range")
     return total or None
+
+
+def written_options(name: str) -> list[str]:
+    """The written options (keys of :data:`WRITTEN_OPTIONS`) that sbatch may read ``--name`` as: ``[name]`` itself,
+    the option an alias names (:data:`SBATCH_ALIASES`), or every written option ``name`` abbreviates, since sbatch
+    parses its options (``#SBATCH`` lines included) with ``getopt_long``, which takes any unambiguous prefix of a
+    long option (``--sig`` for ``--signal``) and refuses an ambiguous one. Empty when ``name`` is none of them: an
+    exact sbatch option (:data:`SBATCH_EXACT_PREFIXES`) or the prefix of no written name."""
+    if name in WRITTEN_OPTIONS:
+        return [name]
+    if name in SBATCH_EXACT_PREFIXES:
+        return []
+    full = [SBATCH_ALIASES.get(f, f) for f in (*WRITTEN_OPTIONS, *SBATCH_ALIASES) if f.startswith(name)]
+    return sorted(set(full), key=len)
 
 
 def _is_int(value: object) -> bool:
@@ -175,6 +203,9 @@ class SbatchJob:
         for field in ("nodes", "ntasks_per_node"):
             value = getattr(self, field)
             check(_is_int(value) and value >= 1, name(field), value, "an integer >= 1")
+        if self.nodes * self.ntasks_per_node > MAX_RANKS:
+            raise ConfigError(f"{name('nodes')} x {name('ntasks_per_node')} = {self.nodes} x {self.ntasks_per_node} = "
+                              f"{self.nodes * self.ntasks_per_node} ranks: expected at most {MAX_RANKS} (MAX_RANKS)")
         check(self.cpus_per_task is None or (_is_int(self.cpus_per_task) and self.cpus_per_task >= 1),
               name("cpus_per_task"), self.cpus_per_task, "an integer >= 1")
         check(isinstance(self.job_name, str) and bool(re.fullmatch(r"[\w.-]+", self.job_name, re.ASCII)),
@@ -219,8 +250,14 @@ class SbatchJob:
                   "value of letters, digits and '_ @ % + = : , . / -' (no spaces, quotes, newlines or shell "
                   "metacharacters)")
             opt = m.group("opt") if m else ""
-            check(opt not in WRITTEN_OPTIONS, name("sbatch_lines"), line,
-                  f"an option the script does not write itself (moonrt sbatch {WRITTEN_OPTIONS.get(opt)} sets it)")
+            written = written_options(opt)
+            check(not written, name("sbatch_lines"), line,
+                  f"an option the script does not write itself (moonrt sbatch {WRITTEN_OPTIONS[written[0]]} sets it"
+                  + ("" if written == [opt] else f"; sbatch reads --{opt} as --{' or --'.join(written)}") + ")"
+                  if written else "")
+            check(not (m and m.group("sep") == " " and m.group("value").startswith("-")), name("sbatch_lines"),
+                  line, "a value joined with '=' when it starts with '-' (after a space, sbatch may read it as an "
+                  "option of its own)")
         if self.requeue and seconds is not None:  # SLURM would signal before (or as) the job starts
             check(self.signal_lead_s < seconds, name("signal_lead_s"), self.signal_lead_s,
                   f"fewer seconds than the time limit {name('time')} = {self.time!r} ({seconds} s)")

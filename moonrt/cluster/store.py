@@ -22,13 +22,25 @@ per-job random ``MOONRT_JOB_ID``, else the SLURM job and step ids, else torchrun
 every other rank compares it with its own before joining the group (:func:`check_job_identity`): a rank that
 reached another job's store fails with a ``ValueError`` naming both jobs instead of joining. (The MPI path's store
 port is chosen by the OS and sent through MPI: private to the job, not checked.)
+
+**Jobs without a launcher identity** (only ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, as a
+hand-written script sets them) share nothing that tells two of them apart, so what they share at the rendezvous is
+made unique instead: rank 0 publishes a fresh random nonce as its job's identity (into a store it has just opened:
+a port where another job's store listens is refused at the bind), and every other rank reads it and then claims
+its rank's slot in that store (``compare_set``, one process per slot). A second rank 0 on a port in use, or a rank
+whose slot another process holds (the rank of the job that got there first), fails with one line saying "another
+job is using MASTER_ADDR:MASTER_PORT = host:port" and writes nothing else into that store: a job started on the
+port of a running one fails whole, and the running one is untouched. (Ranks of two such jobs started at the same
+moment are told apart only by who claims a slot first: each rank that loses fails naming the clash.)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import ipaddress
 import os
+import secrets
 import socket
 from collections.abc import Mapping
 from datetime import timedelta
@@ -44,6 +56,10 @@ JOB_ID_ENV = "MOONRT_JOB_ID"
 """Per-job random nonce that ``moonrt launch`` gives its ranks: their job identity (:func:`job_identity`)."""
 IDENTITY_KEY = "moonrt/job_identity"
 """Key under which rank 0 publishes its job identity in its rendezvous store."""
+SLOT_KEY = "moonrt/rank_slot/"
+"""Key prefix under which each rank > 0 of a job without a launcher identity claims its rank (``compare_set``)."""
+NO_IDENTITY = "a job without a launcher identity (no MOONRT_JOB_ID, SLURM_JOB_ID or torchrun run id)"
+"""How the identity rank 0 publishes for such a job starts; its nonce follows."""
 
 
 def job_identity(environ: Mapping[str, str] = os.environ) -> str | None:
@@ -63,8 +79,29 @@ def job_identity(environ: Mapping[str, str] = os.environ) -> str | None:
 
 def check_job_identity(store, rdzv: Rendezvous, environ: Mapping[str, str] = os.environ) -> None:
     """Rank 0 publishes this job's identity in its ``store``; any other rank compares it with its own and raises
-    ``ValueError`` naming both jobs when they differ (it reached another job's store: it must not join)."""
-    mine = job_identity(environ) or "a job without an identity (no MOONRT_JOB_ID, SLURM_JOB_ID or torchrun run id)"
+    ``ValueError`` naming both jobs when they differ (it reached another job's store: it must not join). Without a
+    launcher identity (:func:`job_identity` ``None``) rank 0 publishes a fresh nonce and every other rank claims its
+    rank's slot; a ``ValueError`` names the clash when the identity or the slot is another process's (module doc)."""
+    mine = job_identity(environ)
+    where = f"MASTER_ADDR:MASTER_PORT = {rdzv.master_addr}:{rdzv.master_port}"
+    if mine is None:
+        if rdzv.rank == 0:
+            nonce = f"{NO_IDENTITY}, nonce {secrets.token_hex(8)}"
+            found = store.compare_set(IDENTITY_KEY, "", nonce).decode(errors="replace")
+            if found != nonce:
+                raise ValueError(f"another job is using {where}: its rank 0 ({found}) published its identity there "
+                                 "first; not starting a second rank 0 (give each job a MASTER_PORT of its own)")
+            return
+        theirs = store.get(IDENTITY_KEY).decode(errors="replace")
+        if theirs.startswith(NO_IDENTITY):
+            token = f"pid {os.getpid()} on {socket.gethostname()}, {secrets.token_hex(8)}"
+            found = store.compare_set(f"{SLOT_KEY}{rdzv.rank}", "", token).decode(errors="replace")
+            if found != token:
+                raise ValueError(f"another job is using {where}: rank {rdzv.rank} of the job there ({theirs}) has "
+                                 f"joined already ({found.rpartition(',')[0]}); not joining that job's group (give "
+                                 "each job a MASTER_PORT of its own)")
+            return
+        mine = NO_IDENTITY
     if rdzv.rank == 0:
         store.set(IDENTITY_KEY, mine)
         return
@@ -126,6 +163,11 @@ def master_store(bind: str, port: int, world_size: int, timeout: timedelta, *, c
         sock.bind(sockaddr)
     except OSError as exc:
         sock.close()
+        if exc.errno == errno.EADDRINUSE and port:
+            raise ValueError(
+                f"another job is using MASTER_ADDR:MASTER_PORT = {connect or bind}:{port}: its port is in use on this "
+                f"host ({bind}:{port}: {exc.strerror}); give each job a MASTER_PORT of its own"
+            ) from None
         raise ValueError(
             f"cannot open the rendezvous store on {bind}:{port}: {exc.strerror} (rank 0 must run on the host that "
             f"address belongs to; {RDZV_HOST_ENV} chooses the interface)"
