@@ -31,8 +31,8 @@ import numpy as np
 import torch
 
 from moonrt.cluster.local import run_ranks
-from moonrt.comm.ep_layout import assignment_destinations, build_layout
-from moonrt.comm.moonep_dispatch import MoonEPDispatcher
+from moonrt.comm.ep.dispatch import MoonEPDispatcher
+from moonrt.comm.ep.layout import assignment_destinations, build_layout
 from moonrt.scheduler.moonep import plan, transfer_matrix
 from moonrt.scheduler.sim import K3_LATENT, dedup_rows
 from moonrt.scheduler.workload import popularity

@@ -36,8 +36,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from moonrt.cluster.local import run_ranks
-from moonrt.comm.ep_alltoall import AllToAllDispatcher
-from moonrt.comm.moonep_dispatch import MoonEPDispatcher
+from moonrt.comm.ep.alltoall import AllToAllDispatcher
+from moonrt.comm.ep.dispatch import MoonEPDispatcher
 from moonrt.ops.grouped import grouped_glu_experts, moe_reference
 
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from machine import cpu_model
 
 from moonrt.cluster.local import run_ranks
-from moonrt.comm.pp_part import PipelineParallel
+from moonrt.comm.pp.part import PipelineParallel
 from moonrt.models.k3.model.config import k3_tiny
 from moonrt.models.k3.model.model import K3Model
 from moonrt.scheduler.pipeline import build_schedule, simulate

@@ -168,6 +168,46 @@ def test_package_root_holds_only_the_entry_points_and_the_packages() -> None:
     assert {f"moonrt.{name}" for name in packages} <= set(MAY_IMPORT)
 
 
+COMM_PARTS = ("ep", "cp", "pp", "zero", "state")
+"""The part packages of ``moonrt.comm``, beside its root modules (``mesh``, ``parallelism``, ``compose``,
+``grad_reduce``). A part imports the root modules and ``state`` (the sharded-state description every part declares
+what it holds in), never another part; ``state`` imports no part."""
+
+
+def comm_part_violations(root: Path) -> list[tuple[str, str]]:
+    """Every ``(importer, imported)`` where a comm part package imports another part (sorted)."""
+    found = set()
+    for part in COMM_PARTS:
+        allowed = {part} | ({"state"} if part != "state" else set())
+        for path in sorted((root / "moonrt" / "comm" / part).rglob("*.py")):
+            importer = module_name(path, root)
+            for imported in imports(path, root):
+                names = imported.split(".")
+                if names[:2] == ["moonrt", "comm"] and len(names) > 2 and names[2] in COMM_PARTS \
+                        and names[2] not in allowed:
+                    found.add((importer, imported))
+    return sorted(found)
+
+
+def test_comm_parts_import_the_root_modules_but_not_each_other() -> None:
+    present = {p.name for p in (PKG_ROOT / "comm").iterdir() if (p / "__init__.py").is_file()}
+    assert present == set(COMM_PARTS)
+    assert comm_part_violations(PKG_ROOT.parent) == []
+
+
+def test_comm_part_rule_catches_a_part_importing_another(tmp_path: Path) -> None:
+    _tree(tmp_path, {
+        "moonrt/comm/__init__.py": "", "moonrt/comm/mesh.py": "",
+        **{f"moonrt/comm/{p}/__init__.py": "" for p in COMM_PARTS},
+        "moonrt/comm/ep/x.py": "", "moonrt/comm/state/dcp.py": "",
+        "moonrt/comm/zero/core.py": "from moonrt.comm.mesh import Group\nfrom moonrt.comm.state.dcp import Shard\n"
+                                    "def f():\n    from moonrt.comm.ep import x\n",
+        "moonrt/comm/state/bad.py": "from ..ep.x import y\n",
+    })
+    assert comm_part_violations(tmp_path) == [("moonrt.comm.state.bad", "moonrt.comm.ep.x"),
+                                              ("moonrt.comm.zero.core", "moonrt.comm.ep.x")]
+
+
 def _tree(root: Path, files: dict[str, str]) -> None:
     for name, text in files.items():
         path = root / name
@@ -177,7 +217,7 @@ def _tree(root: Path, files: dict[str, str]) -> None:
 
 def test_checker_catches_forbidden_imports_in_a_synthetic_tree(tmp_path: Path) -> None:
     _tree(tmp_path, {
-        "moonrt/ops/fp8.py": "",
+        "moonrt/ops/fp8/codec.py": "",
         "moonrt/models/k3/model/moe.py": "",
         "moonrt/models/k3/memory.py": "",
         "moonrt/models/dense/model/attn.py": "",
@@ -197,7 +237,7 @@ def test_checker_catches_forbidden_imports_in_a_synthetic_tree(tmp_path: Path) -
                                           "\ndef h():\n    from moonrt.models.dense.model import attn\n",
         "moonrt/models/k3/spec.py": "from moonrt.memory.manager import ActivationManager\n"
                                     "from moonrt.jobs import train\n",
-        "moonrt/newpkg/x.py": "from moonrt.ops import fp8\n",
+        "moonrt/newpkg/x.py": "import moonrt.ops.fp8.codec as fp8\n",
     })
     got = [(a, b) for a, b, _ in violations(tmp_path)]
     assert got == [
@@ -209,19 +249,19 @@ def test_checker_catches_forbidden_imports_in_a_synthetic_tree(tmp_path: Path) -
         ("moonrt.models.k3.model.bad", "moonrt.models.dense.model.attn"),
         ("moonrt.models.k3.model.bad", "moonrt.models.k3.memory"),
         ("moonrt.models.k3.spec", "moonrt.jobs"),
-        ("moonrt.newpkg.x", "moonrt.ops.fp8"),
+        ("moonrt.newpkg.x", "moonrt.ops.fp8.codec"),
         ("moonrt.ops.bad", "moonrt.models.k3.model.moe"),
         ("moonrt.parallel.bad", "moonrt.scheduler"),
         ("moonrt.scheduler.bad", "moonrt.cluster"),
     ]
     # the real tree with one forbidden import added back is caught
     real = tmp_path / "real"
-    (real / "moonrt" / "comm").mkdir(parents=True)
-    src = (PKG_ROOT / "comm" / "kcp.py").read_text()
-    (real / "moonrt" / "comm" / "kcp.py").write_text(src.replace(
+    (real / "moonrt" / "comm" / "cp").mkdir(parents=True)
+    src = (PKG_ROOT / "comm" / "cp" / "kcp.py").read_text()
+    (real / "moonrt" / "comm" / "cp" / "kcp.py").write_text(src.replace(
         "from moonrt.ops.kda import check_chunk_size", "from moonrt.models.k3.model.kda_layer import KDALayer\n"
         "    from moonrt.ops.kda import check_chunk_size"))
-    assert [(a, b) for a, b, _ in violations(real)] == [("moonrt.comm.kcp", "moonrt.models.k3.model.kda_layer")]
+    assert [(a, b) for a, b, _ in violations(real)] == [("moonrt.comm.cp.kcp", "moonrt.models.k3.model.kda_layer")]
 
 
 def test_cycle_finder_sees_a_cycle_through_a_lazy_import(tmp_path: Path) -> None:

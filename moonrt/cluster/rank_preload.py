@@ -8,6 +8,6 @@ numba's threading layer is never started (forking a parent that started OpenMP o
 
 from __future__ import annotations
 
-from moonrt.ops import kda_numba
+import moonrt.ops.kda.backends.numba as kda_numba
 
 kda_numba.load_compiled()

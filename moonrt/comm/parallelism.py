@@ -37,7 +37,7 @@ import dataclasses
 import math
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -149,7 +149,7 @@ class Part:
 
     def sharded_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer,
                            save: bool = True) -> dict[str, Any] | None:
-        """This rank's pieces of the single-process-layout state for DCP (:mod:`moonrt.comm.dcp_state`: tensors
+        """This rank's pieces of the single-process-layout state for DCP (:mod:`moonrt.comm.state.dcp`: tensors
         and ``Shard`` s by name, no gather), or None for the default. ``save=True``: what this rank writes (it may
         leave out a copy another rank writes); False: the load targets of everything this rank holds."""
         return None
@@ -168,6 +168,20 @@ class Part:
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 """The compute dtypes a job may name (``precision.compute``, ``--dtype``) and their torch dtypes."""
+
+
+class ExpertSharding(Protocol):
+    """What a part that shards optimizer state (ZeRO) needs from the part that shards the routed experts (EP): which
+    parameters are experts, their single-process shapes, and the full state in the single-process layout."""
+
+    def is_expert(self, p: torch.Tensor) -> bool: ...
+
+    def shard_map(self, model: nn.Module) -> dict[int, tuple[tuple[int, ...], int]]: ...
+
+    def full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]: ...
+
+    def load_full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer | None,
+                             state: dict[str, Any]) -> bool: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,7 +367,7 @@ class Parallelism:
 
     def sharded_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, save: bool = True) -> dict[str, Any]:
         """This rank's DCP state (:meth:`Part.sharded_state_dict`); default: every tensor whole (one process)."""
-        from moonrt.comm.dcp_state import local_state
+        from moonrt.comm.state.dcp import local_state
 
         for part in self.parts:
             state = part.sharded_state_dict(model, optim, save)
@@ -363,7 +377,7 @@ class Parallelism:
 
     def load_sharded_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         """Finish a load into the targets of ``sharded_state_dict(model, optim, save=False)`` that DCP filled."""
-        from moonrt.comm.dcp_state import finish_local_load
+        from moonrt.comm.state.dcp import finish_local_load
 
         if not any(part.load_sharded_state_dict(model, optim, state) for part in self.parts):
             finish_local_load(model, optim, state)

@@ -98,7 +98,8 @@ class ParallelConfig:
     only with ``ep > 1`` (one process has no dispatcher to configure)."""
     zero: int = 0
     """ZeRO stage of data parallelism: 0 replicates the AdamW states on every replica, 1 shards them (and the
-    reduced gradients) over each parameter's replicas (:class:`moonrt.comm.zero.Zero1`); with one replica a no-op."""
+    reduced gradients) over each parameter's replicas (:class:`moonrt.comm.zero.adamw.Zero1`); with one replica a
+    no-op."""
 
     def validate(self) -> None:
         for name in ("dp", "pp", "vpp", "ep", "cp", "microbatches"):

@@ -13,7 +13,7 @@ import pytest
 import torch
 from dist import dist_run
 
-from moonrt.comm.moonep_dispatch import MoonEPDispatcher
+from moonrt.comm.ep.dispatch import MoonEPDispatcher
 from moonrt.ops.grouped import grouped_glu_experts, moe_reference
 from moonrt.scheduler.moonep import capacities, plan, send_split, transfer_matrix
 from moonrt.scheduler.moonep_torch import plan_device, plan_prefix, plan_torch

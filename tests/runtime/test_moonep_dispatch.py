@@ -11,11 +11,11 @@ import pytest
 import torch
 from dist import dist_run
 
-from moonrt.comm.ep_alltoall import AllToAllDispatcher
-from moonrt.comm.ep_layout import assignment_destinations, padded_rows
-from moonrt.comm.ep_ref import rows_reference
-from moonrt.comm.ep_slots import SlotPool
-from moonrt.comm.moonep_dispatch import MoonEPDispatcher
+from moonrt.comm.ep.alltoall import AllToAllDispatcher
+from moonrt.comm.ep.dispatch import MoonEPDispatcher
+from moonrt.comm.ep.layout import assignment_destinations, padded_rows
+from moonrt.comm.ep.ref import rows_reference
+from moonrt.comm.ep.slots import SlotPool
 from moonrt.ops.grouped import grouped_glu_experts, moe_reference
 
 H, F, E = 12, 10, 8

@@ -6,7 +6,7 @@ import pytest
 import torch
 from dist import dist_run
 
-from moonrt.comm.moonep_dispatch import MoonEPDispatcher
+from moonrt.comm.ep.dispatch import MoonEPDispatcher
 
 H, E, K, S = 8, 8, 2, 4
 

@@ -194,8 +194,8 @@ def reference(p: dict, rank: int, world: int) -> dict:
 
 
 def _dispatcher(impl: str, shape: EPShape):
-    from moonrt.comm.ep_alltoall import AllToAllDispatcher
-    from moonrt.comm.moonep_dispatch import MoonEPDispatcher
+    from moonrt.comm.ep.alltoall import AllToAllDispatcher
+    from moonrt.comm.ep.dispatch import MoonEPDispatcher
 
     cls = MoonEPDispatcher if impl == "moonep" else AllToAllDispatcher
     return cls(None, capacity=shape.tokens, hidden=shape.hidden, top_k=shape.top_k, num_experts=shape.experts)
@@ -217,7 +217,7 @@ def _bump(t: torch.Tensor) -> torch.Tensor:
 def check_case(res: SuiteResult, name: str, impl: str, p: dict, ref: dict, shape: EPShape, rank: int,
                world: int, corrupt: tuple[int, str] | None) -> None:
     """Forward + backward of ``impl`` on this rank's slice of ``p``; record the checks under ``name``."""
-    from moonrt.comm.ep_ref import rows_reference
+    from moonrt.comm.ep.ref import rows_reference
     from moonrt.ops.grouped import grouped_glu_experts
 
     dev = device()

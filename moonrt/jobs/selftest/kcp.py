@@ -64,7 +64,7 @@ def _slice_inputs(rank: int, T: int, total: int, shape: tuple[int, int, int, int
 
 def check_T(res: SuiteResult, T: int, shape: tuple[int, int, int, int], rank: int, world: int) -> None:
     """The float64 check at ``T`` tokens per rank (see the module docstring); checks ``kcp/T=<T>/<what>``."""
-    from moonrt.comm.kcp import kcp_kda
+    from moonrt.comm.cp.kcp import kcp_kda
     from moonrt.ops.kda import kda_chunk
 
     dev = device()
@@ -105,8 +105,8 @@ def check_T(res: SuiteResult, T: int, shape: tuple[int, int, int, int], rank: in
 
 def time_T(T: int, shape: tuple[int, int, int, int], rank: int, world: int, iters: int) -> dict:
     """fp32 ``kcp_kda`` forward + backward of one layer vs the local ``kda_chunk``; bytes per layer."""
-    from moonrt.comm.cp_ops import CommRecord
-    from moonrt.comm.kcp import kcp_kda
+    from moonrt.comm.cp.kcp import kcp_kda
+    from moonrt.comm.cp.ops import CommRecord
     from moonrt.ops.kda import kda_chunk
 
     dev = device()

@@ -46,9 +46,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from moonrt.comm.pipeline import PipelineExecutor, StepStats
-from moonrt.comm.pp_cache import block_plan
-from moonrt.comm.pp_part import PipelineParallel
+from moonrt.comm.pp.cache import block_plan
+from moonrt.comm.pp.executor import PipelineExecutor, StepStats
+from moonrt.comm.pp.part import PipelineParallel
 from moonrt.jobs.selftest.common import EPS32, SuiteResult, byte_sizes, device, normwise_err, timed
 from moonrt.parallel.model import PipelineLayout
 from moonrt.scheduler.attnres_comm import hop_plan

@@ -23,12 +23,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import moonrt.ops.fp8.codec as fp8mod
 from moonrt.memory.model_memory import JobLayout, LayerSpec, ParamSizes, Profile, SavedClass
 from moonrt.memory.plan import RankPlan
 from moonrt.models.k3.model import params as mp
 from moonrt.models.k3.model.config import K3Config
-from moonrt.ops import fp8 as fp8mod
-from moonrt.ops.kda_terms import SUB_TILE  # the fast path's sub-tile (log-decays >= -5, K3's gate range)
+from moonrt.ops.kda.terms import SUB_TILE  # the fast path's sub-tile (log-decays >= -5, K3's gate range)
 
 CHUNK = 64
 """KDA chunk size of :func:`moonrt.ops.kda.kda_chunk` (its default)."""
