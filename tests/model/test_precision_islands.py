@@ -72,8 +72,8 @@ def test_k3_bf16_islands_compute_in_fp32_and_the_projections_in_bf16() -> None:
     assert calls.seen[("moe", "forward")]["matmul"] == fp32  # router logits x W_r^T
     assert calls.seen[("moe", "forward")]["topk"] == fp32  # top-k over the biased scores
     assert _dtypes(calls, "attnres", "mix") == fp32 and calls.seen[("attnres", "mix")]["softmax"] == fp32
-    assert _dtypes(calls, "kda_autograd", "forward") == fp32  # ChunkKDA: the chunked state chain
-    assert _dtypes(calls, "kda_terms", "chunk_transitions") == fp32
+    assert _dtypes(calls, "autograd", "forward") == fp32  # ChunkKDA: the chunked state chain
+    assert _dtypes(calls, "terms", "chunk_transitions") == fp32
     assert calls.seen[("precision", "token_loss_sum")]["cross_entropy"] == fp32 and loss.dtype == torch.float32
     # autocast is really on outside them: the projections (nn.Linear) run in bf16
     assert calls.seen[("kda_layer", "forward")]["linear"] == {torch.bfloat16}
