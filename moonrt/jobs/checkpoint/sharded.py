@@ -7,6 +7,7 @@ Layout on disk (``OUT/checkpoint/``)::
         __<rank>_0.distcp             what each rank wrote (DCP's files, one per rank)
         moonrt.json                   the commit marker: step, job config, layout, optimizer hyperparameters,
                                       every file's size and CRC-32 (``files``; absent in markers written before)
+                                      and the CRC-32 of its own content (``marker_crc32``; likewise)
     OUT/checkpoint/step-00000030.tmp/ a save in progress or interrupted (never loaded)
 
 Entries (:mod:`moonrt.comm.dcp_state`): ``model.<name>`` for every single-process ``model.state_dict()`` entry
@@ -29,7 +30,11 @@ with ``--optimizer muon`` its AdamW-group parameters the same, its Muon paramete
 - **Verified**: before a load every file is checked against the marker's sizes and CRC-32s (:func:`file_sum`;
   the ranks of a load share the reading) and every entry of ``.metadata`` against its file's size, so a flipped
   bit, a truncated shard or a missing ``.metadata`` is one :class:`CheckpointError` naming the file (DCP's
-  own logging of the failure is silenced); ``moonrt checkpoint info --verify`` runs the same check.
+  own logging of the failure is silenced); ``moonrt checkpoint info --verify`` runs the same check. The marker
+  itself carries ``marker_crc32`` (:func:`marker_sum`, checked by every :func:`read_marker`), its ``step`` must be
+  the one its ``step-N`` directory names, and on load its optimizer ``param_groups`` must be what the job's config
+  builds (the schedule's ``lr`` aside): an edited marker is refused, not resumed. A marker written before
+  ``marker_crc32`` still loads, with a warning line saying it is not verified.
 - **Loading reshards** to any layout, one process included (DCP without a process group): each rank asks
   for the ranges its own tensors cover, DCP reads them from whichever saved chunks overlap; a range no saved
   chunk covers is an error (:class:`moonrt.comm.dcp_state.ShardLoadPlanner`).
@@ -55,6 +60,7 @@ import math
 import os
 import re
 import shutil
+import sys
 import tempfile
 import warnings
 import zlib
@@ -80,6 +86,8 @@ MARKER = "moonrt.json"
 FORMAT = "moonrt-dcp/1"
 STEP_DIR = re.compile(r"^step-(\d+)$")
 METADATA = ".metadata"
+MARKER_SUM = "marker_crc32"
+SCHEDULED = ("lr", "initial_lr")  # param-group keys the lr schedule sets every step: not compared on load
 _NO_SPACE = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded"}
 
 
@@ -177,6 +185,13 @@ def file_sum(path: Path) -> dict[str, Any]:
         while chunk := f.read(1 << 22):
             crc, n = zlib.crc32(chunk, crc), n + len(chunk)
     return {"bytes": n, "crc32": f"{crc:08x}"}
+
+
+def marker_sum(marker: dict[str, Any]) -> str:
+    """CRC-32 (8 hex digits) of a marker's content: the JSON of every key but ``marker_crc32`` itself, keys sorted,
+    no spaces (the form a JSON round trip keeps: floats print as their shortest repr)."""
+    body = {k: v for k, v in marker.items() if k != MARKER_SUM}
+    return f"{zlib.crc32(json.dumps(body, sort_keys=True, separators=(',', ':')).encode()):08x}"
 
 
 def _fsync_dir(path: Path) -> None:
@@ -294,6 +309,7 @@ def _commit(root: Path, tmp: Path, final: Path, rows: list[Any], step: int, job:
               "ranks": [{"model_bytes": int(r[0]), "optimizer_bytes": int(r[1]), "written_bytes": int(r[2])}
                         for r in rows],
               "files": dict(sorted(files.items()))}
+    marker[MARKER_SUM] = marker_sum(marker)
     _write_json(tmp / MARKER, marker)
     _fsync_dir(tmp)
     if final.is_symlink():
@@ -353,8 +369,9 @@ _FILE = {"bytes": (_int, "an integer >= 0"),
 
 def read_marker(step_dir: Path) -> dict[str, Any]:
     """The ``moonrt.json`` of a committed checkpoint directory, checked: every key loading and ``moonrt checkpoint
-    info`` use, with its type (``files``, the per-file sizes and CRC-32s, is optional: markers written before
-    checksums lack it)."""
+    info`` use, with its type; its own CRC-32 (``marker_crc32``, :func:`marker_sum`); its ``step`` against the
+    directory's name where that is ``step-N``. ``files`` (the per-file sizes and CRC-32s) and ``marker_crc32`` are
+    optional: markers written before checksums lack them (:func:`verified`)."""
     path = Path(step_dir) / MARKER
     try:
         marker = json.loads(path.read_text())
@@ -393,9 +410,33 @@ def read_marker(step_dir: Path) -> dict[str, Any]:
                     raise CheckpointError(f"{MARKER} files[{name!r}] = {entry!r}: expected {{bytes, crc32}} of a "
                                           "file in the checkpoint directory")
                 _fields(f"files[{name!r}].", entry, _FILE)
+        if MARKER_SUM in marker:
+            _fields("", marker, {MARKER_SUM: _FILE["crc32"]})
     except CheckpointError as exc:
         raise CheckpointError(f"checkpoint {str(step_dir)!r}: {exc}") from None
+    if MARKER_SUM in marker and (got := marker_sum(marker)) != marker[MARKER_SUM]:
+        raise CheckpointError(f"checkpoint {str(step_dir)!r}: file {MARKER} is damaged or edited: CRC-32 {got} of "
+                              f"its content, it records {marker[MARKER_SUM]} ({MARKER_SUM}); expected a marker as "
+                              "moonrt wrote it")
+    named = STEP_DIR.match(Path(step_dir).name)
+    if named and int(named.group(1)) != marker["step"]:
+        raise CheckpointError(f"checkpoint {str(step_dir)!r}: {MARKER} step = {marker['step']}, but the directory "
+                              f"is {Path(step_dir).name}: a renamed directory or an edited marker; expected the "
+                              "step its name gives")
     return marker
+
+
+def verified(marker: dict[str, Any]) -> bool:
+    """Whether a marker carries its own checksum (:func:`read_marker` checked it); False: written before."""
+    return MARKER_SUM in marker
+
+
+def _warn_unverified(step_dir: Path, marker: dict[str, Any]) -> None:
+    """One warning line on stderr for a loaded marker written before ``marker_crc32``."""
+    if not verified(marker):
+        print(f"moonrt: warning: checkpoint {str(step_dir)!r}: {MARKER} carries no checksum of its own (written "
+              "before marker checksums): its step, config and optimizer settings are not verified",
+              file=sys.stderr, flush=True)
 
 
 def _problems(step_dir: Path, marker: dict[str, Any], part: tuple[int, int] = (0, 1)) -> list[str]:
@@ -477,10 +518,43 @@ def _check(step_dir: Path, marker: dict[str, Any], multi: bool, group: Any = Non
         raise CheckpointError(f"checkpoint {str(step_dir)!r}: {bad[0]}")
 
 
+def _config_groups(marker: dict[str, Any], model: torch.nn.Module) -> list[dict[str, Any]] | None:
+    """The param-group hyperparameters (JSON form) the marker's own job config builds over ``model``, or None where
+    this moonrt does not build that config."""
+    from moonrt.jobs.train.optimizers import build_optimizer
+
+    try:
+        opt = build_optimizer(model, from_dict(JobConfig, marker["config"]).optim)
+    except (ValueError, TypeError, KeyError):  # ConfigError: a config this moonrt does not build
+        return None
+    return [{k: _jsonable(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
+
+
+def _group_changes(marker: dict[str, Any], model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[str]:
+    """``param_groups[i].key: checkpoint A, now B`` for every hyperparameter the marker records (the schedule's
+    :data:`SCHEDULED` aside) that differs from ``opt``'s (the job's config built it), unless the marker's own
+    config builds the recorded value: then the job changed the config field and ``check_resume`` accepted it."""
+    saved, out = marker["param_groups"], []
+    own: list[dict[str, Any]] | None | bool = False  # built once, on the first difference
+    for i, (group, old) in enumerate(zip(opt.param_groups, saved)):
+        for key in sorted(set(old) & set(group) - {"params", *SCHEDULED}):
+            now = _jsonable(group[key])
+            if old[key] == now:
+                continue
+            if own is False:
+                own = _config_groups(marker, model)
+            if own is not None and len(own) == len(saved) and own[i].get(key) == old[key]:
+                continue
+            out.append(f"param_groups[{i}].{key}: checkpoint {old[key]!r}, now {now!r}")
+    return out
+
+
 def load_sharded(step_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimizer,
                  rt: Parallelism | None = None) -> int:
     """Load a committed checkpoint into this rank's model and optimizer, whatever layout wrote it; returns its
-    step. Collective in a multi-rank job. :class:`CheckpointError` when it does not fit the model."""
+    step. Collective in a multi-rank job. :class:`CheckpointError` when it does not fit the model, or when the
+    optimizer hyperparameters the marker records differ from ``opt``'s (:func:`_group_changes`). ``opt`` keeps
+    its hyperparameters but the schedule's (:data:`SCHEDULED`)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -493,6 +567,10 @@ def load_sharded(step_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimi
     if len(groups) != len(opt.param_groups):
         raise CheckpointError(f"checkpoint {str(step_dir)!r}: {len(groups)} optimizer param groups; this optimizer "
                               f"has {len(opt.param_groups)} (another optimizer?)")
+    if changes := _group_changes(marker, model, opt):  # the same on every rank: refused before any collective
+        raise CheckpointError(f"--resume: the job differs from the checkpoint's (step {marker['step']}) in "
+                              f"{'; '.join(changes)} (the optimizer param groups of {str(step_dir / MARKER)!r}). "
+                              "Resume with the same settings")
     _check(step_dir, marker, _multi(), rt.cpu_group)
     state = rt.sharded_state_dict(model, opt, save=False)
     try:
@@ -503,8 +581,10 @@ def load_sharded(step_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimi
         raise CheckpointError(f"checkpoint {str(step_dir)!r}: does not fit this model and optimizer: "
                               f"{_reason(exc)}") from None
     rt.load_sharded_state_dict(model, opt, state)
-    for group, saved in zip(opt.param_groups, groups):
-        group.update(_hyper(saved))
+    for group, saved in zip(opt.param_groups, groups):  # the rest is the job's (equal, or a change it made)
+        group.update({k: v for k, v in _hyper(saved).items() if k in SCHEDULED or k not in group})
+    if rt.is_main:
+        _warn_unverified(step_dir, marker)
     return int(marker["step"])
 
 
@@ -532,6 +612,7 @@ def read_full(step_dir: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, 
             dcp.load(out, storage_reader=SafeReader(step_dir), planner=ShardLoadPlanner(), no_dist=True)
     except (Exception, CheckpointException) as exc:
         raise CheckpointError(f"checkpoint {str(step_dir)!r}: unreadable: {_reason(exc)}") from None
+    _warn_unverified(step_dir, marker)
     return out, marker
 
 
@@ -569,7 +650,13 @@ def to_single_file(step_dir: str | Path) -> dict[str, Any]:
                         k: flat[f"optimizer.{n}.{k}"].view(p.shape) for k in MOMENTS}
                 ids.append(i)
                 i += 1
+            own = {k: _jsonable(v) for k, v in group.items() if k != "params"}
+            if bad := next((k for k in sorted(set(saved) & set(own) - set(SCHEDULED)) if saved[k] != own[k]), None):
+                raise CheckpointError(f"checkpoint {str(step_dir)!r}: {MARKER} param_groups[{len(groups)}].{bad} = "
+                                      f"{saved[bad]!r}, but its job config builds {own[bad]!r}: an edited marker")
             groups.append({**_hyper(saved), "params": ids})
+    except CheckpointError:
+        raise
     except (KeyError, ValueError, RuntimeError) as exc:
         raise CheckpointError(f"checkpoint {str(step_dir)!r}: does not match its own config's model: "
                               f"{_reason(exc)}") from None
@@ -581,6 +668,6 @@ def to_single_file(step_dir: str | Path) -> dict[str, Any]:
 
 
 
-__all__ = ["FORMAT", "MARKER", "METADATA", "ROOT", "STEP_DIR", "file_sum", "load_sharded", "read_full",
-           "read_marker", "resolve", "save_sharded", "to_single_file", "use_sharded",
-           "verify"]
+__all__ = ["FORMAT", "MARKER", "MARKER_SUM", "METADATA", "ROOT", "SCHEDULED", "STEP_DIR", "file_sum", "load_sharded",
+           "marker_sum", "read_full", "read_marker", "resolve", "save_sharded", "to_single_file", "use_sharded",
+           "verified", "verify"]
