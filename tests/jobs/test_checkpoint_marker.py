@@ -204,3 +204,86 @@ def test_an_edited_param_group_is_refused_under_zero1_on_two_ranks(tmp_path: Pat
     assert "param_groups[0].weight_decay: checkpoint 0.0, now 0.1" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
     assert _files(tmp_path / "run") == before
+
+
+def test_convert_of_an_edited_param_group_is_refused(sharded_run: Path, tmp_path: Path, capsys: Any) -> None:
+    """``convert`` to a ``.pt`` would carry the edited value into a file whose param groups a resume applies."""
+    run, step_dir = _copy(sharded_run, tmp_path)
+    _edit(step_dir, lambda m: m["param_groups"][0].update(weight_decay=0.0))
+    assert cli(["checkpoint", "convert", str(step_dir), str(tmp_path / "x.pt")]) == 2
+    line = _one_line(capsys)
+    assert f"{MARKER} param_groups[0].weight_decay = 0.0, but its job config builds 0.1" in line, line
+    assert not (tmp_path / "x.pt").exists()
+
+
+# ---- 5. export / convert of a run that is still running ----------------------------------------------------------
+
+
+def _commit_newer(root: Path) -> None:
+    """What the running job does at its next checkpoint: commit step 3 and remove the older steps."""
+    model, opt = _linear(1)
+    checkpoint_dcp.save_sharded(root, model, opt, 3, checkpoint_dcp.JobConfig())
+
+
+def _exported(action: str, path: Path) -> Any:
+    """``(step, every tensor as a list)`` of an exported file (safetensors orders its header's keys freely)."""
+    if action == "export":
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as f:
+            return f.metadata()["moonrt_step"], {k: f.get_tensor(k).tolist() for k in f.keys()}
+    state = checkpoint.load(path)
+    return state["step"], {k: v.tolist() for k, v in state["model"].items()}
+
+
+@pytest.mark.parametrize("action", ["export", "convert"])
+def test_a_step_rotated_away_while_it_is_read_is_still_read_whole(sharded_run: Path, tmp_path: Path, capsys: Any,
+                                                                  monkeypatch: pytest.MonkeyPatch,
+                                                                  action: str) -> None:
+    """The running job commits a newer step (and removes the one being read) after the reader resolved and opened
+    it, before DCP reads the tensors: the reader gets step 2 whole, as from a run that had stopped (it failed
+    naming a missing file of the checkpoint)."""
+    import torch.distributed.checkpoint as dcp
+
+    run, step_dir = _copy(sharded_run, tmp_path)
+    suffix = ".safetensors" if action == "export" else ".pt"
+    assert cli(["checkpoint", action, str(sharded_run / "run" / "checkpoint"), str(tmp_path / f"ref{suffix}")]) == 0
+    real_load, rotated = dcp.load, []
+
+    def load(*args: Any, **kwargs: Any) -> Any:
+        if not rotated:
+            _commit_newer(run / "checkpoint")
+            rotated.append(True)
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(dcp, "load", load)
+    capsys.readouterr()
+    got = tmp_path / f"got{suffix}"
+    assert cli(["checkpoint", action, str(run / "checkpoint"), str(got)]) == 0, capsys.readouterr()
+    assert rotated and not step_dir.exists() and checkpoint_dcp.resolve(run / "checkpoint").name == "step-00000003"
+    assert _exported(action, got) == _exported(action, tmp_path / f"ref{suffix}")
+
+
+@pytest.mark.parametrize("when", [1, 2])
+def test_a_step_rotated_away_before_it_is_opened_is_said_in_one_line(sharded_run: Path, tmp_path: Path, capsys: Any,
+                                                                     monkeypatch: pytest.MonkeyPatch,
+                                                                     when: int) -> None:
+    """Rotated right after ``export`` resolved ``OUT/checkpoint`` (``when`` = 1) or after the reader resolved the
+    step again (2): one line saying step 2 was rotated away, not that the checkpoint is damaged or missing."""
+    run, step_dir = _copy(sharded_run, tmp_path)
+    real_resolve, calls = checkpoint_dcp.resolve, []
+
+    def resolve(path: Any) -> Path:
+        got = real_resolve(path)
+        calls.append(path)
+        if len(calls) == when:
+            _commit_newer(run / "checkpoint")
+        return got
+
+    monkeypatch.setattr(checkpoint_dcp, "resolve", resolve)
+    capsys.readouterr()
+    assert cli(["checkpoint", "export", str(run / "checkpoint"), str(tmp_path / "x.safetensors")]) == 2
+    line = _one_line(capsys)
+    assert f"checkpoint {str(step_dir)!r}: step 2 was rotated away" in line, line
+    assert "damaged" not in line and "missing" not in line, line
+    assert not (tmp_path / "x.safetensors").exists()

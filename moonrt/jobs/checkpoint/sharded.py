@@ -60,12 +60,14 @@ import math
 import os
 import re
 import shutil
+import stat
 import sys
 import tempfile
 import warnings
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 import torch.distributed as dist
@@ -85,6 +87,7 @@ ROOT = "checkpoint"
 MARKER = "moonrt.json"
 FORMAT = "moonrt-dcp/1"
 STEP_DIR = re.compile(r"^step-(\d+)$")
+MAX_MARKER_BYTES = 64 << 20  # a marker holds a few hundred bytes per rank: refused above this before it is read
 METADATA = ".metadata"
 MARKER_SUM = "marker_crc32"
 SCHEDULED = ("lr", "initial_lr")  # param-group keys the lr schedule sets every step: not compared on load
@@ -173,15 +176,16 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
         raise
 
 
-def file_sum(path: Path) -> dict[str, Any]:
-    """``{"bytes", "crc32"}`` of a file (CRC-32 as 8 hex digits, read in 4 MiB pieces).
+def file_sum(path: Path | BinaryIO) -> dict[str, Any]:
+    """``{"bytes", "crc32"}`` of a file, or of a file open for reading from its start (CRC-32 as 8 hex digits, read
+    in 4 MiB pieces).
 
     CRC-32, not a cryptographic hash: it detects every single-bit flip and every error burst of up to 32 bits
     (bit rot, a torn or truncated write) and runs at ~2.7 GB/s here against ~1.3 GB/s for SHA-256 (zlib vs
     hashlib, one core); it does not stop a deliberate edit, but whoever can edit a shard can edit the marker too.
     """
     crc, n = 0, 0
-    with open(path, "rb") as f:
+    with open(path, "rb") if isinstance(path, str | os.PathLike) else contextlib.nullcontext(path) as f:
         while chunk := f.read(1 << 22):
             crc, n = zlib.crc32(chunk, crc), n + len(chunk)
     return {"bytes": n, "crc32": f"{crc:08x}"}
@@ -336,6 +340,13 @@ def resolve(path: str | Path) -> Path:
         raise CheckpointError(f"checkpoint {str(path)!r}: incomplete (no {MARKER} commit marker: the save was "
                               "interrupted or is still running); expected a committed checkpoint directory")
     if not path.is_dir():
+        gone = STEP_DIR.match(path.name) if not os.path.lexists(path) and path.parent.is_dir() else None
+        newer = [int(m.group(1)) for d in path.parent.iterdir() if (m := STEP_DIR.match(d.name))
+                 and (d / MARKER).is_file() and int(m.group(1)) > int(gone.group(1))] if gone else []
+        if newer:  # e.g. resolved a moment ago by export of a run that is still running
+            raise CheckpointError(f"checkpoint {str(path)!r}: step {int(gone.group(1))} was rotated away: the job "
+                                  f"committed step {max(newer)} and removed it (it keeps the newest committed "
+                                  f"step); give {str(path.parent)!r} to read the newest")
         raise CheckpointError(f"checkpoint {str(path)!r}: expected a directory (OUT/checkpoint or one of its "
                               "step-N directories)")
     done = sorted((int(m.group(1)), d) for d in path.iterdir()
@@ -372,10 +383,27 @@ def read_marker(step_dir: Path) -> dict[str, Any]:
     info`` use, with its type; its own CRC-32 (``marker_crc32``, :func:`marker_sum`); its ``step`` against the
     directory's name where that is ``step-N``. ``files`` (the per-file sizes and CRC-32s) and ``marker_crc32`` are
     optional: markers written before checksums lack them (:func:`verified`)."""
-    path = Path(step_dir) / MARKER
     try:
-        marker = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
+        with open(Path(step_dir) / MARKER, "rb") as f:
+            return _parse_marker(step_dir, _read_marker_file(step_dir, f))
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint {str(step_dir)!r}: unreadable {MARKER}: {exc}") from None
+
+
+def _read_marker_file(step_dir: Path, f: BinaryIO) -> bytes:
+    """The bytes of an open ``moonrt.json``, at most :data:`MAX_MARKER_BYTES` (more: :class:`CheckpointError`)."""
+    raw = f.read(MAX_MARKER_BYTES + 1)
+    if len(raw) > MAX_MARKER_BYTES:
+        raise CheckpointError(f"checkpoint {str(step_dir)!r}: {MARKER} is larger than {MAX_MARKER_BYTES:,} bytes; "
+                              "expected a commit marker written by moonrt")
+    return raw
+
+
+def _parse_marker(step_dir: Path, raw: bytes) -> dict[str, Any]:
+    """:func:`read_marker` of the marker's bytes ``raw``."""
+    try:
+        marker = json.loads(raw)
+    except ValueError as exc:
         raise CheckpointError(f"checkpoint {str(step_dir)!r}: unreadable {MARKER}: {exc}") from None
     if not isinstance(marker, dict) or marker.get("format") != FORMAT:
         got = marker.get("format") if isinstance(marker, dict) else type(marker).__name__
@@ -439,31 +467,169 @@ def _warn_unverified(step_dir: Path, marker: dict[str, Any]) -> None:
               file=sys.stderr, flush=True)
 
 
-def _problems(step_dir: Path, marker: dict[str, Any], part: tuple[int, int] = (0, 1)) -> list[str]:
+class _Files:
+    """The files of one committed step directory as a read of it sees them: by path, or after :meth:`pin` through
+    descriptors opened once, so a job that rotates the step away meanwhile (removes its directory after committing
+    a newer one) changes nothing read: the checks and DCP's reads see the same files. Also the file system DCP's
+    reader reads through (:meth:`reader`: ``create_stream``, ``concat_path``, ``init_path``)."""
+
+    def __init__(self, step_dir: Path) -> None:
+        self.dir = Path(step_dir)
+        self.fds: dict[str, int] | None = None  # name in the directory -> descriptor (pinned), None: by path
+
+    def size(self, name: str) -> int | None:
+        """The size of a regular file ``name``; None where it is missing (or not a regular file)."""
+        if self.fds is None:
+            path = self.dir / name
+            return path.stat().st_size if path.is_file() else None
+        return os.fstat(self.fds[name]).st_size if name in self.fds else None
+
+    @contextlib.contextmanager
+    def open(self, name: str) -> Iterator[BinaryIO]:
+        """File ``name`` open for reading from its start."""
+        if self.fds is None:
+            with open(self.dir / name, "rb") as f:
+                yield f
+            return
+        if name not in self.fds:
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(self.dir / name))
+        with os.fdopen(os.dup(self.fds[name]), "rb") as f:  # one reader at a time: the shared offset is ours
+            f.seek(0)
+            yield f
+
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Any:
+        if "r" not in mode or "+" in mode:
+            raise PermissionError(errno.EACCES, "a checkpoint being read is never written", str(path))
+        return self.open(os.path.relpath(path, self.dir))
+
+    def concat_path(self, path: str | os.PathLike[str], suffix: str) -> Path:
+        return Path(path) / suffix
+
+    def init_path(self, path: str | os.PathLike[str]) -> Path:
+        return Path(path)
+
+    def reader(self) -> Any:
+        """A :class:`moonrt.comm.dcp_state.SafeReader` of the directory reading through these files."""
+        from moonrt.comm.dcp_state import SafeReader
+
+        reader = SafeReader(self.dir)
+        reader.fs = self
+        return reader
+
+    def pin(self) -> dict[str, Any]:
+        """Open the marker, the ``.metadata`` and every file they name, once; returns the marker
+        (:func:`read_marker`'s checks). :class:`CheckpointError` saying the step was rotated away where it was
+        removed before everything was open (a file missing for another reason is left to :func:`_problems`)."""
+        self.fds = {}
+        self._add(MARKER)
+        if MARKER not in self.fds:
+            raise self._rotated()
+        with self.open(MARKER) as f:
+            marker = _parse_marker(self.dir, _read_marker_file(self.dir, f))
+        names = {METADATA, *marker.get("files", {})}
+        self._add(METADATA)
+        with contextlib.suppress(Exception):  # an unreadable or unsafe index: _problems names it
+            names |= {info.relative_path for info in self.reader().read_metadata().storage_data.values()}
+        _room_for(len(names))
+        for name in sorted(names - set(self.fds)):
+            self._add(name)
+        if names - set(self.fds) and self._gone():
+            raise self._rotated()
+        return marker
+
+    def _add(self, name: str) -> None:
+        try:  # O_NONBLOCK: a FIFO planted under a file's name is not waited on (and not taken: not regular)
+            fd = os.open(self.dir / name, os.O_RDONLY | os.O_NONBLOCK)
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        except OSError as exc:
+            if exc.errno == errno.EMFILE:
+                raise CheckpointError(f"checkpoint {str(self.dir)!r}: too many files to read at once for the "
+                                      f"open-file limit (ulimit -n) {_nofile()[0]}; raise it") from None
+            raise
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            return
+        assert self.fds is not None
+        self.fds[name] = fd
+
+    def _gone(self) -> bool:
+        """Whether the directory no longer holds the marker that was pinned (removed, or replaced by another save)."""
+        assert self.fds is not None
+        try:
+            now = os.stat(self.dir / MARKER)
+        except OSError:
+            return True
+        mine = os.fstat(self.fds[MARKER])
+        return (now.st_dev, now.st_ino) != (mine.st_dev, mine.st_ino)
+
+    def _rotated(self) -> CheckpointError:
+        return _rotated(self.dir)
+
+    def close(self) -> None:
+        for fd in (self.fds or {}).values():
+            os.close(fd)
+        self.fds = None
+
+
+def _rotated(step_dir: Path) -> CheckpointError:
+    m = STEP_DIR.match(step_dir.name)
+    what = f"step {int(m.group(1))}" if m else "the checkpoint"
+    return CheckpointError(f"checkpoint {str(step_dir)!r}: {what} was rotated away while it was being read (the "
+                           "running job removed it after committing a newer step); run the command again: it reads "
+                           "the newest committed step")
+
+
+def _nofile() -> tuple[int, int]:
+    import resource
+
+    return resource.getrlimit(resource.RLIMIT_NOFILE)
+
+
+def _room_for(n: int) -> None:
+    """Raise this process's open-file limit (soft, up to the hard one) to hold ``n`` more descriptors."""
+    import resource
+
+    soft, hard = _nofile()
+    want = n + 256  # what the process holds besides
+    if soft != resource.RLIM_INFINITY and soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want if hard == resource.RLIM_INFINITY else min(want, hard),
+                                                    hard))
+
+
+@contextlib.contextmanager
+def _pinned(step_dir: Path) -> Iterator[tuple[_Files, dict[str, Any]]]:
+    """The files of ``step_dir`` pinned (:meth:`_Files.pin`) and its marker, for a read by one process of a
+    checkpoint a running job may rotate away (``export``, ``convert``, ``info --verify``)."""
+    files = _Files(step_dir)
+    try:
+        yield files, files.pin()
+    finally:
+        files.close()
+
+
+def _problems(files: _Files, marker: dict[str, Any], part: tuple[int, int] = (0, 1)) -> list[str]:
     """What makes a committed checkpoint unreadable, each naming the file: the ``.metadata`` missing, damaged
     (CRC-32) or not a safe DCP index (an entry stored outside the directory, a pickled object), a data file
     missing, shorter than the entries DCP stored in it, or (markers with ``files``) not of its recorded size
     and CRC-32. ``part = (i, n)``: this caller sums data files ``i, i + n, ...`` only (the ranks of a load
     share the reading); the cheap checks run everywhere."""
-    from moonrt.comm.dcp_state import SafeReader
-
-    files = marker.get("files")
-    md_path = step_dir / METADATA
-    if not md_path.is_file():
+    sums = marker.get("files")
+    if files.size(METADATA) is None:
         return [f"file {METADATA} is missing (DCP's index of the tensors)"]
     try:  # first: a hostile index is named as such (refused before anything of it runs)
-        md = SafeReader(step_dir).read_metadata()
+        md = files.reader().read_metadata()
     except Exception as exc:  # a truncated or hand-made pickle: EOFError, UnpicklingError, ValueError, ...
         return [f"file {METADATA} is refused or unreadable ({_reason(exc)}): truncated, damaged or not written "
                 "by moonrt"]
-    if files is not None and (bad := _mismatch(step_dir, METADATA, files[METADATA])):
+    if sums is not None and (bad := _mismatch(files, METADATA, sums[METADATA])):
         return [bad]
     out: list[str] = []
     sizes: dict[str, int | None] = {}
     for index, info in md.storage_data.items():
         rel = info.relative_path
         if rel not in sizes:
-            sizes[rel] = (step_dir / rel).stat().st_size if (step_dir / rel).is_file() else None
+            sizes[rel] = files.size(rel)
             if sizes[rel] is None:
                 out.append(f"file {rel} is missing (it holds entry {index.fqn!r})")
         size = sizes[rel]
@@ -471,19 +637,19 @@ def _problems(step_dir: Path, marker: dict[str, Any], part: tuple[int, int] = (0
             out.append(f"file {rel} is truncated: {size:,} bytes, entry {index.fqn!r} ends at byte "
                        f"{info.offset + info.length:,}")
             sizes[rel] = None  # one line per file
-    if files is not None:
-        data = [n for n in sorted(files) if n != METADATA]
+    if sums is not None:
+        data = [n for n in sorted(sums) if n != METADATA]
         for name in data[part[0]::part[1]]:
-            if bad := _mismatch(step_dir, name, files[name]):
+            if bad := _mismatch(files, name, sums[name]):
                 out.append(bad)
     return out
 
 
-def _mismatch(step_dir: Path, name: str, want: dict[str, Any]) -> str | None:
-    path = step_dir / name
-    if not path.is_file():
+def _mismatch(files: _Files, name: str, want: dict[str, Any]) -> str | None:
+    if files.size(name) is None:
         return f"file {name} is missing ({MARKER} records {want['bytes']:,} bytes)"
-    got = file_sum(path)
+    with files.open(name) as f:
+        got = file_sum(f)
     if got["bytes"] != want["bytes"]:
         return (f"file {name} has {got['bytes']:,} bytes, {MARKER} records {want['bytes']:,}: truncated or "
                 "damaged")
@@ -494,12 +660,12 @@ def _mismatch(step_dir: Path, name: str, want: dict[str, Any]) -> str | None:
 
 
 def verify(step_dir: str | Path) -> int | None:
-    """Check every file of a committed checkpoint (:func:`_problems`, one process); returns how many files were
-    checked against their CRC-32, or None for a marker written before checksums (sizes and the index checked
-    only). :class:`CheckpointError` naming the first bad file."""
+    """Check every file of a committed checkpoint (:func:`_problems`, one process, the files pinned); returns how
+    many files were checked against their CRC-32, or None for a marker written before checksums (sizes and the
+    index checked only). :class:`CheckpointError` naming the first bad file."""
     step_dir = resolve(step_dir)
-    marker = read_marker(step_dir)
-    bad = _problems(step_dir, marker)
+    with _pinned(step_dir) as (files, marker):
+        bad = _problems(files, marker)
     if bad:
         raise CheckpointError(f"checkpoint {str(step_dir)!r}: {bad[0]}")
     return len(marker["files"]) if "files" in marker else None
@@ -509,7 +675,7 @@ def _check(step_dir: Path, marker: dict[str, Any], multi: bool, group: Any = Non
     """:func:`_problems` before a load; ``multi``: the data files shared among the ranks of the job (collective:
     every rank raises the same first problem; the verdicts gathered over ``group``, the job's CPU group)."""
     part = (dist.get_rank(), dist.get_world_size()) if multi else (0, 1)
-    mine = _problems(step_dir, marker, part)
+    mine = _problems(_Files(step_dir), marker, part)
     rows: list[Any] = [None] * part[1] if multi else [mine]
     if multi:
         dist.all_gather_object(rows, mine, group=group)
@@ -595,23 +761,23 @@ def read_full(step_dir: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, 
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from moonrt.comm.dcp_state import SafeReader, ShardLoadPlanner
+    from moonrt.comm.dcp_state import ShardLoadPlanner
 
     step_dir = resolve(step_dir)
-    marker = read_marker(step_dir)
-    _check(step_dir, marker, False)
-    reader = SafeReader(step_dir)
-    try:
-        md = reader.read_metadata()
-        bad = [k for k, m in md.state_dict_metadata.items() if not isinstance(m, TensorStorageMetadata)]
-        if bad:
-            raise ValueError(f"entry {bad[0]!r} is a pickled object, expected a tensor")
-        out = {k: torch.empty(m.size, dtype=m.properties.dtype, device="cpu")  # the file's state, on the host
-               for k, m in md.state_dict_metadata.items()}
-        with _quiet(False):
-            dcp.load(out, storage_reader=SafeReader(step_dir), planner=ShardLoadPlanner(), no_dist=True)
-    except (Exception, CheckpointException) as exc:
-        raise CheckpointError(f"checkpoint {str(step_dir)!r}: unreadable: {_reason(exc)}") from None
+    with _pinned(step_dir) as (files, marker):  # a running job may rotate the step away: read what was pinned
+        if bad := _problems(files, marker):
+            raise CheckpointError(f"checkpoint {str(step_dir)!r}: {bad[0]}")
+        try:
+            md = files.reader().read_metadata()
+            bad = [k for k, m in md.state_dict_metadata.items() if not isinstance(m, TensorStorageMetadata)]
+            if bad:
+                raise ValueError(f"entry {bad[0]!r} is a pickled object, expected a tensor")
+            out = {k: torch.empty(m.size, dtype=m.properties.dtype, device="cpu")  # the file's state, on the host
+                   for k, m in md.state_dict_metadata.items()}
+            with _quiet(False):
+                dcp.load(out, storage_reader=files.reader(), planner=ShardLoadPlanner(), no_dist=True)
+        except (Exception, CheckpointException) as exc:
+            raise CheckpointError(f"checkpoint {str(step_dir)!r}: unreadable: {_reason(exc)}") from None
     _warn_unverified(step_dir, marker)
     return out, marker
 
