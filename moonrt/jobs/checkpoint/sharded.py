@@ -33,8 +33,8 @@ with ``--optimizer muon`` its AdamW-group parameters the same, its Muon paramete
   own logging of the failure is silenced); ``moonrt checkpoint info --verify`` runs the same check. The marker
   itself carries ``marker_crc32`` (:func:`marker_sum`, checked by every :func:`read_marker`), its ``step`` must be
   the one its ``step-N`` directory names, and on load its optimizer ``param_groups`` must be what the job's config
-  builds (the schedule's ``lr`` aside): an edited marker is refused, not resumed. A marker written before
-  ``marker_crc32`` still loads, with a warning line saying it is not verified.
+  or the marker's own config builds (the schedule's ``lr`` aside): an edited marker is refused, not resumed. A
+  marker written before ``marker_crc32`` still loads, with a warning line saying it is not verified.
 - **Loading reshards** to any layout, one process included (DCP without a process group): each rank asks
   for the ranges its own tensors cover, DCP reads them from whichever saved chunks overlap; a range no saved
   chunk covers is an error (:class:`moonrt.comm.dcp_state.ShardLoadPlanner`).
@@ -719,8 +719,8 @@ def load_sharded(step_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimi
                  rt: Parallelism | None = None) -> int:
     """Load a committed checkpoint into this rank's model and optimizer, whatever layout wrote it; returns its
     step. Collective in a multi-rank job. :class:`CheckpointError` when it does not fit the model, or when the
-    optimizer hyperparameters the marker records differ from ``opt``'s (:func:`_group_changes`). ``opt`` keeps
-    its hyperparameters but the schedule's (:data:`SCHEDULED`)."""
+    optimizer hyperparameters the marker records differ from ``opt``'s and its own config's
+    (:func:`_group_changes`); else ``opt``'s param groups get the marker's values."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -747,8 +747,8 @@ def load_sharded(step_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimi
         raise CheckpointError(f"checkpoint {str(step_dir)!r}: does not fit this model and optimizer: "
                               f"{_reason(exc)}") from None
     rt.load_sharded_state_dict(model, opt, state)
-    for group, saved in zip(opt.param_groups, groups):  # the rest is the job's (equal, or a change it made)
-        group.update({k: v for k, v in _hyper(saved).items() if k in SCHEDULED or k not in group})
+    for group, saved in zip(opt.param_groups, groups):  # restored, as optimizer.load_state_dict does
+        group.update(_hyper(saved))
     if rt.is_main:
         _warn_unverified(step_dir, marker)
     return int(marker["step"])
