@@ -2,7 +2,7 @@
 cached vs naive AttnRes bytes, step time.
 
 For each schedule (1F1B, interleaved with V = 2, ZB1P) and AttnRes mode (cached, naive) the ranks run
-:class:`moonrt.comm.pp_part.PipelineParallel` on k3_tiny (fp32, batch ``--batch`` x ``--seq-len``, M =
+:class:`moonrt.comm.pp.part.PipelineParallel` on k3_tiny (fp32, batch ``--batch`` x ``--seq-len``, M =
 ``--microbatches``): one warm-up step, then ``--steps`` timed steps. Per rank: forward blocks and bytes
 sent, backward bytes, and the idle fraction (seconds blocked in receives / seconds of the action list,
 median over the timed steps); the simulator's idle fraction per rank under unit costs (F = I = W = 1,

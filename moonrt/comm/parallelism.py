@@ -17,7 +17,7 @@ part that handles the sum. After :meth:`sync_grads` a part that handles it may h
 :meth:`step`.
 
 A :class:`Part` is one parallel dimension's contribution (expert parallelism, the pipeline:
-:class:`moonrt.comm.pp_part.PipelineParallel`). Every method has a do-nothing default; for the verbs that one
+:class:`moonrt.comm.pp.part.PipelineParallel`). Every method has a do-nothing default; for the verbs that one
 part must own (summing gradients, clipping, checkpoint state) the first part that handles the call
 wins (it returns True / a value instead of the default; likewise for running the step,
 :meth:`forward_backward` / :meth:`loss_sum`, and the optimizer update, :meth:`step`), otherwise the

@@ -159,7 +159,7 @@ def validate_counts(counts: Any, num_slots: int | None, total_tokens: int | None
 @njit(cache=True)
 def _prefix_core(load: np.ndarray, cap: np.ndarray, R: int, G: int) -> np.ndarray:  # pragma: no cover
     """Numba kernel of the closed form (``method="prefix"``, module docstring). Same in/out as the greedy's
-    :func:`moonrt.ops.moonep_greedy.plan_core`. Written as two-pointer sweeps; ``moonep_torch.plan_prefix`` is its
+    :func:`moonrt.ops.moonep.greedy.plan_core`. Written as two-pointer sweeps; ``moonep_torch.plan_prefix`` is its
     vectorized twin."""
     E = R * G
     bal = group_balance(load, cap, R, G)

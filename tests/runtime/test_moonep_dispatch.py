@@ -2,7 +2,7 @@
 
 Every rank builds the same seeded global problem, runs its slice through the dispatcher (home
 experts sharded E/R per rank), and returns its output, all gradients and its expert rows; the test
-compares them with :func:`moonrt.ops.grouped.moe_reference` / :func:`moonrt.comm.ep_ref.rows_reference`.
+compares them with :func:`moonrt.ops.grouped.moe_reference` / :func:`moonrt.comm.ep.ref.rows_reference`.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ model on this rank's contiguous slice of every sequence (rank ``r`` owns ``[r*T/
 :meth:`ContextParallel.slice`).
 
 Accounting (K3_SYSTEMS §7 "communication per KDA layer per rank"): every call appends a
-:class:`~moonrt.comm.cp_ops.CommRecord` to :attr:`ContextParallel.log` with the bytes this rank sent
+:class:`~moonrt.comm.cp.ops.CommRecord` to :attr:`ContextParallel.log` with the bytes this rank sent
 and received in the forward and (when it runs) the backward pass. Records are labelled with the
 module name set by :meth:`ContextParallel.tag_layers` (forward pre-hooks applied from outside the
 model), else ``"<op>#<n>"`` by call order within a step. Call :meth:`ContextParallel.new_step`
@@ -115,7 +115,7 @@ class ContextParallel(AttentionContext):
         initial_state: torch.Tensor | None = None,
         output_final_state: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """KCP over the CP group (:func:`moonrt.comm.kcp.kcp_kda`): this slice's outputs, entering state merged.
+        """KCP over the CP group (:func:`moonrt.comm.cp.kcp.kcp_kda`): this slice's outputs, entering state merged.
 
         ``q, k [B, T_r, H, K]``, ``v [B, T_r, H, V]``, ``g [B, T_r, H, K]``, ``beta [B, T_r, H]``;
         ``initial_state [B, H, K, V]`` fp32 on CP rank 0 only; the final state comes back on the last

@@ -3,7 +3,7 @@
 The delta rule makes a segment's effect depend on the state entering it, but affinely: for a
 contiguous segment ``S_end = M S_start + S_ext`` (``M [K, K]``, ``S_ext [K, V]`` per head, fp32).
 A CP group of ``c`` ranks, rank ``r`` holding the contiguous slice ``r`` of the sequence
-(:func:`moonrt.comm.cp_ops.split_sizes`), runs:
+(:func:`moonrt.comm.cp.ops.split_sizes`), runs:
 
 Forward
   1. ``(M_r, S_ext_r)`` of the local slice (one chunked pass, fp32). Rank 0 folds the user's
@@ -190,7 +190,7 @@ def kcp_kda(
     """Context-parallel KDA over ``group`` (KCP, K3_SYSTEMS §7); the contract of ``kda_chunk`` per slice.
 
     Each rank of ``group`` passes its contiguous slice of one sequence (rank ``r`` owns tokens
-    ``[r*T//c, (r+1)*T//c)``, :func:`moonrt.comm.cp_ops.split_sizes`):
+    ``[r*T//c, (r+1)*T//c)``, :func:`moonrt.comm.cp.ops.split_sizes`):
 
     Args:
         q, k: ``[B, T_r, H, K]`` queries and keys of this slice (used as given).
@@ -204,7 +204,7 @@ def kcp_kda(
         output_final_state: return the state after the sequence's last token on the last CP rank.
         chunk_size: chunk length C of the local chunked form (checked as by ``moonrt.ops.kda.check_chunk_size``;
             a bad value raises ValueError on every rank).
-        record: optional byte counter (:class:`moonrt.comm.cp_ops.CommRecord`).
+        record: optional byte counter (:class:`moonrt.comm.cp.ops.CommRecord`).
         chunk_fn, transition_fn: local kernels with the contracts of ``moonrt.ops.kda.kda_chunk``
             and ``kda_transition`` (default: those).
         state_grad_fn: the entering-state gradient of ``chunk_fn`` alone (backward step 1), with the contract

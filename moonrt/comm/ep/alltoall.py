@@ -4,7 +4,7 @@ Every token-expert assignment goes to the expert's home rank (rank h homes exper
 ``[h*E/R, (h+1)*E/R)``); there are no slots and no weight copies. A rank receives as many rows as
 its home experts were chosen, so under skewed routing the hottest rank computes far more than
 ``s * k`` rows and the whole group waits for it. Same verbs and validation as
-:class:`moonrt.comm.moonep_dispatch.MoonEPDispatcher`: it is that class with the placement of the
+:class:`moonrt.comm.ep.dispatch.MoonEPDispatcher`: it is that class with the placement of the
 no-redundancy policy (:func:`moonrt.scheduler.baselines.no_redundancy`), so benchmarks swap one for
 the other.
 """

@@ -2,9 +2,9 @@
 home expert weights into slots and their gradients back.
 
 :func:`to_rows` / :func:`from_rows` move per-assignment values to this rank's expert rows and back
-with one all-to-all each (each is the other's adjoint) under an :class:`~moonrt.comm.ep_layout.EPLayout`;
+with one all-to-all each (each is the other's adjoint) under an :class:`~moonrt.comm.ep.layout.EPLayout`;
 :func:`send_weights` / :func:`return_weight_grads` move flattened expert weights into slots and sum
-slot gradients back into the home experts under a :class:`~moonrt.comm.ep_layout.WeightLayout`.
+slot gradients back into the home experts under a :class:`~moonrt.comm.ep.layout.WeightLayout`.
 :func:`dispatch_tokens` and :func:`combine_tokens` are the differentiable dispatch and combine the
 dispatchers (``dispatch.py``, ``alltoall.py``) call: the backward of one is the other.
 """
@@ -161,7 +161,7 @@ def combine_tokens(
     ``deps``: the dispatch's rows and the prefetched slot weights. They get no gradient from here,
     but being inputs makes the dispatch and prefetch backward (each a collective) run on every rank,
     in the same order, even on a rank whose expert compute did not touch them (no slot rows).
-    ``refill`` (a :class:`moonrt.comm.ep_slots.SlotRefill`): re-prefetches this layer's slots into a shared
+    ``refill`` (a :class:`moonrt.comm.ep.slots.SlotRefill`): re-prefetches this layer's slots into a shared
     :class:`SlotPool` first thing in
     backward (K3_SYSTEMS §6.3), before the expert backward reads them.
     """
@@ -172,7 +172,7 @@ def combine_tokens(
 
 
 def build_dedup(layout: EPLayout, group: dist.ProcessGroup | None, device: torch.device | None = None) -> DedupLayout:
-    """This rank's :class:`~moonrt.comm.ep_layout.DedupLayout`: one all-to-all of int64 metadata (one per
+    """This rank's :class:`~moonrt.comm.ep.layout.DedupLayout`: one all-to-all of int64 metadata (one per
     assignment, under ``layout``'s splits) on ``device`` (the data's: the EP group's backend), so every
     receiver learns which of its assignment rows share a token. Host tensors are returned."""
     pair_token, send_splits, meta = dedup_send_side(layout)

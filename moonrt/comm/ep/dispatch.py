@@ -32,7 +32,7 @@ top_k, num_experts, num_slots)``, verbs in pairs (``dispatch`` returns a :class:
    home rank's parameter;
 5. ``combine`` returns each token's k weighted expert outputs summed in token order.
 
-The plain all-to-all baseline (:class:`moonrt.comm.ep_alltoall.AllToAllDispatcher`) is this class
+The plain all-to-all baseline (:class:`moonrt.comm.ep.alltoall.AllToAllDispatcher`) is this class
 with the identity placement (every assignment to its home rank).
 """
 

@@ -52,7 +52,7 @@ class ExpertParallel(Part):
 
     Args:
         parallel: the job's degrees (``cp`` > 1 composes: pass the CP runtime's mesh; with ``pp`` > 1 it
-            acts on this pipeline rank's stages, inside :class:`moonrt.comm.pp_part.PipelineParallel`).
+            acts on this pipeline rank's stages, inside :class:`moonrt.comm.pp.part.PipelineParallel`).
         capacity: S, the most tokens one rank passes to one MoE layer per call (training and eval).
         mesh: the job's :class:`ProcessMesh` (built here from the default group, which must exist, if None
             and the world has more than one rank).

@@ -22,7 +22,7 @@ pair's operations in order, which the grouping makes the same pairs).
 
 AttnRes (K3_SYSTEMS §9): a forward hop ``s -> s+1`` carries the blocks of the hop plan (``sends[s]``), then
 the open partial block when one is open at the cut; the backward hop carries the accumulated gradient
-of every one of those blocks (:class:`moonrt.comm.pp_cache.BlockCache`, one buffer per block), then
+of every one of those blocks (:class:`moonrt.comm.pp.cache.BlockCache`, one buffer per block), then
 the partial block's gradient.
 """
 

@@ -2,7 +2,7 @@
 
 :class:`PipelineParallel` cuts the model into ``pp * vpp`` stages (``model.stages``), keeps on this rank
 only the modules its stages use (``model.stage_modules``; the others are replaced by None), and runs
-every step's micro-batches through :class:`moonrt.comm.pipeline.PipelineExecutor` with the rank's
+every step's micro-batches through :class:`moonrt.comm.pp.executor.PipelineExecutor` with the rank's
 lowered action list. Gradients of parameters held by several pipeline ranks (the AttnRes
 pseudo-queries) are summed over the pp group; the gradient norm is the global one; checkpoints stay in
 the single-process layout (:meth:`full_state_dict` gathers every stage's parameters and optimizer

@@ -9,7 +9,7 @@ it):
   (expert weights under EP: rows ``[first, first + E/R)`` of the stacked ``[E, ...]`` tensor).
 - ``optimizer.<name>.exp_avg`` / ``.exp_avg_sq``: the AdamW moments of parameter ``<name>``, **flattened**
   to ``[numel]`` of the single-process parameter, so that every layout's piece is one contiguous range:
-  an EP rank's experts, a ZeRO-1 owner's piece of its flat bucket (``moonrt.comm.zero_core.Slot``), or both.
+  an EP rank's experts, a ZeRO-1 owner's piece of its flat bucket (``moonrt.comm.zero.core.Slot``), or both.
   ``optimizer.<name>.step``: the parameter's AdamW step count, a 0-d float64 tensor (0: no state yet).
 - ``optimizer.<name>.momentum_buffer``: the momentum of a parameter in a ``use_muon`` group of
   :class:`moonrt.ops.muon.Muon`, with the parameter's **single-process shape** (not flattened: a Muon block

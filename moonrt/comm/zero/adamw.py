@@ -1,6 +1,6 @@
 """ZeRO-1 with AdamW on flat shards (K3_SYSTEMS §10): AdamW states sharded over the data-parallel replicas.
 
-:class:`Zero1` is the AdamW strategy on :class:`moonrt.comm.zero_core.ZeroCore` (buckets, the packed layout and
+:class:`Zero1` is the AdamW strategy on :class:`moonrt.comm.zero.core.ZeroCore` (buckets, the packed layout and
 its collectives, the exact global norm, composition with the pipeline and expert parts, checkpoints in the
 single-process and the DCP layout, and why the partition is flat: see there). Per step the loop calls
 ``sync_grads`` (reduce-scatter), ``clip_grad_norm`` and :meth:`Zero1.step` (AdamW on this rank's shard, then
@@ -32,7 +32,7 @@ _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 class Zero1(ZeroCore):
     """ZeRO-1 data parallelism with AdamW on flat shards (see the module docstring; arguments:
-    :class:`~moonrt.comm.zero_core.ZeroCore`)."""
+    :class:`~moonrt.comm.zero.core.ZeroCore`)."""
 
     def __init__(self, dense: Any = None, experts: Any = None, **kwargs: Any) -> None:
         super().__init__(dense, experts, **kwargs)

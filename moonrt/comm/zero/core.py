@@ -1,5 +1,5 @@
 """The ZeRO-1 sharding core (K3_SYSTEMS §10) that both optimizers' parts stand on: :class:`moonrt.comm.zero.adamw.Zero1`
-(AdamW, flat element partition) and :class:`moonrt.comm.zero_muon.ZeroMuon` (Muon, whole blocks per owner, planned
+(AdamW, flat element partition) and :class:`moonrt.comm.zero.muon.ZeroMuon` (Muon, whole blocks per owner, planned
 by :mod:`moonrt.scheduler.muon_plan`).
 
 **Buckets.** A bucket is the trainable parameters with the same replica group and dtype: dense parameters over

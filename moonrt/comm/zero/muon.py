@@ -1,6 +1,6 @@
 """ZeRO-1 for Per-Head Muon: each orthogonalization unit is owned, whole, by one data-parallel rank.
 
-:class:`ZeroMuon` is the Muon strategy on :class:`moonrt.comm.zero_core.ZeroCore` (buckets, the packed layout and
+:class:`ZeroMuon` is the Muon strategy on :class:`moonrt.comm.zero.core.ZeroCore` (buckets, the packed layout and
 its collectives, the exact global norm, composition with the pipeline and expert parts, checkpoints) for ``--zero
 1 --optimizer muon`` (K3 report §2.7 and its infrastructure section: each rank fetches only the pieces of the
 matrices it owns). A flat ZeRO-1 partition (:mod:`moonrt.comm.zero.adamw`) cuts matrices at arbitrary elements, but
@@ -46,7 +46,7 @@ from moonrt.scheduler.muon_plan import Unit, plan_units, unit_layout
 class ZeroMuon(ZeroCore):
     """Muon + AdamW with unit ownership inside each parameter's replica group (see the module docstring).
 
-    Args: those of :class:`~moonrt.comm.zero_core.ZeroCore`, and ``assign``: ``model -> {parameter name:
+    Args: those of :class:`~moonrt.comm.zero.core.ZeroCore`, and ``assign``: ``model -> {parameter name:
     blocking}`` of the parameters Muon updates (the job's :func:`moonrt.jobs.train.optimizers.muon_blocks`); every
     other trainable parameter is AdamW.
     """

@@ -6,7 +6,9 @@
   file, or a run directory ``OUT``: then first which checkpoint ``--resume`` takes (the newer of
   ``OUT/checkpoint.pt`` and ``OUT/checkpoint/``, :func:`moonrt.jobs.checkpoint.store.resume_state`) and that the other
   is ignored. ``--verify``: every file against the sizes and CRC-32s in ``moonrt.json`` (markers written before
-  checksums: "not verified"), a ``.pt`` file's zip records against their CRC-32s.
+  checksums: "not verified"), a ``.pt`` file's zip records against their CRC-32s. The marker's own CRC-32 and its
+  step (against the ``step-N`` name) are checked on every read ("marker: CRC-32 verified"; an older marker:
+  "marker: not verified").
   A missing ``OUT/checkpoint`` of a run that wrote ``OUT/checkpoint.pt`` (one process) is one line naming that
   file (give ``OUT`` or the file; ``convert`` writes the sharded format).
 - ``moonrt checkpoint export DIR FILE [--names hf|moonrt] [--mxfp4] [--force]``: the model weights as one single-process
@@ -188,7 +190,7 @@ def _info_dir(step_dir: Path, args: argparse.Namespace, extra: dict[str, Any] | 
               lead: tuple[str, ...] = ()) -> int:
     """Print a committed step directory (``extra``: more JSON fields, ``lead``: lines printed first, once it has
     been read and verified)."""
-    from moonrt.jobs.checkpoint.sharded import read_marker, verify
+    from moonrt.jobs.checkpoint.sharded import read_marker, verified, verify
 
     marker = read_marker(step_dir)
     checked = verify(step_dir) if args.verify else None
@@ -209,6 +211,7 @@ def _info_dir(step_dir: Path, args: argparse.Namespace, extra: dict[str, Any] | 
     for r, row in enumerate(ranks):
         print(f"rank {r}: model {_mb(row['model_bytes'])} + optimizer {_mb(row['optimizer_bytes'])} passed to DCP, "
               f"{_mb(row['written_bytes'])} written")
+    print("marker: CRC-32 verified" if verified(marker) else "marker: not verified (written before marker checksums)")
     if "files" not in marker:
         print("checksums: not verified (written before checksums)")
     elif args.verify:

@@ -7,6 +7,7 @@ Layout on disk (``OUT/checkpoint/``)::
         __<rank>_0.distcp             what each rank wrote (DCP's files, one per rank)
         moonrt.json                   the commit marker: step, job config, layout, optimizer hyperparameters,
                                       every file's size and CRC-32 (``files``; absent in markers written before)
+                                      and the CRC-32 of its own content (``marker_crc32``; likewise)
     OUT/checkpoint/step-00000030.tmp/ a save in progress or interrupted (never loaded)
 
 Entries (:mod:`moonrt.comm.state.dcp`): ``model.<name>`` for every single-process ``model.state_dict()`` entry
@@ -29,15 +30,19 @@ with ``--optimizer muon`` its AdamW-group parameters the same, its Muon paramete
 - **Verified**: before a load every file is checked against the marker's sizes and CRC-32s (:func:`file_sum`;
   the ranks of a load share the reading) and every entry of ``.metadata`` against its file's size, so a flipped
   bit, a truncated shard or a missing ``.metadata`` is one :class:`CheckpointError` naming the file (DCP's
-  own logging of the failure is silenced); ``moonrt checkpoint info --verify`` runs the same check.
+  own logging of the failure is silenced); ``moonrt checkpoint info --verify`` runs the same check. The marker
+  itself carries ``marker_crc32`` (:func:`marker_sum`, checked by every :func:`read_marker`), its ``step`` must be
+  the one its ``step-N`` directory names, and on load its optimizer ``param_groups`` must be what the job's config
+  or the marker's own config builds (the schedule's ``lr`` aside): an edited marker is refused, not resumed. A
+  marker written before ``marker_crc32`` still loads, with a warning line saying it is not verified.
 - **Loading reshards** to any layout, one process included (DCP without a process group): each rank asks
   for the ranges its own tensors cover, DCP reads them from whichever saved chunks overlap; a range no saved
-  chunk covers is an error (:class:`moonrt.comm.dcp_state.ShardLoadPlanner`).
+  chunk covers is an error (:class:`moonrt.comm.state.dcp.ShardLoadPlanner`).
 - **No pickled objects run**: tensor data is read with ``torch.load(weights_only=True)`` (DCP), the step and
   config live in ``moonrt.json``; DCP's ``.metadata`` is a pickle that torch 2.13 reads with plain
   ``pickle.load``, so it is read here with an allow-list unpickler (DCP metadata classes, ``torch.Size``,
   dtypes) instead; non-tensor entries are refused, and so are entries stored outside the step directory (an
-  absolute path, ``..``, a symlink out: :func:`moonrt.comm.dcp_state.check_storage_paths`).
+  absolute path, ``..``, a symlink out: :func:`moonrt.comm.state.dcp.check_storage_paths`).
 
 Which format a job writes (:func:`use_sharded`): multi-rank jobs with AdamW or Muon write DCP; a single process
 keeps writing ``OUT/checkpoint.pt`` (it holds everything anyway, and the one file is what other tools read); other
@@ -55,11 +60,14 @@ import math
 import os
 import re
 import shutil
+import stat
+import sys
 import tempfile
 import warnings
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 import torch.distributed as dist
@@ -79,7 +87,10 @@ ROOT = "checkpoint"
 MARKER = "moonrt.json"
 FORMAT = "moonrt-dcp/1"
 STEP_DIR = re.compile(r"^step-(\d+)$")
+MAX_MARKER_BYTES = 64 << 20  # a marker holds a few hundred bytes per rank: refused above this before it is read
 METADATA = ".metadata"
+MARKER_SUM = "marker_crc32"
+SCHEDULED = ("lr", "initial_lr")  # param-group keys the lr schedule sets every step: not compared on load
 _NO_SPACE = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded"}
 
 
@@ -165,18 +176,26 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
         raise
 
 
-def file_sum(path: Path) -> dict[str, Any]:
-    """``{"bytes", "crc32"}`` of a file (CRC-32 as 8 hex digits, read in 4 MiB pieces).
+def file_sum(path: Path | BinaryIO) -> dict[str, Any]:
+    """``{"bytes", "crc32"}`` of a file, or of a file open for reading from its start (CRC-32 as 8 hex digits, read
+    in 4 MiB pieces).
 
     CRC-32, not a cryptographic hash: it detects every single-bit flip and every error burst of up to 32 bits
     (bit rot, a torn or truncated write) and runs at ~2.7 GB/s here against ~1.3 GB/s for SHA-256 (zlib vs
     hashlib, one core); it does not stop a deliberate edit, but whoever can edit a shard can edit the marker too.
     """
     crc, n = 0, 0
-    with open(path, "rb") as f:
+    with open(path, "rb") if isinstance(path, str | os.PathLike) else contextlib.nullcontext(path) as f:
         while chunk := f.read(1 << 22):
             crc, n = zlib.crc32(chunk, crc), n + len(chunk)
     return {"bytes": n, "crc32": f"{crc:08x}"}
+
+
+def marker_sum(marker: dict[str, Any]) -> str:
+    """CRC-32 (8 hex digits) of a marker's content: the JSON of every key but ``marker_crc32`` itself, keys sorted,
+    no spaces (the form a JSON round trip keeps: floats print as their shortest repr)."""
+    body = {k: v for k, v in marker.items() if k != MARKER_SUM}
+    return f"{zlib.crc32(json.dumps(body, sort_keys=True, separators=(',', ':')).encode()):08x}"
 
 
 def _fsync_dir(path: Path) -> None:
@@ -294,6 +313,7 @@ def _commit(root: Path, tmp: Path, final: Path, rows: list[Any], step: int, job:
               "ranks": [{"model_bytes": int(r[0]), "optimizer_bytes": int(r[1]), "written_bytes": int(r[2])}
                         for r in rows],
               "files": dict(sorted(files.items()))}
+    marker[MARKER_SUM] = marker_sum(marker)
     _write_json(tmp / MARKER, marker)
     _fsync_dir(tmp)
     if final.is_symlink():
@@ -320,6 +340,13 @@ def resolve(path: str | Path) -> Path:
         raise CheckpointError(f"checkpoint {str(path)!r}: incomplete (no {MARKER} commit marker: the save was "
                               "interrupted or is still running); expected a committed checkpoint directory")
     if not path.is_dir():
+        gone = STEP_DIR.match(path.name) if not os.path.lexists(path) and path.parent.is_dir() else None
+        newer = [int(m.group(1)) for d in path.parent.iterdir() if (m := STEP_DIR.match(d.name))
+                 and (d / MARKER).is_file() and int(m.group(1)) > int(gone.group(1))] if gone else []
+        if newer:  # e.g. resolved a moment ago by export of a run that is still running
+            raise CheckpointError(f"checkpoint {str(path)!r}: step {int(gone.group(1))} was rotated away: the job "
+                                  f"committed step {max(newer)} and removed it (it keeps the newest committed "
+                                  f"step); give {str(path.parent)!r} to read the newest")
         raise CheckpointError(f"checkpoint {str(path)!r}: expected a directory (OUT/checkpoint or one of its "
                               "step-N directories)")
     done = sorted((int(m.group(1)), d) for d in path.iterdir()
@@ -353,12 +380,30 @@ _FILE = {"bytes": (_int, "an integer >= 0"),
 
 def read_marker(step_dir: Path) -> dict[str, Any]:
     """The ``moonrt.json`` of a committed checkpoint directory, checked: every key loading and ``moonrt checkpoint
-    info`` use, with its type (``files``, the per-file sizes and CRC-32s, is optional: markers written before
-    checksums lack it)."""
-    path = Path(step_dir) / MARKER
+    info`` use, with its type; its own CRC-32 (``marker_crc32``, :func:`marker_sum`); its ``step`` against the
+    directory's name where that is ``step-N``. ``files`` (the per-file sizes and CRC-32s) and ``marker_crc32`` are
+    optional: markers written before checksums lack them (:func:`verified`)."""
     try:
-        marker = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
+        with open(Path(step_dir) / MARKER, "rb") as f:
+            return _parse_marker(step_dir, _read_marker_file(step_dir, f))
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint {str(step_dir)!r}: unreadable {MARKER}: {exc}") from None
+
+
+def _read_marker_file(step_dir: Path, f: BinaryIO) -> bytes:
+    """The bytes of an open ``moonrt.json``, at most :data:`MAX_MARKER_BYTES` (more: :class:`CheckpointError`)."""
+    raw = f.read(MAX_MARKER_BYTES + 1)
+    if len(raw) > MAX_MARKER_BYTES:
+        raise CheckpointError(f"checkpoint {str(step_dir)!r}: {MARKER} is larger than {MAX_MARKER_BYTES:,} bytes; "
+                              "expected a commit marker written by moonrt")
+    return raw
+
+
+def _parse_marker(step_dir: Path, raw: bytes) -> dict[str, Any]:
+    """:func:`read_marker` of the marker's bytes ``raw``."""
+    try:
+        marker = json.loads(raw)
+    except ValueError as exc:
         raise CheckpointError(f"checkpoint {str(step_dir)!r}: unreadable {MARKER}: {exc}") from None
     if not isinstance(marker, dict) or marker.get("format") != FORMAT:
         got = marker.get("format") if isinstance(marker, dict) else type(marker).__name__
@@ -393,36 +438,198 @@ def read_marker(step_dir: Path) -> dict[str, Any]:
                     raise CheckpointError(f"{MARKER} files[{name!r}] = {entry!r}: expected {{bytes, crc32}} of a "
                                           "file in the checkpoint directory")
                 _fields(f"files[{name!r}].", entry, _FILE)
+        if MARKER_SUM in marker:
+            _fields("", marker, {MARKER_SUM: _FILE["crc32"]})
     except CheckpointError as exc:
         raise CheckpointError(f"checkpoint {str(step_dir)!r}: {exc}") from None
+    if MARKER_SUM in marker and (got := marker_sum(marker)) != marker[MARKER_SUM]:
+        raise CheckpointError(f"checkpoint {str(step_dir)!r}: file {MARKER} is damaged or edited: CRC-32 {got} of "
+                              f"its content, it records {marker[MARKER_SUM]} ({MARKER_SUM}); expected a marker as "
+                              "moonrt wrote it")
+    named = STEP_DIR.match(Path(step_dir).name)
+    if named and int(named.group(1)) != marker["step"]:
+        raise CheckpointError(f"checkpoint {str(step_dir)!r}: {MARKER} step = {marker['step']}, but the directory "
+                              f"is {Path(step_dir).name}: a renamed directory or an edited marker; expected the "
+                              "step its name gives")
     return marker
 
 
-def _problems(step_dir: Path, marker: dict[str, Any], part: tuple[int, int] = (0, 1)) -> list[str]:
+def verified(marker: dict[str, Any]) -> bool:
+    """Whether a marker carries its own checksum (:func:`read_marker` checked it); False: written before."""
+    return MARKER_SUM in marker
+
+
+def _warn_unverified(step_dir: Path, marker: dict[str, Any]) -> None:
+    """One warning line on stderr for a loaded marker written before ``marker_crc32``."""
+    if not verified(marker):
+        print(f"moonrt: warning: checkpoint {str(step_dir)!r}: {MARKER} carries no checksum of its own (written "
+              "before marker checksums): its step, config and optimizer settings are not verified",
+              file=sys.stderr, flush=True)
+
+
+class _Files:
+    """The files of one committed step directory as a read of it sees them: by path, or after :meth:`pin` through
+    descriptors opened once, so a job that rotates the step away meanwhile (removes its directory after committing
+    a newer one) changes nothing read: the checks and DCP's reads see the same files. Also the file system DCP's
+    reader reads through (:meth:`reader`: ``create_stream``, ``concat_path``, ``init_path``)."""
+
+    def __init__(self, step_dir: Path) -> None:
+        self.dir = Path(step_dir)
+        self.fds: dict[str, int] | None = None  # name in the directory -> descriptor (pinned), None: by path
+
+    def size(self, name: str) -> int | None:
+        """The size of a regular file ``name``; None where it is missing (or not a regular file)."""
+        if self.fds is None:
+            path = self.dir / name
+            return path.stat().st_size if path.is_file() else None
+        return os.fstat(self.fds[name]).st_size if name in self.fds else None
+
+    @contextlib.contextmanager
+    def open(self, name: str) -> Iterator[BinaryIO]:
+        """File ``name`` open for reading from its start."""
+        if self.fds is None:
+            with open(self.dir / name, "rb") as f:
+                yield f
+            return
+        if name not in self.fds:
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(self.dir / name))
+        with os.fdopen(os.dup(self.fds[name]), "rb") as f:  # one reader at a time: the shared offset is ours
+            f.seek(0)
+            yield f
+
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Any:
+        if "r" not in mode or "+" in mode:
+            raise PermissionError(errno.EACCES, "a checkpoint being read is never written", str(path))
+        return self.open(os.path.relpath(path, self.dir))
+
+    def concat_path(self, path: str | os.PathLike[str], suffix: str) -> Path:
+        return Path(path) / suffix
+
+    def init_path(self, path: str | os.PathLike[str]) -> Path:
+        return Path(path)
+
+    def reader(self) -> Any:
+        """A :class:`moonrt.comm.state.dcp.SafeReader` of the directory reading through these files."""
+        from moonrt.comm.state.dcp import SafeReader
+
+        reader = SafeReader(self.dir)
+        reader.fs = self
+        return reader
+
+    def pin(self) -> dict[str, Any]:
+        """Open the marker, the ``.metadata`` and every file they name, once; returns the marker
+        (:func:`read_marker`'s checks). :class:`CheckpointError` saying the step was rotated away where it was
+        removed before everything was open (a file missing for another reason is left to :func:`_problems`)."""
+        self.fds = {}
+        self._add(MARKER)
+        if MARKER not in self.fds:
+            raise self._rotated()
+        with self.open(MARKER) as f:
+            marker = _parse_marker(self.dir, _read_marker_file(self.dir, f))
+        names = {METADATA, *marker.get("files", {})}
+        self._add(METADATA)
+        with contextlib.suppress(Exception):  # an unreadable or unsafe index: _problems names it
+            names |= {info.relative_path for info in self.reader().read_metadata().storage_data.values()}
+        _room_for(len(names))
+        for name in sorted(names - set(self.fds)):
+            self._add(name)
+        if names - set(self.fds) and self._gone():
+            raise self._rotated()
+        return marker
+
+    def _add(self, name: str) -> None:
+        try:  # O_NONBLOCK: a FIFO planted under a file's name is not waited on (and not taken: not regular)
+            fd = os.open(self.dir / name, os.O_RDONLY | os.O_NONBLOCK)
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        except OSError as exc:
+            if exc.errno == errno.EMFILE:
+                raise CheckpointError(f"checkpoint {str(self.dir)!r}: too many files to read at once for the "
+                                      f"open-file limit (ulimit -n) {_nofile()[0]}; raise it") from None
+            raise
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            return
+        assert self.fds is not None
+        self.fds[name] = fd
+
+    def _gone(self) -> bool:
+        """Whether the directory no longer holds the marker that was pinned (removed, or replaced by another save)."""
+        assert self.fds is not None
+        try:
+            now = os.stat(self.dir / MARKER)
+        except OSError:
+            return True
+        mine = os.fstat(self.fds[MARKER])
+        return (now.st_dev, now.st_ino) != (mine.st_dev, mine.st_ino)
+
+    def _rotated(self) -> CheckpointError:
+        return _rotated(self.dir)
+
+    def close(self) -> None:
+        for fd in (self.fds or {}).values():
+            os.close(fd)
+        self.fds = None
+
+
+def _rotated(step_dir: Path) -> CheckpointError:
+    m = STEP_DIR.match(step_dir.name)
+    what = f"step {int(m.group(1))}" if m else "the checkpoint"
+    return CheckpointError(f"checkpoint {str(step_dir)!r}: {what} was rotated away while it was being read (the "
+                           "running job removed it after committing a newer step); run the command again: it reads "
+                           "the newest committed step")
+
+
+def _nofile() -> tuple[int, int]:
+    import resource
+
+    return resource.getrlimit(resource.RLIMIT_NOFILE)
+
+
+def _room_for(n: int) -> None:
+    """Raise this process's open-file limit (soft, up to the hard one) to hold ``n`` more descriptors."""
+    import resource
+
+    soft, hard = _nofile()
+    want = n + 256  # what the process holds besides
+    if soft != resource.RLIM_INFINITY and soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want if hard == resource.RLIM_INFINITY else min(want, hard),
+                                                    hard))
+
+
+@contextlib.contextmanager
+def _pinned(step_dir: Path) -> Iterator[tuple[_Files, dict[str, Any]]]:
+    """The files of ``step_dir`` pinned (:meth:`_Files.pin`) and its marker, for a read by one process of a
+    checkpoint a running job may rotate away (``export``, ``convert``, ``info --verify``)."""
+    files = _Files(step_dir)
+    try:
+        yield files, files.pin()
+    finally:
+        files.close()
+
+
+def _problems(files: _Files, marker: dict[str, Any], part: tuple[int, int] = (0, 1)) -> list[str]:
     """What makes a committed checkpoint unreadable, each naming the file: the ``.metadata`` missing, damaged
     (CRC-32) or not a safe DCP index (an entry stored outside the directory, a pickled object), a data file
     missing, shorter than the entries DCP stored in it, or (markers with ``files``) not of its recorded size
     and CRC-32. ``part = (i, n)``: this caller sums data files ``i, i + n, ...`` only (the ranks of a load
     share the reading); the cheap checks run everywhere."""
-    from moonrt.comm.state.dcp import SafeReader
-
-    files = marker.get("files")
-    md_path = step_dir / METADATA
-    if not md_path.is_file():
+    sums = marker.get("files")
+    if files.size(METADATA) is None:
         return [f"file {METADATA} is missing (DCP's index of the tensors)"]
     try:  # first: a hostile index is named as such (refused before anything of it runs)
-        md = SafeReader(step_dir).read_metadata()
+        md = files.reader().read_metadata()
     except Exception as exc:  # a truncated or hand-made pickle: EOFError, UnpicklingError, ValueError, ...
         return [f"file {METADATA} is refused or unreadable ({_reason(exc)}): truncated, damaged or not written "
                 "by moonrt"]
-    if files is not None and (bad := _mismatch(step_dir, METADATA, files[METADATA])):
+    if sums is not None and (bad := _mismatch(files, METADATA, sums[METADATA])):
         return [bad]
     out: list[str] = []
     sizes: dict[str, int | None] = {}
     for index, info in md.storage_data.items():
         rel = info.relative_path
         if rel not in sizes:
-            sizes[rel] = (step_dir / rel).stat().st_size if (step_dir / rel).is_file() else None
+            sizes[rel] = files.size(rel)
             if sizes[rel] is None:
                 out.append(f"file {rel} is missing (it holds entry {index.fqn!r})")
         size = sizes[rel]
@@ -430,19 +637,19 @@ def _problems(step_dir: Path, marker: dict[str, Any], part: tuple[int, int] = (0
             out.append(f"file {rel} is truncated: {size:,} bytes, entry {index.fqn!r} ends at byte "
                        f"{info.offset + info.length:,}")
             sizes[rel] = None  # one line per file
-    if files is not None:
-        data = [n for n in sorted(files) if n != METADATA]
+    if sums is not None:
+        data = [n for n in sorted(sums) if n != METADATA]
         for name in data[part[0]::part[1]]:
-            if bad := _mismatch(step_dir, name, files[name]):
+            if bad := _mismatch(files, name, sums[name]):
                 out.append(bad)
     return out
 
 
-def _mismatch(step_dir: Path, name: str, want: dict[str, Any]) -> str | None:
-    path = step_dir / name
-    if not path.is_file():
+def _mismatch(files: _Files, name: str, want: dict[str, Any]) -> str | None:
+    if files.size(name) is None:
         return f"file {name} is missing ({MARKER} records {want['bytes']:,} bytes)"
-    got = file_sum(path)
+    with files.open(name) as f:
+        got = file_sum(f)
     if got["bytes"] != want["bytes"]:
         return (f"file {name} has {got['bytes']:,} bytes, {MARKER} records {want['bytes']:,}: truncated or "
                 "damaged")
@@ -453,12 +660,12 @@ def _mismatch(step_dir: Path, name: str, want: dict[str, Any]) -> str | None:
 
 
 def verify(step_dir: str | Path) -> int | None:
-    """Check every file of a committed checkpoint (:func:`_problems`, one process); returns how many files were
-    checked against their CRC-32, or None for a marker written before checksums (sizes and the index checked
-    only). :class:`CheckpointError` naming the first bad file."""
+    """Check every file of a committed checkpoint (:func:`_problems`, one process, the files pinned); returns how
+    many files were checked against their CRC-32, or None for a marker written before checksums (sizes and the
+    index checked only). :class:`CheckpointError` naming the first bad file."""
     step_dir = resolve(step_dir)
-    marker = read_marker(step_dir)
-    bad = _problems(step_dir, marker)
+    with _pinned(step_dir) as (files, marker):
+        bad = _problems(files, marker)
     if bad:
         raise CheckpointError(f"checkpoint {str(step_dir)!r}: {bad[0]}")
     return len(marker["files"]) if "files" in marker else None
@@ -468,7 +675,7 @@ def _check(step_dir: Path, marker: dict[str, Any], multi: bool, group: Any = Non
     """:func:`_problems` before a load; ``multi``: the data files shared among the ranks of the job (collective:
     every rank raises the same first problem; the verdicts gathered over ``group``, the job's CPU group)."""
     part = (dist.get_rank(), dist.get_world_size()) if multi else (0, 1)
-    mine = _problems(step_dir, marker, part)
+    mine = _problems(_Files(step_dir), marker, part)
     rows: list[Any] = [None] * part[1] if multi else [mine]
     if multi:
         dist.all_gather_object(rows, mine, group=group)
@@ -477,10 +684,43 @@ def _check(step_dir: Path, marker: dict[str, Any], multi: bool, group: Any = Non
         raise CheckpointError(f"checkpoint {str(step_dir)!r}: {bad[0]}")
 
 
+def _config_groups(marker: dict[str, Any], model: torch.nn.Module) -> list[dict[str, Any]] | None:
+    """The param-group hyperparameters (JSON form) the marker's own job config builds over ``model``, or None where
+    this moonrt does not build that config."""
+    from moonrt.jobs.train.optimizers import build_optimizer
+
+    try:
+        opt = build_optimizer(model, from_dict(JobConfig, marker["config"]).optim)
+    except (ValueError, TypeError, KeyError):  # ConfigError: a config this moonrt does not build
+        return None
+    return [{k: _jsonable(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
+
+
+def _group_changes(marker: dict[str, Any], model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[str]:
+    """``param_groups[i].key: checkpoint A, now B`` for every hyperparameter the marker records (the schedule's
+    :data:`SCHEDULED` aside) that differs from ``opt``'s (the job's config built it), unless the marker's own
+    config builds the recorded value: then the job changed the config field and ``check_resume`` accepted it."""
+    saved, out = marker["param_groups"], []
+    own: list[dict[str, Any]] | None | bool = False  # built once, on the first difference
+    for i, (group, old) in enumerate(zip(opt.param_groups, saved)):
+        for key in sorted(set(old) & set(group) - {"params", *SCHEDULED}):
+            now = _jsonable(group[key])
+            if old[key] == now:
+                continue
+            if own is False:
+                own = _config_groups(marker, model)
+            if own is not None and len(own) == len(saved) and own[i].get(key) == old[key]:
+                continue
+            out.append(f"param_groups[{i}].{key}: checkpoint {old[key]!r}, now {now!r}")
+    return out
+
+
 def load_sharded(step_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimizer,
                  rt: Parallelism | None = None) -> int:
     """Load a committed checkpoint into this rank's model and optimizer, whatever layout wrote it; returns its
-    step. Collective in a multi-rank job. :class:`CheckpointError` when it does not fit the model."""
+    step. Collective in a multi-rank job. :class:`CheckpointError` when it does not fit the model, or when the
+    optimizer hyperparameters the marker records differ from ``opt``'s and its own config's
+    (:func:`_group_changes`); else ``opt``'s param groups get the marker's values."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -493,6 +733,10 @@ def load_sharded(step_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimi
     if len(groups) != len(opt.param_groups):
         raise CheckpointError(f"checkpoint {str(step_dir)!r}: {len(groups)} optimizer param groups; this optimizer "
                               f"has {len(opt.param_groups)} (another optimizer?)")
+    if changes := _group_changes(marker, model, opt):  # the same on every rank: refused before any collective
+        raise CheckpointError(f"--resume: the job differs from the checkpoint's (step {marker['step']}) in "
+                              f"{'; '.join(changes)} (the optimizer param groups of {str(step_dir / MARKER)!r}). "
+                              "Resume with the same settings")
     _check(step_dir, marker, _multi(), rt.cpu_group)
     state = rt.sharded_state_dict(model, opt, save=False)
     try:
@@ -503,8 +747,10 @@ def load_sharded(step_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimi
         raise CheckpointError(f"checkpoint {str(step_dir)!r}: does not fit this model and optimizer: "
                               f"{_reason(exc)}") from None
     rt.load_sharded_state_dict(model, opt, state)
-    for group, saved in zip(opt.param_groups, groups):
+    for group, saved in zip(opt.param_groups, groups):  # restored, as optimizer.load_state_dict does
         group.update(_hyper(saved))
+    if rt.is_main:
+        _warn_unverified(step_dir, marker)
     return int(marker["step"])
 
 
@@ -515,23 +761,24 @@ def read_full(step_dir: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, 
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from moonrt.comm.state.dcp import SafeReader, ShardLoadPlanner
+    from moonrt.comm.state.dcp import ShardLoadPlanner
 
     step_dir = resolve(step_dir)
-    marker = read_marker(step_dir)
-    _check(step_dir, marker, False)
-    reader = SafeReader(step_dir)
-    try:
-        md = reader.read_metadata()
-        bad = [k for k, m in md.state_dict_metadata.items() if not isinstance(m, TensorStorageMetadata)]
-        if bad:
-            raise ValueError(f"entry {bad[0]!r} is a pickled object, expected a tensor")
-        out = {k: torch.empty(m.size, dtype=m.properties.dtype, device="cpu")  # the file's state, on the host
-               for k, m in md.state_dict_metadata.items()}
-        with _quiet(False):
-            dcp.load(out, storage_reader=SafeReader(step_dir), planner=ShardLoadPlanner(), no_dist=True)
-    except (Exception, CheckpointException) as exc:
-        raise CheckpointError(f"checkpoint {str(step_dir)!r}: unreadable: {_reason(exc)}") from None
+    with _pinned(step_dir) as (files, marker):  # a running job may rotate the step away: read what was pinned
+        if bad := _problems(files, marker):
+            raise CheckpointError(f"checkpoint {str(step_dir)!r}: {bad[0]}")
+        try:
+            md = files.reader().read_metadata()
+            bad = [k for k, m in md.state_dict_metadata.items() if not isinstance(m, TensorStorageMetadata)]
+            if bad:
+                raise ValueError(f"entry {bad[0]!r} is a pickled object, expected a tensor")
+            out = {k: torch.empty(m.size, dtype=m.properties.dtype, device="cpu")  # the file's state, on the host
+                   for k, m in md.state_dict_metadata.items()}
+            with _quiet(False):
+                dcp.load(out, storage_reader=files.reader(), planner=ShardLoadPlanner(), no_dist=True)
+        except (Exception, CheckpointException) as exc:
+            raise CheckpointError(f"checkpoint {str(step_dir)!r}: unreadable: {_reason(exc)}") from None
+    _warn_unverified(step_dir, marker)
     return out, marker
 
 
@@ -569,7 +816,13 @@ def to_single_file(step_dir: str | Path) -> dict[str, Any]:
                         k: flat[f"optimizer.{n}.{k}"].view(p.shape) for k in MOMENTS}
                 ids.append(i)
                 i += 1
+            own = {k: _jsonable(v) for k, v in group.items() if k != "params"}
+            if bad := next((k for k in sorted(set(saved) & set(own) - set(SCHEDULED)) if saved[k] != own[k]), None):
+                raise CheckpointError(f"checkpoint {str(step_dir)!r}: {MARKER} param_groups[{len(groups)}].{bad} = "
+                                      f"{saved[bad]!r}, but its job config builds {own[bad]!r}: an edited marker")
             groups.append({**_hyper(saved), "params": ids})
+    except CheckpointError:
+        raise
     except (KeyError, ValueError, RuntimeError) as exc:
         raise CheckpointError(f"checkpoint {str(step_dir)!r}: does not match its own config's model: "
                               f"{_reason(exc)}") from None
@@ -581,6 +834,6 @@ def to_single_file(step_dir: str | Path) -> dict[str, Any]:
 
 
 
-__all__ = ["FORMAT", "MARKER", "METADATA", "ROOT", "STEP_DIR", "file_sum", "load_sharded", "read_full",
-           "read_marker", "resolve", "save_sharded", "to_single_file", "use_sharded",
-           "verify"]
+__all__ = ["FORMAT", "MARKER", "MARKER_SUM", "METADATA", "ROOT", "SCHEDULED", "STEP_DIR", "file_sum", "load_sharded",
+           "marker_sum", "read_full", "read_marker", "resolve", "save_sharded", "to_single_file", "use_sharded",
+           "verified", "verify"]

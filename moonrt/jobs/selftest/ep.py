@@ -2,8 +2,8 @@
 
 For every shape ``(s tokens per rank, hidden H, top-k, experts E)`` and routing skew ``maxvio``
 (expert 0, homed on rank 0, gets ``(1 + maxvio)`` x the mean load; the others share the rest), both
-:class:`~moonrt.comm.moonep_dispatch.MoonEPDispatcher` and
-:class:`~moonrt.comm.ep_alltoall.AllToAllDispatcher`:
+:class:`~moonrt.comm.ep.dispatch.MoonEPDispatcher` and
+:class:`~moonrt.comm.ep.alltoall.AllToAllDispatcher`:
 
 1. **check** one fp32 forward + backward through SiTU-GLU experts (E/R homed per rank, MoonEP's
    slot copies prefetched) on every rank against :func:`moonrt.ops.grouped.moe_reference` run in
@@ -14,7 +14,7 @@ For every shape ``(s tokens per rank, hidden H, top-k, experts E)`` and routing 
    ``3 E F H`` fp32 weights:
 
    - ``rows``: the received rows, their router weights and segment bounds equal
-     :func:`~moonrt.comm.ep_ref.rows_reference` exactly (a transport moves bits, it must not round);
+     :func:`~moonrt.comm.ep.ref.rows_reference` exactly (a transport moves bits, it must not round);
    - ``balance`` (MoonEP): this rank computes exactly ``floor``/``ceil`` of ``R s k / R`` rows;
    - ``output``, ``grad_x``, ``grad_weights``, ``grad_experts``: normwise error
      ``max|got - ref| / max|ref| <= 2 c eps32`` with ``c`` the reduction lengths of the chain

@@ -4,7 +4,7 @@ For every ``T`` tokens per rank (``--kcp-tokens``) and the head shape ``--kcp-sh
 
 1. **check** (float64): every rank draws its own slice of a sequence of ``R T`` tokens (seeded by
    rank), the slices are all-gathered into the whole sequence, and
-   :func:`moonrt.comm.kcp.kcp_kda` forward + backward on the slices (initial state on rank 0, final
+   :func:`moonrt.comm.cp.kcp.kcp_kda` forward + backward on the slices (initial state on rank 0, final
    state on the last rank) is compared with single-rank :func:`moonrt.ops.kda.kda_chunk` on the
    gathered input: this rank's outputs and its gradients of q, k, v, g, beta (plus the final state
    on the last rank, ``dh0`` on rank 0). Both are float64 evaluations of the same function, so the

@@ -2,7 +2,7 @@
 
 The runtime may not import the model (layering), so the suite builds its own stand-in: a tiny Block
 AttnRes stack (:class:`TinyStack`, float64) exposing exactly the stage API
-:class:`moonrt.comm.pp_part.PipelineParallel` and :class:`moonrt.comm.pipeline.PipelineExecutor` use
+:class:`moonrt.comm.pp.part.PipelineParallel` and :class:`moonrt.comm.pp.executor.PipelineExecutor` use
 (``config``, ``stages``, ``stage_modules``, ``stream``, ``embed_tokens``, ``run_layers``, ``head``). Its
 layers mix every finished block and the open partial block (softmax over the sources with per-layer
 pseudo-queries shared by every stage), so a wrong or missing block changes the loss and every gradient.

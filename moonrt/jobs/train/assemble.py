@@ -66,11 +66,11 @@ def parallel_runtime(job: JobConfig, progress: bool = False) -> Parallelism:
     group).
 
     Batch rows are split over ``dp_ep`` (ranks that see different data), each sequence over ``cp``
-    (:class:`moonrt.comm.cp_context.ContextParallel`: KCP, conv halo, MLA latent gather); gradients, router
+    (:class:`moonrt.comm.cp.context.ContextParallel`: KCP, conv halo, MLA latent gather); gradients, router
     statistics and scalars are summed over the replicas ``dp_ep_cp``. Parts built here:
-    :class:`moonrt.comm.pp_part.PipelineParallel` when ``pp > 1`` (stages over the ``pp`` group),
-    :class:`moonrt.comm.ep_parallel.ExpertParallel` when ``ep > 1``, a routing-trace recorder when asked for;
-    :class:`moonrt.comm.zero.adamw.Zero1` when ``zero = 1`` (:class:`moonrt.comm.zero_muon.ZeroMuon` with ``optimizer =
+    :class:`moonrt.comm.pp.part.PipelineParallel` when ``pp > 1`` (stages over the ``pp`` group),
+    :class:`moonrt.comm.ep.parallel.ExpertParallel` when ``ep > 1``, a routing-trace recorder when asked for;
+    :class:`moonrt.comm.zero.adamw.Zero1` when ``zero = 1`` (:class:`moonrt.comm.zero.muon.ZeroMuon` with ``optimizer =
     muon``). Their order and which wraps which is the composition table's (:func:`moonrt.comm.compose.compose`).
     """
     import torch.distributed as dist

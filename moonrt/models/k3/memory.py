@@ -84,7 +84,7 @@ def class_terms(cfg: Any, a: int, seq_tokens: int, batch: int = 1, gathered: int
         Term("conv output (SiLU input)", W * a, W), Term("q|k|v (SiLU output)", W * a, W),
         Term("q, k L2 rsqrt", 2 * H * a), Term("beta = sigmoid", 4 * H, fp32=True),
         Term("f_a output", K * a, K), Term("gate pre-sigmoid + sigmoid", 8 * HK, HK, fp32=True),
-        # chunk form (moonrt.ops.kda_autograd.ChunkKDA, compute dtype fp32): it saves its chunked inputs (per
+        # chunk form (moonrt.ops.kda.autograd.ChunkKDA, compute dtype fp32): it saves its chunked inputs (per
         # padded token) and the state entering each chunk, and recomputes the chunk terms in backward
         Term("q, k, g chunks", 12 * HK * pad, K, fp32=True),
         Term("v chunks", 4 * HV * pad, V, fp32=True),

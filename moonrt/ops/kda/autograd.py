@@ -1,13 +1,13 @@
 """The chunked KDA kernel as one autograd function with a hand-written backward (K3_SYSTEMS §2.3-2.4).
 
 Forward, per cache-sized group of chunks (all chunks of all heads of a group in each batched matmul): the
-state-independent terms (:func:`moonrt.ops.kda_terms.chunk_terms`, numba elementwise passes around batched
+state-independent terms (:func:`moonrt.ops.kda.terms.chunk_terms`, numba elementwise passes around batched
 matmuls), the per-chunk affine maps
 ``S_{n+1} = M_n S_n + S_ext_n``, the sequential state pass (the only per-chunk loop) and the outputs
 ``O = Qg S_n + A_qk (U - W S_n)``. Saved for backward: the chunked inputs and the state entering each chunk.
 
 Backward, per group from the last: the terms are recomputed with their tile factors
-(:func:`moonrt.ops.kda_terms.chunk_terms_with_factors`), then
+(:func:`moonrt.ops.kda.terms.chunk_terms_with_factors`), then
 
 1. ``P_n = Qg^T dO - W^T (A_qk^T dO)`` for all chunks at once, and the reverse state pass
    ``dS_n = M_n^T dS_{n+1} + P_n`` (the transposed affine map; ``dS_{n+1}`` is the gradient of the state

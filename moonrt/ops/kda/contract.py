@@ -1,7 +1,8 @@
 """The input contract every KDA implementation shares (K3_SYSTEMS §2.1), checked in one place.
 
 :func:`moonrt.ops.kda.kda_chunk` / ``kda_recurrent`` / ``kda_state_grad`` / ``kda_transition``, their Triton twins in
-:mod:`moonrt.ops.kda.backends.triton` and context-parallel KDA (:func:`moonrt.comm.kcp.kcp_kda`) take the same tensors:
+:mod:`moonrt.ops.kda.backends.triton` and context-parallel KDA (:func:`moonrt.comm.cp.kcp.kcp_kda`) take the same
+tensors:
 
 - ``q, k [B, T, H, K]`` (q absent for the transition), ``v [B, T, H, V]``, ``g [B, T, H, K]`` per-token,
   per-channel log-decays (any value <= 0, ``-inf`` included; NaN refused), ``beta [B, T, H]``;
@@ -136,8 +137,8 @@ def _identity(S: torch.Tensor | None) -> torch.Tensor | None:
 def apply_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
               initial_state: torch.Tensor | None, opt: FlaOptions,
               ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None, StateMap]:
-    """fla's options applied to the inputs (:func:`moonrt.ops.kda_fla.apply_options`); the plain call (no option,
-    as many value heads as query heads) passes through untouched."""
+    """fla's options applied to the inputs (:func:`moonrt.ops.kda.fla_options.apply_options`); the plain call (no
+    option, as many value heads as query heads) passes through untouched."""
     plain = opt.is_default() and not (v.dim() == 4 and k.dim() == 4 and v.shape[2] != k.shape[2])
     if plain:
         return (q, k, v, g, beta), initial_state, _identity

@@ -221,7 +221,8 @@ def chunk_terms_with_factors(
 def _chunk_terms_fused(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, q: torch.Tensor | None,
                        scale: float, factors: bool, sub: int) -> tuple[ChunkTerms, TileFactors | None]:
     """:func:`chunk_terms` without a graph: the elementwise work in two numba passes
-    (:func:`moonrt.ops.kda_numba.tile_operands` before the block matmul, :func:`~moonrt.ops.kda_numba.assemble_blocks`
+    (:func:`moonrt.ops.kda.backends.numba.tile_operands` before the block matmul,
+    :func:`~moonrt.ops.kda.backends.numba.assemble_blocks`
     after it), the matmuls batched over all chunks ``p`` of ``[N, B, H]``: all sub-tile blocks in one ``bmm``, the
     UT transform as one triangular solve, ``[W | U] = (I + L)^-1 [Diag(beta) exp(G) K | Diag(beta) V]`` as one
     ``bmm``. With ``factors`` also the backward's :class:`TileFactors` (and ``T``)."""

@@ -1,7 +1,7 @@
 """Numba kernels of the chunk terms' elementwise work (K3_SYSTEMS §2.2-2.3): one pass over each chunk's inputs.
 
 :func:`tile_operands` reads a chunk's ``g, k, q, v, beta`` once and writes every elementwise factor and matmul
-operand that :func:`moonrt.ops.kda_terms.chunk_terms_with_factors` needs, rounded to the compute dtype once;
+operand that :func:`moonrt.ops.kda.terms.chunk_terms_with_factors` needs, rounded to the compute dtype once;
 :func:`assemble_blocks` scatters the sub-tile block products into the masked ``[C, C]`` matrices. The matmuls stay
 in torch (batched BLAS). Both run over the flattened chunk x batch x head index ``p`` in parallel (``prange``).
 
@@ -12,7 +12,7 @@ factor ``h_c`` of a block multiply to ``exp(G_r - G_c)``:
 
 - diagonal ``(i, i)``: ``f_r = exp(G_r - m_i)``, ``h_c = exp(m_i - G_c)``, m_i = G at the sub-tile's midpoint
   ``i sub + max(sub / 2 - 1, 0)``; ``|G_r - m_i| <= span(sub) max|g| <= 80``, the caller choosing ``sub`` so
-  (:func:`moonrt.ops.kda_terms.sub_tile`: 32 tokens and ``16 * 5`` for log-decays >= -5);
+  (:func:`moonrt.ops.kda.terms.sub_tile`: 32 tokens and ``16 * 5`` for log-decays >= -5);
 - off-diagonal ``(i, j < i)``: ``b_i`` = G at the last token before sub-tile i, ``f_r = exp(G_r - b_i) <= 1``,
   ``h_c = exp(b_i - G_c) <= 1``, both clamped from below at ``e^LOG_FLOOR``.
 
@@ -33,7 +33,7 @@ import numpy as np
 from numba import njit, typeof, types
 
 LOG_FLOOR = -80.0
-"""Same value as :data:`moonrt.ops.kda_terms.LOG_FLOOR` (kept here so this module has no torch import)."""
+"""Same value as :data:`moonrt.ops.kda.terms.LOG_FLOOR` (kept here so this module has no torch import)."""
 
 _FLOOR = math.exp(LOG_FLOOR)
 

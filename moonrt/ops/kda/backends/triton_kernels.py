@@ -21,10 +21,11 @@ import triton
 import triton.language as tl
 
 LOG_FLOOR = tl.constexpr(-80.0)
-"""Exponents of decaying factors are clamped from below here (as :data:`moonrt.ops.kda_terms.LOG_FLOOR`)."""
+"""Exponents of decaying factors are clamped from below here (as :data:`moonrt.ops.kda.terms.LOG_FLOOR`)."""
 
 G_FLOOR = tl.constexpr(-1000.0)
-"""Per-token log-decays are clamped from below here (:data:`moonrt.ops.kda_triton.G_FLOOR`: ``exp(-1000) = 0``)."""
+"""Per-token log-decays are clamped from below here (:data:`moonrt.ops.kda.backends.triton.G_FLOOR`: ``exp(-1000) =
+0``)."""
 
 IEEE = tl.constexpr("ieee")
 """``tl.dot``'s input precision for every product: full fp32 (a GPU would otherwise round fp32 operands to TF32)."""
