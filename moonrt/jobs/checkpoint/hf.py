@@ -105,7 +105,7 @@ def write_dir(out: Path, tensors: Mapping[str, torch.Tensor], config_doc: dict[s
     return files
 
 
-def _bounded(path: Path, limit: int, what: str) -> bytes:
+def _bounded(path: Path, limit: int, what: str, bound: str) -> bytes:
     """The bytes of the file ``path``, its size checked against ``limit`` before it is read; ConfigError naming it."""
     try:
         with path.open("rb") as f:
@@ -114,7 +114,8 @@ def _bounded(path: Path, limit: int, what: str) -> bytes:
     except OSError as exc:
         raise ConfigError(f"{str(path)!r}: unreadable ({exc.strerror or exc})") from None
     if size > limit or len(data) > limit:
-        raise ConfigError(f"{str(path)!r}: {max(size, len(data)):,} bytes; expected {what} of at most {limit:,} bytes")
+        raise ConfigError(f"{str(path)!r}: {max(size, len(data)):,} bytes; expected {what} of at most {limit:,} bytes "
+                          f"({bound})")
     return data
 
 
@@ -204,12 +205,13 @@ def read_index(src: Path) -> dict[str, str]:
     """The ``weight_map`` of ``src``'s index (size bounded by :data:`MAX_INDEX_BYTES` before it is read): tensor
     name -> a shard file name in ``src``. ConfigError naming the index for anything else."""
     index = src / INDEX
-    doc = _json(index, _bounded(index, MAX_INDEX_BYTES, "a safetensors index"), "a safetensors index")
+    what = "a safetensors index"
+    doc = _json(index, _bounded(index, MAX_INDEX_BYTES, what, "MAX_INDEX_BYTES"), what)
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict):
         found = type(weight_map if isinstance(doc, dict) else doc).__name__
         raise ConfigError(f"{str(index)!r}: weight_map is a JSON {found}; expected an object {{tensor name: shard "
-                          "file}} (not a safetensors index)")
+                          "file} (not a safetensors index)")
     if len(weight_map) > MAX_TENSORS:
         raise ConfigError(f"{str(index)!r}: {len(weight_map):,} tensors; expected at most {MAX_TENSORS:,} "
                           "(MAX_TENSORS)")
@@ -292,9 +294,11 @@ def check_size(cfg: K3Config, where: str) -> None:
 def identity(src: Path) -> dict[str, str]:
     """What names the directory ``src``'s content, recorded by a run started from it (``init_from_sha256``):
     the SHA-256 of its ``config.json`` and of its index (or of its single ``model.safetensors``'s header)."""
-    out = {CONFIG: hashlib.sha256(_bounded(src / CONFIG, hf_config.MAX_CONFIG_BYTES, "a config.json")).hexdigest()}
+    out = {CONFIG: hashlib.sha256(_bounded(src / CONFIG, hf_config.MAX_CONFIG_BYTES, "a config.json",
+                                                 "MAX_CONFIG_BYTES")).hexdigest()}
     if (src / INDEX).is_file():
-        out[INDEX] = hashlib.sha256(_bounded(src / INDEX, MAX_INDEX_BYTES, "a safetensors index")).hexdigest()
+        out[INDEX] = hashlib.sha256(_bounded(src / INDEX, MAX_INDEX_BYTES, "a safetensors index",
+                                                   "MAX_INDEX_BYTES")).hexdigest()
     elif (src / SINGLE).is_file():
         out[SINGLE] = hashlib.sha256(_header_bytes(src / SINGLE)[0]).hexdigest()
     return out
