@@ -146,6 +146,9 @@ def test_config_json_size_checked_before_parsing(dirs: dict[str, Path], tmp_path
     (d / hf.CONFIG).write_text("[" * 200_000 + "]" * 200_000)
     err = _refused(tmp_path, capfd, d)
     assert err.endswith(f"{str(d / hf.CONFIG)!r}: not a JSON config.json (nested too deeply)"), err
+    (d / hf.CONFIG).write_text(text.rstrip().removesuffix("}") + ', "deep": ' + "[" * 900 + "]" * 900 + "}")
+    err = _refused(tmp_path, capfd, d)  # parsed, then too deep for the copy of its unknown fields
+    assert err.endswith(f"{str(d / hf.CONFIG)!r}: a value nested too deeply; expected a config.json"), err
 
 
 # ---- 3. damaged or hostile safetensors files and indexes -----------------------------------------------------
@@ -345,13 +348,13 @@ def test_resume_without_the_source_and_a_changed_source_named(dirs: dict[str, Pa
     src = _copy(dirs["plain"], tmp_path)
     base = ("train", "--init-from", "hf", "--out", "run", "--metrics", "m.jsonl", "--steps", "4", *RUN)
     _main_here(tmp_path, (*base, "--threads", "1", "--until", "1"))
-    recorded = _ckpt(tmp_path / "run")["config"]["init_from_sha256"]
-    assert recorded == hf.identity(src) and set(recorded) == {hf.CONFIG, hf.INDEX}
     saved = tmp_path / "saved"
     src.rename(saved)  # a scratch purge: the run needs nothing of it now
     _main_here(tmp_path, (*base, "--threads", "1", "--until", "2", "--resume"))
     _main_here(tmp_path, (*base, "--threads", "1", "--until", "3", "--resume-if-exists"))
     assert sorted(_metrics(tmp_path / "m.jsonl")) == [1, 2, 3] and _ckpt(tmp_path / "run")["step"] == 3
+    recorded = _ckpt(tmp_path / "run")["config"]["init_from_sha256"]  # kept by every resume
+    assert recorded == hf.identity(saved) and set(recorded) == {hf.CONFIG, hf.INDEX}
 
     def refused(changed: str) -> None:
         code, _, err = _cli([*base, "--threads", "0", "--resume"], capfd)

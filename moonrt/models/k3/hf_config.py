@@ -209,6 +209,8 @@ def read_config(path: str | Path) -> HFConfig:
         return from_json(doc)
     except ConfigError as exc:  # "config.json: field = value: expected ..." -> the file's path
         raise ConfigError(f"{str(path)!r}: {str(exc).removeprefix('config.json: ')}") from None
+    except RecursionError:  # a value nested deeper than its copy recurses
+        raise ConfigError(f"{str(path)!r}: a value nested too deeply; expected a config.json") from None
 
 
 __all__ = ["FIXED", "HFConfig", "MAX_CONFIG_BYTES", "MOONRT_ONLY", "MXFP4_IGNORE", "from_json", "quantization_config",
