@@ -259,15 +259,19 @@ def _replace(d: Path, name: str, tensor: torch.Tensor) -> Path:
     return shard
 
 
-def test_zero_dim_packed_tensor_is_refused_from_the_header(dirs: dict[str, Path], tmp_path: Path,
-                                                           no_reads: list[str],
-                                                           capfd: pytest.CaptureFixture[str]) -> None:
+def test_zero_dim_tensors_are_refused_from_the_header(dirs: dict[str, Path], tmp_path: Path, no_reads: list[str],
+                                                      capfd: pytest.CaptureFixture[str]) -> None:
     d = _copy(dirs["mx"], tmp_path)
     name = "model.layers.1.block_sparse_moe.experts.3.w2.weight_packed"
     shard = _replace(d, name, torch.tensor(7, dtype=torch.uint8))
     no_reads.clear()
     assert _refused(tmp_path, capfd, d) == (f"moonrt train: error: {str(shard)!r}: {name}: shape (): expected (64, 28) "
                                             "(two MXFP4 codes a byte of (64, 56))")
+    d = _copy(dirs["plain"], tmp_path / "matrix")
+    shard = _replace(d, "lm_head.weight", torch.tensor(1.0))
+    no_reads.clear()
+    assert _refused(tmp_path, capfd, d) == (f"moonrt train: error: {str(shard)!r}: lm_head.weight: shape (): expected "
+                                            "(256, 128) (from the config)")
     assert no_reads == []
 
 
@@ -373,7 +377,7 @@ def test_resume_without_the_source_and_a_changed_source_named(dirs: dict[str, Pa
         Path("hf", hf.INDEX).write_text(json.dumps(index))
         refused(hf.INDEX)
         shutil.copy(saved / hf.INDEX, Path("hf", hf.INDEX))
-    _main_here(tmp_path, (*base, "--threads", "1", "--resume"))  # the directory as it was: resumes
+    _main_here(tmp_path, (*base, "--threads", "1", "--until", "4", "--resume"))  # the directory as it was
     assert sorted(_metrics(tmp_path / "m.jsonl")) == [1, 2, 3, 4]
 
 
