@@ -7,6 +7,14 @@ Shards are ``model-00001-of-0000N.safetensors`` holding tensors in the released 
 before a tensor would take one past ``max_shard_bytes`` (a single larger tensor gets a shard of its own); the
 index maps every tensor to its shard and records ``metadata.total_size`` (bytes). A directory with one
 ``model.safetensors`` and no index is read too.
+
+Reading (:func:`load_state`, issue 45) bounds before it reads: config.json's size
+(:data:`~moonrt.models.k3.hf_config.MAX_CONFIG_BYTES`) before it is parsed, the model's size from the config
+(:func:`check_size`: ``MAX_LAYERS``, ``MAX_PARAMS``, :data:`MAX_TENSORS`), the index's size, every header's length
+(:data:`MAX_HEADER_BYTES`) before the header; each header is validated as safetensors requires and its names,
+shapes and dtypes checked against the config's released layout before any tensor data is read; read tensors must
+be finite. Every failure is a ConfigError naming the file (and the tensor or field). A run started from a
+directory records its :func:`identity` (``init_from_sha256``) and resumes without it (:func:`job_init`).
 """
 
 from __future__ import annotations
@@ -32,11 +40,11 @@ SINGLE = "model.safetensors"
 CONFIG = "config.json"
 DEFAULT_SHARD_BYTES = 5 * 10**9
 MAX_INDEX_BYTES = 128 << 20
-"""Largest ``model.safetensors.index.json`` read (128 MiB; the MXFP4 K3 release's ~500k entries are ~55 MB)."""
+"""Largest ``model.safetensors.index.json`` read (128 MiB; the MXFP4 K3 release's ~500k entries: some 55 MB)."""
 MAX_HEADER_BYTES = 100_000_000
 """Largest safetensors header read (safetensors' own limit): its 8-byte length is checked first."""
 MAX_TENSORS = 1 << 20
-"""Most tensors of a directory (an index, a header, a config's released layout; the K3 release: ~250k)."""
+"""Most tensors of a directory (an index, a header, a config's released layout; the MXFP4 K3 release: ~500k)."""
 DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
                "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 """safetensors dtypes read, with their bytes per element (others are refused, naming the tensor)."""
@@ -294,11 +302,11 @@ def check_size(cfg: K3Config, where: str) -> None:
 def identity(src: Path) -> dict[str, str]:
     """What names the directory ``src``'s content, recorded by a run started from it (``init_from_sha256``):
     the SHA-256 of its ``config.json`` and of its index (or of its single ``model.safetensors``'s header)."""
-    out = {CONFIG: hashlib.sha256(_bounded(src / CONFIG, hf_config.MAX_CONFIG_BYTES, "a config.json",
-                                                 "MAX_CONFIG_BYTES")).hexdigest()}
+    config = _bounded(src / CONFIG, hf_config.MAX_CONFIG_BYTES, "a config.json", "MAX_CONFIG_BYTES")
+    out = {CONFIG: hashlib.sha256(config).hexdigest()}
     if (src / INDEX).is_file():
-        out[INDEX] = hashlib.sha256(_bounded(src / INDEX, MAX_INDEX_BYTES, "a safetensors index",
-                                                   "MAX_INDEX_BYTES")).hexdigest()
+        index = _bounded(src / INDEX, MAX_INDEX_BYTES, "a safetensors index", "MAX_INDEX_BYTES")
+        out[INDEX] = hashlib.sha256(index).hexdigest()
     elif (src / SINGLE).is_file():
         out[SINGLE] = hashlib.sha256(_header_bytes(src / SINGLE)[0]).hexdigest()
     return out
@@ -401,7 +409,7 @@ def job_init(job: Any, load: bool = True, stored: Mapping[str, Any] | None = Non
                           "layout")
     now = identity(src)
     if isinstance(want, dict) and now != want:
-        name = next(k for k in (CONFIG, INDEX, SINGLE) if now.get(k) != want.get(k))
+        name = next(k for k in (CONFIG, INDEX, SINGLE, *want) if now.get(k) != want.get(k))
         which = "the checkpoint's" if stored is not None else "the job config's"
         raise ConfigError(f"{flag}: {str(src / name)!r} changed since the run started from it (sha256 "
                           f"{str(now.get(name, 'none'))[:16]}, recorded {str(want.get(name, 'none'))[:16]} in "

@@ -97,7 +97,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--init-from", metavar="HF_DIR", help="start from the weights of a Kimi K3 Hugging Face "
                         "directory in the released layout (config.json, safetensors shards and "
                         "model.safetensors.index.json; packed MXFP4 experts decoded); its config.json gives the "
-                        "model config unless the job sets model_config (init_from)")
+                        "model config unless the job sets model_config; a resume needs no directory, one still "
+                        "there must be unchanged (init_from, init_from_sha256)")
     parser.add_argument("--metrics", help="write JSON lines {step, loss, lr, tokens_per_s, ...} to this file")
     parser.add_argument("--resume", action="store_true", help="continue from OUT's newest checkpoint, "
                         "OUT/checkpoint.pt or the sharded OUT/checkpoint/ (the job config must match the "
