@@ -414,6 +414,9 @@ def _export_hf(args: argparse.Namespace) -> int:
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp)
+    except OSError as exc:  # a full disk (ENOSPC), a quota: the temporary directory (ours) was removed
+        return _fail(f"FILE = {args.file!r}: cannot write the Hugging Face directory ({exc.strerror or exc}); "
+                     "nothing written")
     except (ConfigError, ValueError, KeyError) as exc:
         msg = str(exc).strip("'\"")
         if "MXFP4 block" in msg:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -96,7 +97,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--init-from", metavar="HF_DIR", help="start from the weights of a Kimi K3 Hugging Face "
                         "directory in the released layout (config.json, safetensors shards and "
                         "model.safetensors.index.json; packed MXFP4 experts decoded); its config.json gives the "
-                        "model config unless the job sets model_config (init_from)")
+                        "model config unless the job sets model_config; a resume needs no directory, one still "
+                        "there must be unchanged (init_from, init_from_sha256)")
     parser.add_argument("--metrics", help="write JSON lines {step, loss, lr, tokens_per_s, ...} to this file")
     parser.add_argument("--resume", action="store_true", help="continue from OUT's newest checkpoint, "
                         "OUT/checkpoint.pt or the sharded OUT/checkpoint/ (the job config must match the "
@@ -200,12 +202,14 @@ def run(args: argparse.Namespace) -> int:
         if allow and not (args.resume or args.resume_if_exists):
             raise ConfigError("--resume-allow-changes: expected together with --resume")
         job = job_from_args(args)
+        resume = args.resume or (args.resume_if_exists and bool(job.out_dir) and has_checkpoint(Path(job.out_dir)))
         if job.init_from is not None:  # its config.json is the model before the layout is checked and built
             from moonrt.jobs.checkpoint.hf import job_init
+            from moonrt.jobs.checkpoint.store import resume_state
 
-            job_init(job, load=False)
+            gone = resume and not os.path.lexists(job.init_from)  # a resume needs no source: its checkpoint's model
+            job_init(job, load=False, stored=resume_state(Path(job.out_dir))[1]["config"] if gone else None)
             job.validate()
-        resume = args.resume or (args.resume_if_exists and bool(job.out_dir) and has_checkpoint(Path(job.out_dir)))
         if job.parallel.world_size != 1 or launched():
             rt = parallel_runtime(job, progress=not args.no_progress)
         else:

@@ -288,6 +288,11 @@ class JobConfig:
     whose weights the model starts from (a fresh run; ``--resume`` continues from its checkpoint instead). Its
     ``config.json`` is the model config when ``model_config`` is null (the job's ``model`` must be a K3 preset);
     a ``model_config`` given must equal it."""
+    init_from_sha256: dict[str, str] | None = None
+    """The identity of the ``init_from`` directory, recorded by the run that started from it (null: filled in then):
+    the SHA-256 of its ``config.json`` and of its index (:func:`moonrt.jobs.checkpoint.hf.identity`). A resume
+    needs no directory (the checkpoint holds the weights and ``model_config``); one that is still there must have
+    this identity (a changed file is named)."""
 
     qat: str = "none"
     """Quantization-aware training (``--qat``): ``none``, or ``mxfp4``: the layers the model family declares
@@ -309,6 +314,10 @@ class JobConfig:
                 self.model_config = spec.config_from_dict(self.model_config)
             except ConfigError as exc:
                 raise ConfigError(f"model_config.{exc}") from None
+        sums = self.init_from_sha256
+        check(sums is None or (self.init_from is not None and all(
+            isinstance(v, str) and len(v) == 64 for v in sums.values())), "init_from_sha256", sums,
+            "null, or with init_from the SHA-256 hex digests a run started from it recorded")
         from moonrt.cluster.preempt import signal_from_name
 
         try:

@@ -209,13 +209,17 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
     start = 0
     src = ckpt  # what --resume loads: the newer of OUT/checkpoint.pt and the sharded OUT/checkpoint/
     init_state, init_note = None, ""  # --init-from: the weights of a released-layout HF directory
-    if job.init_from is not None:
+    if job.init_from is not None and not resume:
         from moonrt.jobs.checkpoint.hf import job_init
 
-        init_state, init_note = job_init(job, load=not resume)
+        init_state, init_note = job_init(job)
     if resume:
         src, state = resume_state(out)
         start, stored = state["step"], state["config"]
+        if job.init_from is not None:  # the directory is not needed; if there, it must be the one the run started from
+            from moonrt.jobs.checkpoint.hf import job_init
+
+            job_init(job, load=False, stored=stored)
         checkpoint.check_resume(stored, to_dict(job), start, resume_allow)
         if start > cfg.steps:
             raise ConfigError(f"optim.steps (--steps) = {cfg.steps}: expected at least the checkpoint's step {start} "

@@ -65,6 +65,7 @@ fp32, :func:`pack_mxfp4` writes them with :mod:`moonrt.ops.mx` (the codec QAT's 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterable, Mapping
 
@@ -199,6 +200,74 @@ def released_shapes(cfg: K3Config) -> dict[str, tuple[int, ...]]:
     out |= {"model.output_attn_res_norm.weight": (D,), "model.output_attn_res_proj.weight": (1, D),
             "model.norm.weight": (D,), "lm_head.weight": (cfg.vocab_size, D)}
     return out
+
+
+def released_count(cfg: K3Config) -> int:
+    """How many tensors :func:`released_shapes` lists for ``cfg`` (experts unpacked), counted without listing the
+    routed experts (``3 * num_experts`` per MoE layer): a bound checked before any per-tensor structure is made."""
+    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    one = dataclasses.replace(cfg, num_experts=0)  # no validation on replace: the shapes of the rest
+    return len(released_shapes(one)) + 3 * n_moe * cfg.num_experts
+
+
+FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
+"""safetensors dtypes a released weight may have (the release: BF16 and F32); read into moonrt's fp32 model."""
+PACKED_DTYPE = "U8"
+"""safetensors dtype of an MXFP4 pair (``weight_packed`` codes and ``weight_scale`` E8M0 scales)."""
+
+
+class LayoutError(ValueError):
+    """A released tensor set that does not match the config (:func:`check_layout`); ``key`` is the tensor named
+    (None: a key that is absent)."""
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+def check_layout(meta: Mapping[str, tuple[str, tuple[int, ...]]], cfg: K3Config, prefix: str = "") -> None:
+    """Check the headers ``meta`` (name -> (safetensors dtype, shape); vision keys dropped, :func:`split_prefix`)
+    against the released layout of ``cfg`` before any tensor is read: every name of :func:`released_shapes`
+    (``prefix``-ed) present as a float tensor (:data:`FLOAT_DTYPES`) of its shape, or as an MXFP4 ``_packed`` /
+    ``_scale`` pair (uint8, ``[..., n / 2]`` and ``[..., n / block]`` with ``block`` dividing ``n``), and no other
+    name. :class:`LayoutError` naming the first key that does not match (the same wording as :func:`from_hf`)."""
+    want = released_shapes(cfg)
+    if stray := sorted(k for k in meta if not k.startswith(prefix)):
+        raise LayoutError(f"unexpected key {stray[0]!r} ({len(stray)} keys without the prefix {prefix!r})", stray[0])
+    seen: set[str] = set()
+    for k, shape in want.items():
+        name = prefix + k
+        if name in meta:
+            seen.add(name)
+            dtype, got = meta[name]
+            if dtype not in FLOAT_DTYPES:
+                raise LayoutError(f"{name}: dtype {dtype}: expected a floating-point weight ({', '.join(FLOAT_DTYPES)}"
+                                  "; the release stores BF16 and F32); not converted", name)
+            padded = k.endswith(".self_attn.A_log") and len(got) == 1 and got[0] >= shape[0]  # see from_hf
+            if got != shape and not padded:
+                raise LayoutError(f"{name}: shape {got}: expected {shape} (from the config)", name)
+            continue
+        packed, scale = name + PACKED, name + SCALE
+        if packed not in meta and scale not in meta:
+            missing = sum(prefix + m not in meta and prefix + m + PACKED not in meta for m in want)
+            raise LayoutError(f"missing key {name!r} ({missing} released keys of this config missing)")
+        for part in (packed, scale):
+            if part not in meta:
+                other = scale if part == packed else packed
+                raise LayoutError(f"{other!r}: no {part!r} (an MXFP4 weight needs both)", other)
+            if meta[part][0] != PACKED_DTYPE:
+                raise LayoutError(f"{part}: dtype {meta[part][0]}: expected {PACKED_DTYPE} (packed MXFP4)", part)
+        seen |= {packed, scale}
+        (_, p), (_, q) = meta[packed], meta[scale]
+        n = shape[-1]
+        if n % 2 or p != (*shape[:-1], n // 2):
+            raise LayoutError(f"{packed}: shape {p}: expected {(*shape[:-1], n // 2)} (two MXFP4 codes a byte of "
+                              f"{shape})", packed)
+        if len(q) != len(shape) or q[:-1] != shape[:-1] or q[-1] < 1 or n % q[-1]:
+            raise LayoutError(f"{scale}: shape {q}: expected {(*shape[:-1], 'n / block')} with the block dividing "
+                              f"{n} (scales of {shape})", scale)
+    if extra := sorted(set(meta) - seen):
+        raise LayoutError(f"unexpected key {extra[0]!r} ({len(extra)} keys this config does not have)", extra[0])
 
 
 # ---- moonrt -> released --------------------------------------------------------------------------------------
@@ -401,6 +470,6 @@ def from_hf(tensors: Mapping[str, torch.Tensor], cfg: K3Config, prefix: str = ""
     return {k: v.contiguous() for k, v in out.items()}
 
 
-__all__ = ["MULTIMODAL_PREFIX", "RELEASED_KEY_PATTERNS", "RELEASE_FP32_SUFFIXES", "ROUTED_EXPERT", "VISION_PREFIXES",
-           "decode_mxfp4", "from_hf", "key_pattern", "pack_mxfp4", "release_dtypes", "released_shapes", "split_prefix",
-           "to_hf", "unpack"]
+__all__ = ["FLOAT_DTYPES", "MULTIMODAL_PREFIX", "PACKED_DTYPE", "RELEASED_KEY_PATTERNS", "RELEASE_FP32_SUFFIXES",
+           "ROUTED_EXPERT", "VISION_PREFIXES", "LayoutError", "check_layout", "decode_mxfp4", "from_hf", "key_pattern",
+           "pack_mxfp4", "release_dtypes", "released_count", "released_shapes", "split_prefix", "to_hf", "unpack"]

@@ -26,11 +26,15 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 from moonrt.config import ConfigError, from_dict
 from moonrt.models.k3.model.config import K3Config
+
+MAX_CONFIG_BYTES = 1 << 20
+"""Largest ``config.json`` read (1 MiB; the release's is ~5 KB): its size is checked before it is parsed."""
 
 FIXED: dict[str, Any] = {
     "moe_renormalize": True,
@@ -94,7 +98,8 @@ def text_fields(cfg: K3Config, dtype: str = "bfloat16", mxfp4_block: int | None 
         value = getattr(cfg, f.name)
         if f.name == "linear_attn_config":
             full = sorted(lac.full_attn_layers)
-            value = {"kda_layers": [i for i in range(1, cfg.num_hidden_layers + 1) if i not in set(full)],
+            mla = set(full)
+            value = {"kda_layers": [i for i in range(1, cfg.num_hidden_layers + 1) if i not in mla],
                      "full_attn_layers": full, **{g.name: getattr(lac, g.name) for g in dataclasses.fields(lac)
                                                   if g.name != "full_attn_layers"}}
         out[f.name] = copy.deepcopy(value)
@@ -148,17 +153,17 @@ def from_json(doc: dict[str, Any]) -> HFConfig:
     if isinstance(lac, dict):
         lac = dict(lac)
         kda = lac.pop("kda_layers", None)
-        full = lac.get("full_attn_layers")
-        n = text.get("num_hidden_layers")
-        if kda is not None and isinstance(full, list) and isinstance(n, int) and sorted(kda) != [
-                i for i in range(1, n + 1) if i not in set(full)]:
-            raise _fail(where + "linear_attn_config.kda_layers", kda,
-                        "the 1-indexed layers not in full_attn_layers (each layer exactly one kind)")
         fields["linear_attn_config"] = lac
     try:
-        model = from_dict(K3Config, fields)
+        model = from_dict(K3Config, fields)  # validated: num_hidden_layers <= MAX_LAYERS before any list is made
     except ConfigError as exc:
         raise ConfigError(f"config.json: {where}{exc}") from None
+    if isinstance(lac, dict) and kda is not None:
+        full = set(model.linear_attn_config.full_attn_layers)
+        if not isinstance(kda, list) or not all(type(i) is int for i in kda) or sorted(kda) != [
+                i for i in range(1, model.num_hidden_layers + 1) if i not in full]:
+            raise _fail(where + "linear_attn_config.kda_layers", kda,
+                        "the 1-indexed layers not in full_attn_layers (each layer exactly one kind)")
     if "num_key_value_heads" in text and text["num_key_value_heads"] != model.num_attention_heads:
         raise _fail(where + "num_key_value_heads", text["num_key_value_heads"],
                     f"num_attention_heads ({model.num_attention_heads}; K3's MLA has no GQA)")
@@ -183,14 +188,30 @@ def from_json(doc: dict[str, Any]) -> HFConfig:
 
 
 def read_config(path: str | Path) -> HFConfig:
-    """:func:`from_json` of the file ``path`` (ConfigError naming the file if it is not JSON)."""
+    """:func:`from_json` of the file ``path``: ConfigError naming the file if it is larger than
+    :data:`MAX_CONFIG_BYTES` (checked before it is read), not UTF-8 JSON, or nested deeper than Python parses."""
+    path = Path(path)
     try:
-        doc = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{str(path)!r}: {exc}") from None
-    return from_json(doc)
+        with path.open("rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > MAX_CONFIG_BYTES:
+                raise ConfigError(f"{str(path)!r}: {size:,} bytes; expected a config.json of at most "
+                                  f"{MAX_CONFIG_BYTES:,} bytes (MAX_CONFIG_BYTES)")
+            data = f.read(MAX_CONFIG_BYTES + 1)
+        if len(data) > MAX_CONFIG_BYTES:  # grew while read
+            raise ConfigError(f"{str(path)!r}: more than {MAX_CONFIG_BYTES:,} bytes; expected a config.json of at "
+                              f"most {MAX_CONFIG_BYTES:,} bytes (MAX_CONFIG_BYTES)")
+        doc = json.loads(data)
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: JSON, UTF-8; RecursionError: deep nesting
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc).splitlines()[0]
+        raise ConfigError(f"{str(path)!r}: not a JSON config.json ({reason})") from None
+    try:
+        return from_json(doc)
+    except ConfigError as exc:  # "config.json: field = value: expected ..." -> the file's path
+        raise ConfigError(f"{str(path)!r}: {str(exc).removeprefix('config.json: ')}") from None
+    except RecursionError:  # a value nested deeper than its copy recurses
+        raise ConfigError(f"{str(path)!r}: a value nested too deeply; expected a config.json") from None
 
 
-__all__ = ["FIXED", "HFConfig", "MOONRT_ONLY", "MXFP4_IGNORE", "from_json", "quantization_config", "read_config",
-           "text_fields",
-           "to_json", "write_config"]
+__all__ = ["FIXED", "HFConfig", "MAX_CONFIG_BYTES", "MOONRT_ONLY", "MXFP4_IGNORE", "from_json", "quantization_config",
+           "read_config", "text_fields", "to_json", "write_config"]
