@@ -58,13 +58,12 @@ from torch import nn
 
 from moonrt.comm.grad_reduce import reduce_scatter_grad
 from moonrt.comm.mesh import Group
-from moonrt.comm.parallelism import GradNorm, Part
+from moonrt.comm.parallelism import ExpertSharding, GradNorm, Part
 from moonrt.config import ConfigError
 from moonrt.ops.muon import Blocking, block_view, step_count
 
 if TYPE_CHECKING:
     from moonrt.comm.dcp_state import Shard
-    from moonrt.comm.ep_parallel import ExpertParallel
     from moonrt.comm.mesh import ProcessMesh
 
 
@@ -169,7 +168,8 @@ class ZeroCore(Part):
     Args:
         dense: group of the dense parameters' replicas (mesh ``dp_ep_cp``; None: the default group).
         experts: group of the routed experts' replicas (mesh ``dp_cp``); needed when ``ep`` is given.
-        ep: the job's expert-parallel part (which parameters are experts; EP gather of checkpoints); also set by
+        ep: the job's expert-parallel part, as the :class:`~moonrt.comm.parallelism.ExpertSharding` ZeRO asks
+            of it (which parameters are experts, EP gather of checkpoints); also set by
             :func:`moonrt.comm.compose.compose` (:meth:`wrap`).
         norm_group: the ranks whose shards together hold the whole model once (None: the default group).
     """
@@ -177,7 +177,7 @@ class ZeroCore(Part):
     kind = "zero"
     counts_every_rank = True
 
-    def __init__(self, dense: Any = None, experts: Any = None, *, ep: ExpertParallel | None = None,
+    def __init__(self, dense: Any = None, experts: Any = None, *, ep: ExpertSharding | None = None,
                  norm_group: Any = None) -> None:
         if ep is not None and experts is None and size_rank(None)[0] > 1:
             raise ConfigError(f"{type(self).__name__}: ep given without the experts' replica group "
@@ -185,7 +185,8 @@ class ZeroCore(Part):
         self.dense, self.experts, self.ep, self.norm_group = dense, experts, ep, norm_group
         self.duplicates: set[str] = set()
         """Names of parameters whose (synced) gradient on this rank is a copy of another rank's that the norm
-        already counts (set by the pipeline part: the pseudo-queries on all pp ranks but one)."""
+        already counts (given by the pipeline part through :meth:`accept_duplicates`: the pseudo-queries on all pp
+        ranks but one)."""
         self.names: list[str] = []
         self.params: list[nn.Parameter] = []
         self.blocks: dict[int, Blocking | None] = {}
@@ -201,13 +202,21 @@ class ZeroCore(Part):
         whether it had a gradient in the last step."""
 
     @classmethod
-    def from_mesh(cls, mesh: ProcessMesh, ep: ExpertParallel | None = None, **kwargs: Any) -> ZeroCore:
+    def from_mesh(cls, mesh: ProcessMesh, ep: ExpertSharding | None = None, **kwargs: Any) -> ZeroCore:
         """Dense parameters over ``dp_ep_cp``, experts over ``dp_cp``, norm over the default group."""
         return cls(mesh.group(Group.DP_EP_CP), mesh.group(Group.DP_CP), ep=ep, **kwargs)
 
     def wrap(self, inner: Part) -> None:
-        """The expert part (:func:`moonrt.comm.compose.compose`): which parameters are experts, their EP gather."""
+        """The expert part (:func:`moonrt.comm.compose.compose`): which parameters are experts, their EP gather.
+        TypeError for a part that is not an :class:`~moonrt.comm.parallelism.ExpertSharding`."""
+        if not isinstance(inner, ExpertSharding):
+            raise TypeError(f"{type(self).__name__} wraps an expert-sharding part (is_expert, shard_map, "
+                            f"full_state_dict, load_full_state_dict); got {type(inner).__name__}")
         self.ep = inner
+
+    def accept_duplicates(self, names: set[str]) -> None:
+        """Leave ``names`` out of the norm (:meth:`grad_norm`): another pp rank counts their gradient."""
+        self.duplicates = set(names)
 
     @property
     def mine(self) -> list[int]:

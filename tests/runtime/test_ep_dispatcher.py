@@ -227,3 +227,25 @@ def test_every_data_move_goes_through_the_transport(dedup: bool) -> None:
     want = ["all_gather"] + ["dedup_layout"] * dedup + ["dispatch", "fetch_slots", "combine"]
     assert transport.calls == want
     torch.testing.assert_close(out, x.detach() * w.sum(1, keepdim=True))  # identity experts: weighted sum of x
+
+
+def test_zero_takes_an_expert_sharding_part_and_duplicates_only_where_declared() -> None:
+    """ZeRO is typed against :class:`ExpertSharding` (what it asks of the expert part), not ExpertParallel; only a
+    part that declares ``counts_every_rank`` takes the pipeline's duplicates, any other refuses them."""
+    from moonrt.comm.parallelism import ExpertSharding, Part
+    from moonrt.comm.zero import Zero1
+
+    ep = ExpertParallel(ParallelConfig(), capacity=4)
+    assert isinstance(ep, ExpertSharding) and not isinstance(Part(), ExpertSharding)
+    zero = Zero1()
+    zero.wrap(ep)
+    assert zero.ep is ep
+    with pytest.raises(TypeError, match=r"^Zero1 wraps an expert-sharding part .*; got Part$"):
+        zero.wrap(Part())
+    assert zero.ep is ep, "a refused wrap changes nothing"
+    assert zero.counts_every_rank and not ep.counts_every_rank
+    zero.accept_duplicates({"pseudo_query"})
+    assert zero.duplicates == {"pseudo_query"}
+    with pytest.raises(TypeError, match=r"^ExpertParallel: takes no duplicates"):
+        ep.accept_duplicates({"pseudo_query"})
+    assert not hasattr(ep, "duplicates")
