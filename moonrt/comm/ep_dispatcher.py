@@ -12,7 +12,7 @@ that ``prefetch_weights`` and ``combine`` consume). Per MoE layer call (§6.3):
    collective (a rank that fails contributes a row of zeros, which the planner handles like any counts);
 2. every rank runs the same deterministic placement. MoonEP's (the greedy of :func:`moonrt.scheduler.moonep.plan`)
    is computed by :func:`moonrt.scheduler.moonep_torch.plan_device` on the counts' device before anything is
-   copied: on CUDA the kernel registry's Triton backend, on CPU its numba one; config ``kernels.moonep``); the
+   copied (on CUDA the kernel registry's Triton backend, on CPU its numba one; config ``kernels.moonep``); the
    table, the plan and this rank's top-k ids come to the host in one copy (the layout and NCCL's all-to-all split
    sizes are host data: that copy is the one synchronization per layer), and every rank computes its own
    send/receive layout (:mod:`moonrt.comm.ep_layout`). The baseline places on the host from the counts' copy;

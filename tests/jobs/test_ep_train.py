@@ -141,3 +141,16 @@ def test_ep_dispatcher_is_free_on_resume_like_the_degrees() -> None:
     new["parallel"]["ep_dispatcher"] = "alltoall"
     check_resume(old, new, step=1)
     check_resume(new, to_dict(JobConfig()), step=1)
+
+
+def test_layout_head_names_the_baseline_placement() -> None:
+    from moonrt.comm.mesh import MeshLayout
+    from moonrt.config import ParallelConfig
+    from moonrt.jobs.train.assemble import layout_table
+
+    rows = [{"coords": {"pp": 0, "dp": 0, "ep": r, "cp": 0}, "batch": r, "stages": [0], "host": "h"} for r in range(2)]
+    heads = {kind: layout_table(MeshLayout(2, ParallelConfig(ep=2, ep_dispatcher=kind)), rows).splitlines()[0]
+             for kind in ("moonep", "alltoall")}
+    assert heads["alltoall"].startswith("moonrt train: layout pp 1 x dp 1 x ep 2 x cp 1 = 2 ranks, "
+                                        "ep_dispatcher alltoall, zero 0;"), heads
+    assert "ep_dispatcher" not in heads["moonep"], heads
