@@ -29,10 +29,10 @@ RANKS = 4
 
 def _runtime(rank: int) -> tuple[Any, Any, Any, Any]:
     """k3_tiny at --ep 2 --zero 1 on this rank, after one step (every parameter has AdamW state)."""
-    from moonrt.comm.ep_parallel import ExpertParallel
+    from moonrt.comm.ep.parallel import ExpertParallel
     from moonrt.comm.mesh import ProcessMesh
     from moonrt.comm.parallelism import Parallelism
-    from moonrt.comm.zero import Zero1
+    from moonrt.comm.zero.adamw import Zero1
     from moonrt.config import ParallelConfig
     from moonrt.jobs.train.assemble import build_model
     from moonrt.jobs.train.config import JobConfig

@@ -46,7 +46,7 @@ def _layer() -> torch.nn.Module:
 
 
 def _bytes_rank(rank: int, world: int, seqs: tuple[int, ...]) -> list[dict]:
-    from moonrt.comm.cp_context import ContextParallel
+    from moonrt.comm.cp.context import ContextParallel
     from moonrt.models.k3.model.config import k3_tiny
 
     cfg = k3_tiny()
@@ -84,7 +84,7 @@ def _cpu_s() -> float:
 def _step_rank(rank: int, world: int, seq: int, reps: int, threads: int) -> dict:
     """One KDA layer fwd+bwd on this rank's slice (world 1: the whole sequence), timed and memory-measured."""
     torch.set_num_threads(threads)
-    from moonrt.comm.cp_context import ContextParallel
+    from moonrt.comm.cp.context import ContextParallel
     from moonrt.parallel.context import LOCAL
 
     layer = _layer()

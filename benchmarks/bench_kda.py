@@ -81,7 +81,7 @@ def load_baseline(path: str) -> Callable[..., object]:
     the baseline's functions keep their own module globals)."""
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "moonrt", "ops", "kda.py")):
-            raise SystemExit(f"--baseline {path}: no moonrt/ops/kda.py in that directory")
+            raise SystemExit(f"--baseline {path}: no moonrt/ops/kda/chunk.py in that directory")
         ours = {name: mod for name, mod in sys.modules.items() if name == "moonrt" or name.startswith("moonrt.")}
         for name in ours:
             del sys.modules[name]

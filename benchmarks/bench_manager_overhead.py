@@ -4,7 +4,7 @@ One model + AdamW per (policy, manager version) (same init, same batches); the s
 round-robin (step s of every runner, then step s + 1, with the order rotated each round), so machine
 load drifts hit every runner alike. With ``--baseline DIR`` (a checkout of an older commit, e.g.
 ``git archive COMMIT moonrt | tar -x -C DIR``) the manager modules of that checkout (:data:`MANAGER_MODULES`
-that exist there: ``ops/fp8.py`` and ``memory/{backends,accounting,entries,fp8_batch,host_batch,regions,recompute,
+that exist there: ``ops/fp8/codec.py`` and ``memory/{backends,accounting,entries,fp8_batch,host_batch,regions,recompute,
 saved_hooks,manager}.py``) are loaded next to the current ones and every policy runs under both, in the
 same process and the same rounds.
 
@@ -54,7 +54,7 @@ from moonrt.models.k3.model.model import K3Model
 
 FP8_CLASSES = ["layers.*.moe", "layers.*.ffn", "layers.*.attn.*proj", "layers.*.attn_norm", "layers.*.ffn_norm",
                "attn_res.sublayer_input"]
-MANAGER_MODULES = ["moonrt.ops.fp8", "moonrt.memory.backends", "moonrt.memory.accounting", "moonrt.memory.entries",
+MANAGER_MODULES = ["moonrt.ops.fp8.codec", "moonrt.memory.backends", "moonrt.memory.accounting", "moonrt.memory.entries",
                    "moonrt.memory.fp8_batch", "moonrt.memory.host_batch", "moonrt.memory.regions",
                    "moonrt.memory.recompute",
                    "moonrt.memory.saved_hooks", "moonrt.memory.manager"]

@@ -7,7 +7,7 @@ assignment either way). Two parts:
 1. **K3 shape, R in {8, 64}** (E=896, k=16, s=4096 tokens per rank, latent width 3584 in bf16): per workload,
    token-level routing is sampled (Gumbel top-k over the workload's expert shares: k distinct experts per
    token), MoonEP plans it, and every source rank's exact destinations come from the dispatcher's own layout
-   code (:func:`moonrt.comm.ep_layout.build_layout`); rows sent off-rank are counted with and without dedup.
+   code (:func:`moonrt.comm.ep.layout.build_layout`); rows sent off-rank are counted with and without dedup.
    Next to them, ep-sim's count-only model (:func:`moonrt.scheduler.sim.dedup_rows`) from the same counts.
 2. **Measured on 4 CPU gloo ranks** (E=896, k=16, s=512, H=256 fp32 by default): the real dispatcher,
    dispatch + combine forward and backward with dedup on and off; rows and bytes from its counters (off-rank,
@@ -31,9 +31,9 @@ import numpy as np
 import torch
 
 from moonrt.cluster.local import run_ranks
-from moonrt.comm.ep_dispatcher import EPDispatcher
-from moonrt.comm.ep_layout import assignment_destinations, build_layout
-from moonrt.comm.ep_placement import MoonEPPlacement
+from moonrt.comm.ep.dispatch import EPDispatcher
+from moonrt.comm.ep.layout import assignment_destinations, build_layout
+from moonrt.comm.ep.placement import MoonEPPlacement
 from moonrt.scheduler.moonep import plan, transfer_matrix
 from moonrt.scheduler.sim import K3_LATENT, dedup_rows
 from moonrt.scheduler.workload import popularity

@@ -36,8 +36,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from moonrt.cluster.local import run_ranks
-from moonrt.comm.ep_dispatcher import EPDispatcher
-from moonrt.comm.ep_placement import HomePlacement, MoonEPPlacement
+from moonrt.comm.ep.dispatch import EPDispatcher
+from moonrt.comm.ep.placement import HomePlacement, MoonEPPlacement
 from moonrt.ops.grouped import grouped_glu_experts, moe_reference
 
 

@@ -9,8 +9,8 @@
 2. k3_tiny: every Muon matrix of the model, as ``moonrt train --optimizer muon`` orthogonalizes them
    (``muon_per_head`` true vs false), NS time per optimizer step (median of ``--repeats``).
 3. Communication per step and rank, ZeRO-1 over dp ranks (k3_tiny, fp32): AdamW's flat partition
-   (:mod:`moonrt.comm.zero`: one reduce-scatter and one all-gather of ``ceil(L / dp)`` per rank) vs
-   Muon's unit ownership (:mod:`moonrt.comm.zero_muon`: the same two collectives on segments padded to the
+   (:mod:`moonrt.comm.zero.adamw`: one reduce-scatter and one all-gather of ``ceil(L / dp)`` per rank) vs
+   Muon's unit ownership (:mod:`moonrt.comm.zero.muon`: the same two collectives on segments padded to the
    largest owner, from the same plan the part builds). Ring bytes sent per rank: ``2 * (dp - 1) * S * 4``.
 
     .venv/bin/python benchmarks/bench_muon.py [--repeats 3] [--k3-whole] [--whole-steps 1] [--device cpu]

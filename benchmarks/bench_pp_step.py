@@ -2,7 +2,7 @@
 cached vs naive AttnRes bytes, step time.
 
 For each schedule (1F1B, interleaved with V = 2, ZB1P) and AttnRes mode (cached, naive) the ranks run
-:class:`moonrt.comm.pp_part.PipelineParallel` on k3_tiny (fp32, batch ``--batch`` x ``--seq-len``, M =
+:class:`moonrt.comm.pp.part.PipelineParallel` on k3_tiny (fp32, batch ``--batch`` x ``--seq-len``, M =
 ``--microbatches``): one warm-up step, then ``--steps`` timed steps. Per rank: forward blocks and bytes
 sent, backward bytes, and the idle fraction (seconds blocked in receives / seconds of the action list,
 median over the timed steps); the simulator's idle fraction per rank under unit costs (F = I = W = 1,
@@ -26,7 +26,7 @@ import torch.distributed as dist
 from machine import cpu_model
 
 from moonrt.cluster.local import run_ranks
-from moonrt.comm.pp_part import PipelineParallel
+from moonrt.comm.pp.part import PipelineParallel
 from moonrt.models.k3.model.config import k3_tiny
 from moonrt.models.k3.model.model import K3Model
 from moonrt.scheduler.pipeline import build_schedule, simulate

@@ -46,7 +46,7 @@ REQUIRE_TRITON_ENV = "MOONRT_REQUIRE_TRITON"
 @dataclasses.dataclass(frozen=True)
 class TritonKernels:
     """What the ``triton_kernels`` fixture gives a test: ``load(name)`` imports a Triton kernel module (e.g.
-    ``moonrt.ops.fp8_triton``) whose kernels then run on ``device``."""
+    ``moonrt.ops.fp8.triton``) whose kernels then run on ``device``."""
 
     device: torch.device
     """``cpu`` (Triton's interpreter: kernels run on CPU tensors), or ``cuda`` with ``MOONRT_TEST_DEVICE=cuda``."""

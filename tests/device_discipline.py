@@ -50,40 +50,40 @@ MOONRT = Path(__file__).resolve().parents[1] / "moonrt"
 SANCTIONED: dict[tuple[str, str], str] = {
     ("jobs/train/device.py", "host_tensor"): "the data path: numpy batches become tensors here and move to the job's "
                                               "device in the same call",
-    ("ops/kda_terms.py", "_chunk_terms_fused"): "the numba KDA pass (CPU fp32/fp64 tensors only, _use_fused) works "
+    ("ops/kda/terms.py", "_chunk_terms_fused"): "the numba KDA pass (CPU fp32/fp64 tensors only, _use_fused) works "
                                                 "on numpy views of its tensors by design",
     ("models/k3/model/moe.py", "update_bias"): "the step's routing statistics (summed counts, maxvio) are read on the "
                                                "host once per step for the metrics",
     ("comm/parallelism.py", "step_metrics"): "the routing trace's counts are written with numpy on the host",
     ("ops/muon.py", "step_count"): "optimizer step counts live on the host, as in torch's optimizers without "
                                    "capturable/fused (Optimizer.load_state_dict keeps them there too)",
-    ("comm/zero_core.py", "_host_counts"): "ZeRO's per-parameter step counts and had-a-gradient flags: host "
+    ("comm/zero/core.py", "_host_counts"): "ZeRO's per-parameter step counts and had-a-gradient flags: host "
                                            "bookkeeping the step reads as Python numbers",
-    ("comm/zero_core.py", "scatter_grads"): "the reduced had-a-gradient flags come to the host once per bucket and "
+    ("comm/zero/core.py", "scatter_grads"): "the reduced had-a-gradient flags come to the host once per bucket and "
                                             "step, for that bookkeeping",
     ("jobs/checkpoint/sharded.py", "read_full"): "a checkpoint read whole into host memory (single-process layout, a "
                                                  "conversion tool: no model involved)",
-    ("comm/ep_dispatcher.py", "dispatch"): "the routing table, the plan (made on the counts' device) and the "
+    ("comm/ep/dispatch.py", "dispatch"): "the routing table, the plan (made on the counts' device) and the "
                                             "top-k ids come to the host in one copy per MoE layer: the transport "
                                             "layout and the all-to-all split sizes (NCCL takes them as host lists) "
                                             "are host data",
     ("scheduler/moonep_torch.py", "to_host"): "that one copy per MoE layer: the table, the device-made plan and the "
                                               "top-k ids in a single device-to-host transfer (see dispatch)",
-    ("ops/moonep_greedy.py", "greedy_numba"): "the numba backend runs on CPU tensors only (the registry refuses it "
+    ("ops/moonep/greedy.py", "greedy_numba"): "the numba backend runs on CPU tensors only (the registry refuses it "
                                               "elsewhere): .numpy() / from_numpy share memory, nothing is copied",
-    ("comm/ep_collectives.py", "build_dedup"): "the dedup layout (which received rows share a token) is built on "
+    ("comm/ep/collectives.py", "build_dedup"): "the dedup layout (which received rows share a token) is built on "
                                                "the host beside the plan's layout: the per-assignment metadata "
                                                "comes there once per MoE layer",
-    ("comm/ep_placement.py", "place"): "a placement made on the host (the all-to-all baseline's; MoonEP's where no "
+    ("comm/ep/placement.py", "place"): "a placement made on the host (the all-to-all baseline's; MoonEP's where no "
                                        "device plan is made) from the counts' host copy",
     ("scheduler/placement.py", "conv"): "a plan's placement is made on the host (the planners run there)",
     ("jobs/checkpoint/store.py", "_on_host"): "a checkpoint file holds the single-process state on the host",
     ("memory/backends.py", "_take"): "the host tier's (pinned) host buffers, the destination of its offload copies",
     ("memory/backends.py", "put"): "the disk tier writes saved tensors' bytes from the host with pwrite",
     ("memory/backends.py", "get"): "the disk tier reads saved tensors' bytes into the host with pread",
-    ("ops/fp8.py", "quantize_rows_numba"): "the FP8 codec's numba backend, chosen for CPU tensors only, works on "
+    ("ops/fp8/codec.py", "quantize_rows_numba"): "the FP8 codec's numba backend, chosen for CPU tensors only, works on "
                                            "numpy views",
-    ("ops/fp8.py", "dequantize_rows_numba"): "the FP8 codec's numba backend, chosen for CPU tensors only, works on "
+    ("ops/fp8/codec.py", "dequantize_rows_numba"): "the FP8 codec's numba backend, chosen for CPU tensors only, works on "
                                              "numpy views",
 }
 """``(file under moonrt/, function)`` -> why a host tensor or copy made directly in that function is by design.

@@ -1,4 +1,4 @@
-"""The chunk terms of ``moonrt.ops.kda_terms`` computed both ways, for the tests that compare them: the numba path
+"""The chunk terms of ``moonrt.ops.kda.terms`` computed both ways, for the tests that compare them: the numba path
 (no graph) and the torch path (taken when an input requires grad)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import torch
 
-import moonrt.ops.kda_terms as kda_terms
+import moonrt.ops.kda.terms as kda_terms
 
 
 def fused_and_autograd_terms(ch: dict[str, torch.Tensor], *, with_q: bool = True,

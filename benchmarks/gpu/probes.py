@@ -4,7 +4,7 @@ per probe, written exclusively to ``--json PATH``.
 - ``preflight``: the interpreter, torch and its CUDA build, the device, and whether moonrt's dependencies import.
 - ``baseline``: the device's measured bf16 GEMM rate (TFLOP/s, ``8192^3``, median of timed repeats) and host <->
   device copy bandwidth, pinned and pageable (GB/s, 256 MiB): every later figure is also given as a ratio to these.
-- ``fp8``: the FP8 block codec (:mod:`moonrt.ops.fp8`) on CUDA: bytes in and out, quantize and dequantize GB/s
+- ``fp8``: the FP8 block codec (:mod:`moonrt.ops.fp8.codec`) on CUDA: bytes in and out, quantize and dequantize GB/s
   of input bytes, and whether its codes and scales equal the CPU codec's bitwise on the same tensor.
 - ``offload``: the host tier (:class:`moonrt.memory.backends.HostStore`) on CUDA: offload (device -> pinned host
   on the copy stream) and restore GB/s, whether ``put`` returned before its copy completed (the compute stream
@@ -121,7 +121,7 @@ def baseline() -> dict[str, Any]:
 def fp8_codec(device: str = "cuda", rows: int = 16384) -> dict[str, Any]:
     import torch
 
-    from moonrt.ops import fp8
+    import moonrt.ops.fp8.codec as fp8
 
     dev = torch.device(device)
     cuda = dev.type == "cuda"

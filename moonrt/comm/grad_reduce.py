@@ -2,9 +2,9 @@
 
 Every cross-rank sum of parameter gradients goes through :func:`all_reduce_grad` or :func:`reduce_scatter_grad`:
 the default data-parallel all-reduce (:meth:`moonrt.comm.parallelism.Parallelism.sync_grads`), the expert-parallel
-part's per-group sums (:mod:`moonrt.comm.ep_parallel`), the ZeRO core's bucket reduce-scatter
-(:mod:`moonrt.comm.zero_core`) and the pipeline's sum of the pseudo-query gradients over its stages
-(:mod:`moonrt.comm.pp_part`). Each takes the dtype the sum travels in, :attr:`Precision.reduce_dtype
+part's per-group sums (:mod:`moonrt.comm.ep.parallel`), the ZeRO core's bucket reduce-scatter
+(:mod:`moonrt.comm.zero.core`) and the pipeline's sum of the pseudo-query gradients over its stages
+(:mod:`moonrt.comm.pp.part`). Each takes the dtype the sum travels in, :attr:`Precision.reduce_dtype
 <moonrt.comm.parallelism.Precision.reduce_dtype>`, which :meth:`Parallelism.sync_grads
 <moonrt.comm.parallelism.Parallelism.sync_grads>` hands to the parts.
 

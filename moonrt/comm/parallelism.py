@@ -17,7 +17,7 @@ part that handles the sum. After :meth:`sync_grads` a part that handles it may h
 :meth:`step`.
 
 A :class:`Part` is one parallel dimension's contribution (expert parallelism, the pipeline:
-:class:`moonrt.comm.pp_part.PipelineParallel`). Every method has a do-nothing default; for the verbs that one
+:class:`moonrt.comm.pp.part.PipelineParallel`). Every method has a do-nothing default; for the verbs that one
 part must own (summing gradients, clipping, checkpoint state) the first part that handles the call
 wins (it returns True / a value instead of the default; likewise for running the step,
 :meth:`forward_backward` / :meth:`loss_sum`, and the optimizer update, :meth:`step`), otherwise the
@@ -156,7 +156,7 @@ class Part:
 
     def sharded_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer,
                            save: bool = True) -> dict[str, Any] | None:
-        """This rank's pieces of the single-process-layout state for DCP (:mod:`moonrt.comm.dcp_state`: tensors
+        """This rank's pieces of the single-process-layout state for DCP (:mod:`moonrt.comm.state.dcp`: tensors
         and ``Shard`` s by name, no gather), or None for the default. ``save=True``: what this rank writes (it may
         leave out a copy another rank writes); False: the load targets of everything this rank holds."""
         return None
@@ -175,8 +175,8 @@ class Part:
 
 @runtime_checkable
 class ExpertSharding(Protocol):
-    """What a part that owns every parameter's state (ZeRO, :mod:`moonrt.comm.zero_core`) asks of the part that
-    shards the routed experts (:class:`moonrt.comm.ep_parallel.ExpertParallel`): which parameters are expert shards,
+    """What a part that owns every parameter's state (ZeRO, :mod:`moonrt.comm.zero.core`) asks of the part that
+    shards the routed experts (:class:`moonrt.comm.ep.parallel.ExpertParallel`): which parameters are expert shards,
     where each shard sits in its single-process tensor, and the single-process-layout state of the model with the
     expert rows gathered (collective) or sliced back."""
 
@@ -385,7 +385,7 @@ class Parallelism:
 
     def sharded_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, save: bool = True) -> dict[str, Any]:
         """This rank's DCP state (:meth:`Part.sharded_state_dict`); default: every tensor whole (one process)."""
-        from moonrt.comm.dcp_state import local_state
+        from moonrt.comm.state.dcp import local_state
 
         for part in self.parts:
             state = part.sharded_state_dict(model, optim, save)
@@ -395,7 +395,7 @@ class Parallelism:
 
     def load_sharded_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         """Finish a load into the targets of ``sharded_state_dict(model, optim, save=False)`` that DCP filled."""
-        from moonrt.comm.dcp_state import finish_local_load
+        from moonrt.comm.state.dcp import finish_local_load
 
         if not any(part.load_sharded_state_dict(model, optim, state) for part in self.parts):
             finish_local_load(model, optim, state)

@@ -43,7 +43,7 @@ def schedule_error(kind: str, pp: int, microbatches: int, vpp: int) -> tuple[str
 
 
 EP_DISPATCHERS: tuple[str, ...] = ("moonep", "alltoall")
-"""Placement policies of the EP dispatcher (``parallel.ep_dispatcher``; :mod:`moonrt.comm.ep_placement`)."""
+"""Placement policies of the EP dispatcher (``parallel.ep_dispatcher``; :mod:`moonrt.comm.ep.placement`)."""
 
 MAX_DEGREE = 1 << 20
 """Largest degree of a parallel dimension (and micro-batch count): a million ranks, far beyond any cluster; a bound
@@ -92,7 +92,7 @@ class ParallelConfig:
     """Block AttnRes traffic between pipeline ranks (K3_SYSTEMS §9): ``cached`` sends each rank only the
     blocks it does not hold yet, ``naive`` every completed block on every hop."""
     ep_dispatcher: Literal["moonep", "alltoall"] = "moonep"
-    """Expert parallelism: where each token-expert assignment is computed (:mod:`moonrt.comm.ep_placement`).
+    """Expert parallelism: where each token-expert assignment is computed (:mod:`moonrt.comm.ep.placement`).
     ``moonep``: MoonEP's balanced placement (K3_SYSTEMS §6.3: copies of hot experts in slots, every rank computes
     ``s * k`` rows); ``alltoall``: the plain all-to-all baseline, every assignment on its expert's home rank (no
     slots; rows follow the routing). Same math, so the same loss; free to change on resume like the degrees."""
@@ -106,7 +106,7 @@ class ParallelConfig:
     only with ``ep > 1`` (one process has no dispatcher to configure)."""
     zero: int = 0
     """ZeRO stage of data parallelism: 0 replicates the AdamW states on every replica, 1 shards them (and the
-    reduced gradients) over each parameter's replicas (:class:`moonrt.comm.zero.Zero1`); with one replica a no-op."""
+    reduced gradients) over each parameter's replicas (:class:`moonrt.comm.zero.adamw.Zero1`); with one replica a no-op."""
 
     def validate(self) -> None:
         for name in ("dp", "pp", "vpp", "ep", "cp", "microbatches"):

@@ -9,7 +9,7 @@ Two layers:
   its capacity reserved up front, the NVMe tier) and :class:`RemoteStore` (another rank's memory through
   :mod:`moonrt.memory.remote`).
 - A **codec** turns a tensor into the byte tensors handed to the store: raw (bytes as they are), ``fp8``
-  (1x128 block-wise E4M3 payload + fp32 scales, :mod:`moonrt.ops.fp8`, quantized per layer batch) or ``mxfp8``
+  (1x128 block-wise E4M3 payload + fp32 scales, :mod:`moonrt.ops.fp8.codec`, quantized per layer batch) or ``mxfp8``
   (OCP MXFP8: E4M3 codes with one E8M0 scale byte per 32 elements along the last axis, ``floor`` scales,
   :mod:`moonrt.ops.mx`, quantized at the save: the format QAT's activations use, 33 bytes per 32 elements).
 
@@ -32,7 +32,8 @@ import torch
 
 from moonrt.config import ConfigError
 from moonrt.memory.copy_streams import SYNC, CudaStreams, Streams, pin_host
-from moonrt.ops import fp8, mx
+import moonrt.ops.fp8.codec as fp8
+from moonrt.ops import mx
 
 TIERS = ("device", "host", "disk", "remote")
 STORE_NAMES = ("keep", "host", "disk", "remote")
@@ -495,7 +496,7 @@ class Backend:
     def store_quantized(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
                         payload: torch.Tensor, scales: torch.Tensor) -> Packed:
         """Store an already quantized tensor of ``shape``/``dtype``: ``payload [M, nb * block]`` E4M3 and
-        ``scales [M, nb]`` fp32 from :func:`moonrt.ops.fp8.quantize` (or one entry of ``quantize_many``)."""
+        ``scales [M, nb]`` fp32 from :func:`moonrt.ops.fp8.codec.quantize` (or one entry of ``quantize_many``)."""
         nbytes = payload.numel() + 4 * scales.numel()
         meta = ("fp8", shape, dtype, tuple(scales.shape))
         if self.store.tier == "device":  # kept as they are (quantized_parts views them back): no byte views

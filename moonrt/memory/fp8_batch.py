@@ -1,7 +1,7 @@
 """FP8 batching of the activation manager: FP8 saves of one layer and policy are quantized in one call
-(:func:`moonrt.ops.fp8.quantize_many`; for the device tier on the manager's copy thread with
+(:func:`moonrt.ops.fp8.codec.quantize_many`; for the device tier on the manager's copy thread with
 ``copy_thread=True``, overlapping the forward, bitwise the same) and, in backward, decoded in one call
-(:func:`moonrt.ops.fp8.dequantize_many`). With the copy thread, the first unpack from a batch also starts
+(:func:`moonrt.ops.fp8.codec.dequantize_many`). With the copy thread, the first unpack from a batch also starts
 decoding there the :data:`AHEAD` batches quantized just before it in the same forward (backward reaches them next,
 whatever regions they belong to), so the backward of one layer hides the decode of the next (the CPU decode runs
 without the GIL).
@@ -20,11 +20,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from moonrt.memory.accounting import Accounting
 from moonrt.memory.backends import Backend, Packed
 from moonrt.memory.entries import _Entry
-from moonrt.ops import fp8
+import moonrt.ops.fp8.codec as fp8
 
 
 class _Batch:
-    """FP8 saves of one layer and policy, quantized together (:func:`moonrt.ops.fp8.quantize_many`) when
+    """FP8 saves of one layer and policy, quantized together (:func:`moonrt.ops.fp8.codec.quantize_many`) when
     the layer ends, the batch reaches ``fp8_batch_bytes``, the forward ends or backward starts; in backward
     the first unpack decodes every entry of the batch that is at hand in one call."""
 

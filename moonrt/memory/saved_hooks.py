@@ -28,7 +28,7 @@ from moonrt.memory.entries import _Entry, _Handle, _KeepEntry, _PartEntry
 from moonrt.memory.fp8_batch import _Batch
 from moonrt.memory.host_batch import _CopyGroup
 from moonrt.memory.policy import MemoryPolicy
-from moonrt.ops import fp8
+import moonrt.ops.fp8.codec as fp8
 
 _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 """The thread-local saved-tensor hooks stack that ``torch.autograd.graph.saved_tensors_hooks`` pushes to."""

@@ -10,10 +10,10 @@ op                            family  contract
 ``kda_transition``            kda     :func:`moonrt.ops.kda.kda_transition` (KCP's ``M``, ``S_ext``, §7)
 ``kda_state_grad``            kda     :func:`moonrt.ops.kda.kda_state_grad` (KCP's backward step 1)
 ``fp8_quantize``              fp8     ``(x2 [M, N] fp32 contiguous, block) -> (payload [M, nb * block] E4M3,
-                                      scales [M, nb] fp32)``: the row codec of :mod:`moonrt.ops.fp8`
+                                      scales [M, nb] fp32)``: the row codec of :mod:`moonrt.ops.fp8.codec`
 ``fp8_dequantize``            fp8     ``(payload [M, nb * block] E4M3, scales [M, nb] fp32, n) -> [M, n] fp32``
 ``moonep_greedy``             moonep  ``(load [R, G] int64, cap [R] int64) -> alloc3 [R, G, R] int64``: MoonEP's
-                                      greedy placement (:mod:`moonrt.ops.moonep_greedy`), every backend bit-equal
+                                      greedy placement (:mod:`moonrt.ops.moonep.greedy`), every backend bit-equal
 ============================  ======  ==========================================================================
 
 Backends: ``torch`` (torch ops, any device: the reference), ``numba`` (CPU only; where a numba pass exists) and
@@ -34,9 +34,9 @@ Known limitation of the KDA ``torch`` backend on CPU: :mod:`moonrt.ops.kda` itse
 passes in numba on CPU tensors (``kda_terms._use_fused``), so on CPU ``torch`` and ``numba`` are the same code until
 that module gains a torch-only switch; on CUDA ``torch`` is the chunk form in plain torch ops.
 
-Plugging in a backend (what ``moonrt.ops.kda_triton`` does by existing: its entries are registered here)::
+Plugging in a backend (what ``moonrt.ops.kda.backends.triton`` does by existing: its entries are registered here)::
 
-    REGISTRY.register("kda_chunk", "triton", "moonrt.ops.kda_triton:kda_chunk", devices=("cuda",),
+    REGISTRY.register("kda_chunk", "triton", "moonrt.ops.kda.backends.triton:kda_chunk", devices=("cuda",),
                       requires="triton")
 """
 
@@ -217,19 +217,19 @@ def default_registry() -> KernelRegistry:
         # the chunk form of moonrt.ops.kda: torch ops on any device; on CPU its graph-free passes run in numba
         reg.register(op, "torch", f"moonrt.ops.kda:{op}")
         reg.register(op, "numba", f"moonrt.ops.kda:{op}", devices=("cpu",), requires="numba")
-        reg.register(op, "triton", f"moonrt.ops.kda_triton:{op}", devices=("cuda",), requires="triton")
-    reg.register("fp8_quantize", "torch", "moonrt.ops.fp8:quantize_rows_torch")
-    reg.register("fp8_quantize", "numba", "moonrt.ops.fp8:quantize_rows_numba", devices=("cpu",), requires="numba")
-    reg.register("fp8_quantize", "triton", "moonrt.ops.fp8_triton:quantize_rows", devices=("cuda",), requires="triton")
-    reg.register("fp8_dequantize", "torch", "moonrt.ops.fp8:dequantize_rows_torch")
-    reg.register("fp8_dequantize", "numba", "moonrt.ops.fp8:dequantize_rows_numba", devices=("cpu",),
+        reg.register(op, "triton", f"moonrt.ops.kda.backends.triton:{op}", devices=("cuda",), requires="triton")
+    reg.register("fp8_quantize", "torch", "moonrt.ops.fp8.codec:quantize_rows_torch")
+    reg.register("fp8_quantize", "numba", "moonrt.ops.fp8.codec:quantize_rows_numba", devices=("cpu",), requires="numba")
+    reg.register("fp8_quantize", "triton", "moonrt.ops.fp8.triton:quantize_rows", devices=("cuda",), requires="triton")
+    reg.register("fp8_dequantize", "torch", "moonrt.ops.fp8.codec:dequantize_rows_torch")
+    reg.register("fp8_dequantize", "numba", "moonrt.ops.fp8.codec:dequantize_rows_numba", devices=("cpu",),
                  requires="numba")
-    reg.register("fp8_dequantize", "triton", "moonrt.ops.fp8_triton:dequantize_rows", devices=("cuda",),
+    reg.register("fp8_dequantize", "triton", "moonrt.ops.fp8.triton:dequantize_rows", devices=("cuda",),
                  requires="triton")
-    reg.register("moonep_greedy", "torch", "moonrt.ops.moonep_greedy:greedy_torch")
-    reg.register("moonep_greedy", "numba", "moonrt.ops.moonep_greedy:greedy_numba", devices=("cpu",),
+    reg.register("moonep_greedy", "torch", "moonrt.ops.moonep.greedy:greedy_torch")
+    reg.register("moonep_greedy", "numba", "moonrt.ops.moonep.greedy:greedy_numba", devices=("cpu",),
                  requires="numba")
-    reg.register("moonep_greedy", "triton", "moonrt.ops.moonep_triton:greedy", devices=("cuda",), requires="triton")
+    reg.register("moonep_greedy", "triton", "moonrt.ops.moonep.triton:greedy", devices=("cuda",), requires="triton")
     return reg
 
 

@@ -2,7 +2,7 @@
 
 Per-Head Muon (K3 report §2.7) orthogonalizes every head of the Q/K/V projections and every expert
 separately. Which rows form a head is the model's knowledge, so the model declares it here and the
-optimizer (``moonrt.ops.muon.Muon``), its distributed form (``moonrt.comm.zero_muon``) and the planner
+optimizer (``moonrt.ops.muon.Muon``), its distributed form (``moonrt.comm.zero.muon``) and the planner
 (``moonrt.scheduler.muon_plan``) read it through :func:`matrix_blocks` -- nobody matches parameter names.
 
 A module declares its blocked parameters with a method ``matrix_blocks(self) -> dict[str, MatrixBlocks]``

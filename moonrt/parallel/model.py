@@ -8,7 +8,7 @@ only them -- never a model family's classes or its config fields. The members, b
   next-token loss of ``tokens [B, T]``; ``ctx`` (:class:`~moonrt.parallel.context.AttentionContext`) is how
   attention reaches tokens of other context-parallel ranks, ``packing``
   (:class:`~moonrt.parallel.packing.DocumentPacking`) the documents packed in the rows.
-- **pipeline stages** (``moonrt.comm.pp_part``, ``moonrt.comm.pipeline``): :meth:`~TrainableModel.pipeline_layout`
+- **pipeline stages** (``moonrt.comm.pp.part``, ``moonrt.comm.pp.executor``): :meth:`~TrainableModel.pipeline_layout`
   (depth, stream width and block size: :class:`PipelineLayout`), :meth:`~TrainableModel.stages` (the layer ranges of
   ``C`` stages), :meth:`~TrainableModel.stage_modules` (which submodules a stage uses; the others are dropped on
   ranks without the stage), and the stage run: :meth:`~TrainableModel.embed_tokens` -> :class:`Stream`,

@@ -4,7 +4,7 @@ Implements K3_SYSTEMS §6.1-§6.3 (K3 report §5.2.1). Notation: R EP ranks, E r
 ``G = E // R`` experts per home group (rank ``h`` is home to experts ``[h*G, (h+1)*G)``), ``B``
 prefetch slots per rank (default ``G``).
 
-Algorithm (the constructive proof of §6.2; the kernel op ``moonep_greedy`` of :mod:`moonrt.ops.moonep_greedy`, whose
+Algorithm (the constructive proof of §6.2; the kernel op ``moonep_greedy`` of :mod:`moonrt.ops.moonep.greedy`, whose
 numba backend this planner runs and whose Triton backend :func:`moonrt.scheduler.moonep_torch.plan_device` runs on
 a GPU):
 
@@ -62,7 +62,7 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-from moonrt.ops.moonep_greedy import group_balance, plan_core
+from moonrt.ops.moonep.greedy import group_balance, plan_core
 from moonrt.scheduler.placement import Placement
 
 __all__ = ["METHODS", "MoonEPPlan", "plan", "send_split", "transfer_matrix", "validate_counts", "capacities"]
@@ -159,7 +159,7 @@ def validate_counts(counts: Any, num_slots: int | None, total_tokens: int | None
 @njit(cache=True)
 def _prefix_core(load: np.ndarray, cap: np.ndarray, R: int, G: int) -> np.ndarray:  # pragma: no cover
     """Numba kernel of the closed form (``method="prefix"``, module docstring). Same in/out as the greedy's
-    :func:`moonrt.ops.moonep_greedy.plan_core`. Written as two-pointer sweeps; ``moonep_torch.plan_prefix`` is its
+    :func:`moonrt.ops.moonep.greedy.plan_core`. Written as two-pointer sweeps; ``moonep_torch.plan_prefix`` is its
     vectorized twin."""
     E = R * G
     bal = group_balance(load, cap, R, G)

@@ -7,7 +7,7 @@ same ``method`` (tested on many random cases and on the adversarial corpus).
 
 * :func:`plan_device` (``method="greedy"``, the default plan): the greedy placement through the kernel registry's
   op ``moonep_greedy`` (:mod:`moonrt.ops.kernels`, config ``kernels.moonep``): on CUDA its Triton backend (two
-  launches, :mod:`moonrt.ops.moonep_triton`), on CPU its numba backend (one compiled call), or torch ops anywhere;
+  launches, :mod:`moonrt.ops.moonep.triton`), on CPU its numba backend (one compiled call), or torch ops anywhere;
   then the slot policy, copies and cut points in a fixed sequence of vectorized torch ops. A bounded number of ops
   per plan whatever E and R are, except with the ``torch`` backend (below).
 * :func:`plan_torch`: :func:`plan_device` with the ``torch`` backend, the greedy rounds in torch ops: ``R - 1``

@@ -3,7 +3,7 @@
 A **unit** is what one rank updates alone (K3 report §2.7 and its infrastructure section): one block of a
 Muon matrix (a head's ``[head_dim, in]`` slice, one expert's matrix, a whole dense matrix), or one whole
 AdamW parameter (embedding, norm, ...). Under ZeRO-1 the owner receives the summed gradient of its units,
-keeps their optimizer state, updates them and all-gathers the new values (``moonrt.comm.zero_muon``).
+keeps their optimizer state, updates them and all-gathers the new values (``moonrt.comm.zero.muon``).
 
 :func:`plan_units` is a pure planner: greedy LPT (longest processing time first) on the units' cost --
 Newton-Schulz FLOPs for Muon blocks (:func:`moonrt.ops.muon.ns_flops`, plus the element-wise work), a few

@@ -393,7 +393,7 @@ def test_a_symlink_planted_at_the_save_directory_is_not_written_through(tmp_path
 def test_a_metadata_pointing_outside_the_checkpoint_is_refused(tmp_path: Path, capsys: Any) -> None:
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-    from moonrt.comm.dcp_state import SafeReader, read_metadata_safely
+    from moonrt.comm.state.dcp import SafeReader, read_metadata_safely
 
     step_dir = _sharded(tmp_path / "a" / "checkpoint", seed=0)
     other = _sharded(tmp_path / "b" / "checkpoint", seed=1)  # outside: another checkpoint's shard

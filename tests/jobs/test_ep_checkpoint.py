@@ -98,7 +98,7 @@ def test_ep_checkpoint_resumes_in_ep_and_in_a_single_process(tmp_path: Path) -> 
 
 
 def _gather_and_reload(rank: int, world_size: int) -> dict[str, Any]:
-    from moonrt.comm.ep_parallel import ExpertParallel
+    from moonrt.comm.ep.parallel import ExpertParallel
     from moonrt.config import ParallelConfig
     from moonrt.jobs.train.assemble import build_model
     from moonrt.jobs.train.config import JobConfig, OptimConfig

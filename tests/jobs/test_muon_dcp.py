@@ -174,10 +174,10 @@ def _resume_one(rank: int, world: int, step_dir: Path) -> dict[str, Any]:
 
 
 def _ranks(rank: int, world: int, tmp: Path) -> dict[str, Any] | None:
-    from moonrt.comm.ep_parallel import ExpertParallel
+    from moonrt.comm.ep.parallel import ExpertParallel
     from moonrt.comm.mesh import ProcessMesh
     from moonrt.comm.parallelism import Parallelism
-    from moonrt.comm.zero_muon import ZeroMuon
+    from moonrt.comm.zero.muon import ZeroMuon
     from moonrt.config import ParallelConfig
 
     job, got = _job(), {}

@@ -1,4 +1,4 @@
-"""ZeRO-1 for Per-Head Muon (``moonrt.comm.zero_muon``) and its planner (``moonrt.scheduler.muon_plan``).
+"""ZeRO-1 for Per-Head Muon (``moonrt.comm.zero.muon``) and its planner (``moonrt.scheduler.muon_plan``).
 
 - the planner puts every unit on exactly one rank, balanced by FLOPs, the same plan on every call;
 - 2 gloo ranks, each holding half of every gradient, take the same two steps as one process's
@@ -40,7 +40,7 @@ def _tiny_job():
 
 
 def _flat_straddlers(model: torch.nn.Module, names: set[str], ranks: int) -> list[str]:
-    """Muon parameters that a flat ZeRO-1 partition (``moonrt.comm.zero``: all trainable parameters
+    """Muon parameters that a flat ZeRO-1 partition (``moonrt.comm.zero.adamw``: all trainable parameters
     concatenated, ``ceil(L / ranks)`` elements per rank) cuts between two ranks."""
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     total = sum(p.numel() for _, p in params)
@@ -69,7 +69,7 @@ def test_plan_is_balanced_and_deterministic() -> None:
 
 
 def _zero_vs_single(rank: int, world: int, steps: int) -> dict[str, object]:
-    from moonrt.comm.zero_muon import ZeroMuon
+    from moonrt.comm.zero.muon import ZeroMuon
     from moonrt.jobs.train.assemble import build_model
     from moonrt.jobs.train.optimizers import build_optimizer, muon_blocks
 

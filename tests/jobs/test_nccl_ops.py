@@ -168,7 +168,7 @@ def test_planted_order_that_deadlocks_on_nccl_is_caught() -> None:
 def _pipeline(rank: int, world: int, grouped: bool) -> list[str]:
     """The interleaved executor (pp 2, vpp 2, 4 micro-batches) on a tiny stack: as built (grouped), or with the
     lowered per-action list (each SEND / RECV its own call, the order before the groups)."""
-    from moonrt.comm.pp_part import PipelineParallel
+    from moonrt.comm.pp.part import PipelineParallel
     from moonrt.jobs.selftest.pp import TinyConfig, TinyStack, _batch
     from moonrt.scheduler.pipeline import build_schedule
 

@@ -22,10 +22,10 @@ import torch.nn.functional as F
 from dist import dist_run
 from numerics import assert_equal_f64, assert_near_reference, assert_same_function, growth, rel_l2
 
-from moonrt.comm.cp_context import ContextParallel
-from moonrt.comm.pipeline import PipelineExecutor
-from moonrt.comm.pp_cache import block_plan
-from moonrt.comm.pp_part import PipelineParallel
+from moonrt.comm.cp.context import ContextParallel
+from moonrt.comm.pp.executor import PipelineExecutor
+from moonrt.comm.pp.cache import block_plan
+from moonrt.comm.pp.part import PipelineParallel
 from moonrt.config import ConfigError, from_dict, to_dict
 from moonrt.models.dense.model.config import PRESETS, DenseConfig, dense_tiny
 from moonrt.models.dense.model.model import DenseModel

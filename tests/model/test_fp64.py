@@ -14,8 +14,8 @@ from dist import dist_run
 from dtype_record import DtypeRecorder
 from numerics import assert_equal_f64, assert_near_reference, growth
 
-from moonrt.comm.ep_dispatcher import EPDispatcher
-from moonrt.comm.ep_placement import MoonEPPlacement
+from moonrt.comm.ep.dispatch import EPDispatcher
+from moonrt.comm.ep.placement import MoonEPPlacement
 from moonrt.models.dense.model.config import dense_tiny
 from moonrt.models.dense.model.model import DenseModel
 from moonrt.models.k3.model.config import k3_tiny

@@ -6,7 +6,7 @@ import pytest
 import torch
 from numerics import rel_l2
 
-from moonrt.ops import fp8
+import moonrt.ops.fp8.codec as fp8
 
 
 @pytest.mark.parametrize("shape", [(64, 256), (3, 5, 128), (17, 300), (1000,), (4, 1)])

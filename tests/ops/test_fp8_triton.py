@@ -1,4 +1,4 @@
-"""The Triton FP8 block codec (moonrt.ops.fp8_triton) is bitwise the CPU codec (numba, moonrt.ops.fp8).
+"""The Triton FP8 block codec (moonrt.ops.fp8.triton) is bitwise the CPU codec (numba, moonrt.ops.fp8.codec).
 
 Runs under Triton's interpreter on CPU tensors (the ``triton_kernels`` fixture; CI: ``MOONRT_REQUIRE_TRITON=1`` makes
 a missing Triton a failure), on the GPU with ``MOONRT_TEST_DEVICE=cuda``. Payload codes, scales and decoded values
@@ -12,14 +12,14 @@ import re
 import pytest
 import torch
 
-from moonrt.ops import fp8
+import moonrt.ops.fp8.codec as fp8
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy's inf * 0
 
 
 @pytest.fixture(scope="module")
 def ft(triton_kernels):
-    return triton_kernels.load("moonrt.ops.fp8_triton")
+    return triton_kernels.load("moonrt.ops.fp8.triton")
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +135,7 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from moonrt.ops import fp8_triton as ft
+import moonrt.ops.fp8.triton as ft
 sig = {"quantize": (ft._quantize_kernel, {"x_ptr": "*fp32", "payload_ptr": "*u8", "scales_ptr": "*fp32", "M": "i32",
                                           "N": "i32", "NB": "i32", "min_amax": "fp32"}),
        "dequantize": (ft._dequantize_kernel, {"codes_ptr": "*u8", "scales_ptr": "*fp32", "lut_ptr": "*fp32",

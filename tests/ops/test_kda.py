@@ -7,8 +7,8 @@ import torch
 from kda_terms_check import fused_and_autograd_terms
 from numerics import rel_l2
 
-import moonrt.ops.kda_autograd as kda_module
-import moonrt.ops.kda_terms as kda_terms
+import moonrt.ops.kda.autograd as kda_module
+import moonrt.ops.kda.terms as kda_terms
 from moonrt.ops.kda import (
     chunk_terms,
     chunk_transitions,

@@ -18,7 +18,7 @@ from dist import dist_run
 from kda_terms_check import fused_and_autograd_terms
 from numerics import assert_equal_f64, assert_near_reference, growth
 
-import moonrt.ops.kda_terms as kda_terms
+import moonrt.ops.kda.terms as kda_terms
 from moonrt.ops.kda import (
     kda_chunk,
     kda_recurrent,
@@ -221,8 +221,8 @@ def test_fused_terms_equal_the_autograd_path_at_strong_decay(C: int, dtype: torc
 
 
 def _kcp_rank(rank: int, world: int, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    from moonrt.comm.cp_ops import slice_bounds
-    from moonrt.comm.kcp import kcp_kda
+    from moonrt.comm.cp.ops import slice_bounds
+    from moonrt.comm.cp.kcp import kcp_kda
 
     T = x["q"].shape[1]
     a, b = slice_bounds(T, world, rank)

@@ -1,4 +1,4 @@
-"""fla-compatible keyword options of kda_chunk / kda_recurrent (moonrt.ops.kda_fla): each option equals the same
+"""fla-compatible keyword options of kda_chunk / kda_recurrent (moonrt.ops.kda.fla_options): each option equals the same
 computation done outside the op (fp64, 1e-12: outputs, final state and the gradient of every input, A_log and
 dt_bias included); output dtype follows q; a bad option is one error naming it."""
 

@@ -15,12 +15,12 @@ import torch
 from dist import dist_run
 from numerics import rel_l2
 
-from moonrt.comm.cp_context import ContextParallel
-from moonrt.comm.cp_ops import slice_bounds
-from moonrt.comm.kcp import kcp_kda
+from moonrt.comm.cp.context import ContextParallel
+from moonrt.comm.cp.ops import slice_bounds
+from moonrt.comm.cp.kcp import kcp_kda
 from moonrt.ops.kda import kda_chunk, kda_recurrent, kda_state_grad, kda_transition
-from moonrt.ops.kda_autograd import chunk_state_grad
-from moonrt.ops.kda_terms import chunk_terms, chunk_terms_with_factors
+from moonrt.ops.kda.autograd import chunk_state_grad
+from moonrt.ops.kda.terms import chunk_terms, chunk_terms_with_factors
 from moonrt.parallel.context import AttentionContext
 
 

@@ -1,4 +1,4 @@
-"""Triton KDA kernels (moonrt.ops.kda_triton) under Triton's interpreter on CPU tensors: forward, final state and
+"""Triton KDA kernels (moonrt.ops.kda.backends.triton) under Triton's interpreter on CPU tensors: forward, final state and
 every input gradient against the fp64 recurrence (K3_SYSTEMS §2.1); KCP's summaries against the CPU ones.
 
 Tolerances: fp32 runs are held to the CPU chunk kernel's bound (1e-5 relative RMS against fp64, tests/ops/test_kda.py);
@@ -18,10 +18,10 @@ import torch  # noqa: E402
 from dist import dist_run  # noqa: E402
 from numerics import F64_RTOL, rel_l2  # noqa: E402
 
-from moonrt.comm.cp_ops import slice_bounds  # noqa: E402
-from moonrt.comm.kcp import kcp_kda  # noqa: E402
+from moonrt.comm.cp.ops import slice_bounds  # noqa: E402
+from moonrt.comm.cp.kcp import kcp_kda  # noqa: E402
 from moonrt.ops import kda as cpu  # noqa: E402
-from moonrt.ops import kda_triton as kt  # noqa: E402
+import moonrt.ops.kda.backends.triton as kt  # noqa: E402
 
 # the conftest fixture: skip where Triton is missing, fail instead under MOONRT_REQUIRE_TRITON=1 (CI)
 pytestmark = pytest.mark.usefixtures("triton_kernels")
@@ -250,7 +250,7 @@ def test_kcp_two_ranks_with_triton_kernels_equal_single_process() -> None:
 def test_fla_options_equal_the_cpu_op_with_the_same_options() -> None:
     """fla's keyword options (grouped value heads HV = 2H, in-kernel q/k L2 norm, in-kernel gate with A_log and
     dt_bias, beta sigmoid with negative eigenvalues, state_v_first) on the Triton op equal the CPU op called with
-    the same options in fp64 (the options are one computation on the inputs, moonrt.ops.kda_fla): output, final
+    the same options in fp64 (the options are one computation on the inputs, moonrt.ops.kda.fla_options): output, final
     state and every gradient, A_log's and dt_bias's included; o in q's dtype."""
     B, T, H, K, V, HV = 1, 40, 1, 16, 16, 2
     gen = torch.Generator().manual_seed(23)

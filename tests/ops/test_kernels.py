@@ -14,10 +14,11 @@ import torch
 import yaml
 
 from moonrt.cli import main as cli_main
-from moonrt.comm import kcp
+import moonrt.comm.cp.kcp as kcp
 from moonrt.config import ConfigError, from_dict
 from moonrt.jobs.train.config import JobConfig, KernelChoice
-from moonrt.ops import fp8, kda, kernels
+import moonrt.ops.fp8.codec as fp8
+from moonrt.ops import kda, kernels
 from moonrt.ops.kernels import REGISTRY, KernelUnavailable, default_registry, kernel
 from moonrt.parallel.context import AttentionContext
 
@@ -78,7 +79,7 @@ def test_auto_picks_triton_on_cuda_tensors() -> None:
         cpu_chunk, *_ = kcp._default_fns("auto", torch.device("cpu"))
         assert cpu_chunk is kda.kda_chunk
     assert calls == ["c", "t", "s"]
-    assert REGISTRY.choose("kda_chunk", "auto", CUDA).target == "moonrt.ops.kda_triton:kda_chunk"  # restored
+    assert REGISTRY.choose("kda_chunk", "auto", CUDA).target == "moonrt.ops.kda.backends.triton:kda_chunk"  # restored
 
 
 def test_choice_reaches_the_backend_at_each_call_site() -> None:
@@ -107,8 +108,8 @@ def test_choice_reaches_the_backend_at_each_call_site() -> None:
 
 def _kcp_rank(rank: int, world: int, x: dict[str, torch.Tensor]) -> dict:
     """KCP through ``ContextParallel(kda_kernel="torch")`` on this rank's slice, every KDA piece recorded."""
-    from moonrt.comm.cp_context import ContextParallel
-    from moonrt.comm.cp_ops import slice_bounds
+    from moonrt.comm.cp.context import ContextParallel
+    from moonrt.comm.cp.ops import slice_bounds
 
     calls: list[str] = []
     with contextlib.ExitStack() as stack:
@@ -159,7 +160,7 @@ def test_errors_are_one_clear_line(monkeypatch) -> None:
     with pytest.raises(ValueError, match="expected 'module:function' or a callable"):
         reg.register("kda_chunk", "torch", "moonrt.ops.kda.kda_chunk")
     # Triton not installed: one line with the install command and the way out
-    reg.register("kda_chunk", "triton", "moonrt.ops.kda_triton:kda_chunk", devices=("cuda",), requires="triton")
+    reg.register("kda_chunk", "triton", "moonrt.ops.kda.backends.triton:kda_chunk", devices=("cuda",), requires="triton")
     real_find_spec = kernels.importlib.util.find_spec
     monkeypatch.setattr(kernels.importlib.util, "find_spec", lambda n, *a: None if n == "triton" else real_find_spec(n))
     with pytest.raises(KernelUnavailable) as info:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from moonrt.ops import kernels
-from moonrt.ops.moonep_greedy import greedy_numba, greedy_torch
+from moonrt.ops.moonep.greedy import greedy_numba, greedy_torch
 from moonrt.scheduler.moonep import capacities
 from moonrt.scheduler.workload import synthetic
 
@@ -52,7 +52,7 @@ def test_torch_and_numba_backends_equal() -> None:
 
 
 def test_triton_backend_equals_numba(triton_kernels) -> None:
-    mt = triton_kernels.load("moonrt.ops.moonep_triton")
+    mt = triton_kernels.load("moonrt.ops.moonep.triton")
     dev = triton_kernels.device
     for load in _cases():
         lt = torch.from_numpy(load)
@@ -63,7 +63,7 @@ def test_triton_backend_equals_numba(triton_kernels) -> None:
 
 
 def test_triton_backend_refuses_oversized_groups(triton_kernels) -> None:
-    mt = triton_kernels.load("moonrt.ops.moonep_triton")
+    mt = triton_kernels.load("moonrt.ops.moonep.triton")
     load = torch.zeros(2, 1 << 16, dtype=torch.int64, device=triton_kernels.device)
     with pytest.raises(ValueError, match=r"load: shape \[R, G\] = \[2, 65536\].*kernels.moonep: torch"):
         mt.greedy(load, torch.zeros(2, dtype=torch.int64, device=triton_kernels.device))

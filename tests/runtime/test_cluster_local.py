@@ -35,7 +35,7 @@ def _misbehave(rank: int, world: int, how: str) -> int:
 def _kernels_at_start(rank: int, world: int) -> tuple[int, int, bool]:
     import numba.np.ufunc.parallel as numba_parallel
 
-    from moonrt.ops import kda_numba
+    import moonrt.ops.kda.backends.numba as kda_numba
 
     return (len(kda_numba.tile_operands.signatures), len(kda_numba.assemble_blocks.signatures),
             numba_parallel._is_initialized)

@@ -12,7 +12,7 @@ import torch
 from dist import dist_run
 from numerics import rel_l2
 
-from moonrt.comm.cp_context import ContextParallel
+from moonrt.comm.cp.context import ContextParallel
 from moonrt.models.k3.model.config import k3_tiny
 from moonrt.models.k3.model.kda_layer import KDALayer
 from moonrt.models.k3.model.mla import GatedMLA

@@ -1,4 +1,4 @@
-"""``moonrt.comm.dcp_state``: several boxes of one tensor on one rank (:class:`Boxes`), no process group.
+"""``moonrt.comm.state.dcp``: several boxes of one tensor on one rank (:class:`Boxes`), no process group.
 
 A ZeRO-Muon owner holds whole Muon blocks, several of one parameter, possibly column blocks (not contiguous in the
 flattened tensor): a column-blocked ``[*S, A, B]`` parameter's momentum written as boxes by two "ranks" (two
@@ -17,7 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from moonrt.comm.dcp_state import Boxes, SafeReader, Shard, ShardLoadPlanner, ShardSavePlanner, block_box
+from moonrt.comm.state.dcp import Boxes, SafeReader, Shard, ShardLoadPlanner, ShardSavePlanner, block_box
 from moonrt.parallel.blocks import MatrixBlocks
 
 

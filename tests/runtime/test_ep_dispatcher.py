@@ -17,10 +17,10 @@ import torch
 from dist import dist_run
 from moe_layer import OneLayer
 
-from moonrt.comm.ep_dispatcher import EPDispatcher
-from moonrt.comm.ep_parallel import ExpertParallel
-from moonrt.comm.ep_placement import HomePlacement, MoonEPPlacement, PlacementPolicy, placement_policy
-from moonrt.comm.ep_transport import CollectiveTransport, EPTransport
+from moonrt.comm.ep.dispatch import EPDispatcher
+from moonrt.comm.ep.parallel import ExpertParallel
+from moonrt.comm.ep.placement import HomePlacement, MoonEPPlacement, PlacementPolicy, placement_policy
+from moonrt.comm.ep.transport import CollectiveTransport, EPTransport
 from moonrt.config import ConfigError, ParallelConfig, from_dict
 from moonrt.models.k3.model.config import k3_tiny
 from moonrt.ops.grouped import grouped_glu_experts
@@ -233,7 +233,7 @@ def test_zero_takes_an_expert_sharding_part_and_duplicates_only_where_declared()
     """ZeRO is typed against :class:`ExpertSharding` (what it asks of the expert part), not ExpertParallel; only a
     part that declares ``counts_every_rank`` takes the pipeline's duplicates, any other refuses them."""
     from moonrt.comm.parallelism import ExpertSharding, Part
-    from moonrt.comm.zero import Zero1
+    from moonrt.comm.zero.adamw import Zero1
 
     ep = ExpertParallel(ParallelConfig(), capacity=4)
     assert isinstance(ep, ExpertSharding) and not isinstance(Part(), ExpertSharding)

@@ -7,8 +7,8 @@ import torch
 from dist import dist_run
 from numerics import rel_l2
 
-from moonrt.comm.cp_ops import CommRecord, slice_bounds, split_sizes
-from moonrt.comm.kcp import kcp_kda
+from moonrt.comm.cp.ops import CommRecord, slice_bounds, split_sizes
+from moonrt.comm.cp.kcp import kcp_kda
 from moonrt.ops.kda import kda_chunk
 
 B, H, K, V = 1, 2, 16, 24  # K != V catches transposed state maps
@@ -102,7 +102,7 @@ def test_kcp_matches_single_process_outputs_state_and_all_gradients(world: int) 
 def _backward_count_rank(rank: int, world: int, x: dict) -> dict[str, dict]:
     """kcp_kda's forward + backward with the default kernels and with a custom chunk_fn (the same kda_chunk, but
     given without a state_grad_fn), counting the runs of the chunked kernel's full backward (ChunkKDA.backward)."""
-    import moonrt.ops.kda_autograd as kda_autograd
+    import moonrt.ops.kda.autograd as kda_autograd
 
     calls = [0]
     orig = kda_autograd.ChunkKDA.backward

@@ -18,7 +18,7 @@ from moonrt.memory.backends import Backend, HostStore, KeepStore
 from moonrt.memory.copy_streams import SYNC, CudaStreams, pin_host
 from moonrt.memory.manager import ActivationManager
 from moonrt.memory.policy import MemoryPolicy
-from moonrt.ops import fp8
+import moonrt.ops.fp8.codec as fp8
 
 # ---------------------------------------------------------------------------------------------
 # A stand-in for a device with asynchronous streams, on CPU: work issued on a side stream is queued and runs only

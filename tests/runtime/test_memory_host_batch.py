@@ -197,7 +197,7 @@ def test_released_before_backward_returns_the_buffer():
 def test_fp8_quantized_on_the_copy_thread_bitwise(monkeypatch):
     """FP8 (device tier) batches are quantized on the copy thread: gradients, bytes per region and peaks equal
     the inline quantization's bit for bit; a failing quantization raises in backward."""
-    from moonrt.ops import fp8
+    import moonrt.ops.fp8.codec as fp8
 
     threads: list[str] = []
     inner = fp8.quantize_many
@@ -252,7 +252,7 @@ def test_fp8_decoded_ahead_on_the_copy_thread_bitwise(monkeypatch):
     """In backward, the first unpack of an FP8 batch queues the decode of the batches quantized before it (same
     forward) on the copy thread: gradients equal the inline run's bit for bit, also with two forwards in flight;
     nothing is left queued; a failing decode raises in backward."""
-    from moonrt.ops import fp8
+    import moonrt.ops.fp8.codec as fp8
 
     threads: list[str] = []
     inner = fp8.dequantize_many
@@ -342,7 +342,7 @@ def test_fp8_view_saved_four_times_decodes_once(monkeypatch, copy_thread):
     decoded tensor once every save has unpacked it (none is held after a retained-graph backward), and a second
     backward of the retained graph gives the same gradients."""
     from moonrt.memory import backends
-    from moonrt.ops import fp8
+    import moonrt.ops.fp8.codec as fp8
 
     decoded: list[int] = []
     inner_many, inner_one = fp8.dequantize_many, backends.fp8.dequantize

@@ -8,7 +8,7 @@ import torch
 from dist import dist_run
 from moe_layer import OneLayer
 
-from moonrt.comm.ep_parallel import ExpertParallel
+from moonrt.comm.ep.parallel import ExpertParallel
 from moonrt.config import ParallelConfig
 from moonrt.memory.manager import ActivationManager
 from moonrt.memory.policy import MemoryPolicy

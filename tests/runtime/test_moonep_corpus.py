@@ -13,8 +13,8 @@ import pytest
 import torch
 from dist import dist_run
 
-from moonrt.comm.ep_dispatcher import EPDispatcher
-from moonrt.comm.ep_placement import MoonEPPlacement
+from moonrt.comm.ep.dispatch import EPDispatcher
+from moonrt.comm.ep.placement import MoonEPPlacement
 from moonrt.ops.grouped import grouped_glu_experts, moe_reference
 from moonrt.scheduler.moonep import capacities, plan, send_split, transfer_matrix
 from moonrt.scheduler.moonep_torch import plan_device, plan_prefix, plan_torch

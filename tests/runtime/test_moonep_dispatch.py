@@ -2,7 +2,7 @@
 
 Every rank builds the same seeded global problem, runs its slice through the dispatcher (home
 experts sharded E/R per rank), and returns its output, all gradients and its expert rows; the test
-compares them with :func:`moonrt.ops.grouped.moe_reference` / :func:`moonrt.comm.ep_ref.rows_reference`.
+compares them with :func:`moonrt.ops.grouped.moe_reference` / :func:`moonrt.comm.ep.ref.rows_reference`.
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import pytest
 import torch
 from dist import dist_run
 
-from moonrt.comm.ep_dispatcher import EPDispatcher
-from moonrt.comm.ep_layout import assignment_destinations, padded_rows
-from moonrt.comm.ep_placement import HomePlacement, MoonEPPlacement
-from moonrt.comm.ep_ref import rows_reference
-from moonrt.comm.ep_slots import SlotPool
+from moonrt.comm.ep.dispatch import EPDispatcher
+from moonrt.comm.ep.layout import assignment_destinations, padded_rows
+from moonrt.comm.ep.placement import HomePlacement, MoonEPPlacement
+from moonrt.comm.ep.ref import rows_reference
+from moonrt.comm.ep.slots import SlotPool
 from moonrt.ops.grouped import grouped_glu_experts, moe_reference
 
 H, F, E = 12, 10, 8

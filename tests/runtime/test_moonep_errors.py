@@ -6,8 +6,8 @@ import pytest
 import torch
 from dist import dist_run
 
-from moonrt.comm.ep_dispatcher import EPDispatcher
-from moonrt.comm.ep_placement import MoonEPPlacement
+from moonrt.comm.ep.dispatch import EPDispatcher
+from moonrt.comm.ep.placement import MoonEPPlacement
 
 H, E, K, S = 8, 8, 2, 4
 

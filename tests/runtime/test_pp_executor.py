@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moonrt.comm.pp_part import PipelineParallel
+from moonrt.comm.pp.part import PipelineParallel
 from moonrt.models.k3.model.config import full_attn_layers, k3_tiny
 from moonrt.models.k3.model.model import K3Model
 from moonrt.scheduler.attnres_comm import hop_plan

@@ -1,4 +1,4 @@
-"""ZeRO-1 (moonrt/comm/zero.py): sharded AdamW equals torch.optim.AdamW on the whole parameters.
+"""ZeRO-1 (moonrt/comm/zero/adamw.py): sharded AdamW equals torch.optim.AdamW on the whole parameters.
 
 Teacher-forced parity: every rank builds the same k3_tiny (same seed) plus one extra ``odd [7, 3]``
 parameter (21 elements, so the flat buffer needs padding for dp 2 and 4), and a full single-process
@@ -26,7 +26,7 @@ from numerics import rel_l2
 from torch import nn
 
 from moonrt.comm.parallelism import Parallelism
-from moonrt.comm.zero import Zero1
+from moonrt.comm.zero.adamw import Zero1
 
 TOL = 1e-5
 SCALE = 2.0 ** -14
@@ -84,7 +84,7 @@ def _close_updates(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], i
 
 
 def _parity(rank: int, world: int, ep: int, steps: int) -> dict[str, Any]:
-    from moonrt.comm.ep_parallel import ExpertParallel
+    from moonrt.comm.ep.parallel import ExpertParallel
     from moonrt.comm.mesh import ProcessMesh
     from moonrt.config import ParallelConfig
 

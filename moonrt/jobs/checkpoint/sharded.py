@@ -9,7 +9,7 @@ Layout on disk (``OUT/checkpoint/``)::
                                       every file's size and CRC-32 (``files``; absent in markers written before)
     OUT/checkpoint/step-00000030.tmp/ a save in progress or interrupted (never loaded)
 
-Entries (:mod:`moonrt.comm.dcp_state`): ``model.<name>`` for every single-process ``model.state_dict()`` entry
+Entries (:mod:`moonrt.comm.state.dcp`): ``model.<name>`` for every single-process ``model.state_dict()`` entry
 (single-process shapes: experts ``[E, ...]`` written as row shards by the EP ranks holding them, each
 pipeline stage's tensors by its ranks, replicas once), ``optimizer.<name>.exp_avg`` / ``.exp_avg_sq`` (the
 AdamW moments flattened to ``[numel]``: ZeRO-1 owners write their flat ranges) and ``optimizer.<name>.step``;
@@ -32,12 +32,12 @@ with ``--optimizer muon`` its AdamW-group parameters the same, its Muon paramete
   own logging of the failure is silenced); ``moonrt checkpoint info --verify`` runs the same check.
 - **Loading reshards** to any layout, one process included (DCP without a process group): each rank asks
   for the ranges its own tensors cover, DCP reads them from whichever saved chunks overlap; a range no saved
-  chunk covers is an error (:class:`moonrt.comm.dcp_state.ShardLoadPlanner`).
+  chunk covers is an error (:class:`moonrt.comm.state.dcp.ShardLoadPlanner`).
 - **No pickled objects run**: tensor data is read with ``torch.load(weights_only=True)`` (DCP), the step and
   config live in ``moonrt.json``; DCP's ``.metadata`` is a pickle that torch 2.13 reads with plain
   ``pickle.load``, so it is read here with an allow-list unpickler (DCP metadata classes, ``torch.Size``,
   dtypes) instead; non-tensor entries are refused, and so are entries stored outside the step directory (an
-  absolute path, ``..``, a symlink out: :func:`moonrt.comm.dcp_state.check_storage_paths`).
+  absolute path, ``..``, a symlink out: :func:`moonrt.comm.state.dcp.check_storage_paths`).
 
 Which format a job writes (:func:`use_sharded`): multi-rank jobs with AdamW or Muon write DCP; a single process
 keeps writing ``OUT/checkpoint.pt`` (it holds everything anyway, and the one file is what other tools read); other
@@ -71,7 +71,7 @@ from moonrt.jobs.checkpoint.single import CheckpointError
 from moonrt.jobs.train.config import JobConfig
 from moonrt.ops.muon import Muon, step_count
 
-# torch.distributed.checkpoint (and moonrt.comm.dcp_state, built on it) is imported by the functions that read or
+# torch.distributed.checkpoint (and moonrt.comm.state.dcp, built on it) is imported by the functions that read or
 # write a DCP checkpoint, not here: it costs ~1.5 s per process (it imports torch.distributed.tensor and sympy),
 # and every `moonrt train` imports this module while a single process never writes DCP (use_sharded).
 
@@ -89,7 +89,7 @@ def _multi() -> bool:
 
 def use_sharded(opt: torch.optim.Optimizer) -> bool:
     """True where a job writes DCP checkpoints: more than one rank and torch's AdamW or moonrt's Muon (the state
-    layouts :mod:`moonrt.comm.dcp_state` names); else the gathered ``checkpoint.pt``."""
+    layouts :mod:`moonrt.comm.state.dcp` names); else the gathered ``checkpoint.pt``."""
     return _multi() and isinstance(opt, torch.optim.AdamW | Muon)
 
 
@@ -216,7 +216,7 @@ def save_sharded(root: Path, model: torch.nn.Module, opt: torch.optim.Optimizer,
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from moonrt.comm.dcp_state import SafeWriter, ShardSavePlanner, entry_bytes
+    from moonrt.comm.state.dcp import SafeWriter, ShardSavePlanner, entry_bytes
 
     rt = rt or Parallelism()
     root = Path(root)
@@ -275,7 +275,7 @@ def _commit(root: Path, tmp: Path, final: Path, rows: list[Any], step: int, job:
     older steps and interrupted saves."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from moonrt.comm.dcp_state import SafeReader
+    from moonrt.comm.state.dcp import SafeReader
 
     md = SafeReader(tmp).read_metadata()
     tensors = [m for m in md.state_dict_metadata.values() if isinstance(m, TensorStorageMetadata)]
@@ -404,7 +404,7 @@ def _problems(step_dir: Path, marker: dict[str, Any], part: tuple[int, int] = (0
     missing, shorter than the entries DCP stored in it, or (markers with ``files``) not of its recorded size
     and CRC-32. ``part = (i, n)``: this caller sums data files ``i, i + n, ...`` only (the ranks of a load
     share the reading); the cheap checks run everywhere."""
-    from moonrt.comm.dcp_state import SafeReader
+    from moonrt.comm.state.dcp import SafeReader
 
     files = marker.get("files")
     md_path = step_dir / METADATA
@@ -484,7 +484,7 @@ def load_sharded(step_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimi
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from moonrt.comm.dcp_state import SafeReader, ShardLoadPlanner
+    from moonrt.comm.state.dcp import SafeReader, ShardLoadPlanner
 
     rt = rt or Parallelism()
     step_dir = resolve(step_dir)
@@ -515,7 +515,7 @@ def read_full(step_dir: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, 
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from moonrt.comm.dcp_state import SafeReader, ShardLoadPlanner
+    from moonrt.comm.state.dcp import SafeReader, ShardLoadPlanner
 
     step_dir = resolve(step_dir)
     marker = read_marker(step_dir)
@@ -541,7 +541,7 @@ def to_single_file(step_dir: str | Path) -> dict[str, Any]:
     device give the single-process parameter order and param groups): AdamW parameters with step > 0 get
     ``{step, exp_avg, exp_avg_sq}``, Muon parameters with step > 0 ``{momentum_buffer}`` (as
     :class:`moonrt.ops.muon.Muon` and the gathered path hold them), the others no state."""
-    from moonrt.comm.dcp_state import MOMENTS, MOMENTUM
+    from moonrt.comm.state.dcp import MOMENTS, MOMENTUM
     from moonrt.jobs.train.assemble import build_model
     from moonrt.jobs.train.optimizers import build_optimizer
 

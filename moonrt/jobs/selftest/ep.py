@@ -2,8 +2,8 @@
 
 For every shape ``(s tokens per rank, hidden H, top-k, experts E)`` and routing skew ``maxvio``
 (expert 0, homed on rank 0, gets ``(1 + maxvio)`` x the mean load; the others share the rest), the
-:class:`~moonrt.comm.ep_dispatcher.EPDispatcher` with either placement policy
-(:class:`~moonrt.comm.ep_placement.MoonEPPlacement`, :class:`~moonrt.comm.ep_placement.HomePlacement`):
+:class:`~moonrt.comm.ep.dispatch.EPDispatcher` with either placement policy
+(:class:`~moonrt.comm.ep.placement.MoonEPPlacement`, :class:`~moonrt.comm.ep.placement.HomePlacement`):
 
 1. **check** one fp32 forward + backward through SiTU-GLU experts (E/R homed per rank, MoonEP's
    slot copies prefetched) on every rank against :func:`moonrt.ops.grouped.moe_reference` run in
@@ -14,7 +14,7 @@ For every shape ``(s tokens per rank, hidden H, top-k, experts E)`` and routing 
    ``3 E F H`` fp32 weights:
 
    - ``rows``: the received rows, their router weights and segment bounds equal
-     :func:`~moonrt.comm.ep_ref.rows_reference` exactly (a transport moves bits, it must not round);
+     :func:`~moonrt.comm.ep.ref.rows_reference` exactly (a transport moves bits, it must not round);
    - ``balance`` (MoonEP): this rank computes exactly ``floor``/``ceil`` of ``R s k / R`` rows;
    - ``output``, ``grad_x``, ``grad_weights``, ``grad_experts``: normwise error
      ``max|got - ref| / max|ref| <= 2 c eps32`` with ``c`` the reduction lengths of the chain
@@ -194,8 +194,8 @@ def reference(p: dict, rank: int, world: int) -> dict:
 
 
 def _dispatcher(impl: str, shape: EPShape):
-    from moonrt.comm.ep_dispatcher import EPDispatcher
-    from moonrt.comm.ep_placement import placement_policy
+    from moonrt.comm.ep.dispatch import EPDispatcher
+    from moonrt.comm.ep.placement import placement_policy
 
     return EPDispatcher(None, capacity=shape.tokens, hidden=shape.hidden, top_k=shape.top_k,
                         num_experts=shape.experts, placement=placement_policy(impl))
@@ -217,7 +217,7 @@ def _bump(t: torch.Tensor) -> torch.Tensor:
 def check_case(res: SuiteResult, name: str, impl: str, p: dict, ref: dict, shape: EPShape, rank: int,
                world: int, corrupt: tuple[int, str] | None) -> None:
     """Forward + backward of ``impl`` on this rank's slice of ``p``; record the checks under ``name``."""
-    from moonrt.comm.ep_ref import rows_reference
+    from moonrt.comm.ep.ref import rows_reference
     from moonrt.ops.grouped import grouped_glu_experts
 
     dev = device()

@@ -4,7 +4,7 @@ For every ``T`` tokens per rank (``--kcp-tokens``) and the head shape ``--kcp-sh
 
 1. **check** (float64): every rank draws its own slice of a sequence of ``R T`` tokens (seeded by
    rank), the slices are all-gathered into the whole sequence, and
-   :func:`moonrt.comm.kcp.kcp_kda` forward + backward on the slices (initial state on rank 0, final
+   :func:`moonrt.comm.cp.kcp.kcp_kda` forward + backward on the slices (initial state on rank 0, final
    state on the last rank) is compared with single-rank :func:`moonrt.ops.kda.kda_chunk` on the
    gathered input: this rank's outputs and its gradients of q, k, v, g, beta (plus the final state
    on the last rank, ``dh0`` on rank 0). Both are float64 evaluations of the same function, so the
@@ -64,7 +64,7 @@ def _slice_inputs(rank: int, T: int, total: int, shape: tuple[int, int, int, int
 
 def check_T(res: SuiteResult, T: int, shape: tuple[int, int, int, int], rank: int, world: int) -> None:
     """The float64 check at ``T`` tokens per rank (see the module docstring); checks ``kcp/T=<T>/<what>``."""
-    from moonrt.comm.kcp import kcp_kda
+    from moonrt.comm.cp.kcp import kcp_kda
     from moonrt.ops.kda import kda_chunk
 
     dev = device()
@@ -105,8 +105,8 @@ def check_T(res: SuiteResult, T: int, shape: tuple[int, int, int, int], rank: in
 
 def time_T(T: int, shape: tuple[int, int, int, int], rank: int, world: int, iters: int) -> dict:
     """fp32 ``kcp_kda`` forward + backward of one layer vs the local ``kda_chunk``; bytes per layer."""
-    from moonrt.comm.cp_ops import CommRecord
-    from moonrt.comm.kcp import kcp_kda
+    from moonrt.comm.cp.ops import CommRecord
+    from moonrt.comm.cp.kcp import kcp_kda
     from moonrt.ops.kda import kda_chunk
 
     dev = device()

@@ -2,7 +2,7 @@
 
 The runtime may not import the model (layering), so the suite builds its own stand-in: a tiny Block
 AttnRes stack (:class:`TinyStack`, float64) exposing exactly the stage API
-:class:`moonrt.comm.pp_part.PipelineParallel` and :class:`moonrt.comm.pipeline.PipelineExecutor` use
+:class:`moonrt.comm.pp.part.PipelineParallel` and :class:`moonrt.comm.pp.executor.PipelineExecutor` use
 (``config``, ``stages``, ``stage_modules``, ``stream``, ``embed_tokens``, ``run_layers``, ``head``). Its
 layers mix every finished block and the open partial block (softmax over the sources with per-layer
 pseudo-queries shared by every stage), so a wrong or missing block changes the loss and every gradient.
@@ -46,9 +46,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from moonrt.comm.pipeline import PipelineExecutor, StepStats
-from moonrt.comm.pp_cache import block_plan
-from moonrt.comm.pp_part import PipelineParallel
+from moonrt.comm.pp.executor import PipelineExecutor, StepStats
+from moonrt.comm.pp.cache import block_plan
+from moonrt.comm.pp.part import PipelineParallel
 from moonrt.jobs.selftest.common import EPS32, SuiteResult, byte_sizes, device, normwise_err, timed
 from moonrt.parallel.model import PipelineLayout
 from moonrt.scheduler.attnres_comm import hop_plan

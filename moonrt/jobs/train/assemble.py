@@ -66,17 +66,17 @@ def parallel_runtime(job: JobConfig, progress: bool = False) -> Parallelism:
     group).
 
     Batch rows are split over ``dp_ep`` (ranks that see different data), each sequence over ``cp``
-    (:class:`moonrt.comm.cp_context.ContextParallel`: KCP, conv halo, MLA latent gather); gradients, router
+    (:class:`moonrt.comm.cp.context.ContextParallel`: KCP, conv halo, MLA latent gather); gradients, router
     statistics and scalars are summed over the replicas ``dp_ep_cp``. Parts built here:
-    :class:`moonrt.comm.pp_part.PipelineParallel` when ``pp > 1`` (stages over the ``pp`` group),
-    :class:`moonrt.comm.ep_parallel.ExpertParallel` when ``ep > 1``, a routing-trace recorder when asked for;
-    :class:`moonrt.comm.zero.Zero1` when ``zero = 1`` (:class:`moonrt.comm.zero_muon.ZeroMuon` with ``optimizer =
+    :class:`moonrt.comm.pp.part.PipelineParallel` when ``pp > 1`` (stages over the ``pp`` group),
+    :class:`moonrt.comm.ep.parallel.ExpertParallel` when ``ep > 1``, a routing-trace recorder when asked for;
+    :class:`moonrt.comm.zero.adamw.Zero1` when ``zero = 1`` (:class:`moonrt.comm.zero.muon.ZeroMuon` with ``optimizer =
     muon``). Their order and which wraps which is the composition table's (:func:`moonrt.comm.compose.compose`).
     """
     import torch.distributed as dist
 
     from moonrt.cluster.env import init_distributed
-    from moonrt.comm.cp_context import ContextParallel
+    from moonrt.comm.cp.context import ContextParallel
     from moonrt.comm.mesh import ProcessMesh
     from moonrt.jobs.train.device import bind_device, resolve_job
 
@@ -106,7 +106,7 @@ def parallel_runtime(job: JobConfig, progress: bool = False) -> Parallelism:
     parts: list[Part] = []
     counts = pipe = None
     if p.pp > 1:  # the pipeline runs the step
-        from moonrt.comm.pp_part import PipelineParallel
+        from moonrt.comm.pp.part import PipelineParallel
         from moonrt.scheduler.pipeline import build_schedule
 
         schedule = build_schedule(p.pipeline_schedule, p.pp, p.microbatches, p.vpp)
@@ -114,15 +114,15 @@ def parallel_runtime(job: JobConfig, progress: bool = False) -> Parallelism:
                                 objects=mesh.cpu_group(Group.PP))
         parts.append(pipe)
     if p.ep > 1:  # MoonEP: shard experts, per-group grad sync, global-norm terms over the shards
-        from moonrt.comm.ep_parallel import ExpertParallel
+        from moonrt.comm.ep.parallel import ExpertParallel
 
         ep = ExpertParallel(p, mesh=mesh, capacity=job.optim.batch_size * job.optim.seq_len,
                             kernels=job.kernels.moonep)
         parts.append(ep)
         counts = ep.layer_counts
     if p.zero:  # ZeRO-1 owns sync, norm, update and the state of every parameter
-        from moonrt.comm.zero import Zero1
-        from moonrt.comm.zero_muon import ZeroMuon
+        from moonrt.comm.zero.adamw import Zero1
+        from moonrt.comm.zero.muon import ZeroMuon
         from moonrt.jobs.train.optimizers import muon_blocks
 
         if job.optim.optimizer == "muon":  # each Muon block / AdamW parameter owned whole by one replica

@@ -419,7 +419,7 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
               f"unigram entropy {baseline:.3f} ({eval_loss - baseline:+.3f}); checkpoint "
               f"{out / checkpoint_dcp.ROOT if checkpoint_dcp.use_sharded(opt) else ckpt}", flush=True)
     if cp_bytes and progress:  # every rank reports its own CP traffic (moonrt launch prefixes [rank r])
-        from moonrt.comm.cp_context import comm_table
+        from moonrt.comm.cp.context import comm_table
 
         print(comm_table(cp_bytes, f"CP bytes per layer, cp rank {rt.cp_rank}, last step"), flush=True)
     return summary

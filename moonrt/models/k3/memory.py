@@ -27,8 +27,8 @@ from moonrt.memory.model_memory import JobLayout, LayerSpec, ParamSizes, Profile
 from moonrt.memory.plan import RankPlan
 from moonrt.models.k3.model import params as mp
 from moonrt.models.k3.model.config import K3Config
-from moonrt.ops import fp8 as fp8mod
-from moonrt.ops.kda_terms import SUB_TILE  # the fast path's sub-tile (log-decays >= -5, K3's gate range)
+import moonrt.ops.fp8.codec as fp8mod
+from moonrt.ops.kda.terms import SUB_TILE  # the fast path's sub-tile (log-decays >= -5, K3's gate range)
 
 CHUNK = 64
 """KDA chunk size of :func:`moonrt.ops.kda.kda_chunk` (its default)."""
@@ -84,7 +84,7 @@ def class_terms(cfg: Any, a: int, seq_tokens: int, batch: int = 1, gathered: int
         Term("conv output (SiLU input)", W * a, W), Term("q|k|v (SiLU output)", W * a, W),
         Term("q, k L2 rsqrt", 2 * H * a), Term("beta = sigmoid", 4 * H, fp32=True),
         Term("f_a output", K * a, K), Term("gate pre-sigmoid + sigmoid", 8 * HK, HK, fp32=True),
-        # chunk form (moonrt.ops.kda_autograd.ChunkKDA, compute dtype fp32): it saves its chunked inputs (per
+        # chunk form (moonrt.ops.kda.autograd.ChunkKDA, compute dtype fp32): it saves its chunked inputs (per
         # padded token) and the state entering each chunk, and recomputes the chunk terms in backward
         Term("q, k, g chunks", 12 * HK * pad, K, fp32=True),
         Term("v chunks", 4 * HV * pad, V, fp32=True),

@@ -1,8 +1,8 @@
 """The dense residual stream in the shape the pipeline executor moves (``blocks`` + ``partial``).
 
 A pre-norm decoder feeds every sub-layer the residual ``h = e + sum of earlier sub-layer outputs``
-(``e`` the token embedding). The runtime's pipeline executor (``moonrt.comm.pipeline``, with the block
-plan of ``moonrt.comm.pp_cache`` / ``moonrt.scheduler.attnres_comm``) moves a Block-AttnRes stream:
+(``e`` the token embedding). The runtime's pipeline executor (``moonrt.comm.pp.executor``, with the block
+plan of ``moonrt.comm.pp.cache`` / ``moonrt.scheduler.attnres_comm``) moves a Block-AttnRes stream:
 finished blocks (block 0 = the embedding) plus the open partial block. The dense stream is that stream
 with one block spanning every layer and a plain sum in place of the AttnRes softmax:
 

@@ -1,0 +1,268 @@
+"""Expert-parallel collectives and their autograd (K3_SYSTEMS §6.3): tokens to expert rows and back,
+home expert weights into slots and their gradients back.
+
+:func:`to_rows` / :func:`from_rows` move per-assignment values to this rank's expert rows and back
+with one all-to-all each (each is the other's adjoint) under an :class:`~moonrt.comm.ep.layout.EPLayout`;
+:func:`send_weights` / :func:`return_weight_grads` move flattened expert weights into slots and sum
+slot gradients back into the home experts under a :class:`~moonrt.comm.ep.layout.WeightLayout`.
+:func:`dispatch_tokens` and :func:`combine_tokens` are the differentiable dispatch and combine the
+dispatcher's collective transport (``ep_transport.py``) calls: the backward of one is the other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from moonrt.comm.ep.layout import DedupLayout, EPLayout, WeightLayout, dedup_recv_side, dedup_send_side
+from moonrt.ops.precision import at_least_fp32, no_autocast
+
+
+def _all_to_all(
+    out_rows: int, send: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    send = send.contiguous()
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return send.clone()
+    out = send.new_empty((out_rows, *send.shape[1:]))
+    dist.all_to_all_single(out, send, out_splits, in_splits, group=group)
+    return out
+
+
+def to_rows(values: torch.Tensor, layout: EPLayout, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Move per-assignment values ``[s*k, C]`` (order ``t * k + j``) to this rank's expert rows ``[rows, C]``."""
+    send = values.index_select(0, layout.send_perm.to(values.device))
+    recv = _all_to_all(layout.rows, send, layout.recv_splits, layout.send_splits, group)
+    return recv.index_select(0, layout.recv_perm.to(values.device))
+
+
+def from_rows(rows: torch.Tensor, layout: EPLayout, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Adjoint of :func:`to_rows`: expert rows ``[rows, C]`` back to per-assignment values ``[s*k, C]``."""
+    recv = rows.index_select(0, layout.recv_inv.to(rows.device))
+    send = _all_to_all(layout.tokens * layout.top_k, recv, layout.send_splits, layout.recv_splits, group)
+    return send.index_select(0, layout.send_inv.to(rows.device))
+
+
+# ---- expert weights into slots --------------------------------------------------------------------
+
+
+def send_weights(
+    flat_home: torch.Tensor, layout: WeightLayout, group: dist.ProcessGroup | None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``flat_home [E/R, P]`` (this rank's home experts, flattened) -> ``[B, P]`` slot weights.
+
+    Empty slots are zero. ``out`` (a ``[B, P]`` slot-pool buffer) is written in place if given.
+    """
+    send = flat_home.index_select(0, layout.send_local.to(flat_home.device))
+    recv = _all_to_all(len(layout.recv_slot), send, layout.recv_splits, layout.send_splits, group)
+    if out is None:
+        out = flat_home.new_zeros(layout.num_slots, flat_home.shape[1])
+    else:
+        out.zero_()
+    out.index_copy_(0, layout.recv_slot.to(out.device), recv)
+    return out
+
+
+def return_weight_grads(
+    grad_slots: torch.Tensor, num_home: int, layout: WeightLayout, group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """Adjoint of :func:`send_weights`: ``grad_slots [B, P]`` -> summed home gradients ``[E/R, P]``."""
+    send = grad_slots.index_select(0, layout.recv_slot.to(grad_slots.device))
+    recv = _all_to_all(len(layout.send_local), send, layout.send_splits, layout.recv_splits, group)
+    out = grad_slots.new_zeros(num_home, grad_slots.shape[1])
+    out.index_add_(0, layout.send_local.to(out.device), recv)
+    return out
+
+
+# ---- differentiable versions ----------------------------------------------------------------------
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weights, layout, group):  # type: ignore[override]
+        s, k = layout.tokens, layout.top_k
+        x_a = x.unsqueeze(1).expand(s, k, x.shape[1]).reshape(s * k, x.shape[1])
+        w_a = weights.reshape(s * k, 1)
+        ctx.layout, ctx.group = layout, group
+        if x.dtype == weights.dtype:  # one all-to-all carries both
+            rows = to_rows(torch.cat([x_a, w_a], dim=1), layout, group)
+            return rows[:, :-1].contiguous(), rows[:, -1].contiguous()
+        return to_rows(x_a, layout, group), to_rows(w_a, layout, group).squeeze(1)  # weights keep their dtype
+
+    @staticmethod
+    def backward(ctx, grad_x, grad_w):  # type: ignore[override]
+        layout, group = ctx.layout, ctx.group
+        s, k = layout.tokens, layout.top_k
+        if grad_x.dtype == grad_w.dtype:
+            g_a = from_rows(torch.cat([grad_x, grad_w.unsqueeze(1)], dim=1), layout, group).view(s, k, -1)
+            gx_a, gw = g_a[:, :, :-1], g_a[:, :, -1]
+        else:
+            gx_a = from_rows(grad_x, layout, group).view(s, k, -1)
+            gw = from_rows(grad_w.unsqueeze(1), layout, group).view(s, k)
+        return at_least_fp32(gx_a).sum(1).to(grad_x.dtype), gw, None, None
+
+
+def _compute_dtype(a: torch.Tensor, b: torch.Tensor) -> torch.dtype:
+    """The combine's arithmetic dtype: fp32 for bf16 / fp32 operands, fp64 when either is fp64 (never narrowed)."""
+    return torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    @no_autocast  # the weighted sum of the k expert outputs in fp32 or fp64 (einsum would round to bf16 in autocast)
+    def forward(ctx, y, weights, layout, group, refill, *deps):  # type: ignore[override]
+        s, k = layout.tokens, layout.top_k
+        ctx.num_deps, ctx.refill = len(deps), refill
+        y_a = from_rows(y, layout, group).view(s, k, y.shape[1])
+        dt = _compute_dtype(y, weights)
+        out = torch.einsum("skh,sk->sh", y_a.to(dt), weights.to(dt)).to(y.dtype)
+        ctx.save_for_backward(y_a, weights)
+        ctx.layout, ctx.group = layout, group
+        return out
+
+    @staticmethod
+    @no_autocast
+    def backward(ctx, grad_out):  # type: ignore[override]
+        y_a, weights = ctx.saved_tensors
+        if ctx.refill is not None:  # the expert backward of this layer reads the shared slot pool next
+            ctx.refill()
+        s, k = ctx.layout.tokens, ctx.layout.top_k
+        dt = _compute_dtype(grad_out, weights)
+        g32 = grad_out.to(dt)
+        g_ya = (g32.unsqueeze(1) * weights.to(dt).unsqueeze(2)).to(y_a.dtype).reshape(s * k, -1)
+        grad_y = to_rows(g_ya, ctx.layout, ctx.group)
+        grad_w = torch.einsum("sh,skh->sk", g32, y_a.to(dt)).to(weights.dtype)
+        return (grad_y, grad_w, None, None, None) + (None,) * ctx.num_deps
+
+
+def dispatch_tokens(
+    x: torch.Tensor, weights: torch.Tensor, layout: EPLayout, group: dist.ProcessGroup | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Differentiable dispatch: ``x [s, H]``, ``weights [s, k]`` -> ``(rows [rows, H], row_weights [rows])``.
+
+    Row r carries the token and top-k weight of the assignment placed there by ``layout``. Backward
+    is a combine: each token's gradient is the sum of its k rows' gradients, in token order.
+    """
+    return _Dispatch.apply(x, weights, layout, group)
+
+
+def combine_tokens(
+    y: torch.Tensor, weights: torch.Tensor, layout: EPLayout, group: dist.ProcessGroup | None,
+    deps: tuple[torch.Tensor, ...] = (), refill: Callable[[], None] | None = None,
+) -> torch.Tensor:
+    """Differentiable combine: expert outputs ``y [rows, H]`` -> ``[s, H]``.
+
+    ``out[t] = sum_j weights[t, j] * y[row(t, j)]``, summed on the source rank in fp32 (j
+    ascending). Backward is a dispatch of ``weights * grad_out``; the gradient of
+    ``weights [s, k]`` is ``<grad_out[t], y[row(t, j)]>``.
+
+    ``deps``: the dispatch's rows and the prefetched slot weights. They get no gradient from here,
+    but being inputs makes the dispatch and prefetch backward (each a collective) run on every rank,
+    in the same order, even on a rank whose expert compute did not touch them (no slot rows).
+    ``refill`` (a :class:`moonrt.comm.ep.slots.SlotRefill`): re-prefetches this layer's slots into a shared
+    :class:`SlotPool` first thing in
+    backward (K3_SYSTEMS §6.3), before the expert backward reads them.
+    """
+    return _Combine.apply(y, weights, layout, group, refill, *deps)
+
+
+# ---- one row per (token, destination rank) --------------------------------------------------------
+
+
+def build_dedup(layout: EPLayout, group: dist.ProcessGroup | None, device: torch.device | None = None) -> DedupLayout:
+    """This rank's :class:`~moonrt.comm.ep.layout.DedupLayout`: one all-to-all of int64 metadata (one per
+    assignment, under ``layout``'s splits) on ``device`` (the data's: the EP group's backend), so every
+    receiver learns which of its assignment rows share a token. Host tensors are returned."""
+    pair_token, send_splits, meta = dedup_send_side(layout)
+    recv = _all_to_all(layout.rows, meta.to(device), layout.recv_splits, layout.send_splits, group).cpu()
+    recv_splits, expand = dedup_recv_side(layout, recv)
+    return DedupLayout(pair_token=pair_token, pair_send_splits=send_splits, pair_recv_splits=recv_splits,
+                       expand=expand)
+
+
+def _pairs_to_rows(values: torch.Tensor, layout: EPLayout, dd: DedupLayout,
+                   group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Per-token values ``[s, C]`` -> expert rows ``[rows, C]``, one transfer per (token, destination)."""
+    send = values.index_select(0, dd.pair_token.to(values.device))
+    recv = _all_to_all(sum(dd.pair_recv_splits), send, dd.pair_recv_splits, dd.pair_send_splits, group)
+    return recv.index_select(0, dd.expand.to(values.device))
+
+
+def _rows_to_pairs(rows: torch.Tensor, layout: EPLayout, dd: DedupLayout, group: dist.ProcessGroup | None,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """Adjoint of :func:`_pairs_to_rows`: expert rows ``[rows, C]`` -> per-token sums ``[s, C]``.
+
+    Rows of one (token, destination) are summed on the destination in fp32 (at least) and sent once,
+    rounded to ``dtype``; the source sums its token's destinations in fp32 and rounds to ``dtype``."""
+    acc = torch.promote_types(rows.dtype, torch.float32)
+    pairs = rows.new_zeros(sum(dd.pair_recv_splits), rows.shape[1], dtype=acc)
+    pairs.index_add_(0, dd.expand.to(rows.device), rows.to(acc))
+    back = _all_to_all(dd.pairs_sent, pairs.to(dtype), dd.pair_send_splits, dd.pair_recv_splits, group)
+    out = rows.new_zeros(layout.tokens, rows.shape[1], dtype=acc)
+    out.index_add_(0, dd.pair_token.to(rows.device), back.to(acc))
+    return out.to(dtype)
+
+
+class _DedupDispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weights, layout, dd, group):  # type: ignore[override]
+        ctx.layout, ctx.dd, ctx.group = layout, dd, group
+        rows_x = _pairs_to_rows(x, layout, dd, group)
+        rows_w = to_rows(weights.reshape(-1, 1), layout, group).squeeze(1)  # weights stay per assignment
+        return rows_x, rows_w
+
+    @staticmethod
+    def backward(ctx, grad_x, grad_w):  # type: ignore[override]
+        layout, dd, group = ctx.layout, ctx.dd, ctx.group
+        gx = _rows_to_pairs(grad_x, layout, dd, group, grad_x.dtype)
+        gw = from_rows(grad_w.unsqueeze(1), layout, group).view(layout.tokens, layout.top_k)
+        return gx, gw, None, None, None
+
+
+class _DedupCombine(torch.autograd.Function):
+    @staticmethod
+    @no_autocast
+    def forward(ctx, y, layout, dd, group, refill, dtype, *deps):  # type: ignore[override]
+        ctx.layout, ctx.dd, ctx.group, ctx.refill, ctx.num_deps = layout, dd, group, refill, len(deps)
+        ctx.dtype = y.dtype
+        ctx.save_for_backward(*deps[:1])
+        return _rows_to_pairs(y, layout, dd, group, dtype)
+
+    @staticmethod
+    @no_autocast
+    def backward(ctx, grad_out):  # type: ignore[override]
+        # Unpack first: under activation recomputation (non-reentrant checkpoint) that replays this layer's
+        # forward, whose prefetch rewrites the shared slot pool; the refill below must come after it.
+        ctx.saved_tensors  # noqa: B018
+        if ctx.refill is not None:  # the expert backward of this layer reads the shared slot pool next
+            ctx.refill()
+        grad_y = _pairs_to_rows(grad_out, ctx.layout, ctx.dd, ctx.group).to(ctx.dtype)
+        return (grad_y, None, None, None, None, None) + (None,) * ctx.num_deps
+
+
+def dispatch_tokens_dedup(
+    x: torch.Tensor, weights: torch.Tensor, layout: EPLayout, dd: DedupLayout, group: dist.ProcessGroup | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`dispatch_tokens` sending each token once per destination rank (``dd``): the same
+    ``(rows [rows, H], row_weights [rows])``. Two all-to-alls: the token rows (``dd``'s pairs) and
+    the router weights (one per assignment). Backward: each destination sums its rows of a token in
+    fp32 and returns one row per token (rounded to the gradient's dtype); the source sums them in fp32."""
+    return _DedupDispatch.apply(x, weights, layout, dd, group)
+
+
+def combine_tokens_dedup(
+    y: torch.Tensor, layout: EPLayout, dd: DedupLayout, group: dist.ProcessGroup | None,
+    deps: tuple[torch.Tensor, ...] = (), refill: Callable[[], None] | None = None, dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Unweighted combine with one return row per (token, destination): ``out[t] = sum of t's rows``.
+
+    Each destination sums a token's rows in fp32 and sends the sum once, rounded to ``dtype`` (default
+    ``y.dtype``; the output's dtype and the wire's, the gradient travels in it too); the
+    source sums its destinations' rows in fp32 and rounds once more (for fp32 / fp64 ``y`` that equals
+    the per-assignment combine up to summation order; bf16 adds one rounding per destination).
+    Weighting, if any, is done on the rows before (the dispatcher multiplies by its ``row_weights``).
+    ``deps`` / ``refill``: as :func:`combine_tokens`.
+    """
+    return _DedupCombine.apply(y, layout, dd, group, refill, y.dtype if dtype is None else dtype, *deps)

@@ -1,0 +1,283 @@
+"""Expert parallelism applied to a K3 model from outside (torchtitan's ``parallelize`` habit, K3_SYSTEMS §6, §10).
+
+:class:`ExpertParallel` owns what a training job needs for EP over a :class:`ProcessMesh`:
+
+- :meth:`ExpertParallel.parallelize` cuts every LatentMoE's routed experts to the EP rank's home
+  slice (E/R experts) and installs an :class:`EPDispatcher` on the latent width, through the model's dispatcher
+  seam, with the placement policy ``parallel.ep_dispatcher`` names (:mod:`moonrt.comm.ep.placement`: MoonEP's, or
+  the plain all-to-all baseline's); with MoonEP all layers share one :class:`SlotPool` (copies are re-prefetched
+  in backward). Found by duck typing
+  (``model.moe_layers()``, ``moe.experts.shard``, ``moe.dispatcher``): this module never imports
+  ``moonrt.models.k3.model``.
+- :meth:`sync_grads`: routed-expert gradients are summed over the expert replicas (mesh group
+  ``dp_cp``; slot copies already returned theirs to the home rank inside backward), every other
+  gradient over the dense replicas (``dp_ep_cp``): one flat all-reduce per group, in the job's reduce dtype
+  (:mod:`moonrt.comm.grad_reduce`).
+- :meth:`grad_norm`: the global gradient norm counts replicated gradients once and adds the
+  expert shards of every EP rank, so clipping matches the single-process run.
+- :meth:`full_state_dict` / :meth:`load_full_state_dict`: layout-independent checkpoints. The
+  saved state always has the single-process layout (every ``[E, ...]`` expert tensor whole, AdamW
+  ``exp_avg`` / ``exp_avg_sq`` of the experts likewise), gathered over the EP group; loading slices
+  it back to the home experts, so a checkpoint of ``--ep 2`` resumes in one process or ``--ep 4``.
+  :meth:`sharded_state_dict`: the same names for DCP, each rank writing only its home experts' rows.
+- :meth:`step_metrics`: per-step metrics (rows each EP rank computed, rows the hottest rank would
+  compute without balancing, token rows and bytes this rank sent to other EP ranks); :meth:`layer_counts`
+  gives the group-wide ``[R, E]`` routing counts a :class:`moonrt.comm.parallelism.RoutingTrace` records.
+
+It is a :class:`moonrt.comm.parallelism.Part` of the job's :class:`~moonrt.comm.parallelism.Parallelism`.
+With a world size of 1 nothing is sharded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moonrt.comm.ep.dispatch import EPDispatcher
+from moonrt.comm.ep.placement import placement_policy
+from moonrt.comm.ep.slots import SlotPool
+from moonrt.comm.grad_reduce import all_reduce_grad
+from moonrt.comm.mesh import Group, ProcessMesh
+from moonrt.comm.parallelism import GradNorm, Part
+from moonrt.config import ConfigError, ParallelConfig
+from moonrt.config.runtime import EP_DISPATCHERS
+
+
+class ExpertParallel(Part):
+    """Expert parallelism as a part of the job's parallelism object (see the module docstring).
+
+    Args:
+        parallel: the job's degrees (``cp`` > 1 composes: pass the CP runtime's mesh; with ``pp`` > 1 it
+            acts on this pipeline rank's stages, inside :class:`moonrt.comm.pp.part.PipelineParallel`).
+        capacity: S, the most tokens one rank passes to one MoE layer per call (training and eval).
+        mesh: the job's :class:`ProcessMesh` (built here from the default group, which must exist, if None
+            and the world has more than one rank).
+        num_slots: B per rank (default E/R; MoonEP only).
+        kernels: backend of MoonEP's planner (a job's ``kernels.moonep``;
+            :class:`~moonrt.comm.ep.placement.MoonEPPlacement`).
+
+    The placement policy is ``parallel.ep_dispatcher``: ``moonep`` or ``alltoall`` (the unbalanced baseline).
+    """
+
+    kind = "expert"
+
+    def __init__(self, parallel: ParallelConfig, *, capacity: int, mesh: ProcessMesh | None = None,
+                 num_slots: int | None = None, kernels: str = "auto") -> None:
+        if parallel.ep_dispatcher not in EP_DISPATCHERS:
+            raise ConfigError(f"parallel.ep_dispatcher = {parallel.ep_dispatcher!r}: expected one of "
+                              + ", ".join(EP_DISPATCHERS))
+        self.parallel, self.capacity, self.num_slots = parallel, capacity, num_slots
+        self.kernels = kernels
+        if mesh is None and parallel.world_size > 1:
+            if not dist.is_initialized():  # joining a job is the caller's (moonrt.cluster.env.init_distributed)
+                raise RuntimeError(f"ExpertParallel: parallel.ep = {parallel.ep} needs the default process group; "
+                                   "expected torch.distributed initialized first (moonrt.cluster.env.init_distributed) "
+                                   "or a mesh")
+            mesh = ProcessMesh(parallel)
+        self.mesh = mesh
+        if mesh is not None:
+            self.ep_group = mesh.group(Group.EP)
+            self.ep_rank, self.ep_size = mesh.rank(Group.EP), mesh.size(Group.EP)
+            self.is_main = mesh.global_rank == 0
+        else:
+            self.ep_group, self.ep_rank, self.ep_size, self.is_main = None, 0, 1, True
+        self.dispatchers: dict[int, EPDispatcher] = {}
+        self._expert_params: set[int] = set()
+        self._expert_slices: dict[int, tuple[int, int, int]] = {}  # id(param) -> (first, num_local, E)
+        self._sent = (0, 0, 0)  # (token rows, assignments, token bytes) sent to other EP ranks, at the last step
+        self.device: torch.device | None = None
+        """Where the model's parameters live (set by :meth:`parallelize`): the norm's scalars are made there."""
+
+    # ---- model -------------------------------------------------------------------------------------
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        """Shard every MoE layer's experts to this EP rank's home slice and install the dispatcher."""
+        self.device = next(iter(model.parameters())).device
+        if self.ep_size == 1:
+            return model
+        kind = self.parallel.ep_dispatcher
+        pools: dict[tuple, SlotPool] = {}  # one slot pool shared by every layer of the same expert shape
+        for index, moe in model.moe_layers():
+            E = moe.num_experts
+            if E % self.ep_size:
+                raise ConfigError(f"num_experts = {E}: expected a multiple of ep = {self.ep_size}")
+            per = E // self.ep_size
+            moe.experts.shard(self.ep_rank * per, per)
+            ws = moe.experts.weights()
+            placement = placement_policy(kind, num_slots=self.num_slots, kernels=self.kernels)
+            slots = placement.slots(per)
+            pool = None
+            if slots:
+                key = (slots, sum(w[0].numel() for w in ws), ws[0].dtype, ws[0].device)
+                if key not in pools:
+                    pools[key] = SlotPool(*key)
+                pool = pools[key]
+            moe.dispatcher = EPDispatcher(self.ep_group, self.capacity, moe.experts.latent, moe.top_k, E,
+                                          placement=placement, pool=pool, dedup=self.parallel.ep_dedup,
+                                          token_padding=self.parallel.token_padding)
+            self.dispatchers[index] = moe.dispatcher
+            for p in moe.experts.parameters():
+                self._expert_params.add(id(p))
+                self._expert_slices[id(p)] = (moe.experts.first_expert, moe.experts.num_local, E)
+        return model
+
+    # ---- gradients ---------------------------------------------------------------------------------
+    def is_expert(self, p: torch.Tensor) -> bool:
+        return id(p) in self._expert_params
+
+    def sync_grads(self, model: nn.Module, reduce_dtype: torch.dtype = torch.float32) -> bool:
+        """Sum gradients over replicas in ``reduce_dtype``: experts over ``dp_cp``, everything else over
+        ``dp_ep_cp``."""
+        if self.mesh is None:
+            return True
+        params = [p for p in model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:  # every rank must join the same all-reduce
+                p.grad = torch.zeros_like(p)
+        experts = [p for p in params if self.is_expert(p)]
+        dense = [p for p in params if not self.is_expert(p)]
+        for group, members in ((Group.DP_EP_CP, dense), (Group.DP_CP, experts)):
+            if members and self.mesh.size(group) > 1:
+                flat = torch.cat([p.grad.reshape(-1) for p in members])
+                all_reduce_grad(flat, self.mesh.group(group), reduce_dtype)
+                for p, g in zip(members, flat.split([p.numel() for p in members])):
+                    p.grad.copy_(g.view_as(p.grad))
+        return True
+
+    def grad_norm(self, params: Iterable[torch.Tensor]) -> GradNorm:
+        """The global norm's terms: replicated (dense) gradients once, as they are on every rank; the expert shards
+        summed over the EP group (each rank holds its home experts')."""
+        grads = [(p, p.grad) for p in params if p.grad is not None]
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        dense = sum((g.double().pow(2).sum() for p, g in grads if not self.is_expert(p)), zero)
+        expert = sum((g.double().pow(2).sum() for p, g in grads if self.is_expert(p)), zero.clone())
+        return GradNorm([(dense, ()), (expert, (self.ep_group,) if self.ep_size > 1 else ())], [g for _, g in grads])
+
+    # ---- checkpoints -------------------------------------------------------------------------------
+    def _sharded(self, model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+        """``(name, param)`` of every sharded expert parameter, in ``named_parameters`` order."""
+        return [(n, p) for n, p in model.named_parameters() if id(p) in self._expert_slices]
+
+    def _gather(self, t: torch.Tensor) -> torch.Tensor:
+        """The home slices ``[E/R, ...]`` of every EP rank concatenated in rank order: ``[E, ...]``."""
+        t = t.detach().contiguous()
+        parts = [torch.empty_like(t) for _ in range(self.ep_size)]
+        dist.all_gather(parts, t, group=self.ep_group)
+        return torch.cat(parts)
+
+    def full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+        """``{"model", "optimizer"}`` in the single-process layout (collective: every rank calls it).
+
+        Expert parameters ``w_* [E/R, ...]`` and their AdamW ``exp_avg`` / ``exp_avg_sq`` are
+        all-gathered over the EP group into ``[E, ...]`` (home slices are contiguous and in EP rank
+        order, so the concatenation is the unsharded tensor); everything else is this rank's (the
+        replicas are identical). Optimizer param indices follow the param groups, whose order sharding
+        keeps (it replaces each parameter in place), so the result has the layout of a single-process
+        ``optimizer.state_dict()``.
+        """
+        model_sd = model.state_dict()
+        optim_sd = optim.state_dict()
+        sharded = self._sharded(model) if self.ep_size > 1 else []
+        if not sharded:
+            return {"model": model_sd, "optimizer": optim_sd}
+        index = _optim_index(optim)
+        for name, p in sharded:
+            model_sd[name] = self._gather(p)
+            st = optim_sd["state"].get(index[id(p)])
+            if st is not None:
+                optim_sd["state"][index[id(p)]] = {k: self._gather(v) if _is_slice_of(v, p) else v
+                                                   for k, v in st.items()}
+        return {"model": model_sd, "optimizer": optim_sd}
+
+    def load_full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer | None,
+                             state: dict[str, Any]) -> bool:
+        """Load a single-process-layout ``{"model", "optimizer"}`` (from :meth:`full_state_dict` or a
+        single-process run), keeping only this rank's home experts of every ``[E, ...]`` tensor.
+
+        ValueError (and nothing loaded) when an expert tensor does not hold all ``E`` experts.
+        """
+        model_sd = dict(state["model"])
+        optim_sd = state.get("optimizer") if optim is not None else None
+        sharded = self._sharded(model) if self.ep_size > 1 else []
+        if optim_sd is not None and sharded:
+            optim_sd = {**optim_sd, "state": dict(optim_sd["state"])}
+            index = _optim_index(optim)
+        for name, p in sharded:
+            first, num, E = self._expert_slices[id(p)]
+            full = model_sd.get(name)
+            if full is None or full.shape != (E, *p.shape[1:]):
+                got = None if full is None else tuple(full.shape)
+                raise ValueError(f"checkpoint {name}: shape {got}, expected the full expert tensor "
+                                 f"{(E, *p.shape[1:])} (all {E} experts, single-process layout)")
+            model_sd[name] = full[first:first + num]
+            if optim_sd is not None and index[id(p)] in optim_sd["state"]:
+                st = optim_sd["state"][index[id(p)]]
+                optim_sd["state"][index[id(p)]] = {
+                    k: v[first:first + num] if isinstance(v, torch.Tensor) and v.shape == full.shape else v
+                    for k, v in st.items()}
+        model.load_state_dict(model_sd)
+        if optim_sd is not None:
+            optim.load_state_dict(optim_sd)
+        return True
+
+    def shard_map(self, model: nn.Module) -> dict[int, tuple[tuple[int, ...], int]]:
+        """``id(param) -> (single-process shape (E, ...), first home expert)`` of every sharded expert parameter."""
+        if self.ep_size == 1:
+            return {}
+        return {id(p): ((self._expert_slices[id(p)][2], *p.shape[1:]), self._expert_slices[id(p)][0])
+                for _, p in self._sharded(model)}
+
+    def sharded_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer,
+                           save: bool = True) -> dict[str, Any]:
+        """DCP state without a gather: expert tensors as row shards ``[first, first + E/R)`` of ``[E, ...]`` (their
+        AdamW moments as the same range of the flattened tensor, a Muon momentum as the box of rows at
+        ``(first, 0, 0)``), everything else whole (replicas: DCP writes one)."""
+        from moonrt.comm.state.dcp import local_state
+
+        return local_state(model, optim, self.shard_map(model))
+
+    # ---- per-step metrics and routing counts --------------------------------------------------------
+    def layer_counts(self, model: nn.Module) -> list[torch.Tensor]:
+        """``[R, E]`` int64 routing counts of the last forward of every MoE layer (R = EP ranks)."""
+        out = []
+        for index, moe in model.moe_layers():
+            disp = self.dispatchers.get(index)
+            if disp is not None and disp.last_counts is not None:
+                out.append(disp.last_counts.clone())
+            else:
+                out.append(moe.last_counts.reshape(1, -1).clone())
+        return out
+
+    def step_metrics(self, step: int, model: nn.Module, record: dict[str, Any]) -> None:
+        """After a training step (before eval): rows each EP rank computed and the unbalanced maximum."""
+        if not self.dispatchers:
+            return
+        counts = self.layer_counts(model)
+        first = min(self.dispatchers)
+        record["ep_rows"] = [int(r) for r in self.dispatchers[first].last_rows]
+        home = [int(c.sum(0).view(self.ep_size, -1).sum(1).max()) for c in counts]
+        rows = [int(d.last_rows.max()) for d in self.dispatchers.values()]
+        record["ep_rows_max"] = max(rows)
+        record["ep_rows_unbalanced_max"] = max(home)
+        # this rank's dispatch traffic to the other EP ranks since the last step (forward dispatches and combines,
+        # replays included; backward mirrors it): token rows (one per (token, rank) with ep_dedup), assignments, bytes
+        peers = [d for d in range(self.ep_size) if d != self.ep_rank]
+        sent = tuple(sum(sum(getattr(disp.counters, key)[d] for d in peers) for disp in self.dispatchers.values())
+                     for key in ("rows_sent", "assignments_sent", "token_bytes_sent"))
+        delta = [now - before for now, before in zip(sent, self._sent)]
+        self._sent = sent
+        record["ep_token_rows_sent"], record["ep_assignments_sent"], record["ep_token_bytes_sent"] = delta
+
+
+def _optim_index(optim: torch.optim.Optimizer) -> dict[int, int]:
+    """``id(param) -> index`` as ``optimizer.state_dict()`` numbers them (param groups in order)."""
+    params = [p for group in optim.param_groups for p in group["params"]]
+    return {id(p): i for i, p in enumerate(params)}
+
+
+def _is_slice_of(v: Any, p: torch.Tensor) -> bool:
+    """True for per-element optimizer state of ``p`` (``exp_avg``, ``exp_avg_sq``), not ``step``."""
+    return isinstance(v, torch.Tensor) and v.shape == p.shape

@@ -1,0 +1,395 @@
+"""Chunked KDA in Triton (K3_SYSTEMS §2.1-2.4) and KCP's segment summaries (§7): the contracts of
+:func:`moonrt.ops.kda.kda_chunk`, :func:`~moonrt.ops.kda.kda_transition` and :func:`~moonrt.ops.kda.kda_state_grad`.
+
+The kernels (:mod:`moonrt.ops.kda.backends.triton_kernels`, imported on first use so that importing this module needs no
+Triton) run the chunk form of §2.3 on token-major tensors with all sequences packed along T:
+
+1. per chunk and head (parallel): ``A_kk``, the UT transform ``T_inv = (I + Diag(beta) A_kk)^-1`` (forward
+   substitution), ``W``, ``U``, ``Kg = exp(G_C - G) K``, ``decay = exp(G_C)``, ``Qg`` and ``A_qk``;
+2. per sequence and head (sequential over its chunks): the fp32 state pass ``S_{n+1} = M_n S_n + S_ext_n`` with the
+   outputs ``O = Qg S_n + A_qk (U - W S_n)``;
+3. backward: the terms again (1.), the reverse state pass ``dS_n = M_n^T dS_{n+1} + P_n`` per sequence, then every
+   input gradient per chunk (the transposes of 1. and 2.; the log-decay gradient in fp64).
+
+State arithmetic is fp32 for fp32 and bf16 inputs, fp64 for fp64 inputs; outputs and input gradients come back in
+their tensors' dtypes. Every ``tl.dot`` runs with ``input_precision="ieee"`` (no TF32). Per-token log-decays may be
+any value <= 0 including -inf (clamped at :data:`G_FLOOR`, below which every decay factor is 0): the sub-tile of
+the in-chunk decay factorization (:func:`sub_tile_for`) shrinks with the largest ``|g|`` so that no factor exceeds
+``e^(SUB/2 |g|max) <= e^40``; decaying factors are clamped at ``e^-80``.
+
+CPU tensors run through Triton's interpreter (``TRITON_INTERPRET=1`` set before Triton is imported): that is how
+the tests check these kernels without a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from moonrt.ops.kda.contract import (
+    check_cu_seqlens,
+    check_inputs,
+    check_sequence_states,
+    check_state_grad_inputs,
+    compute_dtype,
+    prepare_call,
+)
+from moonrt.ops.kda.fla_options import FlaOptions
+from moonrt.ops.kda.terms import check_chunk_size
+from moonrt.ops.precision import fp32_island
+
+MAX_HALF_TILE_NATS = 40.0
+"""Largest exponent of a diagonal-block factor ``exp(+-(G_r - m))`` (m the sub-tile midpoint): ``SUB/2 * |g|max``
+is kept at or below this, so products of two factors stay below ``e^80 < 3.4e38`` (fp32 max)."""
+
+G_FLOOR = -1000.0
+"""Per-token log-decays are clamped from below here in the kernels (so -inf, e.g. a mask, is accepted): ``exp(-1000)``
+is 0 in fp32 and fp64 alike, so the clamp changes no decay factor, and cumulative sums of clamped values stay finite
+(``G_r - G_c`` of two -inf sums would be NaN)."""
+
+MAX_SUB_TILE = 16
+"""Sub-tile rows for K3's gate range (|g| <= 5: 8 * 5 = 40 nats)."""
+
+STATE_V_BLOCK = 64
+"""Value columns per program of the state passes (their columns are independent): bounds the tiles of one program
+(shared memory of the fp32 dots) for V = 128 heads and adds programs to a sequential pass."""
+
+STATE_PASS_STAGES = 1
+"""Software-pipelining stages of the sequential chunk loops: Triton's default (3 on sm_90) buffers each chunk's
+tiles three times in shared memory; AOT-compiled for sm_90 at K = V = 128 (value block 64) the forward pass needed
+288 KiB (over the 227 KiB a block may use) with 3 stages and 48 KiB with 1."""
+
+_TRITON_CHUNKS = (16, 32, 64, 128)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _kernels() -> ModuleType:
+    try:
+        import moonrt.ops.kda.backends.triton_kernels as kda_triton_kernels
+    except ImportError as e:  # triton missing
+        raise ImportError(f"moonrt.ops.kda.backends.triton needs the 'triton' package (pip install triton): {e}") from e
+    return kda_triton_kernels
+
+
+def _check_device(*tensors: torch.Tensor | None) -> None:
+    for t in tensors:
+        if t is not None and t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("kda_triton: CPU tensors run only under Triton's interpreter (TRITON_INTERPRET=1 set "
+                             "before importing triton); use moonrt.ops.kda on CPU")
+
+
+def _chunk_len(chunk_size: object) -> int:
+    c = check_chunk_size(chunk_size)
+    if c not in _TRITON_CHUNKS:
+        raise ValueError(f"chunk_size = {c}: the Triton kernel expects one of {_TRITON_CHUNKS}")
+    return c
+
+
+def sub_tile_for(g_absmax: float, C: int) -> int:
+    """Sub-tile rows for a chunk of C tokens and per-token log-decays ``|g| <= g_absmax``: the largest power of two
+    ``<= min(MAX_SUB_TILE, C)`` with ``SUB/2 * g_absmax <= MAX_HALF_TILE_NATS`` (1: every in-chunk pair is an
+    off-diagonal block with factors <= 1, any decay)."""
+    sub = min(MAX_SUB_TILE, C)
+    while sub > 1 and sub / 2 * g_absmax > MAX_HALF_TILE_NATS:
+        sub //= 2
+    return sub
+
+
+def _decay_absmax(g: torch.Tensor) -> float:
+    """``max |g|`` after the kernels' clamp at :data:`G_FLOOR` (one host sync); ValueError for NaN or +inf."""
+    if not g.numel():
+        return 0.0
+    lo, hi = (float(x) for x in torch.aminmax(g.detach()))
+    if not (hi < float("inf") and lo == lo):  # NaN fails lo == lo (and aminmax propagates it)
+        raise ValueError(f"g: min {lo}, max {hi}: expected log-decays in [-inf, 0] (no NaN, no +inf)")
+    return max(abs(hi), min(-lo, -G_FLOOR))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Plan:
+    """Chunk tables of packed sequences (see :mod:`moonrt.ops.kda.backends.triton_kernels`) and the kernels' tile sizes."""
+
+    H: int
+    K: int
+    V: int
+    C: int
+    SUB: int
+    BK: int
+    BV: int
+    NS: int
+    NC: int
+    chunk_bos: torch.Tensor
+    chunk_len: torch.Tensor
+    seq_chunk0: torch.Tensor
+    dtype: torch.dtype
+
+    def tl_dtype(self) -> Any:
+        import triton.language as tl
+
+        return tl.float64 if self.dtype == torch.float64 else tl.float32
+
+
+def _make_plan(lens: list[int], C: int, H: int, K: int, V: int, g: torch.Tensor, dtype: torch.dtype) -> _Plan:
+    bos, cnt, first = [], [], [0]
+    start = 0
+    for n in lens:
+        for c in range(0, n, C):
+            bos.append(start + c)
+            cnt.append(min(C, n - c))
+        first.append(len(bos))
+        start += n
+    dev = g.device
+
+    def ints(x: list[int]) -> torch.Tensor:
+        return torch.tensor(x or [0], dtype=torch.int64, device=dev)
+
+    return _Plan(H=H, K=K, V=V, C=C, SUB=sub_tile_for(_decay_absmax(g), C), BK=max(16, 1 << (K - 1).bit_length()),
+                 BV=max(16, 1 << (V - 1).bit_length()), NS=len(lens), NC=len(bos),
+                 chunk_bos=ints(bos), chunk_len=ints(cnt), seq_chunk0=ints(first), dtype=dtype)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Terms:
+    """Per-chunk terms ``[max(NC, 1), H, C, *]`` in the compute dtype (one dummy chunk when there are none)."""
+
+    W: torch.Tensor
+    U: torch.Tensor
+    Kg: torch.Tensor
+    Qg: torch.Tensor
+    A_qk: torch.Tensor
+    A_kk: torch.Tensor
+    T_inv: torch.Tensor
+    decay: torch.Tensor
+
+
+def _terms(p: _Plan, q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+           scale: float) -> _Terms:
+    N = max(p.NC, 1)
+
+    def new(*shape: int) -> torch.Tensor:
+        return torch.zeros(N, p.H, *shape, dtype=p.dtype, device=k.device)
+
+    has_q = q is not None
+    t = _Terms(W=new(p.C, p.K), U=new(p.C, p.V), Kg=new(p.C, p.K), Qg=new(p.C, p.K) if has_q else new(1, 1),
+               A_qk=new(p.C, p.C) if has_q else new(1, 1), A_kk=new(p.C, p.C), T_inv=new(p.C, p.C), decay=new(p.K))
+    if p.NC:
+        _kernels().chunk_terms_kernel[(p.NC, p.H)](
+            q if has_q else k, k, v, g, beta, p.chunk_bos, p.chunk_len, t.W, t.U, t.Kg, t.Qg, t.A_qk, t.A_kk,
+            t.T_inv, t.decay, _scalar(scale, p, k.device), p.H, p.K, p.V, C=p.C, BK=p.BK, BV=p.BV, SUB=p.SUB,
+            HAS_Q=has_q, DT=p.tl_dtype())
+    return t
+
+
+def _scalar(x: float, p: _Plan, device: torch.device) -> torch.Tensor:
+    """``x`` as a one-element tensor in the compute dtype: a kernel's Python float argument is an fp32 scalar, which
+    would round the query scale of an fp64 run."""
+    return torch.full((1,), x, dtype=p.dtype, device=device)
+
+
+def _placeholder(x: torch.Tensor) -> torch.Tensor:
+    """``x``, or a one-element tensor of its dtype standing for an empty one (a kernel argument never read)."""
+    return x if x.numel() else x.new_zeros(1)
+
+
+def _state_fwd(p: _Plan, t: _Terms, S0: torch.Tensor | None, O: torch.Tensor | None,
+               store_s_in: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    dev = t.W.device
+    S_in = torch.empty(max(p.NC, 1) if store_s_in else 1, p.H, p.K, p.V, dtype=p.dtype, device=dev)
+    S_final = torch.empty(p.NS, p.H, p.K, p.V, dtype=p.dtype, device=dev)
+    bv = min(p.BV, STATE_V_BLOCK)
+    _kernels().state_fwd_kernel[(p.NS, p.H, triton_cdiv(p.V, bv))](
+        t.W, t.U, t.Kg, t.Qg, t.A_qk, t.decay, S_final if S0 is None else S0.contiguous(), S_in,
+        _placeholder(O) if O is not None else S_in, S_final, p.seq_chunk0, p.chunk_bos, p.chunk_len, p.H, p.K, p.V,
+        C=p.C, BK=p.BK, BV=bv, HAS_S0=S0 is not None, HAS_Q=O is not None, STORE_S_IN=store_s_in,
+        DT=p.tl_dtype(), num_stages=STATE_PASS_STAGES)
+    return S_in, S_final
+
+
+def _state_bwd(p: _Plan, t: _Terms, dO: torch.Tensor, d_final: torch.Tensor | None,
+               store_ds_out: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    dev = t.W.device
+    dS0 = torch.empty(p.NS, p.H, p.K, p.V, dtype=p.dtype, device=dev)
+    dS_out = torch.empty(max(p.NC, 1) if store_ds_out else 1, p.H, p.K, p.V, dtype=p.dtype, device=dev)
+    bv = min(p.BV, STATE_V_BLOCK)
+    _kernels().state_bwd_kernel[(p.NS, p.H, triton_cdiv(p.V, bv))](
+        t.W, t.Kg, t.Qg, t.A_qk, t.decay, _placeholder(dO.contiguous()),
+        dS0 if d_final is None else d_final.contiguous(), dS0, dS_out, p.seq_chunk0, p.chunk_bos, p.chunk_len,
+        p.H, p.K, p.V, C=p.C, BK=p.BK, BV=bv, HAS_D_FINAL=d_final is not None, STORE_DS_OUT=store_ds_out,
+        DT=p.tl_dtype(), num_stages=STATE_PASS_STAGES)
+    return dS0, dS_out
+
+
+class _ChunkKDA(torch.autograd.Function):
+    """Chunked KDA on token-major ``q, k, g [T, H, K]``, ``v [T, H, V]``, ``beta [T, H]`` packed sequences (``plan``);
+    ``S0 [NS, H, K, V]`` or None. Returns ``O [T, H, V]`` (v's dtype; kda_chunk casts it to q's) and the final
+    states ``[NS, H, K, V]``."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                S0: torch.Tensor | None, plan: _Plan, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+        terms = _terms(plan, q, k, v, g, beta, scale)
+        O = torch.empty_like(v)
+        S_in, S_final = _state_fwd(plan, terms, None if S0 is None else S0.to(plan.dtype), O, store_s_in=True)
+        ctx.save_for_backward(q, k, v, g, beta, S_in)
+        ctx.plan, ctx.scale = plan, scale
+        ctx.s0_dtype = None if S0 is None else S0.dtype
+        return O, S_final
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    @fp32_island
+    def backward(ctx: Any, dO: torch.Tensor, d_final: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, g, beta, S_in = ctx.saved_tensors
+        p: _Plan = ctx.plan
+        terms = _terms(p, q, k, v, g, beta, ctx.scale)
+        dS0, dS_out = _state_bwd(p, terms, dO, d_final.to(p.dtype), store_ds_out=True)
+        grads = [torch.empty_like(x) for x in (q, k, v, g, beta)]
+        if p.NC:
+            _kernels().chunk_grads_kernel[(p.NC, p.H)](
+                q, k, v, g, beta, p.chunk_bos, p.chunk_len, terms.W, terms.U, terms.Kg, terms.Qg, terms.A_qk,
+                terms.A_kk, terms.T_inv, terms.decay, S_in, dS_out, dO.contiguous(), *grads,
+                _scalar(ctx.scale, p, q.device), p.H, p.K, p.V, C=p.C, BK=p.BK, BV=p.BV, SUB=p.SUB, DT=p.tl_dtype())
+        need = ctx.needs_input_grad
+        dS0 = dS0.to(ctx.s0_dtype) if ctx.s0_dtype is not None and need[5] else None
+        return (*(gr if need[i] else None for i, gr in enumerate(grads)), dS0, None, None)
+
+
+@fp32_island
+def kda_chunk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    chunk_size: int = 64,
+    cu_seqlens: torch.Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    lower_bound: float | None = None,
+    safe_gate: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunked KDA in Triton with a hand-written backward: the contract of :func:`moonrt.ops.kda.kda_chunk`,
+    fla's keyword options included (applied to the inputs and states as the CPU op applies them,
+    :mod:`moonrt.ops.kda.fla_options`: grouped value heads, in-kernel q/k L2 norm, gate, beta options, ``state_v_first``).
+
+    Args:
+        q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g: ``[B, T, H, K]`` log-decays (<= 0, -inf allowed); beta:
+            ``[B, T, H]``.
+        scale: query scale, default ``K ** -0.5``.
+        initial_state: ``[B, H, K, V]`` (``[N, H, K, V]`` with ``cu_seqlens``) or None (zeros).
+        output_final_state: also return the state after the last token of each sequence.
+        chunk_size: tokens per chunk, one of 16, 32, 64, 128 (ValueError naming it otherwise).
+        cu_seqlens: ``[N + 1]`` offsets of N sequences packed along T (B = 1), as in ``kda_chunk``.
+
+    Returns:
+        ``o [B, T, H, V]`` in q's dtype (fla's) and the final state ``[B, H, K, V]`` (``[N, H, K, V]``) in fp32
+        (fp64 for fp64 inputs) or None. Differentiable in q, k, v, g, beta and initial_state (and ``A_log``,
+        ``dt_bias`` with the in-kernel gate).
+    """
+    C = _chunk_len(chunk_size)
+    call = prepare_call(q, k, v, g, beta, FlaOptions(
+        use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate,
+        use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first), scale=scale, initial_state=initial_state,
+        per_sequence_state=cu_seqlens is not None)
+    q, k, v, g, beta = call.tensors
+    _check_device(q, k, v, g, beta, call.initial_state)
+    B, T, H, K, V = call.dims
+    if cu_seqlens is None:
+        lens = [T] * B
+    else:
+        cu = check_cu_seqlens(cu_seqlens, B, T)
+        lens = [b - a for a, b in zip(cu, cu[1:])]
+        check_sequence_states(call.initial_state, len(lens), H, K, V)
+    plan = _make_plan(lens, C, H, K, V, g, call.dtype)
+    flat = (x.reshape(B * T, H, x.shape[-1]) for x in (q, k, v, g))
+    O, S = _ChunkKDA.apply(*flat, beta.reshape(B * T, H), call.initial_state, plan, float(call.scale))
+    o = O.view(B, T, H, V).to(call.out_dtype)
+    if not output_final_state:
+        return o, None
+    return o, call.final(S.view(B, H, K, V) if cu_seqlens is None else S)
+
+
+@fp32_island
+def kda_state_grad(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    d_o: torch.Tensor,
+    *,
+    d_final: torch.Tensor | None = None,
+    scale: float | None = None,
+    chunk_size: int = 64,
+) -> torch.Tensor:
+    """Gradient of :func:`kda_chunk`'s ``initial_state`` only (KCP's backward step 1): the contract of
+    :func:`moonrt.ops.kda.kda_state_grad`. The terms kernel, then the reverse state pass kernel (no input gradients).
+
+    Returns ``dS_in [B, H, K, V]`` fp32 (fp64 for fp64 inputs). No graph.
+    """
+    C = _chunk_len(chunk_size)
+    B, T, H, K, V = check_state_grad_inputs(q, k, v, g, beta, d_o, d_final)
+    _check_device(q, k, v, g, beta, d_o, d_final)
+    scale = K ** -0.5 if scale is None else scale
+    dtype = compute_dtype(q, k, v, g, beta)
+    plan = _make_plan([T] * B, C, H, K, V, g, dtype)
+    with torch.no_grad():
+        q2, k2, v2, g2, d2 = (x.detach().reshape(B * T, H, x.shape[-1]).contiguous() for x in (q, k, v, g, d_o))
+        terms = _terms(plan, q2, k2, v2, g2, beta.detach().reshape(B * T, H).contiguous(), scale)
+        dS0, _ = _state_bwd(plan, terms, d2, None if d_final is None else d_final.detach().to(dtype),
+                            store_ds_out=False)
+    return dS0.view(B, H, K, V)
+
+
+@fp32_island
+def kda_transition(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Affine state map of a segment, ``S_end = M S_start + S_ext`` (KCP's forward step 1): the contract of
+    :func:`moonrt.ops.kda.kda_transition`, as the terms kernel and one sequential transition kernel per head.
+
+    Returns ``M [B, H, K, K]`` and ``S_ext [B, H, K, V]``, fp32 (fp64 for fp64 inputs). No graph (KCP calls it
+    under ``torch.no_grad``; the differentiable form is :func:`moonrt.ops.kda.kda_transition`).
+    """
+    C = _chunk_len(chunk_size)
+    B, T, H, K, V = check_inputs(None, k, v, g, beta, None)
+    _check_device(k, v, g, beta)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (k, v, g, beta)):
+        raise RuntimeError("kda_triton.kda_transition has no backward: call it under torch.no_grad() (as KCP does) "
+                           "or use moonrt.ops.kda.kda_transition for a differentiable M, S_ext")
+    dtype = compute_dtype(k, v, g, beta)
+    plan = _make_plan([T] * B, C, H, K, V, g, dtype)
+    with torch.no_grad():
+        k2, v2, g2 = (x.detach().reshape(B * T, H, x.shape[-1]).contiguous() for x in (k, v, g))
+        terms = _terms(plan, None, k2, v2, g2, beta.detach().reshape(B * T, H).contiguous(), 1.0)
+        M = torch.empty(B, H, K, K, dtype=dtype, device=k.device)
+        S = torch.empty(B, H, K, V, dtype=dtype, device=k.device)
+        _kernels().transition_kernel[(B, H)](
+            terms.W, terms.U, terms.Kg, terms.decay, M, S, plan.seq_chunk0, H, K, V, C=C, BK=plan.BK, BV=plan.BV,
+            DT=plan.tl_dtype(), num_stages=STATE_PASS_STAGES)
+    return M, S
+
+
+__all__ = ["kda_chunk", "kda_state_grad", "kda_transition", "sub_tile_for"]
