@@ -31,8 +31,9 @@ import numpy as np
 import torch
 
 from moonrt.cluster.local import run_ranks
-from moonrt.comm.ep.dispatch import MoonEPDispatcher
+from moonrt.comm.ep.dispatch import EPDispatcher
 from moonrt.comm.ep.layout import assignment_destinations, build_layout
+from moonrt.comm.ep.placement import MoonEPPlacement
 from moonrt.scheduler.moonep import plan, transfer_matrix
 from moonrt.scheduler.sim import K3_LATENT, dedup_rows
 from moonrt.scheduler.workload import popularity
@@ -102,7 +103,7 @@ def _measured_rank(rank: int, world: int, s: int, k: int, E: int, H: int, iters:
     w0 = torch.rand(s, k, generator=g) + 0.1
     res: dict = {}
     for dedup in (False, True):
-        disp = MoonEPDispatcher(None, s, H, k, E, dedup=dedup)
+        disp = EPDispatcher(None, s, H, k, E, placement=MoonEPPlacement(), dedup=dedup)
         times, out = [], None
         for it in range(iters):
             x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()

@@ -36,8 +36,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from moonrt.cluster.local import run_ranks
-from moonrt.comm.ep.alltoall import AllToAllDispatcher
-from moonrt.comm.ep.dispatch import MoonEPDispatcher
+from moonrt.comm.ep.dispatch import EPDispatcher
+from moonrt.comm.ep.placement import HomePlacement, MoonEPPlacement
 from moonrt.ops.grouped import grouped_glu_experts, moe_reference
 
 
@@ -78,7 +78,8 @@ def _rank(rank: int, world: int, cfg: dict) -> dict:
         ids_all = skewed_routing(world, s, k, E, level, seed=1)
         xs = [torch.randn(s, H, generator=torch.Generator().manual_seed(10 + r)) for r in range(world)]
         ws = torch.full((s, k), 1.0 / k)
-        disps = {"moonep": MoonEPDispatcher(None, s, H, k, E), "alltoall": AllToAllDispatcher(None, s, H, k, E)}
+        disps = {"moonep": EPDispatcher(None, s, H, k, E, placement=MoonEPPlacement()),
+                 "alltoall": EPDispatcher(None, s, H, k, E, placement=HomePlacement())}
         times: dict[str, list[float]] = {m: [] for m in disps}
         segments: dict[str, tuple[list[int], list[int]]] = {}
         rows: dict[str, int] = {}

@@ -64,9 +64,9 @@ SANCTIONED: dict[tuple[str, str], str] = {
     ("jobs/checkpoint/sharded.py", "read_full"): "a checkpoint read whole into host memory (single-process layout, a "
                                                  "conversion tool: no model involved)",
     ("comm/ep/dispatch.py", "dispatch"): "the routing table, the plan (made on the counts' device) and the "
-                                              "top-k ids come to the host in one copy per MoE layer: the transport "
-                                              "layout and the all-to-all split sizes (NCCL takes them as host lists) "
-                                              "are host data",
+                                            "top-k ids come to the host in one copy per MoE layer: the transport "
+                                            "layout and the all-to-all split sizes (NCCL takes them as host lists) "
+                                            "are host data",
     ("scheduler/moonep_torch.py", "to_host"): "that one copy per MoE layer: the table, the device-made plan and the "
                                               "top-k ids in a single device-to-host transfer (see dispatch)",
     ("ops/moonep/greedy.py", "greedy_numba"): "the numba backend runs on CPU tensors only (the registry refuses it "
@@ -74,8 +74,8 @@ SANCTIONED: dict[tuple[str, str], str] = {
     ("comm/ep/collectives.py", "build_dedup"): "the dedup layout (which received rows share a token) is built on "
                                                "the host beside the plan's layout: the per-assignment metadata "
                                                "comes there once per MoE layer",
-    ("comm/ep/dispatch.py", "place"): "the all-to-all baseline's placement is computed on the host from the "
-                                          "counts' host copy",
+    ("comm/ep/placement.py", "place"): "a placement made on the host (the all-to-all baseline's; MoonEP's where no "
+                                       "device plan is made) from the counts' host copy",
     ("scheduler/placement.py", "conv"): "a plan's placement is made on the host (the planners run there)",
     ("jobs/checkpoint/store.py", "_on_host"): "a checkpoint file holds the single-process state on the host",
     ("memory/backends.py", "_take"): "the host tier's (pinned) host buffers, the destination of its offload copies",

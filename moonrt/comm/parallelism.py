@@ -37,7 +37,7 @@ import dataclasses
 import math
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -91,8 +91,8 @@ class Part:
 
     ``kind`` names its row of the composition table (:data:`moonrt.comm.compose.COMPOSITION`);
     ``counts_every_rank`` declares that its :meth:`grad_norm` is already summed over every rank of the job (ZeRO:
-    disjoint shards): a wrapping part then names in the part's ``duplicates`` the parameters whose gradient another
-    rank counts, instead of adding a sum of its own.
+    disjoint shards): a wrapping part then names, through the part's :meth:`accept_duplicates`, the parameters whose
+    gradient another rank counts, instead of adding a sum of its own.
     """
 
     kind: str = ""
@@ -105,6 +105,13 @@ class Part:
     def parallelize(self, model: nn.Module) -> nn.Module:
         """Shard or wrap ``model`` for this dimension (once, before the optimizer is built)."""
         return model
+
+    def accept_duplicates(self, names: set[str]) -> None:
+        """Leave the parameters ``names`` out of :meth:`grad_norm`: their (synced) gradient on this rank is a copy of
+        one another rank counts. Only a part that declares :attr:`counts_every_rank` takes them (it overrides this);
+        any other part refuses (TypeError), so a wrapping part never sets state on a part that would ignore it."""
+        raise TypeError(f"{type(self).__name__}: takes no duplicates (counts_every_rank is False: a wrapping part "
+                        "adds its own norm sum)")
 
     def forward_backward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, scale: float,
                          ctx: AttentionContext = LOCAL, saved: Any = None) -> torch.Tensor | None:
@@ -166,22 +173,33 @@ class Part:
         """Release buffers and write final outputs (once, after the last step)."""
 
 
-COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-"""The compute dtypes a job may name (``precision.compute``, ``--dtype``) and their torch dtypes."""
-
-
+@runtime_checkable
 class ExpertSharding(Protocol):
-    """What a part that shards optimizer state (ZeRO) needs from the part that shards the routed experts (EP): which
-    parameters are experts, their single-process shapes, and the full state in the single-process layout."""
+    """What a part that owns every parameter's state (ZeRO, :mod:`moonrt.comm.zero.core`) asks of the part that
+    shards the routed experts (:class:`moonrt.comm.ep.parallel.ExpertParallel`): which parameters are expert shards,
+    where each shard sits in its single-process tensor, and the single-process-layout state of the model with the
+    expert rows gathered (collective) or sliced back."""
 
-    def is_expert(self, p: torch.Tensor) -> bool: ...
+    def is_expert(self, p: torch.Tensor) -> bool:
+        """True for a routed-expert parameter (summed over the expert replicas, not the dense ones)."""
+        ...
 
-    def shard_map(self, model: nn.Module) -> dict[int, tuple[tuple[int, ...], int]]: ...
+    def shard_map(self, model: nn.Module) -> dict[int, tuple[tuple[int, ...], int]]:
+        """``id(param) -> (single-process shape (E, ...), first home expert)`` of every sharded expert parameter."""
+        ...
 
-    def full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]: ...
+    def full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+        """``{"model", "optimizer"}`` in the single-process layout (collective over the EP group)."""
+        ...
 
     def load_full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer | None,
-                             state: dict[str, Any]) -> bool: ...
+                             state: dict[str, Any]) -> bool:
+        """Load a single-process-layout ``{"model", "optimizer"}``, keeping this rank's home experts."""
+        ...
+
+
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""The compute dtypes a job may name (``precision.compute``, ``--dtype``) and their torch dtypes."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,6 +42,9 @@ def schedule_error(kind: str, pp: int, microbatches: int, vpp: int) -> tuple[str
     return None
 
 
+EP_DISPATCHERS: tuple[str, ...] = ("moonep", "alltoall")
+"""Placement policies of the EP dispatcher (``parallel.ep_dispatcher``; :mod:`moonrt.comm.ep.placement`)."""
+
 MAX_DEGREE = 1 << 20
 """Largest degree of a parallel dimension (and micro-batch count): a million ranks, far beyond any cluster; a bound
 so that a typo (``--ep 1000000000``) is refused here, not in the arithmetic of the mesh."""
@@ -88,13 +91,18 @@ class ParallelConfig:
     attn_res_comm: Literal["cached", "naive"] = "cached"
     """Block AttnRes traffic between pipeline ranks (K3_SYSTEMS §9): ``cached`` sends each rank only the
     blocks it does not hold yet, ``naive`` every completed block on every hop."""
+    ep_dispatcher: Literal["moonep", "alltoall"] = "moonep"
+    """Expert parallelism: where each token-expert assignment is computed (:mod:`moonrt.comm.ep.placement`).
+    ``moonep``: MoonEP's balanced placement (K3_SYSTEMS §6.3: copies of hot experts in slots, every rank computes
+    ``s * k`` rows); ``alltoall``: the plain all-to-all baseline, every assignment on its expert's home rank (no
+    slots; rows follow the routing). Same math, so the same loss; free to change on resume like the degrees."""
     ep_dedup: bool = True
     """Expert parallelism (MoonEP, K3_SYSTEMS §6.3): send a token once per destination rank, however many of its
     top-k experts that rank computes (the receiver expands it, and sums the rows back before combine's return
     trip); ``false``: one row per token-expert assignment."""
     token_padding: int = 1
     """Expert parallelism: pad every expert segment of the dispatched rows with zero rows to a multiple of this
-    (aligned grouped GEMMs); 1 = no padding. Padding rows never reach the output or a gradient. Both fields act
+    (aligned grouped GEMMs); 1 = no padding. Padding rows never reach the output or a gradient. The three EP fields act
     only with ``ep > 1`` (one process has no dispatcher to configure)."""
     zero: int = 0
     """ZeRO stage of data parallelism: 0 replicates the AdamW states on every replica, 1 shards them (and the
@@ -106,6 +114,8 @@ class ParallelConfig:
             value = getattr(self, name)
             check(isinstance(value, int) and value >= 1, name, value, "an integer >= 1")
             check(value <= MAX_DEGREE, name, value, f"an integer <= {MAX_DEGREE} (MAX_DEGREE)")
+        check(self.ep_dispatcher in EP_DISPATCHERS, "ep_dispatcher", self.ep_dispatcher,
+              "one of " + ", ".join(EP_DISPATCHERS))
         check(isinstance(self.ep_dedup, bool), "ep_dedup", self.ep_dedup, "true or false")
         check(isinstance(self.token_padding, int) and not isinstance(self.token_padding, bool)
               and self.token_padding >= 1, "token_padding", self.token_padding, "an integer >= 1")

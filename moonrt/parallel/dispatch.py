@@ -2,7 +2,7 @@
 token-expert assignments to where they are computed and back, and its single-device implementation.
 
 The model (:class:`moonrt.models.k3.model.moe.LatentMoE`) calls a :class:`Dispatcher`; the runtime implements it
-with collectives (:class:`moonrt.comm.ep.dispatch.MoonEPDispatcher`, the all-to-all baseline).
+with collectives (:class:`moonrt.comm.ep.dispatch.EPDispatcher`: MoonEP's placement or the all-to-all baseline's).
 """
 
 from __future__ import annotations

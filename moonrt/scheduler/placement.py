@@ -4,7 +4,7 @@ One type for every policy. The MoonEP planner returns one per call
 (:class:`moonrt.scheduler.moonep.MoonEPPlan` is a :class:`Placement` plus the planner's cut points
 and donors); the static baselines (:mod:`moonrt.scheduler.baselines`: no redundancy, EPLB) give
 one per call from their replica table and the call's loads (``ReplicaTable.placement``); the EP
-dispatchers (:mod:`moonrt.comm.ep.dispatch`, :mod:`moonrt.comm.ep.alltoall`) move tokens and
+dispatcher (:mod:`moonrt.comm.ep.dispatch`, its policies in :mod:`moonrt.comm.ep.placement`) moves tokens and
 expert weights by it.
 
 Notation: R EP ranks, E routed experts, ``G = E // R`` experts homed per rank (rank ``h`` homes

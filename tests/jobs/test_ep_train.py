@@ -15,6 +15,7 @@ accumulated micro-batches drifts to 3e-3 by step 20), so this run is short and u
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import _here, _ranks, _run
+import yaml
+from helpers import EVAL_SMALL, RTOL, _assert_same_step, _ckpt, _cli, _here, _metrics, _ranks, _run
+from helpers import FLAGS as HELPER_FLAGS
 
 from moonrt.models.k3.model.config import k3_tiny
 from moonrt.scheduler.workload import load_trace
@@ -30,6 +33,10 @@ from moonrt.scheduler.workload import load_trace
 BATCH, SEQ, STEPS = 4, 32, 5
 FLAGS = ["--steps", str(STEPS), "--seed", "0", "--batch-size", str(BATCH), "--seq-len", str(SEQ), "--eval-every", "100",
          "--threads", "1", "--no-progress", "--lr", "1e-3"]
+
+
+HELPER_BATCH, HELPER_SEQ = (int(HELPER_FLAGS[HELPER_FLAGS.index(f) + 1]) for f in ("--batch-size", "--seq-len"))
+"""``helpers.FLAGS``' batch rows and sequence length (the teacher-forced runs)."""
 
 
 def _moonrt(*args: str) -> list[str]:
@@ -78,3 +85,72 @@ def test_ep_degree_that_does_not_fit_the_world_is_a_clear_error(tmp_path: Path) 
                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert out.returncode == 2, out.stdout + out.stderr
     assert "ranks per data-parallel replica: expected a divisor of the world size 1" in out.stderr, out.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_alltoall_dispatcher_trains_like_moonep_and_the_single_process(tmp_path: Path) -> None:
+    """``--ep 2 --set parallel.ep_dispatcher=alltoall`` (the plain all-to-all baseline) trains: teacher-forced from
+    a single-process step-1 checkpoint (``test_compose_train``'s scheme), its step 2 equals the single process's
+    and MoonEP's within ``RTOL`` (loss, grad norm, every parameter and moment), since both placements compute the
+    same math; its rows follow the routing (the hottest home rank) where MoonEP's are balanced, and the field is
+    recorded in the run's config.yaml and checkpoint."""
+    flags = [*HELPER_FLAGS, *EVAL_SMALL]
+    _run(tmp_path, {"base": _here("train", *flags, "--until", "1", "--out", "base")})
+    common = ("train", *flags, "--resume", "--until", "2")
+    runs = {"single": _here(*common, "--out", "single", "--metrics", "single.jsonl"),
+            "moonep": _ranks(2, *common, "--ep", "2", "--out", "moonep", "--metrics", "moonep.jsonl"),
+            "alltoall": _ranks(2, *common, "--ep", "2", "--set", "parallel.ep_dispatcher=alltoall", "--out",
+                               "alltoall", "--metrics", "alltoall.jsonl")}
+    for name in runs:
+        shutil.copytree(tmp_path / "base", tmp_path / name)
+    _run(tmp_path, runs, timeout=840)
+    ref, ref_ckpt = _metrics(tmp_path / "single.jsonl")[2], _ckpt(tmp_path / "single")
+    got = {name: _assert_same_step(tmp_path, name, ref, ref_ckpt) for name in ("moonep", "alltoall")}
+    assert abs(got["alltoall"]["loss"] - got["moonep"]["loss"]) <= RTOL * abs(got["moonep"]["loss"])
+    s_k = HELPER_BATCH * HELPER_SEQ // 2 * k3_tiny().num_experts_per_token
+    assert got["moonep"]["ep_rows"] == [s_k, s_k], "MoonEP: every rank computes s*k rows"
+    home = got["alltoall"]
+    assert sum(home["ep_rows"]) == 2 * s_k and home["ep_rows_max"] == home["ep_rows_unbalanced_max"] > s_k, home
+    ckpt_cfg = _ckpt(tmp_path / "alltoall")["config"]["parallel"]
+    assert ckpt_cfg["ep_dispatcher"] == "alltoall" and ckpt_cfg["ep"] == 2
+    recorded = yaml.safe_load((tmp_path / "alltoall" / "config.yaml").read_text())
+    assert recorded["parallel"]["ep_dispatcher"] == "alltoall"
+
+
+def test_unknown_ep_dispatcher_is_a_one_line_error(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _cli(["train", "--steps", "1", "--no-progress", "--out", str(tmp_path / "run"),
+                           "--set", "parallel.ep_dispatcher=deepep"], capfd)
+    assert code == 2, (out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "parallel.ep_dispatcher (--set) = 'deepep': expected one of 'moonep', 'alltoall'" \
+        in lines[0], err
+    assert not (tmp_path / "run").exists(), "bad input writes nothing"
+
+
+def test_ep_dispatcher_is_free_on_resume_like_the_degrees() -> None:
+    """A checkpoint of one placement resumes under the other (same math), and a checkpoint written before the field
+    existed counts as ``moonep``."""
+    from moonrt.config import to_dict
+    from moonrt.jobs.checkpoint.single import check_resume
+    from moonrt.jobs.train.config import JobConfig
+
+    old = to_dict(JobConfig())
+    del old["parallel"]["ep_dispatcher"]  # a config written before the field existed
+    new = to_dict(JobConfig())
+    new["parallel"]["ep_dispatcher"] = "alltoall"
+    check_resume(old, new, step=1)
+    check_resume(new, to_dict(JobConfig()), step=1)
+
+
+def test_layout_head_names_the_baseline_placement() -> None:
+    from moonrt.comm.mesh import MeshLayout
+    from moonrt.config import ParallelConfig
+    from moonrt.jobs.train.assemble import layout_table
+
+    rows = [{"coords": {"pp": 0, "dp": 0, "ep": r, "cp": 0}, "batch": r, "stages": [0], "host": "h"} for r in range(2)]
+    heads = {kind: layout_table(MeshLayout(2, ParallelConfig(ep=2, ep_dispatcher=kind)), rows).splitlines()[0]
+             for kind in ("moonep", "alltoall")}
+    assert heads["alltoall"].startswith("moonrt train: layout pp 1 x dp 1 x ep 2 x cp 1 = 2 ranks, "
+                                        "ep_dispatcher alltoall, zero 0;"), heads
+    assert "ep_dispatcher" not in heads["moonep"], heads

@@ -14,7 +14,8 @@ from dist import dist_run
 from dtype_record import DtypeRecorder
 from numerics import assert_equal_f64, assert_near_reference, growth
 
-from moonrt.comm.ep.dispatch import MoonEPDispatcher
+from moonrt.comm.ep.dispatch import EPDispatcher
+from moonrt.comm.ep.placement import MoonEPPlacement
 from moonrt.models.dense.model.config import dense_tiny
 from moonrt.models.dense.model.model import DenseModel
 from moonrt.models.k3.model.config import k3_tiny
@@ -224,7 +225,7 @@ def _ep_fp64_fn(rank: int, world: int) -> dict:
     x = torch.randn(6, 12, generator=g, dtype=F64).requires_grad_()
     ids = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(6)])
     w = (torch.rand(6, 2, generator=g, dtype=F64) + 0.1).requires_grad_()
-    disp = MoonEPDispatcher(None, 6, 12, 2, 8)
+    disp = EPDispatcher(None, 6, 12, 2, 8, placement=MoonEPPlacement())
     with DtypeRecorder(expect=F64) as rec:
         recv_x, recv_w, _, h = disp.dispatch(x, ids, w)
         out = disp.combine(recv_x, h)

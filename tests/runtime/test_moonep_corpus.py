@@ -13,7 +13,8 @@ import pytest
 import torch
 from dist import dist_run
 
-from moonrt.comm.ep.dispatch import MoonEPDispatcher
+from moonrt.comm.ep.dispatch import EPDispatcher
+from moonrt.comm.ep.placement import MoonEPPlacement
 from moonrt.ops.grouped import grouped_glu_experts, moe_reference
 from moonrt.scheduler.moonep import capacities, plan, send_split, transfer_matrix
 from moonrt.scheduler.moonep_torch import plan_device, plan_prefix, plan_torch
@@ -180,8 +181,8 @@ def _policy_rank(rank: int, world: int, E: int, ids_all: list[torch.Tensor], num
     experts = [torch.randn(E, F, H, generator=g), torch.randn(E, F, H, generator=g), torch.randn(E, H, F, generator=g)]
     gout = [torch.randn(x.shape[0], H, generator=g) for x in xs][rank]
     per = E // world
-    disp = MoonEPDispatcher(None, capacity=xs[rank].shape[0], hidden=H, top_k=ids_all[0].shape[1], num_experts=E,
-                            num_slots=num_slots, kernels=kernels)
+    disp = EPDispatcher(None, capacity=xs[rank].shape[0], hidden=H, top_k=ids_all[0].shape[1], num_experts=E,
+                        placement=MoonEPPlacement(num_slots=num_slots, kernels=kernels))
     x = xs[rank].clone().requires_grad_()
     home = [t[rank * per:(rank + 1) * per].clone().requires_grad_() for t in experts]
     recv_x, _, _, handle = disp.dispatch(x, ids_all[rank], ws[rank])

@@ -11,9 +11,9 @@ import pytest
 import torch
 from dist import dist_run
 
-from moonrt.comm.ep.alltoall import AllToAllDispatcher
-from moonrt.comm.ep.dispatch import MoonEPDispatcher
+from moonrt.comm.ep.dispatch import EPDispatcher
 from moonrt.comm.ep.layout import assignment_destinations, padded_rows
+from moonrt.comm.ep.placement import HomePlacement, MoonEPPlacement
 from moonrt.comm.ep.ref import rows_reference
 from moonrt.comm.ep.slots import SlotPool
 from moonrt.ops.grouped import grouped_glu_experts, moe_reference
@@ -60,9 +60,9 @@ def _rank_fn(rank: int, world: int, s: int, k: int, routing: str, baseline: bool
     torch.manual_seed(0)
     p = make_problem(world, s, k, routing)
     per = E // world
-    cls = AllToAllDispatcher if baseline else MoonEPDispatcher
-    disp = cls(None, capacity=s if isinstance(s, int) else max(s), hidden=H, top_k=k, num_experts=E, dedup=dedup,
-               token_padding=padding)
+    placement = HomePlacement() if baseline else MoonEPPlacement()
+    disp = EPDispatcher(None, capacity=s if isinstance(s, int) else max(s), hidden=H, top_k=k, num_experts=E,
+                        placement=placement, dedup=dedup, token_padding=padding)
     x = p["xs"][rank].clone().requires_grad_()
     w = p["ws"][rank].clone().requires_grad_()
     home = [t[rank * per:(rank + 1) * per].clone().requires_grad_() for t in p["experts"]]
@@ -203,7 +203,7 @@ def _two_layers_fn(rank: int, world: int, misuse: bool) -> dict:
     p1, p2 = make_problem(world, s, k, "one_expert", seed=0), make_problem(world, s, k, "random", seed=1)
     per = E // world
     pool = SlotPool(per, 2 * F * H + H * F)
-    disps = [MoonEPDispatcher(None, s, H, k, E, pool=pool) for _ in range(2)]
+    disps = [EPDispatcher(None, s, H, k, E, placement=MoonEPPlacement(), pool=pool) for _ in range(2)]
     x = p1["xs"][rank].clone().requires_grad_()
     homes = [[t[rank * per:(rank + 1) * per].clone().requires_grad_() for t in p["experts"]] for p in (p1, p2)]
     h_in, handles, ys = x, [], []
@@ -266,7 +266,8 @@ def _bf16_fn(rank: int, world: int) -> dict:
     x = torch.randn(6, H, generator=g).bfloat16().requires_grad_()
     ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(6)])
     w = (torch.rand(6, 2, generator=g) + 0.1).requires_grad_()
-    disp = MoonEPDispatcher(None, 6, H, 2, E, dedup=False)  # one rounding: per-assignment combine (dedup adds one)
+    # one rounding: per-assignment combine (dedup adds one)
+    disp = EPDispatcher(None, 6, H, 2, E, placement=MoonEPPlacement(), dedup=False)
     recv_x, recv_w, _, h = disp.dispatch(x, ids, w)
     out = disp.combine(recv_x, h)
     (out.float().sum() + recv_w.sum()).backward()
@@ -292,7 +293,7 @@ def _bf16_dedup_fn(rank: int, world: int) -> dict:
     x = torch.randn(6, H, generator=g).bfloat16()
     ids = torch.stack([torch.randperm(E, generator=g)[:3] for _ in range(6)])
     w = torch.rand(6, 3, generator=g) + 0.1
-    disp = MoonEPDispatcher(None, 6, H, 3, E)
+    disp = EPDispatcher(None, 6, H, 3, E, placement=MoonEPPlacement())
     recv_x, _, _, h = disp.dispatch(x, ids, w)
     return {"x": x, "w": w, "out": disp.combine(recv_x, h), "dst": assignment_destinations(h.layout).view(6, 3)}
 

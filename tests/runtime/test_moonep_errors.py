@@ -6,7 +6,8 @@ import pytest
 import torch
 from dist import dist_run
 
-from moonrt.comm.ep.dispatch import MoonEPDispatcher
+from moonrt.comm.ep.dispatch import EPDispatcher
+from moonrt.comm.ep.placement import MoonEPPlacement
 
 H, E, K, S = 8, 8, 2, 4
 
@@ -17,7 +18,7 @@ def _rank_fn(rank: int, world: int, cases: list[str]) -> list[tuple[str, int]]:
 
 def _one_case(rank: int, case: str) -> tuple[str, int]:
     g = torch.Generator().manual_seed(rank)
-    disp = MoonEPDispatcher(None, capacity=S, hidden=H, top_k=K, num_experts=E)
+    disp = EPDispatcher(None, capacity=S, hidden=H, top_k=K, num_experts=E, placement=MoonEPPlacement())
     x = torch.randn(S, H, generator=g)
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(S)])
     w = torch.full((S, K), 0.5)
@@ -64,8 +65,9 @@ def test_bad_input_fails_on_every_rank() -> None:
 
 def test_constructor_errors() -> None:
     with pytest.raises(ValueError, match="capacity = 0"):
-        MoonEPDispatcher(None, capacity=0, hidden=H, top_k=K, num_experts=E)
+        EPDispatcher(None, capacity=0, hidden=H, top_k=K, num_experts=E, placement=MoonEPPlacement())
     with pytest.raises(ValueError, match="top_k = 9"):
-        MoonEPDispatcher(None, capacity=S, hidden=H, top_k=9, num_experts=E)
+        EPDispatcher(None, capacity=S, hidden=H, top_k=9, num_experts=E, placement=MoonEPPlacement())
     with pytest.raises(ValueError, match="num_slots = -1"):
-        MoonEPDispatcher(None, capacity=S, hidden=H, top_k=K, num_experts=E, num_slots=-1)
+        EPDispatcher(None, capacity=S, hidden=H, top_k=K, num_experts=E,
+                     placement=MoonEPPlacement(num_slots=-1))

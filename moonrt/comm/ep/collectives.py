@@ -6,7 +6,7 @@ with one all-to-all each (each is the other's adjoint) under an :class:`~moonrt.
 :func:`send_weights` / :func:`return_weight_grads` move flattened expert weights into slots and sum
 slot gradients back into the home experts under a :class:`~moonrt.comm.ep.layout.WeightLayout`.
 :func:`dispatch_tokens` and :func:`combine_tokens` are the differentiable dispatch and combine the
-dispatchers (``dispatch.py``, ``alltoall.py``) call: the backward of one is the other.
+dispatcher's collective transport (``ep_transport.py``) calls: the backward of one is the other.
 """
 
 from __future__ import annotations

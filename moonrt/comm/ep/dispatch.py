@@ -1,24 +1,27 @@
-"""MoonEP dispatcher: balanced expert-parallel dispatch / combine with static shapes (K3_SYSTEMS §6).
+"""The EP dispatcher: expert-parallel dispatch / combine with a placement policy (K3_SYSTEMS §6).
 
-One :class:`MoonEPDispatcher` per EP group, DeepEP style: sized once from ``(capacity, hidden,
-top_k, num_experts, num_slots)``, verbs in pairs (``dispatch`` returns a :class:`EPHandle` that
-``prefetch_weights`` and ``combine`` consume). Per MoE layer call (§6.3):
+One :class:`EPDispatcher` per EP group, DeepEP style: sized once from ``(capacity, hidden, top_k,
+num_experts)`` and given a placement policy (:mod:`moonrt.comm.ep.placement`: ``MoonEPPlacement``, the
+balanced MoonEP plan with slots, or ``HomePlacement``, the plain all-to-all baseline) and a transport
+(:mod:`moonrt.comm.ep.transport`: collectives today); verbs in pairs (``dispatch`` returns a :class:`EPHandle`
+that ``prefetch_weights`` and ``combine`` consume). Per MoE layer call (§6.3):
 
 1. every rank validates its input and all-gathers one int64 row ``[status, s, counts[E]]`` (on the
    data's device, over the EP group): the ``[R, E]`` routing counts plus an error flag, so bad input on
    one rank raises a ValueError on *every* rank instead of leaving the others blocked in the next
    collective (a rank that fails contributes a row of zeros, which the planner handles like any counts);
-2. every rank runs the same deterministic planner (the greedy of :func:`moonrt.scheduler.moonep.plan`, computed by
-   :func:`moonrt.scheduler.moonep_torch.plan_device` on the counts' device before anything is copied: on CUDA the
-   kernel registry's Triton backend, on CPU its numba one; config ``kernels.moonep``), the table, the plan and this
-   rank's top-k ids come to the host in one copy (the layout and NCCL's all-to-all split sizes are host data: that
-   copy is the one synchronization per layer), and every rank computes its own send/receive layout
-   (:mod:`moonrt.comm.ep.layout`);
-3. all-to-alls move tokens (and their top-k weights) into expert-grouped rows. Rank d computes
-   exactly ``plan.capacity[d]`` rows, one per assignment (``s * k`` when every rank passes the same
+2. every rank runs the same deterministic placement. MoonEP's (the greedy of :func:`moonrt.scheduler.moonep.plan`)
+   is computed by :func:`moonrt.scheduler.moonep_torch.plan_device` on the counts' device before anything is
+   copied (on CUDA the kernel registry's Triton backend, on CPU its numba one; config ``kernels.moonep``); the
+   table, the plan and this rank's top-k ids come to the host in one copy (the layout and NCCL's all-to-all split
+   sizes are host data: that copy is the one synchronization per layer), and every rank computes its own
+   send/receive layout (:mod:`moonrt.comm.ep.layout`). The baseline places on the host from the counts' copy;
+3. the transport's all-to-alls move tokens (and their top-k weights) into expert-grouped rows. With MoonEP rank d
+   computes exactly ``plan.capacity[d]`` rows, one per assignment (``s * k`` when every rank passes the same
    s), whatever the routing: the output shape depends only on s. That holds for ``num_slots >= E/R``
    (the default); with fewer slots a rank that needed more copies computes fewer rows and its donor's
-   home rank more (``plan.imbalance()``), so the row counts then follow the routing. With ``dedup`` (the default) a
+   home rank more (``plan.imbalance()``), so the row counts then follow the routing (as the baseline's always
+   do). With ``dedup`` (the default) a
    token travels once per destination rank, however many of its k assignments land there: one
    int64 per assignment tells the receiver which token row it uses, the receiver expands the rows
    (and, in combine, sums them back into one row per token before the return trip); the router
@@ -29,11 +32,8 @@ top_k, num_experts, num_slots)``, verbs in pairs (``dispatch`` returns a :class:
    rows, so whatever the expert compute writes into the padding never reaches the output or a gradient;
 4. ``prefetch_weights`` copies the planned experts' weights from their home ranks into the slot
    rows (from one :class:`SlotPool` that all layers may share); their gradients flow back to the
-   home rank's parameter;
+   home rank's parameter (the baseline has no slots: nothing moves);
 5. ``combine`` returns each token's k weighted expert outputs summed in token order.
-
-The plain all-to-all baseline (:class:`moonrt.comm.ep.alltoall.AllToAllDispatcher`) is this class
-with the identity placement (every assignment to its home rank).
 """
 
 from __future__ import annotations
@@ -44,13 +44,6 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from moonrt.comm.ep.collectives import (
-    build_dedup,
-    combine_tokens,
-    combine_tokens_dedup,
-    dispatch_tokens,
-    dispatch_tokens_dedup,
-)
 from moonrt.comm.ep.layout import (
     DedupLayout,
     EPLayout,
@@ -60,11 +53,10 @@ from moonrt.comm.ep.layout import (
     build_padded,
     build_weight_layout,
 )
-from moonrt.comm.ep.slots import SlotPool, SlotRefill, fetch_slot_weights
-from moonrt.ops.kernels import check_choice
-from moonrt.scheduler.moonep import MoonEPPlan, plan
-from moonrt.scheduler.moonep_torch import plan_device, to_host
-from moonrt.scheduler.placement import Placement
+from moonrt.comm.ep.placement import PlacementPolicy
+from moonrt.comm.ep.slots import SlotPool, SlotRefill
+from moonrt.comm.ep.transport import CollectiveTransport, EPTransport
+from moonrt.scheduler.moonep_torch import to_host
 
 _ERRORS = {
     1: "x / topk_ids / topk_weights shapes or dtypes",
@@ -164,8 +156,8 @@ class EPCounters:
                    assignments_sent=[0] * world)
 
 
-class MoonEPDispatcher:
-    """MoonEP dispatch / combine over one EP group (K3_SYSTEMS §6.3).
+class EPDispatcher:
+    """Expert-parallel dispatch / combine over one EP group with a placement policy (K3_SYSTEMS §6.3).
 
     Args:
         group: the EP process group (``None``: the default group). Rank h homes experts
@@ -174,20 +166,22 @@ class MoonEPDispatcher:
         hidden: H, width of the dispatched activations (K3: the latent width).
         top_k: k, experts per token.
         num_experts: E, divisible by the group size R.
-        num_slots: B, prefetch slots per rank (default E/R, which always suffices, §6.2).
+        placement: where assignments are computed (:mod:`moonrt.comm.ep.placement`): ``MoonEPPlacement(num_slots,
+            kernels)`` (B = ``num_slots`` prefetch slots per rank, default E/R, which always suffices, §6.2) or
+            ``HomePlacement()`` (the all-to-all baseline: no slots, ``prefetch_weights`` returns ``[0, *shape]``).
         pool: optional :class:`SlotPool` shared with other layers' dispatchers.
         dedup: send a token once per destination rank (default) instead of once per assignment.
         token_padding: pad every segment to a multiple of this many rows (1: no padding).
-        kernels: backend of the greedy planner (``kernels.moonep`` of :mod:`moonrt.ops.kernels`: ``auto`` = Triton
-            on CUDA, numba on CPU; ``torch``, ``numba``, ``triton``). Every backend gives the same plan.
+        transport: what moves the data (:class:`moonrt.comm.ep.transport.EPTransport`; default the collectives
+            of ``group``, :class:`~moonrt.comm.ep.transport.CollectiveTransport`). It must serve ``group``.
     """
 
     def __init__(self, group: dist.ProcessGroup | None, capacity: int, hidden: int, top_k: int,
-                 num_experts: int, num_slots: int | None = None, *, pool: SlotPool | None = None,
-                 dedup: bool = True, token_padding: int = 1, kernels: str = "auto") -> None:
+                 num_experts: int, *, placement: PlacementPolicy, pool: SlotPool | None = None,
+                 dedup: bool = True, token_padding: int = 1, transport: EPTransport | None = None) -> None:
         self.group = group
-        self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
-        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self.transport: EPTransport = CollectiveTransport(group) if transport is None else transport
+        self.world_size, self.rank = self.transport.world_size, self.transport.rank
         for name, value in (("capacity", capacity), ("hidden", hidden), ("top_k", top_k),
                             ("num_experts", num_experts)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -197,17 +191,20 @@ class MoonEPDispatcher:
                              f"{self.world_size}")
         if top_k > num_experts:
             raise ValueError(f"top_k = {top_k}: expected <= num_experts ({num_experts})")
+        if not isinstance(placement, PlacementPolicy):
+            raise ValueError(f"placement = {placement!r}: expected a placement policy (MoonEPPlacement or "
+                             "HomePlacement of moonrt.comm.ep.placement)")
         self.capacity, self.hidden, self.top_k, self.num_experts = capacity, hidden, top_k, num_experts
         self.experts_per_rank = num_experts // self.world_size
-        self.num_slots = self.experts_per_rank if num_slots is None else num_slots
+        self.placement = placement
+        self.num_slots = placement.slots(self.experts_per_rank)
         if isinstance(self.num_slots, bool) or not isinstance(self.num_slots, int) or self.num_slots < 0:
-            raise ValueError(f"num_slots = {num_slots!r}: expected an integer >= 0")
+            raise ValueError(f"num_slots = {self.num_slots!r}: expected an integer >= 0")
         if not isinstance(dedup, bool):
             raise ValueError(f"dedup = {dedup!r}: expected True or False")
         if isinstance(token_padding, bool) or not isinstance(token_padding, int) or token_padding < 1:
             raise ValueError(f"token_padding = {token_padding!r}: expected an integer >= 1")
         self.pool, self.dedup, self.token_padding = pool, dedup, token_padding
-        self.kernels = check_choice("moonep", kernels)
         self.counters = EPCounters.zeros(self.world_size)
         self.last_counts: torch.Tensor | None = None
         """``[R, E]`` int64 routing counts of the last dispatch (routing traces, metrics)."""
@@ -218,20 +215,6 @@ class MoonEPDispatcher:
     def num_segments(self) -> int:
         """E + B: length of ``cu_seqlens`` minus one."""
         return self.num_experts + self.num_slots
-
-    # ---- planning ---------------------------------------------------------------------------------
-    def plan_on_device(self, counts: torch.Tensor) -> MoonEPPlan | None:
-        """The MoonEP plan of the all-gathered ``counts [R, E]`` computed on their device without a host
-        synchronization (``moonep.plan``'s greedy, bit for bit; the kernel backend ``self.kernels``), or None for a
-        policy that plans on the host (:meth:`place`)."""
-        return plan_device(counts, num_slots=self.num_slots, validate=False, kernels=self.kernels)
-
-    def place(self, counts: torch.Tensor, total_tokens: int | None) -> tuple[object, Placement]:
-        """Run the MoonEP planner on the host copy of ``counts [R, E]``; returns ``(plan, placement)``
-        (the planner's ``MoonEPPlan`` and the same placement as dense int64 CPU tensors). Used where
-        :meth:`plan_on_device` returns None."""
-        p = plan(counts.numpy(), num_slots=self.num_slots, total_tokens=total_tokens)
-        return p, p.to_torch()
 
     # ---- verbs ------------------------------------------------------------------------------------
     def _check(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> tuple[int, str]:
@@ -285,13 +268,8 @@ class MoonEPDispatcher:
         if code == 0:
             row[1] = x.shape[0]
             row[2:] = torch.bincount(topk_ids.reshape(-1), minlength=E)
-        if R > 1:
-            table = torch.empty(R * (2 + E), dtype=torch.int64, device=row.device)
-            dist.all_gather_single(table, row, group=self.group)
-            table = table.view(R, 2 + E)
-        else:
-            table = row.view(1, 2 + E)
-        on_device = self.plan_on_device(table[:, 2:])
+        table = self.transport.all_gather(row).view(R, 2 + E)
+        on_device = self.placement.plan_on_device(table[:, 2:], self.num_slots)
         ids_host = None
         if on_device is None:
             table = table.cpu()  # the planner and the transport layout are host code: one copy of the counts
@@ -300,30 +278,27 @@ class MoonEPDispatcher:
         else:
             on_device, (table,) = to_host(on_device, table)
         if code:
-            raise ValueError(f"MoonEP dispatch (EP rank {self.rank}): {message}")
+            raise ValueError(f"EP dispatch (EP rank {self.rank}): {message}")
         if bool((table[:, 0] != 0).any()):
             bad = int((table[:, 0] != 0).nonzero()[0])
             reason = _ERRORS.get(int(table[bad, 0]), "invalid input")
-            raise ValueError(f"MoonEP dispatch: EP rank {bad} passed invalid input ({reason}); "
+            raise ValueError(f"EP dispatch: EP rank {bad} passed invalid input ({reason}); "
                              "see that rank's error for details")
         counts = table[:, 2:].contiguous()
         sizes = table[:, 1]
         total = int(sizes.sum()) if bool((sizes != sizes[0]).any()) else None
         if on_device is None:
-            plan, placement = self.place(counts, total)
+            plan, placement = self.placement.place(counts, total, self.num_slots)
         else:
             plan, placement = on_device, on_device.to_torch()
         ids_host = topk_ids.cpu() if ids_host is None else ids_host
         layout = build_layout(ids_host, counts, placement.alloc, placement.copies, self.rank)
         if layout.rows != int(placement.capacity[self.rank]):
-            raise RuntimeError(f"MoonEP layout has {layout.rows} rows, plan capacity is "
-                               f"{int(placement.capacity[self.rank])}: planner and layout disagree")
+            raise RuntimeError(f"EP layout has {layout.rows} rows, the placement's capacity is "
+                               f"{int(placement.capacity[self.rank])}: placement policy and layout disagree")
         wlayout = build_weight_layout(placement.copies, E, self.rank)
-        dd = build_dedup(layout, self.group, device) if self.dedup else None
-        if dd is None:
-            recv_x, recv_w = dispatch_tokens(x, topk_weights, layout, self.group)
-        else:
-            recv_x, recv_w = dispatch_tokens_dedup(x, topk_weights, layout, dd, self.group)
+        dd = self.transport.dedup_layout(layout, device) if self.dedup else None
+        recv_x, recv_w = self.transport.dispatch(x, topk_weights, layout, dd)
         row_weights, pad = recv_w, None
         if self.token_padding > 1:  # zero rows after every segment; combine reads only the real rows
             pad = build_padded(layout.cu_seqlens, self.experts_per_rank + self.num_slots, self.token_padding)
@@ -372,8 +347,7 @@ class MoonEPDispatcher:
         if handle.refill or len(handle.deps) > 1:
             raise ValueError("prefetch_weights: already called for this handle (one prefetch per dispatch)")
         wl = handle.weight_layout
-        slots, refill = fetch_slot_weights(tuple(expert_weights), wl, self.group, pool=self.pool,
-                                           dep=handle.deps[0])
+        slots, refill = self.transport.fetch_slots(tuple(expert_weights), wl, self.pool, handle.deps[0])
         handle.deps.extend(slots)
         if refill is not None:
             handle.refill.append(refill)
@@ -404,13 +378,12 @@ class MoonEPDispatcher:
         refill = handle.refill[0] if handle.refill else None
         if handle.dedup is None:
             w = handle.topk_weights if weighted else torch.ones_like(handle.topk_weights)
-            out = combine_tokens(y, w, handle.layout, self.group, deps=tuple(handle.deps), refill=refill)
+            out = self.transport.combine(y, w, handle.layout, None, tuple(handle.deps), refill, y.dtype)
             back = handle.layout.recv_splits
         else:  # weight the rows here (fp32), sum each token's rows, send one row per token back
             acc = torch.promote_types(y.dtype, torch.float32)
             yw = y.to(acc) * handle.row_weights.to(acc).unsqueeze(1) if weighted else y
-            out = combine_tokens_dedup(yw, handle.layout, handle.dedup, self.group, deps=tuple(handle.deps),
-                                       refill=refill, dtype=y.dtype)
+            out = self.transport.combine(yw, None, handle.layout, handle.dedup, tuple(handle.deps), refill, y.dtype)
             back = handle.dedup.pair_recv_splits
         row_bytes = y.shape[1] * y.element_size()
         for d, n in enumerate(back):

@@ -3,9 +3,10 @@
 :class:`ExpertParallel` owns what a training job needs for EP over a :class:`ProcessMesh`:
 
 - :meth:`ExpertParallel.parallelize` cuts every LatentMoE's routed experts to the EP rank's home
-  slice (E/R experts) and installs a :class:`MoonEPDispatcher` (or the plain all-to-all baseline)
-  on the latent width, through the model's dispatcher seam; all layers share one
-  :class:`SlotPool` (copies are re-prefetched in backward). Found by duck typing
+  slice (E/R experts) and installs an :class:`EPDispatcher` on the latent width, through the model's dispatcher
+  seam, with the placement policy ``parallel.ep_dispatcher`` names (:mod:`moonrt.comm.ep.placement`: MoonEP's, or
+  the plain all-to-all baseline's); with MoonEP all layers share one :class:`SlotPool` (copies are re-prefetched
+  in backward). Found by duck typing
   (``model.moe_layers()``, ``moe.experts.shard``, ``moe.dispatcher``): this module never imports
   ``moonrt.models.k3.model``.
 - :meth:`sync_grads`: routed-expert gradients are summed over the expert replicas (mesh group
@@ -30,21 +31,20 @@ With a world size of 1 nothing is sharded.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from moonrt.comm.ep.alltoall import AllToAllDispatcher
-from moonrt.comm.ep.dispatch import MoonEPDispatcher
+from moonrt.comm.ep.dispatch import EPDispatcher
+from moonrt.comm.ep.placement import placement_policy
 from moonrt.comm.ep.slots import SlotPool
 from moonrt.comm.grad_reduce import all_reduce_grad
 from moonrt.comm.mesh import Group, ProcessMesh
 from moonrt.comm.parallelism import GradNorm, Part
 from moonrt.config import ConfigError, ParallelConfig
-
-DispatcherKind = Literal["moonep", "alltoall"]
+from moonrt.config.runtime import EP_DISPATCHERS
 
 
 class ExpertParallel(Part):
@@ -56,18 +56,21 @@ class ExpertParallel(Part):
         capacity: S, the most tokens one rank passes to one MoE layer per call (training and eval).
         mesh: the job's :class:`ProcessMesh` (built here from the default group, which must exist, if None
             and the world has more than one rank).
-        num_slots: B per rank (default E/R).
-        dispatcher: ``"moonep"`` or ``"alltoall"`` (the unbalanced baseline).
-        kernels: backend of MoonEP's planner (a job's ``kernels.moonep``; :class:`MoonEPDispatcher`).
+        num_slots: B per rank (default E/R; MoonEP only).
+        kernels: backend of MoonEP's planner (a job's ``kernels.moonep``;
+            :class:`~moonrt.comm.ep.placement.MoonEPPlacement`).
+
+    The placement policy is ``parallel.ep_dispatcher``: ``moonep`` or ``alltoall`` (the unbalanced baseline).
     """
 
     kind = "expert"
 
     def __init__(self, parallel: ParallelConfig, *, capacity: int, mesh: ProcessMesh | None = None,
-                 num_slots: int | None = None, dispatcher: DispatcherKind = "moonep", kernels: str = "auto") -> None:
-        if dispatcher not in ("moonep", "alltoall"):
-            raise ConfigError(f"dispatcher = {dispatcher!r}: expected 'moonep' or 'alltoall'")
-        self.parallel, self.capacity, self.num_slots, self.dispatcher = parallel, capacity, num_slots, dispatcher
+                 num_slots: int | None = None, kernels: str = "auto") -> None:
+        if parallel.ep_dispatcher not in EP_DISPATCHERS:
+            raise ConfigError(f"parallel.ep_dispatcher = {parallel.ep_dispatcher!r}: expected one of "
+                              + ", ".join(EP_DISPATCHERS))
+        self.parallel, self.capacity, self.num_slots = parallel, capacity, num_slots
         self.kernels = kernels
         if mesh is None and parallel.world_size > 1:
             if not dist.is_initialized():  # joining a job is the caller's (moonrt.cluster.env.init_distributed)
@@ -82,7 +85,7 @@ class ExpertParallel(Part):
             self.is_main = mesh.global_rank == 0
         else:
             self.ep_group, self.ep_rank, self.ep_size, self.is_main = None, 0, 1, True
-        self.dispatchers: dict[int, MoonEPDispatcher] = {}
+        self.dispatchers: dict[int, EPDispatcher] = {}
         self._expert_params: set[int] = set()
         self._expert_slices: dict[int, tuple[int, int, int]] = {}  # id(param) -> (first, num_local, E)
         self._sent = (0, 0, 0)  # (token rows, assignments, token bytes) sent to other EP ranks, at the last step
@@ -95,7 +98,7 @@ class ExpertParallel(Part):
         self.device = next(iter(model.parameters())).device
         if self.ep_size == 1:
             return model
-        cls = MoonEPDispatcher if self.dispatcher == "moonep" else AllToAllDispatcher
+        kind = self.parallel.ep_dispatcher
         pools: dict[tuple, SlotPool] = {}  # one slot pool shared by every layer of the same expert shape
         for index, moe in model.moe_layers():
             E = moe.num_experts
@@ -104,14 +107,17 @@ class ExpertParallel(Part):
             per = E // self.ep_size
             moe.experts.shard(self.ep_rank * per, per)
             ws = moe.experts.weights()
-            slots = per if self.num_slots is None else self.num_slots
-            key = (slots, sum(w[0].numel() for w in ws), ws[0].dtype, ws[0].device)
-            if key not in pools:
-                pools[key] = SlotPool(*key)
-            moe.dispatcher = cls(self.ep_group, self.capacity, moe.experts.latent, moe.top_k, E,
-                                 num_slots=self.num_slots, pool=pools[key] if self.dispatcher == "moonep" else None,
-                                 dedup=self.parallel.ep_dedup, token_padding=self.parallel.token_padding,
-                                 kernels=self.kernels)
+            placement = placement_policy(kind, num_slots=self.num_slots, kernels=self.kernels)
+            slots = placement.slots(per)
+            pool = None
+            if slots:
+                key = (slots, sum(w[0].numel() for w in ws), ws[0].dtype, ws[0].device)
+                if key not in pools:
+                    pools[key] = SlotPool(*key)
+                pool = pools[key]
+            moe.dispatcher = EPDispatcher(self.ep_group, self.capacity, moe.experts.latent, moe.top_k, E,
+                                          placement=placement, pool=pool, dedup=self.parallel.ep_dedup,
+                                          token_padding=self.parallel.token_padding)
             self.dispatchers[index] = moe.dispatcher
             for p in moe.experts.parameters():
                 self._expert_params.add(id(p))

@@ -40,7 +40,7 @@ class PipelineParallel(Part):
     :func:`moonrt.comm.compose.compose`): its gradient-norm terms and its single-process-layout state of the
     stages are what the pipeline combines over the pp group. An inner part that declares
     :attr:`Part.counts_every_rank` (ZeRO) has a norm already global: the pipeline names the pseudo-queries it
-    does not own in ``inner.duplicates`` and takes that norm as it is. ``objects``: the gloo group over the same
+    does not own to ``inner.accept_duplicates`` and takes that norm as it is. ``objects``: the gloo group over the same
     ranks that the object collectives use (:meth:`moonrt.comm.mesh.ProcessMesh.cpu_group`; default ``group``).
     """
 
@@ -98,7 +98,7 @@ class PipelineParallel(Part):
         self.owned = {n for n in mine if n not in self.shared or self.rank == min(
             r for r, names in enumerate(every) if n in names)}
         if self.inner is not None and self.inner.counts_every_rank:  # its global norm counts each pseudo-query once
-            self.inner.duplicates = set(mine) - self.owned
+            self.inner.accept_duplicates(set(mine) - self.owned)
         self.executor = PipelineExecutor(model, self.plan, self.items[self.rank], rank=self.rank,
                                          rank_of=self.rank_of, stage_of=self.stage_of, group=self.group,
                                          params_of=lambda s: self.stage_params[s])

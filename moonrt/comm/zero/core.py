@@ -168,7 +168,8 @@ class ZeroCore(Part):
     Args:
         dense: group of the dense parameters' replicas (mesh ``dp_ep_cp``; None: the default group).
         experts: group of the routed experts' replicas (mesh ``dp_cp``); needed when ``ep`` is given.
-        ep: the job's expert-parallel part (which parameters are experts; EP gather of checkpoints); also set by
+        ep: the job's expert-parallel part, as the :class:`~moonrt.comm.parallelism.ExpertSharding` ZeRO asks
+            of it (which parameters are experts, EP gather of checkpoints); also set by
             :func:`moonrt.comm.compose.compose` (:meth:`wrap`).
         norm_group: the ranks whose shards together hold the whole model once (None: the default group).
     """
@@ -184,7 +185,8 @@ class ZeroCore(Part):
         self.dense, self.experts, self.ep, self.norm_group = dense, experts, ep, norm_group
         self.duplicates: set[str] = set()
         """Names of parameters whose (synced) gradient on this rank is a copy of another rank's that the norm
-        already counts (set by the pipeline part: the pseudo-queries on all pp ranks but one)."""
+        already counts (given by the pipeline part through :meth:`accept_duplicates`: the pseudo-queries on all pp
+        ranks but one)."""
         self.names: list[str] = []
         self.params: list[nn.Parameter] = []
         self.blocks: dict[int, Blocking | None] = {}
@@ -205,8 +207,16 @@ class ZeroCore(Part):
         return cls(mesh.group(Group.DP_EP_CP), mesh.group(Group.DP_CP), ep=ep, **kwargs)
 
     def wrap(self, inner: Part) -> None:
-        """The expert part (:func:`moonrt.comm.compose.compose`): which parameters are experts, their EP gather."""
+        """The expert part (:func:`moonrt.comm.compose.compose`): which parameters are experts, their EP gather.
+        TypeError for a part that is not an :class:`~moonrt.comm.parallelism.ExpertSharding`."""
+        if not isinstance(inner, ExpertSharding):
+            raise TypeError(f"{type(self).__name__} wraps an expert-sharding part (is_expert, shard_map, "
+                            f"full_state_dict, load_full_state_dict); got {type(inner).__name__}")
         self.ep = inner
+
+    def accept_duplicates(self, names: set[str]) -> None:
+        """Leave ``names`` out of the norm (:meth:`grad_norm`): another pp rank counts their gradient."""
+        self.duplicates = set(names)
 
     @property
     def mine(self) -> list[int]:

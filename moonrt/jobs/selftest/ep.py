@@ -1,9 +1,9 @@
 """``moonrt selftest --suite ep``: MoonEP dispatch -> expert -> combine beside the plain all-to-all.
 
 For every shape ``(s tokens per rank, hidden H, top-k, experts E)`` and routing skew ``maxvio``
-(expert 0, homed on rank 0, gets ``(1 + maxvio)`` x the mean load; the others share the rest), both
-:class:`~moonrt.comm.ep.dispatch.MoonEPDispatcher` and
-:class:`~moonrt.comm.ep.alltoall.AllToAllDispatcher`:
+(expert 0, homed on rank 0, gets ``(1 + maxvio)`` x the mean load; the others share the rest), the
+:class:`~moonrt.comm.ep.dispatch.EPDispatcher` with either placement policy
+(:class:`~moonrt.comm.ep.placement.MoonEPPlacement`, :class:`~moonrt.comm.ep.placement.HomePlacement`):
 
 1. **check** one fp32 forward + backward through SiTU-GLU experts (E/R homed per rank, MoonEP's
    slot copies prefetched) on every rank against :func:`moonrt.ops.grouped.moe_reference` run in
@@ -194,11 +194,11 @@ def reference(p: dict, rank: int, world: int) -> dict:
 
 
 def _dispatcher(impl: str, shape: EPShape):
-    from moonrt.comm.ep.alltoall import AllToAllDispatcher
-    from moonrt.comm.ep.dispatch import MoonEPDispatcher
+    from moonrt.comm.ep.dispatch import EPDispatcher
+    from moonrt.comm.ep.placement import placement_policy
 
-    cls = MoonEPDispatcher if impl == "moonep" else AllToAllDispatcher
-    return cls(None, capacity=shape.tokens, hidden=shape.hidden, top_k=shape.top_k, num_experts=shape.experts)
+    return EPDispatcher(None, capacity=shape.tokens, hidden=shape.hidden, top_k=shape.top_k,
+                        num_experts=shape.experts, placement=placement_policy(impl))
 
 
 def _bump(t: torch.Tensor) -> torch.Tensor:

@@ -162,11 +162,14 @@ def layout_table(layout: MeshLayout, rows: list[dict[str, Any]]) -> str:
     ``rows[r]``: what rank ``r`` reports: ``coords`` (``{"pp", "dp", "ep", "cp"}`` of :meth:`MeshLayout.coords`),
     ``batch`` (its batch shard, the index in its ``dp_ep`` group), ``stages`` (its pipeline stages), ``host``.
     Groups: every kind of :data:`moonrt.comm.mesh.GROUP_NAMES` with more than one member, kinds with the same
-    member sets on one line, each listed as the partition of all ranks.
+    member sets on one line, each listed as the partition of all ranks. The head names the EP placement when it is
+    not MoonEP's (``parallel.ep_dispatcher``).
     """
     p = layout.parallel
     head = (f"moonrt train: layout pp {p.pp} x dp {p.dp} x ep {p.ep} x cp {p.cp} = {layout.world_size} ranks"
-            + (f", vpp {p.vpp}" if p.vpp > 1 else "") + f", zero {p.zero}; rank = ((pp * {p.dp} + dp) * {p.ep} + ep) "
+            + (f", vpp {p.vpp}" if p.vpp > 1 else "")
+            + (f", ep_dispatcher {p.ep_dispatcher}" if p.ep > 1 and p.ep_dispatcher != "moonep" else "")
+            + f", zero {p.zero}; rank = ((pp * {p.dp} + dp) * {p.ep} + ep) "
             f"* {p.cp} + cp")
     width = max(len(str(layout.world_size - 1)), 4)
     lines = [head, f"  {'rank':>{width}}  pp  dp  ep  cp  batch  stages  host"]
