@@ -8,16 +8,23 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from test_train_hardening import _cli, _corpus, _one_error_line, _records
 from test_train_outputs_hardening import _tree
 
 from moonrt.cli import main
+from moonrt.config import ConfigError, from_dict
 from moonrt.jobs.checkpoint import single as checkpoint
+from moonrt.jobs.train import step_memory
+from moonrt.jobs.train.config import JobConfig
 from moonrt.jobs.train.loop import CHECKPOINT
 
 # ---- 4. corpora that are not regular files ---------------------------------------------------------------------
@@ -163,3 +170,53 @@ def test_moonrts_own_config_yaml_is_marked_and_replaced_on_resume(tmp_path: Path
     config.write_text(legacy)
     assert main(_cli(tmp_path, "run", "--steps", "5", "--until", "3", "--resume")) == 0
     assert yaml.safe_load(config.read_text())["optim"]["steps"] == 5
+
+
+# ---- 3. one step's memory, estimated before step 1 -------------------------------------------------------------
+
+
+def test_a_batch_that_cannot_fit_is_refused_before_step_one(tmp_path: Path, capsys) -> None:
+    assert main(_cli(tmp_path, "run", "--steps", "1", "--batch-size", "2000000", "--metrics",
+                     str(tmp_path / "m.jsonl"))) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "optim.batch_size (--batch-size) = 2000000, optim.seq_len (--seq-len) = 16: one step needs an " \
+           "estimated " in line, line
+    limit = re.search(r"activations ([\d.]+) of 2000000 x 16 tokens per micro-step.* more than the ([\d.]+) GiB it "
+                      r"can use \((MemAvailable of this host|cgroup limit .*)\); expected a smaller", line)
+    assert limit and float(limit[1]) > float(limit[2]), line
+    assert not (tmp_path / "run" / CHECKPOINT).exists() and not (tmp_path / "m.jsonl").exists()
+
+
+def test_the_step_estimate_checks_the_devices_memory(monkeypatch) -> None:
+    job = from_dict(JobConfig, {"optim": {"batch_size": 8}})
+    est = step_memory.step_memory(job, 1)
+    assert est.rows == 8 and est.tokens_per_row == 128 and 0 < est.state < est.activations
+    monkeypatch.setattr(step_memory, "usable_memory", lambda device: (int(est.total) - 1, f"free memory of {device}"))
+    with pytest.raises(ConfigError, match=r"optim.batch_size \(--batch-size\) = 8, .* more than the .* GiB it can use "
+                                          r"\(free memory of cuda:0\)"):
+        step_memory.check_step_memory(job, 1, torch.device("cuda:0"))
+    monkeypatch.setattr(step_memory, "usable_memory", lambda device: (int(est.total), "MemAvailable"))
+    assert step_memory.check_step_memory(job, 1, torch.device("cpu")) == est
+    # grad_accum micro-steps and data-parallel ranks divide the rows a rank holds at once
+    accum = from_dict(JobConfig, {"optim": {"batch_size": 8, "grad_accum": 4}})
+    assert step_memory.step_memory(accum, 1).rows == 2 and step_memory.step_memory(job, 2).rows == 4
+    assert step_memory.step_memory(accum, 1).activations < est.activations / 3
+
+
+@pytest.mark.slow
+def test_the_step_estimate_is_within_a_factor_2_of_the_measured_peak(tmp_path: Path) -> None:
+    """The estimate's growth with the batch (activations) against the measured growth of the peak RSS of two real
+    one-step runs (what the interpreter and libraries hold cancels), within a factor 2; and the whole estimate stays
+    below the measured peak (a job that fits is never refused)."""
+    peaks, estimates = {}, {}
+    for rows in (2, 16):
+        metrics = tmp_path / f"m{rows}.jsonl"
+        args = ["train", "--steps", "1", "--batch-size", str(rows), "--set", "optim.eval_windows=2", "--threads", "1",
+                "--out", str(tmp_path / f"o{rows}"), "--metrics", str(metrics), "--no-progress"]
+        done = subprocess.run([sys.executable, "-m", "moonrt.cli", *args], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        peaks[rows] = _records(metrics)[0]["peak_mem_bytes"]
+        estimates[rows] = step_memory.step_memory(from_dict(JobConfig, {"optim": {"batch_size": rows}}), 1).total
+    measured, estimated = peaks[16] - peaks[2], estimates[16] - estimates[2]
+    assert measured / 2 <= estimated <= 2 * measured, (measured, estimated)
+    assert estimates[2] < peaks[2], (estimates, peaks)

@@ -53,6 +53,7 @@ from moonrt.jobs.train.config import JobConfig, lr_at
 from moonrt.jobs.train.device import bind_device, host_tensor, resolve_job
 from moonrt.jobs.train.optimizers import build_optimizer
 from moonrt.jobs.train.outputs import CHECKPOINT
+from moonrt.jobs.train.step_memory import check_step_memory
 from moonrt.parallel.context import LOCAL, AttentionContext
 from moonrt.parallel.packing import DocumentPacking
 
@@ -242,6 +243,7 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
         raise ConfigError(f"parallel.microbatches (--microbatches) = {m}: expected a divisor of the per-replica "
                           f"batch {cfg.batch_size // rt.dp_size} (optim.batch_size {cfg.batch_size} / data-parallel "
                           f"size {rt.dp_size})")
+    check_step_memory(job, rt.dp_size, rt.device)  # one step's estimate vs this rank's memory, before building
     model = build_model(job)
     if init_state is not None:
         model.load_state_dict(init_state, strict=True)
