@@ -48,7 +48,7 @@ from moonrt.jobs.checkpoint import sharded as checkpoint_dcp
 from moonrt.jobs.checkpoint import single as checkpoint
 from moonrt.jobs.checkpoint.store import load_checkpoint, resume_state, save_checkpoint
 from moonrt.jobs.train import data, outputs, report
-from moonrt.jobs.train.assemble import build_model
+from moonrt.jobs.train.assemble import build_model, check_model_size
 from moonrt.jobs.train.config import JobConfig, lr_at
 from moonrt.jobs.train.device import bind_device, host_tensor, resolve_job
 from moonrt.jobs.train.optimizers import build_optimizer
@@ -243,6 +243,7 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
         raise ConfigError(f"parallel.microbatches (--microbatches) = {m}: expected a divisor of the per-replica "
                           f"batch {cfg.batch_size // rt.dp_size} (optim.batch_size {cfg.batch_size} / data-parallel "
                           f"size {rt.dp_size})")
+    check_model_size(job)
     check_step_memory(job, rt.dp_size, rt.device)  # one step's estimate vs this rank's memory, before building
     model = build_model(job)
     if init_state is not None:

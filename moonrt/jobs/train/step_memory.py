@@ -76,11 +76,19 @@ def step_memory(job: JobConfig, dp_size: int) -> StepMemory:
         n = job.model_spec().param_count(job.model_cfg())
         return StepMemory(n * train_state_bytes(job.precision.compute, job.optim.optimizer).total, 0.0, tokens, rows,
                           o.seq_len)
-    try:
-        peaks = _rank_peaks(job, p, rows, o.seq_len)
-    except ValueError:  # e.g. zb / zbv, uneven CP slices: one stage, this rank's tokens
-        flat = ParallelConfig(dp=p.dp, ep=p.ep, zero=p.zero)
-        peaks = _rank_peaks(job, flat, rows, math.ceil(o.seq_len / p.cp))
+    # the job's layout; else (e.g. zb / zbv, uneven CP slices) one stage with this rank's tokens; else also one EP rank
+    per_rank = math.ceil(o.seq_len / p.cp)
+    layouts = ((p, o.seq_len), (ParallelConfig(dp=p.dp, ep=p.ep, zero=p.zero), per_rank),
+               (ParallelConfig(dp=p.dp, zero=p.zero), per_rank))
+    for par, seq_len in layouts:
+        try:
+            peaks = _rank_peaks(job, par, rows, seq_len)
+            break
+        except ValueError:
+            continue
+    else:
+        raise ConfigError(f"parallel = {p}: the memory model of model family {job.model_spec().name!r} plans no "
+                          "layout of this job")
     state, act = max(peaks, key=sum)
     return StepMemory(state, act, tokens, rows, math.ceil(o.seq_len / p.cp))
 
