@@ -112,7 +112,7 @@ def test_a_planted_symlink_beside_config_yaml_is_not_written_through(tmp_path: P
     assert victim.read_text() == "precious\n"
     assert (out / "config.yaml.tmp").is_symlink()  # not ours: left alone
     assert "optim:" in (out / "config.yaml").read_text() and not (out / "config.yaml").is_symlink()
-    assert sorted(p.name for p in out.iterdir()) == [CHECKPOINT, "config.yaml", "config.yaml.tmp"]  # no temp file
+    assert sorted(p.name for p in out.iterdir()) == [CHECKPOINT, "config.yaml", "config.yaml.tmp", "run_id"]  # no temp
 
 
 def test_full_disk_at_the_config_write_is_one_line_and_leaves_no_temp(tmp_path: Path, capsys) -> None:
@@ -150,12 +150,13 @@ def test_full_disk_at_a_metrics_write_is_one_error_naming_the_file(tmp_path: Pat
 
 def test_metrics_trim_on_a_full_disk_keeps_the_file(tmp_path: Path) -> None:
     path = tmp_path / "m.jsonl"
-    records = [{"step": s, "loss": 1.0, "lr": 0.1, "grad_norm": 1.0, "tokens_per_s": 5.0, "tokens": 32 * s}
-               for s in range(1, 6)]
+    run_id = "0123456789abcdef" * 2
+    records = [{"step": s, "loss": 1.0, "lr": 0.1, "grad_norm": 1.0, "tokens_per_s": 5.0, "tokens": 32 * s,
+                "run_id": run_id} for s in range(1, 6)]
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     before = path.read_bytes()
     with _FileSizeLimit(100), pytest.raises(ConfigError, match=re.escape(str(path))):
-        outputs.open_metrics(str(path), 3)
+        outputs.open_metrics(str(path), 3, run_id)
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.jsonl"]
 

@@ -193,7 +193,7 @@ def test_second_signal_aborts_and_keeps_the_previous_checkpoint(workdir: Path) -
     assert re.search(r"moonrt train: second SIG(TERM|INT): aborting without a checkpoint", out), out[-4000:]
     state = store.read_state(run / "out")  # an earlier step's, complete
     assert 1 <= state["step"] <= _records(run)[-1]["step"]
-    assert sorted(p.name for p in (run / "out").iterdir()) == ["checkpoint.pt", "config.yaml"]  # no temp file
+    assert sorted(p.name for p in (run / "out").iterdir()) == ["checkpoint.pt", "config.yaml", "run_id"]  # no temp
 
 
 class _SignalSelf(Part):

@@ -15,6 +15,15 @@ from moonrt.jobs.train.config import MAX_PARAMS, JobConfig
 from moonrt.parallel.context import LOCAL
 
 
+def check_model_size(job: JobConfig) -> None:
+    """:class:`ConfigError` when the job's model has more than :data:`MAX_PARAMS` parameters (counted from its
+    config, nothing built)."""
+    total = job.model_spec().param_count(job.model_cfg())
+    if total > MAX_PARAMS:  # e.g. a released model's planning preset (K3: 2.78T), never instantiated
+        raise ConfigError(f"model = {job.model if job.model_config is None else 'model_config'}: {total:,} parameters; "
+                          f"expected at most {MAX_PARAMS:,} (moonrt train builds the whole model in one process)")
+
+
 def build_model(job: JobConfig) -> torch.nn.Module:
     """The job's model, built through its family's :class:`~moonrt.models.spec.ModelSpec` (seeded with
     ``optim.seed``): ``model`` names the preset and so the family, ``model_config`` (when given) is that family's
@@ -22,10 +31,7 @@ def build_model(job: JobConfig) -> torch.nn.Module:
     :class:`moonrt.parallel.model.TrainableModel`."""
     spec = job.model_spec()
     cfg = job.model_cfg()
-    total = spec.param_count(cfg)
-    if total > MAX_PARAMS:  # e.g. a released model's planning preset (K3: 2.78T), never instantiated
-        raise ConfigError(f"model = {job.model if job.model_config is None else 'model_config'}: {total:,} parameters; "
-                          f"expected at most {MAX_PARAMS:,} (moonrt train builds the whole model in one process)")
+    check_model_size(job)
     torch.manual_seed(job.optim.seed)
     model = spec.build(cfg, job.moe)
     if job.qat != "none":  # validated: the family declares quantizable layers, qat_block divides their axes

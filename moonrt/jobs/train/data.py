@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import stat
 import sysconfig
 from pathlib import Path
 from typing import Literal
@@ -162,8 +164,7 @@ def load_corpus(path: str | None, token_dtype: TokenDtype | None, vocab_size: in
     corpus's document starts (:func:`eos_document_starts`). The stdlib corpus's documents are its files."""
     if path is None:
         corpus = stdlib_corpus()
-    elif not Path(path).is_file():
-        what = "a directory" if Path(path).is_dir() else "missing"
+    elif (what := _not_a_corpus_file(path)) is not None:
         kind = f"a {token_dtype} token file" if token_dtype is not None else "a UTF-8 text file"
         raise ValueError(f"corpus (--corpus) = {path!r}: {what}; expected an existing file ({kind})")
     elif token_dtype is not None:
@@ -180,6 +181,31 @@ def load_corpus(path: str | None, token_dtype: TokenDtype | None, vocab_size: in
         corpus = dataclasses.replace(corpus, train_docs=eos_document_starts(corpus.train, eos_id),
                                      heldout_docs=eos_document_starts(corpus.heldout, eos_id))
     return corpus
+
+
+_FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "not a regular file (character device)"),
+               (stat.S_ISBLK, "not a regular file (block device)"), (stat.S_ISFIFO, "not a regular file (FIFO)"),
+               (stat.S_ISSOCK, "not a regular file (socket)"))
+
+
+def _not_a_corpus_file(path: str) -> str | None:
+    """Why ``path`` (a symlink followed) cannot be a corpus, or None for a non-empty regular file: missing, a
+    directory, a character device (``/dev/null``), a block device, a FIFO, a socket, empty, unreadable. Only
+    ``stat``: a FIFO is never opened (that would block)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return "missing"
+    except OSError as exc:
+        return f"unreadable ({exc.strerror or exc})"
+    for test, what in _FILE_KINDS:
+        if test(st.st_mode):
+            return what
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    if st.st_size == 0:
+        return "an empty file (0 bytes)"
+    return None
 
 
 def _check_length(tokens: np.ndarray, seq_len: int, what: str) -> None:

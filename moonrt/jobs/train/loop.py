@@ -40,7 +40,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import yaml
 
 from moonrt.cluster.preempt import StopSignal, stop_signals
 from moonrt.comm.parallelism import Parallelism, Precision
@@ -49,11 +48,12 @@ from moonrt.jobs.checkpoint import sharded as checkpoint_dcp
 from moonrt.jobs.checkpoint import single as checkpoint
 from moonrt.jobs.checkpoint.store import load_checkpoint, resume_state, save_checkpoint
 from moonrt.jobs.train import data, outputs, report
-from moonrt.jobs.train.assemble import build_model
+from moonrt.jobs.train.assemble import build_model, check_model_size
 from moonrt.jobs.train.config import JobConfig, lr_at
 from moonrt.jobs.train.device import bind_device, host_tensor, resolve_job
 from moonrt.jobs.train.optimizers import build_optimizer
-from moonrt.jobs.train.outputs import CHECKPOINT, CONFIG
+from moonrt.jobs.train.outputs import CHECKPOINT
+from moonrt.jobs.train.step_memory import check_step_memory
 from moonrt.parallel.context import LOCAL, AttentionContext
 from moonrt.parallel.packing import DocumentPacking
 
@@ -247,6 +247,8 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
         raise ConfigError(f"parallel.microbatches (--microbatches) = {m}: expected a divisor of the per-replica "
                           f"batch {cfg.batch_size // rt.dp_size} (optim.batch_size {cfg.batch_size} / data-parallel "
                           f"size {rt.dp_size})")
+    check_model_size(job)
+    check_step_memory(job, rt.dp_size, rt.device)  # one step's estimate vs this rank's memory, before building
     model = build_model(job)
     if init_state is not None:
         model.load_state_dict(init_state, strict=True)
@@ -274,10 +276,10 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
                               "which moonrt train does not support (remote offload needs a peer rank serving each "
                               "owner: moonrt.memory.remote); expected keep, recompute, fp8, host or disk tiers")
         mgr = ActivationManager(model, policy, fp8_kernel=job.kernels.fp8)
-    if rt.is_main:  # a fresh run's new config.yaml is created exclusively; this run's own is replaced whole
-        config = out / CONFIG
-        outputs.write_file(config, yaml.safe_dump(to_dict(job), sort_keys=False).encode(), "out_dir (--out)",
-                           exclusive=not (resume or config.exists()))
+    run_id = ""
+    if rt.is_main:  # the run's identity (created at its first start); its config.yaml, never a user's replaced
+        run_id = outputs.run_identity(out)
+        outputs.write_config(out, job, resume)
     stop = cfg.steps if until is None else min(until, cfg.steps)
     heldout_docs = None
     if pack:
@@ -292,7 +294,7 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     metrics = tb = None
     if metrics_path and rt.is_main:
-        metrics = outputs.open_metrics(metrics_path, start if resume else (0 if restart else None))
+        metrics = outputs.open_metrics(metrics_path, start if resume else (0 if restart else None), run_id)
     console = report.Console(rt.is_main, progress, start, stop, cfg.steps, job.log.log_every)
     shape = spec.describe(mcfg)
     console.line(f"moonrt train: {job.model if job.model_config is None else 'custom'} ({n_params / 1e6:.2f}M params"
@@ -312,6 +314,7 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
     gc_control = ManualGC(job.gc_interval)
     try:
         if job.log.tensorboard is not None and rt.is_main:
+            outputs.mark_tensorboard_dir(job.log.tensorboard, run_id)
             tb = report.TensorBoard(job.log.tensorboard, start if resume else (0 if restart else None))
         stopped = rt.any_flag(preempt.requested)  # a signal during start-up: stop before the first step
         for step in range(start, stop):
