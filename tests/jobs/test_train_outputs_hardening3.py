@@ -209,10 +209,12 @@ def test_the_step_estimate_is_within_a_factor_2_of_the_measured_peak(tmp_path: P
     one-step runs (what the interpreter and libraries hold cancels), within a factor 2; and the whole estimate stays
     below the measured peak (a job that fits is never refused)."""
     peaks, estimates = {}, {}
-    for rows in (2, 16):
-        metrics = tmp_path / f"m{rows}.jsonl"
+    # the first run warms the on-disk caches (numba's compiled KDA kernels, fresh on a new checkout): compiling them
+    # raises that process's peak RSS by about as much as the difference measured, so its figure is not used
+    for run, rows in enumerate((2, 2, 16)):
+        metrics = tmp_path / f"m{run}.jsonl"
         args = ["train", "--steps", "1", "--batch-size", str(rows), "--set", "optim.eval_windows=2", "--threads", "1",
-                "--out", str(tmp_path / f"o{rows}"), "--metrics", str(metrics), "--no-progress"]
+                "--out", str(tmp_path / f"o{run}"), "--metrics", str(metrics), "--no-progress"]
         done = subprocess.run([sys.executable, "-m", "moonrt.cli", *args], capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-2000:]
         peaks[rows] = _records(metrics)[0]["peak_mem_bytes"]
