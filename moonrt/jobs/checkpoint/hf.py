@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from moonrt.config import ConfigError
+from moonrt.config import ConfigError, umask
 from moonrt.jobs.train.config import MAX_PARAMS
 from moonrt.models.k3 import hf_adapter, hf_config
 from moonrt.models.k3.model.config import K3Config
@@ -106,6 +106,7 @@ def write_dir(out: Path, tensors: Mapping[str, torch.Tensor], config_doc: dict[s
             if code is None:
                 raise OSError(f"{str(exc).splitlines()[0]}: {out / file}") from None
             raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(out / file)) from None
+        os.chmod(out / file, 0o666 & ~umask())  # safetensors writes its files 0600: the mode open() gives instead
         weight_map |= dict.fromkeys(names, file)
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")

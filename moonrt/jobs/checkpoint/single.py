@@ -32,7 +32,7 @@ from typing import Any, BinaryIO
 import torch
 
 from moonrt.cluster.preempt import raised_abort
-from moonrt.config import to_dict
+from moonrt.config import to_dict, umask
 from moonrt.jobs.train.config import JobConfig
 
 KEYS = ("model", "optimizer", "step", "config")
@@ -149,6 +149,7 @@ def save(path: str | Path, state: Mapping[str, Any], exclusive: bool = False) ->
     tmp: str | None = None
     try:
         fd, tmp = tempfile.mkstemp(prefix=path.name + ".tmp", dir=path.parent)
+        os.fchmod(fd, 0o666 & ~umask())  # the mode open() gives (a colleague's eval job reads it), not mkstemp's 0600
         with os.fdopen(fd, "wb") as f:
             sink = _Sink(f)
             try:
