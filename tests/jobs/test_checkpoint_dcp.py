@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import EVAL_SMALL, FLAGS, RTOL, _close, _here, _metrics, _ranks, _run
+from jobs.helpers import EVAL_SMALL, FLAGS, RTOL, _close, _here, _metrics, _ranks, _run
 
 from moonrt.cli import main as cli
 from moonrt.jobs.checkpoint import sharded as checkpoint_dcp

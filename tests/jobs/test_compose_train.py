@@ -32,7 +32,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import RTOL, _assert_same_step, _ckpt, _close, _here, _launch, _metrics, _ranks, _run
+from jobs.helpers import RTOL, _assert_same_step, _ckpt, _close, _here, _launch, _metrics, _ranks, _run
 from test_zero_train import _adamw_bytes_per_rank
 
 from moonrt.jobs.checkpoint import sharded as checkpoint_dcp

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import _here, _ranks, _run
+from jobs.helpers import _here, _ranks, _run
 
 from moonrt.models.k3.model.config import k3_tiny
 from moonrt.scheduler.workload import load_trace

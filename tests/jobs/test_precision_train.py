@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import FLAGS, _ckpt, _cli, _here, _metrics, _ranks, _run
+from jobs.helpers import FLAGS, _ckpt, _cli, _here, _metrics, _ranks, _run
 
 BF16 = ["--dtype", "bf16"]
 

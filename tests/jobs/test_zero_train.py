@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import FLAGS, _assert_same_step, _ckpt, _cli, _close, _here, _metrics, _ranks, _run
+from jobs.helpers import FLAGS, _assert_same_step, _ckpt, _cli, _close, _here, _metrics, _ranks, _run
 
 
 def _adamw_bytes_per_rank(dp: int) -> int:

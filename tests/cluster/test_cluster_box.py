@@ -35,8 +35,8 @@ import time
 from pathlib import Path
 
 import pytest
+from cluster.test_cluster_report import clean_env, cluster_unavailable, verify_selftest_report
 from jobs.helpers import FLAGS, _assert_same_step, _ckpt, _here, _main_here, _metrics, _run
-from runtime.test_cluster_report import clean_env, cluster_unavailable, verify_selftest_report
 
 from moonrt.cluster.preempt import PREEMPTED_EXIT
 
