@@ -192,9 +192,9 @@ def test_a_flipped_bit_in_a_shard_is_refused_naming_the_file(tmp_path: Path, cap
 def test_resume_from_a_shard_with_a_flipped_bit_is_refused(tmp_path: Path, capsys: Any) -> None:
     """The probe's case end to end: ``moonrt train --resume`` of a sharded checkpoint with one bit flipped in its
     shard exits 2 naming the file (it resumed with rc 0 and one weight changed)."""
-    from test_train_hardening import _cli
+    from jobs.helpers import _train_argv
 
-    assert cli(_cli(tmp_path, "run", "--steps", "3", "--until", "2")) == 0
+    assert cli(_train_argv(tmp_path, "run", "--steps", "3", "--until", "2")) == 0
     run = tmp_path / "run"
     assert cli(["checkpoint", "convert", str(run / "checkpoint.pt"), str(run / "checkpoint")]) == 0
     state = checkpoint.load(run / "checkpoint.pt")
@@ -207,7 +207,7 @@ def test_resume_from_a_shard_with_a_flipped_bit_is_refused(tmp_path: Path, capsy
     data[at + 1] ^= 0x01
     shard.write_bytes(bytes(data))
     capsys.readouterr()
-    assert cli(_cli(tmp_path, "run", "--steps", "3", "--resume")) == 2
+    assert cli(_train_argv(tmp_path, "run", "--steps", "3", "--resume")) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"file {shard.name} is damaged" in err, err
     assert sorted(p.name for p in step_dir.iterdir()) == sorted([".metadata", shard.name, "moonrt.json"])

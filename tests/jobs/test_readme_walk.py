@@ -45,7 +45,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cluster.test_cluster_report import clean_env, require_slurm
+from cluster.helpers import clean_env, require_slurm
 from forkrun import Server
 
 ROOT = Path(__file__).resolve().parents[2]
