@@ -13,7 +13,7 @@ Two uses:
 - ``python tests/forkrun.py ranks N -- ARGS...`` (:func:`ranks`): ``moonrt ARGS`` on N local gloo ranks with the
   environment ``moonrt launch -n N`` gives its ranks (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
   ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, the gloo interface, ``MOONRT_DIST_TIMEOUT``), for the
-  job tests whose property is the job's result in a layout, not the launcher (``tests/runtime/test_launch*.py``,
+  job tests whose property is the job's result in a layout, not the launcher (``tests/cluster/test_launch*.py``,
   the README walk and the tests that read the launcher's ``[rank N]`` prefixes keep ``moonrt launch``). Exit 0
   when every rank exits 0; else the first failing rank's code, the other ranks stopped (SIGTERM, then SIGKILL).
 - ``Server`` (:class:`Server`): one such parent serving many one-process commands, each in its own forked

@@ -6,7 +6,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import FLAGS, _here, _run
+from jobs.helpers import FLAGS, _here, _run
 
 
 @pytest.fixture(scope="session")

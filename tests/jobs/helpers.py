@@ -4,6 +4,12 @@ of a layout with the single-process step (:func:`_assert_same_step`, relative ``
 
 ``FLAGS`` is the small job every layout test resumes (``single_process_steps`` in ``tests/jobs/conftest.py`` runs
 it once per session).
+
+Also what several job tests share beyond that: the hardening tests' small ``moonrt train`` argv
+(:func:`_train_argv` on :func:`_corpus`, :func:`_records`, :func:`_one_error_line`), ZeRO-1's AdamW bytes per rank
+(:func:`_adamw_bytes_per_rank`), bitwise equality of checkpoint trees (:func:`_equal`) and the documented
+collectives table (:func:`missing_doc_rows`). Import as ``from jobs.helpers import ...`` (tests/ is on ``sys.path``;
+a bare ``helpers`` would be a second module object, or another directory's helpers).
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -161,3 +168,142 @@ def _assert_same_step(tmp_path: Path, name: str, ref: dict[str, Any], ref_ckpt: 
     _close(ck["model"], ref_ckpt["model"], f"{name}.model")
     _close(ck["optimizer"], ref_ckpt["optimizer"], f"{name}.optimizer")
     return got
+
+
+# ---- shared by the input- and output-hardening tests (test_train_hardening.py and its neighbours) ---------------
+
+def _corpus(tmp_path: Path) -> Path:
+    corpus = tmp_path / "corpus.txt"
+    if not corpus.exists():
+        corpus.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(400)))
+    return corpus
+
+
+def _train_argv(tmp_path: Path, out: str, *extra: str) -> list[str]:
+    """``moonrt train`` argv (for :func:`moonrt.cli.main`): a small job on :func:`_corpus`, writing ``tmp_path / out``
+    (``moonrt train`` input-hardening tests)."""
+    return ["train", "--corpus", str(_corpus(tmp_path)), "--batch-size", "2", "--seq-len", "16", "--eval-every", "2",
+            "--out", str(tmp_path / out), "--no-progress", *extra]
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _one_error_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("moonrt train: error: "), err
+    return lines[0]
+
+
+# ---- checkpoints and optimizer state ----------------------------------------------------------------------------
+
+def _adamw_bytes_per_rank(dp: int) -> int:
+    """AdamW state bytes of one rank under ZeRO-1 over ``dp`` replicas of k3_tiny (one fp32 bucket): two
+    ``[ceil(L / dp)]`` fp32 moment shards and the ``[P]`` fp64 step counts."""
+    from moonrt.jobs.train.assemble import build_model
+    from moonrt.jobs.train.config import JobConfig
+
+    params = [p for p in build_model(JobConfig(model="k3_tiny")).parameters() if p.requires_grad]
+    assert {p.dtype for p in params} == {torch.float32}
+    total = sum(p.numel() for p in params)
+    return 2 * 4 * -(-total // dp) + 8 * len(params)
+
+
+def _equal(a: Any, b: Any, where: str = "") -> None:
+    """Bitwise equality of nested dicts / lists / tensors / numbers."""
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), (where, set(a) ^ set(b))
+        for k in a:
+            _equal(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _equal(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b), where
+    else:
+        assert a == b, (where, a, b)
+
+
+# ---- the documented collectives table (test_nccl_ops.py, test_layout_checks.py) --------------------------------
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "ARCHITECTURE.md"
+
+
+def _doc_rows() -> list[tuple[set[str], set[str]]]:
+    """``(calls, groups)`` of every row of the collectives table in docs/ARCHITECTURE.md (the backticked names of
+    its first two cells)."""
+    text = DOC.read_text()
+    table = text[text.index("<!-- collectives -->"):text.index("<!-- /collectives -->")]
+    rows = []
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 2 and cells[0].startswith("`"):
+            rows.append((set(re.findall(r"`([a-z_]+)`", cells[0])), set(re.findall(r"`([a-z_]+)`", cells[1]))))
+    return rows
+
+
+def missing_doc_rows(calls: Any) -> list[str]:
+    """The recorded calls (``calls``: lists of every rank's :class:`Call` lists) without a row in the documented
+    table: a row names the call and one of the names the group has in the mesh (``world`` for the default group,
+    ``cpu`` / ``cpu_pp`` for the CPU groups)."""
+    rows = _doc_rows()
+    assert rows
+    missing = set()
+    for every in calls:
+        for c in (c for cs in every for c in cs):
+            if not any(c.fn in fns and groups & set(c.labels) for fns, groups in rows):
+                missing.add(f"{c.fn} on {'/'.join(c.labels) or c.group} ({c.where}"
+                            + (f" via {c.via}" if c.via else "") + ")")
+    return sorted(missing)
+
+
+# ---- checkpoint files (test_checkpoint_hardening, test_checkpoint_marker) ----
+
+
+def _linear(seed: int = 0, n: int = 8) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A Linear layer and its AdamW after one step (every parameter has state)."""
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(n, n)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, n)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def _sharded(root: Path, step: int = 1, seed: int = 0) -> Path:
+    model, opt = _linear(seed)
+    from moonrt.jobs.checkpoint import sharded
+    from moonrt.jobs.train.config import JobConfig
+
+    return sharded.save_sharded(root, model, opt, step, JobConfig())
+
+
+def _one_line(capsys: Any) -> str:
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("moonrt checkpoint: "), err
+    assert "Traceback" not in err, err
+    return lines[0]
+
+
+def _load_linear(step_dir: Path, seed: int = 5) -> torch.nn.Module:
+    model, opt = _linear(seed)
+    from moonrt.jobs.checkpoint import sharded
+
+    sharded.load_sharded(step_dir, model, opt)
+    return model
+
+
+# ---- output trees (test_train_outputs_hardening*) ----
+
+
+def _tree(path: Path) -> dict[str, bytes | str]:
+    """Every entry under ``path``: file bytes, link targets, directories."""
+    out: dict[str, bytes | str] = {}
+    for p in sorted(path.rglob("*")):
+        rel = str(p.relative_to(path))
+        out[rel] = f"-> {os.readlink(p)}" if p.is_symlink() else ("<dir>" if p.is_dir() else p.read_bytes())
+    return out

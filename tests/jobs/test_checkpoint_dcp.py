@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import EVAL_SMALL, FLAGS, RTOL, _close, _here, _metrics, _ranks, _run
+from jobs.helpers import EVAL_SMALL, FLAGS, RTOL, _close, _equal, _here, _metrics, _ranks, _run
 
 from moonrt.cli import main as cli
 from moonrt.jobs.checkpoint import sharded as checkpoint_dcp
@@ -50,22 +50,6 @@ def _trained_tiny() -> tuple[torch.nn.Module, torch.optim.Optimizer, JobConfig]:
     model.loss_sum(x[:, :-1], x[:, 1:]).backward()
     opt.step()
     return model, opt, job
-
-
-def _equal(a: Any, b: Any, where: str = "") -> None:
-    """Bitwise equality of nested dicts / lists / tensors / numbers."""
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), (where, set(a) ^ set(b))
-        for k in a:
-            _equal(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, list | tuple):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _equal(x, y, f"{where}[{i}]")
-    elif isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and torch.equal(a, b), where
-    else:
-        assert a == b, (where, a, b)
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 import torch
 from dist import dist_run
+from jobs.helpers import _linear, _load_linear, _one_line, _sharded
 from mounts import small_tmpfs
 
 from moonrt.cli import main as cli
@@ -40,38 +41,9 @@ from moonrt.jobs.checkpoint.single import CheckpointError
 from moonrt.jobs.train.config import JobConfig
 
 
-def _linear(seed: int = 0, n: int = 8) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """A Linear layer and its AdamW after one step (every parameter has state)."""
-    torch.manual_seed(seed)
-    model = torch.nn.Linear(n, n)
-    opt = torch.optim.AdamW(model.parameters())
-    model(torch.randn(2, n)).sum().backward()
-    opt.step()
-    return model, opt
-
-
-def _sharded(root: Path, step: int = 1, seed: int = 0) -> Path:
-    model, opt = _linear(seed)
-    return checkpoint_dcp.save_sharded(root, model, opt, step, JobConfig())
-
-
 def _pt(path: Path, step: int, value: float = 1.0) -> None:
     checkpoint.save(path, {"model": {"w": torch.full((4,), value)}, "optimizer": {}, "step": step,
                            "config": to_dict(JobConfig())})
-
-
-def _one_line(capsys: Any) -> str:
-    err = capsys.readouterr().err
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("moonrt checkpoint: "), err
-    assert "Traceback" not in err, err
-    return lines[0]
-
-
-def _load_linear(step_dir: Path, seed: int = 5) -> torch.nn.Module:
-    model, opt = _linear(seed)
-    checkpoint_dcp.load_sharded(step_dir, model, opt)
-    return model
 
 
 # ---- 1. our own commands never destroy data ------------------------------------------------------------
@@ -192,9 +164,9 @@ def test_a_flipped_bit_in_a_shard_is_refused_naming_the_file(tmp_path: Path, cap
 def test_resume_from_a_shard_with_a_flipped_bit_is_refused(tmp_path: Path, capsys: Any) -> None:
     """The probe's case end to end: ``moonrt train --resume`` of a sharded checkpoint with one bit flipped in its
     shard exits 2 naming the file (it resumed with rc 0 and one weight changed)."""
-    from test_train_hardening import _cli
+    from jobs.helpers import _train_argv
 
-    assert cli(_cli(tmp_path, "run", "--steps", "3", "--until", "2")) == 0
+    assert cli(_train_argv(tmp_path, "run", "--steps", "3", "--until", "2")) == 0
     run = tmp_path / "run"
     assert cli(["checkpoint", "convert", str(run / "checkpoint.pt"), str(run / "checkpoint")]) == 0
     state = checkpoint.load(run / "checkpoint.pt")
@@ -207,7 +179,7 @@ def test_resume_from_a_shard_with_a_flipped_bit_is_refused(tmp_path: Path, capsy
     data[at + 1] ^= 0x01
     shard.write_bytes(bytes(data))
     capsys.readouterr()
-    assert cli(_cli(tmp_path, "run", "--steps", "3", "--resume")) == 2
+    assert cli(_train_argv(tmp_path, "run", "--steps", "3", "--resume")) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"file {shard.name} is damaged" in err, err
     assert sorted(p.name for p in step_dir.iterdir()) == sorted([".metadata", shard.name, "moonrt.json"])

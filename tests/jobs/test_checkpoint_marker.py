@@ -25,9 +25,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import _ranks
-from test_checkpoint_hardening import _linear, _load_linear, _one_line, _sharded
-from test_train_hardening import _cli, _one_error_line
+from jobs.helpers import _linear, _load_linear, _one_error_line, _one_line, _ranks, _sharded, _train_argv
 
 from moonrt.cli import main as cli
 from moonrt.jobs.checkpoint import sharded as checkpoint_dcp
@@ -60,7 +58,7 @@ def _files(d: Path) -> dict[str, bytes]:
 def sharded_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A run directory whose only checkpoint is sharded, at step 2 of 3 (one process trained it; ``convert``)."""
     base = tmp_path_factory.mktemp("marker")
-    assert cli(_cli(base, "run", "--steps", "3", "--until", "2")) == 0
+    assert cli(_train_argv(base, "run", "--steps", "3", "--until", "2")) == 0
     run = base / "run"
     assert cli(["checkpoint", "convert", str(run / "checkpoint.pt"), str(run / "checkpoint")]) == 0
     (run / "checkpoint.pt").unlink()  # the sharded checkpoint is what a multi-rank run leaves
@@ -77,7 +75,7 @@ def _copy(sharded_run: Path, tmp_path: Path) -> tuple[Path, Path]:
 def _resume(sharded_run: Path, tmp_path: Path, *extra: str) -> list[str]:
     """``moonrt train --resume`` of the copy in ``tmp_path`` (the corpus the run was trained on: it is part of the
     job config)."""
-    args = _cli(sharded_run, "run", "--resume", *extra)
+    args = _train_argv(sharded_run, "run", "--resume", *extra)
     args[args.index("--out") + 1] = str(tmp_path / "run")
     return args
 
@@ -176,7 +174,7 @@ def test_an_edited_param_group_is_refused_like_a_changed_setting(sharded_run: Pa
 
 
 def _train_ranks(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(_ranks(2, *_cli(cwd, "run", "--zero", "1", "--threads", "1", *args)), cwd=cwd,
+    return subprocess.run(_ranks(2, *_train_argv(cwd, "run", "--zero", "1", "--threads", "1", *args)), cwd=cwd,
                           capture_output=True, text=True, timeout=400)
 
 

@@ -32,8 +32,18 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import RTOL, _assert_same_step, _ckpt, _close, _here, _launch, _metrics, _ranks, _run
-from test_zero_train import _adamw_bytes_per_rank
+from jobs.helpers import (
+    RTOL,
+    _adamw_bytes_per_rank,
+    _assert_same_step,
+    _ckpt,
+    _close,
+    _here,
+    _launch,
+    _metrics,
+    _ranks,
+    _run,
+)
 
 from moonrt.jobs.checkpoint import sharded as checkpoint_dcp
 from moonrt.jobs.checkpoint import store

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import _here, _ranks, _run
+from jobs.helpers import _here, _ranks, _run
 
 from moonrt.models.k3.model.config import k3_tiny
 

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_train_hardening import _corpus, _records
+from jobs.helpers import _corpus, _records
 
 from moonrt.cli import main
 from moonrt.cluster.preempt import PREEMPTED_EXIT

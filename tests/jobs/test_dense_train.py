@@ -20,7 +20,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import _assert_same_step, _ckpt, _here, _metrics, _ranks, _run
+from jobs.helpers import _assert_same_step, _ckpt, _here, _metrics, _ranks, _run
 
 DENSE = ["--model", "dense_tiny", "--steps", "4", "--seed", "0", "--batch-size", "4", "--seq-len", "32",
          "--eval-every", "100", "--lr", "1e-3", "--threads", "1", "--no-progress"]

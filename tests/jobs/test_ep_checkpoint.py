@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 from dist import dist_run
-from helpers import _here, _ranks, _run
+from jobs.helpers import _here, _ranks, _run
 
 from moonrt.models.k3.model.config import k3_tiny
 

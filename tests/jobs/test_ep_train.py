@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 import pytest
 import yaml
-from helpers import EVAL_SMALL, RTOL, _assert_same_step, _ckpt, _cli, _here, _metrics, _ranks, _run
-from helpers import FLAGS as HELPER_FLAGS
+from jobs.helpers import EVAL_SMALL, RTOL, _assert_same_step, _ckpt, _cli, _here, _metrics, _ranks, _run
+from jobs.helpers import FLAGS as HELPER_FLAGS
 
 from moonrt.models.k3.model.config import k3_tiny
 from moonrt.scheduler.workload import load_trace

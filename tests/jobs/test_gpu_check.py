@@ -43,7 +43,7 @@ def test_dry_run_lists_every_step_and_touches_nothing(tmp_path):
         cmd = next(ln for ln in lines if f"--out {out}/train/{run}" in ln)
         assert "-m moonrt.cli train --device cuda --dtype bf16 --steps 50" in cmd
     assert "k3_100m.yaml" in text and "MOONRT_TEST_DEVICE=cuda" in text
-    assert "tests/runtime/test_memory_device.py" in text  # a test file taking the device fixture
+    assert "tests/memory/test_memory_device.py" in text  # a test file taking the device fixture
     assert not out.exists()
     # the driver imports no torch (no CUDA initialisation) for a dry run
     code = ("import runpy, sys; sys.argv = ['check.py', '--dry-run']\n"

@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import _ckpt, _cli, _main_here, _metrics
+from jobs.helpers import _ckpt, _cli, _main_here, _metrics
 
 from moonrt.jobs.checkpoint import hf
 from moonrt.models.k3 import hf_adapter

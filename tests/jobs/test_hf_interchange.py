@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import _ckpt, _cli, _here, _metrics, _run
+from jobs.helpers import _ckpt, _cli, _here, _metrics, _run
 
 from moonrt.config import ConfigError, from_dict
 from moonrt.jobs.checkpoint import hf

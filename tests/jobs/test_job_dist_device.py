@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_train_hardening import _corpus
+from jobs.helpers import _corpus
 
 from moonrt.cli import main
 from moonrt.cluster.env import resolve_dist_config

@@ -156,7 +156,7 @@ def test_layout_passes_every_checker(layout: str, layout_violations: dict[str, d
 @pytest.mark.timeout(900)
 def test_doc_table_names_every_recorded_call(layout_violations: dict[str, dict[str, list[str]]]) -> None:
     """Every (call, group) the layout runs recorded has a row in docs/ARCHITECTURE.md's collectives table."""
-    from test_nccl_ops import missing_doc_rows
+    from jobs.helpers import missing_doc_rows
 
     assert set(CALLS) >= set(MULTI)
     assert not missing_doc_rows(c for runs in CALLS.values() for c in runs if c)

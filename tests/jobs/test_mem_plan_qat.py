@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from helpers import _cli
+from jobs.helpers import _cli
 
 from moonrt.config import ParallelConfig
 from moonrt.jobs.mem_plan import qat_summary

@@ -27,8 +27,7 @@ from typing import Any
 import pytest
 import torch
 from dist import dist_run
-from helpers import _close
-from test_checkpoint_dcp import _equal
+from jobs.helpers import _close, _equal
 
 from moonrt.cli import main as cli
 from moonrt.jobs.checkpoint import sharded as checkpoint_dcp

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 import torch
 from dist import dist_run
-from helpers import EVAL_SMALL, FLAGS, _assert_same_step, _ckpt, _close, _here, _metrics, _ranks, _run
+from jobs.helpers import EVAL_SMALL, FLAGS, _assert_same_step, _ckpt, _close, _here, _metrics, _ranks, _run
 
 from moonrt.jobs.checkpoint.sharded import read_marker, resolve
 from moonrt.scheduler.muon_plan import Unit, plan_units

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from collective_check import P2P, Call, TensorInfo, check, collective_check
 from dist import dist_run
+from jobs.helpers import missing_doc_rows
 
 FLAGS = ["--steps", "1", "--seed", "0", "--batch-size", "4", "--seq-len", "16", "--eval-every", "1",
          "--set", "optim.eval_windows=4", "--threads", "1", "--no-progress"]
@@ -26,8 +27,6 @@ FLAGS = ["--steps", "1", "--seed", "0", "--batch-size", "4", "--seq-len", "16", 
 COMPOSITE: dict[str, list[str]] = {"--pp 2 --ep 2": ["--pp", "2", "--ep", "2", "--microbatches", "2"]}
 """Four-rank layouts: the pipeline's batches interleaved with MoonEP's all-to-alls inside the stages (two
 communicators on one rank's timeline)."""
-
-DOC = Path(__file__).resolve().parents[2] / "docs" / "ARCHITECTURE.md"
 
 
 def _corpus(tmp: Path) -> Path:
@@ -81,34 +80,6 @@ def test_layout_issues_only_nccl_correct_calls(layouts: dict[str, Any], name: st
         assert "batch_isend_irecv" in fns
     objects = [c for c in calls if c.fn.endswith("_object") or c.fn == "broadcast_object_list"]
     assert objects and all(c.cpu for c in objects)  # the checkpoint's and DCP's (and pp's) object collectives
-
-
-def _doc_rows() -> list[tuple[set[str], set[str]]]:
-    """``(calls, groups)`` of every row of the collectives table in docs/ARCHITECTURE.md (the backticked names of
-    its first two cells)."""
-    text = DOC.read_text()
-    table = text[text.index("<!-- collectives -->"):text.index("<!-- /collectives -->")]
-    rows = []
-    for line in table.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) >= 2 and cells[0].startswith("`"):
-            rows.append((set(re.findall(r"`([a-z_]+)`", cells[0])), set(re.findall(r"`([a-z_]+)`", cells[1]))))
-    return rows
-
-
-def missing_doc_rows(calls: Any) -> list[str]:
-    """The recorded calls (``calls``: lists of every rank's :class:`Call` lists) without a row in the documented
-    table: a row names the call and one of the names the group has in the mesh (``world`` for the default group,
-    ``cpu`` / ``cpu_pp`` for the CPU groups)."""
-    rows = _doc_rows()
-    assert rows
-    missing = set()
-    for every in calls:
-        for c in (c for cs in every for c in cs):
-            if not any(c.fn in fns and groups & set(c.labels) for fns, groups in rows):
-                missing.add(f"{c.fn} on {'/'.join(c.labels) or c.group} ({c.where}"
-                            + (f" via {c.via}" if c.via else "") + ")")
-    return sorted(missing)
 
 
 @pytest.mark.slow

@@ -119,7 +119,7 @@ def test_data_parallel_packed_step_equals_single_process(tmp_path: Path) -> None
     take the same first step as one process: the loss is divided by the global count of unmasked targets on every
     rank. Tolerance as tests/jobs/test_zero_train.py (two half-batch
     backwards summed vs one, fp64 vs fp32 clip norm: ~1e-6 relative)."""
-    from helpers import RTOL, _here, _metrics, _ranks, _run
+    from jobs.helpers import RTOL, _here, _metrics, _ranks, _run
 
     corpus = str(_corpus(tmp_path))
     flags = ("train", "--steps", "2", "--until", "1", "--batch-size", "2", "--seq-len", "64", "--threads", "1",

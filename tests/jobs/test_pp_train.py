@@ -21,7 +21,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import FLAGS, RTOL, _assert_same_step, _ckpt, _cli, _close, _launch, _metrics, _moonrt, _ranks, _run
+from jobs.helpers import FLAGS, RTOL, _assert_same_step, _ckpt, _cli, _close, _launch, _metrics, _moonrt, _ranks, _run
 
 from moonrt.config import ConfigError, ParallelConfig
 from moonrt.jobs.train.config import JobConfig

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import math
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from helpers import FLAGS, _ckpt, _cli, _here, _metrics, _ranks, _run
+from jobs.helpers import FLAGS, _ckpt, _cli, _here, _metrics, _ranks, _run
 
 BF16 = ["--dtype", "bf16"]
 
@@ -136,8 +135,7 @@ def _bf16_ops_per_forward() -> int:
     """R: the ops that round a result to bf16 in one forward of k3_tiny under the job's autocast region (counted with
     a TorchFunctionMode: every torch call whose result is a new bf16 tensor; views round nothing). Every path through
     the forward passes through at most R of them."""
-    sys.path.insert(0, str(Path(__file__).parents[1] / "model"))
-    from test_precision_islands import Calls
+    from model.helpers import Calls
 
     from moonrt.comm.parallelism import Precision
     from moonrt.jobs.train.assemble import build_model

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import _ckpt, _cli, _here, _metrics, _run
+from jobs.helpers import _ckpt, _cli, _here, _metrics, _run
 from safetensors import safe_open
 
 from moonrt.comm.parallelism import Parallelism

@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import FLAGS, _assert_same_step, _ckpt, _cli, _here, _metrics, _ranks, _run
+from jobs.helpers import FLAGS, _assert_same_step, _ckpt, _cli, _here, _metrics, _ranks, _run
 
 from moonrt.config import ConfigError
 from moonrt.jobs.train.assemble import build_model

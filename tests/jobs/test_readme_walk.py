@@ -25,7 +25,7 @@ What the walk changes, all listed here and nothing else:
   stale): the install commands (this test runs inside that install) and the test command itself, and the
   ``moonrt sbatch --submit`` of a 2-node job (this machine's SLURM has one node), and the lines of *Running on
   several nodes*, each one node's part of a 2-node job (run across the cluster in a box by
-  ``tests/runtime/test_cluster_box.py``).
+  ``tests/cluster/test_cluster_box.py``).
 
 SLURM lines need the single-node SLURM of ``.ci/slurm-ci.sh``: they are skipped with the reason where it is absent,
 and fail instead under ``MOONRT_REQUIRE_CLUSTER=1`` (CI).
@@ -45,8 +45,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cluster.helpers import clean_env, require_slurm
 from forkrun import Server
-from runtime.test_cluster_report import clean_env, require_slurm
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -62,7 +62,7 @@ NOT_RUN = {
     "moonrt sbatch --nodes 2 --ntasks-per-node 4 --config job.yaml --submit -- python train.py":
         "submits a 2-node job; this machine's SLURM has one node",
     **{cmd: "one node of a 2-node job at 10.0.0.1 / node1,node2: this machine is one host (these launchers run across "
-            "the 2 nodes of .ci/cluster-box.sh in tests/runtime/test_cluster_box.py)" for cmd in (
+            "the 2 nodes of .ci/cluster-box.sh in tests/cluster/test_cluster_box.py)" for cmd in (
         "moonrt launch -n 8 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --rdzv-id run42 -- moonrt train --config "
         "job.yaml",
         "moonrt launch -n 8 --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --rdzv-id run42 -- moonrt train --config "

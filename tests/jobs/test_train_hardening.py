@@ -6,7 +6,6 @@ Every CLI error is one line on stderr with exit 2; nothing is trained, overwritt
 
 from __future__ import annotations
 
-import json
 import os
 import resource
 import signal
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from jobs.helpers import _corpus, _one_error_line, _records, _train_argv
 
 from moonrt.cli import main
 from moonrt.comm.parallelism import Parallelism, Part
@@ -38,35 +38,12 @@ class Evil:
         return (os.system, (f"touch {self.marker}",))
 
 
-def _corpus(tmp_path: Path) -> Path:
-    corpus = tmp_path / "corpus.txt"
-    if not corpus.exists():
-        corpus.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(400)))
-    return corpus
-
-
-def _cli(tmp_path: Path, out: str, *extra: str) -> list[str]:
-    return ["train", "--corpus", str(_corpus(tmp_path)), "--batch-size", "2", "--seq-len", "16", "--eval-every", "2",
-            "--out", str(tmp_path / out), "--no-progress", *extra]
-
-
-def _records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def _one_error_line(err: str) -> str:
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1, err
-    assert lines[0].startswith("moonrt train: error: "), err
-    return lines[0]
-
-
 def test_malicious_checkpoint_is_refused_and_runs_nothing(tmp_path: Path, capsys) -> None:
     marker = tmp_path / "pwned"
     out = tmp_path / "run"
     out.mkdir()
     torch.save({"model": {}, "optimizer": Evil(marker), "step": 1, "config": {}}, out / CHECKPOINT)
-    assert main(_cli(tmp_path, "run", "--steps", "3", "--resume")) == 2
+    assert main(_train_argv(tmp_path, "run", "--steps", "3", "--resume")) == 2
     line = _one_error_line(capsys.readouterr().err)
     assert "refused to load (weights_only=True)" in line and str(out / CHECKPOINT) in line
     assert not marker.exists()
@@ -87,29 +64,29 @@ def test_broken_checkpoints_name_the_file(tmp_path: Path, capsys, kind: str) -> 
         torch.save({"x": torch.ones(10_000)} if kind == "truncated" else [1, 2, 3], path)
         if kind == "truncated":
             path.write_bytes(path.read_bytes()[:20_000])
-    assert main(_cli(tmp_path, "run", "--steps", "3", "--resume")) == 2
+    assert main(_train_argv(tmp_path, "run", "--steps", "3", "--resume")) == 2
     line = _one_error_line(capsys.readouterr().err)
     assert f"checkpoint {str(path)!r}" in line
 
 
 def test_resume_refuses_a_different_job_and_names_each_field(tmp_path: Path, capsys) -> None:
-    assert main(_cli(tmp_path, "run", "--steps", "4", "--until", "2")) == 0
+    assert main(_train_argv(tmp_path, "run", "--steps", "4", "--until", "2")) == 0
     capsys.readouterr()
     ckpt = (tmp_path / "run" / CHECKPOINT).read_bytes()
-    assert main(_cli(tmp_path, "run", "--steps", "4", "--resume", "--lr", "0.001", "--seed", "3")) == 2
+    assert main(_train_argv(tmp_path, "run", "--steps", "4", "--resume", "--lr", "0.001", "--seed", "3")) == 2
     line = _one_error_line(capsys.readouterr().err)
     assert "optim.lr: checkpoint 0.004, now 0.001" in line and "optim.seed: checkpoint 0, now 3" in line
     for flag, value, field in (("--seq-len", "8", "optim.seq_len"), ("--batch-size", "4", "optim.batch_size"),
                                ("--model", "k3", "model"), ("--steps", "3", "optim.steps")):
-        args = _cli(tmp_path, "run", "--steps", "4", "--resume", flag, value)  # argparse: the last value wins
+        args = _train_argv(tmp_path, "run", "--steps", "4", "--resume", flag, value)  # argparse: the last value wins
         assert main(args) == 2, flag
         assert field in _one_error_line(capsys.readouterr().err), flag
     assert (tmp_path / "run" / CHECKPOINT).read_bytes() == ckpt  # nothing was written
     # named fields may change; steps may grow without being named
-    assert main(_cli(tmp_path, "run", "--steps", "5", "--resume", "--lr", "0.001",
+    assert main(_train_argv(tmp_path, "run", "--steps", "5", "--resume", "--lr", "0.001",
                      "--resume-allow-changes", "lr")) == 0
     assert checkpoint.load(tmp_path / "run" / CHECKPOINT)["step"] == 5
-    assert main(_cli(tmp_path, "run", "--steps", "6", "--resume", "--resume-allow-changes", "nonsense")) == 2
+    assert main(_train_argv(tmp_path, "run", "--steps", "6", "--resume", "--resume-allow-changes", "nonsense")) == 2
     assert "unknown field 'nonsense'" in _one_error_line(capsys.readouterr().err)
 
 
@@ -135,19 +112,19 @@ def test_failed_checkpoint_write_keeps_the_previous_one_and_no_temp_file(tmp_pat
 
 def test_nothing_to_do_and_bad_until_are_one_line(tmp_path: Path, capsys) -> None:
     for until in ("0", "-3"):
-        assert main(_cli(tmp_path, "a", "--steps", "2", "--until", until)) == 2
+        assert main(_train_argv(tmp_path, "a", "--steps", "2", "--until", until)) == 2
         assert f"--until = {until}: expected an integer >= 1" in _one_error_line(capsys.readouterr().err)
-    assert main(_cli(tmp_path, "a", "--steps", "2")) == 0
+    assert main(_train_argv(tmp_path, "a", "--steps", "2")) == 0
     capsys.readouterr()
-    assert main(_cli(tmp_path, "a", "--steps", "2", "--resume")) == 0  # a finished run is not an error
+    assert main(_train_argv(tmp_path, "a", "--steps", "2", "--resume")) == 0  # a finished run is not an error
     captured = capsys.readouterr()
     assert "already finished: checkpoint at step 2 of 2; nothing to do" in captured.out and not captured.err
-    assert main(_cli(tmp_path, "a", "--steps", "4", "--until", "2", "--resume")) == 0
+    assert main(_train_argv(tmp_path, "a", "--steps", "4", "--until", "2", "--resume")) == 0
     assert "already at or past --until 2" in capsys.readouterr().out
-    assert main(_cli(tmp_path, "a", "--steps", "1", "--resume", "--resume-allow-changes", "steps")) == 2
+    assert main(_train_argv(tmp_path, "a", "--steps", "1", "--resume", "--resume-allow-changes", "steps")) == 2
     assert "expected at least the checkpoint's step 2" in _one_error_line(capsys.readouterr().err)
     # a fresh run into the same directory would overwrite the finished run's checkpoint
-    assert main(_cli(tmp_path, "a", "--steps", "2")) == 2
+    assert main(_train_argv(tmp_path, "a", "--steps", "2")) == 2
     assert "already holds checkpoint.pt" in _one_error_line(capsys.readouterr().err)
 
 
@@ -196,13 +173,13 @@ def test_unwritable_outputs_fail_before_step_one(tmp_path: Path, capsys) -> None
         (["--routing-trace", str(blocker / "t.npz")], "routing_trace (--routing-trace) directory"),
     ]
     for extra, field in cases:
-        args = _cli(tmp_path, "o", "--steps", "2") + extra
+        args = _train_argv(tmp_path, "o", "--steps", "2") + extra
         assert main(args) == 2, extra
         assert field in _one_error_line(capsys.readouterr().err), extra
         assert not (tmp_path / "o" / CHECKPOINT).exists()  # nothing trained
     existing = tmp_path / "old.jsonl"
     existing.write_text('{"step": 1}\n')
-    assert main(_cli(tmp_path, "o2", "--steps", "2", "--metrics", str(existing))) == 2
+    assert main(_train_argv(tmp_path, "o2", "--steps", "2", "--metrics", str(existing))) == 2
     assert "file exists" in _one_error_line(capsys.readouterr().err)
     assert existing.read_text() == '{"step": 1}\n'  # never truncated
 
@@ -217,7 +194,7 @@ def test_missing_or_directory_token_corpus(tmp_path: Path, capsys) -> None:
 def test_remote_memory_policy_is_refused_in_one_line(tmp_path: Path, capsys) -> None:
     policy = tmp_path / "remote.yaml"
     policy.write_text("default: remote\n")
-    assert main(_cli(tmp_path, "o", "--steps", "2", "--memory-policy", str(policy))) == 2
+    assert main(_train_argv(tmp_path, "o", "--steps", "2", "--memory-policy", str(policy))) == 2
     line = _one_error_line(capsys.readouterr().err)
     assert "uses remote, which moonrt train does not support" in line and str(policy) in line
     assert not (tmp_path / "o" / CHECKPOINT).exists()

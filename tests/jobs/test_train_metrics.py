@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import FLAGS, _assert_same_step, _ckpt, _cli, _here, _metrics, _moonrt, _ranks, _run
+from jobs.helpers import FLAGS, _assert_same_step, _ckpt, _cli, _here, _metrics, _moonrt, _ranks, _run
 
 from moonrt.cli import main
 from moonrt.comm.parallelism import Parallelism

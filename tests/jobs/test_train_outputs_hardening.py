@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_train_hardening import _cli, _corpus, _one_error_line
+from jobs.helpers import _corpus, _one_error_line, _train_argv, _tree
 
 from moonrt.cli import main
 from moonrt.comm.parallelism import Parallelism, Part
@@ -42,15 +42,6 @@ def _strict_records(path: Path) -> list[dict]:
         raise ValueError(f"non-JSON constant {name} in {path}")
 
     return [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines()]
-
-
-def _tree(path: Path) -> dict[str, bytes | str]:
-    """Every entry under ``path``: file bytes, link targets, directories."""
-    out: dict[str, bytes | str] = {}
-    for p in sorted(path.rglob("*")):
-        rel = str(p.relative_to(path))
-        out[rel] = f"-> {os.readlink(p)}" if p.is_symlink() else ("<dir>" if p.is_dir() else p.read_bytes())
-    return out
 
 
 def _env() -> dict[str, str]:
@@ -84,20 +75,20 @@ def test_fresh_run_refuses_a_config_yaml_that_is_not_its_own(tmp_path: Path, cap
     out.mkdir()
     mine = out / "config.yaml"
     mine.write_text("# my notes, not a moonrt job\nexperiment: 7\n")
-    assert main(_cli(tmp_path, "run", "--steps", "2")) == 2
+    assert main(_train_argv(tmp_path, "run", "--steps", "2")) == 2
     line = _one_error_line(capsys.readouterr().err)
     assert "out_dir (--out)" in line and "config.yaml" in line
     assert mine.read_text() == "# my notes, not a moonrt job\nexperiment: 7\n"
     assert not (out / CHECKPOINT).exists()
     # the config.yaml of another job: refused, naming the field that differs
-    assert main(_cli(tmp_path, "other", "--steps", "2", "--until", "1", "--lr", "0.001")) == 0
+    assert main(_train_argv(tmp_path, "other", "--steps", "2", "--until", "1", "--lr", "0.001")) == 0
     other = (tmp_path / "other" / "config.yaml").read_bytes()
     (tmp_path / "other" / CHECKPOINT).unlink()  # killed before its first checkpoint: only config.yaml is left
-    assert main(_cli(tmp_path, "other", "--steps", "2")) == 2
+    assert main(_train_argv(tmp_path, "other", "--steps", "2")) == 2
     assert "optim.lr" in _one_error_line(capsys.readouterr().err)
     assert (tmp_path / "other" / "config.yaml").read_bytes() == other
     # this job's own config.yaml (a run killed before its first checkpoint) starts again
-    assert main(_cli(tmp_path, "other", "--steps", "2", "--lr", "0.001")) == 0
+    assert main(_train_argv(tmp_path, "other", "--steps", "2", "--lr", "0.001")) == 0
     assert checkpoint.load(tmp_path / "other" / CHECKPOINT)["step"] == 2
 
 
@@ -107,8 +98,8 @@ def test_a_planted_symlink_beside_config_yaml_is_not_written_through(tmp_path: P
     out = tmp_path / "run"
     out.mkdir()
     (out / "config.yaml.tmp").symlink_to(victim)
-    assert main(_cli(tmp_path, "run", "--steps", "3", "--until", "1")) == 0
-    assert main(_cli(tmp_path, "run", "--steps", "3", "--resume")) == 0
+    assert main(_train_argv(tmp_path, "run", "--steps", "3", "--until", "1")) == 0
+    assert main(_train_argv(tmp_path, "run", "--steps", "3", "--resume")) == 0
     assert victim.read_text() == "precious\n"
     assert (out / "config.yaml.tmp").is_symlink()  # not ours: left alone
     assert "optim:" in (out / "config.yaml").read_text() and not (out / "config.yaml").is_symlink()
@@ -116,15 +107,15 @@ def test_a_planted_symlink_beside_config_yaml_is_not_written_through(tmp_path: P
 
 
 def test_full_disk_at_the_config_write_is_one_line_and_leaves_no_temp(tmp_path: Path, capsys) -> None:
-    assert main(_cli(tmp_path, "run", "--steps", "3", "--until", "1")) == 0
+    assert main(_train_argv(tmp_path, "run", "--steps", "3", "--until", "1")) == 0
     out = tmp_path / "run"
     before = _tree(out)
     with _FileSizeLimit(64):  # config.yaml is larger
-        assert main(_cli(tmp_path, "run", "--steps", "3", "--resume")) == 2
+        assert main(_train_argv(tmp_path, "run", "--steps", "3", "--resume")) == 2
     line = _one_error_line(capsys.readouterr().err)
     assert str(out / "config.yaml") in line and "File too large" in line
     assert _tree(out) == before  # no temp file; config.yaml and the checkpoint untouched
-    assert main(_cli(tmp_path, "run", "--steps", "3", "--resume")) == 0  # the next resume works
+    assert main(_train_argv(tmp_path, "run", "--steps", "3", "--resume")) == 0  # the next resume works
 
 
 def test_full_disk_at_a_metrics_write_is_one_error_naming_the_file(tmp_path: Path) -> None:
@@ -167,7 +158,7 @@ def test_metrics_trim_on_a_full_disk_keeps_the_file(tmp_path: Path) -> None:
 def _torn_first_save(tmp_path: Path, out: str, *job_flags: str) -> Path:
     """OUT as a requeued job finds it after a kill during its first sharded save: config.yaml of the job,
     OUT/checkpoint/step-00000002.tmp with partial shard files, no committed step, no checkpoint.pt."""
-    assert main(_cli(tmp_path, out, "--steps", "4", "--until", "1", *job_flags)) == 0
+    assert main(_train_argv(tmp_path, out, "--steps", "4", "--until", "1", *job_flags)) == 0
     run = tmp_path / out
     (run / CHECKPOINT).unlink()
     torn = run / "checkpoint" / "step-00000002.tmp"
@@ -181,12 +172,12 @@ def _torn_first_save(tmp_path: Path, out: str, *job_flags: str) -> Path:
 def test_a_torn_first_sharded_save_of_this_run_starts_fresh_on_requeue(tmp_path: Path, capsys) -> None:
     torn = _torn_first_save(tmp_path, "run")
     capsys.readouterr()
-    assert main(_cli(tmp_path, "run", "--steps", "4", "--resume-if-exists", "--metrics",
+    assert main(_train_argv(tmp_path, "run", "--steps", "4", "--resume-if-exists", "--metrics",
                      str(tmp_path / "m.jsonl"))) == 0
     assert checkpoint.load(tmp_path / "run" / CHECKPOINT)["step"] == 4
     assert [r["step"] for r in _strict_records(tmp_path / "m.jsonl")] == [1, 2, 3, 4]  # started at step 1
     assert torn.is_dir()  # a single process writes checkpoint.pt; the next sharded commit clears the stale .tmp
-    assert main(_cli(tmp_path, "run", "--steps", "5", "--resume-if-exists")) == 0  # and resumes from it now
+    assert main(_train_argv(tmp_path, "run", "--steps", "5", "--resume-if-exists")) == 0  # and resumes from it now
     assert checkpoint.load(tmp_path / "run" / CHECKPOINT)["step"] == 5
 
 
@@ -196,7 +187,7 @@ def test_two_ranks_requeued_after_a_torn_first_save_commit_and_clear_it(tmp_path
     the same job trains from step 1, and its first commit removes the stale ``.tmp``."""
     _torn_first_save(tmp_path, "run")
     argv = [*MOONRT, "launch", "-n", "2", "--timeout", "120", "--", *MOONRT,
-            *_cli(tmp_path, "run", "--steps", "4", "--resume-if-exists", "--threads", "1", "--metrics",
+            *_train_argv(tmp_path, "run", "--steps", "4", "--resume-if-exists", "--threads", "1", "--metrics",
                   str(tmp_path / "m.jsonl"))]
     done = subprocess.run(argv, env=_env(), capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
@@ -211,7 +202,7 @@ def test_a_torn_first_sharded_save_of_another_run_is_refused(tmp_path: Path, cap
     before = _tree(tmp_path / "run")
     capsys.readouterr()
     for flag in ("--resume-if-exists", None):
-        assert main(_cli(tmp_path, "run", "--steps", "4", *([flag] if flag else []))) == 2
+        assert main(_train_argv(tmp_path, "run", "--steps", "4", *([flag] if flag else []))) == 2
         line = _one_error_line(capsys.readouterr().err)
         assert "out_dir (--out)" in line and str(torn.parent) in line, line
         assert _tree(tmp_path / "run") == before
@@ -230,7 +221,7 @@ def _diverged(err: str) -> tuple[int, str]:
 
 def test_divergence_stops_before_the_update_and_any_save(tmp_path: Path, capsys) -> None:
     metrics = tmp_path / "m.jsonl"
-    assert main(_cli(tmp_path, "run", "--steps", "6", "--lr", "1e5", "--metrics", str(metrics))) == 1
+    assert main(_train_argv(tmp_path, "run", "--steps", "6", "--lr", "1e5", "--metrics", str(metrics))) == 1
     step, line = _diverged(capsys.readouterr().err)
     assert "no checkpoint" in line
     assert not (tmp_path / "run" / CHECKPOINT).exists() and not (tmp_path / "run" / "checkpoint").exists()
@@ -241,10 +232,10 @@ def test_divergence_stops_before_the_update_and_any_save(tmp_path: Path, capsys)
 
 
 def test_divergence_after_a_checkpoint_keeps_it_unchanged(tmp_path: Path, capsys) -> None:
-    assert main(_cli(tmp_path, "run", "--steps", "6", "--lr", "1e5", "--until", "1")) == 0
+    assert main(_train_argv(tmp_path, "run", "--steps", "6", "--lr", "1e5", "--until", "1")) == 0
     ckpt = tmp_path / "run" / CHECKPOINT
     saved = ckpt.read_bytes()
-    assert main(_cli(tmp_path, "run", "--steps", "6", "--lr", "1e5", "--resume")) == 1
+    assert main(_train_argv(tmp_path, "run", "--steps", "6", "--lr", "1e5", "--resume")) == 1
     step, line = _diverged(capsys.readouterr().err)
     assert step >= 2 and f"{str(ckpt)!r} holds step 1" in line
     assert ckpt.read_bytes() == saved
@@ -258,7 +249,7 @@ def test_two_ranks_agree_on_divergence_and_save_nothing(tmp_path: Path) -> None:
     before the update; no checkpoint directory, exit 1 through ``moonrt launch``, one diverged line (rank 0)."""
     metrics = tmp_path / "m.jsonl"
     argv = [*MOONRT, "launch", "-n", "2", "--timeout", "120", "--", *MOONRT,
-            *_cli(tmp_path, "run", "--steps", "6", "--lr", "1e5", "--threads", "1", "--metrics", str(metrics))]
+            *_train_argv(tmp_path, "run", "--steps", "6", "--lr", "1e5", "--threads", "1", "--metrics", str(metrics))]
     done = subprocess.run(argv, env=_env(), capture_output=True, text=True, timeout=400)
     output = done.stdout + done.stderr
     assert done.returncode == 1, output[-4000:]
@@ -286,16 +277,16 @@ def test_a_second_run_into_a_locked_out_dir_is_refused_and_writes_nothing(tmp_pa
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.write(fd, b"4242\n")  # the holder's pid, as moonrt writes it
         before = _tree(out)
-        assert main(_cli(tmp_path, "run", "--steps", "2", "--metrics", str(tmp_path / "m.jsonl"))) == 2
+        assert main(_train_argv(tmp_path, "run", "--steps", "2", "--metrics", str(tmp_path / "m.jsonl"))) == 2
         line = _one_error_line(capsys.readouterr().err)
         assert "out_dir (--out)" in line and str(out) in line and "pid 4242" in line, line
         assert _tree(out) == before and not (tmp_path / "m.jsonl").exists()
-        assert main(_cli(tmp_path, "run", "--steps", "2", "--resume-if-exists")) == 2
+        assert main(_train_argv(tmp_path, "run", "--steps", "2", "--resume-if-exists")) == 2
         capsys.readouterr()
         assert _tree(out) == before
     finally:
         os.close(fd)  # released: as when the holder dies
-    assert main(_cli(tmp_path, "run", "--steps", "2")) == 0
+    assert main(_train_argv(tmp_path, "run", "--steps", "2")) == 0
     assert checkpoint.load(out / CHECKPOINT)["step"] == 2
 
 
@@ -305,7 +296,7 @@ def test_a_killed_runs_lock_is_released_and_the_requeued_job_starts_again(tmp_pa
     after ``kill -9`` (no checkpoint yet) ``--resume-if-exists`` takes the directory and its metrics over."""
     metrics, run = tmp_path / "m.jsonl", tmp_path / "run"
     flags = ("--steps", "400", "--metrics", str(metrics))
-    first = subprocess.Popen([*MOONRT, *_cli(tmp_path, "run", *flags, "--threads", "1")], env=_env(),
+    first = subprocess.Popen([*MOONRT, *_train_argv(tmp_path, "run", *flags, "--threads", "1")], env=_env(),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 240
@@ -315,7 +306,7 @@ def test_a_killed_runs_lock_is_released_and_the_requeued_job_starts_again(tmp_pa
             time.sleep(0.05)
         os.kill(first.pid, signal.SIGSTOP)  # holds the lock, writes nothing more
         before = _tree(tmp_path)
-        assert main(_cli(tmp_path, "run", *flags, "--until", "2", "--resume-if-exists")) == 2
+        assert main(_train_argv(tmp_path, "run", *flags, "--until", "2", "--resume-if-exists")) == 2
         line = _one_error_line(capsys.readouterr().err)
         assert f"pid {first.pid}" in line and str(run) in line, line
         assert _tree(tmp_path) == before
@@ -323,7 +314,7 @@ def test_a_killed_runs_lock_is_released_and_the_requeued_job_starts_again(tmp_pa
         os.killpg(first.pid, signal.SIGKILL)
         first.communicate()
     assert (run / LOCK).exists() and not (run / CHECKPOINT).exists()  # left by the kill, unlocked
-    assert main(_cli(tmp_path, "run", *flags, "--until", "2", "--resume-if-exists")) == 0
+    assert main(_train_argv(tmp_path, "run", *flags, "--until", "2", "--resume-if-exists")) == 0
     assert [r["step"] for r in _strict_records(metrics)] == [1, 2]
     assert checkpoint.load(run / CHECKPOINT)["step"] == 2 and not (run / LOCK).exists()
 
@@ -354,7 +345,8 @@ def test_the_lock_is_held_for_the_whole_run(tmp_path: Path) -> None:
 
 
 def test_resume_never_trims_a_file_that_is_not_this_runs_metrics(tmp_path: Path, capsys) -> None:
-    assert main(_cli(tmp_path, "run", "--steps", "4", "--until", "2", "--metrics", str(tmp_path / "m.jsonl"))) == 0
+    assert main(_train_argv(tmp_path, "run", "--steps", "4", "--until", "2", "--metrics",
+                            str(tmp_path / "m.jsonl"))) == 0
     notes = tmp_path / "notes.txt"
     notes.write_text('my notes\n{"step": 1, "loss": 2.0}\nmore notes\n')
     cut = tmp_path / "cut.jsonl"  # a moonrt metrics file with a damaged line that is not the last one
@@ -362,12 +354,12 @@ def test_resume_never_trims_a_file_that_is_not_this_runs_metrics(tmp_path: Path,
     cut.write_text(lines[0][:20] + "\n" + lines[1])
     for path in (notes, cut):
         before = path.read_bytes()
-        assert main(_cli(tmp_path, "run", "--steps", "4", "--resume", "--metrics", str(path))) == 2
+        assert main(_train_argv(tmp_path, "run", "--steps", "4", "--resume", "--metrics", str(path))) == 2
         line = _one_error_line(capsys.readouterr().err)
         assert f"--metrics = {str(path)!r}" in line, line
         assert path.read_bytes() == before
     assert checkpoint.load(tmp_path / "run" / CHECKPOINT)["step"] == 2  # nothing trained
-    assert main(_cli(tmp_path, "run", "--steps", "4", "--resume", "--metrics", str(tmp_path / "m.jsonl"))) == 0
+    assert main(_train_argv(tmp_path, "run", "--steps", "4", "--resume", "--metrics", str(tmp_path / "m.jsonl"))) == 0
     assert [r["step"] for r in _strict_records(tmp_path / "m.jsonl")] == [1, 2, 3, 4]
 
 
@@ -375,16 +367,17 @@ def test_routing_trace_never_overwrites_a_file_that_is_not_this_runs(tmp_path: P
     user = tmp_path / "user.npz"
     np.savez(user, counts=np.ones((1, 1, 1, 4), dtype=np.int64))
     before = user.read_bytes()
-    assert main(_cli(tmp_path, "run", "--steps", "3", "--routing-trace", str(user))) == 2
+    assert main(_train_argv(tmp_path, "run", "--steps", "3", "--routing-trace", str(user))) == 2
     assert "routing_trace (--routing-trace)" in _one_error_line(capsys.readouterr().err)
     assert user.read_bytes() == before and not (tmp_path / "run" / CHECKPOINT).exists()
     own = tmp_path / "own.npz"
-    assert main(_cli(tmp_path, "run", "--steps", "3", "--until", "1", "--routing-trace", str(own))) == 0
+    assert main(_train_argv(tmp_path, "run", "--steps", "3", "--until", "1", "--routing-trace", str(own))) == 0
     assert load_trace(own).counts.shape[0] == 1
-    assert main(_cli(tmp_path, "run", "--steps", "3", "--resume", "--routing-trace", str(user))) == 2  # not its own
+    assert main(_train_argv(tmp_path, "run", "--steps", "3", "--resume", "--routing-trace",
+                            str(user))) == 2  # not its own
     assert "routing_trace (--routing-trace)" in _one_error_line(capsys.readouterr().err)
     assert user.read_bytes() == before
-    assert main(_cli(tmp_path, "run", "--steps", "3", "--resume", "--routing-trace", str(own))) == 0  # its own
+    assert main(_train_argv(tmp_path, "run", "--steps", "3", "--resume", "--routing-trace", str(own))) == 0  # its own
     assert load_trace(own).counts.shape[0] == 2  # the steps of this invocation
     assert not [p for p in tmp_path.iterdir() if p.name.startswith((".own", "own.npz."))]  # no temp file
 
@@ -405,7 +398,7 @@ def test_an_empty_out_is_refused_naming_the_flag(tmp_path: Path, capsys, monkeyp
     monkeypatch.chdir(tmp_path)
     _corpus(tmp_path)
     before = _tree(tmp_path)
-    args = _cli(tmp_path, "x", "--steps", "2")
+    args = _train_argv(tmp_path, "x", "--steps", "2")
     args[args.index("--out") + 1] = ""
     assert main(args) == 2
     line = _one_error_line(capsys.readouterr().err)

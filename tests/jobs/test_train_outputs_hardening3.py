@@ -17,8 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from test_train_hardening import _cli, _corpus, _one_error_line, _records
-from test_train_outputs_hardening import _tree
+from jobs.helpers import _corpus, _one_error_line, _records, _train_argv, _tree
 
 from moonrt.cli import main
 from moonrt.config import ConfigError, from_dict
@@ -67,8 +66,8 @@ def _run_id(out: Path) -> str:
 @pytest.mark.parametrize("flag", ["--resume", "--resume-if-exists"])
 def test_resume_refuses_another_runs_metrics_and_leaves_it_unchanged(tmp_path: Path, capsys, flag) -> None:
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    assert main(_cli(tmp_path, "run_a", "--steps", "8", "--until", "6", "--metrics", str(a))) == 0
-    assert main(_cli(tmp_path, "run_b", "--steps", "3", "--until", "1", "--metrics", str(b))) == 0
+    assert main(_train_argv(tmp_path, "run_a", "--steps", "8", "--until", "6", "--metrics", str(a))) == 0
+    assert main(_train_argv(tmp_path, "run_b", "--steps", "3", "--until", "1", "--metrics", str(b))) == 0
     ida, idb = _run_id(tmp_path / "run_a"), _run_id(tmp_path / "run_b")
     assert ida != idb and len(ida) == 32
     assert [r["run_id"] for r in _records(a)] == [ida] * 6 and [r["run_id"] for r in _records(b)] == [idb]
@@ -77,22 +76,22 @@ def test_resume_refuses_another_runs_metrics_and_leaves_it_unchanged(tmp_path: P
     for path, why in ((a, f"is a record of another run (run_id {ida!r}); this run's is {idb!r}"),
                       (legacy, f"is a record without a run_id, not one of this run; this run's is {idb!r}")):
         before = path.read_bytes()
-        assert main(_cli(tmp_path, "run_b", "--steps", "3", flag, "--metrics", str(path))) == 2
+        assert main(_train_argv(tmp_path, "run_b", "--steps", "3", flag, "--metrics", str(path))) == 2
         line = _one_error_line(capsys.readouterr().err)
         assert f"--metrics = {str(path)!r}: line 1 {why}; refusing to trim" in line, line
         assert path.read_bytes() == before  # byte for byte: no record lost
     assert checkpoint.load(tmp_path / "run_b" / CHECKPOINT)["step"] == 1  # nothing trained
     # each run continues its own file: every step once, every record carrying its run's id
-    assert main(_cli(tmp_path, "run_b", "--steps", "3", flag, "--metrics", str(b))) == 0
+    assert main(_train_argv(tmp_path, "run_b", "--steps", "3", flag, "--metrics", str(b))) == 0
     assert [(r["step"], r["run_id"]) for r in _records(b)] == [(1, idb), (2, idb), (3, idb)]
-    assert main(_cli(tmp_path, "run_a", "--steps", "8", flag, "--metrics", str(a))) == 0
+    assert main(_train_argv(tmp_path, "run_a", "--steps", "8", flag, "--metrics", str(a))) == 0
     assert [(r["step"], r["run_id"]) for r in _records(a)] == [(s, ida) for s in range(1, 9)]
 
 
 def test_a_fresh_run_keeps_refusing_an_existing_metrics_file(tmp_path: Path, capsys) -> None:
-    assert main(_cli(tmp_path, "run_a", "--steps", "1", "--metrics", str(tmp_path / "a.jsonl"))) == 0
+    assert main(_train_argv(tmp_path, "run_a", "--steps", "1", "--metrics", str(tmp_path / "a.jsonl"))) == 0
     before = (tmp_path / "a.jsonl").read_bytes()
-    assert main(_cli(tmp_path, "run_c", "--steps", "1", "--metrics", str(tmp_path / "a.jsonl"))) == 2
+    assert main(_train_argv(tmp_path, "run_c", "--steps", "1", "--metrics", str(tmp_path / "a.jsonl"))) == 2
     assert "file exists; expected a new path" in _one_error_line(capsys.readouterr().err)
     assert (tmp_path / "a.jsonl").read_bytes() == before and not (tmp_path / "run_c" / CHECKPOINT).exists()
 
@@ -101,8 +100,8 @@ def test_a_fresh_run_keeps_refusing_an_existing_metrics_file(tmp_path: Path, cap
 def test_resume_refuses_another_runs_tensorboard_directory(tmp_path: Path, capsys) -> None:
     pytest.importorskip("tensorboard", reason="the optional tensorboard package (moonrt[tensorboard]) is missing")
     tba, tbb = tmp_path / "tb_a", tmp_path / "tb_b"
-    assert main(_cli(tmp_path, "run_a", "--steps", "3", "--until", "2", "--tensorboard", str(tba))) == 0
-    assert main(_cli(tmp_path, "run_b", "--steps", "3", "--until", "1", "--tensorboard", str(tbb))) == 0
+    assert main(_train_argv(tmp_path, "run_a", "--steps", "3", "--until", "2", "--tensorboard", str(tba))) == 0
+    assert main(_train_argv(tmp_path, "run_b", "--steps", "3", "--until", "1", "--tensorboard", str(tbb))) == 0
     assert (tba / ".moonrt-run").read_text() == _run_id(tmp_path / "run_a") + "\n"
     unmarked = tmp_path / "tb_unmarked"  # event files only (an older moonrt's, or another trainer's)
     unmarked.mkdir()
@@ -111,13 +110,13 @@ def test_resume_refuses_another_runs_tensorboard_directory(tmp_path: Path, capsy
     for directory, why in ((tba, f"is another run's (run_id {_run_id(tmp_path / 'run_a')!r} in its .moonrt-run)"),
                            (unmarked, "holds no .moonrt-run marker")):
         before = _tree(directory)
-        assert main(_cli(tmp_path, "run_b", "--steps", "3", "--resume", "--tensorboard", str(directory))) == 2
+        assert main(_train_argv(tmp_path, "run_b", "--steps", "3", "--resume", "--tensorboard", str(directory))) == 2
         line = _one_error_line(capsys.readouterr().err)
         assert f"log.tensorboard (--tensorboard) = {str(directory)!r}: {why}, so it is not this run's" in line, line
         assert _tree(directory) == before
     assert checkpoint.load(tmp_path / "run_b" / CHECKPOINT)["step"] == 1
-    assert main(_cli(tmp_path, "run_b", "--steps", "3", "--resume", "--tensorboard", str(tbb))) == 0
-    assert main(_cli(tmp_path, "run_a", "--steps", "3", "--resume", "--tensorboard", str(tba))) == 0
+    assert main(_train_argv(tmp_path, "run_b", "--steps", "3", "--resume", "--tensorboard", str(tbb))) == 0
+    assert main(_train_argv(tmp_path, "run_a", "--steps", "3", "--resume", "--tensorboard", str(tba))) == 0
     capsys.readouterr()
 
 
@@ -160,15 +159,16 @@ def test_a_users_config_yaml_in_out_is_never_replaced(tmp_path: Path, capsys) ->
 
 
 def test_moonrts_own_config_yaml_is_marked_and_replaced_on_resume(tmp_path: Path) -> None:
-    assert main(_cli(tmp_path, "run", "--steps", "3", "--until", "1")) == 0
+    assert main(_train_argv(tmp_path, "run", "--steps", "3", "--until", "1")) == 0
     config = tmp_path / "run" / "config.yaml"
     assert config.read_text().startswith("# moonrt train: the job config of the run in this directory")
     assert yaml.safe_load(config.read_text())["optim"]["steps"] == 3
-    assert main(_cli(tmp_path, "run", "--steps", "4", "--until", "2", "--resume")) == 0  # steps may grow on resume
+    # steps may grow on resume
+    assert main(_train_argv(tmp_path, "run", "--steps", "4", "--until", "2", "--resume")) == 0
     assert yaml.safe_load(config.read_text())["optim"]["steps"] == 4
     legacy = config.read_text().split("\n", 1)[1]  # as an older moonrt wrote it: no header, its exact YAML
     config.write_text(legacy)
-    assert main(_cli(tmp_path, "run", "--steps", "5", "--until", "3", "--resume")) == 0
+    assert main(_train_argv(tmp_path, "run", "--steps", "5", "--until", "3", "--resume")) == 0
     assert yaml.safe_load(config.read_text())["optim"]["steps"] == 5
 
 
@@ -176,7 +176,7 @@ def test_moonrts_own_config_yaml_is_marked_and_replaced_on_resume(tmp_path: Path
 
 
 def test_a_batch_that_cannot_fit_is_refused_before_step_one(tmp_path: Path, capsys) -> None:
-    assert main(_cli(tmp_path, "run", "--steps", "1", "--batch-size", "2000000", "--metrics",
+    assert main(_train_argv(tmp_path, "run", "--steps", "1", "--batch-size", "2000000", "--metrics",
                      str(tmp_path / "m.jsonl"))) == 2
     line = _one_error_line(capsys.readouterr().err)
     assert "optim.batch_size (--batch-size) = 2000000, optim.seq_len (--seq-len) = 16: one step needs an " \

@@ -19,20 +19,18 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
-from helpers import FLAGS, _assert_same_step, _ckpt, _cli, _close, _here, _metrics, _ranks, _run
-
-
-def _adamw_bytes_per_rank(dp: int) -> int:
-    """AdamW state bytes of one rank under ZeRO-1 over ``dp`` replicas of k3_tiny (one fp32 bucket): two
-    ``[ceil(L / dp)]`` fp32 moment shards and the ``[P]`` fp64 step counts."""
-    from moonrt.jobs.train.assemble import build_model
-    from moonrt.jobs.train.config import JobConfig
-
-    params = [p for p in build_model(JobConfig(model="k3_tiny")).parameters() if p.requires_grad]
-    assert {p.dtype for p in params} == {torch.float32}
-    total = sum(p.numel() for p in params)
-    return 2 * 4 * -(-total // dp) + 8 * len(params)
+from jobs.helpers import (
+    FLAGS,
+    _adamw_bytes_per_rank,
+    _assert_same_step,
+    _ckpt,
+    _cli,
+    _close,
+    _here,
+    _metrics,
+    _ranks,
+    _run,
+)
 
 
 @pytest.mark.slow

@@ -10,45 +10,14 @@ would be seen. An fp64 input stays fp64 inside an island (the islands lift to at
 
 from __future__ import annotations
 
-import sys
-from collections import defaultdict
-from pathlib import Path
-
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
+from model.helpers import Calls
 
-import moonrt
 from moonrt.comm.parallelism import Parallelism, Precision
 from moonrt.jobs.train.assemble import build_model
 from moonrt.jobs.train.config import JobConfig
 from moonrt.ops.precision import at_least_fp32, fp32_island, token_loss_sum
-
-ROOT = str(Path(moonrt.__file__).parent)
-MATH = {"matmul", "__matmul__", "einsum", "mm", "bmm", "linear", "softmax", "exp", "sigmoid", "topk", "cross_entropy",
-        "scaled_dot_product_attention", "rms_norm"}
-
-
-class Calls(TorchFunctionMode):
-    """``(file stem, function name) -> {op name: {result dtypes}}`` of the torch math calls moonrt code makes."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: dict[tuple[str, str], dict[str, set[torch.dtype]]] = defaultdict(lambda: defaultdict(set))
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        out = func(*args, **(kwargs or {}))
-        name = getattr(func, "__name__", "")
-        if name in MATH:
-            f = sys._getframe(1)
-            while f is not None and not f.f_code.co_filename.startswith(ROOT):
-                f = f.f_back
-            if f is not None:
-                results = out if isinstance(out, tuple) else (out,)
-                for r in results:
-                    if isinstance(r, torch.Tensor) and r.is_floating_point():
-                        self.seen[(Path(f.f_code.co_filename).stem, f.f_code.co_name)][name].add(r.dtype)
-        return out
 
 
 def _step(model_name: str, compute: str) -> tuple[torch.nn.Module, Calls, torch.Tensor]:

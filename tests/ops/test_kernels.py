@@ -138,7 +138,7 @@ def test_kcp_runs_the_chosen_backend_on_two_ranks() -> None:
     (o * x["do"]).sum().backward()
     want = ["kda_chunk:torch", "kda_state_grad:torch", "kda_transition:torch"]
     assert [r["calls"] for r in got] == [want, want]
-    # KCP on fp32 vs single-process fp32: tests/runtime/test_kcp.py's bound (relative RMS 1e-5)
+    # KCP on fp32 vs single-process fp32: tests/comm/test_kcp.py's bound (relative RMS 1e-5)
     assert rel_l2(torch.cat([r["o"] for r in got], dim=1), o) <= 1e-5
     assert rel_l2(torch.cat([r["dq"] for r in got], dim=1), leaves["q"].grad) <= 1e-5
 

@@ -2,7 +2,7 @@
 return the same ``alloc3`` bit for bit, and that placement conserves every expert's load and meets every rank's
 target exactly (the theorem's balance). Triton runs under its interpreter on CPU (the ``triton_kernels`` fixture),
 on the GPU with ``MOONRT_TEST_DEVICE=cuda``. The planner-level equality with ``moonep.plan`` on the adversarial
-corpus is in tests/runtime/test_moonep_corpus.py."""
+corpus is in tests/scheduler/test_moonep_corpus.py."""
 
 from __future__ import annotations
 

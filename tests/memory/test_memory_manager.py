@@ -7,56 +7,12 @@ import warnings
 
 import pytest
 import torch
+from memory.helpers import Stack, _policy, _run, _run_mgr
 from torch import nn
 
-from moonrt.config import ConfigError, from_dict
+from moonrt.config import ConfigError
 from moonrt.memory.manager import ActivationManager
 from moonrt.memory.policy import MemoryPolicy
-
-
-class Block(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.attn = nn.Sequential(nn.Linear(d, 3 * d), nn.GELU(), nn.Linear(3 * d, d))
-        self.ffn = nn.Sequential(nn.Linear(d, 2 * d), nn.SiLU(), nn.Linear(2 * d, d))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm(x))
-        return x + self.ffn(x)
-
-
-class Stack(nn.Module):
-    def __init__(self, d: int = 128, n: int = 3) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(Block(d) for _ in range(n))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
-def _run(policy: MemoryPolicy | None, dtype=torch.float32, seed: int = 0, device: torch.device | str = "cpu"):
-    torch.manual_seed(seed)
-    model = Stack().to(dtype).to(device)
-    x = torch.randn(4, 16, 128, dtype=dtype).to(device).requires_grad_()
-    if policy is None:
-        loss = model(x).float().square().mean()
-        loss.backward()
-        return [p.grad.clone() for p in model.parameters()] + [x.grad.clone()], None
-    mgr = ActivationManager(model, policy)
-    with mgr:
-        loss = model(x).float().square().mean()
-    loss.backward()
-    grads = [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
-    acc = mgr.accounting
-    mgr.close()
-    return grads, acc
-
-
-def _policy(**kw) -> MemoryPolicy:
-    return from_dict(MemoryPolicy, kw)
 
 
 @pytest.mark.parametrize("spec", [
@@ -182,21 +138,6 @@ def test_disk_store_capacity_and_reuse(tmp_path):
     assert torch.equal(store.get(c, torch.device("cpu")), torch.full((900,), 7, dtype=torch.uint8))
     store.close()
     assert list((tmp_path / "offload").iterdir()) == []  # the directory is kept, no file left in it
-
-
-def _run_mgr(policy: MemoryPolicy, steps: int = 1, **kw):
-    torch.manual_seed(0)
-    model = Stack()
-    x = torch.randn(4, 16, 128, requires_grad=True)
-    mgr = ActivationManager(model, policy, **kw)
-    for _ in range(steps):
-        model.zero_grad(set_to_none=True)
-        x.grad = None
-        with mgr:
-            loss = model(x).float().square().mean()
-        loss.backward()
-    grads = [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
-    return grads, mgr
 
 
 def test_fp8_layer_batches_equal_single_saves():

@@ -16,8 +16,8 @@ import subprocess
 import sys
 
 import pytest
+from cluster.helpers import LAUNCHER_VARS, clean_env
 from dist import dist_run
-from test_cluster_report import LAUNCHER_VARS, clean_env
 
 from moonrt.jobs.selftest import cli as selftest
 

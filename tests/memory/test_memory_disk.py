@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist import dist_run
+from memory.helpers import _open_files_under
 from torch import nn
 
 from moonrt.config import ConfigError, from_dict
@@ -111,20 +112,6 @@ _CHILD = textwrap.dedent("""
     for _ in range(1200):
         time.sleep(0.1)
 """)
-
-
-def _open_files_under(pid: int, directory: Path) -> list[str]:
-    """Targets of ``pid``'s open descriptors that lie in ``directory`` (Linux ``/proc``)."""
-    fd_dir = Path(f"/proc/{pid}/fd")
-    out = []
-    for fd in fd_dir.iterdir():
-        try:
-            target = os.readlink(fd)
-        except OSError:
-            continue
-        if target.startswith(str(directory) + "/"):
-            out.append(target)
-    return out
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_cluster_report import clean_env
+from cluster.helpers import clean_env
 
 from moonrt.cluster import detect
 from moonrt.cluster.launch import launch

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from memory.helpers import _open_files_under
 from mounts import small_tmpfs
-from test_memory_disk import _open_files_under
 from torch import nn
 
 import moonrt

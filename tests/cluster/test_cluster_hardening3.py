@@ -11,8 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from test_cluster_hardening import _gone, _wait_for
-from test_cluster_report import clean_env
+from cluster.helpers import _gone, _wait_for, clean_env
 
 from moonrt.cli import main as cli_main
 from moonrt.cluster.network import free_port

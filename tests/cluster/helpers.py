@@ -1,8 +1,15 @@
-"""Independent check of a ``moonrt selftest --report`` file, shared by the launcher, MPI and SLURM tests.
+"""Helpers of the cluster tests (``from cluster.helpers import ...``; tests/ is on ``sys.path``, so the directory
+qualifies the name: a bare ``helpers`` would be any package's).
 
-The expected collective outputs are recomputed here from the definitions of the inputs (not from
-moonrt code), so a wrong all_reduce or all_to_all on any rank fails the calling test. Also holds
-:func:`cluster_unavailable`: skip where a cluster tool is absent, fail under MOONRT_REQUIRE_CLUSTER=1.
+- Launcher-free environments and the cluster-tool gate: :func:`clean_env`, :func:`cluster_unavailable` (skip where
+  a cluster tool is absent, fail under ``MOONRT_REQUIRE_CLUSTER=1``), :func:`require_slurm`.
+- Independent check of a ``moonrt selftest --report`` file (launcher, MPI and SLURM tests): the expected collective
+  outputs are recomputed here from the definitions of the inputs (not from moonrt code), so a wrong all_reduce or
+  all_to_all on any rank fails the calling test (:func:`verify_selftest_report`, :func:`expected_outputs`).
+- Ranks that hold their sockets (``HOLD``) and what a process listens on (:func:`listening_sockets`,
+  :func:`only_loopback`); processes gone (:func:`_gone`) and polling (:func:`_wait_for`).
+- The small preemptible job of ``test_preempt.py`` and ``test_cluster_box.py`` (``STEPS``, :func:`_config`,
+  :func:`_train`, :func:`_finish`, :func:`_wait_for_step`, :func:`_assert_same_run`).
 """
 
 from __future__ import annotations
@@ -11,11 +18,18 @@ import ipaddress
 import json
 import os
 import shutil
+import signal
 import subprocess
+import sys
 import textwrap
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
+
+from moonrt.jobs.checkpoint import store
 
 N = 8  # elements per rank per peer in moonrt.jobs.selftest.cli.check_collectives
 
@@ -72,27 +86,6 @@ def verify_selftest_report(path: Path, world: int, source: str) -> dict:
     return report
 
 
-def test_expected_outputs_catch_a_wrong_result(tmp_path):
-    """The checker itself must reject a report whose all_to_all is off on one rank."""
-    world = 2
-    report = {"world_size": world, "passed": True, "bandwidth": [],
-              "ranks": [{"source": "mpi", "outputs": expected_outputs(r, world)} for r in range(world)]}
-    report["ranks"][1]["outputs"]["all_to_all"][3] += 1
-    path = tmp_path / "r.json"
-    path.write_text(json.dumps(report))
-    with pytest.raises(AssertionError, match="rank 1"):
-        verify_selftest_report(path, world, "mpi")
-
-
-def test_cluster_unavailable_skips_or_fails(monkeypatch):
-    monkeypatch.delenv("MOONRT_REQUIRE_CLUSTER", raising=False)
-    with pytest.raises(pytest.skip.Exception, match="no srun here"):
-        cluster_unavailable("no srun here")
-    monkeypatch.setenv("MOONRT_REQUIRE_CLUSTER", "1")
-    with pytest.raises(pytest.fail.Exception, match="MOONRT_REQUIRE_CLUSTER=1 but no srun here"):
-        cluster_unavailable("no srun here")
-
-
 # Every rank joins, talks once, reports its pid, and holds its sockets open until the test is done looking.
 HOLD = textwrap.dedent("""
     import os, sys, time
@@ -145,3 +138,92 @@ def only_loopback(sockets: dict[int, list[tuple[str, int]]], store_port: int) ->
 
     exposed = [s for s in listening if not loopback(s[0])]
     assert not exposed, f"listening beyond loopback: {exposed} (all: {sockets})"
+
+
+def _gone(pid: int) -> bool:
+    """``pid`` no longer runs (absent, or a zombie nobody has reaped yet)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+    return stat[stat.rindex(")") + 2] in "ZX"
+
+
+def _wait_for(predicate, deadline_s: float = 120.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + deadline_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} not reached within {deadline_s:g} s")
+        time.sleep(0.1)
+
+
+# ---- the preemptible job (test_preempt.py, test_cluster_box.py) ------------------------------------------------
+
+STEPS = 8
+MOONRT = [sys.executable, "-m", "moonrt.cli"]
+
+
+def _config(directory: Path) -> Path:
+    """A small job: k3_tiny on a synthetic corpus, 2 x 16 tokens per step, eval only after the last step."""
+    corpus = directory / "corpus.txt"
+    corpus.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(400)))
+    cfg = directory / "job.yaml"
+    cfg.write_text(f"data:\n  corpus: {corpus}\noptim:\n  steps: {STEPS}\n  batch_size: 2\n  seq_len: 16\n"
+                   "  lr: 1.0e-3\n  warmup_steps: 2\n  eval_every: 1000\n  eval_windows: 4\n  checkpoint_every: 1000\n")
+    return cfg
+
+
+def _train(cfg: Path, run: Path, *extra: str) -> list[str]:
+    return ["train", "--config", str(cfg), "--out", str(run / "out"), "--metrics", str(run / "metrics.jsonl"),
+            "--no-progress", *extra]
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str]:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{proc.args} still running after {timeout} s:\n{out[-4000:]}")
+    return proc.returncode, out
+
+
+def _records(run: Path) -> list[dict]:
+    path = run / "metrics.jsonl"
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    return [json.loads(line) for line in lines if line.endswith("}")]
+
+
+def _wait_for_step(run: Path, step: int, alive: Callable[[], bool], timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not (_records(run) and _records(run)[-1]["step"] >= step):
+        assert alive(), f"the job ended before step {step}"
+        assert time.monotonic() < deadline, f"no step {step} in {run / 'metrics.jsonl'} after {timeout} s"
+        time.sleep(0.05)
+
+
+def _assert_same_run(run: Path, ref: Path) -> None:
+    """The same steps with bit-identical losses, gradient norms, parameters and optimizer state."""
+    got, want = _records(run), _records(ref)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1)) == [r["step"] for r in want]
+    assert [(r["loss"], r["grad_norm"]) for r in got] == [(r["loss"], r["grad_norm"]) for r in want]
+    a, b = (store.read_state(p / "out") for p in (run, ref))  # 2 ranks: sharded, gathered here
+    assert a["step"] == b["step"] == STEPS
+    for key in ("model", "optimizer"):
+        flat_a, flat_b = _tensors(a[key]), _tensors(b[key])
+        assert flat_a.keys() == flat_b.keys()
+        for name, t in flat_a.items():
+            assert torch.equal(t, flat_b[name]), f"{key}.{name}"
+
+
+def _tensors(tree: object, prefix: str = "") -> dict[str, torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return {prefix: tree}
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else ()
+    return {k: v for key, value in items for k, v in _tensors(value, f"{prefix}.{key}").items()}

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_moonep_plan import MODES, make_counts
+from scheduler.helpers import MODES, make_counts
 
 from moonrt.scheduler.moonep import plan, transfer_matrix
 

@@ -12,7 +12,7 @@ import textwrap
 import time
 
 import pytest
-from test_cluster_report import HOLD, clean_env, listening_sockets, only_loopback, verify_selftest_report
+from cluster.helpers import HOLD, clean_env, listening_sockets, only_loopback, verify_selftest_report
 
 from moonrt.cli import main as cli_main
 from moonrt.cluster.launch import launch

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_cluster_report import (
+from cluster.helpers import (
     HOLD,
     clean_env,
     cluster_unavailable,

@@ -16,8 +16,8 @@ import sys
 
 import pytest
 import torch
+from cluster.helpers import clean_env, expected_outputs
 from dist import dist_run
-from test_cluster_report import clean_env, expected_outputs
 
 from moonrt.jobs.selftest import cli as selftest
 from moonrt.jobs.selftest import ep as selftest_ep

@@ -13,7 +13,7 @@ import sys
 import time
 
 import pytest
-from test_cluster_report import clean_env, require_slurm, verify_selftest_report
+from cluster.helpers import clean_env, require_slurm, verify_selftest_report
 
 pytestmark = pytest.mark.slurm
 

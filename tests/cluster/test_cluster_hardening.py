@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_cluster_report import clean_env
+from cluster.helpers import _gone, _wait_for, clean_env
 
 from moonrt.cli import main as cli_main
 from moonrt.cluster.detect import slurm_port
@@ -29,27 +29,6 @@ JOB_ID_ENV = "MOONRT_JOB_ID"
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in clean_env().items() if k != JOB_ID_ENV}
     return {**env, **extra}
-
-
-def _gone(pid: int) -> bool:
-    """``pid`` no longer runs (absent, or a zombie nobody has reaped yet)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        return False
-    return stat[stat.rindex(")") + 2] in "ZX"
-
-
-def _wait_for(predicate, deadline_s: float = 120.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + deadline_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what} not reached within {deadline_s:g} s")
-        time.sleep(0.1)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -35,8 +35,8 @@ import time
 from pathlib import Path
 
 import pytest
+from cluster.helpers import clean_env, cluster_unavailable, verify_selftest_report
 from jobs.helpers import FLAGS, _assert_same_step, _ckpt, _here, _main_here, _metrics, _run
-from runtime.test_cluster_report import clean_env, cluster_unavailable, verify_selftest_report
 
 from moonrt.cluster.preempt import PREEMPTED_EXIT
 
@@ -392,7 +392,7 @@ def test_two_node_job_preempted_with_usr1_saves_exits_75_requeues_and_resumes_bi
     node's rank finishes its step, the job checkpoints and its step exits 75; the job is requeued, resumes on the
     two nodes and ends with the losses, gradient norms, parameters and optimizer state of an uninterrupted 2-rank
     run (``moonrt launch -n 2`` on this host, started at the same time): bit-identical."""
-    from test_preempt import MOONRT, STEPS, _assert_same_run, _config, _finish, _train, _wait_for_step
+    from cluster.helpers import MOONRT, STEPS, _assert_same_run, _config, _finish, _train, _wait_for_step
 
     cfg = _config(tmp_path)
     run, ref, log = tmp_path / "run", tmp_path / "ref", tmp_path / "requeue.log"

@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from test_memory_manager import Stack, _policy, _run, _run_mgr
+from memory.helpers import Stack, _policy, _run, _run_mgr
 
 from moonrt.memory.backends import HostStore
 from moonrt.memory.manager import ActivationManager

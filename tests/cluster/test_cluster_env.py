@@ -8,7 +8,7 @@ import sys
 from datetime import timedelta
 
 import pytest
-from test_cluster_report import clean_env, listening_sockets
+from cluster.helpers import clean_env, listening_sockets
 
 from moonrt.cluster.detect import (
     SLURM_PORT_BASE,

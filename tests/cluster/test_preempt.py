@@ -25,7 +25,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_cluster_report import clean_env, require_slurm
+from cluster.helpers import (
+    MOONRT,
+    STEPS,
+    _assert_same_run,
+    _config,
+    _finish,
+    _records,
+    _train,
+    _wait_for_step,
+    clean_env,
+    require_slurm,
+)
 
 from moonrt.cluster.launch import launch
 from moonrt.cluster.preempt import PREEMPTED_EXIT
@@ -36,75 +47,10 @@ from moonrt.jobs.checkpoint import store
 from moonrt.jobs.train.config import JobConfig
 from moonrt.jobs.train.loop import Preempted, train
 
-STEPS = 8
-MOONRT = [sys.executable, "-m", "moonrt.cli"]
-
-
-def _config(directory: Path) -> Path:
-    """A small job: k3_tiny on a synthetic corpus, 2 x 16 tokens per step, eval only after the last step."""
-    corpus = directory / "corpus.txt"
-    corpus.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(400)))
-    cfg = directory / "job.yaml"
-    cfg.write_text(f"data:\n  corpus: {corpus}\noptim:\n  steps: {STEPS}\n  batch_size: 2\n  seq_len: 16\n"
-                   "  lr: 1.0e-3\n  warmup_steps: 2\n  eval_every: 1000\n  eval_windows: 4\n  checkpoint_every: 1000\n")
-    return cfg
-
-
-def _train(cfg: Path, run: Path, *extra: str) -> list[str]:
-    return ["train", "--config", str(cfg), "--out", str(run / "out"), "--metrics", str(run / "metrics.jsonl"),
-            "--no-progress", *extra]
-
 
 def _start(argv: list[str], cwd: Path) -> subprocess.Popen:
     return subprocess.Popen(argv, cwd=cwd, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
-
-
-def _finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str]:
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{proc.args} still running after {timeout} s:\n{out[-4000:]}")
-    return proc.returncode, out
-
-
-def _records(run: Path) -> list[dict]:
-    path = run / "metrics.jsonl"
-    if not path.exists():
-        return []
-    lines = path.read_text().splitlines()
-    return [json.loads(line) for line in lines if line.endswith("}")]
-
-
-def _wait_for_step(run: Path, step: int, alive: Callable[[], bool], timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while not (_records(run) and _records(run)[-1]["step"] >= step):
-        assert alive(), f"the job ended before step {step}"
-        assert time.monotonic() < deadline, f"no step {step} in {run / 'metrics.jsonl'} after {timeout} s"
-        time.sleep(0.05)
-
-
-def _assert_same_run(run: Path, ref: Path) -> None:
-    """The same steps with bit-identical losses, gradient norms, parameters and optimizer state."""
-    got, want = _records(run), _records(ref)
-    assert [r["step"] for r in got] == list(range(1, STEPS + 1)) == [r["step"] for r in want]
-    assert [(r["loss"], r["grad_norm"]) for r in got] == [(r["loss"], r["grad_norm"]) for r in want]
-    a, b = (store.read_state(p / "out") for p in (run, ref))  # 2 ranks: sharded, gathered here
-    assert a["step"] == b["step"] == STEPS
-    for key in ("model", "optimizer"):
-        flat_a, flat_b = _tensors(a[key]), _tensors(b[key])
-        assert flat_a.keys() == flat_b.keys()
-        for name, t in flat_a.items():
-            assert torch.equal(t, flat_b[name]), f"{key}.{name}"
-
-
-def _tensors(tree: object, prefix: str = "") -> dict[str, torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        return {prefix: tree}
-    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else ()
-    return {k: v for key, value in items for k, v in _tensors(value, f"{prefix}.{key}").items()}
 
 
 def _stopped(run: Path, out: str, code: int) -> int:
