@@ -398,8 +398,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kda", default="triton", help="train: kernels.kda")
     parser.add_argument("--reference", help="train: the CPU fp32 reference JSON to compare the losses with")
     parser.add_argument("--corpus-sha256", help="train: the sha256 of the --corpus given in the train args")
-    parser.add_argument("train_args", nargs="*", help="train: arguments passed to moonrt train (after --)")
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    train_args = argv[argv.index("--") + 1:] if "--" in argv else []  # train: passed to moonrt train
+    args = parser.parse_args(argv[:len(argv) - len(train_args) - (1 if "--" in argv else 0)])
     if os.path.lexists(args.json):
         print(f"--json = {args.json!r}: exists; expected a new path", file=sys.stderr)
         return 2
@@ -407,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.work:
             print("--work: required by the train probe", file=sys.stderr)
             return 2
-        record = train(args.work, args.name, args.train_args, args.steps, args.until, args.device, args.kda,
+        record = train(args.work, args.name, train_args, args.steps, args.until, args.device, args.kda,
                        args.reference, args.corpus_sha256)
     else:
         kwargs: dict[str, Any] = {"device": args.device}

@@ -227,3 +227,19 @@ def test_kda_blocks_under_the_interpreter_pass_and_fail_on_a_planted_wrong_kerne
     model = kda_probes.kda_in_model(str(triton_kernels.device), batch=1, seq_len=16, timing_shape=TINY)
     assert check.judge(model) == [] and model["backends"][:2] == ["torch", "triton"]
     assert math.isfinite(model["k3_head_timing"]["triton"]["fwd_bwd_s"])
+
+
+@pytest.mark.slow
+def test_the_train_block_stops_checkpoints_and_resumes_on_cpu(tmp_path):
+    """The train probe's command line (moonrt train arguments after ``--``) on CPU: stopped after step 2 with a
+    checkpoint, resumed to step 4 by a second process; ``resume_ok`` and the figures pass the judge."""
+    fig_path = tmp_path / "f.json"
+    res = subprocess.run([sys.executable, str(GPU / "probes.py"), "train", "--work", str(tmp_path), "--name", "t",
+                          "--steps", "4", "--until", "2", "--device", "cpu", "--kda", "auto", "--json", str(fig_path),
+                          "--", "--batch-size", "2", "--seq-len", "32", "--eval-every", "2"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env=os.environ | {"PYTHONPATH": str(ROOT)})
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    fig = json.loads(fig_path.read_text())
+    assert fig["resume_ok"] and fig["resumed_from_step"] == 2 and fig["steps"] == 4 and len(fig["process_wall_s"]) == 2
+    assert fig["checkpoint_bytes"] > 0 and fig["eval_step"] == 4 and check.judge(fig) == []
