@@ -393,9 +393,9 @@ def main(argv: list[str] | None = None) -> int:
     text = table(records, {b.name: b for b in blocks})
     (out / "table.md").write_text(text)
     failed = [r["block"] for r in records if r["status"] != "ok"]
-    print(text, end="")
     print(f"[gpu-check] {'not ok: ' + ', '.join(failed) if failed else 'all blocks ok'}; {results}"
           + (f"; left out of the tarball (too large): {', '.join(left_out)}" if left_out else ""))
+    print(text, end="", flush=True)  # the table last: the device tool's output_tail ends with it
     return 1 if failed else 0
 
 

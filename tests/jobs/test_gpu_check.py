@@ -150,7 +150,7 @@ def test_a_run_without_cuda_records_each_block_tars_its_logs_and_prints_the_tabl
     assert {"logs/env.log", "logs/memory.log", "blocks/env.json"} <= set(names)
     table = (out / "table.md").read_text()
     assert "| env | FAIL" in table and "| memory | FAIL" in table and table in res.stdout
-    assert res.stdout.rstrip().splitlines()[-1].startswith("[gpu-check] not ok: env, memory")
+    assert res.stdout.endswith(table) and "[gpu-check] not ok: env, memory" in res.stdout  # the table last
     res = _sh("--out", str(out), "--only", "env")  # a folder holding results is refused, untouched
     assert res.returncode == 2 and "holds a results.jsonl" in res.stderr and len(recs) == 2
 
