@@ -1,332 +1,402 @@
-"""The prepared single-GPU check of issue 30 (``benchmarks/gpu/check.sh`` runs it): every step is its own process,
-so one failing or crashing step records its error and the others still run; the exit code is 1 when any step
-failed, 2 on bad input, 0 otherwise.
+"""The GPU check for one 15-minute device lease (issue 47; ``benchmarks/gpu/check.sh`` runs it).
 
-Steps, in order (``--dry-run`` prints each with its exact command and exits 0 without importing torch):
+One command, an internal deadline (:data:`DEADLINE_S` of work), blocks in priority order, each its own process
+group under its own timeout (the smaller of its own and what is left of the deadline; a block that finds under
+5 s left is recorded as ``SKIPPED``). After each block one JSON line is appended to ``OUT/results.jsonl``:
+``{block, what, status, rc, wall_s, timeout_s, command, figures, failures, error}``; ``status`` is ``ok``,
+``FAIL`` (non-zero exit, no figures, or a correctness flag: :func:`judge`), ``TIMEOUT`` or ``SKIPPED``.
+At the end every block's log and figures are tarred into ``OUT/logs.tar.gz`` and a short table is written to
+``OUT/table.md`` and printed last. Three files: within the device tool's 8 files of 16 MiB, one folder deep.
+Large outputs (checkpoints, the Triton cache) stay in ``--work`` (default: a new temporary folder).
 
-1. ``preflight``: the interpreter, torch's CUDA build, the device, moonrt's dependencies (:mod:`probes`).
-2. ``baseline``: this run's measured bf16 GEMM rate and host <-> device copy bandwidth, pinned and pageable;
-   every later figure is also given as a ratio to these.
-3. ``tests``: the CPU suite's device-parametrized tests (those taking the ``device`` fixture of
-   ``tests/conftest.py``, the per-layout device-discipline and NCCL-op checks, the CUDA-only train test) with
-   ``MOONRT_TEST_DEVICE=cuda``, so each runs on cpu and on cuda.
-4. ``fp8``, 5. ``offload``, 6. ``moonep``: the FP8 codec, the host offload tier and the torch MoonEP planner on
-   CUDA (:mod:`probes`).
-7. ``train_k3_tiny``, 8. ``train_k3_100m``: ``moonrt train --device cuda --dtype bf16`` for ``--steps`` steps of
-   k3_tiny and of the ~100M-parameter K3 of ``k3_100m.yaml``: tokens/s, model TFLOP/s, peak memory
-   (``torch.cuda.max_memory_allocated``, the metrics' ``peak_mem_bytes``), losses; k3_tiny's losses beside the
-   recorded CPU fp32 run of the same job (``k3_tiny_cpu_fp32.json``).
+Blocks (:func:`plan`; ``--dry-run`` lists them with their timeouts and commands, imports no torch, writes nothing):
 
-The whole check is held to ``--budget-s`` (default 450 s): each step's timeout is the smaller of its own and what
-is left; a step that finds no time left is recorded as not run. Outputs go under ``--out`` (default
-``runs/gpu-check``), a new directory (``--force``: reuse one that a previous check made, replacing its outputs):
-``check.json`` (every step: command, exit code, wall time, figures, ratios, error), ``table.md`` (the table
-printed at the end), ``steps/<step>.log`` and ``.json``, ``train/<run>/`` and ``train/<run>.metrics.jsonl``.
+1. ``env``: versions, capability, the shared-memory limit per block, bf16 GEMM and copy rates (``probes.py``);
+   pulp / highspy / pytest / fla are reported, never required.
+2. ``kda_triton``: the Triton KDA fwd+bwd against the fp64 recurrence at k3_tiny's shape (rel-L2 of the output,
+   the state and all gradients; compile seconds; each compiled kernel's registers, spills, shared memory).
+3. ``train_k3_100m``: ``moonrt train`` of ``k3_100m.yaml`` in bf16 with ``kernels.kda=triton`` for 40 steps,
+   stopped at 20 (checkpointed) and resumed (tokens/s, model TFLOP/s, peak memory, ``resume_ok``).
+4. ``kda_model``: k3_tiny on one teacher-forced batch with the same weights, Triton (and fla when available) vs
+   torch KDA (the loss and every gradient), then each backend's KDA fwd+bwd time at K3's head size.
+5. ``fp8``, 6. ``moonep``: the FP8 codec's and MoonEP planner's kernels on CUDA, bitwise against the CPU ones.
+7. ``memory``: the host offload tier on CUDA (GB/s, bit-exact round trips).
+8. ``train_k3_tiny``: k3_tiny for 50 steps in bf16 on the corpus this check builds from the checkout
+   (:func:`build_corpus`), its losses beside the CPU fp32 reference recorded on the same corpus
+   (``k3_tiny_cpu_fp32.json``; compared only when its ``corpus_sha256`` matches; regenerate it with
+   ``--cpu-reference``).
 
-The device machine has no network: nothing is installed. The interpreter (``$PYTHON``, else ``.venv/bin/python``,
-else ``python3``, chosen by ``check.sh``) needs torch with CUDA and moonrt's dependencies; moonrt itself is
-imported from this checkout (``PYTHONPATH``), so an interpreter of the device image with torch suffices.
+All Triton compiles of the blocks share one cache (``TRITON_CACHE_DIR`` under ``--work``): a kernel compiled by
+one block is loaded from disk by the next. The interpreter is ``$PYTHON``, else the checkout's ``.venv/bin/python``,
+else ``python3`` (``check.sh`` picks it); it needs torch with CUDA and moonrt's GPU-path dependencies (numpy,
+pyyaml, numba, safetensors, tqdm, triton), all in the device image; moonrt comes from this checkout
+(``PYTHONPATH``). Exit code: 0 when every block is ok, 1 otherwise, 2 on bad input.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
+import hashlib
 import json
+import math
 import os
 import re
 import shlex
-import shutil
-import statistics
+import signal
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
-MARKER = ".moonrt-gpu-check"
-"""The file that marks a directory as a GPU check's output (``--force`` reuses only such a directory)."""
 REFERENCE = HERE / "k3_tiny_cpu_fp32.json"
+
+LEASE_S = 900
+"""One device lease: 15 minutes of device time, start-up and idle included (the device tool's limits)."""
+STARTUP_S = 180
+"""Allowance for the machine's start and the transfers of the tree and of ``$OUT`` ("a minute or more")."""
+PER_CALL_S = 600
+"""The device tool's limit on one command."""
+DEADLINE_S = 420
+"""Seconds of block work (the summed block timeouts fit it: a test checks)."""
+TAIL_S = 20
+"""After the deadline: tarring the logs and printing the table."""
+
+CORPUS_GLOB = "moonrt/**/*.py"
+"""The corpus of the CPU-vs-GPU loss comparison: the checkout's moonrt sources, sorted by path, concatenated
+(never the standard library, whose files differ between Python 3.11 and 3.12)."""
+
+TRAIN_STEPS_100M, UNTIL_100M = 40, 20
 
 
 @dataclasses.dataclass
-class Step:
+class Block:
     name: str
     argv: list[str]
     timeout_s: float
-    env: dict[str, str] = dataclasses.field(default_factory=dict)
     what: str = ""
-    outputs: list[Path] = dataclasses.field(default_factory=list)
-    """Paths the step writes (removed first under ``--force``)."""
+    headline: tuple[str, ...] = ()
+    """Figure paths (dotted) the table shows."""
 
 
-def device_test_files(root: Path = ROOT) -> list[str]:
-    """Test files (relative to ``root``) that run on CUDA there: a test function taking the ``device`` fixture, a
-    module reading ``MOONRT_TEST_DEVICE`` itself (the per-layout device-discipline and NCCL-op checks), or a test
-    skipped here for want of a CUDA device (not this check's own tests, which expect a machine without CUDA)."""
-    pat = re.compile(r"^def test_\w+\([^)]*\bdevice\b|MOONRT_TEST_DEVICE|reason=\"needs a CUDA device\"", re.M)
-    return sorted(str(p.relative_to(root)) for p in (root / "tests").rglob("test_*.py")
-                  if p.name != "test_gpu_check.py" and pat.search(p.read_text()))
+def corpus_files(root: Path = ROOT) -> list[Path]:
+    return sorted(p for p in root.glob(CORPUS_GLOB) if p.is_file())
 
 
-def plan(out: Path, py: str, steps: int) -> list[Step]:
-    """The steps of the check writing under ``out``, run by the interpreter ``py``."""
-    s = out / "steps"
-    t = out / "train"
+def build_corpus(path: Path, root: Path = ROOT) -> dict[str, Any]:
+    """Write the loss-comparison corpus (:data:`CORPUS_GLOB`) to ``path``; returns its files, bytes and sha256."""
+    files = corpus_files(root)
+    data = b"".join(p.read_bytes() for p in files)
+    path.write_bytes(data)
+    return {"path": str(path), "files": len(files), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def corpus_sha256(root: Path = ROOT) -> str:
+    return hashlib.sha256(b"".join(p.read_bytes() for p in corpus_files(root))).hexdigest()
+
+
+def plan(work: Path, py: str, corpus: Path, sha: str) -> list[Block]:
+    """The blocks in priority order, writing their figures to ``work/blocks/<name>.json``."""
     probe = [py, str(HERE / "probes.py")]
-    tests = device_test_files()
-    train = [py, "-m", "moonrt.cli", "train", "--device", "cuda", "--dtype", "bf16", "--steps", str(steps),
-             "--no-progress"]
-    runs = {"k3_tiny": ["--eval-every", "25"], "k3_100m": ["--config", str(HERE / "k3_100m.yaml")]}
-    out_steps = [
-        Step("preflight", [*probe, "preflight", "--json", str(s / "preflight.json")], 60,
-             what="interpreter, torch CUDA build, device, dependencies"),
-        Step("baseline", [*probe, "baseline", "--json", str(s / "baseline.json")], 90,
-             what="bf16 GEMM TFLOP/s; host<->device GB/s pinned and pageable"),
-        Step("tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--basetemp", str(s / "pytest-tmp"),
-                       "--junitxml", str(s / "tests.xml"), *tests], 240, env={"MOONRT_TEST_DEVICE": "cuda"},
-             what=f"device-parametrized tests on cpu and cuda ({len(tests)} files)", outputs=[s / "pytest-tmp"]),
-        Step("fp8", [*probe, "fp8", "--json", str(s / "fp8.json")], 60, what="FP8 codec on CUDA: bytes, GB/s"),
-        Step("offload", [*probe, "offload", "--json", str(s / "offload.json")], 60,
-             what="host offload tier on CUDA: GB/s, bit-exact"),
-        Step("moonep", [*probe, "moonep", "--json", str(s / "moonep.json")], 60,
-             what="torch MoonEP planner at K3's shape, GPU vs CPU"),
+
+    def js(name: str) -> list[str]:
+        return ["--json", str(work / "blocks" / f"{name}.json")]
+
+    train = [*probe, "train", "--work", str(work / "train")]
+    return [
+        Block("env", [*probe, "env", *js("env")], 20, "versions, capability, shared memory per block, GEMM and copy "
+              "rates", ("device", "capability", "shared_mem_per_block_optin", "bf16_tflops")),
+        Block("kda_triton", [*probe, "kda_triton", *js("kda_triton")], 75, "Triton KDA fwd+bwd vs the fp64 "
+              "recurrence at k3_tiny's shape; compile s; cubin resources", ("max_rel_l2", "compile_s",
+                                                                             "second_call_s")),
+        Block("train_k3_100m", [*train, "--name", "k3_100m", "--steps", str(TRAIN_STEPS_100M), "--until",
+                                str(UNTIL_100M), *js("train_k3_100m"), "--", "--config", str(HERE / "k3_100m.yaml")],
+              140, f"moonrt train k3_100m bf16, Triton KDA, {TRAIN_STEPS_100M} steps, checkpoint at {UNTIL_100M} "
+              "+ resume", ("tokens_per_s", "model_tflops_per_s", "peak_mem_bytes", "resume_ok")),
+        Block("kda_model", [*probe, "kda_model", *js("kda_model")], 60, "k3_tiny, one batch, same weights: Triton "
+              "(fla) vs torch KDA loss and gradients; KDA fwd+bwd s at K3's head size",
+              ("max_rel_l2", "k3_head_timing")),
+        Block("fp8", [*probe, "fp8", *js("fp8")], 25, "FP8 codec kernels on CUDA, bitwise vs the CPU codec",
+              ("bf16.quantize_GBps", "bf16.bitwise_equal_cpu_codec")),
+        Block("moonep", [*probe, "moonep", *js("moonep")], 25, "MoonEP planners on CUDA at K3's shape, identical "
+              "plans", ("device_plan_device_ms", "plans_identical", "plan_device_identical")),
+        Block("memory", [*probe, "memory", *js("memory")], 20, "host offload tier on CUDA: GB/s, bit-exact",
+              ("offload_GBps", "restore_GBps", "bit_exact")),
+        Block("train_k3_tiny", [*train, "--name", "k3_tiny", "--steps", "50", "--reference", str(REFERENCE),
+                                "--corpus-sha256", sha, *js("train_k3_tiny"), "--", "--eval-every", "25",
+                                "--corpus", str(corpus)], 55,
+              "moonrt train k3_tiny bf16 on the checkout corpus vs the CPU fp32 reference",
+              ("tokens_per_s", "eval_loss_vs_cpu_fp32", "mean_loss_vs_cpu_fp32")),
     ]
-    for name, extra in runs.items():
-        metrics = t / f"{name}.metrics.jsonl"
-        out_steps.append(Step(f"train_{name}", [*train, *extra, "--out", str(t / name), "--metrics", str(metrics)],
-                              120 if name == "k3_tiny" else 240, what=f"moonrt train {name} bf16 on cuda",
-                              outputs=[t / name, metrics]))
-    for st in out_steps:
-        st.outputs += [s / f"{st.name}.log", s / f"{st.name}.json"]
-    return out_steps
 
 
-def command_line(step: Step) -> str:
-    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in step.env.items())
-    return (env + " " if env else "") + shlex.join(step.argv)
+def command_line(block: Block) -> str:
+    return shlex.join(block.argv)
 
 
-# ---- reading results ---------------------------------------------------------------------------------------------
+# ---- judging -------------------------------------------------------------------------------------------------------
+
+FLAG = re.compile(r"(bit_exact|bitwise_equal\w*|\w*identical|\w*_ok|\w*finite)$")
+"""Correctness flags: a key matching this whose value (or any boolean under it) is False fails its block."""
 
 
-def _metrics(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def judge(figures: dict[str, Any]) -> list[str]:
+    """Why a block's figures fail it (empty: they pass): a correctness flag (:data:`FLAG`) that is False; a
+    ``rel_l2*`` figure (a number, or a dict of numbers) above the ``rel_l2_bound`` beside it, or not finite; an
+    ``error`` string anywhere; a top-level ``ok`` that is False."""
+    out: list[str] = []
+    if figures.get("ok") is False:
+        out.append("ok is false")
 
+    def flags(path: str, v: Any) -> None:
+        if v is False:
+            out.append(f"{path} is false")
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                flags(f"{path}.{k}", x)
 
-def train_figures(metrics: Path, reference: Path | None) -> dict[str, Any]:
-    """Tokens/s (median over steps after the first 5: warm-up), model TFLOP/s, peak memory, losses; with a
-    reference, the final eval loss and the last 10 steps' mean train loss beside it."""
-    recs = _metrics(metrics)
-    if not recs:
-        raise ValueError(f"{metrics}: no step records")
-    steady = recs[5:] or recs
-    fig: dict[str, Any] = {"steps": recs[-1]["step"],
-                           "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
-                           "peak_mem_bytes": max(r.get("peak_mem_bytes", 0) for r in recs),
-                           "final_loss": recs[-1]["loss"],
-                           "mean_loss_last10": statistics.fmean(r["loss"] for r in recs[-10:])}
-    tflops = [r["model_tflops_per_s"] for r in steady if r.get("model_tflops_per_s") is not None]
-    if tflops:
-        fig["model_tflops_per_s"] = statistics.median(tflops)
-    evals = {r["step"]: r["eval_loss"] for r in recs if r.get("eval_loss") is not None}
-    if evals:
-        fig["eval_loss"] = evals[max(evals)]
-        fig["eval_step"] = max(evals)
-    if reference is not None:
-        ref = json.loads(reference.read_text())
-        ref_eval = ref["eval_loss"].get(str(fig.get("eval_step")))
-        ref_mean = statistics.fmean(ref["loss"][fig["steps"] - 10:fig["steps"]])
-        fig["cpu_fp32"] = {"eval_loss": ref_eval, "mean_loss_last10": ref_mean, "source": reference.name}
-        if ref_eval is not None and "eval_loss" in fig:
-            fig["eval_loss_vs_cpu_fp32"] = fig["eval_loss"] / ref_eval - 1
-        fig["mean_loss_vs_cpu_fp32"] = fig["mean_loss_last10"] / ref_mean - 1
-    return fig
+    def walk(path: str, d: dict[str, Any]) -> None:
+        bound = d.get("rel_l2_bound")
+        for k, v in d.items():
+            p = f"{path}.{k}" if path else k
+            if FLAG.search(k):
+                flags(p, v)
+            elif k.startswith("rel_l2") and k != "rel_l2_bound":
+                vals = v.items() if isinstance(v, dict) else [("", v)]
+                for name, x in vals:
+                    where = f"{p}.{name}" if name else p
+                    if not isinstance(x, (int, float)) or not math.isfinite(x):
+                        out.append(f"{where} = {x} is not finite")
+                    elif bound is None:
+                        out.append(f"{where}: no rel_l2_bound beside it")
+                    elif x > bound:
+                        out.append(f"{where} = {x:.3g} > bound {bound:.3g}")
+            elif k == "error" and isinstance(v, str):
+                out.append(f"{p}: {v[:200]}")
+            elif isinstance(v, dict):
+                walk(p, v)
 
-
-def test_figures(xml: Path) -> dict[str, Any]:
-    import xml.etree.ElementTree as ET
-
-    root = ET.parse(xml).getroot()
-    suites = [root] if root.tag == "testsuite" else list(root)
-    total = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
-    cases = [c for s in suites for c in s.iter("testcase")]
-    total["cuda_cases"] = sum("cuda" in c.get("name", "").split("[", 1)[-1] for c in cases if "[" in c.get("name", ""))
-    failed = [f"{c.get('classname')}::{c.get('name')}" for c in cases
-              if c.find("failure") is not None or c.find("error") is not None]
-    total["failed"] = failed[:20]
-    return total
-
-
-def ratios(name: str, fig: dict[str, Any], base: dict[str, Any] | None) -> dict[str, Any]:
-    """The step's figures as ratios to this run's baseline (GEMM rate, copy bandwidth, device memory)."""
-    if not base:
-        return {}
-    gemm, d2h, h2d = base.get("bf16_tflops"), base.get("d2h_pinned_GBps"), base.get("h2d_pinned_GBps")
-    mem, gemm_s = base.get("device_mem_bytes"), base.get("gemm_s")
-    out: dict[str, Any] = {}
-    if name.startswith("train_"):
-        if gemm and fig.get("model_tflops_per_s") is not None:
-            out["model_tflops_over_gemm"] = fig["model_tflops_per_s"] / gemm
-        if mem:
-            out["peak_mem_over_device_mem"] = fig["peak_mem_bytes"] / mem
-    elif name == "fp8" and d2h:
-        for k in ("bf16", "fp32"):
-            if k in fig:
-                out[f"{k}_quantize_over_d2h"] = fig[k]["quantize_GBps"] / d2h
-                out[f"{k}_dequantize_over_h2d"] = fig[k]["dequantize_GBps"] / h2d if h2d else None
-    elif name == "offload" and d2h and h2d:
-        out["offload_over_d2h_pinned"] = fig["offload_GBps"] / d2h
-        out["restore_over_h2d_pinned"] = fig["restore_GBps"] / h2d
-    elif name == "moonep" and gemm_s:
-        out["plan_over_gemm_time"] = fig["device_torch_ms"] / 1e3 / gemm_s
-        out["gpu_speedup_over_cpu_torch"] = fig["cpu_torch_ms"] / fig["device_torch_ms"]
-        out["gpu_speedup_over_cpu_numba"] = fig["cpu_numba_ms"] / fig["device_torch_ms"]
+    walk("", figures)
     return out
 
 
-def figures(step: Step, out: Path) -> dict[str, Any]:
-    if step.name.startswith("train_"):
-        run = step.name.removeprefix("train_")
-        return train_figures(out / "train" / f"{run}.metrics.jsonl", REFERENCE if run == "k3_tiny" else None)
-    if step.name == "tests":
-        return test_figures(out / "steps" / "tests.xml")
-    return json.loads((out / "steps" / f"{step.name}.json").read_text())
+def max_rel_l2(figures: dict[str, Any]) -> float | None:
+    """The largest judged rel-L2 figure (the table's summary of a KDA block)."""
+    vals: list[float] = []
+
+    def walk(d: dict[str, Any]) -> None:
+        for k, v in d.items():
+            if k.startswith("rel_l2") and k != "rel_l2_bound":
+                vals.extend(x for x in (v.values() if isinstance(v, dict) else [v]) if isinstance(x, (int, float)))
+            elif isinstance(v, dict):
+                walk(v)
+
+    walk(figures)
+    return max(vals) if vals else None
 
 
-# ---- the run -------------------------------------------------------------------------------------------------------
+# ---- running -------------------------------------------------------------------------------------------------------
+
+
+def run_block(block: Block, work: Path, timeout_s: float, env: dict[str, str]) -> dict[str, Any]:
+    """Run ``block`` as its own process group (killed whole on timeout: SIGTERM, then SIGKILL after 5 s), its
+    output in ``work/logs/<name>.log``; returns its record (module docstring)."""
+    log = work / "logs" / f"{block.name}.log"
+    rec: dict[str, Any] = {"block": block.name, "what": block.what, "command": command_line(block),
+                           "timeout_s": round(timeout_s, 1)}
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        proc = subprocess.Popen(block.argv, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            rec["rc"] = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            for sig, grace in ((signal.SIGTERM, 5), (signal.SIGKILL, None)):
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    proc.wait(timeout=grace)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+            proc.wait()
+            rec["rc"] = None
+            rec["error"] = f"timed out after {timeout_s:.0f} s"
+    rec["wall_s"] = round(time.perf_counter() - t0, 2)
+    if rec["rc"] not in (0, None):
+        tail = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()][-1:]
+        rec["error"] = f"exit {rec['rc']}" + (f": {tail[0][:300]}" if tail else "")
+    try:
+        rec["figures"] = json.loads((work / "blocks" / f"{block.name}.json").read_text())
+    except (OSError, ValueError) as exc:
+        rec.setdefault("error", f"no figures ({type(exc).__name__}: {str(exc)[:200]})")
+    rec["failures"] = judge(rec.get("figures", {}))
+    if rec["rc"] is None:
+        rec["status"] = "TIMEOUT"
+    else:
+        rec["status"] = "ok" if rec["rc"] == 0 and "error" not in rec and not rec["failures"] else "FAIL"
+    return rec
+
+
+def _get(fig: dict[str, Any], path: str) -> Any:
+    if path == "max_rel_l2":
+        return max_rel_l2(fig)
+    for part in path.split("."):
+        if not isinstance(fig, dict) or part not in fig:
+            return None
+        fig = fig[part]
+    return fig
 
 
 def _fmt(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
     if isinstance(v, dict):
-        return "{" + ", ".join(f"{k}: {_fmt(x)}" for k, x in v.items()) + "}"
+        return "{" + ", ".join(f"{k}: {_fmt(x)}" for k, x in v.items() if not isinstance(x, list)) + "}"
     return str(v)
 
 
-def table(results: list[dict[str, Any]]) -> str:
-    lines = ["| step | status | wall s | figures | vs this run's GEMM rate / copy bandwidth |", "|---|---|---|---|---|"]
-    for r in results:
-        status = r["status"] + (f": {r['error']}" if r.get("error") else "")
-        lines.append(f"| {r['name']} | {status.replace('|', '/')} | {_fmt(r.get('wall_s', 0.0))} | "
-                     f"{_fmt(r.get('figures', {})).replace('|', '/')} | {_fmt(r.get('ratios', {}))} |")
+def table(records: list[dict[str, Any]], blocks: dict[str, Block]) -> str:
+    lines = ["| block | status | wall s | figures | why it failed |", "|---|---|---|---|---|"]
+    for r in records:
+        fig = r.get("figures", {})
+        heads = blocks[r["block"]].headline if r["block"] in blocks else ()
+        shown = "; ".join(f"{h}={_fmt(_get(fig, h))}" for h in heads if _get(fig, h) is not None)
+        why = "; ".join(([r["error"]] if r.get("error") else []) + r.get("failures", [])[:3])
+        lines.append(f"| {r['block']} | {r['status']} | {_fmt(r.get('wall_s', 0.0))} | {shown.replace('|', '/')} | "
+                     f"{why.replace('|', '/')[:300]} |")
     return "\n".join(lines) + "\n"
 
 
-def prepare_out(out: Path, force: bool, steps: list[Step]) -> str | None:
-    """Create ``out`` (new), or with ``force`` reuse a previous check's directory, removing what the steps write
-    and its ``check.json`` / ``table.md``; returns an error line or None."""
-    if os.path.lexists(out):
-        if not force:
-            return f"--out = {str(out)!r}: exists; expected a new directory (--force reuses a previous GPU check's)"
-        if not out.is_dir() or out.is_symlink() or not (out / MARKER).is_file():
-            return (f"--out = {str(out)!r}: not the directory of a previous GPU check (no {MARKER}); --force only "
-                    "replaces a previous check's outputs")
-        for p in [out / "check.json", out / "table.md"] + [p for st in steps for p in st.outputs]:
-            if p.is_dir() and not p.is_symlink():
-                shutil.rmtree(p)
-            elif os.path.lexists(p):
-                p.unlink()
-    else:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.mkdir()  # exclusive: a directory made meanwhile by another run raises
-        (out / MARKER).write_text("outputs of benchmarks/gpu/check.sh\n")
-    (out / "steps").mkdir(exist_ok=True)
-    (out / "train").mkdir(exist_ok=True)
-    return None
+def tar_logs(work: Path, dest: Path, max_file_bytes: int = 4 * 2**20) -> list[str]:
+    """Tar ``work/logs``, ``work/blocks`` and the train metrics into ``dest`` (gzip); files over
+    ``max_file_bytes`` are left out (returned), so the tarball stays under the device tool's 16 MiB per file."""
+    left_out = []
+    with tarfile.open(dest, "w:gz") as tar:
+        for sub in ("logs", "blocks", "train"):
+            base = work / sub
+            files = sorted(base.glob("*.log" if sub == "logs" else "*.json" if sub == "blocks" else "*.jsonl"))
+            for p in files:
+                if p.stat().st_size > max_file_bytes:
+                    left_out.append(str(p))
+                    continue
+                tar.add(p, arcname=f"{sub}/{p.name}")
+    return left_out
 
 
-def run_step(step: Step, out: Path, timeout_s: float) -> dict[str, Any]:
-    log = out / "steps" / f"{step.name}.log"
-    env = os.environ | step.env
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
-    rec: dict[str, Any] = {"name": step.name, "what": step.what, "command": command_line(step),
-                           "timeout_s": round(timeout_s, 1)}
-    t0 = time.perf_counter()
-    try:
-        with open(log, "x") as f:
-            proc = subprocess.run(step.argv, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                  timeout=timeout_s, check=False)
-        rec["rc"] = proc.returncode
-    except subprocess.TimeoutExpired:
-        rec["rc"] = None
-        rec["error"] = f"timed out after {timeout_s:.0f} s"
-    rec["wall_s"] = time.perf_counter() - t0
-    if rec["rc"] not in (0, None):
-        tail = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()][-1:]
-        rec["error"] = f"exit {rec['rc']}" + (f": {tail[0][:200]}" if tail else "")
-    try:
-        rec["figures"] = figures(step, out)
-    except Exception as exc:  # noqa: BLE001 - a step without results records why
-        rec.setdefault("error", f"no results ({type(exc).__name__}: {str(exc)[:200]})")
-    rec["status"] = "ok" if rec["rc"] == 0 and "error" not in rec else "FAILED"
-    return rec
+def cpu_reference(py: str, work: Path) -> int:
+    """Regenerate :data:`REFERENCE`: k3_tiny, 50 steps, fp32 on CPU, on :func:`build_corpus`'s corpus."""
+    work.mkdir(parents=True, exist_ok=True)
+    corpus = build_corpus(work / "corpus.txt")
+    run, metrics = work / "k3_tiny_cpu", work / "k3_tiny_cpu.metrics.jsonl"
+    argv = ["-m", "moonrt.cli", "train", "--device", "cpu", "--steps", "50", "--eval-every", "25", "--corpus",
+            corpus["path"], "--out", str(run), "--metrics", str(metrics), "--no-progress"]
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    if subprocess.run([py, *argv], cwd=ROOT, env=env, check=False).returncode != 0:
+        print(f"{shlex.join([py, *argv])}: failed", file=sys.stderr)
+        return 1
+    recs = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    tps = sorted(r["tokens_per_s"] for r in recs[5:])
+    ver = subprocess.run([py, "-c", "import sys, torch; print(sys.version.split()[0], torch.__version__)"],
+                         capture_output=True, text=True, check=True).stdout.split()
+    ref = {"what": "k3_tiny, moonrt train --steps 50 --eval-every 25 (seed 0, fp32, device cpu) on the checkout "
+                   f"corpus ({CORPUS_GLOB} sorted, concatenated; the last 5% held out): the CPU fp32 reference of "
+                   "the GPU check's train_k3_tiny block",
+           "command": "python benchmarks/gpu/check.py --cpu-reference",
+           "recorded": f"{datetime.date.today().isoformat()}, Python {ver[0]}, torch {ver[1]}",
+           "corpus_glob": CORPUS_GLOB, "corpus_files": corpus["files"], "corpus_bytes": corpus["bytes"],
+           "corpus_sha256": corpus["sha256"], "loss": [r["loss"] for r in recs],
+           "eval_loss": {str(r["step"]): r["eval_loss"] for r in recs if r.get("eval_loss") is not None},
+           "tokens_per_s_median": tps[len(tps) // 2]}
+    REFERENCE.write_text(json.dumps(ref, indent=1) + "\n")
+    print(f"wrote {REFERENCE} (corpus sha256 {corpus['sha256'][:12]}..., {corpus['bytes']} bytes)")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="benchmarks/gpu/check.sh", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=str(ROOT / "runs" / "gpu-check"), help="output directory (new; default "
-                        "runs/gpu-check)")
-    parser.add_argument("--force", action="store_true", help="reuse --out when a previous check made it, replacing "
-                        "its outputs")
-    parser.add_argument("--dry-run", action="store_true", help="print the steps and their commands; run nothing")
-    parser.add_argument("--steps", type=int, default=50, help="training steps of each train run (default 50)")
-    parser.add_argument("--budget-s", type=float, default=450.0, help="wall-clock budget of the whole check (s)")
-    parser.add_argument("--only", default="", help="comma-separated steps to run (default: all)")
-    parser.add_argument("--python", default=sys.executable, help="interpreter of the steps (default: this one)")
+    parser.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "runs" / "gpu-check"),
+                        help="folder of results.jsonl, logs.tar.gz, table.md (default: $OUT, else runs/gpu-check); "
+                        "must not hold a results.jsonl")
+    parser.add_argument("--work", help="folder for checkpoints, the Triton cache, logs (default: a new temp folder)")
+    parser.add_argument("--dry-run", action="store_true", help="list the blocks, timeouts and commands; run nothing")
+    parser.add_argument("--deadline-s", type=float, default=DEADLINE_S, help=f"seconds of work (default {DEADLINE_S})")
+    parser.add_argument("--only", default="", help="comma-separated blocks to run (default: all, in order)")
+    parser.add_argument("--python", default=sys.executable, help="interpreter of the blocks (default: this one)")
+    parser.add_argument("--cpu-reference", action="store_true", help=f"regenerate {REFERENCE.name} here on CPU")
     args = parser.parse_args(argv)
-    if args.steps < 1:
-        print(f"--steps = {args.steps}: expected an integer >= 1", file=sys.stderr)
-        return 2
     out = Path(args.out).absolute()
-    steps = plan(out, args.python, args.steps)
-    names = [s.name for s in steps]
+    work = Path(args.work).absolute() if args.work else None
+    if args.cpu_reference:
+        return cpu_reference(args.python, work or Path(tempfile.mkdtemp(prefix="moonrt-cpu-ref-")))
+    placeholder = Path("WORK")
+    blocks = plan(work or placeholder, args.python, (work or placeholder) / "corpus.txt",
+                  "SHA256" if args.dry_run else corpus_sha256())
+    names = [b.name for b in blocks]
     only = [n for n in args.only.split(",") if n]
     bad = [n for n in only if n not in names]
     if bad:
-        print(f"--only = {args.only!r}: unknown step {bad[0]!r}; expected some of {', '.join(names)}", file=sys.stderr)
+        print(f"--only = {args.only!r}: unknown block {bad[0]!r}; expected some of {', '.join(names)}",
+              file=sys.stderr)
         return 2
     if only:
-        steps = [s for s in steps if s.name in only]
+        blocks = [b for b in blocks if b.name in only]
     if args.dry_run:
-        print(f"GPU check (dry run): {len(steps)} steps, budget {args.budget_s:.0f} s, outputs under {out}")
-        for i, st in enumerate(steps, 1):
-            print(f"{i}. {st.name} ({st.what}; timeout {st.timeout_s:.0f} s)\n   {command_line(st)}")
+        total = sum(b.timeout_s for b in blocks)
+        print(f"GPU check (dry run): {len(blocks)} blocks, summed timeouts {total:.0f} s, deadline "
+              f"{args.deadline_s:.0f} s (+{TAIL_S} s to tar and print; lease {LEASE_S} s less {STARTUP_S} s "
+              f"start-up); results: {out}/results.jsonl, logs: {out}/logs.tar.gz, table: {out}/table.md")
+        for i, b in enumerate(blocks, 1):
+            print(f"{i}. {b.name} (timeout {b.timeout_s:.0f} s): {b.what}\n   {command_line(b)}")
         return 0
-    err = prepare_out(out, args.force, steps)
-    if err:
-        print(err, file=sys.stderr)
+    results = out / "results.jsonl"
+    if results.exists():
+        print(f"--out = {str(out)!r}: holds a results.jsonl; expected a folder without one", file=sys.stderr)
         return 2
-    deadline = time.monotonic() + args.budget_s
-    results: list[dict[str, Any]] = []
-    base: dict[str, Any] | None = None
-    for st in steps:
+    out.mkdir(parents=True, exist_ok=True)
+    work = work or Path(tempfile.mkdtemp(prefix="moonrt-gpu-check-"))
+    for sub in ("logs", "blocks", "train"):
+        (work / sub).mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + args.deadline_s
+    corpus = build_corpus(work / "corpus.txt")
+    blocks = [b for b in plan(work, args.python, work / "corpus.txt", corpus["sha256"]) if b.name in
+              [x.name for x in blocks]]
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+                        "TRITON_CACHE_DIR": str(work / "triton-cache"), "PYTHONUNBUFFERED": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    print(f"[gpu-check] {len(blocks)} blocks, deadline {args.deadline_s:.0f} s; work {work}; corpus "
+          f"{corpus['files']} files, {corpus['bytes']} bytes", flush=True)
+    records = []
+    for b in blocks:
         left = deadline - time.monotonic()
         if left < 5:
-            results.append({"name": st.name, "what": st.what, "command": command_line(st), "status": "not run",
-                            "error": f"budget of {args.budget_s:.0f} s spent"})
-            continue
-        print(f"[gpu-check] {st.name}: {command_line(st)}", flush=True)
-        rec = run_step(st, out, min(st.timeout_s, left))
-        if st.name == "baseline" and rec["status"] == "ok":
-            base = rec["figures"]
-        rec["ratios"] = ratios(st.name, rec.get("figures", {}), base) if rec["status"] == "ok" else {}
-        print(f"[gpu-check] {st.name}: {rec['status']} in {rec['wall_s']:.1f} s"
-              + (f" ({rec['error']})" if rec.get("error") else ""), flush=True)
-        results.append(rec)
-    ok = all(r["status"] == "ok" for r in results)
-    report = {"ok": ok, "out": str(out), "python": args.python, "budget_s": args.budget_s, "train_steps": args.steps,
-              "baseline": base, "steps": results}
-    (out / "check.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
-    text = table(results)
+            rec = {"block": b.name, "what": b.what, "command": command_line(b), "status": "SKIPPED",
+                   "timeout_s": b.timeout_s, "failures": [], "error": f"deadline of {args.deadline_s:.0f} s spent"}
+        else:
+            print(f"[gpu-check] {b.name} (timeout {min(b.timeout_s, left):.0f} s): {command_line(b)}", flush=True)
+            rec = run_block(b, work, min(b.timeout_s, left), env)
+        print(f"[gpu-check] {b.name}: {rec['status']}" + (f" in {rec['wall_s']:.1f} s" if "wall_s" in rec else "")
+              + (f" ({'; '.join(([rec['error']] if rec.get('error') else []) + rec['failures'][:3])})"
+                 if rec.get("error") or rec["failures"] else ""), flush=True)
+        with open(results, "a") as f:
+            f.write(json.dumps(rec, default=str) + "\n")
+        records.append(rec)
+    left_out = tar_logs(work, out / "logs.tar.gz")
+    text = table(records, {b.name: b for b in blocks})
     (out / "table.md").write_text(text)
-    print(text, end="")
-    failed = [r["name"] for r in results if r["status"] != "ok"]
-    print(f"[gpu-check] {'FAILED steps: ' + ', '.join(failed) if failed else 'all steps ok'}; {out / 'check.json'}")
-    return 0 if ok else 1
+    failed = [r["block"] for r in records if r["status"] != "ok"]
+    print(f"[gpu-check] {'not ok: ' + ', '.join(failed) if failed else 'all blocks ok'}; {results}"
+          + (f"; left out of the tarball (too large): {', '.join(left_out)}" if left_out else ""))
+    print(text, end="", flush=True)  # the table last: the device tool's output_tail ends with it
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -1,12 +1,18 @@
-"""The measurements of the GPU check (:mod:`benchmarks.gpu.check` runs each as its own process): one JSON object
-per probe, written exclusively to ``--json PATH``.
+"""The blocks of the GPU check (``benchmarks/gpu/check.py`` runs each as its own process group): one JSON object
+per probe, written exclusively to ``--json PATH``; the driver judges its correctness flags.
 
-- ``preflight``: the interpreter, torch and its CUDA build, the device, and whether moonrt's dependencies import.
-- ``baseline``: the device's measured bf16 GEMM rate (TFLOP/s, ``8192^3``, median of timed repeats) and host <->
-  device copy bandwidth, pinned and pageable (GB/s, 256 MiB): every later figure is also given as a ratio to these.
-- ``fp8``: the FP8 block codec (:mod:`moonrt.ops.fp8.codec`) on CUDA: bytes in and out, quantize and dequantize GB/s
-  of input bytes, and whether its codes and scales equal the CPU codec's bitwise on the same tensor.
-- ``offload``: the host tier (:class:`moonrt.memory.backends.HostStore`) on CUDA: offload (device -> pinned host
+- ``env``: the interpreter, the versions of moonrt's GPU-path packages (torch, numpy, pyyaml, numba, safetensors,
+  tqdm, triton; ``pulp`` / ``highspy`` / ``pytest`` / ``fla`` only reported, never imported), the device
+  (capability, memory, SMs, the shared-memory limit per block from torch and from Triton's driver), and this
+  run's bf16 GEMM TFLOP/s (``8192^3``) and host <-> device copy GB/s, pinned and pageable (256 MiB).
+- ``kda_triton`` / ``kda_model``: the Triton KDA against the fp64 recurrence and inside the model
+  (:mod:`kda_probes`).
+- ``train``: ``moonrt train`` on CUDA in bf16 with the Triton KDA, stopped and resumed from its checkpoint
+  (tokens/s, model TFLOP/s, peak memory, ``resume_ok``; k3_tiny's losses beside the CPU fp32 reference recorded
+  on the same corpus).
+- ``fp8``: the FP8 block codec (:mod:`moonrt.ops.fp8.codec`, its Triton kernels on CUDA): bytes in and out,
+  quantize / dequantize GB/s, codes, scales and decoded values bitwise equal to the CPU (numba) codec's.
+- ``memory``: the host tier (:class:`moonrt.memory.backends.HostStore`) on CUDA: offload (device -> pinned host
   on the copy stream) and restore GB/s, whether ``put`` returned before its copy completed (the compute stream
   not blocked), bit-exact round trips for fp32 / bf16 / fp64 and strided tensors.
 - ``moonep``: the torch MoonEP planner (:func:`moonrt.scheduler.moonep_torch.plan_torch`) at K3's shape (E=896,
@@ -15,16 +21,18 @@ per probe, written exclusively to ``--json PATH``.
   identical to ``plan()``, planned under ``torch.cuda.set_sync_debug_mode("error")``: no host sync) and the closed
   form ``plan_prefix`` likewise (identical to ``plan(method="prefix")``).
 
-Run one: ``python benchmarks/gpu/probes.py baseline --json OUT.json`` (needs CUDA except ``preflight``).
+Run one: ``python benchmarks/gpu/probes.py env --json OUT.json`` (``--device cpu``: a small smoke run of the same
+code).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
+import math
 import os
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -73,42 +81,71 @@ def _sync(dev: Any) -> None:
         torch.cuda.synchronize(dev)
 
 
-def preflight() -> dict[str, Any]:
+REQUIRED = ("torch", "numpy", "yaml", "numba", "safetensors", "tqdm", "triton")
+"""What moonrt's GPU path imports (``moonrt train --device cuda``, the Triton kernels)."""
+
+OPTIONAL = ("pulp", "highspy", "pytest", "fla", "tensorboard")
+"""Reported, never required (nor imported): the LP planners' solvers are not on the GPU path, and the device image
+has no pytest or fla-core."""
+
+
+def env(device: str = "cuda", gemm_n: int = 8192, copy_bytes: int = 256 * 2**20) -> dict[str, Any]:
+    """The environment block: interpreter, package versions, the device (capability, memory, SMs, the per-block
+    shared-memory limit as torch and Triton's driver report it), and this run's bf16 GEMM rate and host <-> device
+    copy bandwidth (pinned and pageable; every later figure can be read against them). ``ok`` is False when a
+    required package is missing or CUDA is not available."""
+    import importlib.metadata as md
+    import importlib.util
+
     out: dict[str, Any] = {"python": sys.version.split()[0], "executable": sys.executable,
                            "machine": platform.machine()}
+    versions: dict[str, str | None] = {}
     missing = []
-    for mod in ("torch", "numpy", "yaml", "numba", "tqdm", "pulp", "highspy", "safetensors", "pytest"):
+    for mod in REQUIRED:
         try:
-            importlib.import_module(mod)
+            versions[mod] = getattr(importlib.import_module(mod), "__version__", None)
         except Exception as exc:  # noqa: BLE001 - reported, not raised
             missing.append(f"{mod} ({type(exc).__name__}: {exc})")
-    out["missing"] = missing
+    for mod in OPTIONAL:  # find_spec: present or not, nothing imported
+        dist = {"yaml": "pyyaml", "fla": "flash-linear-attention"}.get(mod, mod)
+        try:
+            versions[mod] = md.version(dist) if importlib.util.find_spec(mod) else None
+        except md.PackageNotFoundError:
+            versions[mod] = "present"
+    out |= {"versions": versions, "missing": missing}
     import torch
 
     import moonrt
 
-    out |= {"torch": torch.__version__, "torch_cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
+    out |= {"torch_cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
             "moonrt": str(Path(moonrt.__file__).parent)}
-    if torch.cuda.is_available():
-        p = torch.cuda.get_device_properties(0)
+    dev = torch.device(device)
+    if dev.type == "cuda" and torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(dev)
         out |= {"device": p.name, "device_mem_bytes": p.total_memory, "capability": f"{p.major}.{p.minor}",
-                "devices": torch.cuda.device_count()}
-    out["ok"] = not missing and out["cuda_available"]
+                "sm_count": p.multi_processor_count, "devices": torch.cuda.device_count(),
+                "shared_mem_per_block_optin": getattr(p, "shared_memory_per_block_optin", None)}
+        try:
+            import triton
+
+            props = triton.runtime.driver.active.utils.get_device_properties(dev.index or 0)
+            out["triton_device"] = {k: props[k] for k in ("max_shared_mem", "max_num_regs", "multiprocessor_count",
+                                                          "warpSize") if k in props}
+        except Exception as exc:  # noqa: BLE001 - reported
+            out["triton_device"] = f"{type(exc).__name__}: {exc}"
+        out |= baseline(dev, gemm_n, copy_bytes)
+    out["ok"] = not missing and (dev.type != "cuda" or out["cuda_available"])
     return out
 
 
-def baseline() -> dict[str, Any]:
+def baseline(dev: Any, n: int, nbytes: int) -> dict[str, Any]:
+    """This run's bf16 GEMM TFLOP/s (``n^3``, median of 10) and copy GB/s (``nbytes``, median of 5)."""
     import torch
 
-    dev = torch.device("cuda")
-    n = 8192
     a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
     t = _timed(lambda: a @ b, repeat=10)
-    out: dict[str, Any] = {"gemm_shape": [n, n, n], "gemm_s": t, "bf16_tflops": 2 * n**3 / t / 1e12,
-                           "device": torch.cuda.get_device_name(0),
-                           "device_mem_bytes": torch.cuda.get_device_properties(0).total_memory}
-    nbytes = 256 * 2**20
+    out: dict[str, Any] = {"gemm_shape": [n, n, n], "gemm_s": t, "bf16_tflops": 2 * n**3 / t / 1e12}
     d = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     for kind, pinned in (("pinned", True), ("pageable", False)):
         h = torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=pinned)
@@ -139,9 +176,14 @@ def fp8_codec(device: str = "cuda", rows: int = 16384) -> dict[str, Any]:
         pc, sc = fp8.quantize(xs, 128)
         same = bool(torch.equal(pc.view(torch.uint8), payload[:512].to("cpu").view(torch.uint8))
                     and torch.equal(sc, scales[:512].to("cpu")))
+        bits = torch.int16 if dtype == torch.bfloat16 else torch.int32  # decoded values compared bit for bit
+        back = fp8.dequantize(payload[:512], scales[:512], xs.shape, xs.dtype).to("cpu")
+        back_cpu = fp8.dequantize(pc, sc, xs.shape, xs.dtype)
+        same_back = bool(torch.equal(back.view(bits), back_cpu.view(bits)))
         out[name] = {"bytes_in": nin, "bytes_out": nout, "ratio_out_in": nout / nin, "quantize_s": tq,
                      "quantize_GBps": nin / tq / 1e9, "dequantize_s": td, "dequantize_GBps": nin / td / 1e9,
-                     "bitwise_equal_cpu_codec": same}
+                     "bitwise_equal_cpu_codec": same, "dequantize_bitwise_equal_cpu_codec": same_back,
+                     "dequantize_finite": bool(torch.isfinite(back).all())}
         del x, payload, scales
     return out
 
@@ -256,30 +298,127 @@ def moonep(device: str = "cuda", steps: int = 2) -> dict[str, Any]:
             "device_plan_prefix_ms": statistics.median(gpu_prefix) * 1e3, "plan_prefix_identical": same_prefix}
 
 
-PROBES: dict[str, Callable[[], dict[str, Any]]] = {
-    "preflight": preflight, "baseline": baseline, "fp8": fp8_codec, "offload": offload, "moonep": moonep}
+def _metrics(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def train_figures(metrics: Path, reference: Path | None = None, corpus_sha256: str | None = None) -> dict[str, Any]:
+    """Tokens/s (median over steps after the first 5: warm-up and Triton compiles), model TFLOP/s, peak memory,
+    losses. With a CPU ``reference`` (``k3_tiny_cpu_fp32.json``) recorded on the same corpus (its
+    ``corpus_sha256`` equal to ``corpus_sha256``): the final eval loss and the last 10 steps' mean train loss
+    beside it; on another corpus the comparison is left out and ``cpu_fp32`` says why."""
+    recs = _metrics(metrics)
+    if not recs:
+        raise ValueError(f"{metrics}: no step records")
+    steady = recs[5:] or recs
+    fig: dict[str, Any] = {"steps": recs[-1]["step"],
+                           "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
+                           "peak_mem_bytes": max(r.get("peak_mem_bytes", 0) for r in recs),
+                           "final_loss": recs[-1]["loss"],
+                           "mean_loss_last10": statistics.fmean(r["loss"] for r in recs[-10:]),
+                           "losses_finite": all(math.isfinite(r["loss"]) for r in recs)}
+    tflops = [r["model_tflops_per_s"] for r in steady if r.get("model_tflops_per_s") is not None]
+    if tflops:
+        fig["model_tflops_per_s"] = statistics.median(tflops)
+    evals = {r["step"]: r["eval_loss"] for r in recs if r.get("eval_loss") is not None}
+    if evals:
+        fig["eval_loss"] = evals[max(evals)]
+        fig["eval_step"] = max(evals)
+    if reference is not None:
+        ref = json.loads(reference.read_text())
+        if ref.get("corpus_sha256") != corpus_sha256:
+            fig["cpu_fp32"] = (f"not compared: {reference.name} was recorded on corpus {ref.get('corpus_sha256')}, "
+                               f"this run's is {corpus_sha256} (regenerate: python benchmarks/gpu/check.py "
+                               "--cpu-reference)")
+            return fig
+        ref_eval = ref["eval_loss"].get(str(fig.get("eval_step")))
+        ref_mean = statistics.fmean(ref["loss"][fig["steps"] - 10:fig["steps"]])
+        fig["cpu_fp32"] = {"eval_loss": ref_eval, "mean_loss_last10": ref_mean, "source": reference.name}
+        if ref_eval is not None and "eval_loss" in fig:
+            fig["eval_loss_vs_cpu_fp32"] = fig["eval_loss"] / ref_eval - 1
+        fig["mean_loss_vs_cpu_fp32"] = fig["mean_loss_last10"] / ref_mean - 1
+    return fig
+
+
+def train(work: str, name: str, args: list[str], steps: int, until: int | None, device: str = "cuda",
+          kda: str = "triton", reference: str | None = None, corpus_sha256: str | None = None) -> dict[str, Any]:
+    """``moonrt train`` on ``device`` (bf16 on CUDA) with ``kernels.kda = kda`` for ``steps`` steps; with
+    ``until``, as two processes: the first stops (checkpointed) after step ``until``, the second resumes from that
+    checkpoint to ``steps``. Figures: :func:`train_figures`, each process's wall seconds, the checkpoint
+    directory's bytes, and ``resume_ok`` (the resumed process ran steps ``until + 1 .. steps`` and every loss is
+    finite). Run and metrics go under ``work`` (not the returned folder: a checkpoint is large)."""
+    import subprocess
+
+    run, metrics = Path(work) / name, Path(work) / f"{name}.metrics.jsonl"
+    base = [sys.executable, "-m", "moonrt.cli", "train", "--device", device, "--steps", str(steps), "--no-progress",
+            "--out", str(run), "--metrics", str(metrics), "--set", f"kernels.kda={kda}", *args]
+    if device == "cuda":
+        base += ["--dtype", "bf16"]
+    walls = []
+    for extra in ([["--until", str(until)], ["--resume"]] if until else [[]]):
+        t0 = time.perf_counter()
+        proc = subprocess.run(base + extra, check=False)
+        walls.append(time.perf_counter() - t0)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{shlex.join(base + extra)}: exit {proc.returncode}")
+    fig = train_figures(metrics, Path(reference) if reference else None, corpus_sha256)
+    fig |= {"kda_kernel": kda, "process_wall_s": walls,
+            "checkpoint_bytes": sum(p.stat().st_size for p in run.rglob("*") if p.is_file())}
+    if until:
+        steps_seen = [r["step"] for r in _metrics(metrics)]
+        fig["resumed_from_step"] = until
+        fig["resume_ok"] = steps_seen == list(range(1, steps + 1)) and fig["losses_finite"]
+    return fig
+
+
+def _kda(name: str) -> Callable[..., dict[str, Any]]:
+    def run(**kwargs: Any) -> dict[str, Any]:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import kda_probes
+
+        return getattr(kda_probes, name)(**kwargs)
+    return run
+
+
+PROBES: dict[str, Callable[..., dict[str, Any]]] = {
+    "env": env, "kda_triton": _kda("kda_vs_reference"), "kda_model": _kda("kda_in_model"), "fp8": fp8_codec,
+    "moonep": moonep, "memory": offload}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("probe", choices=sorted(PROBES))
+    parser.add_argument("probe", choices=[*PROBES, "train"])
     parser.add_argument("--json", required=True, help="write the result here (a new file)")
-    parser.add_argument("--device", default="cuda", help="fp8, offload, moonep: the device (cpu: a small smoke run "
-                        "of the same code, what tests/jobs/test_gpu_check.py does)")
-    args = parser.parse_args(argv)
+    parser.add_argument("--device", default="cuda", help="the device (cpu: a small smoke run of the same code, what "
+                        "tests/jobs/test_gpu_check.py does)")
+    parser.add_argument("--work", help="train: folder for the run and its metrics")
+    parser.add_argument("--name", default="run", help="train: the run's name under --work")
+    parser.add_argument("--steps", type=int, default=30, help="train: steps")
+    parser.add_argument("--until", type=int, help="train: stop (checkpointed) after this step, then resume")
+    parser.add_argument("--kda", default="triton", help="train: kernels.kda")
+    parser.add_argument("--reference", help="train: the CPU fp32 reference JSON to compare the losses with")
+    parser.add_argument("--corpus-sha256", help="train: the sha256 of the --corpus given in the train args")
+    argv = sys.argv[1:] if argv is None else argv
+    train_args = argv[argv.index("--") + 1:] if "--" in argv else []  # train: passed to moonrt train
+    args = parser.parse_args(argv[:len(argv) - len(train_args) - (1 if "--" in argv else 0)])
     if os.path.lexists(args.json):
         print(f"--json = {args.json!r}: exists; expected a new path", file=sys.stderr)
         return 2
-    small = args.device == "cpu"
-    kwargs: dict[str, Any] = {}
-    if args.probe in ("fp8", "offload", "moonep"):
-        kwargs["device"] = args.device
-    if small:
-        kwargs |= {"fp8": {"rows": 64}, "offload": {"part_bytes": 2**16}, "moonep": {"steps": 1}}.get(args.probe, {})
-    record = PROBES[args.probe](**kwargs)
+    if args.probe == "train":
+        if not args.work:
+            print("--work: required by the train probe", file=sys.stderr)
+            return 2
+        record = train(args.work, args.name, train_args, args.steps, args.until, args.device, args.kda,
+                       args.reference, args.corpus_sha256)
+    else:
+        kwargs: dict[str, Any] = {"device": args.device}
+        if args.device == "cpu":
+            kwargs |= {"fp8": {"rows": 64}, "memory": {"part_bytes": 2**16}, "moonep": {"steps": 1},
+                       "env": {"gemm_n": 256, "copy_bytes": 2**20}}.get(args.probe, {})
+        record = PROBES[args.probe](**kwargs)
     _write(args.json, record)
-    print(json.dumps(record, sort_keys=True))
-    if record.get("ok") is False:  # preflight: written, then failed
+    print(json.dumps(record, sort_keys=True, default=str))
+    if record.get("ok") is False:  # env: written, then failed
         print(f"{args.probe}: missing {record.get('missing')}; cuda available: {record.get('cuda_available')}",
               file=sys.stderr)
         return 1
