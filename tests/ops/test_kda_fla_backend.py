@@ -178,6 +178,7 @@ def test_kernels_kda_fla_config() -> None:
         from_dict(JobConfig, {"kernels": {"kda": "fla"}, "parallel": {"cp": 2}})
 
 
+@pytest.mark.slow  # ~5 s on a shared CPU
 def test_train_cli_fla_on_cpu_is_one_line_exit_2(tmp_path: Path, capsys) -> None:
     """``moonrt train --set kernels.kda=fla`` on CPU: one line naming the key and that fla's kernels need CUDA,
     exit 2 (installed or not: the device is checked before fla is looked for)."""
@@ -224,6 +225,7 @@ def test_contract_errors_before_fla_runs() -> None:
 # ---- fla's kernels under the interpreter (or on a GPU) against moonrt ----
 
 
+@pytest.mark.slow  # ~5 s on a shared CPU
 def test_fla_equals_the_fp64_recurrence_and_moonrt_chunk(fla_device: torch.device) -> None:
     """fla's ``chunk_kda`` through the registry, forward and backward (o, final state, dq, dk, dv, dg, dbeta, dh0),
     within fla's tolerances of the fp64 recurrence and of moonrt's own chunk op (fp64), at T not a multiple of the
