@@ -16,12 +16,14 @@ op                            family  contract
                                       greedy placement (:mod:`moonrt.ops.moonep.greedy`), every backend bit-equal
 ============================  ======  ==========================================================================
 
-Backends: ``torch`` (torch ops, any device: the reference), ``numba`` (CPU only; where a numba pass exists) and
+Backends: ``torch`` (torch ops, any device: the reference), ``numba`` (CPU only; where a numba pass exists),
 ``triton`` (CUDA; on CPU tensors only under Triton's interpreter, ``TRITON_INTERPRET=1``, which is how CI checks
-the kernels). The choice ``auto`` follows the device: CPU -> ``numba`` where the op has one, else ``torch``;
-CUDA -> ``triton``; any other device -> ``torch``. A job overrides it per family (``kernels: {kda: torch}``) and
-passes the choice down to the call sites (the attention context, KCP, the activation manager): nothing here reads
-a process-wide switch (STYLE habit 7).
+the kernels) and ``fla`` (``kda_chunk`` only: fla-core's ``chunk_kda``, the field's Triton kernels, behind moonrt's
+contract by :mod:`moonrt.ops.kda.backends.fla`; CUDA, or CPU under the interpreter; chosen only by name, so a GPU
+user can pick it and moonrt can measure itself against it; :func:`family_choices`). The choice ``auto`` follows the
+device: CPU -> ``numba`` where the op has one, else ``torch``; CUDA -> ``triton``; any other device -> ``torch``.
+A job overrides it per family (``kernels: {kda: torch}``) and passes the choice down to the call sites (the
+attention context, KCP, the activation manager): nothing here reads a process-wide switch (STYLE habit 7).
 
 Backends are registered as ``"module:function"`` paths and imported on first use, so Triton is imported only when a
 Triton backend is chosen. Each failure is one line naming the config key, the choice and what to do: a backend the
@@ -63,14 +65,30 @@ FAMILIES: dict[str, tuple[str, ...]] = {
 OPS: dict[str, str] = {op: family for family, ops in FAMILIES.items() for op in ops}
 """Op -> its family."""
 
-BACKENDS = ("torch", "numba", "triton")
+BACKENDS = ("torch", "numba", "triton", "fla")
 """Backend names."""
 
-CHOICES = ("auto", *BACKENDS)
-"""What a ``kernels.<family>`` config field may say."""
+CHOICES = ("auto", "torch", "numba", "triton")
+"""What every ``kernels.<family>`` config field may say (:func:`family_choices`: a family's own, ``fla`` for KDA)."""
+
+FAMILY_EXTRA: dict[str, tuple[str, ...]] = {"kda": ("fla",)}
+"""Backends a family offers beyond :data:`CHOICES` (never picked by ``auto``)."""
 
 TRITON_INSTALL = "pip install 'triton==3.8.0'"
 """How to install the Triton the kernels are tested with (the ``test`` extra pins it)."""
+
+FLA_INSTALL = "pip install 'moonrt[fla]'"
+"""How to install fla-core (the ``fla`` extra: ``fla-core>=0.6``), whose ``chunk_kda`` is the ``fla`` backend."""
+
+TRITON_PACKAGES = ("triton", "fla")
+"""Packages whose backends are Triton kernels (run on CPU tensors under Triton's interpreter)."""
+
+_INSTALL = {"triton": TRITON_INSTALL, "fla": f"{FLA_INSTALL} (fla-core)"}
+
+
+def family_choices(family: str) -> tuple[str, ...]:
+    """What ``kernels.<family>`` may say: :data:`CHOICES` and the family's extra backends (KDA: ``fla``)."""
+    return (*CHOICES, *FAMILY_EXTRA.get(family, ()))
 
 
 class KernelUnavailable(RuntimeError):
@@ -83,7 +101,7 @@ class Backend:
 
     op: str
     name: str
-    """``torch``, ``numba`` or ``triton``."""
+    """One of :data:`BACKENDS`."""
     target: str | Callable[..., Any]
     """``"module:function"`` (imported on first use), or the function itself (plug-ins, tests)."""
     devices: tuple[str, ...] | None = None
@@ -94,7 +112,7 @@ class Backend:
 
 def _interpreted(backend: Backend, device_type: str) -> bool:
     """A Triton backend on CPU tensors runs under Triton's interpreter (its own switch, ``TRITON_INTERPRET=1``)."""
-    return backend.requires == "triton" and device_type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+    return backend.requires in TRITON_PACKAGES and device_type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
 
 
 class KernelRegistry:
@@ -141,8 +159,9 @@ class KernelRegistry:
         if op not in OPS:
             raise ValueError(f"op = {op!r}: expected one of {', '.join(OPS)}")
         key = f"kernels.{OPS[op]}"
-        if choice not in CHOICES:
-            raise ValueError(f"{key} = {choice!r}: expected one of {', '.join(CHOICES)}")
+        choices = family_choices(OPS[op])
+        if choice not in choices:
+            raise ValueError(f"{key} = {choice!r}: expected one of {', '.join(choices)}")
         dev = _device_type(device)
         table = self._table[op]
         if choice == "auto":
@@ -155,16 +174,18 @@ class KernelRegistry:
             raise ValueError(f"{key} = {choice!r}: {op} has no {name} backend; expected one of {have}")
         if backend.devices is not None and dev not in backend.devices and not _interpreted(backend, dev):
             where = ", ".join(backend.devices)
-            hint = " (or set TRITON_INTERPRET=1 to run Triton's interpreter)" if backend.requires == "triton" else ""
+            hint = {"triton": " (or set TRITON_INTERPRET=1 to run Triton's interpreter)",
+                    "fla": " (fla's Triton kernels need a CUDA GPU)"}.get(backend.requires or "", "")
             raise ValueError(f"{key} = {choice!r}: the {name} backend of {op} runs on {where} tensors, got {dev} "
-                             f"tensors{hint}; expected another choice of {', '.join(CHOICES)}")
+                             f"tensors{hint}; expected another choice of {', '.join(choices)}")
         return backend
 
     def resolve(self, op: str, choice: str, device: torch.device | str) -> Callable[..., Any]:
         """The function that runs ``op`` for ``choice`` on ``device`` (imported on first use, then cached)."""
         dev = _device_type(device)
         # (Triton on CPU tensors is allowed only while Triton's interpreter is on: part of the key)
-        key = (op, choice, dev if choice != "triton" or dev != "cpu" else f"cpu:{os.environ.get('TRITON_INTERPRET')}")
+        interp = choice in TRITON_PACKAGES and dev == "cpu"
+        key = (op, choice, f"cpu:{os.environ.get('TRITON_INTERPRET')}" if interp else dev)
         cached = self._cache.get(key)
         if cached is not None:
             return cached
@@ -191,7 +212,7 @@ def _load(backend: Backend, choice: str) -> Callable[..., Any]:
         return backend.target
     key = f"kernels.{OPS[backend.op]} = {choice!r}"
     if backend.requires is not None and importlib.util.find_spec(backend.requires) is None:
-        install = TRITON_INSTALL if backend.requires == "triton" else f"pip install {backend.requires}"
+        install = _INSTALL.get(backend.requires, f"pip install {backend.requires}")
         raise KernelUnavailable(f"{key}: {backend.op} runs the {backend.name} backend, but {backend.requires} is not "
                                 f"installed: {install}, or set {key.split(' = ')[0]}: torch")
     module, _, name = backend.target.partition(":")
@@ -201,7 +222,7 @@ def _load(backend: Backend, choice: str) -> Callable[..., Any]:
         if exc.name is not None and module.startswith(exc.name) and exc.name.startswith("moonrt"):
             raise KernelUnavailable(f"{key}: the {backend.name} backend of {backend.op} is {backend.target}, but "
                                     f"module {module} is not in this install; expected another choice of "
-                                    f"{', '.join(CHOICES)}") from None
+                                    f"{', '.join(family_choices(OPS[backend.op]))}") from None
         raise
     fn = getattr(mod, name, None)
     if not callable(fn):
@@ -218,6 +239,8 @@ def default_registry() -> KernelRegistry:
         reg.register(op, "torch", f"moonrt.ops.kda:{op}")
         reg.register(op, "numba", f"moonrt.ops.kda:{op}", devices=("cpu",), requires="numba")
         reg.register(op, "triton", f"moonrt.ops.kda.backends.triton:{op}", devices=("cuda",), requires="triton")
+    # fla-core's chunk_kda behind moonrt's contract (KCP's summaries have no fla form: kernels.kda = fla, cp = 1)
+    reg.register("kda_chunk", "fla", "moonrt.ops.kda.backends.fla:kda_chunk", devices=("cuda",), requires="fla")
     reg.register("fp8_quantize", "torch", "moonrt.ops.fp8.codec:quantize_rows_torch")
     reg.register("fp8_quantize", "numba", "moonrt.ops.fp8.codec:quantize_rows_numba", devices=("cpu",),
                  requires="numba")
@@ -248,10 +271,12 @@ def check_choice(family: str, choice: object) -> str:
     """``choice`` for ``kernels.<family>`` if valid (ValueError naming the key and the choices otherwise)."""
     if family not in FAMILIES:
         raise ValueError(f"kernels family = {family!r}: expected one of {', '.join(FAMILIES)}")
-    if choice not in CHOICES:
-        raise ValueError(f"kernels.{family} = {choice!r}: expected one of {', '.join(CHOICES)}")
+    choices = family_choices(family)
+    if choice not in choices:
+        raise ValueError(f"kernels.{family} = {choice!r}: expected one of {', '.join(choices)}")
     return choice  # type: ignore[return-value]
 
 
-__all__ = ["BACKENDS", "CHOICES", "FAMILIES", "OPS", "REGISTRY", "TRITON_INSTALL", "Backend", "KernelRegistry",
-           "KernelUnavailable", "check_choice", "default_registry", "kernel"]
+__all__ = ["BACKENDS", "CHOICES", "FAMILIES", "FAMILY_EXTRA", "FLA_INSTALL", "OPS", "REGISTRY", "TRITON_INSTALL",
+           "TRITON_PACKAGES", "Backend", "KernelRegistry", "KernelUnavailable", "check_choice", "default_registry",
+           "family_choices", "kernel"]

@@ -16,7 +16,7 @@ class AttentionContext:
     """Single-device attention context (the whole sequence is local).
 
     Args:
-        kda_kernel: the KDA backend (``kernels.kda`` of a job: auto, torch, numba, triton;
+        kda_kernel: the KDA backend (``kernels.kda`` of a job: auto, torch, numba, triton, fla;
             :mod:`moonrt.ops.kernels`), passed to every KDA call made through this context.
     """
 

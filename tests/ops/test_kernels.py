@@ -145,7 +145,8 @@ def test_kcp_runs_the_chosen_backend_on_two_ranks() -> None:
 
 def test_errors_are_one_clear_line(monkeypatch) -> None:
     cpu = torch.device("cpu")
-    with pytest.raises(ValueError, match=r"^kernels\.kda = 'cuda': expected one of auto, torch, numba, triton$"):
+    with pytest.raises(ValueError, match=r"^kernels\.kda = 'cuda': expected one of auto, torch, numba, triton, "
+                                         r"fla$"):
         kernel("kda_chunk", "cuda", cpu)
     with pytest.raises(ValueError, match=r"^kernels\.fp8 = 'numba': the numba backend of fp8_quantize runs on cpu "
                                          r"tensors, got cuda tensors; expected another choice"):
@@ -179,7 +180,8 @@ def test_errors_are_one_clear_line(monkeypatch) -> None:
     reg.register("kda_chunk", "triton", "moonrt.ops.kda:no_such_function", devices=("cuda",))
     with pytest.raises(KernelUnavailable, match="moonrt.ops.kda has no function no_such_function"):
         reg.resolve("kda_chunk", "triton", CUDA)
-    with pytest.raises(ValueError, match=r"^kernels\.kda = 'gpu': expected one of auto, torch, numba, triton$"):
+    with pytest.raises(ValueError, match=r"^kernels\.kda = 'gpu': expected one of auto, torch, numba, triton, "
+                                         r"fla$"):
         AttentionContext(kda_kernel="gpu")
 
 
@@ -188,7 +190,7 @@ def test_kernels_config_field(tmp_path: Path) -> None:
     job = from_dict(JobConfig, {"kernels": {"kda": "torch"}})
     assert (job.kernels.kda, job.kernels.fp8) == ("torch", "auto")
     with pytest.raises(ConfigError, match=r"^kernels\.kda = 'cuda': expected one of 'auto', 'torch', 'numba', "
-                                          r"'triton'$"):
+                                          r"'triton', 'fla'$"):
         from_dict(JobConfig, {"kernels": {"kda": "cuda"}})
     with pytest.raises(ConfigError, match=r"^kernels\.fp8 = 'x': expected one of 'auto', 'torch', 'numba', "
                                           r"'triton'$"):

@@ -207,6 +207,10 @@ class PrecisionConfig:
 KernelChoice = Literal["auto", "torch", "numba", "triton"]
 """A ``kernels`` field: the backend of an op family (:data:`moonrt.ops.kernels.CHOICES`, tested equal)."""
 
+KdaKernelChoice = Literal["auto", "torch", "numba", "triton", "fla"]
+"""``kernels.kda``: :data:`KernelChoice` and ``fla`` (:func:`moonrt.ops.kernels.family_choices` of ``kda``, tested
+equal)."""
+
 
 @dataclasses.dataclass(kw_only=True, slots=True)
 class KernelsConfig:
@@ -215,9 +219,11 @@ class KernelsConfig:
     backend that cannot run on the job's device fails at its first call, one line). Free to change on resume (every
     backend computes the same function; FP8's bit for bit)."""
 
-    kda: KernelChoice = "auto"
+    kda: KdaKernelChoice = "auto"
     """KDA: the chunked forward and backward (``kda_chunk``) and KCP's summaries (``kda_transition``,
-    ``kda_state_grad``), through the attention context (:class:`moonrt.parallel.context.AttentionContext`)."""
+    ``kda_state_grad``), through the attention context (:class:`moonrt.parallel.context.AttentionContext`). ``fla``:
+    fla-core's ``chunk_kda`` (``pip install 'moonrt[fla]'``; CUDA; single-rank KDA only, ``parallel.cp = 1``: KCP's
+    summaries have no fla form)."""
     fp8: KernelChoice = "auto"
     """The FP8 block codec of the activation manager's ``fp8`` tiers (``fp8_quantize``, ``fp8_dequantize``)."""
     moonep: KernelChoice = "auto"
@@ -226,8 +232,9 @@ class KernelsConfig:
     same plan."""
 
     def validate(self) -> None:
-        choices = get_args(KernelChoice)  # (moonrt.ops.kernels.CHOICES; this module stays torch-free)
-        for name in ("kda", "fp8", "moonep"):
+        # (moonrt.ops.kernels.family_choices; this module stays torch-free)
+        for name, choices in (("kda", get_args(KdaKernelChoice)), ("fp8", get_args(KernelChoice)),
+                              ("moonep", get_args(KernelChoice))):
             value = getattr(self, name)
             check(value in choices, name, value, "one of " + ", ".join(repr(c) for c in choices))
 
@@ -327,6 +334,9 @@ class JobConfig:
         check(self.device in ("auto", "cpu", "cuda"), "device", self.device, "one of 'auto', 'cpu', 'cuda'")
         check(not (self.device == "cpu" and self.dist.backend == "nccl"), "dist.backend", self.dist.backend,
               "'gloo' or 'auto' with device 'cpu' (nccl reduces CUDA tensors only)")
+        check(self.kernels.kda != "fla" or self.parallel.cp == 1, "kernels.kda", self.kernels.kda,
+              f"one of 'auto', 'torch', 'numba', 'triton' with parallel.cp = {self.parallel.cp} (--cp): KCP's segment "
+              "summaries (kda_transition, kda_state_grad) have no fla form")
         check(0 <= self.threads <= MAX_THREADS, "threads", self.threads,
               f"an integer in [0, {MAX_THREADS}] (0 = torch default; MAX_THREADS)")
         check(0 <= self.gc_interval <= MAX_COUNT, "gc_interval", self.gc_interval,

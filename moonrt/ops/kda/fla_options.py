@@ -94,6 +94,12 @@ def _check_options(opt: FlaOptions, HV: int, K: int) -> None:
                          "channel)")
 
 
+def check_options(opt: FlaOptions, HV: int, K: int) -> None:
+    """The options' types and combinations (TypeError / ValueError naming the option), for ``HV`` value heads of
+    key dimension ``K``: what :func:`apply_options` checks, for a backend that passes the options on (fla's)."""
+    _check_options(opt, HV, K)
+
+
 def check_gva_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> int:
     """Shapes of a GVA call (``v, g, beta`` with HV heads, ``q, k`` with H): returns ``HV // H``; one ValueError
     naming the argument and its expected shape otherwise."""
