@@ -3,7 +3,9 @@
 Writes a SLURM batch script that runs ``command`` once per task under ``srun``; each task joins
 the job through the SLURM path of :func:`moonrt.cluster.env.init_distributed` (rank =
 ``SLURM_PROCID``, world = ``SLURM_STEP_NUM_TASKS``, master = first node of the step, port from
-the job and step ids). ``--submit`` hands the script to ``sbatch`` and prints the job id.
+the job and step ids). ``--submit`` hands the script to ``sbatch`` and prints the job id: without ``--output`` the
+script goes to sbatch on stdin and is kept as ``./<job-name>-<job id>.sbatch`` once submitted (several submissions
+from one directory each get their own; nothing is written when sbatch refuses one).
 
 ``--config FILE`` names the job's YAML config, read now with the schema ``moonrt train --config`` reads
 (the job layer passes its loader, :mod:`moonrt.jobs.train.sbatch`: the same keys, the same checks, the same
@@ -396,8 +398,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, default=None, help="job config YAML (checked, passed as --config)")
     parser.add_argument("--submit", action="store_true", help="submit with sbatch and print the job id")
     parser.add_argument("--output", type=Path, default=None,
-                        help="where to write the script (default: stdout; with --submit: ./<job-name>.sbatch); "
-                        "an existing file is refused unless --force")
+                        help="where to write the script (default: stdout; with --submit: submitted from memory, "
+                        "then kept as ./<job-name>-<job id>.sbatch, nothing written when sbatch refuses it); an "
+                        "existing file is refused unless --force")
     parser.add_argument("--force", action="store_true", help="replace an existing script file")
     parser.add_argument("--job-name", default="moonrt")
     parser.add_argument("--partition", default=None)
@@ -456,7 +459,9 @@ def run(args: argparse.Namespace, load_config: Callable[[Path], Any], config_arg
     except ConfigError as exc:
         print(f"moonrt sbatch: {exc}", file=sys.stderr)
         return 2
-    path = args.output or (Path(f"{job.job_name}.sbatch") if args.submit else None)
+    if args.submit and args.output is None:
+        return submit_text(text, job.job_name)
+    path = args.output
     if path is None:
         sys.stdout.write(text)
         return 0
@@ -475,17 +480,43 @@ def run(args: argparse.Namespace, load_config: Callable[[Path], Any], config_arg
     return submit(path)
 
 
-def submit(path: Path) -> int:
-    """``sbatch --parsable path``; print the job id. Non-zero (with sbatch's message) on failure."""
+def _sbatch(args: list[str], what: str, script: str | None = None) -> str | int:
+    """``sbatch --parsable ARGS`` (the script on stdin when ``script`` is given): the job id, or the exit code after
+    one line naming ``what`` and sbatch's message."""
     sbatch = shutil.which("sbatch")
     if sbatch is None:
         print("moonrt sbatch: --submit needs the `sbatch` command, which is not on PATH", file=sys.stderr)
         return 2
-    res = subprocess.run([sbatch, "--parsable", str(path)], capture_output=True, text=True, timeout=120)
+    res = subprocess.run([sbatch, "--parsable", *args], input=script, capture_output=True, text=True, timeout=120)
     if res.returncode != 0:
-        print(f"moonrt sbatch: sbatch {path} failed (exit code {res.returncode}): {res.stderr.strip()}",
+        print(f"moonrt sbatch: sbatch {what} failed (exit code {res.returncode}): {res.stderr.strip()}",
               file=sys.stderr)
-        return res.returncode
-    job_id = res.stdout.strip().split(";")[0]
+        return res.returncode or 1
+    return res.stdout.strip().split(";")[0]
+
+
+def submit(path: Path) -> int:
+    """``sbatch --parsable path``; print the job id. Non-zero (with sbatch's message) on failure."""
+    job_id = _sbatch([str(path)], str(path))
+    if isinstance(job_id, int):
+        return job_id
+    print(job_id)
+    return 0
+
+
+def submit_text(text: str, job_name: str) -> int:
+    """Submit the script ``text`` from memory (sbatch reads it on stdin), then keep it as
+    ``./<job_name>-<job id>.sbatch`` beside the job's log: every submission from one directory gets its own file, and
+    a submission sbatch refuses writes nothing. Prints the job id."""
+    job_id = _sbatch([], "(the script on stdin)", text)
+    if isinstance(job_id, int):
+        return job_id
+    path = Path(f"{job_name}-{job_id}.sbatch")
+    try:
+        write_new(path, text, mode=0o777)
+        print(f"moonrt sbatch: submitted job {job_id}; its script is {path}", file=sys.stderr)
+    except OSError as exc:  # the job is submitted either way: the copy is a record, not its input
+        print(f"moonrt sbatch: submitted job {job_id}; its script not kept: {str(path)!r}: "
+              f"{exc.strerror or exc}", file=sys.stderr)
     print(job_id)
     return 0

@@ -120,7 +120,50 @@ def test_cli_writes_script_and_reports_errors(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch here
     assert cli_main(["sbatch", "--nodes", "1", "--ntasks-per-node", "2", "--submit", "--", "/bin/true"]) == 2
     assert "--submit needs the `sbatch` command, which is not on PATH" in capsys.readouterr().err
-    assert (tmp_path / "moonrt.sbatch").exists()
+    assert not (tmp_path / "moonrt.sbatch").exists()  # nothing submitted, nothing written
+
+
+def _fake_sbatch(bin_dir, ok: bool = True) -> None:
+    """An ``sbatch`` that takes the script on stdin (as SLURM's does without a file argument), keeps a copy of each
+    in ``received-N`` and answers ``--parsable`` with job ids 100, 101, ...; or refuses every submission."""
+    bin_dir.mkdir()
+    script = bin_dir / "sbatch"
+    body = ('n=$(ls "$(dirname "$0")" | grep -c received); cat > "$(dirname "$0")/received-$n"; '
+            'echo "$((100 + n));cluster"') if ok else \
+        'cat > /dev/null; echo "sbatch: error: Batch job submission failed: Invalid account" >&2; exit 1'
+    script.write_text(f"#!/bin/sh\n[ \"$1\" = --parsable ] && [ $# = 1 ] || exit 9\n{body}\n")
+    script.chmod(0o755)
+
+
+def test_two_submissions_from_one_directory_both_submit(tmp_path, capsys, monkeypatch):
+    """Issue 49 item 5: a second ``--submit`` from one directory used to be refused (``./moonrt.sbatch`` exists).
+    Each submission goes to sbatch from memory and is kept under its job id."""
+    work, bin_dir = tmp_path / "work", tmp_path / "bin"
+    work.mkdir()
+    _fake_sbatch(bin_dir)
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    ids = []
+    for _ in range(2):
+        assert cli_main(["sbatch", "--nodes", "1", "--ntasks-per-node", "2", "--submit", "--", "/bin/true"]) == 0
+        ids.append(capsys.readouterr().out.strip())
+    assert ids == ["100", "101"]
+    assert sorted(p.name for p in work.iterdir()) == ["moonrt-100.sbatch", "moonrt-101.sbatch"]
+    for n, job_id in enumerate(ids):  # the kept script is exactly what sbatch received
+        assert (work / f"moonrt-{job_id}.sbatch").read_text() == (bin_dir / f"received-{n}").read_text()
+        assert os.access(work / f"moonrt-{job_id}.sbatch", os.X_OK)
+
+
+def test_a_refused_submission_writes_nothing(tmp_path, capsys, monkeypatch):
+    work, bin_dir = tmp_path / "work", tmp_path / "bin"
+    work.mkdir()
+    _fake_sbatch(bin_dir, ok=False)
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    assert cli_main(["sbatch", "--nodes", "1", "--ntasks-per-node", "2", "--submit", "--", "/bin/true"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Invalid account" in err[0] and "failed (exit code 1)" in err[0], err
+    assert list(work.iterdir()) == []
 
 
 INJECTIONS = [("--partition", "gpu\ntouch {pwned}"), ("--time", "01:00:00\ntouch {pwned}"),

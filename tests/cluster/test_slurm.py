@@ -83,7 +83,7 @@ def test_moonrt_sbatch_submit_prints_the_job_id(slurm, tmp_path):
     assert res.returncode == 0, res.stderr
     job_id = res.stdout.strip()
     assert job_id.isdigit(), res.stdout
-    assert (tmp_path / "moonrt-submit.sbatch").exists()
+    assert (tmp_path / f"moonrt-submit-{job_id}.sbatch").exists()  # the script kept under its job's id
     log = tmp_path / f"submit-{job_id}.log"  # the job with that id ran its 2 tasks under srun
     for _ in range(240):
         if log.exists() and sorted(log.read_text().split()) == ["0", "1"]:
