@@ -67,6 +67,7 @@ from moonrt.cluster.store import (
     RDZV_HOST_ENV,
     _mpi_store,
     check_job_identity,
+    client_store,
     job_identity,
     master_store,
     rendezvous_bind_host,
@@ -155,15 +156,13 @@ def init_distributed(cfg: DistConfig | None = None) -> Rendezvous:
     else:
         assert rdzv.master_addr is not None and rdzv.master_port is not None
         if uses_agent_store(rdzv):  # torchrun's agent serves the store on MASTER_PORT: every rank is its client
-            store = dist.TCPStore(rdzv.master_addr, rdzv.master_port, rdzv.world_size, is_master=False,
-                                  timeout=timeout)
+            store = client_store(rdzv.master_addr, rdzv.master_port, rdzv.world_size, timeout)
         elif rdzv.rank == 0:
             bind = rendezvous_bind_host(rdzv.master_addr, multi_node=_multi_node(os.environ, rdzv),
                                         host=cfg.rdzv_host)
             store = master_store(bind, rdzv.master_port, rdzv.world_size, timeout, connect=rdzv.master_addr)
         else:
-            store = dist.TCPStore(rdzv.master_addr, rdzv.master_port, rdzv.world_size, is_master=False,
-                                  timeout=timeout)
+            store = client_store(rdzv.master_addr, rdzv.master_port, rdzv.world_size, timeout)
         # a port known in advance may be another job's too (the MPI path's port is private to the job)
         check_job_identity(store, rdzv)
     if backend == "gloo" and rdzv.master_addr is not None:

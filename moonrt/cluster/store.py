@@ -42,6 +42,7 @@ import ipaddress
 import os
 import secrets
 import socket
+import time
 from collections.abc import Mapping
 from datetime import timedelta
 
@@ -186,10 +187,38 @@ def master_store(bind: str, port: int, world_size: int, timeout: timedelta, *, c
     return store
 
 
+def client_store(addr: str, port: int, world_size: int, timeout: timedelta):
+    """A client of rank 0's ``TCPStore`` at ``addr``:``port``, reached within ``timeout`` or a ``ValueError`` in one
+    line naming the address.
+
+    torch's client retries its connection past its own timeout and then fails with a C++ trace; a rank whose rank 0
+    never came up (node 0 died at start-up) waited more than 400 s at the default timeout and then blamed a peer. So
+    the address is first polled with plain TCP connects (each closed at once; the store takes a closed connection
+    as a client that left) until ``timeout`` runs out, and only a store that answered is joined, with what is left
+    of ``timeout``."""
+    import torch.distributed as dist
+
+    total = timeout.total_seconds()
+    deadline = time.monotonic() + total
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((addr, port), timeout=max(min(left, 2.0), 0.05)):
+                break
+        except OSError as exc:
+            if time.monotonic() + 0.25 >= deadline:
+                raise ValueError(
+                    f"cannot reach rank 0's store at MASTER_ADDR:MASTER_PORT = {addr}:{port} within {total:g} s "
+                    f"({exc.strerror or exc}): is rank 0 (node 0) running, and is that its address? (the job's "
+                    "timeout, --timeout / dist.timeout_s, bounds this wait)") from None
+            time.sleep(0.25)
+    return dist.TCPStore(addr, port, world_size, is_master=False,
+                         timeout=timedelta(seconds=max(deadline - time.monotonic(), 1.0)))
+
+
 def _mpi_store(rdzv: Rendezvous, timeout: timedelta, host: str | None = None):
     """Rank 0 opens a TCPStore on a free port (on ``host``, the job's ``dist.rdzv_host``, when given); (host, port)
     reaches the others via ``MPI_Bcast``."""
-    import torch.distributed as dist
 
     try:
         from mpi4py import MPI
@@ -227,5 +256,5 @@ def _mpi_store(rdzv: Rendezvous, timeout: timedelta, host: str | None = None):
     addr, port = answer
     set_gloo_interface(addr)
     if store is None:
-        store = dist.TCPStore(addr, port, rdzv.world_size, is_master=False, timeout=timeout)
+        store = client_store(addr, port, rdzv.world_size, timeout)
     return store, dataclasses.replace(rdzv, master_addr=addr, master_port=port)

@@ -199,3 +199,39 @@ def test_local_job_listens_on_loopback_only(tmp_path):
         done.touch()
     assert proc.wait(timeout=120) == 0, proc.stderr.read()[-4000:]
     only_loopback(sockets, port)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_a_dead_node_0_is_named_in_one_line_within_the_timeout(tmp_path) -> None:
+    """Issue 49 item 2: two ``moonrt launch --nnodes 2`` launchers; node 0's is killed (-9) at start-up, before its
+    rank 0 opens the store. Node 1's rank used to wait past 400 s at the default timeout (torch's TCPStore retries
+    past it), then print C++ frames blaming a peer. Now it stops within ``--timeout`` with one line naming the store's
+    address, exit 2."""
+    port, timeout_s = _free_port(), 6
+    node = [sys.executable, "-m", "moonrt.cli", "launch", "-n", "1", "--nnodes", "2", "--master-addr", "127.0.0.1",
+            "--master-port", str(port), "--rdzv-id", "dead-node-0", "--timeout", str(timeout_s)]
+    train = ["--", sys.executable, "-m", "moonrt.cli", "train", "--steps", "1", "--batch-size", "2", "--seq-len", "16",
+             "--no-progress"]
+    node0 = subprocess.Popen([*node, "--node-rank", "0", *train, "--out", str(tmp_path / "n0")], cwd=tmp_path,
+                             env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    node0.kill()
+    node0.wait(timeout=30)
+    start = time.monotonic()
+    done = subprocess.run([*node, "--node-rank", "1", *train, "--out", str(tmp_path / "n1")], cwd=tmp_path,
+                          env=clean_env(), capture_output=True, text=True, timeout=120)
+    wall = time.monotonic() - start
+    text = done.stdout + done.stderr
+    assert done.returncode == 2, text
+    want = f"cannot reach rank 0's store at MASTER_ADDR:MASTER_PORT = 127.0.0.1:{port} within {timeout_s} s"
+    lines = [ln for ln in done.stderr.splitlines() if want in ln and not ln.startswith("[rank")]
+    assert len(lines) == 1 and lines[0].startswith("moonrt train: error: "), text
+    assert "frame #" not in text and "Traceback" not in text and "timed out waiting" not in text, text
+    assert wall < timeout_s + 40, wall  # the timeout plus start-up (imports, the launcher) on a loaded machine
