@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 import moonrt.ops.fp8.codec as fp8
+from moonrt.ops.kernels import on_tensor_device
 
 TILES_PER_PROGRAM = 8
 """Tiles (rows of the ``[TILES, BLOCK]`` block) each program encodes or decodes."""
@@ -125,6 +126,7 @@ def _p2(block: int) -> int:
     return 1 << max(0, (block - 1).bit_length())
 
 
+@on_tensor_device
 def quantize_rows(x2: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The codec on ``x2 [M, N]`` fp32 rows (registry op ``fp8_quantize``): ``payload [M, nb * block]`` E4M3 (zero
     past ``N``) and ``scales [M, nb]`` fp32, bitwise :func:`moonrt.ops.fp8.codec.quantize_rows_numba`."""
@@ -140,6 +142,7 @@ def quantize_rows(x2: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Ten
     return payload.view(fp8.E4M3), scales
 
 
+@on_tensor_device
 def dequantize_rows(payload: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
     """``payload [M, nb * block]`` E4M3 + ``scales [M, nb]`` fp32 -> ``[M, n]`` fp32 (registry op ``fp8_dequantize``),
     bitwise :func:`moonrt.ops.fp8.codec.dequantize_rows_numba`. Rows may be strided (unit stride within a row)."""
