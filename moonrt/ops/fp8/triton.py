@@ -19,9 +19,11 @@ Decoding is ``lut[code] * scale`` in fp32 (the table of :func:`moonrt.ops.fp8.co
 out likewise: a NaN scale gives the scale, else a NaN code keeps the table's NaN, ``0 * inf`` is the negative
 default NaN.
 
-Divisions use ``tl.math.div_rn`` (Triton's ``/`` on fp32 may lower to an approximate division). The kernels run on
-CUDA tensors, or on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` before triton is first imported),
-which is how CI checks them bit for bit against the CPU codec.
+Index arithmetic is int64 (tile ids, ``M * NB``, row offsets): a payload of ``M * NB > 2^31`` tiles (e.g. 2^20 rows
+of 2^12 tiles) indexes past int32. Divisions use ``tl.math.div_rn`` (Triton's ``/`` on fp32 may lower to an
+approximate division). The kernels run on CUDA tensors, or on CPU tensors under Triton's interpreter
+(``TRITON_INTERPRET=1`` before triton is first imported), which is how CI checks them bit for bit against the CPU
+codec.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def _quantize_kernel(x_ptr, payload_ptr, scales_ptr, M, N, NB, min_amax,
                      BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr, TILES: tl.constexpr):
     pid = tl.program_id(0)
     t = pid.to(tl.int64) * TILES + tl.arange(0, TILES).to(tl.int64)  # [TILES] tile ids (row-major over [M, NB])
-    live = t < M * NB
+    live = t < tl.cast(M, tl.int64) * NB  # int64: M * NB passes 2^31 long before either does
     row = t // NB
     col0 = (t % NB) * BLOCK
     offs = tl.arange(0, BLOCK_P2)
@@ -90,7 +92,7 @@ def _quantize_kernel(x_ptr, payload_ptr, scales_ptr, M, N, NB, min_amax,
     code = tl.where(x_inf, 0xFF, code)  # inf * 0 (x86: the negative default NaN)
     code = tl.where(x_nan, 0x7F | ((xb >> 24) & 0x80), code)  # NaN * anything: the NaN, its sign kept
     code = tl.where(valid, code, 0)  # padding past N
-    width = NB * BLOCK
+    width = tl.cast(NB, tl.int64) * BLOCK
     tl.store(payload_ptr + row[:, None] * width + col, code.to(tl.uint8), mask=in_tile)
     tl.store(scales_ptr + t, scale, mask=live)
 
@@ -100,7 +102,7 @@ def _dequantize_kernel(codes_ptr, scales_ptr, lut_ptr, out_ptr, M, N, NB, code_s
                        BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr, TILES: tl.constexpr):
     pid = tl.program_id(0)
     t = pid.to(tl.int64) * TILES + tl.arange(0, TILES).to(tl.int64)
-    live = t < M * NB
+    live = t < tl.cast(M, tl.int64) * NB
     row = t // NB
     tile = t % NB
     offs = tl.arange(0, BLOCK_P2)
