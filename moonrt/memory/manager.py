@@ -81,12 +81,12 @@ def idle_cpu() -> bool:
 def rank_device(model: torch.nn.Module) -> int | None:
     """The CUDA device index this rank computes on, which the manager's worker threads make current when they start
     (:func:`bind_thread`): the device of the model's first CUDA parameter or buffer, else CUDA's current device of
-    the constructing thread (``moonrt train`` made ``cuda:LOCAL_RANK`` current) when CUDA is available; None on a
-    CPU-only process."""
+    the constructing thread (``moonrt train`` made ``cuda:LOCAL_RANK`` current) once this process uses CUDA; None
+    otherwise (a CPU job on a GPU node makes no CUDA context for its threads)."""
     for t in (*model.parameters(), *model.buffers()):
         if t.device.type == "cuda":
             return t.device.index
-    return torch.cuda.current_device() if torch.cuda.is_available() else None
+    return torch.cuda.current_device() if torch.cuda.is_initialized() else None
 
 
 def bind_thread(device: int | None) -> None:

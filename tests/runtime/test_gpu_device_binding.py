@@ -68,6 +68,7 @@ class FakeCuda:
         monkeypatch.setattr(torch.cuda, "set_device", self.set_device)
         monkeypatch.setattr(torch.cuda, "current_device", self.current_device)
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
 
     def current_device(self) -> int:
@@ -167,12 +168,14 @@ def test_manager_worker_threads_start_on_the_ranks_device(monkeypatch):
 
 
 def test_manager_on_a_cpu_process_binds_no_device(monkeypatch):
-    """Without CUDA the worker threads set no device (a CPU-only torch would raise)."""
+    """Without CUDA in use the worker threads set no device (a CPU-only torch would raise; a CPU job on a GPU node
+    makes no CUDA context)."""
     from moonrt.memory.manager import ActivationManager
     from moonrt.memory.policy import MemoryPolicy
 
     calls: list[object] = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU node, CUDA not used by this job
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     monkeypatch.setattr(torch.cuda, "set_device", calls.append)
     mgr = ActivationManager(torch.nn.Linear(4, 4), MemoryPolicy(prefetch=True), copy_thread=True)
     try:
