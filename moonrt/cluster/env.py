@@ -125,7 +125,8 @@ def init_distributed(cfg: DistConfig | None = None) -> Rendezvous:
     ``cfg``: the job's settings (``moonrt train`` passes its job config's ``dist``), resolved by
     :func:`resolve_dist_config`: its own values win, a ``None`` field takes the launcher's environment variable.
     Backend: ``cfg.backend``; ``"auto"`` is nccl when CUDA is available (device = local rank), else gloo (a job
-    resolves ``auto`` for its device before it calls this). ``cfg.timeout_s`` bounds the rendezvous and every
+    resolves ``auto`` for its device before it calls this); on nccl the rank's GPU is made current and passed as
+    ``device_id`` (eager communicators). ``cfg.timeout_s`` bounds the rendezvous and every
     collective; ``cfg.rdzv_host`` is where rank 0's store listens. Idempotent: if torch.distributed is already
     initialized with the detected world size, nothing is done.
     """
@@ -145,8 +146,10 @@ def init_distributed(cfg: DistConfig | None = None) -> Rendezvous:
     backend = cfg.backend
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(rdzv.local_rank % torch.cuda.device_count())
+    device_id = None
+    if backend == "nccl":  # the rank's GPU, current and bound to the group: NCCL makes its communicators eagerly
+        device_id = torch.device("cuda", rdzv.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device_id)
     timeout = timedelta(seconds=cfg.timeout_s)
 
     if rdzv.world_size == 1 and rdzv.master_port is None:
@@ -169,7 +172,10 @@ def init_distributed(cfg: DistConfig | None = None) -> Rendezvous:
         set_gloo_interface(rdzv.master_addr)
     if rdzv.world_size > 1:
         _publish_peer(store, rdzv)
-    dist.init_process_group(backend, store=store, rank=rdzv.rank, world_size=rdzv.world_size, timeout=timeout)
+    # device_id (NCCL): communicators made at init, not lazily at a group's first op, which torch requires of every
+    # rank of the group when that op is a batch_isend_irecv (a pipeline with pp >= 3 starts with a 0 -> 1 batch)
+    dist.init_process_group(backend, store=store, rank=rdzv.rank, world_size=rdzv.world_size, timeout=timeout,
+                            device_id=device_id)
     if rdzv.world_size > 1:
         _read_peers(store, rdzv)
     return rdzv

@@ -78,6 +78,24 @@ def idle_cpu() -> bool:
     return cpus // ranks > torch.get_num_threads()
 
 
+def rank_device(model: torch.nn.Module) -> int | None:
+    """The CUDA device index this rank computes on, which the manager's worker threads make current when they start
+    (:func:`bind_thread`): the device of the model's first CUDA parameter or buffer, else CUDA's current device of
+    the constructing thread (``moonrt train`` made ``cuda:LOCAL_RANK`` current) once this process uses CUDA; None
+    otherwise (a CPU job on a GPU node makes no CUDA context for its threads)."""
+    for t in (*model.parameters(), *model.buffers()):
+        if t.device.type == "cuda":
+            return t.device.index
+    return torch.cuda.current_device() if torch.cuda.is_initialized() else None
+
+
+def bind_thread(device: int | None) -> None:
+    """A worker thread's initializer: make ``device`` its current CUDA device (a new thread starts on device 0, so
+    the FP8 quantize/decode and the prefetch of a rank with ``LOCAL_RANK != 0`` would run on another rank's GPU)."""
+    if device is not None:
+        torch.cuda.set_device(device)
+
+
 class ActivationManager(RegionsMixin, RecomputeMixin, SavedTensorsMixin, Fp8BatchMixin, CopyBatchMixin):
     """Saved-tensor storage policies for one model (K3_SYSTEMS §8). See the module docstring.
 
@@ -141,8 +159,10 @@ class ActivationManager(RegionsMixin, RecomputeMixin, SavedTensorsMixin, Fp8Batc
         self._copy_batch_bytes = int(copy_batch_bytes)
         if copy_thread is None:
             copy_thread = idle_cpu()
+        device = rank_device(model)  # the worker threads below start on it
         self._copier: ThreadPoolExecutor | None = (  # copy_thread: the one background copy thread
-            ThreadPoolExecutor(1, thread_name_prefix="moonrt-host-copy") if copy_thread else None)
+            ThreadPoolExecutor(1, thread_name_prefix="moonrt-host-copy", initializer=bind_thread, initargs=(device,))
+            if copy_thread else None)
         self._min_bytes = self.policy.min_bytes
         self._own_rule: dict[str, str | None] = {}
         self._layer_names: dict[str, str] = {}
@@ -151,7 +171,8 @@ class ActivationManager(RegionsMixin, RecomputeMixin, SavedTensorsMixin, Fp8Batc
         self._param_ptrs = {t.untyped_storage()._cdata
                             for t in list(model.parameters()) + list(model.buffers())}
         self._prefetched_layers: set[int] = set()
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="moonrt-prefetch") if self.policy.prefetch else None
+        self._pool = (ThreadPoolExecutor(1, thread_name_prefix="moonrt-prefetch", initializer=bind_thread,
+                                         initargs=(device,)) if self.policy.prefetch else None)
         self._keep_accounting = keep_accounting
         self._account_keep_next = True
         self._account_keep_now = False

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import importlib.util
 import os
@@ -267,6 +268,25 @@ def kernel(op: str, choice: str, device: torch.device | str) -> Callable[..., An
     return REGISTRY.resolve(op, choice, device)
 
 
+def on_tensor_device(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Run ``fn`` (a Triton host wrapper) with its first tensor argument's CUDA device current
+    (``torch.cuda.device(t.device)``): Triton launches on the calling thread's current device, which on a rank with
+    ``LOCAL_RANK != 0`` need not be the tensors' (a worker thread starts on device 0, the autograd engine's threads
+    follow their own devices). CPU tensors (Triton's interpreter) run ``fn`` as it is."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        t = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        if t is None or t.device.type != "cuda":
+            return fn(*args, **kwargs)
+        with torch.cuda.device(t.device):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
 def check_choice(family: str, choice: object) -> str:
     """``choice`` for ``kernels.<family>`` if valid (ValueError naming the key and the choices otherwise)."""
     if family not in FAMILIES:
@@ -279,4 +299,4 @@ def check_choice(family: str, choice: object) -> str:
 
 __all__ = ["BACKENDS", "CHOICES", "FAMILIES", "FAMILY_EXTRA", "FLA_INSTALL", "OPS", "REGISTRY", "TRITON_INSTALL",
            "TRITON_PACKAGES", "Backend", "KernelRegistry", "KernelUnavailable", "check_choice", "default_registry",
-           "family_choices", "kernel"]
+           "family_choices", "kernel", "on_tensor_device"]

@@ -28,9 +28,10 @@ def check_tokens(tokens: torch.Tensor, vocab_size: int) -> None:
     every id is in ``[0, vocab_size)`` (one host sync)."""
     if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"tokens: shape {tuple(tokens.shape)} dtype {tokens.dtype}: expected [B, T] int64")
-    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
-        raise ValueError(f"tokens: ids in [{int(tokens.min())}, {int(tokens.max())}]: expected "
-                         f"[0, vocab_size = {vocab_size})")
+    if tokens.numel():
+        lo, hi = torch.stack(torch.aminmax(tokens)).tolist()  # one host sync
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(f"tokens: ids in [{lo}, {hi}]: expected [0, vocab_size = {vocab_size})")
 
 
 def token_embedding(vocab_size: int, dim: int, init_std: float) -> nn.Embedding:

@@ -106,9 +106,10 @@ class LocalDispatcher:
             raise ValueError(f"topk_ids: shape {tuple(topk_ids.shape)} {topk_ids.dtype}, expected [s = {s}, k] int64")
         if topk_weights.shape != topk_ids.shape:
             raise ValueError(f"topk_weights: shape {tuple(topk_weights.shape)}, expected {tuple(topk_ids.shape)}")
-        if topk_ids.numel() and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= E):
-            raise ValueError(f"topk_ids: values in [{int(topk_ids.min())}, {int(topk_ids.max())}], "
-                             f"expected expert ids in [0, {E})")
+        if topk_ids.numel():
+            lo, hi = torch.stack(torch.aminmax(topk_ids)).tolist()  # one host sync
+            if lo < 0 or hi >= E:
+                raise ValueError(f"topk_ids: values in [{lo}, {hi}], expected expert ids in [0, {E})")
         k = topk_ids.shape[1]
         flat = topk_ids.reshape(-1)
         order = torch.argsort(flat, stable=True)

@@ -172,3 +172,25 @@ def test_kernels_compile_for_a_gpu_with_ieee_arithmetic(triton_kernels) -> None:
         assert not [o for o in ops if o.startswith(("fma.", "mad.")) and ("f32" in o or "f64" in o)], (name, ops)
         if name == "quantize":
             assert {"div.rn.f32", "div.rn.f64", "mul.f32", "add.f32"} <= ops, sorted(ops)
+
+
+def test_tile_index_math_is_int64_past_2_31_tiles(ft, dev):
+    """``M * NB > 2^31`` (2^20 rows of 2^12 tiles, a 4 GiB payload) without allocating it: program 0 of each kernel
+    on buffers holding only row 0's first 8 tiles (what that program touches) must encode/decode them as the CPU
+    codec does. With ``M * NB`` in int32 (2^32 wraps to 0) no tile is live and nothing is written."""
+    block, nb, m = 16, 1 << 12, 1 << 20
+    assert m * nb >= 2**32
+    n = nb * block
+    tiles = ft.TILES_PER_PROGRAM
+    x = torch.randn(1, tiles * block, generator=torch.Generator().manual_seed(3))
+    ref_p, ref_s = fp8.quantize_rows_numba(x, block)
+    payload = torch.full((tiles * block,), 0xAB, dtype=torch.uint8, device=dev)
+    scales = torch.full((tiles,), -1.0, device=dev)
+    ft._quantize_kernel[(1,)](x.to(dev), payload, scales, m, n, nb, fp8._MIN_NORMAL_AMAX, BLOCK=block,
+                              BLOCK_P2=block, TILES=tiles)
+    assert torch.equal(payload.cpu(), ref_p.view(torch.uint8)[0])
+    assert torch.equal(_bits(scales), _bits(ref_s[0]))
+    out = torch.full((tiles * block,), -7.0, device=dev)
+    ft._dequantize_kernel[(1,)](payload, scales, fp8._lut(payload.device), out, m, n, nb, n, nb, BLOCK=block,
+                                BLOCK_P2=block, TILES=tiles)
+    assert torch.equal(_bits(out), _bits(fp8.dequantize_rows_numba(ref_p, ref_s, tiles * block)[0]))

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -39,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moonrt.comm.pp.cache import BlockCache, BlockPlan
+from moonrt.comm.pp.idle import IdleClock
 from moonrt.ops.precision import token_loss_sum
 from moonrt.parallel.context import LOCAL, AttentionContext
 from moonrt.scheduler.pipeline_ir import COMM_OPS
@@ -71,9 +71,10 @@ class StepStats:
     bytes_sent_bwd: int = 0
     hops: dict[int, int] = dataclasses.field(default_factory=dict)  # stage s -> blocks sent on hop s -> s+1
     recv_wait_s: float = 0.0
-    """Seconds blocked waiting for received tensors (the rank's measured idle time: bubble plus transfer)."""
+    """Seconds blocked waiting for received tensors (the rank's measured idle time: bubble plus transfer): the host's
+    wait on gloo, the CUDA stream's on NCCL (:class:`moonrt.comm.pp.idle.IdleClock`)."""
     wall_s: float = 0.0
-    """Seconds of the whole action list."""
+    """Seconds of the whole action list (on CUDA: of the stream, between events at its start and end)."""
 
 
 class _Handle:
@@ -151,7 +152,8 @@ class PipelineExecutor:
         self.posted: dict[tuple[str, int, int], _Posted] = {}  # (RECV op, stage, micro-batch) -> posted receive
         self.device = xs[0].device
         self.loss = torch.zeros((), dtype=torch.float32, device=self.device)
-        t_start = time.perf_counter()
+        self.clock = IdleClock(self.device)  # NCCL: CUDA events (work.wait() does not block the host there)
+        self.clock.start()
         for item in self.actions:
             group = item.actions if isinstance(item, P2PGroup) else (item,) if item.op in COMM_OPS else None
             try:
@@ -175,7 +177,7 @@ class PipelineExecutor:
         if self.posted:
             raise PipelineError(f"pipeline rank {self.rank}: step ended with receives nothing read "
                                 f"({sorted(self.posted)}): the action list is incomplete")
-        self.stats.wall_s = time.perf_counter() - t_start
+        self.stats.recv_wait_s, self.stats.wall_s = self.clock.stop()
         if forward_only:
             self.saved, self.caches = {}, {}
         leftover = [k for k, c in self.caches.items() if c.data]
@@ -273,9 +275,7 @@ class PipelineExecutor:
 
     def _recv_wait(self, posted: _Posted) -> list[torch.Tensor]:
         """Wait for a posted receive; its buffers."""
-        t0 = time.perf_counter()
-        self._wait(posted.handle, posted.what, posted.src)
-        self.stats.recv_wait_s += time.perf_counter() - t0
+        self.clock.wait(lambda: self._wait(posted.handle, posted.what, posted.src))
         return posted.bufs
 
     def _issue(self, group: tuple[Any, ...]) -> None:

@@ -45,7 +45,7 @@ GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
     "quantization-aware training": ("", ("qat", "qat_block")),
     "outputs & checkpoints": ("", ("out", "metrics", "tensorboard", "peak_tflops", "routing_trace", "resume",
                                    "resume_if_exists", "resume_allow_changes", "init_from")),
-    "distributed & device": ("", ("device", "dtype", "reduce_dtype", "dist_timeout", "threads")),
+    "distributed & device": ("", ("device", "deterministic", "dtype", "reduce_dtype", "dist_timeout", "threads")),
     "run control": ("", ("until", "signal", "no_progress", "log_every")),
 }
 """``moonrt train --help`` sections: title -> (description, argparse dests). A flag whose dest is in no group
@@ -124,6 +124,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="no progress bar or periodic step lines (the start, eval and summary lines still print)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where the job computes (device; default "
                         "auto = cuda where CUDA is available, else cpu; each rank on cuda:LOCAL_RANK)")
+    parser.add_argument("--deterministic", action="store_true", default=None,
+                        help="deterministic kernels (torch.use_deterministic_algorithms, cuBLAS's fixed workspace): "
+                        "on a GPU, --resume is bit-identical only with it; on the CPU always (deterministic)")
     parser.add_argument("--dtype", help="forward compute dtype: fp32 or bf16 (autocast; parameters, gradients and "
                         "optimizer states stay fp32) (precision.compute; default fp32)")
     parser.add_argument("--reduce-dtype", help="dtype the gradient sums over ranks are sent and summed in: fp32 or "
@@ -173,7 +176,8 @@ _OVERRIDES: dict[str, tuple[str, ...]] = {
     "pp": ("parallel", "pp"), "vpp": ("parallel", "vpp"), "microbatches": ("parallel", "microbatches"),
     "schedule": ("parallel", "schedule"), "attn_res_comm": ("parallel", "attn_res_comm"),
     "zero": ("parallel", "zero"), "signal": ("stop_signal",),
-    "gc_interval": ("gc_interval",), "device": ("device",), "dtype": ("precision", "compute"),
+    "gc_interval": ("gc_interval",), "device": ("device",),
+    "deterministic": ("deterministic",), "dtype": ("precision", "compute"),
     "reduce_dtype": ("precision", "reduce"),
     "dist_timeout": ("dist", "timeout_s"),
     "grad_accum": ("optim", "grad_accum"), "log_every": ("log", "log_every"), "tensorboard": ("log", "tensorboard"),

@@ -268,6 +268,12 @@ class JobConfig:
     """Where the job computes: ``cpu``; ``cuda`` (each rank on ``cuda:LOCAL_RANK``; refused where torch sees no CUDA
     device); ``auto``: cuda where CUDA is available, else cpu (:func:`moonrt.jobs.train.device.resolve_device`). The
     run's ``config.yaml`` and start line record the device it used."""
+    deterministic: bool = False
+    """``--deterministic``: run with ``torch.use_deterministic_algorithms(True)`` and cuBLAS's fixed workspace
+    (``CUBLAS_WORKSPACE_CONFIG=:4096:8``, :func:`moonrt.jobs.train.device.use_deterministic`). On a GPU a
+    ``--resume`` is bit-identical to the uninterrupted run only with it (atomics in CUDA kernels sum in a varying
+    order; an op without a deterministic CUDA kernel then fails naming itself); on the CPU a resume is bit-identical
+    either way. Free to change on resume (it changes how, not what, the step computes)."""
     kernels: KernelsConfig = dataclasses.field(default_factory=KernelsConfig)
     """Kernel backend per op family (``kernels: {kda: auto, fp8: auto}``; ``--set kernels.kda=torch``); the run's
     ``config.yaml`` records the choice."""
@@ -332,6 +338,7 @@ class JobConfig:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         check(self.device in ("auto", "cpu", "cuda"), "device", self.device, "one of 'auto', 'cpu', 'cuda'")
+        check(isinstance(self.deterministic, bool), "deterministic", self.deterministic, "true or false")
         check(not (self.device == "cpu" and self.dist.backend == "nccl"), "dist.backend", self.dist.backend,
               "'gloo' or 'auto' with device 'cpu' (nccl reduces CUDA tensors only)")
         check(self.kernels.kda != "fla" or self.parallel.cp == 1, "kernels.kda", self.kernels.kda,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 
 import numpy as np
 import torch
@@ -62,6 +62,20 @@ def bind_device(device: str, environ: Mapping[str, str] = os.environ) -> torch.d
     index = detect_rendezvous(environ).local_rank % torch.cuda.device_count()
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
+
+
+CUBLAS_WORKSPACE = ":4096:8"
+"""cuBLAS's workspace setting for reproducible GEMMs (CUDA's documentation; torch's reproducibility notes)."""
+
+
+def use_deterministic(on: bool, environ: MutableMapping[str, str] = os.environ) -> None:
+    """``JobConfig.deterministic``: when ``on``, ``torch.use_deterministic_algorithms(True)`` and cuBLAS's fixed
+    workspace (``CUBLAS_WORKSPACE_CONFIG``, kept where the user set one; read when cuBLAS makes its first handle,
+    so this runs before the job's first matmul). Off: torch's setting is left as it is (a library caller's own)."""
+    if not on:
+        return
+    environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+    torch.use_deterministic_algorithms(True)
 
 
 def host_tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -50,7 +50,7 @@ from moonrt.jobs.checkpoint.store import load_checkpoint, resume_state, save_che
 from moonrt.jobs.train import data, outputs, report
 from moonrt.jobs.train.assemble import build_model, check_model_size
 from moonrt.jobs.train.config import JobConfig, lr_at
-from moonrt.jobs.train.device import bind_device, host_tensor, resolve_job
+from moonrt.jobs.train.device import bind_device, host_tensor, resolve_job, use_deterministic
 from moonrt.jobs.train.optimizers import build_optimizer
 from moonrt.jobs.train.outputs import CHECKPOINT
 from moonrt.jobs.train.step_memory import check_step_memory
@@ -141,6 +141,7 @@ def train(job: JobConfig, rt: Parallelism | None = None, metrics_path: str | Non
     job = resolve_job(job)  # device and dist as this run uses them: what config.yaml records
     if rt.device.type != job.device:  # one process (a multi-rank runtime is bound in parallel_runtime)
         rt.device = bind_device(job.device)
+    use_deterministic(job.deterministic)  # before the job's first matmul (cuBLAS reads its workspace setting then)
     note = str(rt.device)
     if not job.out_dir:
         raise ConfigError("out_dir (--out) = '': expected a directory path")

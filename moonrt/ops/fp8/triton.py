@@ -19,9 +19,11 @@ Decoding is ``lut[code] * scale`` in fp32 (the table of :func:`moonrt.ops.fp8.co
 out likewise: a NaN scale gives the scale, else a NaN code keeps the table's NaN, ``0 * inf`` is the negative
 default NaN.
 
-Divisions use ``tl.math.div_rn`` (Triton's ``/`` on fp32 may lower to an approximate division). The kernels run on
-CUDA tensors, or on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` before triton is first imported),
-which is how CI checks them bit for bit against the CPU codec.
+Index arithmetic is int64 (tile ids, ``M * NB``, row offsets): a payload of ``M * NB > 2^31`` tiles (e.g. 2^20 rows
+of 2^12 tiles) indexes past int32. Divisions use ``tl.math.div_rn`` (Triton's ``/`` on fp32 may lower to an
+approximate division). The kernels run on CUDA tensors, or on CPU tensors under Triton's interpreter
+(``TRITON_INTERPRET=1`` before triton is first imported), which is how CI checks them bit for bit against the CPU
+codec.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import triton
 import triton.language as tl
 
 import moonrt.ops.fp8.codec as fp8
+from moonrt.ops.kernels import on_tensor_device
 
 TILES_PER_PROGRAM = 8
 """Tiles (rows of the ``[TILES, BLOCK]`` block) each program encodes or decodes."""
@@ -57,7 +60,7 @@ def _quantize_kernel(x_ptr, payload_ptr, scales_ptr, M, N, NB, min_amax,
                      BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr, TILES: tl.constexpr):
     pid = tl.program_id(0)
     t = pid.to(tl.int64) * TILES + tl.arange(0, TILES).to(tl.int64)  # [TILES] tile ids (row-major over [M, NB])
-    live = t < M * NB
+    live = t < tl.cast(M, tl.int64) * NB  # int64: M * NB passes 2^31 long before either does
     row = t // NB
     col0 = (t % NB) * BLOCK
     offs = tl.arange(0, BLOCK_P2)
@@ -89,7 +92,7 @@ def _quantize_kernel(x_ptr, payload_ptr, scales_ptr, M, N, NB, min_amax,
     code = tl.where(x_inf, 0xFF, code)  # inf * 0 (x86: the negative default NaN)
     code = tl.where(x_nan, 0x7F | ((xb >> 24) & 0x80), code)  # NaN * anything: the NaN, its sign kept
     code = tl.where(valid, code, 0)  # padding past N
-    width = NB * BLOCK
+    width = tl.cast(NB, tl.int64) * BLOCK
     tl.store(payload_ptr + row[:, None] * width + col, code.to(tl.uint8), mask=in_tile)
     tl.store(scales_ptr + t, scale, mask=live)
 
@@ -99,7 +102,7 @@ def _dequantize_kernel(codes_ptr, scales_ptr, lut_ptr, out_ptr, M, N, NB, code_s
                        BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr, TILES: tl.constexpr):
     pid = tl.program_id(0)
     t = pid.to(tl.int64) * TILES + tl.arange(0, TILES).to(tl.int64)
-    live = t < M * NB
+    live = t < tl.cast(M, tl.int64) * NB
     row = t // NB
     tile = t % NB
     offs = tl.arange(0, BLOCK_P2)
@@ -125,6 +128,7 @@ def _p2(block: int) -> int:
     return 1 << max(0, (block - 1).bit_length())
 
 
+@on_tensor_device
 def quantize_rows(x2: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The codec on ``x2 [M, N]`` fp32 rows (registry op ``fp8_quantize``): ``payload [M, nb * block]`` E4M3 (zero
     past ``N``) and ``scales [M, nb]`` fp32, bitwise :func:`moonrt.ops.fp8.codec.quantize_rows_numba`."""
@@ -140,6 +144,7 @@ def quantize_rows(x2: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Ten
     return payload.view(fp8.E4M3), scales
 
 
+@on_tensor_device
 def dequantize_rows(payload: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
     """``payload [M, nb * block]`` E4M3 + ``scales [M, nb]`` fp32 -> ``[M, n]`` fp32 (registry op ``fp8_dequantize``),
     bitwise :func:`moonrt.ops.fp8.codec.dequantize_rows_numba`. Rows may be strided (unit stride within a row)."""

@@ -132,8 +132,8 @@ def _data_sub_tile(C: int, g: torch.Tensor) -> int:
     """:func:`sub_tile` for the log-decays ``g`` (their largest magnitude)."""
     if not g.numel():
         return sub_tile(C)
-    lo, hi = torch.aminmax(g.detach())
-    return sub_tile(C, max(-float(lo), float(hi), 0.0))
+    lo, hi = torch.stack(torch.aminmax(g.detach())).tolist()  # one host sync
+    return sub_tile(C, max(-lo, hi, 0.0))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moonrt.ops.kernels import on_tensor_device
+
 MAX_BLOCK = 1 << 16
 """Largest ``[G, R]`` register block (both padded to powers of two) one split program holds."""
 
@@ -71,6 +73,7 @@ def _split_kernel(load_ptr, quota_ptr, alloc_ptr, R, G, BLOCK_R: tl.constexpr, B
     tl.store(alloc_ptr + offs, acc, mask=(i[:, None] < G) & (u[None, :] < R))
 
 
+@on_tensor_device
 def greedy(load: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
     """``moonep_greedy`` (:mod:`moonrt.ops.moonep.greedy`) in two launches on ``load.device``."""
     R, G = load.shape

@@ -119,9 +119,7 @@ def maxvio(counts: torch.Tensor) -> float:
     """``max_e(T_e / mean T) - 1`` over experts (K3_SYSTEMS §6.3) for ``counts [E]``; 0 when perfectly balanced."""
     c = counts.double()
     mean = c.mean()
-    if mean <= 0:
-        return 0.0
-    return float(c.max() / mean - 1.0)
+    return float(torch.where(mean > 0, c.max() / mean - 1.0, 0.0))  # one host read
 
 
 class MarginHistogram:
@@ -174,8 +172,9 @@ class MarginHistogram:
         if out is not None and out is not self.counts:
             self.counts.copy_(out)
 
-    def quantile_values(self, k: int) -> torch.Tensor:
-        """``[n]`` fp32 estimate of each expert's (q+1)-th largest margin, ``q = floor(m k / n)``.
+    def quantile_values(self, k: int, num_tokens: int | None = None) -> torch.Tensor:
+        """``[n]`` fp32 estimate of each expert's (q+1)-th largest margin, ``q = floor(m k / n)`` (``m``:
+        ``num_tokens`` when the caller already read :attr:`num_tokens` on the host, else read here: one host sync).
 
         Finds the bin that holds the (q+1)-th largest margin from the cumulative counts taken from
         the top bin down, and places it inside that bin by linear interpolation (the r-th largest of
@@ -184,7 +183,7 @@ class MarginHistogram:
         n = self.num_experts
         if not (isinstance(k, int) and 1 <= k and k + 1 <= n):
             raise ValueError(f"k = {k!r}: expected an integer with 1 <= k and k + 1 <= n = {n}")
-        m = self.num_tokens
+        m = self.num_tokens if num_tokens is None else num_tokens
         if m < 1:
             raise ValueError("MarginHistogram: no margins accumulated; call add() first")
         r = target_load(m, n, k) + 1
@@ -197,7 +196,8 @@ class MarginHistogram:
         upper = self.lo + (b_star.double() + 1) * self.bin_width
         return (upper - self.bin_width * (pos - 0.5) / c_b).float()
 
-    def bias(self, k: int, center: bool = True) -> torch.Tensor:
-        """``[n]`` fp32 new bias ``-quantile`` (minus its mean when ``center``), Eq. 14 with the estimator."""
-        b = -self.quantile_values(k)
+    def bias(self, k: int, center: bool = True, num_tokens: int | None = None) -> torch.Tensor:
+        """``[n]`` fp32 new bias ``-quantile`` (minus its mean when ``center``), Eq. 14 with the estimator
+        (``num_tokens``: :meth:`quantile_values`)."""
+        b = -self.quantile_values(k, num_tokens)
         return b - b.mean() if center else b

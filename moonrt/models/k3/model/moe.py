@@ -294,10 +294,12 @@ class LatentMoE(nn.Module):
                                        device=self.router.bias.device)
             packed = torch.cat([hist.counts, local.to(hist.counts.device).unsqueeze(1)], dim=1)
             packed = _reduce(packed, all_reduce)
-            counts = packed[:, -1].cpu()  # the step's statistics (maxvio) are read on the host
+            # the step's statistics (maxvio) and the histogram's token count, read on the host in one copy
+            host = torch.cat([packed[:, -1], packed[0, :-1].sum(0, keepdim=True)]).cpu()
+            counts, tokens = host[:-1], int(host[-1])
             hist.counts.copy_(packed[:, :-1])
-            if hist.num_tokens > 0:
-                new_bias = hist.bias(self.top_k)
+            if tokens > 0:
+                new_bias = hist.bias(self.top_k, num_tokens=tokens)
         else:
             packed = torch.cat([local, torch.ones(1, dtype=torch.int64, device=local.device)])
             packed = _reduce(packed, all_reduce)

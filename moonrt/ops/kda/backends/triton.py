@@ -40,6 +40,7 @@ from moonrt.ops.kda.contract import (
 )
 from moonrt.ops.kda.fla_options import FlaOptions
 from moonrt.ops.kda.terms import check_chunk_size
+from moonrt.ops.kernels import on_tensor_device
 from moonrt.ops.precision import fp32_island
 
 MAX_HALF_TILE_NATS = 40.0
@@ -247,6 +248,7 @@ class _ChunkKDA(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     @fp32_island
+    @on_tensor_device  # on dO's GPU: the autograd engine's thread for that device, made explicit
     def backward(ctx: Any, dO: torch.Tensor, d_final: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, g, beta, S_in = ctx.saved_tensors
         p: _Plan = ctx.plan
@@ -264,6 +266,7 @@ class _ChunkKDA(torch.autograd.Function):
 
 
 @fp32_island
+@on_tensor_device
 def kda_chunk(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -329,6 +332,7 @@ def kda_chunk(
 
 
 @fp32_island
+@on_tensor_device
 def kda_state_grad(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -361,6 +365,7 @@ def kda_state_grad(
 
 
 @fp32_island
+@on_tensor_device
 def kda_transition(
     k: torch.Tensor,
     v: torch.Tensor,
