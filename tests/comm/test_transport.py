@@ -192,3 +192,42 @@ def test_resolve_backend_choices_and_errors() -> None:
         resolve_backend("cuda", ["a"], "cpu")
     with pytest.raises(ValueError, match=r"^parallel.ep_transport = 'shm': the tensors are on cuda; expected CPU"):
         resolve_backend("shm", ["a"], "cuda")
+
+
+def test_ep_transport_bad_value_is_one_line_and_writes_nothing(tmp_path: Path,
+                                                                capfd: pytest.CaptureFixture[str]) -> None:
+    from jobs.helpers import _cli
+
+    code, out, err = _cli(["train", "--steps", "1", "--no-progress", "--out", str(tmp_path / "run"),
+                           "--set", "parallel.ep_transport=nvlink"], capfd)
+    assert code == 2, (out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and ("parallel.ep_transport (--set) = 'nvlink': expected one of 'auto', 'shm', 'cuda', "
+                                "'collectives'") in lines[0], err
+    assert not (tmp_path / "run").exists()
+
+
+def test_ep_transport_is_recorded_and_free_on_resume() -> None:
+    from moonrt.config import to_dict
+    from moonrt.jobs.checkpoint.single import check_resume
+    from moonrt.jobs.train.config import JobConfig
+
+    assert to_dict(JobConfig())["parallel"]["ep_transport"] == "auto"  # what config.yaml records
+    old = to_dict(JobConfig())
+    del old["parallel"]["ep_transport"]  # a config written before the field existed
+    new = to_dict(JobConfig())
+    new["parallel"]["ep_transport"] = "collectives"
+    check_resume(old, new, step=1)
+    check_resume(new, to_dict(JobConfig()), step=1)
+
+
+@pytest.mark.parametrize("kind", ["shm", "cuda"])
+def test_a_heap_asked_for_expert_parallelism_is_one_line(kind: str) -> None:
+    from moonrt.comm.ep.parallel import ExpertParallel
+    from moonrt.config import ConfigError, ParallelConfig
+
+    with pytest.raises(ConfigError, match=rf"^parallel.ep_transport = '{kind}': the EP dispatcher moves rows by "
+                                          r"collectives only \(MoonEP over the symmetric heap is issue 48 item 2\); "
+                                          r"expected auto or collectives$"):
+        ExpertParallel(ParallelConfig(ep=2, ep_transport=kind), capacity=4)
+    ExpertParallel(ParallelConfig(ep=1, ep_transport=kind), capacity=4)  # no EP group: nothing to move

@@ -19,7 +19,9 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-BACKENDS = ("auto", "shm", "cuda", "collectives")
+from moonrt.config.runtime import EP_TRANSPORTS
+
+BACKENDS = EP_TRANSPORTS
 """The spellings of ``parallel.ep_transport`` (``auto``: the heap when the group is on one host)."""
 
 
