@@ -231,3 +231,23 @@ def test_a_heap_asked_for_expert_parallelism_is_one_line(kind: str) -> None:
                                           r"expected auto or collectives$"):
         ExpertParallel(ParallelConfig(ep=2, ep_transport=kind), capacity=4)
     ExpertParallel(ParallelConfig(ep=1, ep_transport=kind), capacity=4)  # no EP group: nothing to move
+
+
+def _named(rank: int, world: int, identity: str) -> str:
+    import torch.distributed as dist
+
+    from moonrt.cluster.store import IDENTITY_KEY
+
+    if rank == 0:  # what check_job_identity publishes in the job's store before the group is made
+        dist.distributed_c10d._get_default_store().underlying_store.set(IDENTITY_KEY, identity)
+    dist.barrier()
+    return ShmHeap()._prefix
+
+
+def test_segments_are_named_by_the_job_identity_in_the_store() -> None:
+    import hashlib
+
+    identity = "moonrt launch job 0123abcd"
+    names = dist_run(_named, 2, identity, timeout=60)
+    digest = hashlib.sha256(identity.encode()).hexdigest()[:12]
+    assert names[0] == names[1] and names[0].startswith(f"moonrt-{digest}-"), names

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from cluster.helpers import clean_env
@@ -47,3 +48,23 @@ def test_selftest_cli_runs_the_transport_suite() -> None:
     assert "moonrt selftest transport: 1 ranks, all-to-all of equal splits" in res.stdout
     assert "moonrt selftest transport: 4 checks on 1 ranks: all passed" in res.stdout, res.stdout
     assert "skipped: transport cuda (CPU ranks)" in res.stdout, res.stdout
+
+
+@pytest.mark.slow
+def test_transport_suite_under_moonrt_launch_on_two_ranks(tmp_path) -> None:
+    """Under ``moonrt launch`` (the job identity in the store names the segments) the suite passes on 2 ranks, the
+    shm heap measured beside the collectives, and nothing of this job is left in /dev/shm."""
+    import json
+
+    before = {p.name for p in Path("/dev/shm").iterdir() if p.name.startswith("moonrt-")}
+    report = tmp_path / "report.json"
+    res = subprocess.run([sys.executable, "-m", "moonrt.cli", "launch", "-n", "2", "--timeout", "120", "--selftest",
+                          "--", "--suite", "transport", "--transport-sizes", "4K", "--iters", "1", "--report",
+                          str(report)], env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rep = json.loads(report.read_text())
+    suite = rep["suites"]["transport"]
+    assert suite["passed"] and suite["checks"] == 8
+    assert [r["backend"] for r in suite["rows"]] == ["collectives", "shm"]
+    after = {p.name for p in Path("/dev/shm").iterdir() if p.name.startswith("moonrt-")}
+    assert after <= before

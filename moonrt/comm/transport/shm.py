@@ -65,6 +65,8 @@ def _job_digest() -> str:
     identity = None
     try:
         store = dist.distributed_c10d._get_default_store()
+        while hasattr(store, "underlying_store"):  # init_process_group prefixes the job's store ("default_pg")
+            store = store.underlying_store
         if store.check([IDENTITY_KEY]):
             identity = store.get(IDENTITY_KEY).decode(errors="replace")
     except (AttributeError, RuntimeError, ValueError):
