@@ -127,7 +127,6 @@ def _victim(rank: int, world: int, sig: int, report: str) -> str:
     return f"not named: {buf.local}"
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_a_rank_killed_while_a_peer_waits_is_named_and_nothing_is_left(tmp_path: Path, sig: int) -> None:
     with pytest.raises(RankError) as info:
