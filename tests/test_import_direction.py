@@ -168,17 +168,20 @@ def test_package_root_holds_only_the_entry_points_and_the_packages() -> None:
     assert {f"moonrt.{name}" for name in packages} <= set(MAY_IMPORT)
 
 
-COMM_PARTS = ("ep", "cp", "pp", "zero", "state")
+COMM_PARTS = ("ep", "cp", "pp", "zero", "state", "transport")
 """The part packages of ``moonrt.comm``, beside its root modules (``mesh``, ``parallelism``, ``compose``,
-``grad_reduce``). A part imports the root modules and ``state`` (the sharded-state description every part declares
-what it holds in), never another part; ``state`` imports no part."""
+``grad_reduce``). A part imports the root modules, ``state`` (the sharded-state description every part declares
+what it holds in) and ``transport`` (the transport seam and its backends every part may move data with), never
+another part; ``state`` and ``transport`` import no part."""
+SHARED_PARTS = ("state", "transport")
+"""The parts every other part may import (they import none)."""
 
 
 def comm_part_violations(root: Path) -> list[tuple[str, str]]:
     """Every ``(importer, imported)`` where a comm part package imports another part (sorted)."""
     found = set()
     for part in COMM_PARTS:
-        allowed = {part} | ({"state"} if part != "state" else set())
+        allowed = {part} | (set(SHARED_PARTS) if part not in SHARED_PARTS else set())
         for path in sorted((root / "moonrt" / "comm" / part).rglob("*.py")):
             importer = module_name(path, root)
             for imported in imports(path, root):
@@ -203,8 +206,11 @@ def test_comm_part_rule_catches_a_part_importing_another(tmp_path: Path) -> None
         "moonrt/comm/zero/core.py": "from moonrt.comm.mesh import Group\nfrom moonrt.comm.state.dcp import Shard\n"
                                     "def f():\n    from moonrt.comm.ep import x\n",
         "moonrt/comm/state/bad.py": "from ..ep.x import y\n",
+        "moonrt/comm/transport/shm.py": "", "moonrt/comm/ep/y.py": "from moonrt.comm.transport import shm\n",
+        "moonrt/comm/transport/bad.py": "from moonrt.comm.state.dcp import Shard\n",
     })
     assert comm_part_violations(tmp_path) == [("moonrt.comm.state.bad", "moonrt.comm.ep.x"),
+                                              ("moonrt.comm.transport.bad", "moonrt.comm.state.dcp"),
                                               ("moonrt.comm.zero.core", "moonrt.comm.ep.x")]
 
 

@@ -45,6 +45,9 @@ def schedule_error(kind: str, pp: int, microbatches: int, vpp: int) -> tuple[str
 EP_DISPATCHERS: tuple[str, ...] = ("moonep", "alltoall")
 """Placement policies of the EP dispatcher (``parallel.ep_dispatcher``; :mod:`moonrt.comm.ep.placement`)."""
 
+EP_TRANSPORTS: tuple[str, ...] = ("auto", "shm", "cuda", "collectives")
+"""Backends of the transport seam (``parallel.ep_transport``; :mod:`moonrt.comm.transport`)."""
+
 MAX_DEGREE = 1 << 20
 """Largest degree of a parallel dimension (and micro-batch count): a million ranks, far beyond any cluster; a bound
 so that a typo (``--ep 1000000000``) is refused here, not in the arithmetic of the mesh."""
@@ -100,6 +103,12 @@ class ParallelConfig:
     """Expert parallelism (MoonEP, K3_SYSTEMS §6.3): send a token once per destination rank, however many of its
     top-k experts that rank computes (the receiver expands it, and sums the rows back before combine's return
     trip); ``false``: one row per token-expert assignment."""
+    ep_transport: Literal["auto", "shm", "cuda", "collectives"] = "auto"
+    """Expert parallelism: what moves the EP group's data (:mod:`moonrt.comm.transport`). ``shm``: the symmetric
+    heap in POSIX shared memory (CPU ranks of one host), ``cuda``: torch symmetric memory (GPUs of one NVLink domain,
+    unproven without GPUs), ``collectives``: gloo/NCCL all-to-alls (any group). ``auto``: the heap when the group is on
+    one host; today the EP dispatcher has no path over the heap (MoonEP's one-sided dispatch, issue 48 item 2), so
+    ``auto`` moves EP data by collectives and ``shm`` / ``cuda`` with ``ep > 1`` are refused. Free on resume."""
     token_padding: int = 1
     """Expert parallelism: pad every expert segment of the dispatched rows with zero rows to a multiple of this
     (aligned grouped GEMMs); 1 = no padding. Padding rows never reach the output or a gradient. The three EP fields act
@@ -117,6 +126,8 @@ class ParallelConfig:
         check(self.ep_dispatcher in EP_DISPATCHERS, "ep_dispatcher", self.ep_dispatcher,
               "one of " + ", ".join(EP_DISPATCHERS))
         check(isinstance(self.ep_dedup, bool), "ep_dedup", self.ep_dedup, "true or false")
+        check(self.ep_transport in EP_TRANSPORTS, "ep_transport", self.ep_transport,
+              "one of " + ", ".join(EP_TRANSPORTS))
         check(isinstance(self.token_padding, int) and not isinstance(self.token_padding, bool)
               and self.token_padding >= 1, "token_padding", self.token_padding, "an integer >= 1")
         check(self.zero in (0, 1) and not isinstance(self.zero, bool), "zero", self.zero,

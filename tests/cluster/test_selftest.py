@@ -189,9 +189,9 @@ def test_corrupted_combine_fails_on_that_rank_output() -> None:
 
 
 def test_suite_choice_and_skip_reasons() -> None:
-    assert selftest.plan_suites(None, 1) == (["collectives", "ep", "kcp"], {
+    assert selftest.plan_suites(None, 1) == (["collectives", "ep", "kcp", "transport"], {
         "pp": "needs >= 2 ranks, the job has 1", "remote": "needs >= 2 ranks, the job has 1"})
-    assert selftest.plan_suites(None, 2)[0] == ["collectives", "ep", "kcp", "pp", "remote"]
+    assert selftest.plan_suites(None, 2)[0] == ["collectives", "ep", "kcp", "pp", "remote", "transport"]
     assert selftest.plan_suites(("ep", "remote"), 4) == (["ep", "remote"], {})
     assert selftest.suite_list("kcp,ep,kcp") == ("kcp", "ep")
     assert selftest.suite_list("all") == selftest.SUITES

@@ -214,6 +214,8 @@ HOST_DEVICE_SPELLED = {
     "moonrt/comm/mesh.py": "the default group's gloo backend looked up by device (its timeout), no tensor made",
     "moonrt/jobs/selftest/common.py": "the self-test suites' device under gloo",
     "moonrt/memory/remote.py": "channel_device: a gloo remote-offload channel's tensors live on the host",
+    "moonrt/comm/transport/shm.py": "group_timeout: the collective timeout of the group's CPU (gloo) backend; the shm "
+                                    "heap is host memory by design",
 }
 """Files that spell ``torch.device("cpu")`` -> why (the checker cannot tell it from the job's device on the CPU)."""
 

@@ -70,6 +70,11 @@ class ExpertParallel(Part):
         if parallel.ep_dispatcher not in EP_DISPATCHERS:
             raise ConfigError(f"parallel.ep_dispatcher = {parallel.ep_dispatcher!r}: expected one of "
                               + ", ".join(EP_DISPATCHERS))
+        if parallel.ep > 1 and parallel.ep_transport in ("shm", "cuda"):
+            # the heap exists (moonrt.comm.transport) but the dispatcher has no one-sided path over it yet
+            raise ConfigError(f"parallel.ep_transport = {parallel.ep_transport!r}: the EP dispatcher moves rows by "
+                              "collectives only (MoonEP over the symmetric heap is issue 48 item 2); expected auto "
+                              "or collectives")
         self.parallel, self.capacity, self.num_slots = parallel, capacity, num_slots
         self.kernels = kernels
         if mesh is None and parallel.world_size > 1:

@@ -13,6 +13,9 @@ prints a table (DeepEP's ``tests/test_intranode.py`` habit):
 - ``kcp`` (:mod:`.selftest_kcp`): context-parallel KDA forward + backward vs the single-rank
   chunked form on the gathered input; bytes and time per layer;
 - ``remote`` (:mod:`.selftest_remote`, >= 2 ranks): the activation manager's remote store round trip;
+- ``transport`` (:mod:`moonrt.jobs.selftest.transport`): the transport seam's backends (collectives, and the
+  shm / cuda heap when the ranks are on one host): put/get/signal/barrier and the heap all-to-all vs the
+  collectives' bitwise, then all-to-all time and bandwidth per backend;
 - ``pp`` (:mod:`.selftest_pp`, >= 2 ranks as one pipeline): the pipeline executor's hops between
   neighbours (exact payloads, time, bandwidth), cached vs naive AttnRes block counts per hop against
   the hop plan with exact received blocks, and 1F1B / interleaved end to end vs the single-rank
@@ -60,7 +63,7 @@ from moonrt.jobs.selftest.collectives import (  # noqa: F401 (the module's publi
     measure_local_profile,
 )
 
-SUITES = ("collectives", "ep", "kcp", "pp", "remote")
+SUITES = ("collectives", "ep", "kcp", "pp", "remote", "transport")
 UNAVAILABLE: dict[str, str] = {}
 """Suites that never run today, with the reason printed and reported."""
 MIN_WORLD = {"pp": 2, "remote": 2}
@@ -88,9 +91,10 @@ def _modules() -> dict[str, ModuleType]:
     from moonrt.jobs.selftest import kcp as selftest_kcp
     from moonrt.jobs.selftest import pp as selftest_pp
     from moonrt.jobs.selftest import remote as selftest_remote
+    from moonrt.jobs.selftest import transport as selftest_transport
 
     return {"collectives": selftest_collectives, "ep": selftest_ep, "kcp": selftest_kcp, "pp": selftest_pp,
-            "remote": selftest_remote}
+            "remote": selftest_remote, "transport": selftest_transport}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -112,8 +116,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from moonrt.jobs.selftest import kcp as selftest_kcp
     from moonrt.jobs.selftest import pp as selftest_pp
     from moonrt.jobs.selftest import remote as selftest_remote
+    from moonrt.jobs.selftest import transport as selftest_transport
 
-    for module in (selftest_ep, selftest_kcp, selftest_pp, selftest_remote):
+    for module in (selftest_ep, selftest_kcp, selftest_pp, selftest_remote, selftest_transport):
         module.add_arguments(parser)
 
 

@@ -1,0 +1,249 @@
+"""The ``shm`` symmetric heap: the CPU ranks of one host write each other's buffers in POSIX shared memory.
+
+Every allocation is one segment under ``/dev/shm`` holding every rank's buffer side by side (64-byte aligned),
+mapped into every rank of the group (``mmap``; tensors by ``torch.frombuffer``, so a peer's buffer is a plain tensor
+view). Rendezvous goes through the group's own process group (gloo): the group's rank 0 draws a nonce, every rank
+learns the segment names from it (``moonrt-<job>-<nonce>-<n>``, ``<job>`` a digest of the job identity rank 0
+published in the job's store, :data:`moonrt.cluster.store.IDENTITY_KEY`), rank 0 creates each segment exclusively
+(``O_EXCL``, mode 0600: the job's memory is its user's alone), the others open it, and once every rank has mapped it
+every rank unlinks it (the first succeeds). From then on the memory lives only in the mappings: a job that exits,
+is terminated or is killed leaves nothing in ``/dev/shm``. A rank that fails between creation and mapping unlinks
+the name too (every rank knows it), so even a rank 0 killed in that window leaves nothing once the others notice.
+
+Signals (issue 48 item 1) are counters in a control segment: cell ``sig[d, s]`` is written only by rank ``s`` (the
+number of signals it sent ``d``) and ``bar[r]`` only by rank ``r`` (its barrier generation), so no atomic read-modify-
+write is needed. A signal is ordered after the writes before it by a fence (:func:`_fence`; x86-64 orders stores
+anyway, TSO), a wait before the reads after it. Waits spin (yielding, then sleeping up to 1 ms), bounded by the
+group's collective timeout, and look at the peers' processes every 0.2 s: a peer that died (gone, a zombie, or its
+pid reused) is named in one line (:class:`PeerDied`) instead of waiting out the timeout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from moonrt.cluster.store import IDENTITY_KEY, job_identity
+from moonrt.comm.transport.base import HeapTensor, PutAllToAll
+
+SHM_DIR = Path("/dev/shm")
+ALIGN = 64
+_PROBE_S = 0.2
+_LOCK = threading.Lock()
+
+
+class PeerDied(RuntimeError):
+    """A rank of the heap's group died while this one waited for it."""
+
+
+class WaitTimeout(RuntimeError):
+    """A wait on the heap outlived the group's collective timeout."""
+
+
+def group_timeout(group: dist.ProcessGroup | None) -> timedelta:
+    """The collective timeout of ``group`` (None: the default group), as its CPU backend was built with."""
+    pg = group if group is not None else dist.group.WORLD
+    try:
+        return pg._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):
+        return dist.default_pg_timeout
+
+
+def _job_digest() -> str:
+    """12 hex digits naming this job: the identity rank 0 published in the job's store, else the launcher's."""
+    identity = None
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        while hasattr(store, "underlying_store"):  # init_process_group prefixes the job's store ("default_pg")
+            store = store.underlying_store
+        if store.check([IDENTITY_KEY]):
+            identity = store.get(IDENTITY_KEY).decode(errors="replace")
+    except (AttributeError, RuntimeError, ValueError):
+        pass
+    identity = identity or job_identity() or "no identity"
+    return hashlib.sha256(identity.encode()).hexdigest()[:12]
+
+
+def _start_time(pid: int) -> str | None:
+    """The start time of process ``pid`` (Linux ``/proc``; None elsewhere or when it is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rpartition(")")[2].split()[19]
+
+
+def _alive(pid: int, start: str | None) -> bool:
+    """Whether process ``pid`` (started at ``start``) still runs: not gone, not a zombie, its pid not reused."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    fields = stat.rpartition(")")[2].split()
+    return fields[0] not in ("Z", "X") and (start is None or fields[19] == start)
+
+
+def _fence() -> None:
+    """A full memory fence for the Python thread: a lock's release followed by an acquire (RCsc on aarch64; on
+    x86-64 the store order needs none)."""
+    _LOCK.acquire()
+    _LOCK.release()
+    _LOCK.acquire()
+    _LOCK.release()
+
+
+class ShmHeap:
+    """:class:`~moonrt.comm.transport.base.SymmetricHeap` over POSIX shared memory for the ranks of ``group`` (None:
+    the default group), which must all be on one host (``ValueError`` naming the hosts otherwise; ``host`` overrides
+    this rank's host name). Building it is collective over ``group`` (a gloo group); so is :meth:`alloc`.
+    ``timeout``: bound of every wait (default: the group's collective timeout)."""
+
+    name = "shm"
+    one_sided = True
+
+    def __init__(self, group: dist.ProcessGroup | None = None, *, timeout: timedelta | None = None,
+                 host: str | None = None) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("shm heap: expected torch.distributed initialized (the group's ranks rendezvous there)")
+        self.group = group
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.timeout = (timeout or group_timeout(group)).total_seconds()
+        me = (host or socket.gethostname(), os.getpid(), _start_time(os.getpid()))
+        peers: list = [None] * self.world_size
+        dist.all_gather_object(peers, me, group=group)
+        hosts = sorted({p[0] for p in peers})
+        if len(hosts) > 1:
+            raise ValueError(f"shm heap: the group's {self.world_size} ranks are on {len(hosts)} hosts "
+                             f"({', '.join(hosts)}): expected one host (shared memory); the collectives transport "
+                             "serves groups spanning hosts")
+        self._peers: list[tuple[str, int, str | None]] = peers
+        if not SHM_DIR.is_dir():
+            raise RuntimeError(f"shm heap: {SHM_DIR} is missing: expected POSIX shared memory (Linux)")
+        names = [f"moonrt-{_job_digest()}-{secrets.token_hex(6)}" if self.rank == 0 else None]
+        dist.broadcast_object_list(names, src=self._global(0), group=group)
+        self._prefix: str = names[0]
+        self._seq = 0
+        self._keep: list[mmap.mmap] = []
+        R = self.world_size
+        ctrl = self._map(8 * (R * R + R))[0].view(torch.int64)
+        self._sig, self._bar = ctrl[: R * R].view(R, R), ctrl[R * R:]
+        self._sent, self._seen, self._gen = [0] * R, [0] * R, 0
+        self._puts = PutAllToAll(self)
+
+    # ---- allocation -------------------------------------------------------------------------------
+    def _global(self, group_rank: int) -> int:
+        return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
+
+    def _map(self, per_rank: int) -> list[torch.Tensor]:
+        """Map one new segment of ``world_size`` aligned blocks of ``per_rank`` bytes; the blocks as uint8 tensors."""
+        stride = -(-max(per_rank, 1) // ALIGN) * ALIGN
+        size = stride * self.world_size
+        path = SHM_DIR / f"{self._prefix}-{self._seq}"
+        self._seq += 1
+        try:
+            if self.rank == 0:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+                try:
+                    os.posix_fallocate(fd, 0, size)  # ENOSPC here, not a SIGBUS on first touch
+                except OSError as exc:
+                    os.close(fd)
+                    raise RuntimeError(f"shm heap: {SHM_DIR} has no room for {size:,} bytes ({exc.strerror}): "
+                                       f"expected a larger /dev/shm (docker: --shm-size)") from None
+                os.close(fd)
+            dist.barrier(group=self.group)
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+            try:
+                mm = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+            dist.barrier(group=self.group)  # every rank has mapped it
+        finally:
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+        self._keep.append(mm)
+        whole = torch.frombuffer(mm, dtype=torch.uint8)
+        return [whole[r * stride: r * stride + per_rank] for r in range(self.world_size)]
+
+    def alloc(self, shape: Sequence[int], dtype: torch.dtype) -> HeapTensor:
+        shape = tuple(int(n) for n in shape)
+        numel = 1
+        for n in shape:
+            numel *= n
+        blocks = self._map(numel * dtype.itemsize)
+        return HeapTensor([b.view(dtype).view(shape) for b in blocks], self.rank)
+
+    def close(self) -> None:
+        """Drop this rank's mappings (they unmap once no view of them is left; the segments were unlinked at
+        allocation, so the memory is gone when every rank has closed or exited)."""
+        self._puts.staging.clear()
+        self._keep.clear()
+
+    # ---- signals ----------------------------------------------------------------------------------
+    def _spin(self, ready: Callable[[], bool], peers: Sequence[int], what: str) -> None:
+        if ready():
+            return
+        start = time.monotonic()
+        probe, k = start + _PROBE_S, 0
+        while not ready():
+            k += 1
+            if k < 200:
+                os.sched_yield()
+            else:
+                time.sleep(min(1e-3, 1e-6 * (k - 199)))
+            now = time.monotonic()
+            if now >= probe:
+                probe = now + _PROBE_S
+                for p in peers:
+                    host, pid, begun = self._peers[p]
+                    if not _alive(pid, begun) and not ready():
+                        raise PeerDied(f"shm heap: rank {self._global(p)} (pid {pid} on {host}) died while rank "
+                                       f"{self._global(self.rank)} waited for its {what}")
+                if now - start > self.timeout:
+                    raise WaitTimeout(f"shm heap: rank {self._global(self.rank)} waited {self.timeout:g} s (the "
+                                      f"collective timeout) for {what} of rank(s) "
+                                      + ", ".join(str(self._global(p)) for p in peers))
+
+    def signal(self, peer: int) -> None:
+        _fence()
+        self._sent[peer] += 1
+        self._sig[peer, self.rank] = self._sent[peer]
+
+    def wait(self, peer: int) -> None:
+        self._seen[peer] += 1
+        want, cell = self._seen[peer], self._sig[self.rank, peer]
+        self._spin(lambda: int(cell) >= want, [peer], "signal")
+        _fence()
+
+    def barrier(self) -> None:
+        self._gen += 1
+        gen = self._gen
+        _fence()
+        self._bar[self.rank] = gen
+        others = [r for r in range(self.world_size) if r != self.rank]
+        self._spin(lambda: int(self._bar.min()) >= gen, others, "barrier")
+        _fence()
+
+    # ---- all-to-all -------------------------------------------------------------------------------
+    def all_to_all_v(self, x: torch.Tensor, counts: Sequence[Sequence[int]]) -> torch.Tensor:
+        return self._puts.all_to_all_v(x, counts)
