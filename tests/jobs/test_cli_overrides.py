@@ -60,7 +60,7 @@ def test_model_config_fields_start_from_the_preset() -> None:
 @pytest.mark.parametrize(("argv", "message"), [
     (["--set", "optim.stepz=3"], "optim.stepz (--set): unknown key in OptimConfig; expected one of batch_size, "),
     (["--set", "optimx.lr=1"],
-     "optimx (--set): unknown key in JobConfig; expected one of data, deterministic, device, dist, "),
+     "optimx (--set): unknown key in JobConfig; expected one of checkpoint, data, deterministic, device, dist, "),
     (["--set", "model_config.hidden_sizee=3"], "model_config.hidden_sizee (--set): unknown key in K3Config; "),
     (["--set", "optim.lr.x=1"], "optim.lr.x (--set): optim.lr is a field, not a section of fields"),
     (["--set", "optim.lr=abc"], "optim.lr (--set) = 'abc': expected a number"),

@@ -2,7 +2,8 @@
 
 Layout on disk (``OUT/checkpoint/``)::
 
-    OUT/checkpoint/step-00000020/     one committed checkpoint (older ones are removed after a commit)
+    OUT/checkpoint/step-00000020/     one committed checkpoint (after a commit the newest checkpoint.keep_latest
+                                      and the milestones, multiples of checkpoint.keep_every, are kept)
         .metadata                     DCP's index: every entry's global shape, dtype and saved chunks
         __<rank>_0.distcp             what each rank wrote (DCP's files, one per rank)
         moonrt.json                   the commit marker: step, job config, layout, optimizer hyperparameters,
@@ -53,6 +54,7 @@ optimizers would keep the gathered file. ``--resume`` takes the newer of the two
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import json
 import logging
@@ -65,7 +67,7 @@ import sys
 import tempfile
 import warnings
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -87,6 +89,7 @@ ROOT = "checkpoint"
 MARKER = "moonrt.json"
 FORMAT = "moonrt-dcp/1"
 STEP_DIR = re.compile(r"^step-(\d+)$")
+TMP_DIR = re.compile(r"^step-(\d+)\.tmp$")
 MAX_MARKER_BYTES = 64 << 20  # a marker holds a few hundred bytes per rank: refused above this before it is read
 METADATA = ".metadata"
 MARKER_SUM = "marker_crc32"
@@ -118,8 +121,8 @@ def _quiet(multi: bool) -> Any:
     and DCP's own logging of the errors it raises."""
     quiet, root = _NoDcpLogs(), logging.getLogger()
     root.addFilter(quiet)
-    try:
-        with warnings.catch_warnings():
+    try:  # multi: no warning to filter, and no catch_warnings (it swaps the process's filters: not thread-safe)
+        with warnings.catch_warnings() if not multi else contextlib.nullcontext():
             if not multi:
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             yield
@@ -231,36 +234,131 @@ def save_sharded(root: Path, model: torch.nn.Module, opt: torch.optim.Optimizer,
     checkpoint untouched, the ``step-N.tmp`` of this save removed) when a rank's write fails: ``checkpoint write
     failed: no space left on device in ROOT`` for a full disk or quota on any rank. The marker records every
     file's size and CRC-32 (:func:`file_sum`: each rank sums the data files it wrote, rank 0 the ``.metadata``).
+    After the commit rank 0 removes older steps as ``job.checkpoint`` says (:func:`retain`).
     """
+    rt = rt or Parallelism()
+    return _write(_Save.begin(root, model, opt, step, job, rt, stage=False), rt.cpu_group)
+
+
+def start_save(root: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, job: JobConfig,
+               rt: Parallelism, group: Any) -> PendingSave:
+    """:func:`save_sharded` in the background (``checkpoint.async_save``); collective: every rank calls it.
+
+    Here, in the caller's thread: this rank's state copied to host memory (:func:`_stage`; the loop may update the
+    parameters and optimizer state right after this returns) and the param groups' values of now. In a thread:
+    DCP's write, the gathered file sums, rank 0's commit and retention, the verdict: all over ``group``, a gloo
+    group of every rank used by nothing else (the loop's collectives meanwhile run on theirs), so the marker is
+    written once every rank's write finished. The caller keeps at most one save in flight
+    (:meth:`PendingSave.result` before the next)."""
+    save = _Save.begin(root, model, opt, step, job, rt, stage=True)
+    return PendingSave(lambda: _write(save, group))
+
+
+class PendingSave:
+    """A :func:`start_save` in flight: a daemon thread (a process that dies or is killed leaves ``step-N.tmp``
+    uncommitted, the previous step loadable)."""
+
+    def __init__(self, run: Callable[[], Path]) -> None:
+        import threading
+
+        self._result: Path | None = None
+        self._error: BaseException | None = None
+
+        def target() -> None:
+            try:
+                self._result = run()
+            except BaseException as exc:  # handed to the caller's thread by result()
+                self._error = exc
+
+        self._thread = threading.Thread(target=target, name="moonrt-checkpoint", daemon=True)
+        self._thread.start()
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def result(self) -> Path:
+        """Wait for the save; the committed directory, or the save's :class:`CheckpointError` (every rank raises
+        it: the verdict is shared)."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+
+def _stage(state: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a sharded state in host memory: every tensor, and the local tensor of every ``Shard`` / ``Boxes``
+    entry (DCP's own async stager copies plain tensors, DTensors and ShardedTensors only: it would leave moonrt's
+    shards pointing at the live parameters the loop goes on updating)."""
+    from moonrt.comm.state.dcp import Boxes, Shard
+
+    def host(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to("cpu", copy=True)
+
+    def copy(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return host(v)
+        if isinstance(v, Shard):
+            return Shard(host(v.local), v.shape, v.offsets)
+        if isinstance(v, Boxes):
+            return Boxes(v.shape, [Shard(host(p.local), p.shape, p.offsets) for p in v.parts])
+        raise TypeError(f"sharded state entry of type {type(v).__name__}: expected a tensor, Shard or Boxes")
+
+    return {k: copy(v) for k, v in state.items()}
+
+
+@dataclasses.dataclass
+class _Save:
+    """What one save writes, taken in the caller's thread (:meth:`begin`); :func:`_write` writes it."""
+
+    root: Path
+    step: int
+    job: JobConfig
+    state: dict[str, Any]
+    mine: list[int]  # this rank's model and optimizer bytes
+    groups: list[dict[str, Any]]  # the param groups' hyperparameters at the save (JSON form)
+    multi: bool
+    rank: int
+    main: bool
+
+    @classmethod
+    def begin(cls, root: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, job: JobConfig,
+              rt: Parallelism, stage: bool) -> _Save:
+        from moonrt.comm.state.dcp import entry_bytes
+
+        multi = _multi()
+        state = rt.sharded_state_dict(model, opt, save=True)
+        mine = [sum(entry_bytes(v) for k, v in state.items() if k.startswith("model.")),
+                sum(entry_bytes(v) for k, v in state.items() if k.startswith("optimizer."))]
+        groups = [{k: _jsonable(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        return cls(Path(root), step, job, _stage(state) if stage else state, mine, groups, multi,
+                   dist.get_rank() if multi else 0, rt.is_main)
+
+
+def _write(save: _Save, group: Any) -> Path:
+    """Write and commit ``save`` (collective over ``group``: host agreement and DCP's planning, gloo)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from moonrt.comm.state.dcp import SafeWriter, ShardSavePlanner, entry_bytes
+    from moonrt.comm.state.dcp import SafeWriter, ShardSavePlanner
 
-    rt = rt or Parallelism()
-    root = Path(root)
-    multi = _multi()
-    rank = dist.get_rank() if multi else 0
-    state = rt.sharded_state_dict(model, opt, save=True)
-    mine = [sum(entry_bytes(v) for k, v in state.items() if k.startswith("model.")),
-            sum(entry_bytes(v) for k, v in state.items() if k.startswith("optimizer."))]
+    root, step, multi, rank = save.root, save.step, save.multi, save.rank
     name = f"step-{step:08d}"
     tmp, final = root / f"{name}.tmp", root / name
-    if rt.is_main:
+    if save.main:
         root.mkdir(parents=True, exist_ok=True)
         if tmp.is_symlink():  # planted: DCP would write through it into the directory it names
             tmp.unlink()
         shutil.rmtree(tmp, ignore_errors=True)
-    group = rt.cpu_group  # host-side agreement and DCP's planning: gloo objects, whatever carries the tensors
     if multi:
         dist.barrier(group=group)
     planner = ShardSavePlanner()
     try:
         with _quiet(multi):
-            dcp.save(state, storage_writer=SafeWriter(tmp, thread_count=1, sync_files=True),
+            dcp.save(save.state, storage_writer=SafeWriter(tmp, thread_count=1, sync_files=True),
                      planner=planner, process_group=group, no_dist=not multi)
     except (Exception, CheckpointException) as exc:  # DCP re-raises every rank's failure on every rank
-        if rt.is_main:  # every rank is past its writes (DCP gathered their results): remove this save's files
+        if save.main:  # every rank is past its writes (DCP gathered their results): remove this save's files
             shutil.rmtree(tmp, ignore_errors=True)
         abort = raised_abort()  # a second stop signal during the save: DCP wrapped the abort too
         if abort is not None:
@@ -268,14 +366,14 @@ def save_sharded(root: Path, model: torch.nn.Module, opt: torch.optim.Optimizer,
         raise CheckpointError(f"checkpoint write failed: {_write_reason(exc, root)}") from None
     written = sum(math.prod(it.tensor_data.chunk.sizes) * it.tensor_data.properties.dtype.itemsize
                   for it in planner.plan.items if it.tensor_data is not None)  # this rank's chunks after dedup
-    row = [*mine, int(written), {f.name: file_sum(f) for f in sorted(tmp.glob(f"__{rank}_*.distcp"))}]
+    row = [*save.mine, int(written), {f.name: file_sum(f) for f in sorted(tmp.glob(f"__{rank}_*.distcp"))}]
     rows: list[Any] = [None] * dist.get_world_size() if multi else [row]
     if multi:  # small Python lists, over the CPU group
         dist.all_gather_object(rows, row, group=group)
     failed: list[str | None] = [None]
-    if rt.is_main:
+    if save.main:
         try:
-            _commit(root, tmp, final, rows, step, job, opt)
+            _commit(root, tmp, final, rows, step, save.job, save.groups)
         except Exception as exc:  # the other ranks wait for the verdict below: they must hear of any failure
             shutil.rmtree(tmp, ignore_errors=True)
             why = (f"{_NO_SPACE[exc.errno]} in {root}" if isinstance(exc, OSError) and exc.errno in _NO_SPACE
@@ -289,7 +387,7 @@ def save_sharded(root: Path, model: torch.nn.Module, opt: torch.optim.Optimizer,
 
 
 def _commit(root: Path, tmp: Path, final: Path, rows: list[Any], step: int, job: JobConfig,
-            opt: torch.optim.Optimizer) -> None:
+            groups: list[dict[str, Any]]) -> None:
     """Rank 0: write the marker (with every file's size and CRC-32) into ``tmp``, rename it to ``final``, remove
     older steps and interrupted saves."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -307,7 +405,7 @@ def _commit(root: Path, tmp: Path, final: Path, rows: list[Any], step: int, job:
     marker = {"format": FORMAT, "step": step, "config": to_dict(job),
               "layout": {"world": len(rows), "dp": p.dp, "pp": p.pp, "vpp": p.vpp, "ep": p.ep, "cp": p.cp,
                          "zero": p.zero},
-              "param_groups": [{k: _jsonable(v) for k, v in g.items() if k != "params"} for g in opt.param_groups],
+              "param_groups": groups,
               "tensors": len(tensors),
               "bytes": sum(math.prod(m.size) * m.properties.dtype.itemsize for m in tensors),
               "ranks": [{"model_bytes": int(r[0]), "optimizer_bytes": int(r[1]), "written_bytes": int(r[2])}
@@ -322,9 +420,40 @@ def _commit(root: Path, tmp: Path, final: Path, rows: list[Any], step: int, job:
         shutil.rmtree(final)
     os.replace(tmp, final)
     _fsync_dir(root)
-    for old in root.iterdir():  # older checkpoints and interrupted saves
-        if old != final and old.is_dir() and (STEP_DIR.match(old.name) or old.name.endswith(".tmp")):
+    for old in root.iterdir():  # interrupted saves (this one is committed; at most one save is in flight)
+        if TMP_DIR.match(old.name) and old.is_dir() and not old.is_symlink():
             shutil.rmtree(old, ignore_errors=True)
+    retain(root, job.checkpoint.keep_latest, job.checkpoint.keep_every, final)
+
+
+def committed_steps(root: Path) -> list[tuple[int, Path]]:
+    """``(step, directory)`` of every committed checkpoint under ``root``, oldest first: directories (not symlinks)
+    named ``step-N`` whose marker :func:`read_marker` accepts (one moonrt wrote for that step). Anything else, a
+    damaged marker included, is not counted (and never removed by :func:`retain`)."""
+    out = []
+    for d in root.iterdir():
+        m = STEP_DIR.match(d.name)
+        if m is None or d.is_symlink() or not d.is_dir():
+            continue
+        try:
+            read_marker(d)
+        except CheckpointError:
+            continue
+        out.append((int(m.group(1)), d))
+    return sorted(out)
+
+
+def retain(root: Path, keep_latest: int, keep_every: int, keep: Path | None = None) -> list[Path]:
+    """Remove the committed checkpoints under ``root`` (:func:`committed_steps`) that are neither among the newest
+    ``keep_latest`` nor milestones (a multiple of ``keep_every`` > 0) nor ``keep``; returns the removed directories.
+    Rank 0 calls it after each commit (``checkpoint.keep_latest``, ``checkpoint.keep_every``). A reader of a removed
+    step (``checkpoint export``) reads the files it pinned (:class:`_Files`)."""
+    done = committed_steps(root)
+    newest = {d for _, d in done[-keep_latest:]}
+    gone = [d for s, d in done if d not in newest and d != keep and not (keep_every > 0 and s % keep_every == 0)]
+    for d in gone:
+        shutil.rmtree(d, ignore_errors=True)
+    return gone
 
 
 # ---- reading -------------------------------------------------------------------------------------------
@@ -345,8 +474,9 @@ def resolve(path: str | Path) -> Path:
                  and (d / MARKER).is_file() and int(m.group(1)) > int(gone.group(1))] if gone else []
         if newer:  # e.g. resolved a moment ago by export of a run that is still running
             raise CheckpointError(f"checkpoint {str(path)!r}: step {int(gone.group(1))} was rotated away: the job "
-                                  f"committed step {max(newer)} and removed it (it keeps the newest committed "
-                                  f"step); give {str(path.parent)!r} to read the newest")
+                                  f"committed step {max(newer)} and removed it (it keeps the newest "
+                                  f"checkpoint.keep_latest committed steps and milestones); give {str(path.parent)!r} "
+                                  "to read the newest")
         raise CheckpointError(f"checkpoint {str(path)!r}: expected a directory (OUT/checkpoint or one of its "
                               "step-N directories)")
     done = sorted((int(m.group(1)), d) for d in path.iterdir()
@@ -834,6 +964,6 @@ def to_single_file(step_dir: str | Path) -> dict[str, Any]:
 
 
 
-__all__ = ["FORMAT", "MARKER", "MARKER_SUM", "METADATA", "ROOT", "SCHEDULED", "STEP_DIR", "file_sum", "load_sharded",
-           "marker_sum", "read_full", "read_marker", "resolve", "save_sharded", "to_single_file", "use_sharded",
-           "verified", "verify"]
+__all__ = ["FORMAT", "MARKER", "MARKER_SUM", "METADATA", "ROOT", "SCHEDULED", "STEP_DIR", "TMP_DIR", "PendingSave",
+           "committed_steps", "file_sum", "load_sharded", "marker_sum", "read_full", "read_marker", "resolve", "retain",
+           "save_sharded", "start_save", "to_single_file", "use_sharded", "verified", "verify"]

@@ -46,7 +46,7 @@ KEYS = ("model", "optimizer", "step", "config")
 # (moonrt.jobs.checkpoint.hf.job_init), not with the job; deterministic changes how the kernels sum, not the state.
 FREE_ON_RESUME = ("out_dir", "threads", "parallel", "memory_policy", "routing_trace", "optim.eval_every",
                   "optim.eval_windows", "optim.checkpoint_every", "optim.grad_accum", "stop_signal", "gc_interval",
-                  "dist", "device", "deterministic", "precision", "log", "kernels",
+                  "dist", "device", "deterministic", "precision", "log", "kernels", "checkpoint",
                   "init_from_sha256")
 
 

@@ -6,10 +6,12 @@ sharded DCP directory ``OUT/checkpoint/step-N`` (:mod:`moonrt.jobs.checkpoint.sh
 picks the format (:func:`moonrt.jobs.checkpoint.sharded.use_sharded`: multi-rank AdamW and Muon jobs write sharded),
 :func:`resume_state` picks what ``--resume`` continues from (the newer by step, the sharded one on a tie),
 :func:`load_checkpoint` loads either into this rank's layout and :func:`read_state` reads either as one dict.
+:class:`Checkpointer` is what the loop saves through (synchronous, or asynchronous sharded saves).
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +43,65 @@ def save_checkpoint(path: Path, model: torch.nn.Module, opt: torch.optim.Optimiz
         return
     save(path, {"model": _on_host(state["model"]), "optimizer": _on_host(state["optimizer"]), "step": step,
                 "config": to_dict(job)})
+
+
+class Checkpointer:
+    """The loop's checkpoint writer: :func:`save_checkpoint` every time, or (``checkpoint.async_save`` and a sharded
+    job) :func:`moonrt.jobs.checkpoint.sharded.start_save` with at most one save in flight; collective (every rank
+    makes the same calls). :attr:`waited` accumulates the seconds the calling loop spent in it (a synchronous save,
+    the staging copy of an asynchronous one, a wait for the one in flight); :meth:`take_wait` reads and resets it.
+
+    Asynchronous saves run over a gloo group of their own (made here, by every rank: a collective), so the loop's
+    collectives never interleave with theirs."""
+
+    def __init__(self, path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, job: JobConfig,
+                 rt: Parallelism) -> None:
+        import torch.distributed as dist
+
+        self.path, self.model, self.opt, self.job, self.rt = path, model, opt, job, rt
+        self.background = job.checkpoint.async_save and sharded.use_sharded(opt)
+        self.group = dist.new_group(backend="gloo") if self.background else None
+        self.pending: sharded.PendingSave | None = None
+        self.waited = 0.0
+        self.total_wait = 0.0
+
+    def save(self, step: int) -> None:
+        """Checkpoint ``step``: a whole save, or (background) wait for the save in flight, stage, start the next."""
+        t0 = time.perf_counter()
+        try:
+            if not self.background:
+                save_checkpoint(self.path, self.model, self.opt, step, self.job, self.rt)
+                return
+            self._join()
+            self.pending = sharded.start_save(self.path.parent / ROOT, self.model, self.opt, step, self.job,
+                                              self.rt, self.group)
+        finally:
+            self._count(time.perf_counter() - t0)
+
+    def in_flight(self) -> bool:
+        """Whether a background save is still writing (this rank's thread)."""
+        return self.pending is not None and not self.pending.done()
+
+    def wait(self) -> None:
+        """Wait for the save in flight (if any): its commit, or its :class:`CheckpointError` on every rank."""
+        t0 = time.perf_counter()
+        try:
+            self._join()
+        finally:
+            self._count(time.perf_counter() - t0)
+
+    def take_wait(self) -> float:
+        waited, self.waited = self.waited, 0.0
+        return waited
+
+    def _join(self) -> None:
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.result()
+
+    def _count(self, dt: float) -> None:
+        self.waited += dt
+        self.total_wait += dt
 
 
 def _on_host(value: Any) -> Any:
@@ -102,4 +163,4 @@ def read_state(out: str | Path) -> dict[str, Any]:
     return to_single_file(path) if path.is_dir() else state
 
 
-__all__ = ["load_checkpoint", "read_state", "resume_state", "save_checkpoint"]
+__all__ = ["Checkpointer", "load_checkpoint", "read_state", "resume_state", "save_checkpoint"]

@@ -39,12 +39,14 @@ GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
                    "flags below; a --set and a flag naming one field must agree", ("config", "set")),
     "model & data": ("", ("model", "corpus", "token_dtype", "pack_documents", "eos_id")),
     "optimizer & schedule": ("", ("steps", "seed", "batch_size", "seq_len", "lr", "optimizer", "eval_every",
-                                  "grad_accum")),
+                                  "eval_windows", "grad_accum")),
     "parallel layout": ("", ("ep", "cp", "pp", "vpp", "microbatches", "schedule", "zero", "attn_res_comm")),
     "memory": ("", ("memory_policy", "gc_interval")),
     "quantization-aware training": ("", ("qat", "qat_block")),
     "outputs & checkpoints": ("", ("out", "metrics", "tensorboard", "peak_tflops", "routing_trace", "resume",
-                                   "resume_if_exists", "resume_allow_changes", "init_from")),
+                                   "resume_if_exists", "resume_allow_changes", "init_from", "checkpoint_every",
+                                   "keep_latest", "keep_every", "async_save")),
+    "profiling": ("", ("profile_steps", "profile_ranks")),
     "distributed & device": ("", ("device", "deterministic", "dtype", "reduce_dtype", "dist_timeout", "threads")),
     "run control": ("", ("until", "signal", "no_progress", "log_every")),
 }
@@ -84,6 +86,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--optimizer", choices=["adamw", "muon"], help="adamw, or muon: Per-Head Muon for the "
                         "model's matrices and AdamW for the rest, same lr (optim.optimizer; default adamw)")
     parser.add_argument("--eval-every", type=int, help="eval interval in steps (optim.eval_every)")
+    parser.add_argument("--eval-windows", type=int, metavar="N", help="held-out windows of seq_len tokens per eval, "
+                        "the same every time (optim.eval_windows; default 32)")
+    parser.add_argument("--checkpoint-every", type=int, metavar="N", help="steps between checkpoints; the last step, "
+                        "--until's and a stop signal's are saved too (optim.checkpoint_every; default 100)")
+    parser.add_argument("--keep-latest", type=int, metavar="K", help="committed sharded checkpoints kept, newest "
+                        "first; older ones are removed after each commit (checkpoint.keep_latest; default 2)")
+    parser.add_argument("--keep-every", type=int, metavar="N", help="milestones: sharded checkpoints of steps that "
+                        "are multiples of N are never removed (checkpoint.keep_every; default 0: none)")
+    parser.add_argument("--async-save", action="store_true", default=None, help="write sharded checkpoints in the "
+                        "background: host copy, then training goes on while every rank writes; the marker is "
+                        "committed once all finished, at most one save in flight (checkpoint.async_save)")
+    parser.add_argument("--profile-steps", metavar="A:B", help="torch.profiler trace of steps A to B as Chrome trace "
+                        "JSON in OUT/profile/ (CUDA: a memory snapshot too) (log.profile_steps)")
+    parser.add_argument("--profile-ranks", metavar="R,R", help="comma-separated ranks that profile --profile-steps "
+                        "(log.profile_ranks; default 0)")
     parser.add_argument("--model", help="model preset: " + ", ".join(sorted(presets())))
     parser.add_argument("--corpus", help="text file, or token file with --token-dtype (default: stdlib sources)")
     parser.add_argument("--token-dtype", choices=["uint16", "uint32"], help="--corpus is a binary token file")
@@ -182,6 +199,10 @@ _OVERRIDES: dict[str, tuple[str, ...]] = {
     "dist_timeout": ("dist", "timeout_s"),
     "grad_accum": ("optim", "grad_accum"), "log_every": ("log", "log_every"), "tensorboard": ("log", "tensorboard"),
     "peak_tflops": ("log", "peak_tflops"),
+    "eval_windows": ("optim", "eval_windows"), "checkpoint_every": ("optim", "checkpoint_every"),
+    "keep_latest": ("checkpoint", "keep_latest"), "keep_every": ("checkpoint", "keep_every"),
+    "async_save": ("checkpoint", "async_save"), "profile_steps": ("log", "profile_steps"),
+    "profile_ranks": ("log", "profile_ranks"),
     "qat": ("qat",), "qat_block": ("qat_block",), "init_from": ("init_from",),
 }
 
@@ -190,8 +211,19 @@ def job_from_args(args: argparse.Namespace) -> JobConfig:
     """The job config: ``--config`` (or the default), then every ``--set``, then the dedicated flags
     (:data:`_OVERRIDES`); :func:`moonrt.jobs.train.overrides.job_config` (the precedence, the messages)."""
     flags = {path: (f"--{dest.replace('_', '-')}", getattr(args, dest)) for dest, path in _OVERRIDES.items()
-             if getattr(args, dest) is not None}
+             if getattr(args, dest, None) is not None}
+    if ("log", "profile_ranks") in flags:
+        flags["log", "profile_ranks"] = ("--profile-ranks", _rank_list(flags["log", "profile_ranks"][1]))
     return job_config(args.config, getattr(args, "set", None) or (), flags)
+
+
+def _rank_list(text: str) -> list[int]:
+    """``--profile-ranks 0,3`` -> ``[0, 3]``; ConfigError (one line) for anything else."""
+    parts = [p.strip() for p in text.split(",")]
+    if not all(p.isdigit() for p in parts):
+        raise ConfigError(f"log.profile_ranks (--profile-ranks) = {text!r}: expected comma-separated ranks >= 0, "
+                          "e.g. 0,3")
+    return [int(p) for p in parts]
 
 
 def run(args: argparse.Namespace) -> int:

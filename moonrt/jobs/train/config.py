@@ -171,12 +171,61 @@ class LogConfig:
     the model FLOP rate over ``peak_tflops`` x the number of processes. None: no ``mfu`` (``model_tflops_per_s``
     is still recorded)."""
 
+    profile_steps: str | None = None
+    """``A:B`` (``--profile-steps``): a ``torch.profiler`` trace of steps ``A`` to ``B`` (1-based, inclusive; steps
+    this process runs) written as Chrome trace JSON (``OUT/profile/trace-rank<r>-steps<A>-<B>.json``, what
+    ``chrome://tracing``, Perfetto and TensorBoard's profiler plugin read) by the ranks of ``profile_ranks``; on CUDA
+    also a memory snapshot of those steps (``memory-rank<r>-steps<A>-<B>.pickle``, for
+    ``pytorch.org/memory_viz``). None: no profiler (:mod:`moonrt.jobs.train.profile`)."""
+    profile_ranks: list[int] = dataclasses.field(default_factory=lambda: [0])
+    """Global ranks that profile ``profile_steps`` (``--profile-ranks 0,3``)."""
+
     def validate(self) -> None:
         check(1 <= self.log_every <= MAX_COUNT, "log_every", self.log_every, f"an integer in [1, {MAX_COUNT}]")
+        if self.profile_steps is not None:
+            profile_range(self.profile_steps)
+        check(isinstance(self.profile_ranks, list) and bool(self.profile_ranks)
+              and all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in self.profile_ranks),
+              "profile_ranks", self.profile_ranks, "a non-empty list of ranks >= 0, e.g. [0] (--profile-ranks 0,3)")
         check(self.tensorboard is None or (isinstance(self.tensorboard, str) and self.tensorboard != ""),
               "tensorboard", self.tensorboard, "a directory path or null")
         if self.peak_tflops is not None:
             _finite(self, "peak_tflops", self.peak_tflops > 0, "> 0 (TFLOP/s of one device), or null")
+
+
+def profile_range(text: str) -> tuple[int, int]:
+    """The steps ``(A, B)`` of a ``log.profile_steps`` text ``A:B`` (1 <= A <= B); ConfigError naming the field."""
+    parts = text.split(":") if isinstance(text, str) else []
+    ok = len(parts) == 2 and all(p.strip().isdigit() for p in parts)
+    a, b = (int(parts[0]), int(parts[1])) if ok else (0, 0)
+    check(ok and 1 <= a <= b <= MAX_COUNT, "profile_steps", text,
+          "A:B, the first and last step to profile (1 <= A <= B), e.g. 3:5 (--profile-steps)")
+    return a, b
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    """Which sharded checkpoints a run keeps and how it writes them (:mod:`moonrt.jobs.checkpoint.sharded`,
+    :mod:`moonrt.jobs.checkpoint.store`); free to change on resume. How often: ``optim.checkpoint_every``."""
+
+    keep_latest: int = 2
+    """Committed ``OUT/checkpoint/step-N`` directories kept (``--keep-latest``): after each commit the newest this
+    many stay, older ones are removed, except milestones (``keep_every``). Only directories named ``step-N`` holding
+    a marker moonrt wrote are ever removed. A single-process run's ``checkpoint.pt`` is one file, replaced."""
+    keep_every: int = 0
+    """Milestones (``--keep-every``): a committed step that is a multiple of this is never removed (0: none)."""
+    async_save: bool = False
+    """Sharded saves in the background (``--async-save``): each rank copies its state to host memory, the loop goes
+    on while a thread writes it and commits the marker once every rank's write finished; at most one save in
+    flight (the next save, a stop and the end of the run wait for it: ``ckpt_wait_s``). A crash or kill during the
+    write leaves the previous committed step. Single-process runs (``checkpoint.pt``) save synchronously."""
+
+    def validate(self) -> None:
+        check(isinstance(self.keep_latest, int) and 1 <= self.keep_latest <= MAX_COUNT, "keep_latest",
+              self.keep_latest, "an integer >= 1 (committed steps kept)")
+        check(isinstance(self.keep_every, int) and 0 <= self.keep_every <= MAX_COUNT, "keep_every", self.keep_every,
+              "an integer >= 0 (0: no milestones)")
+        check(isinstance(self.async_save, bool), "async_save", self.async_save, "true or false")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -257,6 +306,8 @@ class JobConfig:
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     log: LogConfig = dataclasses.field(default_factory=LogConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    """Retention (latest k, milestones) and asynchronous saves of sharded checkpoints."""
     dist: DistConfig = dataclasses.field(default_factory=DistConfig)
     """How the ranks join (backend, collective timeout, rendezvous address): wins over what the launcher passes in
     the environment; ``null`` fields take the launcher's values (:func:`moonrt.cluster.env.resolve_dist_config`).

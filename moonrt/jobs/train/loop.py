@@ -46,13 +46,14 @@ from moonrt.comm.parallelism import Parallelism, Precision
 from moonrt.config import ConfigError, load_yaml, to_dict
 from moonrt.jobs.checkpoint import sharded as checkpoint_dcp
 from moonrt.jobs.checkpoint import single as checkpoint
-from moonrt.jobs.checkpoint.store import load_checkpoint, resume_state, save_checkpoint
+from moonrt.jobs.checkpoint.store import Checkpointer, load_checkpoint, resume_state
 from moonrt.jobs.train import data, outputs, report
 from moonrt.jobs.train.assemble import build_model, check_model_size
 from moonrt.jobs.train.config import JobConfig, lr_at
 from moonrt.jobs.train.device import bind_device, host_tensor, resolve_job, use_deterministic
 from moonrt.jobs.train.optimizers import build_optimizer
 from moonrt.jobs.train.outputs import CHECKPOINT
+from moonrt.jobs.train.profile import PhaseClock, StepProfiler
 from moonrt.jobs.train.step_memory import check_step_memory
 from moonrt.parallel.context import LOCAL, AttentionContext
 from moonrt.parallel.packing import DocumentPacking
@@ -306,6 +307,10 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
         console.line(f"moonrt train: resumed from step {start} (checkpoint {str(src)!r})")
     elif init_note:
         console.line(f"moonrt train: {init_note}")
+    saver = Checkpointer(ckpt, model, opt, job, rt)  # collective with async saves (their gloo group)
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    profiler = StepProfiler(job.log.profile_steps, job.log.profile_ranks, rank, out, rt.device.type == "cuda")
+    clock = PhaseClock()
     model.train()
     losses: list[float] = []
     eval_loss, eval_step = math.nan, None  # the last held-out eval of this process and its step
@@ -321,7 +326,8 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
         for step in range(start, stop):
             if stopped:
                 break
-            t0 = time.perf_counter()
+            profiler.begin(step + 1)
+            t0 = clock.start()
             lr = lr_at(step, cfg)
             for group in opt.param_groups:
                 group["lr"] = lr
@@ -337,10 +343,14 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
             if cp_log is not None:
                 rt.ctx.new_step()
             opt.zero_grad(set_to_none=True)
+            clock.mark("data")
             loss = _accumulate(model, rt, x, y, d, cfg.grad_accum, 1.0 / targets, mgr)
+            clock.mark("fwd_bwd")
             rt.sync_grads(model)  # once per step, of the gradients of all micro-steps
+            clock.mark("grad_sync")
             grad_norm = rt.clip_grad_norm(model.parameters(), cfg.grad_clip)
             loss_value = rt.sum_scalar(float(loss.detach()))
+            clock.mark("norm")
             # both global: the ranks agree without a vote (a non-finite loss on any rank makes the sum non-finite)
             if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
                 if metrics is not None:
@@ -354,16 +364,20 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
                     path = src if resume and saved == start else (
                         out / checkpoint_dcp.ROOT if checkpoint_dcp.use_sharded(opt) else ckpt)
                     last = f"the last checkpoint {str(path)!r} holds step {saved}"
+                saver.wait()  # the save in flight (every rank diverged at this step: each waits for its part)
                 raise Diverged(step + 1, loss_value, grad_norm, last)  # before the update and any save
             rt.step(opt)  # ZeRO-1: p.grad is gone after sync_grads; only rt reads the gradients
             stat_sum = rt.sum_stats if rt.replicas is not None else None
             stats = model.update_routing_bias(stat_sum) if cfg.routing_bias_update else {}
+            clock.mark("optimizer")
             dt = time.perf_counter() - t0
+            profiler.end(step + 1)
             tokens_done += global_tokens
             losses.append(loss_value)
             record = {"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
                       "tokens": (step + 1) * global_tokens}
             record |= report.rate_fields(global_tokens, dt, t_start, flops, job.log.peak_tflops, world, job.device)
+            record |= {"step_s": dt, **clock.fields(), "ckpt_wait_s": saver.take_wait()}
             if cp_log is not None:
                 cp_bytes = cp_log.by_layer()
                 record["cp_bytes_sent"] = sum(r["fwd_sent"] + r["bwd_sent"] for r in cp_bytes.values())
@@ -388,12 +402,14 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
                 tb.write(record)
             console.step(record, None if eval_step is None else eval_loss)
             if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == stop or stopped:
-                save_checkpoint(ckpt, model, opt, step + 1, job, rt)
+                saver.save(step + 1)  # asynchronous saves: the next step runs while it is written
                 saved = step + 1
             gc_control.tick(step + 1)
+        profiler.close()
+        if stopped and saved != done:
+            saver.save(done)
+        saver.wait()  # the last save committed (every rank's verdict) before the run ends or reports
         if stopped:
-            if saved != done:
-                save_checkpoint(ckpt, model, opt, done, job, rt)
             rt.any_flag(True)  # no rank exits (srun --kill-on-bad-exit) before the main rank's save is complete
         try:
             rt.close()  # the parts' outputs: the routing trace
@@ -401,6 +417,9 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
             what = f"routing_trace (--routing-trace) = {job.routing_trace!r}" if job.routing_trace else "outputs"
             raise ConfigError(f"{what}: cannot write ({exc.strerror or exc})") from None
     finally:
+        if profiler.prof is not None:  # an error inside the profiled steps: what was recorded, if it can be written
+            with contextlib.suppress(Exception):
+                profiler.close()
         gc_control.close()
         console.close()
         if metrics is not None:
@@ -418,7 +437,8 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
     summary = {"steps": stop, "steps_run": stop - start,
                "train_loss": float(np.mean(losses[-10:])) if losses else math.nan,
                "final_eval_loss": eval_loss, "eval_step": eval_step, "unigram_entropy": baseline,
-               "tokens_per_s": tokens_done / wall if wall > 0 else math.nan, "wall_s": wall, "params": n_params}
+               "tokens_per_s": tokens_done / wall if wall > 0 else math.nan, "wall_s": wall, "params": n_params,
+               "ckpt_wait_s": saver.total_wait}
     if rt.is_main:  # with --no-progress too: the summary always prints
         ran = f"{stop} steps" if start == 0 else f"steps {start + 1}-{stop}: {stop - start} steps"
         at = "" if eval_step == stop else f" (step {eval_step})"

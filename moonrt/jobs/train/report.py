@@ -11,8 +11,10 @@ its metrics records, the console (a tqdm bar on a terminal, plain lines otherwis
   ``--no-progress`` hides the bar and those lines only: the start line, the eval lines and the summary always
   print on rank 0.
 - :class:`TensorBoard`: scalar events (``train/loss``, ``train/lr``, ``train/grad_norm``, ``train/tokens_per_s``,
-  ``train/mfu``, ``eval/loss``) written by rank 0 with ``torch.utils.tensorboard.SummaryWriter`` when the optional
-  ``tensorboard`` package is installed (imported lazily; :func:`check_tensorboard` names the missing package).
+  ``train/mfu``, ``train/maxvio``, ``eval/loss``, ``memory/*``, the step's phase times ``time/*``, and the EP, PP
+  and CP series the record has: :data:`TB_SCALARS`) written by rank 0 with ``torch.utils.tensorboard.SummaryWriter``
+  when the optional ``tensorboard`` package is installed (imported lazily; :func:`check_tensorboard` names the
+  missing package).
 """
 
 from __future__ import annotations
@@ -30,8 +32,16 @@ from tqdm import tqdm
 from moonrt.config import ConfigError
 
 TB_SCALARS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
-              "tokens_per_s": "train/tokens_per_s", "mfu": "train/mfu", "eval_loss": "eval/loss"}
-"""Metrics record key -> TensorBoard tag (the scalars :class:`TensorBoard` writes, when the record has them)."""
+              "tokens_per_s": "train/tokens_per_s", "mfu": "train/mfu", "eval_loss": "eval/loss",
+              "maxvio": "train/maxvio", "peak_mem_bytes": "memory/peak_bytes",
+              "optimizer_state_bytes": "memory/optimizer_state_bytes", "step_s": "time/step_s",
+              "time_data_s": "time/data_s", "time_fwd_bwd_s": "time/fwd_bwd_s", "time_grad_sync_s": "time/grad_sync_s",
+              "time_norm_s": "time/norm_s", "time_optimizer_s": "time/optimizer_s", "ckpt_wait_s": "time/ckpt_wait_s",
+              "ep_rows_max": "ep/rows_max", "ep_rows_unbalanced_max": "ep/rows_unbalanced_max",
+              "ep_token_bytes_sent": "ep/token_bytes_sent", "pp_idle_frac": "pp/idle_frac_max",
+              "pp_bytes_sent": "pp/bytes_sent_max", "cp_bytes_sent": "cp/bytes_sent"}
+"""Metrics record key -> TensorBoard tag (the scalars :class:`TensorBoard` writes, when the record has them; a
+per-rank list, e.g. ``pp_idle_frac`` or ``optimizer_state_bytes``, is written as its largest value)."""
 
 
 def peak_memory_bytes(device: str) -> int:
@@ -139,7 +149,9 @@ class TensorBoard:
         """The record's scalars of :data:`TB_SCALARS` at global step ``record["step"]`` (non-finite ones skipped)."""
         for key, tag in TB_SCALARS.items():
             value = record.get(key)
-            if isinstance(value, (int, float)) and math.isfinite(value):
+            if isinstance(value, list) and value and all(isinstance(v, (int, float)) for v in value):
+                value = max(value)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
                 self.writer.add_scalar(tag, value, record["step"])
 
     def close(self) -> None:
