@@ -48,6 +48,7 @@ from torch import nn
 
 from moonrt.comm.pp.cache import block_plan
 from moonrt.comm.pp.executor import PipelineExecutor, StepStats
+from moonrt.comm.pp.idle import IdleClock
 from moonrt.comm.pp.part import PipelineParallel
 from moonrt.jobs.selftest.common import EPS32, SuiteResult, byte_sizes, device, normwise_err, timed
 from moonrt.parallel.model import PipelineLayout
@@ -230,7 +231,8 @@ def _hops(res: SuiteResult, sizes: tuple[int, ...], iters: int, rank: int, world
     for nbytes in sizes:
         n = max(1, nbytes // 4)
         ex.xs, ex.shape, ex.dtype, ex.device = [None], (1, 1, n), torch.float32, dev
-        ex.pending, ex.stats = [], StepStats()
+        ex.pending, ex.stats, ex.clock = [], StepStats(), IdleClock(dev)  # the step state run() would set up
+        ex.clock.start()
 
         fwd, bwd = _payload(rank, n, False, dev), _payload(rank, n, True, dev)
         round_trip = functools.partial(_round_trip, ex, rank, world, fwd, bwd)
