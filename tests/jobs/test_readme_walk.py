@@ -211,6 +211,7 @@ def test_every_readme_command_runs_in_order(tmp_path: Path) -> None:
     here = tmp_path / "walk"
     here.mkdir()
     _user_files(here, text)
+    before = set(os.listdir(here))
     env = {**clean_env(), "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
            "MOONRT_DIST_TIMEOUT": "120"}
     timings: list[tuple[float, str]] = []
@@ -242,6 +243,8 @@ def test_every_readme_command_runs_in_order(tmp_path: Path) -> None:
     finally:
         server.close()
     # what the walk made is what the README says it makes
-    assert (here / "runs" / "a").is_dir() and (here / "w.safetensors").is_file()
-    assert (here / "routing.npz").is_file() and (here / "selftest.json").is_file()
+    assert (here / "runs" / "a").is_dir() and (here / "runs" / "w.safetensors").is_file()
+    assert (here / "runs" / "routing.npz").is_file() and (here / "runs" / "selftest.json").is_file()
+    # every README command writes under runs/ (ignored by .gitignore): nothing else appears beside the checkout's files
+    assert set(os.listdir(here)) - before <= {"runs"}, sorted(set(os.listdir(here)) - before)
     print(f"{len(timings)} commands in {sum(t for t, _ in timings):.0f} s")
