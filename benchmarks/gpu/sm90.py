@@ -524,8 +524,8 @@ def compile_spec(spec: Spec, cache_dir: Path | None = None, timeout_s: float = W
     """Compile ``spec`` cold in a worker (``timeout_s`` wall seconds, ``mem_gib`` of address space), or return its
     cached result (``cache_dir``; None: no cache)."""
     cached = None if cache_dir is None else cache_dir / "results" / f"{spec.digest(timeout_s, mem_gib)}.json"
-    if cached is not None and cached.exists():
-        return Result(**json.loads(cached.read_text()))
+    if cached is not None and cached.exists():  # maybe compiled for another shape with the same specialization
+        return dataclasses.replace(Result(**json.loads(cached.read_text())), shape=spec.shape, case=spec.case)
     with tempfile.TemporaryDirectory(prefix="moonrt-sm90-") as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         spec_path.write_text(json.dumps(dataclasses.asdict(spec)))
