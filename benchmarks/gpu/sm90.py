@@ -115,7 +115,8 @@ def _driver_class() -> type:
             return torch.device("cpu")
 
         def get_benchmarker(self) -> Any:
-            raise RuntimeError("sm90 stand-in driver: nothing runs (compile only)")
+            raise RuntimeError("sm90 stand-in driver: nothing runs, so nothing can be benchmarked (a "
+                               "@triton.autotune kernel: check each of its configs as a fixed launch)")
 
         def get_current_device(self) -> int:
             return 0
