@@ -1,0 +1,178 @@
+"""Every Triton kernel moonrt launches on CUDA, compiled for sm_90 without a GPU (issue 47 item 2,
+``benchmarks/gpu/sm90.py``): driven through moonrt's own host wrappers at the interpreter tests', k3_tiny's, head_dim
+64, the 100M config's (96) and K3's (128) shapes, each compiled kernel must fit one Hopper block: shared memory
+<= 232,448 B, registers <= 255, spill stores <= ``SPILL_LIMIT_BYTES``, compile CPU seconds <=
+``COMPILE_SECONDS_LIMIT``. A kernel planted over the shared-memory limit must fail the same check.
+
+The compiles run in a subprocess with ``TRITON_INTERPRET`` unset (tests/conftest.py sets it for this process), one per
+shape, cached on disk by ``sm90`` (an unchanged kernel compiles once per machine). KDA shapes take minutes cold: slow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
+
+import sm90  # noqa: E402
+
+KDA_KERNELS = ("chunk_terms_kernel", "state_fwd_kernel", "state_bwd_kernel", "chunk_grads_kernel", "transition_kernel")
+EXPECTED = {
+    "fp8": ("_quantize_kernel", "_dequantize_kernel"),
+    "moonep": ("_balance_kernel", "_split_kernel"),
+    **{shape: KDA_KERNELS for shape in sm90.KDA_SHAPES},
+}
+"""The kernels each shape's host wrappers launch (a kernel added or renamed by a redesign goes here)."""
+
+FAILS_TODAY: dict[tuple[str, str], str] = {
+    # measured with Triton 3.8.0 (benchmarks/RESULTS.md, "sm_90 compile check"); spills are ptxas's spill stores per
+    # thread (a / b: the kernel's two launches); "CPU limit": stopped at sm90.WORKER_CPU_S before ptxas finished
+    ("interp", "chunk_terms_kernel"): "spills 5,756 B / 33,924 B",
+    ("interp", "state_fwd_kernel"): "spills 6,976 B",
+    ("interp", "state_bwd_kernel"): "spills 408 B / 372 B",
+    ("interp", "chunk_grads_kernel"): "spills 77,568 B; 33 CPU s to compile",
+    ("interp", "transition_kernel"): "spills 1,132 B",
+    ("k3_tiny", "chunk_terms_kernel"): "spills 8,352 B / 5,504 B",
+    ("k3_tiny", "state_fwd_kernel"): "spills 30,096 B",
+    ("k3_tiny", "state_bwd_kernel"): "spills 30,732 B / 32,324 B",
+    ("k3_tiny", "chunk_grads_kernel"): "compile stopped at the CPU limit (shared 139,264 B)",
+    ("k3_tiny", "transition_kernel"): "spills 33,156 B",
+    ("d64", "chunk_terms_kernel"): "spills 8,352 B / 5,504 B",
+    ("d64", "state_fwd_kernel"): "spills 30,096 B",
+    ("d64", "state_bwd_kernel"): "spills 30,732 B / 32,324 B",
+    ("d64", "chunk_grads_kernel"): "compile stopped at the CPU limit (shared 139,264 B)",
+    ("d64", "transition_kernel"): "spills 33,156 B",
+    ("k3_100m", "chunk_terms_kernel"): "spills 117,476 B / 105,114 B",
+    ("k3_100m", "state_fwd_kernel"): "spills 54,080 B",
+    ("k3_100m", "state_bwd_kernel"): "spills 58,364 B / 57,280 B",
+    ("k3_100m", "chunk_grads_kernel"): "compile stopped at the CPU limit (issue 47: 299,008 B shared)",
+    ("k3_100m", "transition_kernel"): "compile stopped at the CPU limit (shared 65,536 B)",
+    ("k3", "chunk_terms_kernel"): "spills 117,476 B / 105,114 B",
+    ("k3", "state_fwd_kernel"): "spills 54,080 B",
+    ("k3", "state_bwd_kernel"): "spills 58,364 B / 57,280 B",
+    ("k3", "chunk_grads_kernel"): "compile stopped at the CPU limit (issue 47: 299,008 B shared)",
+    ("k3", "transition_kernel"): "compile stopped at the CPU limit (shared 65,536 B)",
+}
+"""``(shape, kernel)`` that do not fit sm_90 today, each with what it misses: strict xfail, so a case the KDA
+redesign (issue 47 item 1) fixes fails loudly until its entry is removed here."""
+
+
+def _params() -> list:
+    out = []
+    for shape, kernels in EXPECTED.items():
+        for kernel in kernels:
+            marks = [pytest.mark.slow] if shape in sm90.KDA_SHAPES else []
+            if (shape, kernel) in FAILS_TODAY:
+                marks.append(pytest.mark.xfail(strict=True, reason=f"issue 47 item 1: {FAILS_TODAY[shape, kernel]}"))
+            out.append(pytest.param(shape, kernel, marks=marks, id=f"{shape}-{kernel}"))
+    return out
+
+
+FAST_GROUP = ("fp8", "moonep", sm90.PLANTED)
+"""Shapes checked by one subprocess (a few seconds once cached); each KDA shape has its own."""
+
+
+@functools.cache
+def _group(shapes: tuple[str, ...], tmp: Path) -> list[sm90.Result]:
+    return sm90.check_in_subprocess(shapes, tmp / f"sm90-{'-'.join(shapes)}.json", cache_dir=sm90.default_cache_dir(),
+                                    timeout=3600)
+
+
+def _results(shape: str, tmp: Path) -> list[sm90.Result]:
+    return [r for r in _group(FAST_GROUP if shape in FAST_GROUP else (shape,), tmp) if r.shape == shape]
+
+
+@pytest.fixture(scope="session")
+def sm90_results(tmp_path_factory: pytest.TempPathFactory):
+    tmp = tmp_path_factory.mktemp("sm90")
+    return lambda shape: _results(shape, tmp)
+
+
+@pytest.mark.parametrize(("shape", "kernel"), _params())
+def test_kernel_fits_sm90(sm90_results, shape: str, kernel: str) -> None:
+    results = sm90_results(shape)
+    launched = {r.kernel for r in results}
+    assert launched == set(EXPECTED[shape]), f"{shape}: launched {sorted(launched)}, EXPECTED lists "\
+                                             f"{sorted(EXPECTED[shape])}"
+    mine = [r for r in results if r.kernel == kernel]
+    for r in mine:
+        assert r.shared is not None and r.compile_cpu_s is not None or r.error, r
+        assert not r.violations(), f"{shape} {kernel} ({r.case}): {'; '.join(r.violations())}"
+
+
+def test_planted_kernel_over_shared_memory_fails(sm90_results) -> None:
+    """``sm90_planted``: a 64 x 1024 @ 1024 x 64 bf16 dot stages 2 * 1024 * 128 = 262,144 B of operands in shared
+    memory; the checker reads more than the limit from the compiled kernel and reports it."""
+    (r,) = sm90_results(sm90.PLANTED)
+    assert r.error is None and r.shared is not None and r.shared >= 262_144 > sm90.SHARED_LIMIT, r
+    assert any(v.startswith("shared memory") for v in r.violations()), r.violations()
+    assert os.environ.get("TRITON_INTERPRET") == "1"  # this process still interprets (conftest)
+
+
+def test_violations_name_each_limit() -> None:
+    ok = sm90.Result("k", "s", "c", 4, 1, shared=sm90.SHARED_LIMIT, registers=sm90.REGISTER_LIMIT, stack=0,
+                     spill_stores=sm90.SPILL_LIMIT_BYTES, spill_loads=0, compile_s=1.0,
+                     compile_cpu_s=sm90.COMPILE_SECONDS_LIMIT)
+    assert ok.violations() == []
+    for field, bad, word in (("shared", sm90.SHARED_LIMIT + 1, "shared memory"),
+                             ("registers", sm90.REGISTER_LIMIT + 1, "registers"),
+                             ("spill_stores", sm90.SPILL_LIMIT_BYTES + 1, "spill stores"),
+                             ("compile_cpu_s", sm90.COMPILE_SECONDS_LIMIT + 0.1, "compile"),
+                             ("error", "stopped after 240 s", "did not compile"),
+                             ("registers", None, "resources not read")):
+        r = dataclasses.replace(ok, **{field: bad})
+        assert [v for v in r.violations() if v.startswith(word)], (field, r.violations())
+
+
+def test_resource_parsers() -> None:
+    """The two tools' formats as Triton 3.8's ptxas and cuobjdump print them."""
+    log = ("ptxas info    : Compiling entry function 'k' for 'sm_90a'\nptxas info    : Function properties for k\n"
+           "    5976 bytes stack frame, 6976 bytes spill stores, 7032 bytes spill loads\n"
+           "ptxas info    : Used 32 registers, used 1 barriers, 5976 bytes cumulative stack size")
+    assert sm90.parse_ptxas_log(log) == {"registers_ptxas": 32, "stack_ptxas": 5976, "spill_stores": 6976,
+                                         "spill_loads": 7032}
+    usage = ("Resource usage:\n Function k:\n  REG:32 STACK:5976 SHARED:0 LOCAL:0 CONSTANT[0]:1000 TEXTURE:0 "
+             "SURFACE:0 SAMPLER:0")
+    assert sm90.parse_resource_usage(usage) == {"REG": 32, "STACK": 5976, "SHARED": 0, "LOCAL": 0}
+
+
+def test_stand_in_driver_refuses_the_interpreter() -> None:
+    """In this process (TRITON_INTERPRET=1) kernels are interpreted: the check says so instead of compiling."""
+    pytest.importorskip("triton")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"), sm90.stand_in_driver():
+        pass
+
+
+RESTORE = """
+import sm90, triton
+from triton import knobs
+from triton.runtime.driver import driver
+import moonrt.ops.fp8.triton as f
+import moonrt.ops.kda.backends.triton as kda
+guard = kda._check_device
+specs = sm90.record(("fp8", "moonep"))
+assert len(specs) == 8, specs  # 2 fp8 + 2 moonep cases, 2 kernels each
+assert driver._active is None and knobs.runtime.jit_cache_hook is None
+assert kda._check_device is guard
+assert not f._quantize_kernel.device_caches
+print("restored")
+"""
+
+
+@pytest.mark.slow
+def test_stand_in_driver_restores_everything() -> None:
+    """After recording: the real (lazily created) driver, no hook, the host guard back, no kernel holding the sm_90
+    target in its per-device cache."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "benchmarks" / "gpu")])
+    res = subprocess.run([sys.executable, "-c", RESTORE], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0 and "restored" in res.stdout, res.stderr[-3000:]
