@@ -14,25 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from dist import dist_run
-from jobs.helpers import _cli
+from jobs.helpers import TEXT, _cli, hf_tokenizer
 
 from moonrt.jobs.train import blend, data, indexed, tokenized
 from moonrt.jobs.train.config import BlendEntry, DataConfig
 from moonrt.jobs.train.tokenizer import TokenizerError, check_vocab, load_tokenizer
-
-TEXT = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}  # the quick brown fox jumps {i}\n" for i in range(300))
-
-
-def hf_tokenizer(path: Path, vocab: int = 256) -> Path:
-    """A BPE tokenizer of exactly ``vocab`` tokens trained here with ``tokenizers`` on a few KB of text."""
-    tokenizers = pytest.importorskip("tokenizers")
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    trainer = tokenizers.trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<unk>", "<eos>"])
-    tok.train_from_iterator([TEXT], trainer=trainer)
-    assert tok.get_vocab_size() == vocab
-    tok.save(str(path))
-    return path
 
 
 def tiktoken_file(path: Path, specials: dict[int, str] | None = None) -> Path:

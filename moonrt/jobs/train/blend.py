@@ -26,7 +26,7 @@ import numpy as np
 from moonrt.jobs.train import data
 
 if TYPE_CHECKING:
-    from moonrt.jobs.train.config import DataConfig
+    from moonrt.jobs.train.config import DataConfig, JobConfig
     from moonrt.jobs.train.tokenizer import Tokenizer
 
 
@@ -102,6 +102,21 @@ def unigram_entropy(blend: Blend, vocab_size: int) -> float:
     return float(-(q * np.log(q)).sum()) if len(q) else math.nan
 
 
+def job_tokenizer(job: JobConfig) -> Tokenizer | None:
+    """``data.tokenizer`` loaded and its vocabulary checked against the model's (``--init-from``'s config.json
+    when the job starts from one, so call it after :func:`moonrt.jobs.checkpoint.hf.job_init`); None without one.
+    TokenizerError (a ValueError, one line) otherwise."""
+    if job.data.tokenizer is None:
+        return None
+    from moonrt.jobs.train.tokenizer import check_vocab, load_tokenizer
+
+    tok = load_tokenizer(job.data.tokenizer)
+    source = (f"--init-from {job.init_from!r} config.json vocab_size" if job.init_from is not None
+              else f"model {job.model!r} vocab_size" if job.model_config is None else "model_config.vocab_size")
+    check_vocab(tok, job.model_cfg().vocab_size, source)
+    return tok
+
+
 def open_corpus(path: str | None, cfg: DataConfig, vocab_size: int, tok: Tokenizer | None, cache_dir: str,
                 is_main: bool, agree: Callable[[bool], bool]) -> data.Corpus:
     """One corpus of a job (``cfg``: its :class:`~moonrt.jobs.train.config.DataConfig`): a text file with a
@@ -113,7 +128,8 @@ def open_corpus(path: str | None, cfg: DataConfig, vocab_size: int, tok: Tokeniz
         if (what := data._not_a_corpus_file(path)) is not None:
             raise ValueError(f"corpus (--corpus) = {path!r}: {what}; expected an existing text file")
         prefix, _ = tokenized.cached(tok, path, cache_dir, is_main, agree)
-        path = str(prefix)
+        corpus = data.load_corpus(str(prefix), None, vocab_size, cfg.heldout_fraction, cfg.eos_id)
+        return dataclasses.replace(corpus, description=f"{path} (tokenized by {tok.path} into {prefix})")
     return data.load_corpus(path, cfg.token_dtype, vocab_size, cfg.heldout_fraction, cfg.eos_id)
 
 

@@ -220,6 +220,10 @@ def run(args: argparse.Namespace) -> int:
             gone = resume and not os.path.lexists(job.init_from)  # a resume needs no source: its checkpoint's model
             job_init(job, load=False, stored=resume_state(Path(job.out_dir))[1]["config"] if gone else None)
             job.validate()
+        if job.data.tokenizer is not None:  # its vocabulary against the model's, before a job starts
+            from moonrt.jobs.train.blend import job_tokenizer
+
+            job_tokenizer(job)
         if job.parallel.world_size != 1 or launched():
             rt = parallel_runtime(job, progress=not args.no_progress)
         else:

@@ -62,14 +62,7 @@ def _open_data(job: JobConfig, vocab_size: int, rt: Parallelism) -> tuple[data.C
     """The job's corpus, or its blend's corpora (``data.blend``): text tokenized by ``data.tokenizer`` (its vocabulary
     checked against the model's first) into ``data.cache_dir`` (default ``OUT/data_cache``) by rank 0, the others
     waiting for it in one collective (:func:`moonrt.jobs.train.tokenized.cached`)."""
-    tok = None
-    if job.data.tokenizer is not None:
-        from moonrt.jobs.train.tokenizer import check_vocab, load_tokenizer
-
-        tok = load_tokenizer(job.data.tokenizer)
-        source = (f"--init-from {job.init_from!r} config.json vocab_size" if job.init_from is not None
-                  else f"model {job.model!r} vocab_size" if job.model_config is None else "model_config.vocab_size")
-        check_vocab(tok, vocab_size, source)
+    tok = blend.job_tokenizer(job)
     cache = job.data.cache_dir if job.data.cache_dir is not None else str(Path(job.out_dir) / "data_cache")
     if job.data.blend is not None:
         return None, blend.open_blend(job.data, vocab_size, tok, cache, rt.is_main, rt.any_flag)
