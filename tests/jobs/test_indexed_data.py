@@ -319,3 +319,5 @@ def test_blend_config_checked() -> None:
         DataConfig(blend=[BlendEntry(path="a"), BlendEntry(path="b", weight=-1.0)]).validate()
     with pytest.raises(ConfigError, match=r"^data\.blend = .*null when data\.corpus"):
         DataConfig(corpus="x", blend=[BlendEntry(path="a")]).validate()
+    with pytest.raises(ConfigError, match=r"^data\.tokenizer = 't\.json': expected null with data\.token_dtype"):
+        DataConfig(corpus="x", token_dtype="uint16", tokenizer="t.json").validate()

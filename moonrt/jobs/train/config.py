@@ -99,6 +99,8 @@ class DataConfig:
         _finite(self, "heldout_fraction", 0.0 < self.heldout_fraction < 1.0, "in (0, 1)")
         check(self.token_dtype is None or self.corpus is not None, "token_dtype", self.token_dtype,
               "null unless corpus names a token file")
+        check(self.tokenizer is None or self.token_dtype is None, "data.tokenizer", self.tokenizer,
+              "null with data.token_dtype (--token-dtype): a token file is tokenized already")
         user = self.corpus is not None or self.blend is not None
         check(self.eos_id is None or (user and self.pack_documents), "eos_id", self.eos_id,
               "null unless pack_documents is true and corpus names a file (the stdlib corpus's documents are files)")
