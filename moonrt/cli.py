@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "mem-plan": ("moonrt.jobs.mem_plan", "per-rank memory model and activation-policy plan for a budget (ILP)"),
     "pp-plan": ("moonrt.jobs.pp_plan",
                 "pipeline schedule (bubble, peak live) and AttnRes blocks per hop, naive vs cached"),
+    "data": ("moonrt.jobs.data_build", "build a Megatron indexed dataset (.bin/.idx) from text with a tokenizer"),
     "checkpoint": ("moonrt.jobs.checkpoint.cli",
                    "inspect (info), export (safetensors), convert moonrt train checkpoints"),
 }

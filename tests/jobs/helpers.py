@@ -307,3 +307,20 @@ def _tree(path: Path) -> dict[str, bytes | str]:
         rel = str(p.relative_to(path))
         out[rel] = f"-> {os.readlink(p)}" if p.is_symlink() else ("<dir>" if p.is_dir() else p.read_bytes())
     return out
+
+
+# ---- the model's tokenizer (issue 50: test_indexed_data.py, test_tokenizer_train.py) -------------------------
+
+TEXT = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}  # the quick brown fox jumps {i}\n" for i in range(300))
+
+
+def hf_tokenizer(path: Path, vocab: int = 256) -> Path:
+    """A BPE tokenizer of exactly ``vocab`` tokens trained here with ``tokenizers`` on a few KB of text."""
+    import tokenizers  # the test extra installs it (pyproject.toml)
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<unk>", "<eos>"])
+    tok.train_from_iterator([TEXT], trainer=trainer)
+    assert tok.get_vocab_size() == vocab
+    tok.save(str(path))
+    return path

@@ -43,11 +43,12 @@ KEYS = ("model", "optimizer", "step", "config")
 # numerics, like parallel), the compute precision (precision: a checkpoint holds the fp32 master weights and fp32
 # moments whatever the run computed in, so fp32 <-> bf16 resumes the same state) and what the run reports (log:
 # progress lines, TensorBoard, the peak for MFU); init_from_sha256 is compared with the directory itself
-# (moonrt.jobs.checkpoint.hf.job_init), not with the job; deterministic changes how the kernels sum, not the state.
+# (moonrt.jobs.checkpoint.hf.job_init), not with the job; deterministic changes how the kernels sum, not the state;
+# data.cache_dir is where tokenized text is kept (the tokens are a function of the corpus and tokenizer fields).
 FREE_ON_RESUME = ("out_dir", "threads", "parallel", "memory_policy", "routing_trace", "optim.eval_every",
                   "optim.eval_windows", "optim.checkpoint_every", "optim.grad_accum", "stop_signal", "gc_interval",
                   "dist", "device", "deterministic", "precision", "log", "kernels", "checkpoint",
-                  "init_from_sha256")
+                  "init_from_sha256", "data.cache_dir")
 
 
 class CheckpointError(ValueError):

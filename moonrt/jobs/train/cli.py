@@ -37,7 +37,7 @@ from moonrt.ops.kernels import KernelUnavailable
 GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
     "job config": ("precedence, lowest first: the embedded default < --config < --set (in order) < the dedicated "
                    "flags below; a --set and a flag naming one field must agree", ("config", "set")),
-    "model & data": ("", ("model", "corpus", "token_dtype", "pack_documents", "eos_id")),
+    "model & data": ("", ("model", "corpus", "tokenizer", "token_dtype", "pack_documents", "eos_id")),
     "optimizer & schedule": ("", ("steps", "seed", "batch_size", "seq_len", "lr", "optimizer", "eval_every",
                                   "eval_windows", "grad_accum")),
     "parallel layout": ("", ("ep", "cp", "pp", "vpp", "microbatches", "schedule", "zero", "attn_res_comm")),
@@ -102,7 +102,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile-ranks", metavar="R,R", help="comma-separated ranks that profile --profile-steps "
                         "(log.profile_ranks; default 0)")
     parser.add_argument("--model", help="model preset: " + ", ".join(sorted(presets())))
-    parser.add_argument("--corpus", help="text file, or token file with --token-dtype (default: stdlib sources)")
+    parser.add_argument("--corpus", help="text file, token file with --token-dtype, or a Megatron indexed dataset "
+                        "PREFIX (PREFIX.bin/.idx) (default: stdlib sources; several by weight: data.blend)")
+    parser.add_argument("--tokenizer", metavar="PATH", help="the model's tokenizer: a Hugging Face tokenizer.json or a "
+                        "tiktoken BPE file, read from disk (never downloaded); its vocabulary must be the model's; a "
+                        "text --corpus is tokenized once into an indexed dataset in data.cache_dir (default "
+                        "OUT/data_cache) (data.tokenizer; needs moonrt[data])")
     parser.add_argument("--token-dtype", choices=["uint16", "uint32"], help="--corpus is a binary token file")
     parser.add_argument("--pack-documents", action="store_true", default=None, help="keep the documents packed in "
                         "each sequence apart: per-document KDA state and conv, block-diagonal MLA mask, no "
@@ -187,6 +192,7 @@ _OVERRIDES: dict[str, tuple[str, ...]] = {
     "seq_len": ("optim", "seq_len"), "lr": ("optim", "lr"), "eval_every": ("optim", "eval_every"),
     "optimizer": ("optim", "optimizer"),
     "model": ("model",), "corpus": ("data", "corpus"), "token_dtype": ("data", "token_dtype"),
+    "tokenizer": ("data", "tokenizer"),
     "pack_documents": ("data", "pack_documents"), "eos_id": ("data", "eos_id"),
     "out": ("out_dir",), "threads": ("threads",), "memory_policy": ("memory_policy",),
     "cp": ("parallel", "cp"), "ep": ("parallel", "ep"), "routing_trace": ("routing_trace",),
@@ -246,6 +252,10 @@ def run(args: argparse.Namespace) -> int:
             gone = resume and not os.path.lexists(job.init_from)  # a resume needs no source: its checkpoint's model
             job_init(job, load=False, stored=resume_state(Path(job.out_dir))[1]["config"] if gone else None)
             job.validate()
+        if job.data.tokenizer is not None:  # its vocabulary against the model's, before a job starts
+            from moonrt.jobs.train.blend import job_tokenizer
+
+            job_tokenizer(job)
         if job.parallel.world_size != 1 or launched():
             rt = parallel_runtime(job, progress=not args.no_progress)
         else:

@@ -55,6 +55,16 @@ def _finite(obj: Any, name: str, ok: bool, expected: str) -> None:
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
+class BlendEntry:
+    """One corpus of ``data.blend`` and its sampling weight (:mod:`moonrt.jobs.train.blend`)."""
+
+    path: str
+    """Read as ``data.corpus`` is (an indexed-dataset prefix, a token file with ``token_dtype``, a text file)."""
+    weight: float = 1.0
+    """Relative weight (> 0): the chance that a window comes from this corpus is weight / the weights' sum."""
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
 class DataConfig:
     """Where tokens come from (:mod:`moonrt.jobs.train.data`)."""
 
@@ -69,17 +79,42 @@ class DataConfig:
     (:mod:`moonrt.parallel.packing`). The stdlib corpus's documents are its files; a user corpus needs ``eos_id``."""
     eos_id: int | None = None
     """Token id (a byte value for a text corpus) that ends each document of a user corpus (with ``pack_documents``)."""
+    tokenizer: str | None = None
+    """A Hugging Face ``tokenizer.json`` or a tiktoken BPE file (:mod:`moonrt.jobs.train.tokenizer`; read from disk
+    only) whose vocabulary must be the model's: text corpora are tokenized with it once into an indexed dataset in
+    ``cache_dir`` (:mod:`moonrt.jobs.train.tokenized`) instead of read as bytes. None: bytes."""
+    cache_dir: str | None = None
+    """Where text tokenized by ``tokenizer`` is cached (None: ``OUT/data_cache``); reused on resume, by every rank
+    and by other runs naming the same directory."""
+    blend: list[BlendEntry] | None = None
+    """Corpora sampled by weight (``[{path, weight}, ...]``, :mod:`moonrt.jobs.train.blend`) instead of ``corpus``;
+    the global batch stays a pure function of ``(seed, step)``."""
+
+    def _has_documents(self, path: str) -> bool:
+        """Whether corpus ``path`` carries document boundaries of its own (an indexed dataset; text tokenized into
+        one)."""
+        return (self.tokenizer is not None and self.token_dtype is None) or data.indexed_prefix(path) is not None
 
     def validate(self) -> None:
         _finite(self, "heldout_fraction", 0.0 < self.heldout_fraction < 1.0, "in (0, 1)")
         check(self.token_dtype is None or self.corpus is not None, "token_dtype", self.token_dtype,
               "null unless corpus names a token file")
-        check(self.eos_id is None or (self.corpus is not None and self.pack_documents), "eos_id", self.eos_id,
+        check(self.tokenizer is None or self.token_dtype is None, "data.tokenizer", self.tokenizer,
+              "null with data.token_dtype (--token-dtype): a token file is tokenized already")
+        user = self.corpus is not None or self.blend is not None
+        check(self.eos_id is None or (user and self.pack_documents), "eos_id", self.eos_id,
               "null unless pack_documents is true and corpus names a file (the stdlib corpus's documents are files)")
         check(self.eos_id is None or self.eos_id >= 0, "eos_id", self.eos_id, "a token id >= 0")
-        check(not self.pack_documents or self.corpus is None or self.eos_id is not None, "eos_id", self.eos_id,
-              "the token id that ends each document of corpus "
-              f"{self.corpus!r} (pack_documents needs document boundaries)")
+        check(self.blend is None or self.corpus is None, "data.blend", self.blend,
+              "null when data.corpus (--corpus) is set (a blend names its corpora)")
+        check(self.blend is None or len(self.blend) >= 1, "data.blend", self.blend, "at least one {path, weight}")
+        for i, e in enumerate(self.blend or ()):
+            check(isinstance(e.weight, (int, float)) and math.isfinite(e.weight) and e.weight > 0,
+                  f"data.blend[{i}].weight", e.weight, "a finite number > 0")
+        for path in ([self.corpus] if self.corpus is not None else [e.path for e in self.blend or ()]):
+            check(not self.pack_documents or self.eos_id is not None or self._has_documents(path), "eos_id",
+                  self.eos_id, f"the token id that ends each document of corpus {path!r} (pack_documents needs "
+                  "document boundaries: an indexed dataset or a --tokenizer has them)")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

@@ -18,7 +18,10 @@ Corpora:
 - a text file: UTF-8 bytes read with ``numpy.memmap`` (never whole into memory: a corpus may be larger than it),
   the last ``heldout_fraction`` of bytes held out;
 - a binary token file (``uint16`` or ``uint32``, native byte order) read with ``numpy.memmap``,
-  the last ``heldout_fraction`` of tokens held out.
+  the last ``heldout_fraction`` of tokens held out;
+- a Megatron indexed dataset (``PREFIX`` of ``PREFIX.bin`` / ``PREFIX.idx``, :mod:`moonrt.jobs.train.indexed`),
+  memory-mapped, its documents from the index; text tokenized by a model's tokenizer is cached in this form
+  (:mod:`moonrt.jobs.train.tokenized`). Several corpora are blended by weight in :mod:`moonrt.jobs.train.blend`.
 
 Document packing (``data.pack_documents``, Megatron's ``reset_attention_mask`` / ``eod_mask_loss`` form): the
 windows stay the same random cuts of the concatenated documents (so a window holds several documents, the
@@ -155,6 +158,23 @@ def token_corpus(path: str | Path, dtype: TokenDtype, vocab_size: int, heldout_f
     return Corpus(train=train, heldout=held, vocab_size=vocab_size, description=f"{path} ({dtype} tokens)")
 
 
+def indexed_corpus(prefix: str | Path, vocab_size: int, heldout_fraction: float = 0.05) -> Corpus:
+    """A Megatron indexed dataset (``PREFIX.bin/.idx``, :func:`moonrt.jobs.train.indexed.read_indexed`), memory-mapped,
+    its documents from the index; the last ``heldout_fraction`` of tokens held out (the document cut there starts the
+    held-out split). Ids must be ``< vocab_size``."""
+    from moonrt.jobs.train import indexed
+
+    tokens, docs = indexed.read_indexed(prefix)
+    top = max(int(np.asarray(tokens[lo:lo + CHUNK_TOKENS]).max()) for lo in range(0, len(tokens), CHUNK_TOKENS))
+    if top >= vocab_size:
+        raise ValueError(f"corpus {str(prefix)!r}: token id {top} >= model vocab_size {vocab_size}")
+    train, held = _split(tokens, heldout_fraction)
+    cut = len(train)
+    return Corpus(train=train, heldout=held, vocab_size=vocab_size,
+                  description=f"{prefix} (indexed, {tokens.dtype.name} tokens, {len(docs)} documents)",
+                  train_docs=docs[docs < cut], heldout_docs=np.concatenate([[0], docs[docs > cut] - cut]))
+
+
 def load_corpus(path: str | None, token_dtype: TokenDtype | None, vocab_size: int,
                 heldout_fraction: float = 0.05, eos_id: int | None = None) -> Corpus:
     """The corpus a job config names: None -> :func:`stdlib_corpus`; a token dtype -> :func:`token_corpus`;
@@ -164,11 +184,13 @@ def load_corpus(path: str | None, token_dtype: TokenDtype | None, vocab_size: in
     corpus's document starts (:func:`eos_document_starts`). The stdlib corpus's documents are its files."""
     if path is None:
         corpus = stdlib_corpus()
-    elif (what := _not_a_corpus_file(path)) is not None:
+    elif indexed_prefix(path) is None and (what := _not_a_corpus_file(path)) is not None:
         kind = f"a {token_dtype} token file" if token_dtype is not None else "a UTF-8 text file"
         raise ValueError(f"corpus (--corpus) = {path!r}: {what}; expected an existing file ({kind})")
     elif token_dtype is not None:
         corpus = token_corpus(path, token_dtype, vocab_size, heldout_fraction)
+    elif (prefix := indexed_prefix(path)) is not None:
+        corpus = indexed_corpus(prefix, vocab_size, heldout_fraction)
     else:
         corpus = text_corpus(path, heldout_fraction)
     if corpus.vocab_size > vocab_size:
@@ -181,6 +203,14 @@ def load_corpus(path: str | None, token_dtype: TokenDtype | None, vocab_size: in
         corpus = dataclasses.replace(corpus, train_docs=eos_document_starts(corpus.train, eos_id),
                                      heldout_docs=eos_document_starts(corpus.heldout, eos_id))
     return corpus
+
+
+def indexed_prefix(path: str) -> Path | None:
+    """The Megatron indexed-dataset prefix ``path`` names (``PREFIX``, ``PREFIX.bin`` or ``PREFIX.idx`` beside a
+    ``PREFIX.idx``), or None."""
+    from moonrt.jobs.train.indexed import prefix_of
+
+    return prefix_of(path)
 
 
 _FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "not a regular file (character device)"),

@@ -47,7 +47,7 @@ from moonrt.config import ConfigError, load_yaml, to_dict
 from moonrt.jobs.checkpoint import sharded as checkpoint_dcp
 from moonrt.jobs.checkpoint import single as checkpoint
 from moonrt.jobs.checkpoint.store import Checkpointer, load_checkpoint, resume_state
-from moonrt.jobs.train import data, outputs, report
+from moonrt.jobs.train import blend, data, outputs, report
 from moonrt.jobs.train.assemble import build_model, check_model_size
 from moonrt.jobs.train.config import JobConfig, lr_at
 from moonrt.jobs.train.device import bind_device, host_tensor, resolve_job, use_deterministic
@@ -57,6 +57,24 @@ from moonrt.jobs.train.profile import PhaseClock, StepProfiler
 from moonrt.jobs.train.step_memory import check_step_memory
 from moonrt.parallel.context import LOCAL, AttentionContext
 from moonrt.parallel.packing import DocumentPacking
+
+
+def _open_data(job: JobConfig, vocab_size: int, rt: Parallelism) -> tuple[data.Corpus | None, blend.Blend | None]:
+    """The job's corpus, or its blend's corpora (``data.blend``): text tokenized by ``data.tokenizer`` (its vocabulary
+    checked against the model's first) into ``data.cache_dir`` (default ``OUT/data_cache``) by rank 0, the others
+    waiting for it in one collective (:func:`moonrt.jobs.train.tokenized.cached`)."""
+    tok = blend.job_tokenizer(job)
+    cache = job.data.cache_dir if job.data.cache_dir is not None else str(Path(job.out_dir) / "data_cache")
+    if job.data.blend is not None:
+        return None, blend.open_blend(job.data, vocab_size, tok, cache, rt.is_main, rt.any_flag)
+    return blend.open_corpus(job.data.corpus, job.data, vocab_size, tok, cache, rt.is_main, rt.any_flag), None
+
+
+def _describe(corpus: data.Corpus | None, mix: blend.Blend | None) -> str:
+    """``<description>: N train / M`` of the start line."""
+    parts = mix.corpora if mix is not None else (corpus,)
+    what = mix.description if mix is not None else corpus.description
+    return (f"{what}: {sum(len(c.train) for c in parts):,} train / {sum(len(c.heldout) for c in parts):,}")
 
 
 def evaluate(model: torch.nn.Module, windows: np.ndarray, batch_size: int, rt: Parallelism,
@@ -234,8 +252,7 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
                               "nothing to do")
     restart = rt.is_main and outputs.check_outputs(job, metrics_path, resume, stored, requeued)
     mcfg = job.model_cfg()
-    corpus = data.load_corpus(job.data.corpus, job.data.token_dtype, mcfg.vocab_size, job.data.heldout_fraction,
-                              job.data.eos_id)
+    corpus, mix = _open_data(job, mcfg.vocab_size, rt)  # mix: a data.blend's corpora (then corpus is None)
     pack = job.data.pack_documents  # documents kept apart (moonrt.parallel.packing); job.py refuses --cp/--pp with it
     if cfg.batch_size % rt.dp_size:
         raise ConfigError(f"optim.batch_size = {cfg.batch_size}: expected a multiple of the data-parallel size "
@@ -284,12 +301,16 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
         outputs.write_config(out, job, resume)
     stop = cfg.steps if until is None else min(until, cfg.steps)
     heldout_docs = None
-    if pack:
+    if mix is not None:
+        heldout, heldout_docs = blend.eval_windows(mix, cfg.eval_windows, cfg.seq_len, pack)
+        baseline = blend.unigram_entropy(mix, mcfg.vocab_size)
+    elif pack:
         heldout, heldout_docs = data.packed_eval_windows(corpus.heldout, corpus.heldout_docs, cfg.eval_windows,
                                                          cfg.seq_len)
     else:
         heldout = data.eval_windows(corpus.heldout, cfg.eval_windows, cfg.seq_len)
-    baseline = data.unigram_entropy(corpus.heldout, corpus.vocab_size)
+    if mix is None:
+        baseline = data.unigram_entropy(corpus.heldout, corpus.vocab_size)
     global_tokens = cfg.batch_size * cfg.seq_len
     spec = job.model_spec()
     flops = None if spec.flops_per_token is None else spec.flops_per_token(mcfg, cfg.seq_len)
@@ -300,9 +321,8 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
     console = report.Console(rt.is_main, progress, start, stop, cfg.steps, job.log.log_every)
     shape = spec.describe(mcfg)
     console.line(f"moonrt train: {job.model if job.model_config is None else 'custom'} ({n_params / 1e6:.2f}M params"
-                 f"{', ' + shape if shape else ''}), corpus {corpus.description}: {len(corpus.train):,} train / "
-                 f"{len(corpus.heldout):,} held-out tokens; {cfg.steps} steps x {global_tokens} tokens; device "
-                 f"{device}")
+                 f"{', ' + shape if shape else ''}), corpus {_describe(corpus, mix)} held-out tokens; {cfg.steps} "
+                 f"steps x {global_tokens} tokens; device {device}")
     if resume:
         console.line(f"moonrt train: resumed from step {start} (checkpoint {str(src)!r})")
     elif init_note:
@@ -332,7 +352,14 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
             for group in opt.param_groups:
                 group["lr"] = lr
             d, targets = None, global_tokens  # d: packed documents; targets: the loss's denominator (tokens it counts)
-            if pack:
+            if mix is not None:
+                batch, docs = blend.batch(mix, cfg.seed, step, cfg.batch_size, cfg.seq_len, pack)
+                if pack:
+                    x, y, d = data.shard_packed(batch, docs, rt.dp_rank, rt.dp_size)
+                    targets = data.packed_targets(docs)
+                else:
+                    x, y = data.shard(batch, rt.dp_rank, rt.dp_size, rt.cp_rank, rt.cp_size)
+            elif pack:
                 batch, docs = data.packed_batch(corpus.train, corpus.train_docs, cfg.seed, step, cfg.batch_size,
                                                 cfg.seq_len)
                 x, y, d = data.shard_packed(batch, docs, rt.dp_rank, rt.dp_size)
