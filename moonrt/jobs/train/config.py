@@ -35,6 +35,11 @@ QAT_FORMATS = ("none", "mxfp4")
 """Values of :attr:`JobConfig.qat` (:data:`moonrt.ops.qat.QAT_FORMATS`; repeated here so the job config stays
 torch-free)."""
 
+TRAIN_TIERS = ("keep", "recompute", "fp8", "host", "disk")
+"""The activation storage tiers ``moonrt train --memory-policy`` runs (:mod:`moonrt.memory`); ``remote`` is not among
+them (it needs a peer rank serving each owner: :mod:`moonrt.memory.remote`, the ActivationManager API), and it is
+what ``moonrt mem-plan`` plans by default (``--tiers``)."""
+
 MAX_COUNT = 2**63 - 1
 """Largest step count or interval (int64: what a step counter in a checkpoint or tensor can hold)."""
 
