@@ -102,7 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       "(qat_fake_quant) and prints the MXFP4 export size of the model's quantizable weights (default: the job's, "
       "else none)")
     g("--qat-block", type=int, default=None, help="elements per MX scale of the export size (default: the job's "
-      "qat_block, else 32)")
+      "qat_block, else the model preset's: k3 32, k3_tiny 8)")
     g("--dtype", choices=["bf16", "fp32"], default=None,
       help="compute dtype of the activations (default: the model's training dtype, printed in the plan header: bf16 "
       "for k3, fp32 for k3_tiny); parameters, gradients and optimizer states are fp32 in both (moonrt train's AMP "
@@ -207,8 +207,7 @@ def _from_job(args: argparse.Namespace) -> tuple[Any, str]:
     if args.config is None:
         if args.set:
             raise ConfigError(f"--set {args.set[0]}: expected together with --config (a moonrt train job config)")
-        args.qat = args.qat or "none"
-        args.qat_block = 32 if args.qat_block is None else args.qat_block
+        args.qat = args.qat or "none"  # qat_block None: the model preset's (run)
         for name, value in DEFAULTS.items():
             if getattr(args, name) is None:
                 setattr(args, name, value)
@@ -299,6 +298,8 @@ def run(args: argparse.Namespace) -> int:
         return _fail(bad)
     spec = models[args.model]
     cfg = job_cfg if job_cfg is not None else spec.presets[args.model]()
+    if args.qat_block is None:
+        args.qat_block = spec.default_qat_block(args.model)
     qat = None
     if args.qat != "none":
         try:
