@@ -51,9 +51,9 @@ def test_planner_counts_the_largest_layer_of_fake_quantized_weights_per_rank() -
 @pytest.mark.parametrize(("flags", "message"), [
     (["--model", "dense_tiny", "--qat", "mxfp4"],
      "--qat = 'mxfp4': model family 'dense' declares no quantizable layers"),
-    (["--model", "k3_tiny", "--qat", "mxfp4", "--qat-block", "32"], "--qat = 'mxfp4': qat block = 32: expected a divisor of every quantized "
-                                               "reduction axis; layers.1.moe.experts.w_down [16, 64, 56] has 56 "
-                                               "(--qat-block 8 fits this model)"),
+    (["--model", "k3_tiny", "--qat", "mxfp4", "--qat-block", "32"],
+     "--qat = 'mxfp4': qat block = 32: expected a divisor of every quantized reduction axis; "
+     "layers.1.moe.experts.w_down [16, 64, 56] has 56 (--qat-block 8 fits this model)"),
 ])
 def test_bad_qat_plan_is_one_line(flags: list[str], message: str, capfd: pytest.CaptureFixture[str]) -> None:
     code, _, err = _cli(["mem-plan", *flags], capfd)
