@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import importlib
 import os
 import sys
+from typing import NoReturn
 
 # name -> (module, one-line help). Keep sorted by the order a user meets them.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -31,10 +33,29 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line on stderr, exit 2: ``PROG: error: MESSAGE`` and where to find
+    the flags, instead of argparse's usage block (21 lines for ``moonrt train``) above it; an unknown flag names the
+    closest known one (:func:`difflib.get_close_matches`)."""
+
+    def error(self, message: str) -> NoReturn:
+        prefix = "unrecognized arguments: "
+        if message.startswith(prefix):
+            unknown = message[len(prefix):].split()
+            flags = [a for a in unknown if a.startswith("-")]
+            first = (flags or unknown)[0]
+            known = [o for a in self._actions for o in a.option_strings]
+            close = difflib.get_close_matches(first.partition("=")[0], known, n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            more = f"; also unrecognized: {' '.join(flags[1:])}" if len(flags) > 1 else ""
+            message = f"unrecognized argument {first}{hint}{more}"
+        self.exit(2, f"{self.prog}: error: {message}; {self.prog} --help lists the flags\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from moonrt import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="moonrt", description="moonrt: Kimi K3 training infrastructure on torch.distributed."
     )
     parser.add_argument("--version", action="version", version=f"moonrt {__version__}")
@@ -89,6 +110,12 @@ def _arm_stop_signals(argv: list[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
+    if argv and not argv[0].startswith("-") and argv[0] not in COMMANDS:
+        close = difflib.get_close_matches(argv[0], list(COMMANDS), n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        print(f"moonrt: error: unknown command {argv[0]!r}{hint}; expected one of {', '.join(COMMANDS)}",
+              file=sys.stderr)
+        return 2
     if not argv or argv[0] not in COMMANDS:
         parser.parse_args(argv)  # prints help / usage errors
         parser.print_help()
@@ -113,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(name: str, rest: list[str]) -> int:
     module = importlib.import_module(COMMANDS[name][0])
-    sub = argparse.ArgumentParser(prog=f"moonrt {name}", description=COMMANDS[name][1])
+    sub = OneLineParser(prog=f"moonrt {name}", description=COMMANDS[name][1])
     module.add_arguments(sub)
     args = sub.parse_args(rest)
     return int(module.run(args) or 0)

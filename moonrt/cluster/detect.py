@@ -145,6 +145,17 @@ def uses_agent_store(rdzv: Rendezvous, environ: Mapping[str, str] = os.environ) 
     return rdzv.source == "torchrun" and environ.get(AGENT_STORE_ENV) == "True"
 
 
+def launcher_name(rdzv: Rendezvous, environ: Mapping[str, str] = os.environ) -> str:
+    """The program that started this job: ``moonrt launch`` (it sets torchrun's variables plus
+    :data:`moonrt.cluster.lifeline.LAUNCHER_PID_ENV`) told apart from ``torchrun``; else the source (``slurm``,
+    ``mpi``, ``single``)."""
+    from moonrt.cluster.lifeline import LAUNCHER_PID_ENV
+
+    if rdzv.source == "torchrun" and environ.get(LAUNCHER_PID_ENV):
+        return "moonrt launch"
+    return rdzv.source
+
+
 # ---------------------------------------------------------------------------------------------
 # Detection
 

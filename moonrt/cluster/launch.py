@@ -22,7 +22,9 @@ rank starts itself are not covered on Linux unless they watch their own parent.)
 
 Everything the job listens on is on loopback: rank 0's rendezvous store binds
 127.0.0.1 only (see :mod:`moonrt.cluster.store`), gloo's sockets the loopback interface. Each line a
-rank prints is echoed with a ``[rank r]`` prefix (stdout to stdout, stderr to stderr).
+rank prints is echoed with a ``[rank r]`` prefix (stdout to stdout, stderr to stderr); a one-line error
+(``PROG: error: ...``, :data:`ERROR_LINE`) that another rank of this node already printed word for word (a config
+error every rank finds) is not echoed again.
 
 **Several nodes** (torchrun's flags and meaning, static rendezvous): run one ``moonrt launch`` per node with the same
 ``-n`` (ranks per node), ``--nnodes M``, ``--master-addr A`` (an address or name of node 0's host, where rank 0's
@@ -39,7 +41,8 @@ another node dies, its peers' collectives fail and the ranks name the lost ranks
 Failure: as soon as one rank exits non-zero or is killed, the others are stopped (SIGTERM, then
 SIGKILL after a grace period; each rank runs in its own process group so its children go too) and
 the launcher exits non-zero with a message that names the first failing rank and shows the tail
-of its stderr (its traceback). A rank that hangs without dying (stopped with SIGSTOP, deadlocked,
+of its stderr (its traceback; not when that stderr is one line, already echoed above).
+A rank that hangs without dying (stopped with SIGSTOP, deadlocked,
 looping) makes its peers' collectives time out after ``--timeout`` seconds, which ends the job the
 same way; the message then names the rank(s) still running when the peers timed out as the ones
 that stopped making progress (a rank frozen by a signal first), not the peer that noticed.
@@ -85,6 +88,8 @@ from moonrt.config import MAX_TIMEOUT_S as MAX_DIST_TIMEOUT_S
 STDERR_TAIL = 40
 """Lines of the failing rank's stderr repeated in the failure message."""
 TIMEOUT_MARK = re.compile(r"(?i)\btimed? ?out\b")
+ERROR_LINE = re.compile(r"^[\w][\w .-]*: error: ")
+"""A rank's one-line error (``moonrt train: error: ...``): echoed once per node however many ranks print it."""
 """How gloo/torch say that a collective or the rendezvous ran past its timeout."""
 PEER_FAILURE_MARKS = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing")
 """gloo's words for "a peer went away": a rank showing them failed because of another rank."""
@@ -300,6 +305,8 @@ def _launch(command: list[str], nprocs: int, timeout_s: float, max_time_s: float
     g = _Global(base)
     lock = threading.Lock()
     tails = [collections.deque(maxlen=STDERR_TAIL) for _ in range(nprocs)]
+    lines = [0] * nprocs  # stderr lines per rank (the tail holds the last STDERR_TAIL)
+    errors: set[str] = set()  # the error lines echoed (ERROR_LINE): another rank's identical one is not
     exits: queue.Queue[tuple[int, int]] = queue.Queue()
     procs: list[subprocess.Popen] = []
     readers: list[threading.Thread] = []
@@ -323,7 +330,8 @@ def _launch(command: list[str], nprocs: int, timeout_s: float, max_time_s: float
                 raise ValueError(f"cannot start {command[0]!r}: {exc.strerror}") from None
             procs.append(p)
             for stream, sink, tail in ((p.stdout, out, None), (p.stderr, err, tails[r])):
-                t = threading.Thread(target=_pump, args=(stream, sink, f"[rank {base + r}] ", lock, tail),
+                t = threading.Thread(target=_pump, args=(stream, sink, f"[rank {base + r}] ", lock, tail,
+                                                         errors if tail is not None else None, lines, r),
                                      daemon=True)
                 t.start()
                 readers.append(t)
@@ -403,9 +411,10 @@ def _launch(command: list[str], nprocs: int, timeout_s: float, max_time_s: float
                 f"moonrt launch: rank {g(failed)} of {world} failed: {describe_exit(code)} (pid {procs[failed].pid})"
                 + (f"; stopped ranks {g(stopped)}" if stopped else "")
                 + (f"; ranks {g(early)} had already exited with code 0 (early exit?)" if early else "")
-                + f"\n--- rank {g(failed)} stderr (last {STDERR_TAIL} lines) ---\n"
-                + "".join(tails[failed])
-                + "--- end ---\n"
+                + (": its one stderr line is above\n" if lines[failed] == 1 else (
+                    f"\n--- rank {g(failed)} stderr (last {STDERR_TAIL} lines) ---\n"
+                    + "".join(tails[failed])
+                    + "--- end ---\n"))
             )
             err.flush()
         return code if code > 0 else 128 - code
@@ -491,14 +500,22 @@ def _first_failure(rank: int, code: int, exits: queue.Queue, done: dict[int, int
     return primary[0] if primary else rank
 
 
-def _pump(stream: IO[str], sink: IO[str], prefix: str, lock: threading.Lock,
-          tail: collections.deque | None) -> None:
+def _pump(stream: IO[str], sink: IO[str], prefix: str, lock: threading.Lock, tail: collections.deque | None,
+          errors: set[str] | None = None, counts: list[int] | None = None, rank: int = 0) -> None:
+    """Echo ``stream``'s lines to ``sink`` with ``prefix``; keep the last ones in ``tail`` and count them in
+    ``counts[rank]``; with ``errors``, an :data:`ERROR_LINE` already in it (another rank's) is not echoed again."""
     for line in stream:
         if not line.endswith("\n"):
             line += "\n"
         if tail is not None:
             tail.append(line)
         with lock:
+            if counts is not None:
+                counts[rank] += 1
+            if errors is not None and ERROR_LINE.match(line):
+                if line in errors:
+                    continue
+                errors.add(line)
             sink.write(prefix + line)
             sink.flush()
     stream.close()

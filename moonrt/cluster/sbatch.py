@@ -402,10 +402,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "then kept as ./<job-name>-<job id>.sbatch, nothing written when sbatch refuses it); an "
                         "existing file is refused unless --force")
     parser.add_argument("--force", action="store_true", help="replace an existing script file")
-    parser.add_argument("--job-name", default="moonrt")
-    parser.add_argument("--partition", default=None)
+    parser.add_argument("--job-name", default="moonrt", help="#SBATCH --job-name: the name squeue shows; also "
+                        "names the log (<job-name>-%%j.out) and the kept script (default moonrt)")
+    parser.add_argument("--partition", default=None, metavar="P", help="#SBATCH --partition: the partition (queue) "
+                        "to run in (default: not written, the cluster's default partition)")
     parser.add_argument("--time", default=None, help="time limit, e.g. 01:00:00")
-    parser.add_argument("--cpus-per-task", type=int, default=None)
+    parser.add_argument("--cpus-per-task", type=int, default=None, metavar="N", help="#SBATCH --cpus-per-task: CPU "
+                        "cores per rank, for its threads and data loading (default: not written, SLURM's 1)")
     parser.add_argument("--gpus-per-node", type=int, default=None, metavar="N",
                         help=f"#SBATCH --gpus-per-node (1 to {MAX_GPUS_PER_NODE})")
     parser.add_argument("--account", default=None, metavar="A", help="#SBATCH --account: the account charged")

@@ -16,6 +16,9 @@ micro-batch (``optim.batch_size / (dp x ep x microbatches)``: the rows each data
 holds, :class:`~moonrt.comm.parallelism.Parallelism`'s ``dp_size`` spans dp x ep) and ``optim.optimizer``. Every
 flag given explicitly wins over the job (``--model`` then plans that preset's config); without ``--config`` the
 flags' defaults are K3's production layout.
+
+A plan uses only the storage tiers of ``--tiers``: by default those ``moonrt train --memory-policy`` runs
+(:data:`moonrt.jobs.train.config.TRAIN_TIERS`: no ``remote``), so every policy YAML it writes is one train accepts.
 """
 
 from __future__ import annotations
@@ -30,9 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from moonrt.config import ConfigError, ParallelConfig, existing_outputs, schedule_cells_error, write_new
-from moonrt.jobs.train.config import OPTIM_MOMENT_BYTES, train_state_bytes
+from moonrt.jobs.train.config import OPTIM_MOMENT_BYTES, TRAIN_TIERS, train_state_bytes
 from moonrt.memory.model_memory import JobLayout
-from moonrt.memory.plan import Hardware, plan_memory
+from moonrt.memory.plan import TIERS, Hardware, plan_memory
 from moonrt.memory.plan_report import plan_json, plot, table
 from moonrt.models import presets
 from moonrt.models.spec import ModelSpec
@@ -99,7 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       "(qat_fake_quant) and prints the MXFP4 export size of the model's quantizable weights (default: the job's, "
       "else none)")
     g("--qat-block", type=int, default=None, help="elements per MX scale of the export size (default: the job's "
-      "qat_block, else 32)")
+      "qat_block, else the model preset's: k3 32, k3_tiny 8)")
     g("--dtype", choices=["bf16", "fp32"], default=None,
       help="compute dtype of the activations (default: the model's training dtype, printed in the plan header: bf16 "
       "for k3, fp32 for k3_tiny); parameters, gradients and optimizer states are fp32 in both (moonrt train's AMP "
@@ -128,6 +131,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g("--tflops", type=float, default=400.0,
       help="effective dense throughput per rank, TFLOP/s: sets compute time, the copy overlap window and the "
       "recompute cost (default 400)")
+    g("--tiers", default=",".join(TRAIN_TIERS), metavar="T1,T2,...",
+      help=f"storage tiers the plan may use, comma-separated, of {', '.join(TIERS)} (keep always); default "
+      f"{','.join(TRAIN_TIERS)}: the tiers moonrt train --memory-policy runs (remote offload needs a peer rank serving "
+      "each owner, the ActivationManager API)")
     g("--solver", default="highs", choices=["highs", "greedy"], help="ILP with PuLP + HiGHS, or the greedy "
       "fallback (local tiers only; default highs)")
     g("--out", default="", help="directory for per-budget policy YAMLs, plan JSON and PNG (created if missing; "
@@ -138,6 +145,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _fail(msg: str) -> int:
     print(f"mem-plan: {msg}", file=sys.stderr)
     return 2
+
+
+def _tiers(args: argparse.Namespace) -> list[str]:
+    """``--tiers`` as a list (keep added: every plan may keep a class)."""
+    return ["keep", *(t.strip() for t in args.tiers.split(",") if t.strip() != "keep")]
 
 
 def _check_args(args: argparse.Namespace) -> str | None:
@@ -162,6 +174,10 @@ def _check_args(args: argparse.Namespace) -> str | None:
             continue
         if not (math.isfinite(v) and (v > 0 if positive else v >= 0)):
             return f"--{name.replace('_', '-')} = {v}: expected a finite number {'> 0' if positive else '>= 0'}"
+    for t in _tiers(args):
+        if t not in TIERS:
+            return (f"--tiers = {args.tiers!r}: {t!r} is not a tier; expected a comma-separated subset of "
+                    f"{','.join(TIERS)}")
     if args.reserve_gib is not None:
         for b in args.budget_gib:
             if args.reserve_gib >= b:
@@ -191,8 +207,7 @@ def _from_job(args: argparse.Namespace) -> tuple[Any, str]:
     if args.config is None:
         if args.set:
             raise ConfigError(f"--set {args.set[0]}: expected together with --config (a moonrt train job config)")
-        args.qat = args.qat or "none"
-        args.qat_block = 32 if args.qat_block is None else args.qat_block
+        args.qat = args.qat or "none"  # qat_block None: the model preset's (run)
         for name, value in DEFAULTS.items():
             if getattr(args, name) is None:
                 setattr(args, name, value)
@@ -283,6 +298,8 @@ def run(args: argparse.Namespace) -> int:
         return _fail(bad)
     spec = models[args.model]
     cfg = job_cfg if job_cfg is not None else spec.presets[args.model]()
+    if args.qat_block is None:
+        args.qat_block = spec.default_qat_block(args.model)
     qat = None
     if args.qat != "none":
         try:
@@ -321,6 +338,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return _fail(str(exc))
     sizes = memory.param_sizes(cfg)
+    tiers = _tiers(args)
     rc = 0
     out = Path(args.out) if args.out else None
     attention = "" if args.profile == "traced" else f", attention {args.attention or ('math' if ab == 4 else 'fused')}"
@@ -328,12 +346,13 @@ def run(args: argparse.Namespace) -> int:
         hw = Hardware(budget_gib=b, reserve_gib=args.reserve_gib, host_gib=args.host_gib, host_gbs=args.host_gbs,
                       remote_gbs=args.remote_gbs, disk_gib=args.disk_gib, tflops=args.tflops)
         try:
-            p = plan_memory(cfg, layout, sizes, hw, profile=profile, solver=args.solver)
+            p = plan_memory(cfg, layout, sizes, hw, profile=profile, solver=args.solver, tiers=tiers)
         except ValueError as exc:
             return _fail(str(exc))
         header = (f"{args.model} {dtype} ({source}): dp={par.dp} pp={par.pp} vpp={par.vpp} ep={par.ep} cp={par.cp} "
                   f"seq={layout.seq_len} mbs={layout.micro_batch_size} m={par.microbatches} {par.pipeline_schedule}; "
-                  f"{layout.tokens()} tokens/rank/micro-batch; {args.profile} profile{attention}; budget {b:g} GiB "
+                  f"{layout.tokens()} tokens/rank/micro-batch; {args.profile} profile{attention}; tiers "
+                  f"{','.join(t for t in TIERS if t in tiers)}; budget {b:g} GiB "
                   f"(reserve {hw.reserve_gib:g} GiB)")
         print(f"== {header}")
         print(table(p))
@@ -356,7 +375,7 @@ def run(args: argparse.Namespace) -> int:
                 return _fail(f"--out = {args.out!r}: cannot write {d}: {exc.strerror or exc}")
             print(f"wrote {d}/ (plan.json, plan.png{', policy_rank*.yaml' if p.feasible else ''})")
             if not p.feasible:
-                least = math.ceil(p.min_budget_gib * 10) / 10 if p.min_budget_gib else None  # rounded up: it fits
+                least = p.min_budget_gib  # rounded up to 0.1 GiB by the planner, as its message prints it
                 print(f"{b:g} GiB does not fit: no policy written; " + (
                     f"the minimum budget is {least:g} GiB (--budget-gib {least:g} writes its policies)" if least
                     else "not even with every class offloaded or recomputed"))

@@ -7,7 +7,8 @@ and the cache-based communication plan (:mod:`moonrt.scheduler.attnres_comm`) fo
 of the decoder layers into ``pp * vpp`` stages, and prints
 
 - per rank: its stages and layers, the compute actions run-length compressed, idle fraction and peak live
-  (micro-batch, chunk) activations;
+  activations in micro-batches (a micro-batch's activations on a rank are its ``vpp`` chunks': the unit of
+  ``moonrt mem-plan``'s ``inflight`` column), with the live (micro-batch, chunk) pairs in parentheses;
 - per forward hop: blocks and bytes naive vs cached (per micro-batch; a block is one ``[mbs, seq, hidden]``
   tensor; the open partial block crosses too and counts in bytes, not in blocks);
 - totals, and blocks / bytes each rank sends per step (micro-batches x per-micro-batch counts; the
@@ -140,11 +141,12 @@ def table(d: dict[str, Any]) -> str:
     lines = [f"schedule {d['schedule']} pp={d['pp']} vpp={d['vpp']} m={d['microbatches']} "
              f"layers={d['num_layers']} attn-res-block={d['attn_res_block']} placement={d['placement']}: "
              f"bubble {d['bubble_fraction']:.4f} (unit costs F=I=W=1, B=2)", "",
-             f"{'rank':>4} {'stages':>10} {'layers':>14} {'peak live':>9} {'idle':>6}  actions"]
+             f"{'rank':>4} {'stages':>10} {'layers':>14} {'peak live mb (chunks)':>21} {'idle':>6}  actions"]
     for r in range(d["pp"]):
         st = [x for x in d["stages"] if x["rank"] == r]
         lay = ",".join(f"{x['layers'][0]}-{x['layers'][1] - 1}" for x in st)
-        lines.append(f"{r:>4} {','.join(str(x['stage']) for x in st):>10} {lay:>14} {d['peak_live'][str(r)]:>9} "
+        live = f"{d['peak_live_microbatches'][str(r)]:.2f} ({d['peak_live'][str(r)]})"  # mem-plan's inflight, too
+        lines.append(f"{r:>4} {','.join(str(x['stage']) for x in st):>10} {lay:>14} {live:>21} "
                      f"{d['idle_fraction'][str(r)]:>6.3f}  {compress(d['actions'][str(r)])}")
     lines += ["", f"{'hop':>7} {'ranks':>6} {'naive':>6} {'cached':>6} {'partial':>7} {'naive MiB':>10} "
               f"{'cached MiB':>10}  cached blocks"]

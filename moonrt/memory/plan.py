@@ -5,8 +5,8 @@
 ``plan_memory(...)`` is a pure function: from a model config, a :class:`JobLayout`, parameter sizes and an
 activation profile supplied by the model's client (:mod:`moonrt.models`; the planner never imports the
 model) and a :class:`Hardware` budget it chooses, per pipeline rank and saved-tensor
-class, one storage policy among keep / recompute / FP8 / host / disk / remote (and FP8 compositions)
-minimizing the added step time, subject to:
+class, one storage policy among keep / recompute / FP8 / host / disk / remote (and FP8 compositions), those of
+the caller's ``tiers`` only, minimizing the added step time, subject to:
 
 - device: ``static_r + activations_r(point) + remote_in_r <= budget - reserve`` at every point of the
   rank's schedule walk (:func:`moonrt.memory.model_memory.rank_models`);
@@ -19,7 +19,7 @@ minimizing the added step time, subject to:
 Objective: the largest added time over ranks (the pipeline waits for the slowest), plus a small
 weight on their sum. A small ILP solved by PuLP with HiGHS; :func:`greedy` is the fallback (local
 tiers only). An infeasible budget is answered with the minimum budget (the same ILP minimizing the
-budget) and the term that dominates on the worst rank.
+budget, rounded up to 0.1 GiB once: :func:`round_up_gib`) and the term that dominates on the worst rank.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Collection
 from typing import Any
 
 from moonrt.memory.model_memory import (
@@ -107,13 +108,25 @@ class Plan:
     message: str = ""
 
 
-def _policies(layout: JobLayout, hw: Hardware) -> list[str]:
+TIERS = ("keep", "recompute", "fp8", "host", "disk", "remote")
+"""The storage tiers a plan may choose from; a policy is one of them or ``fp8+`` an offload tier."""
+
+
+def round_up_gib(gib: float) -> float:
+    """``gib`` rounded up to 0.1 GiB: the one rounding every printed minimum budget uses (rounded up, so that the
+    printed figure fits)."""
+    return math.ceil(round(gib * 10, 6)) / 10
+
+
+def _policies(layout: JobLayout, hw: Hardware, tiers: frozenset[str] = frozenset(TIERS)) -> list[str]:
+    """The policies a plan may choose: keep, and each of ``tiers``' policies the hardware and layout allow (disk
+    with ``disk_gib > 0``, remote with a peer pipeline rank), ``fp8+`` an allowed offload tier when fp8 is allowed."""
     pols = ["keep", "recompute", "fp8", "host", "fp8+host"]
     if hw.disk_gib > 0:
         pols += ["disk", "fp8+disk"]
     if layout.parallel.pp > 1:
         pols += ["remote", "fp8+remote"]
-    return pols
+    return [p for p in pols if all(part in tiers for part in p.split("+"))]
 
 
 def _tier(policy: str) -> str | None:
@@ -147,20 +160,20 @@ def _quiet():
 
 
 def _solve_ilp(rms: list[RankModel], profile: Profile, layout: JobLayout, hw: Hardware,
-               minimize_budget: bool) -> tuple[dict[int, dict[str, str]], float] | None:
+               minimize_budget: bool, tiers: frozenset[str]) -> tuple[dict[int, dict[str, str]], float] | None:
     import warnings
 
     import pulp
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # PuLP 3 warns on the classic LpVariable API
-        return _build_and_solve(pulp, rms, profile, layout, hw, minimize_budget)
+        return _build_and_solve(pulp, rms, profile, layout, hw, minimize_budget, tiers)
 
 
 def _build_and_solve(pulp: Any, rms: list[RankModel], profile: Profile, layout: JobLayout, hw: Hardware,
-                     minimize_budget: bool) -> tuple[dict[int, dict[str, str]], float] | None:
+                     minimize_budget: bool, tiers: frozenset[str]) -> tuple[dict[int, dict[str, str]], float] | None:
     T, m = layout.tokens(), layout.parallel.microbatches
-    pols = _policies(layout, hw)
+    pols = _policies(layout, hw, tiers)
     prob = pulp.LpProblem("memplan", pulp.LpMinimize)
     x: dict[tuple[int, str, str], Any] = {}
     budget = (hw.budget_gib - hw.reserve_gib) if not minimize_budget else pulp.LpVariable("budget", 0)
@@ -192,12 +205,12 @@ def _build_and_solve(pulp: Any, rms: list[RankModel], profile: Profile, layout: 
             return pulp.lpSum(terms)
 
         dev_c = [chunk_expr(cc, None) for cc in rm.chunk_classes]
-        tiers = {t: [chunk_expr(cc, t) for cc in rm.chunk_classes] for t in ("host", "disk", "remote")}
+        off = {t: [chunk_expr(cc, t) for cc in rm.chunk_classes] for t in ("host", "disk", "remote")}
         for pt in rm.live_points:
             prob += pulp.lpSum(k * dev_c[c] for c, k in enumerate(pt) if k) <= pdev[r]
-            prob += pulp.lpSum(k * tiers["host"][c] for c, k in enumerate(pt) if k) <= hw.host_gib
-            prob += pulp.lpSum(k * tiers["disk"][c] for c, k in enumerate(pt) if k) <= hw.disk_gib
-            prob += pulp.lpSum(k * tiers["remote"][c] for c, k in enumerate(pt) if k) <= rout[r]
+            prob += pulp.lpSum(k * off["host"][c] for c, k in enumerate(pt) if k) <= hw.host_gib
+            prob += pulp.lpSum(k * off["disk"][c] for c, k in enumerate(pt) if k) <= hw.disk_gib
+            prob += pulp.lpSum(k * off["remote"][c] for c, k in enumerate(pt) if k) <= rout[r]
         # time: recompute + fp8 passes, plus copy time beyond the compute window per tier
         base = pulp.lpSum(_costs(profile, n, p, T, m, totals[n], hw) * x[r, n, p]
                           for n in names for p in pols if (r, n, p) in x)
@@ -235,11 +248,12 @@ def _build_and_solve(pulp: Any, rms: list[RankModel], profile: Profile, layout: 
     return choice, float(value or 0.0)
 
 
-def greedy(rms: list[RankModel], profile: Profile, layout: JobLayout, hw: Hardware) -> dict[int, dict[str, str]]:
+def greedy(rms: list[RankModel], profile: Profile, layout: JobLayout, hw: Hardware,
+           tiers: frozenset[str] = frozenset(TIERS)) -> dict[int, dict[str, str]]:
     """Fallback: per rank, repeatedly take the move with the most device bytes saved per added
-    second (local tiers only, host/disk capacity respected) until the rank fits."""
+    second (local tiers of ``tiers`` only, host/disk capacity respected) until the rank fits."""
     T, m = layout.tokens(), layout.parallel.microbatches
-    pols = [p for p in _policies(layout, hw) if _tier(p) != "remote"]
+    pols = [p for p in _policies(layout, hw, tiers) if _tier(p) != "remote"]
     out = {}
     for rm in rms:
         names = sorted({n for cc in rm.chunk_classes for n in cc})
@@ -316,14 +330,20 @@ def _rank_plans(rms: list[RankModel], profile: Profile, layout: JobLayout, hw: H
 
 
 def plan_memory(cfg: Any, layout: JobLayout, sizes: ParamSizes, hw: Hardware, profile: Profile,
-         solver: str = "highs") -> Plan:
-    """Choose storage policies per rank and class under ``hw.budget_gib`` (see module docstring).
+                solver: str = "highs", tiers: Collection[str] = TIERS) -> Plan:
+    """Choose storage policies per rank and class under ``hw.budget_gib`` (see module docstring), each policy made
+    of ``tiers`` only (keep always; :data:`TIERS` by default; ``moonrt mem-plan`` passes the tiers ``moonrt train``
+    runs).
 
     ``cfg`` is read only through its structural fields (:func:`~moonrt.memory.model_memory.rank_models`);
     ``sizes`` and ``profile`` describe the model (its ``ModelSpec.memory``: for K3 ``param_sizes`` /
     ``memory_profile``)."""
     if solver not in ("highs", "greedy"):
         raise ValueError(f"solver = {solver!r}: expected 'highs' or 'greedy'")
+    unknown = sorted(set(tiers) - set(TIERS))
+    if unknown:
+        raise ValueError(f"tiers = {unknown[0]!r}: expected some of {', '.join(TIERS)}")
+    tiers = frozenset(tiers) | {"keep"}
     if not (math.isfinite(hw.budget_gib) and hw.budget_gib > 0):
         raise ValueError(f"budget_gib = {hw.budget_gib}: expected a positive number of GiB")
     for name in ("reserve_gib", "host_gib", "disk_gib"):
@@ -353,14 +373,14 @@ def plan_memory(cfg: Any, layout: JobLayout, sizes: ParamSizes, hw: Hardware, pr
     used = solver
     if solver == "highs":
         try:
-            result = _solve_ilp(rms, profile, layout, hw, minimize_budget=False)
+            result = _solve_ilp(rms, profile, layout, hw, minimize_budget=False, tiers=tiers)
         except (ImportError, RuntimeError) as exc:  # solver missing or failed: fall back
             result, used = None, f"greedy (ILP: {exc})"
-            choice = greedy(rms, profile, layout, hw)
+            choice = greedy(rms, profile, layout, hw, tiers)
         else:
             choice = result[0] if result is not None else {}
     else:
-        choice = greedy(rms, profile, layout, hw)
+        choice = greedy(rms, profile, layout, hw, tiers)
     ranks = _rank_plans(rms, profile, layout, hw, choice)
     feasible = bool(choice) and all(r.total <= cap * GIB * (1 + 1e-6) and r.host <= hw.host_gib * GIB * (1 + 1e-6)
                                     for r in ranks)
@@ -368,10 +388,10 @@ def plan_memory(cfg: Any, layout: JobLayout, sizes: ParamSizes, hw: Hardware, pr
         return Plan(True, used, time.perf_counter() - t0, hw.budget_gib, tuple(ranks),
                     message=f"fits {hw.budget_gib:g} GiB")
     try:
-        mb = _solve_ilp(rms, profile, layout, hw, minimize_budget=True)
+        mb = _solve_ilp(rms, profile, layout, hw, minimize_budget=True, tiers=tiers)
     except (ImportError, RuntimeError):
         mb = None
-    min_budget = (mb[1] + hw.reserve_gib) if mb else None
+    min_budget = round_up_gib(mb[1] + hw.reserve_gib) if mb else None  # the figure every output prints
     if mb:
         ranks = _rank_plans(rms, profile, layout, hw, mb[0])
     w = max(ranks, key=lambda r: r.total)
@@ -386,4 +406,4 @@ def plan_memory(cfg: Any, layout: JobLayout, sizes: ParamSizes, hw: Hardware, pr
     return Plan(False, used, time.perf_counter() - t0, hw.budget_gib, tuple(ranks), min_budget, dom, msg)
 
 
-__all__ = ["Hardware", "Plan", "RankPlan", "default_reserve", "greedy", "plan_memory"]
+__all__ = ["TIERS", "Hardware", "Plan", "RankPlan", "default_reserve", "greedy", "plan_memory", "round_up_gib"]

@@ -87,6 +87,10 @@ class ModelSpec:
     train_dtype: Mapping[str, str] = dataclasses.field(default_factory=dict)
     """Preset name -> the dtype (``"bf16"`` / ``"fp32"``) its parameters and activations are trained in, what a
     memory plan assumes unless told otherwise (``moonrt mem-plan --dtype``); a preset not listed: ``"fp32"``."""
+    qat_block: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    """Preset name -> the elements per MX scale its quantizable weights take (``moonrt train --qat``'s default
+    ``qat_block``): a block that divides every reduction axis of :attr:`qat_weights`; a preset not listed: 32, the
+    OCP MX spec's block (:meth:`default_qat_block`)."""
 
     def config_from_dict(self, data: Mapping[str, Any]) -> Any:
         """Read a ``model_config`` mapping into :attr:`config_type` (checked; ConfigError names the field)."""
@@ -102,6 +106,10 @@ class ModelSpec:
                 raise ConfigError(f"moe = {data!r}: expected null (model family {self.name!r} takes no MoE options)")
             return None
         return self.read_options(data)
+
+    def default_qat_block(self, preset: str) -> int:
+        """The block ``preset`` declares (:attr:`qat_block`), else the OCP MX spec's 32."""
+        return self.qat_block.get(preset, 32)
 
     def qat_block_problem(self, cfg: Any, block: Any, *, flag: str = "block") -> str | None:
         """None when ``block`` (elements per MX scale) can quantize every weight of :attr:`qat_weights` for ``cfg``;

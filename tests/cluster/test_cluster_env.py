@@ -221,3 +221,16 @@ def test_master_store_listens_on_the_given_address_only():
     with pytest.raises(ValueError, match=r"cannot open the rendezvous store on 203.0.113.254:0: Cannot assign "
                                          r"requested address \(rank 0 must run on the host"):
         master_store("203.0.113.254", 0, 1, timeout)  # TEST-NET-3: not an address of this host
+
+
+def test_launcher_name_tells_moonrt_launch_from_torchrun():
+    """Issue 49 item 9: ``moonrt launch`` sets torchrun's variables; the selftest's first line names it, not
+    torchrun (its ranks carry MOONRT_LAUNCHER_PID)."""
+    from moonrt.cluster.detect import detect_rendezvous, launcher_name
+    from moonrt.cluster.lifeline import LAUNCHER_PID_ENV
+
+    env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    rdzv = detect_rendezvous(env)
+    assert launcher_name(rdzv, env) == "torchrun"
+    assert launcher_name(rdzv, {**env, LAUNCHER_PID_ENV: "123"}) == "moonrt launch"
+    assert launcher_name(detect_rendezvous({}), {}) == "single"

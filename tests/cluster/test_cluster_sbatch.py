@@ -216,3 +216,18 @@ def test_script_with_ordinary_values_runs(tmp_path, capsys, monkeypatch):
     assert recorded[:3] == [str(work), "45", "10.0.0.1"]
     assert recorded[3:6] == ["--kill-on-bad-exit=1", "--ntasks=6", "--ntasks-per-node=3"]
     assert recorded[6].endswith("/echo") and recorded[7:] == ["a b", "$(not run)", "--lr=1e-3"]
+
+
+def test_every_sbatch_flag_has_help():
+    """Issue 49 item 9: --job-name, --partition and --cpus-per-task had no help text."""
+    import argparse
+
+    from moonrt.jobs.train.sbatch import add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    missing = [a.option_strings for a in p._actions if a.option_strings and a.option_strings != ["-h", "--help"]
+               and not a.help]
+    assert not missing
+    text = p.format_help()  # the help renders (a stray % would raise here)
+    assert "#SBATCH --partition" in text and "#SBATCH --cpus-per-task" in text and "#SBATCH --job-name" in text

@@ -62,7 +62,7 @@ def test_selftest_four_ranks(tmp_path):
                 "--iters", "2", "--report", str(report)])
     assert res.returncode == 0, res.stderr[-4000:]
     out = res.stdout
-    assert "[rank 0] moonrt selftest: 4 ranks via torchrun" in out
+    assert "[rank 0] moonrt selftest: 4 ranks via moonrt launch" in out  # not "torchrun" (issue 49 item 9)
     for op in ("all_reduce", "all_to_all", "all_gather", "ring"):
         assert re.search(rf"^\[rank 0\] {op}\s+65536\s+[\d.]+\s+[\d.]+\s+[\d.]+$", out, re.M), op
     assert re.search(r"^\[rank 0\] moonrt selftest: PASS: 4 ranks", out, re.M)

@@ -29,6 +29,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     ("--tflops", "nan", "--tflops = nan"),
     ("--pp", "0", "--pp = 0: expected an integer >= 1"),
     ("--probe-tokens", "0", "--probe-tokens = 0"),
+    ("--tiers", "host,nvme", "--tiers = 'host,nvme': 'nvme' is not a tier; expected a comma-separated subset of"),
 ])
 def test_bad_flag_is_one_line_exit_2(flag, value, expect):
     r = _run("--model", "k3_tiny", "--pp", "1", "--vpp", "1", "--ep", "1", "--cp", "1", "--schedule", "1f1b",
@@ -67,3 +68,31 @@ def test_every_flag_has_help():
     add_arguments(p)
     missing = [a.option_strings for a in p._actions if a.option_strings != ["-h", "--help"] and not a.help]
     assert not missing
+
+
+@pytest.mark.slow
+def test_default_plan_uses_only_train_tiers_and_one_minimum_budget(tmp_path):
+    """Issue 49 item 4: K3's headline plan (141 GiB) and its policy YAMLs use only the tiers moonrt train runs (no
+    remote: train refuses it), and an infeasible budget's minimum is printed as one figure (98.6 vs 98.7 before)."""
+    import re
+
+    import yaml
+
+    from moonrt.config import from_dict
+    from moonrt.jobs.train.config import TRAIN_TIERS
+    from moonrt.memory.policy import MemoryPolicy
+
+    r = _run("--shard-grads", "--budget-gib", "80", "141", "--out", str(tmp_path / "plan"))
+    assert r.returncode == 1, r.stdout + r.stderr  # 80 does not fit
+    assert "tiers keep,recompute,fp8,host,disk;" in r.stdout
+    figures = set(re.findall(r"minimum budget (?:is )?([0-9.]+) GiB", r.stdout))
+    assert len(figures) == 1 and len(re.findall(r"minimum budget", r.stdout)) == 2, r.stdout
+    assert f"--budget-gib {figures.pop()} writes its policies" in r.stdout
+    policies = sorted((tmp_path / "plan" / "budget141").glob("policy_rank*.yaml"))
+    assert len(policies) == 16
+    for f in policies:
+        policy = from_dict(MemoryPolicy, yaml.safe_load(f.read_text()))
+        assert policy.tiers_used() <= set(TRAIN_TIERS), (f, policy.tiers_used())
+    section = r.stdout.split("budget 141 GiB")[1]
+    remote_cols = [line.split()[-2] for line in section.splitlines()[2:18]]  # remote_out per rank
+    assert remote_cols == ["0.00"] * 16, section

@@ -51,18 +51,19 @@ def test_planner_counts_the_largest_layer_of_fake_quantized_weights_per_rank() -
 @pytest.mark.parametrize(("flags", "message"), [
     (["--model", "dense_tiny", "--qat", "mxfp4"],
      "--qat = 'mxfp4': model family 'dense' declares no quantizable layers"),
-    (["--model", "k3_tiny", "--qat", "mxfp4"], "--qat = 'mxfp4': qat block = 32: expected a divisor of every quantized "
-                                               "reduction axis; layers.1.moe.experts.w_down [16, 64, 56] has 56 "
-                                               "(--qat-block 8 fits this model)"),
+    (["--model", "k3_tiny", "--qat", "mxfp4", "--qat-block", "32"],
+     "--qat = 'mxfp4': qat block = 32: expected a divisor of every quantized reduction axis; "
+     "layers.1.moe.experts.w_down [16, 64, 56] has 56 (--qat-block 8 fits this model)"),
 ])
 def test_bad_qat_plan_is_one_line(flags: list[str], message: str, capfd: pytest.CaptureFixture[str]) -> None:
     code, _, err = _cli(["mem-plan", *flags], capfd)
     assert code == 2 and err.strip().splitlines() == [f"mem-plan: {message}"], err
 
 
-def test_a_qat_job_config_plans_with_its_qat(tmp_path, capfd: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("block", ["qat_block: 8\n", ""])  # k3_tiny's preset block is 8 (issue 49 item 10)
+def test_a_qat_job_config_plans_with_its_qat(tmp_path, capfd: pytest.CaptureFixture[str], block: str) -> None:
     cfg = tmp_path / "job.yaml"
-    cfg.write_text("qat: mxfp4\nqat_block: 8\n")
+    cfg.write_text("qat: mxfp4\n" + block)
     code, out, err = _cli(["mem-plan", "--config", str(cfg), "--budget-gib", "4"], capfd)
     assert code == 0, err
     assert "== QAT mxfp4 (block 8): k3_tiny, 1,720,320 of 3,223,000 parameters quantized" in out, out

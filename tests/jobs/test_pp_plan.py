@@ -140,3 +140,25 @@ def test_bad_input_exit_2_one_line(capsys, argv, msg):
     assert main(["pp-plan", *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and msg in err, err
+
+
+def test_peak_live_is_printed_in_micro_batches_as_mem_plan_counts_them(capsys):
+    """Issue 49 item 9: pp-plan's table gives peak live activations in micro-batches (23.50 on rank 0 of K3's
+    pp 16 vpp 2, mem-plan's ``inflight``), the live (micro-batch, chunk) pairs (47) in parentheses."""
+    from moonrt.config import ParallelConfig
+    from moonrt.memory.model_memory import JobLayout, rank_models
+    from moonrt.models.k3.memory import kernel_profile
+    from moonrt.models.k3.model.config import k3
+    from moonrt.models.k3.spec import K3
+
+    assert main(["pp-plan", "--model", "k3", "--pp", "16", "--vpp", "2", "--schedule", "interleaved",
+                 "--microbatches", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "peak live mb (chunks)" in out
+    row0 = next(line.split() for line in out.splitlines() if line.split()[:2] == ["0", "0,16"])
+    assert row0[3:5] == ["23.50", "(47)"], row0
+    cfg = k3()
+    layout = JobLayout(parallel=ParallelConfig(pp=16, vpp=2, ep=64, cp=64, microbatches=32, schedule="interleaved"),
+                       seq_len=1 << 20)
+    rms = rank_models(cfg, layout, K3.memory.param_sizes(cfg), kernel_profile(cfg))
+    assert f"{rms[0].in_flight_microbatches:.2f}" == row0[3]  # the figure mem-plan prints as inflight

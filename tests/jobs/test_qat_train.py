@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from jobs.helpers import FLAGS, _assert_same_step, _ckpt, _cli, _here, _metrics, _ranks, _run
+from jobs.helpers import EVAL_SMALL, FLAGS, _assert_same_step, _ckpt, _cli, _here, _metrics, _ranks, _run
 
 from moonrt.config import ConfigError
 from moonrt.jobs.train.assemble import build_model
@@ -34,8 +34,8 @@ def test_qat_quantizes_exactly_the_declared_weights() -> None:
 
 @pytest.mark.parametrize(("flags", "message"), [
     (["--qat", "int4"], "qat (--qat) = 'int4': expected one of none, mxfp4"),
-    (["--qat", "mxfp4"], "qat_block = 32: expected a divisor of every quantized reduction axis; "
-                         "layers.1.moe.experts.w_down [16, 64, 56] has 56 (--qat-block 8 fits this model)"),
+    (["--qat", "mxfp4", "--qat-block", "32"], "qat_block (--qat-block) = 32: expected a divisor of every quantized "
+     "reduction axis; layers.1.moe.experts.w_down [16, 64, 56] has 56 (--qat-block 8 fits this model)"),
     (["--qat", "mxfp4", "--model", "dense_tiny"], "qat (--qat) = 'mxfp4': expected 'none' for model 'dense_tiny': "
                                                   "its family 'dense' declares no quantizable layers"),
     (["--qat", "mxfp4", "--qat-block", "7"], "qat_block (--qat-block) = 7: expected an even integer >= 2 "
@@ -47,6 +47,31 @@ def test_bad_qat_input_is_one_clear_line(tmp_path: Path, capfd: pytest.CaptureFi
     assert code == 2 and err.strip().splitlines() == [f"moonrt train: error: {message}"], err
     with pytest.raises(ConfigError):
         JobConfig(qat="mxfp4", model="dense_tiny").validate()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_qat_mxfp4_on_the_default_model_takes_its_preset_block_and_learns(tmp_path: Path) -> None:
+    """Issue 49 item 10: ``moonrt train --qat mxfp4`` on the default model (k3_tiny, expert width 56) runs with the
+    block its preset declares (8; refused before: 32 does not divide 56), records it, and learns; k3 keeps the OCP
+    MX spec's 32, and a non-QAT checkpoint that recorded the old default block 32 still resumes."""
+    from moonrt.jobs.checkpoint.single import check_resume
+    from moonrt.models import presets
+
+    assert presets()["k3"].default_qat_block("k3") == 32 and presets()["k3_tiny"].default_qat_block("k3_tiny") == 8
+    job = JobConfig(qat="mxfp4")
+    job.validate()
+    assert job.qat_block == 8
+    steps = ["--steps", "8", "--seed", "0", "--batch-size", "4", "--seq-len", "32", "--eval-every", "100",
+             "--lr", "3e-3", "--set", "optim.warmup_steps=1", "--threads", "1", "--no-progress", *EVAL_SMALL]
+    _run(tmp_path, {"qat": _here("train", "--qat", "mxfp4", *steps, "--out", "r", "--metrics", "m.jsonl")})
+    loss = [r["loss"] for r in _metrics(tmp_path / "m.jsonl").values() if "loss" in r]
+    assert len(loss) == 8 and sum(loss[-3:]) / 3 < loss[0] - 0.1, loss
+    assert "qat_block: 8" in (tmp_path / "r" / "config.yaml").read_text()
+    stored = {"model": "k3_tiny", "qat": "none", "qat_block": 32}
+    check_resume(stored, {"model": "k3_tiny", "qat": "none", "qat_block": 8}, step=1)  # inert without QAT
+    with pytest.raises(ValueError, match="qat_block: checkpoint 32, now 8"):
+        check_resume({**stored, "qat": "mxfp4"}, {"model": "k3_tiny", "qat": "mxfp4", "qat_block": 8}, step=1)
 
 
 @pytest.mark.slow

@@ -88,6 +88,22 @@ def test_a_missing_checkpoint_root_names_the_file_the_run_wrote(tmp_path: Path, 
     assert not Path("w.safetensors").exists() and not Path("runs/a/checkpoint").exists()
 
 
+def test_convert_takes_a_run_directory_as_info_and_export_do(tmp_path: Path, capsys: Any, monkeypatch: Any) -> None:
+    """Issue 49 item 9: ``checkpoint convert OUT DST`` converts the checkpoint ``--resume`` takes (refused before,
+    with a wrong "a save was interrupted?" hint), both ways."""
+    monkeypatch.chdir(tmp_path)
+    _single_process_run(Path("runs/a"))
+    before = sorted(p.name for p in Path("runs/a").iterdir())
+    assert cli(["checkpoint", "convert", "runs/a", "runs/b/checkpoint"]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert sorted(p.name for p in Path("runs/a").iterdir()) == before
+    assert cli(["checkpoint", "convert", "runs/b", "b.pt"]) == 0, capsys.readouterr().err  # sharded run -> file
+    capsys.readouterr()
+    back = checkpoint.load(Path("b.pt"))
+    want = checkpoint.load(Path("runs/a/checkpoint.pt"))
+    assert back["step"] == 100 and all(torch.equal(back["model"][k], v) for k, v in want["model"].items())
+
+
 def test_a_path_that_is_no_checkpoint_is_one_line(tmp_path: Path, capsys: Any) -> None:
     for action in ("info", "export"):
         argv = ["checkpoint", action, str(tmp_path / "nothing")] + (

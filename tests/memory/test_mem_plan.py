@@ -93,6 +93,34 @@ def test_infeasible_budget_gives_minimum_and_dominating_term():
     assert sp.feasible or sp.min_budget_gib < p.min_budget_gib - 10
 
 
+def test_tiers_keep_the_plan_to_them():
+    """Issue 49 item 4: a plan chooses only policies made of its ``tiers``: K3's 141 GiB plan uses remote offload when
+    allowed, none when not (moonrt train's tiers), and still fits; an unknown tier is named."""
+    cfg = k3()
+    every = _plan(cfg, K3_LONG, Hardware(budget_gib=141.0))
+    assert any(p.endswith("remote") for r in every.ranks for p in r.choice.values())  # the restriction is real
+    local = _plan(cfg, K3_LONG, Hardware(budget_gib=141.0), tiers=("recompute", "fp8", "host", "disk"))
+    assert local.feasible
+    assert all(r.remote_out == 0 and r.remote_in == 0 for r in local.ranks)
+    assert {p.split("+")[-1] for r in local.ranks for p in r.choice.values()} <= {"keep", "recompute", "fp8", "host"}
+    nothing = _plan(cfg, K3_LONG, Hardware(budget_gib=141.0), tiers=("recompute",))
+    assert {p for r in nothing.ranks for p in r.choice.values()} <= {"keep", "recompute"}
+    with pytest.raises(ValueError, match="tiers = 'nvme': expected some of keep, recompute"):
+        _plan(cfg, K3_LONG, Hardware(budget_gib=141.0), tiers=("host", "nvme"))
+
+
+def test_minimum_budget_is_rounded_up_once():
+    """Issue 49 item 4: the minimum budget is one figure, rounded up to 0.1 GiB (so that it fits), that the message,
+    the figure and mem-plan's hint all print (the message printed 98.6, the hint 98.7)."""
+    from moonrt.memory.plan import round_up_gib
+
+    assert round_up_gib(98.61) == 98.7 and round_up_gib(98.7) == 98.7 and round_up_gib(98.70000001) == 98.7
+    p = _plan(k3(), dataclasses.replace(K3_LONG, shard_grads=True), Hardware(budget_gib=80.0))
+    assert not p.feasible and p.min_budget_gib == round_up_gib(p.min_budget_gib)
+    assert f"minimum budget {p.min_budget_gib:.1f} GiB" in p.message
+    assert _plan(k3(), dataclasses.replace(K3_LONG, shard_grads=True), Hardware(budget_gib=p.min_budget_gib)).feasible
+
+
 def test_budget_below_parameter_memory_is_clear():
     cfg = k3()
     p = _plan(cfg, JobLayout(parallel=ParallelConfig(pp=2, ep=8, microbatches=4), seq_len=4096),

@@ -86,8 +86,8 @@ K3_RELEASED = {
     "quantization_config": {
         "quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-            "dynamic": False, "group_size": 32, "num_bits": 4, "scale_dtype": "torch.uint8", "symmetric": True,
-            "type": "float"}}},
+            "dynamic": False, "group_size": 32, "num_bits": 4, "scale_dtype": "torch.uint8", "strategy": "group",
+            "symmetric": True, "type": "float"}, "input_activations": None, "output_activations": None}},
         "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
                    "re:.*lm_head.*", "re:.*vision_tower.*", "re:.*mm_projector.*"]},
 }

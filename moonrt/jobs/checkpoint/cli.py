@@ -51,7 +51,8 @@
   :mod:`moonrt.jobs.checkpoint.hf`); ``--mxfp4``: the routed experts as ``weight_packed`` / ``weight_scale``
   pairs with the job's ``qat_block`` (the release's scope: routed experts only) and the config's
   ``quantization_config``. ``moonrt train --init-from OUT`` reads it back.
-- ``moonrt checkpoint convert SRC DST [--force]``: ``checkpoint.pt`` -> a sharded directory (DST a new or empty
+- ``moonrt checkpoint convert SRC DST [--force]`` (SRC: as ``info``'s PATH; a run directory gives the checkpoint
+  ``--resume`` takes): ``checkpoint.pt`` -> a sharded directory (DST a new or empty
   directory, used as the ``OUT/checkpoint`` root; written in one process) or a sharded directory -> a ``.pt``
   file (DST new; ``--force`` replaces an existing one, never a ``checkpoint.pt`` or a file inside a sharded
   checkpoint); AdamW and Muon jobs (``--optimizer muon``) alike.
@@ -106,7 +107,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "scales (<name>.weight_scale, uint8) of the job's qat_block, decoding bitwise to the QAT "
                      "forward's weights (moonrt.jobs.checkpoint.mxfp4)")
     conv = sub.add_parser("convert", help="checkpoint.pt -> sharded directory, or sharded directory -> checkpoint.pt")
-    conv.add_argument("src", metavar="SRC", help="a checkpoint.pt file, or OUT/checkpoint / a step-N directory")
+    conv.add_argument("src", metavar="SRC", help="a run directory OUT (the checkpoint --resume takes), a "
+                      "checkpoint.pt file, or OUT/checkpoint / a step-N directory")
     conv.add_argument("dst", metavar="DST", help="a new or empty directory to write the sharded checkpoint into "
                       "(SRC a file), or a new .pt file (SRC a directory)")
     conv.add_argument("--force", action="store_true", help="replace an existing .pt DST (never a run's "
@@ -475,7 +477,13 @@ def _convert(args: argparse.Namespace) -> int:
     from moonrt.jobs.checkpoint.sharded import save_sharded, to_single_file
     from moonrt.jobs.checkpoint.single import CheckpointError, load, save
 
-    src, dst = Path(args.src), Path(args.dst)
+    src, dst = _existing(args.src, "SRC"), Path(args.dst)
+    state = None
+    if _is_run_dir(src):  # a run directory OUT: the checkpoint --resume takes, as info and export read it
+        from moonrt.jobs.checkpoint.store import resume_state
+
+        src, state = resume_state(src)
+        state = state if src.is_file() else None
     if src.is_dir():
         if refused := _target("DST", args.dst, src, args.force, pt_ok=True):
             return _fail(refused)
@@ -496,7 +504,7 @@ def _convert(args: argparse.Namespace) -> int:
     from moonrt.jobs.train.optimizers import build_optimizer
     from moonrt.ops.muon import Muon
 
-    state = load(src)
+    state = state if state is not None else load(src)
     try:
         job = from_dict(JobConfig, state["config"])
         model = build_model(job)

@@ -51,6 +51,11 @@ FREE_ON_RESUME = ("out_dir", "threads", "parallel", "memory_policy", "routing_tr
                   "init_from_sha256", "data.cache_dir")
 
 
+INERT_ON_RESUME = {"qat_block": ("qat", "none")}
+"""Field -> (another field, value) under which it changes nothing: ``qat_block`` without QAT (a checkpoint that
+recorded another default block resumes)."""
+
+
 class CheckpointError(ValueError):
     """A checkpoint cannot be read, written or resumed; the message names the file and the reason."""
 
@@ -219,6 +224,10 @@ def check_resume(stored: Mapping[str, Any], new: Mapping[str, Any], step: int, a
         a, b = old_flat.get(key, "<absent>"), new_flat.get(key, "<absent>")
         if a == b or _free(key, FREE_ON_RESUME) or key in resolved:
             continue
+        if key in INERT_ON_RESUME:
+            other, value = INERT_ON_RESUME[key]
+            if old_flat.get(other, value) == value and new_flat.get(other, value) == value:
+                continue
         if key == "optim.steps" and isinstance(a, int) and isinstance(b, int) and b >= a:
             continue
         diffs.append(f"{key}: checkpoint {a!r}, now {b!r}")

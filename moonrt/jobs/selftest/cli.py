@@ -200,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from moonrt.cluster.detect import detect_rendezvous
+    from moonrt.cluster.detect import detect_rendezvous, launcher_name
     from moonrt.cluster.env import init_distributed, shutdown_distributed
     from moonrt.jobs.selftest.ep import corruption, validate
 
@@ -234,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
         to_run, skipped = plan_suites(args.suite, world)
         env = environment(rdzv, rank, world)
         if rank == 0:
-            print(f"moonrt selftest: {world} ranks via {rdzv.source}, backend {dist.get_backend()}, "
+            print(f"moonrt selftest: {world} ranks via {launcher_name(rdzv)}, backend {dist.get_backend()}, "
                   f"{env['nodes']} node(s), device {env['device']}; suites {', '.join(to_run) or 'none'}", flush=True)
             for n, why in skipped.items():
                 print(f"moonrt selftest {n}: SKIPPED: {why}", flush=True)

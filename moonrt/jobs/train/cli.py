@@ -140,7 +140,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--qat", help="quantization-aware training: none or mxfp4 (MXFP4 weights, MXFP8 inputs of "
                         "the model's quantizable layers, K3: the experts; straight-through gradients) (qat)")
     parser.add_argument("--qat-block", type=int, help="elements per MX scale along the reduction axis, must divide "
-                        "it (qat_block; default 32, k3_tiny: 8)")
+                        "it (qat_block; default: the model preset's, k3: 32, the OCP MX block; k3_tiny: 8, as its "
+                        "expert width 56 takes)")
     parser.add_argument("--memory-policy", help="activation memory policy YAML (memory_policy; moonrt.memory)")
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bar or periodic step lines (the start, eval and summary lines still print)")

@@ -35,6 +35,11 @@ QAT_FORMATS = ("none", "mxfp4")
 """Values of :attr:`JobConfig.qat` (:data:`moonrt.ops.qat.QAT_FORMATS`; repeated here so the job config stays
 torch-free)."""
 
+TRAIN_TIERS = ("keep", "recompute", "fp8", "host", "disk")
+"""The activation storage tiers ``moonrt train --memory-policy`` runs (:mod:`moonrt.memory`); ``remote`` is not among
+them (it needs a peer rank serving each owner: :mod:`moonrt.memory.remote`, the ActivationManager API), and it is
+what ``moonrt mem-plan`` plans by default (``--tiers``)."""
+
 MAX_COUNT = 2**63 - 1
 """Largest step count or interval (int64: what a step counter in a checkpoint or tensor can hold)."""
 
@@ -398,9 +403,11 @@ class JobConfig:
     (:attr:`ModelSpec.qat_weights`; K3: routed and shared experts) compute with MXFP4 (E2M1, E8M0 ``floor`` scales)
     fake-quantized weights and MXFP8 (E4M3) fake-quantized inputs, straight-through gradients to the fp32 master
     weights (:mod:`moonrt.ops.qat`)."""
-    qat_block: int = 32
-    """Elements per MX scale along each quantized GEMM's reduction axis (``--qat-block``; the OCP spec's 32). Must
-    divide every quantized reduction axis (``k3_tiny``'s expert FFN width is 56: use 8)."""
+    qat_block: int | None = None
+    """Elements per MX scale along each quantized GEMM's reduction axis (``--qat-block``). Must divide every quantized
+    reduction axis. None: the model preset's block (:attr:`ModelSpec.qat_block`: ``k3`` the OCP spec's 32,
+    ``k3_tiny`` 8, the largest even divisor of its widths 56, 64, 128), filled in by :meth:`validate` (the run's
+    config.yaml records the number)."""
 
     def validate(self) -> None:
         table = presets()
@@ -458,6 +465,8 @@ class JobConfig:
 
     def _validate_qat(self, spec: ModelSpec) -> None:
         check(self.qat in QAT_FORMATS, "qat", self.qat, "one of " + ", ".join(QAT_FORMATS))
+        if self.qat_block is None:
+            self.qat_block = spec.default_qat_block(self.model)
         check(self.qat == "none" or spec.qat_weights is not None, "qat", self.qat,
               f"'none' for model {self.model!r}: its family {spec.name!r} declares no quantizable layers")
         problem = spec.qat_block_problem(None if self.qat == "none" else self.model_cfg(), self.qat_block,

@@ -49,7 +49,7 @@ from moonrt.jobs.checkpoint import single as checkpoint
 from moonrt.jobs.checkpoint.store import Checkpointer, load_checkpoint, resume_state
 from moonrt.jobs.train import blend, data, outputs, report
 from moonrt.jobs.train.assemble import build_model, check_model_size
-from moonrt.jobs.train.config import JobConfig, lr_at
+from moonrt.jobs.train.config import TRAIN_TIERS, JobConfig, lr_at
 from moonrt.jobs.train.device import bind_device, host_tensor, resolve_job, use_deterministic
 from moonrt.jobs.train.optimizers import build_optimizer
 from moonrt.jobs.train.outputs import CHECKPOINT
@@ -289,11 +289,11 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
         from moonrt.memory.policy import MemoryPolicy
 
         policy = load_yaml(MemoryPolicy, job.memory_policy)
-        if "remote" in policy.tiers_used():  # needs a serving peer per owner rank: the ActivationManager API (README)
-            remote = sorted(p for p in policy.policies_used() if p.endswith("remote"))
-            raise ConfigError(f"memory_policy (--memory-policy) = {job.memory_policy!r}: uses {', '.join(remote)}, "
+        if not policy.tiers_used() <= set(TRAIN_TIERS):  # remote needs a serving peer per owner rank (README)
+            bad = sorted(p for p in policy.policies_used() if p.split("+")[-1] not in TRAIN_TIERS)
+            raise ConfigError(f"memory_policy (--memory-policy) = {job.memory_policy!r}: uses {', '.join(bad)}, "
                               "which moonrt train does not support (remote offload needs a peer rank serving each "
-                              "owner: moonrt.memory.remote); expected keep, recompute, fp8, host or disk tiers")
+                              f"owner: moonrt.memory.remote); expected {', '.join(TRAIN_TIERS)} tiers")
         mgr = ActivationManager(model, policy, fp8_kernel=job.kernels.fp8)
     run_id = ""
     if rt.is_main:  # the run's identity (created at its first start); its config.yaml, never a user's replaced

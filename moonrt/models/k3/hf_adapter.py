@@ -55,7 +55,9 @@ has one source (the embedding), so no query is read (moonrt keeps ``queries[0]``
 KDA's ``A_log`` is one value per head ``[H]`` (what the released modeling code allocates and reads); public
 readers of the released checkpoint describe its stored ``A_log`` as a longer zero-padded buffer of which only the
 first H entries are read, so :func:`from_hf` also accepts ``[P]``, ``P > H``, when entries ``H:`` are all zero
-(anything else there is a shape error); :func:`to_hf` writes ``[H]``.
+(anything else there is a shape error); the public Kimi Linear readers hold it as ``[1, 1, H, 1]`` (broadcast over
+``[B, T, H, K]``), which :func:`from_hf` accepts too (any shape whose only dimension above 1 is the per-head one:
+:func:`a_log_heads`); :func:`to_hf` writes ``[H]``.
 
 Packed MXFP4 experts (the release's routed experts): ``<name>.weight_packed`` (uint8 ``[rows, cols / 2]``, two
 E2M1 codes a byte, element ``2j`` in the low nibble) and ``<name>.weight_scale`` (uint8 E8M0 ``[rows, cols /
@@ -225,6 +227,15 @@ class LayoutError(ValueError):
         self.key = key
 
 
+def a_log_heads(shape: tuple[int, ...]) -> int | None:
+    """The per-head length of a stored KDA ``A_log`` of ``shape``: ``[P]`` and the Kimi Linear readers'
+    ``[1, 1, P, 1]`` (any shape with one dimension above 1, or all 1) give ``P``; None: not a per-head vector."""
+    big = [n for n in shape if n != 1]
+    if not shape or len(big) > 1:
+        return None
+    return big[0] if big else 1
+
+
 def check_layout(meta: Mapping[str, tuple[str, tuple[int, ...]]], cfg: K3Config, prefix: str = "") -> None:
     """Check the headers ``meta`` (name -> (safetensors dtype, shape); vision keys dropped, :func:`split_prefix`)
     against the released layout of ``cfg`` before any tensor is read: every name of :func:`released_shapes`
@@ -243,7 +254,8 @@ def check_layout(meta: Mapping[str, tuple[str, tuple[int, ...]]], cfg: K3Config,
             if dtype not in FLOAT_DTYPES:
                 raise LayoutError(f"{name}: dtype {dtype}: expected a floating-point weight ({', '.join(FLOAT_DTYPES)}"
                                   "; the release stores BF16 and F32); not converted", name)
-            padded = k.endswith(".self_attn.A_log") and len(got) == 1 and got[0] >= shape[0]  # see from_hf
+            heads = a_log_heads(got) if k.endswith(".self_attn.A_log") else None
+            padded = heads is not None and heads >= shape[0]  # [P >= H] or [1, 1, P, 1]: see from_hf
             if got != shape and not padded:
                 raise LayoutError(f"{name}: shape {got}: expected {shape} (from the config)", name)
             continue
@@ -427,10 +439,13 @@ def from_hf(tensors: Mapping[str, torch.Tensor], cfg: K3Config, prefix: str = ""
         raise ValueError(f"unexpected key {prefix + extra[0]!r} ({len(extra)} keys this config does not have)")
     for k, shape in want.items():
         t = have[k]
+        stored = tuple(t.shape)
+        if k.endswith(".self_attn.A_log") and t.dim() != 1 and a_log_heads(stored) is not None:
+            t = have[k] = t.reshape(-1)  # the Kimi Linear readers' [1, 1, H, 1] (module docstring)
         if k.endswith(".self_attn.A_log") and t.dim() == 1 and t.shape[0] > shape[0] and not t[shape[0]:].any():
             have[k] = t[: shape[0]]  # a zero-padded per-head buffer (module docstring): the first H entries are read
         elif tuple(t.shape) != shape:
-            raise ValueError(f"{prefix + k}: shape {tuple(have[k].shape)}: expected {shape} (from the config)")
+            raise ValueError(f"{prefix + k}: shape {stored}: expected {shape} (from the config)")
 
     def fold(p: str) -> torch.Tensor:  # the AttnRes pair -> moonrt's pseudo-query proj * norm
         proj, norm = have[p + "_proj.weight"][0], have[p + "_norm.weight"]
@@ -471,5 +486,6 @@ def from_hf(tensors: Mapping[str, torch.Tensor], cfg: K3Config, prefix: str = ""
 
 
 __all__ = ["FLOAT_DTYPES", "MULTIMODAL_PREFIX", "PACKED_DTYPE", "RELEASED_KEY_PATTERNS", "RELEASE_FP32_SUFFIXES",
-           "ROUTED_EXPERT", "VISION_PREFIXES", "LayoutError", "check_layout", "decode_mxfp4", "from_hf", "key_pattern",
+           "ROUTED_EXPERT", "VISION_PREFIXES", "LayoutError", "a_log_heads", "check_layout", "decode_mxfp4", "from_hf",
+           "key_pattern",
            "pack_mxfp4", "release_dtypes", "released_count", "released_shapes", "split_prefix", "to_hf", "unpack"]

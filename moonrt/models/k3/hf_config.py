@@ -59,13 +59,16 @@ MXFP4_IGNORE = ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|u
 
 def quantization_config(block: int = 32) -> dict[str, Any]:
     """The released ``quantization_config``: compressed-tensors MXFP4 (E2M1 weights, E8M0 uint8 scales per
-    ``block``), applied to the routed experts (``experts.E.w1/w2/w3``)."""
+    ``block``), applied to the routed experts (``experts.E.w1/w2/w3``). Every field of compressed-tensors' scheme
+    that outside readers index is written: the weights' ``strategy: "group"`` and ``type: "float"``, and
+    ``input_activations`` / ``output_activations`` null (weights only; :func:`from_json` reads the file without
+    them, as it reads a weights block without ``type``)."""
     return {
         "quant_method": "compressed-tensors",
         "format": "mxfp4-pack-quantized",
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-            "dynamic": False, "group_size": block, "num_bits": 4, "scale_dtype": "torch.uint8", "symmetric": True,
-            "type": "float"}}},
+            "dynamic": False, "group_size": block, "num_bits": 4, "scale_dtype": "torch.uint8", "strategy": "group",
+            "symmetric": True, "type": "float"}, "input_activations": None, "output_activations": None}},
         "ignore": list(MXFP4_IGNORE),
     }
 
@@ -170,16 +173,20 @@ def from_json(doc: dict[str, Any]) -> HFConfig:
     block = None
     q = text.get("quantization_config")
     if q is not None:
-        try:
-            group = next(iter(q["config_groups"].values()))["weights"]
-            ok = (q["format"] == "mxfp4-pack-quantized" and group["num_bits"] == 4 and group["type"] == "float"
-                  and group["scale_dtype"] == "torch.uint8")
+        try:  # compressed-tensors' defaults where a field is absent: type float, strategy group, no activations
+            scheme = next(iter(q["config_groups"].values()))
+            group = scheme["weights"]
+            ok = (q["format"] == "mxfp4-pack-quantized" and group["num_bits"] == 4
+                  and group.get("type", "float") == "float" and group.get("strategy", "group") == "group"
+                  and group["scale_dtype"] == "torch.uint8" and scheme.get("input_activations") is None
+                  and scheme.get("output_activations") is None)
             block = int(group["group_size"])
         except (KeyError, TypeError, StopIteration, AttributeError, ValueError):
             ok = False
         if not ok:
             raise _fail(where + "quantization_config", q, "compressed-tensors mxfp4-pack-quantized (4-bit float "
-                        "weights, uint8 E8M0 scales) as the release declares, or no quantization_config")
+                        "weights in groups, uint8 E8M0 scales, no activation quantization) as the release declares, "
+                        "or no quantization_config")
     known = names | set(FIXED) | {"num_key_value_heads", "quantization_config", "dtype", "torch_dtype", "model_type",
                                   "architectures"}
     extra = {k: v for k, v in text.items() if k not in known}

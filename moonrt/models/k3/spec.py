@@ -98,7 +98,11 @@ K3 = ModelSpec(
     read_options=_read_options, expert_sizes=_expert_sizes, flops_per_token=_flops_per_token,
     memory=ModelMemory(param_sizes=_param_sizes, memory_profile=_memory_profile,
                        traced_memory_profile=_traced_memory_profile, memory_policy=_memory_policy),
-    qat_weights=qat_weights, train_dtype={"k3": "bf16", "k3_tiny": "fp32"})
-"""K3 trains in bf16 (the released weights and the target GPUs); ``k3_tiny`` in fp32, as ``moonrt train`` runs it."""
+    qat_weights=qat_weights, train_dtype={"k3": "bf16", "k3_tiny": "fp32"}, qat_block={"k3": 32, "k3_tiny": 8})
+"""K3 trains in bf16 (the released weights and the target GPUs); ``k3_tiny`` in fp32, as ``moonrt train`` runs it.
+K3 quantizes in the OCP MX spec's blocks of 32 (its reduction axes 3072, 3584 and 7168 are multiples); ``k3_tiny``'s
+are its expert FFN width 56, latent 64 and hidden 128 (its recorded figures, benchmarks/RESULTS.md, are of those
+widths), whose largest common even divisor is 8: its MX block is 8 (E2M1 codes, E8M0 scales, as the spec, with a
+smaller block)."""
 
 __all__ = ["K3", "qat_weights"]
