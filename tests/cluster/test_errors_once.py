@@ -45,7 +45,7 @@ def test_a_longer_stderr_keeps_its_tail_and_other_lines_are_not_deduplicated() -
     (["mem-plan", "--budget-gb", "80"], "moonrt mem-plan: error: unrecognized argument --budget-gb (did you mean "
                                         "--budget-gib?); moonrt mem-plan --help lists the flags"),
     (["trian"], "moonrt: error: unknown command 'trian' (did you mean train?); expected one of train, launch, "
-                "selftest, sbatch, ep-sim, mem-plan, pp-plan, checkpoint"),
+                "selftest, sbatch, ep-sim, mem-plan, pp-plan, data, checkpoint"),
 ])
 def test_a_mistyped_flag_is_one_line_with_the_closest_match(argv: list[str], line: str,
                                                             capfd: pytest.CaptureFixture[str]) -> None:
