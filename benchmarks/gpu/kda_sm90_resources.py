@@ -1,10 +1,11 @@
 """Resources of the Triton KDA kernels compiled for sm_90 (H100/H200) without a GPU: shared memory per block,
 registers per thread, spilled bytes and compile seconds, per kernel and head_dim (K = V), chunk 64.
 
-Each (kernel, head_dim) compiles in its own subprocess (without ``TRITON_INTERPRET``) through
-``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))`` with the constexprs, warps and stages the host
-wrappers (:mod:`moonrt.ops.kda.backends.triton`) launch with; registers and spills are read from the cubin with the
-``cuobjdump --dump-resource-usage`` that Triton ships. Prints a table and writes JSON::
+Each (kernel, head_dim) compiles in its own subprocess (without ``TRITON_INTERPRET``, with an empty Triton cache)
+through ``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))`` with the constexprs, warps and stages
+the host wrappers (:mod:`moonrt.ops.kda.backends.triton`) launch with; registers and spills are read from the
+cubin with the ``cuobjdump --dump-resource-usage`` that Triton ships (``stack``: the per-thread local frame, i.e.
+spilled bytes; ``mma``: the PTX holds tensor-core instructions). Prints a table and writes JSON::
 
     python benchmarks/gpu/kda_sm90_resources.py --head-dims 64 96 128 --json kda_sm90.json
 
@@ -133,6 +134,7 @@ def main() -> None:
     rows = []
     for D in a.head_dims:
         for name in a.kernels:
+            env["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="kda_sm90_")  # a cold compile each time
             cmd = [sys.executable, __file__, "--one", name, str(D)]
             if a.kernels_file:
                 cmd += ["--kernels-file", a.kernels_file]
