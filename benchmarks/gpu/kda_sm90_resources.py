@@ -48,19 +48,23 @@ def _configs(D: int, old: bool) -> dict[str, tuple[dict[str, str], dict[str, obj
     state_opts = {"num_stages": kt.STATE_PASS_STAGES, "num_warps": kt.STATE_WARPS}
     terms_sig = dict(q=tok, k=tok, v=tok, g=tok, beta=tok, chunk_bos=i64, chunk_len=i64, W=f32, U=f32, Kg=f32, Qg=f32,
                      A_qk=f32, A_kk=f32, T_inv=f32, decay=f32, scale=f32, **ints)
-    kx = "BK" if old else "KP"
+    if old:
+        st = {"BK": kp, "BV": bv_state}
+        tr = {"BK": kp, "BV": kp}
+    else:
+        bks = kt.block_for(D, kt.STATE_K_BLOCK)
+        st = {"BKS": bks, "NKB": -(-D // bks), "BV": bv_state}
+        tr = st
     cfg = {
         "chunk_terms": (terms_sig, dict(C=C, BK=bk, BV=bk, SUB=16, HAS_Q=True, **common), chunk_opts),
         "state_fwd": (dict(W=f32, U=f32, Kg=f32, Qg=f32, A_qk=f32, decay=f32, S0=f32, S_in=f32, O=tok, S_final=f32,
                            seq_chunk0=i64, chunk_bos=i64, chunk_len=i64, **ints),
-                      {"C": C, kx: kp, "BV": bv_state, "HAS_S0": True, "HAS_Q": True, "STORE_S_IN": True, **common},
-                      state_opts),
+                      {"C": C, **st, "HAS_S0": True, "HAS_Q": True, "STORE_S_IN": True, **common}, state_opts),
         "state_bwd": (dict(W=f32, Kg=f32, Qg=f32, A_qk=f32, decay=f32, dO=tok, d_final=f32, dS0=f32, dS_out=f32,
                            seq_chunk0=i64, chunk_bos=i64, chunk_len=i64, **ints),
-                      {"C": C, kx: kp, "BV": bv_state, "HAS_D_FINAL": True, "STORE_DS_OUT": True, **common},
-                      state_opts),
+                      {"C": C, **st, "HAS_D_FINAL": True, "STORE_DS_OUT": True, **common}, state_opts),
         "transition": (dict(W=f32, U=f32, Kg=f32, decay=f32, M_out=f32, S_out=f32, seq_chunk0=i64, **ints),
-                       {"C": C, kx: kp, "BV": kp if old else bv_state, **common}, state_opts),
+                       {"C": C, **tr, **common}, state_opts),
     }
     grads_sig = dict(q=tok, k=tok, v=tok, g=tok, beta=tok, chunk_bos=i64, chunk_len=i64, W=f32, U=f32, Kg=f32,
                      Qg=f32, A_qk=f32, A_kk=f32, T_inv=f32, decay=f32, S_in=f32, dS_out=f32, dO=tok)

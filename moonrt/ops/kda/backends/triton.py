@@ -69,6 +69,10 @@ CHUNK_WARPS = 8
 """Warps of the per-chunk kernels (terms, grads): their ``[C, C]`` and ``[C, BK]`` tiles spread over 256 threads so
 that they stay in registers at C = 64."""
 
+STATE_K_BLOCK = 64
+"""Largest key block of the state passes and the transition: the state is held as at most four key blocks
+(fla's ``b_h1 .. b_h4``), so head sizes up to 256."""
+
 STATE_V_BLOCK = 64
 """Value columns per program of the state passes and of the transition (their columns, and M's, are independent):
 bounds the ``[KP, 64]`` tile of one program for K = V = 128 heads and adds programs to a sequential pass."""
@@ -146,7 +150,7 @@ class _Plan:
     BV: int
     BKG: int
     BVG: int
-    KP: int
+    BKS: int
     NS: int
     NC: int
     chunk_bos: torch.Tensor
@@ -158,6 +162,15 @@ class _Plan:
         import triton.language as tl
 
         return tl.float64 if self.dtype == torch.float64 else tl.float32
+
+    @property
+    def NKB(self) -> int:
+        """Key blocks of the state passes' state (at most 4)."""
+        return triton_cdiv(self.K, self.BKS)
+
+    def state_tiles(self) -> dict[str, int]:
+        """The state passes' tile constexprs: key blocks ``BKS`` x ``NKB`` and value columns ``BV`` per program."""
+        return dict(BKS=self.BKS, NKB=self.NKB, BV=min(STATE_V_BLOCK, max(16, 1 << (self.V - 1).bit_length())))
 
     def prec(self) -> str:
         """``tl.dot``'s input precision: :data:`FP32_DOT` for fp32 arithmetic, ``"ieee"`` for fp64."""
@@ -179,9 +192,12 @@ def _make_plan(lens: list[int], C: int, H: int, K: int, V: int, g: torch.Tensor,
         return torch.tensor(x or [0], dtype=torch.int64, device=dev)
 
     check_decay_bound(g)
+    if K > 4 * STATE_K_BLOCK:
+        raise ValueError(f"head_dim K = {K}: the Triton KDA holds a state in at most 4 key blocks of "
+                         f"{STATE_K_BLOCK} (K <= {4 * STATE_K_BLOCK}); use kernels.kda=torch")
     return _Plan(H=H, K=K, V=V, C=C, SUB=min(SUB_TILE, C), BK=block_for(K), BV=block_for(V),
                  BKG=block_for(K, GRADS_MAX_BLOCK), BVG=block_for(V, GRADS_MAX_BLOCK),
-                 KP=max(16, 1 << (K - 1).bit_length()), NS=len(lens), NC=len(bos),
+                 BKS=block_for(K, STATE_K_BLOCK), NS=len(lens), NC=len(bos),
                  chunk_bos=ints(bos), chunk_len=ints(cnt), seq_chunk0=ints(first), dtype=dtype)
 
 
@@ -233,11 +249,11 @@ def _state_fwd(p: _Plan, t: _Terms, S0: torch.Tensor | None, O: torch.Tensor | N
     dev = t.W.device
     S_in = torch.empty(max(p.NC, 1) if store_s_in else 1, p.H, p.K, p.V, dtype=p.dtype, device=dev)
     S_final = torch.empty(p.NS, p.H, p.K, p.V, dtype=p.dtype, device=dev)
-    bv = min(p.KP, STATE_V_BLOCK)
-    _kernels().state_fwd_kernel[(p.NS, p.H, triton_cdiv(p.V, bv))](
+    tiles = p.state_tiles()
+    _kernels().state_fwd_kernel[(p.NS, p.H, triton_cdiv(p.V, tiles["BV"]))](
         t.W, t.U, t.Kg, t.Qg, t.A_qk, t.decay, S_final if S0 is None else S0.contiguous(), S_in,
         _placeholder(O) if O is not None else S_in, S_final, p.seq_chunk0, p.chunk_bos, p.chunk_len, p.H, p.K, p.V,
-        C=p.C, KP=p.KP, BV=bv, HAS_S0=S0 is not None, HAS_Q=O is not None, STORE_S_IN=store_s_in,
+        C=p.C, **tiles, HAS_S0=S0 is not None, HAS_Q=O is not None, STORE_S_IN=store_s_in,
         DT=p.tl_dtype(), PREC=p.prec(), num_stages=STATE_PASS_STAGES, num_warps=STATE_WARPS)
     return S_in, S_final
 
@@ -247,11 +263,11 @@ def _state_bwd(p: _Plan, t: _Terms, dO: torch.Tensor, d_final: torch.Tensor | No
     dev = t.W.device
     dS0 = torch.empty(p.NS, p.H, p.K, p.V, dtype=p.dtype, device=dev)
     dS_out = torch.empty(max(p.NC, 1) if store_ds_out else 1, p.H, p.K, p.V, dtype=p.dtype, device=dev)
-    bv = min(p.KP, STATE_V_BLOCK)
-    _kernels().state_bwd_kernel[(p.NS, p.H, triton_cdiv(p.V, bv))](
+    tiles = p.state_tiles()
+    _kernels().state_bwd_kernel[(p.NS, p.H, triton_cdiv(p.V, tiles["BV"]))](
         t.W, t.Kg, t.Qg, t.A_qk, t.decay, _placeholder(dO.contiguous()),
         dS0 if d_final is None else d_final.contiguous(), dS0, dS_out, p.seq_chunk0, p.chunk_bos, p.chunk_len,
-        p.H, p.K, p.V, C=p.C, KP=p.KP, BV=bv, HAS_D_FINAL=d_final is not None, STORE_DS_OUT=store_ds_out,
+        p.H, p.K, p.V, C=p.C, **tiles, HAS_D_FINAL=d_final is not None, STORE_DS_OUT=store_ds_out,
         DT=p.tl_dtype(), PREC=p.prec(), num_stages=STATE_PASS_STAGES, num_warps=STATE_WARPS)
     return dS0, dS_out
 
@@ -419,10 +435,11 @@ def kda_transition(
         terms = _terms(plan, None, k2, v2, g2, beta.detach().reshape(B * T, H).contiguous(), 1.0)
         M = torch.empty(B, H, K, K, dtype=dtype, device=k.device)
         S = torch.empty(B, H, K, V, dtype=dtype, device=k.device)
-        bv = min(plan.KP, STATE_V_BLOCK)
+        bv = min(STATE_V_BLOCK, max(16, 1 << (max(K, V) - 1).bit_length()))  # columns of M and of S_ext
         _kernels().transition_kernel[(B, H, triton_cdiv(K, bv) + triton_cdiv(V, bv))](
-            terms.W, terms.U, terms.Kg, terms.decay, M, S, plan.seq_chunk0, H, K, V, C=C, KP=plan.KP, BV=bv,
-            DT=plan.tl_dtype(), PREC=plan.prec(), num_stages=STATE_PASS_STAGES, num_warps=STATE_WARPS)
+            terms.W, terms.U, terms.Kg, terms.decay, M, S, plan.seq_chunk0, H, K, V, C=C, BKS=plan.BKS,
+            NKB=plan.NKB, BV=bv, DT=plan.tl_dtype(), PREC=plan.prec(), num_stages=STATE_PASS_STAGES,
+            num_warps=STATE_WARPS)
     return M, S
 
 

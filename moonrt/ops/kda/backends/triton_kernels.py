@@ -203,13 +203,72 @@ def _sequence_program(seq_chunk0):
 
 
 @triton.jit
-def _chunk_state_tiles(W, Kg, decay, base, K, C: tl.constexpr, KP: tl.constexpr):
-    """Chunk ``base``'s ``W [C, KP]``, ``Kg^T [KP, C]`` and ``decay [KP]`` (zero past K): its transition is
-    ``M_n X = Diag(decay) X - Kg^T (W X)``."""
-    dk = tl.arange(0, KP)
-    Wn = _ld(_tile(W + base * C * K, C, K, 0, 0, C, KP))
-    KgT = tl.trans(_ld(_tile(Kg + base * C * K, C, K, 0, 0, C, KP)))
-    return Wn, KgT, tl.load(decay + base * K + dk, mask=dk < K, other=0.0)
+def _key_block(ptr, base, K, i, C: tl.constexpr, BKS: tl.constexpr):
+    """Key block i (``[C, BKS]``, zero past K) of chunk ``base``'s ``[C, K]`` tile of a ``[NC, H, C, K]`` tensor."""
+    return _ld(_tile(ptr + base * C * K, C, K, 0, i * BKS, C, BKS))
+
+
+@triton.jit
+def _decay_block(decay, base, K, i, BKS: tl.constexpr):
+    """Key block i of chunk ``base``'s ``decay [K]`` as a ``[BKS, 1]`` column (zero past K)."""
+    dk = i * BKS + tl.arange(0, BKS)
+    return tl.load(decay + base * K + dk, mask=dk < K, other=0.0)[:, None]
+
+
+@triton.jit
+def _state_block(ptr, sbase, K, V, i, v0, BKS: tl.constexpr, BV: tl.constexpr):
+    """Block pointer to rows ``i BKS ..``, columns ``v0 ..`` of the ``[K, V]`` state at ``ptr + sbase * K * V``."""
+    return _tile(ptr + sbase * K * V, K, V, i * BKS, v0, BKS, BV)
+
+
+@triton.jit
+def _store_state(ptr, sbase, K, V, v0, S0, S1, S2, S3, BKS: tl.constexpr, BV: tl.constexpr, NKB: tl.constexpr):
+    """Store the key blocks ``S0 .. S{NKB-1}`` ``[BKS, BV]`` of a state's columns ``v0 ..``."""
+    _st(_state_block(ptr, sbase, K, V, 0, v0, BKS, BV), S0)
+    if NKB > 1:
+        _st(_state_block(ptr, sbase, K, V, 1, v0, BKS, BV), S1)
+    if NKB > 2:
+        _st(_state_block(ptr, sbase, K, V, 2, v0, BKS, BV), S2)
+    if NKB > 3:
+        _st(_state_block(ptr, sbase, K, V, 3, v0, BKS, BV), S3)
+
+
+@triton.jit
+def _load_state(ptr, sbase, K, V, v0, BKS: tl.constexpr, BV: tl.constexpr, NKB: tl.constexpr, DT: tl.constexpr):
+    """The key blocks of a state's columns ``v0 ..`` (zeros past NKB blocks)."""
+    S0 = _ld(_state_block(ptr, sbase, K, V, 0, v0, BKS, BV)).to(DT)
+    S1 = tl.zeros([BKS, BV], dtype=DT)
+    S2 = tl.zeros([BKS, BV], dtype=DT)
+    S3 = tl.zeros([BKS, BV], dtype=DT)
+    if NKB > 1:
+        S1 = _ld(_state_block(ptr, sbase, K, V, 1, v0, BKS, BV)).to(DT)
+    if NKB > 2:
+        S2 = _ld(_state_block(ptr, sbase, K, V, 2, v0, BKS, BV)).to(DT)
+    if NKB > 3:
+        S3 = _ld(_state_block(ptr, sbase, K, V, 3, v0, BKS, BV)).to(DT)
+    return S0, S1, S2, S3
+
+
+@triton.jit
+def _times_state(ptr, base, K, S0, S1, S2, S3, C: tl.constexpr, BKS: tl.constexpr, NKB: tl.constexpr,
+                 PREC: tl.constexpr):
+    """``X S`` for chunk ``base``'s ``X [C, K]`` (``W``, ``Qg`` or ``Kg``) and a state in key blocks: the sum over
+    the blocks of ``[C, BKS] @ [BKS, BV]``."""
+    acc = tl.dot(_key_block(ptr, base, K, 0, C, BKS), S0, input_precision=PREC)
+    if NKB > 1:
+        acc += tl.dot(_key_block(ptr, base, K, 1, C, BKS), S1, input_precision=PREC)
+    if NKB > 2:
+        acc += tl.dot(_key_block(ptr, base, K, 2, C, BKS), S2, input_precision=PREC)
+    if NKB > 3:
+        acc += tl.dot(_key_block(ptr, base, K, 3, C, BKS), S3, input_precision=PREC)
+    return acc
+
+
+@triton.jit
+def _block_update(S, decay, ptr, base, K, i, Y, C: tl.constexpr, BKS: tl.constexpr, PREC: tl.constexpr):
+    """Key block i of ``Diag(decay) S + X^T Y`` for chunk ``base``'s ``X [C, K]`` (``Kg``, ``Qg`` or ``W``)."""
+    return (_decay_block(decay, base, K, i, BKS) * S
+            + tl.dot(tl.trans(_key_block(ptr, base, K, i, C, BKS)), Y, input_precision=PREC))
 
 
 @triton.jit
@@ -258,86 +317,123 @@ def chunk_terms_kernel(q, k, v, g, beta, chunk_bos, chunk_len, W, U, Kg, Qg, A_q
 
 @triton.jit
 def state_fwd_kernel(W, U, Kg, Qg, A_qk, decay, S0, S_in, O, S_final, seq_chunk0, chunk_bos, chunk_len,
-                     H, K, V, C: tl.constexpr, KP: tl.constexpr, BV: tl.constexpr, HAS_S0: tl.constexpr,
-                     HAS_Q: tl.constexpr, STORE_S_IN: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
+                     H, K, V, C: tl.constexpr, BKS: tl.constexpr, NKB: tl.constexpr, BV: tl.constexpr,
+                     HAS_S0: tl.constexpr, HAS_Q: tl.constexpr, STORE_S_IN: tl.constexpr, DT: tl.constexpr,
+                     PREC: tl.constexpr):
     """The inter-chunk state pass of one sequence, head and block of BV value columns (grid ``(NS, H, cdiv(V, BV))``:
-    the columns of S are independent), in DT, with a ``[KP, BV]`` state tile: per chunk, store the entering
-    state ``S_n`` (``STORE_S_IN``), ``V~ = U - W S_n``, with ``HAS_Q`` the outputs ``O = Qg S_n + A_qk V~``, then
-    ``S_{n+1} = Diag(decay) S_n + Kg^T V~``. Writes the state after the sequence to ``S_final``."""
+    the columns of S are independent), in DT, the state held as NKB <= 4 key blocks ``[BKS, BV]`` (fla's
+    ``b_h1 .. b_h4``): per chunk, store the entering state ``S_n`` (``STORE_S_IN``), ``V~ = U - W S_n``, with
+    ``HAS_Q`` the outputs ``O = Qg S_n + A_qk V~``, then ``S_{n+1} = Diag(decay) S_n + Kg^T V~``. Writes the state
+    after the sequence to ``S_final``."""
     s, h, c0, c1 = _sequence_program(seq_chunk0)
     v0 = tl.program_id(2) * BV
-    S = tl.zeros([KP, BV], dtype=DT)
     if HAS_S0:
-        S = _ld(_tile(S0 + (s * H + h) * K * V, K, V, 0, v0, KP, BV)).to(DT)
+        S_0, S_1, S_2, S_3 = _load_state(S0, s * H + h, K, V, v0, BKS, BV, NKB, DT)
+    else:
+        S_0 = tl.zeros([BKS, BV], dtype=DT)
+        S_1 = tl.zeros([BKS, BV], dtype=DT)
+        S_2 = tl.zeros([BKS, BV], dtype=DT)
+        S_3 = tl.zeros([BKS, BV], dtype=DT)
     for n in range(c0, c1):
         base = n * H + h
         if STORE_S_IN:
-            _st(_tile(S_in + base * K * V, K, V, 0, v0, KP, BV), S)
-        Wn, KgT, dec = _chunk_state_tiles(W, Kg, decay, base, K, C, KP)
-        Vt = _ld(_tile(U + base * C * V, C, V, 0, v0, C, BV)) - tl.dot(Wn, S, input_precision=PREC)
+            _store_state(S_in, base, K, V, v0, S_0, S_1, S_2, S_3, BKS, BV, NKB)
+        Vt = (_ld(_tile(U + base * C * V, C, V, 0, v0, C, BV))
+              - _times_state(W, base, K, S_0, S_1, S_2, S_3, C, BKS, NKB, PREC))
         if HAS_Q:
-            o = (tl.dot(_ld(_tile(Qg + base * C * K, C, K, 0, 0, C, KP)), S, input_precision=PREC)
+            o = (_times_state(Qg, base, K, S_0, S_1, S_2, S_3, C, BKS, NKB, PREC)
                  + tl.dot(_ld(_tile(A_qk + base * C * C, C, C, 0, 0, C, C)), Vt, input_precision=PREC))
             _store_chunk(O, o, tl.load(chunk_bos + n), tl.load(chunk_len + n), h, H, V, v0, C, BV)
-        S = dec[:, None] * S + tl.dot(KgT, Vt, input_precision=PREC)
-    _st(_tile(S_final + (s * H + h) * K * V, K, V, 0, v0, KP, BV), S)
+        S_0 = _block_update(S_0, decay, Kg, base, K, 0, Vt, C, BKS, PREC)
+        if NKB > 1:
+            S_1 = _block_update(S_1, decay, Kg, base, K, 1, Vt, C, BKS, PREC)
+        if NKB > 2:
+            S_2 = _block_update(S_2, decay, Kg, base, K, 2, Vt, C, BKS, PREC)
+        if NKB > 3:
+            S_3 = _block_update(S_3, decay, Kg, base, K, 3, Vt, C, BKS, PREC)
+    _store_state(S_final, s * H + h, K, V, v0, S_0, S_1, S_2, S_3, BKS, BV, NKB)
 
 
 @triton.jit
-def transition_kernel(W, U, Kg, decay, M_out, S_out, seq_chunk0, H, K, V, C: tl.constexpr, KP: tl.constexpr,
-                      BV: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
+def _identity_block(is_m, i, col0, BKS: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr):
+    """Rows ``i BKS ..``, columns ``col0 ..`` of the identity where ``is_m``, else zeros (``[BKS, BV]``)."""
+    rows = i * BKS + tl.arange(0, BKS)
+    return tl.where(is_m & (rows[:, None] == col0 + tl.arange(0, BV)[None, :]), 1.0, 0.0).to(DT)
+
+
+@triton.jit
+def transition_kernel(W, U, Kg, decay, M_out, S_out, seq_chunk0, H, K, V, C: tl.constexpr, BKS: tl.constexpr,
+                      NKB: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
     """Affine map of one segment and head, K3_SYSTEMS §2.4: ``M = prod_n M_n`` (later chunks on the left) with
     ``M_n X = Diag(decay) X - Kg^T (W X)``, and ``S_ext`` the state after the segment from zero. Grid
     ``(NS, H, cdiv(K, BV) + cdiv(V, BV))``: program j < cdiv(K, BV) carries BV columns of M (from the identity),
-    the others BV columns of S_ext (from zero, with U): ``X <- Diag(decay) X + Kg^T ([U] - W X)``."""
+    the others BV columns of S_ext (from zero, with U): ``X <- Diag(decay) X + Kg^T ([U] - W X)``, X in NKB key
+    blocks as in :func:`state_fwd_kernel`."""
     s, h, c0, c1 = _sequence_program(seq_chunk0)
     j = tl.program_id(2)
     n_m = tl.cdiv(K, BV)
     is_m = j < n_m
     col0 = tl.where(is_m, j, j - n_m) * BV
-    dk = tl.arange(0, KP)
-    X = tl.where(is_m & (dk[:, None] == col0 + tl.arange(0, BV)[None, :]), 1.0, 0.0).to(DT)
+    X_0 = _identity_block(is_m, 0, col0, BKS, BV, DT)
+    X_1 = _identity_block(is_m, 1, col0, BKS, BV, DT)
+    X_2 = _identity_block(is_m, 2, col0, BKS, BV, DT)
+    X_3 = _identity_block(is_m, 3, col0, BKS, BV, DT)
     u_rows = tl.where(is_m, 0, C)  # M's programs read no U (an empty block: zeros)
     for n in range(c0, c1):
         base = n * H + h
-        Wn, KgT, dec = _chunk_state_tiles(W, Kg, decay, base, K, C, KP)
-        Ub = _ld(_tile(U + base * C * V, u_rows, V, 0, col0, C, BV))
-        X = dec[:, None] * X + tl.dot(KgT, Ub - tl.dot(Wn, X, input_precision=PREC), input_precision=PREC)
+        Y = (_ld(_tile(U + base * C * V, u_rows, V, 0, col0, C, BV))
+             - _times_state(W, base, K, X_0, X_1, X_2, X_3, C, BKS, NKB, PREC))
+        X_0 = _block_update(X_0, decay, Kg, base, K, 0, Y, C, BKS, PREC)
+        if NKB > 1:
+            X_1 = _block_update(X_1, decay, Kg, base, K, 1, Y, C, BKS, PREC)
+        if NKB > 2:
+            X_2 = _block_update(X_2, decay, Kg, base, K, 2, Y, C, BKS, PREC)
+        if NKB > 3:
+            X_3 = _block_update(X_3, decay, Kg, base, K, 3, Y, C, BKS, PREC)
     if is_m:
-        _st(_tile(M_out + (s * H + h) * K * K, K, K, 0, col0, KP, BV), X)
+        _store_state(M_out, s * H + h, K, K, col0, X_0, X_1, X_2, X_3, BKS, BV, NKB)
     else:
-        _st(_tile(S_out + (s * H + h) * K * V, K, V, 0, col0, KP, BV), X)
+        _store_state(S_out, s * H + h, K, V, col0, X_0, X_1, X_2, X_3, BKS, BV, NKB)
 
 
 @triton.jit
 def state_bwd_kernel(W, Kg, Qg, A_qk, decay, dO, d_final, dS0, dS_out, seq_chunk0, chunk_bos, chunk_len,
-                     H, K, V, C: tl.constexpr, KP: tl.constexpr, BV: tl.constexpr, HAS_D_FINAL: tl.constexpr,
-                     STORE_DS_OUT: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
-    """The reverse state pass of one sequence, head and block of BV value columns (grid ``(NS, H, cdiv(V, BV))``):
-    from the final-state gradient, per chunk from the last, store the gradient of the state leaving it
-    (``STORE_DS_OUT``), then
+                     H, K, V, C: tl.constexpr, BKS: tl.constexpr, NKB: tl.constexpr, BV: tl.constexpr,
+                     HAS_D_FINAL: tl.constexpr, STORE_DS_OUT: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
+    """The reverse state pass of one sequence, head and block of BV value columns (grid ``(NS, H, cdiv(V, BV))``),
+    the state gradient in NKB key blocks as in :func:`state_fwd_kernel`: from the final-state gradient, per chunk
+    from the last, store the gradient of the state leaving it (``STORE_DS_OUT``), then
     ``dS_n = M_n^T dS_{n+1} + P_n = Diag(decay) dS_{n+1} + Qg^T dO - W^T (A_qk^T dO + Kg dS_{n+1})``. Writes the
     gradient of the state entering the sequence to ``dS0``."""
     s, h, c0, c1 = _sequence_program(seq_chunk0)
     v0 = tl.program_id(2) * BV
-    dS = tl.zeros([KP, BV], dtype=DT)
     if HAS_D_FINAL:
-        dS = _ld(_tile(d_final + (s * H + h) * K * V, K, V, 0, v0, KP, BV)).to(DT)
-    dk = tl.arange(0, KP)
+        dS_0, dS_1, dS_2, dS_3 = _load_state(d_final, s * H + h, K, V, v0, BKS, BV, NKB, DT)
+    else:
+        dS_0 = tl.zeros([BKS, BV], dtype=DT)
+        dS_1 = tl.zeros([BKS, BV], dtype=DT)
+        dS_2 = tl.zeros([BKS, BV], dtype=DT)
+        dS_3 = tl.zeros([BKS, BV], dtype=DT)
     for j in range(0, c1 - c0):
         n = c1 - 1 - j
         base = n * H + h
         if STORE_DS_OUT:
-            _st(_tile(dS_out + base * K * V, K, V, 0, v0, KP, BV), dS)
+            _store_state(dS_out, base, K, V, v0, dS_0, dS_1, dS_2, dS_3, BKS, BV, NKB)
         dOn = _load_chunk(dO, tl.load(chunk_bos + n), tl.load(chunk_len + n), h, H, V, v0, C, BV, DT)
-        AqT = tl.trans(_ld(_tile(A_qk + base * C * C, C, C, 0, 0, C, C)))
-        dVt = (tl.dot(AqT, dOn, input_precision=PREC)
-               + tl.dot(_ld(_tile(Kg + base * C * K, C, K, 0, 0, C, KP)), dS, input_precision=PREC))
-        dec = tl.load(decay + base * K + dk, mask=dk < K, other=0.0)
-        QgT = tl.trans(_ld(_tile(Qg + base * C * K, C, K, 0, 0, C, KP)))
-        WT = tl.trans(_ld(_tile(W + base * C * K, C, K, 0, 0, C, KP)))
-        dS = dec[:, None] * dS + tl.dot(QgT, dOn, input_precision=PREC) - tl.dot(WT, dVt, input_precision=PREC)
-    _st(_tile(dS0 + (s * H + h) * K * V, K, V, 0, v0, KP, BV), dS)
+        dVt = (tl.dot(tl.trans(_ld(_tile(A_qk + base * C * C, C, C, 0, 0, C, C))), dOn, input_precision=PREC)
+               + _times_state(Kg, base, K, dS_0, dS_1, dS_2, dS_3, C, BKS, NKB, PREC))
+        dS_0 = (_block_update(dS_0, decay, Qg, base, K, 0, dOn, C, BKS, PREC)
+                - tl.dot(tl.trans(_key_block(W, base, K, 0, C, BKS)), dVt, input_precision=PREC))
+        if NKB > 1:
+            dS_1 = (_block_update(dS_1, decay, Qg, base, K, 1, dOn, C, BKS, PREC)
+                    - tl.dot(tl.trans(_key_block(W, base, K, 1, C, BKS)), dVt, input_precision=PREC))
+        if NKB > 2:
+            dS_2 = (_block_update(dS_2, decay, Qg, base, K, 2, dOn, C, BKS, PREC)
+                    - tl.dot(tl.trans(_key_block(W, base, K, 2, C, BKS)), dVt, input_precision=PREC))
+        if NKB > 3:
+            dS_3 = (_block_update(dS_3, decay, Qg, base, K, 3, dOn, C, BKS, PREC)
+                    - tl.dot(tl.trans(_key_block(W, base, K, 3, C, BKS)), dVt, input_precision=PREC))
+    _store_state(dS0, s * H + h, K, V, v0, dS_0, dS_1, dS_2, dS_3, BKS, BV, NKB)
 
 
 @triton.jit
