@@ -271,6 +271,8 @@ def test_empty_sequence_and_bad_input(monkeypatch: pytest.MonkeyPatch) -> None:
         kt.kda_chunk(**bad)
     with pytest.raises(TypeError, match="chunk_size"):
         kt.kda_chunk(**inputs, chunk_size=True)
+    with pytest.raises(ValueError, match="head_dim K = 272.*kernels.kda=torch"):  # past four key blocks of 64
+        kt.kda_chunk(**make_inputs(B=1, T=8, H=1, K=272, V=16, seed=1))
     assert kt.kda_chunk(**inputs)[1] is None
     with pytest.raises(RuntimeError, match="no backward"):
         kt.kda_transition(*(inputs[n].requires_grad_() for n in ("k", "v", "g", "beta")))

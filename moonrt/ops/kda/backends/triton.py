@@ -66,8 +66,8 @@ gradients) and each tf32x3 product stages both TF32 halves of its operands in sh
 sm_90 compiles it to 278,528 B of shared memory (over the 232,448 B a block may use)."""
 
 CHUNK_WARPS = 8
-"""Warps of the per-chunk kernels (terms, grads): their ``[C, C]`` and ``[C, BK]`` tiles spread over 256 threads so
-that they stay in registers at C = 64."""
+"""Warps of the per-chunk kernels (terms, grads): their ``[C, C]`` and ``[C, BK]`` tiles spread over 256 threads
+(registers and spills per kernel: benchmarks/gpu/kda_sm90_resources.py, benchmarks/RESULTS.md)."""
 
 STATE_K_BLOCK = 64
 """Largest key block of the state passes and the transition: the state is held as at most four key blocks
@@ -75,7 +75,7 @@ STATE_K_BLOCK = 64
 
 STATE_V_BLOCK = 64
 """Value columns per program of the state passes and of the transition (their columns, and M's, are independent):
-bounds the ``[KP, 64]`` tile of one program for K = V = 128 heads and adds programs to a sequential pass."""
+bounds the ``[BKS, 64]`` key blocks of one program for K = V = 128 heads and adds programs to a sequential pass."""
 
 STATE_PASS_STAGES = 1
 """Software-pipelining stages of the sequential chunk loops: Triton's default (3 on sm_90) buffers each chunk's

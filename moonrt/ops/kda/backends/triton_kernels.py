@@ -9,8 +9,9 @@ Rows past ``chunk_len`` load as padding tokens that neither decay nor write (g =
 Blocking (sm_90's 232,448 B of shared memory per block, registers without spills; K3_SYSTEMS §2.3.1): the per-chunk
 kernels hold ``[C, C]`` tiles and ``[C, BK]`` / ``[C, BV]`` blocks of the key / value dimensions (BK, BV <= 64,
 loops over the blocks, fla's blocking); products over the key dimension accumulate over its blocks. The state
-passes hold a ``[KP, BV]`` state tile (KP: K rounded up to a power of two; its rows are coupled through ``W S``) and
-split the value columns (and for the transition also the columns of ``M``) over programs.
+passes hold the state as up to four ``[BKS, BV]`` key blocks (fla's ``b_h1 .. b_h4``; its rows are coupled through
+``W S``, so every block is carried in registers) and split the value columns (and for the transition also the
+columns of ``M``) over programs.
 
 Numerics (K3_SYSTEMS §2.3.1): arithmetic in ``DT`` (fp32 for fp32/bf16 inputs, fp64 for fp64 inputs); every
 ``tl.dot`` runs with ``PREC`` (``"tf32x3"`` for fp32: three TF32 tensor-core products per dot, about fp32's
