@@ -43,7 +43,7 @@ def _configs(D: int, old: bool) -> dict[str, tuple[dict[str, str], dict[str, obj
     bv_state = min(kp, kt.STATE_V_BLOCK)
     tok, f32, i64 = "*bf16", "*fp32", "*i64"
     ints = {"H": "i32", "K": "i32", "V": "i32"}
-    common = {"DT": tl.float32} if old else {"DT": tl.float32, "PREC": os.environ.get("KDA_PREC", kt.FP32_DOT)}
+    common = {"DT": tl.float32} if old else {"DT": tl.float32, "PREC": kt.FP32_DOT}
     chunk_opts = {} if old else {"num_warps": kt.CHUNK_WARPS}
     state_opts = {"num_stages": kt.STATE_PASS_STAGES, "num_warps": kt.STATE_WARPS}
     terms_sig = dict(q=tok, k=tok, v=tok, g=tok, beta=tok, chunk_bos=i64, chunk_len=i64, W=f32, U=f32, Kg=f32, Qg=f32,
@@ -103,8 +103,7 @@ def _compile_one(kernels_file: str | None, name: str, D: int, old: bool) -> dict
     stack = re.search(r"STACK:(\d+)", usage)
     ptx = compiled.asm["ptx"]
     return {"kernel": name, "head_dim": D, "shared": compiled.metadata.shared, "regs": int(regs.group(1)),
-            "stack": int(stack.group(1)), "spill_st": len(re.findall(r"st\.local", ptx)),
-            "num_warps": compiled.metadata.num_warps, "compile_s": round(seconds, 1),
+            "stack": int(stack.group(1)), "num_warps": compiled.metadata.num_warps, "compile_s": round(seconds, 1),
             "mma": bool(re.search(r"\b(mma|wgmma)\.", ptx)), "fits": compiled.metadata.shared <= SM90_SHARED_LIMIT}
 
 
