@@ -12,10 +12,12 @@ Triton) run the chunk form of §2.3 on token-major tensors with all sequences pa
    input gradient per chunk (the transposes of 1. and 2.; the log-decay gradient in fp64).
 
 State arithmetic is fp32 for fp32 and bf16 inputs, fp64 for fp64 inputs; outputs and input gradients come back in
-their tensors' dtypes. Every ``tl.dot`` runs with ``input_precision="ieee"`` (no TF32). Per-token log-decays may be
-any value <= 0 including -inf (clamped at :data:`G_FLOOR`, below which every decay factor is 0): the sub-tile of
-the in-chunk decay factorization (:func:`sub_tile_for`) shrinks with the largest ``|g|`` so that no factor exceeds
-``e^(SUB/2 |g|max) <= e^40``; decaying factors are clamped at ``e^-80``.
+their tensors' dtypes. fp32 ``tl.dot`` runs on tensor cores with ``input_precision="tf32x3"`` (:data:`FP32_DOT`,
+about fp32's accuracy: K3_SYSTEMS §2.3.1), fp64 with ``"ieee"``. The kernels rely on K3's gate bound: every
+per-token log-decay in ``[G_LOWER_BOUND, 0] = [-5, 0]`` (K3_SYSTEMS §2.2, fla's ``safe_gate``), which keeps the
+factored in-chunk exponentials of 16-token sub-tiles within ``e^40``; other decays raise one ValueError that names
+``kernels.kda=torch`` (the CPU-exact path for any decay). Tiles are blocked for sm_90's limits (BK, BV <= 64; see
+:func:`block_for`).
 
 CPU tensors run through Triton's interpreter (``TRITON_INTERPRET=1`` set before Triton is imported): that is how
 the tests check these kernels without a GPU.
@@ -43,26 +45,46 @@ from moonrt.ops.kda.terms import check_chunk_size
 from moonrt.ops.kernels import on_tensor_device
 from moonrt.ops.precision import fp32_island
 
-MAX_HALF_TILE_NATS = 40.0
-"""Largest exponent of a diagonal-block factor ``exp(+-(G_r - m))`` (m the sub-tile midpoint): ``SUB/2 * |g|max``
-is kept at or below this, so products of two factors stay below ``e^80 < 3.4e38`` (fp32 max)."""
+G_LOWER_BOUND = -5.0
+"""K3's gate bound (``linear_attn_config.gate_lower_bound``, K3_SYSTEMS §2.2): the Triton path accepts per-token
+log-decays in ``[G_LOWER_BOUND, 0]`` only (a 16-token sub-tile's midpoint factors then stay within ``e^(8 * 5) =
+e^40``, products of two within ``e^80 < 3.4e38``)."""
 
-G_FLOOR = -1000.0
-"""Per-token log-decays are clamped from below here in the kernels (so -inf, e.g. a mask, is accepted): ``exp(-1000)``
-is 0 in fp32 and fp64 alike, so the clamp changes no decay factor, and cumulative sums of clamped values stay finite
-(``G_r - G_c`` of two -inf sums would be NaN)."""
+SUB_TILE = 16
+"""Rows of a sub-tile of the in-chunk decay factorization (the tensor cores' smallest tile; ``SUB/2 * 5 = 40``)."""
 
-MAX_SUB_TILE = 16
-"""Sub-tile rows for K3's gate range (|g| <= 5: 8 * 5 = 40 nats)."""
+FP32_DOT = "tf32x3"
+"""``tl.dot``'s input precision for fp32 arithmetic: three TF32 tensor-core products (``a_hi b_hi + a_hi b_lo +
+a_lo b_hi``), each operand split into two TF32 parts; relative error per product about ``3 * 2^-22`` (K3_SYSTEMS
+§2.3.1), against ``2^-11`` for plain ``"tf32"`` and FMA loops (no tensor cores, spills) for ``"ieee"``."""
+
+MAX_BLOCK = 64
+"""Largest key / value block of the per-chunk kernels (fla's BK, BV): their tiles are ``[C, C]`` and ``[C, 64]``."""
+
+GRADS_MAX_BLOCK = 32
+"""Largest key / value block of the backward's per-chunk kernel: it holds more ``[C, C]`` tiles (A_qk, T_inv, their
+gradients) and each tf32x3 product stages both TF32 halves of its operands in shared memory; at 64-column blocks
+sm_90 compiles it to 278,528 B of shared memory (over the 232,448 B a block may use)."""
+
+CHUNK_WARPS = 8
+"""Warps of the per-chunk kernels (terms, grads): their ``[C, C]`` and ``[C, BK]`` tiles spread over 256 threads
+(registers and spills per kernel: benchmarks/gpu/kda_sm90_resources.py, benchmarks/RESULTS.md)."""
+
+STATE_K_BLOCK = 64
+"""Largest key block of the state passes and the transition: the state is held as at most four key blocks
+(fla's ``b_h1 .. b_h4``), so head sizes up to 256."""
 
 STATE_V_BLOCK = 64
-"""Value columns per program of the state passes (their columns are independent): bounds the tiles of one program
-(shared memory of the fp32 dots) for V = 128 heads and adds programs to a sequential pass."""
+"""Value columns per program of the state passes and of the transition (their columns, and M's, are independent):
+bounds the ``[BKS, 64]`` key blocks of one program for K = V = 128 heads and adds programs to a sequential pass."""
 
 STATE_PASS_STAGES = 1
 """Software-pipelining stages of the sequential chunk loops: Triton's default (3 on sm_90) buffers each chunk's
 tiles three times in shared memory; AOT-compiled for sm_90 at K = V = 128 (value block 64) the forward pass needed
 288 KiB (over the 227 KiB a block may use) with 3 stages and 48 KiB with 1."""
+
+STATE_WARPS = 4
+"""Warps of the state passes and the transition."""
 
 _TRITON_CHUNKS = (16, 32, 64, 128)
 
@@ -93,24 +115,26 @@ def _chunk_len(chunk_size: object) -> int:
     return c
 
 
-def sub_tile_for(g_absmax: float, C: int) -> int:
-    """Sub-tile rows for a chunk of C tokens and per-token log-decays ``|g| <= g_absmax``: the largest power of two
-    ``<= min(MAX_SUB_TILE, C)`` with ``SUB/2 * g_absmax <= MAX_HALF_TILE_NATS`` (1: every in-chunk pair is an
-    off-diagonal block with factors <= 1, any decay)."""
-    sub = min(MAX_SUB_TILE, C)
-    while sub > 1 and sub / 2 * g_absmax > MAX_HALF_TILE_NATS:
-        sub //= 2
-    return sub
+def block_for(D: int, cap: int = MAX_BLOCK) -> int:
+    """Block of a key / value dimension D in the per-chunk kernels: the largest of 64, 32, 16 that is ``<= cap`` and
+    divides D (96 -> 32: three blocks, no padding), else D rounded up to a power of two, at most ``cap`` (masked
+    tail)."""
+    for b in (64, 32, 16):
+        if b <= cap and D % b == 0:
+            return b
+    return min(cap, max(16, 1 << (D - 1).bit_length()))
 
 
-def _decay_absmax(g: torch.Tensor) -> float:
-    """``max |g|`` after the kernels' clamp at :data:`G_FLOOR` (one host sync); ValueError for NaN or +inf."""
+def check_decay_bound(g: torch.Tensor) -> None:
+    """ValueError unless every per-token log-decay is in ``[G_LOWER_BOUND, 0]`` (one host sync): the Triton
+    kernels' factored exponentials need K3's gate bound; ``kernels.kda=torch`` is exact at any decay."""
     if not g.numel():
-        return 0.0
+        return
     lo, hi = (float(x) for x in torch.aminmax(g.detach()))
-    if not (hi < float("inf") and lo == lo):  # NaN fails lo == lo (and aminmax propagates it)
-        raise ValueError(f"g: min {lo}, max {hi}: expected log-decays in [-inf, 0] (no NaN, no +inf)")
-    return max(abs(hi), min(-lo, -G_FLOOR))
+    if not (G_LOWER_BOUND <= lo and hi <= 0.0):  # NaN fails both comparisons
+        raise ValueError(f"g: min {lo}, max {hi}: the Triton KDA needs per-token log-decays in "
+                         f"[{G_LOWER_BOUND}, 0] (K3's gate bound, gate_lower_bound / fla's safe_gate, K3_SYSTEMS "
+                         "§2.2); use kernels.kda=torch for other decays")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -125,6 +149,9 @@ class _Plan:
     SUB: int
     BK: int
     BV: int
+    BKG: int
+    BVG: int
+    BKS: int
     NS: int
     NC: int
     chunk_bos: torch.Tensor
@@ -136,6 +163,19 @@ class _Plan:
         import triton.language as tl
 
         return tl.float64 if self.dtype == torch.float64 else tl.float32
+
+    @property
+    def NKB(self) -> int:
+        """Key blocks of the state passes' state (at most 4)."""
+        return triton_cdiv(self.K, self.BKS)
+
+    def state_tiles(self) -> dict[str, int]:
+        """The state passes' tile constexprs: key blocks ``BKS`` x ``NKB`` and value columns ``BV`` per program."""
+        return dict(BKS=self.BKS, NKB=self.NKB, BV=min(STATE_V_BLOCK, max(16, 1 << (self.V - 1).bit_length())))
+
+    def prec(self) -> str:
+        """``tl.dot``'s input precision: :data:`FP32_DOT` for fp32 arithmetic, ``"ieee"`` for fp64."""
+        return "ieee" if self.dtype == torch.float64 else FP32_DOT
 
 
 def _make_plan(lens: list[int], C: int, H: int, K: int, V: int, g: torch.Tensor, dtype: torch.dtype) -> _Plan:
@@ -152,8 +192,13 @@ def _make_plan(lens: list[int], C: int, H: int, K: int, V: int, g: torch.Tensor,
     def ints(x: list[int]) -> torch.Tensor:
         return torch.tensor(x or [0], dtype=torch.int64, device=dev)
 
-    return _Plan(H=H, K=K, V=V, C=C, SUB=sub_tile_for(_decay_absmax(g), C), BK=max(16, 1 << (K - 1).bit_length()),
-                 BV=max(16, 1 << (V - 1).bit_length()), NS=len(lens), NC=len(bos),
+    check_decay_bound(g)
+    if K > 4 * STATE_K_BLOCK:
+        raise ValueError(f"head_dim K = {K}: the Triton KDA holds a state in at most 4 key blocks of "
+                         f"{STATE_K_BLOCK} (K <= {4 * STATE_K_BLOCK}); use kernels.kda=torch")
+    return _Plan(H=H, K=K, V=V, C=C, SUB=min(SUB_TILE, C), BK=block_for(K), BV=block_for(V),
+                 BKG=block_for(K, GRADS_MAX_BLOCK), BVG=block_for(V, GRADS_MAX_BLOCK),
+                 BKS=block_for(K, STATE_K_BLOCK), NS=len(lens), NC=len(bos),
                  chunk_bos=ints(bos), chunk_len=ints(cnt), seq_chunk0=ints(first), dtype=dtype)
 
 
@@ -185,7 +230,7 @@ def _terms(p: _Plan, q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, g
         _kernels().chunk_terms_kernel[(p.NC, p.H)](
             q if has_q else k, k, v, g, beta, p.chunk_bos, p.chunk_len, t.W, t.U, t.Kg, t.Qg, t.A_qk, t.A_kk,
             t.T_inv, t.decay, _scalar(scale, p, k.device), p.H, p.K, p.V, C=p.C, BK=p.BK, BV=p.BV, SUB=p.SUB,
-            HAS_Q=has_q, DT=p.tl_dtype())
+            HAS_Q=has_q, DT=p.tl_dtype(), PREC=p.prec(), num_warps=CHUNK_WARPS)
     return t
 
 
@@ -205,12 +250,12 @@ def _state_fwd(p: _Plan, t: _Terms, S0: torch.Tensor | None, O: torch.Tensor | N
     dev = t.W.device
     S_in = torch.empty(max(p.NC, 1) if store_s_in else 1, p.H, p.K, p.V, dtype=p.dtype, device=dev)
     S_final = torch.empty(p.NS, p.H, p.K, p.V, dtype=p.dtype, device=dev)
-    bv = min(p.BV, STATE_V_BLOCK)
-    _kernels().state_fwd_kernel[(p.NS, p.H, triton_cdiv(p.V, bv))](
+    tiles = p.state_tiles()
+    _kernels().state_fwd_kernel[(p.NS, p.H, triton_cdiv(p.V, tiles["BV"]))](
         t.W, t.U, t.Kg, t.Qg, t.A_qk, t.decay, S_final if S0 is None else S0.contiguous(), S_in,
         _placeholder(O) if O is not None else S_in, S_final, p.seq_chunk0, p.chunk_bos, p.chunk_len, p.H, p.K, p.V,
-        C=p.C, BK=p.BK, BV=bv, HAS_S0=S0 is not None, HAS_Q=O is not None, STORE_S_IN=store_s_in,
-        DT=p.tl_dtype(), num_stages=STATE_PASS_STAGES)
+        C=p.C, **tiles, HAS_S0=S0 is not None, HAS_Q=O is not None, STORE_S_IN=store_s_in,
+        DT=p.tl_dtype(), PREC=p.prec(), num_stages=STATE_PASS_STAGES, num_warps=STATE_WARPS)
     return S_in, S_final
 
 
@@ -219,12 +264,12 @@ def _state_bwd(p: _Plan, t: _Terms, dO: torch.Tensor, d_final: torch.Tensor | No
     dev = t.W.device
     dS0 = torch.empty(p.NS, p.H, p.K, p.V, dtype=p.dtype, device=dev)
     dS_out = torch.empty(max(p.NC, 1) if store_ds_out else 1, p.H, p.K, p.V, dtype=p.dtype, device=dev)
-    bv = min(p.BV, STATE_V_BLOCK)
-    _kernels().state_bwd_kernel[(p.NS, p.H, triton_cdiv(p.V, bv))](
+    tiles = p.state_tiles()
+    _kernels().state_bwd_kernel[(p.NS, p.H, triton_cdiv(p.V, tiles["BV"]))](
         t.W, t.Kg, t.Qg, t.A_qk, t.decay, _placeholder(dO.contiguous()),
         dS0 if d_final is None else d_final.contiguous(), dS0, dS_out, p.seq_chunk0, p.chunk_bos, p.chunk_len,
-        p.H, p.K, p.V, C=p.C, BK=p.BK, BV=bv, HAS_D_FINAL=d_final is not None, STORE_DS_OUT=store_ds_out,
-        DT=p.tl_dtype(), num_stages=STATE_PASS_STAGES)
+        p.H, p.K, p.V, C=p.C, **tiles, HAS_D_FINAL=d_final is not None, STORE_DS_OUT=store_ds_out,
+        DT=p.tl_dtype(), PREC=p.prec(), num_stages=STATE_PASS_STAGES, num_warps=STATE_WARPS)
     return dS0, dS_out
 
 
@@ -256,10 +301,12 @@ class _ChunkKDA(torch.autograd.Function):
         dS0, dS_out = _state_bwd(p, terms, dO, d_final.to(p.dtype), store_ds_out=True)
         grads = [torch.empty_like(x) for x in (q, k, v, g, beta)]
         if p.NC:
+            Vt_buf, dVt_buf = torch.empty_like(terms.U), torch.empty_like(terms.U)  # the kernel's scratch
             _kernels().chunk_grads_kernel[(p.NC, p.H)](
                 q, k, v, g, beta, p.chunk_bos, p.chunk_len, terms.W, terms.U, terms.Kg, terms.Qg, terms.A_qk,
-                terms.A_kk, terms.T_inv, terms.decay, S_in, dS_out, dO.contiguous(), *grads,
-                _scalar(ctx.scale, p, q.device), p.H, p.K, p.V, C=p.C, BK=p.BK, BV=p.BV, SUB=p.SUB, DT=p.tl_dtype())
+                terms.A_kk, terms.T_inv, terms.decay, S_in, dS_out, dO.contiguous(), Vt_buf, dVt_buf, *grads,
+                _scalar(ctx.scale, p, q.device), p.H, p.K, p.V, C=p.C, BK=p.BKG, BV=p.BVG, SUB=p.SUB, DT=p.tl_dtype(),
+                PREC=p.prec(), num_warps=CHUNK_WARPS)
         need = ctx.needs_input_grad
         dS0 = dS0.to(ctx.s0_dtype) if ctx.s0_dtype is not None and need[5] else None
         return (*(gr if need[i] else None for i, gr in enumerate(grads)), dS0, None, None)
@@ -295,7 +342,7 @@ def kda_chunk(
     ``state_v_first``).
 
     Args:
-        q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g: ``[B, T, H, K]`` log-decays (<= 0, -inf allowed); beta:
+        q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g: ``[B, T, H, K]`` log-decays in [-5, 0] (K3's gate bound); beta:
             ``[B, T, H]``.
         scale: query scale, default ``K ** -0.5``.
         initial_state: ``[B, H, K, V]`` (``[N, H, K, V]`` with ``cu_seqlens``) or None (zeros).
@@ -393,10 +440,12 @@ def kda_transition(
         terms = _terms(plan, None, k2, v2, g2, beta.detach().reshape(B * T, H).contiguous(), 1.0)
         M = torch.empty(B, H, K, K, dtype=dtype, device=k.device)
         S = torch.empty(B, H, K, V, dtype=dtype, device=k.device)
-        _kernels().transition_kernel[(B, H)](
-            terms.W, terms.U, terms.Kg, terms.decay, M, S, plan.seq_chunk0, H, K, V, C=C, BK=plan.BK, BV=plan.BV,
-            DT=plan.tl_dtype(), num_stages=STATE_PASS_STAGES)
+        bv = min(STATE_V_BLOCK, max(16, 1 << (max(K, V) - 1).bit_length()))  # columns of M and of S_ext
+        _kernels().transition_kernel[(B, H, triton_cdiv(K, bv) + triton_cdiv(V, bv))](
+            terms.W, terms.U, terms.Kg, terms.decay, M, S, plan.seq_chunk0, H, K, V, C=C, BKS=plan.BKS,
+            NKB=plan.NKB, BV=bv, DT=plan.tl_dtype(), PREC=plan.prec(), num_stages=STATE_PASS_STAGES,
+            num_warps=STATE_WARPS)
     return M, S
 
 
-__all__ = ["kda_chunk", "kda_state_grad", "kda_transition", "sub_tile_for"]
+__all__ = ["block_for", "check_decay_bound", "kda_chunk", "kda_state_grad", "kda_transition"]

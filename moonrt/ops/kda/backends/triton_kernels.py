@@ -6,13 +6,21 @@ are ``[NS, H, K, V]`` or ``[NC, H, K, V]``. ``chunk_bos [NC]`` (int64) is each c
 ``chunk_len [NC]`` its token count (<= C), ``seq_chunk0 [NS + 1]`` (int64) the first chunk of each sequence.
 Rows past ``chunk_len`` load as padding tokens that neither decay nor write (g = k = q = v = beta = 0).
 
-Numerics (as the CPU kernel, :mod:`moonrt.ops.kda.terms`): arithmetic in ``DT`` (fp32 for fp32/bf16 inputs, fp64 for
-fp64 inputs), every ``tl.dot`` with ``input_precision=IEEE`` (no TF32 on GPUs); the in-chunk cumulative log-decay
-``G`` in fp64 so that each exponent is a difference of fp64 sums rounded once; in-chunk decays ``exp(G_r - G_c)``
-enter the matmuls factored through sub-tiles of ``SUB`` rows: diagonal blocks with a midpoint reference (factors
-within ``e^(SUB/2 * |g_min|)``), off-diagonal blocks with the reference ``b_i`` = G before sub-tile i (factors <= 1,
-exponents clamped at ``LOG_FLOOR``). The blocks are formed as full ``[C, C]`` products with masks (``tl.where``, so a
-masked entry that overflowed never reaches a result). The gradient of G is summed in fp64.
+Blocking (sm_90's 232,448 B of shared memory per block, registers without spills; K3_SYSTEMS §2.3.1): the per-chunk
+kernels hold ``[C, C]`` tiles and ``[C, BK]`` / ``[C, BV]`` blocks of the key / value dimensions (BK, BV <= 64,
+loops over the blocks, fla's blocking); products over the key dimension accumulate over its blocks. The state
+passes hold the state as up to four ``[BKS, BV]`` key blocks (fla's ``b_h1 .. b_h4``; its rows are coupled through
+``W S``, so every block is carried in registers) and split the value columns (and for the transition also the
+columns of ``M``) over programs.
+
+Numerics (K3_SYSTEMS §2.3.1): arithmetic in ``DT`` (fp32 for fp32/bf16 inputs, fp64 for fp64 inputs); every
+``tl.dot`` runs with ``PREC`` (``"tf32x3"`` for fp32: three TF32 tensor-core products per dot, about fp32's
+accuracy; ``"ieee"`` for fp64); the in-chunk cumulative log-decay ``G`` in fp64 so that each exponent is a difference
+of fp64 sums rounded once; in-chunk decays ``exp(G_r - G_c)`` enter the matmuls factored through sub-tiles of ``SUB``
+rows: diagonal blocks with a midpoint reference (factors within ``e^(SUB/2 * 5)`` under K3's gate bound
+``g >= -5``, which the host checks), off-diagonal blocks with the reference ``b_i`` = G before sub-tile i (factors
+<= 1, exponents clamped at ``LOG_FLOOR``). The blocks are formed as full ``[C, C]`` products with masks
+(``tl.where``). The gradient of G is summed in fp64.
 """
 
 from __future__ import annotations
@@ -23,31 +31,41 @@ import triton.language as tl
 LOG_FLOOR = tl.constexpr(-80.0)
 """Exponents of decaying factors are clamped from below here (as :data:`moonrt.ops.kda.terms.LOG_FLOOR`)."""
 
-G_FLOOR = tl.constexpr(-1000.0)
-"""Per-token log-decays are clamped from below here (:data:`moonrt.ops.kda.backends.triton.G_FLOOR`: ``exp(-1000) =
-0``)."""
 
-IEEE = tl.constexpr("ieee")
-"""``tl.dot``'s input precision for every product: full fp32 (a GPU would otherwise round fp32 operands to TF32)."""
+@triton.jit
+def _tile(ptr, R, D, r0, d0, BR: tl.constexpr, BD: tl.constexpr):
+    """Block pointer to rows ``r0 ..``, columns ``d0 ..`` (``[BR, BD]``) of a row-major ``[R, D]`` tile at ``ptr``:
+    loads through :func:`_ld` pad with zeros past R, D. (Offsets from block pointers are scalars; index tiles
+    hoisted out of the state passes' loops would hold registers across them.)"""
+    return tl.make_block_ptr(ptr, (R, D), (D, 1), (r0, d0), (BR, BD), (1, 0))
 
 
 @triton.jit
-def _load_chunk(ptr, bos, ln, h, H, D, r, d, DT: tl.constexpr):
-    """Tokens ``bos .. bos + ln`` of head h of a token-major ``[T, H, D]`` tensor as ``[C, BD]`` in DT (zeros past)."""
-    mask = (r[:, None] < ln) & (d[None, :] < D)
-    return tl.load(ptr + ((bos + r[:, None]) * H + h) * D + d[None, :], mask=mask, other=0.0).to(DT)
+def _ld(bp):
+    return tl.load(bp, boundary_check=(0, 1), padding_option="zero")
 
 
 @triton.jit
-def _store_chunk(ptr, x, bos, ln, h, H, D, r, d):
-    mask = (r[:, None] < ln) & (d[None, :] < D)
-    tl.store(ptr + ((bos + r[:, None]) * H + h) * D + d[None, :], x.to(ptr.dtype.element_ty), mask=mask)
+def _st(bp, x):
+    tl.store(bp, x, boundary_check=(0, 1))
 
 
 @triton.jit
-def _tile_offsets(base, R, D, r, d):
-    """Offsets of a ``[R, D]`` tile starting at ``base`` and its mask (``d < D``)."""
-    return base + r[:, None] * D + d[None, :], (r[:, None] < R) & (d[None, :] < D)
+def _chunk_tile(ptr, bos, ln, h, H, D, d0, C: tl.constexpr, BD: tl.constexpr):
+    """Block pointer to tokens ``bos .. bos + ln`` (``[C]`` rows, padded past ln), columns ``d0 ..`` of head h of a
+    token-major ``[T, H, D]`` tensor."""
+    return tl.make_block_ptr(ptr + (bos * H + h) * D, (ln, D), (H * D, 1), (0, d0), (C, BD), (1, 0))
+
+
+@triton.jit
+def _load_chunk(ptr, bos, ln, h, H, D, d0, C: tl.constexpr, BD: tl.constexpr, DT: tl.constexpr):
+    """``[C, BD]`` in DT of :func:`_chunk_tile` (zeros past the chunk's tokens and D)."""
+    return _ld(_chunk_tile(ptr, bos, ln, h, H, D, d0, C, BD)).to(DT)
+
+
+@triton.jit
+def _store_chunk(ptr, x, bos, ln, h, H, D, d0, C: tl.constexpr, BD: tl.constexpr):
+    _st(_chunk_tile(ptr, bos, ln, h, H, D, d0, C, BD), x.to(ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -71,36 +89,38 @@ def _offdiag_factors(G, r, i, SUB: tl.constexpr, DT: tl.constexpr):
 
 
 @triton.jit
-def _decayed_products(a, kk, G, r, C: tl.constexpr, SUB: tl.constexpr, DT: tl.constexpr):
-    """``[C, C]``: ``sum_d a_rd k_cd exp(G_rd - G_cd)`` for c < r, 0 elsewhere (the sub-tile factorization)."""
+def _decayed_products(a, kk, G, r, C: tl.constexpr, SUB: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
+    """``[C, C]``: ``sum_d a_rd k_cd exp(G_rd - G_cd)`` over this key block for c < r, 0 elsewhere (the sub-tile
+    factorization)."""
     rows = r[:, None]
     cols = r[None, :]
     out = tl.zeros([C, C], dtype=DT)
     if SUB > 1:
         x_pos = (G - _midpoints(G, r, C, SUB)).to(DT)
-        blk = tl.dot(a * tl.exp(x_pos), tl.trans(kk * tl.exp(-x_pos)), input_precision=IEEE)
+        blk = tl.dot(a * tl.exp(x_pos), tl.trans(kk * tl.exp(-x_pos)), input_precision=PREC)
         out = tl.where((rows > cols) & (rows // SUB == cols // SUB), blk, out)
     for i in range(1, C // SUB):
         row_f, col_f = _offdiag_factors(G, r, i, SUB, DT)
-        blk = tl.dot(a * row_f, tl.trans(kk * col_f), input_precision=IEEE)
+        blk = tl.dot(a * row_f, tl.trans(kk * col_f), input_precision=PREC)
         out = tl.where((rows // SUB == i) & (cols < i * SUB), blk, out)
     return out
 
 
 @triton.jit
-def _block_products_bwd(dA_k, dA_q, blk, kk, qs, row_f, col_f):
+def _block_products_bwd(dA_k, dA_q, blk, kk, qs, row_f, col_f, PREC: tl.constexpr):
     """One factored block of :func:`_decayed_products` (entries ``blk``, ``A = (a row_f) (k col_f)^T``) backward, for
     ``A_kk`` (rows k) and ``A_qk`` (rows qs): its ``(dk_row, dqs_row, dk_col)`` terms, each multiplied by its factor."""
     dk_b = tl.where(blk, dA_k, 0.0)
     dq_b = tl.where(blk, dA_q, 0.0)
     k_col = kk * col_f
-    return (tl.dot(dk_b, k_col, input_precision=IEEE) * row_f, tl.dot(dq_b, k_col, input_precision=IEEE) * row_f,
-            (tl.dot(tl.trans(dk_b), kk * row_f, input_precision=IEEE)
-             + tl.dot(tl.trans(dq_b), qs * row_f, input_precision=IEEE)) * col_f)
+    return (tl.dot(dk_b, k_col, input_precision=PREC) * row_f, tl.dot(dq_b, k_col, input_precision=PREC) * row_f,
+            (tl.dot(tl.trans(dk_b), kk * row_f, input_precision=PREC)
+             + tl.dot(tl.trans(dq_b), qs * row_f, input_precision=PREC)) * col_f)
 
 
 @triton.jit
-def _decayed_products_bwd(dA_k, dA_q, kk, qs, G, r, C: tl.constexpr, SUB: tl.constexpr, DT: tl.constexpr):
+def _decayed_products_bwd(dA_k, dA_q, kk, qs, G, r, C: tl.constexpr, SUB: tl.constexpr, DT: tl.constexpr,
+                          PREC: tl.constexpr):
     """Backward of :func:`_decayed_products` for ``A_kk`` (rows k) and the strictly lower ``A_qk`` (rows qs) given
     their gradients (zero outside c < r): ``(dk_row, dqs_row, dk_col)`` ``[C, BK]`` each, already multiplied by its
     factor, so that the log-decay gradient is ``k dk_row + qs dqs_row - k dk_col``."""
@@ -113,14 +133,14 @@ def _decayed_products_bwd(dA_k, dA_q, kk, qs, G, r, C: tl.constexpr, SUB: tl.con
         x_pos = (G - _midpoints(G, r, C, SUB)).to(DT)
         e_pos = tl.exp(x_pos)
         e_neg = tl.exp(-x_pos)
-        d_kr, d_qr, d_kc = _block_products_bwd(dA_k, dA_q, rows // SUB == cols // SUB, kk, qs, e_pos, e_neg)
+        d_kr, d_qr, d_kc = _block_products_bwd(dA_k, dA_q, rows // SUB == cols // SUB, kk, qs, e_pos, e_neg, PREC)
         dk_row += d_kr
         dq_row += d_qr
         dk_col += d_kc
     for i in range(1, C // SUB):
         row_f, col_f = _offdiag_factors(G, r, i, SUB, DT)
         d_kr, d_qr, d_kc = _block_products_bwd(dA_k, dA_q, (rows // SUB == i) & (cols < i * SUB), kk, qs, row_f,
-                                               col_f)
+                                               col_f, PREC)
         dk_row += d_kr
         dq_row += d_qr
         dk_col += d_kc
@@ -128,7 +148,7 @@ def _decayed_products_bwd(dA_k, dA_q, kk, qs, G, r, C: tl.constexpr, SUB: tl.con
 
 
 @triton.jit
-def _unit_lower_inverse(L, r, C: tl.constexpr, DT: tl.constexpr):
+def _unit_lower_inverse(L, r, C: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
     """``(I + L)^-1`` for strictly lower ``L [C, C]``: forward substitution inside the diagonal 16 x 16 blocks (all
     blocks at once, one row of each per step), then block forward substitution for the blocks below the diagonal
     (``X_bj = -D_b^-1 sum_{k<b} L_bk X_kj``)."""
@@ -138,25 +158,32 @@ def _unit_lower_inverse(L, r, C: tl.constexpr, DT: tl.constexpr):
     L_diag = tl.where(rows // 16 == cols // 16, L, 0.0)
     X = eye
     for i in range(1, 16):
-        X = tl.where((r % 16 == i)[:, None], eye - tl.dot(L_diag, X, input_precision=IEEE), X)
+        X = tl.where((r % 16 == i)[:, None], eye - tl.dot(L_diag, X, input_precision=PREC), X)
     D_inv = X  # block diagonal
     for b in range(1, C // 16):
         in_b = (rows // 16 == b)
-        Y = tl.dot(tl.where(in_b & (cols < b * 16), L, 0.0), X, input_precision=IEEE)
-        Z = tl.dot(tl.where(in_b, D_inv, 0.0), Y, input_precision=IEEE)
+        Y = tl.dot(tl.where(in_b & (cols < b * 16), L, 0.0), X, input_precision=PREC)
+        Z = tl.dot(tl.where(in_b, D_inv, 0.0), Y, input_precision=PREC)
         X = tl.where(in_b & (cols < b * 16), -Z, X)
     return X
 
 
 @triton.jit
-def _chunk_inputs(q, k, g, beta, bos, ln, h, H, K, r, dk, scale, DT: tl.constexpr):
-    """A chunk's ``k``, ``scale q``, ``beta`` (DT) and fp64 in-chunk inclusive cumulative log-decay ``G``. ``scale``
-    is loaded from a one-element DT tensor by the caller (a Python float argument would be an fp32 scalar)."""
-    kk = _load_chunk(k, bos, ln, h, H, K, r, dk, DT)
-    qs = _load_chunk(q, bos, ln, h, H, K, r, dk, DT) * scale
-    G = tl.cumsum(tl.maximum(_load_chunk(g, bos, ln, h, H, K, r, dk, tl.float64), G_FLOOR), axis=0)
-    bb = tl.load(beta + (bos + r) * H + h, mask=r < ln, other=0.0).to(DT)
-    return kk, qs, G, bb
+def _chunk_keys(q, k, g, bos, ln, h, H, K, k0, scale, C: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr):
+    """A chunk's key columns ``k0 .. k0 + BK``: ``k``, ``scale q`` (DT) and the fp64 in-chunk inclusive cumulative
+    log-decay ``G``. ``scale`` is loaded from a one-element DT tensor by the caller (a Python float argument would be
+    an fp32 scalar)."""
+    kk = _load_chunk(k, bos, ln, h, H, K, k0, C, BK, DT)
+    qs = _load_chunk(q, bos, ln, h, H, K, k0, C, BK, DT) * scale
+    G = tl.cumsum(_load_chunk(g, bos, ln, h, H, K, k0, C, BK, tl.float64), axis=0)
+    return kk, qs, G
+
+
+@triton.jit
+def _decay_factors(G, r, C: tl.constexpr, DT: tl.constexpr):
+    """``exp(G)``, ``exp(G_C - G)`` ``[C, BK]`` and ``G_C`` ``[BK]`` (fp64, G after the chunk's last row)."""
+    G_C = tl.sum(tl.where(r[:, None] == C - 1, G, 0.0), axis=0)
+    return (tl.exp(tl.maximum(G, LOG_FLOOR).to(DT)), tl.exp(tl.maximum(G_C[None, :] - G, LOG_FLOOR).to(DT)), G_C)
 
 
 @triton.jit
@@ -177,237 +204,325 @@ def _sequence_program(seq_chunk0):
 
 
 @triton.jit
-def _value_block(BV: tl.constexpr):
-    """This program's block of BV value columns (program id 2): the columns of a state are independent."""
-    return tl.program_id(2) * BV + tl.arange(0, BV)
+def _key_block(ptr, base, K, i, C: tl.constexpr, BKS: tl.constexpr):
+    """Key block i (``[C, BKS]``, zero past K) of chunk ``base``'s ``[C, K]`` tile of a ``[NC, H, C, K]`` tensor."""
+    return _ld(_tile(ptr + base * C * K, C, K, 0, i * BKS, C, BKS))
 
 
 @triton.jit
-def _state_pass_start(S_init, s, h, H, K, V, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                      HAS_INIT: tl.constexpr, DT: tl.constexpr):
-    """Start of a per-sequence state pass over this program's block of value columns: the index vectors ``r``
-    (chunk rows), ``dk`` (key rows), ``dv`` (:func:`_value_block`), the offsets and mask of the sequence's state tile,
-    and the ``[BK, BV]`` state entering the pass (loaded from ``S_init`` with ``HAS_INIT``, else zeros)."""
-    r = tl.arange(0, C)
-    dk = tl.arange(0, BK)
-    dv = _value_block(BV)
-    os_, ms = _tile_offsets((s * H + h) * K * V, K, V, dk, dv)
-    S = tl.zeros([BK, BV], dtype=DT)
-    if HAS_INIT:
-        S = tl.load(S_init + os_, mask=ms, other=0.0).to(DT)
-    return r, dk, dv, os_, ms, S
+def _decay_block(decay, base, K, i, BKS: tl.constexpr):
+    """Key block i of chunk ``base``'s ``decay [K]`` as a ``[BKS, 1]`` column (zero past K)."""
+    dk = i * BKS + tl.arange(0, BKS)
+    return tl.load(decay + base * K + dk, mask=dk < K, other=0.0)[:, None]
 
 
 @triton.jit
-def _transition_tiles(W, Kg, decay, base, C: tl.constexpr, K, ck, mk, dk):
-    """Chunk ``base``'s ``W [C, BK]``, ``Kg^T [BK, C]`` and ``decay [BK]``: its transition is
-    ``M_n X = Diag(decay) X - Kg^T (W X)``."""
-    Wn = tl.load(W + base * C * K + ck, mask=mk, other=0.0)
-    KgT = tl.trans(tl.load(Kg + base * C * K + ck, mask=mk, other=0.0))
-    dec = tl.load(decay + base * K + dk, mask=dk < K, other=0.0)
-    return Wn, KgT, dec
+def _state_block(ptr, sbase, K, V, i, v0, BKS: tl.constexpr, BV: tl.constexpr):
+    """Block pointer to rows ``i BKS ..``, columns ``v0 ..`` of the ``[K, V]`` state at ``ptr + sbase * K * V``."""
+    return _tile(ptr + sbase * K * V, K, V, i * BKS, v0, BKS, BV)
 
 
 @triton.jit
-def _state_step(S, U, base, Wn, KgT, dec, C: tl.constexpr, V, cv, mv):
-    """One chunk of the forward state pass: ``(S_{n+1}, V~)`` with ``V~ = U - W S_n`` and
-    ``S_{n+1} = Diag(decay) S_n + Kg^T V~`` (the tiles of :func:`_transition_tiles`)."""
-    Vt = tl.load(U + base * C * V + cv, mask=mv, other=0.0) - tl.dot(Wn, S, input_precision=IEEE)
-    return dec[:, None] * S + tl.dot(KgT, Vt, input_precision=IEEE), Vt
+def _store_state(ptr, sbase, K, V, v0, S0, S1, S2, S3, BKS: tl.constexpr, BV: tl.constexpr, NKB: tl.constexpr):
+    """Store the key blocks ``S0 .. S{NKB-1}`` ``[BKS, BV]`` of a state's columns ``v0 ..``."""
+    _st(_state_block(ptr, sbase, K, V, 0, v0, BKS, BV), S0)
+    if NKB > 1:
+        _st(_state_block(ptr, sbase, K, V, 1, v0, BKS, BV), S1)
+    if NKB > 2:
+        _st(_state_block(ptr, sbase, K, V, 2, v0, BKS, BV), S2)
+    if NKB > 3:
+        _st(_state_block(ptr, sbase, K, V, 3, v0, BKS, BV), S3)
+
+
+@triton.jit
+def _load_state(ptr, sbase, K, V, v0, BKS: tl.constexpr, BV: tl.constexpr, NKB: tl.constexpr, DT: tl.constexpr):
+    """The key blocks of a state's columns ``v0 ..`` (zeros past NKB blocks)."""
+    S0 = _ld(_state_block(ptr, sbase, K, V, 0, v0, BKS, BV)).to(DT)
+    S1 = tl.zeros([BKS, BV], dtype=DT)
+    S2 = tl.zeros([BKS, BV], dtype=DT)
+    S3 = tl.zeros([BKS, BV], dtype=DT)
+    if NKB > 1:
+        S1 = _ld(_state_block(ptr, sbase, K, V, 1, v0, BKS, BV)).to(DT)
+    if NKB > 2:
+        S2 = _ld(_state_block(ptr, sbase, K, V, 2, v0, BKS, BV)).to(DT)
+    if NKB > 3:
+        S3 = _ld(_state_block(ptr, sbase, K, V, 3, v0, BKS, BV)).to(DT)
+    return S0, S1, S2, S3
+
+
+@triton.jit
+def _times_state(ptr, base, K, S0, S1, S2, S3, C: tl.constexpr, BKS: tl.constexpr, NKB: tl.constexpr,
+                 PREC: tl.constexpr):
+    """``X S`` for chunk ``base``'s ``X [C, K]`` (``W``, ``Qg`` or ``Kg``) and a state in key blocks: the sum over
+    the blocks of ``[C, BKS] @ [BKS, BV]``."""
+    acc = tl.dot(_key_block(ptr, base, K, 0, C, BKS), S0, input_precision=PREC)
+    if NKB > 1:
+        acc += tl.dot(_key_block(ptr, base, K, 1, C, BKS), S1, input_precision=PREC)
+    if NKB > 2:
+        acc += tl.dot(_key_block(ptr, base, K, 2, C, BKS), S2, input_precision=PREC)
+    if NKB > 3:
+        acc += tl.dot(_key_block(ptr, base, K, 3, C, BKS), S3, input_precision=PREC)
+    return acc
+
+
+@triton.jit
+def _block_update(S, decay, ptr, base, K, i, Y, C: tl.constexpr, BKS: tl.constexpr, PREC: tl.constexpr):
+    """Key block i of ``Diag(decay) S + X^T Y`` for chunk ``base``'s ``X [C, K]`` (``Kg``, ``Qg`` or ``W``)."""
+    return (_decay_block(decay, base, K, i, BKS) * S
+            + tl.dot(tl.trans(_key_block(ptr, base, K, i, C, BKS)), Y, input_precision=PREC))
 
 
 @triton.jit
 def chunk_terms_kernel(q, k, v, g, beta, chunk_bos, chunk_len, W, U, Kg, Qg, A_qk, A_kk, T_inv, decay, scale,
                        H, K, V, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SUB: tl.constexpr,
-                       HAS_Q: tl.constexpr, DT: tl.constexpr):
+                       HAS_Q: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
     """Per chunk and head (grid ``(NC, H)``), K3_SYSTEMS §2.3 steps 1-3, 5-6: ``A_kk`` (strictly lower), the UT
     transform ``T_inv = (I + Diag(beta) A_kk)^-1``, ``W = T_inv Diag(beta) exp(G) K``, ``U = T_inv Diag(beta) V``,
     ``Kg = exp(G_C - G) K``, ``decay = exp(G_C)`` and with ``HAS_Q`` ``Qg = scale Q exp(G)`` and ``A_qk`` (lower,
-    exact diagonal ``scale q_r . k_r``)."""
+    exact diagonal ``scale q_r . k_r``). The ``[C, C]`` products accumulate over blocks of BK key columns; the
+    ``[C, K]`` / ``[C, V]`` results are formed per block of BK / BV columns."""
     n, h, bos, ln = _chunk_program(chunk_bos, chunk_len)
     r = tl.arange(0, C)
-    dk = tl.arange(0, BK)
-    dv = tl.arange(0, BV)
-    kk, qs, G, bb = _chunk_inputs(q, k, g, beta, bos, ln, h, H, K, r, dk, tl.load(scale).to(DT), DT)
-    vv = _load_chunk(v, bos, ln, h, H, V, r, dv, DT)
-    A = _decayed_products(kk, kk, G, r, C, SUB, DT)
-    Ti = _unit_lower_inverse(A * bb[:, None], r, C, DT)
-    eG = tl.exp(tl.maximum(G, LOG_FLOOR).to(DT))
-    G_C = tl.sum(tl.where(r[:, None] == C - 1, G, 0.0), axis=0)
-    eCG = tl.exp(tl.maximum(G_C[None, :] - G, LOG_FLOOR).to(DT))
+    rows = r[:, None]
+    cols = r[None, :]
+    sc = tl.load(scale).to(DT)
+    bb = tl.load(beta + (bos + r) * H + h, mask=r < ln, other=0.0).to(DT)
+    A = tl.zeros([C, C], dtype=DT)
+    Aq = tl.zeros([C, C], dtype=DT)
+    diag = tl.zeros([C], dtype=DT)
+    for kb in range(0, tl.cdiv(K, BK)):
+        kk, qs, G = _chunk_keys(q, k, g, bos, ln, h, H, K, kb * BK, sc, C, BK, DT)
+        A += _decayed_products(kk, kk, G, r, C, SUB, DT, PREC)
+        if HAS_Q:
+            Aq += _decayed_products(qs, kk, G, r, C, SUB, DT, PREC)
+            diag += tl.sum(qs * kk, axis=1)
+    Ti = _unit_lower_inverse(A * bb[:, None], r, C, DT, PREC)
     base = n * H + h
-    ok, mk = _tile_offsets(base * C * K, C, K, r, dk)
-    ov, mv = _tile_offsets(base * C * V, C, V, r, dv)
-    oc, mc = _tile_offsets(base * C * C, C, C, r, r)
-    tl.store(W + ok, tl.dot(Ti, eG * kk * bb[:, None], input_precision=IEEE), mask=mk)
-    tl.store(U + ov, tl.dot(Ti, vv * bb[:, None], input_precision=IEEE), mask=mv)
-    tl.store(Kg + ok, eCG * kk, mask=mk)
-    tl.store(A_kk + oc, A, mask=mc)
-    tl.store(T_inv + oc, Ti, mask=mc)
-    tl.store(decay + base * K + dk, tl.exp(tl.maximum(G_C, LOG_FLOOR).to(DT)), mask=dk < K)
+    _st(_tile(A_kk + base * C * C, C, C, 0, 0, C, C), A)
+    _st(_tile(T_inv + base * C * C, C, C, 0, 0, C, C), Ti)
     if HAS_Q:
-        tl.store(Qg + ok, qs * eG, mask=mk)
-        Aq = _decayed_products(qs, kk, G, r, C, SUB, DT)
-        Aq = tl.where(r[:, None] == r[None, :], tl.sum(qs * kk, axis=1)[:, None], Aq)
-        tl.store(A_qk + oc, Aq, mask=mc)
-
-
-@triton.jit
-def _load_tile(ptr, base, R, D, r, d):
-    off, mask = _tile_offsets(base, R, D, r, d)
-    return tl.load(ptr + off, mask=mask, other=0.0)
+        _st(_tile(A_qk + base * C * C, C, C, 0, 0, C, C), tl.where(rows == cols, diag[:, None], Aq))
+    for kb in range(0, tl.cdiv(K, BK)):
+        kk, qs, G = _chunk_keys(q, k, g, bos, ln, h, H, K, kb * BK, sc, C, BK, DT)
+        eG, eCG, G_C = _decay_factors(G, r, C, DT)
+        _st(_tile(W + base * C * K, C, K, 0, kb * BK, C, BK), tl.dot(Ti, eG * kk * bb[:, None], input_precision=PREC))
+        _st(_tile(Kg + base * C * K, C, K, 0, kb * BK, C, BK), eCG * kk)
+        dk = kb * BK + tl.arange(0, BK)
+        tl.store(decay + base * K + dk, tl.exp(tl.maximum(G_C, LOG_FLOOR).to(DT)), mask=dk < K)
+        if HAS_Q:
+            _st(_tile(Qg + base * C * K, C, K, 0, kb * BK, C, BK), qs * eG)
+    for vb in range(0, tl.cdiv(V, BV)):
+        vv = _load_chunk(v, bos, ln, h, H, V, vb * BV, C, BV, DT)
+        _st(_tile(U + base * C * V, C, V, 0, vb * BV, C, BV), tl.dot(Ti, vv * bb[:, None], input_precision=PREC))
 
 
 @triton.jit
 def state_fwd_kernel(W, U, Kg, Qg, A_qk, decay, S0, S_in, O, S_final, seq_chunk0, chunk_bos, chunk_len,
-                     H, K, V, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_S0: tl.constexpr,
-                     HAS_Q: tl.constexpr, STORE_S_IN: tl.constexpr, DT: tl.constexpr):
+                     H, K, V, C: tl.constexpr, BKS: tl.constexpr, NKB: tl.constexpr, BV: tl.constexpr,
+                     HAS_S0: tl.constexpr, HAS_Q: tl.constexpr, STORE_S_IN: tl.constexpr, DT: tl.constexpr,
+                     PREC: tl.constexpr):
     """The inter-chunk state pass of one sequence, head and block of BV value columns (grid ``(NS, H, cdiv(V, BV))``:
-    the columns of S are independent), in DT: per chunk, store the entering
-    state ``S_n`` (``STORE_S_IN``), ``V~ = U - W S_n``, with ``HAS_Q`` the outputs ``O = Qg S_n + A_qk V~``, then
-    ``S_{n+1} = Diag(decay) S_n + Kg^T V~``. Writes the state after the sequence to ``S_final``."""
+    the columns of S are independent), in DT, the state held as NKB <= 4 key blocks ``[BKS, BV]`` (fla's
+    ``b_h1 .. b_h4``): per chunk, store the entering state ``S_n`` (``STORE_S_IN``), ``V~ = U - W S_n``, with
+    ``HAS_Q`` the outputs ``O = Qg S_n + A_qk V~``, then ``S_{n+1} = Diag(decay) S_n + Kg^T V~``. Writes the state
+    after the sequence to ``S_final``."""
     s, h, c0, c1 = _sequence_program(seq_chunk0)
-    r, dk, dv, os_, ms, S = _state_pass_start(S0, s, h, H, K, V, C, BK, BV, HAS_S0, DT)
-    ck, mk = _tile_offsets(0, C, K, r, dk)  # offsets inside one chunk's tiles (the loop adds the chunk's base)
-    cv, mv = _tile_offsets(0, C, V, r, dv)
-    cc, mc = _tile_offsets(0, C, C, r, r)
-    sv, _ = _tile_offsets(0, K, V, dk, dv)
+    v0 = tl.program_id(2) * BV
+    if HAS_S0:
+        S_0, S_1, S_2, S_3 = _load_state(S0, s * H + h, K, V, v0, BKS, BV, NKB, DT)
+    else:
+        S_0 = tl.zeros([BKS, BV], dtype=DT)
+        S_1 = tl.zeros([BKS, BV], dtype=DT)
+        S_2 = tl.zeros([BKS, BV], dtype=DT)
+        S_3 = tl.zeros([BKS, BV], dtype=DT)
     for n in range(c0, c1):
         base = n * H + h
         if STORE_S_IN:
-            tl.store(S_in + base * K * V + sv, S, mask=ms)
-        Wn, KgT, dec = _transition_tiles(W, Kg, decay, base, C, K, ck, mk, dk)
-        S_next, Vt = _state_step(S, U, base, Wn, KgT, dec, C, V, cv, mv)
+            _store_state(S_in, base, K, V, v0, S_0, S_1, S_2, S_3, BKS, BV, NKB)
+        Vt = (_ld(_tile(U + base * C * V, C, V, 0, v0, C, BV))
+              - _times_state(W, base, K, S_0, S_1, S_2, S_3, C, BKS, NKB, PREC))
         if HAS_Q:
-            o = (tl.dot(tl.load(Qg + base * C * K + ck, mask=mk, other=0.0), S, input_precision=IEEE)
-                 + tl.dot(tl.load(A_qk + base * C * C + cc, mask=mc, other=0.0), Vt, input_precision=IEEE))
-            bos = tl.load(chunk_bos + n)
-            mo = (r[:, None] < tl.load(chunk_len + n)) & (dv[None, :] < V)
-            tl.store(O + ((bos + r[:, None]) * H + h) * V + dv[None, :], o.to(O.dtype.element_ty), mask=mo)
-        S = S_next
-    tl.store(S_final + os_, S, mask=ms)
+            o = (_times_state(Qg, base, K, S_0, S_1, S_2, S_3, C, BKS, NKB, PREC)
+                 + tl.dot(_ld(_tile(A_qk + base * C * C, C, C, 0, 0, C, C)), Vt, input_precision=PREC))
+            _store_chunk(O, o, tl.load(chunk_bos + n), tl.load(chunk_len + n), h, H, V, v0, C, BV)
+        S_0 = _block_update(S_0, decay, Kg, base, K, 0, Vt, C, BKS, PREC)
+        if NKB > 1:
+            S_1 = _block_update(S_1, decay, Kg, base, K, 1, Vt, C, BKS, PREC)
+        if NKB > 2:
+            S_2 = _block_update(S_2, decay, Kg, base, K, 2, Vt, C, BKS, PREC)
+        if NKB > 3:
+            S_3 = _block_update(S_3, decay, Kg, base, K, 3, Vt, C, BKS, PREC)
+    _store_state(S_final, s * H + h, K, V, v0, S_0, S_1, S_2, S_3, BKS, BV, NKB)
 
 
 @triton.jit
-def transition_kernel(W, U, Kg, decay, M_out, S_out, seq_chunk0, H, K, V, C: tl.constexpr, BK: tl.constexpr,
-                      BV: tl.constexpr, DT: tl.constexpr):
-    """Affine map of one segment and head (grid ``(NS, H)``), K3_SYSTEMS §2.4: ``M = prod_n M_n`` (later chunks on
-    the left) with ``M_n X = Diag(decay) X - Kg^T (W X)``, and ``S_ext`` the state after the segment from zero."""
+def _identity_block(is_m, i, col0, BKS: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr):
+    """Rows ``i BKS ..``, columns ``col0 ..`` of the identity where ``is_m``, else zeros (``[BKS, BV]``)."""
+    rows = i * BKS + tl.arange(0, BKS)
+    return tl.where(is_m & (rows[:, None] == col0 + tl.arange(0, BV)[None, :]), 1.0, 0.0).to(DT)
+
+
+@triton.jit
+def transition_kernel(W, U, Kg, decay, M_out, S_out, seq_chunk0, H, K, V, C: tl.constexpr, BKS: tl.constexpr,
+                      NKB: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
+    """Affine map of one segment and head, K3_SYSTEMS §2.4: ``M = prod_n M_n`` (later chunks on the left) with
+    ``M_n X = Diag(decay) X - Kg^T (W X)``, and ``S_ext`` the state after the segment from zero. Grid
+    ``(NS, H, cdiv(K, BV) + cdiv(V, BV))``: program j < cdiv(K, BV) carries BV columns of M (from the identity),
+    the others BV columns of S_ext (from zero, with U): ``X <- Diag(decay) X + Kg^T ([U] - W X)``, X in NKB key
+    blocks as in :func:`state_fwd_kernel`."""
     s, h, c0, c1 = _sequence_program(seq_chunk0)
-    r = tl.arange(0, C)
-    dk = tl.arange(0, BK)
-    dv = tl.arange(0, BV)
-    M = tl.where(dk[:, None] == dk[None, :], 1.0, 0.0).to(DT)
-    S = tl.zeros([BK, BV], dtype=DT)
-    ck, mk = _tile_offsets(0, C, K, r, dk)
-    cv, mv = _tile_offsets(0, C, V, r, dv)
+    j = tl.program_id(2)
+    n_m = tl.cdiv(K, BV)
+    is_m = j < n_m
+    col0 = tl.where(is_m, j, j - n_m) * BV
+    X_0 = _identity_block(is_m, 0, col0, BKS, BV, DT)
+    X_1 = _identity_block(is_m, 1, col0, BKS, BV, DT)
+    X_2 = _identity_block(is_m, 2, col0, BKS, BV, DT)
+    X_3 = _identity_block(is_m, 3, col0, BKS, BV, DT)
+    u_rows = tl.where(is_m, 0, C)  # M's programs read no U (an empty block: zeros)
     for n in range(c0, c1):
         base = n * H + h
-        Wn, KgT, dec = _transition_tiles(W, Kg, decay, base, C, K, ck, mk, dk)
-        M = dec[:, None] * M - tl.dot(KgT, tl.dot(Wn, M, input_precision=IEEE), input_precision=IEEE)
-        S, _ = _state_step(S, U, base, Wn, KgT, dec, C, V, cv, mv)
-    om, mm = _tile_offsets((s * H + h) * K * K, K, K, dk, dk)
-    tl.store(M_out + om, M, mask=mm)
-    os_, ms = _tile_offsets((s * H + h) * K * V, K, V, dk, dv)
-    tl.store(S_out + os_, S, mask=ms)
+        Y = (_ld(_tile(U + base * C * V, u_rows, V, 0, col0, C, BV))
+             - _times_state(W, base, K, X_0, X_1, X_2, X_3, C, BKS, NKB, PREC))
+        X_0 = _block_update(X_0, decay, Kg, base, K, 0, Y, C, BKS, PREC)
+        if NKB > 1:
+            X_1 = _block_update(X_1, decay, Kg, base, K, 1, Y, C, BKS, PREC)
+        if NKB > 2:
+            X_2 = _block_update(X_2, decay, Kg, base, K, 2, Y, C, BKS, PREC)
+        if NKB > 3:
+            X_3 = _block_update(X_3, decay, Kg, base, K, 3, Y, C, BKS, PREC)
+    if is_m:
+        _store_state(M_out, s * H + h, K, K, col0, X_0, X_1, X_2, X_3, BKS, BV, NKB)
+    else:
+        _store_state(S_out, s * H + h, K, V, col0, X_0, X_1, X_2, X_3, BKS, BV, NKB)
 
 
 @triton.jit
 def state_bwd_kernel(W, Kg, Qg, A_qk, decay, dO, d_final, dS0, dS_out, seq_chunk0, chunk_bos, chunk_len,
-                     H, K, V, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_D_FINAL: tl.constexpr,
-                     STORE_DS_OUT: tl.constexpr, DT: tl.constexpr):
-    """The reverse state pass of one sequence, head and block of BV value columns (grid ``(NS, H, cdiv(V, BV))``):
-    from the final-state gradient, per chunk from the last, store the gradient of the state leaving it
-    (``STORE_DS_OUT``), then
+                     H, K, V, C: tl.constexpr, BKS: tl.constexpr, NKB: tl.constexpr, BV: tl.constexpr,
+                     HAS_D_FINAL: tl.constexpr, STORE_DS_OUT: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
+    """The reverse state pass of one sequence, head and block of BV value columns (grid ``(NS, H, cdiv(V, BV))``),
+    the state gradient in NKB key blocks as in :func:`state_fwd_kernel`: from the final-state gradient, per chunk
+    from the last, store the gradient of the state leaving it (``STORE_DS_OUT``), then
     ``dS_n = M_n^T dS_{n+1} + P_n = Diag(decay) dS_{n+1} + Qg^T dO - W^T (A_qk^T dO + Kg dS_{n+1})``. Writes the
     gradient of the state entering the sequence to ``dS0``."""
     s, h, c0, c1 = _sequence_program(seq_chunk0)
-    r, dk, dv, os_, ms, dS = _state_pass_start(d_final, s, h, H, K, V, C, BK, BV, HAS_D_FINAL, DT)
-    ck, mk = _tile_offsets(0, C, K, r, dk)
-    cc, mc = _tile_offsets(0, C, C, r, r)
-    sv, _ = _tile_offsets(0, K, V, dk, dv)
+    v0 = tl.program_id(2) * BV
+    if HAS_D_FINAL:
+        dS_0, dS_1, dS_2, dS_3 = _load_state(d_final, s * H + h, K, V, v0, BKS, BV, NKB, DT)
+    else:
+        dS_0 = tl.zeros([BKS, BV], dtype=DT)
+        dS_1 = tl.zeros([BKS, BV], dtype=DT)
+        dS_2 = tl.zeros([BKS, BV], dtype=DT)
+        dS_3 = tl.zeros([BKS, BV], dtype=DT)
     for j in range(0, c1 - c0):
         n = c1 - 1 - j
         base = n * H + h
         if STORE_DS_OUT:
-            tl.store(dS_out + base * K * V + sv, dS, mask=ms)
-        bos = tl.load(chunk_bos + n)
-        mo = (r[:, None] < tl.load(chunk_len + n)) & (dv[None, :] < V)
-        dOn = tl.load(dO + ((bos + r[:, None]) * H + h) * V + dv[None, :], mask=mo, other=0.0).to(DT)
-        AqT = tl.trans(tl.load(A_qk + base * C * C + cc, mask=mc, other=0.0))
-        dVt = (tl.dot(AqT, dOn, input_precision=IEEE)
-               + tl.dot(tl.load(Kg + base * C * K + ck, mask=mk, other=0.0), dS, input_precision=IEEE))
-        dec = tl.load(decay + base * K + dk, mask=dk < K, other=0.0)
-        QgT = tl.trans(tl.load(Qg + base * C * K + ck, mask=mk, other=0.0))
-        WT = tl.trans(tl.load(W + base * C * K + ck, mask=mk, other=0.0))
-        dS = dec[:, None] * dS + tl.dot(QgT, dOn, input_precision=IEEE) - tl.dot(WT, dVt, input_precision=IEEE)
-    tl.store(dS0 + os_, dS, mask=ms)
+            _store_state(dS_out, base, K, V, v0, dS_0, dS_1, dS_2, dS_3, BKS, BV, NKB)
+        dOn = _load_chunk(dO, tl.load(chunk_bos + n), tl.load(chunk_len + n), h, H, V, v0, C, BV, DT)
+        dVt = (tl.dot(tl.trans(_ld(_tile(A_qk + base * C * C, C, C, 0, 0, C, C))), dOn, input_precision=PREC)
+               + _times_state(Kg, base, K, dS_0, dS_1, dS_2, dS_3, C, BKS, NKB, PREC))
+        dS_0 = (_block_update(dS_0, decay, Qg, base, K, 0, dOn, C, BKS, PREC)
+                - tl.dot(tl.trans(_key_block(W, base, K, 0, C, BKS)), dVt, input_precision=PREC))
+        if NKB > 1:
+            dS_1 = (_block_update(dS_1, decay, Qg, base, K, 1, dOn, C, BKS, PREC)
+                    - tl.dot(tl.trans(_key_block(W, base, K, 1, C, BKS)), dVt, input_precision=PREC))
+        if NKB > 2:
+            dS_2 = (_block_update(dS_2, decay, Qg, base, K, 2, dOn, C, BKS, PREC)
+                    - tl.dot(tl.trans(_key_block(W, base, K, 2, C, BKS)), dVt, input_precision=PREC))
+        if NKB > 3:
+            dS_3 = (_block_update(dS_3, decay, Qg, base, K, 3, dOn, C, BKS, PREC)
+                    - tl.dot(tl.trans(_key_block(W, base, K, 3, C, BKS)), dVt, input_precision=PREC))
+    _store_state(dS0, s * H + h, K, V, v0, dS_0, dS_1, dS_2, dS_3, BKS, BV, NKB)
 
 
 @triton.jit
 def chunk_grads_kernel(q, k, v, g, beta, chunk_bos, chunk_len, W, U, Kg, Qg, A_qk, A_kk, T_inv, decay, S_in, dS_out,
-                       dO, dq, dk_, dv_, dg, dbeta, scale, H, K, V, C: tl.constexpr, BK: tl.constexpr,
-                       BV: tl.constexpr, SUB: tl.constexpr, DT: tl.constexpr):
+                       dO, Vt_buf, dVt_buf, dq, dk_, dv_, dg, dbeta, scale, H, K, V, C: tl.constexpr,
+                       BK: tl.constexpr, BV: tl.constexpr, SUB: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
     """Input gradients of one chunk and head (grid ``(NC, H)``) given the output gradient ``dO``, the entering state
     ``S_n`` and the gradient ``dS_{n+1}`` of the leaving one: the transposes of :func:`chunk_terms_kernel` and of
-    the outputs ``O = Qg S_n + A_qk V~``, ``S_{n+1} = Diag(decay) S_n + Kg^T V~``, ``V~ = U - W S_n``."""
+    the outputs ``O = Qg S_n + A_qk V~``, ``S_{n+1} = Diag(decay) S_n + Kg^T V~``, ``V~ = U - W S_n``.
+
+    Two block loops: per block of BV value columns (contractions over the key blocks) ``V~``, ``dV~ = A_qk^T dO +
+    Kg dS_{n+1}`` (stored to the scratch ``Vt_buf``, ``dVt_buf`` ``[NC, H, C, V]`` DT), ``dv``, and the ``[C, C]``
+    gradients ``dA_qk += dO V~^T``, ``dT += dV~ (v - X S_n)^T`` (``X = exp(G) K``: ``dT = dW X^T + dV~ v^T`` with
+    ``dW = -dV~ S_n^T``); then per block of BK key columns (contractions over the value blocks, reading the scratch
+    back) ``dKg``, ``dW``, ``dQg``, ``d decay`` and the key-side gradients dq, dk, dg."""
     n, h, bos, ln = _chunk_program(chunk_bos, chunk_len)
     r = tl.arange(0, C)
-    dk = tl.arange(0, BK)
-    dv = tl.arange(0, BV)
     rows = r[:, None]
     cols = r[None, :]
-    kk, qs, G, bb = _chunk_inputs(q, k, g, beta, bos, ln, h, H, K, r, dk, tl.load(scale).to(DT), DT)
-    vv = _load_chunk(v, bos, ln, h, H, V, r, dv, DT)
-    dOn = _load_chunk(dO, bos, ln, h, H, V, r, dv, DT)
+    sc = tl.load(scale).to(DT)
+    bb = tl.load(beta + (bos + r) * H + h, mask=r < ln, other=0.0).to(DT)
     base = n * H + h
-    S = _load_tile(S_in, base * K * V, K, V, dk, dv)
-    dS = _load_tile(dS_out, base * K * V, K, V, dk, dv)
-    Wn = _load_tile(W, base * C * K, C, K, r, dk)
-    Kgn = _load_tile(Kg, base * C * K, C, K, r, dk)
-    Qgn = _load_tile(Qg, base * C * K, C, K, r, dk)
-    Aq = _load_tile(A_qk, base * C * C, C, C, r, r)
-    Ak = _load_tile(A_kk, base * C * C, C, C, r, r)
-    Ti = _load_tile(T_inv, base * C * C, C, C, r, r)
-    dec = tl.load(decay + base * K + dk, mask=dk < K, other=0.0)
-    Vt = _load_tile(U, base * C * V, C, V, r, dv) - tl.dot(Wn, S, input_precision=IEEE)
-    # state-side gradients
-    dVt = tl.dot(tl.trans(Aq), dOn, input_precision=IEEE) + tl.dot(Kgn, dS, input_precision=IEEE)
-    dKg = tl.dot(Vt, tl.trans(dS), input_precision=IEEE)
-    dW = -tl.dot(dVt, tl.trans(S), input_precision=IEEE)
-    dQg = tl.dot(dOn, tl.trans(S), input_precision=IEEE)
-    d_dec = tl.sum(S * dS, axis=1)
-    dAq = tl.dot(dOn, tl.trans(Vt), input_precision=IEEE)
-    # through the UT transform: W = T X, U = T v, T = T_inv Diag(beta), T_inv = (I + Diag(beta) A_kk)^-1
-    eG = tl.exp(tl.maximum(G, LOG_FLOOR).to(DT))
-    X = eG * kk
-    dT = tl.dot(dW, tl.trans(X), input_precision=IEEE) + tl.dot(dVt, tl.trans(vv), input_precision=IEEE)
-    dT = tl.where(rows >= cols, dT, 0.0)
+    Aq = _ld(_tile(A_qk + base * C * C, C, C, 0, 0, C, C))
+    Ti = _ld(_tile(T_inv + base * C * C, C, C, 0, 0, C, C))
     T = Ti * bb[None, :]
-    dX = tl.dot(tl.trans(T), dW, input_precision=IEEE)
-    dvv = tl.dot(tl.trans(T), dVt, input_precision=IEEE)
+    dAq = tl.zeros([C, C], dtype=DT)
+    dT = tl.zeros([C, C], dtype=DT)
+    # value side: W = T X, U = T v, T = T_inv Diag(beta), T_inv = (I + Diag(beta) A_kk)^-1
+    for vb in range(0, tl.cdiv(V, BV)):
+        v0 = vb * BV
+        dOn = _load_chunk(dO, bos, ln, h, H, V, v0, C, BV, DT)
+        Vt = _ld(_tile(U + base * C * V, C, V, 0, v0, C, BV))
+        Y = _load_chunk(v, bos, ln, h, H, V, v0, C, BV, DT)
+        dVt = tl.dot(tl.trans(Aq), dOn, input_precision=PREC)
+        for kb in range(0, tl.cdiv(K, BK)):
+            k0 = kb * BK
+            S = _ld(_tile(S_in + base * K * V, K, V, k0, v0, BK, BV))
+            G = tl.cumsum(_load_chunk(g, bos, ln, h, H, K, k0, C, BK, tl.float64), axis=0)
+            X = tl.exp(tl.maximum(G, LOG_FLOOR).to(DT)) * _load_chunk(k, bos, ln, h, H, K, k0, C, BK, DT)
+            Vt -= tl.dot(_ld(_tile(W + base * C * K, C, K, 0, k0, C, BK)), S, input_precision=PREC)
+            Y -= tl.dot(X, S, input_precision=PREC)
+            dVt += tl.dot(_ld(_tile(Kg + base * C * K, C, K, 0, k0, C, BK)),
+                          _ld(_tile(dS_out + base * K * V, K, V, k0, v0, BK, BV)), input_precision=PREC)
+        dAq += tl.dot(dOn, tl.trans(Vt), input_precision=PREC)
+        dT += tl.dot(dVt, tl.trans(Y), input_precision=PREC)
+        _st(_tile(Vt_buf + base * C * V, C, V, 0, v0, C, BV), Vt)
+        _st(_tile(dVt_buf + base * C * V, C, V, 0, v0, C, BV), dVt)
+        _store_chunk(dv_, tl.dot(tl.trans(T), dVt, input_precision=PREC), bos, ln, h, H, V, v0, C, BV)
+    dT = tl.where(rows >= cols, dT, 0.0)
     d_beta = tl.sum(dT * Ti, axis=0)
-    dL = -tl.dot(tl.dot(tl.trans(Ti), dT * bb[None, :], input_precision=IEEE), tl.trans(Ti), input_precision=IEEE)
+    dL = -tl.dot(tl.dot(tl.trans(Ti), dT * bb[None, :], input_precision=PREC), tl.trans(Ti), input_precision=PREC)
     dL = tl.where(rows > cols, dL, 0.0)
-    d_beta += tl.sum(dL * Ak, axis=1)
-    # through the factored in-chunk decays
-    diag = tl.sum(tl.where(rows == cols, dAq, 0.0), axis=1)
-    dk_row, dq_row, dk_col = _decayed_products_bwd(dL * bb[:, None], tl.where(rows > cols, dAq, 0.0), kk, qs, G, r,
-                                                   C, SUB, DT)
-    dqs = dq_row + diag[:, None] * kk + dQg * eG
-    G_C = tl.sum(tl.where(r[:, None] == C - 1, G, 0.0), axis=0)
-    eCG = tl.exp(tl.maximum(G_C[None, :] - G, LOG_FLOOR).to(DT))
-    dkk = dk_row + dk_col + diag[:, None] * qs + dX * eG + dKg * eCG
-    # log-decay gradient in fp64 (its terms are large and cancel), then the reverse cumulative sum over the chunk
-    f64 = tl.float64
-    dKgKg = dKg.to(f64) * Kgn.to(f64)
-    dG = (dX.to(f64) * X.to(f64) + kk.to(f64) * (dk_row.to(f64) - dk_col.to(f64)) + qs.to(f64) * dq_row.to(f64)
-          - dKgKg + dQg.to(f64) * Qgn.to(f64))
-    last = tl.sum(dKgKg, axis=0) + d_dec.to(f64) * dec.to(f64)
-    dG = tl.where(rows == C - 1, dG + last[None, :], dG)
-    dG = tl.cumsum(dG, axis=0, reverse=True)
-    _store_chunk(dq, dqs * tl.load(scale).to(DT), bos, ln, h, H, K, r, dk)
-    _store_chunk(dk_, dkk, bos, ln, h, H, K, r, dk)
-    _store_chunk(dv_, dvv, bos, ln, h, H, V, r, dv)
-    _store_chunk(dg, dG.to(DT), bos, ln, h, H, K, r, dk)  # via DT: no direct fp64 -> bf16 cast
+    d_beta += tl.sum(dL * _ld(_tile(A_kk + base * C * C, C, C, 0, 0, C, C)), axis=1)
     tl.store(dbeta + (bos + r) * H + h, d_beta.to(dbeta.dtype.element_ty), mask=r < ln)
+    diag = tl.sum(tl.where(rows == cols, dAq, 0.0), axis=1)
+    dA_k = dL * bb[:, None]
+    dA_q = tl.where(rows > cols, dAq, 0.0)
+    tl.debug_barrier()  # the V~, dV~ tiles stored above are read back below by other threads of this program
+    # key side, per block of key columns
+    f64 = tl.float64
+    for kb in range(0, tl.cdiv(K, BK)):
+        k0 = kb * BK
+        kk, qs, G = _chunk_keys(q, k, g, bos, ln, h, H, K, k0, sc, C, BK, DT)
+        dKg = tl.zeros([C, BK], dtype=DT)
+        dW = tl.zeros([C, BK], dtype=DT)
+        dQg = tl.zeros([C, BK], dtype=DT)
+        d_dec = tl.zeros([BK], dtype=DT)
+        for vb in range(0, tl.cdiv(V, BV)):
+            v0 = vb * BV
+            S = _ld(_tile(S_in + base * K * V, K, V, k0, v0, BK, BV))
+            dS = _ld(_tile(dS_out + base * K * V, K, V, k0, v0, BK, BV))
+            dKg += tl.dot(_ld(_tile(Vt_buf + base * C * V, C, V, 0, v0, C, BV)), tl.trans(dS), input_precision=PREC)
+            dW -= tl.dot(_ld(_tile(dVt_buf + base * C * V, C, V, 0, v0, C, BV)), tl.trans(S), input_precision=PREC)
+            dQg += tl.dot(_load_chunk(dO, bos, ln, h, H, V, v0, C, BV, DT), tl.trans(S), input_precision=PREC)
+            d_dec += tl.sum(S * dS, axis=1)
+        eG, eCG, G_C = _decay_factors(G, r, C, DT)
+        X = eG * kk
+        dX = tl.dot(tl.trans(T), dW, input_precision=PREC)
+        dk_row, dq_row, dk_col = _decayed_products_bwd(dA_k, dA_q, kk, qs, G, r, C, SUB, DT, PREC)
+        dqs = dq_row + diag[:, None] * kk + dQg * eG
+        dkk = dk_row + dk_col + diag[:, None] * qs + dX * eG + dKg * eCG
+        # log-decay gradient in fp64 (its terms are large and cancel), then the reverse cumulative sum over the chunk
+        dKgKg = dKg.to(f64) * (eCG * kk).to(f64)
+        dG = (dX.to(f64) * X.to(f64) + kk.to(f64) * (dk_row.to(f64) - dk_col.to(f64)) + qs.to(f64) * dq_row.to(f64)
+              - dKgKg + dQg.to(f64) * (qs * eG).to(f64))
+        last = tl.sum(dKgKg, axis=0) + d_dec.to(f64) * tl.exp(tl.maximum(G_C, LOG_FLOOR).to(DT)).to(f64)
+        dG = tl.where(rows == C - 1, dG + last[None, :], dG)
+        dG = tl.cumsum(dG, axis=0, reverse=True)
+        _store_chunk(dq, dqs * sc, bos, ln, h, H, K, k0, C, BK)
+        _store_chunk(dk_, dkk, bos, ln, h, H, K, k0, C, BK)
+        _store_chunk(dg, dG.to(DT), bos, ln, h, H, K, k0, C, BK)  # via DT: no direct fp64 -> bf16 cast
