@@ -1,9 +1,10 @@
-"""The records behind saved tensors of the activation manager (:mod:`moonrt.memory.manager`).
+"""The records behind saved tensors of the activation manager (:mod:`moonrt.memory.manager`), shared by the
+saved-tensor hooks (:mod:`.saved_hooks`) and the FP8 / host batchers (:mod:`.fp8_batch`, :mod:`.host_batch`).
 
-- :class:`_Entry`: one stored unit (a storage for raw policies, a view for FP8), shared by deduplicated saves.
-- :class:`_PartEntry`: a storage in a batched host copy (part of a copy group).
-- :class:`_KeepEntry`: a storage saved under ``keep`` (counted, never copied).
-- :class:`_Handle`: what autograd holds instead of a saved tensor; releases its entry when dropped.
+- :class:`Entry`: one stored unit (a storage for raw policies, a view for FP8), shared by deduplicated saves.
+- :class:`PartEntry`: a storage in a batched host copy (part of a copy group).
+- :class:`KeepEntry`: a storage saved under ``keep`` (counted, never copied).
+- :class:`Handle`: what autograd holds instead of a saved tensor; releases its entry when dropped.
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ import torch
 from moonrt.memory.backends import Backend, Packed
 
 
-class _Entry:
+class Entry:
     """One stored unit (a storage for raw policies, a view for FP8), shared by deduplicated saves.
 
     An FP8 entry is first *pending* (``raw`` holds the tensor, ``packed`` is None) until its batch is
     quantized in one call; ``decoded`` holds its tensor when a batched decode ran ahead of its unpack. (A save of
-    a batched host copy is a :class:`_PartEntry`.)"""
+    a batched host copy is a :class:`PartEntry`.)"""
 
     __slots__ = ("backend", "packed", "refs", "layer", "future", "parts", "key", "weak", "region", "raw", "batch",
                  "decoded", "waiting", "__weakref__")
@@ -37,13 +38,13 @@ class _Entry:
         self.weak = weak
         self.region: tuple[str, str] | None = None
         self.raw: torch.Tensor | None = None
-        self.batch: Any = None  # the pending fp8_batch._Batch (entries know no batch type: no import cycle)
+        self.batch: Any = None  # its fp8_batch.Fp8Batch while live (entries know no batch type: no import cycle)
         self.decoded: torch.Tensor | None = None
         self.waiting = 1
         """Saves of the entry not unpacked yet (an upper bound): an FP8 entry keeps ``decoded`` for them."""
 
 
-class _PartEntry:
+class PartEntry:
     """A storage saved under a batched host policy (:mod:`.host_batch`): part ``index`` of the copy ``group``
     (``None`` once released). The class attributes let generic scans of the entries (prefetch) skip it."""
 
@@ -60,13 +61,13 @@ class _PartEntry:
         self.region = region
         self.label = label
         self.tier = tier
-        self.group: Any = group  # its host_batch._CopyGroup, None once copied
+        self.group: Any = group  # its host_batch.CopyGroup, None once released
         self.index = index
         self.layer = layer
         self.backend = backend
 
 
-class _KeepEntry:
+class KeepEntry:
     """A storage saved under ``keep``: only counted (bytes once per storage), never copied."""
 
     __slots__ = ("sptr", "nbytes", "refs", "region", "label")
@@ -79,7 +80,7 @@ class _KeepEntry:
         self.label = label
 
 
-class _Handle:
+class Handle:
     """What autograd holds instead of a saved tensor; releases its entry when autograd drops it
     (``__del__``: much cheaper per saved tensor than a ``weakref.finalize``). ``slot``: the save's index in its
     entry's pending copy group (:mod:`.host_batch`), else -1."""
@@ -102,4 +103,4 @@ class _Handle:
                 pass
 
 
-__all__: list[str] = []
+__all__ = ["Entry", "Handle", "KeepEntry", "PartEntry"]

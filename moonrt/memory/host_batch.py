@@ -8,8 +8,9 @@ ends, it reaches ``copy_batch_bytes``, the forward ends or backward starts. An u
 copy (errors of the copy surface there, in backward). The copies are bitwise: gradients equal the
 no-manager run's. The buffer goes back to the store's pool when the group's last entry is released.
 
-:class:`CopyBatchMixin` is a base of :class:`moonrt.memory.manager.ActivationManager`, which sets the state
-it reads in ``__init__``; the per-save path that fills a group is ``_pack`` (:mod:`.saved_hooks`).
+:class:`CopyBatcher` owns the pending groups; the saved-tensor hooks (:mod:`.saved_hooks`) hold one, add each
+batched save to it (:meth:`CopyBatcher.add_locked`) and rebuild a saved tensor from its group
+(:meth:`CopyBatcher.group_part`).
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ import torch
 
 from moonrt.memory.accounting import Accounting
 from moonrt.memory.backends import Backend, storage_bytes
+from moonrt.memory.entries import PartEntry
 
 
-class _CopyGroup:
+class CopyGroup:
     """Saves of one layer and policy copied together. ``storages[i]`` (the source storage, ``sizes[i]`` bytes)
     until submitted; ``views[k]`` / ``parts[k]``: the view ``(dtype, shape, stride, offset)`` and part index of
     save ``k`` made while the group was pending (a handle's ``slot``). Once submitted, ``future`` until its result
@@ -50,6 +52,12 @@ class _CopyGroup:
         self.starts: list[int] | None = None
         self.outs: list[torch.Tensor] | None = None
         self.typed: dict[torch.dtype, torch.Tensor] = {}
+
+    def add_view(self, view: tuple[Any, ...], index: int) -> int:
+        """Record a save ``view`` of part ``index`` made while the group is pending; returns its slot."""
+        self.views.append(view)
+        self.parts.append(index)
+        return len(self.views) - 1
 
 
 def _copy(store: Any, storages: list[torch.UntypedStorage], sizes: list[int], views: list[tuple[Any, ...]],
@@ -78,27 +86,76 @@ def _part_view(buf: torch.Tensor, typed: dict[torch.dtype, torch.Tensor], start:
     return tv.as_strided(shape, stride, start // dtype.itemsize + offset)
 
 
-class CopyBatchMixin:
-    """Submit pending copy groups (``_flush_copies``, ``_flush_all_copies``), wait for one (``_group_outs``),
-    rebuild a saved tensor from its part (``_group_part``) and free a group whose entries are all released
-    (``_release_group``)."""
+class CopyBatcher:
+    """The batched host copies of one manager: the pending group per policy, submitted as one copy (on the copy
+    thread when there is one), the wait for a group's copy and the return of its buffer.
 
-    _lock: threading.RLock
-    accounting: Accounting
-    _copies: dict[str, _CopyGroup]
-    _copier: ThreadPoolExecutor | None
+    Args:
+        lock: the manager's lock (every group field is changed under it); the accounting shares it.
+        accounting: the manager's :class:`~moonrt.memory.accounting.Accounting`.
+        copier: the manager's copy thread, or None (copies inline).
+        batch_bytes: a pending group is submitted once it holds this many source bytes.
+    """
 
-    def _flush_copies(self, policy: str) -> None:
+    def __init__(self, lock: threading.RLock, accounting: Accounting, copier: ThreadPoolExecutor | None,
+                 batch_bytes: int) -> None:
+        self.lock = lock
+        self.accounting = accounting
+        self.copier = copier
+        self.batch_bytes = int(batch_bytes)
+        self.pending: dict[str, CopyGroup] = {}
+
+    def add_locked(self, policy: str, backend: Backend, layer: int, key: Any, storage: torch.UntypedStorage,
+                   view: tuple[Any, ...], region: str, label: str, t0: float) -> tuple[PartEntry, int]:
+        """Add a save of ``storage`` (``view`` of it; dedupe key ``key``) to ``policy``'s pending group of ``layer``
+        (a group of another layer is submitted first; the group once it holds ``batch_bytes``). Returns its new
+        entry and the save's slot (caller holds the lock; ``t0``: when the save began)."""
+        grp = self.pending.get(policy)
+        if grp is not None and grp.layer != layer:
+            self.flush(policy)
+            grp = None
+        if grp is None:
+            grp = self.pending[policy] = CopyGroup(backend, layer)
+        n = storage.nbytes()
+        entry = PartEntry(key, storage._weak_ref(), region, label, backend.store.tier, grp, len(grp.sizes), layer,
+                          backend)
+        grp.storages.append(storage)  # type: ignore[union-attr]
+        grp.sizes.append(n)
+        slot = grp.add_view(view, entry.index)
+        grp.live += 1
+        grp.nbytes += n
+        self.accounting.pack_tier_locked(region, label, entry.tier, n, n, time.perf_counter() - t0)
+        if grp.nbytes >= self.batch_bytes:
+            self.flush(policy)
+        return entry, slot
+
+    def release_locked(self, entry: PartEntry) -> CopyGroup | None:
+        """The last save of ``entry`` was released (caller holds the lock): account its part; returns its group when
+        that was the group's last live part (then the caller, without the lock, hands :meth:`release_group` it)."""
+        grp = entry.group
+        entry.group = None
+        grp.live -= 1
+        self.accounting.release_tier_locked(entry.tier, grp.sizes[entry.index], entry.region, entry.label)
+        return grp if grp.live == 0 else None
+
+    def close(self) -> None:
+        """Drop the pending groups (never copied: nothing will unpack them)."""
+        with self.lock:
+            for grp in self.pending.values():
+                grp.storages = None
+            self.pending.clear()
+
+    def flush(self, policy: str) -> None:
         """Submit the pending copy group of ``policy`` (caller holds the lock)."""
-        grp = self._copies.pop(policy, None)
+        grp = self.pending.pop(policy, None)
         if grp is None:
             return
         storages, grp.storages = grp.storages, None
         if not storages or grp.live == 0:  # every save already released: nothing to copy
             return
         store = grp.backend.store
-        if self._copier is not None:  # copy_thread=True
-            grp.future = self._copier.submit(_copy, store, storages, grp.sizes, grp.views, grp.parts)
+        if self.copier is not None:  # copy_thread=True
+            grp.future = self.copier.submit(_copy, store, storages, grp.sizes, grp.views, grp.parts)
         else:
             grp.future = Future()
             try:
@@ -106,29 +163,29 @@ class CopyBatchMixin:
             except BaseException as exc:  # noqa: BLE001 - raised where the copy is needed (unpack)
                 grp.future.set_exception(exc)
 
-    def _flush_all_copies(self) -> None:
-        if self._copies:
-            with self._lock:
-                for policy in list(self._copies):
-                    self._flush_copies(policy)
+    def flush_all(self) -> None:
+        if self.pending:
+            with self.lock:
+                for policy in list(self.pending):
+                    self.flush(policy)
 
-    def _group_outs(self, grp: _CopyGroup) -> list[torch.Tensor]:
+    def group_outs(self, grp: CopyGroup) -> list[torch.Tensor]:
         """``grp``'s saves rebuilt on its buffer, by slot (waits for its copy; raises the copy's error)."""
         outs = grp.outs
         if outs is not None:
             return outs
         fut = grp.future
         if fut is None:  # still pending (an unpack inside the forward that saved it): submit it now
-            with self._lock:
-                for policy, g in list(self._copies.items()):
+            with self.lock:
+                for policy, g in list(self.pending.items()):
                     if g is grp:
-                        self._flush_copies(policy)
+                        self.flush(policy)
             fut = grp.future
             assert fut is not None
         w0 = time.perf_counter()
         buf, starts, outs, typed = fut.result()
         waited = time.perf_counter() - w0
-        with self._lock:
+        with self.lock:
             if grp.outs is None:
                 grp.buf, grp.starts, grp.outs, grp.typed, grp.future = buf, starts, outs, typed, None
                 self.accounting.exposed_s += waited
@@ -136,28 +193,28 @@ class CopyBatchMixin:
         assert outs is not None
         return outs
 
-    def _group_part(self, grp: _CopyGroup, index: int, view: tuple[Any, ...], slot: int) -> torch.Tensor:
+    def group_part(self, grp: CopyGroup, index: int, view: tuple[Any, ...], slot: int) -> torch.Tensor:
         """Part ``index`` of ``grp`` as the saved tensor ``view``: the one made with the copy for a save with a
         ``slot`` (made while the group was pending), else :func:`_part_view` of the buffer."""
-        outs = grp.outs or self._group_outs(grp)
+        outs = grp.outs or self.group_outs(grp)
         if slot >= 0:
             return outs[slot]
         assert grp.buf is not None and grp.starts is not None
         return _part_view(grp.buf, grp.typed, grp.starts[index], view)
 
-    def _release_group(self, grp: _CopyGroup) -> None:
+    def release_group(self, grp: CopyGroup) -> None:
         """Hand ``grp``'s buffer back to its store (its last entry was released; caller does not hold the lock)."""
         if grp.future is None and grp.outs is None:  # never submitted (or dropped): nothing was copied
             return
         try:
-            self._group_outs(grp)
+            self.group_outs(grp)
         except Exception:  # noqa: BLE001 - the copy failed: no buffer to return (the unpack raised it)
             return
-        with self._lock:
+        with self.lock:
             buf, grp.buf, grp.starts, grp.outs = grp.buf, None, None, None
             grp.typed.clear()
         if buf is not None:
             grp.backend.store.free(buf)
 
 
-__all__: list[str] = []
+__all__ = ["CopyBatcher", "CopyGroup"]

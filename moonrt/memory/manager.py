@@ -25,12 +25,13 @@ the module path (or region name) it was saved in. The model code never calls thi
   re-arms it) or in every forward (``"every"``, one hook call per keep save); ``accounting.keep_forwards``
   says how many forwards the keep rows cover.
 
-Layout: this module is the facade (construction, module hooks and wrappers, ``with``, ``close``);
-the manager's behaviour lives in its bases: :mod:`.saved_hooks` (pack / unpack / release per policy,
-prefetch), :mod:`.fp8_batch` (FP8 saves quantized and decoded per batch), :mod:`.host_batch` (host
-copies of a layer in one call, on a background thread), :mod:`.regions` (region,
-policy and layer of a save; :func:`layer_key`) and :mod:`.recompute` (checkpoint wrappers, the
-anchor); the stored records are in :mod:`.entries`.
+Layout: this module is the facade (construction, module hooks and wrappers, ``with``, ``close``); the manager
+is composed of parts, each an object with its own state: ``regions`` (:class:`~.regions.Regions`: region, policy
+and layer of a save; :func:`layer_key`), ``hooks`` (:class:`~.saved_hooks.SavedTensorHooks`: pack / unpack /
+release per policy; it holds the other parts), ``fp8_batches`` (:class:`~.fp8_batch.Fp8Batcher`: FP8 saves
+quantized and decoded per batch), ``copies`` (:class:`~.host_batch.CopyBatcher`: host copies of a layer in one
+call, on a background thread), ``prefetcher`` (:class:`~.prefetch.Prefetcher`) and ``recompute``
+(:class:`~.recompute.Recompute`: checkpoint wrappers, the anchor); the stored records are in :mod:`.entries`.
 
 Use::
 
@@ -50,19 +51,20 @@ import os
 import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 
 from moonrt.memory.accounting import Accounting
-from moonrt.memory.backends import Backend, DiskStore, HostStore, KeepStore, RemoteStore
-from moonrt.memory.entries import _Entry, _KeepEntry
-from moonrt.memory.fp8_batch import Fp8BatchMixin, _Batch
-from moonrt.memory.host_batch import CopyBatchMixin, _CopyGroup
+from moonrt.memory.backends import DiskStore, HostStore, KeepStore, RemoteStore
+from moonrt.memory.fp8_batch import Fp8Batcher
+from moonrt.memory.host_batch import CopyBatcher
 from moonrt.memory.policy import MemoryPolicy
-from moonrt.memory.recompute import RecomputeMixin
-from moonrt.memory.regions import RegionsMixin, _Frame, _generalize, layer_key
-from moonrt.memory.saved_hooks import SavedTensorsMixin, _top_hooks
+from moonrt.memory.prefetch import Prefetcher
+from moonrt.memory.recompute import Recompute
+from moonrt.memory.regions import Regions, generalize, layer_key
+from moonrt.memory.saved_hooks import SavedTensorHooks
 from moonrt.ops.kernels import check_choice
 
 LOCAL_RANKS_ENV = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE")
@@ -96,7 +98,7 @@ def bind_thread(device: int | None) -> None:
         torch.cuda.set_device(device)
 
 
-class ActivationManager(RegionsMixin, RecomputeMixin, SavedTensorsMixin, Fp8BatchMixin, CopyBatchMixin):
+class ActivationManager:
     """Saved-tensor storage policies for one model (K3_SYSTEMS §8). See the module docstring.
 
     Args:
@@ -142,66 +144,42 @@ class ActivationManager(RegionsMixin, RecomputeMixin, SavedTensorsMixin, Fp8Batc
                 raise ValueError("memory policy uses a remote policy but no remote client was given "
                                  "(ActivationManager(..., remote=RemoteClient(peer, group)))")
             self._stores["remote"] = RemoteStore(remote)
-        self._backends: dict[str, Backend] = {}
-        self._keep_backend: Backend | None = None
-        self._stack: list[str] = []
-        # per active module/region: (region, policy, layer name, a rule decided), so a save reads the
-        # innermost frame instead of matching rules (the resolution changes only on enter/exit)
-        self._root = _Frame("<root>", self.policy.default, "<root>", False)
-        self._frames: list[_Frame] = [self._root]
-        self._frame_cache: dict[tuple[str, int], _Frame] = {}
-        self._keep: dict[int, _KeepEntry] = {}
-        self._pending: dict[str, _Batch] = {}
-        self._decodable: dict[int, list[_Batch | None]] = {}  # forward -> its quantized FP8 batches, in order
-        self._forward_id = 0
-        self._fp8_batch_bytes = int(fp8_batch_bytes)
-        self._copies: dict[str, _CopyGroup] = {}
-        self._copy_batch_bytes = int(copy_batch_bytes)
         if copy_thread is None:
             copy_thread = idle_cpu()
         device = rank_device(model)  # the worker threads below start on it
         self._copier: ThreadPoolExecutor | None = (  # copy_thread: the one background copy thread
             ThreadPoolExecutor(1, thread_name_prefix="moonrt-host-copy", initializer=bind_thread, initargs=(device,))
             if copy_thread else None)
-        self._min_bytes = self.policy.min_bytes
-        self._own_rule: dict[str, str | None] = {}
-        self._layer_names: dict[str, str] = {}
-        self._layers: dict[str, int] = {}
-        self._entries: dict[Any, _Entry] = {}
-        self._param_ptrs = {t.untyped_storage()._cdata
-                            for t in list(model.parameters()) + list(model.buffers())}
-        self._prefetched_layers: set[int] = set()
-        self._pool = (ThreadPoolExecutor(1, thread_name_prefix="moonrt-prefetch", initializer=bind_thread,
-                                         initargs=(device,)) if self.policy.prefetch else None)
+        pool = (ThreadPoolExecutor(1, thread_name_prefix="moonrt-prefetch", initializer=bind_thread, initargs=(device,))
+                if self.policy.prefetch else None)
+        self.prefetcher = Prefetcher(self._lock, self.accounting, pool)
+        self.fp8_batches = Fp8Batcher(self._lock, self.accounting, self._copier, self._fp8_kernel, fp8_batch_bytes,
+                                      self.prefetcher.parts)
+        self.copies = CopyBatcher(self._lock, self.accounting, self._copier, copy_batch_bytes)
+        module_names = {name: getattr(mod, "memory_region", None) for name, mod in model.named_modules() if name}
+        self.regions = Regions(self.policy, {n: r for n, r in module_names.items() if r}, self._lock)
+        param_ptrs = {t.untyped_storage()._cdata for t in list(model.parameters()) + list(model.buffers())}
+        self.hooks = SavedTensorHooks(self.policy, self.accounting, self._lock, self._stores, self._fp8_kernel,
+                                      param_ptrs, self.regions, self.fp8_batches, self.copies, self.prefetcher)
+        if type(self)._pack is not ActivationManager._pack:  # a subclass observes the saves: push its _pack
+            self.hooks.pack_fn = self._pack
+        self.recompute = Recompute(self.regions, self.hooks)
         self._keep_accounting = keep_accounting
         self._account_keep_next = True
-        self._account_keep_now = False
-        self._active = False
-        self._hooks_on = False
-        self._base_hooks: tuple[Any, Any] | None = None
-        self._hook_marks: list[tuple[int, bool]] = []
-        self._pack_fn = self._pack  # one bound-method object each: the hooks stack is compared by identity
-        self._unpack_fn = self._unpack
-        self._release_fn = self._release  # bound once: a handle holds it, not a new method object per save
-        self._release_keep_fn = self._release_keep
-        self._release_part_fn = self._release_part
-        self._anchoring = False
         self._handles: list[Any] = []
-        self._wrapped: list[torch.nn.Module] = []
-        self._wrapped_methods: list[tuple[torch.nn.Module, str]] = []
-        self.known_regions = self._attach()
+        self.known_regions = self._attach(module_names)
 
     # ---- setup ---------------------------------------------------------------------------------
-    def _attach(self) -> list[str]:
-        names = {}
+    def _attach(self, names: dict[str, str | None]) -> list[str]:
+        """Register the module hooks that push / pop regions, wrap what the policy recomputes; returns the known
+        regions (``names``: module path -> its ``memory_region`` or None, the root module left out)."""
+        enter, exit_ = self.regions.enter, self.regions.exit
         for name, mod in self.model.named_modules():
             if not name:
                 continue
-            names[name] = getattr(mod, "memory_region", None)
-            self._handles.append(mod.register_forward_pre_hook(functools.partial(self._enter, name)))
-            self._handles.append(mod.register_forward_hook(functools.partial(self._exit, name), always_call=True))
-        self._module_regions = {n: r for n, r in names.items() if r}
-        known = sorted({_generalize(n) for n in names} | {r for r in names.values() if r})
+            self._handles.append(mod.register_forward_pre_hook(functools.partial(enter, name)))
+            self._handles.append(mod.register_forward_hook(functools.partial(exit_, name), always_call=True))
+        known = sorted({generalize(n) for n in names} | {r for r in names.values() if r})
         ckpt = {r.match for r in self.policy.rules if r.policy == "recompute"}
         ckpt |= set(self.policy.moe_dispatch_only) | set(self.policy.attnres_checkpoint)
         patterns = [r.match for r in self.policy.rules] + list(self.policy.moe_dispatch_only) + list(
@@ -231,17 +209,17 @@ class ActivationManager(RegionsMixin, RecomputeMixin, SavedTensorsMixin, Fp8Batc
             routed = getattr(mod, "routed", None)
             if hit(self.policy.moe_dispatch_only) and callable(routed) and not isinstance(routed, torch.nn.Module) \
                     and not hit(whole):
-                self._wrap_routed(mod, f"{name}.routed")  # only the dispatch input is saved
-                known.append(f"{_generalize(name)}.routed")
+                self.recompute.wrap_routed(mod, f"{name}.routed")  # only the dispatch input is saved
+                known.append(f"{generalize(name)}.routed")
             elif hit(ckpt):
-                self._wrap_checkpoint(mod)
+                self.recompute.wrap_checkpoint(mod)
         # "module.method" patterns: a region around a method call (e.g. ``attn_res.sublayer_input``)
         for pat in dict.fromkeys(patterns):
             owner, _, meth = pat.rpartition(".")
             mod = modules.get(owner)
             fn = getattr(mod, meth, None) if mod is not None and meth not in mod._modules else None
             if callable(fn) and not isinstance(fn, torch.nn.Module):
-                self._wrap_method(mod, meth, pat, pat in ckpt)
+                self.recompute.wrap_method(mod, meth, pat, pat in ckpt)
                 known.append(pat)
         return known
 
@@ -250,27 +228,13 @@ class ActivationManager(RegionsMixin, RecomputeMixin, SavedTensorsMixin, Fp8Batc
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        for mod in self._wrapped:
-            del mod.forward
-        self._wrapped.clear()
-        for mod, meth in self._wrapped_methods:
-            delattr(mod, meth)
-        self._wrapped_methods.clear()
-        with self._lock:
-            for batch in self._pending.values():  # never quantized: nothing will unpack them
-                for e in batch.entries:
-                    e.raw = None
-            self._pending.clear()
-            self._decodable.clear()
-            for grp in self._copies.values():  # never copied: nothing will unpack them
-                grp.storages = None
-            self._copies.clear()
+        self.recompute.unwrap()
+        self.fp8_batches.close()
+        self.copies.close()
         if self._copier is not None:
             self._copier.shutdown(wait=True)
-            self._copier = None
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+            self._copier = self.fp8_batches.copier = self.copies.copier = None
+        self.prefetcher.close()
         host = self._stores.get("host")
         if host is not None:
             host.trim()
@@ -278,30 +242,34 @@ class ActivationManager(RegionsMixin, RecomputeMixin, SavedTensorsMixin, Fp8Batc
         if disk is not None:
             disk.close()
 
+    # ---- regions, recompute ----------------------------------------------------------------------
+    def region(self, name: str) -> AbstractContextManager[None]:
+        """Mark a named region (for code outside modules, e.g. a pipeline stage executor)."""
+        return self.regions.region(name)
+
+    def resolve(self, stack: list[str] | None = None) -> tuple[str, str]:
+        """``(region, policy)`` for a save under module stack ``stack`` (innermost last; default: the active one)."""
+        return self.regions.resolve(stack)
+
+    def checkpoint(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Function-level recompute (non-reentrant); may span several layers."""
+        return self.recompute.checkpoint(fn, *args, **kwargs)
+
     # ---- hooks ---------------------------------------------------------------------------------
     def __enter__(self) -> ActivationManager:
-        if self._active:
+        if self.hooks.active:
             raise RuntimeError("ActivationManager: already entered; expected one 'with manager:' at a time")
-        self._prefetched_layers.clear()
-        self._account_keep_now = self._account_keep_next or self._keep_accounting == "every"
+        self.prefetcher.new_forward()
+        account_keep = self._account_keep_next or self._keep_accounting == "every"
         self._account_keep_next = False
         self.accounting.forwards += 1
-        self._forward_id += 1
-        self.accounting.keep_forwards += self._account_keep_now
-        self._base_hooks = _top_hooks(False)
-        self._hook_marks = []
-        self._hooks_on = False
-        self._active = True
-        self._set_hooks(self._hooks_wanted(self._frames[-1].policy))
+        self.fp8_batches.new_forward()
+        self.accounting.keep_forwards += account_keep
+        self.hooks.start(account_keep)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._set_hooks(False)
-        self._active = False
-        self._hooks_on = False
-        self._hook_marks = []
-        self._flush_all()
-        self._flush_all_copies()
+        self.hooks.stop()
 
     def account_keep_next(self) -> None:
         """Account the ``keep`` saves of the next forward too (per-tensor hooks in keep regions for that
@@ -312,6 +280,46 @@ class ActivationManager(RegionsMixin, RecomputeMixin, SavedTensorsMixin, Fp8Batc
         """Send queued remote frees (call after backward; a new forward does it too)."""
         if self.remote is not None:
             self.remote.flush()
+
+
+    # ---- the parts' state under the names of the former mixin layout (read by tests) -----------------
+    @property
+    def _pool(self) -> ThreadPoolExecutor | None:
+        """The prefetch thread (``prefetcher.pool``)."""
+        return self.prefetcher.pool
+
+    @property
+    def _entries(self) -> dict[Any, Any]:
+        """The live stored entries by dedupe key (``hooks.entries``)."""
+        return self.hooks.entries
+
+    @property
+    def _decodable(self) -> dict[int, Any]:
+        """The FP8 decode-ahead candidates per forward (``fp8_batches.decodable``)."""
+        return self.fp8_batches.decodable
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        """The pack hook (:meth:`SavedTensorHooks.pack`). A subclass that overrides it (to log the saves, say) has
+        its override pushed instead, so it sees every save; the manager's own pushes ``hooks.pack`` directly."""
+        return self.hooks.pack(t)
+
+    @property
+    def _pack_fn(self) -> Any:
+        """The pack hook the manager pushes (``hooks.pack_fn``); settable, to observe the saves."""
+        return self.hooks.pack_fn
+
+    @_pack_fn.setter
+    def _pack_fn(self, fn: Any) -> None:
+        self.hooks.pack_fn = fn
+
+    @property
+    def _group_part(self) -> Any:
+        """How an unpack rebuilds a batched host save (``copies.group_part``); settable, to observe it."""
+        return self.copies.group_part
+
+    @_group_part.setter
+    def _group_part(self, fn: Any) -> None:
+        self.copies.group_part = fn  # type: ignore[method-assign]
 
 
 __all__ = ["ActivationManager", "idle_cpu", "layer_key"]

@@ -2,8 +2,9 @@
 non-reentrant ``torch.utils.checkpoint`` and the identity anchor through which a checkpointed region's
 inputs are saved (policy ``keep``, label ``recompute``, so they are accounted and deduplicated).
 
-:class:`RecomputeMixin` is a base of :class:`moonrt.memory.manager.ActivationManager`, which decides in
-``_attach`` what to wrap; ``region`` comes from :class:`~moonrt.memory.regions.RegionsMixin`.
+:class:`Recompute` wraps (and unwraps) modules and methods for one manager, which decides what to wrap; it marks
+the wrapped calls as regions of the manager's :class:`~moonrt.memory.regions.Regions` and saves the anchors'
+inputs through its :class:`~moonrt.memory.saved_hooks.SavedTensorHooks` (:meth:`SavedTensorHooks.anchored`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from typing import Any
 
 import torch
 from torch.utils.checkpoint import checkpoint
+
+from moonrt.memory.regions import Regions
+from moonrt.memory.saved_hooks import SavedTensorHooks
 
 
 class _Anchor(torch.autograd.Function):
@@ -30,17 +34,22 @@ class _Anchor(torch.autograd.Function):
         return grads
 
 
-class RecomputeMixin:
-    """Checkpoint wrappers (``_wrap_method``, ``_wrap_routed``, ``_wrap_checkpoint``), function-level
-    ``checkpoint`` and ``_anchor``."""
+class Recompute:
+    """Checkpoint wrappers (:meth:`wrap_method`, :meth:`wrap_routed`, :meth:`wrap_checkpoint`), function-level
+    :meth:`checkpoint` and :meth:`anchor`; :meth:`unwrap` takes every wrapper off again.
 
-    _anchoring: bool
-    _hooks_on: bool
-    _set_hooks: Any
-    _wrapped: list[torch.nn.Module]
-    _wrapped_methods: list[tuple[torch.nn.Module, str]]
+    Args:
+        regions: the manager's regions (wrapped calls are marked as regions there).
+        hooks: the manager's saved-tensor hooks (the anchors save through them).
+    """
 
-    def _wrap_method(self, mod: torch.nn.Module, meth: str, region: str, recompute: bool) -> None:
+    def __init__(self, regions: Regions, hooks: SavedTensorHooks) -> None:
+        self.regions = regions
+        self.hooks = hooks
+        self.wrapped: list[torch.nn.Module] = []
+        self.wrapped_methods: list[tuple[torch.nn.Module, str]] = []
+
+    def wrap_method(self, mod: torch.nn.Module, meth: str, region: str, recompute: bool) -> None:
         """Mark calls of ``mod.meth`` as region ``region``; with ``recompute`` run them checkpointed.
 
         Checkpointed calls get shallow copies of dataclass arguments (list fields copied), so a state
@@ -49,7 +58,7 @@ class RecomputeMixin:
         inner = getattr(mod, meth)
 
         def tagged(*args: Any, **kwargs: Any) -> Any:
-            with self.region(region):
+            with self.regions.region(region):
                 return inner(*args, **kwargs)
 
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -64,12 +73,12 @@ class RecomputeMixin:
                         if isinstance(v, list):
                             setattr(a, f.name, list(v))
                 frozen.append(a)
-            return checkpoint(tagged, *self._anchor(frozen), use_reentrant=False, **kwargs)
+            return checkpoint(tagged, *self.anchor(frozen), use_reentrant=False, **kwargs)
 
         setattr(mod, meth, call)
-        self._wrapped_methods.append((mod, meth))
+        self.wrapped_methods.append((mod, meth))
 
-    def _wrap_routed(self, mod: torch.nn.Module, region: str) -> None:
+    def wrap_routed(self, mod: torch.nn.Module, region: str) -> None:
         """``moe_dispatch_only`` on a module with a ``routed(z, topk_ids, topk_weights)`` method (the
         LatentMoE routed path): checkpoint that method, so its saved inputs are exactly the dispatch
         input ``z [N, L]``, ``topk_ids [N, k]``, ``topk_weights [N, k]`` (accounted in region
@@ -79,20 +88,20 @@ class RecomputeMixin:
         inner = mod.routed
 
         def tagged(*args: Any, **kwargs: Any) -> Any:
-            with self.region(region):
+            with self.regions.region(region):
                 return inner(*args, **kwargs)
 
         def routed(*args: Any, **kwargs: Any) -> Any:
             if not torch.is_grad_enabled():
                 return tagged(*args, **kwargs)
-            with self.region(region):
-                anchored = self._anchor(args, floating_only=False)
+            with self.regions.region(region):
+                anchored = self.anchor(args, floating_only=False)
             return checkpoint(tagged, *anchored, use_reentrant=False, **kwargs)
 
         mod.routed = routed
-        self._wrapped_methods.append((mod, "routed"))
+        self.wrapped_methods.append((mod, "routed"))
 
-    def _wrap_checkpoint(self, mod: torch.nn.Module) -> None:
+    def wrap_checkpoint(self, mod: torch.nn.Module) -> None:
         inner = mod.forward
         recorders = [m for m in mod.modules() if isinstance(getattr(m, "record_routing", None), bool)]
 
@@ -115,18 +124,18 @@ class RecomputeMixin:
                     for m, v in zip(recorders, saved):
                         m.record_routing = v
 
-            return checkpoint(run, *self._anchor(args), use_reentrant=False, **kwargs)
+            return checkpoint(run, *self.anchor(args), use_reentrant=False, **kwargs)
 
         mod.forward = forward
-        self._wrapped.append(mod)
+        self.wrapped.append(mod)
 
     def checkpoint(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Function-level recompute (non-reentrant); may span several layers."""
         if torch.is_grad_enabled():
-            args = self._anchor(args)
+            args = self.anchor(args)
         return checkpoint(fn, *args, use_reentrant=False, **kwargs)
 
-    def _anchor(self, args: Any, floating_only: bool = True) -> list[Any]:
+    def anchor(self, args: Any, floating_only: bool = True) -> list[Any]:
         """Pass the floating (or, with ``floating_only=False``, all) tensor arguments of a recompute
         region through :class:`_Anchor`, so the inputs the checkpoint keeps are saved (policy label
         ``recompute``, stored as ``keep``)."""
@@ -134,17 +143,20 @@ class RecomputeMixin:
         idx = [i for i, a in enumerate(args)
                if isinstance(a, torch.Tensor) and (a.is_floating_point() or not floating_only)]
         if idx:
-            self._anchoring = True
-            hooks_were_on = self._hooks_on
-            self._set_hooks(True)  # the anchor's saves are accounted in every forward, keep regions included
-            try:
+            with self.hooks.anchored():  # the anchor's saves are accounted in every forward, keep regions included
                 anchored = _Anchor.apply(*[args[i] for i in idx])
-            finally:
-                self._set_hooks(hooks_were_on)
-                self._anchoring = False
             for i, t in zip(idx, anchored):
                 args[i] = t
         return args
 
+    def unwrap(self) -> None:
+        """Give every wrapped module its own ``forward`` and every wrapped method back."""
+        for mod in self.wrapped:
+            del mod.forward
+        self.wrapped.clear()
+        for mod, meth in self.wrapped_methods:
+            delattr(mod, meth)
+        self.wrapped_methods.clear()
 
-__all__: list[str] = []
+
+__all__ = ["Recompute"]
