@@ -210,10 +210,10 @@ def test_convert_of_an_edited_param_group_is_refused(sharded_run: Path, tmp_path
 def _commit_newer(root: Path) -> None:
     """What a running job that keeps one step (``checkpoint.keep_latest = 1``) does at its next checkpoint: commit
     step 3 and remove the older steps."""
-    from moonrt.jobs.train.config import CheckpointConfig
+    from moonrt.jobs.train.config import CheckpointConfig, JobConfig
 
     model, opt = _linear(1)
-    job = checkpoint_dcp.JobConfig(checkpoint=CheckpointConfig(keep_latest=1))
+    job = JobConfig(checkpoint=CheckpointConfig(keep_latest=1))
     checkpoint_dcp.save_sharded(root, model, opt, 3, job)
 
 
