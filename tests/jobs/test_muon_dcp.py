@@ -111,7 +111,7 @@ def test_one_process_muon_round_trips_bit_for_bit(tmp_path: Path, one_thread: An
             p.add_(1.0)
     for g in fresh_opt.param_groups:  # restored from the marker, as optim.load_state_dict does
         g.update(lr=0.5, momentum=0.5, betas=(0.5, 0.5), ns_steps=3)
-    assert checkpoint_dcp.load_sharded(root, fresh, fresh_opt) == 1
+    assert checkpoint_dcp.load_sharded(root, fresh, fresh_opt, builder=BUILDER) == 1
     _equal({"model": fresh.state_dict(), "optimizer": fresh_opt.state_dict()}, ref, "loaded")
     _equal({k: v for k, v in checkpoint_dcp.to_single_file(root, BUILDER).items() if k in ref}, ref, "to_single_file")
 
