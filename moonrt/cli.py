@@ -143,6 +143,10 @@ def _run(name: str, rest: list[str]) -> int:
     sub = OneLineParser(prog=f"moonrt {name}", description=COMMANDS[name][1])
     module.add_arguments(sub)
     args = sub.parse_args(rest)
+    if name == "checkpoint":  # its tools rebuild a checkpoint's model with train's builder (it never imports train)
+        from moonrt.jobs.train.resume import BUILDER
+
+        return int(module.run(args, BUILDER) or 0)
     return int(module.run(args) or 0)
 
 

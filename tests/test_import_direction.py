@@ -214,6 +214,44 @@ def test_comm_part_rule_catches_a_part_importing_another(tmp_path: Path) -> None
                                               ("moonrt.comm.zero.core", "moonrt.comm.ep.x")]
 
 
+JOBS_BELOW: dict[str, tuple[str, ...]] = {"moonrt.jobs.checkpoint": ("moonrt.jobs.train",)}
+"""Arrows inside ``moonrt.jobs``: a job package -> the job packages it never imports (they import it). Checkpoints sit
+below ``moonrt train``: train saves and resumes through them, and the checkpoint code gets the train job's config
+reader and builders as values (:class:`moonrt.jobs.checkpoint.job.JobBuilder`)."""
+
+
+def jobs_violations(root: Path) -> list[tuple[str, str]]:
+    """Every ``(importer, imported)`` where a job package imports one :data:`JOBS_BELOW` puts above it (sorted)."""
+    found = set()
+    for below, above in JOBS_BELOW.items():
+        for path in sorted(root.joinpath(*below.split(".")).rglob("*.py")):
+            importer = module_name(path, root)
+            found |= {(importer, imported) for imported in imports(path, root) if _under(imported, above)}
+    return sorted(found)
+
+
+def test_checkpoint_never_imports_the_train_job() -> None:
+    assert (PKG_ROOT / "jobs" / "checkpoint" / "__init__.py").is_file()
+    assert jobs_violations(PKG_ROOT.parent) == []
+
+
+def test_jobs_rule_catches_checkpoint_importing_train(tmp_path: Path) -> None:
+    _tree(tmp_path, {
+        "moonrt/__init__.py": "", "moonrt/jobs/__init__.py": "", "moonrt/jobs/mem_plan.py": "",
+        "moonrt/jobs/train/__init__.py": "", "moonrt/jobs/train/config.py": "",
+        "moonrt/jobs/train/loop.py": "from moonrt.jobs.checkpoint import store\n",  # the allowed direction
+        "moonrt/jobs/checkpoint/__init__.py": "",
+        "moonrt/jobs/checkpoint/store.py": "from moonrt.jobs import mem_plan\n",
+        "moonrt/jobs/checkpoint/lazy.py": "def f():\n    from moonrt.jobs.train.config import JobConfig\n",
+        "moonrt/jobs/checkpoint/rel.py": "from ..train import config\n",
+        "moonrt/jobs/checkpoint/typing_only.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                                 "    import moonrt.jobs.train.loop\n",
+    })
+    assert jobs_violations(tmp_path) == [("moonrt.jobs.checkpoint.lazy", "moonrt.jobs.train.config"),
+                                         ("moonrt.jobs.checkpoint.rel", "moonrt.jobs.train.config"),
+                                         ("moonrt.jobs.checkpoint.typing_only", "moonrt.jobs.train.loop")]
+
+
 def _tree(root: Path, files: dict[str, str]) -> None:
     for name, text in files.items():
         path = root / name

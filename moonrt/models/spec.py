@@ -20,6 +20,10 @@ from typing import Any
 
 from moonrt.config import ConfigError, from_dict
 
+MAX_PARAMS = 5_000_000_000
+"""Largest model (parameters, from the config) that a job instantiates (``moonrt train`` builds the whole model in
+one process; ``--init-from`` refuses a larger Hugging Face directory before reading a tensor)."""
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ModelMemory:
@@ -139,4 +143,4 @@ class ModelSpec:
         return self.memory
 
 
-__all__ = ["ModelMemory", "ModelSpec"]
+__all__ = ["MAX_PARAMS", "ModelMemory", "ModelSpec"]

@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from moonrt.jobs.checkpoint import store
+from moonrt.jobs.train.resume import BUILDER
 
 N = 8  # elements per rank per peer in moonrt.jobs.selftest.cli.check_collectives
 
@@ -213,7 +214,7 @@ def _assert_same_run(run: Path, ref: Path) -> None:
     got, want = _records(run), _records(ref)
     assert [r["step"] for r in got] == list(range(1, STEPS + 1)) == [r["step"] for r in want]
     assert [(r["loss"], r["grad_norm"]) for r in got] == [(r["loss"], r["grad_norm"]) for r in want]
-    a, b = (store.read_state(p / "out") for p in (run, ref))  # 2 ranks: sharded, gathered here
+    a, b = (store.read_state(p / "out", BUILDER) for p in (run, ref))  # 2 ranks: sharded, gathered here
     assert a["step"] == b["step"] == STEPS
     for key in ("model", "optimizer"):
         flat_a, flat_b = _tensors(a[key]), _tensors(b[key])

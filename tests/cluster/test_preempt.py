@@ -46,6 +46,7 @@ from moonrt.config import from_dict
 from moonrt.jobs.checkpoint import store
 from moonrt.jobs.train.config import JobConfig
 from moonrt.jobs.train.loop import Preempted, train
+from moonrt.jobs.train.resume import BUILDER
 
 
 def _start(argv: list[str], cwd: Path) -> subprocess.Popen:
@@ -57,7 +58,7 @@ def _stopped(run: Path, out: str, code: int) -> int:
     """Check a stopped run: exit 75, its checkpoint at the last step of its metrics; returns that step."""
     assert code == PREEMPTED_EXIT, out[-4000:]
     steps = [r["step"] for r in _records(run)]
-    state = store.read_state(run / "out")
+    state = store.read_state(run / "out", BUILDER)
     assert steps == list(range(1, state["step"] + 1)), (steps, state["step"])
     assert 2 <= state["step"] < STEPS, "the signal came after the run had finished (raise STEPS)"
     assert f"after step {state['step']} of {STEPS}; checkpoint" in out, out[-4000:]
@@ -137,7 +138,7 @@ def test_second_signal_aborts_and_keeps_the_previous_checkpoint(workdir: Path) -
     code, out = _finish(job)
     assert code in (128 + signal.SIGTERM, 128 + signal.SIGINT), out[-4000:]
     assert re.search(r"moonrt train: second SIG(TERM|INT): aborting without a checkpoint", out), out[-4000:]
-    state = store.read_state(run / "out")  # an earlier step's, complete
+    state = store.read_state(run / "out", BUILDER)  # an earlier step's, complete
     assert 1 <= state["step"] <= _records(run)[-1]["step"]
     assert sorted(p.name for p in (run / "out").iterdir()) == ["checkpoint.pt", "config.yaml", "run_id"]  # no temp
 
@@ -185,7 +186,7 @@ def test_stop_points_in_process(workdir: Path, tmp_path: Path, where: str, stop_
     assert [r["step"] for r in records] == list(range(1, stop_step + 1))
     if records:
         assert ("eval_loss" in records[-1]) == evaluated
-    assert store.read_state(tmp_path / "out")["step"] == stop_step
+    assert store.read_state(tmp_path / "out", BUILDER)["step"] == stop_step
     train(job, metrics_path=str(metrics), resume=True, progress=False)
     assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == list(range(1, 7))
 

@@ -161,8 +161,8 @@ def test_bf16_reduce_of_a_training_steps_gradients_is_within_the_bound_of_fp32(p
 
 def test_resume_may_change_the_reduce_dtype() -> None:
     from moonrt.config import to_dict
-    from moonrt.jobs.checkpoint.single import check_resume
     from moonrt.jobs.train.config import JobConfig, PrecisionConfig
+    from moonrt.jobs.train.resume import check_resume
 
     fp32, bf16 = to_dict(JobConfig()), to_dict(JobConfig(precision=PrecisionConfig(compute="bf16", reduce="bf16")))
     check_resume(fp32, bf16, step=1)

@@ -208,8 +208,8 @@ def test_ep_transport_bad_value_is_one_line_and_writes_nothing(tmp_path: Path,
 
 def test_ep_transport_is_recorded_and_free_on_resume() -> None:
     from moonrt.config import to_dict
-    from moonrt.jobs.checkpoint.single import check_resume
     from moonrt.jobs.train.config import JobConfig
+    from moonrt.jobs.train.resume import check_resume
 
     assert to_dict(JobConfig())["parallel"]["ep_transport"] == "auto"  # what config.yaml records
     old = to_dict(JobConfig())

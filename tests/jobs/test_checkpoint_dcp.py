@@ -36,6 +36,7 @@ from moonrt.jobs.checkpoint import sharded as checkpoint_dcp
 from moonrt.jobs.checkpoint import store
 from moonrt.jobs.checkpoint.single import CheckpointError
 from moonrt.jobs.train.config import JobConfig
+from moonrt.jobs.train.resume import BUILDER
 
 
 def _trained_tiny() -> tuple[torch.nn.Module, torch.optim.Optimizer, JobConfig]:
@@ -77,7 +78,7 @@ def test_one_process_round_trip_is_bit_identical(saved: tuple[Path, dict[str, An
     opt = build_optimizer(model, job.optim)
     assert checkpoint_dcp.load_sharded(root, model, opt) == 1
     _equal({"model": model.state_dict(), "optimizer": opt.state_dict()}, ref, "loaded")
-    state = checkpoint_dcp.to_single_file(root)
+    state = checkpoint_dcp.to_single_file(root, BUILDER)
     assert state["step"] == 1
     _equal({"model": state["model"], "optimizer": state["optimizer"]}, ref, "to_single_file")
 
@@ -188,10 +189,10 @@ def _resume_everywhere(tmp_path: Path, base: str, same: tuple[int, list[str]],
 
 
 def _check_other_layouts(tmp_path: Path, got: dict[str, dict[str, Any]]) -> None:
-    ref, ref_ckpt = got["same"], store.read_state(tmp_path / "same")
+    ref, ref_ckpt = got["same"], store.read_state(tmp_path / "same", BUILDER)
     for name, rec in got.items():
         assert abs(rec["loss"] - ref["loss"]) <= RTOL * abs(ref["loss"]), (name, rec["loss"], ref["loss"])
-        ck = store.read_state(tmp_path / name)
+        ck = store.read_state(tmp_path / name, BUILDER)
         assert ck["step"] == 3, name
         _close(ck["model"], ref_ckpt["model"], f"{name}.model")
 
@@ -208,7 +209,7 @@ def test_ep2_zero1_on_4_ranks_saves_sharded_and_resumes_in_any_layout(tmp_path: 
     assert marker["step"] == 2 and marker["layout"] == {"world": 4, "dp": 2, "pp": 1, "vpp": 1, "ep": 2, "cp": 1,
                                                         "zero": 1}
     # no rank held the whole optimizer state: each passed DCP its shard (~1/4), every byte written once
-    full = store.read_state(tmp_path / "base")
+    full = store.read_state(tmp_path / "base", BUILDER)
     ranks = marker["ranks"]
     assert max(r["optimizer_bytes"] for r in ranks) < 0.5 * _optimizer_bytes(full), (ranks, _optimizer_bytes(full))
     assert sum(r["written_bytes"] for r in ranks) == marker["bytes"], ranks
@@ -216,7 +217,7 @@ def test_ep2_zero1_on_4_ranks_saves_sharded_and_resumes_in_any_layout(tmp_path: 
                                                                                        "--microbatches", "2"])})
     # same layout: bit-identical to the uninterrupted run (loss and the whole state)
     assert got["same"]["loss"] == _metrics(tmp_path / "straight.jsonl")[3]["loss"]
-    same, straight = store.read_state(tmp_path / "same"), store.read_state(tmp_path / "straight")
+    same, straight = store.read_state(tmp_path / "same", BUILDER), store.read_state(tmp_path / "straight", BUILDER)
     keys = ("model", "optimizer", "step")
     _equal({k: same[k] for k in keys}, {k: straight[k] for k in keys})
     _check_other_layouts(tmp_path, got)
@@ -243,5 +244,5 @@ def test_convert_between_the_formats_round_trips(saved: tuple[Path, dict[str, An
     assert old["step"] == 1
     _equal({"model": old["model"], "optimizer": old["optimizer"]}, ref, "to .pt")
     assert cli(["checkpoint", "convert", str(tmp_path / "checkpoint.pt"), str(tmp_path / "back")]) == 0
-    again = checkpoint_dcp.to_single_file(tmp_path / "back")
+    again = checkpoint_dcp.to_single_file(tmp_path / "back", BUILDER)
     _equal({"model": again["model"], "optimizer": again["optimizer"]}, ref, "back to sharded")

@@ -173,6 +173,18 @@ def test_an_edited_param_group_is_refused_like_a_changed_setting(sharded_run: Pa
     assert _files(run) == before
 
 
+def test_a_setting_the_job_may_change_resumes_a_sharded_checkpoint(sharded_run: Path, tmp_path: Path,
+                                                                  capsys: Any) -> None:
+    """The job changes ``optim.weight_decay`` and names it in ``--resume-allow-changes``: its param group differs from
+    the marker's, which the marker's own config builds (the train job's builder, handed to the load: the checkpoint
+    package cannot build a job itself), so the resume runs on instead of calling the marker edited."""
+    run, _ = _copy(sharded_run, tmp_path)
+    capsys.readouterr()
+    assert cli(_resume(sharded_run, tmp_path, "--steps", "3", "--set", "optim.weight_decay=0.0",
+                       "--resume-allow-changes", "weight_decay")) == 0, capsys.readouterr().err
+    assert checkpoint.load(run / "checkpoint.pt")["step"] == 3  # one process: the gathered file, newer
+
+
 def _train_ranks(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(_ranks(2, *_train_argv(cwd, "run", "--zero", "1", "--threads", "1", *args)), cwd=cwd,
                           capture_output=True, text=True, timeout=400)
@@ -210,10 +222,10 @@ def test_convert_of_an_edited_param_group_is_refused(sharded_run: Path, tmp_path
 def _commit_newer(root: Path) -> None:
     """What a running job that keeps one step (``checkpoint.keep_latest = 1``) does at its next checkpoint: commit
     step 3 and remove the older steps."""
-    from moonrt.jobs.train.config import CheckpointConfig
+    from moonrt.jobs.train.config import CheckpointConfig, JobConfig
 
     model, opt = _linear(1)
-    job = checkpoint_dcp.JobConfig(checkpoint=CheckpointConfig(keep_latest=1))
+    job = JobConfig(checkpoint=CheckpointConfig(keep_latest=1))
     checkpoint_dcp.save_sharded(root, model, opt, 3, job)
 
 

@@ -47,6 +47,7 @@ from jobs.helpers import (
 
 from moonrt.jobs.checkpoint import sharded as checkpoint_dcp
 from moonrt.jobs.checkpoint import store
+from moonrt.jobs.train.resume import BUILDER
 
 FLAGS = ["--steps", "4", "--seed", "0", "--batch-size", "8", "--seq-len", "32", "--eval-every", "100", "--lr", "1e-3",
          "--threads", "1", "--no-progress", "--set", "optim.eval_windows=8"]
@@ -100,7 +101,7 @@ def _resume_the_8_rank_sharded_checkpoint_elsewhere(tmp_path: Path) -> None:
     marker = checkpoint_dcp.read_marker(checkpoint_dcp.resolve(root / "checkpoint"))
     assert marker["step"] == 2 and marker["layout"] == {"world": 8, "dp": 2, "pp": 2, "vpp": 1, "ep": 2, "cp": 1,
                                                         "zero": 1}, marker
-    state = store.read_state(root)
+    state = store.read_state(root, BUILDER)
     full = sum(t.numel() * t.element_size() for st in state["optimizer"]["state"].values() for t in st.values())
     assert max(r["optimizer_bytes"] for r in marker["ranks"]) < 0.25 * full, (marker["ranks"], full)
     assert sum(r["written_bytes"] for r in marker["ranks"]) == marker["bytes"], marker["ranks"]

@@ -21,6 +21,7 @@ from moonrt.config import load_yaml, read_yaml, to_dict
 from moonrt.jobs.checkpoint import store
 from moonrt.jobs.train.config import JobConfig
 from moonrt.jobs.train.outputs import CHECKPOINT, has_checkpoint
+from moonrt.jobs.train.resume import BUILDER
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -125,7 +126,8 @@ def test_stop_signal_while_torch_is_imported_stops_at_step_0(tmp_path: Path, sig
             proc.wait()
     assert proc.returncode == PREEMPTED_EXIT, out
     assert f"stopped by {sig.name} after step 0 of 3" in out, out
-    assert has_checkpoint(tmp_path / "run") and store.read_state(tmp_path / "run")["step"] == 0
+    assert has_checkpoint(tmp_path / "run")
+    assert store.read_state(tmp_path / "run", BUILDER)["step"] == 0
     assert main(_train(tmp_path, "run", "--steps", "3", "--until", "1", "--resume", "--no-progress")) == 0
 
 

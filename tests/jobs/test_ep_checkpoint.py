@@ -49,8 +49,9 @@ def _ckpt(path: Path) -> dict[str, Any]:
     """The run's newest checkpoint (multi-rank jobs write the sharded OUT/checkpoint/, one process checkpoint.pt)
     in the single-process ``checkpoint.pt`` format."""
     from moonrt.jobs.checkpoint.store import read_state
+    from moonrt.jobs.train.resume import BUILDER
 
-    return read_state(path)
+    return read_state(path, BUILDER)
 
 
 @pytest.mark.slow

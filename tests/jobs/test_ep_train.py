@@ -132,8 +132,8 @@ def test_ep_dispatcher_is_free_on_resume_like_the_degrees() -> None:
     """A checkpoint of one placement resumes under the other (same math), and a checkpoint written before the field
     existed counts as ``moonep``."""
     from moonrt.config import to_dict
-    from moonrt.jobs.checkpoint.single import check_resume
     from moonrt.jobs.train.config import JobConfig
+    from moonrt.jobs.train.resume import check_resume
 
     old = to_dict(JobConfig())
     del old["parallel"]["ep_dispatcher"]  # a config written before the field existed

@@ -31,6 +31,7 @@ from jobs.helpers import _close, _equal
 
 from moonrt.cli import main as cli
 from moonrt.jobs.checkpoint import sharded as checkpoint_dcp
+from moonrt.jobs.train.resume import BUILDER
 from moonrt.parallel.blocks import MatrixBlocks
 
 COLUMNS = "layers.0.attn.o_proj.weight"
@@ -110,14 +111,15 @@ def test_one_process_muon_round_trips_bit_for_bit(tmp_path: Path, one_thread: An
             p.add_(1.0)
     for g in fresh_opt.param_groups:  # restored from the marker, as optim.load_state_dict does
         g.update(lr=0.5, momentum=0.5, betas=(0.5, 0.5), ns_steps=3)
-    assert checkpoint_dcp.load_sharded(root, fresh, fresh_opt) == 1
+    assert checkpoint_dcp.load_sharded(root, fresh, fresh_opt, builder=BUILDER) == 1
     _equal({"model": fresh.state_dict(), "optimizer": fresh_opt.state_dict()}, ref, "loaded")
-    _equal({k: v for k, v in checkpoint_dcp.to_single_file(root).items() if k in ref}, ref, "to_single_file")
+    _equal({k: v for k, v in checkpoint_dcp.to_single_file(root, BUILDER).items() if k in ref}, ref, "to_single_file")
 
     assert cli(["checkpoint", "convert", str(root), str(tmp_path / "checkpoint.pt")]) == 0
     _equal({k: v for k, v in load(tmp_path / "checkpoint.pt").items() if k in ref}, ref, "to .pt")
     assert cli(["checkpoint", "convert", str(tmp_path / "checkpoint.pt"), str(tmp_path / "back")]) == 0
-    _equal({k: v for k, v in checkpoint_dcp.to_single_file(tmp_path / "back").items() if k in ref}, ref, "back")
+    back = checkpoint_dcp.to_single_file(tmp_path / "back", BUILDER)
+    _equal({k: v for k, v in back.items() if k in ref}, ref, "back")
 
 
 # ---- 2 ranks, teacher-forced gradients ------------------------------------------------------------------------
@@ -224,8 +226,9 @@ def test_two_ranks_save_sharded_muon_and_resume_across_layouts(tmp_path: Path) -
     got = out[0]
     keys = ("model", "optimizer")
     # sharded -> gathered format: bit for bit what the gathered path (full_state_dict) gives
-    _equal({k: checkpoint_dcp.to_single_file(tmp_path / "zero" / "checkpoint")[k] for k in keys}, got["zero2"], "zero")
-    _equal({k: checkpoint_dcp.to_single_file(tmp_path / "ep" / "checkpoint")[k] for k in keys}, got["ep3"], "ep")
+    zero, ep = (checkpoint_dcp.to_single_file(tmp_path / name / "checkpoint", BUILDER) for name in ("zero", "ep"))
+    _equal({k: zero[k] for k in keys}, got["zero2"], "zero")
+    _equal({k: ep[k] for k in keys}, got["ep3"], "ep")
     _close(got["zero2"], ref[2], "zero2 vs single")
     # one process -> ep 2 zero 1: the single process's step
     _close(got["ep3"], ref[3], "ep3 vs single")

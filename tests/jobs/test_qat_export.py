@@ -16,6 +16,7 @@ from moonrt.comm.parallelism import Parallelism
 from moonrt.jobs.checkpoint import mxfp4
 from moonrt.jobs.train import data
 from moonrt.jobs.train.loop import evaluate
+from moonrt.jobs.train.resume import BUILDER
 from moonrt.models.k3.model.config import k3_tiny
 from moonrt.models.k3.spec import qat_weights
 from moonrt.ops.qat import fake_quantize_values
@@ -60,7 +61,7 @@ def test_the_loaded_export_evaluates_to_the_qat_runs_eval_loss(qat_run: Path, ca
                                                                ) -> None:
     out = qat_run / "eval.safetensors"
     assert _cli(["checkpoint", "export", str(qat_run / "qat"), str(out), "--mxfp4"], capfd)[0] == 0
-    model, job = mxfp4.eval_model(out)
+    model, job = mxfp4.eval_model(out, BUILDER)
     corpus = data.load_corpus(job.data.corpus, job.data.token_dtype, job.model_cfg().vocab_size)
     windows = data.eval_windows(corpus.heldout, job.optim.eval_windows, job.optim.seq_len)
     got = evaluate(model, windows, job.optim.batch_size, Parallelism())

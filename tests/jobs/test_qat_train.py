@@ -55,7 +55,7 @@ def test_qat_mxfp4_on_the_default_model_takes_its_preset_block_and_learns(tmp_pa
     """Issue 49 item 10: ``moonrt train --qat mxfp4`` on the default model (k3_tiny, expert width 56) runs with the
     block its preset declares (8; refused before: 32 does not divide 56), records it, and learns; k3 keeps the OCP
     MX spec's 32, and a non-QAT checkpoint that recorded the old default block 32 still resumes."""
-    from moonrt.jobs.checkpoint.single import check_resume
+    from moonrt.jobs.train.resume import check_resume
     from moonrt.models import presets
 
     assert presets()["k3"].default_qat_block("k3") == 32 and presets()["k3_tiny"].default_qat_block("k3_tiny") == 8

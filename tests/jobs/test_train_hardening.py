@@ -24,6 +24,7 @@ from moonrt.jobs.train.assemble import build_model
 from moonrt.jobs.train.config import JobConfig
 from moonrt.jobs.train.loop import CHECKPOINT, train
 from moonrt.jobs.train.optimizers import build_optimizer
+from moonrt.jobs.train.resume import check_resume
 
 MARKER_ENV = "MOONRT_TEST_MARKER"
 
@@ -135,11 +136,11 @@ def test_a_field_the_checkpoint_predates_counts_as_its_default() -> None:
 
     stored = to_dict(JobConfig())
     del stored["optim"]["optimizer"]
-    checkpoint.check_resume(stored, to_dict(JobConfig()), 2)
+    check_resume(stored, to_dict(JobConfig()), 2)
     new = to_dict(JobConfig())
     new["optim"]["optimizer"] = "muon"
     with pytest.raises(checkpoint.CheckpointError, match="optim.optimizer: checkpoint 'adamw', now 'muon'"):
-        checkpoint.check_resume(stored, new, 2)
+        check_resume(stored, new, 2)
 
 
 def test_metrics_after_kill_and_resume_hold_each_step_once(tmp_path: Path) -> None:

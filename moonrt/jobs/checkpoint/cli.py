@@ -73,6 +73,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from moonrt.jobs.checkpoint.job import JobBuilder
 from moonrt.models.k3.export_names import HF_RULES, from_hf, hf_names, to_hf  # noqa: F401 (re-exported)
 
 
@@ -356,16 +357,15 @@ def pack_mxfp4(tensors: dict[str, Any], back: dict[str, str], quantized: set[str
     return out, {"block": scheme.block, "scale_mode": scheme.scale_mode, "element": "e2m1", "tensors": table}
 
 
-def _pack_mxfp4(tensors: dict[str, Any], back: dict[str, str], config: dict[str, Any]
+def _pack_mxfp4(tensors: dict[str, Any], back: dict[str, str], config: dict[str, Any], builder: JobBuilder
                 ) -> tuple[dict[str, Any], dict[str, Any]] | str:
     """``export --mxfp4``: the tensors with the declared quantizable weights packed and the ``moonrt_mxfp4``
     metadata (:func:`pack_mxfp4`), or why not (one line)."""
-    from moonrt.config import ConfigError, from_dict
-    from moonrt.jobs.train.config import JobConfig
+    from moonrt.config import ConfigError
     from moonrt.ops.qat import QATScheme
 
     try:
-        job = from_dict(JobConfig, {**config, "qat": "none"})  # the block is checked against the tensors below
+        job = builder.read({**config, "qat": "none"})  # the block is checked against the tensors below
         spec = job.model_spec()
         if spec.qat_weights is None:
             return (f"--mxfp4: model {job.model!r} (family {spec.name!r}) declares no quantizable layers; expected a "
@@ -375,14 +375,13 @@ def _pack_mxfp4(tensors: dict[str, Any], back: dict[str, str], config: dict[str,
         return f"--mxfp4: {exc}"
 
 
-def _export_hf(args: argparse.Namespace) -> int:
+def _export_hf(args: argparse.Namespace, builder: JobBuilder) -> int:
     """``export --format hf``: the released Kimi K3 layout (:mod:`moonrt.jobs.checkpoint.hf`) in a new or empty
     directory; ``--mxfp4`` packs the routed experts (the release's scope) with the job's ``qat_block``."""
     import shutil
 
-    from moonrt.config import ConfigError, from_dict, umask
+    from moonrt.config import ConfigError, umask
     from moonrt.jobs.checkpoint.hf import export_dir, parse_size
-    from moonrt.jobs.train.config import JobConfig
 
     out = Path(args.file)
     src, state = _export_source(args.dir)
@@ -400,7 +399,7 @@ def _export_hf(args: argparse.Namespace) -> int:
     try:
         max_bytes = parse_size(args.max_shard_size)
         model, step, config = _model_state(src, state)
-        job = from_dict(JobConfig, {**config, "qat": "none"})
+        job = builder.read({**config, "qat": "none"})
         if job.model_spec().name != "k3":
             return _fail(f"--format hf: model {job.model!r} (family {job.model_spec().name!r}); expected a K3 "
                          "checkpoint (the released Kimi K3 layout)")
@@ -429,11 +428,11 @@ def _export_hf(args: argparse.Namespace) -> int:
     return 0
 
 
-def _export(args: argparse.Namespace) -> int:
+def _export(args: argparse.Namespace, builder: JobBuilder) -> int:
     from safetensors.torch import save
 
     if args.format == "hf":
-        return _export_hf(args)
+        return _export_hf(args, builder)
 
     from moonrt.config import umask
     from moonrt.jobs.checkpoint.single import publish
@@ -450,7 +449,7 @@ def _export(args: argparse.Namespace) -> int:
     meta = {"format": "pt", "moonrt_step": str(step), "moonrt_names": json.dumps(back),
             "moonrt_config": json.dumps(config)}
     if args.mxfp4:
-        packed = _pack_mxfp4(tensors, back, config)
+        packed = _pack_mxfp4(tensors, back, config, builder)
         if isinstance(packed, str):
             return _fail(packed)
         tensors, meta["moonrt_mxfp4"] = packed[0], json.dumps(packed[1])
@@ -473,7 +472,7 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _convert(args: argparse.Namespace) -> int:
+def _convert(args: argparse.Namespace, builder: JobBuilder) -> int:
     from moonrt.jobs.checkpoint.sharded import save_sharded, to_single_file
     from moonrt.jobs.checkpoint.single import CheckpointError, load, save
 
@@ -487,7 +486,8 @@ def _convert(args: argparse.Namespace) -> int:
     if src.is_dir():
         if refused := _target("DST", args.dst, src, args.force, pt_ok=True):
             return _fail(refused)
-        save(dst, to_single_file(src), exclusive=not args.force or dst.name == "checkpoint.pt")  # a new one only
+        state = to_single_file(src, builder)
+        save(dst, state, exclusive=not args.force or dst.name == "checkpoint.pt")  # a new one only
         print(f"wrote {dst}")
         return 0
     if dst.exists() and not dst.is_dir():
@@ -498,17 +498,14 @@ def _convert(args: argparse.Namespace) -> int:
                      "writes only into a new or empty directory")
     import torch
 
-    from moonrt.config import ConfigError, from_dict
-    from moonrt.jobs.train.assemble import build_model
-    from moonrt.jobs.train.config import JobConfig
-    from moonrt.jobs.train.optimizers import build_optimizer
+    from moonrt.config import ConfigError
     from moonrt.ops.muon import Muon
 
     state = state if state is not None else load(src)
     try:
-        job = from_dict(JobConfig, state["config"])
-        model = build_model(job)
-        opt = build_optimizer(model, job.optim)
+        job = builder.read(state["config"])
+        model = builder.model(job)
+        opt = builder.optimizer(model, job)
         if not isinstance(opt, torch.optim.AdamW | Muon):
             return _fail(f"SRC = {args.src!r}: optimizer {type(opt).__name__}; expected AdamW or Muon (the sharded "
                          "format's states)")
@@ -522,10 +519,15 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, builder: JobBuilder) -> int:
+    """Run ``args.action``; ``builder``: the job layer's (``moonrt/cli.py`` passes
+    :data:`moonrt.jobs.train.resume.BUILDER`), for the actions that rebuild a checkpoint's model (``export``,
+    ``convert``)."""
     from moonrt.jobs.checkpoint.single import CheckpointError
 
     try:
-        return {"info": _info, "export": _export, "convert": _convert}[args.action](args)
+        if args.action == "info":
+            return _info(args)
+        return {"export": _export, "convert": _convert}[args.action](args, builder)
     except (CheckpointError, OSError) as exc:
         return _fail(str(exc).splitlines()[0])

@@ -31,9 +31,9 @@ from typing import Any, NamedTuple
 import torch
 
 from moonrt.config import ConfigError, umask
-from moonrt.jobs.train.config import MAX_PARAMS
 from moonrt.models.k3 import hf_adapter, hf_config
 from moonrt.models.k3.model.config import K3Config
+from moonrt.models.spec import MAX_PARAMS
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -378,7 +378,7 @@ __all__ = ["CONFIG", "DEFAULT_SHARD_BYTES", "DTYPE_BYTES", "INDEX", "MAX_HEADER_
 
 def job_init(job: Any, load: bool = True, stored: Mapping[str, Any] | None = None
              ) -> tuple[dict[str, torch.Tensor] | None, str]:
-    """``init_from`` of a training job (a :class:`moonrt.jobs.train.config.JobConfig`): sets the job's
+    """``init_from`` of a training job (``moonrt train``'s job config): sets the job's
     ``model_config`` to the directory's config when the job gives none (ConfigError if the job's ``model`` is not
     a K3 preset, if the model is too large, :func:`check_size`, or if a given ``model_config`` differs, naming the
     first differing field) and its ``init_from_sha256`` to the directory's :func:`identity` (a given one must

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from moonrt.jobs.checkpoint.job import JobBuilder
 from moonrt.ops import mx
 from moonrt.ops.qat import QATScheme
 
@@ -77,19 +78,15 @@ def load(path: str | Path) -> Exported:
     return Exported(state, json.loads(meta["moonrt_config"]), int(meta["moonrt_step"]), scheme)
 
 
-def eval_model(path: str | Path) -> tuple[torch.nn.Module, Any]:
-    """The model of an export file, ready to evaluate: built from the file's job config, its weights loaded (the
-    quantized ones decoded), QAT switched on with the file's scheme when it is an ``--mxfp4`` export (the fake
-    quantizer leaves decoded MXFP4 weights unchanged and quantizes the activations as training did). Returns
-    ``(model, job config)``."""
-    from moonrt.config import from_dict
-    from moonrt.jobs.train.assemble import build_model
-    from moonrt.jobs.train.config import JobConfig
-
+def eval_model(path: str | Path, builder: JobBuilder) -> tuple[torch.nn.Module, Any]:
+    """The model of an export file, ready to evaluate: built from the file's job config by ``builder`` (the job
+    layer's, :data:`moonrt.jobs.train.resume.BUILDER`), its weights loaded (the quantized ones decoded), QAT switched
+    on with the file's scheme when it is an ``--mxfp4`` export (the fake quantizer leaves decoded MXFP4 weights
+    unchanged and quantizes the activations as training did). Returns ``(model, job config)``."""
     exported = load(path)
-    job = from_dict(JobConfig, exported.config)
+    job = builder.read(exported.config)
     job.qat = "none"  # built plain, then the file's scheme (its block) switched on
-    model = build_model(job)
+    model = builder.model(job)
     model.load_state_dict(exported.state, strict=True)
     if exported.scheme is not None:
         model.enable_qat(exported.scheme)

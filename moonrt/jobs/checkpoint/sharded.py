@@ -76,9 +76,9 @@ import torch.distributed as dist
 
 from moonrt.cluster.preempt import raised_abort
 from moonrt.comm.parallelism import Parallelism
-from moonrt.config import from_dict, to_dict, umask
+from moonrt.config import to_dict, umask
+from moonrt.jobs.checkpoint.job import JobBuilder, SavedJob
 from moonrt.jobs.checkpoint.single import CheckpointError
-from moonrt.jobs.train.config import JobConfig
 from moonrt.ops.muon import Muon, step_count
 
 # torch.distributed.checkpoint (and moonrt.comm.state.dcp, built on it) is imported by the functions that read or
@@ -226,7 +226,7 @@ def _hyper(saved: dict[str, Any]) -> dict[str, Any]:
 # ---- writing -------------------------------------------------------------------------------------------
 
 
-def save_sharded(root: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, job: JobConfig,
+def save_sharded(root: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, job: SavedJob,
                  rt: Parallelism | None = None) -> Path:
     """Write this job's state at ``step`` under ``root`` (``OUT/checkpoint``); collective: every rank calls it.
 
@@ -240,7 +240,7 @@ def save_sharded(root: Path, model: torch.nn.Module, opt: torch.optim.Optimizer,
     return _write(_Save.begin(root, model, opt, step, job, rt, stage=False), rt.cpu_group)
 
 
-def start_save(root: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, job: JobConfig,
+def start_save(root: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, job: SavedJob,
                rt: Parallelism, group: Any) -> PendingSave:
     """:func:`save_sharded` in the background (``checkpoint.async_save``); collective: every rank calls it.
 
@@ -313,7 +313,7 @@ class _Save:
 
     root: Path
     step: int
-    job: JobConfig
+    job: SavedJob
     state: dict[str, Any]
     mine: list[int]  # this rank's model and optimizer bytes
     groups: list[dict[str, Any]]  # the param groups' hyperparameters at the save (JSON form)
@@ -322,7 +322,7 @@ class _Save:
     main: bool
 
     @classmethod
-    def begin(cls, root: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, job: JobConfig,
+    def begin(cls, root: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, job: SavedJob,
               rt: Parallelism, stage: bool) -> _Save:
         from moonrt.comm.state.dcp import entry_bytes
 
@@ -386,7 +386,7 @@ def _write(save: _Save, group: Any) -> Path:
     return final
 
 
-def _commit(root: Path, tmp: Path, final: Path, rows: list[Any], step: int, job: JobConfig,
+def _commit(root: Path, tmp: Path, final: Path, rows: list[Any], step: int, job: SavedJob,
             groups: list[dict[str, Any]]) -> None:
     """Rank 0: write the marker (with every file's size and CRC-32) into ``tmp``, rename it to ``final``, remove
     older steps and interrupted saves."""
@@ -814,19 +814,21 @@ def _check(step_dir: Path, marker: dict[str, Any], multi: bool, group: Any = Non
         raise CheckpointError(f"checkpoint {str(step_dir)!r}: {bad[0]}")
 
 
-def _config_groups(marker: dict[str, Any], model: torch.nn.Module) -> list[dict[str, Any]] | None:
-    """The param-group hyperparameters (JSON form) the marker's own job config builds over ``model``, or None where
-    this moonrt does not build that config."""
-    from moonrt.jobs.train.optimizers import build_optimizer
-
+def _config_groups(marker: dict[str, Any], model: torch.nn.Module, builder: JobBuilder | None
+                   ) -> list[dict[str, Any]] | None:
+    """The param-group hyperparameters (JSON form) the marker's own job config builds over ``model`` (``builder``:
+    the job layer's), or None where this moonrt does not build that config or no builder was given."""
+    if builder is None:
+        return None
     try:
-        opt = build_optimizer(model, from_dict(JobConfig, marker["config"]).optim)
+        opt = builder.optimizer(model, builder.read(marker["config"]))
     except (ValueError, TypeError, KeyError):  # ConfigError: a config this moonrt does not build
         return None
     return [{k: _jsonable(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
 
 
-def _group_changes(marker: dict[str, Any], model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[str]:
+def _group_changes(marker: dict[str, Any], model: torch.nn.Module, opt: torch.optim.Optimizer,
+                   builder: JobBuilder | None) -> list[str]:
     """``param_groups[i].key: checkpoint A, now B`` for every hyperparameter the marker records (the schedule's
     :data:`SCHEDULED` aside) that differs from ``opt``'s (the job's config built it), unless the marker's own
     config builds the recorded value: then the job changed the config field and ``check_resume`` accepted it."""
@@ -838,7 +840,7 @@ def _group_changes(marker: dict[str, Any], model: torch.nn.Module, opt: torch.op
             if old[key] == now:
                 continue
             if own is False:
-                own = _config_groups(marker, model)
+                own = _config_groups(marker, model, builder)
             if own is not None and len(own) == len(saved) and own[i].get(key) == old[key]:
                 continue
             out.append(f"param_groups[{i}].{key}: checkpoint {old[key]!r}, now {now!r}")
@@ -846,11 +848,12 @@ def _group_changes(marker: dict[str, Any], model: torch.nn.Module, opt: torch.op
 
 
 def load_sharded(step_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimizer,
-                 rt: Parallelism | None = None) -> int:
+                 rt: Parallelism | None = None, builder: JobBuilder | None = None) -> int:
     """Load a committed checkpoint into this rank's model and optimizer, whatever layout wrote it; returns its
     step. Collective in a multi-rank job. :class:`CheckpointError` when it does not fit the model, or when the
     optimizer hyperparameters the marker records differ from ``opt``'s and its own config's
-    (:func:`_group_changes`); else ``opt``'s param groups get the marker's values."""
+    (:func:`_group_changes`; ``builder``: the job layer's, which builds the marker's own config -- without one only
+    ``opt``'s values are accepted); else ``opt``'s param groups get the marker's values."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -863,7 +866,7 @@ def load_sharded(step_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimi
     if len(groups) != len(opt.param_groups):
         raise CheckpointError(f"checkpoint {str(step_dir)!r}: {len(groups)} optimizer param groups; this optimizer "
                               f"has {len(opt.param_groups)} (another optimizer?)")
-    if changes := _group_changes(marker, model, opt):  # the same on every rank: refused before any collective
+    if changes := _group_changes(marker, model, opt, builder):  # the same on every rank: refused before any collective
         raise CheckpointError(f"--resume: the job differs from the checkpoint's (step {marker['step']}) in "
                               f"{'; '.join(changes)} (the optimizer param groups of {str(step_dir / MARKER)!r}). "
                               "Resume with the same settings")
@@ -912,22 +915,20 @@ def read_full(step_dir: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, 
     return out, marker
 
 
-def to_single_file(step_dir: str | Path) -> dict[str, Any]:
+def to_single_file(step_dir: str | Path, builder: JobBuilder) -> dict[str, Any]:
     """The checkpoint in the gathered ``checkpoint.pt`` format: ``{"model", "optimizer", "step", "config"}``
     with torch's ``optimizer.state_dict()`` numbering (the job's model and optimizer rebuilt on the meta
-    device give the single-process parameter order and param groups): AdamW parameters with step > 0 get
-    ``{step, exp_avg, exp_avg_sq}``, Muon parameters with step > 0 ``{momentum_buffer}`` (as
-    :class:`moonrt.ops.muon.Muon` and the gathered path hold them), the others no state."""
+    device by ``builder``, the job layer's, give the single-process parameter order and param groups): AdamW
+    parameters with step > 0 get ``{step, exp_avg, exp_avg_sq}``, Muon parameters with step > 0
+    ``{momentum_buffer}`` (as :class:`moonrt.ops.muon.Muon` and the gathered path hold them), the others no state."""
     from moonrt.comm.state.dcp import MOMENTS, MOMENTUM
-    from moonrt.jobs.train.assemble import build_model
-    from moonrt.jobs.train.optimizers import build_optimizer
 
     flat, marker = read_full(step_dir)
     try:
-        job = from_dict(JobConfig, marker["config"])
+        job = builder.read(marker["config"])
         with torch.device("meta"):
-            model = build_model(job)
-        opt = build_optimizer(model, job.optim)
+            model = builder.model(job)
+        opt = builder.optimizer(model, job)
     except ValueError as exc:  # ConfigError: a config this moonrt does not build
         raise CheckpointError(f"checkpoint {str(step_dir)!r}: {MARKER} config: {exc}") from None
     name_of = {id(p): n for n, p in model.named_parameters()}

@@ -2,7 +2,7 @@
 
 A checkpoint is one ``torch.save`` archive holding only tensors, dicts, lists and numbers::
 
-    {"model": state_dict, "optimizer": state_dict, "step": int, "config": JobConfig as a dict}
+    {"model": state_dict, "optimizer": state_dict, "step": int, "config": the job config as a dict}
 
 - **Loading** always uses ``torch.load(..., weights_only=True)``: an archive that holds any other
   object (a pickled class whose ``__reduce__`` would run code) is refused before anything of it runs.
@@ -10,9 +10,8 @@ A checkpoint is one ``torch.save`` archive holding only tensors, dicts, lists an
 - **Writing** goes to a new temp file created exclusively in the same directory, then
   ``os.replace``: the previous checkpoint stays intact until the new one is complete, and the temp
   file is removed on any failure (a full disk, a signal).
-- **Resume compatibility**: the job config stored in the checkpoint is compared with the new
-  one; fields that change the training trajectory must match unless the user names them in
-  ``--resume-allow-changes`` (:func:`check_resume`).
+- **Resume compatibility** (the job config stored in the checkpoint against the new one) is the train job's
+  check: :func:`moonrt.jobs.train.resume.check_resume`.
 """
 
 from __future__ import annotations
@@ -25,36 +24,16 @@ import re
 import shutil
 import tempfile
 import zipfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
 
 from moonrt.cluster.preempt import raised_abort
-from moonrt.config import to_dict, umask
-from moonrt.jobs.train.config import JobConfig
+from moonrt.config import umask
 
 KEYS = ("model", "optimizer", "step", "config")
-
-# Dotted job-config paths that may change on resume without an explicit override: where the outputs go,
-# how the work is laid out and stored (layout-independent checkpoints; grad_accum's micro-steps), how often eval and
-# checkpoints happen, how the ranks join (dist: backend, timeout, rendezvous), the device (a different layout's
-# numerics, like parallel), the compute precision (precision: a checkpoint holds the fp32 master weights and fp32
-# moments whatever the run computed in, so fp32 <-> bf16 resumes the same state) and what the run reports (log:
-# progress lines, TensorBoard, the peak for MFU); init_from_sha256 is compared with the directory itself
-# (moonrt.jobs.checkpoint.hf.job_init), not with the job; deterministic changes how the kernels sum, not the state;
-# data.cache_dir is where tokenized text is kept (the tokens are a function of the corpus and tokenizer fields).
-FREE_ON_RESUME = ("out_dir", "threads", "parallel", "memory_policy", "routing_trace", "optim.eval_every",
-                  "optim.eval_windows", "optim.checkpoint_every", "optim.grad_accum", "stop_signal", "gc_interval",
-                  "dist", "device", "deterministic", "precision", "log", "kernels", "checkpoint",
-                  "init_from_sha256", "data.cache_dir")
-
-
-INERT_ON_RESUME = {"qat_block": ("qat", "none")}
-"""Field -> (another field, value) under which it changes nothing: ``qat_block`` without QAT (a checkpoint that
-recorded another default block resumes)."""
-
 
 class CheckpointError(ValueError):
     """A checkpoint cannot be read, written or resumed; the message names the file and the reason."""
@@ -176,62 +155,3 @@ def save(path: str | Path, state: Mapping[str, Any], exclusive: bool = False) ->
         if tmp is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
-
-
-def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping) and value:
-            out.update(_flatten(value, name + "."))
-        else:
-            out[name] = value
-    return out
-
-
-def _free(name: str, allowed: Iterable[str]) -> bool:
-    return any(name == a or name.startswith(a + ".") for a in allowed)
-
-
-def resume_fields(config: Mapping[str, Any]) -> list[str]:
-    """Every dotted field of a job config that ``--resume-allow-changes`` can name."""
-    return sorted(_flatten(config))
-
-
-def check_resume(stored: Mapping[str, Any], new: Mapping[str, Any], step: int, allow: Iterable[str] = ()) -> None:
-    """Refuse to resume a checkpoint of job config ``stored`` (at ``step``) as job config ``new``.
-
-    A field that changes the trajectory (model, data, seed, batch, sequence length, optimizer
-    hyper-parameters: everything except :data:`FREE_ON_RESUME`) must be equal unless ``allow`` names it
-    (dotted, e.g. ``optim.lr``, or its last part, e.g. ``lr``). ``optim.steps`` may grow. Raises
-    :class:`CheckpointError` naming every differing field with both values. A field the stored config lacks
-    (a checkpoint written before the field existed) counts as its default value in :class:`JobConfig`.
-    """
-    defaults = _flatten(to_dict(JobConfig()))
-    old_flat, new_flat = _flatten(stored), _flatten(new)
-    old_flat = {**{k: v for k, v in defaults.items() if k not in old_flat and k in new_flat}, **old_flat}
-    allow = list(allow)
-    known = set(old_flat) | set(new_flat)
-    resolved: list[str] = []
-    for name in allow:
-        matches = [k for k in known if k == name or k.endswith("." + name) or k.startswith(name + ".")]
-        if not matches:
-            raise CheckpointError(f"--resume-allow-changes: unknown field {name!r}; expected job config fields such "
-                                  f"as optim.lr, optim.steps, model, data.corpus")
-        resolved += matches
-    diffs = []
-    for key in sorted(known):
-        a, b = old_flat.get(key, "<absent>"), new_flat.get(key, "<absent>")
-        if a == b or _free(key, FREE_ON_RESUME) or key in resolved:
-            continue
-        if key in INERT_ON_RESUME:
-            other, value = INERT_ON_RESUME[key]
-            if old_flat.get(other, value) == value and new_flat.get(other, value) == value:
-                continue
-        if key == "optim.steps" and isinstance(a, int) and isinstance(b, int) and b >= a:
-            continue
-        diffs.append(f"{key}: checkpoint {a!r}, now {b!r}")
-    if diffs:
-        raise CheckpointError(f"--resume: the job differs from the checkpoint's (step {step}) in "
-                              f"{'; '.join(diffs)}. Resume with the same settings, or name the fields in "
-                              "--resume-allow-changes (e.g. --resume-allow-changes lr,steps)")

@@ -20,13 +20,13 @@ import torch
 from moonrt.comm.parallelism import Parallelism
 from moonrt.config import to_dict
 from moonrt.jobs.checkpoint import sharded
+from moonrt.jobs.checkpoint.job import JobBuilder, SavedJob
 from moonrt.jobs.checkpoint.sharded import ROOT, read_marker, resolve, to_single_file
 from moonrt.jobs.checkpoint.single import CheckpointError, load, save
-from moonrt.jobs.train.config import JobConfig
 
 
 def save_checkpoint(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, step: int,
-                    job: JobConfig, rt: Parallelism | None = None) -> None:
+                    job: SavedJob, rt: Parallelism | None = None) -> None:
     """Atomically write ``{model, optimizer, step, config}`` (:func:`moonrt.jobs.checkpoint.single.save`);
     collective: every rank calls it.
 
@@ -54,7 +54,7 @@ class Checkpointer:
     Asynchronous saves run over a gloo group of their own (made here, by every rank: a collective), so the loop's
     collectives never interleave with theirs."""
 
-    def __init__(self, path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, job: JobConfig,
+    def __init__(self, path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, job: SavedJob,
                  rt: Parallelism) -> None:
         import torch.distributed as dist
 
@@ -117,13 +117,15 @@ def _on_host(value: Any) -> Any:
 
 
 def load_checkpoint(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer,
-                    rt: Parallelism | None = None, state: dict[str, Any] | None = None) -> int:
+                    rt: Parallelism | None = None, state: dict[str, Any] | None = None,
+                    builder: JobBuilder | None = None) -> int:
     """Load a :func:`save_checkpoint` file (or its already-read ``state``) into this rank's model and optimizer
     (``rt.load_full_state_dict`` shards it for this layout); returns its step. A directory is a sharded DCP
-    checkpoint (:func:`moonrt.jobs.checkpoint.sharded.load_sharded`, collective)."""
+    checkpoint (:func:`moonrt.jobs.checkpoint.sharded.load_sharded`, collective; ``builder``: the job layer's, for
+    the param groups the marker's own config builds)."""
     rt = rt or Parallelism()
     if Path(path).is_dir():
-        return sharded.load_sharded(Path(path), model, opt, rt)
+        return sharded.load_sharded(Path(path), model, opt, rt, builder)
     state = load(path) if state is None else state
     try:
         rt.load_full_state_dict(model, opt, state)
@@ -157,10 +159,11 @@ def resume_state(out: Path) -> tuple[Path, dict[str, Any]]:
     return sharded
 
 
-def read_state(out: str | Path) -> dict[str, Any]:
-    """The newest checkpoint of run directory ``out`` (either format) as the gathered ``checkpoint.pt`` dict."""
+def read_state(out: str | Path, builder: JobBuilder) -> dict[str, Any]:
+    """The newest checkpoint of run directory ``out`` (either format) as the gathered ``checkpoint.pt`` dict
+    (``builder``: the job layer's, which rebuilds a sharded checkpoint's model and optimizer on the meta device)."""
     path, state = resume_state(Path(out))
-    return to_single_file(path) if path.is_dir() else state
+    return to_single_file(path, builder) if path.is_dir() else state
 
 
 __all__ = ["Checkpointer", "load_checkpoint", "read_state", "resume_state", "save_checkpoint"]

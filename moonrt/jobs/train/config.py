@@ -15,10 +15,7 @@ from typing import Any, Literal, get_args
 from moonrt.config import ConfigError, DistConfig, ParallelConfig, check
 from moonrt.jobs.train import data
 from moonrt.models import DEFAULT_PRESET, presets
-from moonrt.models.spec import ModelSpec
-
-MAX_PARAMS = 5_000_000_000
-"""Largest model (parameters, from the config) that ``moonrt train`` will instantiate."""
+from moonrt.models.spec import MAX_PARAMS, ModelSpec  # noqa: F401 (MAX_PARAMS re-exported: the job's limit)
 
 MAX_THREADS = 1024
 """Most torch intra-op threads per process (``threads``). A fixed bound, not one of this host's cores, so that a

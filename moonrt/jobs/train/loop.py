@@ -45,7 +45,6 @@ from moonrt.cluster.preempt import StopSignal, stop_signals
 from moonrt.comm.parallelism import Parallelism, Precision
 from moonrt.config import ConfigError, load_yaml, to_dict
 from moonrt.jobs.checkpoint import sharded as checkpoint_dcp
-from moonrt.jobs.checkpoint import single as checkpoint
 from moonrt.jobs.checkpoint.store import Checkpointer, load_checkpoint, resume_state
 from moonrt.jobs.train import blend, data, outputs, report
 from moonrt.jobs.train.assemble import build_model, check_model_size
@@ -54,6 +53,7 @@ from moonrt.jobs.train.device import bind_device, host_tensor, resolve_job, use_
 from moonrt.jobs.train.optimizers import build_optimizer
 from moonrt.jobs.train.outputs import CHECKPOINT
 from moonrt.jobs.train.profile import PhaseClock, StepProfiler
+from moonrt.jobs.train.resume import BUILDER, check_resume
 from moonrt.jobs.train.step_memory import check_step_memory
 from moonrt.parallel.context import LOCAL, AttentionContext
 from moonrt.parallel.packing import DocumentPacking
@@ -240,7 +240,7 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
             from moonrt.jobs.checkpoint.hf import job_init
 
             job_init(job, load=False, stored=stored)
-        checkpoint.check_resume(stored, to_dict(job), start, resume_allow)
+        check_resume(stored, to_dict(job), start, resume_allow)
         if start > cfg.steps:
             raise ConfigError(f"optim.steps (--steps) = {cfg.steps}: expected at least the checkpoint's step {start} "
                               f"({str(src)!r})")
@@ -281,7 +281,7 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
         rt.ctx.tag_layers((n, m) for n, m in model.named_modules() if n.endswith(".attn"))
     opt = build_optimizer(model, cfg)
     if state is not None:
-        load_checkpoint(src, model, opt, rt, state=state)
+        load_checkpoint(src, model, opt, rt, state=state, builder=BUILDER)
         del state
     mgr = None
     if job.memory_policy is not None:  # saved-tensor storage policies (K3_SYSTEMS §8), matched by module name

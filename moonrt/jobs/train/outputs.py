@@ -54,8 +54,9 @@ import yaml
 
 from moonrt.config import YAML_MAX_BYTES, ConfigError, from_dict, load_yaml, parse_yaml, to_dict, umask
 from moonrt.jobs.checkpoint import sharded as checkpoint_dcp
-from moonrt.jobs.checkpoint.single import FREE_ON_RESUME, CheckpointError
+from moonrt.jobs.checkpoint.single import CheckpointError
 from moonrt.jobs.train.config import JobConfig
+from moonrt.jobs.train.resume import FREE_ON_RESUME
 from moonrt.scheduler.workload import open_trace
 
 CHECKPOINT = "checkpoint.pt"
@@ -394,7 +395,7 @@ def _flat(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def _foreign_config(path: Path, job: JobConfig) -> str | None:
     """Why the existing ``path`` (``OUT/config.yaml``) is not this job's, or None when it is: a job config equal to
-    ``job`` in every field but :data:`moonrt.jobs.checkpoint.single.FREE_ON_RESUME`
+    ``job`` in every field but :data:`moonrt.jobs.train.resume.FREE_ON_RESUME`
     (where outputs go, layout, intervals)."""
     if path.is_symlink() or not path.is_file():
         return "a link or not a regular file"
