@@ -58,6 +58,9 @@ from moonrt.jobs.train.step_memory import check_step_memory
 from moonrt.parallel.context import LOCAL, AttentionContext
 from moonrt.parallel.packing import DocumentPacking
 
+CP_TABLE = "cp_bytes_rank{rank}.txt"
+"""Under ``--out``: the CP bytes table of rank ``rank`` > 0 of a ``--cp`` job (rank 0 prints its own)."""
+
 
 def _open_data(job: JobConfig, vocab_size: int, rt: Parallelism) -> tuple[data.Corpus | None, blend.Blend | None]:
     """The job's corpus, or its blend's corpora (``data.blend``): text tokenized by ``data.tokenizer`` (its vocabulary
@@ -473,8 +476,13 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
               f"train loss {summary['train_loss']:.3f}; eval loss{at} {eval_loss:.3f} nats/token vs held-out "
               f"unigram entropy {baseline:.3f} ({eval_loss - baseline:+.3f}); checkpoint "
               f"{out / checkpoint_dcp.ROOT if checkpoint_dcp.use_sharded(opt) else ckpt}", flush=True)
-    if cp_bytes and progress:  # every rank reports its own CP traffic (moonrt launch prefixes [rank r])
+    if cp_bytes:  # rank 0 prints its CP traffic; every other rank writes its own table under --out
         from moonrt.comm.cp.context import comm_table
 
-        print(comm_table(cp_bytes, f"CP bytes per layer, cp rank {rt.cp_rank}, last step"), flush=True)
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        table = comm_table(cp_bytes, f"CP bytes per layer, rank {rank} (cp rank {rt.cp_rank}), last step")
+        if not rt.is_main:
+            outputs.write_file(out / CP_TABLE.format(rank=rank), f"{table}\n".encode(), "out_dir (--out)")
+        elif progress:
+            print(f"{table}\n(the other ranks' tables: {str(out / CP_TABLE.format(rank='R'))!r})", flush=True)
     return summary
