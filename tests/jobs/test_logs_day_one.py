@@ -1,9 +1,11 @@
-"""What moonrt's jobs write into logs and pipes (issue 49, item 6): rank 0's CP table only (the other ranks' tables
-go to files under ``--out``), no tqdm ``\\r`` bars from ``moonrt ep-sim`` when stderr is not a terminal, and
-``moonrt train``'s plain progress lines carry their time and the run's ETA."""
+"""What moonrt's jobs write into logs and pipes (issue 49, items 6 and 7): rank 0's CP table only (the other ranks'
+tables go to files under ``--out``), no tqdm ``\\r`` bars from ``moonrt ep-sim`` when stderr is not a terminal,
+``moonrt train``'s plain progress lines carry their time and the run's ETA, and its summary says what its train loss
+averages."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -11,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from jobs.helpers import _launch
+from jobs.helpers import _corpus, _launch
 
 from moonrt.cli import main
 from moonrt.jobs.train import report
@@ -83,3 +85,19 @@ def test_a_cp_run_prints_rank_0s_table_and_files_the_others(tmp_path: Path) -> N
     assert len(table.splitlines()) == len([ln for ln in text.splitlines() if ".attn " in ln]) + 2, (table, text)
     periodic = [ln for ln in res.stdout.splitlines() if re.search(rf"^(\[rank 0\] )?{STAMP} train: step 2/2, ", ln)]
     assert len(periodic) == 1 and periodic[0].endswith(", eta 0s"), res.stdout[-4000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_summary_says_its_train_loss_is_a_mean_of_the_last_10_steps(tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    metrics = tmp_path / "m.jsonl"
+    assert main(["train", "--model", "dense_tiny", "--corpus", str(_corpus(tmp_path)), "--batch-size", "2",
+                 "--seq-len", "16", "--steps", "12", "--eval-every", "12", "--set", "optim.eval_windows=2",
+                 "--threads", "1", "--no-progress", "--out", str(tmp_path / "o"), "--metrics", str(metrics)]) == 0
+    line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("summary: ")]
+    losses = [json.loads(r)["loss"] for r in metrics.read_text().splitlines()]
+    assert len(line) == 1 and len(losses) == 12, line
+    found = re.search(r"; train loss (\d+\.\d{3}) \(mean of the last 10 steps\); eval loss ", line[0])
+    assert found, line[0]
+    assert float(found[1]) == pytest.approx(sum(losses[-10:]) / 10, abs=5e-4), (found[1], losses)

@@ -58,6 +58,9 @@ from moonrt.jobs.train.step_memory import check_step_memory
 from moonrt.parallel.context import LOCAL, AttentionContext
 from moonrt.parallel.packing import DocumentPacking
 
+TRAIN_LOSS_MEAN = 10
+"""The summary's ``train loss`` is the mean of the last this many steps' losses (fewer if the run had fewer): one
+batch's loss is noisy; the summary line says over how many steps it averages."""
 CP_TABLE = "cp_bytes_rank{rank}.txt"
 """Under ``--out``: the CP bytes table of rank ``rank`` > 0 of a ``--cp`` job (rank 0 prints its own)."""
 
@@ -465,7 +468,8 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
                         else ckpt)
     wall = time.perf_counter() - t_start
     summary = {"steps": stop, "steps_run": stop - start,
-               "train_loss": float(np.mean(losses[-10:])) if losses else math.nan,
+               "train_loss": float(np.mean(losses[-TRAIN_LOSS_MEAN:])) if losses else math.nan,
+               "train_loss_steps": min(len(losses), TRAIN_LOSS_MEAN),
                "final_eval_loss": eval_loss, "eval_step": eval_step, "unigram_entropy": baseline,
                "tokens_per_s": tokens_done / wall if wall > 0 else math.nan, "wall_s": wall, "params": n_params,
                "ckpt_wait_s": saver.total_wait}
@@ -473,7 +477,8 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
         ran = f"{stop} steps" if start == 0 else f"steps {start + 1}-{stop}: {stop - start} steps"
         at = "" if eval_step == stop else f" (step {eval_step})"
         print(f"summary: {ran} in {wall:.0f} s ({summary['tokens_per_s']:,.0f} tokens/s); "
-              f"train loss {summary['train_loss']:.3f}; eval loss{at} {eval_loss:.3f} nats/token vs held-out "
+              f"train loss {summary['train_loss']:.3f} (mean of the last {summary['train_loss_steps']} steps); "
+              f"eval loss{at} {eval_loss:.3f} nats/token vs held-out "
               f"unigram entropy {baseline:.3f} ({eval_loss - baseline:+.3f}); checkpoint "
               f"{out / checkpoint_dcp.ROOT if checkpoint_dcp.use_sharded(opt) else ckpt}", flush=True)
     if cp_bytes:  # rank 0 prints its CP traffic; every other rank writes its own table under --out
