@@ -262,7 +262,7 @@ def _kda_transition(s: KdaShape) -> None:
 def _fp8(M: int, N: int, block: int) -> None:
     import torch
 
-    from moonrt.ops.fp8.codec import triton as fp8
+    from moonrt.ops.fp8 import triton as fp8
 
     payload, scales = fp8.quantize_rows(torch.randn(M, N), block)
     fp8.dequantize_rows(payload, scales, N)

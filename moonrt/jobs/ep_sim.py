@@ -108,7 +108,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="output directory (summary.json, ep_sim.png; existing ones are refused unless --force)")
     m.add_argument("--force", action="store_true", help="replace existing output files (default: refuse them, exit 2)")
     m.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    m.add_argument("--quiet", action="store_true", help="no progress bar")
+    m.add_argument("--quiet", action="store_true",
+                   help="no progress bar (there is none either when stderr is not a terminal: logs, pipes)")
 
 
 _SHAPE_FLAGS = (("--experts", 896, "E, routed experts (K3: 896)"), ("--ranks", 64, "R, EP ranks"),
@@ -262,9 +263,10 @@ def _run(args: argparse.Namespace) -> int:
                         "EP rank: one rank cannot show imbalance (every policy's balance is 1.000); record the trace "
                         "from an --ep N run (moonrt launch -n N -- moonrt train --ep N --routing-trace FILE)")
     t0 = time.perf_counter()
+    bar = not args.quiet and sys.stderr.isatty()  # the tqdm bar on a terminal only: no \r in logs and pipes
     res = simulate(wl, policies, num_slots=args.num_slots, eplb_every=args.eplb_every, eplb_alpha=args.eplb_alpha,
                    eplb_redundant=args.eplb_redundant, token_bytes=sizes["hidden"] * sizes["bytes_per_elem"],
-                   expert_bytes=sizes["expert_params"] * sizes["bytes_per_elem"], progress=not args.quiet,
+                   expert_bytes=sizes["expert_params"] * sizes["bytes_per_elem"], progress=bar,
                    hardware=hw, expert_params=sizes["expert_params"], passes=args.passes)
     summary = summarize(res, policies, args.warmup)
     model = getattr(wl, "model", None)

@@ -248,3 +248,38 @@ def test_every_readme_command_runs_in_order(tmp_path: Path) -> None:
     # every README command writes under runs/ (ignored by .gitignore): nothing else appears beside the checkout's files
     assert set(os.listdir(here)) - before <= {"runs"}, sorted(set(os.listdir(here)) - before)
     print(f"{len(timings)} commands in {sum(t for t, _ in timings):.0f} s")
+
+
+OUTPUT_FLAGS = ("--out", "--metrics", "--report", "--json", "--tensorboard", "--routing-trace", "--output",
+                "--profile-out")
+"""The flags of moonrt's commands whose value is a path the command creates."""
+
+
+def readme_outputs(cmds: list[Command]) -> list[str]:
+    """The paths the README's commands create: the values of :data:`OUTPUT_FLAGS`, ``checkpoint export`` /
+    ``convert``'s destination, and the script ``sbatch --submit`` keeps without ``--output``
+    (``./<job-name>-<job id>.sbatch``)."""
+    out = []
+    for cmd in cmds:
+        argv = walk_argv(cmd.argv)
+        out += [argv[i + 1] for i, a in enumerate(argv[:-1]) if a in OUTPUT_FLAGS and not argv[i + 1].startswith("-")]
+        for verb in ("export", "convert"):
+            if _is(argv, "checkpoint", verb):
+                at = next(i for i, a in enumerate(argv) if Path(a).name == "moonrt") + 3
+                out.append(argv[at + 1])
+        if _is(argv, "sbatch") and "--submit" in argv and "--output" not in argv:
+            out.append("moonrt-1234.sbatch")
+    return out
+
+
+def test_readme_commands_write_under_runs_or_what_gitignore_covers() -> None:
+    if shutil.which("git") is None:
+        pytest.skip("needs git (git check-ignore)")
+    paths = readme_outputs(readme_commands(README.read_text()))
+    assert "runs/a" in paths and "runs/w.safetensors" in paths and "moonrt-1234.sbatch" in paths, paths
+    outside = [p for p in paths if Path(p).parts[0] != "runs"]
+    assert outside, "no README output outside runs/: nothing left for .gitignore to cover"
+    res = subprocess.run(["git", "check-ignore", "--no-index", "--stdin", "-v", "-n"], input="\n".join(paths),
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    unmatched = [line.split("\t")[-1] for line in res.stdout.splitlines() if line.startswith("::")]
+    assert res.returncode in (0, 1) and not unmatched, (unmatched, res.stderr)

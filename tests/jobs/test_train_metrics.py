@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import re
 import resource
 import shutil
 import subprocess
@@ -142,9 +143,10 @@ def test_output_to_a_pipe_has_plain_lines_and_no_carriage_return(tmp_path: Path)
     assert res.returncode == 0, res.stderr[-4000:]
     assert "\r" not in res.stdout + res.stderr, (res.stdout + res.stderr)[-4000:]
     lines = res.stdout.splitlines()
-    periodic = [line for line in lines if line.startswith("train: step ")]
-    assert [line.split(",")[0] for line in periodic] == ["train: step 3/4", "train: step 4/4"], res.stdout
+    periodic = [line for line in lines if re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d train: step ", line)]
+    assert [line[20:].split(",")[0] for line in periodic] == ["train: step 3/4", "train: step 4/4"], res.stdout
     assert all(" tok/s, " in line and "mfu " in line and "peak mem " in line for line in periodic), periodic
+    assert re.search(r", eta \d+s$", periodic[0]) and periodic[1].endswith(", eta 0s"), periodic
     assert sum(line.startswith(("step 2: train loss", "step 4: train loss")) for line in lines) == 2, res.stdout
     assert sum(line.startswith("summary: 4 steps in ") for line in lines) == 1, res.stdout
 

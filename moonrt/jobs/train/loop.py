@@ -58,6 +58,12 @@ from moonrt.jobs.train.step_memory import check_step_memory
 from moonrt.parallel.context import LOCAL, AttentionContext
 from moonrt.parallel.packing import DocumentPacking
 
+TRAIN_LOSS_MEAN = 10
+"""The summary's ``train loss`` is the mean of the last this many steps' losses (fewer if the run had fewer): one
+batch's loss is noisy; the summary line says over how many steps it averages."""
+CP_TABLE = "cp_bytes_rank{rank}.txt"
+"""Under ``--out``: the CP bytes table of rank ``rank`` > 0 of a ``--cp`` job (rank 0 prints its own)."""
+
 
 def _open_data(job: JobConfig, vocab_size: int, rt: Parallelism) -> tuple[data.Corpus | None, blend.Blend | None]:
     """The job's corpus, or its blend's corpora (``data.blend``): text tokenized by ``data.tokenizer`` (its vocabulary
@@ -462,7 +468,8 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
                         else ckpt)
     wall = time.perf_counter() - t_start
     summary = {"steps": stop, "steps_run": stop - start,
-               "train_loss": float(np.mean(losses[-10:])) if losses else math.nan,
+               "train_loss": float(np.mean(losses[-TRAIN_LOSS_MEAN:])) if losses else math.nan,
+               "train_loss_steps": min(len(losses), TRAIN_LOSS_MEAN),
                "final_eval_loss": eval_loss, "eval_step": eval_step, "unigram_entropy": baseline,
                "tokens_per_s": tokens_done / wall if wall > 0 else math.nan, "wall_s": wall, "params": n_params,
                "ckpt_wait_s": saver.total_wait}
@@ -470,11 +477,17 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
         ran = f"{stop} steps" if start == 0 else f"steps {start + 1}-{stop}: {stop - start} steps"
         at = "" if eval_step == stop else f" (step {eval_step})"
         print(f"summary: {ran} in {wall:.0f} s ({summary['tokens_per_s']:,.0f} tokens/s); "
-              f"train loss {summary['train_loss']:.3f}; eval loss{at} {eval_loss:.3f} nats/token vs held-out "
+              f"train loss {summary['train_loss']:.3f} (mean of the last {summary['train_loss_steps']} steps); "
+              f"eval loss{at} {eval_loss:.3f} nats/token vs held-out "
               f"unigram entropy {baseline:.3f} ({eval_loss - baseline:+.3f}); checkpoint "
               f"{out / checkpoint_dcp.ROOT if checkpoint_dcp.use_sharded(opt) else ckpt}", flush=True)
-    if cp_bytes and progress:  # every rank reports its own CP traffic (moonrt launch prefixes [rank r])
+    if cp_bytes:  # rank 0 prints its CP traffic; every other rank writes its own table under --out
         from moonrt.comm.cp.context import comm_table
 
-        print(comm_table(cp_bytes, f"CP bytes per layer, cp rank {rt.cp_rank}, last step"), flush=True)
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        table = comm_table(cp_bytes, f"CP bytes per layer, rank {rank} (cp rank {rt.cp_rank}), last step")
+        if not rt.is_main:
+            outputs.write_file(out / CP_TABLE.format(rank=rank), f"{table}\n".encode(), "out_dir (--out)")
+        elif progress:
+            print(f"{table}\n(the other ranks' tables: {str(out / CP_TABLE.format(rank='R'))!r})", flush=True)
     return summary

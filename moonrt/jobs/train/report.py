@@ -7,7 +7,9 @@ its metrics records, the console (a tqdm bar on a terminal, plain lines otherwis
   the global tokens per second), ``mfu`` (that over ``log.peak_tflops`` x the number of processes; only with a
   peak) and ``peak_mem_bytes`` (:func:`peak_memory_bytes`; the loop replaces it by the largest over the ranks).
 - :class:`Console`: rank 0's output. On a terminal (stdout and stderr both TTYs) the tqdm bar; otherwise (SLURM
-  logs, pipes) no ``\\r`` at all: one plain line every ``log.log_every`` steps and at the last step.
+  logs, pipes) no ``\\r`` at all: one plain line every ``log.log_every`` steps and at the last step, starting
+  with the local time of its record and ending with the ETA of the run's last step (``--until``'s, else
+  ``--steps``'), from the mean step time of the steps this process ran.
   ``--no-progress`` hides the bar and those lines only: the start line, the eval lines and the summary always
   print on rank 0.
 - :class:`TensorBoard`: scalar events (``train/loss``, ``train/lr``, ``train/grad_norm``, ``train/tokens_per_s``,
@@ -71,6 +73,18 @@ def rate_fields(tokens: int, dt: float, t_start: float, flops_per_token: int | N
     return out
 
 
+def duration(seconds: float) -> str:
+    """``seconds`` as a short duration: ``42s``, ``3m05s``, ``2h07m``; ``?`` when not finite."""
+    if not math.isfinite(seconds):
+        return "?"
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s // 60 % 60:02d}m"
+
+
 class Console:
     """Rank 0's console output of the loop (nothing on other ranks: ``main`` False).
 
@@ -82,7 +96,7 @@ class Console:
                  tty: bool | None = None) -> None:
         if tty is None:
             tty = sys.stdout.isatty() and sys.stderr.isatty()
-        self.main, self.stop, self.total, self.log_every = main, stop, total, log_every
+        self.main, self.start, self.stop, self.total, self.log_every = main, start, stop, total, log_every
         self.lines = main and progress and not tty
         self.bar = tqdm(initial=start, total=total, dynamic_ncols=True, desc="train") if main and progress and tty \
             else None
@@ -110,7 +124,11 @@ class Console:
             if "mfu" in record:
                 parts.append(f"mfu {100 * record['mfu']:.2f}%")
             parts.append(f"peak mem {record['peak_mem_bytes'] / 2**30:.2f} GiB")
-            print("train: " + ", ".join(parts), flush=True)
+            # the time left to this run's last step at the mean step time of the steps this process ran
+            left = record["elapsed_s"] / (step - self.start) * (self.stop - step) if step > self.start else math.nan
+            parts.append(f"eta {duration(left)}")
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record["time"]))
+            print(f"{when} train: " + ", ".join(parts), flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -159,4 +177,4 @@ class TensorBoard:
         self.writer.close()
 
 
-__all__ = ["Console", "TB_SCALARS", "TensorBoard", "check_tensorboard", "peak_memory_bytes", "rate_fields"]
+__all__ = ["Console", "duration", "TB_SCALARS", "TensorBoard", "check_tensorboard", "peak_memory_bytes", "rate_fields"]
