@@ -91,7 +91,7 @@ def test_train_collects_every_interval_and_restores_the_collector(tmp_path: Path
         assert not gc.isenabled()  # inside the training loop
         raise RuntimeError("disk full (test)")
 
-    monkeypatch.setattr("moonrt.jobs.train.loop.save_checkpoint", fail)
+    monkeypatch.setattr("moonrt.jobs.train.loop.Checkpointer.save", fail)
     job = from_dict(JobConfig, {"optim": {**opt, "steps": 2}, "out_dir": str(tmp_path / "run2"), "gc_interval": 2})
     with pytest.raises(RuntimeError, match="disk full"):
         train(job, progress=False)
