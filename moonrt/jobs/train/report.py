@@ -48,12 +48,22 @@ per-rank list, e.g. ``pp_idle_frac`` or ``optimizer_state_bytes``, is written as
 
 def peak_memory_bytes(device: str) -> int:
     """This process's peak memory in bytes: on ``cuda`` the peak of ``torch.cuda.max_memory_allocated`` (tensors
-    only); otherwise the peak resident set size of the process (``resource.getrusage(RUSAGE_SELF).ru_maxrss``: all
-    of its memory, Python and libraries included, since it started; KiB on Linux, bytes on macOS)."""
+    only); otherwise the peak resident set size of the process since it started, Python and libraries included: on
+    Linux its address space's high-water mark (``VmHWM`` of ``/proc/self/status``), elsewhere
+    ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` (bytes on macOS). Not ``ru_maxrss`` on Linux: the kernel folds
+    the high-water mark of the image a process replaced at ``exec`` into it, so a run started by a large parent
+    (a test process, a notebook) would report that parent's resident size at fork as its own peak."""
     if device == "cuda":
         import torch
 
         return int(torch.cuda.max_memory_allocated())
+    if sys.platform.startswith("linux"):
+        try:
+            for line in Path("/proc/self/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+        except (OSError, ValueError, IndexError):
+            pass
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)
 
