@@ -57,15 +57,23 @@ def peak_memory_bytes(device: str) -> int:
         import torch
 
         return int(torch.cuda.max_memory_allocated())
+    global _peak_rss
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = int(rss if sys.platform == "darwin" else rss * 1024)
     if sys.platform.startswith("linux"):
         try:
             for line in Path("/proc/self/status").read_text().splitlines():
                 if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024  # kB
+                    peak = int(line.split()[1]) * 1024  # kB
         except (OSError, ValueError, IndexError):
             pass
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024)
+    # the kernel updates the high-water mark lazily (a later reading can be a little lower): never report less
+    _peak_rss = max(_peak_rss, peak)
+    return _peak_rss
+
+
+_peak_rss = 0
+"""The largest resident size :func:`peak_memory_bytes` has read in this process (its readings are monotonic)."""
 
 
 def rate_fields(tokens: int, dt: float, t_start: float, flops_per_token: int | None, peak_tflops: float | None,
