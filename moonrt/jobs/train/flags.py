@@ -8,10 +8,11 @@ field itself. The few flags that are no config field (the config file and ``--se
 the second table, :data:`RUN_FLAGS`. The parser holds the flags of these two tables and nothing else:
 ``tests/jobs/test_train_flags.py`` compares the two, so a flag added by hand fails it.
 
-Parsing an alias only reads the text as its field's type (an integer, a number, comma-separated integers; a
-malformed one is refused by argparse with one line naming the field); whether the value is allowed (ranges, the
-accepted words of a ``Literal`` field) is the schema's check, the same as for ``--config`` and ``--set``, whose
-message names the field and the flag (``parallel.schedule (--schedule) = 'zigzag': expected one of ...``).
+argparse keeps an alias's text; :func:`flag_values` reads it as its field's type (an integer, a number,
+comma-separated integers) and the schema checks the value (ranges, the accepted words of a ``Literal`` field), the
+same checks as for ``--config`` and ``--set``: a bad value is one :class:`~moonrt.config.ConfigError` line naming the
+field and the flag (``optim.steps (--steps) = 'abc': expected an integer``, ``parallel.schedule (--schedule) =
+'zigzag': expected one of ...``), exit 2.
 
 ``--help`` lists one section per config section (its class's summary and the fields reachable only by ``--set``),
 and imports no torch: this module reads the dataclasses and the lazy model registry only.
@@ -28,6 +29,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from moonrt.cluster.preempt import PREEMPTED_EXIT
+from moonrt.config import ConfigError, show
 from moonrt.jobs.train.config import JobConfig
 from moonrt.jobs.train.overrides import SET_HELP
 from moonrt.models import presets
@@ -272,24 +274,20 @@ def flag_kind(hint: Any) -> tuple[FlagKind, tuple[str, ...]]:
     raise TypeError(f"a field of type {hint} has no flag form (set it with --set)")
 
 
-def _reader(kind: FlagKind, field: str) -> Callable[[str], Any] | None:
-    """The argparse ``type`` of an alias of ``kind``: the text read as the field's type; a malformed one is one line
-    naming the field (argparse adds the flag)."""
-    def number(text: str) -> Any:
-        try:
-            return int(text) if kind == "int" else float(text)
-        except ValueError:
-            expected = "an integer" if kind == "int" else "a number"
-            raise argparse.ArgumentTypeError(f"{field} = {text!r}: expected {expected}") from None
-
-    def integers(text: str) -> list[int]:
-        try:
+def _read(kind: FlagKind, a: Alias, text: str) -> Any:
+    """Alias ``a``'s text read as its field's type (``kind``): ConfigError naming the field and the flag when it is
+    malformed, as the schema's own messages do."""
+    try:
+        if kind == "int":
+            return int(text)
+        if kind == "float":
+            return float(text)
+        if kind == "ints":
             return [int(p) for p in text.split(",")]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{field} = {text!r}: expected comma-separated integers, "
-                                             "e.g. 0,3") from None
-
-    return {"int": number, "float": number, "ints": integers}.get(kind)
+    except ValueError:
+        expected = {"int": "an integer", "float": "a number", "ints": "comma-separated integers, e.g. 0,3"}[kind]
+        raise ConfigError(f"{a.field} ({a.flag}) = {show(text)}: expected {expected}") from None
+    return text
 
 
 def _alias_kwargs(a: Alias) -> dict[str, Any]:
@@ -301,10 +299,6 @@ def _alias_kwargs(a: Alias) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"dest": a.dest, "help": f"{text} ({where})".replace("%", "%%")}
     if kind == "switch":  # sets true; unset leaves the config's value
         return {**kwargs, "action": "store_true", "default": None}
-    reader = _reader(kind, a.field)
-    if reader is not None:
-        reader.__name__ = kind
-        kwargs["type"] = reader
     metavar = a.metavar or ("{" + ",".join(words) + "}" if words else None)
     if metavar is not None:
         kwargs["metavar"] = metavar
@@ -356,8 +350,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def flag_values(args: argparse.Namespace) -> dict[tuple[str, ...], tuple[str, Any]]:
     """The aliases given on the command line: field path -> (flag, value), as
-    :func:`moonrt.jobs.train.overrides.job_config` takes them."""
-    return {a.path: (a.flag, getattr(args, a.dest)) for a in ALIASES if getattr(args, a.dest, None) is not None}
+    :func:`moonrt.jobs.train.overrides.job_config` takes them, each text read as its field's type (ConfigError naming
+    the field and the flag when malformed)."""
+    given = {}
+    for a in ALIASES:
+        value = getattr(args, a.dest, None)
+        if value is not None:
+            kind = flag_kind(field_of(a.path)[2])[0]
+            given[a.path] = (a.flag, _read(kind, a, value) if isinstance(value, str) else value)
+    return given
 
 
 __all__ = ["ALIASES", "Alias", "RUN_FLAGS", "RUN_GROUPS", "RunFlag", "add_arguments", "field_of", "flag_kind",
