@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -176,3 +177,16 @@ def test_add_arguments_is_the_tables() -> None:
     train_cli.add_arguments(a)
     add_arguments(b)
     assert [x.option_strings for x in a._actions] == [x.option_strings for x in b._actions]
+
+
+def test_every_flag_the_docs_give_moonrt_train_is_accepted() -> None:
+    """The README's and docs' ``moonrt train`` commands keep running: each ``--flag`` after ``moonrt train`` on a line
+    (up to the end of its code span) is one the parser takes."""
+    known = {o for action in _parser()._actions for o in action.option_strings}
+    used: dict[str, str] = {}
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for command in re.findall(r"moonrt train[^`\"'|\n]*", path.read_text()):
+            for flag in re.findall(r"(?<!\S)(--[a-z][a-z-]*)", command):
+                used.setdefault(flag, path.name)
+    assert len(used) >= 10, used  # the docs do use the flags
+    assert {f: where for f, where in used.items() if f not in known} == {}
