@@ -215,6 +215,10 @@ def test_cp_transport_choices_and_one_line_refusals() -> None:
         resolve_cp_transport("shm", ["a", "b"], "cpu")
     with pytest.raises(ValueError, match=r"^parallel.cp_transport = 'shm': the tensors are on cuda; expected CPU"):
         resolve_cp_transport("shm", ["a"], "cuda")
+    assert resolve_cp_transport("auto", ["a", "a"], "cpu", "nccl") == "collectives"  # the heap meets on gloo
+    with pytest.raises(ValueError, match=r"^parallel.cp_transport = 'shm': the CP group runs on nccl; expected CPU "
+                                         r"ranks on gloo \(the heap's rendezvous runs there\)$"):
+        resolve_cp_transport("shm", ["a", "a"], "cpu", "nccl")
     with pytest.raises(ValueError, match=r"^parallel.cp_transport = 'nvlink': expected one of auto, shm, "
                                          r"collectives$"):
         resolve_cp_transport("nvlink", ["a"], "cpu")

@@ -48,11 +48,12 @@ class ContextParallel(AttentionContext):
         kda_kernel: the KDA backend of the local pieces (``kernels.kda``: auto, torch, numba, triton).
         transport: what carries KCP's summaries (``parallel.cp_transport``: auto, shm, collectives;
             :func:`moonrt.comm.cp.gather.build_summary_gather`, collective over ``group``); :attr:`transport` is the
-            backend it resolved to. ``device_type``: where the tensors live (``cpu`` or ``cuda``).
+            backend it resolved to. ``device_type``: where the tensors live (``cpu`` or ``cuda``); ``backend``: the
+            job's process-group backend (default: the group's; the heap needs gloo).
     """
 
     def __init__(self, group: ProcessGroup | None, *, chunk_size: int = 64, kda_kernel: str = "auto",
-                 transport: str = "collectives", device_type: str = "cpu") -> None:
+                 transport: str = "collectives", device_type: str = "cpu", backend: str | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("ContextParallel needs torch.distributed initialized (moonrt.cluster.init_distributed)")
         super().__init__(kda_kernel=kda_kernel)
@@ -60,7 +61,7 @@ class ContextParallel(AttentionContext):
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self.chunk_size = chunk_size
-        self.gather = build_summary_gather(transport, group, device_type)
+        self.gather = build_summary_gather(transport, group, device_type, backend=backend)
         self.transport: str = self.gather.name
         self.log = CommLog()
         self._layer: str | None = None

@@ -108,29 +108,37 @@ class HeapGather:
         self.heap.close()
 
 
-def resolve_cp_transport(kind: str, hosts: list[str], device_type: str) -> str:
+def resolve_cp_transport(kind: str, hosts: list[str], device_type: str, backend: str = "gloo") -> str:
     """The backend ``parallel.cp_transport = kind`` names for a CP group on ``hosts`` (one per rank) with tensors on
-    ``device_type``: ``shm`` or ``collectives`` (pure; ``ValueError`` in one line naming the field otherwise)."""
+    ``device_type``, the job's process groups on ``backend``: ``shm`` or ``collectives`` (pure; ``ValueError`` in one
+    line naming the field otherwise). The heap's rendezvous runs on the CP group itself, so it needs gloo: on any
+    other backend ``auto`` is ``collectives`` and ``shm`` is refused."""
     if kind == "cuda":
         raise ValueError(f"{FIELD} = 'cuda': KCP's summary gather over torch symmetric memory is not wired (unproven "
                          "without GPUs); expected auto, shm or collectives")
     if kind not in CP_TRANSPORTS:
         raise ValueError(f"{FIELD} = {kind!r}: expected one of " + ", ".join(CP_TRANSPORTS))
-    return resolve_backend(kind, hosts, device_type, field=FIELD, cuda_heap=False)
+    chosen = resolve_backend(kind, hosts, device_type, field=FIELD, cuda_heap=False)
+    if chosen == "shm" and backend != "gloo":
+        if kind == "auto":
+            return "collectives"
+        raise ValueError(f"{FIELD} = 'shm': the CP group runs on {backend}; expected CPU ranks on gloo (the heap's "
+                         "rendezvous runs there)")
+    return chosen
 
 
 def build_summary_gather(kind: str, group: ProcessGroup | None, device_type: str = "cpu", *,
-                         objects: ProcessGroup | None = None, timeout: timedelta | None = None) -> SummaryGather:
+                         backend: str | None = None, timeout: timedelta | None = None) -> SummaryGather:
     """The :class:`SummaryGather` ``parallel.cp_transport = kind`` resolves to for the CP ``group`` (collective over
-    it). ``objects``: a gloo group with the same ranks for the host names and the heap's rendezvous (default:
-    ``group``, which must then be gloo); ``timeout``: bound of the heap's waits (default: that group's)."""
-    meta = objects if objects is not None else group
-    if device_type == "cpu":
-        hosts = group_hosts(meta)
+    it: the host names and, for the heap, its rendezvous run on ``group``). ``backend``: the job's process-group
+    backend (default: ``group``'s); ``timeout``: bound of the heap's waits (default: the group's)."""
+    backend = backend or (dist.get_backend(group) if dist.is_initialized() else "gloo")
+    if device_type == "cpu" and backend == "gloo":
+        hosts = group_hosts(group)
     else:  # auto and collectives are collectives here, shm is refused: no need to ask the peers
         hosts = [socket.gethostname()]
-    if resolve_cp_transport(kind, hosts, device_type) == "shm":
+    if resolve_cp_transport(kind, hosts, device_type, backend) == "shm":
         from moonrt.comm.transport.shm import ShmHeap
 
-        return HeapGather(ShmHeap(meta, timeout=timeout))
+        return HeapGather(ShmHeap(group, timeout=timeout))
     return CollectiveGather(group)

@@ -108,7 +108,7 @@ def parallel_runtime(job: JobConfig, progress: bool = False) -> Parallelism:
     if p.cp > 1:  # KCP's summaries over parallel.cp_transport (collective over the CP group: every rank alike)
         try:
             ctx = ContextParallel(mesh.group(Group.CP), kda_kernel=job.kernels.kda, transport=p.cp_transport,
-                                  device_type=device.type)
+                                  device_type=device.type, backend=mesh.backend)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
     rt = Parallelism(dp_rank=mesh.rank(Group.DP_EP), dp_size=mesh.size(Group.DP_EP), cp_rank=mesh.rank(Group.CP),
