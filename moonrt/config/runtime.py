@@ -118,7 +118,8 @@ class ParallelConfig:
     backward; :mod:`moonrt.comm.cp.gather`). ``shm``: one-sided writes into every peer's slot of a symmetric heap in
     POSIX shared memory (CPU ranks of one host), ``collectives``: gloo/NCCL all-gathers (any group). ``auto``: ``shm``
     when the CP group's ranks share a host and the device is the CPU, else ``collectives``. Bitwise the same
-    result either way; free on resume. The choice it resolved to is in every metrics record (``cp_transport``)."""
+    result either way; free on resume. The choice it resolved to is in every metrics record of a job with
+    ``cp > 1`` (``cp_transport``)."""
     token_padding: int = 1
     """Expert parallelism: pad every expert segment of the dispatched rows with zero rows to a multiple of this
     (aligned grouped GEMMs); 1 = no padding. Padding rows never reach the output or a gradient. The three EP fields act

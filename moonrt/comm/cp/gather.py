@@ -133,9 +133,9 @@ def build_summary_gather(kind: str, group: ProcessGroup | None, device_type: str
     it: the host names and, for the heap, its rendezvous run on ``group``). ``backend``: the job's process-group
     backend (default: ``group``'s); ``timeout``: bound of the heap's waits (default: the group's)."""
     backend = backend or (dist.get_backend(group) if dist.is_initialized() else "gloo")
-    if device_type == "cpu" and backend == "gloo":
+    if kind in ("auto", "shm") and device_type == "cpu" and backend == "gloo":
         hosts = group_hosts(group)
-    else:  # auto and collectives are collectives here, shm is refused: no need to ask the peers
+    else:  # the collectives, or shm refused on this device or backend, whatever the hosts: no need to ask the peers
         hosts = [socket.gethostname()]
     if resolve_cp_transport(kind, hosts, device_type, backend) == "shm":
         from moonrt.comm.transport.shm import ShmHeap
