@@ -407,6 +407,9 @@ class Parallelism:
     def close(self) -> None:
         for part in self.parts:
             part.close()
+        close_ctx = getattr(self.ctx, "close", None)  # ContextParallel: its summary gather's heap
+        if close_ctx is not None:
+            close_ctx()
 
 
 class RoutingTrace(Part):

@@ -48,6 +48,10 @@ EP_DISPATCHERS: tuple[str, ...] = ("moonep", "alltoall")
 EP_TRANSPORTS: tuple[str, ...] = ("auto", "shm", "cuda", "collectives")
 """Backends of the transport seam (``parallel.ep_transport``; :mod:`moonrt.comm.transport`)."""
 
+CP_TRANSPORTS: tuple[str, ...] = ("auto", "shm", "collectives")
+"""What moves KCP's per-rank summaries (``parallel.cp_transport``; :mod:`moonrt.comm.cp.gather`). No ``cuda``: KCP's
+summary gather over torch symmetric memory is not wired (unproven without GPUs); asking for it is one line."""
+
 MAX_DEGREE = 1 << 20
 """Largest degree of a parallel dimension (and micro-batch count): a million ranks, far beyond any cluster; a bound
 so that a typo (``--ep 1000000000``) is refused here, not in the arithmetic of the mesh."""
@@ -109,6 +113,13 @@ class ParallelConfig:
     unproven without GPUs), ``collectives``: gloo/NCCL all-to-alls (any group). ``auto``: the heap when the group is on
     one host; today the EP dispatcher has no path over the heap (MoonEP's one-sided dispatch, issue 48 item 2), so
     ``auto`` moves EP data by collectives and ``shm`` / ``cuda`` with ``ep > 1`` are refused. Free on resume."""
+    cp_transport: Literal["auto", "shm", "collectives"] = "auto"
+    """Context parallelism: what carries KCP's fixed-size per-rank summaries (``[S_ext | M]`` forward, ``[a | M]``
+    backward; :mod:`moonrt.comm.cp.gather`). ``shm``: one-sided writes into every peer's slot of a symmetric heap in
+    POSIX shared memory (CPU ranks of one host), ``collectives``: gloo/NCCL all-gathers (any group). ``auto``: ``shm``
+    when the CP group's ranks share a host and the device is the CPU, else ``collectives``. Bitwise the same
+    result either way; free on resume. The choice it resolved to is in every metrics record of a job with
+    ``cp > 1`` (``cp_transport``)."""
     token_padding: int = 1
     """Expert parallelism: pad every expert segment of the dispatched rows with zero rows to a multiple of this
     (aligned grouped GEMMs); 1 = no padding. Padding rows never reach the output or a gradient. The three EP fields act
@@ -128,6 +139,9 @@ class ParallelConfig:
         check(isinstance(self.ep_dedup, bool), "ep_dedup", self.ep_dedup, "true or false")
         check(self.ep_transport in EP_TRANSPORTS, "ep_transport", self.ep_transport,
               "one of " + ", ".join(EP_TRANSPORTS))
+        check(self.cp_transport in CP_TRANSPORTS, "cp_transport", self.cp_transport,
+              "one of " + ", ".join(CP_TRANSPORTS) + (" (KCP over torch symmetric memory is not wired: cuda is "
+                                                      "unproven without GPUs)" if self.cp_transport == "cuda" else ""))
         check(isinstance(self.token_padding, int) and not isinstance(self.token_padding, bool)
               and self.token_padding >= 1, "token_padding", self.token_padding, "an integer >= 1")
         check(self.zero in (0, 1) and not isinstance(self.zero, bool), "zero", self.zero,

@@ -19,12 +19,13 @@ def test_parallel_roundtrip(tmp_path):
         ({"dp": 0}, r"dp = 0: expected an integer >= 1"),
         ({"dp": "two"}, r"dp = 'two': expected an integer"),
         ({"dp": 2.5}, r"dp = 2.5: expected an integer"),
-        ({"ddp": 2}, r"ddp: unknown key in ParallelConfig; expected one of attn_res_comm, cp, dp, ep, "
-                     r"ep_dedup, ep_dispatcher, ep_transport, microbatches, pp, schedule, token_padding, vpp"),
+        ({"ddp": 2}, r"ddp: unknown key in ParallelConfig; expected one of attn_res_comm, cp, cp_transport, dp, "
+                     r"ep, ep_dedup, ep_dispatcher, ep_transport, microbatches, pp, schedule, token_padding, vpp"),
         ({"token_padding": 0}, r"token_padding = 0: expected an integer >= 1"),
         ({"ep_dedup": 1}, r"ep_dedup = 1: expected true or false"),
         ({"ep_dispatcher": "deepep"}, r"ep_dispatcher = 'deepep': expected one of 'moonep', 'alltoall'"),
         ({"ep_transport": "nvlink"}, r"ep_transport = 'nvlink': expected one of 'auto', 'shm', 'cuda', 'collectives'"),
+        ({"cp_transport": "cuda"}, r"cp_transport = 'cuda': expected one of 'auto', 'shm', 'collectives'"),
     ],
 )
 def test_parallel_bad_values(data, match):

@@ -10,6 +10,8 @@ agree within 1e-4 relative. Exact parity (1e-5 on loss, parameters and moments) 
 changes the fp32 summation order (~1e-7 relative), and MoE training amplifies such differences through
 discrete decisions (QB's histogram estimator moves the bias by up to a bin width when a margin crosses a
 bin edge; a top-k near-tie flips one token's expert), so the QB bias update is off and ``--lr`` is 1e-3.
+Both CP runs move KCP's summaries over the shm heap (``parallel.cp_transport: auto`` on CPU ranks of one host; the
+heap against the collectives, bitwise: ``tests/jobs/test_cp_heap_train.py``).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ def test_cp2_training_matches_single_process_loss_curve(tmp_path: Path) -> None:
         assert abs(x["loss"] - z["loss"]) <= 1e-4 * abs(x["loss"]), (x["step"], x["loss"], z["loss"])
     for r in (rb, rc):
         assert abs(ra[-1]["eval_loss"] - r[-1]["eval_loss"]) <= 1e-4 * ra[-1]["eval_loss"]
+        assert all(y["cp_transport"] == "shm" for y in r)  # parallel.cp_transport auto: CPU ranks of one host
     # rank 0's bytes sent per step (K3_SYSTEMS §7): per KDA layer the KCP summary B*H*K*(K+V)*4 in each pass
     # plus the 3-token halo to rank 1; per MLA layer its latent slice and, in backward, rank 1's latent gradient.
     cfg = k3_tiny()

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from moonrt.comm.cp.gather import build_summary_gather
 from moonrt.comm.cp.kcp import kcp_kda
 from moonrt.comm.cp.ops import CommLog, CommRecord, gather_prefix, halo_exchange, slice_bounds
 from moonrt.parallel.context import AttentionContext
@@ -45,9 +46,14 @@ class ContextParallel(AttentionContext):
             same model on its slice of the same sequences, calling the methods in the same order.
         chunk_size: chunk length of the local chunked KDA.
         kda_kernel: the KDA backend of the local pieces (``kernels.kda``: auto, torch, numba, triton).
+        transport: what carries KCP's summaries (``parallel.cp_transport``: auto, shm, collectives;
+            :func:`moonrt.comm.cp.gather.build_summary_gather`, collective over ``group``); :attr:`transport` is the
+            backend it resolved to. ``device_type``: where the tensors live (``cpu`` or ``cuda``); ``backend``: the
+            job's process-group backend (default: the group's; the heap needs gloo).
     """
 
-    def __init__(self, group: ProcessGroup | None, *, chunk_size: int = 64, kda_kernel: str = "auto") -> None:
+    def __init__(self, group: ProcessGroup | None, *, chunk_size: int = 64, kda_kernel: str = "auto",
+                 transport: str = "collectives", device_type: str = "cpu", backend: str | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("ContextParallel needs torch.distributed initialized (moonrt.cluster.init_distributed)")
         super().__init__(kda_kernel=kda_kernel)
@@ -55,6 +61,8 @@ class ContextParallel(AttentionContext):
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self.chunk_size = chunk_size
+        self.gather = build_summary_gather(transport, group, device_type, backend=backend)
+        self.transport: str = self.gather.name
         self.log = CommLog()
         self._layer: str | None = None
         self._calls: dict[str, int] = {}
@@ -123,7 +131,7 @@ class ContextParallel(AttentionContext):
         """
         return kcp_kda(q, k, v, g, beta, self.group, scale=scale, initial_state=initial_state,
                        output_final_state=output_final_state, chunk_size=self.chunk_size,
-                       record=self._record("kcp"), kernel=self.kda_kernel)
+                       record=self._record("kcp"), kernel=self.kda_kernel, gather=self.gather)
 
     def conv_prefix(self, x: torch.Tensor, width: int) -> torch.Tensor:
         """The previous rank's last ``width`` pre-conv tokens (the short-conv halo, zeros on CP rank 0).
@@ -133,6 +141,10 @@ class ContextParallel(AttentionContext):
         if width == 0:
             return x.new_zeros(x.shape[0], 0, x.shape[-1])
         return halo_exchange(x, width, self.group, record=self._record("halo"))
+
+    def close(self) -> None:
+        """Release the summary gather's buffers (a heap's mappings; its segments were unlinked when mapped)."""
+        self.gather.close()
 
     def gather_sequence(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         """All-gather ``x [B, T_r, C]`` (the MLA latent): ``(x [B, offset + T_r, C], offset)``.

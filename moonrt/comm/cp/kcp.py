@@ -23,7 +23,9 @@ Backward (the transposed chain)
      gives every input gradient, and on rank 0 ``dh0``.
 
 Per KDA layer and rank this moves ``B * H * K * (K + V) * 4`` bytes in each pass, independent of
-the sequence length. The local math is :mod:`moonrt.ops.kda` (``kda_chunk``, ``kda_transition``,
+the sequence length. Both gathers go through a :class:`~moonrt.comm.cp.gather.SummaryGather` (``gather``: the
+collectives' all-gather by default, or one-sided writes into a symmetric heap's slots, ``parallel.cp_transport``);
+the result is bitwise the same. The local math is :mod:`moonrt.ops.kda` (``kda_chunk``, ``kda_transition``,
 ``kda_state_grad``): this runtime module reaches it through keyword seams ``chunk_fn`` /
 ``transition_fn`` / ``state_grad_fn`` whose default is the kernel registry's backend for the tensors' device
 (:mod:`moonrt.ops.kernels`, the choice passed as ``kernel``), so a device kernel with the same contract runs
@@ -38,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from moonrt.comm.cp.gather import CollectiveGather, SummaryGather
 from moonrt.comm.cp.ops import (
     CommRecord,
     dtype_code,
@@ -69,18 +72,12 @@ def _default_fns(kernel: str, device: torch.device) -> tuple[ChunkFn, Transition
             resolve("kda_state_grad", kernel, device), check_chunk_size)
 
 
-def _all_gather(x: torch.Tensor, group: ProcessGroup | None, size: int) -> list[torch.Tensor]:
-    bufs = [torch.empty_like(x) for _ in range(size)]
-    dist.all_gather(bufs, x.contiguous(), group=group)
-    return bufs
-
-
 class _KCP(torch.autograd.Function):
     """Autograd function of :func:`kcp_kda`; ``forward`` keeps the local graph for ``backward``."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                beta: torch.Tensor, h0: torch.Tensor | None, group: ProcessGroup | None, rank: int, size: int,
+                beta: torch.Tensor, h0: torch.Tensor | None, gather: SummaryGather, rank: int, size: int,
                 scale: float, final: bool, chunk_size: int, chunk_fn: ChunkFn, transition_fn: TransitionFn,
                 state_grad_fn: StateGradFn | None, record: CommRecord | None) -> tuple[torch.Tensor, torch.Tensor]:
         last = rank == size - 1
@@ -89,7 +86,7 @@ class _KCP(torch.autograd.Function):
             if h0 is not None:
                 S_ext = S_ext + M @ h0.to(M.dtype)
             payload = torch.cat([S_ext, M], dim=-1)  # [B, H, K, V + K]
-            parts = _all_gather(payload, group, size)
+            parts = gather.all_gather(payload)
             V = S_ext.shape[-1]
             if h0 is not None:
                 S_in = h0.to(M.dtype)
@@ -102,7 +99,7 @@ class _KCP(torch.autograd.Function):
             record.fwd_recv += (size - 1) * payload.numel() * payload.element_size()
 
         needs = ctx.needs_input_grad[:6]
-        ctx.meta = (group, rank, size, record, V)
+        ctx.meta = (gather, rank, size, record, V)
         ctx.local = (scale, chunk_size, state_grad_fn)
         if not any(needs):
             with torch.no_grad():
@@ -125,7 +122,7 @@ class _KCP(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     @fp32_island  # its backward may run inside an autocast region (the pipeline's schedule): kept fp32
     def backward(ctx: Any, d_o: torch.Tensor, d_final: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        group, rank, size, record, V = ctx.meta
+        gather, rank, size, record, V = ctx.meta
         if ctx.graph is None:
             raise RuntimeError("kcp_kda: backward called but no input required grad in forward")
         leaves, s_leaf, o, S_out = ctx.graph
@@ -149,7 +146,7 @@ class _KCP(torch.autograd.Function):
             (a,) = torch.autograd.grad(outs, [s_leaf], grads, retain_graph=True)
         # Step 2: one all-gather of [a | M].
         payload = torch.cat([a, M], dim=-1)
-        parts = _all_gather(payload, group, size)
+        parts = gather.all_gather(payload)
         if record is not None:
             record.bwd_sent += payload.numel() * payload.element_size()
             record.bwd_recv += (size - 1) * payload.numel() * payload.element_size()
@@ -186,6 +183,7 @@ def kcp_kda(
     transition_fn: TransitionFn | None = None,
     state_grad_fn: StateGradFn | None = None,
     kernel: str = "auto",
+    gather: SummaryGather | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Context-parallel KDA over ``group`` (KCP, K3_SYSTEMS §7); the contract of ``kda_chunk`` per slice.
 
@@ -212,6 +210,8 @@ def kcp_kda(
             custom ``chunk_fn`` without one, autograd through ``chunk_fn``'s graph asked for that gradient only.
         kernel: the backend of the default local kernels (``kernels.kda``: auto, torch, numba, triton;
             :mod:`moonrt.ops.kernels`; ``auto`` follows the device of ``k``).
+        gather: what all-gathers the per-rank summaries over ``group`` (:mod:`moonrt.comm.cp.gather`; the same
+            ranks in the same order); default: ``dist.all_gather`` over ``group``.
 
     Returns:
         ``o [B, T_r, H, V]`` in v's dtype (this slice's outputs), and ``S_T [B, H, K, V]`` fp32 on the
@@ -245,7 +245,11 @@ def kcp_kda(
         require_same(what, table, field, label)
     require_split(what, [row["T"] for row in table])
     scale = k.shape[-1] ** -0.5 if scale is None else scale
-    o, final = _KCP.apply(q, k, v, g, beta, initial_state, group, rank, size, scale, output_final_state,
+    gather = gather if gather is not None else CollectiveGather(group)
+    if (gather.rank, gather.world_size) != (rank, size):
+        raise ValueError(f"gather: rank {gather.rank} of {gather.world_size}; expected rank {rank} of {size} (the "
+                         "same ranks as group, in the same order)")
+    o, final = _KCP.apply(q, k, v, g, beta, initial_state, gather, rank, size, scale, output_final_state,
                           chunk_size, chunk_fn, transition_fn, state_grad_fn, record)
     return o, (final if output_final_state and rank == size - 1 else None)
 

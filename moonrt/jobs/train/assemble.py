@@ -104,7 +104,13 @@ def parallel_runtime(job: JobConfig, progress: bool = False) -> Parallelism:
         p.dp = world // p.world_size
     mesh = ProcessMesh(p)
     # the job's KDA backend reaches every KDA call through the context (no CP: _train gives LOCAL's place one)
-    ctx = ContextParallel(mesh.group(Group.CP), kda_kernel=job.kernels.kda) if p.cp > 1 else LOCAL
+    ctx = LOCAL
+    if p.cp > 1:  # KCP's summaries over parallel.cp_transport (collective over the CP group: every rank alike)
+        try:
+            ctx = ContextParallel(mesh.group(Group.CP), kda_kernel=job.kernels.kda, transport=p.cp_transport,
+                                  device_type=device.type, backend=mesh.backend)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     rt = Parallelism(dp_rank=mesh.rank(Group.DP_EP), dp_size=mesh.size(Group.DP_EP), cp_rank=mesh.rank(Group.CP),
                      cp_size=mesh.size(Group.CP), is_main=dist.get_rank() == 0, ctx=ctx,
                      replicas=mesh.group(Group.DP_EP_CP), device=device)

@@ -414,6 +414,7 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
             if cp_log is not None:
                 cp_bytes = cp_log.by_layer()
                 record["cp_bytes_sent"] = sum(r["fwd_sent"] + r["bwd_sent"] for r in cp_bytes.values())
+                record["cp_transport"] = rt.ctx.transport  # what parallel.cp_transport resolved to
             if stats:
                 record["maxvio"] = max(s.maxvio for s in stats.values())
             rt.step_metrics(step, model, record)
