@@ -46,6 +46,7 @@ from torch import nn
 
 from moonrt.comm.grad_reduce import REDUCE_DTYPES, all_reduce_grad
 from moonrt.parallel.context import LOCAL, AttentionContext
+from moonrt.parallel.model import trainable
 
 
 @dataclasses.dataclass
@@ -307,7 +308,8 @@ class Parallelism:
             if loss is not None:
                 return loss
         with saved if saved is not None else contextlib.nullcontext(), self.autocast():
-            loss = model.loss_sum(x, y, ctx=self.ctx, **({} if packing is None else {"packing": packing})) * scale
+            kwargs = {} if packing is None else {"packing": packing}
+            loss = trainable(model).loss_sum(x, y, ctx=self.ctx, **kwargs) * scale
         loss.backward()
         return loss.detach()
 
@@ -318,7 +320,7 @@ class Parallelism:
                 loss = part.loss_sum(model, x, y, self.ctx)
                 if loss is not None:
                     return loss
-            return model.loss_sum(x, y, ctx=self.ctx, **({} if packing is None else {"packing": packing}))
+            return trainable(model).loss_sum(x, y, ctx=self.ctx, **({} if packing is None else {"packing": packing}))
 
     def sync_grads(self, model: nn.Module) -> None:
         """Sum every gradient over its replicas in :attr:`Precision.reduce_dtype`: the first part that handles it,
@@ -432,8 +434,9 @@ class RoutingTrace(Part):
         self.top_k = 1
 
     def parallelize(self, model: nn.Module) -> nn.Module:
-        self.layer_ids = [i for i, _ in model.moe_layers()]
-        self.top_k = max([moe.top_k for _, moe in model.moe_layers()], default=1)
+        moe_layers = trainable(model).moe_layers()
+        self.layer_ids = [i for i, _ in moe_layers]
+        self.top_k = max([int(moe.top_k) for _, moe in moe_layers], default=1)
         return model
 
     def step_metrics(self, step: int, model: nn.Module, record: dict[str, Any]) -> None:
@@ -452,4 +455,4 @@ class RoutingTrace(Part):
 
 def local_counts(model: nn.Module) -> list[torch.Tensor]:
     """``[1, E]`` int64 routing counts of the last forward of every MoE layer of a one-process model."""
-    return [moe.last_counts.reshape(1, -1).clone() for _, moe in model.moe_layers()]
+    return [moe.last_counts.reshape(1, -1).clone() for _, moe in trainable(model).moe_layers()]

@@ -294,7 +294,7 @@ def check_choice(family: str, choice: object) -> str:
     choices = family_choices(family)
     if choice not in choices:
         raise ValueError(f"kernels.{family} = {choice!r}: expected one of {', '.join(choices)}")
-    return choice  # type: ignore[return-value]
+    return choice
 
 
 __all__ = ["BACKENDS", "CHOICES", "FAMILIES", "FAMILY_EXTRA", "FLA_INSTALL", "OPS", "REGISTRY", "TRITON_INSTALL",

@@ -56,6 +56,7 @@ from moonrt.comm.ep.layout import (
 from moonrt.comm.ep.placement import PlacementPolicy
 from moonrt.comm.ep.slots import SlotPool, SlotRefill
 from moonrt.comm.ep.transport import CollectiveTransport, EPTransport
+from moonrt.parallel.dispatch import Experts
 from moonrt.scheduler.moonep_torch import to_host
 
 _ERRORS = {
@@ -390,7 +391,7 @@ class EPDispatcher:
             self.counters.token_bytes_sent[d] += n * row_bytes
         return out
 
-    def segment_weights(self, handle: EPHandle, experts: object) -> list[tuple[int, tuple[torch.Tensor, ...]]]:
+    def segment_weights(self, handle: EPHandle, experts: Experts) -> list[tuple[int, tuple[torch.Tensor, ...]]]:
         """The model's dispatcher seam (``moonrt.parallel.dispatch.Dispatcher``): weights for every segment.
 
         ``experts`` is duck-typed (a ``RoutedExperts`` sharded to this rank's home slice):

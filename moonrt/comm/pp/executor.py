@@ -41,6 +41,7 @@ from moonrt.comm.pp.cache import BlockCache, BlockPlan
 from moonrt.comm.pp.idle import IdleClock
 from moonrt.ops.precision import token_loss_sum
 from moonrt.parallel.context import LOCAL, AttentionContext
+from moonrt.parallel.model import trainable
 from moonrt.scheduler.pipeline_ir import COMM_OPS
 from moonrt.scheduler.pipeline_p2p import P2PGroup
 
@@ -324,7 +325,7 @@ class PipelineExecutor:
 
     # ---- compute -------------------------------------------------------------------------------
     def _f(self, s: int, mb: int) -> None:
-        plan, model = self.plan, self.model
+        plan, model = self.plan, trainable(self.model)
         cache = self._cache(s, mb)
         cm = self.saved_cm if self.saved_cm is not None else contextlib.nullcontext()
         leaves: dict[int, torch.Tensor] = {}

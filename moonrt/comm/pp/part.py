@@ -25,6 +25,7 @@ from moonrt.comm.pp.cache import block_plan
 from moonrt.comm.pp.executor import PipelineExecutor
 from moonrt.config import ConfigError
 from moonrt.parallel.context import LOCAL, AttentionContext
+from moonrt.parallel.model import trainable
 from moonrt.scheduler.pipeline import Action, Schedule, lower, validate
 from moonrt.scheduler.pipeline_p2p import check_nccl_order, p2p_groups
 
@@ -66,7 +67,8 @@ class PipelineParallel(Part):
 
     # ---- assembly ------------------------------------------------------------------------------
     def parallelize(self, model: nn.Module) -> nn.Module:
-        layout = model.pipeline_layout()  # moonrt.parallel.model.PipelineLayout
+        stages_api = trainable(model)
+        layout = stages_api.pipeline_layout()
         if layout.tied_embeddings and self.size > 1:
             raise ValueError("tie_word_embeddings = True: expected untied embeddings with pipeline parallelism "
                              "(the embedding and the LM head live on different ranks)")
@@ -76,12 +78,12 @@ class PipelineParallel(Part):
                               "least one decoder layer)")
         self.full_names = [n for n, _ in model.named_parameters()]
         self.full_keys = list(model.state_dict().keys())
-        ranges = model.stages(self.num_stages)
+        ranges = stages_api.stages(self.num_stages)
         last = self.num_stages - 1
         self.plan = block_plan(ranges, layout.block_size, self.rank_of, self.mode)
-        stage_mods = {s: model.stage_modules(ranges[s], s == 0, s == last) for s in range(self.num_stages)}
+        stage_mods = {s: stages_api.stage_modules(ranges[s], s == 0, s == last) for s in range(self.num_stages)}
         keep = {n for s in self.my_stages for n in stage_mods[s]}
-        for name in model.stage_modules(range(layout.num_layers), True, True):
+        for name in stages_api.stage_modules(range(layout.num_layers), True, True):
             if name not in keep:
                 parent, _, child = name.rpartition(".")
                 (model.get_submodule(parent) if parent else model)._modules[child] = None
