@@ -100,6 +100,14 @@ class Stream(Protocol):
     partial: torch.Tensor | None
 
 
+class RoutingStatistics(Protocol):
+    """What the runtime reads of one MoE layer's routing statistics (:meth:`TrainableModel.update_routing_bias`): the
+    layer's ``maxvio`` (max load violation of its summed counts; the train job logs the largest)."""
+
+    @property
+    def maxvio(self) -> float: ...
+
+
 class MoELayer(Protocol):
     """What the runtime reads and sets on a model's MoE layer (:meth:`TrainableModel.moe_layers`): ``num_experts``
     ``E`` and ``top_k``, the last forward's routing counts ``last_counts [E]`` int64, the routed ``experts`` (expert
@@ -166,10 +174,11 @@ class TrainableModel(Protocol):
         """``(layer index, MoE module)`` of every MoE layer this process holds (:class:`MoELayer`)."""
         ...
 
-    def update_routing_bias(self, all_reduce: Callable[[torch.Tensor], object] | None = None) -> dict[int, object]:
+    def update_routing_bias(self, all_reduce: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
+                            ) -> dict[int, RoutingStatistics]:
         """Update every MoE layer's router bias from the routing statistics since the last update (``all_reduce``
-        sums statistics in place over the replicas; None: one process); ``{layer: statistics}`` (the family's own
-        record, which the runtime only logs)."""
+        sums statistics in place over the replicas; None: one process); ``{layer: statistics}``
+        (:class:`RoutingStatistics`)."""
         ...
 
     def routing_counts(self) -> dict[int, torch.Tensor]:
@@ -192,7 +201,8 @@ class NoMoE:
     def moe_layers(self) -> list[tuple[int, MoELayer]]:
         return []
 
-    def update_routing_bias(self, all_reduce: Callable[[torch.Tensor], object] | None = None) -> dict[int, object]:
+    def update_routing_bias(self, all_reduce: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
+                            ) -> dict[int, RoutingStatistics]:
         return {}
 
     def routing_counts(self) -> dict[int, torch.Tensor]:
@@ -227,5 +237,5 @@ def protocol_members() -> list[str]:
     return [n for n, v in vars(TrainableModel).items() if callable(v) and not n.startswith("_")]
 
 
-__all__ = ["MAX_LAYERS", "MoELayer", "NoMoE", "ParamGroups", "PipelineLayout", "Stream", "TrainableModel",
-           "default_param_groups", "missing_members", "protocol_members", "trainable"]
+__all__ = ["MAX_LAYERS", "MoELayer", "NoMoE", "ParamGroups", "PipelineLayout", "RoutingStatistics", "Stream",
+           "TrainableModel", "default_param_groups", "missing_members", "protocol_members", "trainable"]

@@ -28,18 +28,18 @@ per token, so each document's logits are those of the document run alone.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, cast
+from typing import cast
 
 import torch
 from torch import nn
 
 from moonrt.models.k3.model.attnres import AttnResState, BlockAttnRes
+from moonrt.models.k3.model.balance import AllReduce
 from moonrt.models.k3.model.config import K3Config
 from moonrt.models.k3.model.ffn import dense_ffn
 from moonrt.models.k3.model.kda_layer import KDALayer
 from moonrt.models.k3.model.mla import GatedMLA
-from moonrt.models.k3.model.moe import LatentMoE, MoEConfig
+from moonrt.models.k3.model.moe import LatentMoE, MoEConfig, RoutingStats
 from moonrt.models.k3.model.norm import RMSNorm
 from moonrt.ops.precision import at_least_fp32, token_loss_sum
 from moonrt.ops.qat import QATScheme
@@ -193,7 +193,7 @@ class K3Model(nn.Module):
         """``(layer index, LatentMoE)`` for every MoE layer this process holds (a pipeline rank drops the others)."""
         return [(i, layer.moe) for i, layer in enumerate(self.decoder_layers()) if layer is not None and layer.is_moe]
 
-    def update_routing_bias(self, all_reduce: Callable[[torch.Tensor], Any] | None = None) -> dict[int, Any]:
+    def update_routing_bias(self, all_reduce: AllReduce | None = None) -> dict[int, RoutingStats]:
         """Quantile Balancing bias update (K3_SYSTEMS §5.3) on every MoE layer from the statistics of the
         training forwards since the last update. ``all_reduce`` (given by the runtime) sums statistics in
         place across ranks; None = single process. Returns ``{layer: RoutingStats}``."""
