@@ -294,8 +294,7 @@ class _ChunkKDA(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     @fp32_island
     @on_tensor_device  # on dO's GPU: the autograd engine's thread for that device, made explicit
-    def backward(  # type: ignore[override]  # torch declares backward(ctx, *grad_outputs): ours names its two
-            ctx: Any, dO: torch.Tensor, d_final: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, dO: torch.Tensor, d_final: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, g, beta, S_in = ctx.saved_tensors
         p: _Plan = ctx.plan
         terms = _terms(p, q, k, v, g, beta, ctx.scale)
