@@ -109,6 +109,8 @@ class Part:
 
     kind: str = ""
     counts_every_rank: bool = False
+    inner: Part | None = None
+    """The part this one wraps and delegates to (:meth:`wrap`); None: it wraps none."""
 
     def wrap(self, inner: Part) -> None:
         """Take ``inner`` as the part this one delegates to (set by :func:`moonrt.comm.compose.compose`)."""

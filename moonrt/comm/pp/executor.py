@@ -114,7 +114,7 @@ class PipelineExecutor:
 
     def __init__(self, model: nn.Module, plan: BlockPlan, actions: Sequence[Any], *, rank: int,
                  rank_of: Callable[[int], int], stage_of: Callable[[int], int], group: Any,
-                 params_of: Callable[[int], list[torch.Tensor]]) -> None:
+                 params_of: Callable[[int], Sequence[torch.Tensor]]) -> None:
         self.model, self.plan, self.actions = model, plan, list(actions)
         self.rank, self.rank_of, self.stage_of, self.group = rank, rank_of, stage_of, group
         self.params_of = params_of
@@ -266,8 +266,8 @@ class PipelineExecutor:
         per_op = len(works) == len(ops)
         handles = iter([_Handle([w]) for w in works] if per_op else [_Handle(works)] * len(ops))
         sends_out = [[(next(handles), t, dst) for t, dst in row] for row in sent]
-        for row in sends_out:
-            self.pending.extend(row)
+        for sends_posted in sends_out:
+            self.pending.extend(sends_posted)
         posted = []
         for (_, _, _, _, src, what), bufs in zip(recvs, got):
             mine = [next(handles) for _ in bufs]
@@ -370,7 +370,8 @@ class PipelineExecutor:
         if sv.loss is not None:
             return [sv.loss], [None]
         cache = self._cache(s, mb)
-        tensors, grads = [], []
+        tensors: list[torch.Tensor] = []
+        grads: list[torch.Tensor | None] = []
         g = self.out_grad.pop((s, mb), None)
         if sv.partial_out is not None and g is not None:
             tensors.append(sv.partial_out)

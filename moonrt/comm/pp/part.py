@@ -90,7 +90,7 @@ class PipelineParallel(Part):
         self.stage_params = {s: [p for n in stage_mods[s] for p in model.get_submodule(n).parameters()]
                              for s in self.my_stages}
         mine = [n for n, _ in model.named_parameters()]
-        every = [None] * self.size
+        every: list[list[str]] = [[]] * self.size  # each entry replaced by a rank's names
         dist.all_gather_object(every, mine, group=self.objects)
         self.shared = [n for n in mine if sum(n in names for names in every) > 1]
         partial = [n for n in self.shared if not all(n in names for names in every)]
@@ -152,7 +152,7 @@ class PipelineParallel(Part):
             all_reduce_grad(p.grad, self.group, reduce_dtype)
         return False  # the data-parallel sum over the replicas still runs
 
-    def grad_norm(self, params: list[torch.Tensor]) -> GradNorm:
+    def grad_norm(self, params: list[torch.Tensor]) -> GradNorm | None:
         """The global norm's terms: an inner part's that :attr:`Part.counts_every_rank` as they are; otherwise this
         rank's stages' terms (the inner part's, or the owned gradients' squares) each summed over the pp group too,
         a shared parameter (pseudo-query) counted on its lowest pp rank only."""
@@ -162,9 +162,13 @@ class PipelineParallel(Part):
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
         if self.inner is not None:  # this rank's stages' terms from the inner part, shared params once
             inner = self.inner.grad_norm(params)
+            if inner is None:  # compose() wraps only parts that declare one (zero, expert)
+                raise TypeError(f"{type(self.inner).__name__}: declares no gradient norm; expected a part the "
+                                "pipeline can wrap (zero, expert)")
             for n in set(named) - self.owned:
-                if named[n].grad is not None:
-                    sq -= named[n].grad.double().pow(2).sum()
+                g = named[n].grad
+                if g is not None:
+                    sq -= g.double().pow(2).sum()
             terms = [(t, (*groups, self.group)) for t, groups in inner.terms] + [(sq, (self.group,))]
         else:
             for n in self.owned:
@@ -213,9 +217,9 @@ class PipelineParallel(Part):
         names = [name_of[id(p)] for g in optim.param_groups for p in g["params"]]
         mine = {"model": {k: v.detach().clone() for k, v in local_model.items()},
                 "optim": {names[i]: st for i, st in local["state"].items()}}
-        every: list[Any] = [None] * self.size if self.rank == 0 else None
+        every: list[Any] | None = [None] * self.size if self.rank == 0 else None
         dist.gather_object(mine, every, dst=dist.get_global_rank(self.objects, 0), group=self.objects)
-        if self.rank != 0:
+        if every is None:  # not pp rank 0
             return {"model": {}, "optimizer": {}}
         merged: dict[str, Any] = {}
         states: dict[str, Any] = {}
