@@ -109,14 +109,15 @@ class ModelSpec(Generic[C]):
     OCP MX spec's block (:meth:`default_qat_block`)."""
 
     def config_from_dict(self, data: Mapping[str, Any]) -> C:
-        """Read a ``model_config`` mapping into :attr:`config_type` (checked; ConfigError names the field)."""
+        """Read a ``model_config`` mapping into :attr:`config_type` (checked; ConfigError names the field). ``Any``:
+        YAML values, whatever the file holds, checked here."""
         if not isinstance(data, Mapping):
             raise ConfigError(f"<root> = {data!r}: expected a mapping of {self.config_type.__name__} fields")
         return from_dict(self.config_type, dict(data))
 
     def options_from_dict(self, data: Mapping[str, Any] | None) -> object:
-        """The job's ``moe:`` mapping read by :attr:`read_options` (None: the defaults); ConfigError names the field,
-        or says that the family takes no options."""
+        """The job's ``moe:`` mapping (``Any``: YAML values) read by :attr:`read_options` (None: the defaults);
+        ConfigError names the field, or says that the family takes no options."""
         if self.read_options is None:
             if data:
                 raise ConfigError(f"moe = {data!r}: expected null (model family {self.name!r} takes no MoE options)")
