@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, cast
 
 from moonrt.config import ConfigError, from_dict
 
@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # types only: looking a family up loads neither torch nor the
 
     from moonrt.memory.model_memory import ParamSizes, Profile
     from moonrt.memory.plan import RankPlan
+    from moonrt.ops.qat import QATScheme
     from moonrt.parallel.model import PipelineLayout
 
 C = TypeVar("C")
@@ -34,6 +35,13 @@ class; the registry, which holds every family, sees ``ModelSpec[Any]``."""
 MAX_PARAMS = 5_000_000_000
 """Largest model (parameters, from the config) that a job instantiates (``moonrt train`` builds the whole model in
 one process; ``--init-from`` refuses a larger Hugging Face directory before reading a tensor)."""
+
+
+class QuantizableModel(Protocol):
+    """A model of a family that declares :attr:`ModelSpec.qat_weights`: ``enable_qat(scheme)`` fake-quantizes exactly
+    those weights from the next forward (None: off) and returns their names (:meth:`ModelSpec.quantizable`)."""
+
+    def enable_qat(self, scheme: QATScheme | None) -> list[str]: ...
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -148,6 +156,14 @@ class ModelSpec(Generic[C]):
                 return (f"a divisor of every quantized reduction axis; {name} {list(shape)} has {shape[-1]}{hint}")
         return None
 
+    def quantizable(self, model: nn.Module) -> QuantizableModel:
+        """``model`` (built by :attr:`build`) as a :class:`QuantizableModel`; ValueError naming the family when it
+        declares no quantizable layers or its model has no ``enable_qat``."""
+        if self.qat_weights is None or not callable(getattr(model, "enable_qat", None)):
+            raise ValueError(f"model family {self.name!r}: declares no quantizable layers (ModelSpec.qat_weights and "
+                             "the model's enable_qat): expected qat none")
+        return cast("QuantizableModel", model)
+
     def memory_description(self) -> ModelMemory[C]:
         """:attr:`memory`, or ValueError naming the family when it has none."""
         if self.memory is None:
@@ -156,4 +172,4 @@ class ModelSpec(Generic[C]):
         return self.memory
 
 
-__all__ = ["MAX_PARAMS", "ModelMemory", "ModelSpec"]
+__all__ = ["MAX_PARAMS", "ModelMemory", "ModelSpec", "QuantizableModel"]
