@@ -109,7 +109,7 @@ def _expand_host(item: str, spec: str) -> list[str]:
         return [item]
     prefix, rest = item[: m.start()], item[m.end() :]
     suffixes = _expand_host(rest, spec) if rest else [""]
-    out = []
+    out: list[str] = []
     for part in m.group(1).split(","):
         rng = re.fullmatch(r"(\d+)(?:-(\d+))?", part.strip())
         if rng is None:

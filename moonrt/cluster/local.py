@@ -50,7 +50,7 @@ class RankTimeout(RankError):
     """The run did not finish in time; the message holds the stacks of the ranks still running."""
 
 
-def _context() -> mp.context.BaseContext:
+def _context() -> mp.context.ForkServerContext:
     ctx = mp.get_context("forkserver")
     # Effective only before the fork server starts (first use); later calls are harmless.
     ctx.set_forkserver_preload(_PRELOAD)

@@ -108,7 +108,7 @@ def _resolve(host: str, what: str) -> list[str]:
     except OSError as exc:
         raise ValueError(f"{what} = {host!r}: cannot resolve ({exc.strerror}): expected an address or host name "
                          "of this host") from None
-    return list(dict.fromkeys(info[4][0].split("%")[0] for info in infos))
+    return list(dict.fromkeys(str(info[4][0]).split("%")[0] for info in infos))
 
 
 def _is_loopback(host: str) -> bool:

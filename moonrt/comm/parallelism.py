@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -46,6 +46,18 @@ from torch import nn
 
 from moonrt.comm.grad_reduce import REDUCE_DTYPES, all_reduce_grad
 from moonrt.parallel.context import LOCAL, AttentionContext
+from moonrt.parallel.model import trainable
+from moonrt.parallel.packing import DocumentPacking
+
+Saved = contextlib.AbstractContextManager[object] | None
+"""A reusable context manager entered around each forward (the activation manager), or None."""
+
+StateDict = dict[str, Any]
+"""A state dict (``{"model", "optimizer"}`` or a DCP state): Any, because torch's state-dict values are tensors,
+numbers and nested optimizer state of no single type."""
+
+Record = dict[str, Any]
+"""One step's metrics record: Any, because its values are JSON numbers, lists and strings of no single type."""
 
 
 @dataclasses.dataclass
@@ -58,7 +70,7 @@ class GradNorm:
     ``grads``: the gradient tensors a clip scales in place.
     """
 
-    terms: list[tuple[torch.Tensor, tuple[Any, ...]]]
+    terms: list[tuple[torch.Tensor, tuple[dist.ProcessGroup | None, ...]]]
     grads: list[torch.Tensor]
 
 
@@ -69,7 +81,7 @@ def clip_to_global_norm(norm: GradNorm, max_norm: float) -> float:
     Terms with the same ``groups`` are added first (in order), then each such sum is all-reduced over its groups in
     turn (groups of one rank skipped) and the sums are added (in first-appearance order) to the squared norm.
     """
-    sums: dict[tuple[Any, ...], torch.Tensor] = {}
+    sums: dict[tuple[dist.ProcessGroup | None, ...], torch.Tensor] = {}
     for sq, groups in norm.terms:
         sums[groups] = sums[groups] + sq if groups in sums else sq.clone()
     total = 0.0
@@ -97,6 +109,8 @@ class Part:
 
     kind: str = ""
     counts_every_rank: bool = False
+    inner: Part | None = None
+    """The part this one wraps and delegates to (:meth:`wrap`); None: it wraps none."""
 
     def wrap(self, inner: Part) -> None:
         """Take ``inner`` as the part this one delegates to (set by :func:`moonrt.comm.compose.compose`)."""
@@ -114,7 +128,7 @@ class Part:
                         "adds its own norm sum)")
 
     def forward_backward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, scale: float,
-                         ctx: AttentionContext = LOCAL, saved: Any = None) -> torch.Tensor | None:
+                         ctx: AttentionContext = LOCAL, saved: Saved = None) -> torch.Tensor | None:
         """Forward and backward of this rank's ``x``/``y`` ``[B, T]`` (the loss is the summed token loss
         times ``scale``); returns the detached loss, or None to leave it to the default (one forward, one
         backward of the whole model)."""
@@ -146,27 +160,27 @@ class Part:
         ``optim.step()`` runs)."""
         return False
 
-    def full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any] | None:
+    def full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer) -> StateDict | None:
         """``{"model", "optimizer"}`` in the single-process layout (collective), or None for the default."""
         return None
 
-    def load_full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, state: dict[str, Any]) -> bool:
+    def load_full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, state: StateDict) -> bool:
         """Load a single-process-layout state into this rank's shards; True if this part did it."""
         return False
 
     def sharded_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer,
-                           save: bool = True) -> dict[str, Any] | None:
+                           save: bool = True) -> StateDict | None:
         """This rank's pieces of the single-process-layout state for DCP (:mod:`moonrt.comm.state.dcp`: tensors
         and ``Shard`` s by name, no gather), or None for the default. ``save=True``: what this rank writes (it may
         leave out a copy another rank writes); False: the load targets of everything this rank holds."""
         return None
 
-    def load_sharded_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, state: dict[str, Any]) -> bool:
+    def load_sharded_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, state: StateDict) -> bool:
         """Finish a load after DCP filled ``state`` (this part's :meth:`sharded_state_dict` with ``save=False``);
         True if this part did it."""
         return False
 
-    def step_metrics(self, step: int, model: nn.Module, record: dict[str, Any]) -> None:
+    def step_metrics(self, step: int, model: nn.Module, record: Record) -> None:
         """Add this part's per-step metrics to ``record`` (after the optimizer step, before eval)."""
 
     def close(self) -> None:
@@ -188,12 +202,12 @@ class ExpertSharding(Protocol):
         """``id(param) -> (single-process shape (E, ...), first home expert)`` of every sharded expert parameter."""
         ...
 
-    def full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+    def full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer) -> StateDict:
         """``{"model", "optimizer"}`` in the single-process layout (collective over the EP group)."""
         ...
 
     def load_full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer | None,
-                             state: dict[str, Any]) -> bool:
+                             state: StateDict) -> bool:
         """Load a single-process-layout ``{"model", "optimizer"}``, keeping this rank's home experts."""
         ...
 
@@ -249,7 +263,7 @@ class Precision:
         """The dtype gradients are summed over ranks in (:data:`moonrt.comm.grad_reduce.REDUCE_DTYPES`)."""
         return REDUCE_DTYPES[self.reduce]
 
-    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+    def autocast(self) -> contextlib.AbstractContextManager[object]:
         """``torch.autocast(device_type, dtype=bfloat16)`` for ``bf16``; a null context for ``fp32`` (no autocast:
         an fp32 job is the same code as before mixed precision existed)."""
         if self.compute == "fp32":
@@ -274,15 +288,15 @@ class Parallelism:
     cp_size: int = 1
     is_main: bool = True
     ctx: AttentionContext = LOCAL
-    replicas: Any = None
-    cpu_group: Any = None
+    replicas: dist.ProcessGroup | None = None
+    cpu_group: dist.ProcessGroup | None = None
     """The gloo group host metadata and objects travel over (:meth:`moonrt.comm.mesh.ProcessMesh.cpu_group`: object
     collectives, DCP's planning); None: the default group."""
     parts: list[Part] = dataclasses.field(default_factory=list)
     device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
     precision: Precision = dataclasses.field(default_factory=lambda: Precision())
 
-    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+    def autocast(self) -> contextlib.AbstractContextManager[object]:
         """The region every forward of the job runs in (:meth:`Precision.autocast`)."""
         return self.precision.autocast()
 
@@ -292,7 +306,7 @@ class Parallelism:
         return model
 
     def forward_backward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, scale: float,
-                         saved: Any = None, packing: Any = None) -> torch.Tensor:
+                         saved: Saved = None, packing: DocumentPacking | None = None) -> torch.Tensor:
         """Forward and backward of this rank's batch ``x``/``y`` ``[B, T]``: the summed token loss times
         ``scale`` (1 / global token count) back-propagated into the gradients; returns it detached.
 
@@ -307,18 +321,20 @@ class Parallelism:
             if loss is not None:
                 return loss
         with saved if saved is not None else contextlib.nullcontext(), self.autocast():
-            loss = model.loss_sum(x, y, ctx=self.ctx, **({} if packing is None else {"packing": packing})) * scale
+            kwargs = {} if packing is None else {"packing": packing}
+            loss = trainable(model).loss_sum(x, y, ctx=self.ctx, **kwargs) * scale
         loss.backward()
         return loss.detach()
 
-    def loss_sum(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, packing: Any = None) -> torch.Tensor:
+    def loss_sum(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                 packing: DocumentPacking | None = None) -> torch.Tensor:
         """Summed token loss of ``x``/``y`` ``[B, T]`` without gradients (call under ``torch.no_grad``)."""
         with self.autocast():
             for part in self.parts:
                 loss = part.loss_sum(model, x, y, self.ctx)
                 if loss is not None:
                     return loss
-            return model.loss_sum(x, y, ctx=self.ctx, **({} if packing is None else {"packing": packing}))
+            return trainable(model).loss_sum(x, y, ctx=self.ctx, **({} if packing is None else {"packing": packing}))
 
     def sync_grads(self, model: nn.Module) -> None:
         """Sum every gradient over its replicas in :attr:`Precision.reduce_dtype`: the first part that handles it,
@@ -370,20 +386,20 @@ class Parallelism:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return [int(v) for v in t.tolist()]
 
-    def full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+    def full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer) -> StateDict:
         for part in self.parts:
             state = part.full_state_dict(model, optim)
             if state is not None:
                 return state
         return {"model": model.state_dict(), "optimizer": optim.state_dict()}
 
-    def load_full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    def load_full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, state: StateDict) -> None:
         if any(part.load_full_state_dict(model, optim, state) for part in self.parts):
             return
         model.load_state_dict(state["model"])
         optim.load_state_dict(state["optimizer"])
 
-    def sharded_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, save: bool = True) -> dict[str, Any]:
+    def sharded_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, save: bool = True) -> StateDict:
         """This rank's DCP state (:meth:`Part.sharded_state_dict`); default: every tensor whole (one process)."""
         from moonrt.comm.state.dcp import local_state
 
@@ -393,14 +409,14 @@ class Parallelism:
                 return state
         return local_state(model, optim)
 
-    def load_sharded_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    def load_sharded_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, state: StateDict) -> None:
         """Finish a load into the targets of ``sharded_state_dict(model, optim, save=False)`` that DCP filled."""
         from moonrt.comm.state.dcp import finish_local_load
 
         if not any(part.load_sharded_state_dict(model, optim, state) for part in self.parts):
             finish_local_load(model, optim, state)
 
-    def step_metrics(self, step: int, model: nn.Module, record: dict[str, Any]) -> None:
+    def step_metrics(self, step: int, model: nn.Module, record: Record) -> None:
         for part in self.parts:
             part.step_metrics(step, model, record)
 
@@ -425,7 +441,8 @@ class RoutingTrace(Part):
 
     kind = "trace"
 
-    def __init__(self, path: str | Path, *, is_main: bool = True, counts: Any = None, model: str | None = None,
+    def __init__(self, path: str | Path, *, is_main: bool = True,
+                 counts: Callable[[nn.Module], list[torch.Tensor]] | None = None, model: str | None = None,
                  sizes: dict[str, int] | None = None) -> None:
         self.path, self.is_main = Path(path), is_main
         self.model, self.sizes = model, sizes
@@ -435,11 +452,12 @@ class RoutingTrace(Part):
         self.top_k = 1
 
     def parallelize(self, model: nn.Module) -> nn.Module:
-        self.layer_ids = [i for i, _ in model.moe_layers()]
-        self.top_k = max([moe.top_k for _, moe in model.moe_layers()], default=1)
+        moe_layers = trainable(model).moe_layers()
+        self.layer_ids = [i for i, _ in moe_layers]
+        self.top_k = max([int(moe.top_k) for _, moe in moe_layers], default=1)
         return model
 
-    def step_metrics(self, step: int, model: nn.Module, record: dict[str, Any]) -> None:
+    def step_metrics(self, step: int, model: nn.Module, record: Record) -> None:
         counts = self.counts(model)
         if counts:
             self.steps.append(torch.stack(counts).cpu().numpy())  # the trace is written with numpy
@@ -455,4 +473,4 @@ class RoutingTrace(Part):
 
 def local_counts(model: nn.Module) -> list[torch.Tensor]:
     """``[1, E]`` int64 routing counts of the last forward of every MoE layer of a one-process model."""
-    return [moe.last_counts.reshape(1, -1).clone() for _, moe in model.moe_layers()]
+    return [moe.last_counts.reshape(1, -1).clone() for _, moe in trainable(model).moe_layers()]

@@ -56,7 +56,7 @@ def _type_name(tp: Any) -> str:
         return "a mapping"
     if tp is type(None):
         return "null"
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):  # a dataclass type (a hint is never an instance)
         return f"a mapping of {tp.__name__} fields"
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
         tp, getattr(tp, "__name__", str(tp))
@@ -68,7 +68,7 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
     origin = get_origin(tp)
     if tp is Any:
         return value
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
         if not isinstance(value, dict):

@@ -97,7 +97,7 @@ def plan_dict(num_layers: int, block_size: int, pp: int, vpp: int, microbatches:
                          "at least")
     sim = simulate(sch)
     ranges = even_layer_ranges(num_layers, sch.num_stages)
-    plans = {m: hop_plan(ranges, block_size, sch.rank_of, m) for m in ("naive", "cached")}  # type: ignore[arg-type]
+    plans = {m: hop_plan(ranges, block_size, sch.rank_of, m) for m in ("naive", "cached")}
     hops = []
     sent = {r: {"naive_blocks": 0, "cached_blocks": 0, "naive_bytes": 0.0, "cached_bytes": 0.0} for r in range(pp)}
     for s in range(sch.num_stages - 1):

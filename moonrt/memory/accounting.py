@@ -118,7 +118,7 @@ class Accounting:
 
     def on_release(self, tier_bytes: dict[str, int], region: str | None = None, policy: str | None = None) -> None:
         with self._lock:
-            if region is not None and (region, policy) in self.regions:
+            if region is not None and policy is not None and (region, policy) in self.regions:
                 self.regions[(region, policy)].live_bytes -= sum(tier_bytes.values())
             for tier, n in tier_bytes.items():
                 self.live[tier] -= n

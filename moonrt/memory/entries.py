@@ -27,7 +27,8 @@ class Entry:
     __slots__ = ("backend", "packed", "refs", "layer", "future", "parts", "key", "weak", "region", "raw", "batch",
                  "decoded", "waiting", "__weakref__")
 
-    def __init__(self, backend: Backend, packed: Packed | None, layer: int, key: Any, weak: Any) -> None:
+    def __init__(self, backend: Backend, packed: Packed | None, layer: int, key: Any, weak: Any,
+                 region: tuple[str, str]) -> None:
         self.backend = backend
         self.packed = packed
         self.refs = 0
@@ -36,7 +37,7 @@ class Entry:
         self.parts: list[torch.Tensor] | None = None
         self.key = key
         self.weak = weak
-        self.region: tuple[str, str] | None = None
+        self.region = region  # (region name, policy label) the save is accounted under
         self.raw: torch.Tensor | None = None
         self.batch: Any = None  # its fp8_batch.Fp8Batch while live (entries know no batch type: no import cycle)
         self.decoded: torch.Tensor | None = None

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from moonrt.memory.accounting import Accounting
-from moonrt.memory.entries import Entry
+from moonrt.memory.entries import Entry, PartEntry
 
 
 class Prefetcher:
@@ -42,24 +42,27 @@ class Prefetcher:
     def fetch(entry: Entry) -> tuple[list[torch.Tensor], float]:
         """``entry``'s stored parts on its device, and the seconds the fetch took."""
         t0 = time.perf_counter()
+        assert entry.packed is not None, "a pending FP8 entry is quantized (flush_all) before any fetch"
         parts = entry.backend.fetch(entry.packed)
         return parts, time.perf_counter() - t0
 
-    def start(self, layer: int, entries: Iterable[Entry]) -> None:
+    def start(self, layer: int, entries: Iterable[Entry | PartEntry]) -> None:
         """Start fetching, on the prefetch thread, the entries of ``layer`` among ``entries`` (the hooks' live
-        entries) whose store prefetches and that are neither fetched nor fetching; once per layer and backward."""
+        entries) whose store prefetches and that are neither fetched nor fetching; once per layer and backward.
+        (A :class:`PartEntry`, a batched host copy, is fetched with its group, never here.)"""
         if self.pool is None or layer < 0 or layer in self.started:
             return
         self.started.add(layer)
         with self.lock:
             todo = [e for e in entries
-                    if e.layer == layer and e.backend.store.prefetch and e.future is None and e.parts is None
-                    and e.packed is not None]
+                    if isinstance(e, Entry) and e.layer == layer and e.backend.store.prefetch and e.future is None
+                    and e.parts is None and e.packed is not None]
             for e in todo:
                 e.future = self.pool.submit(self.fetch, e)
 
     def parts(self, entry: Entry) -> list[torch.Tensor]:
         """The entry's stored parts on the compute device (from the prefetcher, or fetched now)."""
+        assert entry.packed is not None, "a pending FP8 entry is quantized (flush_all) before any fetch"
         if entry.backend.store.tier == "device":
             return entry.backend.fetch(entry.packed)
         with self.lock:

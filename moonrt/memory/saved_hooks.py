@@ -190,15 +190,15 @@ class SavedTensorHooks:
         if policy == "keep":  # no copy, no view record, no weak reference: count the storage once
             region = frame.region
             with self.lock:
-                entry = self.keep.get(sptr)
-                if entry is not None:
-                    entry.refs += 1
+                kept = self.keep.get(sptr)
+                if kept is not None:
+                    kept.refs += 1
                     self.accounting.dedupe_locked(region, label)
                 else:
                     n = storage.nbytes()
-                    entry = self.keep[sptr] = KeepEntry(sptr, n, region, label)
+                    kept = self.keep[sptr] = KeepEntry(sptr, n, region, label)
                     self.accounting.pack_tier_locked(region, label, "device", n, n, time.perf_counter() - t0)
-            return Handle(entry, None, t.detach(), self.release_keep_fn)
+            return Handle(kept, None, t.detach(), self.release_keep_fn)
         layer = frame.layer
         if layer is None:
             layer = self.regions.layer_of(frame)
@@ -217,7 +217,7 @@ class SavedTensorHooks:
             if entry is not None:
                 entry.refs += 1
                 self.accounting.dedupe_locked(region, label)
-                if entry.__class__ is PartEntry:
+                if isinstance(entry, PartEntry):
                     grp = entry.group
                     if grp.storages is not None:  # its group is pending: rebuilt with the copy (a slot)
                         return Handle(entry, view, None, self.release_part_fn, grp.add_view(view, entry.index))
@@ -229,25 +229,23 @@ class SavedTensorHooks:
                 self.entries[key] = part
                 return Handle(part, view, None, self.release_part_fn, slot)
         if fp8:  # pending: quantized with the rest of its batch (layer) in one call
-            entry = Entry(backend, None, layer, key, storage._weak_ref())
-            entry.refs = 1
-            entry.region = (region, label)
-            entry.raw = t.detach()
+            new = Entry(backend, None, layer, key, storage._weak_ref(), (region, label))
+            new.refs = 1
+            new.raw = t.detach()
             with self.lock:
-                self.entries[key] = entry
-                self.fp8.add_locked(policy, entry, layer, t.numel() * t.element_size())
+                self.entries[key] = new
+                self.fp8.add_locked(policy, new, layer, t.numel() * t.element_size())
             self.accounting.pack_s += time.perf_counter() - t0
-            return Handle(entry, view, None, self.release_fn)
+            return Handle(new, view, None, self.release_fn)
         if mxq:  # MXFP8: quantized now, one entry per view (as FP8)
             packed = backend.pack(t)
-            entry = Entry(backend, packed, layer, key, storage._weak_ref())
-            entry.refs = 1
-            entry.region = (region, label)
+            new = Entry(backend, packed, layer, key, storage._weak_ref(), (region, label))
+            new.refs = 1
             with self.lock:
-                self.entries[entry.key] = entry
+                self.entries[new.key] = new
             self.accounting.on_pack_tier(region, label, store.tier, t.numel() * t.element_size(),
                                          packed.tier_bytes[store.tier], time.perf_counter() - t0)
-            return Handle(entry, view, None, self.release_fn)
+            return Handle(new, view, None, self.release_fn)
         if store.tier == "device":
             packed = backend.pack(t)  # keeps the tensor itself; bytes counted by storage
             packed.tier_bytes = {"device": storage.nbytes()}
@@ -256,13 +254,12 @@ class SavedTensorHooks:
             logical = storage.nbytes()
             store = backend.store
             packed = Packed([store.put(storage_bytes(storage))], _STORAGE_META, t.device, {store.tier: logical})
-        entry = Entry(backend, packed, layer, key, storage._weak_ref())
-        entry.refs = 1
-        entry.region = (region, label)
+        new = Entry(backend, packed, layer, key, storage._weak_ref(), (region, label))
+        new.refs = 1
         with self.lock:
-            self.entries[key] = entry
+            self.entries[key] = new
         self.accounting.on_pack_tier(region, label, backend.store.tier, logical, logical, time.perf_counter() - t0)
-        return Handle(entry, view, packed.parts[0] if backend.store.tier == "device" else None,
+        return Handle(new, view, packed.parts[0] if backend.store.tier == "device" else None,
                        self.release_fn)
 
     def release_keep(self, entry: KeepEntry) -> None:
@@ -310,7 +307,7 @@ class SavedTensorHooks:
                 self.fp8.release_locked(batch)
             pending = entry.raw
             entry.raw = None
-        region, label = entry.region or (None, None)
+        region, label = entry.region
         if pending is not None:  # released before its batch was quantized: account what it would have stored
             tier = entry.backend.store.tier
             stored = fp8.stored_bytes(pending.shape if pending.dim() else (1,), entry.backend.block)
@@ -323,7 +320,7 @@ class SavedTensorHooks:
         self.accounting.on_release(entry.packed.tier_bytes, region, label)
 
     def unpack(self, handle: Handle | torch.Tensor) -> torch.Tensor:
-        if handle.__class__ is not Handle:  # a parameter (or empty tensor), saved as its detached alias
+        if not isinstance(handle, Handle):  # a parameter (or empty tensor), saved as its detached alias
             return handle
         tensor = handle.tensor
         if tensor is not None:
@@ -335,7 +332,7 @@ class SavedTensorHooks:
             self.copies.flush_all()
         entry = handle.entry
         assert entry is not None
-        if entry.__class__ is PartEntry:  # a batched host copy: the part of the group's buffer (once copied)
+        if isinstance(entry, PartEntry):  # a batched host copy: the part of the group's buffer (once copied)
             out = self.copies.group_part(entry.group, entry.index, handle.view, handle.slot)
             self.accounting.on_unpack(time.perf_counter() - t0)
             return out

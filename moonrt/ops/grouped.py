@@ -223,9 +223,9 @@ class _GroupedGLU(torch.autograd.Function):
         for i in segs:
             a, b = bounds[i], bounds[i + 1]
             w_down = flat[2 * groups + i]
-            torch.mm(g[a:b], w_down.to(dt), out=d_h[a - lo:b - lo])  # type: ignore[union-attr]
+            torch.mm(g[a:b], w_down.to(dt), out=d_h[a - lo:b - lo])
             if need[6 + 2 * groups + i]:
-                d_flat[2 * groups + i] = (g[a:b].t() @ h[a - lo:b - lo]).to(w_down.dtype)  # type: ignore[union-attr]
+                d_flat[2 * groups + i] = (g[a:b].t() @ h[a - lo:b - lo]).to(w_down.dtype)
         d_gate = d_h * d_a
         d_up = d_h.mul_(d_c)
         if need[0]:
@@ -235,12 +235,12 @@ class _GroupedGLU(torch.autograd.Function):
             w_gate, w_up = flat[i], flat[groups + i]
             dg, du, xi = d_gate[a - lo:b - lo], d_up[a - lo:b - lo], xs[a:b]
             if need[6 + i]:
-                d_flat[i] = (dg.t() @ xi).to(w_gate.dtype)  # type: ignore[union-attr]
+                d_flat[i] = (dg.t() @ xi).to(w_gate.dtype)
             if need[6 + groups + i]:
-                d_flat[groups + i] = (du.t() @ xi).to(w_up.dtype)  # type: ignore[union-attr]
+                d_flat[groups + i] = (du.t() @ xi).to(w_up.dtype)
             if d_x is not None:
-                torch.mm(dg, w_gate.to(dt), out=d_x[a:b])  # type: ignore[union-attr]
-                d_x[a:b].addmm_(du, w_up.to(dt))  # type: ignore[union-attr]
+                torch.mm(dg, w_gate.to(dt), out=d_x[a:b])
+                d_x[a:b].addmm_(du, w_up.to(dt))
         return (d_x.to(x.dtype) if d_x is not None else None), None, None, None, None, None, *d_flat
 
 

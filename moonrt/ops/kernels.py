@@ -51,10 +51,18 @@ import importlib
 import importlib.util
 import os
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 if TYPE_CHECKING:
     import torch
+
+KernelFn = Callable[..., Any]
+"""A backend function as the registry holds it. ``...`` and ``Any``: one registry holds every op, and the ops'
+signatures differ (the module docstring's table is each op's contract); a caller gets the function of the op it
+names and calls it by that contract."""
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 FAMILIES: dict[str, tuple[str, ...]] = {
     "kda": ("kda_chunk", "kda_transition", "kda_state_grad"),
@@ -103,7 +111,7 @@ class Backend:
     op: str
     name: str
     """One of :data:`BACKENDS`."""
-    target: str | Callable[..., Any]
+    target: str | KernelFn
     """``"module:function"`` (imported on first use), or the function itself (plug-ins, tests)."""
     devices: tuple[str, ...] | None = None
     """Device types it runs on (``torch.device.type``); None: any."""
@@ -122,9 +130,9 @@ class KernelRegistry:
 
     def __init__(self) -> None:
         self._table: dict[str, dict[str, Backend]] = {op: {} for op in OPS}
-        self._cache: dict[tuple[str, str, str], Callable[..., Any]] = {}  # (op, choice, device type)
+        self._cache: dict[tuple[str, str, str], KernelFn] = {}  # (op, choice, device type)
 
-    def register(self, op: str, name: str, target: str | Callable[..., Any], *, devices: tuple[str, ...] | None = None,
+    def register(self, op: str, name: str, target: str | KernelFn, *, devices: tuple[str, ...] | None = None,
                  requires: str | None = None) -> None:
         """Register (or replace) backend ``name`` of ``op``."""
         if op not in OPS:
@@ -137,7 +145,7 @@ class KernelRegistry:
         self._cache.clear()
 
     @contextlib.contextmanager
-    def swapped(self, op: str, name: str, target: str | Callable[..., Any], *, devices: tuple[str, ...] | None = None,
+    def swapped(self, op: str, name: str, target: str | KernelFn, *, devices: tuple[str, ...] | None = None,
                 requires: str | None = None) -> Iterator[None]:
         """Backend ``name`` of ``op`` replaced by ``target`` inside the block (restored after; tests)."""
         old = self._table.get(op, {}).get(name)
@@ -181,7 +189,7 @@ class KernelRegistry:
                              f"tensors{hint}; expected another choice of {', '.join(choices)}")
         return backend
 
-    def resolve(self, op: str, choice: str, device: torch.device | str) -> Callable[..., Any]:
+    def resolve(self, op: str, choice: str, device: torch.device | str) -> KernelFn:
         """The function that runs ``op`` for ``choice`` on ``device`` (imported on first use, then cached)."""
         dev = _device_type(device)
         # (Triton on CPU tensors is allowed only while Triton's interpreter is on: part of the key)
@@ -207,7 +215,7 @@ def _device_type(device: torch.device | str) -> str:
     return torch.device(device).type
 
 
-def _load(backend: Backend, choice: str) -> Callable[..., Any]:
+def _load(backend: Backend, choice: str) -> KernelFn:
     """Import ``backend.target`` (KernelUnavailable, one line, when its package or module is missing)."""
     if callable(backend.target):
         return backend.target
@@ -263,19 +271,19 @@ REGISTRY = default_registry()
 in by each caller)."""
 
 
-def kernel(op: str, choice: str, device: torch.device | str) -> Callable[..., Any]:
+def kernel(op: str, choice: str, device: torch.device | str) -> KernelFn:
     """``REGISTRY.resolve(op, choice, device)``: the function that runs ``op`` (module docstring)."""
     return REGISTRY.resolve(op, choice, device)
 
 
-def on_tensor_device(fn: Callable[..., Any]) -> Callable[..., Any]:
+def on_tensor_device(fn: Callable[_P, _R]) -> Callable[_P, _R]:
     """Run ``fn`` (a Triton host wrapper) with its first tensor argument's CUDA device current
     (``torch.cuda.device(t.device)``): Triton launches on the calling thread's current device, which on a rank with
     ``LOCAL_RANK != 0`` need not be the tensors' (a worker thread starts on device 0, the autograd engine's threads
     follow their own devices). CPU tensors (Triton's interpreter) run ``fn`` as it is."""
 
     @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
         import torch
 
         t = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
@@ -294,9 +302,9 @@ def check_choice(family: str, choice: object) -> str:
     choices = family_choices(family)
     if choice not in choices:
         raise ValueError(f"kernels.{family} = {choice!r}: expected one of {', '.join(choices)}")
-    return choice  # type: ignore[return-value]
+    return choice
 
 
 __all__ = ["BACKENDS", "CHOICES", "FAMILIES", "FAMILY_EXTRA", "FLA_INSTALL", "OPS", "REGISTRY", "TRITON_INSTALL",
-           "TRITON_PACKAGES", "Backend", "KernelRegistry", "KernelUnavailable", "check_choice", "default_registry",
-           "family_choices", "kernel", "on_tensor_device"]
+           "TRITON_PACKAGES", "Backend", "KernelFn", "KernelRegistry", "KernelUnavailable", "check_choice",
+           "default_registry", "family_choices", "kernel", "on_tensor_device"]

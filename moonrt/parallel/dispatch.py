@@ -8,9 +8,11 @@ with collectives (:class:`moonrt.comm.ep.dispatch.EPDispatcher`: MoonEP's placem
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
+from torch import nn
 
 ExpertWeights = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 """One expert's ``(w_gate [F, L], w_up [F, L], w_down [L, F])`` (``nn.Linear`` layout ``[out, in]``)."""
@@ -28,6 +30,20 @@ class Experts(Protocol):
     def expert(self, global_id: int) -> ExpertWeights: ...
 
     def weights(self) -> ExpertWeights: ...
+
+
+class ShardableExperts(Experts, Protocol):
+    """What expert parallelism (:class:`moonrt.comm.ep.parallel.ExpertParallel`) does with a layer's routed experts:
+    keeps an EP rank's home slice (:meth:`shard`), sizes its dispatcher by the ``latent`` row width and maps its
+    parameters to their single-process rows."""
+
+    latent: int
+
+    def shard(self, first_expert: int, num_local: int) -> None:
+        """Keep only experts ``[first_expert, first_expert + num_local)`` (replaces the parameters)."""
+        ...
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
 
 
 class Dispatcher(Protocol):

@@ -34,13 +34,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, cast, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
     from moonrt.parallel.context import AttentionContext
+    from moonrt.parallel.dispatch import Dispatcher, ShardableExperts
     from moonrt.parallel.packing import DocumentPacking
 
 MAX_LAYERS = 4096
@@ -99,6 +100,29 @@ class Stream(Protocol):
     partial: torch.Tensor | None
 
 
+class RoutingStatistics(Protocol):
+    """What the runtime reads of one MoE layer's routing statistics (:meth:`TrainableModel.update_routing_bias`): the
+    layer's ``maxvio`` (max load violation of its summed counts; the train job logs the largest)."""
+
+    @property
+    def maxvio(self) -> float: ...
+
+
+class MoELayer(Protocol):
+    """What the runtime reads and sets on a model's MoE layer (:meth:`TrainableModel.moe_layers`): ``num_experts``
+    ``E`` and ``top_k``, the last forward's routing counts ``last_counts [E]`` int64, the routed ``experts`` (expert
+    parallelism shards them) and the ``dispatcher`` the layer calls (the :mod:`moonrt.parallel.dispatch` seam; the
+    runtime installs its EP dispatcher there)."""
+
+    num_experts: int
+    top_k: int
+    last_counts: torch.Tensor
+    dispatcher: Dispatcher
+
+    @property
+    def experts(self) -> ShardableExperts: ...
+
+
 @runtime_checkable
 class TrainableModel(Protocol):
     """What the runtime calls on a model (see the module docstring). ``B``: batch rows, ``T``: this rank's tokens
@@ -146,14 +170,15 @@ class TrainableModel(Protocol):
         ...
 
     # ---- MoE routing (NoMoE: a model without MoE) --------------------------------------------------------------
-    def moe_layers(self) -> list[tuple[int, nn.Module]]:
-        """``(layer index, MoE module)`` of every MoE layer this process holds; each module has ``top_k``,
-        ``last_counts [E]``, ``experts`` and ``dispatcher`` (the :mod:`moonrt.parallel.dispatch` seam)."""
+    def moe_layers(self) -> list[tuple[int, MoELayer]]:
+        """``(layer index, MoE module)`` of every MoE layer this process holds (:class:`MoELayer`)."""
         ...
 
-    def update_routing_bias(self, all_reduce: Callable[[torch.Tensor], Any] | None = None) -> dict[int, Any]:
+    def update_routing_bias(self, all_reduce: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
+                            ) -> dict[int, RoutingStatistics]:
         """Update every MoE layer's router bias from the routing statistics since the last update (``all_reduce``
-        sums statistics in place over the replicas; None: one process); ``{layer: statistics}``."""
+        sums statistics in place over the replicas; None: one process); ``{layer: statistics}``
+        (:class:`RoutingStatistics`)."""
         ...
 
     def routing_counts(self) -> dict[int, torch.Tensor]:
@@ -173,13 +198,14 @@ class TrainableModel(Protocol):
 class NoMoE:
     """Mixin: the MoE routing members of :class:`TrainableModel` for a model without MoE layers."""
 
-    def moe_layers(self) -> list[tuple[int, Any]]:
+    def moe_layers(self) -> list[tuple[int, MoELayer]]:
         return []
 
-    def update_routing_bias(self, all_reduce: Callable[[Any], Any] | None = None) -> dict[int, Any]:
+    def update_routing_bias(self, all_reduce: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
+                            ) -> dict[int, RoutingStatistics]:
         return {}
 
-    def routing_counts(self) -> dict[int, Any]:
+    def routing_counts(self) -> dict[int, torch.Tensor]:
         return {}
 
     def set_record_routing(self, enabled: bool) -> None:
@@ -193,6 +219,14 @@ def default_param_groups(model: nn.Module) -> ParamGroups:
     return ParamGroups(no_weight_decay=tuple(n for n, m in model.named_modules() if isinstance(m, nn.Embedding)))
 
 
+def trainable(model: nn.Module) -> TrainableModel:
+    """``model`` seen through the seam. The runtime holds a model as the ``nn.Module`` it is (parameters, state
+    dicts, train/eval) and calls the :class:`TrainableModel` members through this view: Python's type system has no
+    intersection of the two, so this is where a type checker learns that the module is also the protocol. No check
+    at run time (:func:`missing_members` lists what a model lacks); a missing member fails at its first call."""
+    return cast("TrainableModel", model)
+
+
 def missing_members(model: object) -> list[str]:
     """Members of :class:`TrainableModel` that ``model`` lacks or holds as a non-callable (empty: it has them all)."""
     return [name for name in protocol_members() if not callable(getattr(model, name, None))]
@@ -203,5 +237,5 @@ def protocol_members() -> list[str]:
     return [n for n, v in vars(TrainableModel).items() if callable(v) and not n.startswith("_")]
 
 
-__all__ = ["MAX_LAYERS", "NoMoE", "ParamGroups", "PipelineLayout", "Stream", "TrainableModel", "default_param_groups",
-           "missing_members", "protocol_members"]
+__all__ = ["MAX_LAYERS", "MoELayer", "NoMoE", "ParamGroups", "PipelineLayout", "RoutingStatistics", "Stream",
+           "TrainableModel", "default_param_groups", "missing_members", "protocol_members", "trainable"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from torch import nn
 
@@ -100,7 +100,7 @@ def plan_units(units: Sequence[Unit], ranks: int, ns_steps: int = NS_STEPS) -> M
                     units=tuple(tuple(m) for m in mine), offsets=tuple(offsets))
 
 
-def unit_layout(model: nn.Module, blocks: dict[str, Blocking | None]
+def unit_layout(model: nn.Module, blocks: Mapping[str, Blocking | None]
                 ) -> tuple[list[tuple[str, nn.Parameter]], list[Unit], list[tuple[int, int, int, int]]]:
     """The trainable parameters, their units (Muon blocks of ``blocks``' parameters, whole AdamW parameters
     otherwise) and per unit ``(parameter index, block index or -1, rows, cols)``, in ``named_parameters`` order."""

@@ -134,7 +134,7 @@ def _static_checks(sch: Schedule) -> None:
     comm = [{(a.op, a.microbatch, a.chunk) for a in acts if a.op in COMM_OPS} for acts in sch.actions]
     for r in range(sch.pp):
         for op, mb, c in sorted(comm[r]):
-            a = Action(op, mb, c)  # type: ignore[arg-type]
+            a = Action(op, mb, c)
             peer, match, pc, _ = _peer(sch, r, a)
             if (match, mb, pc) not in comm[peer]:
                 raise ValueError(f"rank {peer}: missing {match}{mb}.{pc} matching rank {r}'s {op} "

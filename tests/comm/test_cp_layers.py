@@ -145,3 +145,22 @@ def _checkpoint_rank(rank: int, world: int) -> list[float]:
 def test_cp_kda_layer_under_activation_checkpointing() -> None:
     for errors in dist_run(_checkpoint_rank, 2, timeout=120):
         assert max(errors) <= 1e-6, errors
+
+
+def _packed_kda_rank(rank: int, world: int) -> str | None:
+    ctx = ContextParallel(None)
+    q = torch.zeros(1, 4, 1, 2)
+    try:
+        ctx.kda(q, q, q, q, torch.zeros(1, 4, 1), cu_seqlens=torch.tensor([0, 2, 4]))
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_cp_kda_takes_the_seam_signature_and_refuses_packed_documents() -> None:
+    """``ContextParallel.kda`` accepts every keyword of the attention-context seam (``cu_seqlens`` included, so a
+    model written against the seam never calls it with one it lacks) and refuses packed documents with one line
+    naming the field, on every rank, before any collective."""
+    got = dist_run(_packed_kda_rank, 2, timeout=120)
+    assert got == ["cu_seqlens: expected None under context parallelism (packed documents run on a single device; "
+                   "the job refuses packing with cp > 1)"] * 2

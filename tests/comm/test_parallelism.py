@@ -144,7 +144,7 @@ def test_compose_orders_parts_by_the_table_and_links_what_each_wraps() -> None:
     pipe, zero, expert, trace = (make(k) for k in ("pipeline", "zero", "expert", "trace"))
     assert [r.kind for r in COMPOSITION] == ["pipeline", "zero", "expert", "trace"]
     assert compose([trace, expert, zero, pipe]) == [pipe, zero, expert, trace]
-    assert pipe.inner is zero and zero.inner is expert and not hasattr(expert, "inner")
+    assert pipe.inner is zero and zero.inner is expert and expert.inner is None
     pipe2, expert2 = make("pipeline"), make("expert")
     assert compose([expert2, pipe2]) == [pipe2, expert2] and pipe2.inner is expert2
     with pytest.raises(ValueError, match=r"kind = 'other': expected one of pipeline, zero, expert, trace"):

@@ -96,3 +96,18 @@ def test_memory_description_is_the_planner_types():
     prof = memory.memory_profile(cfg, layout)
     assert isinstance(K3, ModelSpec) and isinstance(sizes, ParamSizes) and isinstance(prof, Profile)
     assert len(prof.layers) == cfg.num_hidden_layers and set(prof.head) <= set(prof.classes)
+
+
+def test_quantizable_is_the_model_of_a_family_with_quantizable_layers():
+    """``ModelSpec.quantizable``: the typed view ``--qat`` and the MXFP4 export switch QAT on through; a family that
+    declares no quantizable layers (dense) is refused with one line naming it."""
+    from moonrt.models.dense.model.config import dense_tiny
+    from moonrt.models.dense.spec import DENSE
+    from moonrt.ops.qat import scheme_for
+
+    cfg = k3_tiny()
+    model = K3.build(cfg, None)
+    names = K3.quantizable(model).enable_qat(scheme_for("mxfp4", 8))
+    assert sorted(names) == sorted(K3.qat_weights(cfg))
+    with pytest.raises(ValueError, match=r"model family 'dense': declares no quantizable layers"):
+        DENSE.quantizable(DENSE.build(dense_tiny(), None))

@@ -122,13 +122,17 @@ class ContextParallel(AttentionContext):
         scale: float | None = None,
         initial_state: torch.Tensor | None = None,
         output_final_state: bool = False,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """KCP over the CP group (:func:`moonrt.comm.cp.kcp.kcp_kda`): this slice's outputs, entering state merged.
 
         ``q, k [B, T_r, H, K]``, ``v [B, T_r, H, V]``, ``g [B, T_r, H, K]``, ``beta [B, T_r, H]``;
         ``initial_state [B, H, K, V]`` fp32 on CP rank 0 only; the final state comes back on the last
-        CP rank (None elsewhere).
+        CP rank (None elsewhere). ``cu_seqlens`` (packed documents) is the single-device contract's only: refused.
         """
+        if cu_seqlens is not None:
+            raise ValueError("cu_seqlens: expected None under context parallelism (packed documents run on a single "
+                             "device; the job refuses packing with cp > 1)")
         return kcp_kda(q, k, v, g, beta, self.group, scale=scale, initial_state=initial_state,
                        output_final_state=output_final_state, chunk_size=self.chunk_size,
                        record=self._record("kcp"), kernel=self.kda_kernel, gather=self.gather)

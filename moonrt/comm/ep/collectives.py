@@ -81,7 +81,7 @@ def return_weight_grads(
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weights, layout, group):  # type: ignore[override]
+    def forward(ctx, x, weights, layout, group):
         s, k = layout.tokens, layout.top_k
         x_a = x.unsqueeze(1).expand(s, k, x.shape[1]).reshape(s * k, x.shape[1])
         w_a = weights.reshape(s * k, 1)
@@ -92,7 +92,7 @@ class _Dispatch(torch.autograd.Function):
         return to_rows(x_a, layout, group), to_rows(w_a, layout, group).squeeze(1)  # weights keep their dtype
 
     @staticmethod
-    def backward(ctx, grad_x, grad_w):  # type: ignore[override]
+    def backward(ctx, grad_x, grad_w):
         layout, group = ctx.layout, ctx.group
         s, k = layout.tokens, layout.top_k
         if grad_x.dtype == grad_w.dtype:
@@ -112,7 +112,7 @@ def _compute_dtype(a: torch.Tensor, b: torch.Tensor) -> torch.dtype:
 class _Combine(torch.autograd.Function):
     @staticmethod
     @no_autocast  # the weighted sum of the k expert outputs in fp32 or fp64 (einsum would round to bf16 in autocast)
-    def forward(ctx, y, weights, layout, group, refill, *deps):  # type: ignore[override]
+    def forward(ctx, y, weights, layout, group, refill, *deps):
         s, k = layout.tokens, layout.top_k
         ctx.num_deps, ctx.refill = len(deps), refill
         y_a = from_rows(y, layout, group).view(s, k, y.shape[1])
@@ -124,7 +124,7 @@ class _Combine(torch.autograd.Function):
 
     @staticmethod
     @no_autocast
-    def backward(ctx, grad_out):  # type: ignore[override]
+    def backward(ctx, grad_out):
         y_a, weights = ctx.saved_tensors
         if ctx.refill is not None:  # the expert backward of this layer reads the shared slot pool next
             ctx.refill()
@@ -207,14 +207,14 @@ def _rows_to_pairs(rows: torch.Tensor, layout: EPLayout, dd: DedupLayout, group:
 
 class _DedupDispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weights, layout, dd, group):  # type: ignore[override]
+    def forward(ctx, x, weights, layout, dd, group):
         ctx.layout, ctx.dd, ctx.group = layout, dd, group
         rows_x = _pairs_to_rows(x, layout, dd, group)
         rows_w = to_rows(weights.reshape(-1, 1), layout, group).squeeze(1)  # weights stay per assignment
         return rows_x, rows_w
 
     @staticmethod
-    def backward(ctx, grad_x, grad_w):  # type: ignore[override]
+    def backward(ctx, grad_x, grad_w):
         layout, dd, group = ctx.layout, ctx.dd, ctx.group
         gx = _rows_to_pairs(grad_x, layout, dd, group, grad_x.dtype)
         gw = from_rows(grad_w.unsqueeze(1), layout, group).view(layout.tokens, layout.top_k)
@@ -224,7 +224,7 @@ class _DedupDispatch(torch.autograd.Function):
 class _DedupCombine(torch.autograd.Function):
     @staticmethod
     @no_autocast
-    def forward(ctx, y, layout, dd, group, refill, dtype, *deps):  # type: ignore[override]
+    def forward(ctx, y, layout, dd, group, refill, dtype, *deps):
         ctx.layout, ctx.dd, ctx.group, ctx.refill, ctx.num_deps = layout, dd, group, refill, len(deps)
         ctx.dtype = y.dtype
         ctx.save_for_backward(*deps[:1])
@@ -232,7 +232,7 @@ class _DedupCombine(torch.autograd.Function):
 
     @staticmethod
     @no_autocast
-    def backward(ctx, grad_out):  # type: ignore[override]
+    def backward(ctx, grad_out):
         # Unpack first: under activation recomputation (non-reentrant checkpoint) that replays this layer's
         # forward, whose prefetch rewrites the shared slot pool; the refill below must come after it.
         ctx.saved_tensors  # noqa: B018

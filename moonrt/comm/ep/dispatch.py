@@ -56,6 +56,7 @@ from moonrt.comm.ep.layout import (
 from moonrt.comm.ep.placement import PlacementPolicy
 from moonrt.comm.ep.slots import SlotPool, SlotRefill
 from moonrt.comm.ep.transport import CollectiveTransport, EPTransport
+from moonrt.parallel.dispatch import Experts, ExpertWeights
 from moonrt.scheduler.moonep_torch import to_host
 
 _ERRORS = {
@@ -390,7 +391,7 @@ class EPDispatcher:
             self.counters.token_bytes_sent[d] += n * row_bytes
         return out
 
-    def segment_weights(self, handle: EPHandle, experts: object) -> list[tuple[int, tuple[torch.Tensor, ...]]]:
+    def segment_weights(self, handle: EPHandle, experts: Experts) -> list[tuple[int, ExpertWeights]]:
         """The model's dispatcher seam (``moonrt.parallel.dispatch.Dispatcher``): weights for every segment.
 
         ``experts`` is duck-typed (a ``RoutedExperts`` sharded to this rank's home slice):
@@ -403,8 +404,8 @@ class EPDispatcher:
         if experts.first_expert != first or experts.num_local != per:
             raise ValueError(f"experts: hold [{experts.first_expert}, {experts.first_expert + experts.num_local}), "
                              f"expected this EP rank's home slice [{first}, {first + per})")
-        out = [(e, tuple(experts.expert(e))) for e in range(first, first + per)]
-        slots = self.prefetch_weights(handle, experts.weights())
+        out = [(e, experts.expert(e)) for e in range(first, first + per)]
+        gate, up, down = self.prefetch_weights(handle, experts.weights())
         filled = handle.weight_layout.filled.tolist()
-        out += [(self.num_experts + j, tuple(w[j] for w in slots)) for j in range(self.num_slots) if filled[j]]
+        out += [(self.num_experts + j, (gate[j], up[j], down[j])) for j in range(self.num_slots) if filled[j]]
         return out

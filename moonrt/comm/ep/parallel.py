@@ -45,6 +45,7 @@ from moonrt.comm.mesh import Group, ProcessMesh
 from moonrt.comm.parallelism import GradNorm, Part
 from moonrt.config import ConfigError, ParallelConfig
 from moonrt.config.runtime import EP_DISPATCHERS
+from moonrt.parallel.model import trainable
 
 
 class ExpertParallel(Part):
@@ -105,7 +106,7 @@ class ExpertParallel(Part):
             return model
         kind = self.parallel.ep_dispatcher
         pools: dict[tuple, SlotPool] = {}  # one slot pool shared by every layer of the same expert shape
-        for index, moe in model.moe_layers():
+        for index, moe in trainable(model).moe_layers():
             E = moe.num_experts
             if E % self.ep_size:
                 raise ConfigError(f"num_experts = {E}: expected a multiple of ep = {self.ep_size}")
@@ -120,10 +121,9 @@ class ExpertParallel(Part):
                 if key not in pools:
                     pools[key] = SlotPool(*key)
                 pool = pools[key]
-            moe.dispatcher = EPDispatcher(self.ep_group, self.capacity, moe.experts.latent, moe.top_k, E,
-                                          placement=placement, pool=pool, dedup=self.parallel.ep_dedup,
-                                          token_padding=self.parallel.token_padding)
-            self.dispatchers[index] = moe.dispatcher
+            moe.dispatcher = self.dispatchers[index] = EPDispatcher(
+                self.ep_group, self.capacity, moe.experts.latent, moe.top_k, E, placement=placement, pool=pool,
+                dedup=self.parallel.ep_dedup, token_padding=self.parallel.token_padding)
             for p in moe.experts.parameters():
                 self._expert_params.add(id(p))
                 self._expert_slices[id(p)] = (moe.experts.first_expert, moe.experts.num_local, E)
@@ -248,7 +248,7 @@ class ExpertParallel(Part):
     def layer_counts(self, model: nn.Module) -> list[torch.Tensor]:
         """``[R, E]`` int64 routing counts of the last forward of every MoE layer (R = EP ranks)."""
         out = []
-        for index, moe in model.moe_layers():
+        for index, moe in trainable(model).moe_layers():
             disp = self.dispatchers.get(index)
             if disp is not None and disp.last_counts is not None:
                 out.append(disp.last_counts.clone())

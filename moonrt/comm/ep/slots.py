@@ -49,7 +49,7 @@ class SlotRefill:
 
 class _FetchSlots(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, layout, group, pool, shapes, dep, *home):  # type: ignore[override]
+    def forward(ctx, layout, group, pool, shapes, dep, *home):
         num_home = home[0].shape[0]
         flat = torch.cat([w.detach().reshape(num_home, w[0].numel()) for w in home], dim=1)
         ctx.pool = pool
@@ -64,7 +64,7 @@ class _FetchSlots(torch.autograd.Function):
                      zip(slots.split(ctx.sizes, dim=1), shapes))
 
     @staticmethod
-    def backward(ctx, *grads):  # type: ignore[override]
+    def backward(ctx, *grads):
         if ctx.pool is not None and ctx.pool.owner is not ctx.token:
             raise RuntimeError("MoonEP slot pool was overwritten by another layer's prefetch before this layer's "
                                "expert backward ran: combine must re-prefetch (pass the handle's refill)")

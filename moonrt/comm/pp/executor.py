@@ -41,6 +41,7 @@ from moonrt.comm.pp.cache import BlockCache, BlockPlan
 from moonrt.comm.pp.idle import IdleClock
 from moonrt.ops.precision import token_loss_sum
 from moonrt.parallel.context import LOCAL, AttentionContext
+from moonrt.parallel.model import trainable
 from moonrt.scheduler.pipeline_ir import COMM_OPS
 from moonrt.scheduler.pipeline_p2p import P2PGroup
 
@@ -113,7 +114,7 @@ class PipelineExecutor:
 
     def __init__(self, model: nn.Module, plan: BlockPlan, actions: Sequence[Any], *, rank: int,
                  rank_of: Callable[[int], int], stage_of: Callable[[int], int], group: Any,
-                 params_of: Callable[[int], list[torch.Tensor]]) -> None:
+                 params_of: Callable[[int], Sequence[torch.Tensor]]) -> None:
         self.model, self.plan, self.actions = model, plan, list(actions)
         self.rank, self.rank_of, self.stage_of, self.group = rank, rank_of, stage_of, group
         self.params_of = params_of
@@ -265,8 +266,8 @@ class PipelineExecutor:
         per_op = len(works) == len(ops)
         handles = iter([_Handle([w]) for w in works] if per_op else [_Handle(works)] * len(ops))
         sends_out = [[(next(handles), t, dst) for t, dst in row] for row in sent]
-        for row in sends_out:
-            self.pending.extend(row)
+        for sends_posted in sends_out:
+            self.pending.extend(sends_posted)
         posted = []
         for (_, _, _, _, src, what), bufs in zip(recvs, got):
             mine = [next(handles) for _ in bufs]
@@ -324,7 +325,7 @@ class PipelineExecutor:
 
     # ---- compute -------------------------------------------------------------------------------
     def _f(self, s: int, mb: int) -> None:
-        plan, model = self.plan, self.model
+        plan, model = self.plan, trainable(self.model)
         cache = self._cache(s, mb)
         cm = self.saved_cm if self.saved_cm is not None else contextlib.nullcontext()
         leaves: dict[int, torch.Tensor] = {}
@@ -369,7 +370,8 @@ class PipelineExecutor:
         if sv.loss is not None:
             return [sv.loss], [None]
         cache = self._cache(s, mb)
-        tensors, grads = [], []
+        tensors: list[torch.Tensor] = []
+        grads: list[torch.Tensor | None] = []
         g = self.out_grad.pop((s, mb), None)
         if sv.partial_out is not None and g is not None:
             tensors.append(sv.partial_out)

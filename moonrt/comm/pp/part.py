@@ -25,6 +25,7 @@ from moonrt.comm.pp.cache import block_plan
 from moonrt.comm.pp.executor import PipelineExecutor
 from moonrt.config import ConfigError
 from moonrt.parallel.context import LOCAL, AttentionContext
+from moonrt.parallel.model import trainable
 from moonrt.scheduler.pipeline import Action, Schedule, lower, validate
 from moonrt.scheduler.pipeline_p2p import check_nccl_order, p2p_groups
 
@@ -66,7 +67,8 @@ class PipelineParallel(Part):
 
     # ---- assembly ------------------------------------------------------------------------------
     def parallelize(self, model: nn.Module) -> nn.Module:
-        layout = model.pipeline_layout()  # moonrt.parallel.model.PipelineLayout
+        stages_api = trainable(model)
+        layout = stages_api.pipeline_layout()
         if layout.tied_embeddings and self.size > 1:
             raise ValueError("tie_word_embeddings = True: expected untied embeddings with pipeline parallelism "
                              "(the embedding and the LM head live on different ranks)")
@@ -76,19 +78,19 @@ class PipelineParallel(Part):
                               "least one decoder layer)")
         self.full_names = [n for n, _ in model.named_parameters()]
         self.full_keys = list(model.state_dict().keys())
-        ranges = model.stages(self.num_stages)
+        ranges = stages_api.stages(self.num_stages)
         last = self.num_stages - 1
         self.plan = block_plan(ranges, layout.block_size, self.rank_of, self.mode)
-        stage_mods = {s: model.stage_modules(ranges[s], s == 0, s == last) for s in range(self.num_stages)}
+        stage_mods = {s: stages_api.stage_modules(ranges[s], s == 0, s == last) for s in range(self.num_stages)}
         keep = {n for s in self.my_stages for n in stage_mods[s]}
-        for name in model.stage_modules(range(layout.num_layers), True, True):
+        for name in stages_api.stage_modules(range(layout.num_layers), True, True):
             if name not in keep:
                 parent, _, child = name.rpartition(".")
                 (model.get_submodule(parent) if parent else model)._modules[child] = None
         self.stage_params = {s: [p for n in stage_mods[s] for p in model.get_submodule(n).parameters()]
                              for s in self.my_stages}
         mine = [n for n, _ in model.named_parameters()]
-        every = [None] * self.size
+        every: list[list[str]] = [[]] * self.size  # each entry replaced by a rank's names
         dist.all_gather_object(every, mine, group=self.objects)
         self.shared = [n for n in mine if sum(n in names for names in every) > 1]
         partial = [n for n in self.shared if not all(n in names for names in every)]
@@ -150,7 +152,7 @@ class PipelineParallel(Part):
             all_reduce_grad(p.grad, self.group, reduce_dtype)
         return False  # the data-parallel sum over the replicas still runs
 
-    def grad_norm(self, params: list[torch.Tensor]) -> GradNorm:
+    def grad_norm(self, params: list[torch.Tensor]) -> GradNorm | None:
         """The global norm's terms: an inner part's that :attr:`Part.counts_every_rank` as they are; otherwise this
         rank's stages' terms (the inner part's, or the owned gradients' squares) each summed over the pp group too,
         a shared parameter (pseudo-query) counted on its lowest pp rank only."""
@@ -160,9 +162,13 @@ class PipelineParallel(Part):
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
         if self.inner is not None:  # this rank's stages' terms from the inner part, shared params once
             inner = self.inner.grad_norm(params)
+            if inner is None:  # compose() wraps only parts that declare one (zero, expert)
+                raise TypeError(f"{type(self.inner).__name__}: declares no gradient norm; expected a part the "
+                                "pipeline can wrap (zero, expert)")
             for n in set(named) - self.owned:
-                if named[n].grad is not None:
-                    sq -= named[n].grad.double().pow(2).sum()
+                g = named[n].grad
+                if g is not None:
+                    sq -= g.double().pow(2).sum()
             terms = [(t, (*groups, self.group)) for t, groups in inner.terms] + [(sq, (self.group,))]
         else:
             for n in self.owned:
@@ -211,9 +217,9 @@ class PipelineParallel(Part):
         names = [name_of[id(p)] for g in optim.param_groups for p in g["params"]]
         mine = {"model": {k: v.detach().clone() for k, v in local_model.items()},
                 "optim": {names[i]: st for i, st in local["state"].items()}}
-        every: list[Any] = [None] * self.size if self.rank == 0 else None
+        every: list[Any] | None = [None] * self.size if self.rank == 0 else None
         dist.gather_object(mine, every, dst=dist.get_global_rank(self.objects, 0), group=self.objects)
-        if self.rank != 0:
+        if every is None:  # not pp rank 0
             return {"model": {}, "optimizer": {}}
         merged: dict[str, Any] = {}
         states: dict[str, Any] = {}

@@ -11,11 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from moonrt.comm.transport.base import HeapTensor, PutAllToAll
+
+if TYPE_CHECKING:  # the handle type of torch symmetric memory (CUDA builds; imported when the heap is built)
+    from torch._C._distributed_c10d import _SymmetricMemory
 
 
 class CudaHeap:
@@ -46,7 +50,7 @@ class CudaHeap:
         self._ctrl = self._rendezvous((1,), torch.int32)[1]
         self._puts = PutAllToAll(self)
 
-    def _rendezvous(self, shape: Sequence[int], dtype: torch.dtype) -> tuple[HeapTensor, object]:
+    def _rendezvous(self, shape: Sequence[int], dtype: torch.dtype) -> tuple[HeapTensor, _SymmetricMemory]:
         local = self._symm.empty(*shape, dtype=dtype, device=self.device)
         local.zero_()
         handle = self._symm.rendezvous(local, self.group_name)

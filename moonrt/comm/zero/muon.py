@@ -71,7 +71,7 @@ class ZeroMuon(ZeroCore):
         member = set(members)
         ids = [u for u, r in enumerate(raw) if r[0] in member]
         plan = plan_units([units[u] for u in ids], size)
-        slots = []
+        slots: list[list[Slot]] = []
         for r in range(size):
             slots.append([])
             for j in plan.units[r]:

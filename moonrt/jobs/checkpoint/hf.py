@@ -97,7 +97,7 @@ def write_dir(out: Path, tensors: Mapping[str, torch.Tensor], config_doc: dict[s
 
     groups = shard_plan(tensors, max_shard_bytes)
     files = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
-    weight_map = {}
+    weight_map: dict[str, str] = {}
     for file, names in zip(files, groups, strict=True):
         try:
             save_file({n: tensors[n] for n in names}, str(out / file), metadata={"format": "pt", **(metadata or {})})

@@ -89,7 +89,7 @@ def eval_model(path: str | Path, builder: JobBuilder) -> tuple[torch.nn.Module, 
     model = builder.model(job)
     model.load_state_dict(exported.state, strict=True)
     if exported.scheme is not None:
-        model.enable_qat(exported.scheme)
+        job.model_spec().quantizable(model).enable_qat(exported.scheme)
     return model, job
 
 

@@ -178,7 +178,8 @@ def reference(p: dict, rank: int, world: int) -> dict:
     w = p["ws"][rank].double().requires_grad_()
     experts = [t.double().requires_grad_() for t in p["experts"]]
     per_expert = [t.unbind(0) for t in experts]  # w[e] of a tuple: one gradient node per stack, not E full-size ones
-    out = moe_reference(x, p["ids"][rank], w, *per_expert, act=ACT)
+    w_gate, w_up, w_down = per_expert
+    out = moe_reference(x, p["ids"][rank], w, w_gate, w_up, w_down, act=ACT)
     (out * p["gout"].double()).sum().backward()
     partial = torch.cat([t.grad.reshape(world, -1) for t in experts], dim=1).to(dev)  # row d: rank d's experts
     summed = torch.empty_like(partial)
@@ -249,8 +250,9 @@ def check_case(res: SuiteResult, name: str, impl: str, p: dict, ref: dict, shape
         want = total // world + (rank < total % world)
         res.check(f"{name}/balance", h.rows == want, rows=h.rows, expected=want)
     slots = disp.prefetch_weights(h, home)
-    y = torch.cat([grouped_glu_experts(recv_x[:h.home_rows], h.home_cu_seqlens(), *home, act=ACT),
-                   grouped_glu_experts(recv_x[h.home_rows:], h.slot_cu_seqlens(), *slots, act=ACT)])
+    y = torch.cat([grouped_glu_experts(recv_x[:h.home_rows], h.home_cu_seqlens(), home[0], home[1], home[2], act=ACT),
+                   grouped_glu_experts(recv_x[h.home_rows:], h.slot_cu_seqlens(), slots[0], slots[1], slots[2],
+                                       act=ACT)])
     out = disp.combine(y, h)
     if corrupt == (rank, "combine"):
         out = _bump(out)

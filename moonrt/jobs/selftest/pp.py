@@ -51,7 +51,7 @@ from moonrt.comm.pp.executor import PipelineExecutor, StepStats
 from moonrt.comm.pp.idle import IdleClock
 from moonrt.comm.pp.part import PipelineParallel
 from moonrt.jobs.selftest.common import EPS32, SuiteResult, byte_sizes, device, normwise_err, timed
-from moonrt.parallel.model import PipelineLayout
+from moonrt.parallel.model import PipelineLayout, trainable
 from moonrt.scheduler.attnres_comm import hop_plan
 from moonrt.scheduler.pipeline import build_schedule
 
@@ -315,7 +315,7 @@ def _schedule(res: SuiteResult, kind: str, vpp: int, mode: str, iters: int, rank
     trace, model.trace = model.trace, None
     stats = ex.stats
 
-    hops = hop_plan(model.stages(part.num_stages), BLOCK, part.rank_of, mode)
+    hops = hop_plan(trainable(model).stages(part.num_stages), BLOCK, part.rank_of, mode)
     mine = [s for s in part.my_stages if s < part.num_stages - 1]
     want = {s: len(hops.sends[s]) * m for s in mine}
     got = {s: stats.hops.get(s, 0) for s in mine}

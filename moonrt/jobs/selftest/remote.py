@@ -22,12 +22,16 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from moonrt.jobs.selftest.common import SuiteResult, byte_sizes, max_over_ranks
+
+if TYPE_CHECKING:
+    from moonrt.memory.remote import RemoteClient
 
 TIMEOUT_S = 120.0
 
@@ -43,7 +47,7 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 128), nn.SiLU(), nn.Linear(128, 128))
 
 
-def _manager_round_trip(res: SuiteResult, client: object, rank: int) -> int:
+def _manager_round_trip(res: SuiteResult, client: RemoteClient, rank: int) -> int:
     """Gradients under policy ``remote`` vs ``keep`` on this rank; returns the bytes the manager sent."""
     from moonrt.config import from_dict
     from moonrt.memory.manager import ActivationManager

@@ -24,6 +24,7 @@ import argparse
 import torch
 import torch.distributed as dist
 
+from moonrt.comm.transport.base import SymmetricHeap, Transport
 from moonrt.comm.transport.collectives import CollectivesTransport
 from moonrt.comm.transport.select import group_hosts
 from moonrt.jobs.selftest.common import SuiteResult, byte_sizes, device, timed
@@ -35,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default 64K,1M,4M)")
 
 
-def _heaps(world: int) -> tuple[list[object], list[str]]:
+def _heaps(world: int) -> tuple[list[SymmetricHeap], list[str]]:
     """The heap backends this job can build (collective), and the reasons of those it cannot."""
     dev, hosts = device(), sorted(set(group_hosts(None)))
     if len(hosts) > 1:
@@ -52,7 +53,7 @@ def _heaps(world: int) -> tuple[list[object], list[str]]:
         return [], ["shm: GPU ranks", f"cuda: {exc}"]
 
 
-def _check_heap(res: SuiteResult, heap, ref: CollectivesTransport, rank: int, world: int) -> None:
+def _check_heap(res: SuiteResult, heap: SymmetricHeap, ref: CollectivesTransport, rank: int, world: int) -> None:
     dev = device()
     name = f"transport/{heap.name}"
     nxt, prv = (rank + 1) % world, (rank - 1) % world
@@ -103,7 +104,8 @@ def run_suite(args: argparse.Namespace, rank: int, world: int) -> SuiteResult:
     for heap in heaps:
         _check_heap(res, heap, ref, rank, world)
     dev = device()
-    for transport in (ref, *heaps):
+    transports: list[Transport] = [ref, *heaps]
+    for transport in transports:
         for nbytes in args.transport_sizes:
             rows = max(1, nbytes // 4 // 64 // world)  # rows of 64 fp32 to each rank
             counts = [[rows] * world for _ in range(world)]

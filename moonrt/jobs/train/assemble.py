@@ -37,7 +37,7 @@ def build_model(job: JobConfig) -> torch.nn.Module:
     if job.qat != "none":  # validated: the family declares quantizable layers, qat_block divides their axes
         from moonrt.ops.qat import scheme_for
 
-        model.enable_qat(scheme_for(job.qat, job.qat_block))
+        spec.quantizable(model).enable_qat(scheme_for(job.qat, job.qat_block))
     return model
 
 

@@ -93,7 +93,8 @@ def stdlib_corpus(heldout_every: int = 16) -> Corpus:
     if len(files) < heldout_every:
         raise ValueError(f"standard library at {sysconfig.get_paths()['stdlib']!r}: found {len(files)} .py files, "
                          f"expected at least {heldout_every}")
-    train, held = [], []
+    train: list[bytes] = []
+    held: list[bytes] = []
     for i, f in enumerate(files):
         (held if i % heldout_every == heldout_every - 1 else train).append(f.read_bytes())
 

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from moonrt.cluster.preempt import StopSignal, stop_signals
-from moonrt.comm.parallelism import Parallelism, Precision
+from moonrt.comm.parallelism import Parallelism, Precision, Saved
 from moonrt.config import ConfigError, load_yaml, to_dict
 from moonrt.jobs.checkpoint import sharded as checkpoint_dcp
 from moonrt.jobs.checkpoint.store import Checkpointer, load_checkpoint, resume_state
@@ -56,6 +56,7 @@ from moonrt.jobs.train.profile import PhaseClock, StepProfiler
 from moonrt.jobs.train.resume import BUILDER, check_resume
 from moonrt.jobs.train.step_memory import check_step_memory
 from moonrt.parallel.context import LOCAL, AttentionContext
+from moonrt.parallel.model import trainable
 from moonrt.parallel.packing import DocumentPacking
 
 TRAIN_LOSS_MEAN = 10
@@ -89,7 +90,7 @@ def evaluate(model: torch.nn.Module, windows: np.ndarray, batch_size: int, rt: P
     documents, :func:`moonrt.jobs.train.data.packed_eval_windows`; cross-document targets are not counted)."""
     was_training = model.training
     model.eval()
-    model.set_record_routing(False)
+    trainable(model).set_record_routing(False)
     total, count = 0.0, 0.0
     with torch.no_grad():
         for i in range(0, len(windows), batch_size):
@@ -103,7 +104,7 @@ def evaluate(model: torch.nn.Module, windows: np.ndarray, batch_size: int, rt: P
             x, y = data.shard(windows[i:i + batch_size], 0, 1, rt.cp_rank, rt.cp_size)
             total += float(rt.loss_sum(model, host_tensor(x, rt.device), host_tensor(y, rt.device)))
             count += y.size
-    model.set_record_routing(True)
+    trainable(model).set_record_routing(True)
     model.train(was_training)
     return rt.sum_scalar(total) / rt.sum_scalar(count)
 
@@ -178,7 +179,7 @@ def train(job: JobConfig, rt: Parallelism | None = None, metrics_path: str | Non
 
 
 def _accumulate(model: torch.nn.Module, rt: Parallelism, x: np.ndarray, y: np.ndarray, docs: np.ndarray | None,
-                n: int, scale: float, saved: object) -> torch.Tensor:
+                n: int, scale: float, saved: Saved) -> torch.Tensor:
     """Forward and backward of this rank's rows ``x``/``y`` ``[B_r, T]`` (``docs [B_r, T]``: packed documents) in
     ``n`` micro-steps of ``B_r / n`` consecutive rows (``optim.grad_accum``): each back-propagates its summed token
     loss times ``scale`` (1 / the global batch's target count), so ``p.grad`` accumulates the gradient of the
@@ -281,10 +282,13 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
     model = model.to(rt.device)  # built on the host, moved whole (parameters, buffers) before the parts
     n_params = sum(p.numel() for p in model.parameters())  # the whole model, before parts shard or prune it
     model = rt.parallelize(model)
-    cp_log = getattr(rt.ctx, "log", None)  # ContextParallel's CP byte records per layer (K3_SYSTEMS §7)
+    from moonrt.comm.cp.context import ContextParallel
+
+    cp_ctx = rt.ctx if isinstance(rt.ctx, ContextParallel) else None
+    cp_log = None if cp_ctx is None else cp_ctx.log  # its CP byte records per layer (K3_SYSTEMS §7)
     cp_bytes: dict[str, dict[str, int]] = {}
-    if cp_log is not None:
-        rt.ctx.tag_layers((n, m) for n, m in model.named_modules() if n.endswith(".attn"))
+    if cp_ctx is not None:
+        cp_ctx.tag_layers((n, m) for n, m in model.named_modules() if n.endswith(".attn"))
     opt = build_optimizer(model, cfg)
     if state is not None:
         load_checkpoint(src, model, opt, rt, state=state, builder=BUILDER)
@@ -373,8 +377,8 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
             else:
                 batch = data.global_batch(corpus.train, cfg.seed, step, cfg.batch_size, cfg.seq_len)
                 x, y = data.shard(batch, rt.dp_rank, rt.dp_size, rt.cp_rank, rt.cp_size)
-            if cp_log is not None:
-                rt.ctx.new_step()
+            if cp_ctx is not None:
+                cp_ctx.new_step()
             opt.zero_grad(set_to_none=True)
             clock.mark("data")
             loss = _accumulate(model, rt, x, y, d, cfg.grad_accum, 1.0 / targets, mgr)
@@ -401,7 +405,7 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
                 raise Diverged(step + 1, loss_value, grad_norm, last)  # before the update and any save
             rt.step(opt)  # ZeRO-1: p.grad is gone after sync_grads; only rt reads the gradients
             stat_sum = rt.sum_stats if rt.replicas is not None else None
-            stats = model.update_routing_bias(stat_sum) if cfg.routing_bias_update else {}
+            stats = trainable(model).update_routing_bias(stat_sum) if cfg.routing_bias_update else {}
             clock.mark("optimizer")
             dt = time.perf_counter() - t0
             profiler.end(step + 1)

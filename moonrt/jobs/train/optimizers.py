@@ -76,9 +76,9 @@ def build_muon(model: torch.nn.Module, cfg: OptimConfig) -> Muon:
             spec_of[p] = blocks[name]
         else:
             (decay if groups.decays(name, p.dim()) else no_decay).append(p)
-    groups = [{"params": muon, "use_muon": True, "weight_decay": cfg.weight_decay},
-              {"params": decay, "use_muon": False, "weight_decay": cfg.weight_decay},
-              {"params": no_decay, "use_muon": False, "weight_decay": 0.0}]
-    return Muon([g for g in groups if g["params"]], lr=cfg.lr, momentum=cfg.muon_momentum,
+    sets = [{"params": muon, "use_muon": True, "weight_decay": cfg.weight_decay},
+            {"params": decay, "use_muon": False, "weight_decay": cfg.weight_decay},
+            {"params": no_decay, "use_muon": False, "weight_decay": 0.0}]
+    return Muon([g for g in sets if g["params"]], lr=cfg.lr, momentum=cfg.muon_momentum,
                 nesterov=cfg.muon_nesterov, adjust_lr_fn=cfg.muon_adjust_lr, ns_dtype=cfg.muon_ns_dtype,
                 betas=(cfg.beta1, cfg.beta2), adamw_eps=1e-8, blocks=spec_of)

@@ -93,7 +93,7 @@ def cached(tok: Tokenizer, corpus: str, cache_dir: str | Path, is_main: bool,
     ``(prefix, built)``; raises the main rank's error there and a ValueError naming it on the others."""
     prefix = cache_prefix(tok, corpus, cache_dir)
     bin_path, idx_path = indexed.paths(prefix)
-    error: BaseException | None = None
+    error: OSError | ValueError | None = None
     built = False
     if is_main and not idx_path.exists():
         try:

@@ -8,13 +8,16 @@ The build imports torch and the layers lazily, so looking the family up stays li
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moonrt.models.dense.model.config import PRESETS, DenseConfig
 from moonrt.models.spec import ModelSpec
 
+if TYPE_CHECKING:  # types only: the build imports lazily
+    from moonrt.models.dense.model.model import DenseModel
 
-def _build(cfg: DenseConfig, options: Mapping[str, Any] | None = None) -> Any:
+
+def _build(cfg: DenseConfig, options: Mapping[str, Any] | None = None) -> DenseModel:
     from moonrt.models.dense.model.model import DenseModel
 
     return DenseModel(cfg)  # options: always None (read_options is None: the job refuses a non-null moe:)
@@ -37,9 +40,10 @@ def _describe(cfg: DenseConfig) -> str:
     return f"dense, {cfg.num_hidden_layers} layers x {cfg.num_attention_heads} heads, {pos}"
 
 
-DENSE = ModelSpec(name="dense", config_type=DenseConfig, presets=PRESETS, build=_build, param_count=_param_count,
-                  pipeline_layout=DenseConfig.pipeline_layout, describe=_describe,
-                  flops_per_token=_flops_per_token)
+DENSE: ModelSpec[DenseConfig] = ModelSpec(
+    name="dense", config_type=DenseConfig, presets=PRESETS, build=_build, param_count=_param_count,
+    pipeline_layout=DenseConfig.pipeline_layout, describe=_describe,
+    flops_per_token=_flops_per_token)
 """The dense baseline (softmax attention + SwiGLU), trained in fp32 like ``k3_tiny``."""
 
 __all__ = ["DENSE"]

@@ -290,7 +290,7 @@ def layer_class_patterns(name: str, layer: int) -> list[str]:
     }[name]
 
 
-def policy_dict(r: RankPlan) -> dict:
+def policy_dict(r: RankPlan) -> dict[str, Any]:
     """The :class:`~moonrt.memory.policy.MemoryPolicy` YAML data of one rank's choice (K3 module paths;
     an AttnRes ``recompute`` becomes the policy's ``attnres_checkpoint`` regions)."""
     rules: list[dict] = []

@@ -9,19 +9,25 @@ profile, ``moonrt pp-plan``, a job's config check) stays light.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moonrt.models.k3.model.config import PRESETS, K3Config
 from moonrt.models.spec import ModelMemory, ModelSpec
 
+if TYPE_CHECKING:  # types only: the functions below import lazily
+    from moonrt.memory.model_memory import JobLayout, ParamSizes, Profile
+    from moonrt.memory.plan import RankPlan
+    from moonrt.models.k3.model.model import K3Model
+    from moonrt.models.k3.model.moe import MoEConfig
 
-def _build(cfg: K3Config, options: Mapping[str, Any] | None = None) -> Any:
+
+def _build(cfg: K3Config, options: Mapping[str, Any] | None = None) -> K3Model:
     from moonrt.models.k3.model.model import K3Model
 
     return K3Model(cfg, _read_options(options))
 
 
-def _read_options(options: Mapping[str, Any] | None) -> Any:
+def _read_options(options: Mapping[str, Any] | None) -> MoEConfig:
     """The job's ``moe:`` mapping -> :class:`~moonrt.models.k3.model.moe.MoEConfig` (None: its defaults)."""
     from moonrt.models.k3.model.moe import moe_config_from_dict
 
@@ -46,25 +52,25 @@ def _expert_sizes(cfg: K3Config, dtype: str) -> dict[str, int]:
     return expert_sizes(cfg, dtype)
 
 
-def _param_sizes(cfg: K3Config) -> Any:
+def _param_sizes(cfg: K3Config) -> ParamSizes:
     from moonrt.models.k3.memory import param_sizes
 
     return param_sizes(cfg)
 
 
-def _memory_profile(cfg: K3Config, layout: Any, sdpa: str | None = None) -> Any:
+def _memory_profile(cfg: K3Config, layout: JobLayout, sdpa: str | None = None) -> Profile:
     from moonrt.models.k3.memory import default_profile
 
     return default_profile(cfg, layout, sdpa)
 
 
-def _traced_memory_profile(*args: Any, **kwargs: Any) -> Any:
+def _traced_memory_profile(*args: Any, **kwargs: Any) -> Profile:  # Any: forwarded unchanged (lazy import)
     from moonrt.models.k3.memory_trace import traced_profile_by_kind
 
     return traced_profile_by_kind(*args, **kwargs)
 
 
-def _memory_policy(rank_plan: Any) -> dict:
+def _memory_policy(rank_plan: RankPlan) -> dict[str, Any]:
     from moonrt.models.k3.memory import policy_dict
 
     return policy_dict(rank_plan)
@@ -92,7 +98,7 @@ def qat_weights(cfg: K3Config) -> dict[str, tuple[int, ...]]:
     return out
 
 
-K3 = ModelSpec(
+K3: ModelSpec[K3Config] = ModelSpec(
     name="k3", config_type=K3Config, presets=PRESETS, build=_build, param_count=_param_count,
     pipeline_layout=K3Config.pipeline_layout, describe=lambda cfg: f"pattern {cfg.pattern}",
     read_options=_read_options, expert_sizes=_expert_sizes, flops_per_token=_flops_per_token,

@@ -241,8 +241,9 @@ def kda_state_grad(
         return dS.clone()
     C = _chunk_len(T, chunk_size)
     with torch.no_grad():
-        chunks = [_to_chunks(t.detach(), C, dtype) for t in (q, k, g, beta, d_o)]  # [N, B, H, C, *]
-        return chunk_state_grad(*chunks, dS, scale=scale)
+        # each [N, B, H, C, *]
+        q_c, k_c, g_c, beta_c, d_o_c = (_to_chunks(t.detach(), C, dtype) for t in (q, k, g, beta, d_o))
+        return chunk_state_grad(q_c, k_c, g_c, beta_c, d_o_c, dS, scale=scale)
 
 
 @fp32_island

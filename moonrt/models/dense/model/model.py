@@ -137,7 +137,8 @@ class DenseModel(NoMoE, nn.Module):
         """
         state = self.embed_tokens(tokens)
         if packing is not None:
-            packing.check(*tokens.shape, "packing")
+            B, T = tokens.shape
+            packing.check(B, T, "packing")
             packing.check_context(ctx)
         return self.head(self.run_layers(state, range(self.config.num_hidden_layers), ctx, packing=packing))
 

@@ -28,18 +28,18 @@ per token, so each document's logits are those of the document run alone.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from typing import cast
 
 import torch
 from torch import nn
 
 from moonrt.models.k3.model.attnres import AttnResState, BlockAttnRes
+from moonrt.models.k3.model.balance import AllReduce
 from moonrt.models.k3.model.config import K3Config
 from moonrt.models.k3.model.ffn import dense_ffn
 from moonrt.models.k3.model.kda_layer import KDALayer
 from moonrt.models.k3.model.mla import GatedMLA
-from moonrt.models.k3.model.moe import LatentMoE, MoEConfig
+from moonrt.models.k3.model.moe import LatentMoE, MoEConfig, RoutingStats
 from moonrt.models.k3.model.norm import RMSNorm
 from moonrt.ops.precision import at_least_fp32, token_loss_sum
 from moonrt.ops.qat import QATScheme
@@ -141,8 +141,11 @@ class K3Model(nn.Module):
     def run_layers(self, state: AttnResState, layers: range, ctx: AttentionContext = LOCAL,
                    two_phase: bool = False, packing: DocumentPacking | None = None) -> AttnResState:
         """Run decoder ``layers`` on the stream ``state`` (mutated and returned); ``packing``: packed documents."""
+        decoder = self.decoder_layers()
         for i in layers:
-            layer = self.layers[i]
+            layer = decoder[i]
+            if layer is None:
+                raise ValueError(f"layers: decoder layer {i} is not held by this pipeline rank")
             self.attn_res.begin_layer(i, state, two_phase)
             state.add(layer.attention(self.attn_res.sublayer_input(i, 0, state, two_phase), ctx, packing))
             state.add(layer.feed_forward(self.attn_res.sublayer_input(i, 1, state, two_phase)))
@@ -164,7 +167,8 @@ class K3Model(nn.Module):
         """
         state = self.embed_tokens(tokens)
         if packing is not None:
-            packing.check(*tokens.shape, "packing")
+            B, T = tokens.shape
+            packing.check(B, T, "packing")
             packing.check_context(ctx)
         state = self.run_layers(state, range(self.config.num_hidden_layers), ctx, two_phase, packing)
         return self.head(state)
@@ -181,11 +185,15 @@ class K3Model(nn.Module):
         return token_loss_sum(logits, targets)  # fp32 even under a bf16 autocast region (the loss island)
 
     # ---- MoE routing -----------------------------------------------------------------------------
-    def moe_layers(self) -> list[tuple[int, nn.Module]]:
-        """``(layer index, LatentMoE)`` for every MoE layer this process holds (a pipeline rank drops the others)."""
-        return [(i, layer.moe) for i, layer in enumerate(self.layers) if layer is not None and layer.is_moe]
+    def decoder_layers(self) -> list[DecoderLayer | None]:
+        """``layers`` with their type (``nn.ModuleList`` erases it); None for a layer a pipeline rank dropped."""
+        return cast("list[DecoderLayer | None]", list(self.layers))
 
-    def update_routing_bias(self, all_reduce: Callable[[torch.Tensor], Any] | None = None) -> dict[int, Any]:
+    def moe_layers(self) -> list[tuple[int, LatentMoE]]:
+        """``(layer index, LatentMoE)`` for every MoE layer this process holds (a pipeline rank drops the others)."""
+        return [(i, layer.moe) for i, layer in enumerate(self.decoder_layers()) if layer is not None and layer.is_moe]
+
+    def update_routing_bias(self, all_reduce: AllReduce | None = None) -> dict[int, RoutingStats]:
         """Quantile Balancing bias update (K3_SYSTEMS §5.3) on every MoE layer from the statistics of the
         training forwards since the last update. ``all_reduce`` (given by the runtime) sums statistics in
         place across ranks; None = single process. Returns ``{layer: RoutingStats}``."""

@@ -31,6 +31,7 @@ from moonrt.models.k3.model.balance import AllReduce, MarginHistogram, maxvio, q
 from moonrt.models.k3.model.config import K3Config
 from moonrt.models.k3.model.ffn import shared_expert
 from moonrt.models.k3.model.norm import RMSNorm
+from moonrt.ops.glu import Activation
 from moonrt.ops.grouped import grouped_glu_experts
 from moonrt.ops.precision import fp32_island
 from moonrt.ops.qat import QATScheme
@@ -69,6 +70,8 @@ class Router(nn.Module):
     Parameters: ``weight [E, D]``. Buffer: ``bias [E]`` fp32 (Quantile Balancing; no gradient).
     """
 
+    bias: torch.Tensor  # the registered buffer (declared for the type checker: buffers are reached by __getattr__)
+
     def __init__(self, dim: int, num_experts: int, top_k: int, routed_scaling_factor: float = 1.0) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
@@ -104,7 +107,7 @@ class RoutedExperts(nn.Module):
     GEMMs read MXFP4 weights and MXFP8 inputs (:func:`moonrt.ops.grouped.grouped_glu_experts`).
     """
 
-    def __init__(self, num_experts: int, latent: int, hidden: int, act: str = "situ", beta: float = 4.0,
+    def __init__(self, num_experts: int, latent: int, hidden: int, act: Activation = "situ", beta: float = 4.0,
                  linear_beta: float = 25.0, init_std: float = 0.02) -> None:
         super().__init__()
         self.num_experts, self.latent, self.hidden = num_experts, latent, hidden
@@ -163,7 +166,8 @@ class RoutedExperts(nn.Module):
             if 0 <= i < groups:
                 for slot, w in zip(per_segment, weights):
                     slot[i] = w
-        return grouped_glu_experts(x, cu_seqlens, *per_segment, act=self.act, beta=self.beta,
+        w_gate, w_up, w_down = per_segment
+        return grouped_glu_experts(x, cu_seqlens, w_gate, w_up, w_down, act=self.act, beta=self.beta,
                                    linear_beta=self.linear_beta, qat=self.qat)
 
 
@@ -190,6 +194,9 @@ class LatentMoE(nn.Module):
     (since the last :meth:`update_bias`), QB margins (training forwards only, when ``qb_enabled``).
     A forward re-run for activation recomputation records twice: set ``record_routing = False`` for it.
     """
+
+    last_counts: torch.Tensor  # registered buffers, declared for the type checker (reached by __getattr__)
+    step_counts: torch.Tensor
 
     def __init__(self, config: K3Config, moe_config: MoEConfig | None = None) -> None:
         super().__init__()
