@@ -308,10 +308,10 @@ def _alias_kwargs(a: Alias) -> dict[str, Any]:
 def sections() -> dict[str, tuple[type, str]]:
     """The ``--help`` sections of the config, in JobConfig order: ``"job"`` (JobConfig's own fields) then each
     section field -> (its class, its title)."""
-    out = {"job": (JobConfig, "job (JobConfig's top-level fields)")}
+    out: dict[str, tuple[type, str]] = {"job": (JobConfig, "job (JobConfig's top-level fields)")}
     for f in dataclasses.fields(JobConfig):
         hint = _hints(JobConfig)[f.name]
-        if dataclasses.is_dataclass(hint):
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
             out[f.name] = (hint, f"{f.name} ({hint.__name__})")
     return out
 

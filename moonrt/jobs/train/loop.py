@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from moonrt.cluster.preempt import StopSignal, stop_signals
-from moonrt.comm.parallelism import Parallelism, Precision, Saved
+from moonrt.comm.parallelism import Parallelism, Precision, Record, Saved
 from moonrt.config import ConfigError, load_yaml, to_dict
 from moonrt.jobs.checkpoint import sharded as checkpoint_dcp
 from moonrt.jobs.checkpoint.store import Checkpointer, load_checkpoint, resume_state
@@ -411,14 +411,14 @@ def _train(job: JobConfig, rt: Parallelism, metrics_path: str | None, resume: bo
             profiler.end(step + 1)
             tokens_done += global_tokens
             losses.append(loss_value)
-            record = {"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
+            record: Record = {"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
                       "tokens": (step + 1) * global_tokens}
             record |= report.rate_fields(global_tokens, dt, t_start, flops, job.log.peak_tflops, world, job.device)
             record |= {"step_s": dt, **clock.fields(), "ckpt_wait_s": saver.take_wait()}
             if cp_log is not None:
                 cp_bytes = cp_log.by_layer()
                 record["cp_bytes_sent"] = sum(r["fwd_sent"] + r["bwd_sent"] for r in cp_bytes.values())
-                record["cp_transport"] = rt.ctx.transport  # what parallel.cp_transport resolved to
+                record["cp_transport"] = cp_ctx.transport  # what parallel.cp_transport resolved to
             if stats:
                 record["maxvio"] = max(s.maxvio for s in stats.values())
             rt.step_metrics(step, model, record)
