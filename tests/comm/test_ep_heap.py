@@ -172,3 +172,32 @@ def test_a_rank_killed_mid_dispatch_is_named_and_nothing_is_left(tmp_path: Path)
     assert line.startswith("shm heap: rank 1 (pid ") and "died while rank 0 waited for its signal" in line, line
     prefix = (tmp_path / "prefix").read_text()
     assert sorted(p.name for p in SHM_DIR.iterdir() if p.name.startswith(prefix)) == []
+
+
+def _resolve(rank: int, world: int, kind: str) -> tuple[str, str, bool]:
+    from moonrt.comm.ep.parallel import ExpertParallel
+    from moonrt.config import ParallelConfig
+
+    try:
+        ep = ExpertParallel(ParallelConfig(ep=2, ep_transport=kind), capacity=4)
+    except ValueError as exc:
+        return "error", str(exc), False
+    heap = ep.heap
+    ep.close()
+    return ep.ep_transport, type(heap).__name__, heap is not None
+
+
+@pytest.mark.parametrize("kind,want", [("shm", "shm"), ("auto", "shm"), ("collectives", "collectives")])
+def test_expert_parallel_resolves_the_transport_for_its_group(kind: str, want: str) -> None:
+    out = dist_run(_resolve, 2, kind, timeout=60)
+    assert out[0] == out[1] and out[0][0] == want and out[0][2] == (want == "shm"), out
+
+
+def test_a_cuda_heap_on_cpu_ranks_is_one_line() -> None:
+    out = dist_run(_resolve, 2, "cuda", timeout=60)
+    assert out[0] == out[1] == ("error", "parallel.ep_transport = 'cuda': the tensors are on cpu; expected GPUs (shm "
+                                "serves CPU ranks)", False), out
+    from moonrt.comm.ep.parallel import ExpertParallel
+    from moonrt.config import ParallelConfig
+
+    assert ExpertParallel(ParallelConfig(ep=1, ep_transport="cuda"), capacity=4).heap is None  # no EP group
