@@ -16,7 +16,8 @@ once and the slowest rank's time:
 
 GB/s = bytes this rank sends in ``move`` (all four transfers) / time. Host synchronizations per layer: the calls
 ``tests/host_syncs.py`` counts (``.item()``, ``int()`` / ``bool()`` of a tensor, ``.tolist()``, ``.cpu()``) in
-moonrt's frames during one ``layer`` and one ``move``, per transport. Table on stdout; JSON (a new file; an existing
+moonrt's frames during one ``layer`` and during the data verbs of one ``move`` (dispatch and combine, forward and
+backward, under the layer's dedup layout), per transport. Table on stdout; JSON (a new file; an existing
 one only with --force).
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_ep_heap.py [--worlds 2,4] [--tokens 128] [--hidden 3584]
@@ -87,9 +88,9 @@ def _measure(rank: int, world: int, tokens: int, hidden: int, k: int, iters: int
     layout, dd = handle.layout, handle.dedup
     xr, wr = x.detach().requires_grad_(), w.detach()
 
-    def move(name: str) -> None:
+    def move(name: str, fixed: bool = False) -> None:
         t = disps[name].transport
-        rows, row_w = t.dispatch(xr, wr, layout, t.dedup_layout(layout, None))
+        rows, row_w = t.dispatch(xr, wr, layout, dd if fixed else t.dedup_layout(layout, None))
         out = t.combine(rows * row_w.unsqueeze(1), None, layout, dd, (), None, rows.dtype)
         out.sum().backward()
 
@@ -106,7 +107,7 @@ def _measure(rank: int, world: int, tokens: int, hidden: int, k: int, iters: int
             _layer(d, x, ids, w, home, gout)
         row[f"{name}_layer_syncs"] = c.total
         with HostSyncCounter() as c:
-            move(name)
+            move(name, fixed=True)
         row[f"{name}_move_syncs"] = c.total
     for key in ("memcpy", "heap_move", "gloo_move"):
         row[f"{key}_GBps"] = sent / row[f"{key}_s"] / 1e9

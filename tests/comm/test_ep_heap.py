@@ -5,6 +5,9 @@
   ranks (8: slow), with and without dedup, repeated top-k, token padding, fewer slots than copies (a shared slot
   pool re-prefetched in backward) and the all-to-all baseline; the heap pass makes no all-to-all or all-gather
   collective (they are patched to raise) and reuses its receive slots (no allocation after the first layer call);
+- the heap's data verbs (dispatch, combine, prefetch, forward and backward, under the layer's layout) make no host
+  synchronization (``tests/host_syncs.py``'s counter, on CPU); the dispatcher's counts, plan and layout still do
+  (host code today: the count is pinned so a change is seen);
 - a rank killed in the middle of a dispatch is named by its peer and nothing is left in /dev/shm.
 """
 
@@ -19,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist import dist_run
+from host_syncs import HostSyncCounter
 
 from moonrt.cluster.local import RankError, run_ranks
 from moonrt.comm.ep.dispatch import EPDispatcher
@@ -201,3 +205,34 @@ def test_a_cuda_heap_on_cpu_ranks_is_one_line() -> None:
     from moonrt.config import ParallelConfig
 
     assert ExpertParallel(ParallelConfig(ep=1, ep_transport="cuda"), capacity=4).heap is None  # no EP group
+
+
+def _syncs(rank: int, world: int) -> tuple[int, dict, int]:
+    heap = ShmHeap()
+    k, per = 2, E // world
+    p = _problem(world, k, "skewed", 5)
+    transport = HeapTransport(heap, capacity=S, top_k=k)
+    disp = EPDispatcher(None, capacity=S, hidden=H, top_k=k, num_experts=E, placement=MoonEPPlacement(),
+                        transport=transport)
+    _layer(disp, p, rank, world)  # warm: the receive slots are allocated, the planner compiled
+    x = p["xs"][rank].clone().requires_grad_()
+    w = p["ws"][rank].clone().requires_grad_()
+    home = [t[rank * per:(rank + 1) * per].clone().requires_grad_() for t in p["experts"]]
+    with HostSyncCounter() as layer:
+        _, _, _, handle = disp.dispatch(x, p["ids"][rank], w)
+    puts = transport.exchange.puts
+    with HostSyncCounter() as verbs:
+        rows, row_w = transport.dispatch(x, w, handle.layout, handle.dedup)
+        slots, _ = transport.fetch_slots(tuple(home), handle.weight_layout, None, rows)
+        y = rows * row_w.unsqueeze(1) * (1 + sum(t.sum() for t in slots))
+        out = transport.combine(y, None, handle.layout, handle.dedup, (rows, *slots), None, y.dtype)
+        out.sum().backward()
+    moved = transport.exchange.puts - puts
+    heap.close()
+    return verbs.total, dict(layer.counts), moved
+
+
+def test_the_heap_data_verbs_make_no_host_synchronization() -> None:
+    for verbs, layer, moved in dist_run(_syncs, 2, timeout=120):
+        assert moved > 0 and verbs == 0, (verbs, moved)
+        assert sum(layer.values()) > 0, "the dispatcher's plan and layout are host code (counted)"
