@@ -42,3 +42,26 @@ def test_ep_over_the_heap_trains_like_the_single_process_and_the_collectives(tmp
     recorded = {name: yaml.safe_load((tmp_path / name / "config.yaml").read_text())["parallel"]["ep_transport"]
                 for name in ("heap", "collectives", "zero")}
     assert recorded == {"heap": "shm", "collectives": "collectives", "zero": "shm"}, recorded
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+def test_ep_over_the_heap_composes_with_cp_and_pp(tmp_path: Path) -> None:
+    """``--ep 2 --cp 2`` and ``--pp 2 --ep 2`` (4 ranks each, ``parallel.ep_transport`` auto: the heap) match the
+    single process teacher-forced within ``RTOL``; both record ``shm``."""
+    flags = [*FLAGS, *EVAL_SMALL]
+    _run(tmp_path, {"base": _here("train", *flags, "--until", "1", "--out", "base")})
+    common = ("train", *flags, "--resume", "--until", "2")
+    layouts = {"ep2_cp2": ["--ep", "2", "--cp", "2"], "pp2_ep2": ["--pp", "2", "--ep", "2", "--microbatches", "2"]}
+    runs = {"single": _here(*common, "--out", "single", "--metrics", "single.jsonl")}
+    for name, extra in layouts.items():
+        runs[name] = _ranks(4, *common, *extra, "--out", name, "--metrics", f"{name}.jsonl")
+    for name in runs:
+        shutil.copytree(tmp_path / "base", tmp_path / name)
+    _run(tmp_path, runs, timeout=2300)
+    ref, ref_ckpt = _metrics(tmp_path / "single.jsonl")[2], _ckpt(tmp_path / "single")
+    for name in layouts:
+        got = _assert_same_step(tmp_path, name, ref, ref_ckpt)
+        assert len(got["ep_rows"]) == 2, (name, got)
+        recorded = yaml.safe_load((tmp_path / name / "config.yaml").read_text())["parallel"]["ep_transport"]
+        assert recorded == "shm", (name, recorded)

@@ -26,13 +26,16 @@ class RowExchange(Protocol):
     """What moves rows between the EP ranks when it is not a process group: the symmetric heap's one-sided puts
     (:class:`moonrt.comm.ep.heap.HeapExchange`). Passed where the functions below take ``group``.
 
-    ``exchange_rows(out_rows, send [n, *row], out_splits, in_splits, block)``: ``send``'s rows go to the ranks in
-    order, ``in_splits[d]`` of them to rank ``d``; returns ``[out_rows, *row]``, ``out_splits[s]`` rows from rank
-    ``s``, in rank order (``all_to_all_single``'s result, bitwise). ``block``: the most rows one rank sends another
-    in this call, the same on every rank (None: the exchange's bound for token rows)."""
+    ``exchange_rows(out_rows, send [n, *row], out_splits, in_splits, block, send_index, recv_index)``: ``send``'s
+    rows go to the ranks in order, ``in_splits[d]`` of them to rank ``d``; returns ``[out_rows, *row]``,
+    ``out_splits[s]`` rows from rank ``s``, in rank order (``all_to_all_single``'s result, bitwise). ``block``: the
+    most rows one rank sends another in this call, the same on every rank (None: the exchange's bound for token
+    rows). ``send_index`` (int64): the rows sent are ``send[send_index]`` (gathered on the way out);
+    ``recv_index``: the result is ``received[recv_index]`` (gathered on the way in); None: as they are."""
 
     def exchange_rows(self, out_rows: int, send: torch.Tensor, out_splits: list[int], in_splits: list[int],
-                      block: int | None) -> torch.Tensor: ...
+                      block: int | None, send_index: torch.Tensor | None = None,
+                      recv_index: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 Mover = dist.ProcessGroup | RowExchange | None
@@ -53,18 +56,27 @@ def _all_to_all(
     return out
 
 
+def _gather_exchange(out_rows: int, values: torch.Tensor, send_index: torch.Tensor, out_splits: list[int],
+                     in_splits: list[int], group: Mover, recv_index: torch.Tensor) -> torch.Tensor:
+    """``_all_to_all`` of ``values[send_index]``, then ``[recv_index]`` of the result; a :class:`RowExchange` does
+    both gathers on the way (rows gathered straight into the peers' receive slots and out of this rank's)."""
+    send_index, recv_index = send_index.to(values.device), recv_index.to(values.device)
+    if isinstance(group, RowExchange):
+        return group.exchange_rows(out_rows, values, out_splits, in_splits, None, send_index, recv_index)
+    recv = _all_to_all(out_rows, values.index_select(0, send_index), out_splits, in_splits, group)
+    return recv.index_select(0, recv_index)
+
+
 def to_rows(values: torch.Tensor, layout: EPLayout, group: Mover) -> torch.Tensor:
     """Move per-assignment values ``[s*k, C]`` (order ``t * k + j``) to this rank's expert rows ``[rows, C]``."""
-    send = values.index_select(0, layout.send_perm.to(values.device))
-    recv = _all_to_all(layout.rows, send, layout.recv_splits, layout.send_splits, group)
-    return recv.index_select(0, layout.recv_perm.to(values.device))
+    return _gather_exchange(layout.rows, values, layout.send_perm, layout.recv_splits, layout.send_splits, group,
+                            layout.recv_perm)
 
 
 def from_rows(rows: torch.Tensor, layout: EPLayout, group: Mover) -> torch.Tensor:
     """Adjoint of :func:`to_rows`: expert rows ``[rows, C]`` back to per-assignment values ``[s*k, C]``."""
-    recv = rows.index_select(0, layout.recv_inv.to(rows.device))
-    send = _all_to_all(layout.tokens * layout.top_k, recv, layout.send_splits, layout.recv_splits, group)
-    return send.index_select(0, layout.send_inv.to(rows.device))
+    return _gather_exchange(layout.tokens * layout.top_k, rows, layout.recv_inv, layout.send_splits,
+                            layout.recv_splits, group, layout.send_inv)
 
 
 # ---- expert weights into slots --------------------------------------------------------------------
@@ -209,9 +221,8 @@ def build_dedup(layout: EPLayout, group: Mover, device: torch.device | None = No
 def _pairs_to_rows(values: torch.Tensor, layout: EPLayout, dd: DedupLayout,
                    group: Mover) -> torch.Tensor:
     """Per-token values ``[s, C]`` -> expert rows ``[rows, C]``, one transfer per (token, destination)."""
-    send = values.index_select(0, dd.pair_token.to(values.device))
-    recv = _all_to_all(sum(dd.pair_recv_splits), send, dd.pair_recv_splits, dd.pair_send_splits, group)
-    return recv.index_select(0, dd.expand.to(values.device))
+    return _gather_exchange(sum(dd.pair_recv_splits), values, dd.pair_token, dd.pair_recv_splits,
+                            dd.pair_send_splits, group, dd.expand)
 
 
 def _rows_to_pairs(rows: torch.Tensor, layout: EPLayout, dd: DedupLayout, group: Mover,

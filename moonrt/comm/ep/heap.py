@@ -77,21 +77,26 @@ class HeapExchange:
         return buf, parity
 
     def exchange_rows(self, out_rows: int, send: torch.Tensor, out_splits: list[int], in_splits: list[int],
-                      block: int | None) -> torch.Tensor:
+                      block: int | None, send_index: torch.Tensor | None = None,
+                      recv_index: torch.Tensor | None = None) -> torch.Tensor:
         """``send [sum(in_splits), *row]`` -> ``[out_rows, *row]`` (:class:`moonrt.comm.ep.collectives.RowExchange`):
         ``in_splits[d]`` rows put into rank d's slot at ``[rank * block, ...)``, then ``out_splits[s]`` rows read
-        from this rank's slot at ``[s * block, ...)``, source-rank order."""
+        from this rank's slot at ``[s * block, ...)``, source-rank order. With ``send_index`` the rows for ``d`` are
+        gathered from ``send`` straight into ``d``'s slot; with ``recv_index`` the result is gathered straight out of
+        this rank's slot (no staging copy on either side)."""
         heap = self.heap
         R, me = heap.world_size, heap.rank
         block = self.token_block if block is None else block
         if max(in_splits, default=0) > block or max(out_splits, default=0) > block:
             raise RuntimeError(f"heap exchange: {max(max(in_splits), max(out_splits))} rows between two ranks, "
                                f"expected at most block = {block} (the static receive slot)")
-        if sum(out_splits) != out_rows or sum(in_splits) != send.shape[0]:
+        sent = send.shape[0] if send_index is None else send_index.shape[0]
+        if sum(out_splits) != out_rows or sum(in_splits) != sent:
             raise RuntimeError(f"heap exchange: splits {in_splits} / {out_splits} do not match {send.shape[0]} sent "
                                f"and {out_rows} received rows")
+        if send_index is None:
+            send = send.contiguous()
         buf, parity = self.slot(tuple(send.shape[1:]), send.dtype, block)
-        send = send.contiguous()
         starts = [0] * (R + 1)
         for d in range(R):
             starts[d + 1] = starts[d] + in_splits[d]
@@ -99,7 +104,11 @@ class HeapExchange:
             d = (me + i) % R
             n = in_splits[d]
             if n:
-                buf.peer(d)[parity, me * block: me * block + n].copy_(send[starts[d]: starts[d + 1]])
+                dst = buf.peer(d)[parity, me * block: me * block + n]
+                if send_index is None:
+                    dst.copy_(send[starts[d]: starts[d + 1]])
+                else:
+                    torch.index_select(send, 0, send_index[starts[d]: starts[d + 1]], out=dst)
                 self.puts += n
             if d != me:
                 heap.signal(d)
@@ -107,14 +116,21 @@ class HeapExchange:
             heap.wait((me - i) % R)
         self.calls += 1
         local = buf.local[parity]
-        out = send.new_empty((out_rows, *send.shape[1:]))
-        at = 0
-        for s in range(R):
-            n = out_splits[s]
-            if n:
-                out[at: at + n].copy_(local[s * block: s * block + n])
-                at += n
-        return out
+        if recv_index is None:
+            out = send.new_empty((out_rows, *send.shape[1:]))
+            at = 0
+            for s in range(R):
+                n = out_splits[s]
+                if n:
+                    out[at: at + n].copy_(local[s * block: s * block + n])
+                    at += n
+            return out
+        # received position p (source s, its i-th row) sits at slot row s * block + i: one gather out of the slot
+        counts = torch.tensor(out_splits, dtype=torch.int64)
+        first = torch.cumsum(counts, 0) - counts
+        src = torch.repeat_interleave(torch.arange(R), counts)
+        slot_row = src * block + torch.arange(out_rows) - first[src]
+        return local.index_select(0, slot_row.to(recv_index.device).index_select(0, recv_index))
 
 
 class HeapTransport:

@@ -105,7 +105,10 @@ class ExpertParallel(Part):
         (:func:`moonrt.comm.transport.select.resolve_backend`: ``auto`` is ``shm`` for CPU ranks of one host); as
         given when there is no EP group."""
         if self.ep_size > 1:  # collective over the EP group: every rank resolves the same backend
-            transport = build_transport(parallel.ep_transport, self.ep_group, device_type)
+            # CPU ranks: the shm heap's rendezvous (host metadata) runs over the mesh's gloo group of the EP ranks;
+            # GPUs: torch symmetric memory rendezvouses over the EP group itself
+            group = mesh.cpu_group(Group.EP) if device_type == "cpu" else self.ep_group
+            transport = build_transport(parallel.ep_transport, group, device_type)
             self.ep_transport = transport.name
             if transport.one_sided:
                 self.heap = transport  # type: ignore[assignment]
