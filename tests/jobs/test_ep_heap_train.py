@@ -3,7 +3,8 @@ process: teacher-forced from a single-process step-1 checkpoint (``test_compose_
 ``--ep 2 --set parallel.ep_transport=shm`` and of ``--ep 2 --zero 1`` (``auto``: the heap on one host's CPUs)
 equals the single process's within ``RTOL`` (loss, grad norm, every parameter and moment), and the heap run's
 checkpoint equals the collectives run's bitwise (the heap moves the same rows in the same order); the run's
-config.yaml records the backend ``auto`` resolved to.
+config.yaml records the backend ``auto`` resolved to. The heap composes: ``--ep 2 --cp 2`` and ``--pp 2 --ep 2``
+(``auto``) match the single process the same way.
 """
 
 from __future__ import annotations
