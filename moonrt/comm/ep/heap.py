@@ -126,11 +126,12 @@ class HeapExchange:
                     at += n
             return out
         # received position p (source s, its i-th row) sits at slot row s * block + i: one gather out of the slot
-        counts = torch.tensor(out_splits, dtype=torch.int64)
+        dev = recv_index.device
+        counts = torch.tensor(out_splits, dtype=torch.int64, device=dev)
         first = torch.cumsum(counts, 0) - counts
-        src = torch.repeat_interleave(torch.arange(R), counts)
-        slot_row = src * block + torch.arange(out_rows) - first[src]
-        return local.index_select(0, slot_row.to(recv_index.device).index_select(0, recv_index))
+        src = torch.repeat_interleave(torch.arange(R, device=dev), counts)
+        slot_row = src * block + torch.arange(out_rows, device=dev) - first[src]
+        return local.index_select(0, slot_row.index_select(0, recv_index))
 
 
 class HeapTransport:

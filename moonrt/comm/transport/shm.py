@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -146,9 +147,11 @@ class ShmHeap:
         R = self.world_size
         ctrl = self._map(8 * (R * R + R))[0].view(torch.int64)
         self._sig, self._bar = ctrl[: R * R].view(R, R), ctrl[R * R:]
-        # the waits read the cells through numpy views of the same memory: a plain load, not a tensor op
-        # (``int()`` of a tensor is what tests/host_syncs.py counts as a host synchronization)
-        self._sig_np, self._bar_np = self._sig.numpy(), self._bar.numpy()
+        # the waits read the same cells (rank 0's block of the control segment, at offset 0) through a numpy view
+        # of the mapping: a plain load, not a tensor op (``int()`` of a tensor is what tests/host_syncs.py counts
+        # as a host synchronization)
+        cells = np.frombuffer(self._keep[-1], dtype=np.int64, count=R * R + R)
+        self._sig_np, self._bar_np = cells[: R * R].reshape(R, R), cells[R * R:]
         self._sent, self._seen, self._gen = [0] * R, [0] * R, 0
         self._puts = PutAllToAll(self)
 
