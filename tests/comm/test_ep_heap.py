@@ -8,6 +8,8 @@
 - the heap's data verbs (dispatch, combine, prefetch, forward and backward, under the layer's layout) read nothing
   back to the host (``tests/host_syncs.py``'s counter, on CPU); the dispatcher's counts, plan and layout still do
   (host code today: the count is pinned so a change is seen);
+- ``dispatch_async`` (the rows moved on the transport's worker thread while this thread computes) equals the
+  synchronous dispatch bitwise, forward and backward;
 - a rank killed in the middle of a dispatch is named by its peer and nothing is left in /dev/shm.
 """
 
@@ -243,3 +245,36 @@ def test_the_heap_data_verbs_make_no_host_synchronization() -> None:
     for kinds, layer, moved in dist_run(_syncs, 2, timeout=120):
         assert moved > 0 and set(kinds) <= {"h2d"} and kinds.get("h2d", 0) <= 4, (kinds, moved)
         assert sum(layer.values()) > 0, "the dispatcher's plan and layout are host code (counted)"
+
+
+def _async(rank: int, world: int) -> bool:
+    heap = ShmHeap()
+    k = 3
+    p = _problem(world, k, "repeated", 7)
+    transport = HeapTransport(heap, capacity=S, top_k=k)
+    disp = EPDispatcher(None, capacity=S, hidden=H, top_k=k, num_experts=E, placement=MoonEPPlacement(),
+                        transport=transport)
+    _, _, _, handle = disp.dispatch(p["xs"][rank], p["ids"][rank], p["ws"][rank])
+    results = []
+    for mode in ("sync", "async"):
+        x = p["xs"][rank].clone().requires_grad_()
+        w = p["ws"][rank].clone().requires_grad_()
+        shared = torch.zeros(())
+        if mode == "sync":
+            rows, row_w = transport.dispatch(x, w, handle.layout, handle.dedup)
+        else:
+            pending = transport.dispatch_async(x, w, handle.layout, handle.dedup)
+            shared = (x.detach() @ x.detach().t()).sum()  # this thread's work while the rows move
+            rows, row_w = pending.wait()
+            assert pending.event.is_set()
+        out = transport.combine(rows * row_w.unsqueeze(1), None, handle.layout, handle.dedup, (rows,), None,
+                                rows.dtype)
+        (out * p["gouts"][rank]).sum().backward()
+        results.append([rows.detach(), row_w.detach(), out.detach(), x.grad, w.grad, shared * 0])
+    transport.close()
+    heap.close()
+    return all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_dispatch_async_equals_dispatch_bitwise() -> None:
+    assert all(dist_run(_async, 2, timeout=120))

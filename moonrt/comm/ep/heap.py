@@ -25,6 +25,13 @@ Expert weights for the prefetch are pushed by their home rank into the slot rank
 are parameters of the home rank's model, not heap memory: one copy per prefetch, from the parameter into the
 peer's slot; no extra copy of the weights is kept in the heap).
 
+Overlap (DeepEP's ``async_finish``): :meth:`HeapTransport.dispatch_async` runs the dispatch's puts and waits on the
+transport's one worker thread and returns a :class:`PendingDispatch` at once; the caller computes what does not need
+the rows (the shared experts) and calls :meth:`PendingDispatch.wait` (its :attr:`~PendingDispatch.event` is set
+when the rows are in). Until then the caller makes no other call on the heap (its signal counters are this
+rank's, not thread safe). The copies release the GIL, so on a rank with more than one core the transfer and the
+compute run at once.
+
 Host data: the layouts (:mod:`moonrt.comm.ep.layout`) are the dispatcher's host tensors and lists, as for the
 collectives; the exchange reads their Python split sizes and makes no device-to-host copy of its own (the
 dispatcher's one copy of the plan per layer stays, see :mod:`moonrt.comm.ep.dispatch`).
@@ -32,7 +39,9 @@ dispatcher's one copy of the plan per layer stays, see :mod:`moonrt.comm.ep.disp
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -134,6 +143,21 @@ class HeapExchange:
         return local.index_select(0, slot_row.index_select(0, recv_index))
 
 
+class PendingDispatch:
+    """A dispatch in flight on the transport's worker thread (:meth:`HeapTransport.dispatch_async`).
+
+    :attr:`event` is set once the rows are in this rank's memory; :meth:`wait` blocks until then and returns what
+    :meth:`HeapTransport.dispatch` returns (re-raising the worker's error: a dead peer is named there too)."""
+
+    def __init__(self, future: Future) -> None:
+        self.future = future
+        self.event = threading.Event()
+        future.add_done_callback(lambda _: self.event.set())
+
+    def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.future.result()
+
+
 class HeapTransport:
     """:class:`moonrt.comm.ep.transport.EPTransport` over a symmetric heap of the EP group (issue 48 item 2).
 
@@ -153,6 +177,7 @@ class HeapTransport:
         self.heap = heap
         self.world_size, self.rank = heap.world_size, heap.rank
         self.exchange = HeapExchange(heap, capacity * top_k)
+        self._worker: ThreadPoolExecutor | None = None
 
     def all_gather(self, row: torch.Tensor) -> torch.Tensor:
         R = self.world_size
@@ -169,6 +194,26 @@ class HeapTransport:
         if dedup is None:
             return dispatch_tokens(x, weights, layout, self.exchange)
         return dispatch_tokens_dedup(x, weights, layout, dedup, self.exchange)
+
+    def dispatch_async(self, x: torch.Tensor, weights: torch.Tensor, layout: EPLayout,
+                       dedup: DedupLayout | None) -> PendingDispatch:
+        """:meth:`dispatch` on the worker thread (the same autograd, the same result bitwise); returns at once.
+        Grad mode is the caller's; make no other heap call before :meth:`PendingDispatch.wait`."""
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moonrt-ep-heap")
+        grad = torch.is_grad_enabled()
+
+        def run() -> tuple[torch.Tensor, torch.Tensor]:
+            with torch.set_grad_enabled(grad):
+                return self.dispatch(x, weights, layout, dedup)
+
+        return PendingDispatch(self._worker.submit(run))
+
+    def close(self) -> None:
+        """Stop the worker thread (the heap is the caller's to close)."""
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
 
     def combine(self, y: torch.Tensor, weights: torch.Tensor | None, layout: EPLayout, dedup: DedupLayout | None,
                 deps: tuple[torch.Tensor, ...], refill: Callable[[], None] | None,

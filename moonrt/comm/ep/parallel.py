@@ -100,6 +100,7 @@ class ExpertParallel(Part):
         self.device: torch.device | None = None
         """Where the model's parameters live (set by :meth:`parallelize`): the norm's scalars are made there."""
         self.heap: SymmetricHeap | None = None
+        self._heap_transport: HeapTransport | None = None
         self.ep_transport = parallel.ep_transport
         """The backend the dispatchers move rows with: ``parallel.ep_transport`` resolved for the EP group
         (:func:`moonrt.comm.transport.select.resolve_backend`: ``auto`` is ``shm`` for CPU ranks of one host); as
@@ -124,6 +125,7 @@ class ExpertParallel(Part):
         heap = None  # one heap transport for every layer: its receive slots are shared by the layers
         if self.heap is not None:
             heap = HeapTransport(self.heap, self.capacity, max(moe.top_k for _, moe in layers) if layers else 1)
+            self._heap_transport = heap
         pools: dict[tuple, SlotPool] = {}  # one slot pool shared by every layer of the same expert shape
         for index, moe in layers:
             E = moe.num_experts
@@ -278,6 +280,8 @@ class ExpertParallel(Part):
 
     def close(self) -> None:
         """Drop the heap's mappings (its segments were unlinked when they were mapped: nothing stays in /dev/shm)."""
+        if self._heap_transport is not None:
+            self._heap_transport.close()
         if self.heap is not None:
             self.heap.close()
 
