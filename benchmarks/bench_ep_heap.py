@@ -11,6 +11,8 @@ once and the slowest rank's time:
   so the time is the dispatcher's): counts all-gather, plan, layout, and the data movement;
 - ``move``: the transport's data verbs alone (``dispatch`` + ``combine`` forward and backward under a fixed layout,
   the dedup layout included): what the heap replaces;
+- ``overlap``: the heap dispatch's forward and a stand-in shared expert (two matmuls), one after the other and with
+  the shared expert computed while the rows move (:meth:`moonrt.comm.ep.heap.HeapTransport.dispatch_async`);
 - ``memcpy``: one rank copying the bytes it sends in ``move`` (dispatch rows out and combine rows back, forward and
   backward) into another buffer of its own: this machine's memcpy bandwidth under the same contention.
 
@@ -47,6 +49,7 @@ from moonrt.jobs.selftest.common import timed  # noqa: E402
 
 EXPERTS_PER_RANK = 4
 FFN = 8  # the expert weights (only moved by the prefetch; the compute is a scaling)
+SHARED = 512  # the stand-in shared expert's width: [s, H] @ [H, 512] @ [512, H]
 
 
 def _layer(disp: EPDispatcher, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, home: list[torch.Tensor],
@@ -109,6 +112,28 @@ def _measure(rank: int, world: int, tokens: int, hidden: int, k: int, iters: int
         with HostSyncCounter() as c:
             move(name, fixed=True)
         row[f"{name}_move_syncs"] = c.total
+    # overlap: the heap dispatch's forward with a shared expert's two matmuls, one after the other and hidden under it
+    heap_t = disps["heap"].transport
+    w1, w2 = torch.randn(hidden, SHARED, generator=g), torch.randn(SHARED, hidden, generator=g)
+
+    def shared() -> torch.Tensor:
+        return (x @ w1) @ w2
+
+    def serial() -> None:
+        heap_t.dispatch(x, w, layout, dd)
+        shared()
+
+    def overlapped() -> None:
+        pending = heap_t.dispatch_async(x, w, layout, dd)
+        shared()
+        pending.wait()
+
+    with torch.no_grad():
+        row["overlap_dispatch_s"] = timed(lambda: heap_t.dispatch(x, w, layout, dd), iters)
+        row["overlap_shared_s"] = timed(shared, iters)
+        row["overlap_serial_s"] = timed(serial, iters)
+        row["overlap_async_s"] = timed(overlapped, iters)
+    heap_t.close()
     for key in ("memcpy", "heap_move", "gloo_move"):
         row[f"{key}_GBps"] = sent / row[f"{key}_s"] / 1e9
     row["move_heap_vs_gloo"] = row["gloo_move_s"] / row["heap_move_s"]
@@ -158,6 +183,11 @@ def main() -> int:
               f"{r['move_heap_vs_gloo']:>8.1f}x {r['move_heap_vs_memcpy']:>10.0%} | "
               f"{1e3 * r['heap_layer_s']:>13.2f} {1e3 * r['gloo_layer_s']:>6.2f} | "
               f"{r['heap_layer_syncs']:>16} {r['gloo_layer_syncs']:>4} ({r['heap_move_syncs']} {r['gloo_move_syncs']})")
+    print("\noverlap (heap dispatch forward, a shared expert's [s,H]@[H,512]@[512,H]; ms): dispatch, shared, "
+          "one after the other, shared computed while the rows move (dispatch_async)")
+    for r in rows:
+        print(f"{r['world']:>5} | {1e3 * r['overlap_dispatch_s']:8.2f} {1e3 * r['overlap_shared_s']:8.2f} "
+              f"{1e3 * r['overlap_serial_s']:8.2f} {1e3 * r['overlap_async_s']:8.2f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_new(args.out, json.dumps({"rows": rows, "torch": torch.__version__}, indent=1), force=args.force)
     print(f"wrote {args.out}")
