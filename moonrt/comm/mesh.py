@@ -81,9 +81,10 @@ class Group(str, enum.Enum):
 GROUP_NAMES: tuple[str, ...] = tuple(g.value for g in Group)
 """Every group name, in :class:`Group` order (the order :class:`ProcessMesh` creates them in)."""
 
-CPU_GROUPS: tuple[Group, ...] = (Group.PP,)
+CPU_GROUPS: tuple[Group, ...] = (Group.PP, Group.EP)
 """Named groups with a CPU group of their own (:meth:`ProcessMesh.cpu_group`): the pipeline's object collectives
-(parameter names, the single-process-layout state gathered onto pipeline rank 0) run over ``pp``."""
+(parameter names, the single-process-layout state gathered onto pipeline rank 0) run over ``pp``; the EP group's
+symmetric heap rendezvous (hosts, pids, segment names, each allocation's mapping barrier) over ``ep``."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

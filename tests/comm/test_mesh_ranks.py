@@ -119,7 +119,7 @@ def _cpu_groups(rank: int, world: int) -> dict:
     gloo = ProcessMesh(ParallelConfig(pp=2, dp=2))
     out["gloo"] = (gloo.cpu_group() is dist.group.WORLD, gloo.cpu_group("pp") is gloo.group("pp"))
     try:
-        gloo.cpu_group("ep")
+        gloo.cpu_group("cp")
     except ConfigError as exc:
         out["ep"] = str(exc)
     gloo.destroy()
@@ -145,6 +145,6 @@ def test_the_mesh_owns_cpu_groups_only_where_the_default_backend_is_not_gloo():
     groups over the world and over each pipeline, and objects travel over them; a group without one is refused."""
     for rank, got in enumerate(dist_run(_cpu_groups, 4, timeout=120)):
         assert got["gloo"] == (True, True)
-        assert "cpu_group('ep')" in got["ep"] and "expected one of pp" in got["ep"]
+        assert "cpu_group('cp')" in got["ep"] and "expected one of pp, ep" in got["ep"]
         pp_members = MeshLayout(4, ParallelConfig(pp=2, dp=2)).group_ranks("pp", rank)
         assert got["nccl"] == (True, True, "gloo", "gloo", [0, 1, 2, 3], pp_members, sum(1 << m for m in pp_members))

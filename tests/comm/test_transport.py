@@ -220,18 +220,6 @@ def test_ep_transport_is_recorded_and_free_on_resume() -> None:
     check_resume(new, to_dict(JobConfig()), step=1)
 
 
-@pytest.mark.parametrize("kind", ["shm", "cuda"])
-def test_a_heap_asked_for_expert_parallelism_is_one_line(kind: str) -> None:
-    from moonrt.comm.ep.parallel import ExpertParallel
-    from moonrt.config import ConfigError, ParallelConfig
-
-    with pytest.raises(ConfigError, match=rf"^parallel.ep_transport = '{kind}': the EP dispatcher moves rows by "
-                                          r"collectives only \(MoonEP over the symmetric heap is issue 48 item 2\); "
-                                          r"expected auto or collectives$"):
-        ExpertParallel(ParallelConfig(ep=2, ep_transport=kind), capacity=4)
-    ExpertParallel(ParallelConfig(ep=1, ep_transport=kind), capacity=4)  # no EP group: nothing to move
-
-
 def _named(rank: int, world: int, identity: str) -> str:
     import torch.distributed as dist
 

@@ -12,6 +12,7 @@ dispatcher's collective transport (``ep_transport.py``) calls: the backward of o
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -20,10 +21,34 @@ from moonrt.comm.ep.layout import DedupLayout, EPLayout, WeightLayout, dedup_rec
 from moonrt.ops.precision import at_least_fp32, no_autocast
 
 
+@runtime_checkable
+class RowExchange(Protocol):
+    """What moves rows between the EP ranks when it is not a process group: the symmetric heap's one-sided puts
+    (:class:`moonrt.comm.ep.heap.HeapExchange`). Passed where the functions below take ``group``.
+
+    ``exchange_rows(out_rows, send [n, *row], out_splits, in_splits, block, send_index, recv_index)``: ``send``'s
+    rows go to the ranks in order, ``in_splits[d]`` of them to rank ``d``; returns ``[out_rows, *row]``,
+    ``out_splits[s]`` rows from rank ``s``, in rank order (``all_to_all_single``'s result, bitwise). ``block``: the
+    most rows one rank sends another in this call, the same on every rank (None: the exchange's bound for token
+    rows). ``send_index`` (int64): the rows sent are ``send[send_index]`` (gathered on the way out);
+    ``recv_index``: the result is ``received[recv_index]`` (gathered on the way in); None: as they are."""
+
+    def exchange_rows(self, out_rows: int, send: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                      block: int | None, send_index: torch.Tensor | None = None,
+                      recv_index: torch.Tensor | None = None) -> torch.Tensor: ...
+
+
+Mover = dist.ProcessGroup | RowExchange | None
+"""A process group (None: the default group) or a :class:`RowExchange`."""
+
+
 def _all_to_all(
-    out_rows: int, send: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup | None
+    out_rows: int, send: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Mover,
+    block: int | None = None,
 ) -> torch.Tensor:
     send = send.contiguous()
+    if isinstance(group, RowExchange):
+        return group.exchange_rows(out_rows, send, out_splits, in_splits, block)
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return send.clone()
     out = send.new_empty((out_rows, *send.shape[1:]))
@@ -31,32 +56,42 @@ def _all_to_all(
     return out
 
 
-def to_rows(values: torch.Tensor, layout: EPLayout, group: dist.ProcessGroup | None) -> torch.Tensor:
+def _gather_exchange(out_rows: int, values: torch.Tensor, send_index: torch.Tensor, out_splits: list[int],
+                     in_splits: list[int], group: Mover, recv_index: torch.Tensor) -> torch.Tensor:
+    """``_all_to_all`` of ``values[send_index]``, then ``[recv_index]`` of the result; a :class:`RowExchange` does
+    both gathers on the way (rows gathered straight into the peers' receive slots and out of this rank's)."""
+    send_index, recv_index = send_index.to(values.device), recv_index.to(values.device)
+    if isinstance(group, RowExchange):
+        return group.exchange_rows(out_rows, values, out_splits, in_splits, None, send_index, recv_index)
+    recv = _all_to_all(out_rows, values.index_select(0, send_index), out_splits, in_splits, group)
+    return recv.index_select(0, recv_index)
+
+
+def to_rows(values: torch.Tensor, layout: EPLayout, group: Mover) -> torch.Tensor:
     """Move per-assignment values ``[s*k, C]`` (order ``t * k + j``) to this rank's expert rows ``[rows, C]``."""
-    send = values.index_select(0, layout.send_perm.to(values.device))
-    recv = _all_to_all(layout.rows, send, layout.recv_splits, layout.send_splits, group)
-    return recv.index_select(0, layout.recv_perm.to(values.device))
+    return _gather_exchange(layout.rows, values, layout.send_perm, layout.recv_splits, layout.send_splits, group,
+                            layout.recv_perm)
 
 
-def from_rows(rows: torch.Tensor, layout: EPLayout, group: dist.ProcessGroup | None) -> torch.Tensor:
+def from_rows(rows: torch.Tensor, layout: EPLayout, group: Mover) -> torch.Tensor:
     """Adjoint of :func:`to_rows`: expert rows ``[rows, C]`` back to per-assignment values ``[s*k, C]``."""
-    recv = rows.index_select(0, layout.recv_inv.to(rows.device))
-    send = _all_to_all(layout.tokens * layout.top_k, recv, layout.send_splits, layout.recv_splits, group)
-    return send.index_select(0, layout.send_inv.to(rows.device))
+    return _gather_exchange(layout.tokens * layout.top_k, rows, layout.recv_inv, layout.send_splits,
+                            layout.recv_splits, group, layout.send_inv)
 
 
 # ---- expert weights into slots --------------------------------------------------------------------
 
 
 def send_weights(
-    flat_home: torch.Tensor, layout: WeightLayout, group: dist.ProcessGroup | None, out: torch.Tensor | None = None
+    flat_home: torch.Tensor, layout: WeightLayout, group: Mover, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``flat_home [E/R, P]`` (this rank's home experts, flattened) -> ``[B, P]`` slot weights.
 
     Empty slots are zero. ``out`` (a ``[B, P]`` slot-pool buffer) is written in place if given.
     """
     send = flat_home.index_select(0, layout.send_local.to(flat_home.device))
-    recv = _all_to_all(len(layout.recv_slot), send, layout.recv_splits, layout.send_splits, group)
+    recv = _all_to_all(len(layout.recv_slot), send, layout.recv_splits, layout.send_splits, group,
+                       block=layout.num_slots)
     if out is None:
         out = flat_home.new_zeros(layout.num_slots, flat_home.shape[1])
     else:
@@ -66,11 +101,12 @@ def send_weights(
 
 
 def return_weight_grads(
-    grad_slots: torch.Tensor, num_home: int, layout: WeightLayout, group: dist.ProcessGroup | None
+    grad_slots: torch.Tensor, num_home: int, layout: WeightLayout, group: Mover
 ) -> torch.Tensor:
     """Adjoint of :func:`send_weights`: ``grad_slots [B, P]`` -> summed home gradients ``[E/R, P]``."""
     send = grad_slots.index_select(0, layout.recv_slot.to(grad_slots.device))
-    recv = _all_to_all(len(layout.send_local), send, layout.send_splits, layout.recv_splits, group)
+    recv = _all_to_all(len(layout.send_local), send, layout.send_splits, layout.recv_splits, group,
+                       block=layout.num_slots)
     out = grad_slots.new_zeros(num_home, grad_slots.shape[1])
     out.index_add_(0, layout.send_local.to(out.device), recv)
     return out
@@ -138,7 +174,7 @@ class _Combine(torch.autograd.Function):
 
 
 def dispatch_tokens(
-    x: torch.Tensor, weights: torch.Tensor, layout: EPLayout, group: dist.ProcessGroup | None
+    x: torch.Tensor, weights: torch.Tensor, layout: EPLayout, group: Mover
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Differentiable dispatch: ``x [s, H]``, ``weights [s, k]`` -> ``(rows [rows, H], row_weights [rows])``.
 
@@ -149,7 +185,7 @@ def dispatch_tokens(
 
 
 def combine_tokens(
-    y: torch.Tensor, weights: torch.Tensor, layout: EPLayout, group: dist.ProcessGroup | None,
+    y: torch.Tensor, weights: torch.Tensor, layout: EPLayout, group: Mover,
     deps: tuple[torch.Tensor, ...] = (), refill: Callable[[], None] | None = None,
 ) -> torch.Tensor:
     """Differentiable combine: expert outputs ``y [rows, H]`` -> ``[s, H]``.
@@ -171,7 +207,7 @@ def combine_tokens(
 # ---- one row per (token, destination rank) --------------------------------------------------------
 
 
-def build_dedup(layout: EPLayout, group: dist.ProcessGroup | None, device: torch.device | None = None) -> DedupLayout:
+def build_dedup(layout: EPLayout, group: Mover, device: torch.device | None = None) -> DedupLayout:
     """This rank's :class:`~moonrt.comm.ep.layout.DedupLayout`: one all-to-all of int64 metadata (one per
     assignment, under ``layout``'s splits) on ``device`` (the data's: the EP group's backend), so every
     receiver learns which of its assignment rows share a token. Host tensors are returned."""
@@ -183,14 +219,13 @@ def build_dedup(layout: EPLayout, group: dist.ProcessGroup | None, device: torch
 
 
 def _pairs_to_rows(values: torch.Tensor, layout: EPLayout, dd: DedupLayout,
-                   group: dist.ProcessGroup | None) -> torch.Tensor:
+                   group: Mover) -> torch.Tensor:
     """Per-token values ``[s, C]`` -> expert rows ``[rows, C]``, one transfer per (token, destination)."""
-    send = values.index_select(0, dd.pair_token.to(values.device))
-    recv = _all_to_all(sum(dd.pair_recv_splits), send, dd.pair_recv_splits, dd.pair_send_splits, group)
-    return recv.index_select(0, dd.expand.to(values.device))
+    return _gather_exchange(sum(dd.pair_recv_splits), values, dd.pair_token, dd.pair_recv_splits,
+                            dd.pair_send_splits, group, dd.expand)
 
 
-def _rows_to_pairs(rows: torch.Tensor, layout: EPLayout, dd: DedupLayout, group: dist.ProcessGroup | None,
+def _rows_to_pairs(rows: torch.Tensor, layout: EPLayout, dd: DedupLayout, group: Mover,
                    dtype: torch.dtype) -> torch.Tensor:
     """Adjoint of :func:`_pairs_to_rows`: expert rows ``[rows, C]`` -> per-token sums ``[s, C]``.
 
@@ -243,7 +278,7 @@ class _DedupCombine(torch.autograd.Function):
 
 
 def dispatch_tokens_dedup(
-    x: torch.Tensor, weights: torch.Tensor, layout: EPLayout, dd: DedupLayout, group: dist.ProcessGroup | None
+    x: torch.Tensor, weights: torch.Tensor, layout: EPLayout, dd: DedupLayout, group: Mover
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`dispatch_tokens` sending each token once per destination rank (``dd``): the same
     ``(rows [rows, H], row_weights [rows])``. Two all-to-alls: the token rows (``dd``'s pairs) and
@@ -253,7 +288,7 @@ def dispatch_tokens_dedup(
 
 
 def combine_tokens_dedup(
-    y: torch.Tensor, layout: EPLayout, dd: DedupLayout, group: dist.ProcessGroup | None,
+    y: torch.Tensor, layout: EPLayout, dd: DedupLayout, group: Mover,
     deps: tuple[torch.Tensor, ...] = (), refill: Callable[[], None] | None = None, dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Unweighted combine with one return row per (token, destination): ``out[t] = sum of t's rows``.

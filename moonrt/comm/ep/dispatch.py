@@ -3,8 +3,9 @@
 One :class:`EPDispatcher` per EP group, DeepEP style: sized once from ``(capacity, hidden, top_k,
 num_experts)`` and given a placement policy (:mod:`moonrt.comm.ep.placement`: ``MoonEPPlacement``, the
 balanced MoonEP plan with slots, or ``HomePlacement``, the plain all-to-all baseline) and a transport
-(:mod:`moonrt.comm.ep.transport`: collectives today); verbs in pairs (``dispatch`` returns a :class:`EPHandle`
-that ``prefetch_weights`` and ``combine`` consume). Per MoE layer call (§6.3):
+(:mod:`moonrt.comm.ep.transport`: the collectives, or :mod:`moonrt.comm.ep.heap`: the symmetric heap); verbs in
+pairs (``dispatch`` returns a :class:`EPHandle` that ``prefetch_weights`` and ``combine`` consume). Per MoE layer
+call (§6.3):
 
 1. every rank validates its input and all-gathers one int64 row ``[status, s, counts[E]]`` (on the
    data's device, over the EP group): the ``[R, E]`` routing counts plus an error flag, so bad input on

@@ -6,7 +6,9 @@
   slice (E/R experts) and installs an :class:`EPDispatcher` on the latent width, through the model's dispatcher
   seam, with the placement policy ``parallel.ep_dispatcher`` names (:mod:`moonrt.comm.ep.placement`: MoonEP's, or
   the plain all-to-all baseline's); with MoonEP all layers share one :class:`SlotPool` (copies are re-prefetched
-  in backward). Found by duck typing
+  in backward). The rows move over ``parallel.ep_transport`` resolved for the EP group when the part is built:
+  the symmetric heap (:class:`moonrt.comm.ep.heap.HeapTransport`, one for all layers; ``shm``, and ``auto`` for
+  CPU ranks of one host) or the collectives. Found by duck typing
   (``model.moe_layers()``, ``moe.experts.shard``, ``moe.dispatcher``): this module never imports
   ``moonrt.models.k3.model``.
 - :meth:`sync_grads`: routed-expert gradients are summed over the expert replicas (mesh group
@@ -31,18 +33,21 @@ With a world size of 1 nothing is sharded.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from moonrt.comm.ep.dispatch import EPDispatcher
+from moonrt.comm.ep.heap import HeapTransport
 from moonrt.comm.ep.placement import placement_policy
 from moonrt.comm.ep.slots import SlotPool
 from moonrt.comm.grad_reduce import all_reduce_grad
 from moonrt.comm.mesh import Group, ProcessMesh
 from moonrt.comm.parallelism import GradNorm, Part
+from moonrt.comm.transport.base import SymmetricHeap
+from moonrt.comm.transport.select import build_transport
 from moonrt.config import ConfigError, ParallelConfig
 from moonrt.config.runtime import EP_DISPATCHERS
 from moonrt.parallel.model import trainable
@@ -60,6 +65,9 @@ class ExpertParallel(Part):
         num_slots: B per rank (default E/R; MoonEP only).
         kernels: backend of MoonEP's planner (a job's ``kernels.moonep``;
             :class:`~moonrt.comm.ep.placement.MoonEPPlacement`).
+        device_type: where the job's tensors live (``cpu`` / ``cuda``): what ``parallel.ep_transport`` resolves
+            for (``auto``: the ``shm`` heap for CPU ranks of one host, :mod:`moonrt.comm.ep.heap`; the collectives
+            for a group spanning hosts). Building the part with an EP group is collective over that group.
 
     The placement policy is ``parallel.ep_dispatcher``: ``moonep`` or ``alltoall`` (the unbalanced baseline).
     """
@@ -67,15 +75,10 @@ class ExpertParallel(Part):
     kind = "expert"
 
     def __init__(self, parallel: ParallelConfig, *, capacity: int, mesh: ProcessMesh | None = None,
-                 num_slots: int | None = None, kernels: str = "auto") -> None:
+                 num_slots: int | None = None, kernels: str = "auto", device_type: str = "cpu") -> None:
         if parallel.ep_dispatcher not in EP_DISPATCHERS:
             raise ConfigError(f"parallel.ep_dispatcher = {parallel.ep_dispatcher!r}: expected one of "
                               + ", ".join(EP_DISPATCHERS))
-        if parallel.ep > 1 and parallel.ep_transport in ("shm", "cuda"):
-            # the heap exists (moonrt.comm.transport) but the dispatcher has no one-sided path over it yet
-            raise ConfigError(f"parallel.ep_transport = {parallel.ep_transport!r}: the EP dispatcher moves rows by "
-                              "collectives only (MoonEP over the symmetric heap is issue 48 item 2); expected auto "
-                              "or collectives")
         self.parallel, self.capacity, self.num_slots = parallel, capacity, num_slots
         self.kernels = kernels
         if mesh is None and parallel.world_size > 1:
@@ -97,6 +100,20 @@ class ExpertParallel(Part):
         self._sent = (0, 0, 0)  # (token rows, assignments, token bytes) sent to other EP ranks, at the last step
         self.device: torch.device | None = None
         """Where the model's parameters live (set by :meth:`parallelize`): the norm's scalars are made there."""
+        self.heap: SymmetricHeap | None = None
+        self._heap_transport: HeapTransport | None = None
+        self.ep_transport = parallel.ep_transport
+        """The backend the dispatchers move rows with: ``parallel.ep_transport`` resolved for the EP group
+        (:func:`moonrt.comm.transport.select.resolve_backend`: ``auto`` is ``shm`` for CPU ranks of one host); as
+        given when there is no EP group."""
+        if self.ep_size > 1:  # collective over the EP group: every rank resolves the same backend
+            # CPU ranks: the shm heap's rendezvous (host metadata) runs over the mesh's gloo group of the EP ranks;
+            # GPUs: torch symmetric memory rendezvouses over the EP group itself
+            group = mesh.cpu_group(Group.EP) if device_type == "cpu" else self.ep_group
+            transport = build_transport(parallel.ep_transport, group, device_type)
+            self.ep_transport = transport.name
+            if transport.one_sided:
+                self.heap = cast(SymmetricHeap, transport)  # one_sided: a SymmetricHeap by the seam's contract
 
     # ---- model -------------------------------------------------------------------------------------
     def parallelize(self, model: nn.Module) -> nn.Module:
@@ -105,8 +122,13 @@ class ExpertParallel(Part):
         if self.ep_size == 1:
             return model
         kind = self.parallel.ep_dispatcher
+        layers = list(trainable(model).moe_layers())
+        heap = None  # one heap transport for every layer: its receive slots are shared by the layers
+        if self.heap is not None:
+            heap = HeapTransport(self.heap, self.capacity, max(moe.top_k for _, moe in layers) if layers else 1)
+            self._heap_transport = heap
         pools: dict[tuple, SlotPool] = {}  # one slot pool shared by every layer of the same expert shape
-        for index, moe in trainable(model).moe_layers():
+        for index, moe in layers:
             E = moe.num_experts
             if E % self.ep_size:
                 raise ConfigError(f"num_experts = {E}: expected a multiple of ep = {self.ep_size}")
@@ -123,7 +145,7 @@ class ExpertParallel(Part):
                 pool = pools[key]
             moe.dispatcher = self.dispatchers[index] = EPDispatcher(
                 self.ep_group, self.capacity, moe.experts.latent, moe.top_k, E, placement=placement, pool=pool,
-                dedup=self.parallel.ep_dedup, token_padding=self.parallel.token_padding)
+                dedup=self.parallel.ep_dedup, token_padding=self.parallel.token_padding, transport=heap)
             for p in moe.experts.parameters():
                 self._expert_params.add(id(p))
                 self._expert_slices[id(p)] = (moe.experts.first_expert, moe.experts.num_local, E)
@@ -255,6 +277,13 @@ class ExpertParallel(Part):
             else:
                 out.append(moe.last_counts.reshape(1, -1).clone())
         return out
+
+    def close(self) -> None:
+        """Drop the heap's mappings (its segments were unlinked when they were mapped: nothing stays in /dev/shm)."""
+        if self._heap_transport is not None:
+            self._heap_transport.close()
+        if self.heap is not None:
+            self.heap.close()
 
     def step_metrics(self, step: int, model: nn.Module, record: dict[str, Any]) -> None:
         """After a training step (before eval): rows each EP rank computed and the unbalanced maximum."""

@@ -9,9 +9,8 @@ its combine backward, before that layer's expert backward reads them.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from moonrt.comm.ep.collectives import return_weight_grads, send_weights
+from moonrt.comm.ep.collectives import Mover, return_weight_grads, send_weights
 from moonrt.comm.ep.layout import WeightLayout
 
 
@@ -37,7 +36,7 @@ class SlotRefill:
     """Re-prefetch one layer's slot copies into the shared pool (called by that layer's combine backward)."""
 
     def __init__(self, pool: SlotPool, home: tuple[torch.Tensor, ...], layout: WeightLayout,
-                 group: dist.ProcessGroup | None, token: object) -> None:
+                 group: Mover, token: object) -> None:
         self.pool, self.home, self.layout, self.group, self.token = pool, home, layout, group, token
 
     def __call__(self) -> None:
@@ -75,7 +74,7 @@ class _FetchSlots(torch.autograd.Function):
 
 
 def fetch_slot_weights(
-    home: tuple[torch.Tensor, ...], layout: WeightLayout, group: dist.ProcessGroup | None,
+    home: tuple[torch.Tensor, ...], layout: WeightLayout, group: Mover,
     pool: SlotPool | None = None, dep: torch.Tensor | None = None,
 ) -> tuple[tuple[torch.Tensor, ...], SlotRefill | None]:
     """Differentiable prefetch: home expert weights (each ``[E/R, *shape]``) -> slot weights ``[B, *shape]``.

