@@ -344,6 +344,7 @@ def test_the_lock_is_held_for_the_whole_run(tmp_path: Path) -> None:
 # ---- 6. --metrics, --routing-trace, --out '' -----------------------------------------------------------------
 
 
+@pytest.mark.slow  # training runs and a resume: CI runs it, the fast lane need not
 def test_resume_never_trims_a_file_that_is_not_this_runs_metrics(tmp_path: Path, capsys) -> None:
     assert main(_train_argv(tmp_path, "run", "--steps", "4", "--until", "2", "--metrics",
                             str(tmp_path / "m.jsonl"))) == 0
@@ -363,6 +364,7 @@ def test_resume_never_trims_a_file_that_is_not_this_runs_metrics(tmp_path: Path,
     assert [r["step"] for r in _strict_records(tmp_path / "m.jsonl")] == [1, 2, 3, 4]
 
 
+@pytest.mark.slow  # two-rank training runs: CI runs it, the fast lane need not
 def test_routing_trace_never_overwrites_a_file_that_is_not_this_runs(tmp_path: Path, capsys) -> None:
     user = tmp_path / "user.npz"
     np.savez(user, counts=np.ones((1, 1, 1, 4), dtype=np.int64))
