@@ -90,8 +90,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     """A test module may define ``start_in_background(items)``: called here with its selected tests once collection
     (and ``-m`` / ``-k`` deselection) ended, to start slow preparation in other processes that overlaps the tests
     before it (tests/ops/test_sm90_compile.py's cold compiles); ``stop_in_background()`` ends what still runs."""
-    if session.config.option.collectonly:
-        return
+    if session.config.option.collectonly or hasattr(session.config, "workerinput"):
+        return  # nothing runs; or a pytest-xdist worker (each would start its own): tests then prepare on demand
     selected: dict[types.ModuleType, list[pytest.Item]] = {}
     for item in session.items:
         module = getattr(item, "module", None)

@@ -88,15 +88,17 @@ GROUP_TIMEOUT_S = 3600
 """Wall seconds a test waits for one group's compiles (cold KDA shapes take minutes)."""
 
 CHAIN = """
-import json, subprocess, sys
+import json, os, subprocess, sys
 from pathlib import Path
 for cmd, log, done in json.loads(sys.argv[1]):
+    if os.getppid() != int(sys.argv[2]):  # pytest is gone (killed): start nothing more
+        break
     with open(log, "w") as out:
         rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
     Path(done).write_text(str(rc))
 """
 """The background process: each group's ``sm90`` CLI in turn, its output in ``log``, its exit code in ``done`` once
-it ended (the group's JSON is complete then)."""
+it ended (the group's JSON is complete then); no further group once pytest (``argv[2]``) is gone."""
 
 
 class _Background:
@@ -111,8 +113,8 @@ class _Background:
         for g, path in self.paths.items():
             cmd, env = sm90.subprocess_command(g, path.with_suffix(".json"), cache_dir=sm90.default_cache_dir())
             steps.append([cmd, str(path.with_suffix(".log")), str(path.with_suffix(".done"))])
-        self.proc = subprocess.Popen([sys.executable, "-c", CHAIN, json.dumps(steps)], cwd=ROOT, env=env,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen([sys.executable, "-c", CHAIN, json.dumps(steps), str(os.getpid())], cwd=ROOT,
+                                     env=env, stdin=subprocess.DEVNULL, start_new_session=True)
 
     def results(self, group: tuple[str, ...]) -> list[sm90.Result]:
         path = self.paths[group]
