@@ -70,6 +70,7 @@ class _FileSizeLimit:
 # ---- 1. config.yaml ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # training runs into one --out: CI runs it, the fast lane need not
 def test_fresh_run_refuses_a_config_yaml_that_is_not_its_own(tmp_path: Path, capsys) -> None:
     out = tmp_path / "run"
     out.mkdir()
@@ -92,6 +93,7 @@ def test_fresh_run_refuses_a_config_yaml_that_is_not_its_own(tmp_path: Path, cap
     assert checkpoint.load(tmp_path / "other" / CHECKPOINT)["step"] == 2
 
 
+@pytest.mark.slow  # training runs and a resume: CI runs it, the fast lane need not
 def test_a_planted_symlink_beside_config_yaml_is_not_written_through(tmp_path: Path) -> None:
     victim = tmp_path / "victim.txt"
     victim.write_text("precious\n")
@@ -106,6 +108,7 @@ def test_a_planted_symlink_beside_config_yaml_is_not_written_through(tmp_path: P
     assert sorted(p.name for p in out.iterdir()) == [CHECKPOINT, "config.yaml", "config.yaml.tmp", "run_id"]  # no temp
 
 
+@pytest.mark.slow  # a training run on a full filesystem: CI runs it, the fast lane need not
 def test_full_disk_at_the_config_write_is_one_line_and_leaves_no_temp(tmp_path: Path, capsys) -> None:
     assert main(_train_argv(tmp_path, "run", "--steps", "3", "--until", "1")) == 0
     out = tmp_path / "run"
