@@ -21,7 +21,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from jobs.helpers import FLAGS, RTOL, _assert_same_step, _ckpt, _cli, _close, _metrics, _moonrt, _ranks, _run
+from jobs.helpers import FLAGS, RTOL, _assert_same_step, _ckpt, _cli, _close, _launch, _metrics, _moonrt, _ranks, _run
 
 from moonrt.config import ConfigError, ParallelConfig
 from moonrt.jobs.train.config import JobConfig
@@ -127,9 +127,8 @@ def test_microbatches_must_divide_the_replica_batch(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(300)
 def test_more_stages_than_layers_is_a_clear_error(tmp_path: Path) -> None:
-    """On 2 ranks forked from one process (``_ranks``: the property is the job's error, not ``moonrt launch``'s)."""
-    out = subprocess.run(_ranks(2, "train", *FLAGS, "--out", str(tmp_path / "o"), "--pp", "2", "--vpp", "5",
-                                "--microbatches", "2"), cwd=tmp_path, capture_output=True, text=True, timeout=280)
+    out = subprocess.run(_launch(2, "train", *FLAGS, "--out", str(tmp_path / "o"), "--pp", "2", "--vpp", "5",
+                                 "--microbatches", "2"), cwd=tmp_path, capture_output=True, text=True, timeout=280)
     assert out.returncode != 0
     want = "parallel.pp x vpp = 2 x 5 = 10 stages: expected at most the model's decoder layers, 9"
     assert want in out.stdout + out.stderr
