@@ -80,3 +80,30 @@ def triton_kernels() -> TritonKernels:
         return TritonKernels(torch.device("cuda"))
     _triton_missing(f"TRITON_INTERPRET = {os.environ.get('TRITON_INTERPRET')!r} and no CUDA device under test: "
                     "Triton kernels need one of them")
+
+
+BACKGROUND_MODULES: list[types.ModuleType] = []
+"""Test modules whose ``start_in_background(items)`` ran this session (``stop_in_background()`` runs at its end)."""
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """A test module may define ``start_in_background(items)``: called here with its selected tests once collection
+    (and ``-m`` / ``-k`` deselection) ended, to start slow preparation in other processes that overlaps the tests
+    before it (tests/ops/test_sm90_compile.py's cold compiles); ``stop_in_background()`` ends what still runs."""
+    if session.config.option.collectonly or hasattr(session.config, "workerinput"):
+        return  # nothing runs; or a pytest-xdist worker (each would start its own): tests then prepare on demand
+    selected: dict[types.ModuleType, list[pytest.Item]] = {}
+    for item in session.items:
+        module = getattr(item, "module", None)
+        if module is not None and callable(getattr(module, "start_in_background", None)):
+            selected.setdefault(module, []).append(item)
+    for module, items in selected.items():
+        module.start_in_background(items)
+        BACKGROUND_MODULES.append(module)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    while BACKGROUND_MODULES:
+        stop = getattr(BACKGROUND_MODULES.pop(), "stop_in_background", None)
+        if callable(stop):
+            stop()

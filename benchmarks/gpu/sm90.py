@@ -586,20 +586,33 @@ def check(shapes: tuple[str, ...] = ALL_SHAPES, cache_dir: Path | None = None,
     return compile_specs(record(shapes), cache_dir, timeout_s, mem_gib, log)
 
 
-def check_in_subprocess(shapes: tuple[str, ...], json_path: Path, cache_dir: Path | None = None,
-                        timeout: float | None = None) -> list[Result]:
-    """:func:`check` in a fresh process with ``TRITON_INTERPRET`` unset (from a process that interprets, e.g.
-    pytest under tests/conftest.py); the CLI writes ``json_path``."""
+def subprocess_command(shapes: tuple[str, ...], json_path: Path,
+                       cache_dir: Path | None = None) -> tuple[list[str], dict[str, str]]:
+    """The command and environment that run :func:`check` of ``shapes`` in a fresh process with ``TRITON_INTERPRET``
+    unset (the CLI writes ``json_path``)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--shapes", *shapes, "--json", str(json_path)]
     cmd += ["--no-cache"] if cache_dir is None else ["--cache-dir", str(cache_dir)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return cmd, env
+
+
+def read_results(json_path: Path) -> list[Result]:
+    """The results the CLI wrote to ``json_path`` (``--json``)."""
+    fields = {f.name for f in dataclasses.fields(Result)}
+    return [Result(**{k: v for k, v in r.items() if k in fields}) for r in json.loads(json_path.read_text())["results"]]
+
+
+def check_in_subprocess(shapes: tuple[str, ...], json_path: Path, cache_dir: Path | None = None,
+                        timeout: float | None = None) -> list[Result]:
+    """:func:`check` in a fresh process with ``TRITON_INTERPRET`` unset (from a process that interprets, e.g.
+    pytest under tests/conftest.py); the CLI writes ``json_path``."""
+    cmd, env = subprocess_command(shapes, json_path, cache_dir)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if not json_path.exists():
         raise RuntimeError(f"sm90 check wrote no {json_path} (exit {proc.returncode}):\n{proc.stdout[-3000:]}"
                            f"\n{proc.stderr[-3000:]}")
-    fields = {f.name for f in dataclasses.fields(Result)}
-    return [Result(**{k: v for k, v in r.items() if k in fields}) for r in json.loads(json_path.read_text())["results"]]
+    return read_results(json_path)
 
 
 # ---------------------------------------------------------------------------------------------------------------

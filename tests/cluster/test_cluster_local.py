@@ -41,6 +41,7 @@ def _kernels_at_start(rank: int, world: int) -> tuple[int, int, bool]:
             numba_parallel._is_initialized)
 
 
+@pytest.mark.slow  # launches ranks that compile and run the KDA kernels: CI runs it, the fast lane need not
 def test_ranks_inherit_the_compiled_kda_kernels_and_no_numba_threads():
     """The fork server loaded both numba kernels for fp32 and fp64 (``moonrt.cluster.rank_preload``) without
     starting numba's threading layer, so a rank starts with them compiled and forks no thread pool."""

@@ -105,6 +105,7 @@ def test_rank_that_exits_early_is_reported(tmp_path):
 
 
 @pytest.mark.parametrize(("how", "state"), [("SIGSTOP", "stopped by a signal"), ("hang", "still running")])
+@pytest.mark.slow  # waits for a real collective timeout: CI runs it, the fast lane need not
 def test_hung_rank_is_named_when_its_peer_times_out(tmp_path, how, state):
     prog = tmp_path / "victim.py"
     prog.write_text(VICTIM)

@@ -40,6 +40,7 @@ def _shown(res: subprocess.CompletedProcess) -> str:
     return f"exit {res.returncode}\n{res.stdout[-4000:]}\n{res.stderr[-6000:]}"
 
 
+@pytest.mark.slow  # a torchrun job of new interpreters: CI runs it, the fast lane need not
 def test_selftest_under_torchrun_standalone(tmp_path: Path) -> None:
     res = _torchrun(["--standalone"], ["-m", "moonrt.jobs.selftest", "--suite", "collectives", "--sizes", "4K",
                                        "--iters", "1"], tmp_path)

@@ -299,6 +299,7 @@ def _forward_step(rank: int, world: int) -> dict[str, torch.Tensor] | None:
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.slow  # a two-rank ZeRO-1 step on k3_tiny against one process: CI runs it, the fast lane need not
 def test_zero1_one_step_on_a_real_batch_matches_the_single_process_step() -> None:
     """dp 2 ranks each run the model on half the batch rows; one ZeRO step gives the parameters of one process.
 

@@ -96,6 +96,7 @@ def _tiny_pt(path: Path, step: int) -> None:
                            "config": to_dict(job)})
 
 
+@pytest.mark.slow  # a training run, then converts: CI runs it, the fast lane need not
 def test_convert_writes_only_into_a_new_or_empty_directory(tmp_path: Path, capsys: Any) -> None:
     out = tmp_path / "out"
     newer = _sharded(out / "checkpoint", 30)  # the run's newer committed step
@@ -161,6 +162,7 @@ def test_a_flipped_bit_in_a_shard_is_refused_naming_the_file(tmp_path: Path, cap
     assert "file __0_0.distcp is damaged" in _one_line(capsys)
 
 
+@pytest.mark.slow  # a two-rank training run, then a resume: CI runs it, the fast lane need not
 def test_resume_from_a_shard_with_a_flipped_bit_is_refused(tmp_path: Path, capsys: Any) -> None:
     """The probe's case end to end: ``moonrt train --resume`` of a sharded checkpoint with one bit flipped in its
     shard exits 2 naming the file (it resumed with rc 0 and one weight changed)."""
@@ -322,6 +324,7 @@ def _save_two_ranks_on_a_full_disk(rank: int, world: int, root: str, mode: str) 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", ["patched", "tmpfs"])
+@pytest.mark.slow  # a two-rank training run on a full filesystem: CI runs it, the fast lane need not
 def test_no_space_during_a_two_rank_save_keeps_the_previous_step(tmp_path: Path, mode: str) -> None:
     with contextlib.ExitStack() as stack:
         if mode == "tmpfs":

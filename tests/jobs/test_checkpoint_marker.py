@@ -241,6 +241,7 @@ def _exported(action: str, path: Path) -> Any:
 
 
 @pytest.mark.parametrize("action", ["export", "convert"])
+@pytest.mark.slow  # training runs while checkpoints rotate: CI runs it, the fast lane need not
 def test_a_step_rotated_away_while_it_is_read_is_still_read_whole(sharded_run: Path, tmp_path: Path, capsys: Any,
                                                                   monkeypatch: pytest.MonkeyPatch,
                                                                   action: str) -> None:

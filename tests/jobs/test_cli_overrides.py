@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from jobs.helpers import _cli
 
 from moonrt.cli import _stop_signal_arg
 from moonrt.cli import main as cli_main
@@ -274,9 +275,10 @@ def test_mem_plan_config_equals_the_flags(tmp_path: Path) -> None:
     ("optim: {stepz: 1}\n", [], "JOB: optim.stepz: unknown key in OptimConfig"),
     ("{}\n", ["--set", "parallel.epp=2"], "parallel.epp (--set): unknown key in ParallelConfig"),
 ])
-def test_mem_plan_bad_job_is_one_line(tmp_path: Path, text: str, extra: list[str], message: str) -> None:
+def test_mem_plan_bad_job_is_one_line(tmp_path: Path, text: str, extra: list[str], message: str, capfd) -> None:
+    """Refused before any planning: in this process (``_cli``), not a new interpreter's imports."""
     cfg = tmp_path / "job.yaml"
     cfg.write_text(text)
-    r = _mem_plan("--config", str(cfg), *extra)
-    assert r.returncode == 2 and message.replace("JOB", str(cfg)) in r.stderr, r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1
+    code, _, err = _cli(["mem-plan", "--config", str(cfg), *extra], capfd)
+    assert code == 2 and message.replace("JOB", str(cfg)) in err, err
+    assert len(err.strip().splitlines()) == 1

@@ -17,12 +17,11 @@ heap against the collectives, bitwise: ``tests/jobs/test_cp_heap_train.py``).
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from jobs.helpers import _here, _ranks, _run
+from jobs.helpers import _cli, _here, _ranks, _run
 
 from moonrt.models.k3.model.config import k3_tiny
 
@@ -68,8 +67,8 @@ def test_cp2_training_matches_single_process_loss_curve(tmp_path: Path) -> None:
     assert all(y["cp_bytes_sent"] == kinds.count("kda") * kda + kinds.count("mla") * mla for y in rb)
 
 
-def test_cp_degree_that_does_not_fit_the_world_is_a_clear_error(tmp_path: Path) -> None:
-    out = subprocess.run(_moonrt("train", "--cp", "2", "--steps", "1", "--no-progress", "--out", str(tmp_path)),
-                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 2, out.stdout + out.stderr
-    assert "ranks per data-parallel replica: expected a divisor of the world size 1" in out.stderr, out.stderr
+def test_cp_degree_that_does_not_fit_the_world_is_a_clear_error(tmp_path: Path, capfd) -> None:
+    """Refused before a job starts: in this process (``_cli``), not a new interpreter's imports."""
+    code, out, err = _cli(["train", "--cp", "2", "--steps", "1", "--no-progress", "--out", str(tmp_path)], capfd)
+    assert code == 2, out + err
+    assert "ranks per data-parallel replica: expected a divisor of the world size 1" in err, err

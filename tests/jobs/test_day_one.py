@@ -64,6 +64,7 @@ def test_until_before_the_first_eval_evaluates_at_the_stop_step(tmp_path: Path, 
     assert f"eval loss {records[1]['eval_loss']:.3f} nats/token" in summary
 
 
+@pytest.mark.slow  # training runs and a resume: CI runs it, the fast lane need not
 def test_resumed_run_says_so_and_its_summary_counts_its_own_steps(tmp_path: Path, capsys) -> None:
     assert main(_train(tmp_path, "run", "--steps", "4", "--until", "2")) == 0
     first = capsys.readouterr().out

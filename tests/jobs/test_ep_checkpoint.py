@@ -143,6 +143,7 @@ def _gather_and_reload(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow  # a two-rank --ep 2 training run: CI runs it, the fast lane need not
 def test_full_state_dict_is_the_concatenation_of_the_shards() -> None:
     got = dist_run(_gather_and_reload, 2, timeout=240)
     full, E = got[0]["full"], k3_tiny().num_experts

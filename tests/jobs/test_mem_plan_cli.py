@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import argparse
 import subprocess
-import sys
 
 import pytest
+from jobs.helpers import _cli
 from mounts import read_only_dir
 
 from moonrt.jobs.mem_plan import add_arguments
@@ -16,9 +16,11 @@ README_TINY = ["--model", "k3_tiny", "--pp", "2", "--ep", "1", "--cp", "1", "--v
                "--seq-len", "4096", "--microbatches", "8", "--budget-gib", "1"]
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "moonrt.cli", "mem-plan", *args], capture_output=True, text=True,
-                          timeout=300)
+def _run(capfd: pytest.CaptureFixture[str], *args: str) -> subprocess.CompletedProcess:
+    """``moonrt mem-plan ARGS`` in this process (``jobs.helpers._cli``: the exit code and the output
+    ``python -m moonrt.cli`` gives, without a new interpreter's imports)."""
+    code, out, err = _cli(["mem-plan", *args], capfd)
+    return subprocess.CompletedProcess(["moonrt", "mem-plan", *args], code, out, err)
 
 
 @pytest.mark.parametrize("flag,value,expect", [
@@ -31,35 +33,35 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     ("--probe-tokens", "0", "--probe-tokens = 0"),
     ("--tiers", "host,nvme", "--tiers = 'host,nvme': 'nvme' is not a tier; expected a comma-separated subset of"),
 ])
-def test_bad_flag_is_one_line_exit_2(flag, value, expect):
-    r = _run("--model", "k3_tiny", "--pp", "1", "--vpp", "1", "--ep", "1", "--cp", "1", "--schedule", "1f1b",
+def test_bad_flag_is_one_line_exit_2(flag, value, expect, capfd):
+    r = _run(capfd, "--model", "k3_tiny", "--pp", "1", "--vpp", "1", "--ep", "1", "--cp", "1", "--schedule", "1f1b",
              "--seq-len", "256", "--microbatches", "1", flag, value)
     assert r.returncode == 2, r.stderr
     assert expect in r.stderr and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
 
 
-def test_unwritable_out_exit_2(tmp_path):
+def test_unwritable_out_exit_2(tmp_path, capfd):
     with read_only_dir(tmp_path / "ro") as ro:  # a read-only bind mount as root (CI), chmod 0500 otherwise
-        r = _run(*README_TINY, "--out", str(ro / "plan"))
+        r = _run(capfd, *README_TINY, "--out", str(ro / "plan"))
     assert r.returncode == 2 and "--out = " in r.stderr and "expected a writable directory" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
 
 
-def test_out_is_a_file_exit_2(tmp_path):
+def test_out_is_a_file_exit_2(tmp_path, capfd):
     f = tmp_path / "file"
     f.write_text("x")
-    r = _run(*README_TINY, "--out", str(f))
+    r = _run(capfd, *README_TINY, "--out", str(f))
     assert r.returncode == 2 and "expected a writable directory" in r.stderr, r.stderr
 
 
-def test_readme_k3_tiny_example_fits_and_names_the_reserve():
-    r = _run(*README_TINY)
+def test_readme_k3_tiny_example_fits_and_names_the_reserve(capfd):
+    r = _run(capfd, *README_TINY)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "fits 1 GiB" in r.stdout and "(reserve 0.05 GiB)" in r.stdout
 
 
-def test_reserve_larger_than_budget_is_named():
-    r = _run(*README_TINY[:-1], "1", "--reserve-gib", "4")
+def test_reserve_larger_than_budget_is_named(capfd):
+    r = _run(capfd, *README_TINY[:-1], "1", "--reserve-gib", "4")
     assert r.returncode == 2 and "--reserve-gib = 4: expected less than --budget-gib 1" in r.stderr, r.stderr
 
 
@@ -71,7 +73,7 @@ def test_every_flag_has_help():
 
 
 @pytest.mark.slow
-def test_default_plan_uses_only_train_tiers_and_one_minimum_budget(tmp_path):
+def test_default_plan_uses_only_train_tiers_and_one_minimum_budget(tmp_path, capfd):
     """Issue 49 item 4: K3's headline plan (141 GiB) and its policy YAMLs use only the tiers moonrt train runs (no
     remote: train refuses it), and an infeasible budget's minimum is printed as one figure (98.6 vs 98.7 before)."""
     import re
@@ -82,7 +84,7 @@ def test_default_plan_uses_only_train_tiers_and_one_minimum_budget(tmp_path):
     from moonrt.jobs.train.config import TRAIN_TIERS
     from moonrt.memory.policy import MemoryPolicy
 
-    r = _run("--shard-grads", "--budget-gib", "80", "141", "--out", str(tmp_path / "plan"))
+    r = _run(capfd, "--shard-grads", "--budget-gib", "80", "141", "--out", str(tmp_path / "plan"))
     assert r.returncode == 1, r.stdout + r.stderr  # 80 does not fit
     assert "tiers keep,recompute,fp8,host,disk;" in r.stdout
     figures = set(re.findall(r"minimum budget (?:is )?([0-9.]+) GiB", r.stdout))

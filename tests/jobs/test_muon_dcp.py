@@ -82,6 +82,7 @@ def one_thread() -> Any:
     torch.set_num_threads(threads)
 
 
+@pytest.mark.slow  # muon training runs with a save and a resume: CI runs it, the fast lane need not
 def test_one_process_muon_round_trips_bit_for_bit(tmp_path: Path, one_thread: Any) -> None:
     from moonrt.jobs.checkpoint.single import load
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from moonrt.config import from_dict
@@ -47,6 +48,7 @@ def test_groups_follow_the_model_declarations(tmp_path: Path) -> None:
     assert whole.blocking(p["layers.0.attn.qkv_proj.weight"]) == MatrixBlocks()
 
 
+@pytest.mark.slow  # muon training runs with a save and a resume: CI runs it, the fast lane need not
 def test_muon_resume_is_bit_identical(tmp_path: Path) -> None:
     straight = _job(tmp_path, "a")
     train(straight, metrics_path=str(tmp_path / "a.jsonl"), progress=False)

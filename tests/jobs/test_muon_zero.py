@@ -110,6 +110,7 @@ def _single(steps: int) -> dict[str, object]:
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.slow  # two-rank and one-process muon training runs: CI runs it, the fast lane need not
 def test_two_ranks_equal_one_process_incl_matrices_a_flat_partition_splits() -> None:
     from moonrt.jobs.train.optimizers import muon_blocks
 

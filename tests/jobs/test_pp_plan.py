@@ -109,6 +109,7 @@ def test_timeline_wraps_long_schedule_into_rows():
     _assert_readable(fig, labels)
 
 
+@pytest.mark.slow  # plans and renders a large pipeline schedule: CI runs it, the fast lane need not
 def test_timeline_size_bounded_for_large_schedule():
     _, sim = plan_dict(64, 4, 32, 1, 256, "1f1b", 1.0)  # makespan ~ 830 units, 32 ranks: 3 rows at most
     fig = timeline_figure(sim)

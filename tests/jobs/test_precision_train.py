@@ -52,6 +52,7 @@ def _bitwise(a: object, b: object, where: str) -> None:
         assert a == b, (where, a, b)
 
 
+@pytest.mark.slow  # bf16 and fp32 training runs and resumes: CI runs it, the fast lane need not
 def test_bf16_resumes_bitwise_and_resumes_as_fp32_and_back(tmp_path: Path) -> None:
     _run(tmp_path, {"whole": _here("train", *FLAGS, *BF16, "--until", "3", "--out", "whole", "--metrics",
                                    "whole.jsonl"),

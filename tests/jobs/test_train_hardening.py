@@ -70,6 +70,7 @@ def test_broken_checkpoints_name_the_file(tmp_path: Path, capsys, kind: str) -> 
     assert f"checkpoint {str(path)!r}" in line
 
 
+@pytest.mark.slow  # a training run, then a resume per changed field: CI runs it, the fast lane need not
 def test_resume_refuses_a_different_job_and_names_each_field(tmp_path: Path, capsys) -> None:
     assert main(_train_argv(tmp_path, "run", "--steps", "4", "--until", "2")) == 0
     capsys.readouterr()

@@ -70,6 +70,7 @@ class _FileSizeLimit:
 # ---- 1. config.yaml ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # training runs into one --out: CI runs it, the fast lane need not
 def test_fresh_run_refuses_a_config_yaml_that_is_not_its_own(tmp_path: Path, capsys) -> None:
     out = tmp_path / "run"
     out.mkdir()
@@ -92,6 +93,7 @@ def test_fresh_run_refuses_a_config_yaml_that_is_not_its_own(tmp_path: Path, cap
     assert checkpoint.load(tmp_path / "other" / CHECKPOINT)["step"] == 2
 
 
+@pytest.mark.slow  # training runs and a resume: CI runs it, the fast lane need not
 def test_a_planted_symlink_beside_config_yaml_is_not_written_through(tmp_path: Path) -> None:
     victim = tmp_path / "victim.txt"
     victim.write_text("precious\n")
@@ -106,6 +108,7 @@ def test_a_planted_symlink_beside_config_yaml_is_not_written_through(tmp_path: P
     assert sorted(p.name for p in out.iterdir()) == [CHECKPOINT, "config.yaml", "config.yaml.tmp", "run_id"]  # no temp
 
 
+@pytest.mark.slow  # a training run on a full filesystem: CI runs it, the fast lane need not
 def test_full_disk_at_the_config_write_is_one_line_and_leaves_no_temp(tmp_path: Path, capsys) -> None:
     assert main(_train_argv(tmp_path, "run", "--steps", "3", "--until", "1")) == 0
     out = tmp_path / "run"
@@ -344,6 +347,7 @@ def test_the_lock_is_held_for_the_whole_run(tmp_path: Path) -> None:
 # ---- 6. --metrics, --routing-trace, --out '' -----------------------------------------------------------------
 
 
+@pytest.mark.slow  # training runs and a resume: CI runs it, the fast lane need not
 def test_resume_never_trims_a_file_that_is_not_this_runs_metrics(tmp_path: Path, capsys) -> None:
     assert main(_train_argv(tmp_path, "run", "--steps", "4", "--until", "2", "--metrics",
                             str(tmp_path / "m.jsonl"))) == 0
@@ -363,6 +367,7 @@ def test_resume_never_trims_a_file_that_is_not_this_runs_metrics(tmp_path: Path,
     assert [r["step"] for r in _strict_records(tmp_path / "m.jsonl")] == [1, 2, 3, 4]
 
 
+@pytest.mark.slow  # two-rank training runs: CI runs it, the fast lane need not
 def test_routing_trace_never_overwrites_a_file_that_is_not_this_runs(tmp_path: Path, capsys) -> None:
     user = tmp_path / "user.npz"
     np.savez(user, counts=np.ones((1, 1, 1, 4), dtype=np.int64))

@@ -158,6 +158,7 @@ def test_a_users_config_yaml_in_out_is_never_replaced(tmp_path: Path, capsys) ->
     assert mine.read_bytes() == before and checkpoint.load(out / CHECKPOINT)["step"] == 3
 
 
+@pytest.mark.slow  # training runs and a resume: CI runs it, the fast lane need not
 def test_moonrts_own_config_yaml_is_marked_and_replaced_on_resume(tmp_path: Path) -> None:
     assert main(_train_argv(tmp_path, "run", "--steps", "3", "--until", "1")) == 0
     config = tmp_path / "run" / "config.yaml"

@@ -58,6 +58,7 @@ def small_fs(tmp_path: Path):
         yield mnt
 
 
+@pytest.mark.slow  # a moonrt train process on a full tmpfs: CI runs it, the fast lane need not
 def test_train_on_a_full_filesystem_is_one_line_not_sigbus(tmp_path: Path, small_fs: Path) -> None:
     """The probe: ``moonrt train --memory-policy`` with the disk tier on a 256 KiB filesystem (8 MiB capacity).
     Before: SIGBUS (exit 135 in a shell, -7 here), no message. Now: exit 2, one line naming the directory, the

@@ -8,6 +8,7 @@ op. Two float64 computations of one function agree to rounding, so equality is :
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from dist import dist_run
@@ -234,6 +235,7 @@ def _ep_fp64_fn(rank: int, world: int) -> dict:
             "narrower": rec.narrower_than(F64)}
 
 
+@pytest.mark.slow  # two gloo ranks in fp64: CI runs it, the fast lane need not
 def test_fp64_expert_parallel_dispatch_and_combine() -> None:
     """Under expert parallelism (MoonEP on 2 gloo ranks) an fp64 model's tokens and router weights are dispatched,
     weighted and combined in fp64, forward and backward (the combine computes in fp32 only for bf16 / fp32)."""

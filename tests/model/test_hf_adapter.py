@@ -147,6 +147,7 @@ def test_fixture_tensors_import_bitwise():
     assert all(torch.equal(back[k], v) for k, v in sd.items())
 
 
+@pytest.mark.slow  # builds the full K3 model (on meta) and maps every tensor: CI runs it, the fast lane need not
 def test_full_k3_on_meta_device():
     """Every released name and shape of the full K3, from a model built on the meta device (nothing allocated):
     the counts of issue 32 (moonrt's 2.78T, plus the 187 AttnRes key norms the release keeps)."""

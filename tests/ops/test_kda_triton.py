@@ -114,7 +114,8 @@ def assert_close(got, ref, tol: float) -> None:
 
 
 @pytest.mark.parametrize(("B", "T", "decay", "use_state"), [
-    (2, 128, "k3", False),  # fixed length, two full chunks per sequence, K3's strong decays
+    pytest.param(2, 128, "k3", False, marks=pytest.mark.slow),  # fixed length, two full chunks per sequence, K3's
+    # strong decays (slow: ~7 s interpreted; the fast lane keeps the case below)
     (1, 100, "weak", True),  # T % chunk != 0, an initial state carried over long memory
 ])
 def test_fp32_matches_fp64_recurrence(B: int, T: int, decay: str, use_state: bool) -> None:
@@ -138,7 +139,8 @@ def test_bf16_inputs_fp32_state() -> None:
         assert rel_l2(grads[name], grads_r[name]) <= BF16_TOL, (name, rel_l2(grads[name], grads_r[name]))
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.float64, pytest.param(torch.float32, marks=pytest.mark.slow)])  # the fast
+# lane keeps fp64 (the same sequence boundaries); fp32 is CI's
 def test_varlen_with_empty_and_single_token_sequences(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     """cu_seqlens with an empty sequence (its final state is its initial state, its state gradient the final-state
     one), a length-1 sequence and a tail chunk: equal to the recurrence run per sequence, outputs and gradients.
@@ -170,6 +172,7 @@ def test_varlen_with_empty_and_single_token_sequences(dtype: torch.dtype, monkey
         assert rel_l2(grads[name], leaf.grad) <= tol, (name, rel_l2(grads[name], leaf.grad))
 
 
+@pytest.mark.slow  # ~12 s interpreted with tf32x3 emulated in every dot: CI runs it, the fast lane need not
 def test_tf32x3_tensor_core_products_keep_the_derived_bound(monkeypatch: pytest.MonkeyPatch) -> None:
     """The fp32 run with sm_90's tf32x3 arithmetic emulated in every dot (several key and value blocks, K3's strong
     decays, an initial state): outputs, final state and every gradient within TF32X3_TOL of the fp64 recurrence;
@@ -216,7 +219,8 @@ def test_the_bound_itself_is_accepted() -> None:
     assert_close(run_with_grads(kt.kda_chunk, inputs, True, seed=31), reference(inputs, True, seed=31), FP32_TOL)
 
 
-@pytest.mark.parametrize(("K", "V"), [(96, 96), (48, 40)])
+@pytest.mark.parametrize(("K", "V"), [pytest.param(96, 96, marks=pytest.mark.slow), (48, 40)])  # the fast lane
+# keeps 48 x 40 (several key blocks and a masked value block); 96 (three blocks of 32) is CI's
 def test_key_and_value_blocks_match_fp64_recurrence(K: int, V: int) -> None:
     """Head sizes split into several key / value blocks: 96 as three blocks of 32 (no padding to 128), 48 as three
     of 16 and V = 40 as a masked block of 64 (forward) / 32 + a masked 32 (backward); outputs, final state and every
@@ -228,7 +232,7 @@ def test_key_and_value_blocks_match_fp64_recurrence(K: int, V: int) -> None:
         assert_close(run_with_grads(kt.kda_chunk, inputs, True, seed=K), reference(inputs, True, seed=K), tol)
 
 
-@pytest.mark.parametrize("chunk_size", [16, 128])
+@pytest.mark.parametrize("chunk_size", [16, pytest.param(128, marks=pytest.mark.slow)])  # 128: CI's (~6 s)
 def test_other_chunk_sizes_float64(chunk_size: int) -> None:
     """One sub-tile per chunk (16) and eight (128), several chunks and a tail: the recurrence's results."""
     inputs = make_inputs(B=1, T=150 if chunk_size == 128 else 40, H=1, K=16, V=16, seed=12, dtype=torch.float64)
@@ -236,7 +240,7 @@ def test_other_chunk_sizes_float64(chunk_size: int) -> None:
     assert_close(got, reference(inputs, True, seed=12), F64_RTOL)
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.float64, pytest.param(torch.float32, marks=pytest.mark.slow)])  # fp32: CI's
 def test_kcp_summaries_equal_the_cpu_ones(dtype: torch.dtype) -> None:
     """kda_transition (M, S_ext) and kda_state_grad (with and without a final-state gradient) equal the CPU ops, on a
     segment of several chunks with a tail and decays weak enough that M and the final-state path are O(1)."""

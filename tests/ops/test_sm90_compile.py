@@ -6,15 +6,22 @@
 
 The compiles run in a subprocess with ``TRITON_INTERPRET`` unset (tests/conftest.py sets it for this process), one per
 shape, cached on disk by ``sm90`` (an unchanged kernel compiles once per machine). KDA shapes take minutes cold: slow.
+The groups the selected tests need start in one background process when collection ends
+(:func:`start_in_background`), so a cold compile overlaps the tests that run before this file's.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -73,18 +80,106 @@ FAST_GROUP = ("fp8", "moonep", sm90.PLANTED)
 """Shapes checked by one subprocess (a few seconds once cached); each KDA shape has its own."""
 
 
+def _group_of(shape: str) -> tuple[str, ...]:
+    return FAST_GROUP if shape in FAST_GROUP else (shape,)
+
+
+GROUP_TIMEOUT_S = 3600
+"""Wall seconds a test waits for one group's compiles (cold KDA shapes take minutes)."""
+
+CHAIN = """
+import json, os, subprocess, sys
+from pathlib import Path
+for cmd, log, done in json.loads(sys.argv[1]):
+    if os.getppid() != int(sys.argv[2]):  # pytest is gone (killed): start nothing more
+        break
+    with open(log, "w") as out:
+        rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
+    Path(done).write_text(str(rc))
+"""
+"""The background process: each group's ``sm90`` CLI in turn, its output in ``log``, its exit code in ``done`` once
+it ended (the group's JSON is complete then); no further group once pytest (``argv[2]``) is gone."""
+
+
+class _Background:
+    """The compiles of the groups the selected tests need, started in one process at the end of collection
+    (:func:`start_in_background`), one group after another in the tests' order, so they run on the second core
+    while the tests before them run (a cold KDA group takes minutes). A test collects its group's results."""
+
+    def __init__(self, groups: list[tuple[str, ...]]) -> None:
+        self.tmp = Path(tempfile.mkdtemp(prefix="moonrt-sm90-tests-"))
+        self.paths = {g: self.tmp / f"sm90-{'-'.join(g)}" for g in groups}
+        steps, env = [], None
+        for g, path in self.paths.items():
+            cmd, env = sm90.subprocess_command(g, path.with_suffix(".json"), cache_dir=sm90.default_cache_dir())
+            steps.append([cmd, str(path.with_suffix(".log")), str(path.with_suffix(".done"))])
+        self.proc = subprocess.Popen([sys.executable, "-c", CHAIN, json.dumps(steps), str(os.getpid())], cwd=ROOT,
+                                     env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def results(self, group: tuple[str, ...]) -> list[sm90.Result]:
+        path = self.paths[group]
+        deadline = time.monotonic() + GROUP_TIMEOUT_S
+        while not path.with_suffix(".done").exists():
+            if self.proc.poll() is not None and not path.with_suffix(".done").exists():
+                raise RuntimeError(f"the background sm90 process ended (exit {self.proc.returncode}) before {group}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"sm90 {group}: no result after {GROUP_TIMEOUT_S} s")
+            time.sleep(0.5)
+        json_path = path.with_suffix(".json")
+        if not json_path.exists():
+            log = path.with_suffix(".log").read_text()
+            raise RuntimeError(f"sm90 check wrote no {json_path} (exit {path.with_suffix('.done').read_text()}):\n"
+                               f"{log[-6000:]}")
+        return sm90.read_results(json_path)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the chain, its sm90 CLI and their compile workers
+        self.proc.wait()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+BACKGROUND: list[_Background] = []
+"""The session's background compiles (none before collection ends, or when no selected test needs one)."""
+
+
+def start_in_background(items: list[pytest.Item]) -> None:
+    """tests/conftest.py calls this once collection ended with this module's selected tests: start the compiles of
+    every group they need (:class:`_Background`)."""
+    groups: list[tuple[str, ...]] = []
+    for item in items:
+        if "sm90_results" not in getattr(item, "fixturenames", ()):
+            continue
+        callspec = getattr(item, "callspec", None)
+        group = _group_of(callspec.params["shape"] if callspec else sm90.PLANTED)
+        if group not in groups:
+            groups.append(group)
+    if groups:
+        BACKGROUND.append(_Background(groups))
+
+
+def stop_in_background() -> None:
+    """tests/conftest.py calls this at the end of the session: stop what still runs (a session cut short)."""
+    while BACKGROUND:
+        BACKGROUND.pop().stop()
+
+
 @functools.cache
 def _group(shapes: tuple[str, ...], tmp: Path) -> list[sm90.Result]:
+    started = next((b for b in BACKGROUND if shapes in b.paths), None)
+    if started is not None:
+        return started.results(shapes)
     return sm90.check_in_subprocess(shapes, tmp / f"sm90-{'-'.join(shapes)}.json", cache_dir=sm90.default_cache_dir(),
-                                    timeout=3600)
+                                    timeout=GROUP_TIMEOUT_S)
 
 
 def _results(shape: str, tmp: Path) -> list[sm90.Result]:
-    return [r for r in _group(FAST_GROUP if shape in FAST_GROUP else (shape,), tmp) if r.shape == shape]
+    return [r for r in _group(_group_of(shape), tmp) if r.shape == shape]
 
 
 @pytest.fixture(scope="session")
 def sm90_results(tmp_path_factory: pytest.TempPathFactory):
+    """``shape`` -> its kernels' results: from the background compiles when they were started, else compiled now."""
     tmp = tmp_path_factory.mktemp("sm90")
     return lambda shape: _results(shape, tmp)
 
