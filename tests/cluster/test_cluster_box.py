@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from cluster.helpers import clean_env, cluster_unavailable, verify_selftest_report
 from jobs.helpers import FLAGS, _assert_same_step, _ckpt, _here, _main_here, _metrics, _run
 
@@ -198,6 +199,11 @@ def test_two_node_ep_pp_job_matches_one_process_and_listens_only_on_the_box(box:
     ref = _metrics(tmp_path / "single.jsonl")[2]
     _assert_same_step(tmp_path, "multi", ref, _ckpt(tmp_path / "single"))
     assert_only_on_the_box(watch.seen)
+    # rank = pp_idx * ep + ep_idx: each EP group is the two ranks of one node, so `auto` put MoonEP on that host's
+    # shm heap while the pipeline crossed nodes over gloo (the heap is per host; a group spanning hosts resolves to
+    # the collectives, tests/comm/test_transport.py)
+    recorded = yaml.safe_load((tmp_path / "multi" / "config.yaml").read_text())
+    assert recorded["parallel"]["ep_transport"] == "shm", recorded["parallel"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
