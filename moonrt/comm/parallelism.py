@@ -6,6 +6,9 @@ schedule there), :meth:`sync_grads`, :meth:`clip_grad_norm`, :meth:`step` (inste
 :meth:`sum_stats` / :meth:`sum_scalar` and :meth:`step_metrics`, and :meth:`full_state_dict` /
 :meth:`load_full_state_dict` for checkpoints in the single-process layout (gathered), :meth:`sharded_state_dict` /
 :meth:`load_sharded_state_dict` for sharded DCP checkpoints (each rank its own pieces), :meth:`close` at the end.
+The four checkpoint calls are the generic functions of :mod:`moonrt.comm.state.describe` over this rank's one
+description of its state, :meth:`describe`, which every part refines (:meth:`Part.describe`: experts by rows, ZeRO by
+optimizer-state shard, the pipeline by stage); no part has checkpoint verbs of its own.
 A single-process job is this object with no parts and no replica group.
 
 Order of the parts: the table :data:`moonrt.comm.compose.COMPOSITION` (pipeline, ZeRO, experts, routing trace),
@@ -18,11 +21,11 @@ part that handles the sum. After :meth:`sync_grads` a part that handles it may h
 
 A :class:`Part` is one parallel dimension's contribution (expert parallelism, the pipeline:
 :class:`moonrt.comm.pp.part.PipelineParallel`). Every method has a do-nothing default; for the verbs that one
-part must own (summing gradients, clipping, checkpoint state) the first part that handles the call
+part must own (summing gradients, clipping) the first part that handles the call
 wins (it returns True / a value instead of the default; likewise for running the step,
 :meth:`forward_backward` / :meth:`loss_sum`, and the optimizer update, :meth:`step`), otherwise the
 object's own replicated-data default runs: per-tensor all-reduce over the replica group, torch's
-global-norm clip, the module's own ``state_dict``.
+global-norm clip.
 
 Gradient clipping is one function, :func:`clip_to_global_norm`: a part declares its :class:`GradNorm`
 (:meth:`Part.grad_norm`: fp64 squared sums of the gradient elements this rank counts, each with the groups to sum
