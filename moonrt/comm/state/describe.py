@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moonrt.comm.state.dcp import MOMENTS, MOMENTUM, Boxes, Shard, finish_local_load, model_entries, optim_entries
-from moonrt.ops.muon import step_count
+from moonrt.ops.muon import Muon, step_count
 
 Layout = tuple[list[str], list[list[str]]]
 """``(model keys, parameter names of every optimizer param group)`` of the single-process layout, in order."""
@@ -94,6 +94,14 @@ def _muon(desc: StateDescription, groups: list[list[str]]) -> set[str]:
     return {n for names, g in zip(groups, desc.optim.param_groups) if g.get("use_muon", False) for n in names}
 
 
+def _check_optimizer(optim: torch.optim.Optimizer) -> None:
+    """TypeError unless ``optim`` keeps a state layout the descriptions name (torch's AdamW, moonrt's Muon): the
+    generic functions would lose another optimizer's state."""
+    if not isinstance(optim, torch.optim.AdamW | Muon):
+        raise TypeError(f"checkpoint state of a {type(optim).__name__} optimizer: expected torch.optim.AdamW or "
+                        "moonrt.ops.muon.Muon (the state layouts moonrt.comm.state.dcp names)")
+
+
 # ---- pieces of an entry -------------------------------------------------------------------------------------------
 
 def _pieces(value: Any) -> list[tuple[tuple[int, ...], torch.Tensor]]:
@@ -123,10 +131,12 @@ def gather_full_state(desc: StateDescription, group: Any = None) -> dict[str, An
     part is torch's ``optimizer.state_dict()`` of the single-process optimizer (AdamW parameters with step > 0:
     ``{step, exp_avg, exp_avg_sq}``, ``use_muon`` ones: ``{momentum_buffer}``; the param groups' hyperparameters
     are this rank's). ValueError naming the entry when the ranks' pieces do not cover it."""
+    _check_optimizer(desc.optim)
     model_keys, groups = desc.layout()
-    mine = {k: (_shape(v), [(o, t.detach().to("cpu", copy=True)) for o, t in _pieces(v)])
-            for k, v in desc.entries().items()}
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+    multi = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+    mine = {k: (_shape(v), [(o, t.detach().to("cpu", copy=True) if multi else t.detach()) for o, t in _pieces(v)])
+            for k, v in desc.entries().items()}  # one process: the tensors themselves, as ``state_dict()`` gives them
+    if multi:
         every: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(every, mine, group=group)
         me = dist.get_rank(group)
@@ -224,6 +234,7 @@ def scatter_full_state(desc: StateDescription, state: dict[str, Any]) -> None:
     copies its boxes out of the whole tensor, then :attr:`StateDescription.finish`; the param groups'
     hyperparameters become the saved ones. KeyError / ValueError before anything is loaded when the state does not
     fit (``checkpoint <name>: shape ..., expected ...`` for a tensor of another single-process shape)."""
+    _check_optimizer(desc.optim)
     layout = desc.layout()
     entries = desc.entries()
     _check_model(layout[0], state["model"], entries)
