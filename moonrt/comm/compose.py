@@ -1,13 +1,14 @@
 """How a job's parallel parts compose, as data: one table of part kinds in order, and what each wraps.
 
 :class:`~moonrt.comm.parallelism.Parallelism` asks its parts in list order and the first part that handles a verb
-wins (``forward_backward``, ``sync_grads``, ``clip_grad_norm``, ``step``, the checkpoint verbs); hooks that every
-part sees (``parallelize``, ``step_metrics``, ``close``) run in the same order. So the order is the composition,
-and it is decided here, not by whoever builds the parts: :func:`compose` sorts the parts a job built by
-:data:`COMPOSITION` (each part names its row by its class attribute :attr:`Part.kind`) and gives every part whose
-row ``wraps`` other kinds the first of them that is present (:meth:`Part.wrap`: the pipeline's ``inner``, ZeRO's
-``ep``). A wrapping part delegates to its inner part what that part shards further (the gradient-norm
-contribution, the checkpoint state of this rank's parameters) and combines the result over its own dimension.
+wins (``forward_backward``, ``sync_grads``, ``clip_grad_norm``, ``step``); hooks that every part sees
+(``parallelize``, ``step_metrics``, ``close``) run in the same order, and the checkpoint description
+(:meth:`~moonrt.comm.parallelism.Part.describe`) is refined by every part in the reverse order, innermost first.
+So the order is the composition, and it is decided here, not by whoever builds the parts: :func:`compose` sorts
+the parts a job built by :data:`COMPOSITION` (each part names its row by its class attribute :attr:`Part.kind`)
+and gives every part whose row ``wraps`` other kinds the first of them that is present (:meth:`Part.wrap`: the
+pipeline's ``inner``, ZeRO's ``ep``). A wrapping part delegates to its inner part what that part shards further
+(the gradient-norm contribution) and combines the result over its own dimension.
 
 =========  ================  ===========================================================================
 kind       wraps             why here

@@ -6,6 +6,9 @@ schedule there), :meth:`sync_grads`, :meth:`clip_grad_norm`, :meth:`step` (inste
 :meth:`sum_stats` / :meth:`sum_scalar` and :meth:`step_metrics`, and :meth:`full_state_dict` /
 :meth:`load_full_state_dict` for checkpoints in the single-process layout (gathered), :meth:`sharded_state_dict` /
 :meth:`load_sharded_state_dict` for sharded DCP checkpoints (each rank its own pieces), :meth:`close` at the end.
+The four checkpoint calls are the generic functions of :mod:`moonrt.comm.state.describe` over this rank's one
+description of its state, :meth:`describe`, which every part refines (:meth:`Part.describe`: experts by rows, ZeRO by
+optimizer-state shard, the pipeline by stage); no part has checkpoint verbs of its own.
 A single-process job is this object with no parts and no replica group.
 
 Order of the parts: the table :data:`moonrt.comm.compose.COMPOSITION` (pipeline, ZeRO, experts, routing trace),
@@ -18,11 +21,11 @@ part that handles the sum. After :meth:`sync_grads` a part that handles it may h
 
 A :class:`Part` is one parallel dimension's contribution (expert parallelism, the pipeline:
 :class:`moonrt.comm.pp.part.PipelineParallel`). Every method has a do-nothing default; for the verbs that one
-part must own (summing gradients, clipping, checkpoint state) the first part that handles the call
+part must own (summing gradients, clipping) the first part that handles the call
 wins (it returns True / a value instead of the default; likewise for running the step,
 :meth:`forward_backward` / :meth:`loss_sum`, and the optimizer update, :meth:`step`), otherwise the
 object's own replicated-data default runs: per-tensor all-reduce over the replica group, torch's
-global-norm clip, the module's own ``state_dict``.
+global-norm clip.
 
 Gradient clipping is one function, :func:`clip_to_global_norm`: a part declares its :class:`GradNorm`
 (:meth:`Part.grad_norm`: fp64 squared sums of the gradient elements this rank counts, each with the groups to sum
@@ -45,6 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moonrt.comm.grad_reduce import REDUCE_DTYPES, all_reduce_grad
+from moonrt.comm.state.describe import StateDescription, gather_full_state, local_description, scatter_full_state
 from moonrt.parallel.context import LOCAL, AttentionContext
 from moonrt.parallel.model import trainable
 from moonrt.parallel.packing import DocumentPacking
@@ -160,25 +164,39 @@ class Part:
         ``optim.step()`` runs)."""
         return False
 
-    def full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer) -> StateDict | None:
-        """``{"model", "optimizer"}`` in the single-process layout (collective), or None for the default."""
-        return None
+    def describe(self, model: nn.Module, optim: torch.optim.Optimizer, desc: StateDescription) -> StateDescription:
+        """Refine ``desc``, the checkpoint state description of the parts this one wraps (or of one process:
+        :func:`moonrt.comm.state.describe.local_description`), by this part's dimension, and return it (the default:
+        unchanged). A part only says what this rank holds; gathering, scattering and DCP's entries are the generic
+        functions of :mod:`moonrt.comm.state.describe`."""
+        return desc
 
-    def load_full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, state: StateDict) -> bool:
-        """Load a single-process-layout state into this rank's shards; True if this part did it."""
-        return False
+    def wrapped(self) -> Part | None:
+        """The part this one wraps (:meth:`wrap`), or None."""
+        return getattr(self, "inner", None)
 
-    def sharded_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer,
-                           save: bool = True) -> StateDict | None:
-        """This rank's pieces of the single-process-layout state for DCP (:mod:`moonrt.comm.state.dcp`: tensors
-        and ``Shard`` s by name, no gather), or None for the default. ``save=True``: what this rank writes (it may
-        leave out a copy another rank writes); False: the load targets of everything this rank holds."""
-        return None
+    def state_description(self, model: nn.Module, optim: torch.optim.Optimizer) -> StateDescription:
+        """The description of this part and the parts it wraps, innermost first (what :meth:`Parallelism.describe`
+        gives for a job of these parts alone)."""
+        chain: list[Part] = []
+        part: Part | None = self
+        while part is not None:
+            chain.append(part)
+            part = part.wrapped()
+        desc = local_description(model, optim)
+        for part in reversed(chain):
+            desc = part.describe(model, optim, desc)
+        return desc
 
-    def load_sharded_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, state: StateDict) -> bool:
-        """Finish a load after DCP filled ``state`` (this part's :meth:`sharded_state_dict` with ``save=False``);
-        True if this part did it."""
-        return False
+    # compatibility for callers holding one part (tests written against the per-part verbs): the generic functions
+    def full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+        """:func:`moonrt.comm.state.describe.gather_full_state` of :meth:`state_description` (collective)."""
+        return gather_full_state(self.state_description(model, optim))
+
+    def load_full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, state: dict[str, Any]) -> bool:
+        """:func:`moonrt.comm.state.describe.scatter_full_state` into :meth:`state_description`; True."""
+        scatter_full_state(self.state_description(model, optim), state)
+        return True
 
     def step_metrics(self, step: int, model: nn.Module, record: Record) -> None:
         """Add this part's per-step metrics to ``record`` (after the optimizer step, before eval)."""
@@ -190,9 +208,9 @@ class Part:
 @runtime_checkable
 class ExpertSharding(Protocol):
     """What a part that owns every parameter's state (ZeRO, :mod:`moonrt.comm.zero.core`) asks of the part that
-    shards the routed experts (:class:`moonrt.comm.ep.parallel.ExpertParallel`): which parameters are expert shards,
-    where each shard sits in its single-process tensor, and the single-process-layout state of the model with the
-    expert rows gathered (collective) or sliced back."""
+    shards the routed experts (:class:`moonrt.comm.ep.parallel.ExpertParallel`): which parameters are expert shards
+    and where each shard sits in its single-process tensor (the checkpoint state of the rows is the expert part's
+    :meth:`Part.describe`)."""
 
     def is_expert(self, p: torch.Tensor) -> bool:
         """True for a routed-expert parameter (summed over the expert replicas, not the dense ones)."""
@@ -200,15 +218,6 @@ class ExpertSharding(Protocol):
 
     def shard_map(self, model: nn.Module) -> dict[int, tuple[tuple[int, ...], int]]:
         """``id(param) -> (single-process shape (E, ...), first home expert)`` of every sharded expert parameter."""
-        ...
-
-    def full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer) -> StateDict:
-        """``{"model", "optimizer"}`` in the single-process layout (collective over the EP group)."""
-        ...
-
-    def load_full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer | None,
-                             state: StateDict) -> bool:
-        """Load a single-process-layout ``{"model", "optimizer"}``, keeping this rank's home experts."""
         ...
 
 
@@ -386,35 +395,34 @@ class Parallelism:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return [int(v) for v in t.tolist()]
 
-    def full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer) -> StateDict:
-        for part in self.parts:
-            state = part.full_state_dict(model, optim)
-            if state is not None:
-                return state
-        return {"model": model.state_dict(), "optimizer": optim.state_dict()}
+    # ---- checkpoint state: one description, composed by the parts; generic functions over it --------------------
+    def describe(self, model: nn.Module, optim: torch.optim.Optimizer) -> StateDescription:
+        """What of the single-process checkpoint state this rank holds: one process's description
+        (:func:`moonrt.comm.state.describe.local_description`) refined by every part, innermost first
+        (:meth:`Part.describe`: experts by rows, ZeRO by optimizer-state shard, the pipeline by stage)."""
+        desc = local_description(model, optim)
+        for part in reversed(self.parts):
+            desc = part.describe(model, optim, desc)
+        return desc
 
-    def load_full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, state: StateDict) -> None:
-        if any(part.load_full_state_dict(model, optim, state) for part in self.parts):
-            return
-        model.load_state_dict(state["model"])
-        optim.load_state_dict(state["optimizer"])
+    def full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+        """``{"model", "optimizer"}`` in the single-process layout on every rank (collective:
+        :func:`moonrt.comm.state.describe.gather_full_state` over :attr:`cpu_group`)."""
+        return gather_full_state(self.describe(model, optim), self.cpu_group)
 
-    def sharded_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, save: bool = True) -> StateDict:
-        """This rank's DCP state (:meth:`Part.sharded_state_dict`); default: every tensor whole (one process)."""
-        from moonrt.comm.state.dcp import local_state
+    def load_full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """Load a single-process-layout state into this rank's pieces
+        (:func:`moonrt.comm.state.describe.scatter_full_state`)."""
+        scatter_full_state(self.describe(model, optim), state)
 
-        for part in self.parts:
-            state = part.sharded_state_dict(model, optim, save)
-            if state is not None:
-                return state
-        return local_state(model, optim)
+    def sharded_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, save: bool = True) -> dict[str, Any]:
+        """This rank's DCP state (:meth:`moonrt.comm.state.describe.StateDescription.entries`): ``save=True`` what
+        it writes (a copy another rank writes left out), False the load targets of everything it holds."""
+        return self.describe(model, optim).entries(save)
 
     def load_sharded_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, state: StateDict) -> None:
         """Finish a load into the targets of ``sharded_state_dict(model, optim, save=False)`` that DCP filled."""
-        from moonrt.comm.state.dcp import finish_local_load
-
-        if not any(part.load_sharded_state_dict(model, optim, state) for part in self.parts):
-            finish_local_load(model, optim, state)
+        self.describe(model, optim).finish(state)
 
     def step_metrics(self, step: int, model: nn.Module, record: Record) -> None:
         for part in self.parts:

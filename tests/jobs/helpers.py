@@ -200,6 +200,16 @@ def _one_error_line(err: str) -> str:
 
 # ---- checkpoints and optimizer state ----------------------------------------------------------------------------
 
+FIXTURE_MODEL = [f"model_config.{k}={v}" for k, v in (
+    ("hidden_size", 16), ("intermediate_size", 32), ("moe_intermediate_size", 8), ("routed_expert_hidden_size", 8),
+    ("q_lora_rank", 8), ("kv_lora_rank", 8), ("qk_nope_head_dim", 4), ("qk_rope_head_dim", 4), ("v_head_dim", 4),
+    ("linear_attn_config.head_dim", 4), ("num_experts", 4), ("num_shared_experts", 1))]
+"""k3_tiny's structure (9 layers KKKMKKKMM, MoE, MLA) at ~40k parameters: the model of the committed checkpoint
+fixtures (``tests/jobs/fixtures/make_checkpoints.py``, ~0.65 MB a checkpoint)."""
+FIXTURE_FLAGS = [*FLAGS, *EVAL_SMALL, *(a for kv in FIXTURE_MODEL for a in ("--set", kv))]
+"""The ``moonrt train`` flags the fixtures were written with and every run resumed from them takes."""
+
+
 def _adamw_bytes_per_rank(dp: int) -> int:
     """AdamW state bytes of one rank under ZeRO-1 over ``dp`` replicas of k3_tiny (one fp32 bucket): two
     ``[ceil(L / dp)]`` fp32 moment shards and the ``[P]`` fp64 step counts."""

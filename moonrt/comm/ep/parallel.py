@@ -17,11 +17,10 @@
   (:mod:`moonrt.comm.grad_reduce`).
 - :meth:`grad_norm`: the global gradient norm counts replicated gradients once and adds the
   expert shards of every EP rank, so clipping matches the single-process run.
-- :meth:`full_state_dict` / :meth:`load_full_state_dict`: layout-independent checkpoints. The
-  saved state always has the single-process layout (every ``[E, ...]`` expert tensor whole, AdamW
-  ``exp_avg`` / ``exp_avg_sq`` of the experts likewise), gathered over the EP group; loading slices
-  it back to the home experts, so a checkpoint of ``--ep 2`` resumes in one process or ``--ep 4``.
-  :meth:`sharded_state_dict`: the same names for DCP, each rank writing only its home experts' rows.
+- :meth:`describe`: layout-independent checkpoints. The part says which rows of every ``[E, ...]`` expert
+  tensor this rank holds (its home experts, and the same rows of their optimizer state); the generic functions of
+  :mod:`moonrt.comm.state.describe` gather them into the single-process layout, slice it back, or hand DCP the rows,
+  so a checkpoint of ``--ep 2`` resumes in one process or ``--ep 4``.
 - :meth:`step_metrics`: per-step metrics (rows each EP rank computed, rows the hottest rank would
   compute without balancing, token rows and bytes this rank sent to other EP ranks); :meth:`layer_counts`
   gives the group-wide ``[R, E]`` routing counts a :class:`moonrt.comm.parallelism.RoutingTrace` records.
@@ -46,6 +45,7 @@ from moonrt.comm.ep.slots import SlotPool
 from moonrt.comm.grad_reduce import all_reduce_grad
 from moonrt.comm.mesh import Group, ProcessMesh
 from moonrt.comm.parallelism import GradNorm, Part
+from moonrt.comm.state.describe import StateDescription
 from moonrt.comm.transport.base import SymmetricHeap
 from moonrt.comm.transport.select import build_transport
 from moonrt.config import ConfigError, ParallelConfig
@@ -188,68 +188,6 @@ class ExpertParallel(Part):
         """``(name, param)`` of every sharded expert parameter, in ``named_parameters`` order."""
         return [(n, p) for n, p in model.named_parameters() if id(p) in self._expert_slices]
 
-    def _gather(self, t: torch.Tensor) -> torch.Tensor:
-        """The home slices ``[E/R, ...]`` of every EP rank concatenated in rank order: ``[E, ...]``."""
-        t = t.detach().contiguous()
-        parts = [torch.empty_like(t) for _ in range(self.ep_size)]
-        dist.all_gather(parts, t, group=self.ep_group)
-        return torch.cat(parts)
-
-    def full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
-        """``{"model", "optimizer"}`` in the single-process layout (collective: every rank calls it).
-
-        Expert parameters ``w_* [E/R, ...]`` and their AdamW ``exp_avg`` / ``exp_avg_sq`` are
-        all-gathered over the EP group into ``[E, ...]`` (home slices are contiguous and in EP rank
-        order, so the concatenation is the unsharded tensor); everything else is this rank's (the
-        replicas are identical). Optimizer param indices follow the param groups, whose order sharding
-        keeps (it replaces each parameter in place), so the result has the layout of a single-process
-        ``optimizer.state_dict()``.
-        """
-        model_sd = model.state_dict()
-        optim_sd = optim.state_dict()
-        sharded = self._sharded(model) if self.ep_size > 1 else []
-        if not sharded:
-            return {"model": model_sd, "optimizer": optim_sd}
-        index = _optim_index(optim)
-        for name, p in sharded:
-            model_sd[name] = self._gather(p)
-            st = optim_sd["state"].get(index[id(p)])
-            if st is not None:
-                optim_sd["state"][index[id(p)]] = {k: self._gather(v) if _is_slice_of(v, p) else v
-                                                   for k, v in st.items()}
-        return {"model": model_sd, "optimizer": optim_sd}
-
-    def load_full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer | None,
-                             state: dict[str, Any]) -> bool:
-        """Load a single-process-layout ``{"model", "optimizer"}`` (from :meth:`full_state_dict` or a
-        single-process run), keeping only this rank's home experts of every ``[E, ...]`` tensor.
-
-        ValueError (and nothing loaded) when an expert tensor does not hold all ``E`` experts.
-        """
-        model_sd = dict(state["model"])
-        optim_sd = state.get("optimizer") if optim is not None else None
-        sharded = self._sharded(model) if self.ep_size > 1 else []
-        if optim_sd is not None and sharded:
-            optim_sd = {**optim_sd, "state": dict(optim_sd["state"])}
-            index = _optim_index(optim)
-        for name, p in sharded:
-            first, num, E = self._expert_slices[id(p)]
-            full = model_sd.get(name)
-            if full is None or full.shape != (E, *p.shape[1:]):
-                got = None if full is None else tuple(full.shape)
-                raise ValueError(f"checkpoint {name}: shape {got}, expected the full expert tensor "
-                                 f"{(E, *p.shape[1:])} (all {E} experts, single-process layout)")
-            model_sd[name] = full[first:first + num]
-            if optim_sd is not None and index[id(p)] in optim_sd["state"]:
-                st = optim_sd["state"][index[id(p)]]
-                optim_sd["state"][index[id(p)]] = {
-                    k: v[first:first + num] if isinstance(v, torch.Tensor) and v.shape == full.shape else v
-                    for k, v in st.items()}
-        model.load_state_dict(model_sd)
-        if optim_sd is not None:
-            optim.load_state_dict(optim_sd)
-        return True
-
     def shard_map(self, model: nn.Module) -> dict[int, tuple[tuple[int, ...], int]]:
         """``id(param) -> (single-process shape (E, ...), first home expert)`` of every sharded expert parameter."""
         if self.ep_size == 1:
@@ -257,14 +195,12 @@ class ExpertParallel(Part):
         return {id(p): ((self._expert_slices[id(p)][2], *p.shape[1:]), self._expert_slices[id(p)][0])
                 for _, p in self._sharded(model)}
 
-    def sharded_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer,
-                           save: bool = True) -> dict[str, Any]:
-        """DCP state without a gather: expert tensors as row shards ``[first, first + E/R)`` of ``[E, ...]`` (their
-        AdamW moments as the same range of the flattened tensor, a Muon momentum as the box of rows at
-        ``(first, 0, 0)``), everything else whole (replicas: DCP writes one)."""
-        from moonrt.comm.state.dcp import local_state
-
-        return local_state(model, optim, self.shard_map(model))
+    def describe(self, model: nn.Module, optim: torch.optim.Optimizer, desc: StateDescription) -> StateDescription:
+        """The checkpoint state of the expert shards: rows ``[first, first + E/R)`` of the single-process ``[E, ...]``
+        tensor (:meth:`shard_map`; their AdamW moments the same range of the flattened tensor, a Muon momentum the
+        box of rows at ``(first, 0, ...)``); everything else as ``desc`` has it (replicas: whole)."""
+        desc.shards.update(self.shard_map(model))
+        return desc
 
     # ---- per-step metrics and routing counts --------------------------------------------------------
     def layer_counts(self, model: nn.Module) -> list[torch.Tensor]:
@@ -304,14 +240,3 @@ class ExpertParallel(Part):
         delta = [now - before for now, before in zip(sent, self._sent)]
         self._sent = sent
         record["ep_token_rows_sent"], record["ep_assignments_sent"], record["ep_token_bytes_sent"] = delta
-
-
-def _optim_index(optim: torch.optim.Optimizer) -> dict[int, int]:
-    """``id(param) -> index`` as ``optimizer.state_dict()`` numbers them (param groups in order)."""
-    params = [p for group in optim.param_groups for p in group["params"]]
-    return {id(p): i for i, p in enumerate(params)}
-
-
-def _is_slice_of(v: Any, p: torch.Tensor) -> bool:
-    """True for per-element optimizer state of ``p`` (``exp_avg``, ``exp_avg_sq``), not ``step``."""
-    return isinstance(v, torch.Tensor) and v.shape == p.shape

@@ -5,9 +5,9 @@ only the modules its stages use (``model.stage_modules``; the others are replace
 every step's micro-batches through :class:`moonrt.comm.pp.executor.PipelineExecutor` with the rank's
 lowered action list. Gradients of parameters held by several pipeline ranks (the AttnRes
 pseudo-queries) are summed over the pp group; the gradient norm is the global one; checkpoints stay in
-the single-process layout (:meth:`full_state_dict` gathers every stage's parameters and optimizer
-state onto pipeline rank 0 by name; :meth:`load_full_state_dict` gives each rank its stages), or sharded for
-DCP (:meth:`sharded_state_dict`: each rank writes its own stages).
+the single-process layout or sharded for DCP, through the generic functions of :mod:`moonrt.comm.state.describe`
+over this rank's description (:meth:`describe`: its stages' state, the full model's names, the pseudo-queries
+written by one pp rank).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from moonrt.comm.grad_reduce import all_reduce_grad
 from moonrt.comm.parallelism import GradNorm, Part
 from moonrt.comm.pp.cache import block_plan
 from moonrt.comm.pp.executor import PipelineExecutor
+from moonrt.comm.state.describe import StateDescription
 from moonrt.config import ConfigError
 from moonrt.parallel.context import LOCAL, AttentionContext
 from moonrt.parallel.model import trainable
@@ -208,82 +209,15 @@ class PipelineParallel(Part):
         order = {n: i for i, n in enumerate(self.full_names)}
         return [sorted({n for names in every for n in names[g]}, key=order.__getitem__) for g in range(len(mine))]
 
-    def full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any] | None:
-        groups = self._groups(model, optim)
-        inner = self.inner.full_state_dict(model, optim) if self.inner is not None else None
-        local = inner["optimizer"] if inner is not None else optim.state_dict()
-        local_model = inner["model"] if inner is not None else model.state_dict()
-        name_of = {id(p): n for n, p in model.named_parameters()}
-        names = [name_of[id(p)] for g in optim.param_groups for p in g["params"]]
-        mine = {"model": {k: v.detach().clone() for k, v in local_model.items()},
-                "optim": {names[i]: st for i, st in local["state"].items()}}
-        every: list[Any] | None = [None] * self.size if self.rank == 0 else None
-        dist.gather_object(mine, every, dst=dist.get_global_rank(self.objects, 0), group=self.objects)
-        if every is None:  # not pp rank 0
-            return {"model": {}, "optimizer": {}}
-        merged: dict[str, Any] = {}
-        states: dict[str, Any] = {}
-        for part in every:
-            for k, v in part["model"].items():
-                merged.setdefault(k, v)
-            for k, v in part["optim"].items():
-                states.setdefault(k, v)
-        index = {n: i for i, n in enumerate(n for g in groups for n in g)}
-        param_groups, start = [], 0
-        for g, hyper in zip(groups, local["param_groups"]):
-            param_groups.append({**hyper, "params": list(range(start, start + len(g)))})
-            start += len(g)
-        return {"model": {k: merged[k] for k in self.full_keys},
-                "optimizer": {"state": {index[n]: st for n, st in states.items()}, "param_groups": param_groups}}
-
-    def load_full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, state: dict[str, Any]) -> bool:
-        groups = self._groups(model, optim)
-        own = model.state_dict().keys()
-        missing = [k for k in own if k not in state["model"]]
-        if missing:
-            raise KeyError(f"model state lacks {missing[0]!r}")
-        local_model = {k: state["model"][k] for k in own}
-        full = state["optimizer"]
-        index = {n: i for i, n in enumerate(n for g in groups for n in g)}
-        name_of = {id(p): n for n, p in model.named_parameters()}
-        local_state, local_groups, i = {}, [], 0
-        for g, hyper in zip(optim.param_groups, full["param_groups"]):
-            ids = []
-            for p in g["params"]:
-                st = full["state"].get(index[name_of[id(p)]])
-                if st is not None:
-                    local_state[i] = st
-                ids.append(i)
-                i += 1
-            local_groups.append({**hyper, "params": ids})
-        local = {"model": local_model, "optimizer": {"state": local_state, "param_groups": local_groups}}
-        if self.inner is None or not self.inner.load_full_state_dict(model, optim, local):
-            model.load_state_dict(local["model"])
-            optim.load_state_dict(local["optimizer"])
-        return True
-
-    # ---- sharded (DCP) checkpoints: each rank its stages, no gather ----------------------------------
-    def sharded_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer,
-                           save: bool = True) -> dict[str, Any]:
-        """This rank's stages' state (through ``inner`` when it shards them further); when saving, a parameter
-        every pp rank holds (a pseudo-query) is written by its lowest pp rank only (the others' copies are equal,
-        and their ZeRO pieces of it are cut at other offsets)."""
-        from moonrt.comm.state.dcp import local_state
-
-        state = self.inner.sharded_state_dict(model, optim, save) if self.inner is not None else None
-        state = local_state(model, optim) if state is None else state
-        if save:
-            for name in set(self._named) - self.owned:
-                for key in [k for k in state if k == f"model.{name}" or k.startswith(f"optimizer.{name}.")]:
-                    del state[key]
-        return state
-
-    def load_sharded_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, state: dict[str, Any]) -> bool:
-        from moonrt.comm.state.dcp import finish_local_load
-
-        if self.inner is None or not self.inner.load_sharded_state_dict(model, optim, state):
-            finish_local_load(model, optim, state)
-        return True
+    def describe(self, model: nn.Module, optim: torch.optim.Optimizer, desc: StateDescription) -> StateDescription:
+        """This rank's stages' state (as ``desc``, the wrapped part's, has it: this rank's model holds only its
+        stages) in the full model's layout: the model keys and every optimizer group's parameters of every pp rank
+        (:meth:`_groups`, collective over the pp group when a gather or scatter asks); a parameter every pp rank
+        holds (a pseudo-query) is written by its lowest pp rank only (the others' copies are equal, and their ZeRO
+        pieces of it are cut at other offsets)."""
+        desc.layout = lambda: (list(self.full_keys), self._groups(model, optim))
+        desc.not_saved |= set(self._named) - self.owned
+        return desc
 
 
 __all__ = ["PipelineParallel"]

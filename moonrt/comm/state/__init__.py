@@ -1,2 +1,3 @@
-"""Sharded checkpoint state: ``dcp`` (what each rank holds, described for torch DCP's save and load, and the
-full-state gather / scatter)."""
+"""Checkpoint state: ``describe`` (what each rank holds of the single-process state, one description refined by
+every part, and the generic full-state gather / scatter over it) and ``dcp`` (the sharded-state values ``Shard`` /
+``Boxes`` that describe it for torch DCP's save and load)."""

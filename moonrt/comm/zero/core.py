@@ -30,17 +30,16 @@ all-reduce over ``norm_group``); the clip scales the segments.
 
 **Composition** (kind ``zero`` of :data:`moonrt.comm.compose.COMPOSITION`). Expert parallelism: the EP part is
 ``ep`` (set by :meth:`ZeroCore.wrap`), after this part in ``Parallelism.parts``; it says which parameters are experts
-and (un)shards checkpoint state over the EP group after this part has over the replicas. Pipeline parallelism: the
+and which rows of the experts' checkpoint state this rank holds. Pipeline parallelism: the
 mesh groups lie inside one ``pp`` coordinate, so each pipeline rank shards only its stages' parameters; the
 pipeline part sums the pseudo-query gradients over pp first (its ``sync_grads`` returns False), names in
 :attr:`ZeroCore.duplicates` those another pp rank counts in the norm, delegates the clip here and combines this
 part's single-process state over the stages.
 
-**Checkpoints** speak the single-process layout: gathered (:meth:`ZeroCore.full_state_dict`: the state is put into
-``optim.state`` for the call, the EP part gathers or slices the experts, ``optim.state`` is emptied again) or
-sharded for DCP (:meth:`ZeroCore.sharded_state_dict`, no gather: an owned flat piece is a range of the flattened
-parameter, an owned Muon block a box of its shape). With one replica per group nothing is sharded and no collective
-runs. A strategy (the subclass) supplies :meth:`ZeroCore._plan` (its units), :meth:`ZeroCore._prepare` (the
+**Checkpoints** speak the single-process layout: :meth:`ZeroCore.describe` says which pieces of the optimizer state
+this rank owns (an owned flat piece is a range of the flattened parameter, an owned Muon block a box of its shape)
+and the generic functions of :mod:`moonrt.comm.state.describe` gather them, scatter into them or hand them to DCP.
+A strategy (the subclass) supplies :meth:`ZeroCore._plan` (its units), :meth:`ZeroCore._prepare` (the
 optimizer check), :meth:`ZeroCore.step`, :meth:`ZeroCore._unit_state` / :meth:`ZeroCore._state_shard` (where its
 state lives) and :meth:`ZeroCore._reset_state`.
 """
@@ -60,11 +59,12 @@ from moonrt.comm.grad_reduce import reduce_scatter_grad
 from moonrt.comm.mesh import Group
 from moonrt.comm.parallelism import ExpertSharding, GradNorm, Part
 from moonrt.config import ConfigError
-from moonrt.ops.muon import Blocking, block_view, step_count
+from moonrt.ops.muon import Blocking, block_view
 
 if TYPE_CHECKING:
     from moonrt.comm.mesh import ProcessMesh
     from moonrt.comm.state.dcp import Shard
+    from moonrt.comm.state.describe import StateDescription
 
 
 def size_rank(group: Any) -> tuple[int, int]:
@@ -210,9 +210,14 @@ class ZeroCore(Part):
         """The expert part (:func:`moonrt.comm.compose.compose`): which parameters are experts, their EP gather.
         TypeError for a part that is not an :class:`~moonrt.comm.parallelism.ExpertSharding`."""
         if not isinstance(inner, ExpertSharding):
-            raise TypeError(f"{type(self).__name__} wraps an expert-sharding part (is_expert, shard_map, "
-                            f"full_state_dict, load_full_state_dict); got {type(inner).__name__}")
+            raise TypeError(f"{type(self).__name__} wraps an expert-sharding part (is_expert, shard_map); "
+                            f"got {type(inner).__name__}")
         self.ep = inner
+
+    def wrapped(self) -> Part | None:
+        """The expert part, whose checkpoint description this one refines (None when the experts are not sharded by
+        a part, e.g. an :class:`~moonrt.comm.parallelism.ExpertSharding` given to :meth:`from_mesh` alone)."""
+        return self.ep if isinstance(self.ep, Part) else None
 
     def accept_duplicates(self, names: set[str]) -> None:
         """Leave ``names`` out of the norm (:meth:`grad_norm`): another pp rank counts their gradient."""
@@ -359,96 +364,30 @@ class ZeroCore(Part):
         wire = self.reduce_dtype.itemsize
         return sum(2 * (b.size - 1) * b.shard * (wire + b.grad.element_size()) for b in self.buckets)
 
-    # ---- checkpoints in the single-process layout ----------------------------------------------------
-    def _put_state(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
-        """Every parameter's state as the single-process optimizer holds it, whole tensors (gathered per bucket:
-        collective over every bucket's group)."""
-        from moonrt.comm.state.dcp import MOMENTS, MOMENTUM
-
-        whole = {key: [torch.zeros_like(p) for p in self.params] for key in MOMENTS}
-        for j, b in enumerate(self.buckets):
-            for key in MOMENTS:
-                self._unpack(b, gather_shards(self._state_shard(j, key), b.group, b.size, copy=False), whole[key])
-        out = {}
-        for i, p in enumerate(self.params):
-            if self.steps[i] > 0:
-                m1, m2 = (whole[key][i] for key in MOMENTS)
-                out[p] = ({MOMENTUM: m1} if i in self.blocks else
-                          {"step": step_count(self.steps[i]), MOMENTS[0]: m1, MOMENTS[1]: m2})
-        return out
-
-    def _take_state(self, state: dict[Any, dict[str, torch.Tensor]]) -> None:
-        """Step counts per parameter (a Muon buffer without a count: 1), the owned units' state sliced out of a
-        single-process-layout ``optim.state``."""
-        for i, p in enumerate(self.params):
-            st = state.get(p, {})
-            self.steps[i] = float(st["step"]) if "step" in st else float("momentum_buffer" in st)
-        self._reset_state()
-        for u in self.mine:
-            s = self.slots[u]
-            st = state.get(self.params[s.param], {})
-            for key, t in self._unit_state(u).items():
-                if key == "step":
-                    t.fill_(self.steps[s.param])
-                elif key in st:
-                    t.copy_(self._piece(st[key], s).reshape(t.shape))
-
-    def full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
-        """``{"model", "optimizer"}`` as the single-process optimizer would hold them (collective over every
-        bucket's group): the state is gathered into ``optim.state`` for the call, then the EP part, if any,
-        gathers the experts over the EP group (or ``optim.state_dict()`` is taken), then ``optim.state`` is
-        emptied again."""
+    # ---- checkpoint state: this rank's owned pieces (moonrt.comm.state.describe does the rest) -----------------
+    def describe(self, model: nn.Module, optim: torch.optim.Optimizer, desc: StateDescription) -> StateDescription:
+        """The optimizer state of every parameter as this rank holds it (:meth:`_owned_entries`), loaded back by
+        :meth:`_finish_load`; the model as ``desc`` (the expert part's, or one process's) has it."""
         self._prepare(model, optim)
-        try:
-            optim.state.update(self._put_state())
-            if self.ep is not None:
-                return self.ep.full_state_dict(model, optim)
-            return {"model": model.state_dict(), "optimizer": optim.state_dict()}
-        finally:
-            optim.state.clear()
+        desc.optimizer = self._owned_entries
+        desc.finish = lambda entries: self._finish_load(optim, entries)
+        return desc
 
-    def load_full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, state: dict[str, Any]) -> bool:
-        """Load a single-process-layout state: parameters whole (the EP part, if any, keeps the home experts),
-        this rank's pieces of the optimizer state sliced out.
-
-        ValueError (own state unchanged) when a saved state tensor has the wrong shape.
-        """
-        if self.ep is not None:
-            self.ep.load_full_state_dict(model, optim, state)
-        else:
-            model.load_state_dict(state["model"])
-            optim.load_state_dict(state["optimizer"])
-        self._prepare(model, optim)
-        try:
-            for name, p in zip(self.names, self.params):
-                for key, t in optim.state.get(p, {}).items():
-                    if key != "step" and t.shape != p.shape:
-                        raise ValueError(f"checkpoint optimizer state of {name}: {key} shape "
-                                         f"{tuple(t.shape)}, expected {tuple(p.shape)}")
-            self._take_state(optim.state)
-        finally:
-            optim.state.clear()
-        return True
-
-    def sharded_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer,
-                           save: bool = True) -> dict[str, Any]:
-        """DCP state without a gather (:mod:`moonrt.comm.state.dcp`): the model as the EP part (or one process)
-        gives it; per parameter with an owned unit, an owned flat piece's moments as the range ``[start, start +
-        numel)`` of the flattened single-process parameter (under EP from row ``first`` of ``[E, ...]``) and the
-        owned Muon blocks' ``momentum_buffer`` as boxes of the single-process shape (:func:`block_box`; several
+    def _owned_entries(self, desc: StateDescription) -> dict[str, Any]:
+        """Per parameter with an owned unit, an owned flat piece's moments as the range ``[start, start + numel)`` of
+        the flattened single-process parameter (under EP, ``desc.shards``: from row ``first`` of ``[E, ...]``) and
+        the owned Muon blocks' ``momentum_buffer`` as boxes of the single-process shape (:func:`block_box`; several
         blocks of one parameter: :class:`Boxes`); ``.step`` of every parameter (replicated: DCP writes one copy).
-        The same dict is the load target: the entries are views of this rank's state (a Muon unit with no step
-        yet holds zeros, which Muon's first step treats as no buffer, bit for bit)."""
-        from moonrt.comm.state.dcp import MOMENTS, MOMENTUM, Boxes, block_box, flat_shard, model_entries
+        The entries are views of this rank's state, so they are also the load targets (a Muon unit with no step yet
+        holds zeros, which Muon's first step treats as no buffer, bit for bit)."""
+        from moonrt.comm.state.dcp import MOMENTS, MOMENTUM, Boxes, block_box, flat_shard
 
-        self._prepare(model, optim)
-        shards = self.ep.shard_map(model) if self.ep is not None else {}
-        out = model_entries(model, shards)
+        out: dict[str, Any] = {}
         boxes: dict[int, list[Shard]] = {}
         for u in self.mine:
             s, st = self.slots[u], self._unit_state(u)
             p, name = self.params[s.param], self.names[s.param]
-            shape, first = shards.get(id(p), (tuple(p.shape), 0))
+            shape, first = desc.shards.get(id(p), (tuple(p.shape), 0))
             if s.block >= 0:
                 boxes.setdefault(s.param, []).append(
                     block_box(st[MOMENTUM], p.shape, self.blocks[s.param], s.block, shape, first))
@@ -462,14 +401,13 @@ class ZeroCore(Part):
             out[f"optimizer.{name}.step"] = self.steps[i].clone()
         return out
 
-    def load_sharded_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, state: dict[str, Any]) -> bool:
-        """The owned state was read into the :meth:`sharded_state_dict` views in place; take the step counts (the
-        owned units' ``step`` too), keep ``optim.state`` empty."""
+    def _finish_load(self, optim: torch.optim.Optimizer, entries: dict[str, Any]) -> None:
+        """The owned state was read into the :meth:`_owned_entries` views in place; take the step counts (the owned
+        units' ``step`` too), keep ``optim.state`` empty."""
         for i, name in enumerate(self.names):
-            self.steps[i] = float(state[f"optimizer.{name}.step"])
+            self.steps[i] = float(entries[f"optimizer.{name}.step"])
         for u in self.mine:
             st = self._unit_state(u)
             if "step" in st:
                 st["step"].fill_(self.steps[self.slots[u].param])
         optim.state.clear()
-        return True
