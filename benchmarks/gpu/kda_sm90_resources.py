@@ -79,9 +79,10 @@ def _configs(D: int, old: bool) -> dict[str, tuple[dict[str, str], dict[str, obj
         return cfg
     scratch = dict(Vt_buf=f32, dVt_buf=f32, dA_buf=f32)
     cfg["chunk_grads_v"] = (dict(v=tok, beta=tok, chunk_bos=i64, chunk_len=i64, W=f32, U=f32, Kg=f32, A_qk=f32,
-                                 A_kk=f32, T_inv=f32, S_in=f32, dS_out=f32, dO=tok, g=tok, k=tok, **scratch, dv_=tok,
-                                 dbeta=tok, **ints),
+                                 T_inv=f32, S_in=f32, dS_out=f32, dO=tok, g=tok, k=tok, **scratch, dv_=tok, **ints),
                             dict(C=C, BK=bkg, BV=bkg, **common), chunk_opts)
+    cfg["chunk_grads_wy"] = (dict(beta=tok, chunk_bos=i64, chunk_len=i64, A_kk=f32, T_inv=f32, dA_buf=f32, dbeta=tok,
+                                  H="i32"), dict(C=C, **common), chunk_opts)
     cfg["chunk_grads_k"] = (dict(q=tok, k=tok, g=tok, beta=tok, chunk_bos=i64, chunk_len=i64, T_inv=f32, S_in=f32,
                                  dS_out=f32, dO=tok, **scratch, dq=tok, dk_=tok, dg=tok, scale=f32, **ints),
                             dict(C=C, BK=bkg, BV=bkg, SUB=16, **common), chunk_opts)
@@ -128,7 +129,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 96, 128])
     ap.add_argument("--kernels", nargs="+",
-                    default=["chunk_terms", "state_fwd", "state_bwd", "transition", "chunk_grads_v", "chunk_grads_k"],
+                    default=["chunk_terms", "state_fwd", "state_bwd", "transition", "chunk_grads_v", "chunk_grads_wy",
+                             "chunk_grads_k"],
                     help="kernel names without _kernel (--old: chunk_grads instead of the two chunk_grads_*)")
     ap.add_argument("--kernels-file", default=None, help="another copy of triton_kernels.py to compile")
     ap.add_argument("--old", action="store_true", help="the kernels-file has the previous (unblocked) signatures")

@@ -9,8 +9,8 @@ Triton) run the chunk form of §2.3 on token-major tensors with all sequences pa
 2. per sequence and head (sequential over its chunks): the fp32 state pass ``S_{n+1} = M_n S_n + S_ext_n`` with the
    outputs ``O = Qg S_n + A_qk (U - W S_n)``;
 3. backward: the terms again (1.), the reverse state pass ``dS_n = M_n^T dS_{n+1} + P_n`` per sequence, then every
-   input gradient per chunk in two kernels, value side then key side (the transposes of 1. and 2.; the log-decay
-   gradient in fp64).
+   input gradient per chunk in three kernels: value side, the UT transform's backward, key side (the transposes of
+   1. and 2.; the log-decay gradient in fp64).
 
 State arithmetic is fp32 for fp32 and bf16 inputs, fp64 for fp64 inputs; outputs and input gradients come back in
 their tensors' dtypes. fp32 ``tl.dot`` runs on tensor cores with ``input_precision="tf32x3"`` (:data:`FP32_DOT`,
@@ -65,10 +65,11 @@ MAX_BLOCK = 32
 Compiled for sm_90 at head_dim 64 and 128, 64-column blocks spilled 1,428 B per thread (tf32x3 keeps both halves of
 each ``[C, 64]`` operand live), 32-column blocks 104 B (benchmarks/RESULTS.md)."""
 
-GRADS_MAX_BLOCK = 32
+GRADS_MAX_BLOCK = 16
 """Largest key / value block of the backward's per-chunk kernels: they hold more ``[C, C]`` tiles (A_qk, T_inv, their
 gradients) and each tf32x3 product stages both TF32 halves of its operands in shared memory; at 64-column blocks
-sm_90 compiled the (then single) kernel to 278,528 B of shared memory (over the 232,448 B a block may use)."""
+sm_90 compiled the (then single) kernel to 278,528 B of shared memory (over the 232,448 B a block may use). Spill
+stores per thread at head_dim 128 (value side / key side): 32-column blocks 1,012 / 1,776 B, 16-column 692 / 816 B."""
 
 CHUNK_WARPS = 8
 """Warps of the per-chunk kernels (terms, grads): their ``[C, C]`` and ``[C, BK]`` tiles spread over 256 threads
@@ -332,9 +333,12 @@ class _ChunkKDA(torch.autograd.Function):
             dA_buf = torch.empty(p.NC, p.H, 2, p.C, p.C, dtype=p.dtype, device=q.device)
             dO = dO.contiguous()
             kern.chunk_grads_v_kernel[(p.NC, p.H)](
-                v, beta, p.chunk_bos, p.chunk_len, terms.W, terms.U, terms.Kg, terms.A_qk, terms.A_kk, terms.T_inv,
-                S_in, dS_out, dO, g, k, Vt_buf, dVt_buf, dA_buf, dv, dbeta, p.H, p.K, p.V, C=p.C, BK=p.BKG,
-                BV=p.BVG, DT=p.tl_dtype(), PREC=p.prec(), num_warps=CHUNK_WARPS)
+                v, beta, p.chunk_bos, p.chunk_len, terms.W, terms.U, terms.Kg, terms.A_qk, terms.T_inv, S_in, dS_out,
+                dO, g, k, Vt_buf, dVt_buf, dA_buf, dv, p.H, p.K, p.V, C=p.C, BK=p.BKG, BV=p.BVG, DT=p.tl_dtype(),
+                PREC=p.prec(), num_warps=CHUNK_WARPS)
+            kern.chunk_grads_wy_kernel[(p.NC, p.H)](
+                beta, p.chunk_bos, p.chunk_len, terms.A_kk, terms.T_inv, dA_buf, dbeta, p.H, C=p.C, DT=p.tl_dtype(),
+                PREC=p.prec(), num_warps=CHUNK_WARPS)
             kern.chunk_grads_k_kernel[(p.NC, p.H)](
                 q, k, g, beta, p.chunk_bos, p.chunk_len, terms.T_inv, S_in, dS_out, dO, Vt_buf, dVt_buf, dA_buf,
                 dq, dk, dg, _scalar(ctx.scale, p, q.device), p.H, p.K, p.V, C=p.C, BK=p.BKG, BV=p.BVG, SUB=p.SUB,

@@ -9,10 +9,11 @@ Rows past ``chunk_len`` load as padding tokens that neither decay nor write (g =
 Blocking (sm_90's 232,448 B of shared memory per block, registers without spills; K3_SYSTEMS §2.3.1): the per-chunk
 kernels hold ``[C, C]`` tiles and ``[C, BK]`` / ``[C, BV]`` blocks of the key / value dimensions (BK, BV <= 32,
 loops over the blocks, fla's blocking); products over the key dimension accumulate over its blocks. The backward's
-per-chunk work is two kernels (:func:`chunk_grads_v_kernel`, then :func:`chunk_grads_k_kernel`, through scratch
-tensors), so that each holds fewer live tiles. The state passes hold the state as up to four ``[BKS, BV]`` key
-blocks (fla's ``b_h1 .. b_h4``; its rows are coupled through ``W S``, so every block is carried in registers) and
-split the value columns (and for the transition also the columns of ``M``) over programs.
+per-chunk work is three kernels (:func:`chunk_grads_v_kernel`, :func:`chunk_grads_wy_kernel`, then
+:func:`chunk_grads_k_kernel`, through scratch tensors), so that each holds fewer live tiles. The state passes hold
+the state as up to four ``[BKS, BV]`` key blocks (fla's ``b_h1 .. b_h4``; its rows are coupled through ``W S``, so
+every block is carried in registers) and split the value columns (and for the transition also the columns of
+``M``) over programs.
 
 Numerics (K3_SYSTEMS §2.3.1): arithmetic in ``DT`` (fp32 for fp32/bf16 inputs, fp64 for fp64 inputs); every
 ``tl.dot`` runs with ``PREC`` (``"tf32x3"`` for fp32: three TF32 tensor-core products per dot, about fp32's
@@ -439,8 +440,8 @@ def state_bwd_kernel(W, Kg, Qg, A_qk, decay, dO, d_final, dS0, dS_out, seq_chunk
 
 
 @triton.jit
-def chunk_grads_v_kernel(v, beta, chunk_bos, chunk_len, W, U, Kg, A_qk, A_kk, T_inv, S_in, dS_out, dO, g, k,
-                         Vt_buf, dVt_buf, dA_buf, dv_, dbeta, H, K, V, C: tl.constexpr, BK: tl.constexpr,
+def chunk_grads_v_kernel(v, beta, chunk_bos, chunk_len, W, U, Kg, A_qk, T_inv, S_in, dS_out, dO, g, k,
+                         Vt_buf, dVt_buf, dA_buf, dv_, H, K, V, C: tl.constexpr, BK: tl.constexpr,
                          BV: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
     """Backward, value side, of one chunk and head (grid ``(NC, H)``) given the output gradient ``dO``, the entering
     state ``S_n`` and the gradient ``dS_{n+1}`` of the leaving one: the transposes of the outputs ``O = Qg S_n + A_qk
@@ -450,8 +451,8 @@ def chunk_grads_v_kernel(v, beta, chunk_bos, chunk_len, W, U, Kg, A_qk, A_kk, T_
     Per block of BV value columns (contractions over the key blocks): ``V~``, ``dV~ = A_qk^T dO + Kg dS_{n+1}``
     (stored to the scratch ``Vt_buf``, ``dVt_buf`` ``[NC, H, C, V]`` DT for :func:`chunk_grads_k_kernel`), ``dv``,
     and the ``[C, C]`` gradients ``dA_qk += dO V~^T``, ``dT += dV~ (v - X S_n)^T`` (``dT = dW X^T + dV~ v^T`` with
-    ``dW = -dV~ S_n^T``); then ``dbeta`` and the gradients of the strictly lower products ``A_kk`` and ``A_qk``
-    (their ``sum_d`` terms): ``dA_buf [NC, H, 2, C, C]`` DT holds ``dL Diag(beta)`` (rows k) and ``dA_qk`` with its
+    ``dW = -dV~ S_n^T``), stored (lower) to ``dA_buf [NC, H, 2, C, C]`` DT: ``dT`` (which
+    :func:`chunk_grads_wy_kernel` turns into ``dL Diag(beta)``, the gradient of ``A_kk``) and ``dA_qk`` with its
     diagonal (the exact ``scale q_r . k_r``)."""
     n, h, bos, ln = _chunk_program(chunk_bos, chunk_len)
     r = tl.arange(0, C)
@@ -483,14 +484,31 @@ def chunk_grads_v_kernel(v, beta, chunk_bos, chunk_len, W, U, Kg, A_qk, A_kk, T_
         _st(_tile(Vt_buf + base * C * V, C, V, 0, v0, C, BV), Vt)
         _st(_tile(dVt_buf + base * C * V, C, V, 0, v0, C, BV), dVt)
         _store_chunk(dv_, tl.dot(tl.trans(Ti * bb[None, :]), dVt, input_precision=PREC), bos, ln, h, H, V, v0, C, BV)
-    dT = tl.where(rows >= cols, dT, 0.0)
+    _st(_tile(dA_buf + base * 2 * C * C, C, C, 0, 0, C, C), tl.where(rows >= cols, dT, 0.0))
+    _st(_tile(dA_buf + (base * 2 + 1) * C * C, C, C, 0, 0, C, C), tl.where(rows >= cols, dAq, 0.0))
+
+
+@triton.jit
+def chunk_grads_wy_kernel(beta, chunk_bos, chunk_len, A_kk, T_inv, dA_buf, dbeta, H, C: tl.constexpr,
+                          DT: tl.constexpr, PREC: tl.constexpr):
+    """Backward of the UT transform of one chunk and head (grid ``(NC, H)``), between :func:`chunk_grads_v_kernel`
+    and :func:`chunk_grads_k_kernel`: from ``dT`` (``dA_buf[.., 0]``) ``dbeta`` and ``dL = -T_inv^T (dT Diag(beta))
+    T_inv^T`` (strictly lower), which replaces dT there as ``dL Diag(beta)``, the gradient of ``A_kk``."""
+    n, h, bos, ln = _chunk_program(chunk_bos, chunk_len)
+    r = tl.arange(0, C)
+    rows = r[:, None]
+    cols = r[None, :]
+    bb = tl.load(beta + (bos + r) * H + h, mask=r < ln, other=0.0).to(DT)
+    base = n * H + h
+    Ti = _ld(_tile(T_inv + base * C * C, C, C, 0, 0, C, C))
+    dT = _ld(_tile(dA_buf + base * 2 * C * C, C, C, 0, 0, C, C))
     d_beta = tl.sum(dT * Ti, axis=0)
     dL = -tl.dot(tl.dot(tl.trans(Ti), dT * bb[None, :], input_precision=PREC), tl.trans(Ti), input_precision=PREC)
     dL = tl.where(rows > cols, dL, 0.0)
     d_beta += tl.sum(dL * _ld(_tile(A_kk + base * C * C, C, C, 0, 0, C, C)), axis=1)
     tl.store(dbeta + (bos + r) * H + h, d_beta.to(dbeta.dtype.element_ty), mask=r < ln)
+    tl.debug_barrier()  # every thread has read dT before it is overwritten
     _st(_tile(dA_buf + base * 2 * C * C, C, C, 0, 0, C, C), dL * bb[:, None])
-    _st(_tile(dA_buf + (base * 2 + 1) * C * C, C, C, 0, 0, C, C), tl.where(rows >= cols, dAq, 0.0))
 
 
 @triton.jit
