@@ -40,7 +40,7 @@ def _configs(D: int, old: bool) -> dict[str, tuple[dict[str, str], dict[str, obj
     C = 64
     kp = max(16, 1 << (D - 1).bit_length())
     bk = kp if old else kt.block_for(D)
-    bv_state = min(kp, kt.STATE_V_BLOCK)
+    bv_state = min(kp, kt.STATE_V_BLOCK)  # the old kernels' value block (the current ones: per pass, below)
     tok, f32, i64 = "*bf16", "*fp32", "*i64"
     ints = {"H": "i32", "K": "i32", "V": "i32"}
     common = {"DT": tl.float32} if old else {"DT": tl.float32, "PREC": kt.FP32_DOT}
@@ -51,10 +51,14 @@ def _configs(D: int, old: bool) -> dict[str, tuple[dict[str, str], dict[str, obj
     if old:
         st = {"BK": kp, "BV": bv_state}
         tr = {"BK": kp, "BV": kp}
+        st_bwd = st
     else:
-        bks = kt.block_for(D, kt.STATE_K_BLOCK)
-        st = {"BKS": bks, "NKB": -(-D // bks), "BV": bv_state}
-        tr = st
+        bks = kt.state_k_block(D)
+
+        def state(v_block: int) -> dict[str, int]:
+            return {"BKS": bks, "NKB": -(-D // bks), "BV": min(kp, kt.STATE_V_BLOCK, v_block)}
+
+        st, st_bwd, tr = state(kt.STATE_FWD_V_BLOCK), state(kt.STATE_BWD_V_BLOCK), state(kt.TRANSITION_V_BLOCK)
     cfg = {
         "chunk_terms": (terms_sig, dict(C=C, BK=bk, BV=bk, SUB=16, HAS_Q=True, **common), chunk_opts),
         "state_fwd": (dict(W=f32, U=f32, Kg=f32, Qg=f32, A_qk=f32, decay=f32, S0=f32, S_in=f32, O=tok, S_final=f32,
@@ -62,17 +66,26 @@ def _configs(D: int, old: bool) -> dict[str, tuple[dict[str, str], dict[str, obj
                       {"C": C, **st, "HAS_S0": True, "HAS_Q": True, "STORE_S_IN": True, **common}, state_opts),
         "state_bwd": (dict(W=f32, Kg=f32, Qg=f32, A_qk=f32, decay=f32, dO=tok, d_final=f32, dS0=f32, dS_out=f32,
                            seq_chunk0=i64, chunk_bos=i64, chunk_len=i64, **ints),
-                      {"C": C, **st, "HAS_D_FINAL": True, "STORE_DS_OUT": True, **common}, state_opts),
+                      {"C": C, **st_bwd, "HAS_D_FINAL": True, "STORE_DS_OUT": True, **common}, state_opts),
         "transition": (dict(W=f32, U=f32, Kg=f32, decay=f32, M_out=f32, S_out=f32, seq_chunk0=i64, **ints),
                        {"C": C, **tr, **common}, state_opts),
     }
-    grads_sig = dict(q=tok, k=tok, v=tok, g=tok, beta=tok, chunk_bos=i64, chunk_len=i64, W=f32, U=f32, Kg=f32,
-                     Qg=f32, A_qk=f32, A_kk=f32, T_inv=f32, decay=f32, S_in=f32, dS_out=f32, dO=tok)
-    if not old:
-        grads_sig.update(Vt_buf=f32, dVt_buf=f32)
-    grads_sig.update(dq=tok, dk_=tok, dv_=tok, dg=tok, dbeta=tok, scale=f32, **ints)
     bkg = kp if old else kt.block_for(D, kt.GRADS_MAX_BLOCK)
-    cfg["chunk_grads"] = (grads_sig, dict(C=C, BK=bkg, BV=bkg, SUB=16, **common), chunk_opts)
+    if old:
+        grads_sig = dict(q=tok, k=tok, v=tok, g=tok, beta=tok, chunk_bos=i64, chunk_len=i64, W=f32, U=f32, Kg=f32,
+                         Qg=f32, A_qk=f32, A_kk=f32, T_inv=f32, decay=f32, S_in=f32, dS_out=f32, dO=tok, dq=tok,
+                         dk_=tok, dv_=tok, dg=tok, dbeta=tok, scale=f32, **ints)
+        cfg["chunk_grads"] = (grads_sig, dict(C=C, BK=bkg, BV=bkg, SUB=16, **common), chunk_opts)
+        return cfg
+    scratch = dict(Vt_buf=f32, dVt_buf=f32, dA_buf=f32)
+    cfg["chunk_grads_v"] = (dict(v=tok, beta=tok, chunk_bos=i64, chunk_len=i64, W=f32, U=f32, Kg=f32, A_qk=f32,
+                                 T_inv=f32, S_in=f32, dS_out=f32, dO=tok, g=tok, k=tok, **scratch, dv_=tok, **ints),
+                            dict(C=C, BK=bkg, BV=bkg, **common), chunk_opts)
+    cfg["chunk_grads_wy"] = (dict(beta=tok, chunk_bos=i64, chunk_len=i64, A_kk=f32, T_inv=f32, dA_buf=f32, dbeta=tok,
+                                  H="i32"), dict(C=C, **common), chunk_opts)
+    cfg["chunk_grads_k"] = (dict(q=tok, k=tok, g=tok, beta=tok, chunk_bos=i64, chunk_len=i64, T_inv=f32, S_in=f32,
+                                 dS_out=f32, dO=tok, **scratch, dq=tok, dk_=tok, dg=tok, scale=f32, **ints),
+                            dict(C=C, BK=bkg, BV=bkg, SUB=16, **common), chunk_opts)
     return cfg
 
 
@@ -116,7 +129,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 96, 128])
     ap.add_argument("--kernels", nargs="+",
-                    default=["chunk_terms", "state_fwd", "state_bwd", "transition", "chunk_grads"])
+                    default=["chunk_terms", "state_fwd", "state_bwd", "transition", "chunk_grads_v", "chunk_grads_wy",
+                             "chunk_grads_k"],
+                    help="kernel names without _kernel (--old: chunk_grads instead of the two chunk_grads_*)")
     ap.add_argument("--kernels-file", default=None, help="another copy of triton_kernels.py to compile")
     ap.add_argument("--old", action="store_true", help="the kernels-file has the previous (unblocked) signatures")
     ap.add_argument("--timeout", type=float, default=900.0)

@@ -222,11 +222,14 @@ def test_the_bound_itself_is_accepted() -> None:
 @pytest.mark.parametrize(("K", "V"), [pytest.param(96, 96, marks=pytest.mark.slow), (48, 40)])  # the fast lane
 # keeps 48 x 40 (several key blocks and a masked value block); 96 (three blocks of 32) is CI's
 def test_key_and_value_blocks_match_fp64_recurrence(K: int, V: int) -> None:
-    """Head sizes split into several key / value blocks: 96 as three blocks of 32 (no padding to 128), 48 as three
-    of 16 and V = 40 as a masked block of 64 (forward) / 32 + a masked 32 (backward); outputs, final state and every
-    gradient in fp64 (mathematical equality: every block's contribution is counted once) and fp32."""
-    assert kt.block_for(96) == 32 and kt.block_for(48) == 16 and kt.block_for(40) == 64
-    assert kt.block_for(40, kt.GRADS_MAX_BLOCK) == 32
+    """Head sizes split into several key / value blocks: 96 as three blocks of 32 in the per-chunk kernels (no
+    padding to 128) and as 64 + a masked 64 in the state passes, 48 as three of 16 and V = 40 as 32 + a masked 32
+    (forward) / two of 16 + a masked 16 (backward); outputs, final state and every gradient in fp64 (mathematical
+    equality: every block's contribution is counted once) and fp32."""
+    assert kt.block_for(96) == 32 and kt.block_for(48) == 16 and kt.block_for(40) == 32
+    assert kt.block_for(40, 64) == 64
+    assert kt.state_k_block(96) == 64 and kt.state_k_block(48) == 16
+    assert kt.block_for(40, kt.GRADS_MAX_BLOCK) == 16 and kt.block_for(96, kt.GRADS_MAX_BLOCK) == 16
     for dtype, tol in ((torch.float64, F64_RTOL), (torch.float32, FP32_TOL)):
         inputs = make_inputs(B=1, T=70, H=1, K=K, V=V, seed=K, dtype=dtype)
         assert_close(run_with_grads(kt.kda_chunk, inputs, True, seed=K), reference(inputs, True, seed=K), tol)

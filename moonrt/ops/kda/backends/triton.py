@@ -9,15 +9,17 @@ Triton) run the chunk form of §2.3 on token-major tensors with all sequences pa
 2. per sequence and head (sequential over its chunks): the fp32 state pass ``S_{n+1} = M_n S_n + S_ext_n`` with the
    outputs ``O = Qg S_n + A_qk (U - W S_n)``;
 3. backward: the terms again (1.), the reverse state pass ``dS_n = M_n^T dS_{n+1} + P_n`` per sequence, then every
-   input gradient per chunk (the transposes of 1. and 2.; the log-decay gradient in fp64).
+   input gradient per chunk in three kernels: value side, the UT transform's backward, key side (the transposes of
+   1. and 2.; the log-decay gradient in fp64).
 
 State arithmetic is fp32 for fp32 and bf16 inputs, fp64 for fp64 inputs; outputs and input gradients come back in
 their tensors' dtypes. fp32 ``tl.dot`` runs on tensor cores with ``input_precision="tf32x3"`` (:data:`FP32_DOT`,
 about fp32's accuracy: K3_SYSTEMS §2.3.1), fp64 with ``"ieee"``. The kernels rely on K3's gate bound: every
 per-token log-decay in ``[G_LOWER_BOUND, 0] = [-5, 0]`` (K3_SYSTEMS §2.2, fla's ``safe_gate``), which keeps the
 factored in-chunk exponentials of 16-token sub-tiles within ``e^40``; other decays raise one ValueError that names
-``kernels.kda=torch`` (the CPU-exact path for any decay). Tiles are blocked for sm_90's limits (BK, BV <= 64; see
-:func:`block_for`).
+``kernels.kda=torch`` (the CPU-exact path for any decay). Tiles are blocked for sm_90's limits (BK, BV <= 32 in
+the per-chunk kernels, key blocks of <= 64 rows and 16 or 32 value columns per program in the state passes; see
+:func:`block_for`, :func:`state_k_block`).
 
 CPU tensors run through Triton's interpreter (``TRITON_INTERPRET=1`` set before Triton is imported): that is how
 the tests check these kernels without a GPU.
@@ -58,13 +60,16 @@ FP32_DOT = "tf32x3"
 a_lo b_hi``), each operand split into two TF32 parts; relative error per product about ``3 * 2^-22`` (K3_SYSTEMS
 §2.3.1), against ``2^-11`` for plain ``"tf32"`` and FMA loops (no tensor cores, spills) for ``"ieee"``."""
 
-MAX_BLOCK = 64
-"""Largest key / value block of the per-chunk kernels (fla's BK, BV): their tiles are ``[C, C]`` and ``[C, 64]``."""
+MAX_BLOCK = 32
+"""Largest key / value block of the per-chunk terms kernel (fla's BK, BV): its tiles are ``[C, C]`` and ``[C, 32]``.
+Compiled for sm_90 at head_dim 64 and 128, 64-column blocks spilled 1,428 B per thread (tf32x3 keeps both halves of
+each ``[C, 64]`` operand live), 32-column blocks 104 B (benchmarks/RESULTS.md)."""
 
-GRADS_MAX_BLOCK = 32
-"""Largest key / value block of the backward's per-chunk kernel: it holds more ``[C, C]`` tiles (A_qk, T_inv, their
+GRADS_MAX_BLOCK = 16
+"""Largest key / value block of the backward's per-chunk kernels: they hold more ``[C, C]`` tiles (A_qk, T_inv, their
 gradients) and each tf32x3 product stages both TF32 halves of its operands in shared memory; at 64-column blocks
-sm_90 compiles it to 278,528 B of shared memory (over the 232,448 B a block may use)."""
+sm_90 compiled the (then single) kernel to 278,528 B of shared memory (over the 232,448 B a block may use). Spill
+stores per thread at head_dim 128 (value side / key side): 32-column blocks 1,012 / 1,776 B, 16-column 692 / 816 B."""
 
 CHUNK_WARPS = 8
 """Warps of the per-chunk kernels (terms, grads): their ``[C, C]`` and ``[C, BK]`` tiles spread over 256 threads
@@ -75,8 +80,21 @@ STATE_K_BLOCK = 64
 (fla's ``b_h1 .. b_h4``), so head sizes up to 256."""
 
 STATE_V_BLOCK = 64
-"""Value columns per program of the state passes and of the transition (their columns, and M's, are independent):
-bounds the ``[BKS, 64]`` key blocks of one program for K = V = 128 heads and adds programs to a sequential pass."""
+"""Most value columns per program of the state passes and of the transition (their columns, and M's, are
+independent): bounds the ``[BKS, BV]`` key blocks of one program and adds programs to a sequential pass."""
+
+STATE_FWD_V_BLOCK = 16
+"""Value columns per program of the forward state pass. Measured for sm_90 (benchmarks/gpu/sm90.py, spill stores
+per thread at head_dim 48 / 64 / 96 / 128): 64 columns 572 / 200 / 1,964 / 1,140 B, 32: 76 / 40 / 916 / 328 B,
+16: 32 / 0 / 260 / 260 B (96 with two 64-row key blocks, :func:`state_k_block`)."""
+
+STATE_BWD_V_BLOCK = 32
+"""Value columns per program of the reverse state pass (same measurement, with / without storing ``dS_out``):
+64 columns 680 / 436 / 1,788 B at 48 / 64 / 128, 32: 144 / 140 / 644 B, 16: 472 / 0 / 484 B."""
+
+TRANSITION_V_BLOCK = 16
+"""Columns of M and of S_ext per transition program: 64 columns spilled 364 B at head_dim 96 (three 32-row key
+blocks), 16 spill at most 48 B at every checked head size."""
 
 STATE_PASS_STAGES = 1
 """Software-pipelining stages of the sequential chunk loops: Triton's default (3 on sm_90) buffers each chunk's
@@ -137,6 +155,13 @@ def check_decay_bound(g: torch.Tensor) -> None:
                          "§2.2); use kernels.kda=torch for other decays")
 
 
+def state_k_block(K: int) -> int:
+    """Key block of the state passes and the transition: :func:`block_for` up to ``K = STATE_K_BLOCK``, above it
+    ``STATE_K_BLOCK`` with a masked tail (96 -> two blocks of 64, not three of 32: compiled for sm_90 the three-block
+    reverse pass spilled 3,240 B per thread, the two-block one as K = 128's; benchmarks/RESULTS.md)."""
+    return block_for(K, STATE_K_BLOCK) if K <= STATE_K_BLOCK else STATE_K_BLOCK
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Plan:
     """Chunk tables of packed sequences (see :mod:`moonrt.ops.kda.backends.triton_kernels`) and the kernels' tile
@@ -169,9 +194,9 @@ class _Plan:
         """Key blocks of the state passes' state (at most 4)."""
         return triton_cdiv(self.K, self.BKS)
 
-    def state_tiles(self) -> dict[str, int]:
+    def state_tiles(self, v_block: int) -> dict[str, int]:
         """The state passes' tile constexprs: key blocks ``BKS`` x ``NKB`` and value columns ``BV`` per program."""
-        return dict(BKS=self.BKS, NKB=self.NKB, BV=min(STATE_V_BLOCK, max(16, 1 << (self.V - 1).bit_length())))
+        return dict(BKS=self.BKS, NKB=self.NKB, BV=min(STATE_V_BLOCK, v_block, max(16, 1 << (self.V - 1).bit_length())))
 
     def prec(self) -> str:
         """``tl.dot``'s input precision: :data:`FP32_DOT` for fp32 arithmetic, ``"ieee"`` for fp64."""
@@ -198,7 +223,7 @@ def _make_plan(lens: list[int], C: int, H: int, K: int, V: int, g: torch.Tensor,
                          f"{STATE_K_BLOCK} (K <= {4 * STATE_K_BLOCK}); use kernels.kda=torch")
     return _Plan(H=H, K=K, V=V, C=C, SUB=min(SUB_TILE, C), BK=block_for(K), BV=block_for(V),
                  BKG=block_for(K, GRADS_MAX_BLOCK), BVG=block_for(V, GRADS_MAX_BLOCK),
-                 BKS=block_for(K, STATE_K_BLOCK), NS=len(lens), NC=len(bos),
+                 BKS=state_k_block(K), NS=len(lens), NC=len(bos),
                  chunk_bos=ints(bos), chunk_len=ints(cnt), seq_chunk0=ints(first), dtype=dtype)
 
 
@@ -250,7 +275,7 @@ def _state_fwd(p: _Plan, t: _Terms, S0: torch.Tensor | None, O: torch.Tensor | N
     dev = t.W.device
     S_in = torch.empty(max(p.NC, 1) if store_s_in else 1, p.H, p.K, p.V, dtype=p.dtype, device=dev)
     S_final = torch.empty(p.NS, p.H, p.K, p.V, dtype=p.dtype, device=dev)
-    tiles = p.state_tiles()
+    tiles = p.state_tiles(STATE_FWD_V_BLOCK)
     _kernels().state_fwd_kernel[(p.NS, p.H, triton_cdiv(p.V, tiles["BV"]))](
         t.W, t.U, t.Kg, t.Qg, t.A_qk, t.decay, S_final if S0 is None else S0.contiguous(), S_in,
         _placeholder(O) if O is not None else S_in, S_final, p.seq_chunk0, p.chunk_bos, p.chunk_len, p.H, p.K, p.V,
@@ -264,7 +289,7 @@ def _state_bwd(p: _Plan, t: _Terms, dO: torch.Tensor, d_final: torch.Tensor | No
     dev = t.W.device
     dS0 = torch.empty(p.NS, p.H, p.K, p.V, dtype=p.dtype, device=dev)
     dS_out = torch.empty(max(p.NC, 1) if store_ds_out else 1, p.H, p.K, p.V, dtype=p.dtype, device=dev)
-    tiles = p.state_tiles()
+    tiles = p.state_tiles(STATE_BWD_V_BLOCK)
     _kernels().state_bwd_kernel[(p.NS, p.H, triton_cdiv(p.V, tiles["BV"]))](
         t.W, t.Kg, t.Qg, t.A_qk, t.decay, _placeholder(dO.contiguous()),
         dS0 if d_final is None else d_final.contiguous(), dS0, dS_out, p.seq_chunk0, p.chunk_bos, p.chunk_len,
@@ -301,12 +326,23 @@ class _ChunkKDA(torch.autograd.Function):
         dS0, dS_out = _state_bwd(p, terms, dO, d_final.to(p.dtype), store_ds_out=True)
         grads = [torch.empty_like(x) for x in (q, k, v, g, beta)]
         if p.NC:
-            Vt_buf, dVt_buf = torch.empty_like(terms.U), torch.empty_like(terms.U)  # the kernel's scratch
-            _kernels().chunk_grads_kernel[(p.NC, p.H)](
-                q, k, v, g, beta, p.chunk_bos, p.chunk_len, terms.W, terms.U, terms.Kg, terms.Qg, terms.A_qk,
-                terms.A_kk, terms.T_inv, terms.decay, S_in, dS_out, dO.contiguous(), Vt_buf, dVt_buf, *grads,
-                _scalar(ctx.scale, p, q.device), p.H, p.K, p.V, C=p.C, BK=p.BKG, BV=p.BVG, SUB=p.SUB, DT=p.tl_dtype(),
+            kern = _kernels()
+            dq, dk, dv, dg, dbeta = grads
+            # the value-side kernel's scratch for the key side: V~, dV~ [NC, H, C, V] and dA [NC, H, 2, C, C]
+            Vt_buf, dVt_buf = torch.empty_like(terms.U), torch.empty_like(terms.U)
+            dA_buf = torch.empty(p.NC, p.H, 2, p.C, p.C, dtype=p.dtype, device=q.device)
+            dO = dO.contiguous()
+            kern.chunk_grads_v_kernel[(p.NC, p.H)](
+                v, beta, p.chunk_bos, p.chunk_len, terms.W, terms.U, terms.Kg, terms.A_qk, terms.T_inv, S_in, dS_out,
+                dO, g, k, Vt_buf, dVt_buf, dA_buf, dv, p.H, p.K, p.V, C=p.C, BK=p.BKG, BV=p.BVG, DT=p.tl_dtype(),
                 PREC=p.prec(), num_warps=CHUNK_WARPS)
+            kern.chunk_grads_wy_kernel[(p.NC, p.H)](
+                beta, p.chunk_bos, p.chunk_len, terms.A_kk, terms.T_inv, dA_buf, dbeta, p.H, C=p.C, DT=p.tl_dtype(),
+                PREC=p.prec(), num_warps=CHUNK_WARPS)
+            kern.chunk_grads_k_kernel[(p.NC, p.H)](
+                q, k, g, beta, p.chunk_bos, p.chunk_len, terms.T_inv, S_in, dS_out, dO, Vt_buf, dVt_buf, dA_buf,
+                dq, dk, dg, _scalar(ctx.scale, p, q.device), p.H, p.K, p.V, C=p.C, BK=p.BKG, BV=p.BVG, SUB=p.SUB,
+                DT=p.tl_dtype(), PREC=p.prec(), num_warps=CHUNK_WARPS)
         need = ctx.needs_input_grad
         dS0 = dS0.to(ctx.s0_dtype) if ctx.s0_dtype is not None and need[5] else None
         return (*(gr if need[i] else None for i, gr in enumerate(grads)), dS0, None, None)
@@ -440,7 +476,8 @@ def kda_transition(
         terms = _terms(plan, None, k2, v2, g2, beta.detach().reshape(B * T, H).contiguous(), 1.0)
         M = torch.empty(B, H, K, K, dtype=dtype, device=k.device)
         S = torch.empty(B, H, K, V, dtype=dtype, device=k.device)
-        bv = min(STATE_V_BLOCK, max(16, 1 << (max(K, V) - 1).bit_length()))  # columns of M and of S_ext
+        # columns of M and of S_ext per program
+        bv = min(STATE_V_BLOCK, TRANSITION_V_BLOCK, max(16, 1 << (max(K, V) - 1).bit_length()))
         _kernels().transition_kernel[(B, H, triton_cdiv(K, bv) + triton_cdiv(V, bv))](
             terms.W, terms.U, terms.Kg, terms.decay, M, S, plan.seq_chunk0, H, K, V, C=C, BKS=plan.BKS,
             NKB=plan.NKB, BV=bv, DT=plan.tl_dtype(), PREC=plan.prec(), num_stages=STATE_PASS_STAGES,
@@ -448,4 +485,4 @@ def kda_transition(
     return M, S
 
 
-__all__ = ["block_for", "check_decay_bound", "kda_chunk", "kda_state_grad", "kda_transition"]
+__all__ = ["block_for", "check_decay_bound", "kda_chunk", "kda_state_grad", "kda_transition", "state_k_block"]

@@ -7,11 +7,13 @@ are ``[NS, H, K, V]`` or ``[NC, H, K, V]``. ``chunk_bos [NC]`` (int64) is each c
 Rows past ``chunk_len`` load as padding tokens that neither decay nor write (g = k = q = v = beta = 0).
 
 Blocking (sm_90's 232,448 B of shared memory per block, registers without spills; K3_SYSTEMS §2.3.1): the per-chunk
-kernels hold ``[C, C]`` tiles and ``[C, BK]`` / ``[C, BV]`` blocks of the key / value dimensions (BK, BV <= 64,
-loops over the blocks, fla's blocking); products over the key dimension accumulate over its blocks. The state
-passes hold the state as up to four ``[BKS, BV]`` key blocks (fla's ``b_h1 .. b_h4``; its rows are coupled through
-``W S``, so every block is carried in registers) and split the value columns (and for the transition also the
-columns of ``M``) over programs.
+kernels hold ``[C, C]`` tiles and ``[C, BK]`` / ``[C, BV]`` blocks of the key / value dimensions (BK, BV <= 32,
+loops over the blocks, fla's blocking); products over the key dimension accumulate over its blocks. The backward's
+per-chunk work is three kernels (:func:`chunk_grads_v_kernel`, :func:`chunk_grads_wy_kernel`, then
+:func:`chunk_grads_k_kernel`, through scratch tensors), so that each holds fewer live tiles. The state passes hold
+the state as up to four ``[BKS, BV]`` key blocks (fla's ``b_h1 .. b_h4``; its rows are coupled through ``W S``, so
+every block is carried in registers) and split the value columns (and for the transition also the columns of
+``M``) over programs.
 
 Numerics (K3_SYSTEMS §2.3.1): arithmetic in ``DT`` (fp32 for fp32/bf16 inputs, fp64 for fp64 inputs); every
 ``tl.dot`` runs with ``PREC`` (``"tf32x3"`` for fp32: three TF32 tensor-core products per dot, about fp32's
@@ -438,31 +440,30 @@ def state_bwd_kernel(W, Kg, Qg, A_qk, decay, dO, d_final, dS0, dS_out, seq_chunk
 
 
 @triton.jit
-def chunk_grads_kernel(q, k, v, g, beta, chunk_bos, chunk_len, W, U, Kg, Qg, A_qk, A_kk, T_inv, decay, S_in, dS_out,
-                       dO, Vt_buf, dVt_buf, dq, dk_, dv_, dg, dbeta, scale, H, K, V, C: tl.constexpr,
-                       BK: tl.constexpr, BV: tl.constexpr, SUB: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
-    """Input gradients of one chunk and head (grid ``(NC, H)``) given the output gradient ``dO``, the entering state
-    ``S_n`` and the gradient ``dS_{n+1}`` of the leaving one: the transposes of :func:`chunk_terms_kernel` and of
-    the outputs ``O = Qg S_n + A_qk V~``, ``S_{n+1} = Diag(decay) S_n + Kg^T V~``, ``V~ = U - W S_n``.
+def chunk_grads_v_kernel(v, beta, chunk_bos, chunk_len, W, U, Kg, A_qk, T_inv, S_in, dS_out, dO, g, k,
+                         Vt_buf, dVt_buf, dA_buf, dv_, H, K, V, C: tl.constexpr, BK: tl.constexpr,
+                         BV: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
+    """Backward, value side, of one chunk and head (grid ``(NC, H)``) given the output gradient ``dO``, the entering
+    state ``S_n`` and the gradient ``dS_{n+1}`` of the leaving one: the transposes of the outputs ``O = Qg S_n + A_qk
+    V~``, ``S_{n+1} = Diag(decay) S_n + Kg^T V~``, ``V~ = U - W S_n`` and of ``U = T v``, ``W = T X`` (``T = T_inv
+    Diag(beta)``, ``X = exp(G) K``, ``T_inv = (I + Diag(beta) A_kk)^-1``).
 
-    Two block loops: per block of BV value columns (contractions over the key blocks) ``V~``, ``dV~ = A_qk^T dO +
-    Kg dS_{n+1}`` (stored to the scratch ``Vt_buf``, ``dVt_buf`` ``[NC, H, C, V]`` DT), ``dv``, and the ``[C, C]``
-    gradients ``dA_qk += dO V~^T``, ``dT += dV~ (v - X S_n)^T`` (``X = exp(G) K``: ``dT = dW X^T + dV~ v^T`` with
-    ``dW = -dV~ S_n^T``); then per block of BK key columns (contractions over the value blocks, reading the scratch
-    back) ``dKg``, ``dW``, ``dQg``, ``d decay`` and the key-side gradients dq, dk, dg."""
+    Per block of BV value columns (contractions over the key blocks): ``V~``, ``dV~ = A_qk^T dO + Kg dS_{n+1}``
+    (stored to the scratch ``Vt_buf``, ``dVt_buf`` ``[NC, H, C, V]`` DT for :func:`chunk_grads_k_kernel`), ``dv``,
+    and the ``[C, C]`` gradients ``dA_qk += dO V~^T``, ``dT += dV~ (v - X S_n)^T`` (``dT = dW X^T + dV~ v^T`` with
+    ``dW = -dV~ S_n^T``), stored (lower) to ``dA_buf [NC, H, 2, C, C]`` DT: ``dT`` (which
+    :func:`chunk_grads_wy_kernel` turns into ``dL Diag(beta)``, the gradient of ``A_kk``) and ``dA_qk`` with its
+    diagonal (the exact ``scale q_r . k_r``)."""
     n, h, bos, ln = _chunk_program(chunk_bos, chunk_len)
     r = tl.arange(0, C)
     rows = r[:, None]
     cols = r[None, :]
-    sc = tl.load(scale).to(DT)
     bb = tl.load(beta + (bos + r) * H + h, mask=r < ln, other=0.0).to(DT)
     base = n * H + h
     Aq = _ld(_tile(A_qk + base * C * C, C, C, 0, 0, C, C))
     Ti = _ld(_tile(T_inv + base * C * C, C, C, 0, 0, C, C))
-    T = Ti * bb[None, :]
     dAq = tl.zeros([C, C], dtype=DT)
     dT = tl.zeros([C, C], dtype=DT)
-    # value side: W = T X, U = T v, T = T_inv Diag(beta), T_inv = (I + Diag(beta) A_kk)^-1
     for vb in range(0, tl.cdiv(V, BV)):
         v0 = vb * BV
         dOn = _load_chunk(dO, bos, ln, h, H, V, v0, C, BV, DT)
@@ -482,18 +483,49 @@ def chunk_grads_kernel(q, k, v, g, beta, chunk_bos, chunk_len, W, U, Kg, Qg, A_q
         dT += tl.dot(dVt, tl.trans(Y), input_precision=PREC)
         _st(_tile(Vt_buf + base * C * V, C, V, 0, v0, C, BV), Vt)
         _st(_tile(dVt_buf + base * C * V, C, V, 0, v0, C, BV), dVt)
-        _store_chunk(dv_, tl.dot(tl.trans(T), dVt, input_precision=PREC), bos, ln, h, H, V, v0, C, BV)
-    dT = tl.where(rows >= cols, dT, 0.0)
+        _store_chunk(dv_, tl.dot(tl.trans(Ti * bb[None, :]), dVt, input_precision=PREC), bos, ln, h, H, V, v0, C, BV)
+    _st(_tile(dA_buf + base * 2 * C * C, C, C, 0, 0, C, C), tl.where(rows >= cols, dT, 0.0))
+    _st(_tile(dA_buf + (base * 2 + 1) * C * C, C, C, 0, 0, C, C), tl.where(rows >= cols, dAq, 0.0))
+
+
+@triton.jit
+def chunk_grads_wy_kernel(beta, chunk_bos, chunk_len, A_kk, T_inv, dA_buf, dbeta, H, C: tl.constexpr,
+                          DT: tl.constexpr, PREC: tl.constexpr):
+    """Backward of the UT transform of one chunk and head (grid ``(NC, H)``), between :func:`chunk_grads_v_kernel`
+    and :func:`chunk_grads_k_kernel`: from ``dT`` (``dA_buf[.., 0]``) ``dbeta`` and ``dL = -T_inv^T (dT Diag(beta))
+    T_inv^T`` (strictly lower), which replaces dT there as ``dL Diag(beta)``, the gradient of ``A_kk``."""
+    n, h, bos, ln = _chunk_program(chunk_bos, chunk_len)
+    r = tl.arange(0, C)
+    rows = r[:, None]
+    cols = r[None, :]
+    bb = tl.load(beta + (bos + r) * H + h, mask=r < ln, other=0.0).to(DT)
+    base = n * H + h
+    Ti = _ld(_tile(T_inv + base * C * C, C, C, 0, 0, C, C))
+    dT = _ld(_tile(dA_buf + base * 2 * C * C, C, C, 0, 0, C, C))
     d_beta = tl.sum(dT * Ti, axis=0)
     dL = -tl.dot(tl.dot(tl.trans(Ti), dT * bb[None, :], input_precision=PREC), tl.trans(Ti), input_precision=PREC)
     dL = tl.where(rows > cols, dL, 0.0)
     d_beta += tl.sum(dL * _ld(_tile(A_kk + base * C * C, C, C, 0, 0, C, C)), axis=1)
     tl.store(dbeta + (bos + r) * H + h, d_beta.to(dbeta.dtype.element_ty), mask=r < ln)
-    diag = tl.sum(tl.where(rows == cols, dAq, 0.0), axis=1)
-    dA_k = dL * bb[:, None]
-    dA_q = tl.where(rows > cols, dAq, 0.0)
-    tl.debug_barrier()  # the V~, dV~ tiles stored above are read back below by other threads of this program
-    # key side, per block of key columns
+    tl.debug_barrier()  # every thread has read dT before it is overwritten
+    _st(_tile(dA_buf + base * 2 * C * C, C, C, 0, 0, C, C), dL * bb[:, None])
+
+
+@triton.jit
+def chunk_grads_k_kernel(q, k, g, beta, chunk_bos, chunk_len, T_inv, S_in, dS_out, dO, Vt_buf, dVt_buf, dA_buf,
+                         dq, dk_, dg, scale, H, K, V, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                         SUB: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
+    """Backward, key side, of one chunk and head (grid ``(NC, H)``), after :func:`chunk_grads_v_kernel` (its
+    scratch ``Vt_buf``, ``dVt_buf``, ``dA_buf``): per block of BK key columns (contractions over the value blocks)
+    ``dKg = V~ dS_{n+1}^T``, ``dW = -dV~ S_n^T``, ``dQg = dO S_n^T``, ``d decay``, then the transposes of
+    :func:`chunk_terms_kernel`'s key terms: dq, dk and dg (the log-decay gradient summed in fp64)."""
+    n, h, bos, ln = _chunk_program(chunk_bos, chunk_len)
+    r = tl.arange(0, C)
+    rows = r[:, None]
+    cols = r[None, :]
+    sc = tl.load(scale).to(DT)
+    bb = tl.load(beta + (bos + r) * H + h, mask=r < ln, other=0.0).to(DT)
+    base = n * H + h
     f64 = tl.float64
     for kb in range(0, tl.cdiv(K, BK)):
         k0 = kb * BK
@@ -512,8 +544,13 @@ def chunk_grads_kernel(q, k, v, g, beta, chunk_bos, chunk_len, W, U, Kg, Qg, A_q
             d_dec += tl.sum(S * dS, axis=1)
         eG, eCG, G_C = _decay_factors(G, r, C, DT)
         X = eG * kk
+        T = _ld(_tile(T_inv + base * C * C, C, C, 0, 0, C, C)) * bb[None, :]
         dX = tl.dot(tl.trans(T), dW, input_precision=PREC)
-        dk_row, dq_row, dk_col = _decayed_products_bwd(dA_k, dA_q, kk, qs, G, r, C, SUB, DT, PREC)
+        dAq = _ld(_tile(dA_buf + (base * 2 + 1) * C * C, C, C, 0, 0, C, C))
+        diag = tl.sum(tl.where(rows == cols, dAq, 0.0), axis=1)
+        dk_row, dq_row, dk_col = _decayed_products_bwd(_ld(_tile(dA_buf + base * 2 * C * C, C, C, 0, 0, C, C)),
+                                                       tl.where(rows > cols, dAq, 0.0), kk, qs, G, r, C, SUB, DT,
+                                                       PREC)
         dqs = dq_row + diag[:, None] * kk + dQg * eG
         dkk = dk_row + dk_col + diag[:, None] * qs + dX * eG + dKg * eCG
         # log-decay gradient in fp64 (its terms are large and cancel), then the reverse cumulative sum over the chunk
