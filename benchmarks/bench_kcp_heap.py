@@ -20,16 +20,14 @@ Shapes: ``k3_tiny`` (B 2, H 4, K = V 48), ``k3_100m`` (B 1, H 10, K = V 96) and 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
 import torch
+from machine import rank_bench_args, write_rows
 
 from moonrt.cluster.local import run_ranks
 from moonrt.comm.cp.gather import CollectiveGather, HeapGather
 from moonrt.comm.transport.shm import ShmHeap
-from moonrt.config import write_new
 from moonrt.jobs.selftest.common import timed
 
 SHAPES: dict[str, tuple[int, int, int, int]] = {"k3_tiny": (2, 4, 48, 48), "k3_100m": (1, 10, 96, 96),
@@ -56,22 +54,7 @@ def _bench_rank(rank: int, world: int, iters: int) -> list[dict]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--worlds", default="2,4", help="comma-separated world sizes")
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--out", type=Path, default=Path("/tmp/moonrt-bench/bench_kcp_heap.json"))
-    parser.add_argument("--force", action="store_true", help="replace an existing --out file")
-    args = parser.parse_args()
-    try:
-        worlds = [int(w) for w in args.worlds.split(",")]
-        if any(w < 2 for w in worlds) or args.iters < 1:
-            raise ValueError
-    except ValueError:
-        print(f"bench_kcp_heap: --worlds {args.worlds!r} --iters {args.iters}: expected world sizes >= 2 and "
-              "iters >= 1", file=sys.stderr)
-        return 2
-    if (args.out.exists() or args.out.is_symlink()) and not args.force:
-        print(f"bench_kcp_heap: --out {str(args.out)!r}: already exists (give --force to replace it)", file=sys.stderr)
-        return 2
+    args, worlds = rank_bench_args(parser, "bench_kcp_heap", iters=20)
     rows: list[dict] = []
     for world in worlds:
         rows += run_ranks(_bench_rank, world, args.iters, timeout=600)[0]
@@ -81,9 +64,7 @@ def main() -> int:
     for r in rows:
         print(f"{r['world']:>5} {r['model']:>8} {r['bytes_per_rank'] / 1024:>9.1f} | {r['heap_s'] * 1e6:>9.1f} "
               f"{r['gloo_s'] * 1e6:>9.1f} | {r['heap_vs_gloo']:>8.1f}x")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_new(args.out, json.dumps({"rows": rows, "torch": torch.__version__}, indent=1), force=args.force)
-    print(f"wrote {args.out}")
+    write_rows(args, rows)
     return 0
 
 

@@ -22,16 +22,14 @@ Bandwidth = bytes each rank sends / time. Table on stdout; JSON (a new file; an 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
 import torch
+from machine import rank_bench_args, write_rows
 
 from moonrt.cluster.local import run_ranks
 from moonrt.comm.transport.collectives import CollectivesTransport
 from moonrt.comm.transport.shm import ShmHeap
-from moonrt.config import write_new
 from moonrt.jobs.selftest.common import byte_sizes, timed
 
 ROW = 64  # fp32 per row
@@ -80,25 +78,9 @@ def _bench_rank(rank: int, world: int, sizes: tuple[int, ...], iters: int) -> li
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--worlds", default="2,4", help="comma-separated world sizes")
     parser.add_argument("--sizes", type=byte_sizes, default=(1 << 20, 4 << 20, 16 << 20),
                         help="bytes each rank sends (K/M suffixes)")
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--out", type=Path, default=Path("/tmp/moonrt-bench/bench_transport.json"))
-    parser.add_argument("--force", action="store_true", help="replace an existing --out file")
-    args = parser.parse_args()
-    try:
-        worlds = [int(w) for w in args.worlds.split(",")]
-        if any(w < 2 for w in worlds) or args.iters < 1:
-            raise ValueError
-    except ValueError:
-        print(f"bench_transport: --worlds {args.worlds!r} --iters {args.iters}: expected world sizes >= 2 and "
-              "iters >= 1", file=sys.stderr)
-        return 2
-    if (args.out.exists() or args.out.is_symlink()) and not args.force:
-        print(f"bench_transport: --out {str(args.out)!r}: already exists (give --force to replace it)",
-              file=sys.stderr)
-        return 2
+    args, worlds = rank_bench_args(parser, "bench_transport", iters=10)
     rows: list[dict] = []
     for world in worlds:
         rows += run_ranks(_bench_rank, world, args.sizes, args.iters, timeout=600)[0]
@@ -110,9 +92,7 @@ def main() -> int:
         print(f"{r['world']:>5} {r['bytes_per_rank'] / 2**20:>8.2f} | {r['memcpy_GBps']:>8.2f} "
               f"{r['heap_put_GBps']:>9.2f} {r['heap_all_to_all_GBps']:>9.2f} {r['gloo_all_to_all_GBps']:>9.3f}      | "
               f"{r['heap_put_vs_gloo']:>7.1f}x {r['heap_all_to_all_vs_gloo']:>7.1f}x {r['heap_put_vs_memcpy']:>9.0%}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_new(args.out, json.dumps({"rows": rows, "torch": torch.__version__}, indent=1), force=args.force)
-    print(f"wrote {args.out}")
+    write_rows(args, rows)
     return 0
 
 

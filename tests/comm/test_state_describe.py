@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 from dist import dist_run
+from jobs.helpers import _equal
 from torch import nn
 
 from moonrt.comm.parallelism import Parallelism, Part
@@ -78,19 +79,6 @@ def _gather_scatter(rank: int, world: int) -> dict[str, Any]:
             "mine": model.weight.detach().clone(), "my_moment": opt.state[model.weight]["exp_avg"].clone()}
 
 
-def _equal(a: Any, b: Any, where: str) -> None:
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            _equal(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, list):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _equal(x, y, f"{where}[{i}]")
-    elif isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and torch.equal(a, b), where
-    else:
-        assert a == b, (where, a, b)
 
 
 @pytest.mark.timeout(300)

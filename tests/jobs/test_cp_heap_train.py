@@ -16,26 +16,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
-from jobs.helpers import _assert_same_step, _ckpt, _cli, _here, _metrics, _ranks, _run
+from jobs.helpers import _assert_same_step, _ckpt, _cli, _equal, _here, _metrics, _ranks, _run
 
 FLAGS = ["--steps", "4", "--seed", "0", "--batch-size", "4", "--seq-len", "32", "--eval-every", "100", "--lr", "1e-3",
          "--threads", "1", "--no-progress", "--set", "optim.eval_windows=4"]
 
 
-def _equal(a: object, b: object, where: str) -> None:
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            _equal(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, list | tuple):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _equal(x, y, f"{where}[{i}]")
-    elif isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and torch.equal(a, b), where
-    else:
-        assert a == b, (where, a, b)
 
 
 @pytest.mark.slow
