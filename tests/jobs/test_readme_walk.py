@@ -58,6 +58,7 @@ NOT_RUN = {
     ".venv/bin/pip install -q -c constraints.txt -e '.[test,mpi]'":
         "installs moonrt: this test runs inside that install",
     ".venv/bin/ruff check .": "the README's test command: it is running this test",
+    ".venv/bin/mypy": "the README's test command: it is running this test",
     ".venv/bin/python -m pytest -q": "the README's test command: it is running this test",
     "moonrt sbatch --nodes 2 --ntasks-per-node 4 --config job.yaml --submit -- python train.py":
         "submits a 2-node job; this machine's SLURM has one node",
