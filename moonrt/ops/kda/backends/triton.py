@@ -28,6 +28,7 @@ the tests check these kernels without a GPU.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from types import ModuleType
 from typing import Any
@@ -203,7 +204,12 @@ class _Plan:
         return "ieee" if self.dtype == torch.float64 else FP32_DOT
 
 
-def _make_plan(lens: list[int], C: int, H: int, K: int, V: int, g: torch.Tensor, dtype: torch.dtype) -> _Plan:
+@functools.lru_cache(maxsize=64)
+def _chunk_tables(lens: tuple[int, ...], C: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                 torch.Tensor]:
+    """``(chunk_bos, chunk_len, seq_chunk0)`` int64 on ``device`` for sequences of ``lens`` tokens in chunks of ``C``:
+    built once per (lengths, chunk, device) and reused by every later call (read-only to the kernels), so a training
+    step's KDA calls copy no tables to the GPU after the first step (issue 47 item 5)."""
     bos, cnt, first = [], [], [0]
     start = 0
     for n in lens:
@@ -212,19 +218,24 @@ def _make_plan(lens: list[int], C: int, H: int, K: int, V: int, g: torch.Tensor,
             cnt.append(min(C, n - c))
         first.append(len(bos))
         start += n
-    dev = g.device
 
     def ints(x: list[int]) -> torch.Tensor:
-        return torch.tensor(x or [0], dtype=torch.int64, device=dev)
+        return torch.tensor(x or [0], dtype=torch.int64, device=device)
 
+    return ints(bos), ints(cnt), ints(first)
+
+
+def _make_plan(lens: list[int], C: int, H: int, K: int, V: int, g: torch.Tensor, dtype: torch.dtype) -> _Plan:
+    chunk_bos, chunk_len, seq_chunk0 = _chunk_tables(tuple(lens), C, g.device)
+    NC = sum(triton_cdiv(n, C) for n in lens)
     check_decay_bound(g)
     if K > 4 * STATE_K_BLOCK:
         raise ValueError(f"head_dim K = {K}: the Triton KDA holds a state in at most 4 key blocks of "
                          f"{STATE_K_BLOCK} (K <= {4 * STATE_K_BLOCK}); use kernels.kda=torch")
     return _Plan(H=H, K=K, V=V, C=C, SUB=min(SUB_TILE, C), BK=block_for(K), BV=block_for(V),
                  BKG=block_for(K, GRADS_MAX_BLOCK), BVG=block_for(V, GRADS_MAX_BLOCK),
-                 BKS=state_k_block(K), NS=len(lens), NC=len(bos),
-                 chunk_bos=ints(bos), chunk_len=ints(cnt), seq_chunk0=ints(first), dtype=dtype)
+                 BKS=state_k_block(K), NS=len(lens), NC=NC,
+                 chunk_bos=chunk_bos, chunk_len=chunk_len, seq_chunk0=seq_chunk0, dtype=dtype)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
