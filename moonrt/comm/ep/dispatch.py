@@ -40,6 +40,7 @@ call (§6.3):
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 
 import torch
@@ -47,18 +48,29 @@ import torch.distributed as dist
 
 from moonrt.comm.ep.layout import (
     DedupLayout,
+    DeviceDedup,
+    DeviceLayout,
+    DeviceWeightLayout,
     EPLayout,
     PaddedLayout,
     WeightLayout,
+    build_device_layout,
+    build_device_weight_layout,
     build_layout,
     build_padded,
+    build_padded_device,
     build_weight_layout,
 )
-from moonrt.comm.ep.placement import PlacementPolicy
+from moonrt.comm.ep.placement import MoonEPPlacement, PlacementPolicy
 from moonrt.comm.ep.slots import SlotPool, SlotRefill
 from moonrt.comm.ep.transport import CollectiveTransport, EPTransport
 from moonrt.parallel.dispatch import Experts, ExpertWeights
 from moonrt.scheduler.moonep_torch import to_host
+
+DEBUG_ENV = "MOONRT_DEBUG"
+"""Set to 1: the EP dispatcher reads every rank's validation back to the host on every path (the heap's device
+layouts are then not used): routing ids out of range and unequal token counts are one clear ValueError on every
+rank. Unset (the default), the heap path makes no host synchronization and checks only what the host knows."""
 
 _ERRORS = {
     1: "x / topk_ids / topk_weights shapes or dtypes",
@@ -84,10 +96,10 @@ class EPHandle:
     plan: object
     counts: torch.Tensor
     topk_weights: torch.Tensor
-    layout: EPLayout
-    weight_layout: WeightLayout
+    layout: EPLayout | DeviceLayout
+    weight_layout: WeightLayout | DeviceWeightLayout
     rank: int
-    dedup: DedupLayout | None = None
+    dedup: DedupLayout | DeviceDedup | None = None
     padding: PaddedLayout | None = None
     """Set when ``token_padding > 1``: dispatch's rows are ``padding.padded_rows``, real row r sits at
     ``padding.row_index[r]``, ``padding.pad_ranges`` are zero fill."""
@@ -207,6 +219,13 @@ class EPDispatcher:
         if isinstance(token_padding, bool) or not isinstance(token_padding, int) or token_padding < 1:
             raise ValueError(f"token_padding = {token_padding!r}: expected an integer >= 1")
         self.pool, self.dedup, self.token_padding = pool, dedup, token_padding
+        self.debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
+        self.device_layouts = (bool(getattr(self.transport, "device_layouts", False)) and not self.debug
+                               and isinstance(placement, MoonEPPlacement)
+                               and self.num_slots >= self.experts_per_rank)
+        """Heap transport, MoonEP with ``B >= E/R`` (rows are ``s * k``, known on the host) and no debug switch:
+        the layout is computed on the device (:func:`moonrt.comm.ep.layout.build_device_layout`) and the layer
+        makes no host synchronization (:meth:`_dispatch_device`)."""
         self.counters = EPCounters.zeros(self.world_size)
         self.last_counts: torch.Tensor | None = None
         """``[R, E]`` int64 routing counts of the last dispatch (routing traces, metrics)."""
@@ -219,7 +238,8 @@ class EPDispatcher:
         return self.num_experts + self.num_slots
 
     # ---- verbs ------------------------------------------------------------------------------------
-    def _check(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> tuple[int, str]:
+    def _check(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+               ranges: bool = True) -> tuple[int, str]:
         k, E = self.top_k, self.num_experts
         if x.dim() != 2 or x.shape[1] != self.hidden or not x.dtype.is_floating_point:
             return 1, f"x: shape {tuple(x.shape)} dtype {x.dtype}, expected a float tensor [s, {self.hidden}]"
@@ -231,7 +251,7 @@ class EPDispatcher:
                        f"expected a float tensor [{s}, {k}]")
         if s > self.capacity:
             return 2, f"x: s = {s} tokens, expected s <= capacity = {self.capacity}"
-        if s and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= E):
+        if ranges and s and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= E):
             bad = topk_ids[(topk_ids < 0) | (topk_ids >= E)][0]
             return 3, f"topk_ids: value {int(bad)} out of range, expected expert ids in [0, {E})"
         return 0, ""
@@ -257,8 +277,11 @@ class EPDispatcher:
             i < E is expert i (only home experts non-empty), E + j is ``handle.plan.copies[rank, j]``.
             ``handle``: for :meth:`prefetch_weights` and :meth:`combine`. ``rows == plan.capacity[rank]``.
 
-        Raises ValueError on every rank of the group if any rank's input is invalid.
+        Raises ValueError on every rank of the group if any rank's input is invalid (on the heap path without
+        ``MOONRT_DEBUG``: on the rank whose shapes are wrong, see :meth:`_dispatch_device`).
         """
+        if self.device_layouts:
+            return self._dispatch_device(x, topk_ids, topk_weights)
         try:
             code, message = self._check(x, topk_ids, topk_weights)
         except Exception as exc:  # never skip the all-gather below: the other ranks would hang in it
@@ -322,6 +345,49 @@ class EPDispatcher:
         self.counters.calls += 1
         return recv_x, recv_w, handle.cu_seqlens, handle
 
+    def _dispatch_device(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, EPHandle]:
+        """:meth:`dispatch` with no host synchronization (the heap, MoonEP with ``B >= E/R``; issue 48 item 2).
+
+        The counts are all-gathered and planned on the device as on the other path; the layout is
+        :func:`~moonrt.comm.ep.layout.build_device_layout`'s, so nothing comes back to the host. What that costs:
+        the host checks only shapes, dtypes and ``s <= capacity`` (a bad rank raises there and its peers see it
+        die, :class:`~moonrt.comm.transport.shm.PeerDied`); routing ids in ``[0, E)`` and the same ``s`` on every
+        rank (so ``plan.capacity == s * k``) are the caller's contract, checked with ``MOONRT_DEBUG=1`` (which
+        takes the host path). The byte and row counters per peer are host data and are not updated here
+        (``calls`` and ``rows_computed`` are)."""
+        code, message = self._check(x, topk_ids, topk_weights, ranges=False)
+        E, R, k = self.num_experts, self.world_size, self.top_k
+        row = torch.zeros(2 + E, dtype=torch.int64, device=x.device)
+        if code == 0:
+            row[1] = x.shape[0]
+            row[2:].index_add_(0, topk_ids.reshape(-1), torch.ones_like(topk_ids.reshape(-1)))
+        table = self.transport.all_gather(row).view(R, 2 + E)
+        if code:
+            raise ValueError(f"EP dispatch (EP rank {self.rank}): {message}")
+        counts = table[:, 2:]
+        plan = self.placement.plan_on_device(counts, self.num_slots)
+        assert plan is not None  # MoonEP (device_layouts)
+        block = self.capacity * k  # the most rows one rank sends another (s * k), the same on every rank
+        layout = build_device_layout(topk_ids, counts, plan.alloc, plan.copies, self.rank, block)
+        wlayout = build_device_weight_layout(plan.copies, E, self.rank)
+        dd = self.transport.dedup_layout(layout, x.device) if self.dedup else None
+        recv_x, recv_w = self.transport.dispatch(x, topk_weights, layout, dd)
+        row_weights, pad = recv_w, None
+        if self.token_padding > 1:
+            pad = build_padded_device(layout.cu_seqlens, self.experts_per_rank + self.num_slots, self.token_padding,
+                                      layout.rows)
+            recv_x = recv_x.new_zeros(pad.padded_rows, recv_x.shape[1]).index_copy(0, pad.row_index, recv_x)
+            recv_w = recv_w.new_zeros(pad.padded_rows).index_copy(0, pad.row_index, recv_w)
+        handle = EPHandle(plan=plan, counts=counts, topk_weights=topk_weights, layout=layout,
+                          weight_layout=wlayout, rank=self.rank, dedup=dd, padding=pad, row_weights=row_weights)
+        handle.deps.append(recv_x)
+        self.counters.rows_computed = x.shape[0] * k
+        self.last_counts, self.last_rows = counts, plan.capacity
+        self.counters.calls += 1
+        return recv_x, recv_w, handle.cu_seqlens, handle
+
     def prefetch_weights(self, handle: EPHandle, expert_weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """Fill the slot rows with copies of the planned experts' weights, point-to-point from home ranks.
 
@@ -353,6 +419,8 @@ class EPDispatcher:
         handle.deps.extend(slots)
         if refill is not None:
             handle.refill.append(refill)
+        if isinstance(wl, DeviceWeightLayout):  # host counters: not on the device path (see _dispatch_device)
+            return slots
         nbytes = numel * expert_weights[0].element_size()
         for d, n in enumerate(wl.send_splits):
             self.counters.weight_bytes_sent[d] += n * nbytes
@@ -381,15 +449,16 @@ class EPDispatcher:
         if handle.dedup is None:
             w = handle.topk_weights if weighted else torch.ones_like(handle.topk_weights)
             out = self.transport.combine(y, w, handle.layout, None, tuple(handle.deps), refill, y.dtype)
-            back = handle.layout.recv_splits
+            back = handle.layout.recv_splits if isinstance(handle.layout, EPLayout) else None
         else:  # weight the rows here (fp32), sum each token's rows, send one row per token back
             acc = torch.promote_types(y.dtype, torch.float32)
             yw = y.to(acc) * handle.row_weights.to(acc).unsqueeze(1) if weighted else y
             out = self.transport.combine(yw, None, handle.layout, handle.dedup, tuple(handle.deps), refill, y.dtype)
-            back = handle.dedup.pair_recv_splits
-        row_bytes = y.shape[1] * y.element_size()
-        for d, n in enumerate(back):
-            self.counters.token_bytes_sent[d] += n * row_bytes
+            back = handle.dedup.pair_recv_splits if isinstance(handle.dedup, DedupLayout) else None
+        if isinstance(back, list):  # host counters: not on the device path (see _dispatch_device)
+            row_bytes = y.shape[1] * y.element_size()
+            for d, n in enumerate(back):
+                self.counters.token_bytes_sent[d] += n * row_bytes
         return out
 
     def segment_weights(self, handle: EPHandle, experts: Experts) -> list[tuple[int, ExpertWeights]]:

@@ -74,12 +74,14 @@ class HeapExchange:
         self.calls = 0
         self.puts = 0
 
-    def slot(self, row: tuple[int, ...], dtype: torch.dtype, block: int) -> tuple[HeapTensor, int]:
-        """The receive slot of this key (allocated on first use) and the parity of this call."""
-        key = (row, dtype, block)
+    def slot(self, row: tuple[int, ...], dtype: torch.dtype, block: int,
+             spare: bool = False) -> tuple[HeapTensor, int]:
+        """The receive slot of this key (allocated on first use) and the parity of this call (``spare``: one row
+        more, :meth:`scatter_rows`'s)."""
+        key = (row, dtype, block, spare)
         buf = self.slots.get(key)
         if buf is None:
-            buf = self.slots[key] = self.heap.alloc((2, self.heap.world_size * block, *row), dtype)
+            buf = self.slots[key] = self.heap.alloc((2, self.heap.world_size * block + spare, *row), dtype)
             self._parity[key] = 0
         parity = self._parity[key]
         self._parity[key] = parity ^ 1
@@ -143,6 +145,33 @@ class HeapExchange:
         return local.index_select(0, slot_row.index_select(0, recv_index))
 
 
+    def scatter_rows(self, send: torch.Tensor, dst_rows: torch.Tensor, read: torch.Tensor,
+                     block: int) -> torch.Tensor:
+        """The device layouts' exchange (:class:`moonrt.comm.ep.layout.DeviceLayout`): no split sizes, no host data.
+
+        ``send [n, *row]``; ``dst_rows [R, n]`` int64 (device): the row of rank d's receive slot that ``send[i]``
+        is written to, or ``-1`` for a row not sent to d; then ``[read.shape[0], *row]``: this rank's slot rows
+        ``read`` (int64, source s's rows at ``[s * block, (s + 1) * block)``). The slot has one spare row past the
+        ``R * block`` (where the rows not sent to d land: a put of the whole ``send`` per peer, no mask read back to
+        the host; never read)."""
+        heap = self.heap
+        R, me = heap.world_size, heap.rank
+        buf, parity = self.slot(tuple(send.shape[1:]), send.dtype, block, spare=True)
+        spare = R * block
+        send = send.contiguous()
+        for i in range(R):
+            d = (me + i) % R
+            idx = torch.where(dst_rows[d] >= 0, dst_rows[d], spare)
+            buf.peer(d)[parity].index_copy_(0, idx, send)
+            if d != me:
+                heap.signal(d)
+        self.puts += send.shape[0]
+        for i in range(1, R):
+            heap.wait((me - i) % R)
+        self.calls += 1
+        return buf.local[parity].index_select(0, read)
+
+
 class PendingDispatch:
     """A dispatch in flight on the transport's worker thread (:meth:`HeapTransport.dispatch_async`).
 
@@ -169,6 +198,9 @@ class HeapTransport:
     Receive slots grow with nothing: their size follows from ``capacity * top_k`` rows per peer (token rows) and
     ``num_slots`` rows per peer (expert weights).
     """
+
+    device_layouts = True
+    """The dispatcher may hand this transport :mod:`moonrt.comm.ep.layout`'s device layouts (no host data)."""
 
     def __init__(self, heap: SymmetricHeap, capacity: int, top_k: int) -> None:
         for name, value in (("capacity", capacity), ("top_k", top_k)):
