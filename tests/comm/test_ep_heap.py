@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -106,7 +107,12 @@ def _rank_fn(rank: int, world: int, k: int, routing: str, dedup: bool, padding: 
         dist.all_to_all_single, dist.all_gather_single = real_a2a, real_ag
     same = all(a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
                for g, w in zip(got, want) for a, b in zip(g, w))
-    result = {"same": same, "puts": transport.exchange.puts, "grew": len(transport.exchange.slots) - slots_after_first,
+    for d in (*ref_layers, *heap_layers):
+        d.counters.settle()
+    counters_same = [dataclasses.astuple(a.counters) == dataclasses.astuple(b.counters)
+                     for a, b in zip(ref_layers, heap_layers)]
+    result = {"same": same, "counters_same": counters_same,
+              "puts": transport.exchange.puts, "grew": len(transport.exchange.slots) - slots_after_first,
               "copies": sum(int(d.counters.experts_prefetched) for d in ref_layers),
               "device": [d.device_layouts for d in heap_layers]}
     heap.close()
@@ -129,6 +135,7 @@ def test_heap_transport_equals_collectives_bitwise(world: int, k: int, routing: 
                                                    num_slots: int | None, baseline: bool) -> None:
     res = dist_run(_rank_fn, world, k, routing, dedup, padding, num_slots, baseline, timeout=180)
     assert all(r["same"] for r in res), "heap transport differs from the collectives (bitwise)"
+    assert all(r["counters_same"] == [True, True] for r in res), "traffic counters differ from the collectives'"
     assert all(r["puts"] > 0 for r in res) and all(r["grew"] == 0 for r in res), res
     # MoonEP with B >= E/R moves on the device layouts; fewer slots (rows follow the routing) and the baseline on
     # the host layouts

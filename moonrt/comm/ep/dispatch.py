@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -163,6 +164,24 @@ class EPCounters:
     rows_computed: int = 0
     experts_prefetched: int = 0
     calls: int = 0
+    pending: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    """Device-side increments of the heap path (no host read per layer): ``key -> [R]`` (or a scalar for
+    ``experts_prefetched``), added into the fields by :meth:`settle` (one host copy, when a reader asks)."""
+
+    def add_device(self, key: str, values: torch.Tensor) -> None:
+        before = self.pending.get(key)
+        self.pending[key] = values if before is None else before + values
+
+    def settle(self) -> None:
+        """Fold :attr:`pending` into the host counters (call before reading them)."""
+        for key, values in self.pending.items():
+            if key == "experts_prefetched":
+                self.experts_prefetched += int(values)
+            else:
+                field = getattr(self, key)
+                for d, n in enumerate(values.tolist()):
+                    field[d] += n
+        self.pending.clear()
 
     @classmethod
     def zeros(cls, world: int) -> EPCounters:
@@ -226,11 +245,17 @@ class EPDispatcher:
         """Heap transport, MoonEP with ``B >= E/R`` (rows are ``s * k``, known on the host) and no debug switch:
         the layout is computed on the device (:func:`moonrt.comm.ep.layout.build_device_layout`) and the layer
         makes no host synchronization (:meth:`_dispatch_device`)."""
-        self.counters = EPCounters.zeros(self.world_size)
+        self._counters = EPCounters.zeros(self.world_size)
         self.last_counts: torch.Tensor | None = None
         """``[R, E]`` int64 routing counts of the last dispatch (routing traces, metrics)."""
         self.last_rows: torch.Tensor | None = None
         """``[R]`` int64 rows every rank computed in the last dispatch (``plan.capacity``)."""
+
+    @property
+    def counters(self) -> EPCounters:
+        """The traffic counters, with the heap path's device-side increments settled (one host copy if any)."""
+        self._counters.settle()
+        return self._counters
 
     @property
     def num_segments(self) -> int:
@@ -337,12 +362,12 @@ class EPDispatcher:
         rows_sent = layout.send_splits if dd is None else dd.pair_send_splits
         per_assignment = topk_weights.element_size() + (0 if dd is None else 8)
         for d, (n, a) in enumerate(zip(rows_sent, layout.send_splits)):
-            self.counters.token_bytes_sent[d] += n * row_bytes + a * per_assignment
-            self.counters.rows_sent[d] += n
-            self.counters.assignments_sent[d] += a
-        self.counters.rows_computed = layout.rows
+            self._counters.token_bytes_sent[d] += n * row_bytes + a * per_assignment
+            self._counters.rows_sent[d] += n
+            self._counters.assignments_sent[d] += a
+        self._counters.rows_computed = layout.rows
         self.last_counts, self.last_rows = counts, placement.capacity
-        self.counters.calls += 1
+        self._counters.calls += 1
         return recv_x, recv_w, handle.cu_seqlens, handle
 
     def _dispatch_device(
@@ -383,10 +408,34 @@ class EPDispatcher:
         handle = EPHandle(plan=plan, counts=counts, topk_weights=topk_weights, layout=layout,
                           weight_layout=wlayout, rank=self.rank, dedup=dd, padding=pad, row_weights=row_weights)
         handle.deps.append(recv_x)
-        self.counters.rows_computed = x.shape[0] * k
+        ranks = torch.arange(R, device=x.device)
+        assignments = (layout.dst.unsqueeze(0) == ranks.unsqueeze(1)).sum(1)
+        rows_sent = assignments if not isinstance(dd, DeviceDedup) else (dd.pair_rib >= 0).sum(1)
+        per_assignment = topk_weights.element_size() + (0 if dd is None else 8)
+        self._counters.add_device("token_bytes_sent",
+                                 rows_sent * (self.hidden * x.element_size()) + assignments * per_assignment)
+        self._counters.add_device("rows_sent", rows_sent)
+        self._counters.add_device("assignments_sent", assignments)
+        self._counters.rows_computed = x.shape[0] * k
         self.last_counts, self.last_rows = counts, plan.capacity
-        self.counters.calls += 1
+        self._counters.calls += 1
         return recv_x, recv_w, handle.cu_seqlens, handle
+
+    @property
+    def overlaps(self) -> bool:
+        """:meth:`dispatch_async` runs the dispatch while the caller computes (the heap transport's worker)."""
+        return callable(getattr(self.transport, "submit", None))
+
+    def dispatch_async(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> Any:
+        """:meth:`dispatch` started on the heap transport's worker thread (DeepEP's ``async_finish``): returns a
+        :class:`moonrt.comm.ep.heap.PendingDispatch` at once, whose ``event`` is set when the rows are in and whose
+        ``wait()`` returns what :meth:`dispatch` returns (bitwise the same, the same autograd). Meanwhile the caller
+        computes what needs no rows (the shared experts) and makes no other call on this EP group."""
+        submit = getattr(self.transport, "submit", None)
+        if not callable(submit):
+            raise ValueError(f"dispatch_async: transport {type(self.transport).__name__} has no worker, expected "
+                             "the heap transport (parallel.ep_transport = shm / cuda)")
+        return submit(lambda: self.dispatch(x, topk_ids, topk_weights))
 
     def prefetch_weights(self, handle: EPHandle, expert_weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """Fill the slot rows with copies of the planned experts' weights, point-to-point from home ranks.
@@ -419,12 +468,14 @@ class EPDispatcher:
         handle.deps.extend(slots)
         if refill is not None:
             handle.refill.append(refill)
-        if isinstance(wl, DeviceWeightLayout):  # host counters: not on the device path (see _dispatch_device)
-            return slots
         nbytes = numel * expert_weights[0].element_size()
+        if isinstance(wl, DeviceWeightLayout):  # device increments, settled when read
+            self._counters.add_device("weight_bytes_sent", (wl.home == self.rank).sum(1) * nbytes)
+            self._counters.add_device("experts_prefetched", wl.filled.sum())
+            return slots
         for d, n in enumerate(wl.send_splits):
-            self.counters.weight_bytes_sent[d] += n * nbytes
-        self.counters.experts_prefetched += int(wl.filled.sum())
+            self._counters.weight_bytes_sent[d] += n * nbytes
+        self._counters.experts_prefetched += int(wl.filled.sum())
         return slots
 
     def combine(self, y: torch.Tensor, handle: EPHandle, weighted: bool = True) -> torch.Tensor:
@@ -455,10 +506,19 @@ class EPDispatcher:
             yw = y.to(acc) * handle.row_weights.to(acc).unsqueeze(1) if weighted else y
             out = self.transport.combine(yw, None, handle.layout, handle.dedup, tuple(handle.deps), refill, y.dtype)
             back = handle.dedup.pair_recv_splits if isinstance(handle.dedup, DedupLayout) else None
-        if isinstance(back, list):  # host counters: not on the device path (see _dispatch_device)
-            row_bytes = y.shape[1] * y.element_size()
+        row_bytes = y.shape[1] * y.element_size()
+        if isinstance(back, list):
             for d, n in enumerate(back):
-                self.counters.token_bytes_sent[d] += n * row_bytes
+                self._counters.token_bytes_sent[d] += n * row_bytes
+        else:  # device layouts: the rows returned to each source, settled when read
+            layout = handle.layout
+            assert isinstance(layout, DeviceLayout)
+            per_src = torch.zeros(self.world_size, dtype=torch.int64, device=layout.src.device)
+            if isinstance(handle.dedup, DeviceDedup):  # one row per (token, source): rows of a block are 0..n-1
+                per_src.scatter_reduce_(0, layout.src, handle.dedup.row_rib + 1, reduce="amax")
+            else:
+                per_src.index_add_(0, layout.src, torch.ones_like(layout.src))
+            self._counters.add_device("token_bytes_sent", per_src * row_bytes)
         return out
 
     def segment_weights(self, handle: EPHandle, experts: Experts) -> list[tuple[int, ExpertWeights]]:

@@ -42,6 +42,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -183,7 +184,7 @@ class PendingDispatch:
         self.event = threading.Event()
         future.add_done_callback(lambda _: self.event.set())
 
-    def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def wait(self) -> Any:
         return self.future.result()
 
 
@@ -231,13 +232,18 @@ class HeapTransport:
                        dedup: DedupLayout | None) -> PendingDispatch:
         """:meth:`dispatch` on the worker thread (the same autograd, the same result bitwise); returns at once.
         Grad mode is the caller's; make no other heap call before :meth:`PendingDispatch.wait`."""
+        return self.submit(lambda: self.dispatch(x, weights, layout, dedup))
+
+    def submit(self, fn: Callable[[], Any]) -> PendingDispatch:
+        """Run ``fn`` (heap calls: a dispatcher's whole dispatch) on the transport's one worker thread under the
+        caller's grad mode; returns at once. Make no other heap call before :meth:`PendingDispatch.wait`."""
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moonrt-ep-heap")
         grad = torch.is_grad_enabled()
 
-        def run() -> tuple[torch.Tensor, torch.Tensor]:
+        def run() -> Any:
             with torch.set_grad_enabled(grad):
-                return self.dispatch(x, weights, layout, dedup)
+                return fn()
 
         return PendingDispatch(self._worker.submit(run))
 
