@@ -18,12 +18,14 @@ import torch
 import torch.distributed as dist
 
 from moonrt.comm.ep.layout import (
+    AnyDedup,
+    AnyLayout,
+    AnyWeightLayout,
     DedupLayout,
     DeviceDedup,
     DeviceLayout,
     DeviceWeightLayout,
     EPLayout,
-    WeightLayout,
     dedup_pairs_device,
     dedup_recv_side,
     dedup_send_side,
@@ -92,7 +94,7 @@ def _dst_rows(dst: torch.Tensor, rib: torch.Tensor, layout: DeviceLayout) -> tor
     return torch.where(ranks == dst.unsqueeze(0), layout.rank * layout.block + rib.unsqueeze(0), -1)
 
 
-def to_rows(values: torch.Tensor, layout: EPLayout | DeviceLayout, group: Mover) -> torch.Tensor:
+def to_rows(values: torch.Tensor, layout: AnyLayout, group: Mover) -> torch.Tensor:
     """Move per-assignment values ``[s*k, C]`` (order ``t * k + j``) to this rank's expert rows ``[rows, C]``."""
     if isinstance(layout, DeviceLayout):
         return _device_exchange(group).scatter_rows(values, _dst_rows(layout.dst, layout.rib, layout),
@@ -101,7 +103,7 @@ def to_rows(values: torch.Tensor, layout: EPLayout | DeviceLayout, group: Mover)
                             layout.recv_perm)
 
 
-def from_rows(rows: torch.Tensor, layout: EPLayout | DeviceLayout, group: Mover) -> torch.Tensor:
+def from_rows(rows: torch.Tensor, layout: AnyLayout, group: Mover) -> torch.Tensor:
     """Adjoint of :func:`to_rows`: expert rows ``[rows, C]`` back to per-assignment values ``[s*k, C]``."""
     if isinstance(layout, DeviceLayout):  # each row goes back to the block row it came from
         return _device_exchange(group).scatter_rows(rows, _dst_rows(layout.src, layout.src_rib, layout),
@@ -114,7 +116,7 @@ def from_rows(rows: torch.Tensor, layout: EPLayout | DeviceLayout, group: Mover)
 
 
 def send_weights(
-    flat_home: torch.Tensor, layout: WeightLayout | DeviceWeightLayout, group: Mover, out: torch.Tensor | None = None
+    flat_home: torch.Tensor, layout: AnyWeightLayout, group: Mover, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``flat_home [E/R, P]`` (this rank's home experts, flattened) -> ``[B, P]`` slot weights.
 
@@ -146,7 +148,7 @@ def send_weights(
 
 
 def return_weight_grads(
-    grad_slots: torch.Tensor, num_home: int, layout: WeightLayout | DeviceWeightLayout, group: Mover
+    grad_slots: torch.Tensor, num_home: int, layout: AnyWeightLayout, group: Mover
 ) -> torch.Tensor:
     """Adjoint of :func:`send_weights`: ``grad_slots [B, P]`` -> summed home gradients ``[E/R, P]``."""
     if isinstance(layout, DeviceWeightLayout):  # slot j of rank me goes back to its home h at h's row me * B + j
@@ -228,7 +230,7 @@ class _Combine(torch.autograd.Function):
 
 
 def dispatch_tokens(
-    x: torch.Tensor, weights: torch.Tensor, layout: EPLayout, group: Mover
+    x: torch.Tensor, weights: torch.Tensor, layout: AnyLayout, group: Mover
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Differentiable dispatch: ``x [s, H]``, ``weights [s, k]`` -> ``(rows [rows, H], row_weights [rows])``.
 
@@ -239,7 +241,7 @@ def dispatch_tokens(
 
 
 def combine_tokens(
-    y: torch.Tensor, weights: torch.Tensor, layout: EPLayout, group: Mover,
+    y: torch.Tensor, weights: torch.Tensor, layout: AnyLayout, group: Mover,
     deps: tuple[torch.Tensor, ...] = (), refill: Callable[[], None] | None = None,
 ) -> torch.Tensor:
     """Differentiable combine: expert outputs ``y [rows, H]`` -> ``[s, H]``.
@@ -261,8 +263,8 @@ def combine_tokens(
 # ---- one row per (token, destination rank) --------------------------------------------------------
 
 
-def build_dedup(layout: EPLayout | DeviceLayout, group: Mover,
-                device: torch.device | None = None) -> DedupLayout | DeviceDedup:
+def build_dedup(layout: AnyLayout, group: Mover,
+                device: torch.device | None = None) -> AnyDedup:
     """This rank's :class:`~moonrt.comm.ep.layout.DedupLayout`: one all-to-all of int64 metadata (one per
     assignment, under ``layout``'s splits) on ``device`` (the data's: the EP group's backend), so every
     receiver learns which of its assignment rows share a token. Host tensors are returned. For a
@@ -278,7 +280,7 @@ def build_dedup(layout: EPLayout | DeviceLayout, group: Mover,
                        expand=expand)
 
 
-def _pairs_to_rows(values: torch.Tensor, layout: EPLayout | DeviceLayout, dd: DedupLayout | DeviceDedup,
+def _pairs_to_rows(values: torch.Tensor, layout: AnyLayout, dd: AnyDedup,
                    group: Mover) -> torch.Tensor:
     """Per-token values ``[s, C]`` -> expert rows ``[rows, C]``, one transfer per (token, destination)."""
     if isinstance(layout, DeviceLayout) and isinstance(dd, DeviceDedup):
@@ -290,7 +292,7 @@ def _pairs_to_rows(values: torch.Tensor, layout: EPLayout | DeviceLayout, dd: De
                             dd.pair_send_splits, group, dd.expand)
 
 
-def _rows_to_pairs(rows: torch.Tensor, layout: EPLayout | DeviceLayout, dd: DedupLayout | DeviceDedup, group: Mover,
+def _rows_to_pairs(rows: torch.Tensor, layout: AnyLayout, dd: AnyDedup, group: Mover,
                    dtype: torch.dtype) -> torch.Tensor:
     """Adjoint of :func:`_pairs_to_rows`: expert rows ``[rows, C]`` -> per-token sums ``[s, C]``.
 
@@ -358,7 +360,7 @@ class _DedupCombine(torch.autograd.Function):
 
 
 def dispatch_tokens_dedup(
-    x: torch.Tensor, weights: torch.Tensor, layout: EPLayout, dd: DedupLayout, group: Mover
+    x: torch.Tensor, weights: torch.Tensor, layout: AnyLayout, dd: AnyDedup, group: Mover
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`dispatch_tokens` sending each token once per destination rank (``dd``): the same
     ``(rows [rows, H], row_weights [rows])``. Two all-to-alls: the token rows (``dd``'s pairs) and
@@ -368,7 +370,7 @@ def dispatch_tokens_dedup(
 
 
 def combine_tokens_dedup(
-    y: torch.Tensor, layout: EPLayout, dd: DedupLayout, group: Mover,
+    y: torch.Tensor, layout: AnyLayout, dd: AnyDedup, group: Mover,
     deps: tuple[torch.Tensor, ...] = (), refill: Callable[[], None] | None = None, dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Unweighted combine with one return row per (token, destination): ``out[t] = sum of t's rows``.

@@ -53,7 +53,7 @@ from moonrt.comm.ep.collectives import (
     dispatch_tokens,
     dispatch_tokens_dedup,
 )
-from moonrt.comm.ep.layout import DedupLayout, EPLayout, WeightLayout
+from moonrt.comm.ep.layout import AnyDedup, AnyLayout, AnyWeightLayout
 from moonrt.comm.ep.slots import SlotPool, SlotRefill, fetch_slot_weights
 from moonrt.comm.transport.base import HeapTensor, SymmetricHeap
 
@@ -219,17 +219,17 @@ class HeapTransport:
         send = row.reshape(1, -1).expand(R, row.numel())
         return self.exchange.exchange_rows(R, send, [1] * R, [1] * R, 1).reshape(-1)
 
-    def dedup_layout(self, layout: EPLayout, device: torch.device | None) -> DedupLayout:
+    def dedup_layout(self, layout: AnyLayout, device: torch.device | None) -> AnyDedup:
         return build_dedup(layout, self.exchange, device)
 
-    def dispatch(self, x: torch.Tensor, weights: torch.Tensor, layout: EPLayout,
-                 dedup: DedupLayout | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def dispatch(self, x: torch.Tensor, weights: torch.Tensor, layout: AnyLayout,
+                 dedup: AnyDedup | None) -> tuple[torch.Tensor, torch.Tensor]:
         if dedup is None:
             return dispatch_tokens(x, weights, layout, self.exchange)
         return dispatch_tokens_dedup(x, weights, layout, dedup, self.exchange)
 
-    def dispatch_async(self, x: torch.Tensor, weights: torch.Tensor, layout: EPLayout,
-                       dedup: DedupLayout | None) -> PendingDispatch:
+    def dispatch_async(self, x: torch.Tensor, weights: torch.Tensor, layout: AnyLayout,
+                       dedup: AnyDedup | None) -> PendingDispatch:
         """:meth:`dispatch` on the worker thread (the same autograd, the same result bitwise); returns at once.
         Grad mode is the caller's; make no other heap call before :meth:`PendingDispatch.wait`."""
         return self.submit(lambda: self.dispatch(x, weights, layout, dedup))
@@ -253,7 +253,7 @@ class HeapTransport:
             self._worker.shutdown(wait=True)
             self._worker = None
 
-    def combine(self, y: torch.Tensor, weights: torch.Tensor | None, layout: EPLayout, dedup: DedupLayout | None,
+    def combine(self, y: torch.Tensor, weights: torch.Tensor | None, layout: AnyLayout, dedup: AnyDedup | None,
                 deps: tuple[torch.Tensor, ...], refill: Callable[[], None] | None,
                 dtype: torch.dtype) -> torch.Tensor:
         if dedup is None:
@@ -262,6 +262,6 @@ class HeapTransport:
             return combine_tokens(y, weights, layout, self.exchange, deps=deps, refill=refill)
         return combine_tokens_dedup(y, layout, dedup, self.exchange, deps=deps, refill=refill, dtype=dtype)
 
-    def fetch_slots(self, home: tuple[torch.Tensor, ...], layout: WeightLayout, pool: SlotPool | None,
+    def fetch_slots(self, home: tuple[torch.Tensor, ...], layout: AnyWeightLayout, pool: SlotPool | None,
                     dep: torch.Tensor | None) -> tuple[tuple[torch.Tensor, ...], SlotRefill | None]:
         return fetch_slot_weights(home, layout, self.exchange, pool=pool, dep=dep)

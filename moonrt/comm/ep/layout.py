@@ -464,3 +464,9 @@ def build_padded_device(cu_seqlens: torch.Tensor, max_segments: int, token_paddi
     ends = torch.cat([cu_pad[1:], cu_pad.new_full((1,), total)])
     return PaddedLayout(token_padding=p, padded_rows=total, cu_seqlens=cu_pad, row_index=row_index,
                         pad_ranges=torch.stack([starts, ends], 1))
+
+
+AnyLayout = EPLayout | DeviceLayout
+"""A token layout: the host one (split sizes, for the collectives) or the heap's device one."""
+AnyDedup = DedupLayout | DeviceDedup
+AnyWeightLayout = WeightLayout | DeviceWeightLayout
