@@ -49,8 +49,10 @@ class RowExchange(Protocol):
                       block: int | None, send_index: torch.Tensor | None = None,
                       recv_index: torch.Tensor | None = None) -> torch.Tensor: ...
 
-    def scatter_rows(self, send: torch.Tensor, dst_rows: torch.Tensor, read: torch.Tensor,
+    def scatter_rows(self, send: torch.Tensor | list[torch.Tensor], dst_rows: torch.Tensor, read: torch.Tensor,
                      block: int) -> torch.Tensor: ...
+
+    def exchange_blocks(self, send: torch.Tensor, block: int) -> torch.Tensor: ...
 
 
 Mover = dist.ProcessGroup | RowExchange | None
@@ -125,11 +127,10 @@ def send_weights(
     if isinstance(layout, DeviceWeightLayout):  # home rank h writes slot j of rank d at d's row h * B + j
         B, me, per, dev = layout.num_slots, layout.rank, layout.per_rank, flat_home.device
         copies, home = layout.copies.to(dev), layout.home.to(dev)
-        send = flat_home.index_select(0, (copies - me * per).clamp(0, per - 1).reshape(-1))  # [R * B, P]
-        ranks = torch.arange(copies.shape[0], device=dev)
+        local = (copies - me * per).clamp(0, per - 1)  # [R, B]: rows of slots this rank does not home go spare
+        send = [flat_home.index_select(0, local[d]) for d in range(copies.shape[0])]
         j = torch.arange(B, device=dev)
-        to_d = (home == me).unsqueeze(0) & (ranks.view(-1, 1, 1) == ranks.view(1, -1, 1))  # [R_dst, R, B]
-        dst_rows = torch.where(to_d, me * B + j, -1).reshape(copies.shape[0], -1)
+        dst_rows = torch.where(home == me, me * B + j, -1)
         recv = _device_exchange(group).scatter_rows(send, dst_rows, home[me].clamp_min(0) * B + j, B)
         filled = layout.filled.to(dev).unsqueeze(1)
         if out is None:
@@ -283,10 +284,10 @@ def build_dedup(layout: AnyLayout, group: Mover,
 def _pairs_to_rows(values: torch.Tensor, layout: AnyLayout, dd: AnyDedup,
                    group: Mover) -> torch.Tensor:
     """Per-token values ``[s, C]`` -> expert rows ``[rows, C]``, one transfer per (token, destination)."""
-    if isinstance(layout, DeviceLayout) and isinstance(dd, DeviceDedup):
-        dst_rows = torch.where(dd.pair_rib >= 0, layout.rank * layout.block + dd.pair_rib, -1)
-        return _device_exchange(group).scatter_rows(values, dst_rows, layout.src * layout.block + dd.row_rib,
-                                                    layout.block)
+    if isinstance(layout, DeviceLayout) and isinstance(dd, DeviceDedup):  # at most capacity tokens per peer
+        pb = layout.block // layout.top_k
+        dst_rows = torch.where(dd.pair_rib >= 0, layout.rank * pb + dd.pair_rib, -1)
+        return _device_exchange(group).scatter_rows(values, dst_rows, layout.src * pb + dd.row_rib, pb)
     assert isinstance(layout, EPLayout) and isinstance(dd, DedupLayout)
     return _gather_exchange(sum(dd.pair_recv_splits), values, dd.pair_token, dd.pair_recv_splits,
                             dd.pair_send_splits, group, dd.expand)
@@ -300,15 +301,14 @@ def _rows_to_pairs(rows: torch.Tensor, layout: AnyLayout, dd: AnyDedup, group: M
     rounded to ``dtype``; the source sums its token's destinations in fp32 and rounds to ``dtype``."""
     acc = torch.promote_types(rows.dtype, torch.float32)
     if isinstance(layout, DeviceLayout) and isinstance(dd, DeviceDedup):  # pairs named by their slot rows
-        R, me, block, s = layout.world_size, layout.rank, layout.block, layout.tokens
+        R, s = layout.world_size, layout.tokens
+        block = layout.block // layout.top_k  # pair rows: at most capacity per (source, destination)
         dev = rows.device
         pairs = rows.new_zeros(R * block, rows.shape[1], dtype=acc)
         pairs.index_add_(0, layout.src * block + dd.row_rib, rows.to(acc))
-        q = torch.arange(R * block, device=dev)
         ranks = torch.arange(R, device=dev).unsqueeze(1)
-        dst_rows = torch.where(ranks == (q // block).unsqueeze(0), me * block + q % block, -1)
-        read = (ranks * block + dd.pair_rib.clamp_min(0)).reshape(-1)  # (destination, token), destination major
-        back = _device_exchange(group).scatter_rows(pairs.to(dtype), dst_rows, read, block)
+        back = _device_exchange(group).exchange_blocks(pairs.to(dtype), block)
+        back = back.index_select(0, (ranks * block + dd.pair_rib.clamp_min(0)).reshape(-1))  # destination major
         tok = torch.where(dd.pair_rib >= 0, torch.arange(s, device=dev), s).reshape(-1)
         out = rows.new_zeros(s + 1, rows.shape[1], dtype=acc)  # the last row takes the pairs never sent
         out.index_add_(0, tok, back.to(acc))

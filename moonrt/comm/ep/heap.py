@@ -146,31 +146,50 @@ class HeapExchange:
         return local.index_select(0, slot_row.index_select(0, recv_index))
 
 
-    def scatter_rows(self, send: torch.Tensor, dst_rows: torch.Tensor, read: torch.Tensor,
+    def scatter_rows(self, send: torch.Tensor | list[torch.Tensor], dst_rows: torch.Tensor, read: torch.Tensor,
                      block: int) -> torch.Tensor:
         """The device layouts' exchange (:class:`moonrt.comm.ep.layout.DeviceLayout`): no split sizes, no host data.
 
-        ``send [n, *row]``; ``dst_rows [R, n]`` int64 (device): the row of rank d's receive slot that ``send[i]``
-        is written to, or ``-1`` for a row not sent to d; then ``[read.shape[0], *row]``: this rank's slot rows
-        ``read`` (int64, source s's rows at ``[s * block, (s + 1) * block)``). The slot has one spare row past the
-        ``R * block`` (where the rows not sent to d land: a put of the whole ``send`` per peer, no mask read back to
-        the host; never read)."""
+        ``send [n, *row]`` (or one ``[n, *row]`` tensor per destination rank); ``dst_rows [R, n]`` int64 (device):
+        the row of rank d's receive slot that row i is written to, or ``-1`` for a row not sent to d; then
+        ``[read.shape[0], *row]``: this rank's slot rows ``read`` (int64, source s's rows at
+        ``[s * block, (s + 1) * block)``). The slot has one spare row past the ``R * block`` where the rows not
+        sent to d land (all n rows are put into every peer, none is masked on the host; the spare row is never
+        read): n rows per peer where a device kernel would write only d's."""
         heap = self.heap
         R, me = heap.world_size, heap.rank
-        buf, parity = self.slot(tuple(send.shape[1:]), send.dtype, block, spare=True)
+        sends = send if isinstance(send, list) else [send] * R
+        buf, parity = self.slot(tuple(sends[0].shape[1:]), sends[0].dtype, block, spare=True)
         spare = R * block
-        send = send.contiguous()
         for i in range(R):
             d = (me + i) % R
             idx = torch.where(dst_rows[d] >= 0, dst_rows[d], spare)
-            buf.peer(d)[parity].index_copy_(0, idx, send)
+            buf.peer(d)[parity].index_copy_(0, idx, sends[d].contiguous())
+            self.puts += sends[d].shape[0]
             if d != me:
                 heap.signal(d)
-        self.puts += send.shape[0]
         for i in range(1, R):
             heap.wait((me - i) % R)
         self.calls += 1
         return buf.local[parity].index_select(0, read)
+
+    def exchange_blocks(self, send: torch.Tensor, block: int) -> torch.Tensor:
+        """``send [R * block, *row]`` -> ``[R * block, *row]``: rows ``[d * block, (d + 1) * block)`` go whole to
+        rank d's slot rows ``[rank * block, ...)``; returns this rank's slot (source s's block at ``s * block``): a
+        view of the heap, valid until the call after next on this key (read it at once)."""
+        heap = self.heap
+        R, me = heap.world_size, heap.rank
+        buf, parity = self.slot(tuple(send.shape[1:]), send.dtype, block)
+        for i in range(R):
+            d = (me + i) % R
+            buf.peer(d)[parity, me * block:(me + 1) * block].copy_(send[d * block:(d + 1) * block])
+            self.puts += block
+            if d != me:
+                heap.signal(d)
+        for i in range(1, R):
+            heap.wait((me - i) % R)
+        self.calls += 1
+        return buf.local[parity]
 
 
 class PendingDispatch:

@@ -310,7 +310,8 @@ class DeviceLayout:
     order :func:`build_layout` sends them in). ``src [rows]`` / ``src_rib [rows]``: for each expert row (segment
     major, then source rank, then the source's order: :class:`EPLayout`'s), the source rank and the row of that
     source's block it sits in. ``rows`` is static (``s * k``, see :func:`build_device_layout`), ``cu_seqlens
-    [E + B + 1]`` on the device. ``block``: rows per source block.
+    [E + B + 1]`` on the device. ``block``: rows per source block (the dispatcher's ``capacity * k``; the dedup
+    exchanges of token rows use blocks of ``block // k`` = capacity rows, a bound on one rank's tokens).
     """
 
     rank: int
