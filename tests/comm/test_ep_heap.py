@@ -5,9 +5,10 @@
   ranks (8: slow), with and without dedup, repeated top-k, token padding, fewer slots than copies (a shared slot
   pool re-prefetched in backward) and the all-to-all baseline; the heap pass makes no all-to-all or all-gather
   collective (they are patched to raise) and reuses its receive slots (no allocation after the first layer call);
-- the heap's data verbs (dispatch, combine, prefetch, forward and backward, under the layer's layout) read nothing
-  back to the host (``tests/host_syncs.py``'s counter, on CPU); the dispatcher's counts, plan and layout still do
-  (host code today: the count is pinned so a change is seen);
+- the device layouts (MoonEP, B >= E/R) place every assignment as the host layout does; a whole MoE layer through the
+  dispatcher on the heap (counts, plan, layout, dispatch, prefetch, combine, forward and backward) makes no host
+  synchronization (``tests/host_syncs.py``'s counter, on CPU), and neither do the data verbs; the traffic counters
+  equal the collectives'; ``MOONRT_DEBUG=1`` takes the host layout and names bad routing ids on every rank;
 - ``dispatch_async`` (the rows moved on the transport's worker thread while this thread computes) equals the
   synchronous dispatch bitwise, forward and backward;
 - a rank killed in the middle of a dispatch is named by its peer and nothing is left in /dev/shm.

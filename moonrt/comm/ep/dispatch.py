@@ -16,7 +16,11 @@ call (§6.3):
    copied (on CUDA the kernel registry's Triton backend, on CPU its numba one; config ``kernels.moonep``); the
    table, the plan and this rank's top-k ids come to the host in one copy (the layout and NCCL's all-to-all split
    sizes are host data: that copy is the one synchronization per layer), and every rank computes its own
-   send/receive layout (:mod:`moonrt.comm.ep.layout`). The baseline places on the host from the counts' copy;
+   send/receive layout (:mod:`moonrt.comm.ep.layout`). The baseline places on the host from the counts' copy.
+   On the symmetric heap with MoonEP and ``num_slots >= E/R`` nothing comes to the host: the layout is computed
+   on the device (:meth:`EPDispatcher._dispatch_device`; validation of the routing ids and of equal ``s`` behind
+   ``MOONRT_DEBUG=1``), and :meth:`EPDispatcher.dispatch_async` runs the whole dispatch on the heap transport's
+   worker thread while the caller computes (the K3 MoE layer's shared experts);
 3. the transport's all-to-alls move tokens (and their top-k weights) into expert-grouped rows. With MoonEP rank d
    computes exactly ``plan.capacity[d]`` rows, one per assignment (``s * k`` when every rank passes the same
    s), whatever the routing: the output shape depends only on s. That holds for ``num_slots >= E/R``

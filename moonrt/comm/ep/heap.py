@@ -32,9 +32,12 @@ when the rows are in). Until then the caller makes no other call on the heap (it
 rank's, not thread safe). The copies release the GIL, so on a rank with more than one core the transfer and the
 compute run at once.
 
-Host data: the layouts (:mod:`moonrt.comm.ep.layout`) are the dispatcher's host tensors and lists, as for the
-collectives; the exchange reads their Python split sizes and makes no device-to-host copy of its own (the
-dispatcher's one copy of the plan per layer stays, see :mod:`moonrt.comm.ep.dispatch`).
+Host data: with MoonEP and ``B >= E/R`` the dispatcher hands this transport the device layouts of
+:mod:`moonrt.comm.ep.layout` (``DeviceLayout``, ``DeviceDedup``, ``DeviceWeightLayout``: each row named by its peer
+and its row in that peer's static slot block, computed with tensor ops); their exchanges
+(:meth:`HeapExchange.scatter_rows`, :meth:`HeapExchange.exchange_blocks`) read no split sizes, so a whole MoE layer
+makes no host synchronization. Other placements (fewer slots, the baseline: rows follow the routing) and
+``MOONRT_DEBUG=1`` use the host layouts and :meth:`HeapExchange.exchange_rows`, as the collectives do.
 """
 
 from __future__ import annotations
