@@ -266,23 +266,38 @@ def test_the_debug_switch_takes_the_host_layout_and_names_bad_ids() -> None:
                for r, (_, line) in enumerate(out)), out
 
 
-def _bad_ids(rank: int, world: int) -> tuple[bool, str]:
-    os.environ["MOONRT_DEBUG"] = "1"  # this rank process's own environment
+def _bad_ids(rank: int, world: int, debug: bool = True, what: str = "ids") -> tuple[bool, str]:
+    if debug:
+        os.environ["MOONRT_DEBUG"] = "1"  # this rank process's own environment
     heap = ShmHeap()
     transport = HeapTransport(heap, capacity=S, top_k=2)
     disp = EPDispatcher(None, capacity=S, hidden=H, top_k=2, num_experts=E, placement=MoonEPPlacement(),
                         transport=transport)
     p = _problem(world, 2, "skewed", 0)
-    ids = p["ids"][rank].clone()
-    if rank == 1:
+    ids, x, w = p["ids"][rank].clone(), p["xs"][rank], p["ws"][rank]
+    if rank == 1 and what == "ids":
         ids[0, 0] = E
+    if rank == 1 and what == "tokens":
+        ids, x, w = ids[:-1], x[:-1], w[:-1]
     try:
-        disp.dispatch(p["xs"][rank], ids, p["ws"][rank])
+        disp.dispatch(x, ids, w)
         line = "no error"
-    except ValueError as exc:
+    except (ValueError, RuntimeError) as exc:
         line = str(exc)
     heap.close()
     return disp.device_layouts, line
+
+
+@pytest.mark.parametrize("what,want", [
+    ("ids", "EP dispatch: an EP rank passed topk ids outside [0, E) (E = 8); rerun with MOONRT_DEBUG=1"),
+    ("tokens", "EP dispatch: the EP ranks passed different token counts"),
+])
+def test_the_device_layout_path_fails_on_every_rank_for_bad_routing_or_unequal_tokens(what: str, want: str) -> None:
+    """Without the debug switch the heap path reads nothing back, but the all-gathered status and token counts are
+    checked by a device-side assert on every rank (CPU: raised at once; CUDA: an asynchronous device assert), so
+    out-of-range ids or unequal ``s`` (which would break the static ``s * k`` rows) never pass silently."""
+    out = dist_run(_bad_ids, 2, False, what, timeout=120)
+    assert all(device and line.startswith(want) for device, line in out), out
 
 
 def _syncs(rank: int, world: int) -> tuple[int, dict, int]:

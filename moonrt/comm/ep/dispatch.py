@@ -390,11 +390,21 @@ class EPDispatcher:
         E, R, k = self.num_experts, self.world_size, self.top_k
         row = torch.zeros(2 + E, dtype=torch.int64, device=x.device)
         if code == 0:
+            flat = topk_ids.reshape(-1)
+            bad = (flat < 0) | (flat >= E)
+            row[0] = bad.any() * 3  # on the device: the status of the routing ids, read by no one on the host
             row[1] = x.shape[0]
-            row[2:].index_add_(0, topk_ids.reshape(-1), torch.ones_like(topk_ids.reshape(-1)))
+            row[2:].index_add_(0, torch.where(bad, 0, flat), (~bad).to(torch.int64))
         table = self.transport.all_gather(row).view(R, 2 + E)
         if code:
             raise ValueError(f"EP dispatch (EP rank {self.rank}): {message}")
+        # every rank holds the same table: a device-side assert fails on every rank at once, with no host read (on
+        # CPU it raises here; on CUDA it is an asynchronous device assert). MOONRT_DEBUG=1 names the bad rank.
+        torch._assert_async((table[:, 0] == 0).all(), "EP dispatch: an EP rank passed topk ids outside [0, E) "
+                            f"(E = {E}); rerun with {DEBUG_ENV}=1 for the rank and value")
+        torch._assert_async((table[:, 1] == x.shape[0]).all(), f"EP dispatch: the EP ranks passed different token "
+                            f"counts, this rank s = {x.shape[0]}; expected the same s on every rank on the heap "
+                            f"path (set {DEBUG_ENV}=1 or parallel.ep_transport=collectives for unequal counts)")
         counts = table[:, 2:]
         plan = self.placement.plan_on_device(counts, self.num_slots)
         assert plan is not None  # MoonEP (device_layouts)
