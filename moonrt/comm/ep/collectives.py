@@ -128,10 +128,10 @@ def send_weights(
         B, me, per, dev = layout.num_slots, layout.rank, layout.per_rank, flat_home.device
         copies, home = layout.copies.to(dev), layout.home.to(dev)
         local = (copies - me * per).clamp(0, per - 1)  # [R, B]: rows of slots this rank does not home go spare
-        send = [flat_home.index_select(0, local[d]) for d in range(copies.shape[0])]
+        per_dst = [flat_home.index_select(0, local[d]) for d in range(copies.shape[0])]
         j = torch.arange(B, device=dev)
         dst_rows = torch.where(home == me, me * B + j, -1)
-        recv = _device_exchange(group).scatter_rows(send, dst_rows, home[me].clamp_min(0) * B + j, B)
+        recv = _device_exchange(group).scatter_rows(per_dst, dst_rows, home[me].clamp_min(0) * B + j, B)
         filled = layout.filled.to(dev).unsqueeze(1)
         if out is None:
             return torch.where(filled, recv, 0)
