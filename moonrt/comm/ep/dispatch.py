@@ -550,6 +550,8 @@ class EPDispatcher:
                              f"expected this EP rank's home slice [{first}, {first + per})")
         out = [(e, experts.expert(e)) for e in range(first, first + per)]
         gate, up, down = self.prefetch_weights(handle, experts.weights())
+        if isinstance(handle.weight_layout, DeviceWeightLayout):  # no host read: empty slots (zeros) have no rows
+            return out + [(self.num_experts + j, (gate[j], up[j], down[j])) for j in range(self.num_slots)]
         filled = handle.weight_layout.filled.tolist()
         out += [(self.num_experts + j, (gate[j], up[j], down[j])) for j in range(self.num_slots) if filled[j]]
         return out
