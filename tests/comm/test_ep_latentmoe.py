@@ -133,3 +133,26 @@ def test_shared_experts_overlap_the_heap_dispatch_bitwise(parallel: dict) -> Non
             assert len(res[mode]) == len(res["in_order"])
             for i, (a, b) in enumerate(zip(res[mode], res["in_order"])):
                 assert a.dtype == b.dtype and torch.equal(a, b), f"{mode}: tensor {i} differs from the in-order run"
+
+
+def _k3_layer_syncs(rank: int, world: int) -> dict:
+    from host_syncs import HostSyncCounter
+
+    model, x, gout = _setup("random", world)
+    ep = ExpertParallel(ParallelConfig(ep=world, ep_transport="shm"), capacity=B * T)
+    ep.parallelize(model)
+    model.moe.overlap_shared = False  # the counter is this thread's: count the in-order layer (the same ops)
+    xs = x[rank * B:(rank + 1) * B]
+    model.moe(xs).sum().backward()  # warm: receive slots, planner
+    with HostSyncCounter() as c:
+        (model.moe(xs.clone().requires_grad_()) * gout[rank * B:(rank + 1) * B]).sum().backward()
+    ep.close()
+    return {f"{kind} {where.split(':')[0]}": n for (kind, where), n in c.counts.items()}
+
+
+def test_the_k3_moe_layer_on_the_heap_reads_back_only_the_grouped_gemm_bounds() -> None:
+    """A whole K3 LatentMoE forward + backward on the heap (router, dispatch, prefetch, experts, combine, shared
+    experts): the one counted host synchronization is the grouped GEMM's ``cu_seqlens.tolist()`` (its CPU path
+    slices rows by host bounds), none from the EP dispatcher."""
+    for counts in dist_run(_k3_layer_syncs, 2, timeout=120):
+        assert counts == {"tolist moonrt/ops/grouped.py": 1}, counts
