@@ -5,9 +5,10 @@
   ranks (8: slow), with and without dedup, repeated top-k, token padding, fewer slots than copies (a shared slot
   pool re-prefetched in backward) and the all-to-all baseline; the heap pass makes no all-to-all or all-gather
   collective (they are patched to raise) and reuses its receive slots (no allocation after the first layer call);
-- the heap's data verbs (dispatch, combine, prefetch, forward and backward, under the layer's layout) read nothing
-  back to the host (``tests/host_syncs.py``'s counter, on CPU); the dispatcher's counts, plan and layout still do
-  (host code today: the count is pinned so a change is seen);
+- the device layouts (MoonEP, B >= E/R) place every assignment as the host layout does; a whole MoE layer through the
+  dispatcher on the heap (counts, plan, layout, dispatch, prefetch, combine, forward and backward) makes no host
+  synchronization (``tests/host_syncs.py``'s counter, on CPU), and neither do the data verbs; the traffic counters
+  equal the collectives'; ``MOONRT_DEBUG=1`` takes the host layout and names bad routing ids on every rank;
 - ``dispatch_async`` (the rows moved on the transport's worker thread while this thread computes) equals the
   synchronous dispatch bitwise, forward and backward;
 - a rank killed in the middle of a dispatch is named by its peer and nothing is left in /dev/shm.
@@ -15,6 +16,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -33,6 +35,7 @@ from moonrt.comm.ep.placement import HomePlacement, MoonEPPlacement
 from moonrt.comm.ep.slots import SlotPool
 from moonrt.comm.transport.shm import SHM_DIR, PeerDied, ShmHeap
 from moonrt.ops.grouped import grouped_glu_experts
+from moonrt.scheduler.moonep import MoonEPPlan
 
 H, F, E, S = 12, 10, 8, 6
 
@@ -105,8 +108,14 @@ def _rank_fn(rank: int, world: int, k: int, routing: str, dedup: bool, padding: 
         dist.all_to_all_single, dist.all_gather_single = real_a2a, real_ag
     same = all(a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
                for g, w in zip(got, want) for a, b in zip(g, w))
-    result = {"same": same, "puts": transport.exchange.puts, "grew": len(transport.exchange.slots) - slots_after_first,
-              "copies": sum(int(d.counters.experts_prefetched) for d in heap_layers)}
+    for d in (*ref_layers, *heap_layers):
+        d.counters.settle()
+    counters_same = [dataclasses.astuple(a.counters) == dataclasses.astuple(b.counters)
+                     for a, b in zip(ref_layers, heap_layers)]
+    result = {"same": same, "counters_same": counters_same,
+              "puts": transport.exchange.puts, "grew": len(transport.exchange.slots) - slots_after_first,
+              "copies": sum(int(d.counters.experts_prefetched) for d in ref_layers),
+              "device": [d.device_layouts for d in heap_layers]}
     heap.close()
     return result
 
@@ -127,7 +136,11 @@ def test_heap_transport_equals_collectives_bitwise(world: int, k: int, routing: 
                                                    num_slots: int | None, baseline: bool) -> None:
     res = dist_run(_rank_fn, world, k, routing, dedup, padding, num_slots, baseline, timeout=180)
     assert all(r["same"] for r in res), "heap transport differs from the collectives (bitwise)"
+    assert all(r["counters_same"] == [True, True] for r in res), "traffic counters differ from the collectives'"
     assert all(r["puts"] > 0 for r in res) and all(r["grew"] == 0 for r in res), res
+    # MoonEP with B >= E/R moves on the device layouts; fewer slots (rows follow the routing) and the baseline on
+    # the host layouts
+    assert all(r["device"] == [num_slots is None and not baseline] * 2 for r in res), res
     if not baseline:
         assert sum(r["copies"] for r in res) > 0, "the problem must make the planner copy experts"
 
@@ -147,19 +160,16 @@ def _killed_mid_dispatch(rank: int, world: int, report: str) -> str:
                         transport=transport)
     p = _problem(world, 2, "skewed", 0)
     disp.dispatch(p["xs"][rank], p["ids"][rank], p["ws"][rank])  # warm (the planner's first call compiles)
-    if rank == 1:  # dies in the next dispatch's second exchange (after the counts' all-gather)
-        real = transport.exchange.exchange_rows
-        calls = []
+    if rank == 1:  # dies in the next dispatch's first row exchange (after the counts' all-gather)
+        real = transport.exchange.scatter_rows
 
-        def die_on_second(*args: object) -> torch.Tensor:
-            calls.append(1)
-            if len(calls) == 2:
-                heap.wait(0)  # rank 0 has put its rows here and waits for this rank's
-                os.kill(os.getpid(), signal.SIGKILL)
-                time.sleep(30)
+        def die(*args: object) -> torch.Tensor:
+            heap.wait(0)  # rank 0 has put its rows here and waits for this rank's
+            os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(30)
             return real(*args)
 
-        transport.exchange.exchange_rows = die_on_second
+        transport.exchange.scatter_rows = die
     t0 = time.monotonic()
     try:
         disp.dispatch(p["xs"][rank], p["ids"][rank], p["ws"][rank])
@@ -209,6 +219,87 @@ def test_a_cuda_heap_on_cpu_ranks_is_one_line() -> None:
     assert ExpertParallel(ParallelConfig(ep=1, ep_transport="cuda"), capacity=4).heap is None  # no EP group
 
 
+def _layer_syncs(rank: int, world: int, dedup: bool, padding: int) -> tuple[dict, int, bool]:
+    """Host synchronizations of one whole MoE layer through the dispatcher on the heap: dispatch (counts, plan,
+    layout, rows), prefetch, combine, forward and backward. The expert compute is a dense stand-in (the grouped
+    GEMM's CPU path reads its ``cu_seqlens`` bounds, that is the kernel's, not the dispatcher's)."""
+    heap = ShmHeap()
+    k, per = 3, E // world
+    p = _problem(world, k, "repeated", 5)
+    transport = HeapTransport(heap, capacity=S, top_k=k)
+    disp = EPDispatcher(None, capacity=S, hidden=H, top_k=k, num_experts=E, placement=MoonEPPlacement(),
+                        transport=transport, dedup=dedup, token_padding=padding)
+    _layer(disp, p, rank, world)  # warm: the receive slots are allocated, the planner compiled
+    puts = transport.exchange.puts
+    x = p["xs"][rank].clone().requires_grad_()
+    w = p["ws"][rank].clone().requires_grad_()
+    home = [t[rank * per:(rank + 1) * per].clone().requires_grad_() for t in p["experts"]]
+    with HostSyncCounter() as layer:
+        recv_x, recv_w, cu, handle = disp.dispatch(x, p["ids"][rank], w)
+        slots = disp.prefetch_weights(handle, home)
+        y = recv_x * (1 + sum(t.sum() for t in slots)) + recv_w.unsqueeze(1) + cu[-1]
+        out = disp.combine(y, handle)
+        ((out * p["gouts"][rank]).sum() + sum(t.sum() for t in home)).backward()
+    moved = transport.exchange.puts - puts
+    heap.close()
+    return dict(layer.counts), moved, disp.device_layouts
+
+
+@pytest.mark.parametrize("dedup,padding", [(True, 1), (False, 4)])
+def test_a_heap_moe_layer_makes_no_host_synchronization(dedup: bool, padding: int) -> None:
+    """Zero counted host synchronizations (``item``, ``int()`` / ``bool()``, ``tolist``, ``.cpu()``, host -> device
+    copies of lists) for one MoE layer's dispatch + prefetch + combine, forward and backward, on the heap with the
+    device layouts. The heap's signal waits poll shared CPU memory (a flag the peer's put sets), no device tensor:
+    the counter sees nothing there, and on a GPU heap they are device-side waits too."""
+    for counts, moved, device in dist_run(_layer_syncs, 2, dedup, padding, timeout=120):
+        assert device and moved > 0
+        assert counts == {}, counts
+
+
+def test_the_debug_switch_takes_the_host_layout_and_names_bad_ids() -> None:
+    """``MOONRT_DEBUG=1``: the heap dispatcher takes the host layout, whose validation reads every rank's status
+    back, so an out-of-range routing id is one clear error on every rank (not a hang or an index error)."""
+    out = dist_run(_bad_ids, 2, timeout=120)
+    assert all(not device for device, _ in out), out
+    assert all(line == "EP dispatch: EP rank 1 passed invalid input (topk ids out of range); see that rank's error "
+               "for details" if r == 0 else line.startswith("EP dispatch (EP rank 1): topk_ids: value 8 out of range")
+               for r, (_, line) in enumerate(out)), out
+
+
+def _bad_ids(rank: int, world: int, debug: bool = True, what: str = "ids") -> tuple[bool, str]:
+    if debug:
+        os.environ["MOONRT_DEBUG"] = "1"  # this rank process's own environment
+    heap = ShmHeap()
+    transport = HeapTransport(heap, capacity=S, top_k=2)
+    disp = EPDispatcher(None, capacity=S, hidden=H, top_k=2, num_experts=E, placement=MoonEPPlacement(),
+                        transport=transport)
+    p = _problem(world, 2, "skewed", 0)
+    ids, x, w = p["ids"][rank].clone(), p["xs"][rank], p["ws"][rank]
+    if rank == 1 and what == "ids":
+        ids[0, 0] = E
+    if rank == 1 and what == "tokens":
+        ids, x, w = ids[:-1], x[:-1], w[:-1]
+    try:
+        disp.dispatch(x, ids, w)
+        line = "no error"
+    except (ValueError, RuntimeError) as exc:
+        line = str(exc)
+    heap.close()
+    return disp.device_layouts, line
+
+
+@pytest.mark.parametrize("what,want", [
+    ("ids", "EP dispatch: an EP rank passed topk ids outside [0, E) (E = 8); rerun with MOONRT_DEBUG=1"),
+    ("tokens", "EP dispatch: the EP ranks passed different token counts"),
+])
+def test_the_device_layout_path_fails_on_every_rank_for_bad_routing_or_unequal_tokens(what: str, want: str) -> None:
+    """Without the debug switch the heap path reads nothing back, but the all-gathered status and token counts are
+    checked by a device-side assert on every rank (CPU: raised at once; CUDA: an asynchronous device assert), so
+    out-of-range ids or unequal ``s`` (which would break the static ``s * k`` rows) never pass silently."""
+    out = dist_run(_bad_ids, 2, False, what, timeout=120)
+    assert all(device and line.startswith(want) for device, line in out), out
+
+
 def _syncs(rank: int, world: int) -> tuple[int, dict, int]:
     heap = ShmHeap()
     k, per = 2, E // world
@@ -238,13 +329,12 @@ def _syncs(rank: int, world: int) -> tuple[int, dict, int]:
 
 
 def test_the_heap_data_verbs_make_no_host_synchronization() -> None:
-    """No device -> host read (``item``, ``int()`` / ``bool()``, ``tolist``, ``.cpu()``) in the heap's dispatch,
-    prefetch and combine, forward and backward. The one host -> device transfer counted is each gather out of a
-    receive slot making its row index from the exchange's split sizes (at most one per such exchange: dispatch's
-    token rows and router weights, their adjoints; a small pageable copy on CUDA, none on CPU)."""
+    """No device -> host read (``item``, ``int()`` / ``bool()``, ``tolist``, ``.cpu()``) nor host -> device copy in
+    the heap's dispatch, prefetch and combine, forward and backward, under the device layouts, and none in the
+    dispatcher's counts, plan and layout (:func:`moonrt.comm.ep.layout.build_device_layout`)."""
     for kinds, layer, moved in dist_run(_syncs, 2, timeout=120):
-        assert moved > 0 and set(kinds) <= {"h2d"} and kinds.get("h2d", 0) <= 4, (kinds, moved)
-        assert sum(layer.values()) > 0, "the dispatcher's plan and layout are host code (counted)"
+        assert moved > 0 and kinds == {}, (kinds, moved)
+        assert layer == {}, layer
 
 
 def _async(rank: int, world: int) -> bool:
@@ -278,3 +368,46 @@ def _async(rank: int, world: int) -> bool:
 
 def test_dispatch_async_equals_dispatch_bitwise() -> None:
     assert all(dist_run(_async, 2, timeout=120))
+
+
+@pytest.mark.parametrize("world,k,seed", [(2, 2, 0), (4, 3, 1), (4, 4, 2), (8, 2, 3)])
+def test_the_device_layout_places_every_assignment_as_the_host_layout(world: int, k: int, seed: int) -> None:
+    """:func:`build_device_layout` (tensor ops only) puts every assignment on the rank and in the expert row that
+    :func:`build_layout` does, on every rank, for skewed routing with repeated ids (MoonEP copies, B = E/R)."""
+    from moonrt.comm.ep.layout import build_device_layout, build_layout
+    from moonrt.scheduler.moonep_torch import plan_device
+
+    g = torch.Generator().manual_seed(seed)
+    bias = torch.tensor([8.0] * (E // world) + [1.0] * (E - E // world))
+    ids = [torch.multinomial(bias, S * k, replacement=True, generator=g).view(S, k) for _ in range(world)]
+    counts = torch.stack([torch.bincount(i.reshape(-1), minlength=E) for i in ids])
+    plan = plan_device(counts, kernels="torch")
+    assert int((plan.copies >= 0).sum()) > 0
+    block = S * k
+    # rank d's receive slot as the device layouts fill it: (source, row in source's block) -> assignment id
+    slot = {}
+    for r in range(world):
+        dev = build_device_layout(ids[r], counts, plan.alloc, plan.copies, r, block)
+        host = build_layout(ids[r], counts, plan.alloc, plan.copies, r)
+        assert torch.equal(dev.cu_seqlens, host.cu_seqlens) and dev.rows == host.rows == S * k
+        assert torch.equal(torch.bincount(dev.dst, minlength=world), torch.tensor(host.send_splits))
+        for a in range(S * k):
+            slot[(int(dev.dst[a]), r, int(dev.rib[a]))] = (r, a)
+    for d in range(world):
+        dev = build_device_layout(ids[d], counts, plan.alloc, plan.copies, d, block)
+        host = build_layout(ids[d], counts, plan.alloc, plan.copies, d)
+        # the host layout's expert row -> (source, assignment): receive buffer chunks by source, in send order
+        recv = [(s, int(a)) for s in range(world)
+                for a, dst in zip(build_layout(ids[s], counts, plan.alloc, plan.copies, s).send_perm.tolist(),
+                                  _send_dst(ids[s], counts, plan, s, world)) if dst == d]
+        want = [recv[int(p)] for p in host.recv_perm]
+        got = [slot[(d, int(s), int(i))] for s, i in zip(dev.src, dev.src_rib)]
+        assert got == want
+
+
+def _send_dst(ids: torch.Tensor, counts: torch.Tensor, plan: MoonEPPlan, rank: int, world: int) -> list[int]:
+    """Destination of each send-buffer position of the host layout (its splits, in rank order)."""
+    from moonrt.comm.ep.layout import build_layout
+
+    host = build_layout(ids, counts, plan.alloc, plan.copies, rank)
+    return [d for d in range(world) for _ in range(host.send_splits[d])]

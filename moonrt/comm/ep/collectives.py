@@ -17,7 +17,19 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
-from moonrt.comm.ep.layout import DedupLayout, EPLayout, WeightLayout, dedup_recv_side, dedup_send_side
+from moonrt.comm.ep.layout import (
+    AnyDedup,
+    AnyLayout,
+    AnyWeightLayout,
+    DedupLayout,
+    DeviceDedup,
+    DeviceLayout,
+    DeviceWeightLayout,
+    EPLayout,
+    dedup_pairs_device,
+    dedup_recv_side,
+    dedup_send_side,
+)
 from moonrt.ops.precision import at_least_fp32, no_autocast
 
 
@@ -36,6 +48,11 @@ class RowExchange(Protocol):
     def exchange_rows(self, out_rows: int, send: torch.Tensor, out_splits: list[int], in_splits: list[int],
                       block: int | None, send_index: torch.Tensor | None = None,
                       recv_index: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def scatter_rows(self, send: torch.Tensor | list[torch.Tensor], dst_rows: torch.Tensor, read: torch.Tensor,
+                     block: int) -> torch.Tensor: ...
+
+    def exchange_blocks(self, send: torch.Tensor, block: int) -> torch.Tensor: ...
 
 
 Mover = dist.ProcessGroup | RowExchange | None
@@ -67,14 +84,32 @@ def _gather_exchange(out_rows: int, values: torch.Tensor, send_index: torch.Tens
     return recv.index_select(0, recv_index)
 
 
-def to_rows(values: torch.Tensor, layout: EPLayout, group: Mover) -> torch.Tensor:
+def _device_exchange(group: Mover) -> RowExchange:
+    if not isinstance(group, RowExchange):
+        raise TypeError(f"a device layout moves rows over a symmetric heap exchange, got {type(group).__name__}")
+    return group
+
+
+def _dst_rows(dst: torch.Tensor, rib: torch.Tensor, layout: DeviceLayout) -> torch.Tensor:
+    """``[R, n]``: row ``rank * block + rib[i]`` of rank ``dst[i]``'s slot, -1 for the other ranks."""
+    ranks = torch.arange(layout.world_size, device=dst.device).unsqueeze(1)
+    return torch.where(ranks == dst.unsqueeze(0), layout.rank * layout.block + rib.unsqueeze(0), -1)
+
+
+def to_rows(values: torch.Tensor, layout: AnyLayout, group: Mover) -> torch.Tensor:
     """Move per-assignment values ``[s*k, C]`` (order ``t * k + j``) to this rank's expert rows ``[rows, C]``."""
+    if isinstance(layout, DeviceLayout):
+        return _device_exchange(group).scatter_rows(values, _dst_rows(layout.dst, layout.rib, layout),
+                                                    layout.src * layout.block + layout.src_rib, layout.block)
     return _gather_exchange(layout.rows, values, layout.send_perm, layout.recv_splits, layout.send_splits, group,
                             layout.recv_perm)
 
 
-def from_rows(rows: torch.Tensor, layout: EPLayout, group: Mover) -> torch.Tensor:
+def from_rows(rows: torch.Tensor, layout: AnyLayout, group: Mover) -> torch.Tensor:
     """Adjoint of :func:`to_rows`: expert rows ``[rows, C]`` back to per-assignment values ``[s*k, C]``."""
+    if isinstance(layout, DeviceLayout):  # each row goes back to the block row it came from
+        return _device_exchange(group).scatter_rows(rows, _dst_rows(layout.src, layout.src_rib, layout),
+                                                    layout.dst * layout.block + layout.rib, layout.block)
     return _gather_exchange(layout.tokens * layout.top_k, rows, layout.recv_inv, layout.send_splits,
                             layout.recv_splits, group, layout.send_inv)
 
@@ -83,12 +118,25 @@ def from_rows(rows: torch.Tensor, layout: EPLayout, group: Mover) -> torch.Tenso
 
 
 def send_weights(
-    flat_home: torch.Tensor, layout: WeightLayout, group: Mover, out: torch.Tensor | None = None
+    flat_home: torch.Tensor, layout: AnyWeightLayout, group: Mover, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``flat_home [E/R, P]`` (this rank's home experts, flattened) -> ``[B, P]`` slot weights.
 
     Empty slots are zero. ``out`` (a ``[B, P]`` slot-pool buffer) is written in place if given.
     """
+    if isinstance(layout, DeviceWeightLayout):  # home rank h writes slot j of rank d at d's row h * B + j
+        B, me, per, dev = layout.num_slots, layout.rank, layout.per_rank, flat_home.device
+        copies, home = layout.copies.to(dev), layout.home.to(dev)
+        local = (copies - me * per).clamp(0, per - 1)  # [R, B]: rows of slots this rank does not home go spare
+        per_dst = [flat_home.index_select(0, local[d]) for d in range(copies.shape[0])]
+        j = torch.arange(B, device=dev)
+        dst_rows = torch.where(home == me, me * B + j, -1)
+        recv = _device_exchange(group).scatter_rows(per_dst, dst_rows, home[me].clamp_min(0) * B + j, B)
+        filled = layout.filled.to(dev).unsqueeze(1)
+        if out is None:
+            return torch.where(filled, recv, 0)
+        out.copy_(torch.where(filled, recv, 0))
+        return out
     send = flat_home.index_select(0, layout.send_local.to(flat_home.device))
     recv = _all_to_all(len(layout.recv_slot), send, layout.recv_splits, layout.send_splits, group,
                        block=layout.num_slots)
@@ -101,9 +149,18 @@ def send_weights(
 
 
 def return_weight_grads(
-    grad_slots: torch.Tensor, num_home: int, layout: WeightLayout, group: Mover
+    grad_slots: torch.Tensor, num_home: int, layout: AnyWeightLayout, group: Mover
 ) -> torch.Tensor:
     """Adjoint of :func:`send_weights`: ``grad_slots [B, P]`` -> summed home gradients ``[E/R, P]``."""
+    if isinstance(layout, DeviceWeightLayout):  # slot j of rank me goes back to its home h at h's row me * B + j
+        B, me, per, dev = layout.num_slots, layout.rank, layout.per_rank, grad_slots.device
+        copies, home = layout.copies.to(dev), layout.home.to(dev)
+        ranks = torch.arange(copies.shape[0], device=dev)
+        dst_rows = torch.where(ranks.unsqueeze(1) == home[me].unsqueeze(0), me * B + torch.arange(B, device=dev), -1)
+        recv = _device_exchange(group).scatter_rows(grad_slots, dst_rows, torch.arange(copies.numel(), device=dev), B)
+        out = grad_slots.new_zeros(num_home + 1, grad_slots.shape[1])  # the last row takes the other homes' slots
+        out.index_add_(0, torch.where(home == me, copies - me * per, num_home).reshape(-1), recv)
+        return out[:num_home]
     send = grad_slots.index_select(0, layout.recv_slot.to(grad_slots.device))
     recv = _all_to_all(len(layout.send_local), send, layout.send_splits, layout.recv_splits, group,
                        block=layout.num_slots)
@@ -174,7 +231,7 @@ class _Combine(torch.autograd.Function):
 
 
 def dispatch_tokens(
-    x: torch.Tensor, weights: torch.Tensor, layout: EPLayout, group: Mover
+    x: torch.Tensor, weights: torch.Tensor, layout: AnyLayout, group: Mover
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Differentiable dispatch: ``x [s, H]``, ``weights [s, k]`` -> ``(rows [rows, H], row_weights [rows])``.
 
@@ -185,7 +242,7 @@ def dispatch_tokens(
 
 
 def combine_tokens(
-    y: torch.Tensor, weights: torch.Tensor, layout: EPLayout, group: Mover,
+    y: torch.Tensor, weights: torch.Tensor, layout: AnyLayout, group: Mover,
     deps: tuple[torch.Tensor, ...] = (), refill: Callable[[], None] | None = None,
 ) -> torch.Tensor:
     """Differentiable combine: expert outputs ``y [rows, H]`` -> ``[s, H]``.
@@ -207,10 +264,16 @@ def combine_tokens(
 # ---- one row per (token, destination rank) --------------------------------------------------------
 
 
-def build_dedup(layout: EPLayout, group: Mover, device: torch.device | None = None) -> DedupLayout:
+def build_dedup(layout: AnyLayout, group: Mover,
+                device: torch.device | None = None) -> AnyDedup:
     """This rank's :class:`~moonrt.comm.ep.layout.DedupLayout`: one all-to-all of int64 metadata (one per
     assignment, under ``layout``'s splits) on ``device`` (the data's: the EP group's backend), so every
-    receiver learns which of its assignment rows share a token. Host tensors are returned."""
+    receiver learns which of its assignment rows share a token. Host tensors are returned. For a
+    :class:`~moonrt.comm.ep.layout.DeviceLayout` the same exchange of metadata gives a
+    :class:`~moonrt.comm.ep.layout.DeviceDedup` on the layout's device."""
+    if isinstance(layout, DeviceLayout):
+        pair_rib, meta = dedup_pairs_device(layout)
+        return DeviceDedup(pair_rib=pair_rib, row_rib=to_rows(meta.unsqueeze(1), layout, group).squeeze(1))
     pair_token, send_splits, meta = dedup_send_side(layout)
     recv = _all_to_all(layout.rows, meta.to(device), layout.recv_splits, layout.send_splits, group).cpu()
     recv_splits, expand = dedup_recv_side(layout, recv)
@@ -218,20 +281,39 @@ def build_dedup(layout: EPLayout, group: Mover, device: torch.device | None = No
                        expand=expand)
 
 
-def _pairs_to_rows(values: torch.Tensor, layout: EPLayout, dd: DedupLayout,
+def _pairs_to_rows(values: torch.Tensor, layout: AnyLayout, dd: AnyDedup,
                    group: Mover) -> torch.Tensor:
     """Per-token values ``[s, C]`` -> expert rows ``[rows, C]``, one transfer per (token, destination)."""
+    if isinstance(layout, DeviceLayout) and isinstance(dd, DeviceDedup):  # at most capacity tokens per peer
+        pb = layout.block // layout.top_k
+        dst_rows = torch.where(dd.pair_rib >= 0, layout.rank * pb + dd.pair_rib, -1)
+        return _device_exchange(group).scatter_rows(values, dst_rows, layout.src * pb + dd.row_rib, pb)
+    assert isinstance(layout, EPLayout) and isinstance(dd, DedupLayout)
     return _gather_exchange(sum(dd.pair_recv_splits), values, dd.pair_token, dd.pair_recv_splits,
                             dd.pair_send_splits, group, dd.expand)
 
 
-def _rows_to_pairs(rows: torch.Tensor, layout: EPLayout, dd: DedupLayout, group: Mover,
+def _rows_to_pairs(rows: torch.Tensor, layout: AnyLayout, dd: AnyDedup, group: Mover,
                    dtype: torch.dtype) -> torch.Tensor:
     """Adjoint of :func:`_pairs_to_rows`: expert rows ``[rows, C]`` -> per-token sums ``[s, C]``.
 
     Rows of one (token, destination) are summed on the destination in fp32 (at least) and sent once,
     rounded to ``dtype``; the source sums its token's destinations in fp32 and rounds to ``dtype``."""
     acc = torch.promote_types(rows.dtype, torch.float32)
+    if isinstance(layout, DeviceLayout) and isinstance(dd, DeviceDedup):  # pairs named by their slot rows
+        R, s = layout.world_size, layout.tokens
+        block = layout.block // layout.top_k  # pair rows: at most capacity per (source, destination)
+        dev = rows.device
+        pairs = rows.new_zeros(R * block, rows.shape[1], dtype=acc)
+        pairs.index_add_(0, layout.src * block + dd.row_rib, rows.to(acc))
+        ranks = torch.arange(R, device=dev).unsqueeze(1)
+        back = _device_exchange(group).exchange_blocks(pairs.to(dtype), block)
+        back = back.index_select(0, (ranks * block + dd.pair_rib.clamp_min(0)).reshape(-1))  # destination major
+        tok = torch.where(dd.pair_rib >= 0, torch.arange(s, device=dev), s).reshape(-1)
+        out = rows.new_zeros(s + 1, rows.shape[1], dtype=acc)  # the last row takes the pairs never sent
+        out.index_add_(0, tok, back.to(acc))
+        return out[:s].to(dtype)
+    assert isinstance(layout, EPLayout) and isinstance(dd, DedupLayout)
     pairs = rows.new_zeros(sum(dd.pair_recv_splits), rows.shape[1], dtype=acc)
     pairs.index_add_(0, dd.expand.to(rows.device), rows.to(acc))
     back = _all_to_all(dd.pairs_sent, pairs.to(dtype), dd.pair_send_splits, dd.pair_recv_splits, group)
@@ -278,7 +360,7 @@ class _DedupCombine(torch.autograd.Function):
 
 
 def dispatch_tokens_dedup(
-    x: torch.Tensor, weights: torch.Tensor, layout: EPLayout, dd: DedupLayout, group: Mover
+    x: torch.Tensor, weights: torch.Tensor, layout: AnyLayout, dd: AnyDedup, group: Mover
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`dispatch_tokens` sending each token once per destination rank (``dd``): the same
     ``(rows [rows, H], row_weights [rows])``. Two all-to-alls: the token rows (``dd``'s pairs) and
@@ -288,7 +370,7 @@ def dispatch_tokens_dedup(
 
 
 def combine_tokens_dedup(
-    y: torch.Tensor, layout: EPLayout, dd: DedupLayout, group: Mover,
+    y: torch.Tensor, layout: AnyLayout, dd: AnyDedup, group: Mover,
     deps: tuple[torch.Tensor, ...] = (), refill: Callable[[], None] | None = None, dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Unweighted combine with one return row per (token, destination): ``out[t] = sum of t's rows``.

@@ -16,7 +16,11 @@ call (§6.3):
    copied (on CUDA the kernel registry's Triton backend, on CPU its numba one; config ``kernels.moonep``); the
    table, the plan and this rank's top-k ids come to the host in one copy (the layout and NCCL's all-to-all split
    sizes are host data: that copy is the one synchronization per layer), and every rank computes its own
-   send/receive layout (:mod:`moonrt.comm.ep.layout`). The baseline places on the host from the counts' copy;
+   send/receive layout (:mod:`moonrt.comm.ep.layout`). The baseline places on the host from the counts' copy.
+   On the symmetric heap with MoonEP and ``num_slots >= E/R`` nothing comes to the host: the layout is computed
+   on the device (:meth:`EPDispatcher._dispatch_device`; validation of the routing ids and of equal ``s`` behind
+   ``MOONRT_DEBUG=1``), and :meth:`EPDispatcher.dispatch_async` runs the whole dispatch on the heap transport's
+   worker thread while the caller computes (the K3 MoE layer's shared experts);
 3. the transport's all-to-alls move tokens (and their top-k weights) into expert-grouped rows. With MoonEP rank d
    computes exactly ``plan.capacity[d]`` rows, one per assignment (``s * k`` when every rank passes the same
    s), whatever the routing: the output shape depends only on s. That holds for ``num_slots >= E/R``
@@ -40,25 +44,38 @@ call (§6.3):
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from moonrt.comm.ep.layout import (
     DedupLayout,
+    DeviceDedup,
+    DeviceLayout,
+    DeviceWeightLayout,
     EPLayout,
     PaddedLayout,
     WeightLayout,
+    build_device_layout,
+    build_device_weight_layout,
     build_layout,
     build_padded,
+    build_padded_device,
     build_weight_layout,
 )
-from moonrt.comm.ep.placement import PlacementPolicy
+from moonrt.comm.ep.placement import MoonEPPlacement, PlacementPolicy
 from moonrt.comm.ep.slots import SlotPool, SlotRefill
 from moonrt.comm.ep.transport import CollectiveTransport, EPTransport
 from moonrt.parallel.dispatch import Experts, ExpertWeights
 from moonrt.scheduler.moonep_torch import to_host
+
+DEBUG_ENV = "MOONRT_DEBUG"
+"""Set to 1: the EP dispatcher reads every rank's validation back to the host on every path (the heap's device
+layouts are then not used): routing ids out of range and unequal token counts are one clear ValueError on every
+rank. Unset (the default), the heap path makes no host synchronization and checks only what the host knows."""
 
 _ERRORS = {
     1: "x / topk_ids / topk_weights shapes or dtypes",
@@ -84,10 +101,10 @@ class EPHandle:
     plan: object
     counts: torch.Tensor
     topk_weights: torch.Tensor
-    layout: EPLayout
-    weight_layout: WeightLayout
+    layout: EPLayout | DeviceLayout
+    weight_layout: WeightLayout | DeviceWeightLayout
     rank: int
-    dedup: DedupLayout | None = None
+    dedup: DedupLayout | DeviceDedup | None = None
     padding: PaddedLayout | None = None
     """Set when ``token_padding > 1``: dispatch's rows are ``padding.padded_rows``, real row r sits at
     ``padding.row_index[r]``, ``padding.pad_ranges`` are zero fill."""
@@ -151,6 +168,24 @@ class EPCounters:
     rows_computed: int = 0
     experts_prefetched: int = 0
     calls: int = 0
+    pending: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    """Device-side increments of the heap path (no host read per layer): ``key -> [R]`` (or a scalar for
+    ``experts_prefetched``), added into the fields by :meth:`settle` (one host copy, when a reader asks)."""
+
+    def add_device(self, key: str, values: torch.Tensor) -> None:
+        before = self.pending.get(key)
+        self.pending[key] = values if before is None else before + values
+
+    def settle(self) -> None:
+        """Fold :attr:`pending` into the host counters (call before reading them)."""
+        for key, values in self.pending.items():
+            if key == "experts_prefetched":
+                self.experts_prefetched += int(values)
+            else:
+                field = getattr(self, key)
+                for d, n in enumerate(values.tolist()):
+                    field[d] += n
+        self.pending.clear()
 
     @classmethod
     def zeros(cls, world: int) -> EPCounters:
@@ -207,11 +242,24 @@ class EPDispatcher:
         if isinstance(token_padding, bool) or not isinstance(token_padding, int) or token_padding < 1:
             raise ValueError(f"token_padding = {token_padding!r}: expected an integer >= 1")
         self.pool, self.dedup, self.token_padding = pool, dedup, token_padding
-        self.counters = EPCounters.zeros(self.world_size)
+        self.debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
+        self.device_layouts = (bool(getattr(self.transport, "device_layouts", False)) and not self.debug
+                               and isinstance(placement, MoonEPPlacement)
+                               and self.num_slots >= self.experts_per_rank)
+        """Heap transport, MoonEP with ``B >= E/R`` (rows are ``s * k``, known on the host) and no debug switch:
+        the layout is computed on the device (:func:`moonrt.comm.ep.layout.build_device_layout`) and the layer
+        makes no host synchronization (:meth:`_dispatch_device`)."""
+        self._counters = EPCounters.zeros(self.world_size)
         self.last_counts: torch.Tensor | None = None
         """``[R, E]`` int64 routing counts of the last dispatch (routing traces, metrics)."""
         self.last_rows: torch.Tensor | None = None
         """``[R]`` int64 rows every rank computed in the last dispatch (``plan.capacity``)."""
+
+    @property
+    def counters(self) -> EPCounters:
+        """The traffic counters, with the heap path's device-side increments settled (one host copy if any)."""
+        self._counters.settle()
+        return self._counters
 
     @property
     def num_segments(self) -> int:
@@ -219,7 +267,8 @@ class EPDispatcher:
         return self.num_experts + self.num_slots
 
     # ---- verbs ------------------------------------------------------------------------------------
-    def _check(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> tuple[int, str]:
+    def _check(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+               ranges: bool = True) -> tuple[int, str]:
         k, E = self.top_k, self.num_experts
         if x.dim() != 2 or x.shape[1] != self.hidden or not x.dtype.is_floating_point:
             return 1, f"x: shape {tuple(x.shape)} dtype {x.dtype}, expected a float tensor [s, {self.hidden}]"
@@ -231,7 +280,7 @@ class EPDispatcher:
                        f"expected a float tensor [{s}, {k}]")
         if s > self.capacity:
             return 2, f"x: s = {s} tokens, expected s <= capacity = {self.capacity}"
-        if s and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= E):
+        if ranges and s and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= E):
             bad = topk_ids[(topk_ids < 0) | (topk_ids >= E)][0]
             return 3, f"topk_ids: value {int(bad)} out of range, expected expert ids in [0, {E})"
         return 0, ""
@@ -257,8 +306,11 @@ class EPDispatcher:
             i < E is expert i (only home experts non-empty), E + j is ``handle.plan.copies[rank, j]``.
             ``handle``: for :meth:`prefetch_weights` and :meth:`combine`. ``rows == plan.capacity[rank]``.
 
-        Raises ValueError on every rank of the group if any rank's input is invalid.
+        Raises ValueError on every rank of the group if any rank's input is invalid (on the heap path without
+        ``MOONRT_DEBUG``: on the rank whose shapes are wrong, see :meth:`_dispatch_device`).
         """
+        if self.device_layouts:
+            return self._dispatch_device(x, topk_ids, topk_weights)
         try:
             code, message = self._check(x, topk_ids, topk_weights)
         except Exception as exc:  # never skip the all-gather below: the other ranks would hang in it
@@ -314,13 +366,90 @@ class EPDispatcher:
         rows_sent = layout.send_splits if dd is None else dd.pair_send_splits
         per_assignment = topk_weights.element_size() + (0 if dd is None else 8)
         for d, (n, a) in enumerate(zip(rows_sent, layout.send_splits)):
-            self.counters.token_bytes_sent[d] += n * row_bytes + a * per_assignment
-            self.counters.rows_sent[d] += n
-            self.counters.assignments_sent[d] += a
-        self.counters.rows_computed = layout.rows
+            self._counters.token_bytes_sent[d] += n * row_bytes + a * per_assignment
+            self._counters.rows_sent[d] += n
+            self._counters.assignments_sent[d] += a
+        self._counters.rows_computed = layout.rows
         self.last_counts, self.last_rows = counts, placement.capacity
-        self.counters.calls += 1
+        self._counters.calls += 1
         return recv_x, recv_w, handle.cu_seqlens, handle
+
+    def _dispatch_device(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, EPHandle]:
+        """:meth:`dispatch` with no host synchronization (the heap, MoonEP with ``B >= E/R``; issue 48 item 2).
+
+        The counts are all-gathered and planned on the device as on the other path; the layout is
+        :func:`~moonrt.comm.ep.layout.build_device_layout`'s, so nothing comes back to the host. What that costs:
+        the host checks only shapes, dtypes and ``s <= capacity`` (a bad rank raises there and its peers see it
+        die, :class:`~moonrt.comm.transport.shm.PeerDied`); routing ids in ``[0, E)`` and the same ``s`` on every
+        rank (so ``plan.capacity == s * k``) are the caller's contract, checked with ``MOONRT_DEBUG=1`` (which
+        takes the host path). The byte and row counters per peer are host data and are not updated here
+        (``calls`` and ``rows_computed`` are)."""
+        code, message = self._check(x, topk_ids, topk_weights, ranges=False)
+        E, R, k = self.num_experts, self.world_size, self.top_k
+        row = torch.zeros(2 + E, dtype=torch.int64, device=x.device)
+        if code == 0:
+            flat = topk_ids.reshape(-1)
+            bad = (flat < 0) | (flat >= E)
+            row[0] = bad.any() * 3  # on the device: the status of the routing ids, read by no one on the host
+            row[1] = x.shape[0]
+            row[2:].index_add_(0, torch.where(bad, 0, flat), (~bad).to(torch.int64))
+        table = self.transport.all_gather(row).view(R, 2 + E)
+        if code:
+            raise ValueError(f"EP dispatch (EP rank {self.rank}): {message}")
+        # every rank holds the same table: a device-side assert fails on every rank at once, with no host read (on
+        # CPU it raises here; on CUDA it is an asynchronous device assert). MOONRT_DEBUG=1 names the bad rank.
+        torch._assert_async((table[:, 0] == 0).all(), "EP dispatch: an EP rank passed topk ids outside [0, E) "
+                            f"(E = {E}); rerun with {DEBUG_ENV}=1 for the rank and value")
+        torch._assert_async((table[:, 1] == x.shape[0]).all(), f"EP dispatch: the EP ranks passed different token "
+                            f"counts, this rank s = {x.shape[0]}; expected the same s on every rank on the heap "
+                            f"path (set {DEBUG_ENV}=1 or parallel.ep_transport=collectives for unequal counts)")
+        counts = table[:, 2:]
+        plan = self.placement.plan_on_device(counts, self.num_slots)
+        assert plan is not None  # MoonEP (device_layouts)
+        block = self.capacity * k  # the most rows one rank sends another (s * k), the same on every rank
+        layout = build_device_layout(topk_ids, counts, plan.alloc, plan.copies, self.rank, block)
+        wlayout = build_device_weight_layout(plan.copies, E, self.rank)
+        dd = self.transport.dedup_layout(layout, x.device) if self.dedup else None
+        recv_x, recv_w = self.transport.dispatch(x, topk_weights, layout, dd)
+        row_weights, pad = recv_w, None
+        if self.token_padding > 1:
+            pad = build_padded_device(layout.cu_seqlens, self.experts_per_rank + self.num_slots, self.token_padding,
+                                      layout.rows)
+            recv_x = recv_x.new_zeros(pad.padded_rows, recv_x.shape[1]).index_copy(0, pad.row_index, recv_x)
+            recv_w = recv_w.new_zeros(pad.padded_rows).index_copy(0, pad.row_index, recv_w)
+        handle = EPHandle(plan=plan, counts=counts, topk_weights=topk_weights, layout=layout,
+                          weight_layout=wlayout, rank=self.rank, dedup=dd, padding=pad, row_weights=row_weights)
+        handle.deps.append(recv_x)
+        ranks = torch.arange(R, device=x.device)
+        assignments = (layout.dst.unsqueeze(0) == ranks.unsqueeze(1)).sum(1)
+        rows_sent = assignments if not isinstance(dd, DeviceDedup) else (dd.pair_rib >= 0).sum(1)
+        per_assignment = topk_weights.element_size() + (0 if dd is None else 8)
+        self._counters.add_device("token_bytes_sent",
+                                 rows_sent * (self.hidden * x.element_size()) + assignments * per_assignment)
+        self._counters.add_device("rows_sent", rows_sent)
+        self._counters.add_device("assignments_sent", assignments)
+        self._counters.rows_computed = x.shape[0] * k
+        self.last_counts, self.last_rows = counts, plan.capacity
+        self._counters.calls += 1
+        return recv_x, recv_w, handle.cu_seqlens, handle
+
+    @property
+    def overlaps(self) -> bool:
+        """:meth:`dispatch_async` runs the dispatch while the caller computes (the heap transport's worker)."""
+        return callable(getattr(self.transport, "submit", None))
+
+    def dispatch_async(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> Any:
+        """:meth:`dispatch` started on the heap transport's worker thread (DeepEP's ``async_finish``): returns a
+        :class:`moonrt.comm.ep.heap.PendingDispatch` at once, whose ``event`` is set when the rows are in and whose
+        ``wait()`` returns what :meth:`dispatch` returns (bitwise the same, the same autograd). Meanwhile the caller
+        computes what needs no rows (the shared experts) and makes no other call on this EP group."""
+        submit = getattr(self.transport, "submit", None)
+        if not callable(submit):
+            raise ValueError(f"dispatch_async: transport {type(self.transport).__name__} has no worker, expected "
+                             "the heap transport (parallel.ep_transport = shm / cuda)")
+        return submit(lambda: self.dispatch(x, topk_ids, topk_weights))
 
     def prefetch_weights(self, handle: EPHandle, expert_weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """Fill the slot rows with copies of the planned experts' weights, point-to-point from home ranks.
@@ -354,9 +483,13 @@ class EPDispatcher:
         if refill is not None:
             handle.refill.append(refill)
         nbytes = numel * expert_weights[0].element_size()
+        if isinstance(wl, DeviceWeightLayout):  # device increments, settled when read
+            self._counters.add_device("weight_bytes_sent", (wl.home == self.rank).sum(1) * nbytes)
+            self._counters.add_device("experts_prefetched", wl.filled.sum())
+            return slots
         for d, n in enumerate(wl.send_splits):
-            self.counters.weight_bytes_sent[d] += n * nbytes
-        self.counters.experts_prefetched += int(wl.filled.sum())
+            self._counters.weight_bytes_sent[d] += n * nbytes
+        self._counters.experts_prefetched += int(wl.filled.sum())
         return slots
 
     def combine(self, y: torch.Tensor, handle: EPHandle, weighted: bool = True) -> torch.Tensor:
@@ -381,15 +514,25 @@ class EPDispatcher:
         if handle.dedup is None:
             w = handle.topk_weights if weighted else torch.ones_like(handle.topk_weights)
             out = self.transport.combine(y, w, handle.layout, None, tuple(handle.deps), refill, y.dtype)
-            back = handle.layout.recv_splits
+            back = handle.layout.recv_splits if isinstance(handle.layout, EPLayout) else None
         else:  # weight the rows here (fp32), sum each token's rows, send one row per token back
             acc = torch.promote_types(y.dtype, torch.float32)
             yw = y.to(acc) * handle.row_weights.to(acc).unsqueeze(1) if weighted else y
             out = self.transport.combine(yw, None, handle.layout, handle.dedup, tuple(handle.deps), refill, y.dtype)
-            back = handle.dedup.pair_recv_splits
+            back = handle.dedup.pair_recv_splits if isinstance(handle.dedup, DedupLayout) else None
         row_bytes = y.shape[1] * y.element_size()
-        for d, n in enumerate(back):
-            self.counters.token_bytes_sent[d] += n * row_bytes
+        if isinstance(back, list):
+            for d, n in enumerate(back):
+                self._counters.token_bytes_sent[d] += n * row_bytes
+        else:  # device layouts: the rows returned to each source, settled when read
+            layout = handle.layout
+            assert isinstance(layout, DeviceLayout)
+            per_src = torch.zeros(self.world_size, dtype=torch.int64, device=layout.src.device)
+            if isinstance(handle.dedup, DeviceDedup):  # one row per (token, source): rows of a block are 0..n-1
+                per_src.scatter_reduce_(0, layout.src, handle.dedup.row_rib + 1, reduce="amax")
+            else:
+                per_src.index_add_(0, layout.src, torch.ones_like(layout.src))
+            self._counters.add_device("token_bytes_sent", per_src * row_bytes)
         return out
 
     def segment_weights(self, handle: EPHandle, experts: Experts) -> list[tuple[int, ExpertWeights]]:
@@ -407,6 +550,8 @@ class EPDispatcher:
                              f"expected this EP rank's home slice [{first}, {first + per})")
         out = [(e, experts.expert(e)) for e in range(first, first + per)]
         gate, up, down = self.prefetch_weights(handle, experts.weights())
+        if isinstance(handle.weight_layout, DeviceWeightLayout):  # no host read: empty slots (zeros) have no rows
+            return out + [(self.num_experts + j, (gate[j], up[j], down[j])) for j in range(self.num_slots)]
         filled = handle.weight_layout.filled.tolist()
         out += [(self.num_experts + j, (gate[j], up[j], down[j])) for j in range(self.num_slots) if filled[j]]
         return out

@@ -32,9 +32,12 @@ when the rows are in). Until then the caller makes no other call on the heap (it
 rank's, not thread safe). The copies release the GIL, so on a rank with more than one core the transfer and the
 compute run at once.
 
-Host data: the layouts (:mod:`moonrt.comm.ep.layout`) are the dispatcher's host tensors and lists, as for the
-collectives; the exchange reads their Python split sizes and makes no device-to-host copy of its own (the
-dispatcher's one copy of the plan per layer stays, see :mod:`moonrt.comm.ep.dispatch`).
+Host data: with MoonEP and ``B >= E/R`` the dispatcher hands this transport the device layouts of
+:mod:`moonrt.comm.ep.layout` (``DeviceLayout``, ``DeviceDedup``, ``DeviceWeightLayout``: each row named by its peer
+and its row in that peer's static slot block, computed with tensor ops); their exchanges
+(:meth:`HeapExchange.scatter_rows`, :meth:`HeapExchange.exchange_blocks`) read no split sizes, so a whole MoE layer
+makes no host synchronization. Other placements (fewer slots, the baseline: rows follow the routing) and
+``MOONRT_DEBUG=1`` use the host layouts and :meth:`HeapExchange.exchange_rows`, as the collectives do.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -52,7 +56,7 @@ from moonrt.comm.ep.collectives import (
     dispatch_tokens,
     dispatch_tokens_dedup,
 )
-from moonrt.comm.ep.layout import DedupLayout, EPLayout, WeightLayout
+from moonrt.comm.ep.layout import AnyDedup, AnyLayout, AnyWeightLayout
 from moonrt.comm.ep.slots import SlotPool, SlotRefill, fetch_slot_weights
 from moonrt.comm.transport.base import HeapTensor, SymmetricHeap
 
@@ -74,12 +78,14 @@ class HeapExchange:
         self.calls = 0
         self.puts = 0
 
-    def slot(self, row: tuple[int, ...], dtype: torch.dtype, block: int) -> tuple[HeapTensor, int]:
-        """The receive slot of this key (allocated on first use) and the parity of this call."""
-        key = (row, dtype, block)
+    def slot(self, row: tuple[int, ...], dtype: torch.dtype, block: int,
+             spare: bool = False) -> tuple[HeapTensor, int]:
+        """The receive slot of this key (allocated on first use) and the parity of this call (``spare``: one row
+        more, :meth:`scatter_rows`'s)."""
+        key = (row, dtype, block, spare)
         buf = self.slots.get(key)
         if buf is None:
-            buf = self.slots[key] = self.heap.alloc((2, self.heap.world_size * block, *row), dtype)
+            buf = self.slots[key] = self.heap.alloc((2, self.heap.world_size * block + spare, *row), dtype)
             self._parity[key] = 0
         parity = self._parity[key]
         self._parity[key] = parity ^ 1
@@ -143,6 +149,52 @@ class HeapExchange:
         return local.index_select(0, slot_row.index_select(0, recv_index))
 
 
+    def scatter_rows(self, send: torch.Tensor | list[torch.Tensor], dst_rows: torch.Tensor, read: torch.Tensor,
+                     block: int) -> torch.Tensor:
+        """The device layouts' exchange (:class:`moonrt.comm.ep.layout.DeviceLayout`): no split sizes, no host data.
+
+        ``send [n, *row]`` (or one ``[n, *row]`` tensor per destination rank); ``dst_rows [R, n]`` int64 (device):
+        the row of rank d's receive slot that row i is written to, or ``-1`` for a row not sent to d; then
+        ``[read.shape[0], *row]``: this rank's slot rows ``read`` (int64, source s's rows at
+        ``[s * block, (s + 1) * block)``). The slot has one spare row past the ``R * block`` where the rows not
+        sent to d land (all n rows are put into every peer, none is masked on the host; the spare row is never
+        read): n rows per peer where a device kernel would write only d's."""
+        heap = self.heap
+        R, me = heap.world_size, heap.rank
+        sends = send if isinstance(send, list) else [send] * R
+        buf, parity = self.slot(tuple(sends[0].shape[1:]), sends[0].dtype, block, spare=True)
+        spare = R * block
+        for i in range(R):
+            d = (me + i) % R
+            idx = torch.where(dst_rows[d] >= 0, dst_rows[d], spare)
+            buf.peer(d)[parity].index_copy_(0, idx, sends[d].contiguous())
+            self.puts += sends[d].shape[0]
+            if d != me:
+                heap.signal(d)
+        for i in range(1, R):
+            heap.wait((me - i) % R)
+        self.calls += 1
+        return buf.local[parity].index_select(0, read)
+
+    def exchange_blocks(self, send: torch.Tensor, block: int) -> torch.Tensor:
+        """``send [R * block, *row]`` -> ``[R * block, *row]``: rows ``[d * block, (d + 1) * block)`` go whole to
+        rank d's slot rows ``[rank * block, ...)``; returns this rank's slot (source s's block at ``s * block``): a
+        view of the heap, valid until the call after next on this key (read it at once)."""
+        heap = self.heap
+        R, me = heap.world_size, heap.rank
+        buf, parity = self.slot(tuple(send.shape[1:]), send.dtype, block)
+        for i in range(R):
+            d = (me + i) % R
+            buf.peer(d)[parity, me * block:(me + 1) * block].copy_(send[d * block:(d + 1) * block])
+            self.puts += block
+            if d != me:
+                heap.signal(d)
+        for i in range(1, R):
+            heap.wait((me - i) % R)
+        self.calls += 1
+        return buf.local[parity]
+
+
 class PendingDispatch:
     """A dispatch in flight on the transport's worker thread (:meth:`HeapTransport.dispatch_async`).
 
@@ -154,7 +206,7 @@ class PendingDispatch:
         self.event = threading.Event()
         future.add_done_callback(lambda _: self.event.set())
 
-    def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def wait(self) -> Any:
         return self.future.result()
 
 
@@ -169,6 +221,9 @@ class HeapTransport:
     Receive slots grow with nothing: their size follows from ``capacity * top_k`` rows per peer (token rows) and
     ``num_slots`` rows per peer (expert weights).
     """
+
+    device_layouts = True
+    """The dispatcher may hand this transport :mod:`moonrt.comm.ep.layout`'s device layouts (no host data)."""
 
     def __init__(self, heap: SymmetricHeap, capacity: int, top_k: int) -> None:
         for name, value in (("capacity", capacity), ("top_k", top_k)):
@@ -186,26 +241,31 @@ class HeapTransport:
         send = row.reshape(1, -1).expand(R, row.numel())
         return self.exchange.exchange_rows(R, send, [1] * R, [1] * R, 1).reshape(-1)
 
-    def dedup_layout(self, layout: EPLayout, device: torch.device | None) -> DedupLayout:
+    def dedup_layout(self, layout: AnyLayout, device: torch.device | None) -> AnyDedup:
         return build_dedup(layout, self.exchange, device)
 
-    def dispatch(self, x: torch.Tensor, weights: torch.Tensor, layout: EPLayout,
-                 dedup: DedupLayout | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def dispatch(self, x: torch.Tensor, weights: torch.Tensor, layout: AnyLayout,
+                 dedup: AnyDedup | None) -> tuple[torch.Tensor, torch.Tensor]:
         if dedup is None:
             return dispatch_tokens(x, weights, layout, self.exchange)
         return dispatch_tokens_dedup(x, weights, layout, dedup, self.exchange)
 
-    def dispatch_async(self, x: torch.Tensor, weights: torch.Tensor, layout: EPLayout,
-                       dedup: DedupLayout | None) -> PendingDispatch:
+    def dispatch_async(self, x: torch.Tensor, weights: torch.Tensor, layout: AnyLayout,
+                       dedup: AnyDedup | None) -> PendingDispatch:
         """:meth:`dispatch` on the worker thread (the same autograd, the same result bitwise); returns at once.
         Grad mode is the caller's; make no other heap call before :meth:`PendingDispatch.wait`."""
+        return self.submit(lambda: self.dispatch(x, weights, layout, dedup))
+
+    def submit(self, fn: Callable[[], Any]) -> PendingDispatch:
+        """Run ``fn`` (heap calls: a dispatcher's whole dispatch) on the transport's one worker thread under the
+        caller's grad mode; returns at once. Make no other heap call before :meth:`PendingDispatch.wait`."""
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moonrt-ep-heap")
         grad = torch.is_grad_enabled()
 
-        def run() -> tuple[torch.Tensor, torch.Tensor]:
+        def run() -> Any:
             with torch.set_grad_enabled(grad):
-                return self.dispatch(x, weights, layout, dedup)
+                return fn()
 
         return PendingDispatch(self._worker.submit(run))
 
@@ -215,7 +275,7 @@ class HeapTransport:
             self._worker.shutdown(wait=True)
             self._worker = None
 
-    def combine(self, y: torch.Tensor, weights: torch.Tensor | None, layout: EPLayout, dedup: DedupLayout | None,
+    def combine(self, y: torch.Tensor, weights: torch.Tensor | None, layout: AnyLayout, dedup: AnyDedup | None,
                 deps: tuple[torch.Tensor, ...], refill: Callable[[], None] | None,
                 dtype: torch.dtype) -> torch.Tensor:
         if dedup is None:
@@ -224,6 +284,6 @@ class HeapTransport:
             return combine_tokens(y, weights, layout, self.exchange, deps=deps, refill=refill)
         return combine_tokens_dedup(y, layout, dedup, self.exchange, deps=deps, refill=refill, dtype=dtype)
 
-    def fetch_slots(self, home: tuple[torch.Tensor, ...], layout: WeightLayout, pool: SlotPool | None,
+    def fetch_slots(self, home: tuple[torch.Tensor, ...], layout: AnyWeightLayout, pool: SlotPool | None,
                     dep: torch.Tensor | None) -> tuple[tuple[torch.Tensor, ...], SlotRefill | None]:
         return fetch_slot_weights(home, layout, self.exchange, pool=pool, dep=dep)

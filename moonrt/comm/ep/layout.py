@@ -291,3 +291,183 @@ def build_padded(cu_seqlens: torch.Tensor, max_segments: int, token_padding: int
     ranges = torch.cat([torch.stack([starts[keep], ends[keep]], 1), tail[tail[:, 1] > tail[:, 0]]])
     return PaddedLayout(token_padding=p, padded_rows=total, cu_seqlens=cu_pad, row_index=row_index,
                         pad_ranges=ranges)
+
+
+# ---- device layouts for the symmetric heap (issue 48 item 2) --------------------------------------
+#
+# The heap's receive slots are static: rank s writes its rows for rank d at d's slot rows ``[s * block, ...)``,
+# ``block`` a bound every rank knows. So a layout for the heap needs no split sizes on the host: every row is named
+# by (peer rank, row in that peer's block), both computed with tensor ops on the device of the routing, and a
+# transfer in the other direction (combine, a backward) writes each row back to the block row it was read from.
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DeviceLayout:
+    """One rank's token layout for one dispatch over the heap, all on the routing's device (int64 tensors).
+
+    ``dst [s*k]`` / ``rib [s*k]``: the rank that computes assignment ``t * k + j`` and the row of this rank's block
+    in that rank's receive slot it is written to (rows of one destination numbered by (segment, assignment), the
+    order :func:`build_layout` sends them in). ``src [rows]`` / ``src_rib [rows]``: for each expert row (segment
+    major, then source rank, then the source's order: :class:`EPLayout`'s), the source rank and the row of that
+    source's block it sits in. ``rows`` is static (``s * k``, see :func:`build_device_layout`), ``cu_seqlens
+    [E + B + 1]`` on the device. ``block``: rows per source block (the dispatcher's ``capacity * k``; the dedup
+    exchanges of token rows use blocks of ``block // k`` = capacity rows, a bound on one rank's tokens).
+    """
+
+    rank: int
+    world_size: int
+    tokens: int
+    top_k: int
+    rows: int
+    block: int
+    dst: torch.Tensor
+    rib: torch.Tensor
+    src: torch.Tensor
+    src_rib: torch.Tensor
+    cu_seqlens: torch.Tensor
+
+
+def segment_table_device(num_experts: int, copies: torch.Tensor) -> torch.Tensor:
+    """:func:`segment_table` without a host read (no ``nonzero``): ``seg [R, E]``, -1 where rank d cannot compute e."""
+    world, num_slots = copies.shape
+    per_rank = num_experts // world
+    dev = copies.device
+    seg = torch.full((world, num_experts + 1), -1, dtype=torch.int64, device=dev)
+    experts = torch.arange(num_experts, device=dev)
+    seg[experts // per_rank, experts] = experts
+    col = torch.where(copies >= 0, copies, num_experts)  # empty slots write the spare column, dropped below
+    seg.scatter_(1, col, (num_experts + torch.arange(num_slots, device=dev)).expand(world, num_slots).contiguous())
+    return seg[:, :num_experts]
+
+
+def build_device_layout(topk_ids: torch.Tensor, counts: torch.Tensor, alloc: torch.Tensor, copies: torch.Tensor,
+                        rank: int, block: int) -> DeviceLayout:
+    """:func:`build_layout`'s placement of every assignment, as :class:`DeviceLayout`, with tensor ops only.
+
+    ``topk_ids [s, k]``, ``counts [R, E]``, ``alloc [E, R]``, ``copies [R, B]``: int64 on one device. The number of
+    rows this rank computes must be known without reading the plan: the caller guarantees it is ``s * k`` (MoonEP
+    with ``B >= E / R`` and every rank passing the same ``s``: ``plan.capacity == s * k``). Same rows, same order
+    as :func:`build_layout` (the assignment a row carries is the same), so the data moved is bitwise the same.
+    """
+    world, num_experts = counts.shape
+    s, k = topk_ids.shape
+    num_segments = num_experts + copies.shape[1]
+    dev = counts.device
+    counts = counts.to(torch.int64)
+    seg = segment_table_device(num_experts, copies)
+    off = counts.cumsum(0) - counts  # [R, E]
+    cut = alloc.to(dev, torch.int64).cumsum(1)  # [E, R]
+    start = cut - alloc.to(dev, torch.int64)
+    src_lo, src_hi = off.unsqueeze(1), (off + counts).unsqueeze(1)
+    dst_lo, dst_hi = start.t().unsqueeze(0), cut.t().unsqueeze(0)
+    n_send = (torch.minimum(src_hi[rank], dst_hi[0]) - torch.maximum(src_lo[rank], dst_lo[0])).clamp_min(0)  # [R, E]
+    n_recv = (torch.minimum(src_hi[:, 0], dst_hi[0, rank]) - torch.maximum(src_lo[:, 0], dst_lo[0, rank])).clamp_min(0)
+
+    # send side: the p-th assignment of expert e (token order) goes to the first d with cumsum(n_send[:, e]) > p
+    flat = topk_ids.reshape(-1).to(dev)
+    n = flat.shape[0]
+    ranks = torch.arange(world, device=dev)
+    order = torch.argsort(flat, stable=True)
+    mine = counts[rank]
+    first = mine.cumsum(0) - mine
+    pos = torch.empty_like(flat)
+    pos[order] = torch.arange(n, device=dev) - first[flat[order]]
+    dst = (n_send.cumsum(0)[:, flat] <= pos.unsqueeze(0)).sum(0)
+    key = dst * num_segments + seg[dst, flat]
+    send_perm = torch.argsort(key, stable=True)
+    splits = (dst.unsqueeze(0) == ranks.unsqueeze(1)).sum(1)
+    rib = torch.empty_like(flat)
+    rib[send_perm] = torch.arange(n, device=dev) - (splits.cumsum(0) - splits)[dst[send_perm]]
+
+    # receive side: per (source, segment) counts, each source's block sorted by segment; expert rows segment major
+    has = seg[rank] >= 0
+    per_seg = torch.zeros(world, num_segments + 1, dtype=torch.int64, device=dev)
+    per_seg.index_add_(1, torch.where(has, seg[rank], num_segments), n_recv * has)
+    per_seg = per_seg[:, :num_segments]
+    in_block = per_seg.cumsum(1) - per_seg  # [R, G]: first row of segment g in source s's block
+    seg_rows = per_seg.sum(0)
+    cu = torch.zeros(num_segments + 1, dtype=torch.int64, device=dev)
+    cu[1:] = seg_rows.cumsum(0)
+    rows = s * k
+    r = torch.arange(rows, device=dev)
+    g = torch.searchsorted(cu[1:], r, right=True).clamp_max(num_segments - 1)
+    i = r - cu[g]
+    cs = per_seg.cumsum(0)  # [R, G]
+    src = (cs[:, g] <= i.unsqueeze(0)).sum(0).clamp_max(world - 1)
+    j = i - (cs - per_seg)[src, g]
+    return DeviceLayout(rank=rank, world_size=world, tokens=s, top_k=k, rows=rows, block=block, dst=dst, rib=rib,
+                        src=src, src_rib=in_block[src, g] + j, cu_seqlens=cu)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DeviceDedup:
+    """:class:`DedupLayout` for the heap, on the device: a token goes once to each rank that computes one of its
+    assignments. ``pair_rib [R, s]``: the row of this rank's block in rank d's receive slot token t is written to
+    (-1: none of t's assignments is computed on d; rows of one destination numbered in token order).
+    ``row_rib [rows]``: for each expert row, the row of its source's block that holds its token."""
+
+    pair_rib: torch.Tensor
+    row_rib: torch.Tensor
+
+
+def dedup_pairs_device(layout: DeviceLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(pair_rib [R, s], meta [s*k])``: the send side of :class:`DeviceDedup` and, per assignment, its token's
+    row in its destination's block (the metadata the receiver gets with the assignment)."""
+    s, k, world = layout.tokens, layout.top_k, layout.world_size
+    dev = layout.dst.device
+    tok = torch.arange(s, device=dev).repeat_interleave(k)
+    sent = torch.zeros(world, s, dtype=torch.int64, device=dev)
+    sent[layout.dst, tok] = 1
+    pair_rib = torch.where(sent > 0, sent.cumsum(1) - 1, -1)
+    return pair_rib, pair_rib[layout.dst, tok]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DeviceWeightLayout:
+    """:class:`WeightLayout` for the heap, on the device. ``copies [R, B]`` (expert per slot, -1 empty); this rank
+    ``rank`` homes experts ``[rank * E/R, (rank + 1) * E/R)``. Home rank h writes slot j of rank d at d's slot row
+    ``h * B + j``. ``filled [B]`` bool on the device."""
+
+    copies: torch.Tensor
+    rank: int
+    per_rank: int
+    num_slots: int
+    filled: torch.Tensor
+
+    @property
+    def home(self) -> torch.Tensor:
+        """``[R, B]``: home rank of each slot's expert (-1 empty)."""
+        return torch.where(self.copies >= 0, self.copies // self.per_rank, -1)
+
+
+def build_device_weight_layout(copies: torch.Tensor, num_experts: int, rank: int) -> DeviceWeightLayout:
+    copies = copies.to(torch.int64)
+    world, num_slots = copies.shape
+    return DeviceWeightLayout(copies=copies, rank=rank, per_rank=num_experts // world, num_slots=num_slots,
+                              filled=copies[rank] >= 0)
+
+
+def build_padded_device(cu_seqlens: torch.Tensor, max_segments: int, token_padding: int, rows: int) -> PaddedLayout:
+    """:func:`build_padded` on the device of ``cu_seqlens`` for a known ``rows`` (no host read): the same
+    ``cu_seqlens``, ``row_index`` and ``padded_rows``; ``pad_ranges [G + 1, 2]`` keeps one range per segment and the
+    tail, empty ones (start == end) included (the count of non-empty ones is routing data)."""
+    p = token_padding
+    cu = cu_seqlens.to(torch.int64)
+    sizes = cu[1:] - cu[:-1]
+    padded = (sizes + p - 1) // p * p
+    cu_pad = torch.zeros_like(cu)
+    cu_pad[1:] = padded.cumsum(0)
+    total = padded_rows(rows, max_segments, p)
+    r = torch.arange(rows, device=cu.device)
+    seg = torch.searchsorted(cu[1:], r, right=True).clamp_max(sizes.shape[0] - 1)
+    row_index = r - cu[:-1][seg] + cu_pad[:-1][seg]
+    starts = torch.cat([cu_pad[:-1] + sizes, cu_pad[-1:]])
+    ends = torch.cat([cu_pad[1:], cu_pad.new_full((1,), total)])
+    return PaddedLayout(token_padding=p, padded_rows=total, cu_seqlens=cu_pad, row_index=row_index,
+                        pad_ranges=torch.stack([starts, ends], 1))
+
+
+AnyLayout = EPLayout | DeviceLayout
+"""A token layout: the host one (split sizes, for the collectives) or the heap's device one."""
+AnyDedup = DedupLayout | DeviceDedup
+AnyWeightLayout = WeightLayout | DeviceWeightLayout

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from moonrt.comm.ep.collectives import Mover, return_weight_grads, send_weights
-from moonrt.comm.ep.layout import WeightLayout
+from moonrt.comm.ep.layout import AnyWeightLayout
 
 
 class SlotPool:
@@ -35,7 +35,7 @@ class SlotPool:
 class SlotRefill:
     """Re-prefetch one layer's slot copies into the shared pool (called by that layer's combine backward)."""
 
-    def __init__(self, pool: SlotPool, home: tuple[torch.Tensor, ...], layout: WeightLayout,
+    def __init__(self, pool: SlotPool, home: tuple[torch.Tensor, ...], layout: AnyWeightLayout,
                  group: Mover, token: object) -> None:
         self.pool, self.home, self.layout, self.group, self.token = pool, home, layout, group, token
 
@@ -74,7 +74,7 @@ class _FetchSlots(torch.autograd.Function):
 
 
 def fetch_slot_weights(
-    home: tuple[torch.Tensor, ...], layout: WeightLayout, group: Mover,
+    home: tuple[torch.Tensor, ...], layout: AnyWeightLayout, group: Mover,
     pool: SlotPool | None = None, dep: torch.Tensor | None = None,
 ) -> tuple[tuple[torch.Tensor, ...], SlotRefill | None]:
     """Differentiable prefetch: home expert weights (each ``[E/R, *shape]``) -> slot weights ``[B, *shape]``.

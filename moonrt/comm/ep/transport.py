@@ -24,7 +24,7 @@ from moonrt.comm.ep.collectives import (
     dispatch_tokens,
     dispatch_tokens_dedup,
 )
-from moonrt.comm.ep.layout import DedupLayout, EPLayout, WeightLayout
+from moonrt.comm.ep.layout import AnyDedup, AnyLayout, AnyWeightLayout
 from moonrt.comm.ep.slots import SlotPool, SlotRefill, fetch_slot_weights
 
 
@@ -47,16 +47,16 @@ class EPTransport(Protocol):
 
     def all_gather(self, row: torch.Tensor) -> torch.Tensor: ...
 
-    def dedup_layout(self, layout: EPLayout, device: torch.device | None) -> DedupLayout: ...
+    def dedup_layout(self, layout: AnyLayout, device: torch.device | None) -> AnyDedup: ...
 
-    def dispatch(self, x: torch.Tensor, weights: torch.Tensor, layout: EPLayout,
-                 dedup: DedupLayout | None) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def dispatch(self, x: torch.Tensor, weights: torch.Tensor, layout: AnyLayout,
+                 dedup: AnyDedup | None) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def combine(self, y: torch.Tensor, weights: torch.Tensor | None, layout: EPLayout, dedup: DedupLayout | None,
+    def combine(self, y: torch.Tensor, weights: torch.Tensor | None, layout: AnyLayout, dedup: AnyDedup | None,
                 deps: tuple[torch.Tensor, ...], refill: Callable[[], None] | None,
                 dtype: torch.dtype) -> torch.Tensor: ...
 
-    def fetch_slots(self, home: tuple[torch.Tensor, ...], layout: WeightLayout, pool: SlotPool | None,
+    def fetch_slots(self, home: tuple[torch.Tensor, ...], layout: AnyWeightLayout, pool: SlotPool | None,
                     dep: torch.Tensor | None) -> tuple[tuple[torch.Tensor, ...], SlotRefill | None]: ...
 
 
@@ -76,16 +76,16 @@ class CollectiveTransport:
         dist.all_gather_single(out, row, group=self.group)
         return out
 
-    def dedup_layout(self, layout: EPLayout, device: torch.device | None) -> DedupLayout:
+    def dedup_layout(self, layout: AnyLayout, device: torch.device | None) -> AnyDedup:
         return build_dedup(layout, self.group, device)
 
-    def dispatch(self, x: torch.Tensor, weights: torch.Tensor, layout: EPLayout,
-                 dedup: DedupLayout | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def dispatch(self, x: torch.Tensor, weights: torch.Tensor, layout: AnyLayout,
+                 dedup: AnyDedup | None) -> tuple[torch.Tensor, torch.Tensor]:
         if dedup is None:
             return dispatch_tokens(x, weights, layout, self.group)
         return dispatch_tokens_dedup(x, weights, layout, dedup, self.group)
 
-    def combine(self, y: torch.Tensor, weights: torch.Tensor | None, layout: EPLayout, dedup: DedupLayout | None,
+    def combine(self, y: torch.Tensor, weights: torch.Tensor | None, layout: AnyLayout, dedup: AnyDedup | None,
                 deps: tuple[torch.Tensor, ...], refill: Callable[[], None] | None,
                 dtype: torch.dtype) -> torch.Tensor:
         if dedup is None:
@@ -94,6 +94,6 @@ class CollectiveTransport:
             return combine_tokens(y, weights, layout, self.group, deps=deps, refill=refill)
         return combine_tokens_dedup(y, layout, dedup, self.group, deps=deps, refill=refill, dtype=dtype)
 
-    def fetch_slots(self, home: tuple[torch.Tensor, ...], layout: WeightLayout, pool: SlotPool | None,
+    def fetch_slots(self, home: tuple[torch.Tensor, ...], layout: AnyWeightLayout, pool: SlotPool | None,
                     dep: torch.Tensor | None) -> tuple[tuple[torch.Tensor, ...], SlotRefill | None]:
         return fetch_slot_weights(home, layout, self.group, pool=pool, dep=dep)

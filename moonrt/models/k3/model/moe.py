@@ -216,6 +216,10 @@ class LatentMoE(nn.Module):
         self.norm = RMSNorm(L, config.rms_norm_eps) if config.latent_moe_use_norm else None
         self.shared_experts = nn.ModuleList(shared_expert(config) for _ in range(config.num_shared_experts))
         self.dispatcher: Dispatcher = LocalDispatcher(E)
+        self.overlap_shared = True
+        """With a dispatcher that ``overlaps`` (MoonEP on the symmetric heap): compute the shared experts while the
+        dispatch moves the rows (``dispatch_async``), unless :meth:`routed` is checkpointed by the activation
+        manager (then the dispatch stays inside the checkpoint, in order). Bitwise the same result either way."""
         self.record_routing = True
         # routing counts on the model's device (buffers: moved with it; not checkpointed), updated in place
         self.register_buffer("last_counts", torch.zeros(E, dtype=torch.int64), persistent=False)
@@ -232,12 +236,21 @@ class LatentMoE(nn.Module):
         topk_ids, topk_weights, scores = self.router(x2)
         self._record(topk_ids, scores)
         z = self.down_proj(x2)
-        u = self.routed(z, topk_ids, topk_weights)
+        shared: list[torch.Tensor] | None = None
+        if self.overlap_shared and getattr(self.dispatcher, "overlaps", False) and "routed" not in self.__dict__:
+            # the rows move on the transport's worker while this thread computes the shared experts (DeepEP's
+            # async_finish); with routed checkpointed by the activation manager (an instance attribute) the
+            # dispatch stays inside the checkpoint, in order
+            pending = self.dispatcher.dispatch_async(z, topk_ids, topk_weights)  # type: ignore[attr-defined]
+            shared = [expert(x2) for expert in self.shared_experts]
+            u = self.routed_rows(z, *pending.wait())
+        else:
+            u = self.routed(z, topk_ids, topk_weights)
         if self.norm is not None:
             u = self.norm(u)
         out = self.up_proj(u)
-        for expert in self.shared_experts:
-            out = out + expert(x2)
+        for i, expert in enumerate(self.shared_experts):  # summed in the same order either way (bitwise)
+            out = out + (expert(x2) if shared is None else shared[i])
         return out.view(B, T, D)
 
     def routed(self, z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -250,7 +263,11 @@ class LatentMoE(nn.Module):
         dispatch (a collective under EP) from them (K3_SYSTEMS §8). Router statistics are recorded
         outside it, so a replay never counts routing twice.
         """
-        recv_z, recv_w, cu_seqlens, handle = self.dispatcher.dispatch(z, topk_ids, topk_weights)
+        return self.routed_rows(z, *self.dispatcher.dispatch(z, topk_ids, topk_weights))
+
+    def routed_rows(self, z: torch.Tensor, recv_z: torch.Tensor, recv_w: torch.Tensor, cu_seqlens: torch.Tensor,
+                    handle: Any) -> torch.Tensor:
+        """:meth:`routed` after its dispatch: segment weights -> expert compute -> weighting -> combine."""
         segments = self.dispatcher.segment_weights(handle, self.experts)
         y = self.experts(recv_z, cu_seqlens, segments)
         y = (y * recv_w.to(y.dtype).unsqueeze(1)).to(z.dtype)
