@@ -49,15 +49,8 @@ from typing import Any
 
 import torch
 
-from moonrt.comm.ep.collectives import (
-    build_dedup,
-    combine_tokens,
-    combine_tokens_dedup,
-    dispatch_tokens,
-    dispatch_tokens_dedup,
-)
-from moonrt.comm.ep.layout import AnyDedup, AnyLayout, AnyWeightLayout
-from moonrt.comm.ep.slots import SlotPool, SlotRefill, fetch_slot_weights
+from moonrt.comm.ep.layout import AnyDedup, AnyLayout
+from moonrt.comm.ep.transport import RowTransport
 from moonrt.comm.transport.base import HeapTensor, SymmetricHeap
 
 
@@ -210,7 +203,7 @@ class PendingDispatch:
         return self.future.result()
 
 
-class HeapTransport:
+class HeapTransport(RowTransport):
     """:class:`moonrt.comm.ep.transport.EPTransport` over a symmetric heap of the EP group (issue 48 item 2).
 
     Args:
@@ -231,7 +224,7 @@ class HeapTransport:
                 raise ValueError(f"{name} = {value!r}: expected an integer >= 1")
         self.heap = heap
         self.world_size, self.rank = heap.world_size, heap.rank
-        self.exchange = HeapExchange(heap, capacity * top_k)
+        self.exchange = self.mover = HeapExchange(heap, capacity * top_k)
         self._worker: ThreadPoolExecutor | None = None
 
     def all_gather(self, row: torch.Tensor) -> torch.Tensor:
@@ -240,15 +233,6 @@ class HeapTransport:
             return row
         send = row.reshape(1, -1).expand(R, row.numel())
         return self.exchange.exchange_rows(R, send, [1] * R, [1] * R, 1).reshape(-1)
-
-    def dedup_layout(self, layout: AnyLayout, device: torch.device | None) -> AnyDedup:
-        return build_dedup(layout, self.exchange, device)
-
-    def dispatch(self, x: torch.Tensor, weights: torch.Tensor, layout: AnyLayout,
-                 dedup: AnyDedup | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if dedup is None:
-            return dispatch_tokens(x, weights, layout, self.exchange)
-        return dispatch_tokens_dedup(x, weights, layout, dedup, self.exchange)
 
     def dispatch_async(self, x: torch.Tensor, weights: torch.Tensor, layout: AnyLayout,
                        dedup: AnyDedup | None) -> PendingDispatch:
@@ -274,16 +258,3 @@ class HeapTransport:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None
-
-    def combine(self, y: torch.Tensor, weights: torch.Tensor | None, layout: AnyLayout, dedup: AnyDedup | None,
-                deps: tuple[torch.Tensor, ...], refill: Callable[[], None] | None,
-                dtype: torch.dtype) -> torch.Tensor:
-        if dedup is None:
-            if weights is None:
-                raise ValueError("weights: None, expected the router weights [s, k] (combine without dedup)")
-            return combine_tokens(y, weights, layout, self.exchange, deps=deps, refill=refill)
-        return combine_tokens_dedup(y, layout, dedup, self.exchange, deps=deps, refill=refill, dtype=dtype)
-
-    def fetch_slots(self, home: tuple[torch.Tensor, ...], layout: AnyWeightLayout, pool: SlotPool | None,
-                    dep: torch.Tensor | None) -> tuple[tuple[torch.Tensor, ...], SlotRefill | None]:
-        return fetch_slot_weights(home, layout, self.exchange, pool=pool, dep=dep)

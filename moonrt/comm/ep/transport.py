@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from moonrt.comm.ep.collectives import (
+    Mover,
     build_dedup,
     combine_tokens,
     combine_tokens_dedup,
@@ -60,12 +61,43 @@ class EPTransport(Protocol):
                     dep: torch.Tensor | None) -> tuple[tuple[torch.Tensor, ...], SlotRefill | None]: ...
 
 
-class CollectiveTransport:
+class RowTransport:
+    """The row verbs every :class:`EPTransport` here shares: dispatch, combine, the dedup layout and the slot-weight
+    prefetch, each one function of :mod:`moonrt.comm.ep.collectives` / :mod:`moonrt.comm.ep.slots` over ``mover``:
+    a process group (:class:`CollectiveTransport`) or the heap's row exchange
+    (:class:`moonrt.comm.ep.heap.HeapTransport`), so both backends run the same autograd and the same layouts."""
+
+    mover: Mover
+
+    def dedup_layout(self, layout: AnyLayout, device: torch.device | None) -> AnyDedup:
+        return build_dedup(layout, self.mover, device)
+
+    def dispatch(self, x: torch.Tensor, weights: torch.Tensor, layout: AnyLayout,
+                 dedup: AnyDedup | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if dedup is None:
+            return dispatch_tokens(x, weights, layout, self.mover)
+        return dispatch_tokens_dedup(x, weights, layout, dedup, self.mover)
+
+    def combine(self, y: torch.Tensor, weights: torch.Tensor | None, layout: AnyLayout, dedup: AnyDedup | None,
+                deps: tuple[torch.Tensor, ...], refill: Callable[[], None] | None,
+                dtype: torch.dtype) -> torch.Tensor:
+        if dedup is None:
+            if weights is None:
+                raise ValueError("weights: None, expected the router weights [s, k] (combine without dedup)")
+            return combine_tokens(y, weights, layout, self.mover, deps=deps, refill=refill)
+        return combine_tokens_dedup(y, layout, dedup, self.mover, deps=deps, refill=refill, dtype=dtype)
+
+    def fetch_slots(self, home: tuple[torch.Tensor, ...], layout: AnyWeightLayout, pool: SlotPool | None,
+                    dep: torch.Tensor | None) -> tuple[tuple[torch.Tensor, ...], SlotRefill | None]:
+        return fetch_slot_weights(home, layout, self.mover, pool=pool, dep=dep)
+
+
+class CollectiveTransport(RowTransport):
     """:class:`EPTransport` over torch.distributed collectives of ``group`` (None: the default group; without an
     initialized process group, one rank and local copies)."""
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
-        self.group = group
+        self.group = self.mover = group
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
 
@@ -75,25 +107,3 @@ class CollectiveTransport:
         out = torch.empty(self.world_size * row.numel(), dtype=row.dtype, device=row.device)
         dist.all_gather_single(out, row, group=self.group)
         return out
-
-    def dedup_layout(self, layout: AnyLayout, device: torch.device | None) -> AnyDedup:
-        return build_dedup(layout, self.group, device)
-
-    def dispatch(self, x: torch.Tensor, weights: torch.Tensor, layout: AnyLayout,
-                 dedup: AnyDedup | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if dedup is None:
-            return dispatch_tokens(x, weights, layout, self.group)
-        return dispatch_tokens_dedup(x, weights, layout, dedup, self.group)
-
-    def combine(self, y: torch.Tensor, weights: torch.Tensor | None, layout: AnyLayout, dedup: AnyDedup | None,
-                deps: tuple[torch.Tensor, ...], refill: Callable[[], None] | None,
-                dtype: torch.dtype) -> torch.Tensor:
-        if dedup is None:
-            if weights is None:
-                raise ValueError("weights: None, expected the router weights [s, k] (combine without dedup)")
-            return combine_tokens(y, weights, layout, self.group, deps=deps, refill=refill)
-        return combine_tokens_dedup(y, layout, dedup, self.group, deps=deps, refill=refill, dtype=dtype)
-
-    def fetch_slots(self, home: tuple[torch.Tensor, ...], layout: AnyWeightLayout, pool: SlotPool | None,
-                    dep: torch.Tensor | None) -> tuple[tuple[torch.Tensor, ...], SlotRefill | None]:
-        return fetch_slot_weights(home, layout, self.group, pool=pool, dep=dep)
