@@ -41,11 +41,8 @@ EXPECTED = {
 """The kernels each shape's host wrappers launch (a kernel added or renamed by a redesign goes here)."""
 
 FAILS_TODAY: dict[tuple[str, str], str] = {
-    # measured with Triton 3.8.0 (benchmarks/RESULTS.md, "sm_90 compile check"): every KDA kernel fits shared memory
-    # and registers and compiles in seconds; what is left is ptxas's spill stores per thread over the 256 B limit in
-    # the backward's key-side per-chunk kernel (tf32x3 keeping both halves of each operand in registers, K3_SYSTEMS
-    # §2.3.1), at every shape: 384 B since its [C, C] tiles are the B operands of its dots (816 B before).
-    **{(shape, "chunk_grads_k_kernel"): "spills 384 B" for shape in sm90.KDA_SHAPES},
+    # empty since issue 47 item 1 (benchmarks/RESULTS.md, "KDA rows after the second spill pass"): every kernel fits
+    # sm_90 at every shape with Triton 3.8.0. A kernel a redesign cannot yet fit goes here with what it misses.
 }
 """``(shape, kernel)`` that do not fit sm_90 today, each with what it misses: strict xfail, so a case a later change
 fixes fails loudly until its entry is removed here (and one that stops fitting fails at once)."""

@@ -70,7 +70,8 @@ GRADS_MAX_BLOCK = 16
 gradients) and each tf32x3 product stages both TF32 halves of its operands in shared memory; at 64-column blocks
 sm_90 compiled the (then single) kernel to 278,528 B of shared memory (over the 232,448 B a block may use). Spill
 stores per thread at head_dim 128 (value side / key side): 32-column blocks 1,012 / 1,776 B, 16-column 692 / 816 B,
-16-column with the ``[C, C]`` tiles as the dots' B operands 8 / 384 B (at every checked head size)."""
+16-column with the ``[C, C]`` tiles as the dots' B operands 8 / 384 B, and with the key side's ``dA_qk`` and ``dA_kk``
+backward one after the other 8 / 240 B (at every checked head size)."""
 
 CHUNK_WARPS = 8
 """Warps of the per-chunk kernels (terms, grads): their ``[C, C]`` and ``[C, BK]`` tiles spread over 256 threads

@@ -111,45 +111,37 @@ def _decayed_products(a, kk, G, r, C: tl.constexpr, SUB: tl.constexpr, DT: tl.co
 
 
 @triton.jit
-def _block_products_bwd(dA_k, dA_q, blk, kk, qs, row_f, col_f, PREC: tl.constexpr):
-    """One factored block of :func:`_decayed_products` (entries ``blk``, ``A = (a row_f) (k col_f)^T``) backward, for
-    ``A_kk`` (rows k) and ``A_qk`` (rows qs): its ``(dk_row, dqs_row, dk_col)`` terms, each multiplied by its factor."""
-    dk_b = tl.where(blk, dA_k, 0.0)
-    dq_b = tl.where(blk, dA_q, 0.0)
-    k_col = kk * col_f
-    return (tl.trans(tl.dot(tl.trans(k_col), tl.trans(dk_b), input_precision=PREC)) * row_f,
-            tl.trans(tl.dot(tl.trans(k_col), tl.trans(dq_b), input_precision=PREC)) * row_f,
-            tl.trans(tl.dot(tl.trans(kk * row_f), dk_b, input_precision=PREC)
-                     + tl.dot(tl.trans(qs * row_f), dq_b, input_precision=PREC)) * col_f)
+def _block_products_bwd(dA, blk, a, kk, row_f, col_f, PREC: tl.constexpr):
+    """One factored block of :func:`_decayed_products` (entries ``blk``, ``A = (a row_f) (k col_f)^T``) backward:
+    its ``(da_row, dk_col)`` terms, each multiplied by its factor. The ``[C, C]`` gradient is each dot's B operand
+    (``X^T Y`` formed as ``(Y^T X)^T``)."""
+    d_b = tl.where(blk, dA, 0.0)
+    return (tl.trans(tl.dot(tl.trans(kk * col_f), tl.trans(d_b), input_precision=PREC)) * row_f,
+            tl.trans(tl.dot(tl.trans(a * row_f), d_b, input_precision=PREC)) * col_f)
 
 
 @triton.jit
-def _decayed_products_bwd(dA_k, dA_q, kk, qs, G, r, C: tl.constexpr, SUB: tl.constexpr, DT: tl.constexpr,
+def _decayed_products_bwd(dA, a, kk, G, r, C: tl.constexpr, SUB: tl.constexpr, DT: tl.constexpr,
                           PREC: tl.constexpr):
-    """Backward of :func:`_decayed_products` for ``A_kk`` (rows k) and the strictly lower ``A_qk`` (rows qs) given
-    their gradients (zero outside c < r): ``(dk_row, dqs_row, dk_col)`` ``[C, BK]`` each, already multiplied by its
-    factor, so that the log-decay gradient is ``k dk_row + qs dqs_row - k dk_col``."""
+    """Backward of :func:`_decayed_products` (rows ``a``: k for ``A_kk``, qs for the strictly lower ``A_qk``) given
+    its gradient ``dA`` (zero outside c < r): ``(da_row, dk_col)`` ``[C, BK]``, each already multiplied by its
+    factor, so that its log-decay gradient is ``a da_row - k dk_col``. One ``[C, C]`` gradient per call: the key
+    side calls it for ``A_kk`` and ``A_qk`` in turn, so only one is live."""
     rows = r[:, None]
     cols = r[None, :]
-    dk_row = tl.zeros_like(kk)
-    dq_row = tl.zeros_like(kk)
+    da_row = tl.zeros_like(kk)
     dk_col = tl.zeros_like(kk)
     if SUB > 1:
         x_pos = (G - _midpoints(G, r, C, SUB)).to(DT)
-        e_pos = tl.exp(x_pos)
-        e_neg = tl.exp(-x_pos)
-        d_kr, d_qr, d_kc = _block_products_bwd(dA_k, dA_q, rows // SUB == cols // SUB, kk, qs, e_pos, e_neg, PREC)
-        dk_row += d_kr
-        dq_row += d_qr
-        dk_col += d_kc
+        d_r, d_c = _block_products_bwd(dA, rows // SUB == cols // SUB, a, kk, tl.exp(x_pos), tl.exp(-x_pos), PREC)
+        da_row += d_r
+        dk_col += d_c
     for i in range(1, C // SUB):
         row_f, col_f = _offdiag_factors(G, r, i, SUB, DT)
-        d_kr, d_qr, d_kc = _block_products_bwd(dA_k, dA_q, (rows // SUB == i) & (cols < i * SUB), kk, qs, row_f,
-                                               col_f, PREC)
-        dk_row += d_kr
-        dq_row += d_qr
-        dk_col += d_kc
-    return dk_row, dq_row, dk_col
+        d_r, d_c = _block_products_bwd(dA, (rows // SUB == i) & (cols < i * SUB), a, kk, row_f, col_f, PREC)
+        da_row += d_r
+        dk_col += d_c
+    return da_row, dk_col
 
 
 @triton.jit
@@ -559,9 +551,10 @@ def chunk_grads_k_kernel(q, k, g, beta, chunk_bos, chunk_len, T_inv, S_in, dS_ou
         dX = tl.trans(tl.dot(tl.trans(dW), T, input_precision=PREC))
         dAq = _ld(_tile(dA_buf + (base * 2 + 1) * C * C, C, C, 0, 0, C, C))
         diag = tl.sum(tl.where(rows == cols, dAq, 0.0), axis=1)
-        dk_row, dq_row, dk_col = _decayed_products_bwd(_ld(_tile(dA_buf + base * 2 * C * C, C, C, 0, 0, C, C)),
-                                                       tl.where(rows > cols, dAq, 0.0), kk, qs, G, r, C, SUB, DT,
-                                                       PREC)
+        dq_row, dk_col = _decayed_products_bwd(tl.where(rows > cols, dAq, 0.0), qs, kk, G, r, C, SUB, DT, PREC)
+        dk_row, dk_col_k = _decayed_products_bwd(_ld(_tile(dA_buf + base * 2 * C * C, C, C, 0, 0, C, C)), kk, kk, G,
+                                                 r, C, SUB, DT, PREC)
+        dk_col += dk_col_k
         dqs = dq_row + diag[:, None] * kk + dQg * eG
         dkk = dk_row + dk_col + diag[:, None] * qs + dX * eG + dKg * eCG
         # log-decay gradient in fp64 (its terms are large and cancel), then the reverse cumulative sum over the chunk
