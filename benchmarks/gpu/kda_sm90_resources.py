@@ -45,28 +45,34 @@ def _configs(D: int, old: bool) -> dict[str, tuple[dict[str, str], dict[str, obj
     ints = {"H": "i32", "K": "i32", "V": "i32"}
     common = {"DT": tl.float32} if old else {"DT": tl.float32, "PREC": kt.FP32_DOT}
     chunk_opts = {} if old else {"num_warps": kt.CHUNK_WARPS}
-    state_opts = {"num_stages": kt.STATE_PASS_STAGES, "num_warps": kt.STATE_WARPS}
+    state_opts = {"num_stages": kt.STATE_PASS_STAGES, "num_warps": kt.STATE_WARPS}  # the transition's
+    scan_opts = state_opts if old else {"num_stages": kt.STATE_SCAN_STAGES, "num_warps": kt.STATE_WARPS}
     terms_sig = dict(q=tok, k=tok, v=tok, g=tok, beta=tok, chunk_bos=i64, chunk_len=i64, W=f32, U=f32, Kg=f32, Qg=f32,
                      A_qk=f32, A_kk=f32, T_inv=f32, decay=f32, scale=f32, **ints)
     if old:
         st = {"BK": kp, "BV": bv_state}
         tr = {"BK": kp, "BV": kp}
         st_bwd = st
+        bwd_flags: dict[str, bool] = {}
     else:
         bks = kt.state_k_block(D)
 
         def state(v_block: int) -> dict[str, int]:
             return {"BKS": bks, "NKB": -(-D // bks), "BV": min(kp, kt.STATE_V_BLOCK, v_block)}
 
-        st, st_bwd, tr = state(kt.STATE_FWD_V_BLOCK), state(kt.STATE_BWD_V_BLOCK), state(kt.TRANSITION_V_BLOCK)
+        wide = D > kt.STATE_K_BLOCK  # as triton._state_bwd
+        st, tr = state(kt.STATE_FWD_V_BLOCK), state(kt.TRANSITION_V_BLOCK)
+        st_bwd = state(kt.STATE_BWD_WIDE_V_BLOCK if wide else kt.STATE_BWD_V_BLOCK)
+        bwd_flags = {"AQ_AS_B": wide}
     cfg = {
         "chunk_terms": (terms_sig, dict(C=C, BK=bk, BV=bk, SUB=16, HAS_Q=True, **common), chunk_opts),
         "state_fwd": (dict(W=f32, U=f32, Kg=f32, Qg=f32, A_qk=f32, decay=f32, S0=f32, S_in=f32, O=tok, S_final=f32,
                            seq_chunk0=i64, chunk_bos=i64, chunk_len=i64, **ints),
-                      {"C": C, **st, "HAS_S0": True, "HAS_Q": True, "STORE_S_IN": True, **common}, state_opts),
+                      {"C": C, **st, "HAS_S0": True, "HAS_Q": True, "STORE_S_IN": True, **common}, scan_opts),
         "state_bwd": (dict(W=f32, Kg=f32, Qg=f32, A_qk=f32, decay=f32, dO=tok, d_final=f32, dS0=f32, dS_out=f32,
                            seq_chunk0=i64, chunk_bos=i64, chunk_len=i64, **ints),
-                      {"C": C, **st_bwd, "HAS_D_FINAL": True, "STORE_DS_OUT": True, **common}, state_opts),
+                      {"C": C, **st_bwd, "HAS_D_FINAL": True, "STORE_DS_OUT": True, **bwd_flags, **common},
+                      scan_opts),
         "transition": (dict(W=f32, U=f32, Kg=f32, decay=f32, M_out=f32, S_out=f32, seq_chunk0=i64, **ints),
                        {"C": C, **tr, **common}, state_opts),
     }

@@ -41,26 +41,8 @@ EXPECTED = {
 """The kernels each shape's host wrappers launch (a kernel added or renamed by a redesign goes here)."""
 
 FAILS_TODAY: dict[tuple[str, str], str] = {
-    # measured with Triton 3.8.0 (benchmarks/RESULTS.md, "sm_90 compile check"): every KDA kernel fits shared memory
-    # and registers and compiles in seconds; what is left is ptxas's spill stores per thread over the 256 B limit
-    # (a / b: the kernel's two launches), tf32x3 keeping both halves of each operand in registers (K3_SYSTEMS
-    # §2.3.1). The backward's value- and key-side per-chunk kernels spill at every shape (its UT-transform
-    # kernel, chunk_grads_wy_kernel, fits).
-    ("interp", "state_bwd_kernel"): "spills 468 B / 392 B",
-    ("interp", "chunk_grads_v_kernel"): "spills 692 B",
-    ("interp", "chunk_grads_k_kernel"): "spills 816 B",
-    ("k3_tiny", "chunk_grads_v_kernel"): "spills 692 B",
-    ("k3_tiny", "chunk_grads_k_kernel"): "spills 816 B",
-    ("d64", "chunk_grads_v_kernel"): "spills 692 B",
-    ("d64", "chunk_grads_k_kernel"): "spills 816 B",
-    ("k3_100m", "state_fwd_kernel"): "spills 260 B",
-    ("k3_100m", "state_bwd_kernel"): "spills 644 B (the kda_state_grad launch: 188 B, fits)",
-    ("k3_100m", "chunk_grads_v_kernel"): "spills 692 B",
-    ("k3_100m", "chunk_grads_k_kernel"): "spills 816 B",
-    ("k3", "state_fwd_kernel"): "spills 260 B",
-    ("k3", "state_bwd_kernel"): "spills 644 B (the kda_state_grad launch: 188 B, fits)",
-    ("k3", "chunk_grads_v_kernel"): "spills 692 B",
-    ("k3", "chunk_grads_k_kernel"): "spills 816 B",
+    # empty since issue 47 item 1 (benchmarks/RESULTS.md, "KDA rows after the second spill pass"): every kernel fits
+    # sm_90 at every shape with Triton 3.8.0. A kernel a redesign cannot yet fit goes here with what it misses.
 }
 """``(shape, kernel)`` that do not fit sm_90 today, each with what it misses: strict xfail, so a case a later change
 fixes fails loudly until its entry is removed here (and one that stops fitting fails at once)."""

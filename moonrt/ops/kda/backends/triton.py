@@ -70,7 +70,9 @@ GRADS_MAX_BLOCK = 16
 """Largest key / value block of the backward's per-chunk kernels: they hold more ``[C, C]`` tiles (A_qk, T_inv, their
 gradients) and each tf32x3 product stages both TF32 halves of its operands in shared memory; at 64-column blocks
 sm_90 compiled the (then single) kernel to 278,528 B of shared memory (over the 232,448 B a block may use). Spill
-stores per thread at head_dim 128 (value side / key side): 32-column blocks 1,012 / 1,776 B, 16-column 692 / 816 B."""
+stores per thread at head_dim 128 (value side / key side): 32-column blocks 1,012 / 1,776 B, 16-column 692 / 816 B,
+16-column with the ``[C, C]`` tiles as the dots' B operands 8 / 384 B, and with the key side's ``dA_qk`` and ``dA_kk``
+backward one after the other 8 / 240 B (at every checked head size)."""
 
 CHUNK_WARPS = 8
 """Warps of the per-chunk kernels (terms, grads): their ``[C, C]`` and ``[C, BK]`` tiles spread over 256 threads
@@ -90,17 +92,29 @@ per thread at head_dim 48 / 64 / 96 / 128): 64 columns 572 / 200 / 1,964 / 1,140
 16: 32 / 0 / 260 / 260 B (96 with two 64-row key blocks, :func:`state_k_block`)."""
 
 STATE_BWD_V_BLOCK = 32
-"""Value columns per program of the reverse state pass (same measurement, with / without storing ``dS_out``):
-64 columns 680 / 436 / 1,788 B at 48 / 64 / 128, 32: 144 / 140 / 644 B, 16: 472 / 0 / 484 B."""
+"""Value columns per program of the reverse state pass at head_dim <= 64 (key blocks of at most 32 rows, or one of
+64), ``A_qk`` the A operand. Measured for sm_90 (benchmarks/gpu/sm90.py, spill stores per thread at head_dim 32 / 48
+/ 64, two pipeline stages): 32 columns 28 / 80 / 208 B, 16: 16 / 576 / 0 B; with ``A_qk`` as the B operand, 32
+columns: 664 / 56 / 80 B, 16: 460 / 560 / 0 B."""
+
+STATE_BWD_WIDE_V_BLOCK = 16
+"""Value columns per program of the reverse state pass above head_dim 64 (key blocks of 64 rows), which forms
+``A_qk^T dO`` with the ``[C, C]`` tile as the dot's B operand (``AQ_AS_B``). At head_dim 128 (two stages): 16 columns
+192 B (A_qk as B operand) / 312 B (as A operand), 32 columns 344 / 496 B; one stage, 32 columns: 644 B."""
 
 TRANSITION_V_BLOCK = 16
 """Columns of M and of S_ext per transition program: 64 columns spilled 364 B at head_dim 96 (three 32-row key
 blocks), 16 spill at most 48 B at every checked head size."""
 
 STATE_PASS_STAGES = 1
-"""Software-pipelining stages of the sequential chunk loops: Triton's default (3 on sm_90) buffers each chunk's
+"""Software-pipelining stages of the transition's chunk loop: Triton's default (3 on sm_90) buffers each chunk's
 tiles three times in shared memory; AOT-compiled for sm_90 at K = V = 128 (value block 64) the forward pass needed
 288 KiB (over the 227 KiB a block may use) with 3 stages and 48 KiB with 1."""
+
+STATE_SCAN_STAGES = 2
+"""Software-pipelining stages of the forward and reverse state passes (at their 16 / 32-column value blocks): two
+stages take 79-169 KiB of shared memory and fewer registers for the loads in flight, so fewer spills than one stage
+(forward pass at head_dim 96 and 128: 200 B from 260 B; three stages need 271,360 B at 128, over the limit)."""
 
 STATE_WARPS = 4
 """Warps of the state passes and the transition."""
@@ -291,7 +305,7 @@ def _state_fwd(p: _Plan, t: _Terms, S0: torch.Tensor | None, O: torch.Tensor | N
         t.W, t.U, t.Kg, t.Qg, t.A_qk, t.decay, S_final if S0 is None else S0.contiguous(), S_in,
         _placeholder(O) if O is not None else S_in, S_final, p.seq_chunk0, p.chunk_bos, p.chunk_len, p.H, p.K, p.V,
         C=p.C, **tiles, HAS_S0=S0 is not None, HAS_Q=O is not None, STORE_S_IN=store_s_in,
-        DT=p.tl_dtype(), PREC=p.prec(), num_stages=STATE_PASS_STAGES, num_warps=STATE_WARPS)
+        DT=p.tl_dtype(), PREC=p.prec(), num_stages=STATE_SCAN_STAGES, num_warps=STATE_WARPS)
     return S_in, S_final
 
 
@@ -300,12 +314,13 @@ def _state_bwd(p: _Plan, t: _Terms, dO: torch.Tensor, d_final: torch.Tensor | No
     dev = t.W.device
     dS0 = torch.empty(p.NS, p.H, p.K, p.V, dtype=p.dtype, device=dev)
     dS_out = torch.empty(max(p.NC, 1) if store_ds_out else 1, p.H, p.K, p.V, dtype=p.dtype, device=dev)
-    tiles = p.state_tiles(STATE_BWD_V_BLOCK)
+    wide = p.K > STATE_K_BLOCK  # key blocks of 64 rows (STATE_BWD_WIDE_V_BLOCK)
+    tiles = p.state_tiles(STATE_BWD_WIDE_V_BLOCK if wide else STATE_BWD_V_BLOCK)
     _kernels().state_bwd_kernel[(p.NS, p.H, triton_cdiv(p.V, tiles["BV"]))](
         t.W, t.Kg, t.Qg, t.A_qk, t.decay, _placeholder(dO.contiguous()),
         dS0 if d_final is None else d_final.contiguous(), dS0, dS_out, p.seq_chunk0, p.chunk_bos, p.chunk_len,
-        p.H, p.K, p.V, C=p.C, **tiles, HAS_D_FINAL=d_final is not None, STORE_DS_OUT=store_ds_out,
-        DT=p.tl_dtype(), PREC=p.prec(), num_stages=STATE_PASS_STAGES, num_warps=STATE_WARPS)
+        p.H, p.K, p.V, C=p.C, **tiles, HAS_D_FINAL=d_final is not None, STORE_DS_OUT=store_ds_out, AQ_AS_B=wide,
+        DT=p.tl_dtype(), PREC=p.prec(), num_stages=STATE_SCAN_STAGES, num_warps=STATE_WARPS)
     return dS0, dS_out
 
 

@@ -10,10 +10,12 @@ Blocking (sm_90's 232,448 B of shared memory per block, registers without spills
 kernels hold ``[C, C]`` tiles and ``[C, BK]`` / ``[C, BV]`` blocks of the key / value dimensions (BK, BV <= 32,
 loops over the blocks, fla's blocking); products over the key dimension accumulate over its blocks. The backward's
 per-chunk work is three kernels (:func:`chunk_grads_v_kernel`, :func:`chunk_grads_wy_kernel`, then
-:func:`chunk_grads_k_kernel`, through scratch tensors), so that each holds fewer live tiles. The state passes hold
-the state as up to four ``[BKS, BV]`` key blocks (fla's ``b_h1 .. b_h4``; its rows are coupled through ``W S``, so
-every block is carried in registers) and split the value columns (and for the transition also the columns of
-``M``) over programs.
+:func:`chunk_grads_k_kernel`, through scratch tensors), so that each holds fewer live tiles; their products with a
+``[C, C]`` tile are formed transposed (``tl.trans(tl.dot(tl.trans(Y), X))`` for ``X^T Y``) so that the tile is the
+dot's B operand (shared memory on Hopper) rather than the A operand (registers, both tf32x3 halves). The state
+passes hold the state as up to four ``[BKS, BV]`` key blocks (fla's ``b_h1 .. b_h4``; its rows are coupled through
+``W S``, so every block is carried in registers) and split the value columns (and for the transition also the
+columns of ``M``) over programs.
 
 Numerics (K3_SYSTEMS §2.3.1): arithmetic in ``DT`` (fp32 for fp32/bf16 inputs, fp64 for fp64 inputs); every
 ``tl.dot`` runs with ``PREC`` (``"tf32x3"`` for fp32: three TF32 tensor-core products per dot, about fp32's
@@ -109,44 +111,37 @@ def _decayed_products(a, kk, G, r, C: tl.constexpr, SUB: tl.constexpr, DT: tl.co
 
 
 @triton.jit
-def _block_products_bwd(dA_k, dA_q, blk, kk, qs, row_f, col_f, PREC: tl.constexpr):
-    """One factored block of :func:`_decayed_products` (entries ``blk``, ``A = (a row_f) (k col_f)^T``) backward, for
-    ``A_kk`` (rows k) and ``A_qk`` (rows qs): its ``(dk_row, dqs_row, dk_col)`` terms, each multiplied by its factor."""
-    dk_b = tl.where(blk, dA_k, 0.0)
-    dq_b = tl.where(blk, dA_q, 0.0)
-    k_col = kk * col_f
-    return (tl.dot(dk_b, k_col, input_precision=PREC) * row_f, tl.dot(dq_b, k_col, input_precision=PREC) * row_f,
-            (tl.dot(tl.trans(dk_b), kk * row_f, input_precision=PREC)
-             + tl.dot(tl.trans(dq_b), qs * row_f, input_precision=PREC)) * col_f)
+def _block_products_bwd(dA, blk, a, kk, row_f, col_f, PREC: tl.constexpr):
+    """One factored block of :func:`_decayed_products` (entries ``blk``, ``A = (a row_f) (k col_f)^T``) backward:
+    its ``(da_row, dk_col)`` terms, each multiplied by its factor. The ``[C, C]`` gradient is each dot's B operand
+    (``X^T Y`` formed as ``(Y^T X)^T``)."""
+    d_b = tl.where(blk, dA, 0.0)
+    return (tl.trans(tl.dot(tl.trans(kk * col_f), tl.trans(d_b), input_precision=PREC)) * row_f,
+            tl.trans(tl.dot(tl.trans(a * row_f), d_b, input_precision=PREC)) * col_f)
 
 
 @triton.jit
-def _decayed_products_bwd(dA_k, dA_q, kk, qs, G, r, C: tl.constexpr, SUB: tl.constexpr, DT: tl.constexpr,
+def _decayed_products_bwd(dA, a, kk, G, r, C: tl.constexpr, SUB: tl.constexpr, DT: tl.constexpr,
                           PREC: tl.constexpr):
-    """Backward of :func:`_decayed_products` for ``A_kk`` (rows k) and the strictly lower ``A_qk`` (rows qs) given
-    their gradients (zero outside c < r): ``(dk_row, dqs_row, dk_col)`` ``[C, BK]`` each, already multiplied by its
-    factor, so that the log-decay gradient is ``k dk_row + qs dqs_row - k dk_col``."""
+    """Backward of :func:`_decayed_products` (rows ``a``: k for ``A_kk``, qs for the strictly lower ``A_qk``) given
+    its gradient ``dA`` (zero outside c < r): ``(da_row, dk_col)`` ``[C, BK]``, each already multiplied by its
+    factor, so that its log-decay gradient is ``a da_row - k dk_col``. One ``[C, C]`` gradient per call: the key
+    side calls it for ``A_kk`` and ``A_qk`` in turn, so only one is live."""
     rows = r[:, None]
     cols = r[None, :]
-    dk_row = tl.zeros_like(kk)
-    dq_row = tl.zeros_like(kk)
+    da_row = tl.zeros_like(kk)
     dk_col = tl.zeros_like(kk)
     if SUB > 1:
         x_pos = (G - _midpoints(G, r, C, SUB)).to(DT)
-        e_pos = tl.exp(x_pos)
-        e_neg = tl.exp(-x_pos)
-        d_kr, d_qr, d_kc = _block_products_bwd(dA_k, dA_q, rows // SUB == cols // SUB, kk, qs, e_pos, e_neg, PREC)
-        dk_row += d_kr
-        dq_row += d_qr
-        dk_col += d_kc
+        d_r, d_c = _block_products_bwd(dA, rows // SUB == cols // SUB, a, kk, tl.exp(x_pos), tl.exp(-x_pos), PREC)
+        da_row += d_r
+        dk_col += d_c
     for i in range(1, C // SUB):
         row_f, col_f = _offdiag_factors(G, r, i, SUB, DT)
-        d_kr, d_qr, d_kc = _block_products_bwd(dA_k, dA_q, (rows // SUB == i) & (cols < i * SUB), kk, qs, row_f,
-                                               col_f, PREC)
-        dk_row += d_kr
-        dq_row += d_qr
-        dk_col += d_kc
-    return dk_row, dq_row, dk_col
+        d_r, d_c = _block_products_bwd(dA, (rows // SUB == i) & (cols < i * SUB), a, kk, row_f, col_f, PREC)
+        da_row += d_r
+        dk_col += d_c
+    return da_row, dk_col
 
 
 @triton.jit
@@ -402,12 +397,15 @@ def transition_kernel(W, U, Kg, decay, M_out, S_out, seq_chunk0, H, K, V, C: tl.
 @triton.jit
 def state_bwd_kernel(W, Kg, Qg, A_qk, decay, dO, d_final, dS0, dS_out, seq_chunk0, chunk_bos, chunk_len,
                      H, K, V, C: tl.constexpr, BKS: tl.constexpr, NKB: tl.constexpr, BV: tl.constexpr,
-                     HAS_D_FINAL: tl.constexpr, STORE_DS_OUT: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
+                     HAS_D_FINAL: tl.constexpr, STORE_DS_OUT: tl.constexpr, AQ_AS_B: tl.constexpr, DT: tl.constexpr,
+                     PREC: tl.constexpr):
     """The reverse state pass of one sequence, head and block of BV value columns (grid ``(NS, H, cdiv(V, BV))``),
     the state gradient in NKB key blocks as in :func:`state_fwd_kernel`: from the final-state gradient, per chunk
     from the last, store the gradient of the state leaving it (``STORE_DS_OUT``), then
     ``dS_n = M_n^T dS_{n+1} + P_n = Diag(decay) dS_{n+1} + Qg^T dO - W^T (A_qk^T dO + Kg dS_{n+1})``. Writes the
-    gradient of the state entering the sequence to ``dS0``."""
+    gradient of the state entering the sequence to ``dS0``. ``AQ_AS_B``: ``A_qk^T dO`` formed transposed
+    (``(dO^T A_qk)^T``), so that the ``[C, C]`` tile is the B operand (shared memory) instead of the A operand
+    (registers, both tf32x3 halves); which of the two fits sm_90 depends on the shape (K3_SYSTEMS §2.3.1)."""
     s, h, c0, c1 = _sequence_program(seq_chunk0)
     v0 = tl.program_id(2) * BV
     if HAS_D_FINAL:
@@ -423,8 +421,12 @@ def state_bwd_kernel(W, Kg, Qg, A_qk, decay, dO, d_final, dS0, dS_out, seq_chunk
         if STORE_DS_OUT:
             _store_state(dS_out, base, K, V, v0, dS_0, dS_1, dS_2, dS_3, BKS, BV, NKB)
         dOn = _load_chunk(dO, tl.load(chunk_bos + n), tl.load(chunk_len + n), h, H, V, v0, C, BV, DT)
-        dVt = (tl.dot(tl.trans(_ld(_tile(A_qk + base * C * C, C, C, 0, 0, C, C))), dOn, input_precision=PREC)
-               + _times_state(Kg, base, K, dS_0, dS_1, dS_2, dS_3, C, BKS, NKB, PREC))
+        Aq = _ld(_tile(A_qk + base * C * C, C, C, 0, 0, C, C))
+        if AQ_AS_B:  # dV~^T = dO^T A_qk: the [C, C] tile is the dot's B operand (read from shared memory)
+            dVt = tl.trans(tl.dot(tl.trans(dOn), Aq, input_precision=PREC))
+        else:
+            dVt = tl.dot(tl.trans(Aq), dOn, input_precision=PREC)
+        dVt += _times_state(Kg, base, K, dS_0, dS_1, dS_2, dS_3, C, BKS, NKB, PREC)
         dS_0 = (_block_update(dS_0, decay, Qg, base, K, 0, dOn, C, BKS, PREC)
                 - tl.dot(tl.trans(_key_block(W, base, K, 0, C, BKS)), dVt, input_precision=PREC))
         if NKB > 1:
@@ -469,7 +471,7 @@ def chunk_grads_v_kernel(v, beta, chunk_bos, chunk_len, W, U, Kg, A_qk, T_inv, S
         dOn = _load_chunk(dO, bos, ln, h, H, V, v0, C, BV, DT)
         Vt = _ld(_tile(U + base * C * V, C, V, 0, v0, C, BV))
         Y = _load_chunk(v, bos, ln, h, H, V, v0, C, BV, DT)
-        dVt = tl.dot(tl.trans(Aq), dOn, input_precision=PREC)
+        dVt = tl.trans(tl.dot(tl.trans(dOn), Aq, input_precision=PREC))
         for kb in range(0, tl.cdiv(K, BK)):
             k0 = kb * BK
             S = _ld(_tile(S_in + base * K * V, K, V, k0, v0, BK, BV))
@@ -483,7 +485,8 @@ def chunk_grads_v_kernel(v, beta, chunk_bos, chunk_len, W, U, Kg, A_qk, T_inv, S
         dT += tl.dot(dVt, tl.trans(Y), input_precision=PREC)
         _st(_tile(Vt_buf + base * C * V, C, V, 0, v0, C, BV), Vt)
         _st(_tile(dVt_buf + base * C * V, C, V, 0, v0, C, BV), dVt)
-        _store_chunk(dv_, tl.dot(tl.trans(Ti * bb[None, :]), dVt, input_precision=PREC), bos, ln, h, H, V, v0, C, BV)
+        _store_chunk(dv_, tl.trans(tl.dot(tl.trans(dVt), Ti * bb[None, :], input_precision=PREC)), bos, ln, h, H, V,
+                     v0, C, BV)
     _st(_tile(dA_buf + base * 2 * C * C, C, C, 0, 0, C, C), tl.where(rows >= cols, dT, 0.0))
     _st(_tile(dA_buf + (base * 2 + 1) * C * C, C, C, 0, 0, C, C), tl.where(rows >= cols, dAq, 0.0))
 
@@ -545,12 +548,13 @@ def chunk_grads_k_kernel(q, k, g, beta, chunk_bos, chunk_len, T_inv, S_in, dS_ou
         eG, eCG, G_C = _decay_factors(G, r, C, DT)
         X = eG * kk
         T = _ld(_tile(T_inv + base * C * C, C, C, 0, 0, C, C)) * bb[None, :]
-        dX = tl.dot(tl.trans(T), dW, input_precision=PREC)
+        dX = tl.trans(tl.dot(tl.trans(dW), T, input_precision=PREC))
         dAq = _ld(_tile(dA_buf + (base * 2 + 1) * C * C, C, C, 0, 0, C, C))
         diag = tl.sum(tl.where(rows == cols, dAq, 0.0), axis=1)
-        dk_row, dq_row, dk_col = _decayed_products_bwd(_ld(_tile(dA_buf + base * 2 * C * C, C, C, 0, 0, C, C)),
-                                                       tl.where(rows > cols, dAq, 0.0), kk, qs, G, r, C, SUB, DT,
-                                                       PREC)
+        dq_row, dk_col = _decayed_products_bwd(tl.where(rows > cols, dAq, 0.0), qs, kk, G, r, C, SUB, DT, PREC)
+        dk_row, dk_col_k = _decayed_products_bwd(_ld(_tile(dA_buf + base * 2 * C * C, C, C, 0, 0, C, C)), kk, kk, G,
+                                                 r, C, SUB, DT, PREC)
+        dk_col += dk_col_k
         dqs = dq_row + diag[:, None] * kk + dQg * eG
         dkk = dk_row + dk_col + diag[:, None] * qs + dX * eG + dKg * eCG
         # log-decay gradient in fp64 (its terms are large and cancel), then the reverse cumulative sum over the chunk
