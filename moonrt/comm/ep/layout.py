@@ -270,14 +270,20 @@ def padded_rows(rows: int, max_segments: int, token_padding: int) -> int:
     return -(-bound // p) * p
 
 
+def _padded_offsets(cu_seqlens: torch.Tensor, p: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(cu, sizes, cu_pad)``: the int64 offsets of ``cu_seqlens``, each segment's size, and the offsets of the
+    segments padded to multiples of ``p`` (tensor ops only, on the device of ``cu_seqlens``)."""
+    cu = cu_seqlens.to(torch.int64)
+    sizes = cu[1:] - cu[:-1]
+    cu_pad = torch.zeros_like(cu)
+    cu_pad[1:] = ((sizes + p - 1) // p * p).cumsum(0)
+    return cu, sizes, cu_pad
+
+
 def build_padded(cu_seqlens: torch.Tensor, max_segments: int, token_padding: int) -> PaddedLayout:
     """Pad the segments of ``cu_seqlens [G + 1]`` (unpadded, from 0) to multiples of ``token_padding``."""
     p = token_padding
-    cu = cu_seqlens.to(torch.int64)
-    sizes = cu[1:] - cu[:-1]
-    padded = (sizes + p - 1) // p * p
-    cu_pad = torch.zeros_like(cu)
-    cu_pad[1:] = padded.cumsum(0)
+    cu, sizes, cu_pad = _padded_offsets(cu_seqlens, p)
     rows = int(cu[-1])
     total = padded_rows(rows, max_segments, p)
     if int(cu_pad[-1]) > total:
@@ -452,11 +458,7 @@ def build_padded_device(cu_seqlens: torch.Tensor, max_segments: int, token_paddi
     ``cu_seqlens``, ``row_index`` and ``padded_rows``; ``pad_ranges [G + 1, 2]`` keeps one range per segment and the
     tail, empty ones (start == end) included (the count of non-empty ones is routing data)."""
     p = token_padding
-    cu = cu_seqlens.to(torch.int64)
-    sizes = cu[1:] - cu[:-1]
-    padded = (sizes + p - 1) // p * p
-    cu_pad = torch.zeros_like(cu)
-    cu_pad[1:] = padded.cumsum(0)
+    cu, sizes, cu_pad = _padded_offsets(cu_seqlens, p)
     total = padded_rows(rows, max_segments, p)
     r = torch.arange(rows, device=cu.device)
     seg = torch.searchsorted(cu[1:], r, right=True).clamp_max(sizes.shape[0] - 1)
