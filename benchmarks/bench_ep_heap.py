@@ -32,7 +32,6 @@ one only with --force).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -41,13 +40,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from host_syncs import HostSyncCounter  # noqa: E402
+from machine import rank_bench_args, write_rows  # noqa: E402
 
 from moonrt.cluster.local import run_ranks  # noqa: E402
 from moonrt.comm.ep.dispatch import EPDispatcher  # noqa: E402
 from moonrt.comm.ep.heap import HeapTransport  # noqa: E402
 from moonrt.comm.ep.placement import MoonEPPlacement  # noqa: E402
 from moonrt.comm.transport.shm import ShmHeap  # noqa: E402
-from moonrt.config import write_new  # noqa: E402
 from moonrt.jobs.selftest.common import timed  # noqa: E402
 
 EXPERTS_PER_RANK = 4
@@ -166,24 +165,13 @@ def _bench_rank(rank: int, world: int, tokens: int, hidden: int, k: int, iters: 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--worlds", default="2,4", help="comma-separated world sizes")
     parser.add_argument("--tokens", type=int, default=128, help="tokens per rank per MoE call")
     parser.add_argument("--hidden", type=int, default=3584, help="row width (K3's routed-expert latent width)")
     parser.add_argument("--top-k", type=int, default=4)
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--out", type=Path, default=Path("/tmp/moonrt-bench/bench_ep_heap.json"))
-    parser.add_argument("--force", action="store_true", help="replace an existing --out file")
-    args = parser.parse_args()
-    try:
-        worlds = [int(w) for w in args.worlds.split(",")]
-        if any(w < 2 for w in worlds) or min(args.iters, args.tokens, args.hidden, args.top_k) < 1:
-            raise ValueError
-    except ValueError:
-        print(f"bench_ep_heap: --worlds {args.worlds!r}: expected world sizes >= 2 and --iters, --tokens, --hidden, "
-              "--top-k >= 1", file=sys.stderr)
-        return 2
-    if (args.out.exists() or args.out.is_symlink()) and not args.force:
-        print(f"bench_ep_heap: --out {str(args.out)!r}: already exists (give --force to replace it)", file=sys.stderr)
+    args, worlds = rank_bench_args(parser, "bench_ep_heap", iters=10)
+    if min(args.tokens, args.hidden, args.top_k) < 1:
+        print(f"bench_ep_heap: --tokens {args.tokens} --hidden {args.hidden} --top-k {args.top_k}: expected >= 1",
+              file=sys.stderr)
         return 2
     rows = [run_ranks(_bench_rank, w, args.tokens, args.hidden, args.top_k, args.iters, timeout=900)[0]
             for w in worlds]
@@ -205,9 +193,7 @@ def main() -> int:
               f"{1e3 * r['overlap_serial_s']:8.2f} {1e3 * r['overlap_async_s']:8.2f} | "
               f"{1e3 * r['overlap_layer_dispatch_s']:8.2f} {1e3 * r['overlap_layer_async_s']:8.2f} "
               f"{r['overlap_layer_ratio']:6.2f}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_new(args.out, json.dumps({"rows": rows, "torch": torch.__version__}, indent=1), force=args.force)
-    print(f"wrote {args.out}")
+    write_rows(args, rows)
     return 0
 
 
