@@ -188,16 +188,6 @@ class Part:
             desc = part.describe(model, optim, desc)
         return desc
 
-    # compatibility for callers holding one part (tests written against the per-part verbs): the generic functions
-    def full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
-        """:func:`moonrt.comm.state.describe.gather_full_state` of :meth:`state_description` (collective)."""
-        return gather_full_state(self.state_description(model, optim))
-
-    def load_full_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, state: dict[str, Any]) -> bool:
-        """:func:`moonrt.comm.state.describe.scatter_full_state` into :meth:`state_description`; True."""
-        scatter_full_state(self.state_description(model, optim), state)
-        return True
-
     def step_metrics(self, step: int, model: nn.Module, record: Record) -> None:
         """Add this part's per-step metrics to ``record`` (after the optimizer step, before eval)."""
 

@@ -65,9 +65,9 @@ def _gather_scatter(rank: int, world: int) -> dict[str, Any]:
     opt2 = torch.optim.AdamW(model2.parameters(), lr=1.0)
     bad = {"model": {**full["model"], "weight": full["model"]["weight"][:3]}, "optimizer": full["optimizer"]}
     with pytest.raises(ValueError, match=r"checkpoint weight: shape \(3, 4\), expected \(6, 4\)"):
-        fresh.load_full_state_dict(model2, opt2, bad)
+        scatter_full_state(fresh.state_description(model2, opt2), bad)
     assert not opt2.state and opt2.param_groups[0]["lr"] == 1.0  # refused: nothing loaded
-    fresh.load_full_state_dict(model2, opt2, full)
+    scatter_full_state(fresh.state_description(model2, opt2), full)
     again = gather_full_state(fresh.state_description(model2, opt2))
 
     desc = RowShard(rank, first=0).state_description(model, opt)  # both ranks claim rows [0, 3): rows 3-5 of none

@@ -26,6 +26,7 @@ from numerics import rel_l2
 from torch import nn
 
 from moonrt.comm.parallelism import Parallelism
+from moonrt.comm.state.describe import gather_full_state, scatter_full_state
 from moonrt.comm.zero.adamw import Zero1
 
 TOL = 1e-5
@@ -143,7 +144,7 @@ def _parity(rank: int, world: int, ep: int, steps: int) -> dict[str, Any]:
     for s in range(steps):
         norms.append(one_step(s, zero, model, opt, [(ref, ref_opt)]))
         if s in (0, steps - 1):
-            got = zero.full_state_dict(model, opt)
+            got = gather_full_state(zero.state_description(model, opt))
             _close_updates(got["model"], ref.state_dict(), init, f"step {s + 1}")
 
     # optimizer bytes: each bucket's moments fall as 1/replicas (dense: dp x ep, experts: dp) up to the
@@ -169,7 +170,7 @@ def _parity(rank: int, world: int, ep: int, steps: int) -> dict[str, Any]:
     assert split, "some parameter straddles two owners"
 
     # checkpoint layout: the single-process AdamW state_dict, within the clip-coefficient rounding
-    full = zero.full_state_dict(model, opt)
+    full = gather_full_state(zero.state_description(model, opt))
     ref_sd = ref_opt.state_dict()
     assert [{k: v for k, v in g.items()} for g in full["optimizer"]["param_groups"]] == ref_sd["param_groups"]
     assert full["optimizer"]["state"].keys() == ref_sd["state"].keys()
@@ -188,8 +189,8 @@ def _parity(rank: int, world: int, ep: int, steps: int) -> dict[str, Any]:
         zero2 = Zero1.from_mesh(mesh, epp2)
     opt2 = _optimizer(model2)
     ref_state = {"model": ref.state_dict(), "optimizer": ref_sd}
-    zero2.load_full_state_dict(model2, opt2, ref_state)
-    again = zero2.full_state_dict(model2, opt2)
+    scatter_full_state(zero2.state_description(model2, opt2), ref_state)
+    again = gather_full_state(zero2.state_description(model2, opt2))
     for k, v in ref_state["model"].items():
         assert torch.equal(again["model"][k], v), k
     for i, st in ref_sd["state"].items():
@@ -203,14 +204,15 @@ def _parity(rank: int, world: int, ep: int, steps: int) -> dict[str, Any]:
     single_opt.load_state_dict(full["optimizer"])
     before = {k: v.clone() for k, v in single.state_dict().items()}
     one_step(steps, zero2, model2, opt2, [(single, single_opt), (ref, ref_opt)])
-    _close_updates(zero2.full_state_dict(model2, opt2)["model"], single.state_dict(), before, "resumed")
+    resumed = gather_full_state(zero2.state_description(model2, opt2))["model"]
+    _close_updates(resumed, single.state_dict(), before, "resumed")
 
     # a checkpoint whose moment has the wrong shape is refused with the parameter's name
     bad = {"model": ref.state_dict(), "optimizer": {**ref_sd, "state": dict(ref_sd["state"])}}
     first = min(bad["optimizer"]["state"])
     bad["optimizer"]["state"][first] = {**ref_sd["state"][first], "exp_avg": torch.zeros(3)}
     with pytest.raises((ValueError, RuntimeError), match="exp_avg|size"):
-        zero2.load_full_state_dict(model2, opt2, bad)
+        scatter_full_state(zero2.state_description(model2, opt2), bad)
     return {"norms": norms, "pad": pad, "split": split, "state_bytes": state_bytes}
 
 
@@ -294,7 +296,7 @@ def _forward_step(rank: int, world: int) -> dict[str, torch.Tensor] | None:
     zero.sync_grads(model)
     zero.clip_grad_norm([], 1.0)
     zero.step(opt)
-    state = zero.full_state_dict(model, opt)["model"]
+    state = gather_full_state(zero.state_description(model, opt))["model"]
     return state if rank == 0 else None
 
 

@@ -5,7 +5,7 @@ home experts' rows of it to the sharded ``OUT/checkpoint/``) and the AdamW momen
 layout; loading slices it back to each rank's home experts. So an ``--ep 2`` run resumes bit-identically in
 ``--ep 2``, and continues in a single process or ``--ep 4`` within 1e-4 relative of the straight
 single-process run (the layouts differ only in fp32 summation order; a short run, flags as in
-tests/jobs/test_ep_train.py). ``ExpertParallel.full_state_dict`` gathers the same state in memory.
+tests/jobs/test_ep_train.py). ``gather_full_state(ep.state_description(...))`` gathers the same state in memory.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 from dist import dist_run
 from jobs.helpers import _here, _ranks, _run
 
+from moonrt.comm.state.describe import gather_full_state, scatter_full_state
 from moonrt.models.k3.model.config import k3_tiny
 
 STEPS, SPLIT = 4, 2
@@ -114,7 +115,7 @@ def _gather_and_reload(rank: int, world_size: int) -> dict[str, Any]:
         return ep, model, build_optimizer(model, OptimConfig())
 
     ep, model, opt = sharded()
-    fresh = ep.full_state_dict(model, opt)  # before any step: exactly the unsharded init
+    fresh = gather_full_state(ep.state_description(model, opt))  # before any step: exactly the unsharded init
     assert fresh["model"].keys() == reference.keys()
     for k, v in reference.items():
         assert torch.equal(fresh["model"][k], v), k
@@ -122,7 +123,7 @@ def _gather_and_reload(rank: int, world_size: int) -> dict[str, Any]:
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     opt.step()
-    full = ep.full_state_dict(model, opt)
+    full = gather_full_state(ep.state_description(model, opt))
     names = [n for n in full["model"] if n.endswith(EXPERT_KEYS)]
     name_of = {id(p): n for n, p in model.named_parameters()}  # state_dict numbers params in param-group order
     index = {name_of[id(p)]: i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
@@ -132,9 +133,9 @@ def _gather_and_reload(rank: int, world_size: int) -> dict[str, Any]:
     ep2, model2, opt2 = sharded()
     bad = {"model": {**full["model"], names[0]: local[names[0]]}, "optimizer": full["optimizer"]}
     with pytest.raises(ValueError, match=f"checkpoint {names[0]}: shape"):
-        ep2.load_full_state_dict(model2, opt2, bad)
+        scatter_full_state(ep2.state_description(model2, opt2), bad)
     assert not opt2.state, "a refused checkpoint loads nothing"
-    ep2.load_full_state_dict(model2, opt2, full)
+    scatter_full_state(ep2.state_description(model2, opt2), full)
     for (n, p), (_, q) in zip(model.named_parameters(), model2.named_parameters()):
         assert torch.equal(p, q), n
         for k, v in opt.state[p].items():

@@ -29,6 +29,7 @@ import torch
 from dist import dist_run
 from jobs.helpers import EVAL_SMALL, FLAGS, _assert_same_step, _ckpt, _close, _here, _metrics, _ranks, _run
 
+from moonrt.comm.state.describe import gather_full_state
 from moonrt.jobs.checkpoint.sharded import read_marker, resolve
 from moonrt.scheduler.muon_plan import Unit, plan_units
 
@@ -87,7 +88,7 @@ def _zero_vs_single(rank: int, world: int, steps: int) -> dict[str, object]:
         for g in opt.param_groups:
             g["lr"] = 1e-2 * (step + 1)
         part.step(opt)
-    state = part.full_state_dict(model, opt)
+    state = gather_full_state(part.state_description(model, opt))
     return {"state": state, "bytes": part.state_bytes(), "units": len(part.mine)}
 
 
