@@ -107,3 +107,42 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         stop = getattr(BACKGROUND_MODULES.pop(), "stop_in_background", None)
         if callable(stop):
             stop()
+
+
+def _module_scoped(item: pytest.Item) -> bool:
+    """Whether ``item`` uses a module- or session-scoped fixture defined in its own module (computed once per
+    process that runs the module's tests)."""
+    module = item.nodeid.split("::")[0]
+    info = getattr(item, "_fixtureinfo", None)
+    for defs in (info.name2fixturedefs.values() if info is not None else ()):
+        if any(d.scope in ("module", "session") and d.baseid == module for d in defs):
+            return True
+    return False
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Run order and pytest-xdist groups (the README's test command runs ``-n auto --dist loadgroup``).
+
+    Modules with a ``slow`` test come first, each module's tests kept together and in their order: under xdist the
+    longest tests start first, so no worker is left with one at the end. Groups (one worker runs a group's tests, in
+    order): every ``slurm`` test (the single-node SLURM and the cluster in a box are one machine each: their jobs,
+    node kills and process scans must not overlap), and the tests of a module that computes a module- or
+    session-scoped fixture of its own (so it is computed once, not once per worker). Before xdist's own hook, which
+    reads the groups."""
+    slow_modules = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
+    for item in items:
+        if item.get_closest_marker("slurm"):
+            item.add_marker(pytest.mark.xdist_group("cluster"))
+        elif _module_scoped(item):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow_modules)
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: one worker per core, at most 4 (a test may start up to 8 ranks of its own); the environment
+    variable ``PYTEST_XDIST_AUTO_NUM_WORKERS`` overrides (as in xdist's own hook)."""
+    env = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))

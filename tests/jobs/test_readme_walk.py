@@ -59,7 +59,7 @@ NOT_RUN = {
         "installs moonrt: this test runs inside that install",
     ".venv/bin/ruff check .": "the README's test command: it is running this test",
     ".venv/bin/mypy": "the README's test command: it is running this test",
-    ".venv/bin/python -m pytest -q": "the README's test command: it is running this test",
+    ".venv/bin/python -m pytest -q -n auto --dist loadgroup": "the README's test command: it is running this test",
     "moonrt sbatch --nodes 2 --ntasks-per-node 4 --config job.yaml --submit -- python train.py":
         "submits a 2-node job; this machine's SLURM has one node",
     **{cmd: "one node of a 2-node job at 10.0.0.1 / node1,node2: this machine is one host (these launchers run across "
