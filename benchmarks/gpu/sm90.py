@@ -206,8 +206,8 @@ KDA_SHAPES: dict[str, KdaShape] = {
 }
 """KDA shapes (V = K, chunk 64, the K3 gate range g in [-5, 0), bf16 inputs as in training)."""
 
-ALL_SHAPES = ("fp8", "moonep", *KDA_SHAPES)
-"""Every shape of :func:`_cases`: the FP8 codec's, MoonEP's, then the KDA shapes."""
+ALL_SHAPES = ("fp8", "moonep", "rows", *KDA_SHAPES)
+"""Every shape of :func:`_cases`: the FP8 codec's, MoonEP's, the heap's row scatter, then the KDA shapes."""
 
 
 def _kda_inputs(s: KdaShape, B: int, T: int, seed: int = 0) -> dict[str, Any]:
@@ -279,6 +279,18 @@ def _moonep(R: int, G: int) -> None:
     moonep.greedy(load, cap)
 
 
+def _rows(n: int, width: int, dtype_name: str, with_src: bool) -> None:
+    import torch
+
+    from moonrt.ops import rows_triton
+
+    dtype = getattr(torch, dtype_name)
+    src = torch.randn(n, width).to(dtype)
+    dst = torch.empty(2 * n, width, dtype=dtype)
+    dst_rows = torch.where(torch.arange(n) % 3 == 0, -1, torch.arange(n) * 2)
+    rows_triton.scatter_rows(dst, dst_rows, src, torch.arange(n).flip(0) if with_src else None)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Case:
     """One host-wrapper call at one shape."""
@@ -294,6 +306,9 @@ def _cases() -> list[Case]:
         Case("fp8", "fp8 [64, 200] block 128", lambda: _fp8(64, 200, 128)),
         Case("moonep", "moonep R=64 G=14 (K3: 896 experts, EP 64)", lambda: _moonep(64, 14)),
         Case("moonep", "moonep R=2 G=8 (k3_tiny: 16 experts, EP 2)", lambda: _moonep(2, 8)),
+        Case("rows", "scatter_rows fp32 [512, 3584] (K3 latent rows)", lambda: _rows(512, 3584, "float32", False)),
+        Case("rows", "scatter_rows bf16 [512, 7168] from src_rows (K3 hidden rows)",
+             lambda: _rows(512, 7168, "bfloat16", True)),
     ]
     for name, s in KDA_SHAPES.items():
         out += [

@@ -36,6 +36,7 @@ KDA_KERNELS = ("chunk_terms_kernel", "state_fwd_kernel", "state_bwd_kernel", "ch
 EXPECTED = {
     "fp8": ("_quantize_kernel", "_dequantize_kernel"),
     "moonep": ("_balance_kernel", "_split_kernel"),
+    "rows": ("_scatter_rows_kernel",),
     **{shape: KDA_KERNELS for shape in sm90.KDA_SHAPES},
 }
 """The kernels each shape's host wrappers launch (a kernel added or renamed by a redesign goes here)."""
@@ -59,7 +60,7 @@ def _params() -> list:
     return out
 
 
-FAST_GROUP = ("fp8", "moonep", sm90.PLANTED)
+FAST_GROUP = ("fp8", "moonep", "rows", sm90.PLANTED)
 """Shapes checked by one subprocess (a few seconds once cached); each KDA shape has its own."""
 
 

@@ -49,10 +49,8 @@ class RowExchange(Protocol):
                       block: int | None, send_index: torch.Tensor | None = None,
                       recv_index: torch.Tensor | None = None) -> torch.Tensor: ...
 
-    def scatter_rows(self, send: torch.Tensor | list[torch.Tensor], dst_rows: torch.Tensor, read: torch.Tensor,
-                     block: int) -> torch.Tensor: ...
-
-    def exchange_blocks(self, send: torch.Tensor, block: int) -> torch.Tensor: ...
+    def scatter_rows(self, send: torch.Tensor, dst_rows: torch.Tensor, read: torch.Tensor, block: int,
+                     src_rows: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 Mover = dist.ProcessGroup | RowExchange | None
@@ -127,11 +125,10 @@ def send_weights(
     if isinstance(layout, DeviceWeightLayout):  # home rank h writes slot j of rank d at d's row h * B + j
         B, me, per, dev = layout.num_slots, layout.rank, layout.per_rank, flat_home.device
         copies, home = layout.copies.to(dev), layout.home.to(dev)
-        local = (copies - me * per).clamp(0, per - 1)  # [R, B]: rows of slots this rank does not home go spare
-        per_dst = [flat_home.index_select(0, local[d]) for d in range(copies.shape[0])]
+        local = (copies - me * per).clamp(0, per - 1)  # [R, B]: the home row of each slot this rank homes
         j = torch.arange(B, device=dev)
-        dst_rows = torch.where(home == me, me * B + j, -1)
-        recv = _device_exchange(group).scatter_rows(per_dst, dst_rows, home[me].clamp_min(0) * B + j, B)
+        dst_rows = torch.where(home == me, me * B + j, -1)  # only the slots this rank homes are written
+        recv = _device_exchange(group).scatter_rows(flat_home, dst_rows, home[me].clamp_min(0) * B + j, B, local)
         filled = layout.filled.to(dev).unsqueeze(1)
         if out is None:
             return torch.where(filled, recv, 0)
@@ -304,11 +301,18 @@ def _rows_to_pairs(rows: torch.Tensor, layout: AnyLayout, dd: AnyDedup, group: M
         R, s = layout.world_size, layout.tokens
         block = layout.block // layout.top_k  # pair rows: at most capacity per (source, destination)
         dev = rows.device
+        at = layout.src * block + dd.row_rib  # the pair row of each expert row: source s's pairs at s * block
         pairs = rows.new_zeros(R * block, rows.shape[1], dtype=acc)
-        pairs.index_add_(0, layout.src * block + dd.row_rib, rows.to(acc))
+        pairs.index_add_(0, at, rows.to(acc))
+        used = torch.zeros(R * block, dtype=torch.bool, device=dev)
+        used[at] = True
+        j = torch.arange(block, device=dev)
+        # pair row s * block + i goes back to source s's slot row me * block + i, only the pairs this rank holds
+        dst_rows = torch.where(used.view(R, block), layout.rank * block + j, -1)
+        src_rows = torch.arange(R * block, device=dev).view(R, block)
         ranks = torch.arange(R, device=dev).unsqueeze(1)
-        back = _device_exchange(group).exchange_blocks(pairs.to(dtype), block)
-        back = back.index_select(0, (ranks * block + dd.pair_rib.clamp_min(0)).reshape(-1))  # destination major
+        read = (ranks * block + dd.pair_rib.clamp_min(0)).reshape(-1)  # destination major
+        back = _device_exchange(group).scatter_rows(pairs.to(dtype), dst_rows, read, block, src_rows)
         tok = torch.where(dd.pair_rib >= 0, torch.arange(s, device=dev), s).reshape(-1)
         out = rows.new_zeros(s + 1, rows.shape[1], dtype=acc)  # the last row takes the pairs never sent
         out.index_add_(0, tok, back.to(acc))

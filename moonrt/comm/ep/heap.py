@@ -35,7 +35,8 @@ compute run at once.
 Host data: with MoonEP and ``B >= E/R`` the dispatcher hands this transport the device layouts of
 :mod:`moonrt.comm.ep.layout` (``DeviceLayout``, ``DeviceDedup``, ``DeviceWeightLayout``: each row named by its peer
 and its row in that peer's static slot block, computed with tensor ops); their exchanges
-(:meth:`HeapExchange.scatter_rows`, :meth:`HeapExchange.exchange_blocks`) read no split sizes, so a whole MoE layer
+(:meth:`HeapExchange.scatter_rows`: each row written once, straight into its slot row, the mask applied in the copy)
+read no split sizes, so a whole MoE layer
 makes no host synchronization. Other placements (fewer slots, the baseline: rows follow the routing) and
 ``MOONRT_DEBUG=1`` use the host layouts and :meth:`HeapExchange.exchange_rows`, as the collectives do.
 """
@@ -52,6 +53,7 @@ import torch
 from moonrt.comm.ep.layout import AnyDedup, AnyLayout
 from moonrt.comm.ep.transport import RowTransport
 from moonrt.comm.transport.base import HeapTensor, SymmetricHeap
+from moonrt.ops.rows import scatter_rows
 
 
 class HeapExchange:
@@ -69,16 +71,15 @@ class HeapExchange:
         self.slots: dict[tuple, HeapTensor] = {}
         self._parity: dict[tuple, int] = {}
         self.calls = 0
-        self.puts = 0
+        self._host_puts = 0
+        self._device_puts: torch.Tensor | None = None
 
-    def slot(self, row: tuple[int, ...], dtype: torch.dtype, block: int,
-             spare: bool = False) -> tuple[HeapTensor, int]:
-        """The receive slot of this key (allocated on first use) and the parity of this call (``spare``: one row
-        more, :meth:`scatter_rows`'s)."""
-        key = (row, dtype, block, spare)
+    def slot(self, row: tuple[int, ...], dtype: torch.dtype, block: int) -> tuple[HeapTensor, int]:
+        """The receive slot of this key (allocated on first use) and the parity of this call."""
+        key = (row, dtype, block)
         buf = self.slots.get(key)
         if buf is None:
-            buf = self.slots[key] = self.heap.alloc((2, self.heap.world_size * block + spare, *row), dtype)
+            buf = self.slots[key] = self.heap.alloc((2, self.heap.world_size * block, *row), dtype)
             self._parity[key] = 0
         parity = self._parity[key]
         self._parity[key] = parity ^ 1
@@ -117,7 +118,7 @@ class HeapExchange:
                     dst.copy_(send[starts[d]: starts[d + 1]])
                 else:
                     torch.index_select(send, 0, send_index[starts[d]: starts[d + 1]], out=dst)
-                self.puts += n
+                self._host_puts += n
             if d != me:
                 heap.signal(d)
         for i in range(1, R):
@@ -142,50 +143,41 @@ class HeapExchange:
         return local.index_select(0, slot_row.index_select(0, recv_index))
 
 
-    def scatter_rows(self, send: torch.Tensor | list[torch.Tensor], dst_rows: torch.Tensor, read: torch.Tensor,
-                     block: int) -> torch.Tensor:
+    def scatter_rows(self, send: torch.Tensor, dst_rows: torch.Tensor, read: torch.Tensor, block: int,
+                     src_rows: torch.Tensor | None = None) -> torch.Tensor:
         """The device layouts' exchange (:class:`moonrt.comm.ep.layout.DeviceLayout`): no split sizes, no host data.
 
-        ``send [n, *row]`` (or one ``[n, *row]`` tensor per destination rank); ``dst_rows [R, n]`` int64 (device):
-        the row of rank d's receive slot that row i is written to, or ``-1`` for a row not sent to d; then
-        ``[read.shape[0], *row]``: this rank's slot rows ``read`` (int64, source s's rows at
-        ``[s * block, (s + 1) * block)``). The slot has one spare row past the ``R * block`` where the rows not
-        sent to d land (all n rows are put into every peer, none is masked on the host; the spare row is never
-        read): n rows per peer where a device kernel would write only d's."""
+        ``send [n, *row]``; ``dst_rows [R, m]`` int64 (device): the row of rank d's receive slot that row ``i`` is
+        written to (``send[src_rows[d, i]]`` with ``src_rows [R, m]``, else ``send[i]``), ``-1`` for a row not sent
+        to d; then ``[read.shape[0], *row]``: this rank's slot rows ``read`` (int64, source s's rows at
+        ``[s * block, (s + 1) * block)``). Only the rows sent are written, each straight from its place in ``send``
+        into its slot row (:func:`moonrt.ops.rows.scatter_rows`: the mask is applied in the copy, on the device, not
+        read on the host)."""
         heap = self.heap
         R, me = heap.world_size, heap.rank
-        sends = send if isinstance(send, list) else [send] * R
-        buf, parity = self.slot(tuple(sends[0].shape[1:]), sends[0].dtype, block, spare=True)
-        spare = R * block
+        send = send.contiguous()
+        buf, parity = self.slot(tuple(send.shape[1:]), send.dtype, block)
         for i in range(R):
             d = (me + i) % R
-            idx = torch.where(dst_rows[d] >= 0, dst_rows[d], spare)
-            buf.peer(d)[parity].index_copy_(0, idx, sends[d].contiguous())
-            self.puts += sends[d].shape[0]
+            scatter_rows(buf.peer(d)[parity], dst_rows[d], send, None if src_rows is None else src_rows[d])
             if d != me:
                 heap.signal(d)
+        self._count(dst_rows)
         for i in range(1, R):
             heap.wait((me - i) % R)
         self.calls += 1
         return buf.local[parity].index_select(0, read)
 
-    def exchange_blocks(self, send: torch.Tensor, block: int) -> torch.Tensor:
-        """``send [R * block, *row]`` -> ``[R * block, *row]``: rows ``[d * block, (d + 1) * block)`` go whole to
-        rank d's slot rows ``[rank * block, ...)``; returns this rank's slot (source s's block at ``s * block``): a
-        view of the heap, valid until the call after next on this key (read it at once)."""
-        heap = self.heap
-        R, me = heap.world_size, heap.rank
-        buf, parity = self.slot(tuple(send.shape[1:]), send.dtype, block)
-        for i in range(R):
-            d = (me + i) % R
-            buf.peer(d)[parity, me * block:(me + 1) * block].copy_(send[d * block:(d + 1) * block])
-            self.puts += block
-            if d != me:
-                heap.signal(d)
-        for i in range(1, R):
-            heap.wait((me - i) % R)
-        self.calls += 1
-        return buf.local[parity]
+    def _count(self, dst_rows: torch.Tensor) -> None:
+        """Add the rows ``dst_rows`` names (>= 0) to :attr:`puts`, on their device (no host read)."""
+        sent = (dst_rows >= 0).sum()
+        self._device_puts = sent if self._device_puts is None else self._device_puts + sent
+
+    @property
+    def puts(self) -> int:
+        """Rows this rank has written into the peers' slots (itself included) so far (a host read of the device
+        layouts' count: ask outside a timed or sync-counted region)."""
+        return self._host_puts + (0 if self._device_puts is None else int(self._device_puts))
 
 
 class PendingDispatch:

@@ -13,18 +13,26 @@ the name too (every rank knows it), so even a rank 0 killed in that window leave
 Signals (issue 48 item 1) are counters in a control segment: cell ``sig[d, s]`` is written only by rank ``s`` (the
 number of signals it sent ``d``) and ``bar[r]`` only by rank ``r`` (its barrier generation), so no atomic read-modify-
 write is needed. A signal is ordered after the writes before it by a fence (:func:`_fence`; x86-64 orders stores
-anyway, TSO), a wait before the reads after it. Waits spin (yielding, then sleeping up to 1 ms), bounded by the
-group's collective timeout, and look at the peers' processes every 0.2 s: a peer that died (gone, a zombie, or its
-pid reused) is named in one line (:class:`PeerDied`) instead of waiting out the timeout.
+anyway, TSO), a wait before the reads after it. The cells are 32-bit counters (compared modulo 2^32) so that a
+wait can sleep on them: on Linux a waiter yields a few times and then sleeps in ``futex(FUTEX_WAIT)`` on the cell
+(shared, not private: the cell is in a mapping every rank shares), and a signal wakes it (``FUTEX_WAKE``) right after
+the store, so with more ranks than cores a waiting rank gives its core to the peer it waits for, and wakes within
+the kernel's wake-up latency instead of a polling interval (gloo's blocking receive, without the socket). Elsewhere
+waits poll (yielding, then sleeping up to 1 ms). Waits are bounded by the group's collective timeout and look at
+the peers' processes every 0.2 s: a peer that died (gone, a zombie, or its pid reused) is named in one line
+(:class:`PeerDied`) instead of waiting out the timeout.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import mmap
 import os
+import platform
 import secrets
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -103,6 +111,43 @@ def _alive(pid: int, start: str | None) -> bool:
     return fields[0] not in ("Z", "X") and (start is None or fields[19] == start)
 
 
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # shared futexes (no FUTEX_PRIVATE_FLAG): the cells are in a shared mapping
+_SPINS = 32
+"""Yields before a waiter sleeps on its cell's futex."""
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _futex() -> Callable[..., int] | None:
+    """``syscall(SYS_futex, ...)`` through libc (ctypes releases the GIL for the call), or None off Linux x86-64 /
+    aarch64 (waits poll there)."""
+    number = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
+    if not sys.platform.startswith("linux") or number is None:
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).syscall
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_long
+
+    def futex(address: int, op: int, value: int, timeout: _Timespec | None) -> int:
+        return fn(ctypes.c_long(number), ctypes.c_void_p(address), ctypes.c_int(op), ctypes.c_int(value),
+                  None if timeout is None else ctypes.byref(timeout), None, ctypes.c_int(0))
+
+    return futex
+
+
+_FUTEX_CALL = _futex()
+
+
+def _reached(value: int, want: int) -> bool:
+    """Whether 32-bit counter ``value`` has reached ``want`` (both modulo 2^32; counters move forward by less than
+    2^31 between two looks)."""
+    return (int(value) - want) & 0xFFFFFFFF < 0x80000000
+
+
 def _fence() -> None:
     """A full memory fence for the Python thread: a lock's release followed by an acquire (RCsc on aarch64; on
     x86-64 the store order needs none)."""
@@ -145,13 +190,14 @@ class ShmHeap:
         self._seq = 0
         self._keep: list[mmap.mmap] = []
         R = self.world_size
-        ctrl = self._map(8 * (R * R + R))[0].view(torch.int64)
-        self._sig, self._bar = ctrl[: R * R].view(R, R), ctrl[R * R:]
-        # the waits read the same cells (rank 0's block of the control segment, at offset 0) through a numpy view
-        # of the mapping: a plain load, not a tensor op (``int()`` of a tensor is what tests/host_syncs.py counts
-        # as a host synchronization)
-        cells = np.frombuffer(self._keep[-1], dtype=np.int64, count=R * R + R)
+        self._map(4 * (R * R + R))
+        # the cells (rank 0's block of the control segment, at offset 0) through a numpy view of the mapping: plain
+        # loads and stores, not tensor ops (``int()`` of a tensor is what tests/host_syncs.py counts as a host
+        # synchronization); uint32, so a futex can sleep on one
+        cells = np.frombuffer(self._keep[-1], dtype=np.uint32, count=R * R + R)
+        self._cells = cells  # flat: sig[d, s] at d * R + s (written by s only), bar[r] at R * R + r (by r only)
         self._sig_np, self._bar_np = cells[: R * R].reshape(R, R), cells[R * R:]
+        self._cells_at: int = cells.ctypes.data
         self._sent, self._seen, self._gen = [0] * R, [0] * R, 0
         self._puts = PutAllToAll(self)
 
@@ -206,25 +252,47 @@ class ShmHeap:
         self._keep.clear()
 
     # ---- signals ----------------------------------------------------------------------------------
-    def _spin(self, ready: Callable[[], bool], peers: Sequence[int], what: str) -> None:
-        if ready():
+    def _sleep(self, cell: int, seen: int, until: float) -> None:
+        """Sleep on control cell ``cell`` (its index) while it still holds ``seen``, until woken or ``until``
+        (monotonic seconds) at the latest; without futexes, a short poll interval."""
+        if _FUTEX_CALL is None:
+            time.sleep(1e-4)
+            return
+        left = max(until - time.monotonic(), 1e-4)
+        _FUTEX_CALL(self._cells_at + 4 * cell, _FUTEX_WAIT, ctypes.c_int32(seen).value,
+                    _Timespec(int(left), int((left % 1) * 1e9)))
+
+    def _wake(self, cell: int) -> None:
+        if _FUTEX_CALL is not None:
+            _FUTEX_CALL(self._cells_at + 4 * cell, _FUTEX_WAKE, 0x7FFFFFFF, None)
+
+    def _spin(self, cells: Sequence[int], want: int, peers: Sequence[int], what: str) -> None:
+        """Wait until every control cell of ``cells`` (flat indices) has reached ``want`` (modulo 2^32)."""
+        flat = self._cells
+        pending = [c for c in cells if not _reached(flat[c], want)]
+        if not pending:
             return
         start = time.monotonic()
         probe, k = start + _PROBE_S, 0
-        while not ready():
+        while pending:
             k += 1
-            if k < 200:
+            if k <= _SPINS:
                 os.sched_yield()
             else:
-                time.sleep(min(1e-3, 1e-6 * (k - 199)))
+                seen = int(flat[pending[0]])
+                if not _reached(seen, want):
+                    self._sleep(pending[0], seen, probe)
+            pending = [c for c in pending if not _reached(flat[c], want)]
             now = time.monotonic()
-            if now >= probe:
+            if pending and now >= probe:
                 probe = now + _PROBE_S
                 for p in peers:
                     host, pid, begun = self._peers[p]
-                    if not _alive(pid, begun) and not ready():
-                        raise PeerDied(f"shm heap: rank {self._global(p)} (pid {pid} on {host}) died while rank "
-                                       f"{self._global(self.rank)} waited for its {what}")
+                    if not _alive(pid, begun):
+                        pending = [c for c in pending if not _reached(flat[c], want)]
+                        if pending:
+                            raise PeerDied(f"shm heap: rank {self._global(p)} (pid {pid} on {host}) died while rank "
+                                           f"{self._global(self.rank)} waited for its {what}")
                 if now - start > self.timeout:
                     raise WaitTimeout(f"shm heap: rank {self._global(self.rank)} waited {self.timeout:g} s (the "
                                       f"collective timeout) for {what} of rank(s) "
@@ -233,21 +301,23 @@ class ShmHeap:
     def signal(self, peer: int) -> None:
         _fence()
         self._sent[peer] += 1
-        self._sig[peer, self.rank] = self._sent[peer]
+        self._sig_np[peer, self.rank] = self._sent[peer] & 0xFFFFFFFF
+        self._wake(peer * self.world_size + self.rank)
 
     def wait(self, peer: int) -> None:
         self._seen[peer] += 1
-        want, sig, me = self._seen[peer], self._sig_np, self.rank
-        self._spin(lambda: int(sig[me, peer]) >= want, [peer], "signal")
+        self._spin([self.rank * self.world_size + peer], self._seen[peer] & 0xFFFFFFFF, [peer], "signal")
         _fence()
 
     def barrier(self) -> None:
         self._gen += 1
-        gen = self._gen
+        gen = self._gen & 0xFFFFFFFF
+        R = self.world_size
         _fence()
-        self._bar[self.rank] = gen
-        others = [r for r in range(self.world_size) if r != self.rank]
-        self._spin(lambda: int(self._bar_np.min()) >= gen, others, "barrier")
+        self._bar_np[self.rank] = gen
+        self._wake(R * R + self.rank)
+        others = [r for r in range(R) if r != self.rank]
+        self._spin([R * R + r for r in others], gen, others, "barrier")
         _fence()
 
     # ---- all-to-all -------------------------------------------------------------------------------
