@@ -10,7 +10,8 @@ once and the slowest rank's time:
 - ``layer``: a MoE layer's dispatch + prefetch + combine, forward and backward (the expert compute is a row scaling,
   so the time is the dispatcher's): counts all-gather, plan, layout, and the data movement;
 - ``move``: the transport's data verbs alone (``dispatch`` + ``combine`` forward and backward under a fixed layout,
-  the dedup layout included): what the heap replaces;
+  the dedup layout included), each transport under the layouts its dispatcher builds (the heap: the device
+  layouts, rows named by their slot rows; gloo: the host split sizes): what the heap replaces;
 - ``overlap``: the heap dispatch's forward and a stand-in shared expert (two matmuls), one after the other and with
   the shared expert computed while the rows move (:meth:`moonrt.comm.ep.heap.HeapTransport.dispatch_async`); and
   the dispatcher's whole dispatch (counts, plan, device layout, rows: :meth:`EPDispatcher.dispatch_async`, what
@@ -89,14 +90,14 @@ def _measure(rank: int, world: int, tokens: int, hidden: int, k: int, iters: int
     got = {name: _layer(d, x, ids, w, home, gout) for name, d in disps.items()}
     if not all(torch.equal(a, b) for a, b in zip(got["heap"], got["gloo"])):
         raise RuntimeError(f"rank {rank}: the heap's MoE layer differs from the collectives' (bitwise)")
-    _, _, _, handle = disps["gloo"].dispatch(x, ids, w)
-    layout, dd = handle.layout, handle.dedup
+    handles = {name: d.dispatch(x, ids, w)[3] for name, d in disps.items()}  # each transport's own layouts
+    dd = handles["gloo"].dedup  # host split sizes: the bytes each rank sends
     xr, wr = x.detach().requires_grad_(), w.detach()
 
     def move(name: str, fixed: bool = False) -> None:
-        t = disps[name].transport
-        rows, row_w = t.dispatch(xr, wr, layout, dd if fixed else t.dedup_layout(layout, None))
-        out = t.combine(rows * row_w.unsqueeze(1), None, layout, dd, (), None, rows.dtype)
+        t, h = disps[name].transport, handles[name]
+        rows, row_w = t.dispatch(xr, wr, h.layout, h.dedup if fixed else t.dedup_layout(h.layout, None))
+        out = t.combine(rows * row_w.unsqueeze(1), None, h.layout, h.dedup, (), None, rows.dtype)
         out.sum().backward()
 
     row_bytes = hidden * 4
@@ -115,18 +116,18 @@ def _measure(rank: int, world: int, tokens: int, hidden: int, k: int, iters: int
             move(name, fixed=True)
         row[f"{name}_move_syncs"] = c.total
     # overlap: the heap dispatch's forward with a shared expert's two matmuls, one after the other and hidden under it
-    heap_t = disps["heap"].transport
+    heap_t, hh = disps["heap"].transport, handles["heap"]
     w1, w2 = torch.randn(hidden, SHARED, generator=g), torch.randn(SHARED, hidden, generator=g)
 
     def shared() -> torch.Tensor:
         return (x @ w1) @ w2
 
     def serial() -> None:
-        heap_t.dispatch(x, w, layout, dd)
+        heap_t.dispatch(x, w, hh.layout, hh.dedup)
         shared()
 
     def overlapped() -> None:
-        pending = heap_t.dispatch_async(x, w, layout, dd)
+        pending = heap_t.dispatch_async(x, w, hh.layout, hh.dedup)
         shared()
         pending.wait()
 
@@ -138,7 +139,7 @@ def _measure(rank: int, world: int, tokens: int, hidden: int, k: int, iters: int
         pending.wait()
 
     with torch.no_grad():
-        row["overlap_dispatch_s"] = timed(lambda: heap_t.dispatch(x, w, layout, dd), iters)
+        row["overlap_dispatch_s"] = timed(lambda: heap_t.dispatch(x, w, hh.layout, hh.dedup), iters)
         row["overlap_shared_s"] = timed(shared, iters)
         row["overlap_serial_s"] = timed(serial, iters)
         row["overlap_async_s"] = timed(overlapped, iters)

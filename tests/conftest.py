@@ -7,6 +7,7 @@ import dataclasses
 import importlib
 import importlib.util
 import os
+import re
 import sys
 import types
 from pathlib import Path
@@ -109,33 +110,48 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
             stop()
 
 
-def _module_scoped(item: pytest.Item) -> bool:
-    """Whether ``item`` uses a module- or session-scoped fixture defined in its own module (computed once per
-    process that runs the module's tests)."""
-    module = item.nodeid.split("::")[0]
-    info = getattr(item, "_fixtureinfo", None)
-    for defs in (info.name2fixturedefs.values() if info is not None else ()):
-        if any(d.scope in ("module", "session") and d.baseid == module for d in defs):
-            return True
-    return False
+_GROUP_CACHE: dict[str, str | None] = {}
 
 
-@pytest.hookimpl(tryfirst=True)
+def xdist_scope(nodeid: str) -> str:
+    """The pytest-xdist scope of test ``nodeid`` under ``--dist loadgroup`` (one worker runs a scope's tests, in
+    order): ``cluster`` for every test of a module with a ``slurm`` test (the single-node SLURM and the cluster in a box
+    are one machine each: their jobs, node kills and process scans must not overlap); the module for a module that
+    defines a module- or session-scoped fixture (computed once, not once per worker); else the test alone. Read from
+    the module's source: the controller schedules by node ids, it collects nothing."""
+    module = nodeid.split("::")[0]
+    if module not in _GROUP_CACHE:
+        try:
+            text = (Path(__file__).parent.parent / module).read_text()
+        except OSError:
+            text = ""
+        if "pytest.mark.slurm" in text:
+            _GROUP_CACHE[module] = "cluster"
+        elif re.search(r"@pytest\.fixture\(scope=[\"'](module|session)[\"']", text):
+            _GROUP_CACHE[module] = module
+        else:
+            _GROUP_CACHE[module] = None
+    return _GROUP_CACHE[module] or nodeid
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """``--dist loadgroup``: xdist's scope scheduling over :func:`xdist_scope` (xdist's own ``xdist_group`` markers
+    are read from ``Item._nodeid``, which pytest 9 no longer reads)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_scope(nodeid)
+
+    return GroupScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Run order and pytest-xdist groups (the README's test command runs ``-n auto --dist loadgroup``).
-
-    Modules with a ``slow`` test come first, each module's tests kept together and in their order: under xdist the
-    longest tests start first, so no worker is left with one at the end. Groups (one worker runs a group's tests, in
-    order): every ``slurm`` test (the single-node SLURM and the cluster in a box are one machine each: their jobs,
-    node kills and process scans must not overlap), and the tests of a module that computes a module- or
-    session-scoped fixture of its own (so it is computed once, not once per worker). Before xdist's own hook, which
-    reads the groups."""
+    """Modules with a ``slow`` test run first, each module's tests kept together and in their order: under xdist the
+    longest tests start first, so no worker is left with one at the end."""
     slow_modules = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
-    for item in items:
-        if item.get_closest_marker("slurm"):
-            item.add_marker(pytest.mark.xdist_group("cluster"))
-        elif _module_scoped(item):
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
     items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow_modules)
 
 
