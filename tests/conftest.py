@@ -142,17 +142,28 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | 
     from xdist.scheduler import LoadScopeScheduling
 
     class GroupScheduling(LoadScopeScheduling):
+        """Scopes handed out in collection order (:func:`pytest_collection_modifyitems`: the ``cluster`` modules,
+        then slow modules), not xdist's default of the scopes with the most tests first, which starts a lone slow
+        test late."""
+
         def _split_scope(self, nodeid: str) -> str:
             return xdist_scope(nodeid)
 
+    config.option.loadscopereorder = False
     return GroupScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Modules with a ``slow`` test run first, each module's tests kept together and in their order: under xdist the
+    """The ``cluster`` modules (:func:`xdist_scope`: one worker runs them one after another, the longest chain) run
+    first, then modules with a ``slow`` test, each module's tests kept together and in their order: under xdist the
     longest tests start first, so no worker is left with one at the end."""
     slow_modules = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow_modules)
+
+    def rank(item: pytest.Item) -> tuple[bool, bool]:
+        module = item.nodeid.split("::")[0]
+        return xdist_scope(item.nodeid) != "cluster", module not in slow_modules
+
+    items.sort(key=rank)
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:

@@ -83,6 +83,9 @@ SANCTIONED: dict[tuple[str, str], str] = {
     ("memory/backends.py", "get"): "the disk tier reads saved tensors' bytes into the host with pread",
     ("ops/fp8/codec.py", "quantize_rows_numba"): "the FP8 codec's numba backend, chosen for CPU tensors only, works on "
                                            "numpy views",
+    ("ops/rows.py", "scatter_rows"): "the row scatter's numba backend, chosen for CPU tensors only (CUDA goes to "
+                                     "the Triton kernel), works on numpy views: nothing is copied",
+    ("ops/rows.py", "_words"): "a CPU tensor's bytes as a numpy view for that numba loop (no copy)",
     ("ops/fp8/codec.py", "dequantize_rows_numba"): "the FP8 codec's numba backend, chosen for CPU tensors only, "
                                                    "works on numpy views",
 }
