@@ -360,8 +360,11 @@ class Spec:
         worker's ``budget`` (timeout, memory)."""
         import triton
 
+        # the options name files inside Triton's package (libdevice): the same compile from another install of the
+        # same Triton (each fresh clone's .venv) must hit the cache, so the package's own path is not hashed
+        data = self.data.replace(str(Path(triton.__file__).resolve().parent), "<triton>")
         h = hashlib.sha256()
-        for part in (self.module, self.qualname, self.data, self.source_key, triton.__version__,
+        for part in (self.module, self.qualname, data, self.source_key, triton.__version__,
                      repr((SHARED_LIMIT, COMPILE_SECONDS_LIMIT, *budget))):
             h.update(part.encode() + b"\0")
         return h.hexdigest()[:32]

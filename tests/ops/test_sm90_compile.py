@@ -204,6 +204,26 @@ def test_violations_name_each_limit() -> None:
         assert [v for v in r.violations() if v.startswith(word)], (field, r.violations())
 
 
+def test_cache_digest_ignores_where_triton_is_installed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A fresh clone's .venv holds the same Triton at another path (its libdevice is named in the options): the
+    cached result must still be found (CI compiles nothing twice); any other change of the specialization misses."""
+    import triton
+
+    def spec_in(pkg: str, warps: int = 4, source: str = "src") -> sm90.Spec:
+        options = {"extern_libs": [["libdevice", f"{pkg}/backends/nvidia/lib/libdevice.10.bc"]], "num_warps": warps}
+        return sm90.Spec("m", "k", "s", "c", json.dumps(options), source)
+
+    here = str(Path(triton.__file__).resolve().parent)
+    mine = spec_in(here).digest(1.0)
+    assert spec_in(here).digest(2.0) != mine  # the worker's budget
+    assert spec_in(here, warps=8).digest(1.0) != mine and spec_in(here, source="src2").digest(1.0) != mine
+    assert spec_in("/another/venv/triton").digest(1.0) != mine  # seen from this install: not its libdevice
+    other = tmp_path / "venv2" / "triton"
+    other.mkdir(parents=True)
+    monkeypatch.setattr(triton, "__file__", str(other / "__init__.py"))  # the same Triton, another clone's .venv
+    assert spec_in(str(other)).digest(1.0) == mine
+
+
 def test_resource_parsers() -> None:
     """The two tools' formats as Triton 3.8's ptxas and cuobjdump print them."""
     log = ("ptxas info    : Compiling entry function 'k' for 'sm_90a'\nptxas info    : Function properties for k\n"
