@@ -39,6 +39,19 @@ def device(request: pytest.FixtureRequest) -> torch.device:
     return torch.device(request.param)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """moonrt's and the tests' bytecode, written once before any test starts a process (the controller under
+    pytest-xdist, else this process): where ``PYTHONDONTWRITEBYTECODE`` is set (the CI machine sets it) nothing
+    imported writes its ``.pyc``, so each of the suite's rank, launcher and CLI processes would compile the sources
+    it imports again. ``__pycache__`` is ignored by git; an unwritable tree compiles nothing, as before."""
+    if hasattr(config, "workerinput"):
+        return
+    import compileall
+
+    root = Path(__file__).resolve().parent.parent
+    for tree in ("moonrt", "tests", "benchmarks"):
+        compileall.compile_dir(root / tree, quiet=2)
+
 
 REQUIRE_TRITON_ENV = "MOONRT_REQUIRE_TRITON"
 """``MOONRT_REQUIRE_TRITON=1`` (``.ci/run``): a test that needs Triton fails where it is missing instead of skipping."""
