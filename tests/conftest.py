@@ -4,6 +4,7 @@ fixture run on every device :envvar:`MOONRT_TEST_DEVICE` lends."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import importlib.util
 import os
@@ -123,7 +124,18 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
             stop()
 
 
-_GROUP_CACHE: dict[str, str | None] = {}
+@functools.cache
+def _module_scope(module: str) -> str | None:
+    """:func:`xdist_scope` of a module's tests (None: each test alone), from the module's source, read once."""
+    try:
+        text = (Path(__file__).parent.parent / module).read_text()
+    except OSError:
+        return None
+    if "pytest.mark.slurm" in text:
+        return "cluster"
+    if re.search(r"@pytest\.fixture\(scope=[\"'](module|session)[\"']", text):
+        return module
+    return None
 
 
 def xdist_scope(nodeid: str) -> str:
@@ -132,19 +144,7 @@ def xdist_scope(nodeid: str) -> str:
     are one machine each: their jobs, node kills and process scans must not overlap); the module for a module that
     defines a module- or session-scoped fixture (computed once, not once per worker); else the test alone. Read from
     the module's source: the controller schedules by node ids, it collects nothing."""
-    module = nodeid.split("::")[0]
-    if module not in _GROUP_CACHE:
-        try:
-            text = (Path(__file__).parent.parent / module).read_text()
-        except OSError:
-            text = ""
-        if "pytest.mark.slurm" in text:
-            _GROUP_CACHE[module] = "cluster"
-        elif re.search(r"@pytest\.fixture\(scope=[\"'](module|session)[\"']", text):
-            _GROUP_CACHE[module] = module
-        else:
-            _GROUP_CACHE[module] = None
-    return _GROUP_CACHE[module] or nodeid
+    return _module_scope(nodeid.split("::")[0]) or nodeid
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
