@@ -202,15 +202,15 @@ def test_comm_part_rule_catches_a_part_importing_another(tmp_path: Path) -> None
     _tree(tmp_path, {
         "moonrt/comm/__init__.py": "", "moonrt/comm/mesh.py": "",
         **{f"moonrt/comm/{p}/__init__.py": "" for p in COMM_PARTS},
-        "moonrt/comm/ep/x.py": "", "moonrt/comm/state/dcp.py": "",
-        "moonrt/comm/zero/core.py": "from moonrt.comm.mesh import Group\nfrom moonrt.comm.state.dcp import Shard\n"
+        "moonrt/comm/ep/x.py": "", "moonrt/comm/state/shards.py": "",
+        "moonrt/comm/zero/core.py": "from moonrt.comm.mesh import Group\nfrom moonrt.comm.state.shards import Shard\n"
                                     "def f():\n    from moonrt.comm.ep import x\n",
         "moonrt/comm/state/bad.py": "from ..ep.x import y\n",
         "moonrt/comm/transport/shm.py": "", "moonrt/comm/ep/y.py": "from moonrt.comm.transport import shm\n",
-        "moonrt/comm/transport/bad.py": "from moonrt.comm.state.dcp import Shard\n",
+        "moonrt/comm/transport/bad.py": "from moonrt.comm.state.shards import Shard\n",
     })
     assert comm_part_violations(tmp_path) == [("moonrt.comm.state.bad", "moonrt.comm.ep.x"),
-                                              ("moonrt.comm.transport.bad", "moonrt.comm.state.dcp"),
+                                              ("moonrt.comm.transport.bad", "moonrt.comm.state.shards"),
                                               ("moonrt.comm.zero.core", "moonrt.comm.ep.x")]
 
 
@@ -351,3 +351,20 @@ def test_importing_every_ops_module_loads_no_other_moonrt_package() -> None:
     mods, loaded = _loaded_after_importing("moonrt.ops", "ops")
     assert set(mods) <= set(loaded)
     assert [m for m in loaded if not _under(m, ("moonrt.ops",))] == []
+
+
+def test_a_ranks_start_imports_no_distributed_checkpoint() -> None:
+    """Every ``moonrt.comm`` module but the DCP planners (:mod:`moonrt.comm.state.dcp`), the train job's run, loop and
+    assembly, and the self-test import no ``torch.distributed.checkpoint``: it costs ~0.6-0.8 s of every rank's start
+    (it imports ``torch.distributed.tensor`` and sympy) and only a multi-rank save or load uses it
+    (:mod:`moonrt.jobs.checkpoint.sharded` imports it then)."""
+    mods = sorted(module_name(p, PKG_ROOT.parent) for p in (PKG_ROOT / "comm").rglob("*.py"))
+    mods = [m for m in mods if m != "moonrt.comm.state.dcp"]
+    mods += ["moonrt.jobs.train.cli", "moonrt.jobs.train.loop", "moonrt.jobs.train.assemble",
+             "moonrt.jobs.checkpoint.sharded", "moonrt.jobs.selftest.cli", "moonrt.cluster.rank_preload"]
+    code = ("import importlib, sys\n"
+            f"for m in {mods!r}: importlib.import_module(m)\n"
+            "print(sorted(m for m in sys.modules if m.startswith('torch.distributed.checkpoint')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout

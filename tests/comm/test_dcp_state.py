@@ -1,4 +1,5 @@
-"""``moonrt.comm.state.dcp``: several boxes of one tensor on one rank (:class:`Boxes`), no process group.
+"""``moonrt.comm.state.shards`` saved and loaded through ``moonrt.comm.state.dcp``: several boxes of one tensor on
+one rank (:class:`Boxes`), no process group.
 
 A ZeRO-Muon owner holds whole Muon blocks, several of one parameter, possibly column blocks (not contiguous in the
 flattened tensor): a column-blocked ``[*S, A, B]`` parameter's momentum written as boxes by two "ranks" (two
@@ -17,7 +18,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from moonrt.comm.state.dcp import Boxes, SafeReader, Shard, ShardLoadPlanner, ShardSavePlanner, block_box
+from moonrt.comm.state.dcp import SafeReader, ShardLoadPlanner, ShardSavePlanner
+from moonrt.comm.state.shards import Boxes, Shard, block_box
 from moonrt.parallel.blocks import MatrixBlocks
 
 

@@ -4,7 +4,7 @@ over that description (gather into the single-process layout, scatter from it, t
 A :class:`StateDescription` answers, for one rank of a job, the only question checkpointing asks of the parallel
 parts: which pieces of the single-process ``{"model", "optimizer"}`` state this rank holds, as tensors, :class:`Shard`
 s and :class:`Boxes` over the single-process shapes by single-process name (the sharded-state names of
-:mod:`moonrt.comm.state.dcp`), which of them it writes (a copy another rank writes is left out), where the loaded
+:mod:`moonrt.comm.state.shards`), which of them it writes (a copy another rank writes is left out), where the loaded
 pieces go afterwards, and the full layout's names (the model keys and every optimizer param group's parameters, in
 order). :meth:`moonrt.comm.parallelism.Parallelism.describe` starts from :func:`local_description` (every tensor
 whole, ``optim.state`` the optimizer state) and lets every part refine it, innermost part first
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moonrt.comm.state.dcp import MOMENTS, MOMENTUM, Boxes, Shard, finish_local_load, model_entries, optim_entries
+from moonrt.comm.state.shards import MOMENTS, MOMENTUM, Boxes, Shard, finish_local_load, model_entries, optim_entries
 from moonrt.ops.muon import Muon, step_count
 
 Layout = tuple[list[str], list[list[str]]]
@@ -75,7 +75,7 @@ def _param_of(key: str) -> str:
 
 def local_description(model: nn.Module, optim: torch.optim.Optimizer) -> StateDescription:
     """One process's description: every tensor whole, the optimizer state in ``optim.state``
-    (:func:`moonrt.comm.state.dcp.optim_entries`, :func:`moonrt.comm.state.dcp.finish_local_load`)."""
+    (:func:`moonrt.comm.state.shards.optim_entries`, :func:`moonrt.comm.state.shards.finish_local_load`)."""
     name_of = {id(p): n for n, p in model.named_parameters()}
 
     def layout() -> Layout:
@@ -99,7 +99,7 @@ def _check_optimizer(optim: torch.optim.Optimizer) -> None:
     generic functions would lose another optimizer's state."""
     if not isinstance(optim, torch.optim.AdamW | Muon):
         raise TypeError(f"checkpoint state of a {type(optim).__name__} optimizer: expected torch.optim.AdamW or "
-                        "moonrt.ops.muon.Muon (the state layouts moonrt.comm.state.dcp names)")
+                        "moonrt.ops.muon.Muon (the state layouts moonrt.comm.state.shards names)")
 
 
 # ---- pieces of an entry -------------------------------------------------------------------------------------------

@@ -63,8 +63,8 @@ from moonrt.ops.muon import Blocking, block_view
 
 if TYPE_CHECKING:
     from moonrt.comm.mesh import ProcessMesh
-    from moonrt.comm.state.dcp import Shard
     from moonrt.comm.state.describe import StateDescription
+    from moonrt.comm.state.shards import Shard
 
 
 def size_rank(group: Any) -> tuple[int, int]:
@@ -380,7 +380,7 @@ class ZeroCore(Part):
         blocks of one parameter: :class:`Boxes`); ``.step`` of every parameter (replicated: DCP writes one copy).
         The entries are views of this rank's state, so they are also the load targets (a Muon unit with no step yet
         holds zeros, which Muon's first step treats as no buffer, bit for bit)."""
-        from moonrt.comm.state.dcp import MOMENTS, MOMENTUM, Boxes, block_box, flat_shard
+        from moonrt.comm.state.shards import MOMENTS, MOMENTUM, Boxes, block_box, flat_shard
 
         out: dict[str, Any] = {}
         boxes: dict[int, list[Shard]] = {}

@@ -11,7 +11,7 @@ Layout on disk (``OUT/checkpoint/``)::
                                       and the CRC-32 of its own content (``marker_crc32``; likewise)
     OUT/checkpoint/step-00000030.tmp/ a save in progress or interrupted (never loaded)
 
-Entries (:mod:`moonrt.comm.state.dcp`): ``model.<name>`` for every single-process ``model.state_dict()`` entry
+Entries (:mod:`moonrt.comm.state.shards`): ``model.<name>`` for every single-process ``model.state_dict()`` entry
 (single-process shapes: experts ``[E, ...]`` written as row shards by the EP ranks holding them, each
 pipeline stage's tensors by its ranks, replicas once), ``optimizer.<name>.exp_avg`` / ``.exp_avg_sq`` (the
 AdamW moments flattened to ``[numel]``: ZeRO-1 owners write their flat ranges) and ``optimizer.<name>.step``;
@@ -82,8 +82,9 @@ from moonrt.jobs.checkpoint.single import CheckpointError
 from moonrt.ops.muon import Muon, step_count
 
 # torch.distributed.checkpoint (and moonrt.comm.state.dcp, built on it) is imported by the functions that read or
-# write a DCP checkpoint, not here: it costs ~1.5 s per process (it imports torch.distributed.tensor and sympy),
-# and every `moonrt train` imports this module while a single process never writes DCP (use_sharded).
+# write a DCP checkpoint, not here: it costs ~0.6-0.8 s per process (it imports torch.distributed.tensor and sympy),
+# and every `moonrt train` imports this module while a single process never writes DCP (use_sharded). The sharded
+# state's values (moonrt.comm.state.shards) import no DCP: every rank imports them through the parallel parts.
 
 ROOT = "checkpoint"
 MARKER = "moonrt.json"
@@ -103,7 +104,7 @@ def _multi() -> bool:
 
 def use_sharded(opt: torch.optim.Optimizer) -> bool:
     """True where a job writes DCP checkpoints: more than one rank and torch's AdamW or moonrt's Muon (the state
-    layouts :mod:`moonrt.comm.state.dcp` names); else the gathered ``checkpoint.pt``."""
+    layouts :mod:`moonrt.comm.state.shards` names); else the gathered ``checkpoint.pt``."""
     return _multi() and isinstance(opt, torch.optim.AdamW | Muon)
 
 
@@ -290,7 +291,7 @@ def _stage(state: dict[str, Any]) -> dict[str, Any]:
     """A copy of a sharded state in host memory: every tensor, and the local tensor of every ``Shard`` / ``Boxes``
     entry (DCP's own async stager copies plain tensors, DTensors and ShardedTensors only: it would leave moonrt's
     shards pointing at the live parameters the loop goes on updating)."""
-    from moonrt.comm.state.dcp import Boxes, Shard
+    from moonrt.comm.state.shards import Boxes, Shard
 
     def host(t: torch.Tensor) -> torch.Tensor:
         return t.detach().to("cpu", copy=True)
@@ -324,7 +325,7 @@ class _Save:
     @classmethod
     def begin(cls, root: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, job: SavedJob,
               rt: Parallelism, stage: bool) -> _Save:
-        from moonrt.comm.state.dcp import entry_bytes
+        from moonrt.comm.state.shards import entry_bytes
 
         multi = _multi()
         state = rt.sharded_state_dict(model, opt, save=True)
@@ -921,7 +922,7 @@ def to_single_file(step_dir: str | Path, builder: JobBuilder) -> dict[str, Any]:
     device by ``builder``, the job layer's, give the single-process parameter order and param groups): AdamW
     parameters with step > 0 get ``{step, exp_avg, exp_avg_sq}``, Muon parameters with step > 0
     ``{momentum_buffer}`` (as :class:`moonrt.ops.muon.Muon` and the gathered path hold them), the others no state."""
-    from moonrt.comm.state.dcp import MOMENTS, MOMENTUM
+    from moonrt.comm.state.shards import MOMENTS, MOMENTUM
 
     flat, marker = read_full(step_dir)
     try:
