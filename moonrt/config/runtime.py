@@ -10,7 +10,7 @@ import math
 import re
 from typing import Any, Literal
 
-from moonrt.config.schema import check
+from moonrt.config.schema import ConfigError, check
 
 PIPELINE_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb", "zbv")
 """Pipeline schedules (:mod:`moonrt.scheduler.pipeline` builds them)."""
@@ -168,6 +168,17 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return self.dp * self.pp * self.ep * self.cp
+
+    def fit_world(self, world: int) -> None:
+        """Raise ``dp`` (left at 1) to fill a job of ``world`` ranks: ``dp = world / (pp x ep x cp)``; ConfigError
+        when those degrees do not divide the world. A ``dp`` set above 1 is left as given (the mesh checks the
+        product)."""
+        if self.world_size != world and self.dp == 1:
+            if world % self.world_size:
+                raise ConfigError(f"parallel = pp {self.pp} x ep {self.ep} x cp {self.cp} = {self.world_size} ranks "
+                                  f"per data-parallel replica: expected a divisor of the world size {world} (dp = "
+                                  "world / (pp x ep x cp) is inferred)")
+            self.dp = world // self.world_size
 
 
 DEFAULT_TIMEOUT_S = 300.0

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -153,6 +154,34 @@ def test_help_is_grouped_and_imports_no_torch() -> None:
                         "try:\n    main(['train', '--help'])\nexcept SystemExit:\n    pass\n"
                         "assert 'torch' not in sys.modules\n"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 0 and "--set KEY=VALUE" in r.stdout, r.stderr
+
+
+@pytest.mark.parametrize("env, flags, message", [
+    ({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "8", "MASTER_ADDR": "127.0.0.1",
+      "MASTER_PORT": "1"}, ["--pp", "2", "--ep", "3", "--microbatches", "2"],
+     "parallel = pp 2 x ep 3 x cp 1 = 6 ranks per data-parallel replica: expected a divisor of the world size 8"),
+    ({}, ["--cp", "4", "--seq-len", "3"], "parallel.cp (--cp) = 4: expected at most optim.seq_len (--seq-len) = 3"),
+])
+def test_degrees_that_cannot_fit_are_refused_before_torch_is_imported(env: dict, flags: list[str],
+                                                                     message: str) -> None:
+    """A rank of a job whose degrees do not fit its launcher's world (or its sequence) says so in one line, exit 2,
+    before importing torch or joining the others (an 8-rank job of such ranks: every rank refuses in ~0.1 s, none
+    waits at the rendezvous: ``MASTER_PORT`` 1 is never dialled)."""
+    code = ("import sys\nfrom moonrt.cli import main\n"
+            f"rc = main(['train', '--steps', '1', '--no-progress', *{flags!r}])\n"
+            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]\n"
+            "sys.exit(rc)\n")
+    base = {k: v for k, v in os.environ.items() if k not in train_env_keys()}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                       env={**base, **env})
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.startswith(f"moonrt train: error: {message}") and r.stderr.count("\n") == 1, r.stderr
+
+
+def train_env_keys() -> set[str]:
+    """The launcher variables a test process may have inherited (they would make it a rank of another job)."""
+    return {k for k in os.environ if k.startswith(("SLURM_", "OMPI_", "PMI_", "MPI_"))} | {
+        "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
 
 
 # ------------------------------------------------------------------------------------------------

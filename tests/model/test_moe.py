@@ -14,13 +14,8 @@ from numerics import rel_l2
 
 from moonrt.config import ConfigError
 from moonrt.models.k3.model.balance import maxvio
-from moonrt.models.k3.model.config import k3_tiny
-from moonrt.models.k3.model.moe import (
-    LatentMoE,
-    MoEConfig,
-    RoutedExperts,
-    moe_config_from_dict,
-)
+from moonrt.models.k3.model.config import MoEConfig, k3_tiny, moe_config_from_dict
+from moonrt.models.k3.model.moe import LatentMoE, RoutedExperts
 from moonrt.ops.grouped import moe_reference
 from moonrt.parallel.dispatch import LocalDispatcher
 

@@ -41,13 +41,6 @@ def build_model(job: JobConfig) -> torch.nn.Module:
     return model
 
 
-def launched() -> bool:
-    """True when a launcher (moonrt launch, torchrun, SLURM, MPI) started this process as one rank of several."""
-    from moonrt.cluster.detect import detect_rendezvous
-
-    return detect_rendezvous().world_size > 1
-
-
 def routing_trace(job: JobConfig, **kwargs: Any) -> RoutingTrace:
     """The job's routing-trace recorder, the trace labelled with the job's model and its expert sizes (in the
     training dtype, fp32; :attr:`ModelSpec.expert_sizes <moonrt.models.spec.ModelSpec.expert_sizes>`) so that
@@ -81,27 +74,21 @@ def parallel_runtime(job: JobConfig, progress: bool = False) -> Parallelism:
     """
     import torch.distributed as dist
 
+    from moonrt.cluster.detect import detect_rendezvous
     from moonrt.cluster.env import init_distributed
     from moonrt.comm.cp.context import ContextParallel
     from moonrt.comm.mesh import ProcessMesh
     from moonrt.jobs.train.device import bind_device, resolve_job
 
     p = job.parallel
-    if p.cp > job.optim.seq_len:  # before joining: every rank fails alike, none waits for the others
-        raise ConfigError(f"parallel.cp (--cp) = {p.cp}: expected at most optim.seq_len (--seq-len) = "
-                          f"{job.optim.seq_len} (each CP rank holds a slice of every sequence, uneven slices allowed)")
+    job.fit_world(detect_rendezvous().world_size)  # before joining: every rank fails alike, none waits for the others
     # the job's dist (wins over the launcher's environment; backend for its device); a device that cannot run
     # fails here, on every rank alike, before any rank waits at the rendezvous
     resolved = resolve_job(job, multi_rank=True)
     device = bind_device(resolved.device)  # cuda:LOCAL_RANK current before the group exists: NCCL binds that GPU
     init_distributed(resolved.dist)
     world = dist.get_world_size()
-    if p.world_size != world and p.dp == 1:
-        if world % p.world_size:
-            raise ConfigError(f"parallel = pp {p.pp} x ep {p.ep} x cp {p.cp} = {p.world_size} ranks per data-parallel "
-                              f"replica: expected a divisor of the world size {world} (dp = world / (pp x ep x cp) "
-                              "is inferred)")
-        p.dp = world // p.world_size
+    p.fit_world(world)  # the world joined (the launcher's, as detected above: a no-op then)
     mesh = ProcessMesh(p)
     # the job's KDA backend reaches every KDA call through the context (no CP: _train gives LOCAL's place one)
     ctx = LOCAL

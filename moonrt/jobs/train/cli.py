@@ -49,17 +49,28 @@ def job_from_args(args: argparse.Namespace) -> JobConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moonrt.cluster.env import shutdown_distributed
-    from moonrt.comm.parallelism import Parallelism
-    from moonrt.jobs.train.assemble import launched, parallel_runtime, routing_trace
-    from moonrt.jobs.train.loop import Diverged, NothingToDo, Preempted, train
-    from moonrt.jobs.train.outputs import has_checkpoint
+    from moonrt.cluster.detect import detect_rendezvous
 
     allow = tuple(f.strip() for f in args.resume_allow_changes.split(",") if f.strip())
-    try:
+    try:  # the job and its degrees against the launcher's world before torch is imported: a bad layout is one line
+        # in a second on every rank, not after each rank's imports
         if allow and not (args.resume or args.resume_if_exists):
             raise ConfigError("--resume-allow-changes: expected together with --resume")
         job = job_from_args(args)
+        world = detect_rendezvous().world_size
+        if job.parallel.world_size != 1 or world > 1:
+            job.fit_world(world)
+    except (ConfigError, ValueError) as exc:
+        print(f"moonrt train: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+
+    from moonrt.cluster.env import shutdown_distributed
+    from moonrt.comm.parallelism import Parallelism
+    from moonrt.jobs.train.assemble import parallel_runtime, routing_trace
+    from moonrt.jobs.train.loop import Diverged, NothingToDo, Preempted, train
+    from moonrt.jobs.train.outputs import has_checkpoint
+
+    try:
         resume = args.resume or (args.resume_if_exists and bool(job.out_dir) and has_checkpoint(Path(job.out_dir)))
         if job.init_from is not None:  # its config.json is the model before the layout is checked and built
             from moonrt.jobs.checkpoint.hf import job_init
@@ -72,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
             from moonrt.jobs.train.blend import job_tokenizer
 
             job_tokenizer(job)
-        if job.parallel.world_size != 1 or launched():
+        if job.parallel.world_size != 1 or world > 1:
             rt = parallel_runtime(job, progress=not args.no_progress)
         else:
             rt = Parallelism(parts=[routing_trace(job)] if job.routing_trace else [])

@@ -470,6 +470,16 @@ class JobConfig:
                                          flag="--qat-block")
         check(problem is None, "qat_block", self.qat_block, problem or "")
 
+    def fit_world(self, world: int) -> None:
+        """The degrees against a job of ``world`` ranks, before any rank imports torch or joins the others (every rank
+        fails alike, none waits): at most one CP slice per token of a sequence, and ``dp`` inferred to fill the world
+        (:meth:`ParallelConfig.fit_world`). ConfigError naming the field."""
+        if self.parallel.cp > self.optim.seq_len:
+            raise ConfigError(f"parallel.cp (--cp) = {self.parallel.cp}: expected at most optim.seq_len (--seq-len) = "
+                              f"{self.optim.seq_len} (each CP rank holds a slice of every sequence, uneven slices "
+                              "allowed)")
+        self.parallel.fit_world(world)
+
     def model_spec(self) -> ModelSpec:
         """The :class:`~moonrt.models.spec.ModelSpec` of ``model``'s family (ConfigError naming the presets)."""
         table = presets()

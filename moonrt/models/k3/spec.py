@@ -17,8 +17,8 @@ from moonrt.models.spec import ModelMemory, ModelSpec
 if TYPE_CHECKING:  # types only: the functions below import lazily
     from moonrt.memory.model_memory import JobLayout, ParamSizes, Profile
     from moonrt.memory.plan import RankPlan
+    from moonrt.models.k3.model.config import MoEConfig
     from moonrt.models.k3.model.model import K3Model
-    from moonrt.models.k3.model.moe import MoEConfig
 
 
 def _build(cfg: K3Config, options: Mapping[str, Any] | None = None) -> K3Model:
@@ -29,7 +29,7 @@ def _build(cfg: K3Config, options: Mapping[str, Any] | None = None) -> K3Model:
 
 def _read_options(options: Mapping[str, Any] | None) -> MoEConfig:
     """The job's ``moe:`` mapping -> :class:`~moonrt.models.k3.model.moe.MoEConfig` (None: its defaults)."""
-    from moonrt.models.k3.model.moe import moe_config_from_dict
+    from moonrt.models.k3.model.config import moe_config_from_dict
 
     return moe_config_from_dict(dict(options) if options is not None else None)
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal
+from typing import Any, Literal
 
-from moonrt.config import check
+from moonrt.config import check, from_dict
 from moonrt.parallel.model import MAX_LAYERS, PipelineLayout  # MAX_LAYERS bounds num_hidden_layers
 
 DT_BIAS_INITS = ("kimi_linear", "zero")
@@ -219,3 +219,27 @@ def k3_tiny() -> K3Config:
 
 
 PRESETS = {"k3": k3, "k3_tiny": k3_tiny}
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class MoEConfig:
+    """LatentMoE options that are not part of the HF model config (job config key ``moe``)."""
+
+    qb_enabled: bool = True
+    """Record routing statistics in training forwards and let :meth:`LatentMoE.update_bias` set the bias."""
+    qb_estimator: Literal["histogram", "exact"] = "histogram"
+    """Quantile estimator: per-expert margin histogram (practical, all-reducible) or exact sort (one rank only)."""
+    qb_bins: int = 512
+    qb_min: float = -1.0
+    """Lower edge of the margin histogram (margins below are clamped into the first bin)."""
+    qb_max: float = 1.0
+    """Upper edge of the margin histogram (margins above are clamped into the last bin)."""
+
+    def validate(self) -> None:
+        check(self.qb_bins >= 1, "qb_bins", self.qb_bins, "an integer >= 1")
+        check(self.qb_min < self.qb_max, "qb_min", self.qb_min, f"a number < qb_max ({self.qb_max})")
+
+
+def moe_config_from_dict(data: dict[str, Any] | None) -> MoEConfig:
+    """Build a checked :class:`MoEConfig` from plain data (``None`` -> defaults); raises ConfigError."""
+    return from_dict(MoEConfig, data or {})

@@ -35,11 +35,11 @@ from torch import nn
 
 from moonrt.models.k3.model.attnres import AttnResState, BlockAttnRes
 from moonrt.models.k3.model.balance import AllReduce
-from moonrt.models.k3.model.config import K3Config
+from moonrt.models.k3.model.config import K3Config, MoEConfig
 from moonrt.models.k3.model.ffn import dense_ffn
 from moonrt.models.k3.model.kda_layer import KDALayer
 from moonrt.models.k3.model.mla import GatedMLA
-from moonrt.models.k3.model.moe import LatentMoE, MoEConfig, RoutingStats
+from moonrt.models.k3.model.moe import LatentMoE, RoutingStats
 from moonrt.models.k3.model.norm import RMSNorm
 from moonrt.ops.precision import at_least_fp32, token_loss_sum
 from moonrt.ops.qat import QATScheme

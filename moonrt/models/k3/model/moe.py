@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
-from moonrt.config import check, from_dict
 from moonrt.models.k3.model.balance import AllReduce, MarginHistogram, maxvio, qb_bias_from_margins, qb_margins
-from moonrt.models.k3.model.config import K3Config
+from moonrt.models.k3.model.config import K3Config, MoEConfig
 from moonrt.models.k3.model.ffn import shared_expert
 from moonrt.models.k3.model.norm import RMSNorm
 from moonrt.ops.glu import Activation
@@ -37,30 +36,6 @@ from moonrt.ops.precision import fp32_island
 from moonrt.ops.qat import QATScheme
 from moonrt.parallel.blocks import MatrixBlocks
 from moonrt.parallel.dispatch import Dispatcher, ExpertWeights, LocalDispatcher
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
-class MoEConfig:
-    """LatentMoE options that are not part of the HF model config (job config key ``moe``)."""
-
-    qb_enabled: bool = True
-    """Record routing statistics in training forwards and let :meth:`LatentMoE.update_bias` set the bias."""
-    qb_estimator: Literal["histogram", "exact"] = "histogram"
-    """Quantile estimator: per-expert margin histogram (practical, all-reducible) or exact sort (one rank only)."""
-    qb_bins: int = 512
-    qb_min: float = -1.0
-    """Lower edge of the margin histogram (margins below are clamped into the first bin)."""
-    qb_max: float = 1.0
-    """Upper edge of the margin histogram (margins above are clamped into the last bin)."""
-
-    def validate(self) -> None:
-        check(self.qb_bins >= 1, "qb_bins", self.qb_bins, "an integer >= 1")
-        check(self.qb_min < self.qb_max, "qb_min", self.qb_min, f"a number < qb_max ({self.qb_max})")
-
-
-def moe_config_from_dict(data: dict[str, Any] | None) -> MoEConfig:
-    """Build a checked :class:`MoEConfig` from plain data (``None`` -> defaults); raises ConfigError."""
-    return from_dict(MoEConfig, data or {})
 
 
 # ---- router and experts ----------------------------------------------------------------------------
