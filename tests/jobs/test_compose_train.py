@@ -172,9 +172,10 @@ def test_train_prints_the_layout_once_in_the_mesh_rank_order(tmp_path: Path) -> 
     # more sequence slices than tokens (uneven slices are allowed: --cp 3 of 32 tokens runs)
     (4, ["--cp", "4", "--seq-len", "3"], "parallel.cp (--cp) = 4: expected at most optim.seq_len (--seq-len) = 3"),
 ])
-@pytest.mark.slow
 def test_degrees_that_do_not_divide_the_world_or_the_model_are_one_clear_line(tmp_path: Path, n: int,
                                                                                flags: list[str], message: str) -> None:
+    """Every rank of ``moonrt launch`` refuses before it imports torch (``JobConfig.fit_world``), so the launcher
+    ends with the ranks' exit 2 and one line, whatever the world size."""
     out = subprocess.run(_launch(n, "train", *FLAGS, "--out", "o", *flags), cwd=tmp_path, capture_output=True,
                          text=True, timeout=550)
     assert out.returncode == 2, out.stdout + out.stderr
