@@ -18,6 +18,13 @@ Two uses:
   when every rank exits 0; else the first failing rank's code, the other ranks stopped (SIGTERM, then SIGKILL).
 - ``Server`` (:class:`Server`): one such parent serving many one-process commands, each in its own forked
   process with its own working directory and output files (the README walk's ``moonrt ...`` lines).
+- :class:`RankServer`: one such parent serving many ``ranks N -- ARGS`` jobs (``tests/jobs/helpers.py``'s
+  ``_ranks``: one per pytest worker, so a worker pays the imports once, not once per job): ``python forkrun.py
+  client SOCKET ranks N -- ARGS`` (:func:`client`, a new interpreter that imports no torch) hands the server its
+  working directory, environment and standard streams (``SCM_RIGHTS``); the server forks a coordinator there that
+  runs :func:`ranks` as the command above would, and the client exits with its code. A client that ends first
+  (killed by a test's timeout) closes its connection: the server stops that coordinator (SIGTERM: its ranks are
+  stopped as above).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import json
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -203,13 +211,151 @@ class Server:
         self.tmp.cleanup()
 
 
+def _read_line(conn: socket.socket, first: bytes = b"", limit: int = 64 << 20) -> bytes:
+    """Bytes up to the first newline (``first`` already read); the connection closed early gives what came."""
+    data = bytearray(first)
+    while not data.endswith(b"\n") and len(data) < limit:
+        chunk = conn.recv(1 << 16)
+        if not chunk:
+            break
+        data += chunk
+    return bytes(data)
+
+
+def _coordinator(conn: socket.socket, fds: list[int], req: dict) -> None:
+    """In a fork of the rank server: the client's streams, directory and environment, then :func:`ranks`; never
+    returns."""
+    code = 1
+    try:
+        _die_with_parent()
+        conn.close()
+        for fd, target in zip(fds, (0, 1, 2)):
+            os.dup2(fd, target)
+            os.close(fd)
+        os.chdir(req["cwd"])
+        os.environ.clear()
+        os.environ.update(req["env"])
+        code = ranks(int(req["n"]), req["args"])
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _serve_ranks(path: str) -> None:
+    """Server side of :class:`RankServer` (module docstring): one coordinator per client connection, several at
+    once; single-threaded (a ``select`` loop), so every fork is of a process that runs no other thread of ours."""
+    reply = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    _preload()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    reply.write("ready\n")
+    reply.flush()
+    jobs: dict[socket.socket, int] = {}
+    gone: set[socket.socket] = set()  # clients that ended before their job: stopped, not yet reaped
+    while True:
+        ready, _, _ = select.select([sys.stdin, listener, *(c for c in jobs if c not in gone)], [], [], 0.1)
+        for conn in ready:
+            if conn is sys.stdin:
+                if not sys.stdin.readline():  # the test process ended: so does this server (and, by their
+                    return  # parent-death signal, its coordinators and their ranks)
+            elif conn is listener:
+                new, _ = listener.accept()
+                _, fds, _, _ = socket.recv_fds(new, 1, 3)
+                req = json.loads(_read_line(new))
+                pid = os.fork()
+                if pid == 0:
+                    listener.close()
+                    for other in jobs:
+                        other.close()
+                    _coordinator(new, fds, req)
+                for fd in fds:
+                    os.close(fd)
+                jobs[new] = pid
+            elif not conn.recv(1):  # the client is gone: stop its job (ranks() stops its ranks on SIGTERM)
+                gone.add(conn)
+                try:
+                    os.kill(jobs[conn], signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        for conn, pid in list(jobs.items()):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                try:
+                    conn.sendall(json.dumps({"code": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+                except OSError:
+                    pass
+                conn.close()
+                del jobs[conn]
+                gone.discard(conn)
+
+
+class RankServer:
+    """A :func:`_serve_ranks` process (environment ``env``) listening on a socket in a private directory;
+    :meth:`argv` is the command that runs ``moonrt ARGS`` on ``n`` of its forked ranks."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.tmp = tempfile.TemporaryDirectory(prefix="moonrt-forkrun-")
+        self.path = str(Path(self.tmp.name) / "ranks.sock")
+        # its stdin is this process's pipe: the server ends when it reads EOF (this process closed it or ended)
+        self.proc = subprocess.Popen([sys.executable, __file__, "serve-ranks", self.path], env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], 300)
+        line = self.proc.stdout.readline() if ready else ""
+        if line != "ready\n":
+            self.close()
+            raise RuntimeError(f"forkrun rank server did not start (exit {self.proc.poll()})")
+
+    def argv(self, n: int, args: list[str]) -> list[str]:
+        return [sys.executable, __file__, "client", self.path, "ranks", str(n), "--", *args]
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.tmp.cleanup()
+
+
+def client(path: str, n: int, args: list[str]) -> int:
+    """Client side of :class:`RankServer`: this process's streams, directory and environment to the server, then
+    the job's exit code (128 + n for a coordinator killed by signal n)."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(path)
+    socket.send_fds(conn, [b"R"], [0, 1, 2])
+    req = {"n": n, "args": args, "cwd": os.getcwd(), "env": dict(os.environ)}
+    conn.sendall(json.dumps(req).encode() + b"\n")
+    answer = _read_line(conn)
+    if not answer:
+        print("forkrun: the rank server closed the connection without an exit code", file=sys.stderr)
+        return 1
+    code = int(json.loads(answer)["code"])
+    return code if code >= 0 else 128 - code
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["serve"]:
         _serve()
         return 0
+    if len(argv) == 2 and argv[0] == "serve-ranks":
+        _serve_ranks(argv[1])
+        return 0
+    if len(argv) >= 5 and argv[0] == "client" and argv[2] == "ranks" and argv[4] == "--":
+        return client(argv[1], int(argv[3]), argv[5:])
     if len(argv) >= 3 and argv[0] == "ranks" and argv[2] == "--":
         return ranks(int(argv[1]), argv[3:])
-    print("usage: forkrun.py ranks N -- ARGS... | forkrun.py serve", file=sys.stderr)
+    print("usage: forkrun.py ranks N -- ARGS... | forkrun.py serve | forkrun.py serve-ranks SOCKET | "
+          "forkrun.py client SOCKET ranks N -- ARGS...", file=sys.stderr)
     return 2
 
 

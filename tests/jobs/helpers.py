@@ -14,6 +14,7 @@ a bare ``helpers`` would be a second module object, or another directory's helpe
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -58,12 +59,22 @@ def _launch(n: int, *args: str) -> list[str]:
     return _moonrt("launch", "-n", str(n), "--", *_moonrt(*args))
 
 
+_RANK_SERVER: list[Any] = []
+"""This process's :class:`forkrun.RankServer`, started by the first :func:`_ranks` (closed at exit)."""
+
+
 def _ranks(n: int, *args: str) -> list[str]:
     """``moonrt ARGS`` on ``n`` local gloo ranks forked from one process that imported torch once
     (``tests/forkrun.py``), with the environment ``moonrt launch -n N`` gives its ranks: for the tests whose property
     is a layout's result, not the launcher (that :func:`_launch` keeps testing), without ``n - 1`` new interpreters'
-    ~3-5 s of imports each on 2 cores."""
-    return [sys.executable, str(Path(__file__).resolve().parents[1] / "forkrun.py"), "ranks", str(n), "--", *args]
+    ~3-5 s of imports each on 2 cores. That process is this test process's rank server (one per pytest worker: its
+    imports paid once, not once per job); the command is its client (a new interpreter without torch)."""
+    if not _RANK_SERVER:
+        from forkrun import RankServer
+
+        _RANK_SERVER.append(RankServer(dict(os.environ)))
+        atexit.register(_RANK_SERVER[0].close)
+    return _RANK_SERVER[0].argv(n, list(args))
 
 
 def _here(*args: str) -> tuple[str, ...]:
