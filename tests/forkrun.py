@@ -246,6 +246,15 @@ def _coordinator(conn: socket.socket, fds: list[int], req: dict) -> None:
         os._exit(code)
 
 
+def _alive(conn: socket.socket) -> bool:
+    """False once a readable client connection says its client has ended (EOF or reset; a client sends nothing
+    after its request)."""
+    try:
+        return bool(conn.recv(1))
+    except OSError:
+        return False
+
+
 def _serve_ranks(path: str) -> None:
     """Server side of :class:`RankServer` (module docstring): one coordinator per client connection, several at
     once; single-threaded (a ``select`` loop), so every fork is of a process that runs no other thread of ours."""
@@ -267,8 +276,15 @@ def _serve_ranks(path: str) -> None:
                     return  # parent-death signal, its coordinators and their ranks)
             elif conn is listener:
                 new, _ = listener.accept()
-                _, fds, _, _ = socket.recv_fds(new, 1, 3)
-                req = json.loads(_read_line(new))
+                fds: list[int] = []
+                try:
+                    _, fds, _, _ = socket.recv_fds(new, 1, 3)
+                    req = json.loads(_read_line(new))
+                except (OSError, ValueError):  # a client gone before its request was whole: nothing to run
+                    for fd in fds:
+                        os.close(fd)
+                    new.close()
+                    continue
                 pid = os.fork()
                 if pid == 0:
                     listener.close()
@@ -278,7 +294,7 @@ def _serve_ranks(path: str) -> None:
                 for fd in fds:
                     os.close(fd)
                 jobs[new] = pid
-            elif not conn.recv(1):  # the client is gone: stop its job (ranks() stops its ranks on SIGTERM)
+            elif not _alive(conn):  # the client is gone: stop its job (ranks() stops its ranks on SIGTERM)
                 gone.add(conn)
                 try:
                     os.kill(jobs[conn], signal.SIGTERM)
