@@ -162,6 +162,18 @@ def _serve() -> None:
         reply.flush()
 
 
+def _close(proc: subprocess.Popen, tmp: tempfile.TemporaryDirectory) -> None:
+    """End a server: close its stdin (it ends on EOF), wait (killed after 30 s), remove its directory."""
+    if proc.stdin is not None:
+        proc.stdin.close()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    tmp.cleanup()
+
+
 class Server:
     """A :func:`_serve` process started with ``env``: ``run(args, cwd, timeout)`` runs ``moonrt ARGS`` in a fork
     of it and returns ``(exit code, stdout, stderr)`` like ``subprocess.run``; raises ``subprocess.TimeoutExpired``
@@ -201,19 +213,12 @@ class Server:
         return code, *texts
 
     def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.tmp.cleanup()
+        _close(self.proc, self.tmp)
 
 
-def _read_line(conn: socket.socket, first: bytes = b"", limit: int = 64 << 20) -> bytes:
-    """Bytes up to the first newline (``first`` already read); the connection closed early gives what came."""
-    data = bytearray(first)
+def _read_line(conn: socket.socket, limit: int = 64 << 20) -> bytes:
+    """Bytes up to the first newline; a connection closed early gives what came."""
+    data = bytearray()
     while not data.endswith(b"\n") and len(data) < limit:
         chunk = conn.recv(1 << 16)
         if not chunk:
@@ -333,14 +338,7 @@ class RankServer:
         return [sys.executable, __file__, "client", self.path, "ranks", str(n), "--", *args]
 
     def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.tmp.cleanup()
+        _close(self.proc, self.tmp)
 
 
 def client(path: str, n: int, args: list[str]) -> int:
