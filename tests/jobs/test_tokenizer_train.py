@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from jobs.helpers import RTOL, TEXT, _ckpt, _cli, _close, _here, _main_here, _metrics, _ranks, _run, hf_tokenizer
+from jobs.helpers import RTOL, TEXT, _ckpt, _cli, _here, _main_here, _metrics, _ranks, _run, hf_tokenizer
 
 from moonrt.jobs.checkpoint import hf
 from moonrt.jobs.train import indexed
@@ -116,13 +116,21 @@ def test_blend_with_tokenized_text_same_on_two_data_ranks(tmp_path: Path) -> Non
     for key in ("loss", "grad_norm"):
         assert abs(two[key] - one[key]) <= RTOL * abs(one[key]), (key, one[key], two[key])
     ref, got = _ckpt(tmp_path / "one"), _ckpt(tmp_path / "two")
-    _close(got["model"], ref["model"], "model")
     # the moments differ by the fp32 summation order of the two ranks' gradients: at 2 rows x 16 tokens the same
     # comparison on a plain byte --corpus measures 1.1e-5 normwise (one row per rank: gradients that cancel across
-    # rows), so 1e-4 here; a different batch on either layout is O(1) off
-    for i, st in ref["optimizer"]["state"].items():
-        for k, v in st.items():
-            if isinstance(v, torch.Tensor) and v.is_floating_point():
-                err = float((got["optimizer"]["state"][i][k].double() - v.double()).norm())
-                assert err <= 1e-4 * float(v.double().norm()) + 1e-13, (i, k, err, float(v.double().norm()))
+    # rows), so 1e-4 here; a different batch on either layout is O(1) off. The parameters (same step-0 values on
+    # both layouts) differ by their AdamW updates m/(sqrt(v)+eps), which carry the moments' relative error (first
+    # order: eps_m + eps_v / 2): relative to a parameter that is mostly its own update (the zero-initialized Block
+    # AttnRes queries) that is 1.5e-5 measured on a Sapphire Rapids host, so 1e-4 as well (elsewhere ~1e-6); a
+    # different batch changes the updates themselves, O(1) of each
+    model = [(k, got["model"][k], v) for k, v in ref["model"].items()]
+    moments = [((i, k), got["optimizer"]["state"][i][k], v) for i, st in ref["optimizer"]["state"].items()
+               for k, v in st.items()]
+    assert got["model"].keys() == ref["model"].keys()
+    for where, a, b in model + moments:
+        if isinstance(b, torch.Tensor) and b.is_floating_point():
+            err = float((a.double() - b.double()).norm())
+            assert err <= 1e-4 * float(b.double().norm()) + 1e-13, (where, err, float(b.double().norm()))
+        elif isinstance(b, torch.Tensor):
+            assert torch.equal(a, b), where
     assert len(list((tmp_path / "two" / "data_cache").glob("my.txt.*.idx"))) == 1
