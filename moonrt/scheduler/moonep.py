@@ -157,6 +157,48 @@ def validate_counts(counts: Any, num_slots: int | None, total_tokens: int | None
 
 
 @njit(cache=True)
+def _before(keys: np.ndarray, a: int, b: int) -> bool:  # pragma: no cover
+    """``(keys[a], a) < (keys[b], b)``: the total order :func:`_argsort` sorts by."""
+    return keys[a] < keys[b] or (keys[a] == keys[b] and a < b)
+
+
+@njit(cache=True)
+def _sift(keys: np.ndarray, idx: np.ndarray, root: int, end: int) -> None:  # pragma: no cover
+    """Restore the max-heap (by :func:`_before`) below ``root`` in ``idx[:end]``."""
+    while True:
+        child = 2 * root + 1
+        if child >= end:
+            return
+        if child + 1 < end and _before(keys, idx[child], idx[child + 1]):
+            child += 1
+        if not _before(keys, idx[root], idx[child]):
+            return
+        idx[root], idx[child] = idx[child], idx[root]
+        root = child
+
+
+@njit(cache=True)
+def _argsort(keys: np.ndarray) -> np.ndarray:  # pragma: no cover
+    """Indices that sort ``keys`` (int64 [n]) ascending, ties by index: a heapsort, O(n log n).
+
+    Not numba's ``np.argsort`` or ``np.sort``: the sort and the argsort helper numba generates share one qualified
+    name and signature (``make_quicksort_impl.<locals>.run_quicksort1(int64[:])``) and differ only by an ABI tag that
+    counts the functions the compiling process had compiled (numba issue #10128). Kernels cached by different
+    processes (ranks, test workers, ``moonrt sim``) can carry the same tag for different code, and a process that
+    loads both links one kernel to the other's helper: wrong plans or a segfault, seen with this planner on numba
+    0.68.1 (``tests/scheduler/test_moonep_cache.py``). A function of ours has a name of its own: every tag of it is
+    the same code."""
+    n = keys.shape[0]
+    idx = np.arange(n)
+    for start in range(n // 2 - 1, -1, -1):
+        _sift(keys, idx, start, n)
+    for end in range(n - 1, 0, -1):
+        idx[0], idx[end] = idx[end], idx[0]
+        _sift(keys, idx, 0, end)
+    return idx
+
+
+@njit(cache=True)
 def _prefix_core(load: np.ndarray, cap: np.ndarray, R: int, G: int) -> np.ndarray:  # pragma: no cover
     """Numba kernel of the closed form (``method="prefix"``, module docstring). Same in/out as the greedy's
     :func:`moonrt.ops.moonep.greedy.plan_core`. Written as two-pointer sweeps; ``moonep_torch.plan_prefix`` is its
@@ -176,8 +218,8 @@ def _prefix_core(load: np.ndarray, cap: np.ndarray, R: int, G: int) -> np.ndarra
         elif bal[r] < 0:
             rkey[nr] = -(-bal[r] * R + (R - 1 - r))
             nr += 1
-    dord = np.argsort(dkey[:nd])
-    rord = np.argsort(rkey[:nr])
+    dord = _argsort(dkey[:nd])
+    rord = _argsort(rkey[:nr])
     dr = np.empty(nd, np.int64)
     rr = np.empty(nr, np.int64)
     for j in range(nd):
@@ -217,8 +259,8 @@ def _prefix_core(load: np.ndarray, cap: np.ndarray, R: int, G: int) -> np.ndarra
         ukey[h] = 1  # the home rank takes the rest, after every receiver
         for i in range(G):
             ekey[i] = -(load[h * G + i] * G + i)
-        uord = np.argsort(ukey)
-        eord = np.argsort(ekey)
+        uord = _argsort(ukey)
+        eord = _argsort(ekey)
         a = 0  # walk the two lines together
         b = 0
         ua = 0
@@ -262,7 +304,7 @@ def _finish_core(buf: np.ndarray, R: int, G: int, B: int) -> tuple[np.ndarray, n
                 key[n] = -(alloc[e, r] * E + e)
                 n += 1
         if n > B:
-            keep = np.sort(key[:n])[B - 1] if B > 0 else -(2**62)
+            keep = key[_argsort(key[:n])[B - 1]] if B > 0 else -(2**62)
             for e in range(h * G, (h + 1) * G):
                 if alloc[e, r] > 0 and -(alloc[e, r] * E + e) > keep:
                     alloc[e, h] += alloc[e, r]
