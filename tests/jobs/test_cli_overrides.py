@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from cluster.helpers import clean_env
 from jobs.helpers import _cli
 
 from moonrt.cli import _stop_signal_arg
@@ -171,17 +171,10 @@ def test_degrees_that_cannot_fit_are_refused_before_torch_is_imported(env: dict,
             f"rc = main(['train', '--steps', '1', '--no-progress', *{flags!r}])\n"
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]\n"
             "sys.exit(rc)\n")
-    base = {k: v for k, v in os.environ.items() if k not in train_env_keys()}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
-                       env={**base, **env})
+                       env={**clean_env(), **env})
     assert r.returncode == 2, r.stdout + r.stderr
     assert r.stderr.startswith(f"moonrt train: error: {message}") and r.stderr.count("\n") == 1, r.stderr
-
-
-def train_env_keys() -> set[str]:
-    """The launcher variables a test process may have inherited (they would make it a rank of another job)."""
-    return {k for k in os.environ if k.startswith(("SLURM_", "OMPI_", "PMI_", "MPI_"))} | {
-        "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
 
 
 # ------------------------------------------------------------------------------------------------

@@ -123,10 +123,10 @@ def test_blend_with_tokenized_text_same_on_two_data_ranks(tmp_path: Path) -> Non
     # order: eps_m + eps_v / 2): relative to a parameter that is mostly its own update (the zero-initialized Block
     # AttnRes queries) that is 1.5e-5 measured on a Sapphire Rapids host, so 1e-4 as well (elsewhere ~1e-6); a
     # different batch changes the updates themselves, O(1) of each
+    assert got["model"].keys() == ref["model"].keys()
     model = [(k, got["model"][k], v) for k, v in ref["model"].items()]
     moments = [((i, k), got["optimizer"]["state"][i][k], v) for i, st in ref["optimizer"]["state"].items()
                for k, v in st.items()]
-    assert got["model"].keys() == ref["model"].keys()
     for where, a, b in model + moments:
         if isinstance(b, torch.Tensor) and b.is_floating_point():
             err = float((a.double() - b.double()).norm())

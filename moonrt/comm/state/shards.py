@@ -58,7 +58,7 @@ class Shard:
     """``local`` is the box ``offsets + local.shape`` of a tensor whose single-process shape is ``shape``.
 
     DCP's hooks (``__create_write_items__``, ``__create_chunk_list__``, ``size``) describe it as one chunk;
-    the planners below hand DCP ``local`` itself to write from or read into.
+    the planners of :mod:`moonrt.comm.state.dcp` hand DCP ``local`` itself to write from or read into.
     """
 
     local: torch.Tensor
@@ -97,8 +97,8 @@ class Boxes:
     the Muon blocks a ZeRO-Muon owner holds of one parameter (rows or columns: a column block is no contiguous
     range of the flattened tensor, so the moment cannot be one flat :class:`Shard`).
 
-    DCP sees one write item / chunk per box; the planners below find the box of an item by its offsets (a
-    ``MetadataIndex.offset``: every box of a tensor starts at its own offsets).
+    DCP sees one write item / chunk per box; the planners of :mod:`moonrt.comm.state.dcp` find the box of an item
+    by its offsets (a ``MetadataIndex.offset``: every box of a tensor starts at its own offsets).
     """
 
     shape: tuple[int, ...]
@@ -162,7 +162,6 @@ def block_box(buf: torch.Tensor, local_shape: torch.Size, spec: Blocking | None,
 def local_tensor(obj: Any) -> Any:
     """The tensor a sharded-state value holds on this rank (a :class:`Shard`'s ``local``, a tensor itself)."""
     return obj.local if isinstance(obj, Shard) else obj
-
 
 
 # ---- the single-process layout (the default of Parallelism and of the parts' unsharded parameters) ----------

@@ -28,7 +28,7 @@ def _build(cfg: K3Config, options: Mapping[str, Any] | None = None) -> K3Model:
 
 
 def _read_options(options: Mapping[str, Any] | None) -> MoEConfig:
-    """The job's ``moe:`` mapping -> :class:`~moonrt.models.k3.model.moe.MoEConfig` (None: its defaults)."""
+    """The job's ``moe:`` mapping -> :class:`~moonrt.models.k3.model.config.MoEConfig` (None: its defaults)."""
     from moonrt.models.k3.model.config import moe_config_from_dict
 
     return moe_config_from_dict(dict(options) if options is not None else None)

@@ -85,7 +85,7 @@ class K3Model(nn.Module):
 
     Args:
         config: the model (:func:`moonrt.models.k3.model.config.k3_tiny` for training; never instantiate ``k3``).
-        moe_config: :class:`moonrt.models.k3.model.moe.MoEConfig` (Quantile Balancing estimator etc.) for every
+        moe_config: :class:`moonrt.models.k3.model.config.MoEConfig` (Quantile Balancing estimator etc.) for every
             LatentMoE layer; None uses its defaults.
     """
 
